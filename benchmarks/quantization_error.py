@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import dequantize, quantize  # noqa: E402
+from zeroxla.pallas_kernels import dequantize, quantize  # noqa: E402
 
 GROUP_SIZES = (128, 512, 2048, 8192)
 KINDS = ((8, True), (8, False), (4, True), (4, False))

@@ -28,9 +28,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import models  # noqa: E402
+from zeroxla import models  # noqa: E402
 import zeroxla  # noqa: E402
-from zeroxla.mesh import DATA_AXES  # noqa: E402
+from zeroxla.engine.mesh import DATA_AXES  # noqa: E402
 
 SEQ = {"gpt-tiny": 64, "gpt-small": 128, "llama-tiny": 64, "llama-small": 128}
 

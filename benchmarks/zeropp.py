@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import models  # noqa: E402
+from zeroxla import models  # noqa: E402
 import zeroxla  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

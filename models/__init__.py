@@ -1,8 +1,8 @@
 """Flax NNX decoder-only language models. They name logical axes and know nothing of meshes."""
 
-from models.gpt import GPT, GPTConfig
-from models.layers import LayerStack, scan_layers
-from models.llama import Llama, LlamaConfig
+from .gpt import GPT, GPTConfig
+from .layers import LayerStack, scan_layers
+from .llama import Llama, LlamaConfig
 
 PRESETS = {
     "gpt-tiny": (GPT, GPTConfig.tiny),

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import axes
-from models.config import ModelConfig
-from models.layers import LayerNorm, causal_attention, normal, param, LayerStack
+from . import axes
+from .config import ModelConfig
+from .layers import LayerNorm, causal_attention, normal, param, LayerStack
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,10 +39,10 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import axes
-from models import abstract_model
-from models.gpt import GPTConfig
-from models.llama import LlamaConfig
+from . import axes
+from . import abstract_model
+from .gpt import GPTConfig
+from .llama import LlamaConfig
 
 Config = GPTConfig | LlamaConfig
 # get(path, layer) -> the host array of our parameter `path`, or of its slice [layer] when the

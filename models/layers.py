@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import axes
+from . import axes
 
 def param(rngs: nnx.Rngs, init: Callable, shape: tuple[int, ...],
           logical_axes: tuple[str, ...]) -> nnx.Param:

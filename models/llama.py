@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import axes
-from models.config import ModelConfig
-from models.layers import RMSNorm, causal_attention, normal, param, rope, LayerStack
+from . import axes
+from .config import ModelConfig
+from .layers import RMSNorm, causal_attention, normal, param, rope, LayerStack
 
 
 @dataclasses.dataclass(frozen=True)

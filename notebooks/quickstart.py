@@ -34,10 +34,10 @@ import jax
 import matplotlib.pyplot as plt
 import optax
 
-import models
+from zeroxla import models
 import zeroxla
-from zeroxla import data
-from zeroxla.sampling import sample_text
+from zeroxla.app import data
+from zeroxla.app.sampling import sample_text
 
 print(jax.devices())
 

@@ -46,9 +46,9 @@ import jax
 import matplotlib.pyplot as plt
 import optax
 
-import models
+from zeroxla import models
 import zeroxla
-from zeroxla import data
+from zeroxla.app import data
 
 mesh = zeroxla.make_mesh(nodes=2, local=4)
 corpus = data.load_corpus()

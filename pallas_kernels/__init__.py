@@ -8,20 +8,20 @@ This package imports nothing from `zeroxla`; the collectives built on it live in
 `zeroxla/quantized_collectives.py`.
 """
 
-from pallas_kernels._common import QuantizedArray, QuantTiles
-from pallas_kernels.quantization import (
+from ._common import QuantizedArray, QuantTiles
+from .quantization import (
     dequantize,
     dequantize_reference,
     quantize,
     quantize_reference,
 )
-from pallas_kernels.reduction import (
+from .reduction import (
     dequant_reduce,
     dequant_reduce_reference,
     dequant_sum,
     dequant_sum_reference,
 )
-from pallas_kernels.swizzle import swizzled_quantize, swizzled_quantize_reference
+from .swizzle import swizzled_quantize, swizzled_quantize_reference
 
 __all__ = [
     "QuantTiles",

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (
+from ._common import (
     DEFAULT_TILES,
     MIN_RANGE,
     Impl,

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (
+from ._common import (
     DEFAULT_TILES,
     Impl,
     QuantizedArray,
@@ -38,7 +38,7 @@ from pallas_kernels._common import (
     store_parts,
     use_pallas,
 )
-from pallas_kernels.quantization import (
+from .quantization import (
     dequantize_groups_reference,
     quantize_groups_reference,
     unpad_rows,

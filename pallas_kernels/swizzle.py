@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import (
+from ._common import (
     DEFAULT_TILES,
     Impl,
     QuantizedArray,
@@ -39,7 +39,7 @@ from pallas_kernels._common import (
     resolve_interpret,
     use_pallas,
 )
-from pallas_kernels.quantization import quantize_groups_reference, quantize_rows_pallas
+from .quantization import quantize_groups_reference, quantize_rows_pallas
 
 
 def _partitions(x: jax.Array, nodes: int, devices_per_node: int, group_size: int):

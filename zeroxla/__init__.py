@@ -15,14 +15,14 @@ from zeroxla.checkpoint import (
     restore,
     save,
 )
-from zeroxla.comm_report import CommReport, comm_report
-from zeroxla.export import export_checkpoint
-from zeroxla.config import ZeroConfig
-from zeroxla.memory import estimate_memory, memory_report
-from zeroxla.mesh import make_mesh
-from zeroxla.plan import ShardingPlan
-from zeroxla.state import TrainState, gather_params, gathered_model
-from zeroxla.step import ZeroStep, make_step, next_token_loss
+from zeroxla.analysis.comm_report import CommReport, comm_report
+from zeroxla.checkpoint.export import export_checkpoint
+from zeroxla.engine.config import ZeroConfig
+from zeroxla.analysis.memory import estimate_memory, memory_report
+from zeroxla.engine.mesh import make_mesh
+from zeroxla.engine.plan import ShardingPlan
+from zeroxla.engine.state import TrainState, gather_params, gathered_model
+from zeroxla.engine.step import ZeroStep, make_step, next_token_loss
 
 __all__ = [
     "CheckpointError", "CommReport", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",

@@ -2,6 +2,6 @@
 
 import sys
 
-from zeroxla.cli import main
+from zeroxla.app.cli import main
 
 sys.exit(main())

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
-from models import hf
+from zeroxla import models
+from zeroxla.models import hf
 
 # Small shapes; GPT mlp_dim != 4 * d_model exercises n_inner, Llama has GQA (6 q / 2 kv heads)
 # and a non-default rope_theta and eps.

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (
+from zeroxla.pallas_kernels import (
     QuantizedArray,
     dequant_reduce,
     dequant_reduce_reference,

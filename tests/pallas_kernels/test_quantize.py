@@ -5,7 +5,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (
+from zeroxla.pallas_kernels import (
     QuantizedArray,
     QuantTiles,
     dequantize,

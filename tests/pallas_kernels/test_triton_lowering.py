@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels.quantization import _dequantize_pallas, _quantize_pallas
-from pallas_kernels.reduction import _dequant_reduce_pallas, _dequant_sum_pallas
-from pallas_kernels.swizzle import _swizzled_quantize_pallas
+import zeroxla.pallas_kernels as pk
+from zeroxla.pallas_kernels.quantization import _dequantize_pallas, _quantize_pallas
+from zeroxla.pallas_kernels.reduction import _dequant_reduce_pallas, _dequant_sum_pallas
+from zeroxla.pallas_kernels.swizzle import _swizzled_quantize_pallas
 
 pytest.importorskip("jax._src.lib.triton", reason="jaxlib without Triton bindings")
 

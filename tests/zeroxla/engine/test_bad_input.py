@@ -1,0 +1,108 @@
+"""Bad input raises a ValueError that names the field and the accepted values."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from zeroxla import models
+import zeroxla
+
+
+@pytest.fixture(scope="module")
+def step():
+    return zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.1),
+                             config=zeroxla.ZeroConfig(persistence_threshold=500))
+
+
+@pytest.fixture(scope="module")
+def state(step):
+    return step.init()
+
+
+def _tokens(*shape):
+    return np.zeros(shape, np.int32)
+
+
+def test_wrong_batch_rank(step, state):
+    with pytest.raises(ValueError, match=r"batch\['inputs'\] has shape \(16, 8, 2\); expected int32\[B, T\]"):
+        step(state, {"inputs": _tokens(16, 8, 2), "targets": _tokens(16, 8, 2)})
+
+
+def test_mismatched_inputs_and_targets(step, state):
+    with pytest.raises(ValueError, match=r"batch\['inputs'\] \(16, 8\) and batch\['targets'\] \(16, 9\)"):
+        step(state, {"inputs": _tokens(16, 8), "targets": _tokens(16, 9)})
+
+
+def test_missing_key(step, state):
+    with pytest.raises(ValueError, match=r"keys \['inputs', 'targets'\]"):
+        step(state, {"inputs": _tokens(16, 8)})
+
+
+def test_float_tokens(step, state):
+    with pytest.raises(ValueError, match="dtype float32; expected int32"):
+        step(state, {"inputs": np.zeros((16, 8), np.float32), "targets": _tokens(16, 8)})
+
+
+def test_batch_not_divisible_by_data_parallel_size(step, state):
+    with pytest.raises(ValueError, match=r"B=12 is not divisible by data-parallel size 8 .* "
+                                         r"accepted: multiples of 8"):
+        step(state, {"inputs": _tokens(12, 8), "targets": _tokens(12, 8)})
+
+
+def test_batch_not_divisible_with_accumulation():
+    step = zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(1, 8),
+                             config=zeroxla.ZeroConfig(gradient_accumulation_steps=4))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps 4 = 32; accepted: multiples of 32"):
+        step.lower(None, {"inputs": _tokens(16, 8), "targets": _tokens(16, 8)})
+
+
+def test_sequence_longer_than_model(step, state):
+    with pytest.raises(ValueError, match="max_seq_len=128"):
+        step(state, {"inputs": _tokens(8, 200), "targets": _tokens(8, 200)})
+
+
+@pytest.mark.parametrize("nodes,local,message", [
+    (3, None, r"nodes=3 does not divide the 8 devices; use one of \[1, 2, 4, 8\]"),
+    (2, 3, r"nodes=2 x local=3 = 6 devices, but 8 are available; use local=4"),
+])
+def test_mesh_that_does_not_match_devices(nodes, local, message):
+    with pytest.raises(ValueError, match=message):
+        zeroxla.make_mesh(nodes, local)
+
+
+def test_mesh_with_foreign_axes():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(ValueError, match=r"mesh axes \('data',\) are not supported.*'node', 'local'"):
+        zeroxla.make_step(models.build("gpt-tiny"), mesh)
+
+
+@pytest.mark.parametrize("field,value,accepted", [
+    ("stage", 5, "0, 1, 2 or 3"),
+    ("compute_dtype", "float64", "float32, bfloat16, float16"),
+    ("gradient_accumulation_steps", 0, "an integer >= 1"),
+    ("persistence_threshold", -1, "an integer >= 0"),
+    ("gradient_clipping", -1.0, "0 \\(off\\) or a positive max norm"),
+    ("weight_quantization_bits", 3, "4 or 8"),
+])
+def test_config_field_errors(field, value, accepted):
+    with pytest.raises(ValueError, match=rf"ZeroConfig\.{field}={value!r}.*accepted: {accepted}"):
+        zeroxla.ZeroConfig(**{field: value})
+
+
+def test_hpz_partition_size_must_divide_local_devices():
+    with pytest.raises(ValueError, match=r"hpz_partition_size=3 .* divisor of the 4 devices per "
+                                         r"node: 1, 2, 4"):
+        zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(2, 4),
+                          config=zeroxla.ZeroConfig(hpz_partition_size=3))
+
+
+def test_zeropp_needs_stage3():
+    with pytest.raises(ValueError, match=r"ZeroConfig\.stage=2 .* accepted: 3 when ZeRO\+\+"):
+        zeroxla.ZeroConfig(stage=2, quantized_weights=True)
+
+
+def test_model_must_be_module_or_factory():
+    with pytest.raises(TypeError, match="nnx.Module or a factory"):
+        zeroxla.make_step(42, zeroxla.make_mesh(2, 4))

@@ -1,0 +1,142 @@
+"""Per-device memory: measured from a live state and the compiled step, or predicted beforehand.
+
+`memory_report` reads the bytes each device actually holds (the addressable shards of every
+state leaf) and XLA's own accounting of the compiled step (`compiled.memory_analysis()`).
+`estimate_memory` predicts the model-state bytes from the ZeRO paper's formula (§5.1: stage 1
+divides the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters)
+before anything is allocated, counting parameters under the persistence threshold as replicated.
+Frozen parameters (`make_step(..., trainable=)`) have no gradient or optimizer state; with
+`quantized_nontrainable_weights` their partitions are stored as codes plus float32 scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from zeroxla import models
+from zeroxla.engine.config import ZeroConfig
+from zeroxla.engine.mesh import data_size
+from zeroxla.engine.model_def import ModelDef
+from zeroxla.engine.plan import plan_for
+from zeroxla.engine.step import frozen_paths
+
+MASTER_BYTES = 4          # float32 master weights (`LeafPlan.param_bytes_per_device`)
+GRAD_BYTES = 4            # float32 gradients after reduction
+ADAM_STATE_BYTES = 8      # two float32 moments per parameter
+
+
+def _device_bytes(tree: Any) -> dict[Any, int]:
+    """Bytes of `tree`'s shards on each device."""
+    totals: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return totals
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-device bytes (the maximum over devices for the state parts)."""
+
+    params: int
+    optimizer: int
+    gradients: int          # transient: the reduced gradient buffer, from the plan
+    secondary_partition: int  # hpZ: 1/local of every gathered layer, held forward -> backward
+    loss_scale: int
+    temporaries: int        # XLA's temp buffers of the compiled step
+    arguments: int
+    outputs: int
+    aliased: int            # donated state buffers reused for the outputs
+
+    @property
+    def training_state(self) -> int:
+        """Bytes a device holds between steps: parameters + optimizer state (+ loss scale)."""
+        return self.params + self.optimizer + self.loss_scale
+
+    @property
+    def peak_estimate(self) -> int:
+        """XLA's bound for the step: live arguments + temporaries + non-aliased outputs."""
+        return self.arguments + self.temporaries + self.outputs - self.aliased
+
+    def to_dict(self) -> dict[str, int]:
+        out = dataclasses.asdict(self)
+        out.update(training_state=self.training_state, peak_estimate=self.peak_estimate)
+        return out
+
+    def table(self) -> str:
+        rows = [("parameters", self.params), ("optimizer state", self.optimizer),
+                ("gradients (transient)", self.gradients),
+                ("hpZ secondary partition", self.secondary_partition),
+                ("training state", self.training_state),
+                ("step temporaries (XLA)", self.temporaries), ("step peak (XLA)", self.peak_estimate)]
+        return "\n".join(f"{name:<24}{value / 2**20:>10.3f} MiB" for name, value in rows)
+
+
+def memory_report(step: Any, state: Any, batch: Any) -> MemoryReport:
+    """Measures per-device memory of `state` and of the compiled `step` on `batch`."""
+    def worst(tree):
+        per_device = _device_bytes(tree)
+        return max(per_device.values()) if per_device else 0
+    analysis = step.compile(state, batch).memory_analysis()
+    gradients = sum(GRAD_BYTES * (leaf.chunk * leaf.layers if leaf.optimizer_partitioned
+                                  and step.config.stage >= 2 else leaf.numel)
+                    for leaf in step.plan.trainable_leaves)
+    secondary = 0
+    if step.config.hpz_partition_size > 1:
+        itemsize = jnp.dtype(step.config.compute_dtype).itemsize
+        secondary = sum(itemsize * leaf.layers * leaf.padded_numel // step.config.hpz_partition_size
+                        for leaf in step.plan.leaves if leaf.params_partitioned)
+    return MemoryReport(
+        params=worst(state.params), optimizer=worst(state.opt_state),
+        gradients=gradients, secondary_partition=secondary, loss_scale=worst(state.loss_scale),
+        temporaries=int(analysis.temp_size_in_bytes),
+        arguments=int(analysis.argument_size_in_bytes),
+        outputs=int(analysis.output_size_in_bytes),
+        aliased=int(analysis.alias_size_in_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def training_state(self) -> int:
+        return self.params + self.optimizer
+
+    def to_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "training_state": self.training_state}
+
+
+def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
+                    optimizer_bytes_per_param: int = ADAM_STATE_BYTES,
+                    trainable: Any = None) -> MemoryEstimate:
+    """Predicted per-device bytes of float32 master parameters, gradients and optimizer state.
+
+    `model_config` is a models config (GPTConfig, LlamaConfig) or an (abstract) nnx.Module;
+    nothing is allocated. Ψ partitioned parameters cost Ψ/N each, persistent ones Ψ.
+    `trainable` is `make_step`'s nnx filter (None: all).
+    """
+    model = (model_config if isinstance(model_config, nnx.Module)
+             else models.abstract_model(model_config))
+    model_def, _ = ModelDef.of(model)
+    plan = plan_for(model_def, config, data_size=data_size(mesh),
+                    frozen=frozen_paths(model, trainable))
+    params = gradients = optimizer = 0
+    for leaf in plan.leaves:
+        params += leaf.param_bytes_per_device
+        if not leaf.trainable:
+            continue
+        share = leaf.chunk * leaf.layers            # this device's partition (padding included)
+        optimizer += optimizer_bytes_per_param * (share if leaf.optimizer_partitioned
+                                                  else leaf.numel)
+        gradients += GRAD_BYTES * (share if leaf.optimizer_partitioned and config.stage >= 2
+                                   else leaf.numel)
+    return MemoryEstimate(params=params, gradients=gradients, optimizer=optimizer)

@@ -1,0 +1,7 @@
+"""What moves between devices: ZeRO's gather / reduce-scatter and ZeRO++'s quantized and
+hierarchical versions, called inside `jax.shard_map` over the data axes of the mesh.
+
+    zero.py        ZeroCollectives: all-gather, re-gather, reduce-scatter of one unit
+    zeropp.py      ZeroPPCollectives: qwZ, hpZ, qgZ (ZeRO++, Wang et al. 2023)
+    quantized.py   the quantized all-gather and the two-hop quantized reduce-scatter
+"""

@@ -1,0 +1,143 @@
+"""`ZeroConfig`: the one frozen dataclass that says how a model is trained.
+
+Field names follow DeepSpeed's (`stage`, `persistence_threshold`, `hpz_partition_size`,
+`quantized_weights`, ...) so that a DeepSpeed user recognises them; `from_deepspeed` maps a
+DeepSpeed JSON onto this class in one place (`zeroxla.deepspeed_config`).
+
+Every invariant that can be checked without a mesh is checked in `__post_init__`; the ones that
+need the mesh (does `hpz_partition_size` divide the local devices?) in `validate_for_mesh`. Each
+error names the field, the value and the accepted values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATION_BITS = (4, 8)
+
+
+def _fail(field: str, value: Any, accepted: str) -> None:
+    raise ValueError(f"ZeroConfig.{field}={value!r} is invalid; accepted: {accepted}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """How parameters, gradients and optimizer state are partitioned, and how the step runs.
+
+    ZeRO stages (Rajbhandari et al. 2020, §5):
+      0: plain data parallel; everything replicated, gradients all-reduced.
+      1: optimizer state partitioned over the data devices.
+      2: gradients also reduce-scattered (`psum_scatter`) and kept partitioned.
+      3: parameters also partitioned; each layer is all-gathered just before it runs, released
+         after, and re-gathered in backward.
+    """
+
+    stage: int = 3
+    # Parameters with fewer elements than this stay replicated (DeepSpeed's
+    # `stage3_param_persistence_threshold`, default 1e5); their gradients are all-reduced.
+    persistence_threshold: int = 100_000
+    # Issue the gather of layer i+1 before layer i computes (DeepSpeed's prefetch), so XLA can
+    # overlap communication with compute.
+    prefetch: bool = True
+    # Forward/backward run in this dtype; master weights and optimizer state stay float32.
+    compute_dtype: str = "float32"
+
+    # fp16 dynamic loss scaling, DeepSpeed's semantics (`fp16` section). `loss_scale=0` is dynamic;
+    # any positive value is a static scale.
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    # Clip gradients to this global norm (over all shards); 0 disables, as in DeepSpeed.
+    gradient_clipping: float = 0.0
+    gradient_accumulation_steps: int = 1
+
+    # ZeRO++ (Wang et al. 2023). hpZ: secondary partition over this many devices inside a node.
+    hpz_partition_size: int = 1
+    # qwZ: block-quantized weight all-gather.
+    quantized_weights: bool = False
+    # Frozen parameters stored quantized and never re-quantized.
+    quantized_nontrainable_weights: bool = False
+    # qgZ: int4 hierarchical all-to-all gradient reduce-scatter.
+    quantized_gradients: bool = False
+    # Bits and group size for qwZ (DeepSpeed uses int8 blocks of 2048 elements by default).
+    weight_quantization_bits: int = 8
+    weight_quantization_group_size: int = 2048
+    gradient_quantization_group_size: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            _fail("stage", self.stage, "0, 1, 2 or 3")
+        if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
+            _fail("persistence_threshold", self.persistence_threshold, "an integer >= 0")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            _fail("compute_dtype", self.compute_dtype, ", ".join(COMPUTE_DTYPES))
+        if self.loss_scale < 0:
+            _fail("loss_scale", self.loss_scale, "0 (dynamic) or a positive static scale")
+        if not 0 <= self.initial_scale_power <= 64:
+            _fail("initial_scale_power", self.initial_scale_power, "an integer in [0, 64]")
+        if self.loss_scale_window < 1:
+            _fail("loss_scale_window", self.loss_scale_window, "an integer >= 1")
+        if self.hysteresis < 1:
+            _fail("hysteresis", self.hysteresis, "an integer >= 1")
+        if self.min_loss_scale <= 0:
+            _fail("min_loss_scale", self.min_loss_scale, "a positive number")
+        if self.gradient_clipping < 0:
+            _fail("gradient_clipping", self.gradient_clipping, "0 (off) or a positive max norm")
+        if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
+            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "an integer >= 1")
+        if not isinstance(self.hpz_partition_size, int) or self.hpz_partition_size < 1:
+            _fail("hpz_partition_size", self.hpz_partition_size,
+                  "1 (off) or a divisor of the devices per node")
+        if self.weight_quantization_bits not in QUANTIZATION_BITS:
+            _fail("weight_quantization_bits", self.weight_quantization_bits, "4 or 8")
+        for name in ("weight_quantization_group_size", "gradient_quantization_group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                _fail(name, value, "a positive integer")
+        if self.uses_zeropp and self.stage != 3:
+            _fail("stage", self.stage, "3 when ZeRO++ (hpz_partition_size > 1, quantized_weights, "
+                  "quantized_gradients, quantized_nontrainable_weights) is enabled")
+
+    # ---------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The compute dtype as a jnp dtype."""
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def uses_zeropp(self) -> bool:
+        """Any ZeRO++ feature on (they all need stage 3)."""
+        return (self.hpz_partition_size > 1 or self.quantized_weights
+                or self.quantized_gradients or self.quantized_nontrainable_weights)
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        """fp16 needs loss scaling; bf16 and fp32 do not (DeepSpeed does the same)."""
+        return self.compute_dtype == "float16"
+
+    def validate_for_mesh(self, local_devices: int, data_devices: int) -> None:
+        """Checks the fields that depend on the mesh: `local_devices` per node, `data_devices` total."""
+        if self.hpz_partition_size > 1 and local_devices % self.hpz_partition_size:
+            divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
+            _fail("hpz_partition_size", self.hpz_partition_size,
+                  f"a divisor of the {local_devices} devices per node: "
+                  + ", ".join(map(str, divisors)))
+        del data_devices
+
+    def replace(self, **changes: Any) -> "ZeroConfig":
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_deepspeed(cls, source: Any) -> "ZeroConfig":
+        """Builds a ZeroConfig from a DeepSpeed JSON path or dict (see `zeroxla.deepspeed_config`)."""
+        from zeroxla.deepspeed.config import load_deepspeed_config
+
+        return load_deepspeed_config(source).zero

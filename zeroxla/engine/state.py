@@ -1,0 +1,51 @@
+"""`TrainState`: everything a training step reads and writes, as one pytree of sharded arrays.
+
+Parameters live as a flat `{path: array}` dict in their *storage* layout (see `plan.py`);
+the plan and the model's static structure ride along as pytree metadata, so a state alone is
+enough to reassemble the full parameters (`gather_params`) or the model (`gathered_model`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx, struct
+
+from zeroxla.engine.loss_scale import LossScaleState
+from zeroxla.engine.model_def import ModelDef
+from zeroxla.engine.plan import ShardingPlan
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array                       # int32 scalar: steps taken (skipped fp16 steps count)
+    # float32 master weights in their storage layout; a frozen leaf stored as codes
+    # (quantized_nontrainable_weights) is a `QuantizedArray` of its partitions.
+    params: dict[str, Any]
+    opt_state: Any                        # optax state over the trainable leaves' optimizer view
+    loss_scale: LossScaleState | None     # fp16 only
+    plan: ShardingPlan = struct.field(pytree_node=False)
+    model_def: ModelDef = struct.field(pytree_node=False)
+
+
+def _logical_params(state: TrainState) -> dict[str, jax.Array]:
+    return {leaf.path: leaf.storage_to_logical(state.params[leaf.path])
+            for leaf in state.plan.leaves}
+
+
+def gather_params(state: TrainState) -> nnx.State:
+    """The full (unpadded, logical-shape) float32 parameters as an `nnx.State`, on this
+    process's first device (so that evaluating or sampling from them is a one-device program);
+    leaves stored as codes come back dequantized."""
+    values = jax.jit(_logical_params)(state)
+    return state.model_def.state(jax.device_put(values, jax.local_devices()[0]))
+
+
+def gathered_model(step_or_state: Any, state: TrainState | None = None) -> nnx.Module:
+    """A plain model holding the full parameters (for evaluation, export, generation).
+
+    Accepts `gathered_model(state)` or `gathered_model(step, state)`.
+    """
+    state = step_or_state if state is None else state
+    return nnx.merge(state.model_def.graphdef, gather_params(state))

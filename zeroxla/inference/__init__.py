@@ -1,0 +1,1 @@
+"""Inference: generation from a trained model (the Hybrid Engine lives here)."""
