@@ -20,8 +20,10 @@ if __name__ == "__main__":
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # tests/ holds reference.py (pytest puts it on sys.path through pyproject's `pythonpath`).
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    # tests/support holds reference.py (pytest puts it on sys.path through pyproject's
+    # `pythonpath`).
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "support"))
 
 import json  # noqa: E402
 import time  # noqa: E402

@@ -1,7 +1,5 @@
 """ZeRO++ in the training step: cross-node traffic, hpZ locality and equivalence, convergence."""
 
-import gzip
-import importlib.resources
 
 import numpy as np
 import optax
@@ -9,6 +7,7 @@ import pytest
 
 from zeroxla import models
 import zeroxla
+from zeroxla.app.data import load_text
 from reference import token_batches
 from zeroxla.analysis.comm_report import comm_report
 
@@ -87,8 +86,7 @@ def test_hpz_equivalence_20_steps():
 
 
 def _shakespeare_batches(steps, batch_size, seq_len, seed=0):
-    path = importlib.resources.files("zeroxla") / "data/tinyshakespeare.txt.gz"
-    text = gzip.decompress(path.read_bytes()).decode()
+    text = load_text()          # the bundled tiny-shakespeare
     vocab = sorted(set(text))
     ids = np.array([vocab.index(c) for c in text[:200_000]], np.int32)
     rng = np.random.default_rng(seed)

@@ -1,0 +1,41 @@
+"""Pipeline parallelism as data: DeepSpeed's schedules and layer partitioning, in plain Python.
+
+    partition.py   which layers go to which stage (partition_uniform / _balanced / _layers)
+    schedule.py    each stage's instruction stream: TrainSchedule (1F1B), GPipeSchedule,
+                   InferenceSchedule, and DeepSpeed's instruction classes
+    table.py       all stages' streams lowered to one [step][stage] table for a lax.scan
+                   executor (schedule_table), and the bubble fraction
+    timeline.py    the table as text or as a matplotlib picture
+
+Nothing here imports JAX.
+"""
+
+from zeroxla.pipeline.partition import partition_balanced, partition_layers, partition_uniform
+from zeroxla.pipeline.schedule import (
+    BackwardPass,
+    BufferOpInstruction,
+    Compute,
+    ForwardPass,
+    GPipeSchedule,
+    InferenceSchedule,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeInstruction,
+    PipeSchedule,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+    TrainSchedule,
+)
+from zeroxla.pipeline.table import ScheduleTable, bubble_fraction, schedule_table
+
+__all__ = [
+    "BackwardPass", "BufferOpInstruction", "Compute", "ForwardPass", "GPipeSchedule",
+    "InferenceSchedule", "LoadMicroBatch", "OptimizerStep", "PipeInstruction", "PipeSchedule",
+    "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "ScheduleTable",
+    "SendActivation", "SendGrad", "TrainSchedule", "bubble_fraction", "partition_balanced",
+    "partition_layers", "partition_uniform", "schedule_table",
+]
