@@ -1,7 +1,13 @@
 """GPT-2 family (Radford et al. 2019): learned positions, pre-LayerNorm, GELU MLP, tied head.
 
-Contract shared by all models here: `model(tokens int32[B, T]) -> logits float32[B, T, V]`,
-blocks in one `LayerStack` (`model.blocks`), parameters tagged with logical axes.
+Contract shared by all models here (what the engine, the pipeline and generation drive):
+
+    model.embed(tokens int32[B, T], positions int32[B, T]) -> x [B, T, D]
+    model.blocks(x, positions, cache=None) -> (x, cache)      one `LayerStack`
+    model.head(x) -> logits float32[B, T, V]
+    model(tokens, positions=None) -> logits                   the three in a row
+
+Parameters are tagged with logical axes; positions default to 0..T-1.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from flax import nnx
 
 from . import axes
 from .config import ModelConfig
-from .layers import LayerNorm, causal_attention, normal, param, LayerStack
+from .layers import LayerNorm, LayerStack, causal_attention, default_positions, normal, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +78,10 @@ class Embed(nnx.Module):
         self.wpe = param(rngs, normal(0.01), (cfg.max_seq_len, cfg.d_model),
                          (axes.POSITION, axes.EMBED))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        t = tokens.shape[1]
-        return self.wte[...][tokens] + self.wpe[...][:t][None]          # [B, T, D]
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        if positions is None:
+            positions = default_positions(tokens)
+        return self.wte[...][tokens] + self.wpe[...][positions]         # [B, T, D]
 
     def attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("BTD,VD->BTV", x, self.wte[...].astype(x.dtype),
@@ -102,7 +109,11 @@ class Block(nnx.Module):
         self.w_proj = param(rngs, normal(proj_std), (f, d), (axes.MLP, axes.EMBED))
         self.b_proj = param(rngs, nnx.initializers.zeros, (d,), (axes.EMBED,))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 cache: None = None) -> tuple[jax.Array, None]:
+        del positions                       # learned positions enter in `Embed`
+        if cache is not None:
+            raise NotImplementedError("GPT blocks keep no KV cache yet")
         h = self.ln1(x)                                                   # [B, T, D]
         q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self.bq[...]
         k = jnp.einsum("BTD,DHK->BTHK", h, self.wk[...]) + self.bk[...]
@@ -112,7 +123,7 @@ class Block(nnx.Module):
         h = self.ln2(x)
         h = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_fc[...]) + self.b_fc[...],
                         approximate=True)
-        return x + jnp.einsum("BTF,FD->BTD", h, self.w_proj[...]) + self.b_proj[...]
+        return x + jnp.einsum("BTF,FD->BTD", h, self.w_proj[...]) + self.b_proj[...], None
 
 
 class GPT(nnx.Module):
@@ -124,10 +135,16 @@ class GPT(nnx.Module):
         self.blocks = LayerStack(lambda r: Block(cfg, r), cfg.num_layers, rngs)
         self.ln_f = LayerNorm(cfg.d_model)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final LayerNorm and the tied output projection -> logits float32 [B, T, V]."""
+        return self.embed.attend(self.ln_f(x)).astype(jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
                              f"GPTConfig.max_seq_len={self.config.max_seq_len}")
-        x = self.embed(tokens)
-        x = self.blocks(x)
-        return self.embed.attend(self.ln_f(x)).astype(jnp.float32)       # [B, T, V]
+        if positions is None:
+            positions = default_positions(tokens)
+        x = self.embed(tokens, positions)
+        x, _ = self.blocks(x, positions)
+        return self.head(x)                                               # [B, T, V]

@@ -3,7 +3,8 @@
 Every parameter is an `nnx.Param` with a `logical_axes` tuple; nothing here knows of meshes.
 A model's transformer blocks form one `LayerStack`: a single block module whose parameters carry
 a leading `layers` dim, run with `lax.scan`. The engine recognises a `LayerStack` by type and runs
-it its own way (ZeRO-3 gathers each layer just before it runs, with prefetch).
+it its own way (ZeRO-3 gathers each layer just before it runs, with prefetch; a pipeline gives
+each stage its own layers).
 """
 
 from __future__ import annotations
@@ -46,27 +47,40 @@ def stacked(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
     return blocks
 
 
-def scan_layers(blocks: nnx.Module, x: jax.Array) -> jax.Array:
-    """Applies a stacked block module to x [B, T, D], one layer after another (`lax.scan`)."""
+def call_block(block: nnx.Module, x: Any, args: tuple, cache: Any) -> tuple[Any, Any]:
+    """One layer of a stack: `block(x, *args)` (with `cache=` when there is one), its result
+    normalised to `(x, cache)`. A block returns `x`, or `(x, cache)` when it keeps a cache."""
+    out = block(x, *args) if cache is None else block(x, *args, cache=cache)
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def scan_layers(blocks: nnx.Module, x: Any, *args: Any, cache: Any = None) -> tuple[Any, Any]:
+    """Applies a stacked block module layer after layer (`lax.scan`): `x` is carried from layer
+    to layer, `args` (e.g. token positions) are seen by every layer, and `cache` (a pytree with a
+    leading [L] dim, or None) is sliced per layer. Returns `(x, cache)`."""
     graphdef, state = nnx.split(blocks)
 
-    def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h), None
+    def body(h, per_layer):
+        layer_state, cache_i = per_layer
+        return call_block(nnx.merge(graphdef, layer_state), h, args, cache_i)
 
-    out, _ = jax.lax.scan(body, x, state)
-    return out
+    return jax.lax.scan(body, x, (state, cache))
 
 
 class LayerStack(nnx.Module):
-    """`num_layers` blocks of one shape, stored stacked (`self.layers`) and run by `lax.scan`."""
+    """`num_layers` blocks of one shape, stored stacked (`self.layers`) and run by `lax.scan`.
+
+    `stack(x, *args, cache=None) -> (x, cache)`: each block is called as `block(x, *args)` (and
+    `cache=` its layer's slice of `cache` when given) and returns `x` or `(x, cache)`.
+    """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
                  rngs: nnx.Rngs):
         self.num_layers = num_layers
         self.layers = stacked(make_block, num_layers, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return scan_layers(self.layers, x)
+    def __call__(self, x: Any, *args: Any, cache: Any = None) -> tuple[Any, Any]:
+        return scan_layers(self.layers, x, *args, cache=cache)
 
 
 class LayerNorm(nnx.Module):
@@ -99,6 +113,11 @@ class RMSNorm(nnx.Module):
         return (h * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def default_positions(tokens: jax.Array) -> jax.Array:
+    """Positions 0..T-1 of every row of `tokens` [B, T] -> int32 [B, T]."""
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention with grouped-query heads.
 
@@ -117,15 +136,15 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(b, t, h, d)
 
 
-def rope(x: jax.Array, theta: float) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), HF Llama's rotate-half convention.
 
-    x [B, T, H, K] with K even; positions are 0..T-1.
+    x [B, T, H, K] with K even; positions int [B, T].
     """
-    t, k = x.shape[1], x.shape[-1]
+    k = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))   # [K/2]
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]    # [T, K/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]     # [1, T, 1, K]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq               # [B, T, K/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]        # [B, T, 1, K]
     h = x.astype(jnp.float32)
     half = k // 2
     rotated = jnp.concatenate([-h[..., half:], h[..., :half]], axis=-1)

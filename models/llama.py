@@ -10,7 +10,7 @@ from flax import nnx
 
 from . import axes
 from .config import ModelConfig
-from .layers import RMSNorm, causal_attention, normal, param, rope, LayerStack
+from .layers import LayerStack, RMSNorm, causal_attention, default_positions, normal, param, rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,16 +80,19 @@ class Block(nnx.Module):
         self.w_up = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 cache: None = None) -> tuple[jax.Array, None]:
+        if cache is not None:
+            raise NotImplementedError("Llama blocks keep no KV cache yet")
         h = self.attn_norm(x)                                             # [B, T, D]
-        q = rope(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]), self.rope_theta)
-        k = rope(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]), self.rope_theta)
+        q = rope(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]), positions, self.rope_theta)
+        k = rope(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]), positions, self.rope_theta)
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
         x = x + jnp.einsum("BTHK,HKD->BTD", causal_attention(q, k, v), self.wo[...])
         h = self.mlp_norm(x)
         gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]))
         up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
-        return x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
+        return x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]), None
 
 
 class TokenEmbed(nnx.Module):
@@ -97,7 +100,8 @@ class TokenEmbed(nnx.Module):
         self.weight = param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                             (axes.VOCAB, axes.EMBED))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        del positions                       # Llama's positions enter through RoPE
         return self.weight[...][tokens]                                   # [B, T, D]
 
 
@@ -111,7 +115,7 @@ class Head(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("BTD,DV->BTV", self.norm(x), self.weight[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=jnp.float32).astype(jnp.float32)
 
 
 class Llama(nnx.Module):
@@ -123,10 +127,12 @@ class Llama(nnx.Module):
         self.blocks = LayerStack(lambda r: Block(cfg, r), cfg.num_layers, rngs)
         self.head = Head(cfg, rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
                              f"LlamaConfig.max_seq_len={self.config.max_seq_len}")
-        x = self.embed(tokens)
-        x = self.blocks(x)
-        return self.head(x).astype(jnp.float32)                           # [B, T, V]
+        if positions is None:
+            positions = default_positions(tokens)
+        x = self.embed(tokens, positions)
+        x, _ = self.blocks(x, positions)
+        return self.head(x)                                               # [B, T, V]

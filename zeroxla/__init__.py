@@ -9,6 +9,7 @@
 
 from zeroxla.checkpoint import (
     CheckpointError,
+    Checkpointer,
     Restored,
     latest_step,
     list_checkpoints,
@@ -25,7 +26,7 @@ from zeroxla.engine.state import TrainState, gather_params, gathered_model
 from zeroxla.engine.step import ZeroStep, make_step, next_token_loss
 
 __all__ = [
-    "CheckpointError", "CommReport", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",
+    "CheckpointError", "Checkpointer", "CommReport", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",
     "ZeroStep", "comm_report", "estimate_memory", "export_checkpoint", "gather_params",
     "gathered_model", "latest_step", "list_checkpoints", "make_mesh", "make_step",
     "memory_report", "next_token_loss", "restore", "save",

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from zeroxla import models
 from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.mesh import data_size
+from zeroxla.engine.mesh import MeshAxes
 from zeroxla.engine.model_def import ModelDef
 from zeroxla.engine.plan import plan_for
 from zeroxla.engine.step import frozen_paths
@@ -90,7 +90,8 @@ def memory_report(step: Any, state: Any, batch: Any) -> MemoryReport:
     secondary = 0
     if step.config.hpz_partition_size > 1:
         itemsize = jnp.dtype(step.config.compute_dtype).itemsize
-        secondary = sum(itemsize * leaf.layers * leaf.padded_numel // step.config.hpz_partition_size
+        secondary = sum(itemsize * leaf.layers * leaf.padded_numel
+                        // step.config.hpz_partition_size
                         for leaf in step.plan.leaves if leaf.params_partitioned)
     return MemoryReport(
         params=worst(state.params), optimizer=worst(state.opt_state),
@@ -127,8 +128,7 @@ def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
     model = (model_config if isinstance(model_config, nnx.Module)
              else models.abstract_model(model_config))
     model_def, _ = ModelDef.of(model)
-    plan = plan_for(model_def, config, data_size=data_size(mesh),
-                    frozen=frozen_paths(model, trainable))
+    plan = plan_for(model_def, config, MeshAxes.of(mesh), frozen=frozen_paths(model, trainable))
     params = gradients = optimizer = 0
     for leaf in plan.leaves:
         params += leaf.param_bytes_per_device

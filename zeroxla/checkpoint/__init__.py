@@ -1,14 +1,32 @@
 """Checkpoints: sharded, layout-independent save and restore on orbax; safetensors export.
 
-    manager.py   save / restore / list, crash safety and integrity checks
-    export.py    a checkpoint's weights as Hugging Face safetensors, streamed
+    listing.py     a directory's steps (complete or interrupted), which one to read
+    integrity.py   array checksums, the digested JSON metadata
+    manager.py     save / Checkpointer / restore
+    stored.py      one array (or one layer of it) as numpy, without devices
+    export.py      a checkpoint's weights as Hugging Face safetensors, streamed
 """
 
-from zeroxla.checkpoint.manager import *  # noqa: F401,F403
-from zeroxla.checkpoint.manager import (  # noqa: F401  (private names the export and tests use)
+from zeroxla.checkpoint.integrity import checksum_numpy, read_metadata
+from zeroxla.checkpoint.listing import (
     COMMIT_FILE,
     META_ITEM,
     STATE_ITEM,
     TMP_SUFFIX,
-    __all__,
+    CheckpointError,
+    CheckpointInfo,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    IncompleteCheckpointWarning,
+    latest_step,
+    list_checkpoints,
 )
+from zeroxla.checkpoint.manager import Checkpointer, Restored, model_config_from_record, restore, save
+from zeroxla.checkpoint.stored import StoredArrays
+from zeroxla.engine.logical import logical_sharding
+
+__all__ = ["COMMIT_FILE", "META_ITEM", "STATE_ITEM", "TMP_SUFFIX", "CheckpointError",
+           "CheckpointInfo", "Checkpointer", "CorruptCheckpointError", "IncompleteCheckpointError",
+           "IncompleteCheckpointWarning", "Restored", "StoredArrays", "checksum_numpy",
+           "latest_step", "list_checkpoints", "logical_sharding", "model_config_from_record",
+           "read_metadata", "restore", "save"]

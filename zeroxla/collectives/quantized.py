@@ -1,6 +1,7 @@
 """Quantized collectives of ZeRO++: qwZ's all-gather and qgZ's reduce-scatter.
 
-Call these inside `jax.shard_map` over the mesh axes ("node", "local") (`zeroxla.make_mesh`).
+Call these inside `jax.shard_map` over a mesh with the data axes ("node", "local")
+(`zeroxla.make_mesh`); the axis names are arguments, defaulting to those roles' names.
 Each is a drop-in for a `lax` collective up to quantization error:
 
 - `quantized_all_gather` ~ `lax.all_gather(shard, axes, tiled=True)`   (qwZ, ZeRO++ §3.1):
@@ -31,7 +32,7 @@ from zeroxla.pallas_kernels import (
     quantize,
     swizzled_quantize,
 )
-from zeroxla.engine.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS
+from zeroxla.engine.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS  # default axis names
 
 # ZeRO++ defaults: int8 weights for qwZ (§3.1), int4 gradients for qgZ (§3.3). Group sizes keep
 # the float32 scales to <1% (qwZ) and ~3% (qgZ) of the bytes sent.
@@ -104,7 +105,8 @@ def _pad_to_devices(flat_grad: jax.Array, devices: int) -> jax.Array:
 
 def quantized_reduce_scatter(flat_grad: jax.Array, *, bits: int = QGZ_BITS,
                              group_size: int = QGZ_GROUP_SIZE, symmetric: bool = True,
-                             min_size: int | None = None, impl: str = "auto") -> jax.Array:
+                             min_size: int | None = None, impl: str = "auto",
+                             node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS) -> jax.Array:
     """qgZ: reduce-scatter the gradient with int4 codes and a hierarchical two-hop all-to-all.
 
     flat_grad: this device's full gradient [M] (zero-padded here to a multiple of the P data
@@ -122,31 +124,32 @@ def quantized_reduce_scatter(flat_grad: jax.Array, *, bits: int = QGZ_BITS,
     over the network, instead of 4M (float32) with a ring reduce-scatter.
     Gradients below `uses_quantized_reduce_scatter`'s threshold use plain `psum_scatter`.
     """
-    nodes, local = lax.axis_size(NODE_AXIS), lax.axis_size(LOCAL_AXIS)
+    nodes, local = lax.axis_size(node_axis), lax.axis_size(local_axis)
     flat = _pad_to_devices(flat_grad, nodes * local)
     if not uses_quantized_reduce_scatter(flat.size, devices=nodes * local, group_size=group_size,
                                          min_size=min_size):
-        return lax.psum_scatter(flat, DATA_AXES, scatter_dimension=0, tiled=True)
+        return lax.psum_scatter(flat, (node_axis, local_axis), scatter_dimension=0, tiled=True)
     q = swizzled_quantize(flat, bits=bits, group_size=group_size, nodes=nodes,
                           devices_per_node=local, symmetric=symmetric, impl=impl)
-    q = _exchange(q, LOCAL_AXIS)                   # [local_src, node, chunk]
+    q = _exchange(q, local_axis)                   # [local_src, node, chunk]
     partial_sums = dequant_reduce(q, impl=impl)    # [node, chunk]: this node's sum per node
-    partial_sums = _exchange(partial_sums, NODE_AXIS)  # [node_src, chunk]
+    partial_sums = _exchange(partial_sums, node_axis)  # [node_src, chunk]
     return dequant_sum(partial_sums, impl=impl).astype(flat_grad.dtype)  # [chunk]
 
 
 def one_hop_quantized_reduce_scatter(flat_grad: jax.Array, *, bits: int = QGZ_BITS,
                                      group_size: int = QGZ_GROUP_SIZE, symmetric: bool = True,
-                                     impl: str = "auto") -> jax.Array:
+                                     impl: str = "auto",
+                                     axis_names: Sequence[str] = DATA_AXES) -> jax.Array:
     """The baseline of ZeRO++ §3.3: quantize once, one all-to-all over all P devices, sum.
 
     Same inputs and output layout as `quantized_reduce_scatter`, with a single quantization
     error per contribution, but all P - 1 sends cross the (slow) network when nodes > 1.
     """
-    devices = _axis_size(DATA_AXES)
+    devices = _axis_size(axis_names)
     flat = _pad_to_devices(flat_grad, devices)
     # nodes=1 makes the swizzle the identity: row p is partition p.
     q = swizzled_quantize(flat, bits=bits, group_size=group_size, nodes=1,
                           devices_per_node=devices, symmetric=symmetric, impl=impl)
-    q = _exchange(q, DATA_AXES)                    # [device_src, 1, chunk]
+    q = _exchange(q, tuple(axis_names))            # [device_src, 1, chunk]
     return dequant_sum(q, impl=impl).reshape(-1).astype(flat_grad.dtype)  # [chunk]

@@ -1,18 +1,13 @@
-"""ZeRO's collectives on one parameter leaf, called inside `jax.shard_map` over the data axes.
+"""ZeRO's collectives on one parameter leaf, called inside `jax.shard_map` over the mesh.
 
-`ZeroCollectives` is the plain ZeRO-3 set: gather a layer's partition with `all_gather` (in the
-compute dtype, so a bf16 run communicates bf16), re-gather it in backward, reduce its gradient
-with `psum_scatter`. ZeRO++ swaps these for quantized / hierarchical versions with the same
-three methods.
+`ZeroCollectives` is the plain ZeRO-3 set: gather a unit's shards with `all_gather` along the
+leaf's shard dim (in the compute dtype, so a bf16 run communicates bf16), re-gather it in
+backward, reduce its gradient with `psum_scatter`. ZeRO++ swaps these for quantized /
+hierarchical versions with the same three methods. The axes come from the mesh's roles
+(`MeshAxes`): ZeRO runs over the data axes whatever else the mesh has.
 
-Wire format: 16-bit floats are gathered as their raw bits (uint16) and reduce-scattered as an
-all-to-all of raw bits followed by a float32 sum on the receiver. The bytes on the wire are those
-of a bf16/fp16 all-gather or reduce-scatter, the sum is more accurate, and no backend can widen
-the collective (XLA:CPU turns bf16 collectives into f32 ones, which would double the traffic and
-misstate what a GPU run sends). float32 uses `all_gather` / `psum_scatter` as they are.
-
-Each collective sits under a `jax.named_scope` whose name reaches the compiled
-HLO's op_name metadata, so `comm_report` can say which phase it belongs to.
+Each collective sits under a `jax.named_scope` whose name reaches the compiled HLO's op_name
+metadata, so `comm_report` can say which phase it belongs to.
 """
 
 from __future__ import annotations
@@ -24,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeroxla.engine.mesh import DATA_AXES
+from zeroxla.collectives.wire import all_gather_dim, reduce_scatter_dim
+from zeroxla.engine.mesh import MeshAxes
 from zeroxla.engine.plan import LeafPlan
 
 FWD_GATHER = "zero_fwd_gather"
@@ -45,6 +41,7 @@ class ZeroCollectives:
     Frozen leaves have no gradient, so `reduce_scatter` is never called for them.
     """
 
+    axes: MeshAxes
     compute_dtype: Any = jnp.float32
 
     def forward_gather(self, shard: jax.Array, leaf: LeafPlan) -> tuple[jax.Array, Any]:
@@ -64,76 +61,35 @@ class ZeroCollectives:
         if not leaf.params_partitioned:
             return grad.astype(jnp.float32)
         with jax.named_scope(GRAD_REDUCE):
-            flat = leaf.unit_to_flat(grad.astype(self.compute_dtype))          # [N*chunk]
-            return reduce_scatter_flat(flat, DATA_AXES)                        # [chunk] f32
+            padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
+            return reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # shard f32
 
     def describe(self, leaf: LeafPlan) -> tuple[str, str, str]:
         """(forward gather, backward gather, gradient reduction) of a partitioned leaf, in words."""
         dtype = jnp.dtype(self.compute_dtype).name
-        return (f"all-gather {dtype} over node+local", f"all-gather {dtype} over node+local",
-                f"reduce-scatter {dtype} over node+local" if leaf.trainable else "none (frozen)")
+        over = "+".join(self.axes.data)
+        return (f"all-gather {dtype} over {over}", f"all-gather {dtype} over {over}",
+                f"reduce-scatter {dtype} over {over}" if leaf.trainable else "none (frozen)")
 
     def _gather(self, shard: jax.Array, leaf: LeafPlan) -> jax.Array:
-        flat = all_gather_flat(shard.astype(self.compute_dtype), DATA_AXES)   # [N*chunk]
-        return leaf.unit_from_flat(flat)                                      # unit shape
+        full = all_gather_dim(shard.astype(self.compute_dtype), self.axes.data,
+                              leaf.unit_shard_dim)                        # unit_padded_shape
+        return leaf.unit_unpad(full)                                      # unit shape
 
 
-def _is_16bit_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
-
-
-def all_gather_flat(x: jax.Array, axes: Any, groups: list[list[int]] | None = None) -> jax.Array:
-    """Tiled all-gather of a 1-D array over `axes` (within `groups` of axis indices, if given);
-    16-bit floats travel as raw bits."""
-    def gather(a):
-        return lax.all_gather(a, axes, axis=0, tiled=True, axis_index_groups=groups)
-    if not _is_16bit_float(x.dtype):
-        return gather(x)
-    return lax.bitcast_convert_type(gather(lax.bitcast_convert_type(x, jnp.uint16)), x.dtype)
-
-
-def reduce_scatter_flat(x: jax.Array, axes: Any) -> jax.Array:
-    """Sum of a 1-D array [G*c] over the G devices of `axes`, scattered: chunk i to device i.
-
-    float32: `psum_scatter`. 16-bit: each device sends chunk j's raw bits to device j
-    (all-to-all, the same bytes as a 16-bit reduce-scatter) and sums what it receives in
-    float32. Returns float32 [c].
-    """
-    if not _is_16bit_float(x.dtype):
-        return lax.psum_scatter(x.astype(jnp.float32), axes, scatter_dimension=0, tiled=True)
-    groups = lax.axis_size(axes)
-    bits = lax.bitcast_convert_type(x, jnp.uint16).reshape(groups, -1)        # [G, c]
-    received = lax.all_to_all(bits, axes, split_axis=0, concat_axis=0, tiled=True)
-    return lax.bitcast_convert_type(received, x.dtype).astype(jnp.float32).sum(axis=0)
-
-
-def data_index() -> jax.Array:
+def data_index(axes: MeshAxes) -> jax.Array:
     """This device's linear index over ("node", "local"), the order of tiled gathers."""
-    return lax.axis_index(DATA_AXES)
+    return lax.axis_index(axes.data)
 
 
-def local_partition(x: jax.Array, leaf: LeafPlan) -> jax.Array:
-    """This device's chunk of a replicated full leaf (stages 1-2: the optimizer's slice)."""
-    flat = leaf.to_partitioned(x)                                             # [L?, N*chunk]
-    start = data_index() * leaf.chunk
-    return lax.dynamic_slice_in_dim(flat, start, leaf.chunk, axis=flat.ndim - 1)
-
-
-def gather_partition(shard: jax.Array, leaf: LeafPlan) -> jax.Array:
-    """Inverse of `local_partition`: all devices' chunks -> the replicated full leaf."""
-    with jax.named_scope(PARAM_UPDATE):
-        flat = lax.all_gather(shard, DATA_AXES, axis=shard.ndim - 1, tiled=True)
-    return leaf.from_partitioned(flat)
-
-
-def scatter_full_gradient(grad: jax.Array, leaf: LeafPlan) -> jax.Array:
-    """Stage 2: a full local gradient -> this device's reduced chunk (`psum_scatter`)."""
+def scatter_full_gradient(grad: jax.Array, leaf: LeafPlan, axes: MeshAxes) -> jax.Array:
+    """Stage 2: a full local gradient -> this device's reduced shard (`psum_scatter`)."""
     with jax.named_scope(GRAD_REDUCE):
-        flat = leaf.to_partitioned(grad)
-        return lax.psum_scatter(flat, DATA_AXES, scatter_dimension=flat.ndim - 1, tiled=True)
+        return lax.psum_scatter(leaf.pad(grad), axes.data, scatter_dimension=leaf.shard_dim,
+                                tiled=True)
 
 
-def all_reduce(tree: Any) -> Any:
+def all_reduce(tree: Any, axes: MeshAxes) -> Any:
     """Sum over the data devices (stage 0-1 gradients, persistent parameters' gradients)."""
     with jax.named_scope(GRAD_REDUCE):
-        return lax.psum(tree, DATA_AXES)
+        return lax.psum(tree, axes.data)

@@ -1,8 +1,8 @@
 """`ZeroConfig`: the one frozen dataclass that says how a model is trained.
 
 Field names follow DeepSpeed's (`stage`, `persistence_threshold`, `hpz_partition_size`,
-`quantized_weights`, ...) so that a DeepSpeed user recognises them; `from_deepspeed` maps a
-DeepSpeed JSON onto this class in one place (`zeroxla.deepspeed_config`).
+`quantized_weights`, ...) so that a DeepSpeed user recognises them; `zeroxla.deepspeed` maps a
+DeepSpeed JSON onto this class in one place (`zeroxla.deepspeed.zero_config(path)`).
 
 Every invariant that can be checked without a mesh is checked in `__post_init__`; the ones that
 need the mesh (does `hpz_partition_size` divide the local devices?) in `validate_for_mesh`. Each
@@ -22,6 +22,29 @@ QUANTIZATION_BITS = (4, 8)
 
 def _fail(field: str, value: Any, accepted: str) -> None:
     raise ValueError(f"ZeroConfig.{field}={value!r} is invalid; accepted: {accepted}")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (`True` is an int to Python, not a stage to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Field -> kind, checked before any range check: a wrong type is named, not coerced.
+_KINDS = {"stage": "int", "persistence_threshold": "int", "prefetch": "bool",
+          "compute_dtype": "str", "loss_scale": "number", "initial_scale_power": "int",
+          "loss_scale_window": "int", "hysteresis": "int", "min_loss_scale": "number",
+          "gradient_clipping": "number", "gradient_accumulation_steps": "int",
+          "hpz_partition_size": "int", "quantized_weights": "bool",
+          "quantized_nontrainable_weights": "bool", "quantized_gradients": "bool",
+          "weight_quantization_bits": "int", "weight_quantization_group_size": "int",
+          "gradient_quantization_group_size": "int"}
+_CHECKS = {"int": (_is_int, "an integer"), "bool": (lambda v: isinstance(v, bool), "True or False"),
+           "str": (lambda v: isinstance(v, str), "a string"),
+           "number": (_is_number, "a number")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +95,11 @@ class ZeroConfig:
     gradient_quantization_group_size: int = 2048
 
     def __post_init__(self) -> None:
+        for field, kind in _KINDS.items():
+            check, accepted = _CHECKS[kind]
+            if not check(getattr(self, field)):
+                _fail(field, getattr(self, field), f"{accepted} (got a "
+                      f"{type(getattr(self, field)).__name__})")
         if self.stage not in (0, 1, 2, 3):
             _fail("stage", self.stage, "0, 1, 2 or 3")
         if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
@@ -134,10 +162,3 @@ class ZeroConfig:
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with `changes` applied (and validated)."""
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_deepspeed(cls, source: Any) -> "ZeroConfig":
-        """Builds a ZeroConfig from a DeepSpeed JSON path or dict (see `zeroxla.deepspeed_config`)."""
-        from zeroxla.deepspeed.config import load_deepspeed_config
-
-        return load_deepspeed_config(source).zero

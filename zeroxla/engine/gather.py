@@ -2,58 +2,91 @@
 
 Two units of gathering, both `jax.custom_vjp`s so that the schedule of collectives is explicit:
 
-* `gathered_call`: one module call. Forward all-gathers the module's partitions, runs it, and
-  keeps only the partitions and the call's inputs; backward re-gathers, recomputes the call
-  under `jax.vjp`, and reduce-scatters the parameter gradients (DeepSpeed's per-module
-  pre-forward / pre-backward hooks, done without hooks).
-* `gathered_layer_stack`: a `LayerStack` (a scanned stack of identical blocks). Forward gathers
-  layer i+1 while layer i computes (prefetch) and saves each layer's input; backward walks the
-  layers in reverse, re-gathering layer i-1 while layer i's gradient is computed, and
-  reduce-scatters each layer's gradient as soon as it exists. At most two layers' parameters
-  are ever live, and the gathered parameters are never saved for backward.
+* `gathered_call`: one module call. Forward all-gathers the module's shards, runs it, and keeps
+  only the shards and the call's inputs; backward re-gathers, recomputes the call under
+  `jax.vjp`, and reduce-scatters the parameter gradients (DeepSpeed's per-module pre-forward /
+  pre-backward hooks, done without hooks).
+* `GatheredStack`: a `LayerStack` (a scanned stack of identical blocks). `forward` gathers layer
+  i+1 while layer i computes (prefetch) and returns the layers' results with explicit
+  residuals; `backward` walks the layers in reverse, re-gathering layer i-1 while layer i's
+  gradient is computed, and reduce-scatters each layer's gradient as soon as it exists. At most
+  two layers' parameters are ever live, and gathered parameters are never saved for backward.
+  `GatheredStack.__call__` ties the two into a custom VJP (the ZeRO-3 step); the pipeline
+  executor calls `forward` and `backward` itself, per micro-batch.
 
-`zero3_module` rebuilds a user's model around its local partitions, replacing each `LayerStack`
-and each module that owns partitioned parameters with one of these wrappers. The user's model
-object is never touched: the wrappers live in a copy made inside the traced step.
+A layer is `fn(full, carry, consts, x_i) -> (carry, y_i)`: `full` the layer's gathered
+parameters (a list, in the stack's leaf order), `carry` what flows from layer to layer (the
+activations), `consts` what every layer sees (positions, masks), `x_i` / `y_i` the per-layer
+inputs and outputs (a KV cache's layer slice; None in training).
 
 Frozen leaves (`LeafPlan.trainable` False) are gathered like the others, but backward
 differentiates only with respect to the trainable ones: a frozen leaf gets no gradient, no
 reduce-scatter, and a zero (None) cotangent. A frozen leaf's shard may be a `QuantizedArray`
 of stored codes (quantized_nontrainable_weights); it is one "shard" to the code below.
+Non-float inputs (token positions) get no cotangent either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax import lax
 
-from zeroxla.models.layers import LayerStack
-from zeroxla.pallas_kernels import QuantizedArray
 from zeroxla.collectives.zero import ZeroCollectives
-from zeroxla.engine.model_def import path_str
-from zeroxla.engine.plan import LeafPlan, ShardingPlan
+from zeroxla.engine.plan import LeafPlan
 
 
 # ----------------------------------------------------------------------------------------------
-# One module call.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def gathered_call(fn: Callable, leaves: tuple[LeafPlan, ...], comm: ZeroCollectives,
-                  shards: list[jax.Array], args: Any) -> Any:
-    """fn(full_params: list, args) with `full_params` gathered from `shards` around the call."""
-    full = [comm.forward_gather(s, leaf)[0] for s, leaf in zip(shards, leaves)]
-    return fn(full, args)
+# Differentiating with respect to the float leaves of a pytree only.
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _gathered_call_fwd(fn, leaves, comm, shards, args):
-    pairs = [comm.forward_gather(s, leaf) for s, leaf in zip(shards, leaves)]
-    saved = [p[1] for p in pairs]                # hpZ's secondary partition; None for plain ZeRO
-    return fn([p[0] for p in pairs], args), (shards, saved, args)   # gathered params released
+def _split_floats(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any], list[bool]]:
+    """(float leaves, rebuild(float leaves) -> tree, mask) of a pytree."""
+    leaves, treedef = jax.tree.flatten(tree)
+    mask = [_is_float(leaf) for leaf in leaves]
+
+    def rebuild(floats):
+        it = iter(floats)
+        return jax.tree.unflatten(treedef, [next(it) if m else leaf
+                                            for leaf, m in zip(leaves, mask)])
+    return [leaf for leaf, m in zip(leaves, mask) if m], rebuild, mask
+
+
+def _cotangent_tree(tree: Any, float_cotangents: list[Any]) -> Any:
+    """A cotangent for `tree`: the given ones at its float leaves, None elsewhere."""
+    leaves, treedef = jax.tree.flatten(tree)
+    it = iter(float_cotangents)
+    return jax.tree.unflatten(treedef, [next(it) if _is_float(leaf) else None
+                                        for leaf in leaves])
+
+
+def _vjp(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any,
+         cotangent: Any) -> tuple[list[Any], Any]:
+    """Cotangents of `out = fn(full, inputs)` for the trainable entries of `full` (None for
+    frozen ones, which stay constants of the vjp) and for the float leaves of `inputs` (None for
+    the rest)."""
+    trainable = [i for i, leaf in enumerate(leaves) if leaf.trainable]
+    floats, rebuild, _ = _split_floats(inputs)
+
+    def of_differentiable(params, float_inputs):
+        merged = list(full)
+        for i, p in zip(trainable, params):
+            merged[i] = p
+        return fn(merged, rebuild(float_inputs))
+
+    _, vjp = jax.vjp(of_differentiable, [full[i] for i in trainable], floats)
+    g_trainable, g_floats = vjp(cotangent)
+    g_full: list[Any] = [None] * len(full)
+    for i, gi in zip(trainable, g_trainable):
+        g_full[i] = gi
+    return g_full, _cotangent_tree(inputs, g_floats)
 
 
 def _after(x: Any, dependency: Any) -> Any:
@@ -65,8 +98,7 @@ def _after(x: Any, dependency: Any) -> Any:
     XLA's CPU pipeline drops barriers before CSE, so the dependency is made real: a NaN in the
     cotangent (which already makes this step's gradients NaN) poisons the re-gathered shard.
     """
-    probes = [leaf for leaf in jax.tree.leaves(dependency)
-              if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size]
+    probes = [leaf for leaf in jax.tree.leaves(dependency) if _is_float(leaf) and leaf.size]
     if not probes:
         return x
     first = probes[0].reshape(-1)[0]
@@ -81,39 +113,36 @@ def _after(x: Any, dependency: Any) -> Any:
     return jax.tree.map(tie, x)
 
 
-def _trainable_vjp(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[jax.Array],
-                   args: Any, g: Any) -> tuple[list[jax.Array | None], Any]:
-    """Cotangents of `fn(full, args)` for the trainable entries of `full` (None for frozen
-    ones, which stay constants of the vjp, so no gradient is computed for them) and `args`."""
-    trainable = [i for i, leaf in enumerate(leaves) if leaf.trainable]
-
-    def of_trainable(params, call_args):
-        merged = list(full)
-        for i, p in zip(trainable, params):
-            merged[i] = p
-        return fn(merged, call_args)
-
-    _, vjp = jax.vjp(of_trainable, [full[i] for i in trainable], args)
-    g_trainable, g_args = vjp(g)
-    g_full: list[jax.Array | None] = [None] * len(full)
-    for i, gi in zip(trainable, g_trainable):
-        g_full[i] = gi
-    return g_full, g_args
-
-
 def _scatter_gradients(comm: ZeroCollectives, leaves: tuple[LeafPlan, ...],
-                       g_full: list[jax.Array | None]) -> list[jax.Array | None]:
+                       g_full: list[Any]) -> list[Any]:
     """Reduce-scatters each trainable leaf's gradient; frozen leaves have none."""
     return [None if gf is None else comm.reduce_scatter(gf, leaf)
             for gf, leaf in zip(g_full, leaves)]
 
 
+# ----------------------------------------------------------------------------------------------
+# One module call.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def gathered_call(fn: Callable, leaves: tuple[LeafPlan, ...], comm: ZeroCollectives,
+                  shards: list[Any], inputs: Any) -> Any:
+    """fn(full_params: list, inputs) with `full_params` gathered from `shards` around the call.
+    `inputs` is any pytree (e.g. a call's `(args, kwargs)`)."""
+    full = [comm.forward_gather(s, leaf)[0] for s, leaf in zip(shards, leaves)]
+    return fn(full, inputs)
+
+
+def _gathered_call_fwd(fn, leaves, comm, shards, inputs):
+    pairs = [comm.forward_gather(s, leaf) for s, leaf in zip(shards, leaves)]
+    saved = [p[1] for p in pairs]                # hpZ's secondary partition; None for plain ZeRO
+    return fn([p[0] for p in pairs], inputs), (shards, saved, inputs)   # gathered released
+
+
 def _gathered_call_bwd(fn, leaves, comm, residuals, g):
-    shards, saved, args = residuals
+    shards, saved, inputs = residuals
     shards, saved = _after((shards, saved), g)
     full = [comm.backward_gather(s, sv, leaf) for s, sv, leaf in zip(shards, saved, leaves)]
-    g_full, g_args = _trainable_vjp(fn, leaves, full, args, g)
-    return _scatter_gradients(comm, leaves, g_full), g_args
+    g_full, g_inputs = _vjp(fn, leaves, full, inputs, g)
+    return _scatter_gradients(comm, leaves, g_full), g_inputs
 
 
 gathered_call.defvjp(_gathered_call_fwd, _gathered_call_bwd)
@@ -175,136 +204,110 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
                    _put_back(saveds, saved, at_front=reverse))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def gathered_layer_stack(fn: Callable, leaves: tuple[LeafPlan, ...], comm: ZeroCollectives,
-                         prefetch: bool, shards: list[jax.Array], x: jax.Array) -> jax.Array:
-    """x -> fn(layer_L-1, ... fn(layer_0, x)), each layer's parameters gathered around its use.
+@dataclasses.dataclass(frozen=True)
+class StackResiduals:
+    """What `GatheredStack.forward` keeps for `backward`: the shards (re-gathered later), hpZ's
+    secondary partitions, each layer's input carry, and the stack's consts and per-layer xs.
+    The layer's activations are recomputed in backward (full rematerialisation)."""
 
-    `shards[j]` is leaf j's local storage with a leading layer dim; `fn(full_list, x) -> x`.
+    shards: list[Any]
+    saveds: list[Any]
+    carries: Any          # [L, ...] the carry entering each layer
+    consts: Any
+    xs: Any
+
+
+jax.tree_util.register_dataclass(StackResiduals, ["shards", "saveds", "carries", "consts", "xs"],
+                                 [])
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredStack:
+    """A `LayerStack` whose parameters are stored partitioned: layer `fn`, leaf plans, collectives.
+
+    `shards[j]` is leaf j's local storage with a leading layer dim (`leaves` in the same order).
     """
-    return _layer_stack_fwd(fn, leaves, comm, prefetch, shards, x)[0]
+
+    fn: Callable                      # (full, carry, consts, x_i) -> (carry, y_i)
+    leaves: tuple[LeafPlan, ...]
+    comm: ZeroCollectives
+    prefetch: bool = True
+
+    @property
+    def num_layers(self) -> int:
+        return self.leaves[0].layers
+
+    def _gather(self, backward: bool) -> Callable:
+        comm, leaves = self.comm, self.leaves
+
+        def gather(gin, dependency):
+            shards, saveds = gin
+            if backward:
+                shards, saveds = _after((shards, saveds), dependency)
+                return [comm.backward_gather(s, sv, leaf)
+                        for s, sv, leaf in zip(shards, saveds, leaves)], None
+            pairs = [comm.forward_gather(s, leaf) for s, leaf in zip(shards, leaves)]
+            return [p[0] for p in pairs], [p[1] for p in pairs]
+        return gather
+
+    def forward(self, shards: list[Any], carry: Any, consts: Any,
+                xs: Any) -> tuple[Any, Any, StackResiduals]:
+        """Runs every layer; returns `(carry, ys, residuals)`."""
+        def step(c, full, x_i):
+            c_out, y = self.fn(full, c, consts, x_i)
+            return c_out, (c, y)                         # keep each layer's input carry
+
+        carry_out, ((carries, ys), saveds) = layer_loop(
+            step, self._gather(backward=False), (shards, [None] * len(shards)), xs, carry,
+            num_layers=self.num_layers, reverse=False, prefetch=self.prefetch)
+        return carry_out, ys, StackResiduals(shards, saveds, carries, consts, xs)
+
+    def backward(self, residuals: StackResiduals, d_carry: Any,
+                 d_ys: Any) -> tuple[list[Any], Any, Any, Any]:
+        """Cotangents `(d_shards, d_carry_in, d_consts, d_xs)` from the output cotangents;
+        d_shards are reduce-scattered (None for frozen leaves)."""
+        r = residuals
+        d_consts0 = jax.tree.map(jnp.zeros_like, _split_floats(r.consts)[0])
+
+        def layer(full, inputs):
+            c, k, x_i = inputs
+            return self.fn(full, c, k, x_i)
+
+        def step(state, full, per_layer):
+            g_c, g_k = state
+            c_i, x_i, g_y = per_layer
+            g_full, (g_c_in, g_k_i, g_x_i) = _vjp(layer, self.leaves, full,
+                                                 (c_i, r.consts, x_i), (g_c, g_y))
+            g_k = [a + b for a, b in zip(g_k, _split_floats(g_k_i)[0])] if g_k else g_k
+            g_x_floats = _split_floats(g_x_i)[0]
+            return (g_c_in, g_k), (_scatter_gradients(self.comm, self.leaves, g_full), g_x_floats)
+
+        (d_carry_in, d_consts_floats), ((d_shards, d_x_floats), _) = layer_loop(
+            step, self._gather(backward=True), (r.shards, r.saveds), (r.carries, r.xs, d_ys),
+            (d_carry, d_consts0), num_layers=self.num_layers, reverse=True,
+            prefetch=self.prefetch)
+        return (d_shards, d_carry_in, _cotangent_tree(r.consts, d_consts_floats),
+                _cotangent_tree(r.xs, d_x_floats))
+
+    def __call__(self, shards: list[Any], carry: Any, consts: Any, xs: Any) -> tuple[Any, Any]:
+        """`(carry, ys)` of the whole stack, differentiable: the ZeRO-3 layer schedule."""
+        return _gathered_stack(self, shards, carry, consts, xs)
 
 
-def _gather_layer(comm, leaves, backward):
-    def gather(gin, carry):
-        shards, saveds = gin
-        if backward:
-            shards, saveds = _after((shards, saveds), carry)
-            return [comm.backward_gather(s, sv, leaf)
-                    for s, sv, leaf in zip(shards, saveds, leaves)], None
-        pairs = [comm.forward_gather(s, leaf) for s, leaf in zip(shards, leaves)]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
-    return gather
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered_stack(stack: GatheredStack, shards, carry, consts, xs):
+    carry, ys, _ = stack.forward(shards, carry, consts, xs)
+    return carry, ys
 
 
-def _layer_stack_fwd(fn, leaves, comm, prefetch, shards, x):
-    num_layers = leaves[0].layers
-
-    def step(h, full, _):
-        return fn(full, h), h                                # save each layer's input
-
-    h, (inputs, saveds) = layer_loop(step, _gather_layer(comm, leaves, backward=False),
-                                     (shards, [None] * len(shards)), None, x,
-                                     num_layers=num_layers, reverse=False, prefetch=prefetch)
-    return h, (shards, saveds, inputs)
+def _gathered_stack_fwd(stack, shards, carry, consts, xs):
+    carry, ys, residuals = stack.forward(shards, carry, consts, xs)
+    return (carry, ys), residuals
 
 
-def _layer_stack_bwd(fn, leaves, comm, prefetch, residuals, g):
-    shards, saveds, inputs = residuals
-    num_layers = leaves[0].layers
-
-    def step(g_h, full, x_i):
-        g_full, g_x = _trainable_vjp(fn, leaves, full, x_i, g_h)   # recomputes layer i
-        return g_x, _scatter_gradients(comm, leaves, g_full)
-
-    g_x, (g_shards, _) = layer_loop(step, _gather_layer(comm, leaves, backward=True),
-                                    (shards, saveds), inputs, g, num_layers=num_layers,
-                                    reverse=True, prefetch=prefetch)
-    return g_shards, g_x
+def _gathered_stack_bwd(stack, residuals, g):
+    d_carry, d_ys = g
+    return stack.backward(residuals, d_carry, d_ys)
 
 
-gathered_layer_stack.defvjp(_layer_stack_fwd, _layer_stack_bwd)
-
-
-# ----------------------------------------------------------------------------------------------
-# Rebuilding a model around its partitions.
-class _GatheredModule:
-    """Stands in for a module that owns partitioned parameters; every method call gathers them."""
-
-    def __init__(self, module: nnx.Module, prefix: str, plan: ShardingPlan, comm: ZeroCollectives):
-        self._graphdef, self._shards, self._treedef, paths = _split_shards(module)
-        self._leaves = tuple(plan[_join(prefix, p)] for p in paths)
-        self._comm = comm
-
-    def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
-        def fn(full, call_args):
-            module = nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, full))
-            return getattr(module, method)(*call_args, **kwargs)
-        return gathered_call(fn, self._leaves, self._comm, self._shards, args)
-
-    def __call__(self, *args, **kwargs):
-        return self._invoke("__call__", args, kwargs)
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self._invoke(name, args, kwargs)
-
-
-class _GatheredLayerStack:
-    """Stands in for a `LayerStack`: runs its layers with per-layer gathers and prefetch."""
-
-    def __init__(self, stack: LayerStack, prefix: str, plan: ShardingPlan,
-                 comm: ZeroCollectives, prefetch: bool):
-        self._graphdef, self._shards, self._treedef, paths = _split_shards(stack.layers)
-        self._leaves = tuple(plan[_join(prefix, "layers/" + p)] for p in paths)
-        self._comm, self._prefetch = comm, prefetch
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        def fn(full, h):
-            return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, full))(h)
-        return gathered_layer_stack(fn, self._leaves, self._comm, self._prefetch,
-                                    self._shards, x)
-
-
-def _split_shards(module: nnx.Module) -> tuple[Any, list[Any], Any, list[str]]:
-    """(graphdef, shards, treedef, paths) of a module's parameters; stored codes (a
-    `QuantizedArray`) count as one shard."""
-    graphdef, state = nnx.split(module)
-    shards, treedef = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
-    return graphdef, shards, treedef, [path_str(p) for p, _ in nnx.to_flat_state(state)]
-
-
-def _join(prefix: str, path: str) -> str:
-    return f"{prefix}/{path}" if prefix else path
-
-
-def _direct_params(module: nnx.Module) -> list[str]:
-    return [name for name, value in vars(module).items() if isinstance(value, nnx.Variable)]
-
-
-def _wrap(module: Any, prefix: str, plan: ShardingPlan, comm: ZeroCollectives,
-          prefetch: bool) -> Any:
-    """Returns `module` or its stand-in; recurses into children that need none."""
-    if isinstance(module, LayerStack):
-        return _GatheredLayerStack(module, prefix, plan, comm, prefetch)
-    if isinstance(module, nnx.Module):
-        direct = _direct_params(module)
-        if any(plan[_join(prefix, name)].params_partitioned for name in direct):
-            return _GatheredModule(module, prefix, plan, comm)
-        for name, child in list(vars(module).items()):
-            replacement = _wrap(child, _join(prefix, name), plan, comm, prefetch)
-            if replacement is not child:
-                setattr(module, name, replacement)
-        return module
-    return module
-
-
-def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
-                 prefetch: bool) -> Any:
-    """Wraps a model whose parameters hold *local partitions* so that it computes as if full.
-
-    `model` must be a fresh copy (nnx.merge of the local storage) made inside the traced step.
-    """
-    return _wrap(model, "", plan, comm, prefetch)
-
+_gathered_stack.defvjp(_gathered_stack_fwd, _gathered_stack_bwd)

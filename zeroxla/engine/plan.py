@@ -1,20 +1,29 @@
-"""The sharding plan: for every parameter, where it is stored and how it is computed with.
+"""The sharding plan: for every parameter, how it is stored and how it is computed with.
 
 The difference between a parameter's *storage* layout and its *compute* layout is ZeRO: every
-gather, scatter and optimizer slice in the step follows from this table.
+gather, scatter and optimizer slice of the step follows from this table. Both layouts come from
+the parameter's logical axis names and a rules table (`zeroxla.engine.rules`), plus the
+persistence threshold:
 
-Partitioned layout (DeepSpeed's flat partitions): one layer's worth of a parameter (the whole
-parameter, or one slice of a stacked `[L, ...]` parameter) is flattened, zero-padded to a
-multiple of the data-parallel size N, and split into N equal chunks; device d holds chunk d.
-Stacked parameters keep their leading layer dim: storage `[L, N * chunk]`, per device
-`[L, chunk]`, so the layer scan can gather one layer at a time. Padding is zero, receives zero
-gradient, and is cut off whenever a parameter is reassembled, so it never leaks into results.
+* storage (`ZERO_STORAGE_RULES`): a partitioned parameter keeps its logical shape, with one dim
+  split over the data axes ("node", "local") - per-parameter sharding, as PyTorch FSDP2 does,
+  rather than DeepSpeed's flat buffers, so that the optimizer can see every parameter whole
+  (`zeroxla.engine.optimizer`). The dim is the first one the data size N divides; when none
+  does, the one needing the least zero padding, padded up to a multiple of N. A stacked
+  `LayerStack` parameter keeps its leading `[L]` dim so the layer scan can gather one layer at a
+  time.
+* compute (`TRAINING_COMPUTE_RULES`): whole on every device while a layer (or a module call)
+  runs: gathered just before, released after, re-gathered in backward.
+
+Padding is zero, receives zero gradient, and is cut off (`unpad`) before the model or the
+optimizer sees the parameter, so it never leaks into results.
 
 Frozen (non-trainable) leaves have no gradient, optimizer state or update; at stage 3 they are
 still partitioned and gathered for compute. With ZeRO++'s `quantized_nontrainable_weights` a
-frozen partitioned leaf is stored as block-quantized codes of its partition (a
+frozen partitioned leaf is stored as block-quantized codes of each device's shard (a
 `QuantizedArray`, quantized once at init and never again): per device, `[L?, G, group_size *
-bits / 8]` int8 codes and `[L?, G]` float32 scales, G = ceil(chunk / group_size).
+bits / 8]` int8 codes and `[L?, G]` float32 scales, G = ceil(chunk / group_size), chunk = the
+elements of one layer's shard.
 """
 
 from __future__ import annotations
@@ -28,32 +37,55 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zeroxla.engine.mesh import MeshAxes
+from zeroxla.engine.rules import TRAINING_COMPUTE_RULES, ZERO_STORAGE_RULES, AxisRules
 from zeroxla.pallas_kernels import QuantizedArray, dequantize, quantize
-from zeroxla.engine.mesh import DATA_AXES
 
 LAYERS_AXIS = "layers"
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
-    """Layout of one parameter leaf. `path` is its '/'-joined nnx path (e.g. 'blocks/layers/wq')."""
+    """Layout of one parameter. `path` is its '/'-joined nnx path (e.g. 'blocks/layers/wq')."""
 
     path: str
-    shape: tuple[int, ...]
-    stacked: bool          # dim 0 is the layer dim of a LayerStack
-    persistent: bool       # under the persistence threshold: parameter replicated at stage 3
+    shape: tuple[int, ...]                       # logical shape
+    logical_axes: tuple[str | None, ...]
+    stacked: bool              # dim 0 is the layer dim of a LayerStack
+    persistent: bool           # under the persistence threshold: parameter replicated at stage 3
     params_partitioned: bool   # parameter storage partitioned (stage 3, not persistent)
-    optimizer_partitioned: bool  # optimizer state (and update) partitioned (stage >= 1, trainable)
+    optimizer_partitioned: bool  # optimizer state partitioned (stage >= 1, trainable)
     data_size: int
+    data_axes: tuple[str, ...]
+    shard_dim: int             # the dim of `shape` split over the data axes when partitioned
+    padded_size: int           # `shape[shard_dim]` rounded up to a multiple of data_size
+    compute_spec: P = P()      # the compute layout (over the logical shape)
     trainable: bool = True     # False: frozen, no gradient / optimizer state / update
     # quantized_nontrainable_weights: a frozen partitioned leaf stored as codes of this many bits
     # in groups of `storage_group_size` elements; 0 keeps it float32.
     storage_bits: int = 0
     storage_group_size: int = 0
 
+    # ---- shapes ------------------------------------------------------------------------------
     @property
     def layers(self) -> int:
         return self.shape[0] if self.stacked else 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """The partitioned layout's global shape: `shape` with `shard_dim` padded."""
+        shape = list(self.shape)
+        shape[self.shard_dim] = self.padded_size
+        return tuple(shape)
+
+    @property
+    def padding(self) -> int:
+        """Zero elements added by the partitioned layout."""
+        return math.prod(self.padded_shape) - self.numel
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -61,47 +93,69 @@ class LeafPlan:
         return self.shape[1:] if self.stacked else self.shape
 
     @property
-    def unit_numel(self) -> int:
-        return math.prod(self.unit_shape)
+    def unit_shard_dim(self) -> int:
+        """`shard_dim` within one unit (one layer of a stacked leaf)."""
+        return self.shard_dim - 1 if self.stacked else self.shard_dim
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def unit_padded_shape(self) -> tuple[int, ...]:
+        return self.padded_shape[1:] if self.stacked else self.padded_shape
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """One device's piece of one unit: `unit_padded_shape` with the shard dim divided by N."""
+        shape = list(self.unit_padded_shape)
+        shape[self.unit_shard_dim] //= self.data_size
+        return tuple(shape)
 
     @property
     def chunk(self) -> int:
-        """Elements of one layer's partition on each device."""
-        return -(-self.unit_numel // self.data_size)
+        """Elements of one unit's shard on one device."""
+        return math.prod(self.shard_shape)
 
     @property
     def padded_numel(self) -> int:
-        return self.chunk * self.data_size
+        """Elements of one padded unit: what one gather of it assembles (`chunk` x N)."""
+        return math.prod(self.unit_padded_shape)
 
     @property
-    def padding(self) -> int:
-        return self.padded_numel - self.unit_numel
+    def unit_numel(self) -> int:
+        return math.prod(self.unit_shape)
 
-    @property
-    def partitioned_shape(self) -> tuple[int, ...]:
-        """Global shape in the partitioned layout: [L, N*chunk] or [N*chunk]."""
-        return (self.layers, self.padded_numel) if self.stacked else (self.padded_numel,)
-
-    @property
-    def partitioned_spec(self) -> P:
-        return P(None, DATA_AXES) if self.stacked else P(DATA_AXES)
+    # ---- specs -------------------------------------------------------------------------------
+    def _data_spec(self) -> P:
+        entries: list[Any] = [None] * len(self.shape)
+        entries[self.shard_dim] = self.data_axes
+        return P(*entries)
 
     @property
     def param_shape(self) -> tuple[int, ...]:
-        """Float layout of the stored parameter (of its dequantized values when quantized)."""
-        return self.partitioned_shape if self.params_partitioned else self.shape
+        """Global shape of the stored parameter (of its dequantized values when quantized)."""
+        return self.padded_shape if self.params_partitioned else self.shape
 
     @property
     def param_spec(self) -> P | QuantizedArray:
         """Sharding of the stored parameter: one spec, or a `QuantizedArray` of specs."""
         if self.params_quantized:
-            codes = P(None, DATA_AXES, None) if self.stacked else P(DATA_AXES, None)
-            return self._quantized_storage(codes, self.partitioned_spec)
-        return self.partitioned_spec if self.params_partitioned else P()
+            lead = (None,) if self.stacked else ()
+            return self._quantized_storage(P(*lead, self.data_axes, None),
+                                           P(*lead, self.data_axes))
+        return self._data_spec() if self.params_partitioned else P()
+
+    @property
+    def optimizer_shape(self) -> tuple[int, ...]:
+        """Global shape of the stored optimizer state of this parameter (param-shaped leaves)."""
+        return self.padded_shape if self.optimizer_partitioned else self.shape
+
+    @property
+    def optimizer_spec(self) -> P:
+        return self._data_spec() if self.optimizer_partitioned else P()
+
+    @property
+    def gradient_spec(self) -> P:
+        """Layout of the reduced gradient leaving the gradient pass: partitioned with the
+        parameter at stage 3 and with the optimizer state at stage 2, else replicated."""
+        return self._data_spec() if self.params_partitioned else P()
 
     def param_struct(self) -> jax.ShapeDtypeStruct | QuantizedArray:
         """Abstract stored parameter (global shape and dtype), the shape of `state.params`."""
@@ -122,33 +176,47 @@ class LeafPlan:
         return 4 * (self.layers * self.chunk if self.params_partitioned else self.numel)
 
     @property
-    def optimizer_shape(self) -> tuple[int, ...]:
-        return self.partitioned_shape if self.optimizer_partitioned else self.shape
+    def optimizer_numel_per_device(self) -> int:
+        """Elements of one param-shaped optimizer leaf on one device."""
+        return self.layers * self.chunk if self.optimizer_partitioned else self.numel
 
-    @property
-    def optimizer_spec(self) -> P:
-        return self.partitioned_spec if self.optimizer_partitioned else P()
+    # ---- global-array conversions (under jit; XLA partitions them) ---------------------------
+    def pad(self, x: jax.Array) -> jax.Array:
+        """Logical `shape` -> `padded_shape` (zeros appended along `shard_dim`)."""
+        widths = [(0, 0)] * x.ndim
+        widths[self.shard_dim] = (0, self.padded_size - self.shape[self.shard_dim])
+        return jnp.pad(x, widths)
 
-    # Global-array conversions (used under jit; XLA partitions them).
-    def to_partitioned(self, x: jax.Array) -> jax.Array:
-        """Logical `shape` -> partitioned layout `[L, N*chunk]` / `[N*chunk]` (zero padded)."""
-        flat = x.reshape(self.layers, self.unit_numel) if self.stacked else x.reshape(-1)
-        pad = [(0, 0)] * (flat.ndim - 1) + [(0, self.padding)]
-        return jnp.pad(flat, pad)
+    def unpad(self, x: jax.Array) -> jax.Array:
+        """`padded_shape` -> logical `shape` (padding cut off)."""
+        return jax.lax.slice_in_dim(x, 0, self.shape[self.shard_dim], axis=self.shard_dim)
 
-    def from_partitioned(self, x: jax.Array) -> jax.Array:
-        """Partitioned layout -> logical `shape` (padding cut off)."""
-        return x[..., : self.unit_numel].reshape(self.shape)
+    # ---- one unit inside shard_map -------------------------------------------------------------
+    def unit_pad(self, unit: jax.Array) -> jax.Array:
+        """A unit of logical shape -> `unit_padded_shape`, ready to reduce-scatter."""
+        widths = [(0, 0)] * unit.ndim
+        widths[self.unit_shard_dim] = (0, self.padded_size - self.shape[self.shard_dim])
+        return jnp.pad(unit, widths)
 
-    def unit_from_flat(self, flat: jax.Array) -> jax.Array:
-        """A gathered padded flat unit [N*chunk] -> the unit's logical shape."""
-        return flat[: self.unit_numel].reshape(self.unit_shape)
+    def unit_unpad(self, unit: jax.Array) -> jax.Array:
+        """A gathered unit `unit_padded_shape` -> the unit's logical shape."""
+        return jax.lax.slice_in_dim(unit, 0, self.shape[self.shard_dim], axis=self.unit_shard_dim)
 
-    def unit_to_flat(self, unit: jax.Array) -> jax.Array:
-        """A unit of logical shape -> padded flat [N*chunk], ready to reduce-scatter."""
-        return jnp.pad(unit.reshape(-1), (0, self.padding))
+    def shards_of(self, x: jax.Array) -> jax.Array:
+        """Padded global layout `[L?, ...]` -> every device's shard, flattened: `[L?, N, chunk]`
+        (row d is device d's shard in its own row-major order)."""
+        lead = 1 if self.stacked else 0
+        pieces = jnp.stack(jnp.split(x, self.data_size, axis=self.shard_dim), axis=lead)
+        return pieces.reshape(*x.shape[:lead], self.data_size, self.chunk)
 
-    # Quantized storage (quantized_nontrainable_weights).
+    def from_shards(self, rows: jax.Array) -> jax.Array:
+        """Inverse of `shards_of`: `[L?, N, chunk]` -> the padded global layout."""
+        lead = 1 if self.stacked else 0
+        pieces = rows.reshape(*rows.shape[:lead], self.data_size, *self.shard_shape)
+        return jnp.concatenate([jax.lax.index_in_dim(pieces, d, lead, keepdims=False)
+                                for d in range(self.data_size)], axis=self.shard_dim)
+
+    # ---- quantized storage (quantized_nontrainable_weights) ----------------------------------
     @property
     def params_quantized(self) -> bool:
         """Stored as block-quantized codes (a frozen partitioned leaf under ZeRO++)."""
@@ -156,19 +224,19 @@ class LeafPlan:
 
     @property
     def storage_groups(self) -> int:
-        """Quantization groups in one layer's partition on one device."""
+        """Quantization groups in one unit's shard on one device."""
         return -(-self.chunk // self.storage_group_size)
 
     def _quantized_storage(self, data: Any, scales: Any) -> QuantizedArray:
-        # `shape` is what one device's codes stand for: its partition [L?, chunk].
+        # `shape` is what one device's codes stand for: its shard [L?, chunk].
         shape = (self.layers, self.chunk) if self.stacked else (self.chunk,)
         return QuantizedArray(data=data, scales=scales, offsets=None, shape=shape,
                               bits=self.storage_bits, group_size=self.storage_group_size)
 
     def quantize_partitioned(self, x: jax.Array) -> QuantizedArray:
-        """Partitioned layout [L?, N*chunk] -> stored codes: each device's chunk is quantized on
-        its own, so a device holds exactly the codes and scales of its partition."""
-        rows = x.reshape(self.layers * self.data_size, self.chunk)          # [L*N, chunk]
+        """Padded layout -> stored codes: each device's shard is quantized on its own, so a
+        device holds exactly the codes and scales of its shard."""
+        rows = self.shards_of(x).reshape(self.layers * self.data_size, self.chunk)
         # Runs once, at init: the jnp path, which vmaps over rows on every backend.
         q = jax.vmap(lambda c: quantize(c, bits=self.storage_bits,
                                         group_size=self.storage_group_size, impl="jnp"))(rows)
@@ -179,13 +247,15 @@ class LeafPlan:
             q.scales.reshape(*lead, groups))                                # [L?, N*G]
 
     def dequantize_partitioned(self, q: QuantizedArray) -> jax.Array:
-        """Stored codes (global) -> float32 partitioned layout [L?, N*chunk]."""
+        """Stored codes (global) -> float32 padded layout."""
         rows = self.layers * self.data_size
         per_device = QuantizedArray(
             data=q.data.reshape(rows, self.storage_groups, -1),
             scales=q.scales.reshape(rows, self.storage_groups), offsets=None,
             shape=(rows, self.chunk), bits=q.bits, group_size=q.group_size)
-        return dequantize(per_device).reshape(self.partitioned_shape)
+        flat = dequantize(per_device)                                      # [L*N, chunk]
+        lead = (self.layers,) if self.stacked else ()
+        return self.from_shards(flat.reshape(*lead, self.data_size, self.chunk))
 
     def unit_codes(self, q: QuantizedArray) -> QuantizedArray:
         """One device's codes of one unit (one layer, sliced by the scan, or the whole leaf),
@@ -197,25 +267,45 @@ class LeafPlan:
         """`state.params[path]` (global, any storage) -> float32 of the logical `shape`."""
         if self.params_quantized:
             stored = self.dequantize_partitioned(stored)
-        return self.from_partitioned(stored) if self.params_partitioned else stored
+        return self.unpad(stored) if self.params_partitioned else stored
 
     def logical_to_storage(self, x: jax.Array) -> Any:
         """Inverse of `storage_to_logical` (up to quantization for quantized storage)."""
         x = jnp.asarray(x, jnp.float32)
         if not self.params_partitioned:
             return x
-        partitioned = self.to_partitioned(x)
-        return self.quantize_partitioned(partitioned) if self.params_quantized else partitioned
+        padded = self.pad(x)
+        return self.quantize_partitioned(padded) if self.params_quantized else padded
 
+    # ---- words -------------------------------------------------------------------------------
     def storage_kind(self) -> str:
         frozen = "" if self.trainable else ", frozen"
         if self.params_partitioned:
             codes = (f" as int{self.storage_bits} codes (groups of {self.storage_group_size})"
                      if self.params_quantized else "")
-            return "partitioned" + codes + frozen
+            return f"partitioned dim {self.shard_dim}" + codes + frozen
         kind = "replicated: under persistence threshold" if self.persistent else "replicated"
-        return kind + frozen + (" (optimizer state partitioned)" if self.optimizer_partitioned
-                                else "")
+        return kind + frozen + (f" (optimizer state partitioned dim {self.shard_dim})"
+                                if self.optimizer_partitioned else "")
+
+    def compute_kind(self) -> str:
+        if not self.params_partitioned:
+            return "used in place"
+        return "gathered per layer in the scan" if self.stacked else "gathered per module call"
+
+
+def _spec_text(spec: Any) -> str:
+    if isinstance(spec, QuantizedArray):
+        spec = spec.data
+    entries = []
+    for entry in spec:
+        if entry is None:
+            entries.append("-")
+        elif isinstance(entry, tuple):
+            entries.append("+".join(entry))
+        else:
+            entries.append(str(entry))
+    return "[" + ", ".join(entries) + "]" if entries else "[]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +316,9 @@ class ShardingPlan:
     stage: int
     data_size: int
     persistence_threshold: int
+    mesh_description: str = ""
+    storage_rules: AxisRules = ZERO_STORAGE_RULES
+    compute_rules: AxisRules = TRAINING_COMPUTE_RULES
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -249,24 +342,31 @@ class ShardingPlan:
         return sum(leaf.numel for leaf in self.leaves)
 
     def describe(self) -> str:
-        """A fixed-width table: path, logical shape, storage, per-device shard, padding, compute."""
-        header = ("parameter", "shape", "numel", "storage", "per-device shard", "pad", "compute")
+        """The rules, then one row per parameter: logical shape and axes, storage layout and
+        spec, per-device shard, padding, compute layout."""
+        header = ("parameter", "shape", "logical axes", "storage", "storage spec",
+                  "per-device shard", "pad", "compute", "compute spec")
         rows = [header]
         for leaf in self.leaves:
             if leaf.params_partitioned:
-                shard = (leaf.layers, leaf.chunk) if leaf.stacked else (leaf.chunk,)
-                compute = ("gathered per layer in the scan" if leaf.stacked
-                           else "gathered per module call")
+                shard = ((leaf.layers,) if leaf.stacked else ()) + leaf.shard_shape
             else:
                 shard = leaf.shape
-                compute = "used in place"
-            rows.append((leaf.path, "x".join(map(str, leaf.shape)) or "scalar", str(leaf.numel),
-                         leaf.storage_kind(), "x".join(map(str, shard)) or "scalar",
-                         str(leaf.padding * leaf.layers if leaf.params_partitioned
-                             or leaf.optimizer_partitioned else 0), compute))
+            padded = leaf.params_partitioned or leaf.optimizer_partitioned
+            rows.append((
+                leaf.path, "x".join(map(str, leaf.shape)) or "scalar",
+                ",".join(a or "-" for a in leaf.logical_axes) or "-",
+                leaf.storage_kind(),
+                _spec_text(leaf.param_spec if leaf.params_partitioned else leaf.optimizer_spec),
+                "x".join(map(str, shard)) or "scalar",
+                str(leaf.padding if padded else 0), leaf.compute_kind(),
+                _spec_text(leaf.compute_spec)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = [f"ZeRO stage {self.stage} over {self.data_size} data-parallel devices "
-                 f"(persistence threshold {self.persistence_threshold} elements)"]
+        lines = [f"ZeRO stage {self.stage} over {self.data_size} data-parallel devices"
+                 + (f" (mesh {self.mesh_description})" if self.mesh_description else "")
+                 + f", persistence threshold {self.persistence_threshold} elements",
+                 f"storage rules: {self.storage_rules.describe()}",
+                 f"compute rules: {self.compute_rules.describe()}"]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
             if i == 0:
@@ -275,22 +375,24 @@ class ShardingPlan:
 
 
 def _stored_group_size(chunk: int, group_size: int) -> int:
-    """Group size of a partition's stored codes: `group_size`, or for a partition smaller than
-    one group the power of two >= chunk (at least 2, so int4 codes pair up), so a small
-    partition is not padded to a whole large group."""
+    """Group size of a shard's stored codes: `group_size`, or for a shard smaller than one group
+    the power of two >= chunk (at least 2, so int4 codes pair up), so a small shard is not padded
+    to a whole large group."""
     return min(group_size, max(2, 1 << (chunk - 1).bit_length()))
 
 
 def make_plan(shapes: Mapping[str, tuple[int, ...]],
-              logical_axes: Mapping[str, Sequence[str] | None], *, stage: int, data_size: int, persistence_threshold: int,
-              frozen: Collection[str] = (), frozen_storage_bits: int = 0,
-              frozen_group_size: int = 2048) -> ShardingPlan:
+              logical_axes: Mapping[str, Sequence[str | None] | None], *, stage: int,
+              axes: MeshAxes, persistence_threshold: int, frozen: Collection[str] = (),
+              frozen_storage_bits: int = 0, frozen_group_size: int = 2048,
+              storage_rules: AxisRules = ZERO_STORAGE_RULES,
+              compute_rules: AxisRules = TRAINING_COMPUTE_RULES) -> ShardingPlan:
     """Decides the layout of every leaf.
 
     A leaf is `stacked` when its first logical axis is 'layers'. At stage 3 it is `persistent`
     (its parameter stays replicated) when one unit of it (one layer of a stacked leaf; DeepSpeed
-    applies the threshold per parameter, and a stacked leaf is L parameters) has fewer elements than
-    `persistence_threshold`. Leaves in `frozen` are not trained; with `frozen_storage_bits`
+    applies the threshold per parameter, and a stacked leaf is L parameters) has fewer elements
+    than `persistence_threshold`. Leaves in `frozen` are not trained; with `frozen_storage_bits`
     (4 or 8; ZeRO++'s quantized_nontrainable_weights) the partitioned ones among them are stored
     as codes in groups of up to `frozen_group_size` elements.
     """
@@ -299,32 +401,56 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
         raise ValueError(f"frozen names parameters not in the model: {sorted(unknown)[:5]}")
     leaves = []
     for path, shape in shapes.items():
-        names = tuple(logical_axes.get(path) or ())
-        stacked = bool(names) and names[0] == LAYERS_AXIS and len(shape) >= 1
+        shape = tuple(shape)
+        names = tuple(logical_axes.get(path) or ()) or (None,) * len(shape)
+        if len(names) != len(shape):
+            raise ValueError(f"parameter {path!r} has shape {shape} but {len(names)} logical "
+                             f"axes {names}; give one name per dim")
+        stacked = bool(names) and names[0] == LAYERS_AXIS
         unit = math.prod(shape[1:] if stacked else shape)
         persistent = stage == 3 and unit < persistence_threshold
         trainable = path not in frozen
         partitioned = stage == 3 and not persistent
+        if not shape:           # a scalar: nothing to split; always replicated
+            assignment_dim, padded = 0, 1
+            partitioned, optimizer_partitioned = False, False
+        else:
+            # The rules never give the layer dim to the data axes: the scan gathers one layer
+            # at a time.
+            assignment = storage_rules.spec(shape, names, axes)
+            if stacked and assignment.data_dim == 0:
+                raise ValueError(f"storage rules {storage_rules.name!r} give the layer dim of "
+                                 f"{path!r} to the data axes; map 'layers' to None or 'stage'")
+            assignment_dim = assignment.data_dim if assignment.data_dim is not None else 0
+            padded = assignment.padded_shape[assignment_dim]
+            optimizer_partitioned = stage >= 1 and trainable and assignment.data_dim is not None
+            partitioned = partitioned and assignment.data_dim is not None
+        compute = compute_rules.spec(shape, names, axes, partition_data=False).spec \
+            if shape else P()
         quantized = partitioned and not trainable and frozen_storage_bits > 0
-        chunk = -(-unit // data_size)
-        leaves.append(LeafPlan(
-            path=path, shape=tuple(shape), stacked=stacked, persistent=persistent,
+        leaf = LeafPlan(
+            path=path, shape=shape, logical_axes=names, stacked=stacked, persistent=persistent,
             params_partitioned=partitioned,
             # As in DeepSpeed, persistent parameters still have their optimizer state (and fp32
             # update) partitioned: only their compute copy stays whole on every device.
-            optimizer_partitioned=stage >= 1 and trainable,
-            data_size=data_size, trainable=trainable,
-            storage_bits=frozen_storage_bits if quantized else 0,
-            storage_group_size=_stored_group_size(chunk, frozen_group_size) if quantized else 0))
-    return ShardingPlan(tuple(leaves), stage, data_size, persistence_threshold)
+            optimizer_partitioned=optimizer_partitioned,
+            data_size=axes.data_size, data_axes=axes.data, shard_dim=assignment_dim,
+            padded_size=padded if shape else 1, compute_spec=compute, trainable=trainable)
+        if quantized:
+            leaf = dataclasses.replace(
+                leaf, storage_bits=frozen_storage_bits,
+                storage_group_size=_stored_group_size(leaf.chunk, frozen_group_size))
+        leaves.append(leaf)
+    return ShardingPlan(tuple(leaves), stage, axes.data_size, persistence_threshold,
+                        axes.describe(), storage_rules, compute_rules)
 
 
-def plan_for(model_def: Any, config: Any, *, data_size: int,
+def plan_for(model_def: Any, config: Any, axes: MeshAxes, *,
              frozen: Collection[str] = ()) -> ShardingPlan:
-    """The plan of a model (`nnx_bridge.ModelDef`) under a `ZeroConfig` on `data_size` devices:
-    what `make_step` runs and `estimate_memory` predicts, decided in one place."""
+    """The plan of a model (`zeroxla.engine.model_def.ModelDef`) under a `ZeroConfig` on a mesh
+    with `axes`: what `make_step` runs and `estimate_memory` predicts, decided in one place."""
     return make_plan(
-        model_def.shape_dict(), model_def.axes_dict(), stage=config.stage, data_size=data_size,
+        model_def.shape_dict(), model_def.axes_dict(), stage=config.stage, axes=axes,
         persistence_threshold=config.persistence_threshold, frozen=frozen,
         frozen_storage_bits=(config.weight_quantization_bits
                              if config.quantized_nontrainable_weights else 0),

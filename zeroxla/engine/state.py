@@ -7,6 +7,7 @@ enough to reassemble the full parameters (`gather_params`) or the model (`gather
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -42,10 +43,16 @@ def gather_params(state: TrainState) -> nnx.State:
     return state.model_def.state(jax.device_put(values, jax.local_devices()[0]))
 
 
-def gathered_model(step_or_state: Any, state: TrainState | None = None) -> nnx.Module:
-    """A plain model holding the full parameters (for evaluation, export, generation).
+def gathered_model(state: TrainState, *legacy: TrainState) -> nnx.Module:
+    """A plain model holding the full parameters of `state` (for evaluation, export,
+    generation), on this process's first device.
 
-    Accepts `gathered_model(state)` or `gathered_model(step, state)`.
+    The older form `gathered_model(step, state)` still works and warns.
     """
-    state = step_or_state if state is None else state
+    if legacy:
+        warnings.warn("gathered_model(step, state) is deprecated; call gathered_model(state)",
+                      DeprecationWarning, stacklevel=2)
+        state = legacy[0]
+    if not isinstance(state, TrainState):
+        raise TypeError(f"gathered_model takes a TrainState, got {type(state).__name__}")
     return nnx.merge(state.model_def.graphdef, gather_params(state))

@@ -4,31 +4,35 @@
     state = step.init()
     state, metrics = step(state, batch)
 
-The whole step runs inside one `jax.shard_map` over the data axes ("node", "local"), so every
-collective is explicit:
+One `jax.jit` holds two parts:
 
-    for each micro-batch (gradient accumulation):
-        forward + backward            stage 3: per-layer all_gather / re-gather / psum_scatter
-    reduce gradients                  stage 0-1: psum; stage 2: psum_scatter; stage 3: psum of
-                                      the replicated (persistent) leaves only
-    unscale, overflow check (fp16), global norm, clipping
-    optimizer update on the local partition (stage >= 1), all_gather the new parameters back
-    (stage 1-2, and stage 3's persistent leaves); stage 3 keeps the rest partitioned
+1. the gradient pass, inside `jax.shard_map` over the mesh, so every collective is explicit:
 
-The optimizer runs on flat local partitions, so it must be elementwise (Adam, AdamW, SGD,
-momentum, Lion, ... - every optax optimizer without per-tensor statistics); gradient clipping is
-`ZeroConfig.gradient_clipping`, computed over all shards.
+       for each micro-batch (gradient accumulation):
+           forward + backward            stage 3: per-layer all_gather / re-gather / psum_scatter
+       reduce gradients                  stage 0-1: psum; stage 2: psum_scatter; stage 3: psum of
+                                         the replicated (persistent) leaves only
+
+2. the update, on globally shaped arrays outside the `shard_map`: unscale and overflow check
+   (fp16), global norm and clipping, then the optax transformation on the logical parameters
+   (`ShardedOptimizer`): elementwise optimizers compute on each device's partition and move no
+   bytes; statistics over a whole tensor (norms, factored moments) get XLA's reductions. At
+   stages 1-2 (and for stage 3's persistent leaves) the updated partitions are all-gathered back
+   into the replicated parameters.
 
 `trainable` (an nnx filter) chooses the parameters to train; the others are frozen: the loss is
 differentiated only with respect to the trainable ones, and frozen leaves have no gradient, no
-gradient collective, no optimizer state (`state.opt_state` covers `plan.trainable_leaves`) and
-no update. At stage 3 they are still partitioned and gathered for compute; with
-`ZeroConfig.quantized_nontrainable_weights` they are stored as int8/int4 codes, quantized once
-by `init` (ZeRO++'s LoRA setting: a frozen base model at a quarter of the memory and traffic).
+gradient collective, no optimizer state and no update. At stage 3 they are still partitioned and
+gathered for compute; with `ZeroConfig.quantized_nontrainable_weights` they are stored as
+int8/int4 codes, quantized once by `init`.
+
+The loss is `(sum, count)` internally (`zeroxla.engine.loss`): the reported loss and the
+gradients are the mean over the global batch's (unmasked) tokens.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,27 +45,30 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.collectives import zero as collectives
-from zeroxla.collectives.zero import ZeroCollectives
-from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
-from zeroxla.engine.mesh import DATA_AXES, LOCAL_AXIS, check_mesh, data_size
-from zeroxla.engine.model_def import ModelDef, path_str
-from zeroxla.engine.plan import ShardingPlan, plan_for
-from zeroxla.engine.state import TrainState
-from zeroxla.engine.gather import zero3_module
+from zeroxla.collectives.zero import PARAM_UPDATE, ZeroCollectives
+from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zeropp import ZeroPPCollectives
+from zeroxla.engine.config import ZeroConfig
+from zeroxla.engine.loss import (
+    BATCH_KEYS,
+    MASK_KEY,
+    Batch,
+    LossFn,
+    loss_terms,
+    next_token_loss,
+    next_token_loss_terms,
+    normalizer,
+)
+from zeroxla.engine.logical import LogicalLayout, build_layout
+from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
+from zeroxla.engine.mesh import check_mesh
+from zeroxla.engine.model_def import ModelDef, path_str
+from zeroxla.engine.optimizer import ShardedOptimizer
+from zeroxla.engine.plan import LeafPlan, ShardingPlan, plan_for
+from zeroxla.engine.state import TrainState
+from zeroxla.engine.wrap import zero3_module
 
-Batch = Mapping[str, jax.Array]
-LossFn = Callable[[nnx.Module, Batch], jax.Array]
-BATCH_KEYS = ("inputs", "targets")
 Filter = Any          # anything `nnx.filterlib.to_predicate` accepts
-
-
-def next_token_loss(model: nnx.Module, batch: Batch) -> jax.Array:
-    """Mean cross-entropy of `model(batch['inputs'])` against `batch['targets']` over all tokens."""
-    logits = model(batch["inputs"]).astype(jnp.float32)                    # [B, T, V]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
 
 
 def frozen_paths(model: nnx.Module, trainable: Filter | None) -> frozenset[str]:
@@ -79,6 +86,10 @@ def default_optimizer() -> optax.GradientTransformation:
     return optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
 
 
+def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    return lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 class ZeroStep:
     """A compiled ZeRO training step. Call it; `init`, `lower` and `eval_loss` are beside it."""
 
@@ -86,11 +97,13 @@ class ZeroStep:
                  optimizer: optax.GradientTransformation | None = None,
                  config: ZeroConfig | None = None, loss_fn: LossFn | None = None,
                  trainable: Filter | None = None):
-        check_mesh(mesh)
+        self.axes = check_mesh(mesh)
         self.mesh = mesh
         self.config = config = config if config is not None else ZeroConfig()
-        self.data_size = data_size(mesh)
-        config.validate_for_mesh(mesh.shape[LOCAL_AXIS], self.data_size)
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"make_step: config must be a ZeroConfig, got {type(config).__name__}")
+        self.data_size = self.axes.data_size
+        config.validate_for_mesh(self.axes.local_size, self.data_size)
         self.optimizer = optimizer if optimizer is not None else default_optimizer()
         self.loss_fn = loss_fn if loss_fn is not None else next_token_loss
 
@@ -114,22 +127,28 @@ class ZeroStep:
                              "that selects at least one (None trains all)")
         self.trainable = trainable
 
-        self.plan: ShardingPlan = plan_for(self.model_def, config, data_size=self.data_size,
-                                           frozen=frozen)
-        self.comm = (ZeroPPCollectives.from_config(config) if config.uses_zeropp
-                     else ZeroCollectives(config.dtype))
+        self.plan: ShardingPlan = plan_for(self.model_def, config, self.axes, frozen=frozen)
+        self.comm = (ZeroPPCollectives.from_config(config, self.axes) if config.uses_zeropp
+                     else ZeroCollectives(self.axes, config.dtype))
+        self.sharded_optimizer = ShardedOptimizer(self.optimizer, self.plan, self.model_def)
+        self.sharded_optimizer.check()
         self.state_shardings = self._state_shardings()
-        self.batch_sharding = NamedSharding(mesh, P(DATA_AXES))
-        state_specs = jax.tree.map(lambda s: s.spec, self.state_shardings)
-        batch_specs = P(DATA_AXES)            # every batch array: dim 0 over all data devices
-        self._jitted = jax.jit(
-            jax.shard_map(self._local_step, mesh=mesh, in_specs=(state_specs, batch_specs),
-                          out_specs=(state_specs, P()), check_vma=False),
-            donate_argnums=0)
+        self.batch_sharding = NamedSharding(mesh, P(self.axes.data))
+        replicated = NamedSharding(mesh, P())
+        self._gradients = jax.shard_map(
+            self._local_gradients, mesh=mesh,
+            in_specs=(self._param_specs(), P(self.axes.data), P()),
+            out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
+                             for leaf in self.plan.trainable_leaves}),
+            check_vma=False)
+        self._jitted = jax.jit(self._step, in_shardings=(self.state_shardings, None),
+                               out_shardings=(self.state_shardings, replicated),
+                               donate_argnums=0)
         self._jitted_init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self._compiled: dict[Any, Any] = {}       # `compile`'s cache, by argument signature
         self._jitted_eval = jax.jit(
-            jax.shard_map(self._local_eval, mesh=mesh, in_specs=(state_specs, batch_specs),
+            jax.shard_map(self._local_eval, mesh=mesh,
+                          in_specs=(self._param_specs(), P(self.axes.data)),
                           out_specs=P(), check_vma=False))
 
     # ------------------------------------------------------------------------------------------
@@ -164,7 +183,18 @@ class ZeroStep:
 
     def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
         """Mean loss over the global batch, no update."""
-        return self._jitted_eval(state, self._check_batch(batch, accumulation=1))
+        return self._jitted_eval(state.params, self._check_batch(batch, accumulation=1))
+
+    @functools.cached_property
+    def logical_layout(self) -> LogicalLayout:
+        """The mesh- and stage-independent form of this step's state (what checkpoints store),
+        with its two jitted conversions; built on first use."""
+        return build_layout(self)
+
+    def gathered_model(self, state: TrainState) -> nnx.Module:
+        """A plain model holding the full parameters of `state` (see `gathered_model`)."""
+        from zeroxla.engine.state import gathered_model
+        return gathered_model(state)
 
     def describe_collectives(self) -> list[tuple[str, str, str, str]]:
         """(path, forward gather, backward gather, gradient reduction) per partitioned leaf."""
@@ -173,64 +203,71 @@ class ZeroStep:
 
     # ------------------------------------------------------------------------------------------
     # Layouts.
-    def _optimizer_view_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        return {leaf.path: jax.ShapeDtypeStruct(leaf.optimizer_shape, jnp.float32)
-                for leaf in self.plan.trainable_leaves}
+    def _param_specs(self) -> dict[str, Any]:
+        return {leaf.path: leaf.param_spec for leaf in self.plan.leaves}
+
+    def _gradient_spec(self, leaf: LeafPlan) -> P:
+        """Layout of a trainable leaf's reduced gradient leaving the gradient pass."""
+        if self._gradient_padded(leaf):
+            return leaf.optimizer_spec if not leaf.params_partitioned else leaf.param_spec
+        return P()
+
+    def _gradient_padded(self, leaf: LeafPlan) -> bool:
+        """Whether the reduced gradient is a padded, partitioned array (stage 3's partitioned
+        leaves; every optimizer-partitioned leaf at stage 2)."""
+        return leaf.params_partitioned or (self.config.stage == 2 and leaf.optimizer_partitioned)
 
     def _state_shardings(self) -> TrainState:
         def named(spec):
             return NamedSharding(self.mesh, spec)
         replicated = named(P())
-        view_shardings = {leaf.path: named(leaf.optimizer_spec)
-                          for leaf in self.plan.trainable_leaves}
-        abstract_opt = jax.eval_shape(self.optimizer.init, self._optimizer_view_shapes())
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding, abstract_opt, view_shardings,
-            transform_non_params=lambda _: replicated)
         loss_scale = (jax.tree.map(lambda _: replicated, init_loss_scale(self.config))
                       if self.config.uses_loss_scaling else None)
         # A leaf stored as codes has a `QuantizedArray` of specs (codes and scales).
         params = {leaf.path: jax.tree.map(named, leaf.param_spec) for leaf in self.plan.leaves}
         return TrainState(step=replicated, params=params,
-                          opt_state=opt_shardings, loss_scale=loss_scale, plan=self.plan,
-                          model_def=self.model_def)
+                          opt_state=self.sharded_optimizer.state_shardings(self.mesh),
+                          loss_scale=loss_scale, plan=self.plan, model_def=self.model_def)
 
     def _init_state(self, values: dict[str, jax.Array] | None) -> TrainState:
         if values is None:
             _, values = ModelDef.of(self._factory())
-        params, view = {}, {}
+        params, logical = {}, {}
         for leaf in self.plan.leaves:
             full = jnp.asarray(values[leaf.path], jnp.float32)
             params[leaf.path] = leaf.logical_to_storage(full)   # frozen codes: quantized once, here
             if leaf.trainable:
-                view[leaf.path] = leaf.to_partitioned(full) if leaf.optimizer_partitioned else full
+                logical[leaf.path] = full
         return TrainState(
-            step=jnp.int32(0), params=params, opt_state=self.optimizer.init(view),
+            step=jnp.int32(0), params=params, opt_state=self.sharded_optimizer.init(logical),
             loss_scale=init_loss_scale(self.config) if self.config.uses_loss_scaling else None,
             plan=self.plan, model_def=self.model_def)
 
     def _check_batch(self, batch: Batch, accumulation: int | None = None) -> dict[str, Any]:
         """Validates the global batch; errors name the key, the shape and what is accepted.
 
-        With the default loss the batch is `{"inputs": int32[B, T], "targets": int32[B, T]}`;
-        with a custom `loss_fn` any dict of arrays sharing the leading batch dim B.
+        With the default loss the batch is `{"inputs": int32[B, T], "targets": int32[B, T]}`
+        and optionally `"loss_mask": [B, T]`; with a custom `loss_fn` any dict of arrays sharing
+        the leading batch dim B.
         """
         if not isinstance(batch, Mapping) or not batch:
             raise ValueError(f"batch must be a non-empty dict of arrays, got {type(batch).__name__}")
         if self.loss_fn is next_token_loss:
-            if set(batch) != set(BATCH_KEYS):
-                raise ValueError(f"batch must have exactly the keys {list(BATCH_KEYS)}, "
-                                 f"got {sorted(batch)}")
+            if not set(BATCH_KEYS) <= set(batch) or set(batch) - {*BATCH_KEYS, MASK_KEY}:
+                raise ValueError(f"batch must have the keys {list(BATCH_KEYS)} (and optionally "
+                                 f"{MASK_KEY!r}), got {sorted(batch)}")
             for key in BATCH_KEYS:
-                shape, dtype = np.shape(batch[key]), np.asarray(batch[key]).dtype \
-                    if not hasattr(batch[key], "dtype") else batch[key].dtype
+                shape = np.shape(batch[key])
+                dtype = batch[key].dtype if hasattr(batch[key], "dtype") else \
+                    np.asarray(batch[key]).dtype
                 if len(shape) != 2:
                     raise ValueError(f"batch[{key!r}] has shape {shape}; expected int32[B, T]")
                 if not jnp.issubdtype(dtype, jnp.integer):
                     raise ValueError(f"batch[{key!r}] has dtype {dtype}; expected int32[B, T]")
-            if np.shape(batch["inputs"]) != np.shape(batch["targets"]):
-                raise ValueError(f"batch['inputs'] {np.shape(batch['inputs'])} and "
-                                 f"batch['targets'] {np.shape(batch['targets'])} differ in shape")
+            for key in (k for k in (*BATCH_KEYS[1:], MASK_KEY) if k in batch):
+                if np.shape(batch[key]) != np.shape(batch["inputs"]):
+                    raise ValueError(f"batch['inputs'] {np.shape(batch['inputs'])} and "
+                                     f"batch[{key!r}] {np.shape(batch[key])} differ in shape")
         leading = {key: (np.shape(value)[:1] or (None,))[0] for key, value in batch.items()}
         if len(set(leading.values())) != 1 or None in leading.values():
             raise ValueError(f"every batch array needs the same leading batch dim B; got {leading}")
@@ -244,7 +281,7 @@ class ZeroStep:
         return dict(batch)
 
     # ------------------------------------------------------------------------------------------
-    # Inside shard_map: everything below sees one device's local arrays.
+    # The gradient pass: inside shard_map, everything below sees one device's local arrays.
     def _local_model(self, params: dict[str, jax.Array]) -> Any:
         dtype = self.config.dtype
         if self.config.stage < 3:
@@ -254,82 +291,126 @@ class ZeroStep:
         return zero3_module(self.model_def.module(values), self.plan, self.comm,
                             self.config.prefetch)
 
-    def _gradients(self, params: dict[str, Any], batch: Batch,
-                   scale: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Local loss contribution and gradients (scaled by `scale`) of the trainable leaves,
-        summed over micro-batches.
+    def _terms(self, model: Any, batch: Batch) -> tuple[jax.Array, jax.Array, bool]:
+        """`(sum, count, is_sum)`: the loss of `batch` as a sum and a count; `is_sum` is False
+        for a loss_fn that returned a scalar mean (its count is 1)."""
+        if self.loss_fn is next_token_loss:
+            return (*next_token_loss_terms(model, batch), True)
+        value = self.loss_fn(model, batch)
+        return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)))
 
-        Each micro-batch's loss is divided by (devices x micro-batches), so the sum over all
-        devices and micro-batches is the mean over the global batch. Frozen leaves enter the
-        loss as constants: nothing is differentiated with respect to them.
+    def _local_gradients(self, params: dict[str, Any], batch: Batch,
+                         scale: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The global mean loss and its gradients (times `scale`) of the trainable leaves,
+        reduced over the data devices (partitioned where `_gradient_padded`).
+
+        Each micro-batch piece differentiates `sum * scale / c0` (c0 a static size of the piece,
+        so gradients have mean-like magnitudes); after the reduction the gradients are
+        multiplied by c0 / (the count over all devices and micro-batches): the exact mean.
         """
         k = self.config.gradient_accumulation_steps
-        denominator = self.data_size * k
         trainable = {leaf.path: params[leaf.path] for leaf in self.plan.trainable_leaves}
         frozen = {p: v for p, v in params.items() if p not in trainable}
+        sizes: list[float] = []          # the static c0 chosen while tracing `objective`
 
         def objective(p, micro):
-            loss = self.loss_fn(self._local_model({**frozen, **p}), micro) / denominator
-            return loss * scale, loss
+            total, count, is_sum = self._terms(self._local_model({**frozen, **p}), micro)
+            c0 = normalizer(micro) if is_sum else 1.0
+            sizes.append(c0)
+            return total * (scale / c0), (total, count)
 
         grad_fn = jax.grad(objective, has_aux=True)
         if k == 1:
-            grads, loss = grad_fn(trainable, batch)
-            return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            grads, (total, count) = grad_fn(trainable, batch)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        else:
+            micro_batches = jax.tree.map(
+                lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
 
-        micro_batches = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
+            def accumulate(carry, micro):
+                total_sum, count_sum, grad_sum = carry
+                g, (total, count) = grad_fn(trainable, micro)
+                return (total_sum + total, count_sum + count,
+                        jax.tree.map(lambda s, gi: s + gi.astype(jnp.float32), grad_sum, g)), None
 
-        def accumulate(carry, micro):
-            loss_sum, grad_sum = carry
-            grads, loss = grad_fn(trainable, micro)
-            return (loss_sum + loss,
-                    jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)), None
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+            (total, count, grads), _ = lax.scan(
+                accumulate, (jnp.float32(0), jnp.float32(0), zeros), micro_batches)
+        grads = self._reduce(grads)
+        total = lax.psum(total, self.axes.data)
+        count = lax.psum(count, self.axes.data)
+        count = jnp.where(count > 0, count, 1.0)
+        factor = sizes[0] / count
+        return total / count, jax.tree.map(lambda g: g * factor, grads)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-        (loss, grads), _ = lax.scan(accumulate, (jnp.float32(0), zeros), micro_batches)
-        return loss, grads
-
-    def _reduce(self, grads: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], set[str]]:
-        """Sums the trainable leaves' gradients over the data devices; returns them and the
-        paths left sharded."""
+    def _reduce(self, grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Sums the trainable leaves' gradients over the data devices."""
         stage = self.config.stage
-        leaves = self.plan.trainable_leaves
         if stage <= 1:
-            return collectives.all_reduce(grads), set()
-        if stage == 2:
-            return ({leaf.path: collectives.scatter_full_gradient(grads[leaf.path], leaf)
-                     for leaf in leaves}, {leaf.path for leaf in leaves})
-        sharded = {leaf.path for leaf in leaves if leaf.params_partitioned}
-        replicated = collectives.all_reduce({p: g for p, g in grads.items() if p not in sharded})
-        return {p: replicated.get(p, g) for p, g in grads.items()}, sharded
+            return collectives.all_reduce(grads, self.axes)
+        out = {}
+        replicated = {}
+        for leaf in self.plan.trainable_leaves:
+            g = grads[leaf.path]
+            if leaf.params_partitioned:
+                out[leaf.path] = g                       # reduce-scattered in backward
+            elif stage == 2 and leaf.optimizer_partitioned:
+                out[leaf.path] = collectives.scatter_full_gradient(g, leaf, self.axes)
+            else:
+                replicated[leaf.path] = g
+        out.update(collectives.all_reduce(replicated, self.axes))
+        return out
 
-    def _local_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+    def _local_eval(self, params: dict[str, Any], batch: Batch) -> jax.Array:
+        total, count, _ = self._terms(self._local_model(params), batch)
+        total = lax.psum(total, self.axes.data)
+        count = lax.psum(count, self.axes.data)
+        return total / jnp.where(count > 0, count, 1.0)
+
+    # ------------------------------------------------------------------------------------------
+    # The update: on global arrays, outside shard_map.
+    def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         cfg = self.config
         scale = state.loss_scale.scale if cfg.uses_loss_scaling else jnp.float32(1)
         loss, grads = self._gradients(state.params, batch, scale)
-        grads, sharded = self._reduce(grads)
-        grads = jax.tree.map(lambda g: g / scale, grads)
-
-        # Global statistics: sharded leaves hold disjoint pieces (summed over devices), the
-        # replicated ones are already whole (counted once).
-        def sum_over(fn, keep):
-            return sum((fn(g) for p, g in grads.items() if keep(p)), jnp.float32(0))
-        sq = lax.psum(sum_over(lambda g: jnp.sum(jnp.square(g)), lambda p: p in sharded),
-                      DATA_AXES) + sum_over(lambda g: jnp.sum(jnp.square(g)),
-                                            lambda p: p not in sharded)
-        grad_norm = jnp.sqrt(sq)
+        mesh = self.mesh
+        logical_grads = {}
+        for leaf in self.plan.trainable_leaves:
+            g = grads[leaf.path] / scale
+            if not self._gradient_padded(leaf) and leaf.optimizer_partitioned:
+                g = _constrain(leaf.pad(g), mesh, leaf.optimizer_spec)    # this device's part
+            logical_grads[leaf.path] = (leaf.unpad(g) if self._gradient_padded(leaf)
+                                        or leaf.optimizer_partitioned else g)
+        grad_norm = optax.tree.norm(logical_grads)
         if cfg.gradient_clipping > 0:
             # DeepSpeed's clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when < 1.
             coef = jnp.minimum(cfg.gradient_clipping / (grad_norm + 1e-6), 1.0)
-            grads = jax.tree.map(lambda g: g * coef, grads)
+            logical_grads = jax.tree.map(lambda g: g * coef, logical_grads)
 
-        new_params, new_opt_state = self._apply_optimizer(state.params, state.opt_state, grads,
-                                                          sharded)
-        metrics = {"loss": lax.psum(loss, DATA_AXES), "grad_norm": grad_norm}
+        with jax.named_scope(PARAM_UPDATE):
+            params = {}
+            for leaf in self.plan.trainable_leaves:
+                p = state.params[leaf.path]
+                if leaf.optimizer_partitioned:
+                    padded = p if leaf.params_partitioned else leaf.pad(p)
+                    p = leaf.unpad(_constrain(padded, mesh, leaf.optimizer_spec))
+                params[leaf.path] = p
+            new_logical, new_opt_state = self.sharded_optimizer.update(
+                logical_grads, state.opt_state, params)
+            new_params = dict(state.params)
+            for leaf in self.plan.trainable_leaves:
+                new = new_logical[leaf.path]
+                if leaf.optimizer_partitioned:
+                    new = _constrain(leaf.pad(new), mesh, leaf.optimizer_spec)
+                    if not leaf.params_partitioned:
+                        new = self._all_gather_update(new, leaf)
+                new_params[leaf.path] = new
+
+        metrics = {"loss": loss, "grad_norm": grad_norm}
         loss_scale = state.loss_scale
         if cfg.uses_loss_scaling:
-            nonfinite = sum_over(lambda g: jnp.sum(~jnp.isfinite(g)), lambda p: True)
-            overflow = lax.psum(nonfinite, DATA_AXES) > 0
+            nonfinite = sum(jnp.sum(~jnp.isfinite(g)) for g in logical_grads.values())
+            overflow = (nonfinite > 0) | ~jnp.isfinite(grad_norm)
             # An overflow skips the update: parameters and optimizer state stay bit-identical.
             new_params, new_opt_state = jax.tree.map(
                 lambda new, old: jnp.where(overflow, old, new),
@@ -340,30 +421,16 @@ class ZeroStep:
                                   opt_state=new_opt_state, loss_scale=loss_scale)
         return new_state, metrics
 
-    def _apply_optimizer(self, params, opt_state, grads, sharded):
-        """The optimizer on each trainable leaf's optimizer view (its local partition at stage
-        >= 1); frozen leaves come back as they are."""
-        param_view, grad_view = {}, {}
-        for leaf in self.plan.trainable_leaves:
-            p, g = params[leaf.path], grads[leaf.path]
-            if leaf.optimizer_partitioned and not leaf.params_partitioned:
-                p = collectives.local_partition(p, leaf)
-                if leaf.path not in sharded:
-                    g = collectives.local_partition(g, leaf)
-            param_view[leaf.path], grad_view[leaf.path] = p, g
-        updates, new_opt_state = self.optimizer.update(grad_view, opt_state, param_view)
-        new_view = optax.apply_updates(param_view, updates)
-        new_params = dict(params)
-        for leaf in self.plan.trainable_leaves:
-            new = new_view[leaf.path]
-            new_params[leaf.path] = (collectives.gather_partition(new, leaf)
-                                     if leaf.optimizer_partitioned and not leaf.params_partitioned
-                                     else new)
-        return new_params, new_opt_state
 
-    def _local_eval(self, state: TrainState, batch: Batch) -> jax.Array:
-        loss = self.loss_fn(self._local_model(state.params), batch) / self.data_size
-        return lax.psum(loss, DATA_AXES)
+    def _all_gather_update(self, padded: jax.Array, leaf: LeafPlan) -> jax.Array:
+        """Stage 1-2 (and stage 3's persistent leaves): the updated partitions all-gathered
+        into the replicated parameter, as DeepSpeed's one all-gather after the optimizer step.
+        Explicit, in its own `shard_map`, so it is one tiled all-gather over the data axes (and
+        `comm_report` attributes it to the update)."""
+        gather = jax.shard_map(
+            lambda x: all_gather_dim(x, self.axes.data, leaf.shard_dim), mesh=self.mesh,
+            in_specs=leaf.optimizer_spec, out_specs=P(), check_vma=False)
+        return leaf.unpad(gather(padded))
 
 
 def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
@@ -374,10 +441,15 @@ def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
 
     `model` is an `nnx.Module` (its current parameters become the initial state) or a zero-arg
     factory (the state is then created directly in sharded form). `loss_fn(model, batch)`
-    returns the mean loss over the batch it is given; the default is next-token cross-entropy.
-    `trainable` is an nnx filter (a Variable type, `nnx.PathContains("lora")`, a
-    `(path, variable) -> bool` callable, `nnx.Not(...)`, ...) choosing the parameters to train;
-    None trains all. The rest are frozen.
+    returns the mean loss over the batch it is given, or `(sum, count)` (then the step's loss
+    is the exact mean over the global batch); the default is next-token cross-entropy, masked
+    by `batch["loss_mask"]` when present. `optimizer` is any optax transformation, applied to
+    the whole (logical) parameters as on one device. `trainable` is an nnx filter (a Variable
+    type, `nnx.PathContains("lora")`, a `(path, variable) -> bool` callable, `nnx.Not(...)`,
+    ...) choosing the parameters to train; None trains all. The rest are frozen.
     """
     return ZeroStep(model, mesh, optimizer=optimizer, config=config, loss_fn=loss_fn,
                     trainable=trainable)
+
+
+__all__ = ["ZeroStep", "default_optimizer", "frozen_paths", "make_step", "next_token_loss"]

@@ -251,7 +251,9 @@ def test_needs_the_mesh_it_was_compiled_for(mesh, devices):
     compiled = shard_mapped(mesh, fn, in_spec, out_spec).lower(X).compile()
     with pytest.raises(ValueError, match="mesh"):
         comm_report(compiled)
-    shuffled = make_mesh(2, 4, devices=devices[::-1])
+    # (make_mesh orders devices by process and id, so the reversed mesh is built directly)
+    shuffled = jax.sharding.Mesh(np.asarray(devices[::-1], dtype=object).reshape(2, 4),
+                                 (NODE_AXIS, LOCAL_AXIS))
     with pytest.raises(ValueError, match="compiled for devices"):
         comm_report(compiled, mesh=shuffled)
     with pytest.raises(ValueError, match="names device 7"):

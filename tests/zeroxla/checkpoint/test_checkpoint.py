@@ -189,10 +189,10 @@ def test_corrupted_metadata_raises(run, tmp_path):
 
 def test_async_save_keeps_last_n(run, tmp_path):
     state = run["state"]
-    for extra in range(4):
-        checkpoint.save(tmp_path, state.replace(step=state.step + extra), step=run["step"],
-                        keep=2, async_save=True, metadata={"i": extra})
-    checkpoint.wait_until_finished(tmp_path)
+    with checkpoint.Checkpointer(tmp_path, keep=2, async_save=True) as checkpointer:
+        for extra in range(4):
+            checkpointer.save(state.replace(step=state.step + extra), step=run["step"],
+                              metadata={"i": extra})
     infos = checkpoint.list_checkpoints(tmp_path)
     assert [(c.step, c.complete) for c in infos] == [(SAVE_AT + 2, True), (SAVE_AT + 3, True)]
     assert checkpoint.read_metadata(tmp_path)["metadata"] == {"i": 3}

@@ -88,5 +88,6 @@ def test_factory_builds_state_sharded():
     for path, value in reference.items():
         np.testing.assert_array_equal(got[path], value)
     big = state.params["layers/2/kernel"]
-    assert big.sharding.spec == jax.sharding.PartitionSpec(("node", "local"))
-    assert {s.data.shape for s in big.addressable_shards} == {(96 * 96 // 8,)}
+    # [96, 96] split along its first dim over the 8 data devices: 12 rows each
+    assert big.sharding.spec == jax.sharding.PartitionSpec(("node", "local"), None)
+    assert {s.data.shape for s in big.addressable_shards} == {(96 // 8, 96)}

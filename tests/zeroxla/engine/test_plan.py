@@ -7,15 +7,17 @@ import numpy as np
 import pytest
 
 from zeroxla import models
+from zeroxla.engine.mesh import MeshAxes
 from zeroxla.engine.model_def import ModelDef
 from zeroxla.engine.plan import make_plan
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
+AXES = MeshAxes(("node", "local"), (2, 4))          # 8 data-parallel devices
 
 
 def _plan(name, stage, threshold):
     model_def, _ = ModelDef.of(models.build(name))
-    return make_plan(model_def.shape_dict(), model_def.axes_dict(), stage=stage, data_size=8,
+    return make_plan(model_def.shape_dict(), model_def.axes_dict(), stage=stage, axes=AXES,
                      persistence_threshold=threshold)
 
 
@@ -35,17 +37,27 @@ def test_persistence_threshold_is_per_layer():
     assert plan["embed/wte"].params_partitioned       # 3900 elements
 
 
-@pytest.mark.parametrize("shape,stacked", [((65, 60), False), ((3, 7, 5), True), ((1,), False)])
-def test_partitioned_layout_round_trip(shape, stacked):
+@pytest.mark.parametrize("shape,stacked,dim", [
+    ((65, 60), False, 1),          # neither divides 8: the dim with the least padding (60 -> 64)
+    ((128, 60), False, 0),         # the first dim 8 divides
+    ((3, 7, 5), True, 1),          # never the layer dim; 7 -> 8 pads 5 per layer, 5 -> 8 pads 21
+    ((1,), False, 0)])
+def test_partitioned_layout_round_trip(shape, stacked, dim):
+    """The stored array keeps the logical shape except along one dim, zero-padded to a multiple
+    of the device count; cutting the padding off gives back the logical array."""
     axes = ("layers",) + ("x",) * (len(shape) - 1) if stacked else ("x",) * len(shape)
-    plan = make_plan({"w": shape}, {"w": axes}, stage=3, data_size=8, persistence_threshold=0)
+    plan = make_plan({"w": shape}, {"w": axes}, stage=3, axes=AXES, persistence_threshold=0)
     leaf = plan["w"]
+    assert leaf.shard_dim == dim
     x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) + 1
-    stored = leaf.to_partitioned(x)
-    assert stored.shape == leaf.partitioned_shape
-    assert stored.shape[-1] % 8 == 0 and stored.shape[-1] - leaf.unit_numel < 8
-    assert float(jnp.abs(stored[..., leaf.unit_numel:]).sum()) == 0.0   # zero padding
-    np.testing.assert_array_equal(leaf.from_partitioned(stored), x)
+    stored = leaf.pad(x)
+    assert stored.shape == leaf.padded_shape
+    assert stored.shape[dim] % 8 == 0 and 0 <= stored.shape[dim] - shape[dim] < 8
+    assert [a for d, a in enumerate(stored.shape) if d != dim] == \
+        [a for d, a in enumerate(shape) if d != dim]
+    np.testing.assert_array_equal(np.asarray(stored)[tuple(
+        slice(None) if d != dim else slice(shape[dim], None) for d in range(len(shape)))], 0)
+    np.testing.assert_array_equal(leaf.unpad(stored), x)
 
 
 def test_stage_decides_what_is_partitioned():

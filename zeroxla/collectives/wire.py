@@ -1,0 +1,58 @@
+"""The wire format of ZeRO's all-gather and reduce-scatter: the one place a backend quirk lives.
+
+XLA:CPU widens 16-bit float collectives to float32 (the bytes in its compiled program would be
+twice what a GPU run sends). On CPU, 16-bit floats are therefore gathered as their raw bits
+(uint16) and reduce-scattered as an all-to-all of raw bits followed by a float32 sum on the
+receiver: the bytes on the wire are those of a 16-bit all-gather / reduce-scatter and the sum is
+at least as accurate. float32 uses `all_gather` / `psum_scatter` as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def is_16bit_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+
+
+def all_gather_dim(x: jax.Array, axes: Any, dim: int,
+                   groups: list[list[int]] | None = None) -> jax.Array:
+    """Tiled all-gather of `x` along `dim` over `axes` (within `groups` of axis indices);
+    16-bit floats travel as raw bits."""
+    def gather(a):
+        return lax.all_gather(a, axes, axis=dim, tiled=True, axis_index_groups=groups)
+    if not is_16bit_float(x.dtype):
+        return gather(x)
+    return lax.bitcast_convert_type(gather(lax.bitcast_convert_type(x, jnp.uint16)), x.dtype)
+
+
+def reduce_scatter_dim(x: jax.Array, axes: Any, dim: int) -> jax.Array:
+    """Sum of `x` over the G devices of `axes`, scattered along `dim` (device i gets block i).
+
+    float32: `psum_scatter`. 16-bit: each device sends block j's raw bits to device j
+    (all-to-all, the bytes of a 16-bit reduce-scatter) and sums what it receives in float32.
+    Returns float32 with `dim` divided by G.
+    """
+    if not is_16bit_float(x.dtype):
+        return lax.psum_scatter(x.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+    groups = lax.axis_size(axes)
+    bits = lax.bitcast_convert_type(x, jnp.uint16)
+    received = lax.all_to_all(bits, axes, split_axis=dim, concat_axis=dim, tiled=True)
+    # Block j of `dim` now holds device j's contribution to this device's block.
+    blocks = received.reshape(*x.shape[:dim], groups, x.shape[dim] // groups, *x.shape[dim + 1:])
+    return lax.bitcast_convert_type(blocks, x.dtype).astype(jnp.float32).sum(axis=dim)
+
+
+def all_gather_flat(x: jax.Array, axes: Any, groups: list[list[int]] | None = None) -> jax.Array:
+    """`all_gather_dim` of a 1-D array."""
+    return all_gather_dim(x, axes, 0, groups)
+
+
+def reduce_scatter_flat(x: jax.Array, axes: Any) -> jax.Array:
+    """`reduce_scatter_dim` of a 1-D array [G*c] -> float32 [c]."""
+    return reduce_scatter_dim(x, axes, 0)

@@ -1,0 +1,122 @@
+"""Logical axis rules: which mesh axis role each named tensor dim maps to.
+
+Models name their dims (`Param(..., logical_axes=("embed", "mlp"))`) and know nothing of meshes.
+A rules table, in the spirit of MaxText's `logical_axis_rules`, maps each logical name to a mesh
+axis *role* (`"stage"`, `"data"`, `"tensor"`, or None for "not sharded"); the plan applies a
+table to every parameter to get a `PartitionSpec`. `"*"` matches any name, including a dim with
+no name. The first rule whose name matches a dim decides that dim's role.
+
+Three tables ship:
+
+* `ZERO_STORAGE_RULES`: how parameters (and optimizer state) are *stored* under ZeRO: any dim
+  but the layer dim of a stacked `LayerStack` parameter may carry the data-parallel partition
+  (the layer scan gathers one layer at a time).
+* `PIPELINE_STORAGE_RULES`: the same, with the layer dim split over the pipeline stages (each
+  stage stores its own layers).
+* `TRAINING_COMPUTE_RULES`: how a parameter is laid out when a layer *computes* in training:
+  whole (gathered) on every device.
+* `TENSOR_PARALLEL_RULES`: the compute layout of tensor-parallel generation (Megatron): attention
+  heads and the MLP's inner dim split column-parallel in and row-parallel out, the vocabulary
+  split too.
+
+How a role becomes a spec entry (`AxisRules.spec`):
+* "data": exactly one dim carries the data axes ("node", "local"): the first data-role dim (in
+  the parameter's own dim order, so a shard is contiguous when it can be) whose size the data
+  size divides; if none divides, the data-role dim that needs the least zero padding. Padding is
+  part of the storage layout and never reaches the model or the optimizer.
+* "stage", "tensor": the first dim with that role whose size the axis size divides; a dim it
+  does not divide stays unsharded (`AxisRules.spec` reports it, and callers that need the split,
+  e.g. tensor-parallel generation, refuse it by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.sharding import PartitionSpec as P
+
+from zeroxla.engine.mesh import MeshAxes
+
+ROLES = ("stage", "data", "tensor")
+ANY = "*"
+
+
+@dataclasses.dataclass(frozen=True)
+class DimAssignment:
+    """What a rules table gives one parameter: its PartitionSpec over the (padded) shape, the
+    dim carrying the data axes (None: none) and the padded size of that dim."""
+
+    spec: P
+    data_dim: int | None
+    padded_shape: tuple[int, ...]
+    unsplit: tuple[tuple[int, str], ...] = ()      # (dim, role) a role could not split
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """An ordered table of (logical axis name or "*", role or None)."""
+
+    name: str
+    rules: tuple[tuple[str, str | None], ...]
+
+    def __post_init__(self) -> None:
+        for logical, role in self.rules:
+            if role is not None and role not in ROLES:
+                raise ValueError(f"AxisRules {self.name!r}: role {role!r} of {logical!r} is "
+                                 f"invalid; accepted: {', '.join(ROLES)} or None")
+
+    def role_of(self, logical: str | None) -> str | None:
+        """The role of a dim named `logical` (None: unnamed): the first matching rule's."""
+        for name, role in self.rules:
+            if name == ANY or name == logical:
+                return role
+        return None
+
+    def spec(self, shape: Sequence[int], logical_axes: Sequence[str | None] | None,
+             axes: MeshAxes, *, partition_data: bool = True) -> DimAssignment:
+        """The layout of a parameter of `shape` named `logical_axes` on a mesh with `axes`.
+
+        `partition_data=False` leaves out the data role (a replicated parameter: below the
+        persistence threshold, or a ZeRO stage that does not partition it).
+        """
+        names = tuple(logical_axes) if logical_axes else (None,) * len(shape)
+        roles = [self.role_of(n) for n in names]
+        entries: list[object] = [None] * len(shape)
+        padded = list(shape)
+        unsplit = []
+        for role, axis in (("stage", axes.stage), ("tensor", axes.tensor)):
+            dims = [d for d, r in enumerate(roles) if r == role]
+            if axis is None or not dims:
+                continue
+            size = axes.size(axis)
+            fitting = [d for d in dims if shape[d] % size == 0 and entries[d] is None]
+            if fitting:
+                entries[fitting[0]] = axis
+            else:
+                unsplit.append((dims[0], role))
+        data_dim = None
+        n = axes.data_size
+        candidates = [d for d, r in enumerate(roles) if r == "data" and entries[d] is None]
+        if partition_data and candidates:
+            dividing = [d for d in candidates if shape[d] % n == 0]
+            if dividing:
+                data_dim = dividing[0]
+            else:   # least padding relative to the dim; the earlier dim on ties
+                data_dim = min(candidates, key=lambda d: (-(-shape[d] // n) * n - shape[d])
+                               / shape[d])
+            padded[data_dim] = -(-shape[data_dim] // n) * n
+            entries[data_dim] = axes.data
+        return DimAssignment(P(*entries), data_dim, tuple(padded), tuple(unsplit))
+
+    def describe(self) -> str:
+        """'layers -> stage, * -> data'."""
+        return ", ".join(f"{name} -> {role or 'unsharded'}" for name, role in self.rules)
+
+
+ZERO_STORAGE_RULES = AxisRules("zero storage", (("layers", None), (ANY, "data")))
+PIPELINE_STORAGE_RULES = AxisRules("pipeline storage", (("layers", "stage"), (ANY, "data")))
+TRAINING_COMPUTE_RULES = AxisRules("training compute", ((ANY, None),))
+TENSOR_PARALLEL_RULES = AxisRules("tensor-parallel compute", (
+    ("layers", None), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
+    ("vocab", "tensor"), (ANY, None)))
