@@ -5,7 +5,7 @@
 - `dequant_reduce` / `dequant_sum`: sum N received quantized tensors, requantize (qgZ).
 
 This package imports nothing from `zeroxla`; the collectives built on it live in
-`zeroxla/quantized_collectives.py`.
+`zeroxla/collectives/quantized.py`.
 """
 
 from ._common import QuantizedArray, QuantTiles

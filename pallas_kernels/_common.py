@@ -15,6 +15,11 @@ DeepSpeed we store the per-group *step* 1 / scale, so dequantization is one mult
 with (nearly) no range gets scale 1 (DeepSpeed: `if (max == 0) scale = 1`), so all-zero input
 dequantizes to finite zeros instead of 0/0.
 
+A group holding a NaN or +-inf gets codes 0 and a NaN step (and offset), so the whole group
+dequantizes to NaN: an fp16 overflow upstream of qwZ / qgZ stays visible to the overflow check
+after the collective (a NaN has no integer code, and a finite code would hide it). Finite groups
+get the same codes and steps as the formulas above.
+
 The scale spreads 2^bits, not 2^bits - 1, steps over the range: the largest value is clamped
 (one step of error for that one element) and every other element gets a step 2^bits / (2^bits - 1)
 finer. On Gaussian int4 groups of 1024+ elements the "(2^bits - 1) / (max - min), offset = min"
@@ -60,8 +65,9 @@ class QuantizedArray:
     data:    [*lead, G, group_size // (8 // bits)] int8. int4 packs two codes per byte: byte k
              of a group holds code k in its low nibble and code k + group_size/2 in its high
              nibble (halves, not neighbours, so a kernel packs with two static slices).
-    scales:  [*lead, G] float32, the dequantization step 1/scale (DeepSpeed's stored "scale").
-    offsets: [*lead, G] float32 for asymmetric quantization, else None.
+    scales:  [*lead, G] float32, the dequantization step 1/scale (DeepSpeed's stored "scale");
+             NaN for a group that held a NaN or +-inf.
+    offsets: [*lead, G] float32 for asymmetric quantization (NaN where the step is), else None.
     shape:   the logical (dequantized) shape; shape[:len(lead)] == lead.
     """
 
@@ -200,44 +206,58 @@ def round_half_to_even(v: jax.Array) -> jax.Array:
 
 
 def group_params(parts: tuple[jax.Array, ...], bits: int, symmetric: bool):
-    """Per-group (scale, offset) over a group split into column parts, each [bg, k] float32.
+    """Per-group (scale, offset, finite) over a group split into column parts, each [bg, k]
+    float32.
 
-    Returns scale [bg] and offset [bg] (None when symmetric), DeepSpeed's formulas above.
+    Returns scale [bg], offset [bg] (None when symmetric), DeepSpeed's formulas above, and
+    finite [bg] bool, False where the group holds a NaN or +-inf (its scale and offset are then
+    meaningless).
     """
     levels = float(2 ** bits)
+    # Triton lowers max / min to maxnumf / minnumf, which drop NaN (XLA's propagate it), so a NaN
+    # is counted as +inf in maxima and -inf in minima: a non-finite group then has an infinite
+    # range on every backend, and a finite group's range is unchanged.
     if symmetric:
-        absmax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p), axis=-1) for p in parts])
+        absmax = functools.reduce(jnp.maximum, [
+            jnp.max(jnp.where(jnp.isnan(p), jnp.inf, jnp.abs(p)), axis=-1) for p in parts])
         has_range = absmax > MIN_RANGE
         scale = jnp.where(has_range, levels / (2.0 * jnp.where(has_range, absmax, 1.0)), 1.0)
-        return scale, None
-    hi = functools.reduce(jnp.maximum, [jnp.max(p, axis=-1) for p in parts])
-    lo = functools.reduce(jnp.minimum, [jnp.min(p, axis=-1) for p in parts])
+        return scale, None, absmax < jnp.inf
+    hi = functools.reduce(jnp.maximum, [
+        jnp.max(jnp.where(jnp.isnan(p), jnp.inf, p), axis=-1) for p in parts])
+    lo = functools.reduce(jnp.minimum, [
+        jnp.min(jnp.where(jnp.isnan(p), -jnp.inf, p), axis=-1) for p in parts])
     spread = hi - lo
     has_range = spread > MIN_RANGE
     scale = jnp.where(has_range, levels / jnp.where(has_range, spread, 1.0), 1.0)
-    return scale, (hi + lo) * 0.5
+    return scale, (hi + lo) * 0.5, (hi < jnp.inf) & (lo > -jnp.inf)
 
 
 def quantize_parts(parts: tuple[jax.Array, ...], bits: int, symmetric: bool):
     """Quantizes one block of groups given as column parts ([bg, gs] for int8; the two halves
-    [bg, gs/2] for int4). Returns (codes [bg, gs / (8 // bits)] int8, step [bg], offset [bg])."""
-    scale, offset = group_params(parts, bits, symmetric)
+    [bg, gs/2] for int4). Returns (codes [bg, gs / (8 // bits)] int8, step [bg], offset [bg]);
+    a non-finite group gets codes 0 and step (and offset) NaN."""
+    scale, offset, finite = group_params(parts, bits, symmetric)
     q_min, q_max = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     codes = []
     for p in parts:
         centred = p if offset is None else p - offset[:, None]
-        c = jnp.clip(round_half_to_even(centred * scale[:, None]), q_min, q_max)
-        codes.append(c.astype(jnp.int32))
+        v = jnp.where(finite[:, None], round_half_to_even(centred * scale[:, None]), 0.0)
+        codes.append(jnp.clip(v, q_min, q_max).astype(jnp.int32))
     if bits == 8:
         packed = codes[0]
     else:
         low, high = codes
         packed = jnp.bitwise_or(jnp.bitwise_and(low, 0xF), jnp.left_shift(high, 4))
-    return packed.astype(jnp.int8), 1.0 / scale, offset
+    step = jnp.where(finite, 1.0 / scale, jnp.nan)
+    if offset is not None:
+        offset = jnp.where(finite, offset, jnp.nan)
+    return packed.astype(jnp.int8), step, offset
 
 
 def dequantize_parts(packed: jax.Array, step: jax.Array, offset: jax.Array | None, bits: int):
-    """Inverse of `quantize_parts` for one block: packed [bg, k] int8 -> column parts float32."""
+    """Inverse of `quantize_parts` for one block: packed [bg, k] int8 -> column parts float32.
+    Every code is multiplied by its group's step, so a NaN step makes the whole group NaN."""
     b = packed.astype(jnp.int32)
     if bits == 8:
         codes = (b,)

@@ -146,8 +146,12 @@ def quantize_reference(x: jax.Array, *, bits: int = 8, group_size: int,
 
 
 def quantize_groups_reference(g: jax.Array, *, bits: int, symmetric: bool):
-    """g [..., G, gs] float32 -> (data [..., G, packed] int8, steps [..., G], offsets or None)."""
+    """g [..., G, gs] float32 -> (data [..., G, packed] int8, steps [..., G], offsets or None).
+
+    A group holding a NaN or +-inf gets codes 0 and step (and offset) NaN: it dequantizes to NaN.
+    """
     levels = 2.0 ** bits
+    finite = jnp.all(jnp.isfinite(g), axis=-1)  # [..., G]
     if symmetric:
         absmax = jnp.max(jnp.abs(g), axis=-1)
         ok = absmax > MIN_RANGE
@@ -158,14 +162,14 @@ def quantize_groups_reference(g: jax.Array, *, bits: int, symmetric: bool):
         hi, lo = jnp.max(g, axis=-1), jnp.min(g, axis=-1)
         ok = hi - lo > MIN_RANGE
         scale = jnp.where(ok, levels / jnp.where(ok, hi - lo, 1.0), 1.0)
-        offset = (hi + lo) * 0.5
+        offset = jnp.where(finite, (hi + lo) * 0.5, jnp.nan)
         centred = g - offset[..., None]
-    codes = jnp.clip(jnp.round(centred * scale[..., None]), -levels / 2, levels / 2 - 1)
-    codes = codes.astype(jnp.int32)
+    codes = jnp.where(finite[..., None], jnp.round(centred * scale[..., None]), 0.0)
+    codes = jnp.clip(codes, -levels / 2, levels / 2 - 1).astype(jnp.int32)
     if bits == 4:  # low nibble: first half of the group, high nibble: second half
         half = g.shape[-1] // 2
         codes = (codes[..., :half] & 0xF) | (codes[..., half:] << 4)
-    return codes.astype(jnp.int8), 1.0 / scale, offset
+    return codes.astype(jnp.int8), jnp.where(finite, 1.0 / scale, jnp.nan), offset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +241,8 @@ def dequantize_reference(q: QuantizedArray) -> jax.Array:
 
 
 def dequantize_groups_reference(q: QuantizedArray) -> jax.Array:
-    """Pure-jnp dequantization keeping the group layout: float32 [*lead, G, group_size]."""
+    """Pure-jnp dequantization keeping the group layout: float32 [*lead, G, group_size]. Every
+    code is multiplied by its group's step, so a NaN step (a non-finite group) gives NaN."""
     b = q.data.astype(jnp.int32)
     if q.bits == 4:  # sign-extend the low nibble (first half), then the high one (second half)
         codes = jnp.concatenate([(b << 28) >> 28, b >> 4], axis=-1)

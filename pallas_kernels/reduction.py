@@ -8,7 +8,9 @@ second hop, `dequant_sum` gives the final float32 sum.
 
 The N contributions are stacked along a leading axis -- what `lax.all_to_all` hands back. Group
 size and group boundaries are those of the inputs: group g of the output is the sum of group g of
-each input, quantized with its own scale.
+each input, quantized with its own scale. A NaN step in any input's group g (a NaN or +-inf before
+quantization), or a float32 overflow of the sum, makes output group g NaN, so an fp16 overflow on
+one device reaches every device's overflow check.
 
 GPU: one program reads [N, block_groups, packed] and loops over N with static indices, so N
 need not be a power of two; every load and store is a power-of-two block, as the Triton lowering

@@ -1,6 +1,8 @@
 """quantize / dequantize: kernel vs `*_reference`, both vs float64 numpy, and accuracy vs
 DeepSpeed's reference quantizer (tests/unit/ops/quantizer/test_quantize.py)."""
 
+import hashlib
+
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -45,6 +47,32 @@ def deepspeed_quantize64(x: np.ndarray, bits: int, group_size: int, symmetric: b
     codes = np.clip(np.round(g * scale + zero_point), q_min, q_max)
     dequant = ((codes - zero_point) / scale).reshape(-1)[:flat.size].reshape(np.shape(x))
     return codes, 1.0 / scale[:, 0], dequant
+
+
+# Issue 10: a NaN or +-inf (an fp16 overflow) must survive quantization so that the overflow check
+# after qwZ / qgZ sees it. The tests below put `bad` at these elements of a 4097-element input in
+# groups of 256: mid-group 1, the first element of group 4, and the last element (group 16, whose
+# other 255 elements are padding repeating it). Group 8 holds a NaN, a +inf and a -inf together.
+NONFINITE = [np.nan, np.inf, -np.inf]
+NONFINITE_IDS = ["nan", "+inf", "-inf"]
+BAD_AT = [300, 1024, 4096]
+MIXED_AT = [2050, 2100, 2300]  # group 8
+
+
+def with_non_finite(x: np.ndarray, bad: float) -> tuple[np.ndarray, np.ndarray]:
+    """x with `bad` at BAD_AT and NaN, +inf, -inf at MIXED_AT; and the mask of hit groups of 256."""
+    y = x.copy()
+    y[BAD_AT] = bad
+    y[MIXED_AT] = NONFINITE
+    hit = np.zeros(-(-x.size // 256), bool)
+    hit[np.array(BAD_AT + MIXED_AT) // 256] = True
+    return y, hit
+
+
+def by_group(values, group_size: int) -> np.ndarray:
+    """A flat dequantized array [n] -> [G, group_size], padded with its last value."""
+    flat = np.asarray(values).reshape(-1)
+    return np.pad(flat, (0, -flat.size % group_size), mode="edge").reshape(-1, group_size)
 
 
 def unpack_codes(q: QuantizedArray) -> np.ndarray:
@@ -129,12 +157,78 @@ class TestQuantize:
         np.testing.assert_allclose(out, x, atol=1e-30 if not symmetric else 3.5 / 8)
 
 
+    @pytest.mark.parametrize("bad", NONFINITE, ids=NONFINITE_IDS)
+    @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
+    def test_non_finite_group_dequantizes_to_nan(self, bits, symmetric, bad):
+        x = np.random.default_rng(bits).standard_normal(4097).astype(np.float32)
+        y, hit = with_non_finite(x, bad)
+        kw = dict(bits=bits, group_size=256, symmetric=symmetric)
+        clean = quantize(jnp.asarray(x), **kw, **self.kw())
+        q = quantize(jnp.asarray(y), **kw, **self.kw())
+        r = quantize_reference(jnp.asarray(y), **kw)
+        # kernel == reference, NaN where the reference has NaN
+        np.testing.assert_array_equal(q.data, r.data)
+        np.testing.assert_allclose(q.scales, r.scales, rtol=1e-7, equal_nan=True)
+        # a hit group: codes 0, step (and offset) NaN; every other group exactly as without the hits
+        assert not np.any(np.asarray(q.data)[hit]) and np.all(np.isnan(q.scales[hit]))
+        np.testing.assert_array_equal(q.data[~hit], clean.data[~hit])
+        np.testing.assert_array_equal(q.scales[~hit], clean.scales[~hit])
+        if not symmetric:
+            np.testing.assert_allclose(q.offsets, r.offsets, rtol=1e-7, equal_nan=True)
+            assert np.all(np.isnan(q.offsets[hit]))
+            np.testing.assert_array_equal(q.offsets[~hit], clean.offsets[~hit])
+        out = dequantize(q, **self.kw())
+        np.testing.assert_allclose(out, dequantize_reference(r), rtol=0, atol=1e-6, equal_nan=True)
+        out, expected = by_group(out, 256), by_group(dequantize(clean, **self.kw()), 256)
+        assert np.all(np.isnan(out[hit]))
+        np.testing.assert_array_equal(out[~hit], expected[~hit])
+
+    def test_fp16_overflow_is_not_hidden(self):
+        # What issue 10 is about: fp16 gradients that overflowed to +-inf, quantized to int4.
+        x = np.random.default_rng(0).standard_normal(4097) * 2e4
+        with np.errstate(over="ignore"):
+            x16 = jnp.asarray(x.astype(np.float16))  # |x| > 65504 overflows to +-inf
+        q = quantize(x16, bits=4, group_size=256, **self.kw())
+        out = by_group(dequantize(q, **self.kw()), 256)
+        overflowed = ~np.isfinite(by_group(np.asarray(x16, np.float32), 256)).all(-1)
+        assert 0 < overflowed.sum() < overflowed.size
+        assert np.all(np.isnan(out[overflowed])) and np.all(np.isfinite(out[~overflowed]))
+
+
 class TestQuantizeInterpret(TestQuantize):
     INTERPRET = True
 
 
 # Accuracy is a property of the numerics: checked on the default path (the compiled kernel on
 # GPU); that the interpreted kernel gives the same codes is what the twin above checks.
+
+
+# sha256 (first 16 hex digits) of data, scales and offsets for `golden_input()`, group size 256,
+# recorded before issue 10's NaN handling: finite inputs must keep their codes and steps bit for
+# bit. Regenerate only for a deliberate change of numerics, and say so in the change.
+GOLDEN_DIGESTS = {(8, True): "d7813857364af80b", (8, False): "7efe71e2685de48b",
+                  (4, True): "5dfcafdd812b4efb", (4, False): "a2188068d31be4b6"}
+
+
+def golden_input() -> np.ndarray:
+    """4097 float32 values from exact integer arithmetic (no RNG, no libm): groups of 256 with
+    magnitudes 1/16 .. 16, a zero group, a constant group and one of about 1e-36."""
+    i = np.arange(4097)
+    x = ((i * 7919) % 4099 - 2049) / 517.0 * 2.0 ** ((i // 256) % 9 - 4)
+    x[512:768], x[768:1024] = 0.0, 1.5
+    x[1024:1280] *= 1e-36
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+@pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
+def test_finite_codes_and_steps_are_bit_identical_to_golden(bits, symmetric, impl):
+    q = quantize(jnp.asarray(golden_input()), bits=bits, group_size=256, symmetric=symmetric,
+                 impl=impl, interpret=True)
+    digest = hashlib.sha256(np.asarray(q.data).tobytes() + np.asarray(q.scales).tobytes())
+    if not symmetric:
+        digest.update(np.asarray(q.offsets).tobytes())
+    assert digest.hexdigest()[:16] == GOLDEN_DIGESTS[bits, symmetric]
 
 
 @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)

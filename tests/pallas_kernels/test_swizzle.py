@@ -16,6 +16,15 @@ from zeroxla.pallas_kernels import (
 CASES = [(2, 4, 512, 128), (1, 8, 100, 64), (3, 2, 1000, 256)]
 KINDS = [(4, True), (4, False), (8, True)]
 KIND_IDS = ["int4-sym", "int4-asym", "int8-sym"]
+NONFINITE = [np.nan, np.inf, -np.inf]
+NONFINITE_IDS = ["nan", "+inf", "-inf"]
+
+
+def by_group(values, group_size: int) -> np.ndarray:
+    """[..., chunk] -> [..., G, group_size], each row padded with its last value."""
+    a = np.asarray(values)
+    pad = [(0, 0)] * (a.ndim - 1) + [(0, -a.shape[-1] % group_size)]
+    return np.pad(a, pad, mode="edge").reshape(*a.shape[:-1], -1, group_size)
 
 
 class TestSwizzle:
@@ -55,6 +64,39 @@ class TestSwizzle:
                 alone = quantize_reference(parts[n, l], bits=4, group_size=group_size)
                 np.testing.assert_array_equal(data[l, n], alone.data)
                 np.testing.assert_allclose(scales[l, n], alone.scales, rtol=1e-7)
+
+
+    @pytest.mark.parametrize("bad", NONFINITE, ids=NONFINITE_IDS)
+    @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
+    def test_non_finite_group_dequantizes_to_nan(self, bits, symmetric, bad):
+        # Issue 10: a NaN or +-inf in a gradient must survive qgZ's quantization.
+        nodes, local, chunk, group_size = CASES[2]  # 3 x 2 partitions of 1000: 4 groups each
+        x = np.random.default_rng(chunk).standard_normal(nodes * local * chunk).astype(np.float32)
+        y = x.copy()
+        parts = y.reshape(nodes, local, chunk)  # a view: partition (n, l)
+        parts[1, 0, 600] = bad                  # group 2 of partition (1, 0)
+        parts[2, 1, 999] = bad                  # its last element: group 3, with the padding
+        parts[0, 1, [5, 6, 7]] = NONFINITE      # NaN, +inf, -inf together in group 0
+        hit = np.zeros((local, nodes, 4), bool)  # output layout [l, n, G]
+        hit[0, 1, 2] = hit[1, 2, 3] = hit[1, 0, 0] = True
+        args = dict(bits=bits, group_size=group_size, nodes=nodes, devices_per_node=local,
+                    symmetric=symmetric)
+        clean = swizzled_quantize(jnp.asarray(x), **args, **self.kw())
+        q = swizzled_quantize(jnp.asarray(y), **args, **self.kw())
+        r = swizzled_quantize_reference(jnp.asarray(y), **args)
+        np.testing.assert_array_equal(q.data, r.data)
+        np.testing.assert_allclose(q.scales, r.scales, rtol=1e-7, equal_nan=True)
+        assert not np.any(np.asarray(q.data)[hit]) and np.all(np.isnan(q.scales[hit]))
+        np.testing.assert_array_equal(q.data[~hit], clean.data[~hit])
+        np.testing.assert_array_equal(q.scales[~hit], clean.scales[~hit])
+        if not symmetric:
+            np.testing.assert_allclose(q.offsets, r.offsets, rtol=1e-7, equal_nan=True)
+            assert np.all(np.isnan(q.offsets[hit]))
+            np.testing.assert_array_equal(q.offsets[~hit], clean.offsets[~hit])
+        out = by_group(dequantize(q, impl="jnp"), group_size)  # [l, n, G, gs]
+        assert np.all(np.isnan(out[hit]))
+        np.testing.assert_array_equal(out[~hit], by_group(dequantize(clean, impl="jnp"),
+                                                          group_size)[~hit])
 
 
 class TestSwizzleInterpret(TestSwizzle):

@@ -2,6 +2,9 @@
 
     zeroxla train [options]     train a model on a text file (default: gpt-tiny on the bundled
                                 tiny-shakespeare, ZeRO-3 on a simulated 2 x 4 CPU mesh)
+    zeroxla export CKPT OUT     a checkpoint as Hugging Face safetensors + tokenizer files
+    zeroxla launch --nproc N -- COMMAND
+                                N local processes of COMMAND as one distributed JAX job
 
 Each subcommand is a pair: `_add_<name>(subparsers)` declares its options and sets `handler`, the
 function that runs it. To add one (e.g. `export`), write the pair and register it in
@@ -10,20 +13,28 @@ function that runs it. To add one (e.g. `export`), write the pair and register i
 This module must not start JAX: on a CPU host the number of simulated devices is fixed when the
 backend starts, so `train` first sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` (N =
 the mesh size; only if the user has not set a count) and only then imports the modules that use
-JAX. XLA reads the flag when the first backend is created, not at `import jax`.
+JAX. XLA reads the flag when the first backend is created, not at `import jax`. In a
+multi-process run (`zeroxla.app.distributed`) the count is this process's share of the mesh, and
+`jax.distributed.initialize` runs before anything else touches JAX. `launch` never starts JAX.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, TrainJobConfig  # no JAX use
+from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG, INTERRUPTED
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 EXPORT_DTYPES = ("float32", "bfloat16")     # zeroxla.checkpoint.export.DTYPES
+# TrainJobConfig's defaults, for the help texts (the options themselves default to None: "not
+# given", so that --resume can tell what the command line sets).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainJobConfig)}
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -46,6 +57,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 0")
     return value
 
 
@@ -82,74 +103,156 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         "train", help="train a language model with ZeRO on a text file",
         description="Train a models/ preset, character- or byte-level, on a UTF-8 text file "
                     "(default: the bundled tiny-shakespeare) with zeroxla.make_step on a "
-                    "(node, local) mesh. Writes metrics.jsonl, loss_curve.png and summary.json "
-                    "to --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="gpt-tiny",
-                   help="models/ preset (gpt-tiny, gpt-small, llama-tiny, ...)")
+                    "(node, local) mesh. Writes metrics.jsonl, loss_curve.png, summary.json and "
+                    "checkpoint/ to a run directory: a fresh runs/<model>-<YYYYmmdd-HHMMSS> "
+                    "unless --out names one. Ctrl-C saves a checkpoint and exits; --resume "
+                    "continues a run with its own settings. Under `zeroxla launch` (or "
+                    "ZEROXLA_DISTRIBUTED=auto) it runs as one process of a multi-process job.")
+    p.add_argument("--model", default=None,
+                   help="models/ preset (gpt-tiny, gpt-small, llama-tiny, ...); default "
+                        f"{_DEFAULTS['model']}")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="UTF-8 text file (.gz ok); default: the bundled tiny-shakespeare")
-    p.add_argument("--tokenizer", choices=("char", "byte"), default="char",
-                   help="character-level (vocabulary from the corpus) or UTF-8 byte-level")
-    p.add_argument("--steps", type=_positive_int, default=None, help="training steps "
-                   "(default: the tuned default of TrainJobConfig)")
+    p.add_argument("--tokenizer", choices=("char", "byte"), default=None,
+                   help="character-level (vocabulary from the corpus) or UTF-8 byte-level; "
+                        f"default {_DEFAULTS['tokenizer']}")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help=f"training steps; default {_DEFAULTS['steps']}")
     p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="global batch (DeepSpeed's train_batch_size); default: from --config, "
-                        "else the tuned default")
+                        f"else {DEFAULT_BATCH_SIZE}")
     p.add_argument("--seq-len", type=_positive_int, default=None,
-                   help="tokens per sequence (at most the model's max_seq_len)")
+                   help="tokens per sequence (at most the model's max_seq_len); default "
+                        f"{_DEFAULTS['seq_len']}")
     p.add_argument("--lr", type=_positive_float, default=None,
                    help="peak learning rate of the default warmup + cosine AdamW recipe (not "
-                        "with a --config that has an optimizer or scheduler)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps")
-    p.add_argument("--mesh", type=_mesh_shape, default=(2, 4), metavar="NODESxLOCAL",
-                   help="device mesh; on CPU the devices are simulated")
+                        "with a --config that has an optimizer or scheduler); default "
+                        f"{DEFAULT_LR:g}")
+    p.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+                   help=f"linear warmup steps; default {_DEFAULTS['warmup_steps']}")
+    p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="NODESxLOCAL",
+                   help="device mesh; on CPU the devices are simulated; default "
+                        f"{_DEFAULTS['mesh'][0]}x{_DEFAULTS['mesh'][1]}")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage (default 3, or zero_optimization.stage from --config)")
-    p.add_argument("--persistence-threshold", type=int, default=None, metavar="N",
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="compute dtype; master weights and optimizer state stay float32; fp16 "
+                        "adds DeepSpeed's dynamic loss scaling (default fp32, or the fp16/bf16 "
+                        "section of --config)")
+    p.add_argument("--grad-accum", type=_positive_int, default=None, metavar="N",
+                   help="micro-batches per step (DeepSpeed's gradient_accumulation_steps); the "
+                        "batch is split N ways (default 1, or from --config)")
+    p.add_argument("--persistence-threshold", type=_non_negative_int, default=None, metavar="N",
                    help="parameters with fewer elements stay replicated (DeepSpeed's "
                         "stage3_param_persistence_threshold); default: from --config, else 0 "
                         "(partition every leaf of the tiny default model)")
     p.add_argument("--config", default=None, metavar="DS_CONFIG.json",
                    help="a DeepSpeed JSON config (batch sizes, optimizer, scheduler, fp16/bf16, "
                         "zero_optimization); as in DeepSpeed, no zero_optimization means stage 0")
-    p.add_argument("--out", default="runs/train", metavar="DIR", help="output directory")
-    p.add_argument("--seed", type=int, default=0, help="model init, data order and sampling")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="run directory; default: a fresh runs/<model>-<YYYYmmdd-HHMMSS> (the "
+                        "resumed run's own directory with --resume). A directory that holds "
+                        "another run is refused")
+    p.add_argument("--seed", type=_non_negative_int, default=None,
+                   help=f"model init, data order and sampling; default {_DEFAULTS['seed']}")
     p.add_argument("--eval-every", type=_positive_int, default=None,
-                   help="validation every N steps (and at the end)")
+                   help="validation every N steps (and at the end); default "
+                        f"{_DEFAULTS['eval_every']}")
     p.add_argument("--eval-batches", type=_positive_int, default=None,
-                   help="validation batches per evaluation")
-    p.add_argument("--sample-tokens", type=int, default=None,
-                   help="tokens sampled from the trained model at the end")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+                   help=f"validation batches per evaluation; default {_DEFAULTS['eval_batches']}")
+    p.add_argument("--save-every", type=_non_negative_int, default=None, metavar="N",
+                   help="save a checkpoint every N steps (DeepSpeed's checkpoint interval); the "
+                        "final step is always saved; default 0: only the final one")
+    p.add_argument("--keep-last", type=_non_negative_int, default=None, metavar="K",
+                   help="keep only the newest K step checkpoints, deleting older ones after a "
+                        "newer one is committed (torchtitan's keep_latest_k); default 0: keep all")
+    p.add_argument("--sample-tokens", type=_non_negative_int, default=None,
+                   help="tokens sampled from the trained model at the end; default "
+                        f"{_DEFAULTS['sample_tokens']}")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature; default {_DEFAULTS['temperature']}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from the newest complete checkpoint in DIR (e.g. "
-                        "runs/train/checkpoint), on this run's mesh and stage")
+                   help="continue a run: its directory, its checkpoint/ or one step in it (the "
+                        "newest complete checkpoint by default). The run's own settings (model, "
+                        "data, mesh, ZeRO stage, dtype, batch, ...) are restored unless given "
+                        "here; metrics.jsonl is appended")
     p.set_defaults(handler=_run_train)
 
 
-# argparse dest -> TrainJobConfig field, for options whose default is the dataclass's.
-_TRAIN_FIELDS = {"steps": "steps", "seq_len": "seq_len", "warmup_steps": "warmup_steps",
-                 "eval_every": "eval_every", "eval_batches": "eval_batches",
-                 "sample_tokens": "sample_tokens", "temperature": "temperature"}
+# argparse dest -> TrainJobConfig field: the options that --resume restores unless given.
+_JOB_OPTIONS = {"model": "model", "data": "data", "tokenizer": "tokenizer", "steps": "steps",
+                "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr",
+                "warmup_steps": "warmup_steps", "mesh": "mesh", "zero_stage": "zero_stage",
+                "dtype": "dtype", "grad_accum": "grad_accum",
+                "persistence_threshold": "persistence_threshold", "config": "deepspeed_config",
+                "seed": "seed", "eval_every": "eval_every", "eval_batches": "eval_batches",
+                "save_every": "save_every", "keep_last": "keep_last",
+                "sample_tokens": "sample_tokens", "temperature": "temperature"}
+
+
+def _saved_job(resume: Any) -> dict:
+    """The metadata `zeroxla train` stored in the checkpoint `--resume` names ({} if none).
+    Reads JSON only: JAX is imported but no backend starts."""
+    from zeroxla import checkpoint
+
+    return checkpoint.read_metadata(resume.checkpoint_dir, resume.step)["metadata"]
+
+
+def _set_device_count(mesh: tuple[int, int], env: Any) -> None:
+    """Simulated CPU devices for this process: the mesh's, or its share of a multi-process mesh
+    (unless XLA_FLAGS already has a count, as `zeroxla launch --devices-per-proc` sets it)."""
+    from zeroxla.app.distributed import NUM_PROCESSES_ENV
+
+    count = mesh[0] * mesh[1]
+    if env is not None and env.auto:
+        return                  # a cluster: the devices are real, or the job script sets them
+    if env is not None:
+        if count % env.num_processes:
+            raise ValueError(f"--mesh {mesh[0]}x{mesh[1]} has {count} devices, which the "
+                             f"{env.num_processes} processes ({NUM_PROCESSES_ENV}) cannot share "
+                             f"evenly; accepted: a mesh of a multiple of {env.num_processes} "
+                             f"devices, e.g. {env.num_processes}x{mesh[1]}")
+        count //= env.num_processes
+    set_host_device_count(count)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    nodes, local = args.mesh
-    set_host_device_count(nodes * local)
+    """Runs `zeroxla train`. Everything up to `distributed.initialize` only reads files: a bad
+    option, a --out that holds another run or a --resume without checkpoints is refused before
+    JAX starts a backend."""
+    from zeroxla.app import distributed, rundir
+    from zeroxla.app.job import describe_resume, resumed_fields
+
+    explicit = {field: getattr(args, dest) for dest, field in _JOB_OPTIONS.items()
+                if getattr(args, dest) is not None}
+    env = distributed.from_environ(os.environ)
+    resume = rundir.locate_resume(args.resume) if args.resume else None
+    if args.out is not None:
+        rundir.check_out_dir(args.out, resuming=resume.run_dir if resume else None)
+    saved = _saved_job(resume) if resume else {}
+    job = TrainJobConfig(**resumed_fields(saved.get("job"), explicit), out_dir=args.out,
+                         progress=not args.no_progress, resume=args.resume)
+    _set_device_count(job.mesh, env)
+    if env is not None:
+        distributed.initialize(env)
+    import jax
+
     from zeroxla.app import train      # imports JAX: only after the flag is set
 
-    overrides = {field: getattr(args, dest) for dest, field in _TRAIN_FIELDS.items()
-                 if getattr(args, dest) is not None}
-    job = train.TrainJobConfig(
-        model=args.model, data=args.data, tokenizer=args.tokenizer, batch_size=args.batch_size,
-        lr=args.lr, mesh=(nodes, local), zero_stage=args.zero_stage,
-        persistence_threshold=args.persistence_threshold,
-        deepspeed_config=args.config, out_dir=args.out, seed=args.seed,
-        progress=not args.no_progress, resume=args.resume, **overrides)
-    summary = train.run(job)
-    print(train.format_summary(summary), flush=True)
+    primary = jax.process_index() == 0
+    if resume and primary:
+        print("\n".join(describe_resume(saved.get("settings"), explicit)), flush=True)
+    try:
+        summary = train.run(job)
+    except train.TrainingInterrupted as stop:
+        if primary:
+            print(f"zeroxla train: interrupted (Ctrl-C) after step {stop.step}; saved checkpoint "
+                  f"{stop.checkpoint_path}\nresume with: zeroxla train --resume {stop.run_dir}",
+                  file=sys.stderr, flush=True)
+        return INTERRUPTED
+    if primary:
+        print(train.format_summary(summary), flush=True)
     return 0
 
 
@@ -183,22 +286,74 @@ def _size(text: str) -> int | str:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    """Runs `zeroxla export`; prints the files written."""
-    from zeroxla.checkpoint.export import export_checkpoint
+    """Runs `zeroxla export`: the weights, then the tokenizer the checkpoint records (a
+    `zeroxla train` checkpoint records its character or byte vocabulary); prints the files."""
+    from zeroxla.app.hf_tokenizer import save_hf_tokenizer
+    from zeroxla.app.tokenizer import tokenizer_from_record
+    from zeroxla.checkpoint.export import checkpoint_metadata, export_checkpoint
 
-    files = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype,
+    meta = checkpoint_metadata(args.checkpoint, step=args.step)     # pins the step exported
+    files = export_checkpoint(args.checkpoint, args.out, step=meta["step"], dtype=args.dtype,
                               max_shard_size=args.max_shard_size)
+    record = meta["metadata"].get("tokenizer")
+    tokenizer = None
+    if record is not None:
+        tokenizer = tokenizer_from_record(record)
+        files += save_hf_tokenizer(tokenizer, args.out, model_max_length=meta["model_config"][
+            "fields"]["max_seq_len"])
     total = sum(f.stat().st_size for f in files)
-    print(json.dumps({"out": str(args.out), "files": [f.name for f in files],
-                      "bytes": total}, indent=2), flush=True)
+    print(json.dumps({"out": str(args.out), "step": meta["step"],
+                      "files": [f.name for f in files], "bytes": total,
+                      "tokenizer": (f"{record['kind']} ({tokenizer.vocab_size} ids)" if record
+                                    else "none recorded in the checkpoint")},
+                     indent=2), flush=True)
     return 0
 
+
+# ------------------------------------------------------------------------------------------------
+# launch
+
+def _add_launch(subparsers: argparse._SubParsersAction) -> None:
+    """Declares `zeroxla launch` and sets its handler to `_run_launch`."""
+    p = subparsers.add_parser(
+        "launch", help="run N local processes of a command as one distributed JAX job",
+        description="Start N processes of COMMAND on this machine, joined by JAX's distributed "
+                    "runtime: each gets ZEROXLA_COORDINATOR (127.0.0.1:<free port>), "
+                    "ZEROXLA_NUM_PROCESSES and ZEROXLA_PROCESS_ID, which `zeroxla train` reads "
+                    "to call jax.distributed.initialize (gloo collectives on CPU). Output lines "
+                    "are prefixed with [rank i]. If a process fails, the others are stopped "
+                    "(SIGTERM, then SIGKILL) and launch exits non-zero naming the rank. Example: "
+                    "zeroxla launch --nproc 2 --devices-per-proc 4 -- zeroxla train --mesh 2x4")
+    p.add_argument("--nproc", type=_positive_int, required=True, metavar="N",
+                   help="number of processes")
+    p.add_argument("--devices-per-proc", type=_positive_int, default=None, metavar="M",
+                   help="simulated CPU devices per process (XLA_FLAGS="
+                        f"{DEVICE_COUNT_FLAG}=M); default: XLA_FLAGS as it is (GPUs, or the "
+                        "command sets the count; zeroxla train uses its share of --mesh)")
+    p.add_argument("--grace-period", type=_positive_float, default=DEFAULT_GRACE_S,
+                   metavar="SECONDS", help="after SIGTERM, how long the other processes get "
+                   f"before SIGKILL (default {DEFAULT_GRACE_S:g})")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the command every process runs")
+    p.set_defaults(handler=_run_launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    """Runs `zeroxla launch`; returns the job's exit status."""
+    from zeroxla.app.launch import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ValueError("no COMMAND given; accepted: zeroxla launch --nproc N "
+                         "[--devices-per-proc M] -- COMMAND [ARGS ...]")
+    return launch(command, args.nproc, devices_per_proc=args.devices_per_proc,
+                  grace_s=args.grace_period)
 
 
 # ------------------------------------------------------------------------------------------------
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_train,
-                                                                         _add_export)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_train, _add_export, _add_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except KeyboardInterrupt:
+        if args.traceback:
+            raise
+        print(f"zeroxla {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         # RuntimeError: zeroxla.checkpoint.CheckpointError (corrupt or incomplete checkpoints).
         # Configuration mistakes name the option and the accepted values; a traceback would

@@ -94,6 +94,28 @@ class ByteTokenizer:
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
+def tokenizer_record(tokenizer: CharTokenizer | ByteTokenizer) -> dict[str, str]:
+    """A JSON-able description of `tokenizer`, stored in checkpoints so that a checkpoint can be
+    exported with its vocabulary: {"kind": "char", "chars": ...} or {"kind": "byte"}."""
+    if isinstance(tokenizer, CharTokenizer):
+        return {"kind": "char", "chars": tokenizer.chars}
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"kind": "byte"}
+    raise TypeError(f"tokenizer_record: {type(tokenizer).__name__} is not CharTokenizer or "
+                    "ByteTokenizer")
+
+
+def tokenizer_from_record(record: dict[str, str]) -> CharTokenizer | ByteTokenizer:
+    """Inverse of `tokenizer_record`."""
+    kind = record.get("kind")
+    if kind == "char":
+        return CharTokenizer(record["chars"])
+    if kind == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"tokenizer record kind={kind!r} is invalid; accepted: "
+                     f"{', '.join(TOKENIZERS)}")
+
+
 def make_tokenizer(kind: str, text: str) -> CharTokenizer | ByteTokenizer:
     """The tokenizer `kind` ("char" or "byte") fitted to the corpus `text`."""
     if kind == "char":

@@ -2,25 +2,34 @@
 
 `run(TrainJobConfig(...)) -> TrainSummary` trains a `models/` preset on a text corpus with
 `zeroxla.make_step` on a `("node", "local")` mesh, shows a progress bar (step, loss, tokens/s, step
-time), evaluates on the held-out split every `eval_every` steps, and writes to `out_dir`:
+time), evaluates on the held-out split every `eval_every` steps, and writes to its run directory
+(`zeroxla.app.rundir`; a fresh `runs/<model>-<time>` unless `out_dir` says otherwise):
 
     metrics.jsonl     one JSON object per step ({"step", "loss", "grad_norm", "lr", ...}) and per
-                      evaluation ({"step", "val_loss"})
-    loss_curve.png    train and validation loss against step
-    summary.json      the returned TrainSummary (final losses, tokens/s, memory, paths, samples)
-    checkpoint/       the final TrainState, once `save_final_checkpoint` is filled in
+                      evaluation ({"step", "val_loss"}); a resumed run appends to it
+    loss_curve.png    train and validation loss against step, the whole run
+    summary.json      "settings" (every value the run used) and the TrainSummary
+    checkpoint/<n>/   every `save_every` steps and at the end (the newest `keep_last` kept), and
+                      at Ctrl-C; each records the job, so `--resume` continues it as it was
 
-Where the settings come from: an explicit field wins; a DeepSpeed JSON (`deepspeed_config`) gives
-the batch size, ZeRO config, optimizer and schedule; otherwise the defaults below (tuned so the
-default job, gpt-tiny on tiny-shakespeare, finishes in a few minutes on two CPU cores). A field set
-both explicitly and in the JSON to different values is an error, not a silent override.
+The recipe (ZeRO config, optimizer, schedule, batch) comes from `zeroxla.app.recipe`. In a
+multi-process run (`zeroxla launch`, `zeroxla.app.distributed`) every process runs this same
+function: each builds only its own devices' rows of every batch, all take part in every step,
+evaluation and checkpoint, and process 0 alone writes metrics, plot and summary.
+
+The run directory is created only once the job has been set up (options, data, model, restore),
+so a job that fails to start leaves no directory behind; one that fails before its first step
+removes the directory it created.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
+import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -29,112 +38,24 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
-from zeroxla import models
 import zeroxla
-from zeroxla import checkpoint
-from zeroxla.deepspeed import config as ds_config
-from zeroxla.engine.config import ZeroConfig
+from zeroxla import checkpoint, models
+from zeroxla.app import distributed, rundir
 from zeroxla.app.data import BatchPlan, Corpus, device_batch, load_corpus
-from zeroxla.engine.mesh import make_mesh
+from zeroxla.app.interrupt import stop_requests
+from zeroxla.app.job import (DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPE_NAMES, TrainJobConfig,
+                             job_record)
+from zeroxla.app.recipe import TrainingSetup, resolve_setup
 from zeroxla.app.sampling import sample_text
-from zeroxla.app.tokenizer import TOKENIZERS
+from zeroxla.app.tokenizer import tokenizer_record
+from zeroxla.checkpoint.retention import prune_checkpoints
+from zeroxla.deepspeed import config as ds_config
+from zeroxla.engine.mesh import make_mesh
 
-# Defaults of the default job (see README): gpt-tiny, character level, tiny-shakespeare.
-DEFAULT_BATCH_SIZE = 32
-DEFAULT_LR = 1e-2
 # Validation batches are drawn with this seed whatever the training seed, so validation losses
 # of runs with different seeds are measured on the same text.
 VALIDATION_SEED = 1234
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainJobConfig:
-    """Everything `zeroxla train` needs. `None` means "from the DeepSpeed config, else default"."""
-
-    model: str = "gpt-tiny"
-    data: str | None = None                 # a UTF-8 text file; None = bundled tiny-shakespeare
-    tokenizer: str = "char"                 # "char" or "byte"
-    steps: int = 600
-    batch_size: int | None = None           # global batch (train_batch_size)
-    seq_len: int = 128
-    lr: float | None = None                 # peak learning rate of the default schedule
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1               # the cosine ends at lr * min_lr_ratio
-    weight_decay: float = 0.0
-    gradient_clipping: float = 1.0          # global-norm clipping of the default recipe
-    mesh: tuple[int, int] = (2, 4)          # (nodes, local devices per node)
-    zero_stage: int | None = None           # default 3
-    # Parameters with fewer elements stay replicated (DeepSpeed's
-    # stage3_param_persistence_threshold). None: from the DeepSpeed config, else 0. DeepSpeed's
-    # default, 1e5, exceeds every leaf of gpt-tiny (the largest has 28,800 elements), so it would
-    # partition nothing; 0 partitions every leaf and the summary shows ZeRO-3's 1/8 per device.
-    persistence_threshold: int | None = None
-    deepspeed_config: str | None = None     # a DeepSpeed JSON path
-    out_dir: str = "runs/train"
-    seed: int = 0
-    eval_every: int = 100
-    eval_batches: int = 8
-    val_fraction: float = 0.1
-    sample_tokens: int = 400
-    temperature: float = 0.8
-    progress: bool = True
-    resume: str | None = None               # a checkpoint directory written by an earlier run
-
-    def __post_init__(self) -> None:
-        def fail(name: str, accepted: str) -> None:
-            raise ValueError(f"TrainJobConfig.{name}={getattr(self, name)!r} is invalid; "
-                             f"accepted: {accepted}")
-
-        if self.model not in models.PRESETS:
-            fail("model", ", ".join(models.PRESETS))
-        if self.tokenizer not in TOKENIZERS:
-            fail("tokenizer", ", ".join(TOKENIZERS))
-        for name in ("steps", "seq_len", "eval_every", "eval_batches"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                fail(name, "an integer >= 1")
-        for name in ("warmup_steps", "sample_tokens", "seed"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                fail(name, "an integer >= 0")
-        if self.batch_size is not None and (not isinstance(self.batch_size, int)
-                                            or self.batch_size < 1):
-            fail("batch_size", "an integer >= 1, or None (from the DeepSpeed config or "
-                 f"{DEFAULT_BATCH_SIZE})")
-        if self.lr is not None and not self.lr > 0:
-            fail("lr", "a positive number, or None")
-        if not 0 <= self.min_lr_ratio <= 1:
-            fail("min_lr_ratio", "a number in [0, 1]")
-        if self.weight_decay < 0:
-            fail("weight_decay", "a number >= 0")
-        if self.gradient_clipping < 0:
-            fail("gradient_clipping", "0 (off) or a positive max norm")
-        if (len(self.mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in self.mesh)):
-            fail("mesh", "(nodes, local) with both >= 1, e.g. (2, 4)")
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            fail("zero_stage", "0, 1, 2, 3 or None")
-        if self.persistence_threshold is not None and (
-                not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0):
-            fail("persistence_threshold", "an integer >= 0, or None")
-        if not 0 < self.val_fraction < 1:
-            fail("val_fraction", "a number in (0, 1)")
-        if self.temperature < 0:
-            fail("temperature", "0 (greedy) or a positive number")
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.mesh[0] * self.mesh[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainingSetup:
-    """The resolved training recipe: what the job config and the DeepSpeed JSON add up to."""
-
-    zero: ZeroConfig
-    optimizer: optax.GradientTransformation
-    learning_rate: Callable[[Any], Any]        # optax count -> lr (for logging)
-    batch_size: int
-    source: str                                # where the recipe came from, for the summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,116 +63,46 @@ class TrainSummary:
     """What a finished run reports (also written to summary.json)."""
 
     steps: int
-    tokens_seen: int
+    tokens_seen: int                # over the whole run, resumed parts included
     final_train_loss: float         # mean loss on `eval_batches` fixed training batches
     final_val_loss: float           # same, on the held-out split
     tokens_per_s: float             # batch tokens / step_time_s
     step_time_s: float              # median step time after the first (compiling) step
-    compile_time_s: float           # the first step, compilation included
-    wall_time_s: float
+    compile_time_s: float           # the first step of this invocation, compilation included
+    wall_time_s: float              # this invocation
     memory: Mapping[str, int]       # per-device bytes from zeroxla.memory_report
     memory_table: str
     samples: str
     paths: Mapping[str, str | None]
+    resumed_from_step: int = 0      # 0: trained from scratch
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "memory": dict(self.memory),
                 "paths": dict(self.paths)}
 
 
-# ------------------------------------------------------------------------------------------------
-# Resolving the recipe.
+class TrainingInterrupted(Exception):
+    """Ctrl-C stopped the run between steps; a checkpoint of `step` was saved at `checkpoint`."""
 
-
-def _default_schedule(job: TrainJobConfig, peak: float) -> Callable[[Any], Any]:
-    """Linear warmup from 0 to `peak` over warmup_steps, then cosine to peak * min_lr_ratio."""
-    warmup = min(job.warmup_steps, job.steps - 1)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=warmup,
-        decay_steps=max(job.steps, warmup + 1), end_value=peak * job.min_lr_ratio)
-
-
-def _default_optimizer(job: TrainJobConfig,
-                       schedule: Callable[[Any], Any]) -> optax.GradientTransformation:
-    return optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=job.weight_decay)
-
-
-def _merge_job_into_deepspeed(job: TrainJobConfig, raw: dict, path: str) -> dict:
-    """The DeepSpeed dict with the job's explicit settings added; a conflict is an error."""
-    raw = json.loads(json.dumps(raw))      # a deep copy
-    for option, key, value in (
-            ("--zero-stage", "stage", job.zero_stage),
-            ("--persistence-threshold", "stage3_param_persistence_threshold",
-             job.persistence_threshold)):
-        if value is None:
-            continue
-        zero = raw.setdefault("zero_optimization", {})
-        if key in zero and zero[key] != value:
-            raise ValueError(f"{option} {value} conflicts with zero_optimization.{key}="
-                             f"{zero[key]} in {path}; give one")
-        zero[key] = value
-    if job.batch_size is not None:
-        if "train_batch_size" in raw and raw["train_batch_size"] != job.batch_size:
-            raise ValueError(f"--batch-size {job.batch_size} conflicts with train_batch_size="
-                             f"{raw['train_batch_size']} in {path}; give one")
-        raw["train_batch_size"] = job.batch_size
-    elif "train_batch_size" not in raw and "train_micro_batch_size_per_gpu" not in raw:
-        raw["train_batch_size"] = DEFAULT_BATCH_SIZE
-    if job.lr is not None and ("optimizer" in raw or "scheduler" in raw):
-        raise ValueError(f"--lr {job.lr} conflicts with the optimizer/scheduler sections of "
-                         f"{path}, which set the learning rate; give one")
-    return raw
-
-
-def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
-    """The ZeRO config, optimizer, schedule and global batch size for `job` (no devices used)."""
-    dp = job.data_parallel_size
-    if job.deepspeed_config is None:
-        batch = DEFAULT_BATCH_SIZE if job.batch_size is None else job.batch_size
-        if batch % dp:
-            raise ValueError(f"--batch-size {batch} is not a multiple of the {dp} data-parallel "
-                             f"devices of --mesh {job.mesh[0]}x{job.mesh[1]}; use "
-                             f"{max(dp, batch // dp * dp)}")
-        schedule = _default_schedule(job, DEFAULT_LR if job.lr is None else job.lr)
-        zero = ZeroConfig(
-            stage=3 if job.zero_stage is None else job.zero_stage,
-            persistence_threshold=job.persistence_threshold or 0,
-            gradient_clipping=job.gradient_clipping)
-        return TrainingSetup(zero=zero,
-                             optimizer=_default_optimizer(job, schedule), learning_rate=schedule,
-                             batch_size=batch, source="defaults (AdamW, warmup + cosine)")
-    path = job.deepspeed_config
-    raw, _ = ds_config.read_deepspeed_json(path)
-    merged = _merge_job_into_deepspeed(job, raw, path)
-    ds = ds_config.load_deepspeed_config(merged, data_parallel_size=dp, name=path)
-    schedule = ds.learning_rate
-    if schedule is None:
-        schedule = _default_schedule(job, DEFAULT_LR if job.lr is None else job.lr)
-    elif not callable(schedule):
-        schedule = optax.constant_schedule(schedule)
-    optimizer = ds.optimizer if ds.optimizer is not None else _default_optimizer(job, schedule)
-    return TrainingSetup(zero=ds.zero, optimizer=optimizer, learning_rate=schedule,
-                         batch_size=ds.train_batch_size, source=path)
+    def __init__(self, step: int, checkpoint_path: Path, run_dir: Path):
+        super().__init__(f"interrupted after step {step}; saved checkpoint {checkpoint_path}")
+        self.step, self.checkpoint_path, self.run_dir = step, checkpoint_path, run_dir
 
 
 # ------------------------------------------------------------------------------------------------
-# Seams and helpers.
+# Helpers.
 
 
-def save_final_checkpoint(step: Any, state: Any, out_dir: Path, *,
-                          metadata: dict | None = None) -> Path:
-    """Writes the final TrainState to `out_dir / "checkpoint"` (orbax, sharded; restorable onto
-    any mesh with `zeroxla.restore` or `zeroxla train --resume`) and returns the step's path."""
-    return checkpoint.save(out_dir / "checkpoint", state, step=step, metadata=metadata)
+def save_checkpoint(step: Any, state: Any, directory: Path, *, metadata: dict) -> Path:
+    """Writes the TrainState as checkpoint `state.step` under `directory` (orbax, sharded;
+    restorable onto any mesh with `zeroxla.restore` or `zeroxla train --resume`); returns the
+    step's path. Every process must call it."""
+    return checkpoint.save(directory, state, step=step, metadata=metadata)
 
 
 def _mesh_for(job: TrainJobConfig):
     nodes, local = job.mesh
-    devices = jax.devices()
-    # On a simulated CPU host the flag may have made more devices than the mesh needs.
-    if devices[0].platform == "cpu" and len(devices) > nodes * local:
-        devices = devices[:nodes * local]
-    return make_mesh(nodes, local, devices=devices)
+    return make_mesh(nodes, local, devices=distributed.mesh_devices(jax.devices(), nodes * local))
 
 
 def _model_factory(job: TrainJobConfig, corpus: Corpus) -> Callable[[], Any]:
@@ -266,6 +117,27 @@ def _model_factory(job: TrainJobConfig, corpus: Corpus) -> Callable[[], Any]:
 
 def _mean_loss(step: Any, state: Any, batches: list[dict]) -> float:
     return float(np.mean([float(step.eval_loss(state, b)) for b in batches]))
+
+
+def _host_model(state: Any) -> Any:
+    """The full model on this process's first device, for sampling. `gathered_model` moves the
+    parameters to one device, which needs them addressable here: with several processes each
+    first collects the whole storage-layout parameters on its host."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        device = jax.local_devices()[0]
+        params = jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True),
+                              state.params)
+        state = state.replace(step=jax.device_put(np.int32(0), device),
+                              params=jax.device_put(params, device), opt_state=None,
+                              loss_scale=None)
+    return zeroxla.gathered_model(state)
+
+
+def _peak_lr(schedule: Callable[[Any], Any], steps: int) -> float:
+    """The largest learning rate of the run, to float32's 7 digits (0.01, not 0.0099999998)."""
+    return float(f"{float(np.max(np.asarray(schedule(np.arange(steps))))):.7g}")
 
 
 def _write_plot(path: Path, records: list[dict], title: str) -> None:
@@ -297,6 +169,81 @@ def _write_plot(path: Path, records: list[dict], title: str) -> None:
     fig.savefig(path)
 
 
+def run_settings(job: TrainJobConfig, setup: TrainingSetup, corpus: Corpus,
+                 out: Path) -> dict[str, Any]:
+    """Every value the run uses, defaults resolved (summary.json's "settings"; also stored in
+    each checkpoint, and compared on --resume)."""
+    zero = setup.zero
+    dp = job.data_parallel_size
+    settings = {
+        "model": job.model, "data": corpus.source, "tokenizer": job.tokenizer,
+        "vocab_size": corpus.vocab_size, "steps": job.steps, "batch_size": setup.batch_size,
+        "micro_batch_size": setup.batch_size // (dp * zero.gradient_accumulation_steps),
+        "seq_len": job.seq_len, "lr": _peak_lr(setup.learning_rate, job.steps),
+        "lr_schedule": setup.source, "warmup_steps": job.warmup_steps,
+        "mesh": f"{job.mesh[0]}x{job.mesh[1]}", "processes": jax.process_count(),
+        "zero_stage": zero.stage, "persistence_threshold": zero.persistence_threshold,
+        "dtype": DTYPE_NAMES[zero.compute_dtype],
+        "loss_scaling": ("off" if not zero.uses_loss_scaling else "dynamic"
+                         if zero.loss_scale == 0 else f"static {zero.loss_scale:g}"),
+        "grad_accum": zero.gradient_accumulation_steps,
+        "gradient_clipping": zero.gradient_clipping, "seed": job.seed,
+        "eval_every": job.eval_every, "eval_batches": job.eval_batches,
+        "save_every": job.save_every, "keep_last": job.keep_last,
+        "sample_tokens": job.sample_tokens, "temperature": job.temperature, "out_dir": str(out),
+    }
+    if job.deepspeed_config is not None:
+        settings["deepspeed_config"] = job.deepspeed_config
+    return settings
+
+
+# ------------------------------------------------------------------------------------------------
+# The run directory.
+
+
+def _choose_out_dir(job: TrainJobConfig, resume: rundir.ResumePoint | None) -> tuple[Path, bool]:
+    """(the run directory, whether it is a fresh default one). Every process gets the same."""
+    if job.out_dir is not None:
+        out = Path(job.out_dir)
+        rundir.check_out_dir(out, resuming=resume.run_dir if resume else None)
+        return out, False
+    if resume is not None and resume.run_dir is not None:
+        return resume.run_dir, False
+    out = rundir.default_run_dir(job.model, now=datetime.datetime.now())
+    if jax.process_count() > 1:               # process 0's clock and file system decide
+        out = Path(distributed.broadcast_text(str(out)))
+    return out, True
+
+
+def _create_out_dir(out: Path, fresh: bool) -> Path | None:
+    """Creates `out` (process 0 only); returns the outermost directory this created, if any."""
+    if jax.process_index() != 0:
+        return None
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
+    if fresh and out.exists():
+        raise rundir.RunDirError(f"run directory {out} was created by another run meanwhile; "
+                                 "start again (a new name is chosen)")
+    out.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _earlier_records(resume: rundir.ResumePoint | None, first_step: int) -> list[dict]:
+    """The resumed run's metrics up to its checkpoint (later ones are redone, so dropped)."""
+    if resume is None or resume.run_dir is None:
+        return []
+    return [r for r in rundir.read_metrics(resume.run_dir / rundir.METRICS_FILE)
+            if r["step"] <= first_step]
+
+
+def _check_no_newer_checkpoint(directory: Path, first_step: int) -> None:
+    latest = checkpoint.latest_step(directory)
+    if latest is not None and latest > first_step:
+        raise rundir.RunDirError(
+            f"--resume: the checkpoint is at step {first_step} but {directory} already has a "
+            f"newer one, step {latest}; resume from the newest (--resume {directory.parent}) or "
+            f"continue into a fresh directory (--out {rundir.fresh_path(directory.parent)})")
+
+
 # ------------------------------------------------------------------------------------------------
 # The job.
 
@@ -304,15 +251,21 @@ def _write_plot(path: Path, records: list[dict], title: str) -> None:
 def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> TrainSummary:
     """Trains as `job` says and returns the summary (see the module docstring for the outputs).
 
-    `write` prints a line without breaking the progress bar (default: tqdm.write to stdout).
+    `write` prints a line without breaking the progress bar (default: tqdm.write to stdout); in
+    a multi-process run only process 0 writes. Raises `TrainingInterrupted` after Ctrl-C, once
+    the checkpoint of the current step is saved.
     """
     from tqdm import tqdm
 
-    write = write or (lambda line: tqdm.write(line))
     start = time.perf_counter()
-    out = Path(job.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    primary = jax.process_index() == 0
+    multi = jax.process_count() > 1
+    write = (write or (lambda line: tqdm.write(line))) if primary else (lambda line: None)
 
+    # 1. Set up: everything that can fail on a bad option or bad data, before any file is made.
+    resume = rundir.locate_resume(job.resume) if job.resume else None
+    out, fresh = _choose_out_dir(job, resume)
+    write(f"zeroxla train: run directory {out}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ds_config.DeepSpeedConfigWarning)
         setup = resolve_setup(job)
@@ -325,16 +278,6 @@ def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> T
     mesh = _mesh_for(job)
     step = zeroxla.make_step(_model_factory(job, corpus), mesh, optimizer=setup.optimizer,
                              config=setup.zero)
-    state, first_step = step.init(), 0
-    if job.resume:
-        # Any mesh, device count or stage: the checkpoint is re-laid out for this step.
-        restored = checkpoint.restore(job.resume, step)
-        state, first_step = restored.state, int(restored.metadata["data_position"])
-        if first_step >= job.steps:
-            raise ValueError(f"--resume {job.resume}: the checkpoint is at step {first_step}, "
-                             f"but --steps is {job.steps}; accepted: --steps > {first_step}")
-        write(f"resumed from {restored.path} at step {first_step}")
-
     batch, seq = setup.batch_size, job.seq_len
     train_plan = BatchPlan(len(corpus.train), batch, seq, seed=job.seed)
     val_plan = BatchPlan(len(corpus.val), batch, seq, seed=VALIDATION_SEED)
@@ -342,58 +285,122 @@ def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> T
     sharding = step.batch_sharding
     val_batches = [device_batch(corpus.val, val_plan, k, sharding)
                    for k in range(job.eval_batches)]
+    checkpoint_dir = out / rundir.CHECKPOINT_DIR
+    first_step = 0
+    if resume:
+        # Any mesh, device count or stage: the checkpoint is re-laid out for this step.
+        restored = checkpoint.restore(resume.checkpoint_dir, step, step=resume.step)
+        state, first_step = restored.state, int(restored.metadata["data_position"])
+        if first_step >= job.steps:
+            raise ValueError(f"--resume {job.resume}: the checkpoint is at step {first_step}, "
+                             f"but --steps is {job.steps}; accepted: --steps > {first_step}")
+        _check_no_newer_checkpoint(checkpoint_dir, first_step)
+        write(f"resumed from {restored.path} at step {first_step}")
+    else:
+        state = step.init()
+    settings = run_settings(job, setup, corpus, out)
+    zero = setup.zero
     write(f"zeroxla train: {job.model} on {corpus.source} ({len(corpus.train):,} train / "
-          f"{len(corpus.val):,} val tokens, vocab {corpus.vocab_size}), ZeRO-{setup.zero.stage} "
-          f"on a {job.mesh[0]}x{job.mesh[1]} mesh of {mesh.devices.flat[0].platform} devices, "
-          f"batch {batch} x {seq} tokens, recipe: {setup.source}")
+          f"{len(corpus.val):,} val tokens, vocab {corpus.vocab_size}), ZeRO-{zero.stage} "
+          f"on a {job.mesh[0]}x{job.mesh[1]} mesh of {mesh.devices.flat[0].platform} devices"
+          + (f" in {jax.process_count()} processes" if multi else "")
+          + f", batch {batch} x {seq} tokens"
+          + (f" in {zero.gradient_accumulation_steps} micro-batches"
+             if zero.gradient_accumulation_steps > 1 else "")
+          + f", {settings['dtype']}, recipe: {setup.source}")
 
-    metrics_path = out / "metrics.jsonl"
-    records: list[dict] = []
+    # 2. The run directory; a run that fails before its first step takes it away again.
+    created = _create_out_dir(out, fresh)
+    metrics_path = out / rundir.METRICS_FILE
+    records = _earlier_records(resume, first_step)
+    if primary:
+        rundir.write_metrics(metrics_path, records)
+    metadata = {"seed": job.seed, "model": job.model, "job": job_record(job),
+                "settings": settings, "tokenizer": tokenizer_record(corpus.tokenizer)}
+
+    def save(state: Any, done: int) -> Path:
+        path = save_checkpoint(step, state, checkpoint_dir,
+                               metadata={**metadata, "data_position": done})
+        if job.keep_last and primary:
+            prune_checkpoints(checkpoint_dir, job.keep_last)
+        return path
+
+    # 3. The loop.
     step_times: list[float] = []
     tokens_per_step = batch * seq
     val_loss = float("nan")
-    with open(metrics_path, "a" if first_step else "w", encoding="utf-8") as metrics_file, \
-            tqdm(total=job.steps, initial=first_step, desc="train", unit="step",
-                 disable=not job.progress, dynamic_ncols=True, mininterval=0.5) as bar:
-        for k in range(first_step, job.steps):
-            batch_k = device_batch(corpus.train, train_plan, k, sharding)
-            t0 = time.perf_counter()
-            state, metrics = step(state, batch_k)
-            values = {name: float(v) for name, v in metrics.items()}   # waits for the step
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
-            if not math.isfinite(values["loss"]):
-                raise FloatingPointError(f"step {k + 1}: loss is {values['loss']}; lower --lr "
-                                         "or enable gradient clipping in --config")
-            record = {"step": k + 1, **values, "lr": float(setup.learning_rate(k)),
-                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
-            records.append(record)
-            metrics_file.write(json.dumps(record) + "\n")
-            bar.set_postfix_str(f"loss {values['loss']:.3f}  {tokens_per_step / dt:,.0f} tok/s  "
-                                f"{dt * 1e3:.0f} ms/step", refresh=False)
-            bar.update(1)
-            if (k + 1) % job.eval_every == 0 or k + 1 == job.steps:
-                val_loss = _mean_loss(step, state, val_batches)
-                val_record = {"step": k + 1, "val_loss": val_loss}
-                records.append(val_record)
-                metrics_file.write(json.dumps(val_record) + "\n")
+    done, saved_at, saved_path = first_step, None, None
+    if resume and resume.checkpoint_dir.resolve() == checkpoint_dir.resolve():
+        saved_at, saved_path = first_step, restored.path        # no need to save it again
+    stopped = False
+    try:
+        # Processes other than 0 write their metrics nowhere.
+        metrics_target = metrics_path if primary else os.devnull
+        with open(metrics_target, "a", encoding="utf-8") as metrics_file, \
+                tqdm(total=job.steps, initial=first_step, desc="train", unit="step",
+                     disable=not (job.progress and primary), dynamic_ncols=True,
+                     mininterval=0.5) as bar, \
+                stop_requests() as ctrl_c:
+            for k in range(first_step, job.steps):
+                # Every process must stop at the same step (the save is collective).
+                if distributed.any_process(ctrl_c.requested) if multi else ctrl_c.requested:
+                    stopped = True
+                    break
+                batch_k = device_batch(corpus.train, train_plan, k, sharding)
+                t0 = time.perf_counter()
+                state, metrics = step(state, batch_k)
+                values = {name: float(v) for name, v in metrics.items()}   # waits for the step
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                if not math.isfinite(values["loss"]):
+                    raise FloatingPointError(f"step {k + 1}: loss is {values['loss']}; lower --lr "
+                                             "or enable gradient clipping in --config")
+                done = k + 1
+                record = {"step": done, **values, "lr": float(setup.learning_rate(k)),
+                          "tokens": tokens_per_step, "step_time_s": dt,
+                          "tokens_per_s": tokens_per_step / dt}
+                records.append(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                bar.set_postfix_str(f"loss {values['loss']:.3f}  {tokens_per_step / dt:,.0f} "
+                                    f"tok/s  {dt * 1e3:.0f} ms/step", refresh=False)
+                bar.update(1)
+                if done % job.eval_every == 0 or done == job.steps:
+                    val_loss = _mean_loss(step, state, val_batches)
+                    val_record = {"step": done, "val_loss": val_loss}
+                    records.append(val_record)
+                    metrics_file.write(json.dumps(val_record) + "\n")
+                    write(f"step {done:>6}: train loss {values['loss']:.4f}  "
+                          f"validation loss {val_loss:.4f}")
                 metrics_file.flush()
-                write(f"step {k + 1:>6}: train loss {values['loss']:.4f}  "
-                      f"validation loss {val_loss:.4f}")
+                if job.save_every and done % job.save_every == 0 and done < job.steps:
+                    saved_at, saved_path = done, save(state, done)
+                    write(f"step {done:>6}: saved checkpoint {saved_path}")
+    except BaseException:
+        if created is not None and done == first_step:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
+    plot_path = out / rundir.PLOT_FILE
+    title = (f"{job.model} on {corpus.source}: ZeRO-{zero.stage}, mesh "
+             f"{job.mesh[0]}x{job.mesh[1]}, batch {batch}x{seq}")
+    if stopped:
+        if saved_at != done:
+            saved_path = save(state, done)
+        if primary:
+            _write_plot(plot_path, records, title)
+        raise TrainingInterrupted(done, saved_path, out)
+
+    # 4. The report.
     train_loss = _mean_loss(step, state, [device_batch(corpus.train, train_eval_plan, k, sharding)
                                           for k in range(job.eval_batches)])
     # The median step after the first (compiling) one: robust to a recompile or a busy host.
     step_time = float(np.median(step_times[1:] or step_times))
     report = zeroxla.memory_report(step, state, val_batches[0])
+    if primary:
+        _write_plot(plot_path, records, title)
+    checkpoint_path = save(state, job.steps) if saved_at != job.steps else saved_path
 
-    plot_path = out / "loss_curve.png"
-    _write_plot(plot_path, records, f"{job.model} on {corpus.source}: ZeRO-{setup.zero.stage}, "
-                f"mesh {job.mesh[0]}x{job.mesh[1]}, batch {batch}x{seq}")
-    checkpoint_path = save_final_checkpoint(step, state, out, metadata={
-        "data_position": job.steps, "seed": job.seed, "model": job.model})
-
-    model = zeroxla.gathered_model(step, state)
+    model = _host_model(state)
     try:
         prompt = corpus.tokenizer.encode("\n")
     except ValueError:
@@ -401,30 +408,34 @@ def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> T
     samples = sample_text(model, corpus.tokenizer, prompt, num_tokens=job.sample_tokens,
                           context=seq, temperature=job.temperature, seed=job.seed)
 
-    summary_path = out / "summary.json"
+    summary_path = out / rundir.SUMMARY_FILE
     summary = TrainSummary(
-        steps=job.steps, tokens_seen=(job.steps - first_step) * tokens_per_step,
+        steps=job.steps,
+        tokens_seen=sum(r.get("tokens", tokens_per_step) for r in records if "loss" in r),
         final_train_loss=train_loss, final_val_loss=val_loss,
         tokens_per_s=tokens_per_step / step_time, step_time_s=step_time,
         compile_time_s=step_times[0], wall_time_s=time.perf_counter() - start,
         memory={k: int(v) for k, v in report.to_dict().items() if isinstance(v, (int, float))},
         memory_table=report.table(),
         samples=samples,
-        paths={"metrics": str(metrics_path), "loss_curve": str(plot_path),
-               "summary": str(summary_path),
-               "checkpoint": str(checkpoint_path)})
-    with open(summary_path, "w", encoding="utf-8") as f:
-        json.dump({"job": dataclasses.asdict(job), **summary.to_dict()}, f, indent=2)
+        paths={"run_dir": str(out), "metrics": str(metrics_path), "loss_curve": str(plot_path),
+               "summary": str(summary_path), "checkpoint": str(checkpoint_path)},
+        resumed_from_step=first_step)
+    if primary:
+        with open(summary_path, "w", encoding="utf-8") as f:
+            json.dump({"settings": settings, **summary.to_dict()}, f, indent=2)
     return summary
 
 
 def format_summary(summary: TrainSummary) -> str:
     """The end-of-run report `zeroxla train` prints."""
     sample = "\n".join("    " + line for line in summary.samples.splitlines())
+    resumed = (f", resumed at step {summary.resumed_from_step}" if summary.resumed_from_step
+               else "")
     return "\n".join([
         "",
         "=== summary ===",
-        f"steps                 {summary.steps}  ({summary.tokens_seen:,} tokens)",
+        f"steps                 {summary.steps}  ({summary.tokens_seen:,} tokens{resumed})",
         f"final train loss      {summary.final_train_loss:.4f}",
         f"final validation loss {summary.final_val_loss:.4f}",
         f"throughput            {summary.tokens_per_s:,.0f} tokens/s  "
@@ -438,6 +449,7 @@ def format_summary(summary: TrainSummary) -> str:
         sample,
         "",
         "=== written ===",
+        f"run directory {summary.paths['run_dir']}",
         f"metrics      {summary.paths['metrics']}",
         f"loss curve   {summary.paths['loss_curve']}",
         f"summary      {summary.paths['summary']}",
@@ -445,5 +457,6 @@ def format_summary(summary: TrainSummary) -> str:
     ])
 
 
-__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_LR", "TrainJobConfig", "TrainSummary", "TrainingSetup",
-           "format_summary", "resolve_setup", "run", "save_final_checkpoint"]
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_LR", "TrainJobConfig", "TrainSummary",
+           "TrainingInterrupted", "TrainingSetup", "format_summary", "resolve_setup", "run",
+           "run_settings", "save_checkpoint"]

@@ -2,6 +2,7 @@
 
     zeroxla export CHECKPOINT OUT [--dtype float32|bfloat16] [--max-shard-size 5GB] [--step N]
     export_checkpoint("runs/ckpt", "hf_out", dtype="bfloat16")
+    checkpoint_metadata("runs/ckpt")["metadata"]      # what the trainer stored beside it
 
 DeepSpeed's `zero_to_fp32.py` first loads every rank's partition into host memory. Here a
 checkpoint already stores every parameter whole in its logical shape (`zeroxla.checkpoint`), so
@@ -11,7 +12,10 @@ them (`models.hf` owns the name map and the reshapes), and hands the tensor to t
 writer, which keeps at most one shard. Host memory stays at about one shard plus a few copies of
 the largest tensor, whatever the model size. Every array's checksum is verified as it is read.
 
-The `zeroxla export` subcommand is declared in `zeroxla.app.cli`.
+The `zeroxla export` subcommand is declared in `zeroxla.app.cli`; it also writes the tokenizer a
+`zeroxla train` checkpoint records (`zeroxla.app.hf_tokenizer`), so that
+`transformers.AutoTokenizer.from_pretrained(OUT)` loads next to the model. Every file written is
+mode 0644.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+FILE_MODE = 0o644
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None,
@@ -48,7 +53,22 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     def get(path: str, layer: int | None) -> Any:
         return arrays.read(f"params/{path}", layer)
 
-    return hf.save_hf_model(config, get, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    files = hf.save_hf_model(config, get, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    # safetensors creates its files owner-only (0600); an export is meant to be shared and
+    # uploaded, so every file is world-readable whatever the umask.
+    for path in files:
+        path.chmod(FILE_MODE)
+    return files
+
+
+def checkpoint_metadata(checkpoint: str | Path, *, step: int | None = None) -> dict[str, Any]:
+    """The stored JSON of the checkpoint `export_checkpoint(checkpoint, step=step)` would read
+    (`zeroxla.checkpoint.read_metadata`): its "step", "model_config" and the caller's
+    "metadata", e.g. the tokenizer `zeroxla train` records."""
+    from zeroxla import checkpoint as ckpt
+
+    root, step = _resolve(Path(checkpoint), step)
+    return ckpt.read_metadata(root, step)
 
 
 def _resolve(path: Path, step: int | None) -> tuple[Path, int | None]:
@@ -64,4 +84,4 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, int | None]:
     return path, step
 
 
-__all__ = ["DTYPES", "export_checkpoint"]
+__all__ = ["DTYPES", "FILE_MODE", "checkpoint_metadata", "export_checkpoint"]

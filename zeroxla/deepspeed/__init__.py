@@ -1,6 +1,21 @@
 """DeepSpeed compatibility: a DeepSpeed JSON config mapped onto zeroxla's dataclasses.
 
-    config.py        load_deepspeed_config: the JSON keys, checked, onto ZeroConfig and friends
+    config.py        load_deepspeed_config / zero_config_from_json: the loader
+    keys.py          the key table: every DeepSpeed key, its check and its destination (KEY_MAP)
+    checks.py        value checks and the errors that name the JSON key
+    zero_config.py   the ZeroConfig keys checked together and against the mesh (hpZ clamp)
     optimizers.py    DeepSpeed's optimizer section onto optax
     lr_schedules.py  DeepSpeed's LR schedulers (WarmupLR, WarmupDecayLR, ...) as optax schedules
+
+    ds = zeroxla.deepspeed.load_deepspeed_config("ds_config.json", mesh_local_size=4)
+    step = zeroxla.make_step(model, mesh, optimizer=ds.optimizer, config=ds.zero)
 """
+
+from zeroxla.deepspeed.checks import DeepSpeedConfigError, DeepSpeedConfigWarning
+from zeroxla.deepspeed.config import (DeepSpeedConfig, load_deepspeed_config, read_deepspeed_json,
+                                      zero_config_from_json)
+from zeroxla.deepspeed.keys import KEY_MAP, describe_key_map
+
+__all__ = ["KEY_MAP", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedConfigWarning",
+           "describe_key_map", "load_deepspeed_config", "read_deepspeed_json",
+           "zero_config_from_json"]

@@ -59,7 +59,9 @@ def test_train_options_parse():
             args.zero_stage, args.config, args.out, args.seed) == (
         "llama-tiny", "x.txt", 7, 16, 64, 1e-3, (1, 8), 2, "ds.json", "o", 3)
     defaults = cli.build_parser().parse_args(["train"])
-    assert defaults.mesh == (2, 4) and defaults.config is None
+    # None: not given (--resume restores the run's value; otherwise TrainJobConfig's default).
+    assert defaults.mesh is None and defaults.config is None
+    assert train.TrainJobConfig().mesh == (2, 4)
 
 
 @pytest.mark.parametrize("argv", [["train", "--mesh", "2by4"], ["train", "--mesh", "0x8"],

@@ -2,10 +2,12 @@
 
 A GPT (4 layers, d_model 128) trained nowhere but checkpointed from ZeRO-3 on 2 x 4 devices,
 and llama-tiny from ZeRO-0 on one device; both exported, re-imported with `models.hf`, and run.
+And a `zeroxla train` run, exported with its tokenizer and loaded by `transformers`.
 """
 
 import json
 import shutil
+import stat
 import tracemalloc
 
 import jax
@@ -118,3 +120,60 @@ def test_export_of_corrupted_checkpoint_raises(llama, tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(checkpoint.CorruptCheckpointError):
         export_checkpoint(directory, tmp_path / "out")
+
+
+# ---- a zeroxla train run, exported with its tokenizer, loaded by transformers --------------------
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """gpt-tiny trained 3 steps by `zeroxla train`'s job (character tokenizer)."""
+    from zeroxla.app import train
+
+    job = train.TrainJobConfig(steps=3, batch_size=8, seq_len=32, eval_batches=1,
+                               sample_tokens=0, progress=False,
+                               out_dir=str(tmp_path_factory.mktemp("train") / "run"))
+    train.run(job, write=lambda line: None)
+    return job
+
+
+def test_trained_run_exports_a_model_and_tokenizer_transformers_loads(trained_run, tmp_path,
+                                                                      capsys):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    import zeroxla
+    from zeroxla.app.data import load_corpus
+    from zeroxla.app.recipe import resolve_setup
+
+    run_checkpoint = f"{trained_run.out_dir}/checkpoint"
+    out = tmp_path / "hf"
+    assert cli.main(["export", run_checkpoint, str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["step"] == 3 and printed["tokenizer"] == "char (65 ids)"
+    assert {hf.SINGLE_FILE, "config.json", "tokenizer.json", "tokenizer_config.json"} == {
+        p.name for p in out.iterdir()} == set(printed["files"])
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        name: 0o644 for name in printed["files"]}
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "ROMEO:\nBut, soft! what light through yonder window breaks?\n  It is the east."
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert ids == load_corpus().tokenizer.encode(text).tolist()      # the run's own ids
+
+    # Our model: the checkpoint restored with the run's optimizer, gathered by the engine.
+    restored = zeroxla.restore(run_checkpoint, (make_mesh(2, 4), None),
+                               optimizer=resolve_setup(trained_run).optimizer)
+    ours = zeroxla.gathered_model(restored.state)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = np.asarray(ids[:20], np.int32)[None]                     # [1, 20]
+    with torch.no_grad():
+        generated = theirs.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=8,
+                                    do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True)
+    sequence = generated.sequences.numpy().astype(np.int32)           # [1, 28]
+    assert sequence.shape == (1, 28) and (sequence[:, :20] == prompt).all()
+    assert tokenizer.decode(sequence[0]).startswith(text[:20])
+    # generate's logits for each new token = ours at the same position, on the same ids.
+    their_logits = np.stack([step.numpy()[0] for step in generated.logits])     # [8, V]
+    our_logits = np.asarray(ours(sequence[:, :-1]))[0, 19:]                      # [8, V]
+    np.testing.assert_allclose(their_logits, our_logits, atol=1e-4)

@@ -19,7 +19,8 @@ import pytest
 from zeroxla.engine.config import ZeroConfig
 from zeroxla.deepspeed.config import (BF16, FP16, KEY_MAP, OPTIMIZERS, SCHEDULERS, TOP_LEVEL, ZERO,
                                       DeepSpeedConfigError, DeepSpeedConfigWarning,
-                                      describe_key_map, load_deepspeed_config)
+                                      describe_key_map, load_deepspeed_config,
+                                      zero_config_from_json)
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 
@@ -594,7 +595,9 @@ def test_unknown_key_without_a_close_match_lists_the_valid_keys():
     ({"zero_optimization": [1]}, r"zero_optimization must be a JSON object"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"at most one"),
     ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
-     r"zero_optimization.stage -> ZeroConfig.stage=2 is invalid; accepted: 3 when ZeRO\+\+"),
+     r"zero_optimization.zero_quantized_weights=true needs zero_optimization.stage=3 .*, but "
+     r"zero_optimization.stage=2; accepted: zero_optimization.stage=3, or "
+     r"zero_optimization.zero_quantized_weights=false"),
 ], ids=lambda v: None if isinstance(v, str) else json.dumps(v)[:60])
 def test_wrong_type_or_range_names_the_key_and_the_accepted_values(cfg, message):
     with pytest.raises(DeepSpeedConfigError, match=message):
@@ -671,15 +674,55 @@ ZEROPP_TUTORIAL = {   # docs/_tutorials/zeropp.md in deepspeedai/DeepSpeed, verb
 
 
 def test_zeropp_tutorial_config_loads_unchanged():
-    path = EXAMPLES / "ds_zeropp.json"
-    assert json.loads(path.read_text()) == ZEROPP_TUTORIAL
     with pytest.warns(DeepSpeedConfigWarning) as record:
-        zero = ZeroConfig.from_deepspeed(path)
+        zero = zero_config_from_json(ZEROPP_TUTORIAL)
     assert zero == ZeroConfig(stage=3, quantized_weights=True, hpz_partition_size=16,
                               quantized_gradients=True)
     assert sorted(str(w.message).split("'")[1] for w in record) == [
         "zero_optimization.contiguous_gradients", "zero_optimization.overlap_comm",
         "zero_optimization.reduce_bucket_size", "zero_optimization.reduce_scatter"]
+
+
+def test_zeropp_example_is_the_tutorial_with_a_persistence_threshold_for_gpt_tiny():
+    """examples/ds_zeropp.json = the tutorial's config + stage3_param_persistence_threshold (see
+    README): DeepSpeed's default threshold, 1e5, would keep every gpt-tiny parameter replicated."""
+    example = json.loads((EXAMPLES / "ds_zeropp.json").read_text())
+    threshold = example["zero_optimization"].pop("stage3_param_persistence_threshold")
+    assert example == ZEROPP_TUTORIAL and threshold == 1000
+
+
+def test_zeropp_example_partitions_and_quantizes_gpt_tiny_on_the_default_mesh():
+    """The train job's default mesh is 2 nodes x 4 local devices: hpZ 16 is clamped to 4, and
+    every weight matrix of gpt-tiny is over the persistence threshold, so it is partitioned and
+    gathered with qwZ."""
+    from flax import nnx
+
+    from zeroxla.models import GPTConfig, abstract_model
+    from zeroxla.models.axes import EMBED
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", DeepSpeedConfigWarning)
+        zero = load_deepspeed_config(EXAMPLES / "ds_zeropp.json", mesh_local_size=4).zero
+    assert [str(w.message) for w in record if "exceeds" in str(w.message)] == [
+        f"{EXAMPLES / 'ds_zeropp.json'}: zero_optimization.zero_hpz_partition_size=16 exceeds the "
+        "4 devices per node of the mesh; using zero_optimization.zero_hpz_partition_size=4: hpZ's "
+        "secondary partition must lie inside a node, and DeepSpeed's ZeRO++ tutorial sets it to "
+        "the devices per node"]
+    assert zero.stage == 3 and zero.quantized_weights and zero.quantized_gradients
+    assert zero.hpz_partition_size == 4
+    zero.validate_for_mesh(local_devices=4, data_devices=8)
+    # Weight matrices: the leaves over d_model with two or more dims per layer (biases and norm
+    # scales are vectors per layer, or not over d_model). The threshold applies per layer.
+    params = nnx.to_flat_state(nnx.state(abstract_model(GPTConfig.tiny()), nnx.Param))
+    matrices = {}
+    for path, var in params:
+        axes = var.get_metadata()["logical_axes"]
+        shape = var.get_value().shape
+        shape = shape[1:] if axes[0] == "layers" else shape
+        if EMBED in axes and len(shape) >= 2:
+            matrices["/".join(map(str, path))] = math.prod(shape)
+    assert {"embed/wte", "blocks/layers/wq", "blocks/layers/w_fc"} <= set(matrices)
+    assert zero.persistence_threshold < min(matrices.values()), matrices
 
 
 def test_zero3_adamw_warmupdecay_example():

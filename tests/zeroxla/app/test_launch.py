@@ -1,0 +1,167 @@
+"""`zeroxla launch` and the multi-process environment: the env contract, output prefixes,
+failure handling, and a real 2-process `zeroxla train` against the 1-process run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from zeroxla.app import distributed, launch, rundir
+
+
+def zeroxla(*args):
+    exe = shutil.which("zeroxla")
+    return [exe, *args] if exe else [sys.executable, "-m", "zeroxla", *args]
+
+
+def cpu_env():
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and k not in distributed.ENV_VARS}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+# ---- the environment contract --------------------------------------------------------------------
+
+def test_rank_environ_round_trips_through_from_environ():
+    env = launch.rank_environ({"XLA_FLAGS": "--xla_dump_to=/x "
+                               "--xla_force_host_platform_device_count=8", "KEEP": "1"},
+                              rank=1, nproc=2, coordinator="127.0.0.1:1234", devices_per_proc=4)
+    assert env["KEEP"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/x --xla_force_host_platform_device_count=4"
+    assert distributed.from_environ(env) == distributed.DistributedEnv(
+        coordinator="127.0.0.1:1234", num_processes=2, process_id=1)
+    assert "XLA_FLAGS" not in launch.rank_environ({}, 0, 1, "h:1", None)
+    assert distributed.from_environ({}) is None
+    assert distributed.from_environ({"ZEROXLA_DISTRIBUTED": "auto"}).auto
+
+
+@pytest.mark.parametrize("environ,message", [
+    ({"ZEROXLA_NUM_PROCESSES": "2"}, "ZEROXLA_COORDINATOR, ZEROXLA_PROCESS_ID not"),
+    ({"ZEROXLA_COORDINATOR": "localhost", "ZEROXLA_NUM_PROCESSES": "2",
+      "ZEROXLA_PROCESS_ID": "0"},
+     "ZEROXLA_COORDINATOR='localhost' is invalid; accepted: HOST:PORT"),
+    ({"ZEROXLA_COORDINATOR": "h:1", "ZEROXLA_NUM_PROCESSES": "2", "ZEROXLA_PROCESS_ID": "2"},
+     r"ZEROXLA_PROCESS_ID='2' is invalid; accepted: an integer in \[0, 1\]"),
+    ({"ZEROXLA_DISTRIBUTED": "slurm"}, "ZEROXLA_DISTRIBUTED='slurm' is invalid; accepted: auto"),
+    ({"ZEROXLA_DISTRIBUTED": "auto", "ZEROXLA_PROCESS_ID": "0"}, "are both set"),
+])
+def test_bad_environment_names_the_variable(environ, message):
+    with pytest.raises(ValueError, match=message):
+        distributed.from_environ(environ)
+
+
+def test_mesh_devices_put_each_process_in_consecutive_rows():
+    from collections import namedtuple
+
+    Device = namedtuple("Device", "process_index id")
+    devices = [Device(1, 5), Device(0, 1), Device(1, 4), Device(0, 0)]
+    assert distributed.mesh_devices(devices, 4) == [Device(0, 0), Device(0, 1), Device(1, 4),
+                                                    Device(1, 5)]
+    with pytest.raises(ValueError, match="accepted: a --mesh NODESxLOCAL with NODES x LOCAL = 4, "
+                                         "e.g. 2x2"):
+        distributed.mesh_devices(devices, 2)        # every process must take part
+    one_host = [Device(0, i) for i in range(8)]
+    assert distributed.mesh_devices(one_host, 4) == one_host[:4]
+    with pytest.raises(ValueError, match="only 8 are available"):
+        distributed.mesh_devices(one_host, 16)
+
+
+def test_lines_split_on_newline_and_carriage_return():
+    assert launch.split_lines(b"a\nb\rprogress") == ([b"a\n", b"b\r"], b"progress")
+    assert launch.split_lines(b"") == ([], b"")
+
+
+def test_exit_descriptions():
+    assert launch.describe_exit(1, 3) == "rank 1 exited with status 3"
+    assert launch.describe_exit(0, -9) == "rank 0 was killed by signal SIGKILL"
+
+
+# ---- the launcher --------------------------------------------------------------------------------
+
+CHILD = """
+import os, sys, time
+rank = int(os.environ["ZEROXLA_PROCESS_ID"])
+print(f"hello {rank} of {os.environ['ZEROXLA_NUM_PROCESSES']}", flush=True)
+print(f"flags {os.environ.get('XLA_FLAGS')}", file=sys.stderr, flush=True)
+if rank == 1:
+    sys.exit(3)
+time.sleep(300)
+"""
+
+
+def test_a_dead_rank_stops_the_others_and_launch_exits_naming_it(tmp_path):
+    start = time.perf_counter()
+    result = subprocess.run(zeroxla("launch", "--nproc", "2", "--devices-per-proc", "3", "--",
+                                    sys.executable, "-c", CHILD),
+                            cwd=tmp_path, env=cpu_env(), capture_output=True, text=True,
+                            timeout=120)
+    elapsed = time.perf_counter() - start
+    print(f"launch exited {elapsed:.1f} s after start")
+    assert result.returncode == 3
+    assert "zeroxla launch: rank 1 exited with status 3" in result.stderr
+    assert "stopping rank 0" in result.stderr
+    assert elapsed < 60
+    assert "[rank 0] hello 0 of 2" in result.stdout and "[rank 1] hello 1 of 2" in result.stdout
+    assert "[rank 1] flags --xla_force_host_platform_device_count=3" in result.stderr
+
+
+def test_a_rank_killed_by_a_signal_is_named(tmp_path):
+    child = "import os, signal, time\nif os.environ['ZEROXLA_PROCESS_ID'] == '0':\n" \
+            "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(300)\n"
+    result = subprocess.run(zeroxla("launch", "--nproc", "2", "--grace-period", "1", "--",
+                                    sys.executable, "-c", child),
+                            cwd=tmp_path, env=cpu_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 128 + 9
+    assert "rank 0 was killed by signal SIGKILL" in result.stderr
+
+
+def test_launch_without_a_command_is_an_error(capsys):
+    from zeroxla.app import cli
+
+    assert cli.main(["launch", "--nproc", "2", "--"]) == 2
+    assert "no COMMAND given" in capsys.readouterr().err
+
+
+# ---- zeroxla train on 2 processes ----------------------------------------------------------------
+
+TRAIN = ["train", "--steps", "5", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1",
+         "--sample-tokens", "5", "--no-progress", "--save-every", "2", "--keep-last", "1"]
+
+
+@pytest.mark.slow
+def test_two_processes_of_zeroxla_train_match_one(tmp_path):
+    """`zeroxla launch --nproc 2 --devices-per-proc 4 -- zeroxla train` on the 2 x 4 mesh (one
+    node per process) logs the same losses as one process with 8 devices."""
+    from zeroxla.app import cli
+
+    multi = tmp_path / "multi"
+    result = subprocess.run(zeroxla("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+                                    *zeroxla(*TRAIN, "--out", str(multi))),
+                            cwd=tmp_path, env=cpu_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 0] zeroxla train: run directory" in result.stdout
+    assert "2x4 mesh of cpu devices in 2 processes" in result.stdout
+    assert "[rank 1] zeroxla train:" not in result.stdout         # only rank 0 reports
+
+    single = tmp_path / "single"
+    assert cli.main([*TRAIN, "--out", str(single)]) == 0            # this process: 8 devices
+    losses = {}
+    for name, run_dir in (("multi", multi), ("single", single)):
+        records = rundir.read_metrics(run_dir / rundir.METRICS_FILE)
+        losses[name] = np.array([r["loss"] for r in records if "loss" in r])
+    diff = np.max(np.abs(losses["multi"] - losses["single"]) / np.abs(losses["single"]))
+    print(f"2 processes x 4 vs 1 x 8: max relative loss difference {diff:.2e}")
+    assert len(losses["multi"]) == 5
+    np.testing.assert_allclose(losses["multi"], losses["single"], rtol=1e-5)
+    # Rank 0 wrote the reports; the checkpoints were written by both, collectively.
+    summary = json.loads((multi / rundir.SUMMARY_FILE).read_text())
+    assert summary["settings"]["processes"] == 2 and summary["samples"]
+    assert sorted(os.listdir(multi / "checkpoint")) == ["5"]

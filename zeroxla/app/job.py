@@ -1,0 +1,178 @@
+"""What a training job is: `TrainJobConfig`, and how a resumed run gets its settings back.
+
+Every checkpoint of `zeroxla train` records the job as it was given (`job_record`: `None` where
+the DeepSpeed config or a default decided) next to the settings actually used. `--resume` rebuilds
+the job from that record, with the options given on the command line winning
+(`resumed_fields`), so a resumed run keeps its model, data, batch, mesh, ZeRO stage and dtype
+unless told otherwise, and `describe_resume` says which settings came back and which changed.
+Nothing here uses a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from zeroxla import models
+from zeroxla.app.tokenizer import TOKENIZERS
+
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_LR = 1e-2
+# --dtype: the compute dtype (ZeroConfig.compute_dtype); master weights stay float32. fp16 turns
+# on DeepSpeed's dynamic loss scaling.
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Fields that belong to one invocation, not to the run: never restored by --resume.
+PER_INVOCATION = ("out_dir", "resume", "progress")
+# How the settings read on the command line, for messages.
+OPTION_NAMES = {"zero_stage": "--zero-stage", "mesh": "--mesh", "dtype": "--dtype",
+                "grad_accum": "--grad-accum", "batch_size": "--batch-size", "lr": "--lr",
+                "steps": "--steps", "seq_len": "--seq-len", "seed": "--seed", "model": "--model",
+                "data": "--data", "tokenizer": "--tokenizer", "deepspeed_config": "--config",
+                "persistence_threshold": "--persistence-threshold",
+                "warmup_steps": "--warmup-steps", "eval_every": "--eval-every",
+                "eval_batches": "--eval-batches", "save_every": "--save-every",
+                "keep_last": "--keep-last", "sample_tokens": "--sample-tokens",
+                "temperature": "--temperature"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainJobConfig:
+    """Everything `zeroxla train` needs. `None` means "from the DeepSpeed config, else default"."""
+
+    model: str = "gpt-tiny"
+    data: str | None = None                 # a UTF-8 text file; None = bundled tiny-shakespeare
+    tokenizer: str = "char"                 # "char" or "byte"
+    steps: int = 600
+    batch_size: int | None = None           # global batch (train_batch_size)
+    seq_len: int = 128
+    lr: float | None = None                 # peak learning rate of the default schedule
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1               # the cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.0
+    gradient_clipping: float = 1.0          # global-norm clipping of the default recipe
+    mesh: tuple[int, int] = (2, 4)          # (nodes, local devices per node)
+    zero_stage: int | None = None           # default 3
+    # Parameters with fewer elements stay replicated (DeepSpeed's
+    # stage3_param_persistence_threshold). None: from the DeepSpeed config, else 0. DeepSpeed's
+    # default, 1e5, exceeds every leaf of gpt-tiny (the largest has 28,800 elements), so it would
+    # partition nothing; 0 partitions every leaf and the summary shows ZeRO-3's 1/8 per device.
+    persistence_threshold: int | None = None
+    dtype: str | None = None                # "fp32", "bf16" or "fp16"; default fp32
+    grad_accum: int | None = None           # micro-batches per step; default 1
+    deepspeed_config: str | None = None     # a DeepSpeed JSON path
+    out_dir: str | None = None              # None: a fresh runs/<model>-<YYYYmmdd-HHMMSS>
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    val_fraction: float = 0.1
+    sample_tokens: int = 400
+    temperature: float = 0.8
+    save_every: int = 0                     # checkpoint every N steps; 0: only the final one
+    keep_last: int = 0                      # keep the newest K step checkpoints; 0: keep all
+    progress: bool = True
+    resume: str | None = None               # a run directory, its checkpoint/ or a step in it
+
+    def __post_init__(self) -> None:
+        def fail(name: str, accepted: str) -> None:
+            raise ValueError(f"TrainJobConfig.{name}={getattr(self, name)!r} is invalid; "
+                             f"accepted: {accepted}")
+
+        if self.model not in models.PRESETS:
+            fail("model", ", ".join(models.PRESETS))
+        if self.tokenizer not in TOKENIZERS:
+            fail("tokenizer", ", ".join(TOKENIZERS))
+        for name in ("steps", "seq_len", "eval_every", "eval_batches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                fail(name, "an integer >= 1")
+        for name in ("warmup_steps", "sample_tokens", "seed", "save_every", "keep_last"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                fail(name, "an integer >= 0")
+        for name, default in (("batch_size", f"{DEFAULT_BATCH_SIZE}"), ("grad_accum", "1")):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                fail(name, f"an integer >= 1, or None (from the DeepSpeed config, else {default})")
+        if self.lr is not None and not self.lr > 0:
+            fail("lr", "a positive number, or None")
+        if not 0 <= self.min_lr_ratio <= 1:
+            fail("min_lr_ratio", "a number in [0, 1]")
+        if self.weight_decay < 0:
+            fail("weight_decay", "a number >= 0")
+        if self.gradient_clipping < 0:
+            fail("gradient_clipping", "0 (off) or a positive max norm")
+        if (len(self.mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in self.mesh)):
+            fail("mesh", "(nodes, local) with both >= 1, e.g. (2, 4)")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            fail("zero_stage", "0, 1, 2, 3 or None")
+        if self.persistence_threshold is not None and (
+                not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0):
+            fail("persistence_threshold", "an integer >= 0, or None")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            fail("dtype", ", ".join(DTYPES) + ", or None (from the DeepSpeed config, else fp32)")
+        if not 0 < self.val_fraction < 1:
+            fail("val_fraction", "a number in (0, 1)")
+        if self.temperature < 0:
+            fail("temperature", "0 (greedy) or a positive number")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh[0] * self.mesh[1]
+
+
+def job_record(job: TrainJobConfig) -> dict[str, Any]:
+    """The job as JSON, as given (None stays None), for a checkpoint; file paths made absolute
+    so a resume from another working directory finds them. Per-invocation fields are left out."""
+    record = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)
+              if f.name not in PER_INVOCATION}
+    record["mesh"] = list(job.mesh)
+    for name in ("data", "deepspeed_config"):
+        if record[name] is not None:
+            record[name] = os.path.abspath(record[name])
+    return record
+
+
+def resumed_fields(saved: Mapping[str, Any] | None,
+                   explicit: Mapping[str, Any]) -> dict[str, Any]:
+    """TrainJobConfig fields for a resumed run: the saved job's, then `explicit` (the options
+    given on the command line) over them. Unknown saved keys (an older zeroxla) are dropped."""
+    known = {f.name for f in dataclasses.fields(TrainJobConfig)} - set(PER_INVOCATION)
+    fields = {k: v for k, v in (saved or {}).items() if k in known}
+    if "mesh" in fields:
+        fields["mesh"] = tuple(fields["mesh"])
+    fields.update(explicit)
+    return fields
+
+
+def _show(name: str, value: Any) -> str:
+    if name == "mesh" and isinstance(value, (list, tuple)):
+        return "x".join(map(str, value))
+    return str(value)
+
+
+def describe_resume(saved_settings: Mapping[str, Any] | None,
+                    explicit: Mapping[str, Any]) -> list[str]:
+    """Lines saying what a resume kept from the run and what the command line changed.
+
+    `saved_settings` are the settings the run used (its summary's "settings"); `explicit` the
+    TrainJobConfig fields given on the command line.
+    """
+    if not saved_settings:
+        return ["resume: the checkpoint records no zeroxla train settings; using the command "
+                "line and the defaults"]
+    kept = [f"{OPTION_NAMES[name]} {_show(name, saved_settings[name])}"
+            for name in ("model", "mesh", "zero_stage", "dtype", "grad_accum", "batch_size",
+                         "seq_len", "steps") if name not in explicit and name in saved_settings]
+    changed = [f"{OPTION_NAMES.get(name, name)} {_show(name, saved_settings[name])} -> "
+               f"{_show(name, value)}" for name, value in explicit.items()
+               if name in saved_settings
+               and _show(name, saved_settings[name]) != _show(name, value)]
+    lines = [f"resume: kept from the run: {', '.join(kept) or 'nothing listed'} (and its other "
+             "settings)"]
+    lines.append(f"resume: changed on the command line: {', '.join(changed) or 'nothing'}")
+    return lines
+
+
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_LR", "DTYPES", "DTYPE_NAMES", "OPTION_NAMES",
+           "PER_INVOCATION", "TrainJobConfig", "describe_resume", "job_record", "resumed_fields"]

@@ -1,0 +1,153 @@
+"""Run directories: where a `zeroxla train` run writes, and the rule that no run overwrites another.
+
+    runs/gpt-tiny-20250614-093012/
+        metrics.jsonl       one JSON record per step and per evaluation, appended across resumes
+        loss_curve.png      the whole run's losses (read back from metrics.jsonl)
+        summary.json        the settings actually used and the final report
+        checkpoint/<n>/     step checkpoints (`zeroxla.save`'s layout)
+
+A new run gets a fresh directory, `runs/<model>-<YYYYmmdd-HHMMSS>` (with `-2`, `-3`, ... if that
+name is taken). An explicit `--out` that already holds a run is refused (`check_out_dir`) unless
+it is the run being resumed; the checks here read only the file system, so `zeroxla train`
+refuses before JAX starts. `--resume` accepts a run directory, its `checkpoint/` directory, or one
+step directory inside it (`locate_resume`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "loss_curve.png"
+CHECKPOINT_DIR = "checkpoint"
+# What makes a directory "a run": any of these.
+RUN_FILES = (METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR)
+DEFAULT_ROOT = "runs"
+
+
+class RunDirError(ValueError):
+    """`--out` or `--resume` names a directory that cannot be used; the message says why."""
+
+
+def default_run_dir(model: str, *, now: datetime.datetime, root: str | Path = DEFAULT_ROOT) -> Path:
+    """`root/<model>-<YYYYmmdd-HHMMSS>`, or that name with `-2`, `-3`, ... if it exists."""
+    return fresh_path(Path(root) / f"{model}-{now:%Y%m%d-%H%M%S}")
+
+
+def run_files(directory: str | Path) -> list[str]:
+    """The run files (`RUN_FILES`) present in `directory`; [] for a missing directory."""
+    directory = Path(directory)
+    return [name for name in RUN_FILES if (directory / name).exists()]
+
+
+def fresh_path(directory: Path) -> Path:
+    """`directory` if it does not exist, else the first free `directory-2`, `-3`, ..."""
+    candidate, n = directory, 1
+    while candidate.exists():
+        n += 1
+        candidate = directory.with_name(f"{directory.name}-{n}")
+    return candidate
+
+
+def check_out_dir(out: str | Path, *, resuming: Path | None = None) -> None:
+    """Raises RunDirError if `out` holds a run other than `resuming` (the run being continued).
+
+    The message names both ways forward: `--resume` to continue that run, or a fresh `--out`.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file; accepted: a directory that holds no run yet "
+                          f"(e.g. --out {fresh_path(out)}), or leave --out out for a fresh "
+                          f"{DEFAULT_ROOT}/<model>-<time>")
+    found = run_files(out)
+    if not found:
+        return
+    if resuming is not None and out.resolve() == resuming.resolve():
+        return
+    listed = ", ".join(f"{name}/" if (out / name).is_dir() else name for name in found)
+    raise RunDirError(
+        f"--out {out} already holds a run ({listed}); refusing to overwrite it. To continue "
+        f"that run: --resume {out}; to start a new one: --out {fresh_path(out)} (or leave "
+        f"--out out for a fresh {DEFAULT_ROOT}/<model>-<time>)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """What `--resume PATH` names.
+
+    `checkpoint_dir`: the directory given to `zeroxla.save`; `step`: one step in it, or None for
+    the newest complete one; `run_dir`: the run the checkpoints belong to (the parent of a
+    `checkpoint/` directory), None for checkpoints saved elsewhere.
+    """
+
+    checkpoint_dir: Path
+    step: int | None
+    run_dir: Path | None
+
+
+def _is_step_dir(path: Path) -> bool:
+    # A step directory of `zeroxla.save`: DIR/<n>/ holding orbax items (never the run itself).
+    return path.name.isdigit() and path.is_dir() and not (path / CHECKPOINT_DIR).is_dir()
+
+
+def locate_resume(path: str | Path) -> ResumePoint:
+    """Reads `--resume PATH`: a run directory, its `checkpoint/` directory or a step in it.
+
+    Raises RunDirError naming the accepted forms when PATH is none of them.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise RunDirError(f"--resume {path}: no such directory; accepted: a run directory (e.g. "
+                          f"{DEFAULT_ROOT}/gpt-tiny-20250101-120000), its {CHECKPOINT_DIR}/ "
+                          "directory, or one step directory inside that")
+    if (path / CHECKPOINT_DIR).is_dir():
+        return ResumePoint(path / CHECKPOINT_DIR, None, path)
+    if _is_step_dir(path):
+        checkpoint_dir = path.parent
+        return ResumePoint(checkpoint_dir, int(path.name), _run_of(checkpoint_dir))
+    if any(entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
+           for entry in path.iterdir()):
+        return ResumePoint(path, None, _run_of(path))
+    raise RunDirError(f"--resume {path} holds no checkpoints; accepted: a run directory with a "
+                      f"{CHECKPOINT_DIR}/ inside, a checkpoint directory given to zeroxla.save, "
+                      "or one step directory inside it")
+
+
+def _run_of(checkpoint_dir: Path) -> Path | None:
+    return checkpoint_dir.parent if checkpoint_dir.name == CHECKPOINT_DIR else None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl ([] if there is none). A torn last line (a run killed
+    while writing it) is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def write_metrics(path: str | Path, records: list[dict]) -> None:
+    """Replaces `path` with `records`, one JSON object a line, atomically (write, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(tmp, path)
+
+
+__all__ = ["CHECKPOINT_DIR", "DEFAULT_ROOT", "METRICS_FILE", "PLOT_FILE", "RUN_FILES",
+           "ResumePoint", "RunDirError", "SUMMARY_FILE", "check_out_dir", "default_run_dir",
+           "fresh_path", "locate_resume", "read_metrics", "run_files", "write_metrics"]
