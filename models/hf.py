@@ -1,4 +1,4 @@
-"""Hugging Face interop: our parameters <-> `transformers` names, safetensors in and out.
+"""Hugging Face interop: our parameters <-> `transformers` names and configs (files: safetensors_io).
 
 GPT-2 maps onto `GPT2LMHeadModel`, Llama onto `LlamaForCausalLM`. The mapping is a table of
 `Rule`s (`hf_name_map(config)`, printable with `describe_hf_name_map`): each rule names one HF
@@ -20,24 +20,28 @@ one shard's tensors in host memory (see `write_safetensors`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
+
+from .safetensors_io import (  # noqa: F401  (re-exported: part of the hf API)
+    INDEX_FILE,
+    SINGLE_FILE,
+    _np_dtype,
+    open_safetensors,
+    parse_size,
+    write_safetensors,
+)
 
 from . import axes
 from . import abstract_model
@@ -51,8 +55,6 @@ ParamGetter = Callable[[str, int | None], np.ndarray]
 
 _GPT_LN_EPS = 1e-5            # models.layers.LayerNorm's eps, which GPT uses
 _GPT_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")   # all the tanh approximation
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 # ----------------------------------------------------------------------------- the name map
@@ -396,40 +398,7 @@ def from_hf_config(hf: Mapping[str, Any]) -> Config:
                      "zeroxla reads 'gpt2' and 'llama'")
 
 
-# ----------------------------------------------------------------------------- safetensors
-
-@contextlib.contextmanager
-def open_safetensors(path: str | os.PathLike) -> Iterator[Callable[[str], np.ndarray]]:
-    """Yields `get_tensor(name) -> np.ndarray` over a HF checkpoint: a directory with
-    `model.safetensors` or `model.safetensors.index.json` + shards, or one `.safetensors` file.
-    Each call reads one tensor; files stay open until the context exits."""
-    path = Path(path)
-    if path.is_dir():
-        index = path / INDEX_FILE
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: path / f for name, f in weight_map.items()}
-        elif (path / SINGLE_FILE).exists():
-            files = None
-            single = path / SINGLE_FILE
-        else:
-            raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    else:
-        files, single = None, path
-    with contextlib.ExitStack() as stack:
-        opened: dict[Path, tuple[Any, set[str]]] = {}     # file -> (handle, its tensor names)
-
-        def get_tensor(name: str) -> np.ndarray:
-            f = single if files is None else files.get(name)
-            if f is not None and f not in opened:
-                handle = stack.enter_context(safe_open(str(f), framework="numpy"))
-                opened[f] = handle, set(handle.keys())
-            if f is None or name not in opened[f][1]:
-                raise KeyError(f"tensor {name!r} is not in the checkpoint at {path}")
-            return opened[f][0].get_tensor(name)
-
-        yield get_tensor
-
+# ----------------------------------------------------------------------------- loading and saving
 
 def _with_fallbacks(get_tensor: Callable[[str], np.ndarray], hf: Mapping[str, Any]):
     """Name fallbacks real checkpoints need: GPT-2 saved from `GPT2Model` (the hub's
@@ -463,89 +432,6 @@ def load_hf_model(path: str | os.PathLike, *,
         params = from_hf_tensors(config, _with_fallbacks(get_tensor, hf),
                                  dtype=_np_dtype(dtype))
     return config, model_from_params(config, params, dtype=dtype)
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or "5GB" / "500MB" / "2GiB", read as transformers'
-    `convert_file_size_to_int` reads `max_shard_size`: KB/MB/GB are powers of 10, KiB/MiB/GiB
-    powers of 2, and a lower-case final "b" ("5Gb") means bits."""
-    if isinstance(size, int):
-        if size < 1:
-            raise ValueError(f"max_shard_size={size} must be >= 1 byte")
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?(B)\s*", size, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"max_shard_size={size!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
-    unit = (m.group(2) or "").upper()
-    binary = unit.endswith("I")
-    scale = (1024 if binary else 1000) ** {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[:1]]
-    bits = m.group(3) == "b" and not binary
-    return int(float(m.group(1)) * scale) // (8 if bits else 1)
-
-
-def _np_dtype(dtype: Any) -> np.dtype:
-    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
-
-
-def _shard_name(n: int, total: int) -> str:
-    return f"model-{n:05d}-of-{total:05d}.safetensors"
-
-
-def write_safetensors(tensors: Iterable[tuple[str, Any]], out_dir: str | os.PathLike, *,
-                      dtype: Any = "float32", max_shard_size: int | str = "5GB") -> list[Path]:
-    """Writes `(name, array)` pairs as HF safetensors shards in `out_dir`; returns the files.
-
-    One shard: `model.safetensors`. Several: `model-0000k-of-0000N.safetensors` plus
-    `model.safetensors.index.json`, as `save_pretrained` writes them (a tensor larger than
-    `max_shard_size` gets a shard of its own). A previous export's weight files in `out_dir` are
-    removed. Arrays are cast to `dtype` (float32, bfloat16, float16) as they arrive.
-
-    Host memory: the tensors of one shard (<= max(max_shard_size, largest tensor)), plus the
-    tensor being produced and its source before the cast. safetensors writes a shard from the
-    arrays' buffers without copying them.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    limit, target = parse_size(max_shard_size), _np_dtype(dtype)
-    for old in out_dir.iterdir():
-        if old.name in (SINGLE_FILE, INDEX_FILE) or re.fullmatch(
-                r"model-\d{5}(-of-\d{5})?\.safetensors(\.part)?", old.name):
-            old.unlink()
-
-    parts: list[Path] = []
-    weight_map: dict[str, int] = {}      # HF name -> shard number (1-based)
-    shard: dict[str, np.ndarray] = {}
-    shard_bytes = total_bytes = 0
-
-    def flush():
-        nonlocal shard, shard_bytes
-        part = out_dir / f"model-{len(parts) + 1:05d}.safetensors.part"   # renamed at the end
-        save_file(shard, str(part), metadata={"format": "pt"})
-        parts.append(part)
-        shard, shard_bytes = {}, 0
-
-    for name, array in tensors:
-        if name in weight_map:
-            raise ValueError(f"tensor {name!r} is written twice")
-        array = np.ascontiguousarray(np.asarray(array).astype(target, copy=False))
-        if shard and shard_bytes + array.nbytes > limit:
-            flush()
-        shard[name] = array
-        shard_bytes += array.nbytes
-        total_bytes += array.nbytes
-        weight_map[name] = len(parts) + 1
-    if shard or not parts:
-        flush()
-
-    if len(parts) == 1:
-        return [parts[0].rename(out_dir / SINGLE_FILE)]
-    final = [p.rename(out_dir / _shard_name(n, len(parts))) for n, p in enumerate(parts, 1)]
-    index = {"metadata": {"total_size": total_bytes},
-             "weight_map": {k: _shard_name(n, len(parts)) for k, n in sorted(weight_map.items())}}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return final + [out_dir / INDEX_FILE]
 
 
 def save_hf_model(config: Config, params: Mapping[str, Any] | ParamGetter | nnx.Module,

@@ -18,6 +18,7 @@ from zeroxla.checkpoint import (
 )
 from zeroxla.analysis.comm_report import CommReport, comm_report
 from zeroxla.checkpoint.export import export_checkpoint
+from zeroxla.deepspeed import zero_config_from_json
 from zeroxla.engine.config import ZeroConfig
 from zeroxla.analysis.memory import estimate_memory, memory_report
 from zeroxla.engine.mesh import make_mesh
@@ -29,5 +30,5 @@ __all__ = [
     "CheckpointError", "Checkpointer", "CommReport", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",
     "ZeroStep", "comm_report", "estimate_memory", "export_checkpoint", "gather_params",
     "gathered_model", "latest_step", "list_checkpoints", "make_mesh", "make_step",
-    "memory_report", "next_token_loss", "restore", "save",
+    "memory_report", "next_token_loss", "restore", "save", "zero_config_from_json",
 ]

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from zeroxla.checkpoint.manager import list_checkpoints
+from zeroxla.checkpoint.listing import list_checkpoints
 
 DELETING_SUFFIX = ".zeroxla-deleting"
 
