@@ -171,12 +171,12 @@ print(zeroxla.comm_report(step, state, batch).table())
 # %% [markdown]
 # ## Sampling
 #
-# `gathered_model(step, state)` reassembles the partitions into a plain NNX model with full
+# `gathered_model(state)` reassembles the partitions into a plain NNX model with full
 # parameters, for evaluation, export or generation. After 100 steps the model has learned which
 # characters follow which, roughly how long words are, and where lines break; not yet
 # Shakespeare.
 
 # %%
-trained = zeroxla.gathered_model(step, state)
+trained = zeroxla.gathered_model(state)
 print(sample_text(trained, corpus.tokenizer, "ROMEO:\n", num_tokens=120, context=64,
                   temperature=0.8, seed=0))
