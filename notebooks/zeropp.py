@@ -172,7 +172,7 @@ for name, config in runs.items():
 print(f"{'step':>4}{'ZeRO-3':>9}{'ZeRO++':>9}")
 for k in (*range(0, 50, 10), 49):
     print(f"{k:>4}{losses['ZeRO-3'][k]:>9.3f}{losses['ZeRO++'][k]:>9.3f}")
-assert losses["ZeRO++"][-1] < losses["ZeRO-3"][-1] + 0.1   # not worse than ZeRO-3
+assert abs(losses["ZeRO-3"][-1] - losses["ZeRO++"][-1]) < 0.1
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3))
