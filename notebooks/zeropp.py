@@ -43,6 +43,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import optax
 
@@ -141,38 +142,62 @@ assert cross_node("ZeRO++ (all three)", "zero_bwd_gather") == 0
 # %%
 print(reports["ZeRO++ (all three)"].table())
 
+
 # %% [markdown]
 # ## Does training still work?
 #
 # Quantized weights and int4 gradients are lossy, so we train the tiny GPT for 50 steps with
-# ZeRO-3 and with all of ZeRO++, from the same initial weights on the same batches. The losses
-# should stay close: the quantization noise is small next to the gradient noise of a mini-batch.
+# ZeRO-3 and with all of ZeRO++, from the same initial weights on the same batches.
 #
 # The tiny GPT's layers are smaller than DeepSpeed's 2048-element quantization blocks: with
 # them, qgZ would fall back to a plain reduce-scatter for every gradient (too small to be worth
 # quantizing) and we would not be testing it. So this run quantizes in blocks of 256.
+#
+# ZeRO++ does not follow ZeRO-3's loss curve here, and it should not be expected to: int4 has 15
+# levels, so in each block of 256 every gradient element smaller than 1/14 of the block's largest
+# is sent as zero and the rest move to the nearest level. Adam divides by each element's own
+# running magnitude, so this rounding changes the direction of every step, not just its noise.
+# The fair reference is ZeRO-3 with the same rounding applied to its gradients before AdamW,
+# written below in a few lines of `jnp` without any zeroxla code: if ZeRO++'s collectives are
+# right, the two curves agree up to the difference between rounding once (the reference) and
+# twice (qgZ rounds inside each node, then again after the node sum).
 
 # %%
+def int4_round_trip(g, group_size=256):
+    """Round g to symmetric int4 in blocks of `group_size` and back, as qgZ does on the wire."""
+    if g.size < 8 * group_size:   # qgZ sends gradients below one block per device unquantized
+        return g
+    blocks = jnp.pad(g.reshape(-1), (0, -g.size % group_size)).reshape(-1, group_size)
+    scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / 7
+    scale = jnp.where(scale == 0, 1.0, scale)
+    rounded = jnp.clip(jnp.round(blocks / scale), -7, 7) * scale
+    return rounded.reshape(-1)[:g.size].reshape(g.shape)
+
+
 tiny_base = zeroxla.ZeroConfig(stage=3, compute_dtype="bfloat16", persistence_threshold=500)
-runs = {"ZeRO-3": tiny_base,
-        "ZeRO++": tiny_base.replace(quantized_weights=True, hpz_partition_size=4,
-                                    quantized_gradients=True, weight_quantization_group_size=256,
-                                    gradient_quantization_group_size=256)}
+int4_gradients = optax.stateless(lambda updates, params=None: jax.tree.map(int4_round_trip, updates))
+runs = {"ZeRO-3": (tiny_base, optax.adamw(3e-3)),
+        "ZeRO++": (tiny_base.replace(quantized_weights=True, hpz_partition_size=4,
+                                     quantized_gradients=True, weight_quantization_group_size=256,
+                                     gradient_quantization_group_size=256), optax.adamw(3e-3)),
+        "ZeRO-3 + int4 grads": (tiny_base, optax.chain(int4_gradients, optax.adamw(3e-3)))}
 train_plan = data.BatchPlan(len(corpus.train), batch_size=64, seq_len=64, seed=0)
 losses = {}
-for name, config in runs.items():
+for name, (config, optimizer) in runs.items():
     step = zeroxla.make_step(lambda: models.build("gpt-tiny", seed=0), mesh,
-                             optimizer=optax.adamw(3e-3), config=config)
+                             optimizer=optimizer, config=config)
     state, losses[name] = step.init(), []
     for k in range(50):
         state, metrics = step(state, data.device_batch(corpus.train, train_plan, k,
                                                        step.batch_sharding))
         losses[name].append(float(metrics["loss"]))
 
-print(f"{'step':>4}{'ZeRO-3':>9}{'ZeRO++':>9}")
+print(f"{'step':>4}" + "".join(f"{name:>21}" for name in runs))
 for k in (*range(0, 50, 10), 49):
-    print(f"{k:>4}{losses['ZeRO-3'][k]:>9.3f}{losses['ZeRO++'][k]:>9.3f}")
-assert abs(losses["ZeRO-3"][-1] - losses["ZeRO++"][-1]) < 0.1
+    print(f"{k:>4}" + "".join(f"{losses[name][k]:>21.3f}" for name in runs))
+# ZeRO++ trains, and it trains like ZeRO-3 with int4-rounded gradients.
+assert losses["ZeRO++"][-1] < losses["ZeRO++"][0] - 1.0
+assert abs(losses["ZeRO++"][-1] - losses["ZeRO-3 + int4 grads"][-1]) < 0.05
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3))

@@ -19,14 +19,18 @@ def cross_entropy(model, batch):
 
 def train_single_device(model, optimizer, batches, *, clip=0.0, loss_fn=cross_entropy):
     """Trains on device 0; returns (losses, final params as {path: np.ndarray})."""
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)   # rest: e.g. unused RNG streams
+    rest_leaves, rest_def = jax.tree.flatten(rest)
     device = jax.devices()[0]
     params = jax.device_put(params, device)
     opt_state = optimizer.init(params)
 
+    def model_of(p):
+        return nnx.merge(graphdef, p, jax.tree.unflatten(rest_def, rest_leaves))
+
     @jax.jit
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(model_of(p), batch))(params)
         if clip > 0:
             norm = optax.tree.norm(grads)
             coef = jnp.minimum(clip / (norm + 1e-6), 1.0)

@@ -114,10 +114,7 @@ def _known_model_config(meta: Mapping[str, Any]) -> Any:
 
 def _model_config_of(step: ZeroStep) -> Any:
     """The `config` dataclass of the step's model, if the model keeps one (models/ do)."""
-    md = step.model_def
-    abstract = md.module({p: jax.ShapeDtypeStruct(s, d)
-                          for p, s, d in zip(md.paths, md.shapes, md.dtypes)})
-    config = getattr(abstract, "config", None)
+    config = getattr(step.model_def.abstract_module(), "config", None)
     return config if dataclasses.is_dataclass(config) else None
 
 

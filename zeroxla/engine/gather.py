@@ -1,7 +1,9 @@
 """ZeRO-3 execution: gather parameters just before they are used, release them after.
 
-Two units of gathering, both `jax.custom_vjp`s so that the schedule of collectives is explicit:
+Three units of gathering, all `jax.custom_vjp`s so that the schedule of collectives is explicit:
 
+* `gathered_value`: one parameter of a module that also has children, gathered alone when the
+  step's model copy is built; its summed cotangent reduce-scattered.
 * `gathered_call`: one module call. Forward all-gathers the module's shards, runs it, and keeps
   only the shards and the call's inputs; backward re-gathers, recomputes the call under
   `jax.vjp`, and reduce-scatters the parameter gradients (DeepSpeed's per-module pre-forward /
@@ -146,6 +148,28 @@ def _gathered_call_bwd(fn, leaves, comm, residuals, g):
 
 
 gathered_call.defvjp(_gathered_call_fwd, _gathered_call_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# One parameter, gathered as a value.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def gathered_value(leaf: LeafPlan, comm: ZeroCollectives, shard: Any) -> jax.Array:
+    """The full parameter of `shard`, all-gathered once; its cotangent (summed over every use)
+    is reduce-scattered back. For a module's own parameters when the module also has children
+    (a root-owned table): gathered alone, not with the descendants, and kept only where an op
+    needs it for its backward (autodiff decides; an addition keeps nothing)."""
+    return comm.forward_gather(shard, leaf)[0]
+
+
+def _gathered_value_fwd(leaf, comm, shard):
+    return comm.forward_gather(shard, leaf)[0], None
+
+
+def _gathered_value_bwd(leaf, comm, _, g):
+    return (comm.reduce_scatter(g, leaf) if leaf.trainable else None,)
+
+
+gathered_value.defvjp(_gathered_value_fwd, _gathered_value_bwd)
 
 
 # ----------------------------------------------------------------------------------------------

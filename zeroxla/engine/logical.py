@@ -94,7 +94,9 @@ def abstract_storage_state(step: Any) -> TrainState:
         step=jax.ShapeDtypeStruct((), jnp.int32),
         params={leaf.path: leaf.param_struct() for leaf in step.plan.leaves},
         opt_state=step.sharded_optimizer.abstract_state(), loss_scale=loss_scale,
-        plan=step.plan, model_def=step.model_def)
+        plan=step.plan, model_def=step.model_def,
+        model_state=step.model_def.abstract_values()[1],
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32) if step.uses_rng else None)
 
 
 def build_layout(step: Any) -> LogicalLayout:
@@ -109,6 +111,10 @@ def build_layout(step: Any) -> LogicalLayout:
                 "opt_state": optimizer.to_logical(state.opt_state)}
         if state.loss_scale is not None:
             tree["loss_scale"] = state.loss_scale
+        if state.model_state:
+            tree["model_state"] = state.model_state
+        if state.rng is not None:
+            tree["rng"] = state.rng
         return tree
 
     def storage_state(tree: Mapping[str, Any]) -> TrainState:
@@ -116,7 +122,8 @@ def build_layout(step: Any) -> LogicalLayout:
             step=tree["step"],
             params={p: leaf.logical_to_storage(tree["params"][p]) for p, leaf in leaves.items()},
             opt_state=optimizer.to_storage(tree["opt_state"]),
-            loss_scale=tree.get("loss_scale"), plan=plan, model_def=step.model_def)
+            loss_scale=tree.get("loss_scale"), plan=plan, model_def=step.model_def,
+            model_state=dict(tree.get("model_state", {})), rng=tree.get("rng"))
 
     abstract_tree = jax.eval_shape(logical_tree, abstract_storage_state(step))
     named = named_leaves(abstract_tree)

@@ -10,16 +10,73 @@ optax sees.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
 def path_str(path: tuple[Any, ...]) -> str:
     """('blocks', 'layers', 'wq') -> 'blocks/layers/wq'."""
     return "/".join(str(p) for p in path)
+
+
+Filter = Any          # anything `nnx.filterlib.to_predicate` accepts
+
+
+def frozen_paths(model: nnx.Module, trainable: Filter | None) -> frozenset[str]:
+    """Paths of the parameters of `model` (concrete or abstract) that the nnx filter
+    `trainable` does not select; none when `trainable` is None (everything trains)."""
+    if trainable is None:
+        return frozenset()
+    selects = nnx.filterlib.to_predicate(trainable)
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return frozenset(path_str(path) for path, variable in params if not selects(path, variable))
+
+
+def shared_paths(model: nnx.Module) -> tuple[tuple[str, str], ...]:
+    """(alias, canonical) for every path to a Variable beyond the first (the one `nnx.split`
+    keys it by), walking attributes, `nnx.List` and plain lists, tuples and dicts."""
+    canonical = {id(node): path_str(path) for path, node in nnx.iter_graph(model)
+                 if isinstance(node, nnx.Variable)}
+    seen: dict[int, list[str]] = {}
+
+    def walk(node: Any, path: tuple[Any, ...], ancestors: frozenset[int]) -> None:
+        if isinstance(node, nnx.Variable):
+            seen.setdefault(id(node), []).append(path_str(path))
+        elif isinstance(node, nnx.Module) and id(node) not in ancestors:
+            for name, child in vars(node).items():
+                if not name.startswith("_pytree__"):
+                    walk(child, (*path, name), ancestors | {id(node)})
+        elif isinstance(node, (list, tuple)):
+            for i, child in enumerate(node):
+                walk(child, (*path, i), ancestors)
+        elif isinstance(node, dict):
+            for key, child in node.items():
+                walk(child, (*path, key), ancestors)
+
+    walk(model, (), frozenset())
+    return tuple((alias, canonical[key]) for key, found in seen.items() if key in canonical
+                 for alias in found if alias != canonical[key])
+
+
+def owned_by_parents(model: nnx.Module) -> tuple[str, ...]:
+    """Paths of the Variables owned directly by a module that also has descendants holding
+    parameters (`ModelDef.gathered_alone`)."""
+    canonical = {id(node): path_str(path) for path, node in nnx.iter_graph(model)
+                 if isinstance(node, nnx.Variable)}
+    found: list[str] = []
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        direct = {id(v) for v in vars(node).values() if isinstance(v, nnx.Variable)}
+        below = {id(v) for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Param)}
+        if direct and below - direct:
+            found.extend(canonical[key] for key in direct if canonical[key] not in found)
+    return tuple(found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,20 +90,31 @@ class ModelDef:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     logical_axes: tuple[tuple[str, ...] | None, ...]
+    # Shared weights: (alias path, canonical path) for every further path that reaches a
+    # parameter (a tied embedding used as the output head, one submodule used twice).
+    aliases: tuple[tuple[str, str], ...] = ()
+    # Parameters owned directly by a module that also has children (a root-owned table): ZeRO-3
+    # gathers these alone, once per step, instead of around the module's calls.
+    gathered_alone: tuple[str, ...] = ()
+    # The model's other Variables (`nnx.BatchNorm`'s batch statistics, counters): the *model
+    # state*, kept replicated in `TrainState.model_state` and updated by the forward pass.
+    state_treedef: Any = None
+    state_paths: tuple[str, ...] = ()
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_dtypes: tuple[str, ...] = ()
+    # RNG streams held in the model: (path, is the key (else the counter), shape) per leaf.
+    rng_treedef: Any = None
+    rng_leaves: tuple[tuple[str, bool, tuple[int, ...]], ...] = ()
 
     @classmethod
     def of(cls, model: nnx.Module) -> tuple["ModelDef", dict[str, jax.Array]]:
-        """Splits `model` (concrete or abstract) into its ModelDef and `{path: value}`.
+        """Splits `model` (concrete or abstract) into its ModelDef and `{path: value}` of its
+        parameters; its other Variables (batch statistics...) are `model_state_of(model)`.
 
-        Raises a ValueError if the model carries non-parameter state (batch statistics, RNG
-        streams...): the engine trains `nnx.Param` leaves and would otherwise drop such updates.
+        RNG streams the model holds (`nnx.Rngs` given to `nnx.Dropout`) are neither: the step
+        re-keys them every step, per device and micro-batch (`zeroxla.engine.randomness`).
         """
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        extra = [path_str(p) for p, _ in nnx.to_flat_state(rest)]
-        if extra:
-            raise ValueError(
-                f"model has non-Param state {extra[:5]}; zeroxla trains nnx.Param leaves only "
-                "(remove stored RNG streams / batch statistics, or keep them outside the model)")
+        graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
         flat = nnx.to_flat_state(params)
         key_paths = tuple(tuple(p) for p, _ in flat)
         paths = tuple(path_str(p) for p in key_paths)
@@ -56,16 +124,61 @@ class ModelDef:
                              "not supported")
         values = {p: leaf for p, leaf in zip(paths, leaves)}
         axes = tuple(v.get_metadata().get("logical_axes") for _, v in flat)
+        state_flat = nnx.to_flat_state(rest)
+        state_leaves, state_treedef = jax.tree.flatten(rest)
+        if len(state_leaves) != len(state_flat):
+            raise ValueError("model state tree and flat state disagree; nested Variables are "
+                             "not supported")
         return cls(graphdef, treedef, paths, key_paths, tuple(tuple(x.shape) for x in leaves),
-                   tuple(str(x.dtype) for x in leaves), axes), values
+                   tuple(str(x.dtype) for x in leaves), axes, shared_paths(model),
+                   owned_by_parents(model), state_treedef,
+                   tuple(path_str(p) for p, _ in state_flat),
+                   tuple(tuple(x.shape) for x in state_leaves),
+                   tuple(str(x.dtype) for x in state_leaves), jax.tree.structure(rngs),
+                   tuple((path_str(p), isinstance(v, nnx.RngKey), tuple(v.get_value().shape))
+                         for p, v in nnx.to_flat_state(rngs))), values
+
+    @staticmethod
+    def model_state_of(model: nnx.Module) -> dict[str, jax.Array]:
+        """`{path: value}` of the model's non-Param Variables (batch statistics, counters)."""
+        _, _, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+        return {path_str(p): v.get_value() for p, v in nnx.to_flat_state(rest)}
 
     def state(self, values: Mapping[str, jax.Array]) -> nnx.State:
         """`{path: array}` -> nnx.State of parameters (Variables, as `nnx.split` gives)."""
         return jax.tree.unflatten(self.treedef, [values[p] for p in self.paths])
 
-    def module(self, values: Mapping[str, jax.Array]) -> nnx.Module:
-        """`{path: array}` -> a module with these parameter values."""
-        return nnx.merge(self.graphdef, self.state(values))
+    def module(self, values: Mapping[str, jax.Array],
+               model_state: Mapping[str, jax.Array] | None = None,
+               key: jax.Array | None = None) -> nnx.Module:
+        """`{path: array}` of parameters (and of the model state, when it has one) -> a module
+        with these values. Its RNG streams are keyed from `key` (each stream folds in its path;
+        counters start at 0); without a key, from `jax.random.key(0)`."""
+        if model_state is None and self.state_paths:
+            raise ValueError(f"this model has state {list(self.state_paths[:4])} besides its "
+                             "parameters; pass its values (TrainState.model_state)")
+        rest = jax.tree.unflatten(self.state_treedef,
+                                  [model_state[p] for p in self.state_paths])
+        return nnx.merge(self.graphdef, self.state(values), self.rng_state(key), rest)
+
+    def abstract_values(self) -> tuple[dict[str, jax.ShapeDtypeStruct],
+                                       dict[str, jax.ShapeDtypeStruct]]:
+        """Shapes and dtypes of the parameters and of the model state (nothing allocated)."""
+        return ({p: jax.ShapeDtypeStruct(s, d)
+                 for p, s, d in zip(self.paths, self.shapes, self.dtypes)},
+                {p: jax.ShapeDtypeStruct(s, d)
+                 for p, s, d in zip(self.state_paths, self.state_shapes, self.state_dtypes)})
+
+    def abstract_module(self) -> nnx.Module:
+        """The module with abstract values (ShapeDtypeStructs): its attributes, not its math."""
+        return self.module(*self.abstract_values())
+
+    def rng_state(self, key: jax.Array | None) -> nnx.State:
+        """The model's RNG streams keyed from `key`: stream keys fold in a hash of their path."""
+        key = jax.random.key(0) if key is None else key
+        leaves = [jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF) if is_key
+                  else jnp.zeros(shape, jnp.uint32) for path, is_key, shape in self.rng_leaves]
+        return jax.tree.unflatten(self.rng_treedef, leaves)
 
     def pure_state(self, values: Mapping[str, Any], paths: Iterable[str] | None = None) -> nnx.State:
         """`{path: array}` (all parameters, or those in `paths`) -> a nested nnx.State of plain

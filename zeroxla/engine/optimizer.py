@@ -160,3 +160,8 @@ class ShardedOptimizer:
                 "state and the parameters only; transformations that need more (the loss value "
                 "or a function to re-evaluate it, as optax.lbfgs's line search does) are not "
                 "supported") from err
+
+
+def default_optimizer() -> optax.GradientTransformation:
+    """AdamW with DeepSpeed's default betas and eps."""
+    return optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)

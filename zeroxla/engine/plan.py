@@ -65,6 +65,9 @@ class LeafPlan:
     # in groups of `storage_group_size` elements; 0 keeps it float32.
     storage_bits: int = 0
     storage_group_size: int = 0
+    # Owned by a module that also has children: gathered alone, once, when the step's model copy
+    # is built (`zeroxla.engine.gather.gathered_value`), not around each call of its module.
+    gathered_alone: bool = False
 
     # ---- shapes ------------------------------------------------------------------------------
     @property
@@ -291,7 +294,9 @@ class LeafPlan:
     def compute_kind(self) -> str:
         if not self.params_partitioned:
             return "used in place"
-        return "gathered per layer in the scan" if self.stacked else "gathered per module call"
+        if self.stacked:
+            return "gathered per layer in the scan"
+        return "gathered alone once per step" if self.gathered_alone else "gathered per module call"
 
 
 def _spec_text(spec: Any) -> str:
@@ -319,6 +324,8 @@ class ShardingPlan:
     mesh_description: str = ""
     storage_rules: AxisRules = ZERO_STORAGE_RULES
     compute_rules: AxisRules = TRAINING_COMPUTE_RULES
+    # Shared weights: (alias path, canonical path); one leaf each, gradients summed over uses.
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -371,6 +378,10 @@ class ShardingPlan:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        if self.aliases:
+            lines.append("shared parameters (one partition and optimizer state; gathered at "
+                         "each use, gradients summed over the uses):")
+            lines.extend(f"  {alias} -> {canonical}" for alias, canonical in self.aliases)
         return "\n".join(lines)
 
 
@@ -449,9 +460,13 @@ def plan_for(model_def: Any, config: Any, axes: MeshAxes, *,
              frozen: Collection[str] = ()) -> ShardingPlan:
     """The plan of a model (`zeroxla.engine.model_def.ModelDef`) under a `ZeroConfig` on a mesh
     with `axes`: what `make_step` runs and `estimate_memory` predicts, decided in one place."""
-    return make_plan(
+    plan = make_plan(
         model_def.shape_dict(), model_def.axes_dict(), stage=config.stage, axes=axes,
         persistence_threshold=config.persistence_threshold, frozen=frozen,
         frozen_storage_bits=(config.weight_quantization_bits
                              if config.quantized_nontrainable_weights else 0),
         frozen_group_size=config.weight_quantization_group_size)
+    alone = set(model_def.gathered_alone)
+    leaves = tuple(dataclasses.replace(leaf, gathered_alone=leaf.path in alone)
+                   for leaf in plan.leaves)
+    return dataclasses.replace(plan, leaves=leaves, aliases=model_def.aliases)

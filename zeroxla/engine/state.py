@@ -28,6 +28,13 @@ class TrainState:
     loss_scale: LossScaleState | None     # fp16 only
     plan: ShardingPlan = struct.field(pytree_node=False)
     model_def: ModelDef = struct.field(pytree_node=False)
+    # The model's non-Param Variables (batch statistics), `{path: array}`, replicated: the
+    # forward pass updates them from statistics over the whole global batch.
+    model_state: dict[str, Any] = struct.field(default_factory=dict)
+    # The run's random seed as uint32[2] key data (`jax.random.key_data`), replicated; None when
+    # nothing in the model or loss draws random numbers. Step t, data device d, micro-batch m
+    # draw from fold_in(fold_in(fold_in(key, t), d), m) (`zeroxla.engine.randomness`).
+    rng: jax.Array | None = None
 
 
 def _logical_params(state: TrainState) -> dict[str, jax.Array]:
@@ -55,4 +62,6 @@ def gathered_model(state: TrainState, *legacy: TrainState) -> nnx.Module:
         state = legacy[0]
     if not isinstance(state, TrainState):
         raise TypeError(f"gathered_model takes a TrainState, got {type(state).__name__}")
-    return nnx.merge(state.model_def.graphdef, gather_params(state))
+    device = jax.local_devices()[0]
+    values = jax.device_put(jax.jit(_logical_params)(state), device)
+    return state.model_def.module(values, jax.device_put(state.model_state, device))

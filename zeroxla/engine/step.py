@@ -33,12 +33,11 @@ gradients are the mean over the global batch's (unmasked) tokens.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax import lax
@@ -49,9 +48,8 @@ from zeroxla.collectives.zero import PARAM_UPDATE, ZeroCollectives
 from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zeropp import ZeroPPCollectives
 from zeroxla.engine.config import ZeroConfig
+from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.loss import (
-    BATCH_KEYS,
-    MASK_KEY,
     Batch,
     LossFn,
     loss_terms,
@@ -62,29 +60,20 @@ from zeroxla.engine.loss import (
 from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
 from zeroxla.engine.mesh import check_mesh
-from zeroxla.engine.model_def import ModelDef, path_str
-from zeroxla.engine.optimizer import ShardedOptimizer
+from zeroxla.engine.model_def import Filter, ModelDef, frozen_paths
+from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
 from zeroxla.engine.plan import LeafPlan, ShardingPlan, plan_for
 from zeroxla.engine.state import TrainState
+from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
+from zeroxla.engine.randomness import (
+    CALL_STREAM,
+    device_key,
+    micro_batch_key,
+    seed_key_data,
+    step_key,
+    takes_rngs,
+)
 from zeroxla.engine.wrap import zero3_module
-
-Filter = Any          # anything `nnx.filterlib.to_predicate` accepts
-
-
-def frozen_paths(model: nnx.Module, trainable: Filter | None) -> frozenset[str]:
-    """Paths of the parameters of `model` (concrete or abstract) that the nnx filter
-    `trainable` does not select; none when `trainable` is None (everything trains)."""
-    if trainable is None:
-        return frozenset()
-    selects = nnx.filterlib.to_predicate(trainable)
-    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return frozenset(path_str(path) for path, variable in params if not selects(path, variable))
-
-
-def default_optimizer() -> optax.GradientTransformation:
-    """AdamW with DeepSpeed's default betas and eps."""
-    return optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
-
 
 def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
@@ -111,12 +100,15 @@ class ZeroStep:
             self._factory = None
             self.model_def, values = ModelDef.of(model)
             self._initial_values = {p: jnp.asarray(v) for p, v in values.items()}
+            self._initial_model_state = {p: jnp.asarray(v) for p, v in
+                                         ModelDef.model_state_of(model).items()}
             frozen = frozen_paths(model, trainable)
         elif callable(model):
             self._factory = model
             abstract = nnx.eval_shape(model)
             self.model_def, _ = ModelDef.of(abstract)
             self._initial_values = None
+            self._initial_model_state = None
             frozen = frozen_paths(abstract, trainable)
         else:
             raise TypeError(f"make_step: model must be an nnx.Module or a factory returning one, "
@@ -126,6 +118,10 @@ class ZeroStep:
                              f"parameters {list(self.model_def.paths[:5])}...; pass a filter "
                              "that selects at least one (None trains all)")
         self.trainable = trainable
+        self._loss_takes_rngs = takes_rngs(self.loss_fn)
+        # Random numbers drawn anywhere (model-held RNG streams, a loss_fn taking `rngs`): the
+        # state then carries the run's seed (`TrainState.rng`).
+        self.uses_rng = bool(self.model_def.rng_leaves) or self._loss_takes_rngs
 
         self.plan: ShardingPlan = plan_for(self.model_def, config, self.axes, frozen=frozen)
         self.comm = (ZeroPPCollectives.from_config(config, self.axes) if config.uses_zeropp
@@ -137,9 +133,9 @@ class ZeroStep:
         replicated = NamedSharding(mesh, P())
         self._gradients = jax.shard_map(
             self._local_gradients, mesh=mesh,
-            in_specs=(self._param_specs(), P(self.axes.data), P()),
+            in_specs=(self._param_specs(), P(self.axes.data), P(), P(), P()),
             out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
-                             for leaf in self.plan.trainable_leaves}),
+                             for leaf in self.plan.trainable_leaves}, P()),
             check_vma=False)
         self._jitted = jax.jit(self._step, in_shardings=(self.state_shardings, None),
                                out_shardings=(self.state_shardings, replicated),
@@ -148,19 +144,27 @@ class ZeroStep:
         self._compiled: dict[Any, Any] = {}       # `compile`'s cache, by argument signature
         self._jitted_eval = jax.jit(
             jax.shard_map(self._local_eval, mesh=mesh,
-                          in_specs=(self._param_specs(), P(self.axes.data)),
+                          in_specs=(self._param_specs(), P(), P(self.axes.data)),
                           out_specs=P(), check_vma=False))
 
     # ------------------------------------------------------------------------------------------
     # Public surface.
-    def init(self) -> TrainState:
+    def init(self, seed: int | jax.Array = 0) -> TrainState:
         """The initial state, built directly in its sharded layout (like DeepSpeed's zero.Init:
-        with a model factory, no device ever holds the full model)."""
-        return self._jitted_init(self._initial_values)
+        with a model factory, no device ever holds the full model). `seed` (an int or a
+        `jax.random.key`) seeds every random draw of the run (dropout; see
+        `zeroxla.engine.randomness`); it is unused when the model draws none."""
+        return self._jitted_init(self._initial_values, self._initial_model_state,
+                                 self._seed(seed))
 
     def lower_init(self) -> Any:
         """`jax.stages.Lowered` of `init`, e.g. for the memory analysis of its compiled program."""
-        return self._jitted_init.lower(self._initial_values)
+        return self._jitted_init.lower(self._initial_values, self._initial_model_state,
+                                       self._seed(0))
+
+    def _seed(self, seed: int | jax.Array) -> jax.Array | None:
+        key_data = seed_key_data(seed)
+        return key_data if self.uses_rng else None
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on the global `batch`; `state` is donated."""
@@ -182,8 +186,10 @@ class ZeroStep:
         return self._compiled[key]
 
     def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
-        """Mean loss over the global batch, no update."""
-        return self._jitted_eval(state.params, self._check_batch(batch, accumulation=1))
+        """Mean loss over the global batch, no update, with the model in evaluation mode
+        (`nnx.Module.eval()`: BatchNorm uses its running statistics, Dropout is off)."""
+        return self._jitted_eval(state.params, state.model_state,
+                                 self._check_batch(batch, accumulation=1))
 
     @functools.cached_property
     def logical_layout(self) -> LogicalLayout:
@@ -227,11 +233,17 @@ class ZeroStep:
         params = {leaf.path: jax.tree.map(named, leaf.param_spec) for leaf in self.plan.leaves}
         return TrainState(step=replicated, params=params,
                           opt_state=self.sharded_optimizer.state_shardings(self.mesh),
-                          loss_scale=loss_scale, plan=self.plan, model_def=self.model_def)
+                          loss_scale=loss_scale, plan=self.plan, model_def=self.model_def,
+                          model_state={p: replicated for p in self.model_def.state_paths},
+                          rng=replicated if self.uses_rng else None)
 
-    def _init_state(self, values: dict[str, jax.Array] | None) -> TrainState:
+    def _init_state(self, values: dict[str, jax.Array] | None,
+                    model_state: dict[str, jax.Array] | None,
+                    rng: jax.Array | None) -> TrainState:
         if values is None:
-            _, values = ModelDef.of(self._factory())
+            model = self._factory()
+            _, values = ModelDef.of(model)
+            model_state = ModelDef.model_state_of(model)
         params, logical = {}, {}
         for leaf in self.plan.leaves:
             full = jnp.asarray(values[leaf.path], jnp.float32)
@@ -241,66 +253,75 @@ class ZeroStep:
         return TrainState(
             step=jnp.int32(0), params=params, opt_state=self.sharded_optimizer.init(logical),
             loss_scale=init_loss_scale(self.config) if self.config.uses_loss_scaling else None,
-            plan=self.plan, model_def=self.model_def)
+            plan=self.plan, model_def=self.model_def, model_state=dict(model_state), rng=rng)
 
     def _check_batch(self, batch: Batch, accumulation: int | None = None) -> dict[str, Any]:
-        """Validates the global batch; errors name the key, the shape and what is accepted.
-
-        With the default loss the batch is `{"inputs": int32[B, T], "targets": int32[B, T]}`
-        and optionally `"loss_mask": [B, T]`; with a custom `loss_fn` any dict of arrays sharing
-        the leading batch dim B.
-        """
-        if not isinstance(batch, Mapping) or not batch:
-            raise ValueError(f"batch must be a non-empty dict of arrays, got {type(batch).__name__}")
-        if self.loss_fn is next_token_loss:
-            if not set(BATCH_KEYS) <= set(batch) or set(batch) - {*BATCH_KEYS, MASK_KEY}:
-                raise ValueError(f"batch must have the keys {list(BATCH_KEYS)} (and optionally "
-                                 f"{MASK_KEY!r}), got {sorted(batch)}")
-            for key in BATCH_KEYS:
-                shape = np.shape(batch[key])
-                dtype = batch[key].dtype if hasattr(batch[key], "dtype") else \
-                    np.asarray(batch[key]).dtype
-                if len(shape) != 2:
-                    raise ValueError(f"batch[{key!r}] has shape {shape}; expected int32[B, T]")
-                if not jnp.issubdtype(dtype, jnp.integer):
-                    raise ValueError(f"batch[{key!r}] has dtype {dtype}; expected int32[B, T]")
-            for key in (k for k in (*BATCH_KEYS[1:], MASK_KEY) if k in batch):
-                if np.shape(batch[key]) != np.shape(batch["inputs"]):
-                    raise ValueError(f"batch['inputs'] {np.shape(batch['inputs'])} and "
-                                     f"batch[{key!r}] {np.shape(batch[key])} differ in shape")
-        leading = {key: (np.shape(value)[:1] or (None,))[0] for key, value in batch.items()}
-        if len(set(leading.values())) != 1 or None in leading.values():
-            raise ValueError(f"every batch array needs the same leading batch dim B; got {leading}")
+        """Validates the global batch (`zeroxla.engine.batch_checks.check_batch`)."""
         k = self.config.gradient_accumulation_steps if accumulation is None else accumulation
-        multiple = self.data_size * k
-        b = next(iter(leading.values()))
-        if b % multiple:
-            raise ValueError(
-                f"batch size B={b} is not divisible by data-parallel size {self.data_size} x "
-                f"gradient_accumulation_steps {k} = {multiple}; accepted: multiples of {multiple}")
-        return dict(batch)
+        return check_batch(batch, next_token=self.loss_fn is next_token_loss,
+                           data_size=self.data_size, accumulation=k,
+                           vocab_size=lambda: self.vocab_size)
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """The last dim of the model's logits (from an abstract evaluation, no compute): token
+        ids in the default loss's batch must lie in [0, vocab_size)."""
+        def logits_of(values, model_state, tokens):
+            model = self.model_def.module(values, model_state)
+            model.eval()                     # shapes only: no dropout, no statistics
+            return model(tokens)
+        logits = jax.eval_shape(logits_of, *self.model_def.abstract_values(),
+                                jax.ShapeDtypeStruct((1, 1), jnp.int32))
+        return int(logits.shape[-1])
 
     # ------------------------------------------------------------------------------------------
     # The gradient pass: inside shard_map, everything below sees one device's local arrays.
-    def _local_model(self, params: dict[str, jax.Array]) -> Any:
+    def _local_model(self, params: dict[str, jax.Array], model_state: dict[str, jax.Array],
+                     key: jax.Array | None, *, training: bool = True
+                     ) -> tuple[Any, Callable[[], dict[str, jax.Array]]]:
+        """This device's copy of the model (stage 3: wrapped to gather its partitions) and a
+        function reading its model state after a forward pass, averaged over the data devices.
+
+        BatchNorm statistics are computed over the global batch (`axis_name` = the data axes,
+        Flax's cross-replica BatchNorm), as on one device with the whole batch. The model's RNG
+        streams are keyed from `key`, this device's and micro-batch's key."""
         dtype = self.config.dtype
         if self.config.stage < 3:
-            return self.model_def.module({p: v.astype(dtype) for p, v in params.items()})
-        values = {leaf.path: params[leaf.path] if leaf.params_partitioned
-                  else params[leaf.path].astype(dtype) for leaf in self.plan.leaves}
-        return zero3_module(self.model_def.module(values), self.plan, self.comm,
-                            self.config.prefetch)
+            values = {p: v.astype(dtype) for p, v in params.items()}
+        else:
+            values = {leaf.path: params[leaf.path] if leaf.params_partitioned
+                      else params[leaf.path].astype(dtype) for leaf in self.plan.leaves}
+        model = self.model_def.module(values, model_state, key)
+        if not training:
+            model.eval()
+        variables = model_state_variables(model)
+        cross_replica_batch_norm(model, self.axes.data)
+        if self.config.stage == 3:
+            model = zero3_module(model, self.plan, self.comm, self.config.prefetch)
 
-    def _terms(self, model: Any, batch: Batch) -> tuple[jax.Array, jax.Array, bool]:
+        def read_state() -> dict[str, jax.Array]:
+            return {p: lax.pmean(v.get_value(), self.axes.data)
+                    if jnp.issubdtype(v.get_value().dtype, jnp.inexact) else v.get_value()
+                    for p, v in variables.items()}
+        return model, read_state
+
+    def _terms(self, model: Any, batch: Batch,
+               key: jax.Array | None) -> tuple[jax.Array, jax.Array, bool]:
         """`(sum, count, is_sum)`: the loss of `batch` as a sum and a count; `is_sum` is False
-        for a loss_fn that returned a scalar mean (its count is 1)."""
+        for a loss_fn that returned a scalar mean (its count is 1). A loss_fn declaring `rngs`
+        gets `nnx.Rngs` seeded from `key`."""
         if self.loss_fn is next_token_loss:
             return (*next_token_loss_terms(model, batch), True)
-        value = self.loss_fn(model, batch)
+        if self._loss_takes_rngs:
+            rngs = nnx.Rngs(jax.random.fold_in(key, CALL_STREAM))
+            value = self.loss_fn(model, batch, rngs=rngs)
+        else:
+            value = self.loss_fn(model, batch)
         return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)))
 
-    def _local_gradients(self, params: dict[str, Any], batch: Batch,
-                         scale: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def _local_gradients(self, params: dict[str, Any], batch: Batch, scale: jax.Array,
+                         model_state: dict[str, jax.Array], key_data: jax.Array | None
+                         ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
         """The global mean loss and its gradients (times `scale`) of the trainable leaves,
         reduced over the data devices (partitioned where `_gradient_padded`).
 
@@ -313,35 +334,44 @@ class ZeroStep:
         frozen = {p: v for p, v in params.items() if p not in trainable}
         sizes: list[float] = []          # the static c0 chosen while tracing `objective`
 
-        def objective(p, micro):
-            total, count, is_sum = self._terms(self._local_model({**frozen, **p}), micro)
+        base = (None if key_data is None else
+                device_key(jax.random.wrap_key_data(key_data), self.axes.data))
+
+        def objective(p, micro, ms, index):
+            key = None if base is None else micro_batch_key(base, index)
+            model, read_state = self._local_model({**frozen, **p}, ms, key)
+            total, count, is_sum = self._terms(model, micro, key)
             c0 = normalizer(micro) if is_sum else 1.0
             sizes.append(c0)
-            return total * (scale / c0), (total, count)
+            return total * (scale / c0), (total, count, read_state())
 
         grad_fn = jax.grad(objective, has_aux=True)
         if k == 1:
-            grads, (total, count) = grad_fn(trainable, batch)
+            grads, (total, count, model_state) = grad_fn(trainable, batch, model_state, 0)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         else:
             micro_batches = jax.tree.map(
                 lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
 
-            def accumulate(carry, micro):
-                total_sum, count_sum, grad_sum = carry
-                g, (total, count) = grad_fn(trainable, micro)
+            def accumulate(carry, piece):
+                # The model state (batch statistics) flows from micro-batch to micro-batch.
+                micro, index = piece
+                total_sum, count_sum, grad_sum, ms = carry
+                g, (total, count, ms) = grad_fn(trainable, micro, ms, index)
                 return (total_sum + total, count_sum + count,
-                        jax.tree.map(lambda s, gi: s + gi.astype(jnp.float32), grad_sum, g)), None
+                        jax.tree.map(lambda s, gi: s + gi.astype(jnp.float32), grad_sum, g),
+                        ms), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-            (total, count, grads), _ = lax.scan(
-                accumulate, (jnp.float32(0), jnp.float32(0), zeros), micro_batches)
+            (total, count, grads, model_state), _ = lax.scan(
+                accumulate, (jnp.float32(0), jnp.float32(0), zeros, model_state),
+                (micro_batches, jnp.arange(k)))
         grads = self._reduce(grads)
         total = lax.psum(total, self.axes.data)
         count = lax.psum(count, self.axes.data)
         count = jnp.where(count > 0, count, 1.0)
         factor = sizes[0] / count
-        return total / count, jax.tree.map(lambda g: g * factor, grads)
+        return total / count, jax.tree.map(lambda g: g * factor, grads), model_state
 
     def _reduce(self, grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Sums the trainable leaves' gradients over the data devices."""
@@ -361,8 +391,11 @@ class ZeroStep:
         out.update(collectives.all_reduce(replicated, self.axes))
         return out
 
-    def _local_eval(self, params: dict[str, Any], batch: Batch) -> jax.Array:
-        total, count, _ = self._terms(self._local_model(params), batch)
+    def _local_eval(self, params: dict[str, Any], model_state: dict[str, jax.Array],
+                    batch: Batch) -> jax.Array:
+        key = jax.random.key(0) if self.uses_rng else None     # evaluation draws nothing
+        model, _ = self._local_model(params, model_state, key, training=False)
+        total, count, _ = self._terms(model, batch, key)
         total = lax.psum(total, self.axes.data)
         count = lax.psum(count, self.axes.data)
         return total / jnp.where(count > 0, count, 1.0)
@@ -372,7 +405,10 @@ class ZeroStep:
     def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         cfg = self.config
         scale = state.loss_scale.scale if cfg.uses_loss_scaling else jnp.float32(1)
-        loss, grads = self._gradients(state.params, batch, scale)
+        key_data = (None if state.rng is None else
+                    jax.random.key_data(step_key(state.rng, state.step)))
+        loss, grads, model_state = self._gradients(state.params, batch, scale,
+                                                   state.model_state, key_data)
         mesh = self.mesh
         logical_grads = {}
         for leaf in self.plan.trainable_leaves:
@@ -418,7 +454,8 @@ class ZeroStep:
             loss_scale = update_loss_scale(state.loss_scale, overflow, cfg)
             metrics.update(loss_scale=state.loss_scale.scale, overflow=overflow)
         new_state = state.replace(step=state.step + 1, params=new_params,
-                                  opt_state=new_opt_state, loss_scale=loss_scale)
+                                  opt_state=new_opt_state, loss_scale=loss_scale,
+                                  model_state=model_state)
         return new_state, metrics
 
 

@@ -2,53 +2,134 @@
 
 `zero3_module` walks the module tree of a model whose parameters hold *local shards* and swaps
 each `LayerStack` for a `GatheredStack` stand-in and each module that owns partitioned
-parameters for a stand-in that gathers around every call (`gathered_call`). The model then
-computes as if its parameters were whole. The user's model object is never touched: the
-stand-ins live in a copy (`nnx.merge` of the local storage) made inside the traced step.
+parameters *directly* for a stand-in that gathers exactly those around every call
+(`gathered_call`). The model then computes as if its parameters were whole. The user's model
+object is never touched: the stand-ins live in a copy (`nnx.merge` of the local storage) made
+inside the traced step.
+
+Gather units follow the module tree, not Python containers: children are found in attributes,
+`nnx.List`, and plain lists, tuples and dicts (`nnx.data([...])`). A module that owns a
+partitioned parameter and also has children (a root-owned positional table, say) is not a unit:
+its own parameters are gathered alone, as values (`gathered_value`), when the copy is built, and
+its children stay units of their own.
+
+Shared weights (one `nnx.Param` reachable from two paths, or one submodule used twice) are one
+parameter of the plan, keyed by its first path (its *canonical* path, the one `nnx.split`
+gives). Every use gathers it from the same traced shard, so autodiff sums the uses'
+reduce-scattered gradients (DeepSpeed's tied-module gradient reduction).
+
+Model state and RNG streams (BatchNorm statistics, a Dropout's Rngs) run inside the call of the
+unit that holds them; what the call changes is returned from the custom VJP and written back to
+the step's copy, as are Variables passed as arguments (an `nnx.Rngs` given at call time).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
 from zeroxla.collectives.zero import ZeroCollectives
-from zeroxla.engine.gather import GatheredStack, gathered_call
+from zeroxla.engine.gather import GatheredStack, gathered_call, gathered_value
 from zeroxla.engine.model_def import path_str
 from zeroxla.engine.plan import ShardingPlan
 from zeroxla.models.layers import LayerStack, call_block
 from zeroxla.pallas_kernels import QuantizedArray
 
-
-def _split_shards(module: nnx.Module) -> tuple[Any, list[Any], Any, list[str]]:
-    """(graphdef, shards, treedef, paths) of a module's parameters; stored codes (a
-    `QuantizedArray`) count as one shard."""
-    graphdef, state = nnx.split(module)
-    shards, treedef = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
-    return graphdef, shards, treedef, [path_str(p) for p, _ in nnx.to_flat_state(state)]
+_CONTAINERS = (list, tuple, dict)
 
 
-def _join(prefix: str, path: str) -> str:
-    return f"{prefix}/{path}" if prefix else path
+class _Context:
+    """What every stand-in needs: the plan, the collectives, and each Variable's canonical path
+    (by object identity, so a shared Variable is recognised under any of its paths)."""
+
+    def __init__(self, plan: ShardingPlan, comm: ZeroCollectives, prefetch: bool,
+                 paths: Mapping[int, str]):
+        self.plan, self.comm, self.prefetch, self.paths = plan, comm, prefetch, paths
+
+    def path_of(self, variable: nnx.Variable) -> str:
+        return self.paths[id(variable)]
+
+    def leaf_of(self, variable: nnx.Variable):
+        return self.plan[self.path_of(variable)]
+
+    def rebound(self, variables: list[nnx.Variable], paths: list[str]) -> "_Context":
+        """The same context for a fresh copy of a module, whose `variables` (in split order)
+        have these canonical `paths`."""
+        return _Context(self.plan, self.comm, self.prefetch,
+                        {id(v): p for v, p in zip(variables, paths, strict=True)})
+
+    def partitioned(self, variable: nnx.Variable) -> bool:
+        """A parameter stored partitioned (model state, such as batch statistics, never is)."""
+        return isinstance(variable, nnx.Param) and self.leaf_of(variable).params_partitioned
+
+
+def _direct_variables(module: nnx.Module) -> list[nnx.Variable]:
+    return [v for v in vars(module).values() if isinstance(v, nnx.Variable)]
 
 
 class _GatheredModule:
-    """Stands in for a module that owns partitioned parameters; every method call gathers them."""
+    """Stands in for a module that owns partitioned parameters directly; every method call
+    gathers those (and only those) around the call.
 
-    def __init__(self, module: nnx.Module, prefix: str, plan: ShardingPlan,
-                 comm: ZeroCollectives):
-        self._graphdef, self._shards, self._treedef, paths = _split_shards(module)
-        self._leaves = tuple(plan[_join(prefix, p)] for p in paths)
-        self._comm = comm
+    The call rebuilds the module from its graph definition and the values of all its Variables:
+    its own partitioned ones gathered, every other one (descendants' shards, replicated leaves)
+    passed in as an explicit input of the custom VJP, so nothing traced is closed over and the
+    descendants' gradients flow back through the call. Model state the call updates (batch
+    statistics) comes back as an output and is written to the step's model copy.
+    """
+
+    def __init__(self, module: nnx.Module, ctx: _Context, gathered: frozenset[str]):
+        self._graphdef, state = nnx.split(module)
+        self._treedef = jax.tree.structure(state, is_leaf=_is_codes)
+        variables = _variables_of(module)
+        self._paths = [ctx.path_of(v) for v in variables]
+        own = {ctx.path_of(v) for v in _direct_variables(module)
+               if ctx.path_of(v) not in gathered and ctx.partitioned(v)}
+        self._own = frozenset(i for i, p in enumerate(self._paths) if p in own)
+        self._leaves = tuple(ctx.plan[self._paths[i]] for i in sorted(self._own))
+        if len(jax.tree.leaves(state, is_leaf=_is_codes)) != len(variables):
+            raise ValueError(f"module {type(module).__name__}: nested Variables are not supported")
+        self._variables = variables            # the step's model copy's: read at each call
+        self._mutable = [i for i, v in enumerate(variables) if not isinstance(v, nnx.Param)]
+        self._ctx = ctx
+        # Parameters gathered by this call (or an ancestor's): the children's stand-ins, built
+        # inside the call, must not gather them again.
+        self._gathered = gathered | own
 
     def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
+        own, mutable = self._own, self._mutable
+        current = [v.get_value() for v in self._variables]
+        shards = [v for i, v in enumerate(current) if i in own]
+        rest = [v for i, v in enumerate(current) if i not in own]
+
         def fn(full, inputs):
-            call_args, call_kwargs = inputs
-            module = nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, full))
-            return getattr(module, method)(*call_args, **call_kwargs)
-        return gathered_call(fn, self._leaves, self._comm, self._shards, (args, kwargs))
+            call_args, call_kwargs, rest_values = inputs
+            full_it, rest_it = iter(full), iter(rest_values)
+            values = [next(full_it) if i in own else next(rest_it) for i in range(len(current))]
+            module = nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, values))
+            variables = _variables_of(module)
+            ctx = self._ctx.rebound(variables, self._paths)
+            _wrap_children(module, ctx, self._gathered, {})
+            out = getattr(module, method)(*call_args, **call_kwargs)
+            updated = [variables[i].get_value() for i in mutable]
+            passed = [v.get_value() for v in _variables_in((call_args, call_kwargs))]
+            return (out, updated, passed) if mutable or passed else out
+
+        out = gathered_call(fn, self._leaves, self._ctx.comm, shards, (args, kwargs, rest))
+        passed_in = _variables_in((args, kwargs))
+        if not (mutable or passed_in):
+            return out
+        # Write back what the call changed: the module's model state (batch statistics, RNG
+        # counters) and Variables passed as arguments (an `nnx.Rngs` advanced by a dropout).
+        out, updated, passed = out
+        for i, value in zip(mutable, updated):
+            self._variables[i].set_value(value)
+        for variable, value in zip(passed_in, passed):
+            variable.set_value(value)
+        return out
 
     def __call__(self, *args, **kwargs):
         return self._invoke("__call__", args, kwargs)
@@ -59,42 +140,94 @@ class _GatheredModule:
         return lambda *args, **kwargs: self._invoke(name, args, kwargs)
 
 
+def _is_codes(x: Any) -> bool:
+    return isinstance(x, QuantizedArray)
+
+
+def _variables_in(tree: Any) -> list[nnx.Variable]:
+    """The Variables inside a pytree of call arguments (an `nnx.Rngs`' keys and counters)."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            if isinstance(x, nnx.Variable)]
+
+
+def _has_descendant_params(module: nnx.Module) -> bool:
+    """Whether a descendant holds parameters (their own gather units); descendants holding only
+    model state or RNG streams (a BatchNorm's statistics, a Dropout's Rngs) run inside the
+    module's call, their updates written back."""
+    direct = {id(v) for v in _direct_variables(module)}
+    return any(id(v) not in direct and isinstance(v, nnx.Param) for v in _variables_of(module))
+
+
+def _variables_of(module: nnx.Module) -> list[nnx.Variable]:
+    """The module's Variables in `nnx.split` order (shared ones once)."""
+    return [node for _, node in nnx.iter_graph(module) if isinstance(node, nnx.Variable)]
+
+
 class _GatheredLayerStack:
     """Stands in for a `LayerStack`: its layers run with per-layer gathers and prefetch."""
 
-    def __init__(self, stack: LayerStack, prefix: str, plan: ShardingPlan,
-                 comm: ZeroCollectives, prefetch: bool):
-        graphdef, self._shards, treedef, paths = _split_shards(stack.layers)
-        leaves = tuple(plan[_join(prefix, "layers/" + p)] for p in paths)
+    def __init__(self, stack: LayerStack, ctx: _Context):
+        graphdef, state = nnx.split(stack.layers)
+        extra = [path for path, v in nnx.to_flat_state(state) if not isinstance(v, nnx.Param)]
+        if extra:
+            raise ValueError(f"LayerStack layers hold non-parameter Variables {extra[:4]} "
+                             "(batch statistics?); a scanned stack runs parameters only: hold "
+                             "such layers in an nnx.List instead")
+        self._shards, treedef = jax.tree.flatten(state, is_leaf=_is_codes)
+        leaves = tuple(ctx.leaf_of(v) for v in _variables_of(stack.layers))
 
         def layer(full, x, consts, cache_i):
             block = nnx.merge(graphdef, jax.tree.unflatten(treedef, full))
             return call_block(block, x, consts, cache_i)
-        self._stack = GatheredStack(layer, leaves, comm, prefetch)
+        self._stack = GatheredStack(layer, leaves, ctx.comm, ctx.prefetch)
 
     def __call__(self, x: Any, *args: Any, cache: Any = None) -> tuple[Any, Any]:
         return self._stack(self._shards, x, args, cache)
 
 
-def _direct_params(module: nnx.Module) -> list[str]:
-    return [name for name, value in vars(module).items() if isinstance(value, nnx.Variable)]
+def _wrap(node: Any, ctx: _Context, gathered: frozenset[str], memo: dict[int, Any]) -> Any:
+    """Returns `node` or its stand-in; recurses into children and containers that need none.
+    `memo` maps modules already seen to their replacement, so a shared submodule gets one."""
+    if isinstance(node, LayerStack):
+        if id(node) not in memo:
+            memo[id(node)] = _GatheredLayerStack(node, ctx)
+        return memo[id(node)]
+    if isinstance(node, nnx.Module):
+        if id(node) in memo:
+            return memo[id(node)]
+        memo[id(node)] = node            # cycles (a child pointing back) end here
+        own = [v for v in _direct_variables(node)
+               if ctx.partitioned(v) and ctx.path_of(v) not in gathered]
+        if own and not _has_descendant_params(node):
+            memo[id(node)] = _GatheredModule(node, ctx, gathered)
+            return memo[id(node)]
+        for variable in own:       # a module with children: its own parameters, gathered alone
+            variable.set_value(gathered_value(ctx.leaf_of(variable), ctx.comm,
+                                              variable.get_value()))
+        _wrap_children(node, ctx, gathered | {ctx.path_of(v) for v in own}, memo)
+        return node
+    if isinstance(node, list):
+        node[:] = [_wrap(x, ctx, gathered, memo) for x in node]
+        return node
+    if isinstance(node, tuple):
+        wrapped = [_wrap(x, ctx, gathered, memo) for x in node]
+        if all(a is b for a, b in zip(wrapped, node)):
+            return node
+        return type(node)(*wrapped) if hasattr(node, "_fields") else tuple(wrapped)
+    if isinstance(node, dict):
+        for key, value in list(node.items()):
+            node[key] = _wrap(value, ctx, gathered, memo)
+        return node
+    return node
 
 
-def _wrap(module: Any, prefix: str, plan: ShardingPlan, comm: ZeroCollectives,
-          prefetch: bool) -> Any:
-    """Returns `module` or its stand-in; recurses into children that need none."""
-    if isinstance(module, LayerStack):
-        return _GatheredLayerStack(module, prefix, plan, comm, prefetch)
-    if isinstance(module, nnx.Module):
-        direct = _direct_params(module)
-        if any(plan[_join(prefix, name)].params_partitioned for name in direct):
-            return _GatheredModule(module, prefix, plan, comm)
-        for name, child in list(vars(module).items()):
-            replacement = _wrap(child, _join(prefix, name), plan, comm, prefetch)
+def _wrap_children(module: nnx.Module, ctx: _Context, gathered: frozenset[str],
+                   memo: dict[int, Any]) -> None:
+    for name, child in list(vars(module).items()):
+        if isinstance(child, (nnx.Module, *_CONTAINERS)):
+            replacement = _wrap(child, ctx, gathered, memo)
             if replacement is not child:
                 setattr(module, name, replacement)
-        return module
-    return module
 
 
 def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
@@ -103,4 +236,7 @@ def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
 
     `model` must be a fresh copy (nnx.merge of the local storage) made inside the traced step.
     """
-    return _wrap(model, "", plan, comm, prefetch)
+    paths = {id(node): path_str(path) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Variable)}
+    ctx = _Context(plan, comm, prefetch, paths)
+    return _wrap(model, ctx, frozenset(), {})

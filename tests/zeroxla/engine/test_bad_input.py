@@ -106,3 +106,25 @@ def test_zeropp_needs_stage3():
 def test_model_must_be_module_or_factory():
     with pytest.raises(TypeError, match="nnx.Module or a factory"):
         zeroxla.make_step(42, zeroxla.make_mesh(2, 4))
+
+
+@pytest.mark.parametrize("key, bad, shown", [("inputs", 65, r"\[0, 65\]"),
+                                             ("targets", -1, r"\[-1, 0\]")])
+def test_token_ids_outside_the_vocabulary(step, state, key, bad, shown):
+    """gpt-tiny's vocabulary is 65: an id of 65 or -1 would index out of the embedding (XLA
+    clamps it silently) or pick no target; host batches are checked before they are sent."""
+    batch = {"inputs": _tokens(16, 8), "targets": _tokens(16, 8)}
+    batch[key] = batch[key].copy()
+    batch[key][3, 5] = bad
+    with pytest.raises(ValueError, match=rf"batch\['{key}'\] has token ids in {shown}; "
+                                         r"accepted: \[0, 65\)"):
+        step(state, batch)
+
+
+def test_config_field_of_the_wrong_type():
+    with pytest.raises(ValueError, match=r"ZeroConfig.stage=True is invalid; accepted: an integer"):
+        zeroxla.ZeroConfig(stage=True)
+    with pytest.raises(ValueError, match=r"ZeroConfig.prefetch=1 is invalid; accepted: True or False"):
+        zeroxla.ZeroConfig(prefetch=1)
+    with pytest.raises(ValueError, match=r"ZeroConfig.persistence_threshold=1.5 is invalid"):
+        zeroxla.ZeroConfig(persistence_threshold=1.5)

@@ -1,0 +1,69 @@
+"""Validating a global batch before it is sent: errors name the key, the shape, the range and
+what is accepted, instead of a shape error deep in XLA (or, for token ids outside the
+vocabulary, no error at all: XLA clamps an out-of-range gather index silently)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroxla.engine.loss import BATCH_KEYS, MASK_KEY
+
+
+def check_batch(batch: Any, *, next_token: bool, data_size: int, accumulation: int,
+                vocab_size: Callable[[], int]) -> dict[str, Any]:
+    """The validated global batch as a dict.
+
+    With the default loss (`next_token`) the batch is `{"inputs": int32[B, T], "targets":
+    int32[B, T]}` and optionally `"loss_mask": [B, T]`, token ids in `[0, vocab_size())` (checked
+    for host arrays, before they are sent); with a custom `loss_fn` any dict of arrays sharing
+    the leading batch dim B. B must be a multiple of `data_size * accumulation`.
+    """
+    if not isinstance(batch, Mapping) or not batch:
+        raise ValueError(f"batch must be a non-empty dict of arrays, got {type(batch).__name__}")
+    if next_token:
+        _check_token_batch(batch, vocab_size)
+    leading = {key: (np.shape(value)[:1] or (None,))[0] for key, value in batch.items()}
+    if len(set(leading.values())) != 1 or None in leading.values():
+        raise ValueError(f"every batch array needs the same leading batch dim B; got {leading}")
+    multiple = data_size * accumulation
+    b = next(iter(leading.values()))
+    if b % multiple:
+        raise ValueError(
+            f"batch size B={b} is not divisible by data-parallel size {data_size} x "
+            f"gradient_accumulation_steps {accumulation} = {multiple}; accepted: multiples of "
+            f"{multiple}")
+    return dict(batch)
+
+
+def _check_token_batch(batch: Mapping[str, Any], vocab_size: Callable[[], int]) -> None:
+    if not set(BATCH_KEYS) <= set(batch) or set(batch) - {*BATCH_KEYS, MASK_KEY}:
+        raise ValueError(f"batch must have the keys {list(BATCH_KEYS)} (and optionally "
+                         f"{MASK_KEY!r}), got {sorted(batch)}")
+    for key in BATCH_KEYS:
+        shape = np.shape(batch[key])
+        dtype = batch[key].dtype if hasattr(batch[key], "dtype") else np.asarray(batch[key]).dtype
+        if len(shape) != 2:
+            raise ValueError(f"batch[{key!r}] has shape {shape}; expected int32[B, T]")
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"batch[{key!r}] has dtype {dtype}; expected int32[B, T]")
+    for key in BATCH_KEYS:
+        if not isinstance(batch[key], jax.Array):          # host data: checked before sending
+            _check_token_range(key, np.asarray(batch[key]), vocab_size())
+    for key in (k for k in (*BATCH_KEYS[1:], MASK_KEY) if k in batch):
+        if np.shape(batch[key]) != np.shape(batch["inputs"]):
+            raise ValueError(f"batch['inputs'] {np.shape(batch['inputs'])} and "
+                             f"batch[{key!r}] {np.shape(batch[key])} differ in shape")
+
+
+def _check_token_range(key: str, tokens: np.ndarray, vocab: int) -> None:
+    if not tokens.size:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"batch[{key!r}] has token ids in [{low}, {high}]; accepted: "
+                         f"[0, {vocab}) (the model's vocabulary, its logits' last dim)")
