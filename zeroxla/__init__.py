@@ -13,6 +13,7 @@ from zeroxla.checkpoint import (
     Restored,
     latest_step,
     list_checkpoints,
+    load_params,
     restore,
     save,
 )
@@ -29,6 +30,6 @@ from zeroxla.engine.step import ZeroStep, make_step, next_token_loss
 __all__ = [
     "CheckpointError", "Checkpointer", "CommReport", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",
     "ZeroStep", "comm_report", "estimate_memory", "export_checkpoint", "gather_params",
-    "gathered_model", "latest_step", "list_checkpoints", "make_mesh", "make_step",
+    "gathered_model", "latest_step", "list_checkpoints", "load_params", "make_mesh", "make_step",
     "memory_report", "next_token_loss", "restore", "save", "zero_config_from_json",
 ]

@@ -4,6 +4,7 @@
     integrity.py   array checksums, the digested JSON metadata
     manager.py     save / Checkpointer / restore
     stored.py      one array (or one layer of it) as numpy, without devices
+    weights.py     load_params: a checkpoint's model and trained parameters, no optimizer
     export.py      a checkpoint's weights as Hugging Face safetensors, streamed
 """
 
@@ -23,10 +24,11 @@ from zeroxla.checkpoint.listing import (
 )
 from zeroxla.checkpoint.manager import Checkpointer, Restored, model_config_from_record, restore, save
 from zeroxla.checkpoint.stored import StoredArrays
+from zeroxla.checkpoint.weights import load_params
 from zeroxla.engine.logical import logical_sharding
 
 __all__ = ["COMMIT_FILE", "META_ITEM", "STATE_ITEM", "TMP_SUFFIX", "CheckpointError",
            "CheckpointInfo", "Checkpointer", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "IncompleteCheckpointWarning", "Restored", "StoredArrays", "checksum_numpy",
+           "IncompleteCheckpointWarning", "Restored", "StoredArrays", "checksum_numpy", "load_params",
            "latest_step", "list_checkpoints", "logical_sharding", "model_config_from_record",
            "read_metadata", "restore", "save"]

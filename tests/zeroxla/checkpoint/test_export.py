@@ -177,3 +177,22 @@ def test_trained_run_exports_a_model_and_tokenizer_transformers_loads(trained_ru
     their_logits = np.stack([step.numpy()[0] for step in generated.logits])     # [8, V]
     our_logits = np.asarray(ours(sequence[:, :-1]))[0, 19:]                      # [8, V]
     np.testing.assert_allclose(their_logits, our_logits, atol=1e-4)
+
+
+def test_load_params_of_a_cli_checkpoint_equals_the_restored_state(trained_run):
+    """`zeroxla.load_params` needs no optimizer and no mesh; its model computes the logits of the
+    full restore (with the job's optimizer) gathered into a plain model."""
+    import zeroxla
+    from zeroxla.app.recipe import resolve_setup
+
+    directory = f"{trained_run.out_dir}/checkpoint"
+    loaded = zeroxla.load_params(directory)
+    restored = zeroxla.restore(directory, (make_mesh(2, 4), None),
+                               optimizer=resolve_setup(trained_run).optimizer)
+    tokens = np.random.default_rng(0).integers(0, 65, (2, 16)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(loaded(tokens)),
+                                  np.asarray(zeroxla.gathered_model(restored.state)(tokens)))
+    fresh = models.build(trained_run.model)                           # untrained weights differ
+    assert np.abs(np.asarray(fresh(tokens)) - np.asarray(loaded(tokens))).max() > 1e-3
+    with pytest.raises(ValueError, match=r"'params/.*' has shape .*, the model's is"):
+        zeroxla.load_params(directory, model=lambda: models.build("gpt-small"))
