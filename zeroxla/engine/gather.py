@@ -92,17 +92,29 @@ def _vjp(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: An
 
 
 def _after(x: Any, dependency: Any) -> Any:
-    """`x`, made data-dependent on `dependency` (a backward cotangent).
+    """`x`, ordered after `dependency` (a backward cotangent).
 
     A backward re-gather must neither be merged with the identical forward gather (XLA's CSE
     would then keep the gathered parameters alive from forward to backward, defeating ZeRO-3) nor
-    be scheduled before backward reaches the layer. `lax.optimization_barrier` says this, but
-    XLA's CPU pipeline drops barriers before CSE, so the dependency is made real: a NaN in the
-    cotangent (which already makes this step's gradients NaN) poisons the re-gathered shard.
+    be scheduled before backward reaches the layer. `lax.optimization_barrier` says exactly this
+    and is what GPU and TPU programs get. XLA's CPU pipeline drops barriers before CSE, so on CPU
+    only (chosen per platform when the program is lowered) the dependency is made real instead:
+    a NaN in the cotangent (which already makes this step's gradients NaN) poisons the
+    re-gathered shard.
     """
-    probes = [leaf for leaf in jax.tree.leaves(dependency) if _is_float(leaf) and leaf.size]
-    if not probes:
+    if not [leaf for leaf in jax.tree.leaves(dependency) if _is_float(leaf) and leaf.size]:
         return x
+    return lax.platform_dependent(x, dependency, cpu=_poisoned_by, default=_barrier_with)
+
+
+def _barrier_with(x: Any, dependency: Any) -> Any:
+    x, _ = lax.optimization_barrier((x, dependency))
+    return x
+
+
+def _poisoned_by(x: Any, dependency: Any) -> Any:
+    """XLA:CPU's stand-in for the barrier: `x` made data-dependent on `dependency`."""
+    probes = [leaf for leaf in jax.tree.leaves(dependency) if _is_float(leaf) and leaf.size]
     first = probes[0].reshape(-1)[0]
     poisoned = first != first                        # NaN test XLA cannot constant-fold
 
