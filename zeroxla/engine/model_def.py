@@ -37,11 +37,30 @@ def frozen_paths(model: nnx.Module, trainable: Filter | None) -> frozenset[str]:
     return frozenset(path_str(path) for path, variable in params if not selects(path, variable))
 
 
+def variable_paths(model: nnx.Module) -> dict[int, str]:
+    """`{id(Variable): path}` with each Variable's canonical path: the first one, which
+    `nnx.split` keys it by (a shared Variable is reachable from further paths, its aliases)."""
+    return {id(node): path_str(path) for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Variable)}
+
+
+def direct_variables(module: nnx.Module) -> list[nnx.Variable]:
+    """The Variables a module holds as its own attributes (not its descendants')."""
+    return [v for v in vars(module).values() if isinstance(v, nnx.Variable)]
+
+
+def has_descendant_params(module: nnx.Module) -> bool:
+    """Whether parameters sit below `module` besides its own (in submodules: their own gather
+    units under ZeRO-3); descendants holding only model state or RNG streams do not count."""
+    direct = {id(v) for v in direct_variables(module)}
+    return any(isinstance(node, nnx.Param) and id(node) not in direct
+               for _, node in nnx.iter_graph(module))
+
+
 def shared_paths(model: nnx.Module) -> tuple[tuple[str, str], ...]:
     """(alias, canonical) for every path to a Variable beyond the first (the one `nnx.split`
     keys it by), walking attributes, `nnx.List` and plain lists, tuples and dicts."""
-    canonical = {id(node): path_str(path) for path, node in nnx.iter_graph(model)
-                 if isinstance(node, nnx.Variable)}
+    canonical = variable_paths(model)
     seen: dict[int, list[str]] = {}
 
     def walk(node: Any, path: tuple[Any, ...], ancestors: frozenset[int]) -> None:
@@ -66,16 +85,12 @@ def shared_paths(model: nnx.Module) -> tuple[tuple[str, str], ...]:
 def owned_by_parents(model: nnx.Module) -> tuple[str, ...]:
     """Paths of the Variables owned directly by a module that also has descendants holding
     parameters (`ModelDef.gathered_alone`)."""
-    canonical = {id(node): path_str(path) for path, node in nnx.iter_graph(model)
-                 if isinstance(node, nnx.Variable)}
+    canonical = variable_paths(model)
     found: list[str] = []
     for _, node in nnx.iter_graph(model):
-        if not isinstance(node, nnx.Module):
-            continue
-        direct = {id(v) for v in vars(node).values() if isinstance(v, nnx.Variable)}
-        below = {id(v) for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Param)}
-        if direct and below - direct:
-            found.extend(canonical[key] for key in direct if canonical[key] not in found)
+        if isinstance(node, nnx.Module) and has_descendant_params(node):
+            found.extend(canonical[id(v)] for v in direct_variables(node)
+                         if canonical[id(v)] not in found)
     return tuple(found)
 
 

@@ -33,7 +33,7 @@ from flax import nnx
 
 from zeroxla.collectives.zero import ZeroCollectives
 from zeroxla.engine.gather import GatheredStack, gathered_call, gathered_value
-from zeroxla.engine.model_def import path_str
+from zeroxla.engine.model_def import direct_variables, has_descendant_params, variable_paths
 from zeroxla.engine.plan import ShardingPlan
 from zeroxla.models.layers import LayerStack, call_block
 from zeroxla.pallas_kernels import QuantizedArray
@@ -66,10 +66,6 @@ class _Context:
         return isinstance(variable, nnx.Param) and self.leaf_of(variable).params_partitioned
 
 
-def _direct_variables(module: nnx.Module) -> list[nnx.Variable]:
-    return [v for v in vars(module).values() if isinstance(v, nnx.Variable)]
-
-
 class _GatheredModule:
     """Stands in for a module that owns partitioned parameters directly; every method call
     gathers those (and only those) around the call.
@@ -81,13 +77,14 @@ class _GatheredModule:
     statistics) comes back as an output and is written to the step's model copy.
     """
 
-    def __init__(self, module: nnx.Module, ctx: _Context, gathered: frozenset[str]):
+    def __init__(self, module: nnx.Module, ctx: _Context, gathered: frozenset[str],
+                 own: frozenset[str]):
+        """`own`: the paths of the partitioned parameters this call gathers (the module's own,
+        less those `gathered` by an ancestor)."""
         self._graphdef, state = nnx.split(module)
         self._treedef = jax.tree.structure(state, is_leaf=_is_codes)
         variables = _variables_of(module)
         self._paths = [ctx.path_of(v) for v in variables]
-        own = {ctx.path_of(v) for v in _direct_variables(module)
-               if ctx.path_of(v) not in gathered and ctx.partitioned(v)}
         self._own = frozenset(i for i, p in enumerate(self._paths) if p in own)
         self._leaves = tuple(ctx.plan[self._paths[i]] for i in sorted(self._own))
         if len(jax.tree.leaves(state, is_leaf=_is_codes)) != len(variables):
@@ -150,14 +147,6 @@ def _variables_in(tree: Any) -> list[nnx.Variable]:
             if isinstance(x, nnx.Variable)]
 
 
-def _has_descendant_params(module: nnx.Module) -> bool:
-    """Whether a descendant holds parameters (their own gather units); descendants holding only
-    model state or RNG streams (a BatchNorm's statistics, a Dropout's Rngs) run inside the
-    module's call, their updates written back."""
-    direct = {id(v) for v in _direct_variables(module)}
-    return any(id(v) not in direct and isinstance(v, nnx.Param) for v in _variables_of(module))
-
-
 def _variables_of(module: nnx.Module) -> list[nnx.Variable]:
     """The module's Variables in `nnx.split` order (shared ones once)."""
     return [node for _, node in nnx.iter_graph(module) if isinstance(node, nnx.Variable)]
@@ -196,10 +185,13 @@ def _wrap(node: Any, ctx: _Context, gathered: frozenset[str], memo: dict[int, An
         if id(node) in memo:
             return memo[id(node)]
         memo[id(node)] = node            # cycles (a child pointing back) end here
-        own = [v for v in _direct_variables(node)
+        own = [v for v in direct_variables(node)
                if ctx.partitioned(v) and ctx.path_of(v) not in gathered]
-        if own and not _has_descendant_params(node):
-            memo[id(node)] = _GatheredModule(node, ctx, gathered)
+        # Descendants holding only model state or RNG streams (a BatchNorm's statistics, a
+        # Dropout's Rngs) run inside the module's call, their updates written back.
+        if own and not has_descendant_params(node):
+            memo[id(node)] = _GatheredModule(node, ctx, gathered,
+                                             frozenset(ctx.path_of(v) for v in own))
             return memo[id(node)]
         for variable in own:       # a module with children: its own parameters, gathered alone
             variable.set_value(gathered_value(ctx.leaf_of(variable), ctx.comm,
@@ -236,7 +228,5 @@ def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
 
     `model` must be a fresh copy (nnx.merge of the local storage) made inside the traced step.
     """
-    paths = {id(node): path_str(path) for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.Variable)}
-    ctx = _Context(plan, comm, prefetch, paths)
+    ctx = _Context(plan, comm, prefetch, variable_paths(model))
     return _wrap(model, ctx, frozenset(), {})
