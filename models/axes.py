@@ -13,3 +13,5 @@ HEADS = "heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
+BATCH = "batch"                 # the rows of a batch (dim 1 of a KV cache)
+CACHE_LENGTH = "cache_length"   # a KV cache's slot dim (one slot per position)

@@ -6,6 +6,8 @@ Contract shared by all models here (what the engine, the pipeline and generation
     model.blocks(x, positions, cache=None) -> (x, cache)      one `LayerStack`
     model.head(x) -> logits float32[B, T, V]
     model(tokens, positions=None) -> logits                   the three in a row
+    model.init_cache(batch, max_len) -> cache                 {"k", "v"} [L, B, S, G, K]
+    model.decode(tokens, positions, cache) -> (logits, cache) the three, with a KV cache
 
 Parameters are tagged with logical axes; positions default to 0..T-1.
 """
@@ -21,7 +23,8 @@ from flax import nnx
 
 from . import axes
 from .config import ModelConfig
-from .layers import LayerNorm, LayerStack, causal_attention, default_positions, normal, param
+from .layers import (LayerNorm, LayerStack, at_least_float32, cached_attention, causal_attention,
+                     decode, default_positions, init_kv_cache, normal, param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,7 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("BTD,VD->BTV", x, self.wte[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=at_least_float32(x.dtype))
 
 
 class Block(nnx.Module):
@@ -110,20 +113,23 @@ class Block(nnx.Module):
         self.b_proj = param(rngs, nnx.initializers.zeros, (d,), (axes.EMBED,))
 
     def __call__(self, x: jax.Array, positions: jax.Array,
-                 cache: None = None) -> tuple[jax.Array, None]:
-        del positions                       # learned positions enter in `Embed`
-        if cache is not None:
-            raise NotImplementedError("GPT blocks keep no KV cache yet")
+                 cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
+        """x [B, T, D] -> (x, cache). With `cache` (this layer's {"k", "v"} [B, S, H, K]) the
+        tokens are written at `positions` and attend to the cache (`cached_attention`);
+        without, plain causal attention (positions enter in `Embed` only)."""
         h = self.ln1(x)                                                   # [B, T, D]
         q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self.bq[...]
         k = jnp.einsum("BTD,DHK->BTHK", h, self.wk[...]) + self.bk[...]
         v = jnp.einsum("BTD,DHK->BTHK", h, self.wv[...]) + self.bv[...]
-        a = causal_attention(q, k, v)                                     # [B, T, H, K]
+        if cache is None:
+            a = causal_attention(q, k, v)                                 # [B, T, H, K]
+        else:
+            a, cache = cached_attention(q, k, v, positions, cache)
         x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self.bo[...]
         h = self.ln2(x)
         h = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_fc[...]) + self.b_fc[...],
                         approximate=True)
-        return x + jnp.einsum("BTF,FD->BTD", h, self.w_proj[...]) + self.b_proj[...], None
+        return x + jnp.einsum("BTF,FD->BTD", h, self.w_proj[...]) + self.b_proj[...], cache
 
 
 class GPT(nnx.Module):
@@ -137,7 +143,24 @@ class GPT(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final LayerNorm and the tied output projection -> logits float32 [B, T, V]."""
-        return self.embed.attend(self.ln_f(x)).astype(jnp.float32)
+        return self.embed.attend(self.ln_f(x))          # float32 (float64 for float64 x)
+
+    def init_cache(self, batch: int, max_len: int,
+                   dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
+        """A zeroed KV cache for `batch` rows of up to `max_len` positions; GPT's keys and
+        values have one head per query head: {"k", "v"} [L, B, max_len, H, K]."""
+        if max_len > self.config.max_seq_len:
+            raise ValueError(f"max_len={max_len} exceeds GPTConfig.max_seq_len="
+                             f"{self.config.max_seq_len} (learned positions); accepted: "
+                             f"1..{self.config.max_seq_len}")
+        c = self.config
+        return init_kv_cache(c.num_layers, batch, max_len, c.num_heads, c.head_dim, dtype)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Logits float32 [B, T, V] of `tokens` [B, T] at `positions` [B, T], against and into
+        `cache` (see `models.layers.decode`)."""
+        return decode(self, tokens, positions, cache)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         if tokens.shape[1] > self.config.max_seq_len:

@@ -83,8 +83,15 @@ class LayerStack(nnx.Module):
         return scan_layers(self.layers, x, *args, cache=cache)
 
 
+def at_least_float32(dtype: Any) -> jnp.dtype:
+    """The dtype norms, attention scores, softmax and logits are computed in: float32 for 16-
+    and 32-bit activations, float64 for float64 ones (a float64 verification run must not pass
+    through float32, whose round-off it exists to remove)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 class LayerNorm(nnx.Module):
-    """LayerNorm over the last dim, computed in float32 (GPT-2)."""
+    """LayerNorm over the last dim, computed in float32 (GPT-2), or float64 for float64 input."""
 
     def __init__(self, dim: int, *, eps: float = 1e-5):
         self.eps = eps
@@ -92,25 +99,26 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32), logical_axes=(axes.EMBED,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = x.astype(jnp.float32)
+        acc = at_least_float32(x.dtype)
+        h = x.astype(acc)
         mean = h.mean(-1, keepdims=True)
         var = jnp.square(h - mean).mean(-1, keepdims=True)
         h = (h - mean) * jax.lax.rsqrt(var + self.eps)
-        return (h * self.scale[...].astype(jnp.float32)
-                + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        return (h * self.scale[...].astype(acc) + self.bias[...].astype(acc)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last dim, computed in float32 (Llama)."""
+    """RMSNorm over the last dim, computed in float32 (Llama), or float64 for float64 input."""
 
     def __init__(self, dim: int, *, eps: float = 1e-5):
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axes.EMBED,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = x.astype(jnp.float32)
+        acc = at_least_float32(x.dtype)
+        h = x.astype(acc)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
-        return (h * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (h * self.scale[...].astype(acc)).astype(x.dtype)
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:
@@ -122,18 +130,73 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention with grouped-query heads.
 
     q [B, T, H, K], k and v [B, T, G, K] with H a multiple of G -> [B, T, H, K]. Scores and
-    softmax in float32.
+    softmax in float32 (float64 for float64 input).
     """
     b, t, h, d = q.shape
     g = k.shape[2]
     q = q.reshape(b, t, g, h // g, d)
     scores = jnp.einsum("BTGRK,BSGK->BGRTS", q, k,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+                        preferred_element_type=at_least_float32(q.dtype)) / jnp.sqrt(d)
     mask = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, v)
     return out.reshape(b, t, h, d)
+
+
+# A KV cache is `{"k": [L, B, S, G, K], "v": [L, B, S, G, K]}`; these name its dims, as
+# `logical_axes` name a parameter's, so an engine lays it out with the same rules table.
+KV_CACHE_AXES = (axes.LAYERS, axes.BATCH, axes.CACHE_LENGTH, axes.KV_HEADS, axes.HEAD_DIM)
+
+
+def init_kv_cache(num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+                  dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+    """A zeroed KV cache: `{"k", "v"}`, each [L, B, max_len, G, K] (dims named `KV_CACHE_AXES`).
+
+    Slot s of a row holds the key/value of that row's token at position s, so rows of
+    different lengths share one cache (see `cached_attention`)."""
+    shape = (num_layers, batch, max_len, kv_heads, head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                     cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Attention of new tokens against one layer's KV cache, after writing their keys/values.
+
+    q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T] (each row its own); cache {"k", "v"}
+    [B, S, G, K]. Token (b, t) is written to slot positions[b, t] and attends to the slots
+    s <= positions[b, t] of its row. Every slot below a row's current position was written by
+    this generation (the prompt's prefill, then one token per step), so a slot holding a
+    padding token or an earlier generation's data is never attended: with right-padded prompts
+    a pad's slot lies above the row's position until a real token overwrites it.
+    Returns (out [B, T, H, K], updated cache).
+    """
+    b, t, h, d = q.shape
+    g = k.shape[2]
+    write = jax.vmap(lambda c, new, pos: c.at[pos].set(new.astype(c.dtype)))
+    cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
+    s = cache["k"].shape[1]
+    q = q.reshape(b, t, g, h // g, d)
+    scores = jnp.einsum("BTGRK,BSGK->BGRTS", q, cache["k"].astype(q.dtype),
+                        preferred_element_type=at_least_float32(q.dtype)) / jnp.sqrt(d)
+    visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]          # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, cache["v"].astype(v.dtype))
+    return out.reshape(b, t, h, d), cache
+
+
+def decode(model: Any, tokens: jax.Array, positions: jax.Array,
+           cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One cached forward of any model with the `embed` / `blocks` / `head` protocol.
+
+    tokens, positions int32 [B, T]; cache {"k", "v"} [L, B, S, G, K] with S > every position.
+    Prefill is a call with the (right-padded) prompts at positions 0..T-1; each decode step is
+    a call with T = 1 at each row's own next position. Returns (logits float32 [B, T, V],
+    updated cache)."""
+    x = model.embed(tokens, positions)                                   # [B, T, D]
+    x, cache = model.blocks(x, positions, cache=cache)
+    return model.head(x), cache
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

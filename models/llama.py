@@ -10,7 +10,8 @@ from flax import nnx
 
 from . import axes
 from .config import ModelConfig
-from .layers import LayerStack, RMSNorm, causal_attention, default_positions, normal, param, rope
+from .layers import (LayerStack, RMSNorm, at_least_float32, cached_attention, causal_attention,
+                     decode, default_positions, init_kv_cache, normal, param, rope)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,18 +82,23 @@ class Block(nnx.Module):
         self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
 
     def __call__(self, x: jax.Array, positions: jax.Array,
-                 cache: None = None) -> tuple[jax.Array, None]:
-        if cache is not None:
-            raise NotImplementedError("Llama blocks keep no KV cache yet")
+                 cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
+        """x [B, T, D] -> (x, cache). With `cache` (this layer's {"k", "v"} [B, S, G, K]) the
+        tokens' keys/values are written at `positions` and attended there
+        (`cached_attention`); without, plain causal attention."""
         h = self.attn_norm(x)                                             # [B, T, D]
         q = rope(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]), positions, self.rope_theta)
         k = rope(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]), positions, self.rope_theta)
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
-        x = x + jnp.einsum("BTHK,HKD->BTD", causal_attention(q, k, v), self.wo[...])
+        if cache is None:
+            a = causal_attention(q, k, v)                                 # [B, T, H, K]
+        else:
+            a, cache = cached_attention(q, k, v, positions, cache)
+        x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...])
         h = self.mlp_norm(x)
         gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]))
         up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
-        return x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]), None
+        return x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]), cache
 
 
 class TokenEmbed(nnx.Module):
@@ -115,7 +121,7 @@ class Head(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("BTD,DV->BTV", self.norm(x), self.weight[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32).astype(jnp.float32)
+                          preferred_element_type=at_least_float32(x.dtype))
 
 
 class Llama(nnx.Module):
@@ -126,6 +132,19 @@ class Llama(nnx.Module):
         self.embed = TokenEmbed(cfg, rngs)
         self.blocks = LayerStack(lambda r: Block(cfg, r), cfg.num_layers, rngs)
         self.head = Head(cfg, rngs)
+
+    def init_cache(self, batch: int, max_len: int,
+                   dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
+        """A zeroed grouped-query KV cache for `batch` rows of up to `max_len` positions:
+        {"k", "v"} [L, B, max_len, G, K], G = num_kv_heads."""
+        c = self.config
+        return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Logits float32 [B, T, V] of `tokens` [B, T] at `positions` [B, T], against and into
+        `cache` (see `models.layers.decode`)."""
+        return decode(self, tokens, positions, cache)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         if tokens.shape[1] > self.config.max_seq_len:

@@ -150,8 +150,8 @@ print(reports["ZeRO++ (all three)"].table())
 # ZeRO-3 and with all of ZeRO++, from the same initial weights on the same batches.
 #
 # The tiny GPT's layers are smaller than DeepSpeed's 2048-element quantization blocks: with
-# them, qgZ would fall back to a plain reduce-scatter for every gradient (too small to be worth
-# quantizing) and we would not be testing it. So this run quantizes in blocks of 256.
+# them, qgZ would quantize each device's part of a layer as a single block. This run quantizes
+# in blocks of 256, so the comparison below exercises many blocks per gradient.
 #
 # ZeRO++ does not follow ZeRO-3's loss curve here, and it should not be expected to: int4 has 15
 # levels, so in each block of 256 every gradient element smaller than 1/14 of the block's largest

@@ -26,10 +26,12 @@ from zeroxla.engine.mesh import make_mesh
 from zeroxla.engine.plan import ShardingPlan
 from zeroxla.engine.state import TrainState, gather_params, gathered_model
 from zeroxla.engine.step import ZeroStep, make_step, next_token_loss
+from zeroxla.inference import HybridEngine, HybridEngineConfig, hybrid_engine_config_from_json
+from zeroxla.pipeline.config import PipelineConfig
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "CommReport", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",
-    "ZeroStep", "comm_report", "estimate_memory", "export_checkpoint", "gather_params",
-    "gathered_model", "latest_step", "list_checkpoints", "load_params", "make_mesh", "make_step",
+    "CheckpointError", "Checkpointer", "CommReport", "HybridEngine", "HybridEngineConfig", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",
+    "PipelineConfig", "ZeroStep", "comm_report", "estimate_memory", "export_checkpoint", "gather_params",
+    "gathered_model", "hybrid_engine_config_from_json", "latest_step", "list_checkpoints", "load_params", "make_mesh", "make_step",
     "memory_report", "next_token_loss", "restore", "save", "zero_config_from_json",
 ]

@@ -12,7 +12,8 @@ from flax import nnx
 
 
 def cross_entropy(model, batch):
-    logits = model(batch["inputs"]).astype(jnp.float32)
+    logits = model(batch["inputs"])
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))   # float64 stays float64
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
 

@@ -3,6 +3,8 @@
     zeroxla train [options]     train a model on a text file (default: gpt-tiny on the bundled
                                 tiny-shakespeare, ZeRO-3 on a simulated 2 x 4 CPU mesh)
     zeroxla export CKPT OUT     a checkpoint as Hugging Face safetensors + tokenizer files
+    zeroxla generate CKPT --prompt TEXT
+                                continue a prompt with the Hybrid Engine (KV cache, --tp)
     zeroxla launch --nproc N -- COMMAND
                                 N local processes of COMMAND as one distributed JAX job
 
@@ -133,6 +135,10 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="NODESxLOCAL",
                    help="device mesh; on CPU the devices are simulated; default "
                         f"{_DEFAULTS['mesh'][0]}x{_DEFAULTS['mesh'][1]}")
+    p.add_argument("--pipeline-stages", type=_positive_int, default=None, metavar="S",
+                   help="pipeline the model's layers over S stages (1F1B, --grad-accum "
+                        "micro-batches), each stage a --mesh of data-parallel devices: S x "
+                        "nodes x local devices in all; default 1 (no pipeline)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage (default 3, or zero_optimization.stage from --config)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
@@ -188,7 +194,8 @@ _JOB_OPTIONS = {"model": "model", "data": "data", "tokenizer": "tokenizer", "ste
                 "persistence_threshold": "persistence_threshold", "config": "deepspeed_config",
                 "seed": "seed", "eval_every": "eval_every", "eval_batches": "eval_batches",
                 "save_every": "save_every", "keep_last": "keep_last",
-                "sample_tokens": "sample_tokens", "temperature": "temperature"}
+                "sample_tokens": "sample_tokens", "temperature": "temperature",
+                "pipeline_stages": "pipeline_stages"}
 
 
 def _saved_job(resume: Any) -> dict:
@@ -199,12 +206,12 @@ def _saved_job(resume: Any) -> dict:
     return checkpoint.read_metadata(resume.checkpoint_dir, resume.step)["metadata"]
 
 
-def _set_device_count(mesh: tuple[int, int], env: Any) -> None:
+def _set_device_count(mesh: tuple[int, int], env: Any, stages: int = 1) -> None:
     """Simulated CPU devices for this process: the mesh's, or its share of a multi-process mesh
     (unless XLA_FLAGS already has a count, as `zeroxla launch --devices-per-proc` sets it)."""
     from zeroxla.app.distributed import NUM_PROCESSES_ENV
 
-    count = mesh[0] * mesh[1]
+    count = mesh[0] * mesh[1] * stages
     if env is not None and env.auto:
         return                  # a cluster: the devices are real, or the job script sets them
     if env is not None:
@@ -233,7 +240,7 @@ def _run_train(args: argparse.Namespace) -> int:
     saved = _saved_job(resume) if resume else {}
     job = TrainJobConfig(**resumed_fields(saved.get("job"), explicit), out_dir=args.out,
                          progress=not args.no_progress, resume=args.resume)
-    _set_device_count(job.mesh, env)
+    _set_device_count(job.mesh, env, job.pipeline_stages)
     if env is not None:
         distributed.initialize(env)
     import jax
@@ -311,6 +318,42 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
+# generate
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    """Declares `zeroxla generate` and sets its handler to `_run_generate`."""
+    p = subparsers.add_parser(
+        "generate", help="continue a prompt with a trained checkpoint (Hybrid Engine)",
+        description="Restore a `zeroxla train` checkpoint and continue --prompt with the Hybrid "
+                    "Engine: tensor-parallel over --tp simulated devices, KV-cached decoding.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="checkpoint directory given to zeroxla.save (a train run's checkpoints)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=_non_negative_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=_positive_int, default=None)
+    p.add_argument("--tp", type=_positive_int, default=1,
+                   help="tensor-parallel devices (inference_tp_size)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step (default: the newest complete one)")
+    p.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    """Runs `zeroxla generate`: prints the prompt and its continuation."""
+    set_host_device_count(args.tp)            # before JAX starts (module docstring)
+    from zeroxla.app.sampling import generate_from_checkpoint
+
+    print(generate_from_checkpoint(args.checkpoint, args.prompt,
+                                   max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_k=args.top_k, tp=args.tp,
+                                   seed=args.seed, step=args.step), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
 # launch
 
 def _add_launch(subparsers: argparse._SubParsersAction) -> None:
@@ -353,7 +396,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_train, _add_export, _add_launch)
+    _add_train, _add_export, _add_generate, _add_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

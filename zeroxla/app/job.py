@@ -35,7 +35,7 @@ OPTION_NAMES = {"zero_stage": "--zero-stage", "mesh": "--mesh", "dtype": "--dtyp
                 "warmup_steps": "--warmup-steps", "eval_every": "--eval-every",
                 "eval_batches": "--eval-batches", "save_every": "--save-every",
                 "keep_last": "--keep-last", "sample_tokens": "--sample-tokens",
-                "temperature": "--temperature"}
+                "temperature": "--temperature", "pipeline_stages": "--pipeline-stages"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,9 @@ class TrainJobConfig:
     weight_decay: float = 0.0
     gradient_clipping: float = 1.0          # global-norm clipping of the default recipe
     mesh: tuple[int, int] = (2, 4)          # (nodes, local devices per node)
+    # Pipeline stages, each a NODESxLOCAL data-parallel mesh (devices = stages x nodes x local);
+    # the micro-batches are grad_accum (DeepSpeed's gradient_accumulation_steps), 1F1B.
+    pipeline_stages: int = 1
     zero_stage: int | None = None           # default 3
     # Parameters with fewer elements stay replicated (DeepSpeed's
     # stage3_param_persistence_threshold). None: from the DeepSpeed config, else 0. DeepSpeed's
@@ -84,7 +87,7 @@ class TrainJobConfig:
             fail("model", ", ".join(models.PRESETS))
         if self.tokenizer not in TOKENIZERS:
             fail("tokenizer", ", ".join(TOKENIZERS))
-        for name in ("steps", "seq_len", "eval_every", "eval_batches"):
+        for name in ("steps", "seq_len", "eval_every", "eval_batches", "pipeline_stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
         for name in ("warmup_steps", "sample_tokens", "seed", "save_every", "keep_last"):

@@ -64,3 +64,45 @@ def sample_text(model: nnx.Module, tokenizer: Tokenizer, prompt: str | np.ndarra
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
     return tokenizer.decode(sample_tokens(model, ids, num_tokens=num_tokens, context=context,
                                           temperature=temperature, seed=seed))
+
+
+def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int,
+                             temperature: float, top_k: int | None, tp: int,
+                             seed: int = 0, step: int | None = None) -> str:
+    """`zeroxla generate`: the checkpoint's weights on this process's devices (ZeRO-3,
+    one node), continued from `prompt` by the Hybrid Engine with `tp`-way tensor parallelism
+    and a KV cache; returns prompt + continuation as text. The tokenizer is the one the
+    checkpoint records (`zeroxla train` records it)."""
+    import zeroxla
+    from zeroxla.app.tokenizer import tokenizer_from_record
+    from zeroxla.checkpoint.export import checkpoint_metadata
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    meta = checkpoint_metadata(checkpoint, step=step)
+    record = meta["metadata"].get("tokenizer")
+    if record is None:
+        raise ValueError(f"checkpoint {checkpoint!r} records no tokenizer; accepted: a "
+                         "checkpoint written by `zeroxla train`")
+    tokenizer = tokenizer_from_record(record)
+    ids = np.asarray(tokenizer.encode(prompt), np.int32)
+    # weights only (no optimizer state): the model under a ZeRO-3 step with a stateless
+    # optimizer, which never runs
+    import optax
+
+    model = zeroxla.load_params(checkpoint, step=meta["step"])
+    # load_params commits the weights to device 0; make_step needs them uncommitted (host)
+    graphdef, values = nnx.split(model)
+    model = nnx.merge(graphdef, jax.tree.map(np.asarray, values))
+    step_fn = zeroxla.make_step(model, zeroxla.make_mesh(1), optimizer=optax.set_to_zero(),
+                                config=zeroxla.ZeroConfig(stage=3))
+    max_seq_len = meta["model_config"]["fields"]["max_seq_len"]
+    if ids.size + max_new_tokens > max_seq_len:
+        raise ValueError(f"--prompt ({ids.size} tokens) + --max-new-tokens={max_new_tokens} "
+                         f"exceeds the model's max_seq_len={max_seq_len}; accepted: at most "
+                         f"{max(0, max_seq_len - ids.size)} new tokens")
+    engine = HybridEngine(step_fn, HybridEngineConfig(
+        inference_tp_size=tp, max_out_tokens=ids.size + max_new_tokens))
+    out = engine.generate(step_fn.init(), [ids], max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, seed=seed)[0]
+    engine.release()
+    return tokenizer.decode(out)

@@ -102,7 +102,9 @@ def save_checkpoint(step: Any, state: Any, directory: Path, *, metadata: dict) -
 
 def _mesh_for(job: TrainJobConfig):
     nodes, local = job.mesh
-    return make_mesh(nodes, local, devices=distributed.mesh_devices(jax.devices(), nodes * local))
+    stages = job.pipeline_stages
+    return make_mesh(nodes, local, stages=stages,
+                     devices=distributed.mesh_devices(jax.devices(), stages * nodes * local))
 
 
 def _model_factory(job: TrainJobConfig, corpus: Corpus) -> Callable[[], Any]:
@@ -181,7 +183,8 @@ def run_settings(job: TrainJobConfig, setup: TrainingSetup, corpus: Corpus,
         "micro_batch_size": setup.batch_size // (dp * zero.gradient_accumulation_steps),
         "seq_len": job.seq_len, "lr": _peak_lr(setup.learning_rate, job.steps),
         "lr_schedule": setup.source, "warmup_steps": job.warmup_steps,
-        "mesh": f"{job.mesh[0]}x{job.mesh[1]}", "processes": jax.process_count(),
+        "mesh": f"{job.mesh[0]}x{job.mesh[1]}", "pipeline_stages": job.pipeline_stages,
+        "processes": jax.process_count(),
         "zero_stage": zero.stage, "persistence_threshold": zero.persistence_threshold,
         "dtype": DTYPE_NAMES[zero.compute_dtype],
         "loss_scaling": ("off" if not zero.uses_loss_scaling else "dynamic"
@@ -276,8 +279,10 @@ def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> T
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     corpus = load_corpus(job.data, tokenizer=job.tokenizer, val_fraction=job.val_fraction)
     mesh = _mesh_for(job)
+    pipeline = (zeroxla.PipelineConfig(setup.zero.gradient_accumulation_steps)
+                if job.pipeline_stages > 1 else None)
     step = zeroxla.make_step(_model_factory(job, corpus), mesh, optimizer=setup.optimizer,
-                             config=setup.zero)
+                             config=setup.zero, pipeline=pipeline)
     batch, seq = setup.batch_size, job.seq_len
     train_plan = BatchPlan(len(corpus.train), batch, seq, seed=job.seed)
     val_plan = BatchPlan(len(corpus.val), batch, seq, seed=VALIDATION_SEED)

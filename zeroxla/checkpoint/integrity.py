@@ -24,6 +24,7 @@ from jax import lax
 from zeroxla.checkpoint.listing import (
     FORMAT_VERSION,
     META_ITEM,
+    READABLE_FORMATS,
     CheckpointError,
     CheckpointInfo,
     CorruptCheckpointError,
@@ -123,9 +124,10 @@ def read_meta(info: CheckpointInfo) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("digest") != digest(meta):
         raise CorruptCheckpointError(f"checkpoint step {info.step}: {path} fails its digest "
                                      "check (the file was modified or corrupted)")
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"checkpoint step {info.step} has format {meta.get('format')!r}; "
-                              f"this zeroxla reads format {FORMAT_VERSION}")
+                              f"this zeroxla writes format {FORMAT_VERSION} and reads formats "
+                              f"{', '.join(map(str, READABLE_FORMATS))}")
     meta["metadata"] = json.loads(json.dumps(meta["metadata"]), object_hook=decode)
     return meta
 

@@ -19,7 +19,10 @@ import re
 import warnings
 from pathlib import Path
 
-FORMAT_VERSION = 1
+# 2: frozen leaves held as codes saved as codes (`frozen_codes/...`, `zeroxla.checkpoint.codes`);
+# 1: the same, but such leaves stored as dequantized floats (still read: requantized once).
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 STATE_ITEM = "state"          # orbax item holding the arrays
 META_ITEM = "zeroxla"         # orbax item holding our JSON
 TMP_SUFFIX = ".orbax-checkpoint-tmp"          # orbax's temporary step directories

@@ -10,7 +10,10 @@
             checkpointer.save(state, step=zero_step)            # returns once copied to host
 
 What is stored is the state's logical form (`zeroxla.engine.logical`): independent of the mesh,
-the ZeRO stage and hpZ, so a checkpoint restores onto any of them. Each process writes only the
+the ZeRO stage and hpZ, so a checkpoint restores onto any of them. The exception is a frozen
+leaf held as int8/int4 codes (`quantized_nontrainable_weights`): its codes and steps are stored
+with their group layout, restored bit-exactly onto the same layout and re-blocked onto another
+(`zeroxla.checkpoint.codes`). Each process writes only the
 shards it holds and reads back only the slices its devices need. The directory layout and crash
 safety are described in `zeroxla.checkpoint.listing`, the checksums in `.integrity`.
 """
@@ -30,6 +33,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from zeroxla import models
+from zeroxla.checkpoint import codes
 from zeroxla.checkpoint.integrity import (
     checksums,
     digest,
@@ -47,7 +51,7 @@ from zeroxla.checkpoint.listing import (
     select,
 )
 from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.logical import LogicalLayout, named_leaves
+from zeroxla.engine.logical import LogicalLayout, logical_sharding, named_leaves
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.step import ZeroStep, make_step
@@ -173,6 +177,14 @@ class Checkpointer:
         if model_config is None:
             model_config = _model_config_of(step)
         arrays = step.logical_layout.to_logical(state)
+        # Frozen leaves stored as codes are saved as their codes and steps, not as floats
+        # (`zeroxla.checkpoint.codes`).
+        quantized = [leaf for leaf in step.plan.leaves if leaf.params_quantized]
+        for leaf in quantized:
+            del arrays[f"params/{leaf.path}"]
+            stored = state.params[leaf.path]
+            for field in codes.FIELDS:
+                arrays[codes.array_name(leaf.path, field)] = getattr(stored, field)
         sums = checksums(arrays)
         number = host_int(state.step)
         loss_scale = (float(np.asarray(state.loss_scale.scale.addressable_data(0)))
@@ -185,13 +197,16 @@ class Checkpointer:
             "loss_scale": loss_scale,
             "mesh": {"shape": dict(step.mesh.shape), "data_size": step.data_size},
             "metadata": dict(metadata or {}),
+            "frozen_codes": {leaf.path: codes.layout_record(leaf) for leaf in quantized},
             "arrays": {name: {"shape": list(a.shape), "dtype": a.dtype.name,
                               "checksum": host_int(sums[name])} for name, a in arrays.items()},
         }
         meta = json.loads(json.dumps(meta, default=encode))
         meta["digest"] = digest(meta)
         # One layer of a stacked [L, ...] parameter per chunk, so export reads a layer alone.
-        stacked = {f"params/{leaf.path}" for leaf in step.plan.leaves if leaf.stacked}
+        stacked = {name for leaf in step.plan.leaves if leaf.stacked
+                   for name in (f"params/{leaf.path}",
+                                *(codes.array_name(leaf.path, f) for f in codes.FIELDS))}
         save_args = {name: ocp.SaveArgs(shard_axes=(0,) if name in stacked else ())
                      for name in arrays}
         self._manager.wait_until_finished()
@@ -243,9 +258,23 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
     layout = zero_step.logical_layout
     stored = meta["arrays"]
     _check_compatible(meta, layout, info)
+    # Frozen leaves saved as codes: each one's stored group layout (`zeroxla.checkpoint.codes`).
+    frozen = {path: codes.leaf_of_record(path, record, zero_step.plan[path])
+              for path, record in meta.get("frozen_codes", {}).items()}
+    shardings = zero_step.state_shardings.params
 
     # The loss scale is optional on both sides: fp16 runs carry one, others do not.
     wanted = {n: a for n, a in layout.abstract.items() if n in stored}
+    for path, leaf in frozen.items():
+        same = codes.same_groups(leaf, zero_step.plan[path])
+        for field in codes.FIELDS:
+            name = codes.array_name(path, field)
+            shape = tuple(stored[name]["shape"])
+            # Read straight into the target's storage when nothing is re-blocked.
+            sharding = (getattr(shardings[path], field) if same
+                        else logical_sharding(zero_step.mesh, shape))
+            wanted[name] = jax.ShapeDtypeStruct(shape, np.dtype(stored[name]["dtype"]),
+                                                sharding=sharding)
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         read_only=True))
     try:
@@ -260,20 +289,36 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
     finally:
         manager.close()
     arrays = named_leaves(tree)
-    fresh = named_leaves({"loss_scale": init_loss_scale(zero_step.config)})
-    missing = [n for n in layout.names if n not in arrays]
-    for name in missing:
-        if name not in fresh:
-            raise CheckpointError(f"checkpoint step {info.step}: array {name!r} was not restored")
-        arrays[name] = jax.device_put(fresh[name], layout.abstract[name].sharding)
-    sums = checksums({n: arrays[n] for n in layout.names})
-    for name in layout.names:
-        if name in stored and host_int(sums[name]) != stored[name]["checksum"]:
+    missing = [n for n in wanted if n not in arrays]
+    if missing:
+        raise CheckpointError(f"checkpoint step {info.step}: array {missing[0]!r} was not "
+                              "restored")
+    sums = checksums({n: arrays[n] for n in wanted})
+    for name in wanted:
+        if host_int(sums[name]) != stored[name]["checksum"]:
             raise CorruptCheckpointError(
                 f"checkpoint step {info.step} at {info.path} is corrupted: array {name!r} "
                 f"fails its checksum (stored {stored[name]['checksum']:#010x}, read "
                 f"{host_int(sums[name]):#010x})")
+    target_codes = {}
+    for path, leaf in frozen.items():
+        data, scales = (arrays.pop(codes.array_name(path, f)) for f in codes.FIELDS)
+        name = f"params/{path}"
+        # The stored values: a float target's parameter (for a quantized target, overwritten
+        # below by the codes themselves).
+        arrays[name] = codes.restore_values(leaf, data, scales, layout.abstract[name].sharding,
+                                            layout.abstract[name].dtype)
+        if zero_step.plan[path].params_quantized:
+            target_codes[path] = codes.restore_codes(leaf, zero_step.plan[path], data, scales,
+                                                     shardings[path])
+    fresh = named_leaves({"loss_scale": init_loss_scale(zero_step.config)})
+    for name in [n for n in layout.names if n not in arrays]:
+        if name not in fresh:
+            raise CheckpointError(f"checkpoint step {info.step}: array {name!r} was not restored")
+        arrays[name] = jax.device_put(fresh[name], layout.abstract[name].sharding)
     state = layout.to_storage([arrays[n] for n in layout.names])
+    if target_codes:
+        state = state.replace(params={**state.params, **target_codes})
     return Restored(state=state, step=zero_step, metadata=meta["metadata"],
                     checkpoint_step=info.step, path=info.path,
                     zero_config=zero_step.config, model_config=_known_model_config(meta),
@@ -314,7 +359,9 @@ def _target_step(target: Any, meta: Mapping[str, Any], optimizer: Any,
 
 def _check_compatible(meta: Mapping[str, Any], layout: LogicalLayout, info: CheckpointInfo) -> None:
     """Raises ValueError at the first parameter (then optimizer leaf) that differs."""
-    stored = meta["arrays"]
+    # A frozen leaf saved as codes has the logical shape its layout record states.
+    stored = {**meta["arrays"], **{f"params/{path}": {"shape": record["shape"]}
+                                   for path, record in meta.get("frozen_codes", {}).items()}}
     record = meta.get("model_config")
     where = f"checkpoint step {info.step} at {info.path}"
     if record:

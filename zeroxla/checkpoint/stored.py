@@ -1,4 +1,7 @@
-"""Reading single arrays of a checkpoint as numpy, one tensor or one layer at a time (export)."""
+"""Reading single arrays of a checkpoint as numpy, one tensor or one layer at a time (export).
+
+A frozen leaf saved as codes (`zeroxla.checkpoint.codes`) reads as its float32 values, so
+readers see every parameter at its logical shape whatever its storage."""
 
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from zeroxla.checkpoint import codes
 from zeroxla.checkpoint.integrity import checksum_numpy, read_meta
 from zeroxla.checkpoint.listing import STATE_ITEM, CorruptCheckpointError, select
+from zeroxla.engine.plan import LeafPlan
 
 
 class StoredArrays:
@@ -38,10 +43,28 @@ class StoredArrays:
         self._partial: dict[str, tuple[int, set[int]]] = {}   # name -> (checksum so far, indices)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        frozen = self._frozen(name)
+        if frozen is not None:
+            return frozen.shape
         return tuple(self.meta["arrays"][name]["shape"])
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.meta["arrays"] or self._frozen(name) is not None
+
+    def _frozen(self, name: str) -> LeafPlan | None:
+        """The stored group layout when `name` is 'params/<path>' of a leaf saved as codes."""
+        path = name[len("params/"):] if name.startswith("params/") else None
+        record = self.meta.get("frozen_codes", {}).get(path)
+        return None if record is None else codes.leaf_of_record(path, record)
+
     def read(self, name: str, index: int | None = None) -> np.ndarray:
-        """Array `name` (e.g. 'params/embed/wte'), or its slice `[index]`."""
+        """Array `name` (e.g. 'params/embed/wte'), or its slice `[index]`. A frozen leaf saved
+        as int8/int4 codes reads as its float32 values (code * step)."""
+        frozen = self._frozen(name)
+        if frozen is not None:
+            data, scales = (self.read(codes.array_name(frozen.path, f), index)
+                            for f in codes.FIELDS)
+            return codes.dequantize_numpy(frozen, data, scales)
         try:
             store = self._open(name)
             # Copied into numpy-owned memory: tensorstore's buffer is freed at once, and the

@@ -44,23 +44,23 @@ def load_params(directory: str | Path, *, step: int | None = None,
     else:
         factory = model
     model_def, _ = ModelDef.of(nnx.eval_shape(factory))
-    stored = arrays.meta["arrays"]
     values = {}
     for path, shape, dtype in zip(model_def.paths, model_def.shapes, model_def.dtypes):
-        values[path] = _read(arrays, f"params/{path}", shape, stored).astype(dtype)
-    model_state = {path: _read(arrays, f"model_state/{path}", shape, stored).astype(dtype)
+        values[path] = _read(arrays, f"params/{path}", shape).astype(dtype)
+    model_state = {path: _read(arrays, f"model_state/{path}", shape).astype(dtype)
                    for path, shape, dtype in zip(model_def.state_paths, model_def.state_shapes,
                                                  model_def.state_dtypes)}
     device = jax.local_devices()[0]
     return model_def.module(jax.device_put(values, device), jax.device_put(model_state, device))
 
 
-def _read(arrays: StoredArrays, name: str, shape: tuple[int, ...], stored: dict):
-    if name not in stored:
+def _read(arrays: StoredArrays, name: str, shape: tuple[int, ...]):
+    if name not in arrays:
+        stored = arrays.meta["arrays"]
         raise ValueError(f"checkpoint step {arrays.info.step} has no array {name!r}; the model "
                          f"does not match the one that was saved (it has "
                          f"{sorted(n for n in stored if n.startswith('params/'))[:4]}...)")
-    if tuple(stored[name]["shape"]) != tuple(shape):
+    if arrays.shape(name) != tuple(shape):
         raise ValueError(f"checkpoint step {arrays.info.step}: {name!r} has shape "
-                         f"{tuple(stored[name]['shape'])}, the model's is {tuple(shape)}")
+                         f"{arrays.shape(name)}, the model's is {tuple(shape)}")
     return arrays.read(name)

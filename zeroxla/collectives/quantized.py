@@ -40,6 +40,9 @@ QWZ_BITS = 8
 QWZ_GROUP_SIZE = 512
 QGZ_BITS = 4
 QGZ_GROUP_SIZE = 256
+# qgZ leaves a gradient unquantized when each device's chunk is smaller than this: int4 codes
+# would save under 1 KiB, and tiny tensors would pay quantization error for nothing.
+QGZ_MIN_CHUNK = 256
 
 
 def _axis_size(axis_names: str | Sequence[str]) -> int:
@@ -90,12 +93,22 @@ def uses_quantized_reduce_scatter(numel: int, *, devices: int,
                                   min_size: int | None = None) -> bool:
     """Whether `quantized_reduce_scatter` quantizes a gradient of `numel` elements.
 
-    Below `min_size` (default: `devices * group_size`, i.e. less than one group per device's
-    chunk) the scales would cost more than the int4 codes save and small tensors (biases,
-    norms) would pay quantization error for nothing, so they go through plain `psum_scatter`.
+    Below `min_size` (default: `devices * min(group_size, QGZ_MIN_CHUNK)`, i.e. a chunk per
+    device smaller than one group and than `QGZ_MIN_CHUNK`) the int4 codes would save little and
+    small tensors (biases, norms) would pay quantization error for nothing, so they go through
+    plain `psum_scatter`. A chunk between the two is quantized as one group
+    (`qgz_group_size`).
     """
-    threshold = devices * group_size if min_size is None else min_size
+    threshold = devices * min(group_size, QGZ_MIN_CHUNK) if min_size is None else min_size
     return devices > 1 and numel >= threshold
+
+
+def qgz_group_size(chunk: int, group_size: int) -> int:
+    """The group size qgZ quantizes a `chunk`-element partition with: `group_size`, or, for a
+    chunk smaller than one group, the power of two >= chunk (one group per partition). DeepSpeed
+    quantizes every gradient (bucketed), so a layer smaller than its 2048-element blocks (every
+    layer of the tiny models) must still be quantized, not silently sent in full precision."""
+    return min(group_size, 1 << max(chunk - 1, 1).bit_length())
 
 
 def _pad_to_devices(flat_grad: jax.Array, devices: int) -> jax.Array:
@@ -129,6 +142,7 @@ def quantized_reduce_scatter(flat_grad: jax.Array, *, bits: int = QGZ_BITS,
     if not uses_quantized_reduce_scatter(flat.size, devices=nodes * local, group_size=group_size,
                                          min_size=min_size):
         return lax.psum_scatter(flat, (node_axis, local_axis), scatter_dimension=0, tiled=True)
+    group_size = qgz_group_size(flat.size // (nodes * local), group_size)
     q = swizzled_quantize(flat, bits=bits, group_size=group_size, nodes=nodes,
                           devices_per_node=local, symmetric=symmetric, impl=impl)
     q = _exchange(q, local_axis)                   # [local_src, node, chunk]

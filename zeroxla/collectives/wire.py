@@ -48,8 +48,9 @@ def reduce_scatter_dim(x: jax.Array, axes: Any, dim: int) -> jax.Array:
     sends block j's raw bits to device j (all-to-all, the bytes of a 16-bit reduce-scatter) and
     sums what it receives in float32. Returns float32 with `dim` divided by G.
     """
-    if not is_16bit_float(x.dtype):
-        return lax.psum_scatter(x.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+    if not is_16bit_float(x.dtype):       # float32 (float64 in a float64 verification run)
+        return lax.psum_scatter(x.astype(jnp.promote_types(x.dtype, jnp.float32)), axes,
+                                scatter_dimension=dim, tiled=True)
 
     def native(a):
         return lax.psum_scatter(a, axes, scatter_dimension=dim, tiled=True).astype(jnp.float32)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeroxla.collectives.wire import all_gather_dim, reduce_scatter_dim
+from zeroxla.collectives.wire import (all_gather_dim, all_gather_flat, is_16bit_float,
+                                      reduce_scatter_dim, reduce_scatter_flat)
 from zeroxla.engine.mesh import MeshAxes
 from zeroxla.engine.plan import LeafPlan
 
@@ -44,6 +45,10 @@ class ZeroCollectives:
     axes: MeshAxes
     compute_dtype: Any = jnp.float32
 
+    def gathers(self, leaf: LeafPlan) -> bool:
+        """Whether `leaf`'s units go through these collectives (are wrapped by the step)."""
+        return leaf.params_partitioned
+
     def forward_gather(self, shard: jax.Array, leaf: LeafPlan) -> tuple[jax.Array, Any]:
         if not leaf.params_partitioned:
             return shard.astype(self.compute_dtype), None
@@ -59,7 +64,7 @@ class ZeroCollectives:
 
     def reduce_scatter(self, grad: jax.Array, leaf: LeafPlan) -> jax.Array:
         if not leaf.params_partitioned:
-            return grad.astype(jnp.float32)
+            return grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
         with jax.named_scope(GRAD_REDUCE):
             padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
             return reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # shard f32
@@ -77,19 +82,91 @@ class ZeroCollectives:
         return leaf.unit_unpad(full)                                      # unit shape
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientSink:
+    """ZeRO-2's form of a parameter inside the gradient pass: the replicated `value` (compute
+    dtype) and `sink`, master-dtype zeros shaped like this device's gradient partition (`[L?,
+    *shard_shape]`). The step differentiates the sinks, not the values: a unit's cotangent
+    reaches its sink already reduce-scattered (`Zero2Collectives.reduce_scatter`), so only the
+    partition of a gradient outlives the backward of the unit that produced it."""
+
+    value: jax.Array
+    sink: jax.Array
+
+
+jax.tree_util.register_dataclass(GradientSink, ["value", "sink"], [])
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero2Collectives(ZeroCollectives):
+    """ZeRO-2 (DeepSpeed's stage 2) through the units ZeRO-3 uses: parameters are replicated,
+    so a unit's "gather" is the identity on its `GradientSink`'s value (no communication), and
+    its gradient is reduce-scattered, in the compute dtype, as soon as backward produces it
+    (DeepSpeed's per-bucket `reduce_scatter` during backward). Leaves whose optimizer state is
+    not partitioned (scalars) pass through and are all-reduced once at the end."""
+
+    def gathers(self, leaf: LeafPlan) -> bool:
+        return leaf.optimizer_partitioned
+
+    def sink(self, leaf: LeafPlan) -> jax.Array:
+        """The zeros whose cotangent is this device's reduced gradient partition of `leaf`."""
+        master = jnp.promote_types(self.compute_dtype, jnp.float32)    # float64 runs: float64
+        return jnp.zeros(((leaf.layers,) if leaf.stacked else ()) + leaf.shard_shape, master)
+
+    def forward_gather(self, shard: Any, leaf: LeafPlan) -> tuple[jax.Array, Any]:
+        value = shard.value if isinstance(shard, GradientSink) else shard
+        return value.astype(self.compute_dtype), None
+
+    def backward_gather(self, shard: Any, saved: Any, leaf: LeafPlan) -> jax.Array:
+        return self.forward_gather(shard, leaf)[0]
+
+    def reduce_scatter(self, grad: jax.Array, leaf: LeafPlan) -> Any:
+        if not leaf.optimizer_partitioned:
+            return grad.astype(jnp.float32)
+        with jax.named_scope(GRAD_REDUCE):
+            padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
+            part = reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # f32 shard
+        return GradientSink(value=None, sink=part)        # the cotangent of a GradientSink
+
+    def describe(self, leaf: LeafPlan) -> tuple[str, str, str]:
+        dtype = jnp.dtype(self.compute_dtype).name
+        over = "+".join(self.axes.data)
+        return ("none (replicated)", "none (replicated)",
+                f"reduce-scatter {dtype} over {over}, per unit in backward")
+
+
 def data_index(axes: MeshAxes) -> jax.Array:
     """This device's linear index over ("node", "local"), the order of tiled gathers."""
     return lax.axis_index(axes.data)
 
 
 def scatter_full_gradient(grad: jax.Array, leaf: LeafPlan, axes: MeshAxes) -> jax.Array:
-    """Stage 2: a full local gradient -> this device's reduced shard (`psum_scatter`)."""
+    """A full local gradient -> this device's reduced shard (`psum_scatter`), in one piece
+    (the pipeline executor's stage 2; the step's stage 2 scatters per unit, `Zero2Collectives`)."""
     with jax.named_scope(GRAD_REDUCE):
         return lax.psum_scatter(leaf.pad(grad), axes.data, scatter_dimension=leaf.shard_dim,
                                 tiled=True)
 
 
-def all_reduce(tree: Any, axes: MeshAxes) -> Any:
-    """Sum over the data devices (stage 0-1 gradients, persistent parameters' gradients)."""
+def all_reduce(tree: Any, axes: MeshAxes, wire_dtype: Any = jnp.float32) -> Any:
+    """Sum over the data devices (stage 0-1 gradients, persistent parameters' gradients).
+
+    With a 16-bit `wire_dtype` (bf16/fp16 compute) each leaf travels in 16 bits, as DeepSpeed's
+    gradient all-reduce in the training dtype: a reduce-scatter then an all-gather (the ring
+    all-reduce's two halves, the same bytes as a 16-bit all-reduce), each in the wire format
+    `zeroxla.collectives.wire` chooses per backend. Returns float32 (the master dtype)."""
     with jax.named_scope(GRAD_REDUCE):
-        return lax.psum(tree, axes.data)
+        if not is_16bit_float(wire_dtype):
+            return lax.psum(tree, axes.data)
+        return jax.tree.map(lambda g: _all_reduce_16bit(g, axes, wire_dtype), tree)
+
+
+def _all_reduce_16bit(g: jax.Array, axes: MeshAxes, wire_dtype: Any) -> jax.Array:
+    """One leaf's sum over the data devices, sent in `wire_dtype`: [size] padded to a multiple
+    of N, reduce-scattered (summed in float32 where the backend allows, `reduce_scatter_flat`),
+    rounded to 16 bits and all-gathered."""
+    flat = g.reshape(-1)
+    flat = jnp.pad(flat, (0, -flat.size % axes.data_size)).astype(wire_dtype)   # [N * c]
+    part = reduce_scatter_flat(flat, axes.data)                                 # f32 [c]
+    full = all_gather_flat(part.astype(wire_dtype), axes.data)                  # [N * c]
+    return full[:g.size].astype(g.dtype).reshape(g.shape)

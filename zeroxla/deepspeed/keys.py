@@ -115,8 +115,10 @@ TOP_LEVEL = section(
         "dataloader_drop_last": "the data pipeline is zeroxla.data",
         "progressive_layer_drop": _NOT_HERE + " (progressive layer drop)",
         "eigenvalue": _NOT_HERE + " (eigenvalue-based MoQ)",
-        "hybrid_engine": "the hybrid engine is configured in code, not from the DeepSpeed config",
-        "pipeline": "pipeline parallelism is configured in code, not from the DeepSpeed config",
+        "hybrid_engine": ("read by zeroxla.hybrid_engine_config_from_json into a "
+                          "HybridEngineConfig, not by this loader"),
+        "pipeline": ("read by zeroxla.deepspeed.pipeline_config_from_json into a PipelineConfig "
+                     "(pass it to make_step(pipeline=...)); the stage count is the mesh's"),
         "tensor_parallel": _NOT_HERE + " (AutoTP tensor parallelism)",
         "expert_parallel": _NOT_HERE + " (AutoEP expert parallelism)",
         "use_data_before_expert_parallelism": _NOT_HERE + " (expert parallelism)",

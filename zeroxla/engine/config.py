@@ -14,9 +14,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# "float64" (needs `jax_enable_x64`) makes master weights, gradients, their reductions and the
+# optimizer state float64 as well: a numerical-verification mode in which a ZeRO run and a
+# single-device run differ by float64 round-off, not float32's (see `master_dtype`).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 QUANTIZATION_BITS = (4, 8)
 
 
@@ -34,7 +39,7 @@ def _is_number(value: Any) -> bool:
 
 
 # Field -> kind, checked before any range check: a wrong type is named, not coerced.
-_KINDS = {"stage": "int", "persistence_threshold": "int", "prefetch": "bool",
+_KINDS = {"stage": "int", "persistence_threshold": "int", "prefetch": "bool", "remat": "str",
           "compute_dtype": "str", "loss_scale": "number", "initial_scale_power": "int",
           "loss_scale_window": "int", "hysteresis": "int", "min_loss_scale": "number",
           "gradient_clipping": "number", "gradient_accumulation_steps": "int",
@@ -66,6 +71,13 @@ class ZeroConfig:
     # Issue the gather of layer i+1 before layer i computes (DeepSpeed's prefetch), so XLA can
     # overlap communication with compute.
     prefetch: bool = True
+    # What a gathered unit (a layer, a module call) keeps from forward to backward
+    # (`zeroxla.engine.remat`): "none" keeps its activations and re-gathers only its weights
+    # (DeepSpeed's default, no recompute); "full" keeps only its inputs and recomputes it in
+    # backward (about a third more FLOPs, the least activation memory); "dots_saveable" /
+    # "dots_with_no_batch_dims_saveable" keep what that `jax.checkpoint` policy saves. The
+    # gathered weights are never kept. Stages 0-1 run the model under plain autodiff ("none").
+    remat: str = "none"
     # Forward/backward run in this dtype; master weights and optimizer state stay float32.
     compute_dtype: str = "float32"
 
@@ -104,6 +116,11 @@ class ZeroConfig:
             _fail("stage", self.stage, "0, 1, 2 or 3")
         if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
             _fail("persistence_threshold", self.persistence_threshold, "an integer >= 0")
+        if self.remat not in REMAT_POLICIES:
+            _fail("remat", self.remat, ", ".join(REMAT_POLICIES))
+        if self.remat != "none" and self.stage < 2:
+            _fail("remat", self.remat, "'none' at stage 0-1 (the model runs under plain "
+                  "autodiff; a policy applies to the gathered units of stages 2-3)")
         if self.compute_dtype not in COMPUTE_DTYPES:
             _fail("compute_dtype", self.compute_dtype, ", ".join(COMPUTE_DTYPES))
         if self.loss_scale < 0:
@@ -129,6 +146,12 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 _fail(name, value, "a positive integer")
+        if self.compute_dtype == "float64" and not jax.config.jax_enable_x64:
+            _fail("compute_dtype", self.compute_dtype, f"{', '.join(COMPUTE_DTYPES[:3])}; "
+                  "float64 needs jax.config.update('jax_enable_x64', True) first")
+        if self.compute_dtype == "float64" and self.uses_zeropp:
+            _fail("compute_dtype", self.compute_dtype, "float32, bfloat16 or float16 with ZeRO++ "
+                  "(its int8/int4 quantization would undo a float64 verification run)")
         if self.uses_zeropp and self.stage != 3:
             _fail("stage", self.stage, "3 when ZeRO++ (hpz_partition_size > 1, quantized_weights, "
                   "quantized_gradients, quantized_nontrainable_weights) is enabled")
@@ -138,6 +161,12 @@ class ZeroConfig:
     def dtype(self) -> jnp.dtype:
         """The compute dtype as a jnp dtype."""
         return jnp.dtype(self.compute_dtype)
+
+    @property
+    def master_dtype(self) -> jnp.dtype:
+        """Master weights, gradient reductions and optimizer state: float32 (DeepSpeed's fp32
+        master copy) for every compute dtype but float64, where they are float64 too."""
+        return jnp.dtype(jnp.float64 if self.compute_dtype == "float64" else jnp.float32)
 
     @property
     def uses_zeropp(self) -> bool:

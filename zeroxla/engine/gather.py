@@ -5,14 +5,16 @@ Three units of gathering, all `jax.custom_vjp`s so that the schedule of collecti
 * `gathered_value`: one parameter of a module that also has children, gathered alone when the
   step's model copy is built; its summed cotangent reduce-scattered.
 * `gathered_call`: one module call. Forward all-gathers the module's shards, runs it, and keeps
-  only the shards and the call's inputs; backward re-gathers, recomputes the call under
-  `jax.vjp`, and reduce-scatters the parameter gradients (DeepSpeed's per-module pre-forward /
-  pre-backward hooks, done without hooks).
+  the shards and, per the activation policy (`ZeroConfig.remat`, `zeroxla.engine.remat`),
+  either the call's inputs ("full": backward recomputes the call) or its vjp's residuals less
+  the gathered parameters ("none"); backward re-gathers and reduce-scatters the parameter
+  gradients (DeepSpeed's per-module pre-forward / pre-backward hooks, done without hooks).
 * `GatheredStack`: a `LayerStack` (a scanned stack of identical blocks). `forward` gathers layer
   i+1 while layer i computes (prefetch) and returns the layers' results with explicit
   residuals; `backward` walks the layers in reverse, re-gathering layer i-1 while layer i's
   gradient is computed, and reduce-scatters each layer's gradient as soon as it exists. At most
-  two layers' parameters are ever live, and gathered parameters are never saved for backward.
+  two layers' parameters are ever live, and gathered parameters are never saved for backward
+  (whatever the policy keeps: each layer's input carry, or its residuals).
   `GatheredStack.__call__` ties the two into a custom VJP (the ZeRO-3 step); the pipeline
   executor calls `forward` and `backward` itself, per micro-batch.
 
@@ -26,6 +28,9 @@ differentiates only with respect to the trainable ones: a frozen leaf gets no gr
 reduce-scatter, and a zero (None) cotangent. A frozen leaf's shard may be a `QuantizedArray`
 of stored codes (quantized_nontrainable_weights); it is one "shard" to the code below.
 Non-float inputs (token positions) get no cotangent either.
+
+ZeRO-2 runs the same units with `Zero2Collectives`: the "gather" is the identity on replicated
+parameters and the gradient reduce-scatter is the same, per unit, as backward produces it.
 """
 
 from __future__ import annotations
@@ -41,54 +46,15 @@ from jax import lax
 
 from zeroxla.collectives.zero import ZeroCollectives
 from zeroxla.engine.plan import LeafPlan
-
-
-# ----------------------------------------------------------------------------------------------
-# Differentiating with respect to the float leaves of a pytree only.
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def _split_floats(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any], list[bool]]:
-    """(float leaves, rebuild(float leaves) -> tree, mask) of a pytree."""
-    leaves, treedef = jax.tree.flatten(tree)
-    mask = [_is_float(leaf) for leaf in leaves]
-
-    def rebuild(floats):
-        it = iter(floats)
-        return jax.tree.unflatten(treedef, [next(it) if m else leaf
-                                            for leaf, m in zip(leaves, mask)])
-    return [leaf for leaf, m in zip(leaves, mask) if m], rebuild, mask
-
-
-def _cotangent_tree(tree: Any, float_cotangents: list[Any]) -> Any:
-    """A cotangent for `tree`: the given ones at its float leaves, None elsewhere."""
-    leaves, treedef = jax.tree.flatten(tree)
-    it = iter(float_cotangents)
-    return jax.tree.unflatten(treedef, [next(it) if _is_float(leaf) else None
-                                        for leaf in leaves])
-
-
-def _vjp(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any,
-         cotangent: Any) -> tuple[list[Any], Any]:
-    """Cotangents of `out = fn(full, inputs)` for the trainable entries of `full` (None for
-    frozen ones, which stay constants of the vjp) and for the float leaves of `inputs` (None for
-    the rest)."""
-    trainable = [i for i, leaf in enumerate(leaves) if leaf.trainable]
-    floats, rebuild, _ = _split_floats(inputs)
-
-    def of_differentiable(params, float_inputs):
-        merged = list(full)
-        for i, p in zip(trainable, params):
-            merged[i] = p
-        return fn(merged, rebuild(float_inputs))
-
-    _, vjp = jax.vjp(of_differentiable, [full[i] for i in trainable], floats)
-    g_trainable, g_floats = vjp(cotangent)
-    g_full: list[Any] = [None] * len(full)
-    for i, gi in zip(trainable, g_trainable):
-        g_full[i] = gi
-    return g_full, _cotangent_tree(inputs, g_floats)
+from zeroxla.engine.remat import (
+    FULL,
+    KeptVjp,
+    cotangent_tree,
+    is_float,
+    linearize_keeping,
+    split_floats,
+    vjp,
+)
 
 
 def _after(x: Any, dependency: Any) -> Any:
@@ -102,7 +68,7 @@ def _after(x: Any, dependency: Any) -> Any:
     a NaN in the cotangent (which already makes this step's gradients NaN) poisons the
     re-gathered shard.
     """
-    if not [leaf for leaf in jax.tree.leaves(dependency) if _is_float(leaf) and leaf.size]:
+    if not [leaf for leaf in jax.tree.leaves(dependency) if is_float(leaf) and leaf.size]:
         return x
     return lax.platform_dependent(x, dependency, cpu=_poisoned_by, default=_barrier_with)
 
@@ -114,7 +80,7 @@ def _barrier_with(x: Any, dependency: Any) -> Any:
 
 def _poisoned_by(x: Any, dependency: Any) -> Any:
     """XLA:CPU's stand-in for the barrier: `x` made data-dependent on `dependency`."""
-    probes = [leaf for leaf in jax.tree.leaves(dependency) if _is_float(leaf) and leaf.size]
+    probes = [leaf for leaf in jax.tree.leaves(dependency) if is_float(leaf) and leaf.size]
     first = probes[0].reshape(-1)[0]
     poisoned = first != first                        # NaN test XLA cannot constant-fold
 
@@ -136,26 +102,34 @@ def _scatter_gradients(comm: ZeroCollectives, leaves: tuple[LeafPlan, ...],
 
 # ----------------------------------------------------------------------------------------------
 # One module call.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def gathered_call(fn: Callable, leaves: tuple[LeafPlan, ...], comm: ZeroCollectives,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def gathered_call(fn: Callable, leaves: tuple[LeafPlan, ...], comm: ZeroCollectives, remat: str,
                   shards: list[Any], inputs: Any) -> Any:
     """fn(full_params: list, inputs) with `full_params` gathered from `shards` around the call.
-    `inputs` is any pytree (e.g. a call's `(args, kwargs)`)."""
+    `inputs` is any pytree (e.g. a call's `(args, kwargs)`); `remat` the activation policy
+    (`zeroxla.engine.remat`): what the call keeps for backward besides its shards."""
     full = [comm.forward_gather(s, leaf)[0] for s, leaf in zip(shards, leaves)]
     return fn(full, inputs)
 
 
-def _gathered_call_fwd(fn, leaves, comm, shards, inputs):
+def _gathered_call_fwd(fn, leaves, comm, remat, shards, inputs):
     pairs = [comm.forward_gather(s, leaf) for s, leaf in zip(shards, leaves)]
+    full = [p[0] for p in pairs]
     saved = [p[1] for p in pairs]                # hpZ's secondary partition; None for plain ZeRO
-    return fn([p[0] for p in pairs], inputs), (shards, saved, inputs)   # gathered released
+    if remat == FULL:
+        return fn(full, inputs), (shards, saved, inputs)                  # gathered released
+    out, kept, layout = linearize_keeping(fn, leaves, full, inputs, remat)
+    return out, (shards, saved, KeptVjp(kept, layout))                     # gathered released
 
 
-def _gathered_call_bwd(fn, leaves, comm, residuals, g):
-    shards, saved, inputs = residuals
+def _gathered_call_bwd(fn, leaves, comm, remat, residuals, g):
+    shards, saved, kept = residuals
     shards, saved = _after((shards, saved), g)
     full = [comm.backward_gather(s, sv, leaf) for s, sv, leaf in zip(shards, saved, leaves)]
-    g_full, g_inputs = _vjp(fn, leaves, full, inputs, g)
+    if remat == FULL:
+        g_full, g_inputs = vjp(fn, leaves, full, kept, g)                 # kept: the inputs
+    else:
+        g_full, g_inputs = kept.layout.cotangents(kept.arrays, full, g)
     return _scatter_gradients(comm, leaves, g_full), g_inputs
 
 
@@ -201,60 +175,86 @@ def _put_back(scanned: Any, outside: Any, *, at_front: bool) -> Any:
     return jax.tree.map(join, scanned, outside)
 
 
+@dataclasses.dataclass(frozen=True)
+class Peeled:
+    """Per-layer values of a `layer_loop`, left where the loop made them: `scanned` stacked for
+    the layers computed inside the scan, `outside` the one computed after it with prefetch (else
+    None, and `scanned` holds every layer). Joining the two would copy every layer's values;
+    the loop over the same layers in the other direction consumes them as they are."""
+
+    scanned: Any
+    outside: Any
+
+
+jax.tree_util.register_dataclass(Peeled, ["scanned", "outside"], [])
+
+
 def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, carry: Any, *,
-               num_layers: int, reverse: bool, prefetch: bool) -> tuple[Any, Any]:
-    """Runs `carry, y_i = step(carry, full_i, xs_i)` over layers (last to first if `reverse`).
+               num_layers: int, reverse: bool, prefetch: bool,
+               kept: Peeled | None = None) -> tuple[Any, Any, Peeled]:
+    """Runs `carry, y_i, k_i = step(carry, full_i, xs_i, kept_i)` over layers (last to first if
+    `reverse`).
 
     `full_i, saved_i = gather(gather_inputs_i, carry)` (the carry lets a gather depend on it).
     With `prefetch`, the gather of the next layer is issued in the same scan iteration as the
     current layer's compute, before it and independent of it, so XLA can overlap the two; the
     first gather happens before the loop and the last layer's compute after it, so exactly
-    `num_layers` gathers run. Returns `(carry, (ys, saveds))`, both stacked in layer order.
+    `num_layers` gathers run. `kept` is what a loop over the same layers in the other direction
+    returned as its `k`s (the forward's residuals, for backward; None: `kept_i` is None); with
+    prefetch its layers travel beside the gathers, so they are never joined or copied whole.
+    Returns `(carry, (ys, saveds), ks)`: ys and saveds stacked in layer order, ks `Peeled`.
     """
     if not prefetch or num_layers == 1:
         def body(c, inputs):
-            gin, x = inputs
+            gin, x, k_in = inputs
             full, saved = gather(gin, c)
-            c, y = step(c, full, x)
-            return c, (y, saved)
-        return lax.scan(body, carry, (gather_inputs, xs), reverse=reverse)
+            c, y, k = step(c, full, x, k_in)
+            return c, (y, saved, k)
+        carry, (ys, saveds, ks) = lax.scan(
+            body, carry, (gather_inputs, xs, None if kept is None else kept.scanned),
+            reverse=reverse)
+        return carry, (ys, saveds), Peeled(ks, None)
 
     first, last = (num_layers - 1, 0) if reverse else (0, num_layers - 1)
     current = slice(1, None) if reverse else slice(0, num_layers - 1)
     upcoming = slice(0, num_layers - 1) if reverse else slice(1, None)
+    # A loop in the other direction computed `first` outside its scan and `upcoming` inside.
+    k_first, k_upcoming = (None, None) if kept is None else (kept.outside, kept.scanned)
 
     def body(state, inputs):
-        c, full, saved = state
-        next_gin, x = inputs
+        c, full, saved, k_in = state
+        next_gin, x, next_k_in = inputs
         next_full, next_saved = gather(next_gin, c)          # prefetch the next layer
-        c, y = step(c, full, x)
-        return (c, next_full, next_saved), (y, saved)
+        c, y, k = step(c, full, x, k_in)
+        return (c, next_full, next_saved, next_k_in), (y, saved, k)
 
     full, saved = gather(_take(gather_inputs, first), carry)
-    (carry, full, saved), (ys, saveds) = lax.scan(
-        body, (carry, full, saved), (_slice(gather_inputs, upcoming), _slice(xs, current)),
-        reverse=reverse)
-    carry, y_last = step(carry, full, _take(xs, last))
+    (carry, full, saved, k_in), (ys, saveds, ks) = lax.scan(
+        body, (carry, full, saved, k_first),
+        (_slice(gather_inputs, upcoming), _slice(xs, current), k_upcoming), reverse=reverse)
+    carry, y_last, k_last = step(carry, full, _take(xs, last), k_in)
     # In reverse the layer computed outside the scan is layer 0, else layer L-1.
     return carry, (_put_back(ys, y_last, at_front=reverse),
-                   _put_back(saveds, saved, at_front=reverse))
+                   _put_back(saveds, saved, at_front=reverse)), Peeled(ks, k_last)
 
 
 @dataclasses.dataclass(frozen=True)
 class StackResiduals:
     """What `GatheredStack.forward` keeps for `backward`: the shards (re-gathered later), hpZ's
-    secondary partitions, each layer's input carry, and the stack's consts and per-layer xs.
-    The layer's activations are recomputed in backward (full rematerialisation)."""
+    secondary partitions, the stack's consts and per-layer xs, and per layer either its input
+    carry (remat "full": the layer is recomputed in backward) or its vjp's residuals less the
+    gathered parameters (`kept`, laid out by the static `layout`; `zeroxla.engine.remat`)."""
 
     shards: list[Any]
     saveds: list[Any]
-    carries: Any          # [L, ...] the carry entering each layer
     consts: Any
     xs: Any
+    kept: Peeled          # per layer: its input carry (remat "full") or its kept residuals
+    layout: VjpLayout | None = None       # None for remat "full"
 
 
-jax.tree_util.register_dataclass(StackResiduals, ["shards", "saveds", "carries", "consts", "xs"],
-                                 [])
+jax.tree_util.register_dataclass(StackResiduals, ["shards", "saveds", "consts", "xs", "kept"],
+                                 ["layout"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +268,7 @@ class GatheredStack:
     leaves: tuple[LeafPlan, ...]
     comm: ZeroCollectives
     prefetch: bool = True
+    remat: str = FULL                 # the activation policy (`zeroxla.engine.remat`)
 
     @property
     def num_layers(self) -> int:
@@ -289,41 +290,55 @@ class GatheredStack:
     def forward(self, shards: list[Any], carry: Any, consts: Any,
                 xs: Any) -> tuple[Any, Any, StackResiduals]:
         """Runs every layer; returns `(carry, ys, residuals)`."""
-        def step(c, full, x_i):
-            c_out, y = self.fn(full, c, consts, x_i)
-            return c_out, (c, y)                         # keep each layer's input carry
+        layouts: list[VjpLayout] = []        # one per traced layer body (the scan's, the last's)
 
-        carry_out, ((carries, ys), saveds) = layer_loop(
+        def step(c, full, x_i, _):
+            if self.remat == FULL:
+                c_out, y = self.fn(full, c, consts, x_i)
+                return c_out, y, c                       # keep each layer's input carry
+            (c_out, y), kept, layout = linearize_keeping(self._layer, self.leaves, full,
+                                                         (c, consts, x_i), self.remat)
+            layouts.append(layout)
+            return c_out, y, kept                        # keep its residuals, not its weights
+
+        carry_out, (ys, saveds), per_layer = layer_loop(
             step, self._gather(backward=False), (shards, [None] * len(shards)), xs, carry,
             num_layers=self.num_layers, reverse=False, prefetch=self.prefetch)
-        return carry_out, ys, StackResiduals(shards, saveds, carries, consts, xs)
+        if any(layout.slots != layouts[0].slots for layout in layouts):
+            raise AssertionError("the layer's residuals differ between traces of the same layer")
+        return carry_out, ys, StackResiduals(shards, saveds, consts, xs, per_layer,
+                                             layouts[0] if layouts else None)
+
+    def _layer(self, full: list[Any], inputs: Any) -> Any:
+        c, k, x_i = inputs
+        return self.fn(full, c, k, x_i)
 
     def backward(self, residuals: StackResiduals, d_carry: Any,
                  d_ys: Any) -> tuple[list[Any], Any, Any, Any]:
         """Cotangents `(d_shards, d_carry_in, d_consts, d_xs)` from the output cotangents;
         d_shards are reduce-scattered (None for frozen leaves)."""
         r = residuals
-        d_consts0 = jax.tree.map(jnp.zeros_like, _split_floats(r.consts)[0])
+        d_consts0 = jax.tree.map(jnp.zeros_like, split_floats(r.consts)[0])
 
-        def layer(full, inputs):
-            c, k, x_i = inputs
-            return self.fn(full, c, k, x_i)
-
-        def step(state, full, per_layer):
+        def step(state, full, per_layer, kept_i):
             g_c, g_k = state
-            c_i, x_i, g_y = per_layer
-            g_full, (g_c_in, g_k_i, g_x_i) = _vjp(layer, self.leaves, full,
-                                                 (c_i, r.consts, x_i), (g_c, g_y))
-            g_k = [a + b for a, b in zip(g_k, _split_floats(g_k_i)[0])] if g_k else g_k
-            g_x_floats = _split_floats(g_x_i)[0]
-            return (g_c_in, g_k), (_scatter_gradients(self.comm, self.leaves, g_full), g_x_floats)
+            x_i, g_y = per_layer
+            if r.layout is None:                          # remat "full": recompute the layer
+                g_full, (g_c_in, g_k_i, g_x_i) = vjp(self._layer, self.leaves, full,
+                                                     (kept_i, r.consts, x_i), (g_c, g_y))
+            else:
+                g_full, (g_c_in, g_k_i, g_x_i) = r.layout.cotangents(kept_i, full, (g_c, g_y))
+            g_k = [a + b for a, b in zip(g_k, split_floats(g_k_i)[0])] if g_k else g_k
+            g_x_floats = split_floats(g_x_i)[0]
+            d_shards_i = _scatter_gradients(self.comm, self.leaves, g_full)
+            return (g_c_in, g_k), (d_shards_i, g_x_floats), None
 
-        (d_carry_in, d_consts_floats), ((d_shards, d_x_floats), _) = layer_loop(
-            step, self._gather(backward=True), (r.shards, r.saveds), (r.carries, r.xs, d_ys),
+        (d_carry_in, d_consts_floats), ((d_shards, d_x_floats), _), _ = layer_loop(
+            step, self._gather(backward=True), (r.shards, r.saveds), (r.xs, d_ys),
             (d_carry, d_consts0), num_layers=self.num_layers, reverse=True,
-            prefetch=self.prefetch)
-        return (d_shards, d_carry_in, _cotangent_tree(r.consts, d_consts_floats),
-                _cotangent_tree(r.xs, d_x_floats))
+            prefetch=self.prefetch, kept=r.kept)
+        return (d_shards, d_carry_in, cotangent_tree(r.consts, d_consts_floats),
+                cotangent_tree(r.xs, d_x_floats))
 
     def __call__(self, shards: list[Any], carry: Any, consts: Any, xs: Any) -> tuple[Any, Any]:
         """`(carry, ys)` of the whole stack, differentiable: the ZeRO-3 layer schedule."""

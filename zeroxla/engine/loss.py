@@ -29,7 +29,9 @@ MASK_KEY = "loss_mask"
 def token_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """`(sum, count)` of the cross-entropy of `logits` [B, T, V] against `batch["targets"]`
     [B, T], weighted by `batch["loss_mask"]` when present."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    # float32 at least (float64 logits of a float64 verification run stay float64)
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
+                              axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]   # [B, T]
     if MASK_KEY in batch:
         weights = batch[MASK_KEY].astype(jnp.float32)

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -69,7 +68,7 @@ class ShardedOptimizer:
         return self.model_def.pure_state(values, [leaf.path for leaf in self.trainable])
 
     def _logical_structs(self) -> dict[str, jax.ShapeDtypeStruct]:
-        return {leaf.path: jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+        return {leaf.path: jax.ShapeDtypeStruct(leaf.shape, leaf.master_dtype)
                 for leaf in self.trainable}
 
     def logical_abstract_state(self) -> Any:

@@ -68,6 +68,8 @@ class LeafPlan:
     # Owned by a module that also has children: gathered alone, once, when the step's model copy
     # is built (`zeroxla.engine.gather.gathered_value`), not around each call of its module.
     gathered_alone: bool = False
+    # The stored (master) weights' dtype: float32, or float64 in a float64 verification run.
+    master_dtype: str = "float32"
 
     # ---- shapes ------------------------------------------------------------------------------
     @property
@@ -163,7 +165,7 @@ class LeafPlan:
     def param_struct(self) -> jax.ShapeDtypeStruct | QuantizedArray:
         """Abstract stored parameter (global shape and dtype), the shape of `state.params`."""
         if not self.params_quantized:
-            return jax.ShapeDtypeStruct(self.param_shape, jnp.float32)
+            return jax.ShapeDtypeStruct(self.param_shape, self.master_dtype)
         lead = (self.layers,) if self.stacked else ()
         groups = self.storage_groups * self.data_size
         packed = self.storage_group_size * self.storage_bits // 8
@@ -176,7 +178,8 @@ class LeafPlan:
         if self.params_quantized:
             code_bytes = self.storage_group_size * self.storage_bits // 8
             return self.layers * self.storage_groups * (code_bytes + 4)
-        return 4 * (self.layers * self.chunk if self.params_partitioned else self.numel)
+        itemsize = jnp.dtype(self.master_dtype).itemsize
+        return itemsize * (self.layers * self.chunk if self.params_partitioned else self.numel)
 
     @property
     def optimizer_numel_per_device(self) -> int:
@@ -267,14 +270,14 @@ class LeafPlan:
                               bits=q.bits, group_size=q.group_size)
 
     def storage_to_logical(self, stored: Any) -> jax.Array:
-        """`state.params[path]` (global, any storage) -> float32 of the logical `shape`."""
+        """`state.params[path]` (global, any storage) -> master dtype, the logical `shape`."""
         if self.params_quantized:
             stored = self.dequantize_partitioned(stored)
         return self.unpad(stored) if self.params_partitioned else stored
 
     def logical_to_storage(self, x: jax.Array) -> Any:
         """Inverse of `storage_to_logical` (up to quantization for quantized storage)."""
-        x = jnp.asarray(x, jnp.float32)
+        x = jnp.asarray(x, self.master_dtype)
         if not self.params_partitioned:
             return x
         padded = self.pad(x)
@@ -397,7 +400,8 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
               axes: MeshAxes, persistence_threshold: int, frozen: Collection[str] = (),
               frozen_storage_bits: int = 0, frozen_group_size: int = 2048,
               storage_rules: AxisRules = ZERO_STORAGE_RULES,
-              compute_rules: AxisRules = TRAINING_COMPUTE_RULES) -> ShardingPlan:
+              compute_rules: AxisRules = TRAINING_COMPUTE_RULES,
+              master_dtype: str = "float32") -> ShardingPlan:
     """Decides the layout of every leaf.
 
     A leaf is `stacked` when its first logical axis is 'layers'. At stage 3 it is `persistent`
@@ -446,7 +450,8 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
             # update) partitioned: only their compute copy stays whole on every device.
             optimizer_partitioned=optimizer_partitioned,
             data_size=axes.data_size, data_axes=axes.data, shard_dim=assignment_dim,
-            padded_size=padded if shape else 1, compute_spec=compute, trainable=trainable)
+            padded_size=padded if shape else 1, compute_spec=compute, trainable=trainable,
+            master_dtype=master_dtype)
         if quantized:
             leaf = dataclasses.replace(
                 leaf, storage_bits=frozen_storage_bits,
@@ -465,7 +470,8 @@ def plan_for(model_def: Any, config: Any, axes: MeshAxes, *,
         persistence_threshold=config.persistence_threshold, frozen=frozen,
         frozen_storage_bits=(config.weight_quantization_bits
                              if config.quantized_nontrainable_weights else 0),
-        frozen_group_size=config.weight_quantization_group_size)
+        frozen_group_size=config.weight_quantization_group_size,
+        master_dtype=jnp.dtype(config.master_dtype).name)
     alone = set(model_def.gathered_alone)
     leaves = tuple(dataclasses.replace(leaf, gathered_alone=leaf.path in alone)
                    for leaf in plan.leaves)

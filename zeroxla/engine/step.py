@@ -10,8 +10,9 @@ One `jax.jit` holds two parts:
 
        for each micro-batch (gradient accumulation):
            forward + backward            stage 3: per-layer all_gather / re-gather / psum_scatter
-       reduce gradients                  stage 0-1: psum; stage 2: psum_scatter; stage 3: psum of
-                                         the replicated (persistent) leaves only
+                                         stage 2: per-layer psum_scatter (no gather)
+       reduce gradients                  stage 0-1: psum; stage 2-3: psum of the leaves left
+                                         replicated (persistent, or scalars) only
 
 2. the update, on globally shaped arrays outside the `shard_map`: unscale and overflow check
    (fp16), global norm and clipping, then the optax transformation on the logical parameters
@@ -43,11 +44,12 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zeroxla.collectives import zero as collectives
-from zeroxla.collectives.zero import PARAM_UPDATE, ZeroCollectives
+from zeroxla.collectives.zero import (PARAM_UPDATE, GradientSink, Zero2Collectives,
+                                      ZeroCollectives)
 from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zeropp import ZeroPPCollectives
 from zeroxla.engine.config import ZeroConfig
+from zeroxla.engine.gradients import differentiated, reduce_gradients
 from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.loss import (
     Batch,
@@ -85,7 +87,7 @@ class ZeroStep:
     def __init__(self, model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
                  optimizer: optax.GradientTransformation | None = None,
                  config: ZeroConfig | None = None, loss_fn: LossFn | None = None,
-                 trainable: Filter | None = None):
+                 trainable: Filter | None = None, pipeline: Any = None):
         self.axes = check_mesh(mesh)
         self.mesh = mesh
         self.config = config = config if config is not None else ZeroConfig()
@@ -125,14 +127,22 @@ class ZeroStep:
 
         self.plan: ShardingPlan = plan_for(self.model_def, config, self.axes, frozen=frozen)
         self.comm = (ZeroPPCollectives.from_config(config, self.axes) if config.uses_zeropp
+                     else Zero2Collectives(self.axes, config.dtype) if config.stage == 2
                      else ZeroCollectives(self.axes, config.dtype))
         self.sharded_optimizer = ShardedOptimizer(self.optimizer, self.plan, self.model_def)
         self.sharded_optimizer.check()
         self.state_shardings = self._state_shardings()
         self.batch_sharding = NamedSharding(mesh, P(self.axes.data))
         replicated = NamedSharding(mesh, P())
+        # pipeline=PipelineConfig(...): the gradient pass runs the schedule over the stage axis
+        # (`zeroxla.pipeline.executor`); the update below is the same.
+        self.pipeline = None
+        if pipeline is not None:
+            from zeroxla.pipeline.executor import PipelineExecutor
+            self.pipeline = PipelineExecutor(self, pipeline)
         self._gradients = jax.shard_map(
-            self._local_gradients, mesh=mesh,
+            self._local_gradients if self.pipeline is None else self.pipeline.local_gradients,
+            mesh=mesh,
             in_specs=(self._param_specs(), P(self.axes.data), P(), P(), P()),
             out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
                              for leaf in self.plan.trainable_leaves}, P()),
@@ -246,7 +256,7 @@ class ZeroStep:
             model_state = ModelDef.model_state_of(model)
         params, logical = {}, {}
         for leaf in self.plan.leaves:
-            full = jnp.asarray(values[leaf.path], jnp.float32)
+            full = jnp.asarray(values[leaf.path], self.config.master_dtype)
             params[leaf.path] = leaf.logical_to_storage(full)   # frozen codes: quantized once, here
             if leaf.trainable:
                 logical[leaf.path] = full
@@ -258,6 +268,9 @@ class ZeroStep:
     def _check_batch(self, batch: Batch, accumulation: int | None = None) -> dict[str, Any]:
         """Validates the global batch (`zeroxla.engine.batch_checks.check_batch`)."""
         k = self.config.gradient_accumulation_steps if accumulation is None else accumulation
+        if self.pipeline is not None and accumulation is None:
+            self.pipeline.check_batch(batch)         # names PipelineConfig.micro_batches
+            k = self.pipeline.config.micro_batches
         return check_batch(batch, next_token=self.loss_fn is next_token_loss,
                            data_size=self.data_size, accumulation=k,
                            vocab_size=lambda: self.vocab_size)
@@ -286,8 +299,9 @@ class ZeroStep:
         Flax's cross-replica BatchNorm), as on one device with the whole batch. The model's RNG
         streams are keyed from `key`, this device's and micro-batch's key."""
         dtype = self.config.dtype
-        if self.config.stage < 3:
-            values = {p: v.astype(dtype) for p, v in params.items()}
+        if self.config.stage < 3:      # stage 2's sinks are cast per unit (Zero2Collectives)
+            values = {p: v if isinstance(v, GradientSink) else v.astype(dtype)
+                      for p, v in params.items()}
         else:
             values = {leaf.path: params[leaf.path] if leaf.params_partitioned
                       else params[leaf.path].astype(dtype) for leaf in self.plan.leaves}
@@ -296,8 +310,10 @@ class ZeroStep:
             model.eval()
         variables = model_state_variables(model)
         cross_replica_batch_norm(model, self.axes.data)
-        if self.config.stage == 3:
-            model = zero3_module(model, self.plan, self.comm, self.config.prefetch)
+        if self.config.stage == 3 or (self.config.stage == 2 and training):
+            # Stage 2 gathers nothing, so there is nothing to prefetch.
+            prefetch = self.config.prefetch and self.config.stage == 3
+            model = zero3_module(model, self.plan, self.comm, prefetch, self.config.remat)
 
         def read_state() -> dict[str, jax.Array]:
             return {p: lax.pmean(v.get_value(), self.axes.data)
@@ -330,8 +346,10 @@ class ZeroStep:
         multiplied by c0 / (the count over all devices and micro-batches): the exact mean.
         """
         k = self.config.gradient_accumulation_steps
+        master = self.config.master_dtype       # gradients are summed in the master dtype
         trainable = {leaf.path: params[leaf.path] for leaf in self.plan.trainable_leaves}
         frozen = {p: v for p, v in params.items() if p not in trainable}
+        wrt, as_values = differentiated(self.comm, self.plan, trainable)
         sizes: list[float] = []          # the static c0 chosen while tracing `objective`
 
         base = (None if key_data is None else
@@ -339,7 +357,7 @@ class ZeroStep:
 
         def objective(p, micro, ms, index):
             key = None if base is None else micro_batch_key(base, index)
-            model, read_state = self._local_model({**frozen, **p}, ms, key)
+            model, read_state = self._local_model({**frozen, **as_values(p)}, ms, key)
             total, count, is_sum = self._terms(model, micro, key)
             c0 = normalizer(micro) if is_sum else 1.0
             sizes.append(c0)
@@ -347,8 +365,8 @@ class ZeroStep:
 
         grad_fn = jax.grad(objective, has_aux=True)
         if k == 1:
-            grads, (total, count, model_state) = grad_fn(trainable, batch, model_state, 0)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            grads, (total, count, model_state) = grad_fn(wrt, batch, model_state, 0)
+            grads = jax.tree.map(lambda g: g.astype(master), grads)
         else:
             micro_batches = jax.tree.map(
                 lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
@@ -357,39 +375,22 @@ class ZeroStep:
                 # The model state (batch statistics) flows from micro-batch to micro-batch.
                 micro, index = piece
                 total_sum, count_sum, grad_sum, ms = carry
-                g, (total, count, ms) = grad_fn(trainable, micro, ms, index)
+                g, (total, count, ms) = grad_fn(wrt, micro, ms, index)
                 return (total_sum + total, count_sum + count,
-                        jax.tree.map(lambda s, gi: s + gi.astype(jnp.float32), grad_sum, g),
+                        jax.tree.map(lambda s, gi: s + gi.astype(master), grad_sum, g),
                         ms), None
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, master), wrt)   # partitions
             (total, count, grads, model_state), _ = lax.scan(
                 accumulate, (jnp.float32(0), jnp.float32(0), zeros, model_state),
                 (micro_batches, jnp.arange(k)))
-        grads = self._reduce(grads)
+        grads = reduce_gradients(grads, self.plan, self.config.stage, self.axes,
+                                 self.config.dtype)
         total = lax.psum(total, self.axes.data)
         count = lax.psum(count, self.axes.data)
         count = jnp.where(count > 0, count, 1.0)
         factor = sizes[0] / count
         return total / count, jax.tree.map(lambda g: g * factor, grads), model_state
-
-    def _reduce(self, grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """Sums the trainable leaves' gradients over the data devices."""
-        stage = self.config.stage
-        if stage <= 1:
-            return collectives.all_reduce(grads, self.axes)
-        out = {}
-        replicated = {}
-        for leaf in self.plan.trainable_leaves:
-            g = grads[leaf.path]
-            if leaf.params_partitioned:
-                out[leaf.path] = g                       # reduce-scattered in backward
-            elif stage == 2 and leaf.optimizer_partitioned:
-                out[leaf.path] = collectives.scatter_full_gradient(g, leaf, self.axes)
-            else:
-                replicated[leaf.path] = g
-        out.update(collectives.all_reduce(replicated, self.axes))
-        return out
 
     def _local_eval(self, params: dict[str, Any], model_state: dict[str, jax.Array],
                     batch: Batch) -> jax.Array:
@@ -473,7 +474,7 @@ class ZeroStep:
 def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
               optimizer: optax.GradientTransformation | None = None,
               config: ZeroConfig | None = None, loss_fn: LossFn | None = None,
-              trainable: Filter | None = None) -> ZeroStep:
+              trainable: Filter | None = None, pipeline: Any = None) -> ZeroStep:
     """Builds the ZeRO training step for `model` on `mesh` (see the module docstring).
 
     `model` is an `nnx.Module` (its current parameters become the initial state) or a zero-arg
@@ -484,9 +485,11 @@ def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
     the whole (logical) parameters as on one device. `trainable` is an nnx filter (a Variable
     type, `nnx.PathContains("lora")`, a `(path, variable) -> bool` callable, `nnx.Not(...)`,
     ...) choosing the parameters to train; None trains all. The rest are frozen.
+    `pipeline` (a `zeroxla.PipelineConfig`) pipelines the model's layers over the mesh's
+    `stage` axis (`zeroxla.pipeline.executor`).
     """
     return ZeroStep(model, mesh, optimizer=optimizer, config=config, loss_fn=loss_fn,
-                    trainable=trainable)
+                    trainable=trainable, pipeline=pipeline)
 
 
 __all__ = ["ZeroStep", "default_optimizer", "frozen_paths", "make_step", "next_token_loss"]

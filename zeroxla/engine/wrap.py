@@ -31,7 +31,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from zeroxla.collectives.zero import ZeroCollectives
+from zeroxla.collectives.zero import GradientSink, ZeroCollectives
 from zeroxla.engine.gather import GatheredStack, gathered_call, gathered_value
 from zeroxla.engine.model_def import direct_variables, has_descendant_params, variable_paths
 from zeroxla.engine.plan import ShardingPlan
@@ -45,9 +45,10 @@ class _Context:
     """What every stand-in needs: the plan, the collectives, and each Variable's canonical path
     (by object identity, so a shared Variable is recognised under any of its paths)."""
 
-    def __init__(self, plan: ShardingPlan, comm: ZeroCollectives, prefetch: bool,
+    def __init__(self, plan: ShardingPlan, comm: ZeroCollectives, prefetch: bool, remat: str,
                  paths: Mapping[int, str]):
         self.plan, self.comm, self.prefetch, self.paths = plan, comm, prefetch, paths
+        self.remat = remat
 
     def path_of(self, variable: nnx.Variable) -> str:
         return self.paths[id(variable)]
@@ -58,12 +59,14 @@ class _Context:
     def rebound(self, variables: list[nnx.Variable], paths: list[str]) -> "_Context":
         """The same context for a fresh copy of a module, whose `variables` (in split order)
         have these canonical `paths`."""
-        return _Context(self.plan, self.comm, self.prefetch,
+        return _Context(self.plan, self.comm, self.prefetch, self.remat,
                         {id(v): p for v, p in zip(variables, paths, strict=True)})
 
     def partitioned(self, variable: nnx.Variable) -> bool:
-        """A parameter stored partitioned (model state, such as batch statistics, never is)."""
-        return isinstance(variable, nnx.Param) and self.leaf_of(variable).params_partitioned
+        """A parameter whose units go through the collectives: stored partitioned (stage 3),
+        or with its gradient partitioned (stage 2); model state, such as batch statistics,
+        never is."""
+        return isinstance(variable, nnx.Param) and self.comm.gathers(self.leaf_of(variable))
 
 
 class _GatheredModule:
@@ -115,7 +118,7 @@ class _GatheredModule:
             passed = [v.get_value() for v in _variables_in((call_args, call_kwargs))]
             return (out, updated, passed) if mutable or passed else out
 
-        out = gathered_call(fn, self._leaves, self._ctx.comm, shards, (args, kwargs, rest))
+        out = gathered_call(fn, self._leaves, self._ctx.comm, self._ctx.remat, shards, (args, kwargs, rest))
         passed_in = _variables_in((args, kwargs))
         if not (mutable or passed_in):
             return out
@@ -138,7 +141,8 @@ class _GatheredModule:
 
 
 def _is_codes(x: Any) -> bool:
-    return isinstance(x, QuantizedArray)
+    """One parameter's storage that is a pytree: frozen codes, or stage 2's gradient sink."""
+    return isinstance(x, (QuantizedArray, GradientSink))
 
 
 def _variables_in(tree: Any) -> list[nnx.Variable]:
@@ -168,7 +172,7 @@ class _GatheredLayerStack:
         def layer(full, x, consts, cache_i):
             block = nnx.merge(graphdef, jax.tree.unflatten(treedef, full))
             return call_block(block, x, consts, cache_i)
-        self._stack = GatheredStack(layer, leaves, ctx.comm, ctx.prefetch)
+        self._stack = GatheredStack(layer, leaves, ctx.comm, ctx.prefetch, ctx.remat)
 
     def __call__(self, x: Any, *args: Any, cache: Any = None) -> tuple[Any, Any]:
         return self._stack(self._shards, x, args, cache)
@@ -223,10 +227,11 @@ def _wrap_children(module: nnx.Module, ctx: _Context, gathered: frozenset[str],
 
 
 def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
-                 prefetch: bool) -> Any:
+                 prefetch: bool, remat: str) -> Any:
     """Wraps a model whose parameters hold *local shards* so that it computes as if whole.
 
     `model` must be a fresh copy (nnx.merge of the local storage) made inside the traced step.
+    `remat` is the activation policy of every gathered unit (`zeroxla.engine.remat`).
     """
-    ctx = _Context(plan, comm, prefetch, variable_paths(model))
+    ctx = _Context(plan, comm, prefetch, remat, variable_paths(model))
     return _wrap(model, ctx, frozenset(), {})

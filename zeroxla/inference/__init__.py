@@ -1,1 +1,18 @@
-"""Inference: generation from a trained model (the Hybrid Engine lives here)."""
+"""Inference: generation from a training state.
+
+    engine.py    HybridEngine: reshard ZeRO-3 storage once into tensor parallelism, KV-cached
+                 decode loop compiled per (batch bucket, prompt bucket)
+    baseline.py  ZeRO-3 generation that re-gathers every layer at every token (for comparison)
+    layout.py    the tensor-parallel layout from logical axis names (rules table)
+    decode.py    the decode loop (prefill + while_loop) and prompt packing
+    sampling.py  greedy / temperature / top-k / top-p as pure functions
+    config.py    HybridEngineConfig: DeepSpeed's `hybrid_engine` keys
+"""
+
+from zeroxla.inference.config import HybridEngineConfig, hybrid_engine_config_from_json
+from zeroxla.inference.baseline import Zero3Generator
+from zeroxla.inference.engine import HybridEngine
+from zeroxla.inference.sampling import Sampling, next_token
+
+__all__ = ["HybridEngine", "HybridEngineConfig", "Sampling", "hybrid_engine_config_from_json",
+           "next_token", "Zero3Generator"]

@@ -6,10 +6,15 @@
     table.py       all stages' streams lowered to one [step][stage] table for a lax.scan
                    executor (schedule_table), and the bubble fraction
     timeline.py    the table as text or as a matplotlib picture
+    config.py      PipelineConfig: micro-batches, schedule, partition method, ZeRO-3 gathers
+    split.py       DeepSpeed's layer list view of a model, split over the stages
+    executor.py    the table run as lax.scan + ppermute inside the ZeRO step (imports JAX;
+                   loaded by make_step(pipeline=...), not by this package)
 
-Nothing here imports JAX.
+Nothing here but executor.py imports JAX.
 """
 
+from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.partition import partition_balanced, partition_layers, partition_uniform
 from zeroxla.pipeline.schedule import (
     BackwardPass,
@@ -35,7 +40,7 @@ from zeroxla.pipeline.table import ScheduleTable, bubble_fraction, schedule_tabl
 __all__ = [
     "BackwardPass", "BufferOpInstruction", "Compute", "ForwardPass", "GPipeSchedule",
     "InferenceSchedule", "LoadMicroBatch", "OptimizerStep", "PipeInstruction", "PipeSchedule",
-    "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "ScheduleTable",
-    "SendActivation", "SendGrad", "TrainSchedule", "bubble_fraction", "partition_balanced",
-    "partition_layers", "partition_uniform", "schedule_table",
+    "PipelineConfig", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads",
+    "ScheduleTable", "SendActivation", "SendGrad", "TrainSchedule", "bubble_fraction",
+    "partition_balanced", "partition_layers", "partition_uniform", "schedule_table",
 ]

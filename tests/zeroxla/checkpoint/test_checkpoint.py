@@ -237,8 +237,12 @@ def test_frozen_leaves_round_trip(tmp_path, quantized):
     for path, value in before.items():
         if "w_fc" in path or not quantized:
             np.testing.assert_array_equal(after[path], value, err_msg=path)
-        else:   # re-quantized for the new partition layout: within one quantization step
-            step_size = np.abs(value).max() / 127
-            np.testing.assert_allclose(after[path], value, atol=step_size, err_msg=path)
+        else:   # re-blocked from the stored codes (`zeroxla.checkpoint.codes`): a new group
+            # mixing stored groups is requantized, within half its step (absmax / 127) plus
+            # float32 rounding; tests/zeroxla/checkpoint/test_frozen_codes.py checks which
+            # groups are exact.
+            absmax = np.abs(value).max()
+            np.testing.assert_allclose(after[path], value, rtol=0,
+                                       atol=absmax / 127 / 2 + absmax * 2.0 ** -22, err_msg=path)
     state, metrics = other(restored.state, BATCHES[2])
     assert np.isfinite(float(metrics["loss"]))

@@ -80,7 +80,8 @@ def test_mesh_with_foreign_axes():
 
 @pytest.mark.parametrize("field,value,accepted", [
     ("stage", 5, "0, 1, 2 or 3"),
-    ("compute_dtype", "float64", "float32, bfloat16, float16"),
+    ("compute_dtype", "float8", "float32, bfloat16, float16, float64"),
+    ("compute_dtype", "float64", "float32, bfloat16, float16; float64 needs .*jax_enable_x64"),
     ("gradient_accumulation_steps", 0, "an integer >= 1"),
     ("persistence_threshold", -1, "an integer >= 0"),
     ("gradient_clipping", -1.0, "0 \\(off\\) or a positive max norm"),

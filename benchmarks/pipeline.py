@@ -1,0 +1,156 @@
+"""Pipeline parallelism (1F1B, GPipe) against the unpipelined ZeRO-3 step, on 8 simulated CPU
+devices.
+
+    python benchmarks/pipeline.py [--model gpt-small] [--steps 3] [--micro-batch 2]
+
+One process, one model, AdamW float32, ZeRO-3 (persistence threshold 1000) everywhere:
+
+* `zero-3`: the plain ZeRO-3 step on a 1 x 8 mesh (no pipeline), the batch split in
+  `micro_batches` gradient-accumulation steps so every run sees the same micro-batches.
+* `1f1b` / `gpipe`: the pipelined step on a 4-stage x 1 x 2 mesh, ZeRO-3 over the 2 data devices
+  of each stage, gathering the stage's layers per micro-batch (`zero3_gather="micro_batch"`);
+  `1f1b-step`: 1F1B gathering them once per step (`zero3_gather="step"`).
+
+Printed: median step time and its ratio to `zero-3`; the schedule's bubble fraction; the
+collective-permute bytes a device sends per step (from `compiled.as_text()` with loop trip
+counts) and the share of them the table's sends need (the lockstep executor permutes every
+step); the layer all-gather bytes per device per step of the stage's blocks, counted from the
+schedule (micro_batch: a forward gather, a recompute gather and a backward re-gather per
+micro-batch; step: one); then the compiled temporaries (`memory_analysis()`) of 1F1B and GPipe
+at micro_batches 4 / 8 / 16 with the micro-batch size fixed. CPU step times say little about a
+GPU cluster (collectives are memory copies, two cores are shared); bytes and memory are
+properties of the programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zeroxla  # noqa: E402
+from zeroxla import models  # noqa: E402
+from zeroxla.analysis.hlo import collectives  # noqa: E402
+
+SEQ = {"gpt-tiny": 64, "gpt-small": 128, "llama-tiny": 64, "llama-small": 128}
+STAGES = 4
+THRESHOLD = 1000
+
+
+def _batch(model_name: str, batch_size: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 65, (batch_size, SEQ[model_name] + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _step(model_name: str, micro_batches: int, schedule: str | None, gather: str = "micro_batch"):
+    if schedule is None:
+        return zeroxla.make_step(
+            lambda: models.build(model_name), zeroxla.make_mesh(1, 8),
+            optimizer=optax.adamw(1e-3),
+            config=zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
+                                      gradient_accumulation_steps=micro_batches))
+    return zeroxla.make_step(
+        lambda: models.build(model_name), zeroxla.make_mesh(1, stages=STAGES),
+        optimizer=optax.adamw(1e-3),
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD),
+        pipeline=zeroxla.PipelineConfig(micro_batches, schedule=schedule, zero3_gather=gather))
+
+
+def _time(step, batch, steps: int) -> tuple[float, list[float], object]:
+    state = step.init()
+    compiled = step.compile(state, batch)
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics["loss"])                  # compile + first step
+    times, losses = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - start)
+        losses.append(float(metrics["loss"]))
+    return statistics.median(times), losses, compiled
+
+
+def _permute_bytes(compiled) -> int:
+    """Bytes one device sends per step in collective-permutes (each op: its operand, times the
+    trip counts of the loops around it)."""
+    return sum(c.operand_bytes * c.multiplier for c in collectives(compiled)
+               if c.kind == "collective-permute")
+
+
+def _stage_block_bytes(step) -> int:
+    """float32 bytes of the most blocks one stage holds, gathered whole."""
+    per_layer = sum(4 * math.prod(leaf.shape[1:]) for leaf in step.plan.leaves if leaf.stacked)
+    return per_layer * step.pipeline.split.max_layers
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small", choices=sorted(SEQ))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--micro-batch", type=int, default=2,
+                        help="examples per micro-batch per data replica")
+    parser.add_argument("--micro-batches", type=int, default=8, help="M of the timed runs")
+    args = parser.parse_args(argv)
+    m, mb = args.micro_batches, args.micro_batch
+    data_replicas = jax.device_count() // STAGES
+    batch = _batch(args.model, mb * m * data_replicas)
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
+          f"{args.model} seq {SEQ[args.model]}, global batch {len(batch['inputs'])} = "
+          f"{m} micro-batches x {mb} x {data_replicas} replicas, AdamW float32, ZeRO-3, "
+          f"median of {args.steps} steps")
+
+    runs = [("zero-3 (1x8)", None, "micro_batch"), ("1f1b", "1f1b", "micro_batch"),
+            ("gpipe", "gpipe", "micro_batch"), ("1f1b-step", "1f1b", "step")]
+    header = (f"{'run':<14}{'step ms':>9}{'x zero-3':>9}{'bubble':>8}{'permute MiB':>12}"
+              f"{'needed':>8}{'layer AG MiB':>13}{'loss':>9}")
+    print(header)
+    print("-" * len(header))
+    base = None
+    for label, schedule, gather in runs:
+        # The unpipelined step accumulates over the same micro-batches: 8 replicas, so M / 4.
+        step = _step(args.model, m * data_replicas // 8 if schedule is None else m, schedule,
+                     gather)
+        seconds, losses, compiled = _time(step, batch, args.steps)
+        base = seconds if base is None else base
+        if schedule is None:
+            extra = f"{'-':>8}{'-':>12}{'-':>8}{'-':>13}"
+        else:
+            table = step.pipeline.table
+            needed = (sum(b >= 0 for row in table.send_activation for b in row)
+                      / (table.num_steps * (STAGES - 1)))
+            gathers = 3 * m if gather == "micro_batch" else 1
+            extra = (f"{table.bubble_fraction:>8.3f}{_permute_bytes(compiled) / 2**20:>12.2f}"
+                     f"{needed:>8.2f}{gathers * _stage_block_bytes(step) / 2**20:>13.2f}")
+        print(f"{label:<14}{1e3 * seconds:>9.1f}{seconds / base:>9.2f}{extra}"
+              f"{losses[-1]:>9.4f}", flush=True)
+
+    print(f"\ncompiled temporaries, MiB (micro-batch {mb} fixed, {STAGES} stages, ZeRO-3):")
+    temps = {}
+    for schedule in ("1f1b", "gpipe"):
+        for micro_batches in (4, 8, 16):
+            step = _step(args.model, micro_batches, schedule)
+            b = _batch(args.model, mb * micro_batches * data_replicas)
+            b = {k: jax.numpy.asarray(v) for k, v in b.items()}
+            compiled = step.compile(jax.eval_shape(step.init), b)
+            temps[schedule, micro_batches] = compiled.memory_analysis().temp_size_in_bytes
+        print(f"  {schedule:<6}" + "".join(f"  M={n}: {temps[schedule, n] / 2**20:8.2f}"
+                                           for n in (4, 8, 16)), flush=True)
+    growth = {s: temps[s, 16] - temps[s, 4] for s in ("1f1b", "gpipe")}
+    print(f"  growth 4 -> 16: 1f1b {growth['1f1b'] / 2**20:.2f} MiB, gpipe "
+          f"{growth['gpipe'] / 2**20:.2f} MiB; 1f1b / gpipe at M=8: "
+          f"{temps['1f1b', 8] / temps['gpipe', 8]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""How a gathered unit (a layer, a module call) is differentiated, and what it keeps for backward.
+
+ZeRO-3 releases a unit's gathered parameters after its forward and re-gathers them in backward.
+What else the unit keeps from forward to backward is the *activation policy*
+(`ZeroConfig.remat`):
+
+* `"none"` (DeepSpeed's default): forward runs the unit under `jax.vjp` and keeps the vjp's
+  residuals - the activations autodiff needs - except those that *are* the gathered parameters.
+  Those slots are left empty and filled, in backward, with the re-gathered parameters, so no
+  gathered weight is kept from forward to backward and nothing is recomputed.
+* `"full"`: forward keeps only the unit's inputs; backward re-runs the unit under `jax.vjp`
+  (full rematerialisation, about one more forward's FLOPs, the least activation memory).
+* a `jax.checkpoint_policies` name (`"dots_saveable"`, ...): forward runs the unit under
+  `jax.checkpoint(policy=...)` inside `jax.vjp`, keeping what the policy saves (and the unit's
+  inputs); backward recomputes the rest. The gathered parameters are, again, never kept.
+
+A residual *derived* from a parameter (a transposed or converted weight) is an ordinary
+residual and is kept: the models here use their parameters as they come (gathered in the
+compute dtype), and the ZeRO-3 memory test bounds the bytes kept per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroxla.engine.plan import LeafPlan
+
+FULL, NONE = "full", "none"     # the other accepted values: `config.REMAT_POLICIES`
+
+
+# ----------------------------------------------------------------------------------------------
+# Differentiating with respect to the float leaves of a pytree only.
+def is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def split_floats(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any], list[bool]]:
+    """(float leaves, rebuild(float leaves) -> tree, mask) of a pytree."""
+    leaves, treedef = jax.tree.flatten(tree)
+    mask = [is_float(leaf) for leaf in leaves]
+
+    def rebuild(floats):
+        it = iter(floats)
+        return jax.tree.unflatten(treedef, [next(it) if m else leaf
+                                            for leaf, m in zip(leaves, mask)])
+    return [leaf for leaf, m in zip(leaves, mask) if m], rebuild, mask
+
+
+def _cotangents_for(treedef: Any, mask: tuple[bool, ...], float_cotangents: list[Any]) -> Any:
+    """A cotangent for a tree of structure `treedef`: the given ones at its float leaves
+    (`mask`), None elsewhere."""
+    it = iter(float_cotangents)
+    return jax.tree.unflatten(treedef, [next(it) if m else None for m in mask])
+
+
+def cotangent_tree(tree: Any, float_cotangents: list[Any]) -> Any:
+    """A cotangent for `tree`: the given ones at its float leaves, None elsewhere."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return _cotangents_for(treedef, tuple(is_float(leaf) for leaf in leaves), float_cotangents)
+
+
+def _linearized(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any,
+                policy: str | None) -> tuple[Any, Callable, list[int]]:
+    """`(out, vjp, trainable)` of `out = fn(full, inputs)` with respect to the trainable entries
+    of `full` (indices `trainable`; frozen ones stay constants) and the float leaves of
+    `inputs`; under `jax.checkpoint(policy=...)` when `policy` names one."""
+    trainable = [i for i, leaf in enumerate(leaves) if leaf.trainable]
+    floats, rebuild, _ = split_floats(inputs)
+
+    def of_differentiable(params, float_inputs):
+        merged = list(full)
+        for i, p in zip(trainable, params):
+            merged[i] = p
+        return fn(merged, rebuild(float_inputs))
+
+    if policy is not None:
+        of_differentiable = jax.checkpoint(of_differentiable,
+                                           policy=getattr(jax.checkpoint_policies, policy))
+    out, vjp = jax.vjp(of_differentiable, [full[i] for i in trainable], floats)
+    return out, vjp, trainable
+
+
+def _assemble(trainable: list[int], n: int, g_trainable: list[Any]) -> list[Any]:
+    g_full: list[Any] = [None] * n
+    for i, gi in zip(trainable, g_trainable):
+        g_full[i] = gi
+    return g_full
+
+
+def vjp(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any,
+        cotangent: Any) -> tuple[list[Any], Any]:
+    """Cotangents of `out = fn(full, inputs)` for the trainable entries of `full` (None for
+    frozen ones, which stay constants of the vjp) and for the float leaves of `inputs` (None for
+    the rest): the forward recomputed (remat "full")."""
+    _, pullback, trainable = _linearized(fn, leaves, full, inputs, None)
+    g_trainable, g_floats = pullback(cotangent)
+    return _assemble(trainable, len(full), g_trainable), cotangent_tree(inputs, g_floats)
+
+
+# ----------------------------------------------------------------------------------------------
+# remat "none" and checkpoint policies: the vjp's residuals, less the gathered parameters.
+@dataclasses.dataclass(frozen=True)
+class VjpLayout:
+    """The static part of a kept vjp: its pytree structure, which residual slots are gathered
+    parameters (`slots[k]` = index into `full`, None for a kept residual), the trainable
+    indices, and the structure of the unit's inputs (for their cotangent)."""
+
+    treedef: Any
+    slots: tuple[int | None, ...]
+    trainable: tuple[int, ...]
+    inputs_treedef: Any
+    inputs_floats: tuple[bool, ...]
+
+    def cotangents(self, kept: list[Any], full: list[Any],
+                   cotangent: Any) -> tuple[list[Any], Any]:
+        """`vjp`'s result from the kept residuals and the re-gathered parameters `full`."""
+        it = iter(kept)
+        residuals = [full[slot] if slot is not None else next(it) for slot in self.slots]
+        pullback = jax.tree.unflatten(self.treedef, residuals)
+        g_trainable, g_floats = pullback(cotangent)
+        return (_assemble(list(self.trainable), len(full), g_trainable),
+                _cotangents_for(self.inputs_treedef, self.inputs_floats, g_floats))
+
+
+def linearize_keeping(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any,
+                      policy: str) -> tuple[Any, list[Any], VjpLayout]:
+    """Forward of a unit under remat `policy` ("none" or a checkpoint policy): `(out, kept,
+    layout)`, `kept` the residual arrays to carry to backward (never a gathered parameter)."""
+    out, pullback, trainable = _linearized(fn, leaves, full, inputs,
+                                           None if policy == NONE else policy)
+    residuals, treedef = jax.tree.flatten(pullback)
+    # Identity, not value: a residual that *is* a gathered parameter is the same traced array.
+    slots = tuple(next((i for i, f in enumerate(full) if r is f), None) for r in residuals)
+    kept = [r for r, slot in zip(residuals, slots) if slot is None]
+    input_leaves, inputs_treedef = jax.tree.flatten(inputs)
+    layout = VjpLayout(treedef, slots, tuple(trainable), inputs_treedef,
+                       tuple(is_float(leaf) for leaf in input_leaves))
+    return out, kept, layout
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptVjp:
+    """What a unit keeps for backward under remat "none" or a checkpoint policy: the residual
+    `arrays` (a pytree's data) and their static `layout`."""
+
+    arrays: list[Any]
+    layout: VjpLayout
+
+
+jax.tree_util.register_dataclass(KeptVjp, ["arrays"], ["layout"])

@@ -1,0 +1,112 @@
+"""ZeRO-3 generation without the Hybrid Engine: the baseline the engine is measured against.
+
+The parameters stay partitioned over the data axes as training stores them, and every forward
+gathers each layer just before it runs (the training step's own `zero3_module` stand-ins), so
+*every decoded token re-gathers the whole model*: what DeepSpeed does when ZeRO-3 generation
+runs without the Hybrid Engine (DeepSpeedExamples#718: 72 s per generation, #764: ~700 ms per
+token). It uses the same KV cache and decode loop as the engine; rows are split over all data
+devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zeroxla.engine.state import TrainState
+from zeroxla.inference.decode import bucket, check_prompts, decode_loop, pack, unpack
+from zeroxla.inference.sampling import Sampling
+
+
+class Zero3Generator:
+    """`generate(state, prompts, ...)` as `HybridEngine.generate`, re-gathering per token."""
+
+    def __init__(self, step: Any, max_out_tokens: int = 512):
+        if step.config.stage != 3 or step.axes.num_stages > 1:
+            raise ValueError(f"Zero3Generator needs a ZeRO stage 3 step without pipeline "
+                             f"stages; got stage={step.config.stage}, "
+                             f"stages={step.axes.num_stages}; accepted: stage=3, stages=1")
+        self.step = step
+        self.axes = step.axes
+        self.max_out_tokens = max_out_tokens
+        abstract = step.model_def.abstract_module()
+        self._cache_shape = tuple(jax.eval_shape(
+            lambda: abstract.init_cache(1, max_out_tokens))["k"].shape)
+        self.vocab_size = step.vocab_size
+        self._programs: dict[tuple, Any] = {}
+
+    def _specs(self) -> tuple[Any, P, P]:
+        data = self.axes.data
+        return self.step._param_specs(), P(None, data), P(data)
+
+    def _local_model(self, params: dict[str, Any], model_state: dict[str, Any]) -> Any:
+        model, _ = self.step._local_model(params, model_state, None, training=False)
+        return model
+
+    def _program(self, batch: int, prompt: int, sampling: Sampling) -> Any:
+        key = (batch, prompt, sampling)
+        if key not in self._programs:
+            params_spec, cache_spec, rows = self._specs()
+            axes = self.axes.data
+
+            def all_done(done):          # every device runs the same number of steps
+                return lax.pmin(jnp.all(done).astype(jnp.int32), axes) > 0
+
+            def local(params, model_state, cache, tokens, lengths, live, max_new, eos_id, rng):
+                device = lax.axis_index(axes)
+                rng = jax.random.fold_in(jax.random.wrap_key_data(rng), device)
+                return decode_loop(self._local_model(params, model_state), cache, tokens,
+                                   lengths, live, max_new, eos_id, rng, sampling,
+                                   self.max_out_tokens, all_done)
+
+            run = jax.shard_map(local, mesh=self.step.mesh, check_vma=False, in_specs=(
+                params_spec, P(), {"k": cache_spec, "v": cache_spec}, rows, rows, rows, P(),
+                P(), P()), out_specs=(rows, P(), {"k": cache_spec, "v": cache_spec}))
+            self._programs[key] = jax.jit(run, donate_argnums=(2,))
+        return self._programs[key]
+
+    def _cache(self, batch: int) -> dict[str, jax.Array]:
+        shape = list(self._cache_shape)
+        shape[1] = batch
+        sharding = NamedSharding(self.step.mesh, self._specs()[1])
+        return jax.jit(lambda: {k: jnp.zeros(shape, jnp.float32) for k in ("k", "v")},
+                       out_shardings={"k": sharding, "v": sharding})()
+
+    def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_id: int | None = None,
+                 seed: int = 0) -> list[np.ndarray]:
+        """As `HybridEngine.generate`."""
+        sampling = Sampling(temperature, top_k, top_p)
+        rows = check_prompts(prompts, max_new_tokens, self.max_out_tokens, self.vocab_size)
+        if max_new_tokens == 0:
+            return [row.copy() for row in rows]
+        batch = bucket(len(rows), multiple=self.axes.data_size)
+        prompt = bucket(max(row.size for row in rows), limit=self.max_out_tokens)
+        tokens, lengths, live = pack(rows, batch, prompt)
+        rng = jax.random.key_data(jax.random.key(seed))
+        buffer, steps, _ = self._program(batch, prompt, sampling)(
+            state.params, state.model_state, self._cache(batch), tokens, lengths, live,
+            np.int32(max_new_tokens), np.int32(-1 if eos_id is None else eos_id), rng)
+        return unpack(rows, np.asarray(buffer), int(steps), eos_id)
+
+    def token_program(self, state: TrainState, batch: int) -> Any:
+        """One compiled decode step (T = 1) of `batch` rows: what each generated token costs
+        (`comm_report(program, mesh=step.mesh)` counts its gathers)."""
+        params_spec, cache_spec, rows = self._specs()
+
+        def local(params, model_state, cache, token, pos):
+            return self._local_model(params, model_state).decode(token, pos, cache)
+
+        run = jax.shard_map(local, mesh=self.step.mesh, check_vma=False, in_specs=(
+            params_spec, P(), {"k": cache_spec, "v": cache_spec}, rows, rows),
+            out_specs=(rows, {"k": cache_spec, "v": cache_spec}))
+        column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+        return jax.jit(run).lower(state.params, state.model_state, self._cache(batch),
+                                  column, column).compile()

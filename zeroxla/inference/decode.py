@@ -1,0 +1,129 @@
+"""The decode loop shared by the Hybrid Engine and the ZeRO-3 re-gather baseline, and the
+host-side packing of prompts into (batch bucket, prompt bucket) arrays.
+
+Prompts are right-padded: row b holds its prompt at positions 0..len_b-1. Prefill runs the
+whole [B, P] block once (pad slots are written to the cache but lie above the row's position
+until a real token overwrites them, so they are never attended: `models.layers.cached_attention`),
+then each step feeds every row's newest token at its own position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroxla.inference.sampling import Sampling, next_token
+
+
+def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
+                live: jax.Array, max_new: jax.Array, eos_id: jax.Array, key: jax.Array,
+                sampling: Sampling, max_len: int,
+                all_done: Callable[[jax.Array], jax.Array] = jnp.all
+                ) -> tuple[jax.Array, jax.Array, Any]:
+    """Generates up to `max_new` (>= 1) tokens after each row's prompt.
+
+    model: `decode(tokens, positions, cache) -> (logits, cache)`; cache [L, B, S, G, K];
+    tokens int32 [B, P] right-padded prompts; lengths int32 [B] (>= 1); live bool [B] (False:
+    a filler row of the batch bucket, which never holds the loop up); eos_id int32 scalar
+    (-1: none); key: this generation's PRNG key. Returns (buffer int32 [B, max_len] with the
+    prompt then the new tokens of each row, steps taken (int32 scalar), cache). The loop
+    stops early once `all_done(done [B])` holds: every row has produced `eos_id` (inside a
+    `shard_map` it must agree across devices, which then run the same number of steps).
+    """
+    b, p = tokens.shape
+    rows = jnp.arange(b)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, cache = model.decode(tokens, positions, cache)                  # [B, P, V]
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, V]
+    key, sub = jax.random.split(key)
+    token = next_token(last, sub, sampling)                                  # [B]
+    buffer = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(tokens)
+    buffer = buffer.at[rows, lengths].set(token)
+    done = (token == eos_id) | ~live
+
+    def more(carry):
+        _, n, _, done, _ = carry
+        return (n < max_new) & ~all_done(done)
+
+    def step(carry):
+        buffer, n, cache, done, key = carry
+        pos = lengths + n - 1                                                # newest token's
+        fed = buffer[rows, pos][:, None]                                     # [B, 1]
+        logits, cache = model.decode(fed, pos[:, None], cache)               # [B, 1, V]
+        key, sub = jax.random.split(key)
+        token = next_token(logits[:, 0], sub, sampling)
+        buffer = buffer.at[rows, pos + 1].set(token)
+        return buffer, n + 1, cache, done | (token == eos_id), key
+
+    buffer, n, cache, _, _ = jax.lax.while_loop(
+        more, step, (buffer, jnp.int32(1), cache, done, key))
+    return buffer, n, cache
+
+
+def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: int,
+                  vocab_size: int) -> list[np.ndarray]:
+    """The prompts as 1-D int32 arrays; ValueError naming the field for an empty list, an empty
+    or non-1-D prompt, a token outside [0, vocab_size), a negative or non-integer
+    `max_new_tokens`, or a prompt (plus its new tokens) longer than `max_out_tokens`."""
+    if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
+            or max_new_tokens < 0):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer "
+                         ">= 0")
+    if isinstance(prompts, (np.ndarray, jax.Array)) or not len(prompts):
+        raise ValueError("prompts must be a non-empty list of 1-D int arrays; got "
+                         f"{type(prompts).__name__}" + ("" if len(prompts) else " of length 0"))
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row = np.asarray(prompt)
+        if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"prompts[{i}] has shape {row.shape} and dtype {row.dtype}; "
+                             "accepted: a 1-D int array of at least one token")
+        if row.min() < 0 or row.max() >= vocab_size:
+            bad = int(row.min() if row.min() < 0 else row.max())
+            raise ValueError(f"prompts[{i}] holds token {bad}; accepted: ids in "
+                             f"[0, {vocab_size})")
+        if row.size + max_new_tokens > max_out_tokens:
+            raise ValueError(
+                f"prompts[{i}] has {row.size} tokens and max_new_tokens={max_new_tokens}: "
+                f"{row.size + max_new_tokens} > HybridEngineConfig.max_out_tokens="
+                f"{max_out_tokens}; accepted: prompt length + max_new_tokens <= max_out_tokens")
+        rows.append(row.astype(np.int32))
+    return rows
+
+
+def bucket(n: int, multiple: int = 1, limit: int | None = None) -> int:
+    """The smallest power of two >= n, rounded up to a multiple of `multiple` and capped at
+    `limit`: few distinct shapes, so few compiled programs."""
+    size = 1 << max(0, (n - 1).bit_length())
+    size = -(-size // multiple) * multiple
+    return max(n, min(size, limit)) if limit is not None else size
+
+
+def pack(rows: list[np.ndarray], batch: int,
+         prompt: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-padded int32 tokens [batch, prompt], lengths int32 [batch] and live bool [batch];
+    filler rows are one token 0 long and not live (their output is dropped)."""
+    tokens = np.zeros((batch, prompt), np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, :row.size] = row
+        lengths[i] = row.size
+    return tokens, lengths, np.arange(batch) < len(rows)
+
+
+def unpack(rows: list[np.ndarray], buffer: np.ndarray, steps: int,
+           eos_id: int | None) -> list[np.ndarray]:
+    """Each prompt followed by its new tokens, cut after the first `eos_id` (kept)."""
+    out = []
+    for i, row in enumerate(rows):
+        new = buffer[i, row.size:row.size + steps]
+        if eos_id is not None:
+            hits = np.flatnonzero(new == eos_id)
+            if hits.size:
+                new = new[:hits[0] + 1]
+        out.append(np.concatenate([row, new]).astype(np.int32))
+    return out

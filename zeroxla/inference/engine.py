@@ -1,0 +1,200 @@
+"""The Hybrid Engine: ZeRO-3 training and tensor-parallel KV-cached generation on one set of
+devices, with DeepSpeed's names (`deepspeed/runtime/hybrid_engine.py`).
+
+    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=4, max_out_tokens=256))
+    outs = engine.generate(state, prompts, max_new_tokens=32)   # list of int32 [P + new]
+    engine.release()
+
+Per generation (data flow):
+1. reshard (once while the parameters are pinned and no optimizer step has run since): one
+   compiled program takes the training state's partitioned storage (`state.params`, split over
+   the data axes) to the tensor-parallel inference layout (`layout.py`); the training state is
+   only read, never donated.
+2. decode: one compiled program per (batch bucket, prompt bucket, sampling): prefill, then a
+   `lax.while_loop` over new tokens (`decode.py`), under GSPMD with the parameters' tensor
+   layout and the rows split over the data groups; the KV cache is donated in and out.
+3. the host cuts each row after its prompt + new tokens (and after EOS).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroxla.engine.state import TrainState
+from zeroxla.inference.config import HybridEngineConfig
+from zeroxla.inference.decode import bucket, check_prompts, decode_loop, pack, unpack
+from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
+from zeroxla.inference.reshard import reshard_function
+from zeroxla.inference.sampling import Sampling
+
+
+def _leaves(state: TrainState) -> list[Any]:
+    return jax.tree.leaves(state.params)
+
+
+class HybridEngine:
+    """Generation from a `ZeroStep`'s training state (see the module docstring)."""
+
+    def __init__(self, step: Any, config: HybridEngineConfig | None = None):
+        self.step = step
+        self.config = config = config if config is not None else HybridEngineConfig()
+        if not isinstance(config, HybridEngineConfig):
+            raise TypeError(f"HybridEngine: config must be a HybridEngineConfig, got "
+                            f"{type(config).__name__}")
+        self.model_def = step.model_def
+        self.plan = step.plan
+        devices = list(np.asarray(step.mesh.devices).reshape(-1))
+        self.layout: TensorParallelLayout = tensor_parallel_layout(
+            self.model_def, devices, config.inference_tp_size)
+        self.mesh = self.layout.mesh
+        abstract = self.model_def.abstract_module()
+        try:
+            cache = jax.eval_shape(lambda: abstract.init_cache(1, config.max_out_tokens))
+        except ValueError as err:
+            raise ValueError(f"HybridEngineConfig.max_out_tokens={config.max_out_tokens} does "
+                             f"not fit the model: {err}") from None
+        self._cache_shape = tuple(cache["k"].shape)           # [L, 1, S, G, K]
+        self._kv_heads = self._cache_shape[3] * self.layout.kv_repeat
+        self.vocab_size = step.vocab_size
+        self._reshard = None                 # compiled reshard program
+        self._programs: dict[tuple, Any] = {}
+        self._params: dict[str, jax.Array] | None = None
+        self._source: list[weakref.ref] = []
+        self._caches: dict[int, dict[str, jax.Array]] = {}
+        self.reshards = 0                    # how many times the parameters were resharded
+
+    # ---- reshard ---------------------------------------------------------------------------
+    def reshard_program(self, state: TrainState) -> Any:
+        """The compiled reshard: training storage -> tensor-parallel layout (inspect it with
+        `zeroxla.comm_report(program, mesh=engine.mesh)`)."""
+        if self._reshard is None:
+            self._reshard = jax.jit(reshard_function(self.plan, self.layout),
+                                    out_shardings=self.layout.param_shardings()
+                                    ).lower(state.params).compile()
+        return self._reshard
+
+    def _pinned_for(self, state: TrainState) -> bool:
+        """Whether the pinned copy was built from exactly these parameter arrays (an optimizer
+        step makes new ones, so it invalidates the copy)."""
+        leaves = _leaves(state)
+        return (self._params is not None and len(leaves) == len(self._source)
+                and all(ref() is leaf for ref, leaf in zip(self._source, leaves)))
+
+    def inference_params(self, state: TrainState) -> dict[str, jax.Array]:
+        """The tensor-parallel parameters of `state` (resharded unless pinned and current)."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"generate takes a TrainState, got {type(state).__name__}")
+        if self._pinned_for(state):
+            return self._params
+        self._free_params()
+        self._params = self.reshard_program(state)(state.params)
+        self._source = [weakref.ref(leaf) for leaf in _leaves(state)]
+        self.reshards += 1
+        return self._params
+
+    # ---- decode ----------------------------------------------------------------------------
+    def _program(self, batch: int, prompt: int, sampling: Sampling) -> Any:
+        key = (batch, prompt, sampling)
+        if key not in self._programs:
+            max_len = self.config.max_out_tokens
+            layout = self.layout
+
+            def run(params, model_state, cache, tokens, lengths, live, max_new, eos_id, rng):
+                model = self.model_def.module(params, model_state)
+                model.eval()
+                return decode_loop(model, cache, tokens, lengths, live, max_new, eos_id,
+                                   jax.random.wrap_key_data(rng), sampling, max_len)
+
+            cache_sharding = {k: jax.sharding.NamedSharding(
+                layout.mesh, layout.cache_spec(self._kv_heads)) for k in ("k", "v")}
+            rows = layout.batch_sharding(1)
+            rep = layout.replicated()
+            jitted = jax.jit(run, donate_argnums=(2,), in_shardings=(
+                layout.param_shardings(), rep, cache_sharding, layout.batch_sharding(2), rows,
+                rows, rep, rep, rep), out_shardings=(layout.batch_sharding(2), rep,
+                                                     cache_sharding))
+            self._programs[key] = (jitted, cache_sharding)
+        return self._programs[key]
+
+    def _cache(self, batch: int, sharding: dict[str, Any]) -> dict[str, jax.Array]:
+        if batch in self._caches:
+            return self._caches.pop(batch)
+        shape = list(self._cache_shape)
+        shape[1], shape[3] = batch, self._kv_heads
+        return jax.jit(lambda: {k: jnp.zeros(shape, jnp.float32) for k in ("k", "v")},
+                       out_shardings=sharding)()
+
+    def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_id: int | None = None,
+                 seed: int = 0) -> list[np.ndarray]:
+        """Continues each prompt (1-D int array) by up to `max_new_tokens` tokens.
+
+        Returns one int32 array per prompt: the prompt and its new tokens, cut after the first
+        `eos_id`. `temperature` 0 is greedy; `top_k` / `top_p` restrict the draw; `seed` fixes
+        every draw. The training state is only read.
+        """
+        sampling = Sampling(temperature, top_k, top_p)
+        if eos_id is not None and not (isinstance(eos_id, (int, np.integer))
+                                       and 0 <= eos_id < self.vocab_size):
+            raise ValueError(f"eos_id={eos_id!r} is invalid; accepted: None or a token id in "
+                             f"[0, {self.vocab_size})")
+        rows = check_prompts(prompts, max_new_tokens, self.config.max_out_tokens,
+                             self.vocab_size)
+        if max_new_tokens == 0:
+            return [row.copy() for row in rows]
+        params = self.inference_params(state)
+        batch = bucket(len(rows), multiple=self.layout.data_size)
+        prompt = bucket(max(row.size for row in rows), limit=self.config.max_out_tokens)
+        program, cache_sharding = self._program(batch, prompt, sampling)
+        tokens, lengths, live = pack(rows, batch, prompt)
+        model_state = jax.device_put(state.model_state, self.layout.replicated())
+        rng = jax.random.key_data(jax.random.key(seed))
+        buffer, steps, cache = program(params, model_state, self._cache(batch, cache_sharding),
+                                       tokens, lengths, live, np.int32(max_new_tokens),
+                                       np.int32(-1 if eos_id is None else eos_id), rng)
+        buffer, steps = np.asarray(buffer), int(steps)
+        if self.config.release_inference_cache:
+            jax.tree.map(lambda x: x.delete(), cache)
+        else:
+            self._caches[batch] = cache
+        if not self.config.pin_parameters:
+            self._free_params()
+        return unpack(rows, buffer, steps, eos_id)
+
+    def token_program(self, state: TrainState, batch: int) -> Any:
+        """One compiled decode step (T = 1) of `batch` rows in the tensor-parallel layout:
+        what each generated token costs (`comm_report(program, mesh=engine.mesh)`)."""
+        layout = self.layout
+        params = self.inference_params(state)
+        sharding = jax.sharding.NamedSharding(layout.mesh, layout.cache_spec(self._kv_heads))
+
+        def run(params, model_state, cache, token, pos):
+            return self.model_def.module(params, model_state).decode(token, pos, cache)
+
+        column = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=layout.batch_sharding(2))
+        return jax.jit(run, out_shardings=(layout.batch_sharding(3), {"k": sharding,
+                                                                      "v": sharding})).lower(
+            params, jax.device_put(state.model_state, layout.replicated()),
+            self._cache(batch, {"k": sharding, "v": sharding}), column, column).compile()
+
+    # ---- release ---------------------------------------------------------------------------
+    def _free_params(self) -> None:
+        if self._params is not None:
+            for x in self._params.values():
+                x.delete()
+        self._params, self._source = None, []
+
+    def release(self) -> None:
+        """Frees the inference copy of the parameters and every kept KV cache; compiled
+        programs stay, so the next `generate` only reshards."""
+        self._free_params()
+        for cache in self._caches.values():
+            jax.tree.map(lambda x: x.delete(), cache)
+        self._caches = {}

@@ -1,0 +1,140 @@
+"""The tensor-parallel inference layout, derived from logical axis names alone.
+
+The inference mesh is the training mesh's devices regrouped as `(node=1, local=D/tp,
+tensor=tp)`: each `tensor` row is one tensor-parallel group; the `local` axis serves different
+prompts data-parallel. Every parameter's spec comes from `TENSOR_PARALLEL_RULES` (heads,
+kv_heads, mlp, vocab -> tensor; Megatron column-parallel in, row-parallel out), so a model with
+logical axes needs no code here.
+
+Grouped-query attention with more tensor devices than KV heads (tp > G, tp a multiple of G):
+the KV heads are replicated tp / G times, as vLLM does, so each device holds the one KV head its
+query heads read (query head h reads KV head floor(h G / H) before and floor(h tp / H) after:
+the same weights). The KV cache follows (`KV_CACHE_AXES`: batch over the data axes, kv_heads
+over `tensor`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zeroxla.engine.mesh import MeshAxes, make_mesh
+from zeroxla.engine.model_def import ModelDef
+from zeroxla.engine.rules import TENSOR_PARALLEL_RULES
+from zeroxla.models import axes as logical
+from zeroxla.models.layers import KV_CACHE_AXES
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelLayout:
+    """Where every inference parameter and the KV cache live on the inference mesh."""
+
+    mesh: Mesh
+    axes: MeshAxes
+    specs: tuple[tuple[str, P], ...]            # (path, spec over the inference shape)
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]   # (path, inference shape)
+    kv_repeat: int                              # KV heads replicated this many times
+    kv_dims: tuple[tuple[str, int], ...]        # (path, its kv_heads dim)
+
+    @property
+    def tp(self) -> int:
+        return self.axes.tensor_size
+
+    @property
+    def data_size(self) -> int:
+        """Tensor-parallel groups: how many prompt shards run side by side."""
+        return self.axes.data_size
+
+    def param_shardings(self) -> dict[str, NamedSharding]:
+        return {path: NamedSharding(self.mesh, spec) for path, spec in self.specs}
+
+    def cache_spec(self, kv_heads: int) -> P:
+        """The KV cache's spec ([L, B, S, G, K], dims named `KV_CACHE_AXES`): batch over the
+        data axes, KV heads over `tensor` when it divides them."""
+        tensor = self.axes.tensor if kv_heads % self.tp == 0 else None
+        named = {logical.BATCH: self.axes.data, logical.KV_HEADS: tensor}
+        return P(*(named.get(name) for name in KV_CACHE_AXES))
+
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        """Rows over the data axes: [B, ...]."""
+        return NamedSharding(self.mesh, P(self.axes.data, *([None] * (ndim - 1))))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def describe(self) -> str:
+        """One line per parameter: path, inference shape, spec."""
+        shapes = dict(self.shapes)
+        lines = [f"inference mesh {self.axes.describe()}"
+                 + (f"; KV heads replicated x{self.kv_repeat}" if self.kv_repeat > 1 else "")]
+        lines += [f"  {path:<28} {str(shapes[path]):<18} {spec}" for path, spec in self.specs]
+        return "\n".join(lines)
+
+
+def tensor_parallel_layout(model_def: ModelDef, devices: Sequence[jax.Device],
+                           tp: int) -> TensorParallelLayout:
+    """The layout of `model_def`'s parameters for `tp`-way tensor parallelism over `devices`.
+
+    ValueError naming `HybridEngineConfig.inference_tp_size` and the accepted sizes when `tp`
+    does not divide the devices, a `heads` dim, or a `kv_heads` dim (nor is a multiple of it).
+    """
+    count = len(devices)
+    heads = sorted({shape[i] for shape, names in zip(model_def.shapes, model_def.logical_axes)
+                    for i, name in enumerate(names or ()) if name == logical.HEADS})
+    kv = sorted({shape[i] for shape, names in zip(model_def.shapes, model_def.logical_axes)
+                 for i, name in enumerate(names or ()) if name == logical.KV_HEADS})
+
+    def fits(t: int) -> bool:
+        return (count % t == 0 and all(h % t == 0 for h in heads)
+                and all(g % t == 0 or (t % g == 0 and all(h % t == 0 for h in heads))
+                        for g in kv))
+
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or not fits(tp):
+        what = f"the {count} devices" if count % tp else (
+            f"the {', '.join(map(str, heads))} attention heads" if any(h % tp for h in heads)
+            else f"the {', '.join(map(str, kv))} KV heads (nor is a multiple of them)")
+        raise ValueError(f"HybridEngineConfig.inference_tp_size={tp} does not divide {what}; "
+                         f"accepted: {', '.join(str(t) for t in _divisors(count) if fits(t))}")
+    repeats = {tp // g for g in kv if g % tp}
+    if len(repeats) > 1:
+        raise ValueError(f"kv_heads dims of sizes {kv} need different replication for "
+                         f"inference_tp_size={tp}; accepted: a tp dividing all of them")
+    kv_repeat = repeats.pop() if repeats else 1
+    mesh = make_mesh(1, count // tp, tensor=tp, devices=devices)
+    axes = MeshAxes.of(mesh)
+    specs, shapes, kv_dims = [], [], []
+    for path, shape, names in zip(model_def.paths, model_def.shapes, model_def.logical_axes):
+        shape = list(shape)
+        for i, name in enumerate(names or ()):
+            if name == logical.KV_HEADS and kv_repeat > 1:
+                shape[i] *= kv_repeat
+                kv_dims.append((path, i))
+        spec = TENSOR_PARALLEL_RULES.spec(shape, names, axes, partition_data=False).spec
+        specs.append((path, spec))
+        shapes.append((path, tuple(shape)))
+    return TensorParallelLayout(mesh, axes, tuple(specs), tuple(shapes), kv_repeat,
+                                tuple(kv_dims))
+
+
+def bytes_per_device(shapes: Sequence[tuple[int, ...]], specs: Sequence[P], axes: MeshAxes,
+                     itemsize: int = 4) -> int:
+    """Bytes one device holds of arrays of `shapes` laid out by `specs`."""
+    total = 0
+    for shape, spec in zip(shapes, specs):
+        split = 1
+        for entry in spec:
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                split *= axes.size(axis) if axis else 1
+        total += math.prod(shape) * itemsize // split
+    return total
+
+
+__all__ = ["TensorParallelLayout", "bytes_per_device", "tensor_parallel_layout"]
