@@ -65,6 +65,11 @@ class ZeroCollectives:
     def reduce_scatter(self, grad: jax.Array, leaf: LeafPlan) -> jax.Array:
         if not leaf.params_partitioned:
             return grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
+        return self._reduce_scatter_unit(grad, leaf)
+
+    def _reduce_scatter_unit(self, grad: jax.Array, leaf: LeafPlan) -> jax.Array:
+        """One unit's gradient (logical unit shape) -> this device's summed shard, sent in the
+        compute dtype (float32 or wider on arrival, `reduce_scatter_dim`)."""
         with jax.named_scope(GRAD_REDUCE):
             padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
             return reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # shard f32
@@ -122,10 +127,8 @@ class Zero2Collectives(ZeroCollectives):
 
     def reduce_scatter(self, grad: jax.Array, leaf: LeafPlan) -> Any:
         if not leaf.optimizer_partitioned:
-            return grad.astype(jnp.float32)
-        with jax.named_scope(GRAD_REDUCE):
-            padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
-            part = reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # f32 shard
+            return grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
+        part = self._reduce_scatter_unit(grad, leaf)                      # f32 shard
         return GradientSink(value=None, sink=part)        # the cotangent of a GradientSink
 
     def describe(self, leaf: LeafPlan) -> tuple[str, str, str]:
