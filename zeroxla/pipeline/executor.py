@@ -89,6 +89,10 @@ def _check_step(step: Any, config: PipelineConfig) -> None:
                          f"(found {list(step.model_def.state_paths[:3])} "
                          f"{[p for p, _, _ in step.model_def.rng_leaves[:3]]}); accepted: "
                          "parameters only (no BatchNorm statistics, no Dropout)")
+    frozen = [leaf.path for leaf in step.plan.leaves if not leaf.trainable]
+    if frozen:      # the executor differentiates every parameter; frozen leaves are untested
+        raise ValueError(f"make_step: trainable={step.trainable!r} freezes {frozen[:3]}, which "
+                         "is not supported with pipeline= yet; accepted: trainable=None")
     if zero.uses_zeropp:
         raise ValueError("make_step: ZeRO++ (hpz_partition_size, quantized_weights, "
                          "quantized_gradients, quantized_nontrainable_weights) is not supported "

@@ -124,6 +124,14 @@ def test_custom_loss_fn_is_refused():
                           pipeline=PipelineConfig(2))
 
 
+def test_frozen_parameters_are_refused():
+    with pytest.raises(ValueError, match=r"trainable=.* freezes \['embed/wte'.*not supported "
+                                         r"with pipeline=.*accepted: trainable=None"):
+        zeroxla.make_step(models.build("gpt-tiny", num_layers=2), zeroxla.make_mesh(1, stages=2),
+                          trainable=nnx.Not(nnx.PathContains("wte")),
+                          pipeline=PipelineConfig(2))
+
+
 def test_pipeline_must_be_a_config():
     with pytest.raises(TypeError, match=r"pipeline must be a PipelineConfig, got dict"):
         _step(pipeline={"micro_batches": 2})
