@@ -84,9 +84,9 @@ def memory_report(step: Any, state: Any, batch: Any) -> MemoryReport:
         per_device = _device_bytes(tree)
         return max(per_device.values()) if per_device else 0
     analysis = step.compile(state, batch).memory_analysis()
-    gradients = sum(GRAD_BYTES * (leaf.chunk * leaf.layers if leaf.optimizer_partitioned
-                                  and step.config.stage >= 2 else leaf.numel)
-                    for leaf in step.plan.trainable_leaves)
+    gradients = sum(GRAD_BYTES * leaf.local_layers * (
+        leaf.chunk if leaf.optimizer_partitioned and step.config.stage >= 2 else leaf.unit_numel)
+        for leaf in step.plan.trainable_leaves)     # local_layers: a pipeline stage's own
     secondary = 0
     if step.config.hpz_partition_size > 1:
         itemsize = jnp.dtype(step.config.compute_dtype).itemsize

@@ -173,8 +173,10 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
                    help="keep only the newest K step checkpoints, deleting older ones after a "
                         "newer one is committed (torchtitan's keep_latest_k); default 0: keep all")
     p.add_argument("--sample-tokens", type=_non_negative_int, default=None,
-                   help="tokens sampled from the trained model at the end; default "
-                        f"{_DEFAULTS['sample_tokens']}")
+                   help="tokens generated from the trained model at the end (Hybrid Engine, "
+                        "KV cache; 0: none). Prompt + sample stop at --seq-len, the positions "
+                        "the model was trained on: a larger value is capped there and the run "
+                        f"says so; default {_DEFAULTS['sample_tokens']}")
     p.add_argument("--temperature", type=float, default=None,
                    help=f"sampling temperature; default {_DEFAULTS['temperature']}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

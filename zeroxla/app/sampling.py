@@ -1,13 +1,20 @@
-"""Temperature sampling from a trained language model, for a look at what it learned.
+"""Text from a trained language model: the train job's end-of-run sample and `zeroxla generate`.
 
-No KV cache: each new token re-runs the model on a fixed window of the last `context` tokens, so
-the whole generation is one compiled `lax.fori_loop` with static shapes. Models with learned
-positions (GPT-2) see positions 0..context-1 exactly as in training. While the text is shorter than
-the window, the window is the start of the buffer and the causal mask hides the zero padding after
-the last real token.
+Both run the Hybrid Engine (`zeroxla.HybridEngine`): the ZeRO-3 partitions are resharded once,
+then a compiled decode loop extends the prompt with a KV cache, one forward of one token per new
+token. The sample is at most `max_len` tokens long, prompt included: models with learned
+positions (GPT-2) have no embedding past `max_seq_len`, and positions past the training sequence
+length were never trained, so the job caps prompt + sample at `--seq-len` and says so
+(`sample_with_engine` returns how many tokens it generated).
+
+`sample_tokens` / `sample_text` are the plain no-cache sampler for any nnx model outside a
+step (a full forward over a sliding window of `context` tokens per new token); the quickstart
+notebook uses it on a gathered model.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +73,54 @@ def sample_text(model: nnx.Module, tokenizer: Tokenizer, prompt: str | np.ndarra
                                           temperature=temperature, seed=seed))
 
 
+def local_zero3_step(model: nnx.Module) -> Any:
+    """A ZeRO-3 step over this process's devices holding `model`'s weights (`step.init()`),
+    with an optimizer that never runs: what the Hybrid Engine generates from when the weights
+    did not come from a one-process training state (a checkpoint; a multi-process run)."""
+    import optax
+
+    import zeroxla
+
+    # make_step needs the weights uncommitted (host arrays), not placed on one device
+    graphdef, values = nnx.split(model)
+    model = nnx.merge(graphdef, jax.tree.map(np.asarray, values))
+    return zeroxla.make_step(model, zeroxla.make_mesh(1, devices=jax.local_devices()),
+                             optimizer=optax.set_to_zero(), config=zeroxla.ZeroConfig(stage=3))
+
+
+def sample_with_engine(step: Any, state: Any, tokenizer: Tokenizer, prompt: np.ndarray, *,
+                       num_tokens: int, max_len: int, temperature: float = 0.8,
+                       top_k: int | None = None, seed: int = 0,
+                       tp: int = 1) -> tuple[str, int]:
+    """`prompt` (token ids, at least one) continued by the Hybrid Engine from `state` of
+    `step`, decoded -> (text, new tokens generated).
+
+    Generates min(`num_tokens`, `max_len` - prompt length) tokens: prompt + sample never exceed
+    `max_len` (the caller's cap; see the module docstring). `temperature` 0 is greedy, equal to
+    greedy decoding by the unsharded model (`tests/zeroxla/app/test_train_sampler.py`). The
+    engine's inference copy and KV cache are released before returning.
+    """
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    ids = np.asarray(prompt, np.int32).reshape(-1)
+    if ids.size < 1:
+        raise ValueError("sample_with_engine: the prompt must hold at least one token")
+    if ids.size > max_len:
+        raise ValueError(f"sample_with_engine: the prompt ({ids.size} tokens) exceeds "
+                         f"max_len={max_len}; accepted: a prompt of at most {max_len} tokens")
+    new = min(num_tokens, max_len - ids.size)
+    if new <= 0:
+        return tokenizer.decode(ids), 0
+    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=tp,
+                                                   max_out_tokens=ids.size + new))
+    try:
+        out = engine.generate(state, [ids], max_new_tokens=new, temperature=temperature,
+                              top_k=top_k, seed=seed)[0]
+    finally:
+        engine.release()
+    return tokenizer.decode(out), new
+
+
 def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int,
                              temperature: float, top_k: int | None, tp: int,
                              seed: int = 0, step: int | None = None) -> str:
@@ -76,7 +131,6 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
     import zeroxla
     from zeroxla.app.tokenizer import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata
-    from zeroxla.inference import HybridEngine, HybridEngineConfig
 
     meta = checkpoint_metadata(checkpoint, step=step)
     record = meta["metadata"].get("tokenizer")
@@ -85,24 +139,14 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
                          "checkpoint written by `zeroxla train`")
     tokenizer = tokenizer_from_record(record)
     ids = np.asarray(tokenizer.encode(prompt), np.int32)
-    # weights only (no optimizer state): the model under a ZeRO-3 step with a stateless
-    # optimizer, which never runs
-    import optax
-
-    model = zeroxla.load_params(checkpoint, step=meta["step"])
-    # load_params commits the weights to device 0; make_step needs them uncommitted (host)
-    graphdef, values = nnx.split(model)
-    model = nnx.merge(graphdef, jax.tree.map(np.asarray, values))
-    step_fn = zeroxla.make_step(model, zeroxla.make_mesh(1), optimizer=optax.set_to_zero(),
-                                config=zeroxla.ZeroConfig(stage=3))
     max_seq_len = meta["model_config"]["fields"]["max_seq_len"]
     if ids.size + max_new_tokens > max_seq_len:
         raise ValueError(f"--prompt ({ids.size} tokens) + --max-new-tokens={max_new_tokens} "
                          f"exceeds the model's max_seq_len={max_seq_len}; accepted: at most "
                          f"{max(0, max_seq_len - ids.size)} new tokens")
-    engine = HybridEngine(step_fn, HybridEngineConfig(
-        inference_tp_size=tp, max_out_tokens=ids.size + max_new_tokens))
-    out = engine.generate(step_fn.init(), [ids], max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_k=top_k, seed=seed)[0]
-    engine.release()
-    return tokenizer.decode(out)
+    # weights only (no optimizer state)
+    step_fn = local_zero3_step(zeroxla.load_params(checkpoint, step=meta["step"]))
+    text, _ = sample_with_engine(step_fn, step_fn.init(), tokenizer, ids,
+                                 num_tokens=max_new_tokens, max_len=ids.size + max_new_tokens,
+                                 temperature=temperature, top_k=top_k, seed=seed, tp=tp)
+    return text

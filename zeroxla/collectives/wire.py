@@ -47,10 +47,17 @@ def reduce_scatter_dim(x: jax.Array, axes: Any, dim: int) -> jax.Array:
     float32: `psum_scatter`. 16-bit: a 16-bit `psum_scatter`, except on CPU, where each device
     sends block j's raw bits to device j (all-to-all, the bytes of a 16-bit reduce-scatter) and
     sums what it receives in float32. Returns float32 with `dim` divided by G.
+
+    A 16-bit `x` is divided by G before it is sent and the result multiplied by G in float32
+    (DeepSpeed's gradient pre-division): a native 16-bit sum of G loss-scaled fp16 gradients
+    then stays within fp16's range wherever each one does. G a power of two: exact but for
+    values in fp16's subnormal range.
     """
     if not is_16bit_float(x.dtype):       # float32 (float64 in a float64 verification run)
         return lax.psum_scatter(x.astype(jnp.promote_types(x.dtype, jnp.float32)), axes,
                                 scatter_dimension=dim, tiled=True)
+    groups = lax.axis_size(axes)
+    x = (x.astype(jnp.float32) / groups).astype(x.dtype)
 
     def native(a):
         return lax.psum_scatter(a, axes, scatter_dimension=dim, tiled=True).astype(jnp.float32)
@@ -63,7 +70,7 @@ def reduce_scatter_dim(x: jax.Array, axes: Any, dim: int) -> jax.Array:
         blocks = received.reshape(*a.shape[:dim], groups, a.shape[dim] // groups,
                                   *a.shape[dim + 1:])
         return lax.bitcast_convert_type(blocks, a.dtype).astype(jnp.float32).sum(axis=dim)
-    return lax.platform_dependent(x, cpu=as_bits, default=native)
+    return lax.platform_dependent(x, cpu=as_bits, default=native) * groups
 
 
 def all_gather_flat(x: jax.Array, axes: Any, groups: list[list[int]] | None = None) -> jax.Array:

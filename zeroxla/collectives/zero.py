@@ -157,7 +157,9 @@ def all_reduce(tree: Any, axes: MeshAxes, wire_dtype: Any = jnp.float32) -> Any:
     With a 16-bit `wire_dtype` (bf16/fp16 compute) each leaf travels in 16 bits, as DeepSpeed's
     gradient all-reduce in the training dtype: a reduce-scatter then an all-gather (the ring
     all-reduce's two halves, the same bytes as a 16-bit all-reduce), each in the wire format
-    `zeroxla.collectives.wire` chooses per backend. Returns float32 (the master dtype)."""
+    `zeroxla.collectives.wire` chooses per backend, and both carrying values divided by the
+    device count (DeepSpeed's pre-division), so that a loss-scaled fp16 sum never leaves fp16's
+    range where its terms do not. Returns float32 (the master dtype)."""
     with jax.named_scope(GRAD_REDUCE):
         if not is_16bit_float(wire_dtype):
             return lax.psum(tree, axes.data)
@@ -166,10 +168,12 @@ def all_reduce(tree: Any, axes: MeshAxes, wire_dtype: Any = jnp.float32) -> Any:
 
 def _all_reduce_16bit(g: jax.Array, axes: MeshAxes, wire_dtype: Any) -> jax.Array:
     """One leaf's sum over the data devices, sent in `wire_dtype`: [size] padded to a multiple
-    of N, reduce-scattered (summed in float32 where the backend allows, `reduce_scatter_flat`),
-    rounded to 16 bits and all-gathered."""
+    of N, reduce-scattered (pre-divided by N, summed in float32 where the backend allows,
+    `reduce_scatter_flat`), then the mean rounded to 16 bits, all-gathered and multiplied by N
+    in float32."""
+    n = axes.data_size
     flat = g.reshape(-1)
-    flat = jnp.pad(flat, (0, -flat.size % axes.data_size)).astype(wire_dtype)   # [N * c]
-    part = reduce_scatter_flat(flat, axes.data)                                 # f32 [c]
-    full = all_gather_flat(part.astype(wire_dtype), axes.data)                  # [N * c]
-    return full[:g.size].astype(g.dtype).reshape(g.shape)
+    flat = jnp.pad(flat, (0, -flat.size % n)).astype(wire_dtype)                # [N * c]
+    part = reduce_scatter_flat(flat, axes.data)                                 # f32 sum [c]
+    mean = all_gather_flat((part / n).astype(wire_dtype), axes.data)            # [N * c]
+    return (mean.astype(jnp.float32) * n)[:g.size].astype(g.dtype).reshape(g.shape)

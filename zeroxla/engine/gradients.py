@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from zeroxla.collectives import zero as collectives
 from zeroxla.collectives.zero import GradientSink, Zero2Collectives, ZeroCollectives
@@ -39,11 +38,11 @@ def differentiated(comm: ZeroCollectives, plan: ShardingPlan, trainable: dict[st
 def reduce_gradients(grads: dict[str, jax.Array], plan: ShardingPlan, stage: int,
                      axes: MeshAxes, compute_dtype: Any) -> dict[str, jax.Array]:
     """Sums the trainable leaves' gradients over the data devices (those reduce-scattered in
-    backward already are). Under bf16 compute the all-reduces travel in bf16 (DeepSpeed's
-    communication in the training dtype). Under fp16 they stay float32: the loss-scaled sums
-    of whole gradients overflow fp16's range (gpt-tiny at the default initial scale 2**16
-    skipped 3 of its first 4 steps), where each reduce-scattered shard does not."""
-    wire_dtype = compute_dtype if jnp.dtype(compute_dtype) == jnp.bfloat16 else jnp.float32
+    backward already are). Under bf16 and fp16 compute the all-reduces travel in the compute
+    dtype (DeepSpeed's communication in the training dtype), each device sending its gradient
+    divided by the device count, so that fp16's range holds the loss-scaled sum
+    (`collectives.zero.all_reduce`); under float32 / float64 they are that dtype's `psum`."""
+    wire_dtype = compute_dtype        # 16 bits under bf16/fp16; else a plain psum
     if stage <= 1:
         return collectives.all_reduce(grads, axes, wire_dtype)
     out, replicated = {}, {}

@@ -106,12 +106,14 @@ class ShardedOptimizer:
 
     def to_storage(self, state: Any) -> Any:
         """Logical optimizer state -> storage (param-shaped leaves padded like their partition)."""
-        return self._map(lambda x, leaf: leaf.pad(x) if leaf.optimizer_partitioned else x,
+        return self._map(lambda x, leaf: leaf.pad(x) if leaf.optimizer_partitioned
+                         else leaf.stage_pad(x),
                          lambda x: x, state)
 
     def to_logical(self, state: Any) -> Any:
         """Storage optimizer state -> logical (padding cut off)."""
-        return self._map(lambda x, leaf: leaf.unpad(x) if leaf.optimizer_partitioned else x,
+        return self._map(lambda x, leaf: leaf.unpad(x) if leaf.optimizer_partitioned
+                         else leaf.stage_unpad(x),
                          lambda x: x, state)
 
     def abstract_state(self) -> Any:

@@ -24,6 +24,14 @@ frozen partitioned leaf is stored as block-quantized codes of each device's shar
 `QuantizedArray`, quantized once at init and never again): per device, `[L?, G, group_size *
 bits / 8]` int8 codes and `[L?, G]` float32 scales, G = ceil(chunk / group_size), chunk = the
 elements of one layer's shard.
+
+Under a 16-bit compute dtype at stages 1-2, a leaf whose optimizer state is partitioned is
+stored as DeepSpeed's bf16/fp16 optimizers store it: the float32 master is this device's
+partition (padded, laid out like the optimizer state) and the state also holds a replicated
+copy in the compute dtype, the one forward and backward read (`MasterWithCopy`,
+`LeafPlan.compute_copy_dtype`). The update casts the new float32 partition to 16 bits and
+all-gathers that: the all-gather after the optimizer moves half the float32 bytes, and the
+master is never rounded.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zeroxla.engine.mesh import MeshAxes
@@ -42,6 +51,22 @@ from zeroxla.engine.rules import TRAINING_COMPUTE_RULES, ZERO_STORAGE_RULES, Axi
 from zeroxla.pallas_kernels import QuantizedArray, dequantize, quantize
 
 LAYERS_AXIS = "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterWithCopy:
+    """A stage 1-2 leaf's storage under 16-bit compute (DeepSpeed's bf16/fp16 optimizers):
+    `master`, the float32 master weights, partitioned (global `padded_shape`, sharded like the
+    optimizer state), and `compute`, their rounding to the compute dtype, replicated over the
+    data axes. Only `master` is updated by the optimizer and saved in checkpoints; `compute` is
+    re-gathered from it in 16 bits after every update and rebuilt from it on restore, so it is
+    always `master` cast to the compute dtype."""
+
+    master: Any
+    compute: Any
+
+
+jax.tree_util.register_dataclass(MasterWithCopy, ["master", "compute"], [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +95,18 @@ class LeafPlan:
     gathered_alone: bool = False
     # The stored (master) weights' dtype: float32, or float64 in a float64 verification run.
     master_dtype: str = "float32"
+    # Stage 1-2 under bf16/fp16 compute, optimizer state partitioned: the dtype of the
+    # replicated compute copy stored beside the partitioned master (`MasterWithCopy`); "": the
+    # leaf is stored as one array.
+    compute_copy_dtype: str = ""
+    # Pipeline storage (`zeroxla.pipeline.storage`): a stacked leaf's layers split over the
+    # mesh's `stage_axis`. Its stored layer dim has `stage_count * local_layers` slots, stage s
+    # holding slots [s * local_layers, (s + 1) * local_layers); slot r holds logical layer
+    # `stage_slots[r]`, or is padding (-1: zero, never updated, cut off by `unpad` before the
+    # optimizer or a norm sees the parameter). () : not split.
+    stage_axis: str | None = None
+    stage_slots: tuple[int, ...] = ()
+    stage_count: int = 1
 
     # ---- shapes ------------------------------------------------------------------------------
     @property
@@ -81,9 +118,27 @@ class LeafPlan:
         return math.prod(self.shape)
 
     @property
+    def stage_split(self) -> bool:
+        """Layers stored split over the pipeline stages (`stage_slots`)."""
+        return bool(self.stage_slots)
+
+    @property
+    def local_layers(self) -> int:
+        """Layer slots of the stored leaf on one device: its stage's (all layers when not
+        split; 1 for an unstacked leaf)."""
+        return len(self.stage_slots) // self.stage_count if self.stage_split else self.layers
+
+    @property
+    def slotted_shape(self) -> tuple[int, ...]:
+        """`shape` with the layer dim as stored: `stage_count * local_layers` slots if split."""
+        if not self.stage_split:
+            return self.shape
+        return (len(self.stage_slots), *self.shape[1:])
+
+    @property
     def padded_shape(self) -> tuple[int, ...]:
-        """The partitioned layout's global shape: `shape` with `shard_dim` padded."""
-        shape = list(self.shape)
+        """The partitioned layout's global shape: `slotted_shape` with `shard_dim` padded."""
+        shape = list(self.slotted_shape)
         shape[self.shard_dim] = self.padded_size
         return tuple(shape)
 
@@ -128,15 +183,44 @@ class LeafPlan:
         return math.prod(self.unit_shape)
 
     # ---- specs -------------------------------------------------------------------------------
+    def _stage_spec(self) -> P:
+        """Unpartitioned over the data axes: replicated, or split over the stages."""
+        if not self.stage_split:
+            return P()
+        return P(self.stage_axis, *([None] * (len(self.shape) - 1)))
+
     def _data_spec(self) -> P:
-        entries: list[Any] = [None] * len(self.shape)
+        entries: list[Any] = list(self._stage_spec()) or [None] * len(self.shape)
         entries[self.shard_dim] = self.data_axes
         return P(*entries)
 
     @property
+    def has_compute_copy(self) -> bool:
+        """Stored as a `MasterWithCopy`: a partitioned master and a replicated 16-bit copy."""
+        return bool(self.compute_copy_dtype)
+
+    @property
+    def master_partitioned(self) -> bool:
+        """The stored master weights are partitioned over the data axes: stage 3's partitioned
+        leaves and the leaves with a compute copy (`params_partitioned` is the compute side:
+        gathered for each use)."""
+        return self.params_partitioned or self.has_compute_copy
+
+    @property
+    def compute_input_spec(self) -> Any:
+        """Sharding of what the gradient pass reads (`compute_input`): the compute copy's
+        (replicated over the data axes) where the leaf has one, else `param_spec`."""
+        return self._stage_spec() if self.has_compute_copy else self.param_spec
+
+    def compute_input(self, stored: Any) -> Any:
+        """`state.params[path]` -> what the gradient pass reads: the compute copy where the leaf
+        has one, else the stored parameter (cast to the compute dtype where it is used)."""
+        return stored.compute if self.has_compute_copy else stored
+
+    @property
     def param_shape(self) -> tuple[int, ...]:
         """Global shape of the stored parameter (of its dequantized values when quantized)."""
-        return self.padded_shape if self.params_partitioned else self.shape
+        return self.padded_shape if self.master_partitioned else self.slotted_shape
 
     @property
     def param_spec(self) -> P | QuantizedArray:
@@ -145,25 +229,32 @@ class LeafPlan:
             lead = (None,) if self.stacked else ()
             return self._quantized_storage(P(*lead, self.data_axes, None),
                                            P(*lead, self.data_axes))
-        return self._data_spec() if self.params_partitioned else P()
+        if self.has_compute_copy:
+            return MasterWithCopy(master=self._data_spec(), compute=self._stage_spec())
+        return self._data_spec() if self.params_partitioned else self._stage_spec()
 
     @property
     def optimizer_shape(self) -> tuple[int, ...]:
         """Global shape of the stored optimizer state of this parameter (param-shaped leaves)."""
-        return self.padded_shape if self.optimizer_partitioned else self.shape
+        return self.padded_shape if self.optimizer_partitioned else self.slotted_shape
 
     @property
     def optimizer_spec(self) -> P:
-        return self._data_spec() if self.optimizer_partitioned else P()
+        return self._data_spec() if self.optimizer_partitioned else self._stage_spec()
 
     @property
     def gradient_spec(self) -> P:
         """Layout of the reduced gradient leaving the gradient pass: partitioned with the
-        parameter at stage 3 and with the optimizer state at stage 2, else replicated."""
-        return self._data_spec() if self.params_partitioned else P()
+        parameter at stage 3 and with the optimizer state at stage 2, else replicated (over the
+        data axes; split over the stages when `stage_split`)."""
+        return self._data_spec() if self.params_partitioned else self._stage_spec()
 
     def param_struct(self) -> jax.ShapeDtypeStruct | QuantizedArray:
         """Abstract stored parameter (global shape and dtype), the shape of `state.params`."""
+        if self.has_compute_copy:
+            return MasterWithCopy(
+                master=jax.ShapeDtypeStruct(self.param_shape, self.master_dtype),
+                compute=jax.ShapeDtypeStruct(self.slotted_shape, self.compute_copy_dtype))
         if not self.params_quantized:
             return jax.ShapeDtypeStruct(self.param_shape, self.master_dtype)
         lead = (self.layers,) if self.stacked else ()
@@ -179,23 +270,56 @@ class LeafPlan:
             code_bytes = self.storage_group_size * self.storage_bits // 8
             return self.layers * self.storage_groups * (code_bytes + 4)
         itemsize = jnp.dtype(self.master_dtype).itemsize
-        return itemsize * (self.layers * self.chunk if self.params_partitioned else self.numel)
+        unit = self.chunk if self.master_partitioned else self.unit_numel
+        copy = (jnp.dtype(self.compute_copy_dtype).itemsize * self.local_layers * self.unit_numel
+                if self.has_compute_copy else 0)
+        return itemsize * self.local_layers * unit + copy
 
     @property
     def optimizer_numel_per_device(self) -> int:
         """Elements of one param-shaped optimizer leaf on one device."""
-        return self.layers * self.chunk if self.optimizer_partitioned else self.numel
+        unit = self.chunk if self.optimizer_partitioned else self.unit_numel
+        return self.local_layers * unit
 
     # ---- global-array conversions (under jit; XLA partitions them) ---------------------------
     def pad(self, x: jax.Array) -> jax.Array:
-        """Logical `shape` -> `padded_shape` (zeros appended along `shard_dim`)."""
+        """Logical `shape` -> `padded_shape` (zeros appended along `shard_dim`; layers moved
+        to their stage slots when `stage_split`)."""
+        return self.stage_pad(self.data_pad(x))
+
+    def unpad(self, x: jax.Array) -> jax.Array:
+        """`padded_shape` -> logical `shape` (padding cut off)."""
+        return self.data_unpad(self.stage_unpad(x))
+
+    def data_pad(self, x: jax.Array) -> jax.Array:
+        """Zeros appended along `shard_dim` only (the layer dim, logical or slotted, as is)."""
         widths = [(0, 0)] * x.ndim
         widths[self.shard_dim] = (0, self.padded_size - self.shape[self.shard_dim])
         return jnp.pad(x, widths)
 
-    def unpad(self, x: jax.Array) -> jax.Array:
-        """`padded_shape` -> logical `shape` (padding cut off)."""
+    def data_unpad(self, x: jax.Array) -> jax.Array:
+        """Inverse of `data_pad`."""
         return jax.lax.slice_in_dim(x, 0, self.shape[self.shard_dim], axis=self.shard_dim)
+
+    def _slots_are_layers(self) -> bool:
+        return not self.stage_split or self.stage_slots == tuple(range(self.shape[0]))
+
+    def stage_pad(self, x: jax.Array) -> jax.Array:
+        """Layer dim logical `[L, ...]` -> stage slots `[S * local_layers, ...]`, padding slots
+        zero (the identity when not split, or when every stage holds L / S layers)."""
+        if self._slots_are_layers():
+            return x
+        slots = np.asarray(self.stage_slots)
+        rows = jnp.take(x, np.maximum(slots, 0), axis=0)
+        real = (slots >= 0).reshape(-1, *([1] * (x.ndim - 1)))
+        return jnp.where(real, rows, jnp.zeros((), x.dtype))
+
+    def stage_unpad(self, x: jax.Array) -> jax.Array:
+        """Inverse of `stage_pad`: stage slots -> logical layers (padding slots dropped)."""
+        if self._slots_are_layers():
+            return x
+        return jnp.take(x, np.asarray([self.stage_slots.index(layer)
+                                       for layer in range(self.shape[0])]), axis=0)
 
     # ---- one unit inside shard_map -------------------------------------------------------------
     def unit_pad(self, unit: jax.Array) -> jax.Array:
@@ -273,13 +397,18 @@ class LeafPlan:
         """`state.params[path]` (global, any storage) -> master dtype, the logical `shape`."""
         if self.params_quantized:
             stored = self.dequantize_partitioned(stored)
-        return self.unpad(stored) if self.params_partitioned else stored
+        if self.has_compute_copy:
+            stored = stored.master           # the float32 master, never its 16-bit copy
+        return self.unpad(stored) if self.master_partitioned else self.stage_unpad(stored)
 
     def logical_to_storage(self, x: jax.Array) -> Any:
         """Inverse of `storage_to_logical` (up to quantization for quantized storage)."""
         x = jnp.asarray(x, self.master_dtype)
+        if self.has_compute_copy:
+            return MasterWithCopy(master=self.pad(x),
+                                  compute=self.stage_pad(x).astype(self.compute_copy_dtype))
         if not self.params_partitioned:
-            return x
+            return self.stage_pad(x)
         padded = self.pad(x)
         return self.quantize_partitioned(padded) if self.params_quantized else padded
 
@@ -289,8 +418,14 @@ class LeafPlan:
         if self.params_partitioned:
             codes = (f" as int{self.storage_bits} codes (groups of {self.storage_group_size})"
                      if self.params_quantized else "")
-            return f"partitioned dim {self.shard_dim}" + codes + frozen
+            split = ", layers split over stages" if self.stage_split else ""
+            return f"partitioned dim {self.shard_dim}" + codes + split + frozen
+        if self.has_compute_copy:
+            return (f"replicated {self.compute_copy_dtype} copy (float32 master, optimizer state "
+                    f"partitioned dim {self.shard_dim})")
         kind = "replicated: under persistence threshold" if self.persistent else "replicated"
+        if self.stage_split:
+            kind += " within a stage"
         return kind + frozen + (f" (optimizer state partitioned dim {self.shard_dim})"
                                 if self.optimizer_partitioned else "")
 
@@ -329,6 +464,8 @@ class ShardingPlan:
     compute_rules: AxisRules = TRAINING_COMPUTE_RULES
     # Shared weights: (alias path, canonical path); one leaf each, gradients summed over uses.
     aliases: tuple[tuple[str, str], ...] = ()
+    # Pipelined: which stage holds which layers (`StageSplit.describe`), printed by `describe`.
+    pipeline_description: str = ""
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -359,9 +496,9 @@ class ShardingPlan:
         rows = [header]
         for leaf in self.leaves:
             if leaf.params_partitioned:
-                shard = ((leaf.layers,) if leaf.stacked else ()) + leaf.shard_shape
+                shard = ((leaf.local_layers,) if leaf.stacked else ()) + leaf.shard_shape
             else:
-                shard = leaf.shape
+                shard = ((leaf.local_layers,) if leaf.stacked else ()) + leaf.unit_shape
             padded = leaf.params_partitioned or leaf.optimizer_partitioned
             rows.append((
                 leaf.path, "x".join(map(str, leaf.shape)) or "scalar",
@@ -385,6 +522,8 @@ class ShardingPlan:
             lines.append("shared parameters (one partition and optimizer state; gathered at "
                          "each use, gradients summed over the uses):")
             lines.extend(f"  {alias} -> {canonical}" for alias, canonical in self.aliases)
+        if self.pipeline_description:
+            lines.append(self.pipeline_description)
         return "\n".join(lines)
 
 
@@ -395,13 +534,27 @@ def _stored_group_size(chunk: int, group_size: int) -> int:
     return min(group_size, max(2, 1 << (chunk - 1).bit_length()))
 
 
+def _compute_copy_dtype(stage: int, compute_dtype: str, partitioned: bool,
+                        optimizer_partitioned: bool) -> str:
+    """The compute copy a leaf is stored with (`MasterWithCopy`): at stages 1-2 under 16-bit
+    compute, for a leaf whose optimizer state (and so its float32 update) is partitioned while
+    its parameter is used whole, DeepSpeed's layout: the updated partition is all-gathered in 16
+    bits into a 16-bit replicated copy, instead of in float32 into a float32 replicated master.
+    Stage 3's persistent leaves keep one float32 replicated array (the stage-3 inference paths
+    read `state.params` as stored)."""
+    sixteen = jnp.dtype(compute_dtype).itemsize == 2
+    if stage in (1, 2) and sixteen and optimizer_partitioned and not partitioned:
+        return jnp.dtype(compute_dtype).name
+    return ""
+
+
 def make_plan(shapes: Mapping[str, tuple[int, ...]],
               logical_axes: Mapping[str, Sequence[str | None] | None], *, stage: int,
               axes: MeshAxes, persistence_threshold: int, frozen: Collection[str] = (),
               frozen_storage_bits: int = 0, frozen_group_size: int = 2048,
               storage_rules: AxisRules = ZERO_STORAGE_RULES,
               compute_rules: AxisRules = TRAINING_COMPUTE_RULES,
-              master_dtype: str = "float32") -> ShardingPlan:
+              master_dtype: str = "float32", compute_dtype: str = "float32") -> ShardingPlan:
     """Decides the layout of every leaf.
 
     A leaf is `stacked` when its first logical axis is 'layers'. At stage 3 it is `persistent`
@@ -451,7 +604,9 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
             optimizer_partitioned=optimizer_partitioned,
             data_size=axes.data_size, data_axes=axes.data, shard_dim=assignment_dim,
             padded_size=padded if shape else 1, compute_spec=compute, trainable=trainable,
-            master_dtype=master_dtype)
+            master_dtype=master_dtype,
+            compute_copy_dtype=_compute_copy_dtype(stage, compute_dtype, partitioned,
+                                                   optimizer_partitioned))
         if quantized:
             leaf = dataclasses.replace(
                 leaf, storage_bits=frozen_storage_bits,
@@ -471,7 +626,7 @@ def plan_for(model_def: Any, config: Any, axes: MeshAxes, *,
         frozen_storage_bits=(config.weight_quantization_bits
                              if config.quantized_nontrainable_weights else 0),
         frozen_group_size=config.weight_quantization_group_size,
-        master_dtype=jnp.dtype(config.master_dtype).name)
+        master_dtype=jnp.dtype(config.master_dtype).name, compute_dtype=config.compute_dtype)
     alone = set(model_def.gathered_alone)
     leaves = tuple(dataclasses.replace(leaf, gathered_alone=leaf.path in alone)
                    for leaf in plan.leaves)

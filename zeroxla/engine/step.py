@@ -19,7 +19,9 @@ One `jax.jit` holds two parts:
    (`ShardedOptimizer`): elementwise optimizers compute on each device's partition and move no
    bytes; statistics over a whole tensor (norms, factored moments) get XLA's reductions. At
    stages 1-2 (and for stage 3's persistent leaves) the updated partitions are all-gathered back
-   into the replicated parameters.
+   into the replicated parameters. Under bf16/fp16 at stages 1-2 the float32 master stays a
+   partition and what is gathered is its 16-bit rounding, into the replicated 16-bit copy that
+   forward and backward read (DeepSpeed's bf16/fp16 optimizers; `plan.MasterWithCopy`).
 
 `trainable` (an nnx filter) chooses the parameters to train; the others are frozen: the loss is
 differentiated only with respect to the trainable ones, and frozen leaves have no gradient, no
@@ -64,7 +66,7 @@ from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
 from zeroxla.engine.mesh import check_mesh
 from zeroxla.engine.model_def import Filter, ModelDef, frozen_paths
 from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
-from zeroxla.engine.plan import LeafPlan, ShardingPlan, plan_for
+from zeroxla.engine.plan import LeafPlan, MasterWithCopy, ShardingPlan, plan_for
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
 from zeroxla.engine.randomness import (
@@ -137,9 +139,17 @@ class ZeroStep:
         # pipeline=PipelineConfig(...): the gradient pass runs the schedule over the stage axis
         # (`zeroxla.pipeline.executor`); the update below is the same.
         self.pipeline = None
+        # The plan the whole (unpipelined) model runs under: evaluation's and the plain step's.
+        self._model_plan = self.plan
         if pipeline is not None:
             from zeroxla.pipeline.executor import PipelineExecutor
+            from zeroxla.pipeline.storage import pipelined_plan
             self.pipeline = PipelineExecutor(self, pipeline)
+            # Each stage stores only its layers (`zeroxla.pipeline.storage`); evaluation runs
+            # the unpipelined model on the layers gathered over the stages.
+            self.plan = pipelined_plan(self.plan, self.pipeline.split, self.axes)
+            self.sharded_optimizer = ShardedOptimizer(self.optimizer, self.plan, self.model_def)
+            self.state_shardings = self._state_shardings()
         self._gradients = jax.shard_map(
             self._local_gradients if self.pipeline is None else self.pipeline.local_gradients,
             mesh=mesh,
@@ -152,10 +162,16 @@ class ZeroStep:
                                donate_argnums=0)
         self._jitted_init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self._compiled: dict[Any, Any] = {}       # `compile`'s cache, by argument signature
+        local_eval = jax.shard_map(
+            self._local_eval, mesh=mesh,
+            in_specs=({leaf.path: leaf.compute_input_spec for leaf in self._model_plan.leaves},
+                      P(), P(self.axes.data)),
+            out_specs=P(), check_vma=False)
         self._jitted_eval = jax.jit(
-            jax.shard_map(self._local_eval, mesh=mesh,
-                          in_specs=(self._param_specs(), P(), P(self.axes.data)),
-                          out_specs=P(), check_vma=False))
+            lambda params, model_state, batch: local_eval(
+                {leaf.path: leaf.stage_unpad(leaf.compute_input(params[leaf.path]))
+                 for leaf in self.plan.leaves},
+                model_state, batch))
 
     # ------------------------------------------------------------------------------------------
     # Public surface.
@@ -220,13 +236,19 @@ class ZeroStep:
     # ------------------------------------------------------------------------------------------
     # Layouts.
     def _param_specs(self) -> dict[str, Any]:
-        return {leaf.path: leaf.param_spec for leaf in self.plan.leaves}
+        """Specs of the parameters the gradient pass reads (`_compute_inputs`)."""
+        return {leaf.path: leaf.compute_input_spec for leaf in self.plan.leaves}
+
+    def _compute_inputs(self, params: dict[str, Any]) -> dict[str, Any]:
+        """`state.params` -> what the gradient pass reads: a leaf stored with a 16-bit compute
+        copy (`MasterWithCopy`) gives the copy, never its float32 master partition."""
+        return {leaf.path: leaf.compute_input(params[leaf.path]) for leaf in self.plan.leaves}
 
     def _gradient_spec(self, leaf: LeafPlan) -> P:
         """Layout of a trainable leaf's reduced gradient leaving the gradient pass."""
         if self._gradient_padded(leaf):
             return leaf.optimizer_spec if not leaf.params_partitioned else leaf.param_spec
-        return P()
+        return leaf.gradient_spec            # replicated (split over the stages if stage_split)
 
     def _gradient_padded(self, leaf: LeafPlan) -> bool:
         """Whether the reduced gradient is a padded, partitioned array (stage 3's partitioned
@@ -313,7 +335,7 @@ class ZeroStep:
         if self.config.stage == 3 or (self.config.stage == 2 and training):
             # Stage 2 gathers nothing, so there is nothing to prefetch.
             prefetch = self.config.prefetch and self.config.stage == 3
-            model = zero3_module(model, self.plan, self.comm, prefetch, self.config.remat)
+            model = zero3_module(model, self._model_plan, self.comm, prefetch, self.config.remat)
 
         def read_state() -> dict[str, jax.Array]:
             return {p: lax.pmean(v.get_value(), self.axes.data)
@@ -408,16 +430,16 @@ class ZeroStep:
         scale = state.loss_scale.scale if cfg.uses_loss_scaling else jnp.float32(1)
         key_data = (None if state.rng is None else
                     jax.random.key_data(step_key(state.rng, state.step)))
-        loss, grads, model_state = self._gradients(state.params, batch, scale,
-                                                   state.model_state, key_data)
+        loss, grads, model_state = self._gradients(self._compute_inputs(state.params), batch,
+                                                   scale, state.model_state, key_data)
         mesh = self.mesh
         logical_grads = {}
         for leaf in self.plan.trainable_leaves:
             g = grads[leaf.path] / scale
             if not self._gradient_padded(leaf) and leaf.optimizer_partitioned:
-                g = _constrain(leaf.pad(g), mesh, leaf.optimizer_spec)    # this device's part
+                g = _constrain(leaf.data_pad(g), mesh, leaf.optimizer_spec)   # this device's part
             logical_grads[leaf.path] = (leaf.unpad(g) if self._gradient_padded(leaf)
-                                        or leaf.optimizer_partitioned else g)
+                                        or leaf.optimizer_partitioned else leaf.stage_unpad(g))
         grad_norm = optax.tree.norm(logical_grads)
         if cfg.gradient_clipping > 0:
             # DeepSpeed's clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when < 1.
@@ -429,8 +451,11 @@ class ZeroStep:
             for leaf in self.plan.trainable_leaves:
                 p = state.params[leaf.path]
                 if leaf.optimizer_partitioned:
-                    padded = p if leaf.params_partitioned else leaf.pad(p)
+                    padded = (p.master if leaf.has_compute_copy else p
+                              if leaf.params_partitioned else leaf.data_pad(p))
                     p = leaf.unpad(_constrain(padded, mesh, leaf.optimizer_spec))
+                else:
+                    p = leaf.stage_unpad(p)      # the identity unless pipelined (stage slots)
                 params[leaf.path] = p
             new_logical, new_opt_state = self.sharded_optimizer.update(
                 logical_grads, state.opt_state, params)
@@ -439,8 +464,14 @@ class ZeroStep:
                 new = new_logical[leaf.path]
                 if leaf.optimizer_partitioned:
                     new = _constrain(leaf.pad(new), mesh, leaf.optimizer_spec)
-                    if not leaf.params_partitioned:
+                    if leaf.has_compute_copy:
+                        # The float32 partition is kept exactly; its 16-bit rounding is gathered.
+                        new = MasterWithCopy(master=new, compute=self._all_gather_update(
+                            new.astype(leaf.compute_copy_dtype), leaf))
+                    elif not leaf.params_partitioned:
                         new = self._all_gather_update(new, leaf)
+                else:
+                    new = leaf.stage_pad(new)
                 new_params[leaf.path] = new
 
         metrics = {"loss": loss, "grad_norm": grad_norm}
@@ -462,13 +493,14 @@ class ZeroStep:
 
     def _all_gather_update(self, padded: jax.Array, leaf: LeafPlan) -> jax.Array:
         """Stage 1-2 (and stage 3's persistent leaves): the updated partitions all-gathered
-        into the replicated parameter, as DeepSpeed's one all-gather after the optimizer step.
+        into the replicated parameter, as DeepSpeed's one all-gather after the optimizer step
+        (in float32, or in 16 bits into a leaf's compute copy: `padded` is then already cast).
         Explicit, in its own `shard_map`, so it is one tiled all-gather over the data axes (and
         `comm_report` attributes it to the update)."""
         gather = jax.shard_map(
             lambda x: all_gather_dim(x, self.axes.data, leaf.shard_dim), mesh=self.mesh,
-            in_specs=leaf.optimizer_spec, out_specs=P(), check_vma=False)
-        return leaf.unpad(gather(padded))
+            in_specs=leaf.optimizer_spec, out_specs=leaf.compute_input_spec, check_vma=False)
+        return leaf.data_unpad(gather(padded))   # param_spec: P(), or split over the stages
 
 
 def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,

@@ -153,12 +153,18 @@ class HybridEngine:
         batch = bucket(len(rows), multiple=self.layout.data_size)
         prompt = bucket(max(row.size for row in rows), limit=self.config.max_out_tokens)
         program, cache_sharding = self._program(batch, prompt, sampling)
-        tokens, lengths, live = pack(rows, batch, prompt)
-        model_state = jax.device_put(state.model_state, self.layout.replicated())
-        rng = jax.random.key_data(jax.random.key(seed))
+        # Host inputs are placed on the inference mesh explicitly: with several processes jit
+        # refuses numpy arguments that carry a non-replicated sharding.
+        rows_sharding, rep = self.layout.batch_sharding(1), self.layout.replicated()
+        tokens, lengths, live = jax.device_put(
+            pack(rows, batch, prompt), (self.layout.batch_sharding(2), rows_sharding,
+                                        rows_sharding))
+        model_state = jax.device_put(state.model_state, rep)
+        scalars = jax.device_put((np.int32(max_new_tokens),
+                                  np.int32(-1 if eos_id is None else eos_id),
+                                  jax.random.key_data(jax.random.key(seed))), rep)
         buffer, steps, cache = program(params, model_state, self._cache(batch, cache_sharding),
-                                       tokens, lengths, live, np.int32(max_new_tokens),
-                                       np.int32(-1 if eos_id is None else eos_id), rng)
+                                       tokens, lengths, live, *scalars)
         buffer, steps = np.asarray(buffer), int(steps)
         if self.config.release_inference_cache:
             jax.tree.map(lambda x: x.delete(), cache)

@@ -22,12 +22,14 @@ every layer's intermediates (attention scores [mb, H, T, T] included): DeepSpeed
 users turn on activation checkpointing for the same reason. The stash has
 `max(num_pipe_buffers)` buffers: 1F1B's min(S, M) (at least 2), GPipe's M.
 
-Parameters stay stored as the ZeRO plan says (replicated over the stage axis; partitioned over
-the data axes at stage 3); each stage slices out its own layers (`StageSplit`: `max_layers`
-slots, padding slots masked). Gradients of a stage's slots go back to their layers and are
-summed over the stages (`psum` over "stage"): a layer's gradient comes from its one stage, and
-GPT-2's tied `wte` gets the embedding's gradient (first stage) plus the head's (last stage), as
-DeepSpeed's ReduceTiedGrads. ZeRO then reduces over the data axes as in the plain step.
+Each stage stores only its own layers (`zeroxla.pipeline.storage`: the stacked leaves split over
+the stage axis in `max_layers` slots per stage, padding slots masked; partitioned over the data
+axes inside the stage per the ZeRO stage), so its slots arrive in the `shard_map` as its local
+`[max_layers, ...]` and their gradients leave the same way, with no traffic over "stage". The
+embedding and head stay replicated over the stages; their gradients are summed over the stages
+(`psum` over "stage"): GPT-2's tied `wte` gets the embedding's gradient (first stage) plus the
+head's (last stage), as DeepSpeed's ReduceTiedGrads. ZeRO then reduces over the data axes as in
+the plain step.
 
 Under ZeRO-3 the embedding and head parameters are gathered once per step. The stage's blocks
 are gathered per `PipelineConfig.zero3_gather`: "micro_batch" runs them as a `GatheredStack`
@@ -54,6 +56,7 @@ from zeroxla.engine.loss import next_token_loss, normalizer, token_cross_entropy
 from zeroxla.models.layers import call_block, default_positions
 from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.split import BLOCKS_PREFIX, StageSplit, layer_list, split_stages
+from zeroxla.pipeline.storage import stage_local
 from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, ScheduleTable, schedule_table
 
 
@@ -181,18 +184,19 @@ class PipelineExecutor:
         index = jnp.asarray(np.asarray(self.split.layer_index(), np.int32))[stage]  # [Lmax]
         mask = jnp.asarray(np.asarray(self.split.layer_mask(), bool))[stage]        # [Lmax]
 
-        # 1. This stage's values of every leaf (stacked leaves: its Lmax layer slots).
+        # 1. This stage's values of every leaf (stacked leaves: its Lmax layer slots, stored
+        #    on this stage when split over the stages, `zeroxla.pipeline.storage`).
         values = {}
         for leaf in plan.leaves:
             v = params[leaf.path]
-            if leaf.stacked:
+            if leaf.stacked and not leaf.stage_split:
                 v = jnp.take(v, index, axis=0)                     # [Lmax, ...]
             if self._gathers_per_micro_batch(leaf):
                 values[leaf.path] = v                              # shards; GatheredStack
             elif leaf.params_partitioned:                          # once per step
                 with jax.named_scope(collectives.FWD_GATHER):
                     full = all_gather_dim(v.astype(dtype), axes.data, leaf.shard_dim)
-                values[leaf.path] = leaf.unpad(full)
+                values[leaf.path] = leaf.data_unpad(full)
             else:
                 values[leaf.path] = v.astype(dtype)
         trainable = {leaf.path: values[leaf.path] for leaf in plan.trainable_leaves}
@@ -201,8 +205,7 @@ class PipelineExecutor:
         stack = None
         if any(self._gathers_per_micro_batch(plan[p]) for p in self.block.paths):
             lmax = self.split.max_layers
-            leaves = tuple(dataclasses.replace(plan[p], shape=(lmax, *plan[p].shape[1:]))
-                           for p in self.block.paths)
+            leaves = tuple(stage_local(plan[p], lmax) for p in self.block.paths)
             stack = GatheredStack(self.block, leaves, step.comm, step.config.prefetch)
 
         def model_of(p):
@@ -290,19 +293,23 @@ class PipelineExecutor:
         assert IDLE == 0 and FORWARD == 1 and BACKWARD == 2     # lax.switch branch order
         carry, _ = lax.scan(tick, carry, rows)
 
-        # 3. Back to the plan's layout: slots -> layers, summed over stages, reduced over data.
+        # 3. Back to the plan's layout, reduced over data. A stage-split leaf's gradient is this
+        #    stage's slots, already where it is stored; the others (the embedding, the head,
+        #    GPT-2's tied wte) are summed over the stages.
         grads = {}
         for path, g in carry["grads"].items():
             leaf = plan[path]
+            local = stage_local(leaf, self.split.max_layers) if leaf.stage_split else leaf
             if leaf.params_partitioned and not self._gathers_per_micro_batch(leaf):
-                g = collectives.scatter_full_gradient(g, leaf, axes)     # [Lmax?, shard]
-            if leaf.stacked:
-                g = jnp.zeros((self.num_layers, *g.shape[1:]), f32).at[index].add(g)
-            g = lax.psum(g, axes.stage) if S > 1 else g
+                g = collectives.scatter_full_gradient(g, local, axes)    # [Lmax?, shard]
+            if not leaf.stage_split:
+                if leaf.stacked:
+                    g = jnp.zeros((self.num_layers, *g.shape[1:]), f32).at[index].add(g)
+                g = lax.psum(g, axes.stage) if S > 1 else g
             if leaf.params_partitioned:
                 grads[path] = g                                  # reduced over data above
             elif step.config.stage == 2 and leaf.optimizer_partitioned:
-                grads[path] = collectives.scatter_full_gradient(g, leaf, axes)
+                grads[path] = collectives.scatter_full_gradient(g, local, axes)
             else:
                 grads[path] = collectives.all_reduce(g, axes)
         data_and_stage = (axes.stage, *axes.data) if S > 1 else axes.data

@@ -1,0 +1,226 @@
+"""The PPO loop (zeroxla/rlhf) against DeepSpeed-Chat's definitions, recomputed here in numpy
+float64 from the same rollout arrays: per-token rewards (KL penalty + clipped score on the last
+answer token), GAE advantages and returns, the KL and reward records, and the first PPO epoch's
+losses. The formulas below are written from `dschat/rlhf/ppo_trainer.py` as loops, not by
+calling the package's functions."""
+
+import jax
+import numpy as np
+import pytest
+
+import zeroxla
+from zeroxla import models, rlhf
+from zeroxla.app import data
+
+CONFIG = rlhf.PPOConfig(kl_ctl=0.2, clip_reward_value=0.25, cliprange=0.2, cliprange_value=0.2,
+                        gamma=0.9, lam=0.8, ppo_epochs=1, actor_lr=3e-3, critic_lr=3e-3,
+                        prompts_per_iteration=16, prompt_length=8, answer_length=12)
+VOWELS = set("aeiouAEIOU")
+
+
+# ---- numpy float64 references ---------------------------------------------------------------
+def np_rewards(logprobs, ref_logprobs, scores, mask, kl_ctl, clip):
+    rewards = np.zeros(logprobs.shape)
+    for b in range(logprobs.shape[0]):
+        n = int(mask[b].sum())
+        for t in range(n):
+            rewards[b, t] = -kl_ctl * (float(logprobs[b, t]) - float(ref_logprobs[b, t]))
+        rewards[b, n - 1] += min(max(float(scores[b]), -clip), clip)
+    return rewards
+
+
+def np_advantages_and_returns(values, rewards, mask, gamma, lam):
+    advantages, returns = np.zeros(values.shape), np.zeros(values.shape)
+    for b in range(values.shape[0]):
+        n = int(mask[b].sum())
+        lastgaelam = 0.0
+        for t in reversed(range(n)):
+            next_value = float(values[b, t + 1]) if t + 1 < n else 0.0
+            delta = float(rewards[b, t]) + gamma * next_value - float(values[b, t])
+            lastgaelam = delta + gamma * lam * lastgaelam
+            advantages[b, t] = lastgaelam
+            returns[b, t] = lastgaelam + float(values[b, t])
+    return advantages, returns
+
+
+def np_log_softmax(logits):
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+# ---- two PPO iterations -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus()
+
+
+@pytest.fixture(scope="module")
+def ppo(corpus):
+    eos = int(corpus.tokenizer.encode(" ")[0])      # a random model ends some answers early
+    actor = models.build("gpt-tiny", seed=0)
+    run = rlhf.run_ppo(CONFIG, 2, actor, mesh=zeroxla.make_mesh(nodes=2, local=4),
+                       tokenizer=corpus.tokenizer, prompt_tokens=corpus.val, eos_id=eos, seed=0)
+    return run, eos
+
+
+def test_two_iterations_match_numpy(ppo, corpus):
+    run, eos = ppo
+    assert len(run.records) == len(run.rollouts) == 2
+    c, p, g = CONFIG, CONFIG.prompt_length, CONFIG.answer_length
+    masks = np.concatenate([r.action_mask for r in run.rollouts])
+    assert masks.min() == 0, "no answer ended early: the masks are not exercised"
+    for record, r in zip(run.records, run.rollouts):
+        assert r.tokens.shape == (c.prompts_per_iteration, p + g)
+        for b in range(r.tokens.shape[0]):
+            n = int(r.action_mask[b].sum())
+            answer = r.tokens[b, p:p + n]
+            # the mask is the prefix up to and including the first EOS (or all G tokens)
+            assert np.array_equal(r.action_mask[b], np.arange(g) < n)
+            assert n == g or answer[-1] == eos
+            assert eos not in answer[:-1]
+            assert np.all(r.tokens[b, p + n:] == 0)
+            text = corpus.tokenizer.decode(answer)
+            assert r.texts[b] == text
+            expected = sum(ch in VOWELS for ch in text) / len(text)
+            np.testing.assert_allclose(r.scores[b], expected, rtol=1e-6)
+        np.testing.assert_allclose(record["reward"], np.mean(r.scores, dtype=np.float64),
+                                   rtol=1e-6)
+        mask = r.action_mask.astype(np.float64)
+        kl = np.sum((r.logprobs.astype(np.float64) - r.ref_logprobs) * mask) / mask.sum()
+        np.testing.assert_allclose(record["kl"], kl, rtol=1e-5, atol=1e-7)
+        # padding carries nothing
+        for name in ("logprobs", "ref_logprobs", "values"):
+            assert np.all(getattr(r, name)[mask == 0] == 0), name
+
+        rewards = np_rewards(r.logprobs, r.ref_logprobs, r.scores, mask, c.kl_ctl,
+                             c.clip_reward_value)
+        np.testing.assert_allclose(r.rewards, rewards, rtol=1e-5, atol=1e-6)
+        advantages, returns = np_advantages_and_returns(r.values, rewards, mask, c.gamma, c.lam)
+        np.testing.assert_allclose(r.advantages, advantages, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(r.returns, returns, rtol=1e-5, atol=1e-5)
+        # one ZeRO-3 step per model: its loss is taken at the rollout's own weights, where the
+        # ratio is 1 and the values are the old values.
+        np.testing.assert_allclose(record["actor_loss"],
+                                   -np.sum(advantages * mask) / mask.sum(), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(record["critic_loss"],
+                                   0.5 * np.sum((r.values - returns) ** 2 * mask) / mask.sum(),
+                                   rtol=1e-4, atol=1e-7)
+    # the score is clipped at 0.25 somewhere, so the clip is exercised
+    assert max(r.scores.max() for r in run.rollouts) > CONFIG.clip_reward_value
+
+
+def test_reference_is_the_initial_actor_and_the_actor_moves(ppo):
+    run, _ = ppo
+    first, second = run.rollouts
+    p, g = CONFIG.prompt_length, CONFIG.answer_length
+    # reference log-probs, from the initial model (one device) and a float64 log-softmax
+    initial = models.build("gpt-tiny", seed=0)
+    for r in (first, second):
+        logits = np.asarray(initial(jax.numpy.asarray(r.tokens[:, :-1])))[:, p - 1:]   # [B, G, V]
+        logp = np.take_along_axis(np_log_softmax(logits), r.tokens[:, p:, None], -1)[..., 0]
+        np.testing.assert_allclose(r.ref_logprobs, logp * r.action_mask, rtol=1e-4, atol=1e-5)
+    # before any update the actor is the reference; the critic's zero head gives zero values
+    np.testing.assert_allclose(first.logprobs, first.ref_logprobs, rtol=1e-5, atol=1e-6)
+    assert np.all(first.values == 0)
+    assert run.records[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    # after one PPO iteration both have moved
+    assert np.abs(second.logprobs - second.ref_logprobs).max() > 1e-3
+    assert np.abs(second.values).max() > 1e-4
+    split = rlhf.time_split(run.records)
+    assert set(split) >= {"generation_s", "training_s", "generation_share", "training_share"}
+
+
+# ---- the losses on a hand-built example -------------------------------------------------------
+def test_actor_and_critic_losses_match_numpy_with_clipping():
+    mask = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]], np.float32)
+    old = np.array([[-1.0, -2.0, -0.5, -1.5, -1.0, -3.0], [-0.2, -1.0, -2.0, -1.0, -1.0, -1.0]],
+                   np.float32)
+    # log-ratios: inside the clip, above 1.2 and below 0.8, with both signs of advantage
+    delta = np.array([[0.05, 0.5, -0.5, 0.5, -0.5, 2.0], [-0.1, 0.3, -0.3, 1.0, 1.0, 1.0]],
+                     np.float32)
+    adv = np.array([[1.0, 1.0, 1.0, -1.0, -1.0, 5.0], [-2.0, -0.5, 0.5, 3.0, 3.0, 3.0]],
+                   np.float32)
+    logprobs = old + delta
+    expected_terms, hit = np.zeros(mask.shape), set()
+    for b in range(2):
+        for t in range(6):
+            if not mask[b, t]:
+                continue
+            ratio = np.exp(float(delta[b, t]))
+            clipped = min(max(ratio, 0.8), 1.2)
+            expected_terms[b, t] = max(-adv[b, t] * ratio, -adv[b, t] * clipped)
+            hit.add((ratio > 1.2, ratio < 0.8, adv[b, t] > 0,
+                     -adv[b, t] * clipped > -adv[b, t] * ratio))
+    assert {(True, False, True, True), (False, True, False, True)} <= hit   # clip binds
+    assert {(True, False, False, False), (False, True, True, False)} <= hit  # clip does not
+    expected = expected_terms.sum() / mask.sum()
+    got = rlhf.actor_loss_fn(logprobs, old, adv, mask, cliprange=0.2)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+    values = np.array([[0.0, 1.0, -1.0, 0.5, 0.3, 9.0], [0.1, 0.2, 0.3, 9.0, 9.0, 9.0]],
+                      np.float32)
+    old_values = np.array([[0.5, 0.5, -0.5, 0.45, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]],
+                          np.float32)
+    returns = np.array([[1.0, 0.0, 0.0, 0.6, 2.0, 0.0], [-1.0, 0.1, 0.0, 0.0, 0.0, 0.0]],
+                       np.float32)
+    total = 0.0
+    for b in range(2):
+        for t in range(6):
+            if mask[b, t]:
+                v, o, ret = float(values[b, t]), float(old_values[b, t]), float(returns[b, t])
+                vc = min(max(v, o - 0.2), o + 0.2)
+                total += 0.5 * max((v - ret) ** 2, (vc - ret) ** 2)
+    got = rlhf.critic_loss_fn(values, old_values, returns, mask, cliprange_value=0.2)
+    np.testing.assert_allclose(got, total / mask.sum(), rtol=1e-6)
+
+
+def test_loss_fns_for_make_step_return_sum_and_count():
+    """The make_step loss_fns read the batch and return (masked sum, real-token count)."""
+    actor = models.build("gpt-tiny", seed=1)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 65, (2, 10), dtype=np.int32)           # P = 6, G = 4
+    mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.float32)
+    logits = np.asarray(actor(jax.numpy.asarray(tokens[:, :-1])))[:, 5:]
+    logp = np.take_along_axis(np_log_softmax(logits), tokens[:, 6:, None], -1)[..., 0]
+    old = logp - np.array([[0.0, 0.5, -0.5, 0.1], [0.3, 0.0, 0.0, 0.0]])
+    adv = np.array([[1.0, -1.0, 1.0, 2.0], [-1.0, 1.0, 0.0, 0.0]])
+    ratio = np.exp(logp - old)
+    terms = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+    s, n = rlhf.make_actor_loss(0.2)(actor, {"tokens": tokens, "old_logprobs": old,
+                                             "advantages": adv, "action_mask": mask})
+    np.testing.assert_allclose(s, np.sum(terms * mask), rtol=1e-4)
+    assert float(n) == 6.0
+
+    critic = rlhf.Critic(actor)
+    critic.v_head[...] = jax.numpy.asarray(rng.normal(size=60), jax.numpy.float32)
+    s, n = rlhf.make_critic_loss(0.2)(critic, {"tokens": tokens, "old_values": np.zeros((2, 4)),
+                                               "returns": np.ones((2, 4)), "action_mask": mask})
+    values = np.asarray(critic(jax.numpy.asarray(tokens[:, :-1])))[:, 5:].astype(np.float64)
+    clipped = np.clip(values, -0.2, 0.2)
+    expected = 0.5 * np.maximum((values - 1) ** 2, (clipped - 1) ** 2)
+    np.testing.assert_allclose(s, np.sum(expected * mask), rtol=1e-4)
+
+
+# ---- reward and config ------------------------------------------------------------------------
+@pytest.mark.parametrize("text,expected", [
+    ("aeiou", 1.0), ("xyz", 0.0), ("", 0.0), ("Hello world", 3 / 11), ("AEIOUbcdfg", 0.5),
+    ("To be, or not to be", 6 / 19), ("\n\n", 0.0)])
+def test_vowel_fraction_on_hand_written_strings(text, expected):
+    assert rlhf.vowel_fraction(text) == pytest.approx(expected)
+    np.testing.assert_allclose(rlhf.reward_scores([text, "a"]), [expected, 1.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("kl_ctl", -0.1), ("kl_ctl", "0.1"), ("clip_reward_value", 0), ("cliprange", -1),
+    ("cliprange_value", None), ("gamma", 1.5), ("lam", -0.1), ("ppo_epochs", 0),
+    ("ppo_epochs", 1.0), ("actor_lr", 0.0), ("critic_lr", -1e-3), ("prompts_per_iteration", 0),
+    ("prompt_length", True), ("answer_length", 0)])
+def test_ppo_config_refuses_bad_values_by_name(field, value):
+    with pytest.raises(ValueError, match=rf"PPOConfig\.{field}=.*accepted"):
+        rlhf.PPOConfig(**{field: value})
+
+
+def test_run_ppo_refuses_bad_iterations():
+    with pytest.raises(ValueError, match="iterations=0"):
+        rlhf.run_ppo(CONFIG, 0, None, mesh=None, tokenizer=None, prompt_tokens=np.zeros(100))

@@ -1,0 +1,90 @@
+"""The two PPO objectives of DeepSpeed-Chat (`actor_loss_fn`, `critic_loss_fn` in
+`dschat/rlhf/ppo_trainer.py`), and the `loss_fn(model, batch)`s that train actor and critic
+under `make_step`.
+
+The pure functions take per-token arrays over the answer, [B, G], and return DeepSpeed-Chat's
+masked mean. The `loss_fn`s return `(sum, count)` instead, so the ZeRO step averages exactly over
+every real answer token of the global batch, not per device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def actor_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                     action_mask: jax.Array, *, cliprange: float) -> jax.Array:
+    """PPO's clipped surrogate per token [B, G] (Schulman et al. 2017, eq. 7, negated):
+    `max(-A r, -A clip(r, 1 - eps, 1 + eps))` with `r = exp(logprobs - old_logprobs)`."""
+    ratio = jnp.exp((logprobs - old_logprobs) * action_mask)             # [B, G]
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * jnp.clip(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return jnp.maximum(pg_loss1, pg_loss2)
+
+
+def critic_loss_terms(values: jax.Array, old_values: jax.Array, returns: jax.Array, *,
+                      cliprange_value: float) -> jax.Array:
+    """The clipped value loss per token [B, G]: `0.5 max((V - R)^2, (V_clip - R)^2)` with
+    `V_clip = clip(V, V_old - eps, V_old + eps)`."""
+    clipped = jnp.clip(values, old_values - cliprange_value, old_values + cliprange_value)
+    return 0.5 * jnp.maximum(jnp.square(values - returns), jnp.square(clipped - returns))
+
+
+def _masked_mean(terms: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(terms * mask) / jnp.sum(mask)
+
+
+def actor_loss_fn(logprobs, old_logprobs, advantages, action_mask, *, cliprange):
+    """DeepSpeed-Chat's `actor_loss_fn`: the clipped policy loss, mean over real tokens."""
+    return _masked_mean(actor_loss_terms(logprobs, old_logprobs, advantages, action_mask,
+                                         cliprange=cliprange), action_mask)
+
+
+def critic_loss_fn(values, old_values, returns, action_mask, *, cliprange_value):
+    """DeepSpeed-Chat's `critic_loss_fn`: the clipped value loss, mean over real tokens."""
+    return _masked_mean(critic_loss_terms(values, old_values, returns,
+                                          cliprange_value=cliprange_value), action_mask)
+
+
+# ---- model outputs over the answer ------------------------------------------------------------
+def answer_logprobs(model: nnx.Module, tokens: jax.Array, answer_length: int) -> jax.Array:
+    """log pi(answer token t | everything before it) [B, G] for `tokens` int32[B, P + G]: the
+    logits at positions P-1 .. P+G-2 against the tokens at P .. P+G-1."""
+    logits = model(tokens[:, :-1])                                        # [B, P+G-1, V]
+    logits = logits[:, -answer_length:].astype(jnp.float32)              # [B, G, V]
+    labels = tokens[:, -answer_length:]                                   # [B, G]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> jax.Array:
+    """The critic's value of the state before each answer token [B, G] (positions P-1 ..
+    P+G-2, DeepSpeed-Chat's `values[:, :-1][:, start:]`)."""
+    return critic(tokens[:, :-1])[:, -answer_length:].astype(jnp.float32)
+
+
+# ---- make_step loss_fns -------------------------------------------------------------------------
+def make_actor_loss(cliprange: float):
+    """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
+    "old_logprobs", "advantages", "action_mask": [B, G]}."""
+    def actor_loss(model, batch):
+        mask = batch["action_mask"]
+        logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1])
+        terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                 cliprange=cliprange)
+        return jnp.sum(terms * mask), jnp.sum(mask)
+    return actor_loss
+
+
+def make_critic_loss(cliprange_value: float):
+    """`loss_fn(critic, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
+    "old_values", "returns", "action_mask": [B, G]}."""
+    def critic_loss(model, batch):
+        mask = batch["action_mask"]
+        values = answer_values(model, batch["tokens"], mask.shape[1])
+        terms = critic_loss_terms(values, batch["old_values"], batch["returns"],
+                                  cliprange_value=cliprange_value)
+        return jnp.sum(terms * mask), jnp.sum(mask)
+    return critic_loss

@@ -1,0 +1,56 @@
+"""A rollout (DeepSpeed-Chat's "experience"): the generated sequences and every per-token array
+PPO trains on, as host numpy arrays, so that they can be inspected and checked.
+
+    prompts int32[B, P] --Hybrid Engine--> tokens int32[B, P + G], action_mask [B, G]
+    actor / reference / critic forwards  -> logprobs, ref_logprobs, values [B, G]
+    reward function on the answer text   -> scores [B]
+    compute_rewards, GAE                 -> rewards, advantages, returns [B, G]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One PPO iteration's experience (shapes in the field comments; G = answer length)."""
+
+    prompt_length: int                   # P
+    tokens: np.ndarray                   # int32[B, P + G], prompt then answer (0 after EOS)
+    action_mask: np.ndarray              # float32[B, G], 1 on real answer tokens (a prefix)
+    texts: tuple[str, ...]               # the answers, decoded
+    scores: np.ndarray                   # float32[B], the reward function's score per answer
+    logprobs: np.ndarray                 # float32[B, G], actor at rollout time (the "old" policy)
+    ref_logprobs: np.ndarray             # float32[B, G], frozen reference
+    values: np.ndarray                   # float32[B, G], critic at rollout time
+    rewards: np.ndarray                  # float32[B, G], KL penalty + clipped score at the end
+    advantages: np.ndarray               # float32[B, G], GAE
+    returns: np.ndarray                  # float32[B, G], advantages + values
+
+    @property
+    def answer_length(self) -> int:
+        return self.action_mask.shape[1]
+
+    def kl(self) -> float:
+        """Mean over real answer tokens of logprobs - ref_logprobs (the sampled estimate of
+        KL(actor || reference) per token)."""
+        mask = self.action_mask
+        return float(np.sum((self.logprobs - self.ref_logprobs) * mask) / np.sum(mask))
+
+
+def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int,
+                answer_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The Hybrid Engine's rows (prompt + up to G new tokens, cut after EOS) -> tokens
+    int32[B, P + G] (zero-padded) and action_mask float32[B, G]."""
+    tokens = np.zeros((len(outputs), prompt_length + answer_length), np.int32)
+    mask = np.zeros((len(outputs), answer_length), np.float32)
+    for b, row in enumerate(outputs):
+        tokens[b, :row.size] = row
+        mask[b, :row.size - prompt_length] = 1.0
+    if not np.all(mask[:, 0]):
+        raise ValueError("a generated answer is empty; every row needs at least one new token")
+    return tokens, mask
