@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.engine.plan import LeafPlan
+from zeroxla.engine.leaf_plan import LeafPlan
 from zeroxla.pallas_kernels import QuantizedArray
 
 CODES_PREFIX = "frozen_codes/"

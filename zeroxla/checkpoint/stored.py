@@ -17,7 +17,7 @@ from etils import epath
 from zeroxla.checkpoint import codes
 from zeroxla.checkpoint.integrity import checksum_numpy, read_meta
 from zeroxla.checkpoint.listing import STATE_ITEM, CorruptCheckpointError, select
-from zeroxla.engine.plan import LeafPlan
+from zeroxla.engine.leaf_plan import LeafPlan
 
 
 class StoredArrays:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeroxla.collectives.zero import ZeroCollectives
-from zeroxla.engine.plan import LeafPlan
+from zeroxla.engine.leaf_plan import LeafPlan
 from zeroxla.engine.remat import (
     FULL,
     KeptVjp,

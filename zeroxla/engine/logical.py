@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.plan import LeafPlan
+from zeroxla.engine.leaf_plan import LeafPlan
 from zeroxla.engine.state import TrainState
 
 

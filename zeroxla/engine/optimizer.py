@@ -27,7 +27,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.model_def import ModelDef
-from zeroxla.engine.plan import LeafPlan, ShardingPlan
+from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.engine.plan import ShardingPlan
 
 
 def _key(entry: Any) -> Any:

@@ -21,7 +21,7 @@ One `jax.jit` holds two parts:
    stages 1-2 (and for stage 3's persistent leaves) the updated partitions are all-gathered back
    into the replicated parameters. Under bf16/fp16 at stages 1-2 the float32 master stays a
    partition and what is gathered is its 16-bit rounding, into the replicated 16-bit copy that
-   forward and backward read (DeepSpeed's bf16/fp16 optimizers; `plan.MasterWithCopy`).
+   forward and backward read (DeepSpeed's bf16/fp16 optimizers; `leaf_plan.MasterWithCopy`).
 
 `trainable` (an nnx filter) chooses the parameters to train; the others are frozen: the loss is
 differentiated only with respect to the trainable ones, and frozen leaves have no gradient, no
@@ -48,7 +48,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.collectives.zero import (PARAM_UPDATE, GradientSink, Zero2Collectives,
                                       ZeroCollectives)
-from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zeropp import ZeroPPCollectives
 from zeroxla.engine.config import ZeroConfig
 from zeroxla.engine.gradients import differentiated, reduce_gradients
@@ -66,8 +65,11 @@ from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
 from zeroxla.engine.mesh import check_mesh
 from zeroxla.engine.model_def import Filter, ModelDef, frozen_paths
 from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
-from zeroxla.engine.plan import LeafPlan, MasterWithCopy, ShardingPlan, plan_for
+from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.engine.plan import ShardingPlan, plan_for
 from zeroxla.engine.state import TrainState
+from zeroxla.engine.update import (gradient_spec, logical_gradient, optimizer_input,
+                                   stored_update)
 from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
 from zeroxla.engine.randomness import (
     CALL_STREAM,
@@ -78,10 +80,6 @@ from zeroxla.engine.randomness import (
     takes_rngs,
 )
 from zeroxla.engine.wrap import zero3_module
-
-def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
-    return lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
 
 class ZeroStep:
     """A compiled ZeRO training step. Call it; `init`, `lower` and `eval_loss` are beside it."""
@@ -246,14 +244,7 @@ class ZeroStep:
 
     def _gradient_spec(self, leaf: LeafPlan) -> P:
         """Layout of a trainable leaf's reduced gradient leaving the gradient pass."""
-        if self._gradient_padded(leaf):
-            return leaf.optimizer_spec if not leaf.params_partitioned else leaf.param_spec
-        return leaf.gradient_spec            # replicated (split over the stages if stage_split)
-
-    def _gradient_padded(self, leaf: LeafPlan) -> bool:
-        """Whether the reduced gradient is a padded, partitioned array (stage 3's partitioned
-        leaves; every optimizer-partitioned leaf at stage 2)."""
-        return leaf.params_partitioned or (self.config.stage == 2 and leaf.optimizer_partitioned)
+        return gradient_spec(leaf, self.config.stage)
 
     def _state_shardings(self) -> TrainState:
         def named(spec):
@@ -361,7 +352,7 @@ class ZeroStep:
                          model_state: dict[str, jax.Array], key_data: jax.Array | None
                          ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
         """The global mean loss and its gradients (times `scale`) of the trainable leaves,
-        reduced over the data devices (partitioned where `_gradient_padded`).
+        reduced over the data devices (partitioned where `update.gradient_padded`).
 
         Each micro-batch piece differentiates `sum * scale / c0` (c0 a static size of the piece,
         so gradients have mean-like magnitudes); after the reduction the gradients are
@@ -432,14 +423,9 @@ class ZeroStep:
                     jax.random.key_data(step_key(state.rng, state.step)))
         loss, grads, model_state = self._gradients(self._compute_inputs(state.params), batch,
                                                    scale, state.model_state, key_data)
-        mesh = self.mesh
-        logical_grads = {}
-        for leaf in self.plan.trainable_leaves:
-            g = grads[leaf.path] / scale
-            if not self._gradient_padded(leaf) and leaf.optimizer_partitioned:
-                g = _constrain(leaf.data_pad(g), mesh, leaf.optimizer_spec)   # this device's part
-            logical_grads[leaf.path] = (leaf.unpad(g) if self._gradient_padded(leaf)
-                                        or leaf.optimizer_partitioned else leaf.stage_unpad(g))
+        mesh, trainable = self.mesh, self.plan.trainable_leaves
+        logical_grads = {leaf.path: logical_gradient(leaf, grads[leaf.path] / scale,
+                                                     cfg.stage, mesh) for leaf in trainable}
         grad_norm = optax.tree.norm(logical_grads)
         if cfg.gradient_clipping > 0:
             # DeepSpeed's clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when < 1.
@@ -447,32 +433,13 @@ class ZeroStep:
             logical_grads = jax.tree.map(lambda g: g * coef, logical_grads)
 
         with jax.named_scope(PARAM_UPDATE):
-            params = {}
-            for leaf in self.plan.trainable_leaves:
-                p = state.params[leaf.path]
-                if leaf.optimizer_partitioned:
-                    padded = (p.master if leaf.has_compute_copy else p
-                              if leaf.params_partitioned else leaf.data_pad(p))
-                    p = leaf.unpad(_constrain(padded, mesh, leaf.optimizer_spec))
-                else:
-                    p = leaf.stage_unpad(p)      # the identity unless pipelined (stage slots)
-                params[leaf.path] = p
+            params = {leaf.path: optimizer_input(leaf, state.params[leaf.path], mesh)
+                      for leaf in trainable}
             new_logical, new_opt_state = self.sharded_optimizer.update(
                 logical_grads, state.opt_state, params)
             new_params = dict(state.params)
-            for leaf in self.plan.trainable_leaves:
-                new = new_logical[leaf.path]
-                if leaf.optimizer_partitioned:
-                    new = _constrain(leaf.pad(new), mesh, leaf.optimizer_spec)
-                    if leaf.has_compute_copy:
-                        # The float32 partition is kept exactly; its 16-bit rounding is gathered.
-                        new = MasterWithCopy(master=new, compute=self._all_gather_update(
-                            new.astype(leaf.compute_copy_dtype), leaf))
-                    elif not leaf.params_partitioned:
-                        new = self._all_gather_update(new, leaf)
-                else:
-                    new = leaf.stage_pad(new)
-                new_params[leaf.path] = new
+            new_params.update({leaf.path: stored_update(leaf, new_logical[leaf.path], mesh,
+                                                        self.axes) for leaf in trainable})
 
         metrics = {"loss": loss, "grad_norm": grad_norm}
         loss_scale = state.loss_scale
@@ -489,18 +456,6 @@ class ZeroStep:
                                   opt_state=new_opt_state, loss_scale=loss_scale,
                                   model_state=model_state)
         return new_state, metrics
-
-
-    def _all_gather_update(self, padded: jax.Array, leaf: LeafPlan) -> jax.Array:
-        """Stage 1-2 (and stage 3's persistent leaves): the updated partitions all-gathered
-        into the replicated parameter, as DeepSpeed's one all-gather after the optimizer step
-        (in float32, or in 16 bits into a leaf's compute copy: `padded` is then already cast).
-        Explicit, in its own `shard_map`, so it is one tiled all-gather over the data axes (and
-        `comm_report` attributes it to the update)."""
-        gather = jax.shard_map(
-            lambda x: all_gather_dim(x, self.axes.data, leaf.shard_dim), mesh=self.mesh,
-            in_specs=leaf.optimizer_spec, out_specs=leaf.compute_input_spec, check_vma=False)
-        return leaf.data_unpad(gather(padded))   # param_spec: P(), or split over the stages
 
 
 def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,

@@ -8,7 +8,7 @@ import pytest
 
 import zeroxla
 from zeroxla import checkpoint, models
-from zeroxla.engine.plan import MasterWithCopy
+from zeroxla.engine.leaf_plan import MasterWithCopy
 from reference import token_batches
 
 BATCHES = token_batches(2, 16, 16, vocab=65)
