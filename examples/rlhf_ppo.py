@@ -40,7 +40,6 @@ def main(argv=None) -> None:
     _simulate_devices()
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     import zeroxla
@@ -76,13 +75,7 @@ def main(argv=None) -> None:
           f"last {k} {np.mean([r['reward'] for r in records[-k:]]):.4f}")
     print(f"answer before PPO: {first.texts[0]!r}\nanswer after PPO:  {last.texts[0]!r}")
 
-    its = [r["iteration"] for r in records]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax1.plot(its, [r["reward"] for r in records], marker="o")
-    ax1.set(xlabel="PPO iteration", ylabel="mean reward (vowel fraction)", title="reward")
-    ax2.plot(its, [r["kl"] for r in records], marker="o", color="tab:red")
-    ax2.set(xlabel="PPO iteration", ylabel="KL(actor || reference) per token", title="KL")
-    fig.tight_layout()
+    fig = rlhf.plot_records(records)
     fig.savefig(args.out, dpi=100)
     print(f"plot: {args.out}; total {time.perf_counter() - start:.1f}s")
 

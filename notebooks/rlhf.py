@@ -78,13 +78,7 @@ run = rlhf.run_ppo(config, 12, actor, mesh=mesh, tokenizer=corpus.tokenizer,
 
 # %%
 records = run.records
-its = [r["iteration"] for r in records]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-ax1.plot(its, [r["reward"] for r in records], marker="o")
-ax1.set(xlabel="PPO iteration", ylabel="mean reward (vowel fraction)", title="reward")
-ax2.plot(its, [r["kl"] for r in records], marker="o", color="tab:red")
-ax2.set(xlabel="PPO iteration", ylabel="KL per token", title="KL(actor || reference)")
-fig.tight_layout()
+rlhf.plot_records(records)
 plt.show()
 
 # %% [markdown]

@@ -81,9 +81,6 @@ def local_zero3_step(model: nnx.Module) -> Any:
 
     import zeroxla
 
-    # make_step needs the weights uncommitted (host arrays), not placed on one device
-    graphdef, values = nnx.split(model)
-    model = nnx.merge(graphdef, jax.tree.map(np.asarray, values))
     return zeroxla.make_step(model, zeroxla.make_mesh(1, devices=jax.local_devices()),
                              optimizer=optax.set_to_zero(), config=zeroxla.ZeroConfig(stage=3))
 

@@ -26,13 +26,18 @@ BATCH_KEYS = ("inputs", "targets")
 MASK_KEY = "loss_mask"
 
 
+def token_logprobs(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """log softmax(`logits`) [B, T, V] at `labels` int[B, T] -> [B, T], computed in float32 at
+    least (float64 logits of a float64 verification run stay float64)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
+                              axis=-1)
+    return jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
 def token_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """`(sum, count)` of the cross-entropy of `logits` [B, T, V] against `batch["targets"]`
     [B, T], weighted by `batch["loss_mask"]` when present."""
-    # float32 at least (float64 logits of a float64 verification run stay float64)
-    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
-                              axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]   # [B, T]
+    nll = -token_logprobs(logits, batch["targets"])                                   # [B, T]
     if MASK_KEY in batch:
         weights = batch[MASK_KEY].astype(jnp.float32)
         return jnp.sum(nll * weights), jnp.sum(weights)

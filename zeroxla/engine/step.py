@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax import lax
@@ -81,6 +82,15 @@ from zeroxla.engine.randomness import (
 )
 from zeroxla.engine.wrap import zero3_module
 
+def _placeable(value: Any) -> jax.Array:
+    """`value` as an array `init` can lay out over any mesh: an array committed to particular
+    devices (a `gathered_model`'s, `load_params`'s, both on one device) goes through the host,
+    since jit cannot move a committed argument onto the mesh's other devices."""
+    if isinstance(value, jax.Array) and value.committed:
+        value = np.asarray(value)
+    return jnp.asarray(value)
+
+
 class ZeroStep:
     """A compiled ZeRO training step. Call it; `init`, `lower` and `eval_loss` are beside it."""
 
@@ -101,8 +111,8 @@ class ZeroStep:
         if isinstance(model, nnx.Module):
             self._factory = None
             self.model_def, values = ModelDef.of(model)
-            self._initial_values = {p: jnp.asarray(v) for p, v in values.items()}
-            self._initial_model_state = {p: jnp.asarray(v) for p, v in
+            self._initial_values = {p: _placeable(v) for p, v in values.items()}
+            self._initial_model_state = {p: _placeable(v) for p, v in
                                          ModelDef.model_state_of(model).items()}
             frozen = frozen_paths(model, trainable)
         elif callable(model):

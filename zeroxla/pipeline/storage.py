@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 
 from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.plan import LeafPlan, ShardingPlan
+from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.engine.plan import ShardingPlan
 from zeroxla.engine.rules import PIPELINE_STORAGE_RULES
 from zeroxla.pipeline.split import StageSplit
 
@@ -50,12 +51,6 @@ def pipelined_plan(plan: ShardingPlan, split: StageSplit, axes: MeshAxes) -> Sha
             f"{split.max_layers} layer slots per stage ({padding} padding slots, zero)")
     return dataclasses.replace(plan, leaves=leaves, storage_rules=PIPELINE_STORAGE_RULES,
                                pipeline_description=text)
-
-
-def unsplit_plan(plan: ShardingPlan) -> ShardingPlan:
-    """`plan` with every leaf's layers stored whole (the unpipelined ZeRO plan)."""
-    return dataclasses.replace(plan, leaves=tuple(stage_local(leaf, None) for leaf in
-                                                  plan.leaves), pipeline_description="")
 
 
 def stage_local(leaf: LeafPlan, layers: int | None) -> LeafPlan:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zeroxla.engine.loss import token_logprobs
+
 
 def actor_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
                      action_mask: jax.Array, *, cliprange: float) -> jax.Array:
@@ -53,10 +55,7 @@ def answer_logprobs(model: nnx.Module, tokens: jax.Array, answer_length: int) ->
     """log pi(answer token t | everything before it) [B, G] for `tokens` int32[B, P + G]: the
     logits at positions P-1 .. P+G-2 against the tokens at P .. P+G-1."""
     logits = model(tokens[:, :-1])                                        # [B, P+G-1, V]
-    logits = logits[:, -answer_length:].astype(jnp.float32)              # [B, G, V]
-    labels = tokens[:, -answer_length:]                                   # [B, G]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return token_logprobs(logits[:, -answer_length:], tokens[:, -answer_length:])   # [B, G]
 
 
 def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> jax.Array:

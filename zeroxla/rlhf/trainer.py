@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -58,13 +57,6 @@ def _rewards_and_advantages(logprobs, ref_logprobs, scores, values, mask, *, kl_
     return rewards, advantages, returns
 
 
-def _uncommitted(model: nnx.Module) -> nnx.Module:
-    """A copy of `model` whose arrays are not committed to a device (a gathered model's are
-    committed to device 0, which `make_step` could not place over its mesh)."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state))
-
-
 class PPOTrainer:
     """Actor, critic and reference of one PPO run (see the module docstring).
 
@@ -86,7 +78,6 @@ class PPOTrainer:
         if self.prompt_tokens.size <= config.prompt_length:
             raise ValueError(f"prompt_tokens has {self.prompt_tokens.size} tokens; "
                              f"PPOConfig.prompt_length={config.prompt_length} needs more")
-        actor = _uncommitted(actor)
         # The reference: the actor's initial weights, frozen (never passed to an optimizer).
         device = jax.local_devices()[0]
         self.ref_graphdef, ref_params = nnx.split(nnx.clone(actor))

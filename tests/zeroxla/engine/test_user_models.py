@@ -163,6 +163,24 @@ def test_language_model_matches_single_device(name):
                if not p.endswith("bias"))            # every weight trained
 
 
+def test_model_committed_to_one_device_trains_as_on_one_device():
+    """A model whose arrays are committed to one device (what `gathered_model` and
+    `load_params` return) builds a step on the whole mesh and trains as on one device."""
+    name = next(iter(LANGUAGE_MODELS))
+    batches = token_batches(2, 16, 8, vocab=V, seed=2)
+    expected_losses, expected = train_single_device(LANGUAGE_MODELS[name](), optax.sgd(0.5),
+                                                    batches)
+    model = LANGUAGE_MODELS[name]()
+    graphdef, values = nnx.split(model)
+    model = nnx.merge(graphdef, jax.device_put(values, jax.devices()[3]))
+    assert all(x.committed for x in jax.tree.leaves(nnx.state(model)))
+    step = zeroxla.make_step(model, zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.5),
+                             config=CONFIG)
+    state, losses = _train(step, batches)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    _assert_params_close(flat_params(zeroxla.gather_params(state)), expected)
+
+
 @pytest.mark.parametrize("name, alias, canonical", [
     ("tied by a shared nnx.Embed", "unembed/embedding", "embed/embedding"),
     ("tied by a shared nnx.Param", "wte", "head/weight")])
