@@ -13,10 +13,11 @@ One process, one model, AdamW float32, ZeRO-3 (persistence threshold 1000) every
 
 Printed: median step time and its ratio to `zero-3`; the schedule's bubble fraction; the
 collective-permute bytes a device sends per step (from `compiled.as_text()` with loop trip
-counts) and the share of them the table's sends need (the lockstep executor permutes every
-step); the layer all-gather bytes per device per step of the stage's blocks, counted from the
-schedule (micro_batch: a forward gather, a recompute gather and a backward re-gather per
-micro-batch; step: one); then the compiled temporaries (`memory_analysis()`) of 1F1B and GPipe
+counts) and, beside them, what the table's sends imply (one [mb, T, D] activation per
+SendActivation / SendGrad, spread over the stages: the two agree); the layer all-gather bytes
+per device per step of the stage's blocks, counted from the schedule (micro_batch: a forward
+gather and a backward re-gather per micro-batch, with the default `remat="none"`; step: one);
+then the compiled temporaries (`memory_analysis()`) of 1F1B and GPipe
 at micro_batches 4 / 8 / 16 with the micro-batch size fixed. CPU step times say little about a
 GPU cluster (collectives are memory copies, two cores are shared); bytes and memory are
 properties of the programs.
@@ -113,10 +114,10 @@ def main(argv=None) -> None:
     runs = [("zero-3 (1x8)", None, "micro_batch"), ("1f1b", "1f1b", "micro_batch"),
             ("gpipe", "gpipe", "micro_batch"), ("1f1b-step", "1f1b", "step")]
     header = (f"{'run':<14}{'step ms':>9}{'x zero-3':>9}{'bubble':>8}{'permute MiB':>12}"
-              f"{'needed':>8}{'layer AG MiB':>13}{'loss':>9}")
+              f"{'table':>8}{'layer AG MiB':>13}{'loss':>9}")
     print(header)
     print("-" * len(header))
-    base = None
+    base, d_model = None, models.build(args.model).config.d_model
     for label, schedule, gather in runs:
         # The unpipelined step accumulates over the same micro-batches: 8 replicas, so M / 4.
         step = _step(args.model, m * data_replicas // 8 if schedule is None else m, schedule,
@@ -127,11 +128,13 @@ def main(argv=None) -> None:
             extra = f"{'-':>8}{'-':>12}{'-':>8}{'-':>13}"
         else:
             table = step.pipeline.table
-            needed = (sum(b >= 0 for row in table.send_activation for b in row)
-                      / (table.num_steps * (STAGES - 1)))
-            gathers = 3 * m if gather == "micro_batch" else 1
+            sends = sum(b >= 0 for grid in (table.send_activation, table.send_grad)
+                        for row in grid for b in row)             # per data replica
+            activation = 4 * mb * SEQ[args.model] * d_model            # [mb, T, D] float32
+            needed = sends * activation * data_replicas / jax.device_count()   # per device
+            gathers = 2 * m if gather == "micro_batch" else 1
             extra = (f"{table.bubble_fraction:>8.3f}{_permute_bytes(compiled) / 2**20:>12.2f}"
-                     f"{needed:>8.2f}{gathers * _stage_block_bytes(step) / 2**20:>13.2f}")
+                     f"{needed / 2**20:>8.2f}{gathers * _stage_block_bytes(step) / 2**20:>13.2f}")
         print(f"{label:<14}{1e3 * seconds:>9.1f}{seconds / base:>9.2f}{extra}"
               f"{losses[-1]:>9.4f}", flush=True)
 

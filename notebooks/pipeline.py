@@ -26,10 +26,13 @@
 #
 # zeroxla keeps DeepSpeed's schedules as data (`zeroxla.pipeline`, no JAX in it) and runs them
 # differently: all stages' streams are lowered to one table `[step, stage]`, and **one** SPMD
-# program, compiled once for every device, is a `lax.scan` over the table's steps. At each step
-# a device looks up its own stage's op (idle, forward or backward of micro-batch m), runs it, and
-# two `ppermute`s over the mesh's `stage` axis move activations to stage + 1 and gradients to
-# stage - 1. ZeRO (stages 0-3) runs over the data axes inside each stage, in the same program.
+# program, compiled once for every device, scans the table's steps. At each step a device looks
+# up its own stage's op (idle, forward or backward of micro-batch m) and runs it; then, for each
+# stage that sends at that step, one `ppermute` over the mesh's `stage` axis moves its
+# activation to stage + 1 or its gradient to stage - 1: one collective-permute per DeepSpeed
+# `SendActivation` / `SendGrad`. (Which stages send is fixed by the table, so the scan is cut
+# into runs of steps that repeat the same sends: 1F1B's steady state alternates two steps.)
+# ZeRO (stages 0-3) runs over the data axes inside each stage, in the same program.
 #
 # This notebook shows the schedule, its timeline and bubble, trains a tiny GPT pipelined over
 # 2 stages with ZeRO-3 inside each, checks it against the same model trained on one device, and
@@ -180,14 +183,16 @@ assert rel < 1e-5, rel
 # %% [markdown]
 # ## Memory: 1F1B against GPipe, from the compiled programs
 #
-# A stage keeps each in-flight micro-batch's activations until its backward (the executor
-# stashes stage inputs and recomputes the rest in backward). GPipe runs every forward before the
+# A stage keeps each in-flight micro-batch's activations until its backward (with the default
+# `ZeroConfig.remat="none"` the stage's vjp residuals; with `"full"` only the stage input, the
+# rest recomputed in backward). GPipe runs every forward before the
 # first backward, so it keeps all M micro-batches; 1F1B has at most `S - stage` in flight and
 # needs `min(S, M)` buffers whatever M is. We compile both schedules at M = 4 and M = 16 with the
 # micro-batch size fixed (so the global batch grows with M) and read XLA's temporaries from
 # `compiled.memory_analysis()`; nothing runs. ZeRO is off here (stage 0, SGD), which compiles
-# faster and leaves the same stash; the unit of the stash is one `[micro-batch, T, D]` float32
-# activation.
+# faster and leaves the same stash. At stage 0 the stages keep their vjp residuals
+# (`remat="none"`; recomputing is a ZeRO-2/3 option), so a stash buffer holds several
+# activations' worth; we count in units of one `[micro-batch, T, D]` float32 activation.
 
 # %%
 MICRO_BATCH, D_MODEL = 2, models.GPTConfig.tiny().d_model

@@ -59,3 +59,14 @@ def token_batches(num, batch_size, seq_len, vocab, seed=0):
         inputs = rng.integers(0, vocab, (batch_size, seq_len)).astype(np.int32)
         batches.append({"inputs": inputs, "targets": (inputs + 1) % vocab})
     return batches
+
+
+def distance_over_travelled(got, expected, initial):
+    """How far `got`'s parameters are from the reference run's `expected`, as a fraction of how
+    far the reference travelled from `initial` (flat dicts of arrays, same keys): the measure
+    for a lower-precision run (bf16) tracking a float32 reference, where elementwise tolerances
+    are meaningless for entries the training barely moved."""
+    assert got.keys() == expected.keys() == initial.keys()
+    travelled = np.sqrt(sum(np.sum((expected[p] - initial[p]) ** 2) for p in expected))
+    distance = np.sqrt(sum(np.sum((got[p] - expected[p]) ** 2) for p in expected))
+    return distance / travelled

@@ -5,6 +5,8 @@
   gradient sink (`zeroxla.collectives.zero.GradientSink`), zeros shaped like this device's
   gradient partition; its gradient is reduce-scattered per unit as backward produces it
   (`Zero2Collectives`), so only the partition persists and micro-batches accumulate partitions.
+  A weight used by more than one call (GPT's tied embedding: `embed` and the head's `attend`)
+  is reduce-scattered once instead, after autodiff has summed its uses (`reduced_once`).
 * stage 3: the trainable parameters' shards; partitioned leaves are reduce-scattered per unit
   in backward (`zeroxla.engine.gather`).
 At stages 2-3 the leaves left replicated (persistent ones, scalars) are all-reduced at the end.
@@ -12,6 +14,7 @@ At stages 2-3 the leaves left replicated (persistent ones, scalars) are all-redu
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +36,35 @@ def differentiated(comm: ZeroCollectives, plan: ShardingPlan, trainable: dict[st
     wrt = {p: comm.sink(plan[p]) if p in sinked else v for p, v in trainable.items()}
     return wrt, lambda p: {path: GradientSink(trainable[path], v) if path in sinked else v
                            for path, v in p.items()}
+
+
+def reduced_once(comm: ZeroCollectives, plan: ShardingPlan,
+                 forward: Callable[[Counter], Any]) -> frozenset[str]:
+    """Stage 2: the leaves whose gradient is reduce-scattered once per micro-batch, after
+    autodiff has summed the gradients of all their uses, rather than once per use.
+
+    A unit's gradient is reduce-scattered as backward produces it, so a weight used by two
+    module calls would be reduced twice, each time in full (the tied embedding's traffic
+    doubled; under float32 XLA happens to merge the two `psum_scatter`s, but not the 16-bit
+    wire format's all-to-alls). DeepSpeed reduces a tied weight once, when both uses have
+    accumulated into its `.grad`. Which weights are used more than once depends on how the
+    loss function calls the model (GPT's embedding module is called twice, as `embed` and as
+    the head's `attend`), so it is counted, not read from the module tree: `forward(uses)`
+    runs the forward with the step's stand-ins counting into `uses` the calls that gather each
+    leaf; it runs under `jax.eval_shape` while the step is traced (no compute, nothing kept in
+    the program). Those leaves then skip the per-call units (`wrap.zero3_module`): their uses'
+    gradients are summed by autodiff in the compute dtype (as into DeepSpeed's 16-bit `.grad`)
+    and reduce-scattered once, with the per-unit scatter's wire functions; each is held in full
+    from its last use in backward to its first, the price DeepSpeed pays too.
+    Stacked leaves are never chosen: a `LayerStack` called twice keeps scattering per layer in
+    the scan, which is what bounds stage 2's gradient memory to a partition. Stages 0, 1 and 3
+    choose none (stage 3 gathers per use; its reduce-scatters are per gather).
+    """
+    if not isinstance(comm, Zero2Collectives):
+        return frozenset()
+    uses: Counter = Counter()
+    jax.eval_shape(lambda: forward(uses))
+    return frozenset(path for path, n in uses.items() if n > 1 and not plan[path].stacked)
 
 
 def reduce_gradients(grads: dict[str, jax.Array], plan: ShardingPlan, stage: int,

@@ -23,7 +23,8 @@ LAYERS_AXIS = "layers"
 
 @dataclasses.dataclass(frozen=True)
 class MasterWithCopy:
-    """A stage 1-2 leaf's storage under 16-bit compute (DeepSpeed's bf16/fp16 optimizers):
+    """Under 16-bit compute, the storage of a replicated leaf whose optimizer state is
+    partitioned (stages 1-2; stage 3's persistent leaves), DeepSpeed's bf16/fp16 optimizers':
     `master`, the float32 master weights, partitioned (global `padded_shape`, sharded like the
     optimizer state), and `compute`, their rounding to the compute dtype, replicated over the
     data axes. Only `master` is updated by the optimizer and saved in checkpoints; `compute` is
@@ -389,8 +390,9 @@ class LeafPlan:
             split = ", layers split over stages" if self.stage_split else ""
             return f"partitioned dim {self.shard_dim}" + codes + split + frozen
         if self.has_compute_copy:
-            return (f"replicated {self.compute_copy_dtype} copy (float32 master, optimizer state "
-                    f"partitioned dim {self.shard_dim})")
+            under = ", under persistence threshold" if self.persistent else ""
+            return (f"replicated {self.compute_copy_dtype} copy{under} (float32 master, optimizer "
+                    f"state partitioned dim {self.shard_dim})")
         kind = "replicated: under persistence threshold" if self.persistent else "replicated"
         if self.stage_split:
             kind += " within a stage"

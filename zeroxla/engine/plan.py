@@ -25,8 +25,9 @@ frozen partitioned leaf is stored as block-quantized codes of each device's shar
 bits / 8]` int8 codes and `[L?, G]` float32 scales, G = ceil(chunk / group_size), chunk = the
 elements of one layer's shard.
 
-Under a 16-bit compute dtype at stages 1-2, a leaf whose optimizer state is partitioned is
-stored as DeepSpeed's bf16/fp16 optimizers store it: the float32 master is this device's
+Under a 16-bit compute dtype at stages 1-2, and for stage 3's persistent leaves, a leaf whose
+optimizer state is partitioned while its parameter is replicated is stored as DeepSpeed's
+bf16/fp16 optimizers store it: the float32 master is this device's
 partition (padded, laid out like the optimizer state) and the state also holds a replicated
 copy in the compute dtype, the one forward and backward read (`leaf_plan.MasterWithCopy`,
 `LeafPlan.compute_copy_dtype`). The update casts the new float32 partition to 16 bits and
@@ -149,14 +150,16 @@ def _stored_group_size(chunk: int, group_size: int) -> int:
 
 def _compute_copy_dtype(stage: int, compute_dtype: str, partitioned: bool,
                         optimizer_partitioned: bool) -> str:
-    """The compute copy a leaf is stored with (`MasterWithCopy`): at stages 1-2 under 16-bit
-    compute, for a leaf whose optimizer state (and so its float32 update) is partitioned while
-    its parameter is used whole, DeepSpeed's layout: the updated partition is all-gathered in 16
-    bits into a 16-bit replicated copy, instead of in float32 into a float32 replicated master.
-    Stage 3's persistent leaves keep one float32 replicated array (the stage-3 inference paths
-    read `state.params` as stored)."""
+    """The compute copy a leaf is stored with (`MasterWithCopy`): under 16-bit compute, for a
+    leaf whose optimizer state (and so its float32 update) is partitioned while its parameter is
+    used whole (stages 1-2; stage 3's persistent leaves, DeepSpeed's `ds_persist` parameters,
+    which its bf16/fp16 optimizer also keeps as a 16-bit parameter beside a float32 master
+    partition), DeepSpeed's layout: the updated partition is all-gathered in 16 bits into a
+    16-bit replicated copy, instead of in float32 into a float32 replicated master. What the
+    forward reads is the copy (`LeafPlan.compute_input`), on every path: training, evaluation,
+    the stage-3 inference baseline."""
     sixteen = jnp.dtype(compute_dtype).itemsize == 2
-    if stage in (1, 2) and sixteen and optimizer_partitioned and not partitioned:
+    if stage in (1, 2, 3) and sixteen and optimizer_partitioned and not partitioned:
         return jnp.dtype(compute_dtype).name
     return ""
 

@@ -19,9 +19,8 @@ One `jax.jit` holds two parts:
    (`ShardedOptimizer`): elementwise optimizers compute on each device's partition and move no
    bytes; statistics over a whole tensor (norms, factored moments) get XLA's reductions. At
    stages 1-2 (and for stage 3's persistent leaves) the updated partitions are all-gathered back
-   into the replicated parameters. Under bf16/fp16 at stages 1-2 the float32 master stays a
-   partition and what is gathered is its 16-bit rounding, into the replicated 16-bit copy that
-   forward and backward read (DeepSpeed's bf16/fp16 optimizers; `leaf_plan.MasterWithCopy`).
+   into the replicated parameters; under bf16/fp16 the float32 master stays a partition and its
+   16-bit rounding is gathered into the 16-bit copy compute reads (`leaf_plan.MasterWithCopy`).
 
 `trainable` (an nnx filter) chooses the parameters to train; the others are frozen: the loss is
 differentiated only with respect to the trainable ones, and frozen leaves have no gradient, no
@@ -36,6 +35,7 @@ gradients are the mean over the global batch's (unmasked) tokens.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +51,7 @@ from zeroxla.collectives.zero import (PARAM_UPDATE, GradientSink, Zero2Collectiv
                                       ZeroCollectives)
 from zeroxla.collectives.zeropp import ZeroPPCollectives
 from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.gradients import differentiated, reduce_gradients
+from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
 from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.loss import (
     Batch,
@@ -313,10 +313,11 @@ class ZeroStep:
     # ------------------------------------------------------------------------------------------
     # The gradient pass: inside shard_map, everything below sees one device's local arrays.
     def _local_model(self, params: dict[str, jax.Array], model_state: dict[str, jax.Array],
-                     key: jax.Array | None, *, training: bool = True
-                     ) -> tuple[Any, Callable[[], dict[str, jax.Array]]]:
+                     key: jax.Array | None, *, training: bool = True, reduced_once:
+                     frozenset[str] = frozenset(), uses: Counter | None = None) -> tuple[Any, Any]:
         """This device's copy of the model (stage 3: wrapped to gather its partitions) and a
         function reading its model state after a forward pass, averaged over the data devices.
+        `reduced_once` and `uses` go to `zero3_module` (stage 2's weights used more than once).
 
         BatchNorm statistics are computed over the global batch (`axis_name` = the data axes,
         Flax's cross-replica BatchNorm), as on one device with the whole batch. The model's RNG
@@ -336,7 +337,8 @@ class ZeroStep:
         if self.config.stage == 3 or (self.config.stage == 2 and training):
             # Stage 2 gathers nothing, so there is nothing to prefetch.
             prefetch = self.config.prefetch and self.config.stage == 3
-            model = zero3_module(model, self._model_plan, self.comm, prefetch, self.config.remat)
+            model = zero3_module(model, self._model_plan, self.comm, prefetch, self.config.remat,
+                                 reduced_once=reduced_once, uses=uses)
 
         def read_state() -> dict[str, jax.Array]:
             return {p: lax.pmean(v.get_value(), self.axes.data)
@@ -378,10 +380,19 @@ class ZeroStep:
         base = (None if key_data is None else
                 device_key(jax.random.wrap_key_data(key_data), self.axes.data))
 
-        def objective(p, micro, ms, index):
+        def forward(p, micro, ms, index, once=frozenset(), uses=None):
             key = None if base is None else micro_batch_key(base, index)
-            model, read_state = self._local_model({**frozen, **as_values(p)}, ms, key)
-            total, count, is_sum = self._terms(model, micro, key)
+            model, read_state = self._local_model({**frozen, **as_values(p)}, ms, key,
+                                                  reduced_once=once, uses=uses)
+            return *self._terms(model, micro, key), read_state
+
+        micro_batches = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
+        # Stage 2: the weights used by more than one call, reduced once (`reduced_once`).
+        once = reduced_once(self.comm, self.plan, lambda uses: forward(
+            wrt, jax.tree.map(lambda a: a[0], micro_batches), model_state, 0, uses=uses)[0])
+
+        def objective(p, micro, ms, index):
+            total, count, is_sum, read_state = forward(p, micro, ms, index, once)
             c0 = normalizer(micro) if is_sum else 1.0
             sizes.append(c0)
             return total * (scale / c0), (total, count, read_state())
@@ -391,9 +402,6 @@ class ZeroStep:
             grads, (total, count, model_state) = grad_fn(wrt, batch, model_state, 0)
             grads = jax.tree.map(lambda g: g.astype(master), grads)
         else:
-            micro_batches = jax.tree.map(
-                lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
-
             def accumulate(carry, piece):
                 # The model state (batch statistics) flows from micro-batch to micro-batch.
                 micro, index = piece

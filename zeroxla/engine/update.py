@@ -6,7 +6,7 @@ every trainable leaf it needs three conversions, all pure functions of the leaf'
 * `logical_gradient`: the reduced gradient leaving the gradient pass (padded partition, or
   replicated) -> the logical gradient the optimizer sees, laid out like the optimizer state;
 * `optimizer_input`: the stored parameter -> the logical parameter on the optimizer's layout
-  (a stage 1-2 16-bit leaf gives its float32 master partition, never the 16-bit copy);
+  (a leaf stored with a 16-bit copy gives its float32 master partition, never the copy);
 * `stored_update`: the optimizer's new logical parameter -> storage: partitioned leaves stay
   this device's partition; replicated ones are all-gathered once, as DeepSpeed's all-gather
   after the optimizer step (in 16 bits into a `MasterWithCopy`'s compute copy, the float32

@@ -15,8 +15,12 @@ its children stay units of their own.
 
 Shared weights (one `nnx.Param` reachable from two paths, or one submodule used twice) are one
 parameter of the plan, keyed by its first path (its *canonical* path, the one `nnx.split`
-gives). Every use gathers it from the same traced shard, so autodiff sums the uses'
-reduce-scattered gradients (DeepSpeed's tied-module gradient reduction).
+gives). At stage 3 every use gathers it from the same traced shard, so autodiff sums the uses'
+reduce-scattered gradients. At stage 2 nothing is gathered, so a weight used by more than one
+call (`reduced_once`, found by counting the calls, `uses`) is instead taken out of the per-call
+units: it enters the model copy once, through `gathered_value`, and autodiff sums its uses'
+gradients before the one reduce-scatter (DeepSpeed's tied-module gradient reduction: the
+gradient hook fires once, after every use has accumulated into `.grad`).
 
 Model state and RNG streams (BatchNorm statistics, a Dropout's Rngs) run inside the call of the
 unit that holds them; what the call changes is returned from the custom VJP and written back to
@@ -25,6 +29,7 @@ the step's copy, as are Variables passed as arguments (an `nnx.Rngs` given at ca
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +38,7 @@ from flax import nnx
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
 from zeroxla.engine.gather import GatheredStack, gathered_call, gathered_value
+from zeroxla.engine.leaf_plan import LeafPlan
 from zeroxla.engine.model_def import direct_variables, has_descendant_params, variable_paths
 from zeroxla.engine.plan import ShardingPlan
 from zeroxla.models.layers import LayerStack, call_block
@@ -43,12 +49,18 @@ _CONTAINERS = (list, tuple, dict)
 
 class _Context:
     """What every stand-in needs: the plan, the collectives, and each Variable's canonical path
-    (by object identity, so a shared Variable is recognised under any of its paths)."""
+    (by object identity, so a shared Variable is recognised under any of its paths). `uses`,
+    when given, counts per leaf path the stand-in calls that gather it (`zero3_module`)."""
 
     def __init__(self, plan: ShardingPlan, comm: ZeroCollectives, prefetch: bool, remat: str,
-                 paths: Mapping[int, str]):
+                 paths: Mapping[int, str], uses: Counter | None = None):
         self.plan, self.comm, self.prefetch, self.paths = plan, comm, prefetch, paths
-        self.remat = remat
+        self.remat, self.uses = remat, uses
+
+    def count(self, leaves: tuple[LeafPlan, ...]) -> None:
+        """One call of a unit gathering `leaves` (their `LeafPlan`s), when counting."""
+        if self.uses is not None:
+            self.uses.update(leaf.path for leaf in leaves)
 
     def path_of(self, variable: nnx.Variable) -> str:
         return self.paths[id(variable)]
@@ -60,7 +72,7 @@ class _Context:
         """The same context for a fresh copy of a module, whose `variables` (in split order)
         have these canonical `paths`."""
         return _Context(self.plan, self.comm, self.prefetch, self.remat,
-                        {id(v): p for v, p in zip(variables, paths, strict=True)})
+                        {id(v): p for v, p in zip(variables, paths, strict=True)}, self.uses)
 
     def partitioned(self, variable: nnx.Variable) -> bool:
         """A parameter whose units go through the collectives: stored partitioned (stage 3),
@@ -101,6 +113,7 @@ class _GatheredModule:
 
     def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         own, mutable = self._own, self._mutable
+        self._ctx.count(self._leaves)
         current = [v.get_value() for v in self._variables]
         shards = [v for i, v in enumerate(current) if i in own]
         rest = [v for i, v in enumerate(current) if i not in own]
@@ -168,6 +181,7 @@ class _GatheredLayerStack:
                              "such layers in an nnx.List instead")
         self._shards, treedef = jax.tree.flatten(state, is_leaf=_is_codes)
         leaves = tuple(ctx.leaf_of(v) for v in _variables_of(stack.layers))
+        self._leaves, self._ctx = leaves, ctx
 
         def layer(full, x, consts, cache_i):
             block = nnx.merge(graphdef, jax.tree.unflatten(treedef, full))
@@ -175,6 +189,7 @@ class _GatheredLayerStack:
         self._stack = GatheredStack(layer, leaves, ctx.comm, ctx.prefetch, ctx.remat)
 
     def __call__(self, x: Any, *args: Any, cache: Any = None) -> tuple[Any, Any]:
+        self._ctx.count(self._leaves)
         return self._stack(self._shards, x, args, cache)
 
 
@@ -227,11 +242,20 @@ def _wrap_children(module: nnx.Module, ctx: _Context, gathered: frozenset[str],
 
 
 def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
-                 prefetch: bool, remat: str) -> Any:
+                 prefetch: bool, remat: str, *, reduced_once: frozenset[str] = frozenset(),
+                 uses: Counter | None = None) -> Any:
     """Wraps a model whose parameters hold *local shards* so that it computes as if whole.
 
     `model` must be a fresh copy (nnx.merge of the local storage) made inside the traced step.
     `remat` is the activation policy of every gathered unit (`zeroxla.engine.remat`).
+    `reduced_once`: paths of parameters that no call gathers; each enters the copy once as a
+    `gathered_value`, whose backward reduce-scatters the gradient summed over all its uses
+    (stage 2's weights used by more than one call, `engine.gradients.reduced_once`).
+    `uses`: a Counter that every stand-in call adds one to for each leaf it gathers (the
+    counting pass that finds those weights).
     """
-    ctx = _Context(plan, comm, prefetch, remat, variable_paths(model))
-    return _wrap(model, ctx, frozenset(), {})
+    ctx = _Context(plan, comm, prefetch, remat, variable_paths(model), uses)
+    for variable in _variables_of(model):
+        if isinstance(variable, nnx.Param) and ctx.path_of(variable) in reduced_once:
+            variable.set_value(gathered_value(ctx.leaf_of(variable), comm, variable.get_value()))
+    return _wrap(model, ctx, frozenset(reduced_once), {})

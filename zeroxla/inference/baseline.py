@@ -92,8 +92,9 @@ class Zero3Generator:
         tokens, lengths, live = pack(rows, batch, prompt)
         rng = jax.random.key_data(jax.random.key(seed))
         buffer, steps, _ = self._program(batch, prompt, sampling)(
-            state.params, state.model_state, self._cache(batch), tokens, lengths, live,
-            np.int32(max_new_tokens), np.int32(-1 if eos_id is None else eos_id), rng)
+            self.step._compute_inputs(state.params), state.model_state, self._cache(batch),
+            tokens, lengths, live, np.int32(max_new_tokens),
+            np.int32(-1 if eos_id is None else eos_id), rng)
         return unpack(rows, np.asarray(buffer), int(steps), eos_id)
 
     def token_program(self, state: TrainState, batch: int) -> Any:
@@ -108,5 +109,5 @@ class Zero3Generator:
             params_spec, P(), {"k": cache_spec, "v": cache_spec}, rows, rows),
             out_specs=(rows, {"k": cache_spec, "v": cache_spec}))
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-        return jax.jit(run).lower(state.params, state.model_state, self._cache(batch),
-                                  column, column).compile()
+        return jax.jit(run).lower(self.step._compute_inputs(state.params), state.model_state,
+                                  self._cache(batch), column, column).compile()

@@ -4,12 +4,14 @@
     schedule.py    each stage's instruction stream: TrainSchedule (1F1B), GPipeSchedule,
                    InferenceSchedule, and DeepSpeed's instruction classes
     table.py       all stages' streams lowered to one [step][stage] table for a lax.scan
-                   executor (schedule_table), and the bubble fraction
+                   executor (schedule_table), the bubble fraction, the stage pairs that send
+                   at each step (step_sends) and the repeating runs of steps (segments)
     timeline.py    the table as text or as a matplotlib picture
     config.py      PipelineConfig: micro-batches, schedule, partition method, ZeRO-3 gathers
     split.py       DeepSpeed's layer list view of a model, split over the stages
-    executor.py    the table run as lax.scan + ppermute inside the ZeRO step (imports JAX;
-                   loaded by make_step(pipeline=...), not by this package)
+    executor.py    the table run as one lax.scan per segment, one ppermute per send, inside
+                   the ZeRO step (imports JAX; loaded by make_step(pipeline=...), not by this
+                   package)
 
 Nothing here but executor.py imports JAX.
 """

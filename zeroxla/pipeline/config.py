@@ -44,6 +44,10 @@ class PipelineConfig:
                       default), "uniform" (the same number of layers) or "type:<regex>"
                       (balance the layers whose class name matches)
     zero3_gather      ZeRO-3 only: "micro_batch" or "step" (see ZERO3_GATHER_MODES)
+
+    What a stage keeps from a micro-batch's forward to its backward is `ZeroConfig.remat`, as in
+    the plain step: "none" keeps the stage's vjp residuals (no recompute), "full" keeps only the
+    stage input and recomputes the stage in backward (`zeroxla.pipeline.executor`).
     """
 
     micro_batches: int

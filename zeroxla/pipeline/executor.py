@@ -4,23 +4,44 @@
 `PipelineExecutor.local_gradients`, which runs inside the same `shard_map` as the ZeRO step.
 Every device runs the same program; its stage is `lax.axis_index("stage")`. The schedule
 (1F1B or GPipe) is data: `schedule_table` gives int32 grids [T, S] of (op, micro-batch,
-buffer), and the executor is
+buffer), and the executor runs the T steps as consecutive segments (`table.send_segments`),
+each `repeats` times a pattern of `period` steps (1F1B's steady state alternates two, GPipe's
+phases repeat one; warm-up and cool-down steps are short segments):
 
-    lax.scan over the T ticks:
-        op = table.op[t, stage]        lax.switch: idle / forward / backward on this stage
-        activations -> stage + 1, gradients -> stage - 1      (two lax.ppermute over "stage")
+    for each segment:                              lax.scan, trip count = repeats
+        for each of its `period` steps (unrolled):
+            op = table.op[t, stage]                lax.switch: idle / forward / backward
+            for each stage pair sending this step (static, `table.step_sends`):
+                one lax.ppermute over "stage": activation s -> s + 1, or gradient s -> s - 1
 
-so a new schedule is a new table, not a new executor (`_check_table` states what a table must
-satisfy: a stage's input arrives from its neighbour's compute of the step before).
+so each compiled collective-permute execution is one DeepSpeed SendActivation / SendGrad
+instruction (M (S - 1) of each per data replica), not a permute of every pair on every step.
+A new schedule is a new table, not a new executor (`_check_table` states what a table must
+satisfy: a stage's input arrives from its neighbour's compute of the step before). A step's
+forward and backward run under `FORWARD_SCOPE` / `BACKWARD_SCOPE` (`jax.named_scope`), so the
+HLO names which collectives belong to a schedule op.
 
-Forward on stage s: x = embed(tokens) on the first stage, else the activation received; x is
-stored in stash buffer `buffer` (the stage's *input* only); the stage's blocks run; on the last
-stage the head and the loss too. Backward: the stage's forward is recomputed from the stashed
-input under `jax.vjp` (plus the head and loss on the last stage, plus the embedding's vjp on
-the first). Storing inputs instead of residuals keeps one activation [mb, T, D] per buffer, not
-every layer's intermediates (attention scores [mb, H, T, T] included): DeepSpeed's pipeline
-users turn on activation checkpointing for the same reason. The stash has
-`max(num_pipe_buffers)` buffers: 1F1B's min(S, M) (at least 2), GPipe's M.
+Compile time grows with the unrolled steps (about 4(S - 1) + 2 for 1F1B, independent of M);
+each unrolled step builds only the branches some stage takes in it (no backward in a
+forward-only warm-up step, no embedding where the first stage does not run a forward).
+
+Forward on stage s: x = embed(tokens) on the first stage, else the activation received; the
+stage's blocks run; on the last stage the head and the loss too. What the forward keeps in stash
+buffer `buffer` for its backward is `ZeroConfig.remat` (`zeroxla.engine.remat`), as in the plain
+step:
+  "none" (the default; DeepSpeed without activation checkpointing): the blocks run under
+      `jax.vjp` and their residuals are kept, less those that are parameters (or, under
+      ZeRO-3 per-micro-batch gathers, the `GatheredStack`'s shards): those are taken again in
+      backward, never stored per buffer. The last stage's loss cotangent is known in forward,
+      so its head's backward runs right there and only d_y [mb, T, D] is kept. Backward
+      applies the kept vjp: no recompute (the first stage re-runs its embedding lookup, a
+      gather, for the embedding's vjp).
+  "full": only the stage input x [mb, T, D] is kept; backward recomputes the stage's forward
+      under `jax.vjp` (plus the head and loss on the last stage, the embedding on the first):
+      about one more forward's FLOPs, one activation per buffer instead of every layer's
+      intermediates (attention scores [mb, H, T, T] included).
+  a checkpoint policy ("dots_saveable", ...): as "none", keeping what the policy saves.
+The stash has `max(num_pipe_buffers)` buffers: 1F1B's min(S, M) (at least 2), GPipe's M.
 
 Each stage stores only its own layers (`zeroxla.pipeline.storage`: the stacked leaves split over
 the stage axis in `max_layers` slots per stage, padding slots masked; partitioned over the data
@@ -51,13 +72,20 @@ from jax import lax
 
 from zeroxla.collectives import zero as collectives
 from zeroxla.collectives.wire import all_gather_dim
+from zeroxla.engine import remat
 from zeroxla.engine.gather import GatheredStack
 from zeroxla.engine.loss import next_token_loss, normalizer, token_cross_entropy
 from zeroxla.models.layers import call_block, default_positions
 from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.split import BLOCKS_PREFIX, StageSplit, layer_list, split_stages
 from zeroxla.pipeline.storage import stage_local
-from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, ScheduleTable, schedule_table
+from zeroxla.pipeline.table import (BACKWARD, FORWARD, IDLE, ScheduleTable, Segment, StepSends,
+                                    schedule_table, send_segments, step_sends)
+
+# `jax.named_scope`s around a stage's forward and backward work, so an HLO reading can tell the
+# collectives of each schedule op (ZeRO-3 gathers, reduce-scatters) from those of the loop.
+FORWARD_SCOPE = "pipeline_forward"
+BACKWARD_SCOPE = "pipeline_backward"
 
 
 def _check_table(table: ScheduleTable) -> None:
@@ -135,12 +163,14 @@ class PipelineExecutor:
         self.table: ScheduleTable = schedule_table(config.schedule_class, config.micro_batches,
                                                    self.stages)
         _check_table(self.table)
+        self.segments: tuple[Segment, ...] = send_segments(self.table)
         graphdef, state = nnx.split(model.blocks.layers)
         paths = tuple(BLOCKS_PREFIX + "layers/" + "/".join(map(str, p))
                       for p, _ in nnx.to_flat_state(state))
         self.block = _Block(graphdef, jax.tree.structure(state), paths)
         self.num_layers = model.blocks.num_layers
         self.num_buffers = max(self.table.num_pipe_buffers)
+        self.remat = step.config.remat          # what a forward keeps for its backward
 
     # ------------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -206,7 +236,8 @@ class PipelineExecutor:
         if any(self._gathers_per_micro_batch(plan[p]) for p in self.block.paths):
             lmax = self.split.max_layers
             leaves = tuple(stage_local(plan[p], lmax) for p in self.block.paths)
-            stack = GatheredStack(self.block, leaves, step.comm, step.config.prefetch)
+            stack = GatheredStack(self.block, leaves, step.comm, step.config.prefetch,
+                                  remat=self.remat)
 
         def model_of(p):
             return step.model_def.module({**frozen, **p}, {}, None)
@@ -215,15 +246,29 @@ class PipelineExecutor:
             tokens = micro["inputs"]
             return model_of(p).embed(tokens, default_positions(tokens)).astype(dtype)
 
-        def blocks(p, x, positions):                           # [mb, T, D] -> [mb, T, D]
-            full = [{**frozen, **p}[path] for path in self.block.paths]
-            if stack is not None:
+        def blocks_of(full, x, positions):                     # [mb, T, D] -> [mb, T, D]
+            if stack is not None:                              # full: the blocks' shards
                 return stack(full, x, (positions,), mask)[0]
 
             def body(h, per_layer):
                 layer, keep = per_layer
                 return self.block(layer, h, (positions,), keep)[0], None
             return lax.scan(body, x, (full, mask))[0]
+
+        def blocks(p, x, positions):
+            return blocks_of([{**frozen, **p}[path] for path in self.block.paths], x, positions)
+
+        # remat "none" (or a checkpoint policy): forward keeps the blocks' vjp residuals less
+        # the parameters (`linearize_keeping`: a residual that *is* a parameter or shard is
+        # taken from `block_full` again in backward, never stashed per buffer). A GatheredStack
+        # applies the policy per layer itself, so the vjp around it keeps no policy of its own.
+        block_leaves = tuple(plan[path] for path in self.block.paths)
+        block_full = [values[path] for path in self.block.paths]
+        policy = remat.NONE if stack is not None else self.remat
+
+        def linearized_blocks(x, positions):                   # (y, kept, layout)
+            return remat.linearize_keeping(lambda full, x: blocks_of(full, x, positions),
+                                           block_leaves, block_full, x, policy)
 
         def head_terms(p, y, micro):                            # (loss sum, token count)
             return token_cross_entropy(model_of(p).head(y), micro)
@@ -237,61 +282,162 @@ class PipelineExecutor:
         act = jax.eval_shape(embed, trainable, first_micro)
         zeros_act = jnp.zeros(act.shape, act.dtype)
         f32 = jnp.float32
+        keeps_residuals = self.remat != remat.FULL
+        layouts: list[Any] = []       # the blocks' vjp layout: static, the same in every trace
+        kept_shapes: list[Any] = []   # each kept residual's shape, per buffer
+        if keeps_residuals:
+            def probe(x, positions):
+                _, kept, layout = linearized_blocks(x, positions)
+                layouts.append(layout)
+                return kept
+            kept_shapes = jax.eval_shape(probe, act, default_positions(first_micro["inputs"]))
 
-        def tick(carry, row):
+        def compute(c, row, work):
+            """This stage's work in one step. `row` holds the step's [S] op / micro-batch /
+            buffer; `work` (static) maps each op to the stages that may run it in this step:
+            only those branches are built (no backward in a forward-only step, no embedding
+            where the first stage runs no forward, ...), which keeps the unrolled steps cheap
+            to compile. Returns (carry, forward output or zeros, input gradient or zeros)."""
             op, m, buf = (jnp.maximum(row[k][stage], 0) for k in ("op", "micro_batch", "buffer"))
             micro = jax.tree.map(lambda a: a[m], micro_batches)
             positions = default_positions(micro["inputs"])
+
+            def branch(pred, stages, where, true_fn, false_fn):
+                """`lax.cond(pred, ...)`, or the one side any of `stages` takes."""
+                sides = {where(s) for s in stages}
+                if sides == {True}:
+                    return true_fn()
+                if sides == {False}:
+                    return false_fn()
+                return lax.cond(pred, true_fn, false_fn)
+
+            def first(s):
+                return s == 0
+
+            def last(s):
+                return s == S - 1
 
             def idle(c):
                 return c, zeros_act, zeros_act
 
             def forward(c):
-                x = lax.cond(is_first, lambda: embed(trainable, micro), lambda: c["act"])
-                y = blocks(trainable, x, positions)
-                total, count = lax.cond(is_last, lambda: head_terms(trainable, y, micro),
-                                        lambda: (f32(0), f32(0)))
-                c = {**c, "stash": c["stash"].at[buf].set(x), "total": c["total"] + total,
-                     "count": c["count"] + count}
-                return c, y.astype(act.dtype), zeros_act
+                fwd = work[FORWARD]
+                with jax.named_scope(FORWARD_SCOPE):
+                    x = branch(is_first, fwd, first, lambda: embed(trainable, micro),
+                               lambda: c["act"])
+                    if not keeps_residuals:               # remat "full": keep the input only
+                        y = blocks(trainable, x, positions)
+                        total, count = branch(is_last, fwd, last,
+                                              lambda: head_terms(trainable, y, micro),
+                                              lambda: (f32(0), f32(0)))
+                        return ({**c, "stash": c["stash"].at[buf].set(x),
+                                 "total": c["total"] + total, "count": c["count"] + count},
+                                y.astype(act.dtype), zeros_act)
+                    y, kept, layout = linearized_blocks(x, positions)
+                    if layout.slots != layouts[0].slots:
+                        raise AssertionError("the stage's residuals differ between traces")
+
+                    def with_head():
+                        # The loss's cotangent is known now, so the head's backward runs here
+                        # and only its input gradient d_y [mb, T, D] waits for the backward.
+                        def loss(p, y):
+                            total, count = head_terms(p, y, micro)
+                            return total * seed, (total, count)
+                        _, pullback, (total, count) = jax.vjp(loss, trainable, y,
+                                                              has_aux=True)
+                        d_p, d_y = pullback(f32(1))
+                        return (total, count, accumulate(c["grads"], d_p),
+                                d_y.astype(act.dtype))
+
+                    total, count, grads, d_y = branch(
+                        is_last, fwd, last, with_head,
+                        lambda: (f32(0), f32(0), c["grads"], zeros_act))
+                    return ({**c, "stash": c["stash"].at[buf].set(d_y), "grads": grads,
+                             "kept": [k.at[buf].set(v) for k, v in zip(c["kept"], kept)],
+                             "total": c["total"] + total, "count": c["count"] + count},
+                            y.astype(act.dtype), zeros_act)
 
             def backward(c):
-                x = c["stash"][buf]                            # the stage input, recomputed
+                bwd = work[BACKWARD]
+                with jax.named_scope(BACKWARD_SCOPE):
+                    if keeps_residuals:                   # the blocks' kept vjp, no recompute
+                        d_y = branch(is_last, bwd, last, lambda: c["stash"][buf],
+                                     lambda: c["grad"])
+                        kept = [k[buf] for k in c["kept"]]
+                        d_full, d_x = layouts[0].cotangents(kept, block_full, d_y)
+                        d_p = dict(zip(self.block.paths, d_full))   # the blocks' leaves only
+                    else:                                 # remat "full": recompute the stage
+                        x = c["stash"][buf]
 
-                def last():
-                    def loss(p, x):
-                        return head_terms(p, blocks(p, x, positions), micro)[0] * seed
-                    return jax.vjp(loss, trainable, x)[1](f32(1))
+                        def with_head():
+                            def loss(p, x):
+                                return head_terms(p, blocks(p, x, positions), micro)[0] * seed
+                            return jax.vjp(loss, trainable, x)[1](f32(1))
 
-                def middle():
-                    return jax.vjp(lambda p, x: blocks(p, x, positions), trainable, x)[1](
-                        c["grad"])
+                        def blocks_only():
+                            return jax.vjp(lambda p, x: blocks(p, x, positions), trainable,
+                                           x)[1](c["grad"])
 
-                d_p, d_x = lax.cond(is_last, last, middle)
-                d_embed = lax.cond(
-                    is_first, lambda: jax.vjp(lambda p: embed(p, micro), trainable)[1](d_x)[0],
-                    lambda: jax.tree.map(jnp.zeros_like, trainable))
-                grads = jax.tree.map(lambda g, a, b: g + a.astype(f32) + b.astype(f32),
-                                     c["grads"], d_p, d_embed)
-                return {**c, "grads": grads}, zeros_act, d_x.astype(act.dtype)
+                        d_p, d_x = branch(is_last, bwd, last, with_head, blocks_only)
+                    d_embed = branch(
+                        is_first, bwd, first,
+                        lambda: jax.vjp(lambda p: embed(p, micro), trainable)[1](d_x)[0],
+                        lambda: jax.tree.map(jnp.zeros_like, trainable))
+                    grads = accumulate(accumulate(c["grads"], d_p), d_embed)
+                    return {**c, "grads": grads}, zeros_act, d_x.astype(act.dtype)
 
-            carry, act_out, grad_out = lax.switch(op, [idle, forward, backward], carry)
-            if S > 1:       # what this tick computed reaches the neighbour for the next tick
-                carry = {**carry,
-                         "act": lax.ppermute(act_out, axes.stage,
-                                             [(s, s + 1) for s in range(S - 1)]),
-                         "grad": lax.ppermute(grad_out, axes.stage,
-                                              [(s + 1, s) for s in range(S - 1)])}
-            return carry, None
+            branches = {IDLE: idle, FORWARD: forward, BACKWARD: backward}
+            ops = sorted(work)
+            if len(ops) == 1:
+                return branches[ops[0]](c)
+            index = jnp.asarray([ops.index(o) if o in ops else 0 for o in sorted(branches)],
+                                jnp.int32)[op]
+            return lax.switch(index, [branches[o] for o in ops], c)
 
+        def accumulate(grads, d_p):                 # float32 sums; d_p: some or all paths
+            return {**grads, **{path: grads[path] + d.astype(f32) for path, d in d_p.items()
+                                if d is not None}}
+
+        def send(out, senders, hop):
+            """`out` of each stage in `senders` to stage + hop, one ppermute per pair (one per
+            DeepSpeed Send instruction); the other stages receive zeros, hence the sum."""
+            received = [lax.ppermute(out, axes.stage, [(s, s + hop)]) for s in senders]
+            return sum(received[1:], received[0]) if received else zeros_act
+
+        def tick(c, row, work, sends: StepSends):
+            c, act_out, grad_out = compute(c, row, work)
+            # What this step computed is the neighbour's input in the next step.
+            return {**c, "act": send(act_out, sends.activations, +1),
+                    "grad": send(grad_out, sends.grads, -1)}
+
+        # Per buffer: the stage input (remat "full"), or the last stage's head gradient d_y
+        # and the blocks' kept residuals (remat "none" / a policy).
         carry = {"stash": jnp.zeros((self.num_buffers, *act.shape), act.dtype),  # [NB, mb, T, D]
+                 "kept": [jnp.zeros((self.num_buffers, *k.shape), k.dtype) for k in kept_shapes],
                  "act": zeros_act, "grad": zeros_act,
                  "grads": jax.tree.map(lambda v: jnp.zeros(v.shape, f32), trainable),
                  "total": f32(0), "count": f32(0)}
-        rows = {k: jnp.asarray(v) for k, v in self.table.as_arrays().items()
+        rows = {k: v for k, v in self.table.as_arrays().items()
                 if k in ("op", "micro_batch", "buffer")}                       # [T, S] each
-        assert IDLE == 0 and FORWARD == 1 and BACKWARD == 2     # lax.switch branch order
-        carry, _ = lax.scan(tick, carry, rows)
+        sends = step_sends(self.table)                                         # [T]
+        for segment in self.segments:
+            # One scan per segment: `repeats` trips of `period` unrolled steps, each with its
+            # static sends, so the compiled permutes run exactly as often as the table sends.
+            xs = {k: jnp.asarray(v[segment.start:segment.stop].reshape(
+                segment.repeats, segment.period, S)) for k, v in rows.items()}  # [R, P, S]
+            phases = []
+            for p in range(segment.period):
+                work: dict[int, set[int]] = {}           # op -> stages running it
+                for t in range(segment.start + p, segment.stop, segment.period):
+                    for s, o in enumerate(self.table.op[t]):
+                        work.setdefault(o, set()).add(s)
+                phases.append((work, sends[segment.start + p]))
+
+            def body(c, xs, phases=tuple(phases)):
+                for p, (work, sent) in enumerate(phases):
+                    c = tick(c, {k: v[p] for k, v in xs.items()}, work, sent)
+                return c, None
+            carry, _ = lax.scan(body, carry, xs)
 
         # 3. Back to the plan's layout, reduced over data. A stage-split leaf's gradient is this
         #    stage's slots, already where it is stored; the others (the embedding, the head,

@@ -13,6 +13,11 @@ Within a step the table means, for every stage at once:
      `recv_grad` from stage + 1), and `load` fills a buffer with micro-batch `load_micro_batch`;
   3. the stage runs `op` on micro-batch `micro_batch` held in buffer `buffer`;
   4. where `optimizer_step` is 1, the batch's gradients are reduced and applied.
+
+`step_sends` gives, per step, the stage pairs that send at its end (each one of DeepSpeed's
+SendActivation / SendGrad instructions), and `segments` / `send_segments` cut the steps into
+runs that repeat one pattern of sends with period 1 or 2, so an executor can compile each run
+as one loop whose permutes are static.
 """
 
 from __future__ import annotations
@@ -166,3 +171,88 @@ def bubble_fraction(schedule_class: type[PipeSchedule], micro_batches: int, stag
     """The fraction of (stage, step) slots in which a stage computes nothing, counting a forward
     and a backward as one slot each; see `ScheduleTable.bubble_fraction`."""
     return schedule_table(schedule_class, micro_batches, stages).bubble_fraction
+
+
+# ----------------------------------------------------------------------------------------------
+# What crosses between stages at the end of each step, and runs of steps that repeat it.
+
+@dataclasses.dataclass(frozen=True)
+class StepSends:
+    """The stage pairs that exchange results at the end of one step.
+
+    A stage's forward output of step t is its neighbour's input in step t + 1 (the executor's
+    one-hop-per-step rule), so these are DeepSpeed's SendActivation / SendGrad instructions of
+    step t + 1, issued where the result is made.
+    """
+
+    activations: tuple[int, ...]          # stages s whose forward output goes to s + 1
+    grads: tuple[int, ...]                # stages s whose input gradient goes to s - 1
+
+
+def step_sends(table: ScheduleTable) -> tuple[StepSends, ...]:
+    """[T] the sends at the end of each step: stage s sends its activation to s + 1 where it
+    ran a forward and s < S - 1, its input gradient to s - 1 where it ran a backward and s > 0.
+    Over the batch that is M (S - 1) of each, one per SendActivation / SendGrad instruction."""
+    last = table.stages - 1
+    return tuple(StepSends(
+        activations=tuple(s for s, op in enumerate(row) if op == FORWARD and s < last),
+        grads=tuple(s for s, op in enumerate(row) if op == BACKWARD and s > 0))
+        for row in table.op)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Steps [start, stop) as `repeats` repetitions of a `period`-step pattern."""
+
+    start: int
+    period: int
+    repeats: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+
+def segments(pattern: tuple[Any, ...], max_period: int = 2) -> tuple[Segment, ...]:
+    """Cuts the steps of `pattern` ([T] comparable items, one per step) into consecutive
+    segments, each a run of one item (period 1) or of a repeating sequence of up to `max_period`
+    items, covering [0, T) in order.
+
+    An executor compiles `period` step bodies per segment and loops over `repeats`, so this
+    minimises the total of the periods (then the number of segments): 1F1B's steady state
+    alternates forward and backward steps (period 2), GPipe's phases are period 1, warm-up and
+    cool-down steps become short segments of their own.
+    """
+    if not isinstance(max_period, int) or max_period < 1:
+        raise ValueError(f"segments: max_period={max_period!r} is invalid; accepted: an "
+                         "integer >= 1")
+    pattern = tuple(pattern)
+    n = len(pattern)
+
+    def repeats_from(start: int, period: int) -> int:        # longest run of the first period
+        unit = pattern[start:start + period]
+        count = 0
+        while (start + (count + 1) * period <= n
+               and pattern[start + count * period:start + (count + 1) * period] == unit):
+            count += 1
+        return count
+
+    # best[i]: (compiled step bodies, segments) for steps [i, n), and the first segment.
+    best: list[tuple[tuple[int, int], Segment | None]] = [((0, 0), None)] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        options = []
+        for period in range(1, max_period + 1):
+            for repeats in range(1, repeats_from(i, period) + 1):
+                (bodies, count), _ = best[i + period * repeats]
+                options.append(((bodies + period, count + 1), Segment(i, period, repeats)))
+        best[i] = min(options, key=lambda option: option[0])
+    found, i = [], 0
+    while i < n:
+        found.append(best[i][1])
+        i = found[-1].stop
+    return tuple(found)
+
+
+def send_segments(table: ScheduleTable) -> tuple[Segment, ...]:
+    """`segments` of the table's per-step sends (`step_sends`)."""
+    return segments(step_sends(table))

@@ -48,17 +48,21 @@ def _bytes(ops, name, types):
                for shape, t in operands if t in types)
 
 
-@pytest.fixture(scope="module")
-def lowered():
+def _lower(**config):
+    """The bf16 AdamW step on gpt-tiny (2 x 4 mesh), lowered for CPU and for CUDA."""
     step = zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(2, 4),
                              optimizer=optax.adamw(1e-3),
-                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=500,
-                                                       compute_dtype="bfloat16"))
+                             config=zeroxla.ZeroConfig(compute_dtype="bfloat16", **config))
     state = step.init()
     tokens = np.zeros((16, 32), np.int32)
     traced = step._jitted.trace(state, {"inputs": tokens, "targets": tokens})
     return {platform: _ops(traced.lower(lowering_platforms=(platform,)))
             for platform in ("cpu", "cuda")}
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    return _lower(stage=3, persistence_threshold=500)
 
 
 def test_cuda_program_has_native_bf16_collectives(lowered):
@@ -85,3 +89,21 @@ def test_bytes_per_parameter_equal_on_both(lowered):
     assert _bytes(cpu, "all_to_all", {"ui16"}) == _bytes(cuda, "reduce_scatter", {"bf16"}) > 0
     assert _bytes(cpu, "all_gather", {"f32"}) == _bytes(cuda, "all_gather", {"f32"})
     assert _bytes(cpu, "all_reduce", {"f32"}) == _bytes(cuda, "all_reduce", {"f32"})
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stages_0_to_2_move_bf16_on_cuda(stage):
+    """Under bf16 compute, stages 0-2 reduce gradients and (stages 1-2) gather the updated
+    parameters in 16 bits: on CUDA as native bf16 reduce-scatters and all-gathers (stage 0-1's
+    all-reduce is its two halves), on CPU as the raw-bits workaround, with the same bytes; only
+    the float32 loss and token count scalars are all-reduced."""
+    ops = _lower(stage=stage)
+    cpu, cuda = ops["cpu"], ops["cuda"]
+    names = {op for op, _ in cuda}
+    assert "all_to_all" not in names and {"reduce_scatter", "all_gather"} <= names
+    assert {t for op, operands in cuda if op in ("all_gather", "reduce_scatter")
+            for _, t in operands} == {"bf16"}
+    assert all(math.prod(shape) == 1 and t == "f32"
+               for op, operands in cuda if op == "all_reduce" for shape, t in operands)
+    assert _bytes(cpu, "all_gather", {"ui16"}) == _bytes(cuda, "all_gather", {"bf16"}) > 0
+    assert _bytes(cpu, "all_to_all", {"ui16"}) == _bytes(cuda, "reduce_scatter", {"bf16"}) > 0

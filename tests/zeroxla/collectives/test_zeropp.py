@@ -1,5 +1,6 @@
 """ZeRO++ in the training step: cross-node traffic, hpZ locality and equivalence, convergence."""
 
+import functools
 
 import numpy as np
 import optax
@@ -21,6 +22,7 @@ def _step(model_name, threshold=1000, dtype="bfloat16", **zeropp):
                              optimizer=optax.adamw(1e-3), config=config)
 
 
+@functools.cache        # a report compiles gpt-small: tests that ask for one config share it
 def _cross_node(model_name, **zeropp):
     step = _step(model_name, **zeropp)
     return comm_report(step, step.init(), token_batches(1, 32, 64, vocab=65)[0])
@@ -119,10 +121,12 @@ def zero3_converged():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("features", [
-    ALL, dict(quantized_weights=True), dict(hpz_partition_size=4),
-    dict(quantized_gradients=True)], ids=["zeropp", "qwz", "hpz", "qgz"])
+    ALL, dict(quantized_weights=True), dict(quantized_gradients=True)],
+    ids=["zeropp", "qwz", "qgz"])
 def test_convergence_matches_zero3(zero3_converged, features):
-    """DeepSpeed's nightly ZeRO++ test allows 1.1x; we hold 1.05x over the last 100 steps."""
+    """DeepSpeed's nightly ZeRO++ test allows 1.1x; we hold 1.05x over the last 100 steps.
+    hpZ alone is not here: without quantization it trains like ZeRO-3 to 1e-6
+    (`test_hpz_equivalence_20_steps`), and it is part of the "zeropp" run."""
     step, mean, _ = _train_300(**features)
     print(f"mean loss of the last 100 of 300 steps: {mean:.4f} vs ZeRO-3 {zero3_converged:.4f} "
           f"({mean / zero3_converged:.4f}x)")

@@ -1,5 +1,6 @@
-"""Stages 1-2 under bf16/fp16: a float32 master partition plus a replicated 16-bit compute copy
-(`zeroxla.engine.plan.MasterWithCopy`), DeepSpeed's bf16/fp16 optimizer layout."""
+"""Stages 1-2 (and stage 3's persistent leaves) under bf16/fp16: a float32 master partition plus
+a replicated 16-bit compute copy (`zeroxla.engine.plan.MasterWithCopy`), DeepSpeed's bf16/fp16
+optimizer layout."""
 
 import jax
 import numpy as np
@@ -77,3 +78,62 @@ def test_checkpoint_keeps_the_float32_master(stage, tmp_path):
     for leaf in step.plan.leaves:
         np.testing.assert_array_equal(np.asarray(leaf.storage_to_logical(
             again.params[leaf.path])), logical[leaf.path])
+
+
+def _stage3(dtype, threshold=500):
+    return zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.5),
+                             config=zeroxla.ZeroConfig(stage=3, compute_dtype=dtype,
+                                                       persistence_threshold=threshold))
+
+
+def test_stage3_persistent_leaves_gather_their_update_in_16_bits():
+    """Stage 3's persistent leaves (replicated, optimizer state partitioned) are stored like
+    stages 1-2's under bf16: a float32 master partition and a bf16 copy, so the all-gather after
+    the optimizer, which only they need at stage 3, moves half the float32 bytes (compiled
+    program, `comm_report`)."""
+    from zeroxla.analysis.comm_report import comm_report
+
+    batch = BATCHES[0]
+    update = {}
+    for dtype in ("float32", "bfloat16"):
+        step = _stage3(dtype)
+        persistent = [leaf for leaf in step.plan.trainable_leaves
+                      if leaf.persistent and leaf.optimizer_partitioned]
+        assert persistent
+        assert all(leaf.has_compute_copy == (dtype == "bfloat16") for leaf in persistent)
+        assert not any(leaf.has_compute_copy for leaf in step.plan.leaves
+                       if leaf.params_partitioned)
+        update[dtype] = comm_report(step, step.init(), batch).traffic(
+            phase="zero_param_update").total
+    assert update["float32"] > 0
+    assert update["bfloat16"] == 0.5 * update["float32"]
+
+
+def test_stage3_bf16_with_persistent_copies_tracks_float32_single_device():
+    """Stage 3 under bf16, the persistent leaves stored as a float32 master partition plus a
+    bf16 copy: SGD training tracks plain float32 single-device training to bf16's precision
+    (losses rtol 2e-3; the parameters' distance from the reference under 3% of the distance
+    they travelled), and each copy is its master rounded to bf16."""
+    from flax import nnx
+    from reference import distance_over_travelled, flat_params, train_single_device
+
+    batches = token_batches(3, 16, 16, vocab=65, seed=4)
+    expected_losses, expected = train_single_device(models.build("gpt-tiny", seed=1),
+                                                    optax.sgd(0.5), batches)
+    step = _stage3("bfloat16")
+    state, losses = step.init(), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected_losses, rtol=2e-3)
+    got = flat_params(zeroxla.gather_params(state))
+    initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))
+    assert distance_over_travelled(got, expected, initial) < 0.03
+    for leaf in step.plan.leaves:
+        if leaf.has_compute_copy:
+            stored = state.params[leaf.path]
+            assert isinstance(stored, MasterWithCopy)
+            np.testing.assert_array_equal(
+                np.asarray(stored.compute),
+                np.asarray(leaf.storage_to_logical(stored)).astype(stored.compute.dtype))

@@ -181,6 +181,43 @@ def test_model_committed_to_one_device_trains_as_on_one_device():
     _assert_params_close(flat_params(zeroxla.gather_params(state)), expected)
 
 
+TIED = ["tied by a shared nnx.Embed", "tied by a shared nnx.Param"]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("name", TIED)
+def test_tied_weight_at_stage_2_matches_single_device(name, accumulation):
+    """ZeRO-2 reduce-scatters a weight used by two calls (the shared `nnx.Embed`, called as
+    `embed` and `attend`; the shared `nnx.Param`, read by the root and the head) once, after
+    autodiff has summed both uses; the model trains as on one device, with micro-batches too."""
+    batches = token_batches(3, 16, 8, vocab=V, seed=1)
+    expected_losses, expected = train_single_device(LANGUAGE_MODELS[name](), optax.sgd(0.5),
+                                                    batches)
+    step = zeroxla.make_step(LANGUAGE_MODELS[name](), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.5),
+                             config=CONFIG.replace(stage=2,
+                                                   gradient_accumulation_steps=accumulation))
+    state, losses = _train(step, batches)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    _assert_params_close(flat_params(zeroxla.gather_params(state)), expected)
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_tied_weight_is_reduce_scattered_once_at_stage_2(name):
+    """Under bf16 the gradient reduce-scatter is a 16-bit all-to-all (XLA:CPU's wire format),
+    which XLA cannot merge: its bytes are every partitioned gradient's, the tied one once."""
+    from zeroxla.analysis.comm_report import comm_report
+
+    step = zeroxla.make_step(LANGUAGE_MODELS[name](), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.5),
+                             config=CONFIG.replace(stage=2, compute_dtype="bfloat16"))
+    report = comm_report(step, step.init(), token_batches(1, 16, 8, vocab=V)[0])
+    scattered = [leaf for leaf in step.plan.trainable_leaves if leaf.optimizer_partitioned]
+    assert len(scattered) == len(step.plan.trainable_leaves)       # threshold 0: all of them
+    assert report.all_to_all_bytes() == sum(2 * leaf.layers * leaf.padded_numel
+                                            for leaf in scattered)
+
+
 @pytest.mark.parametrize("name, alias, canonical", [
     ("tied by a shared nnx.Embed", "unembed/embedding", "embed/embedding"),
     ("tied by a shared nnx.Param", "wte", "head/weight")])

@@ -3,10 +3,11 @@
 * Memory (`compiled.memory_analysis()`): the activation stash is bounded by the micro-batches in
   flight. From 4 to 16 micro-batches (fixed micro-batch size, 4 stages) GPipe's temporaries grow
   (it stashes every micro-batch) and 1F1B's stay flat (at most S - stage in flight).
-* Collective-permutes (`compiled.as_text()`, with loop trip counts): exactly the two the executor
-  issues per schedule step (activations to stage + 1, gradients to stage - 1), each run once per
-  step of the table, moving one micro-batch activation [mb, T, D] between the stage pairs of every
-  data replica.
+* Collective-permutes (`compiled.as_text()`, with loop trip counts): one execution per DeepSpeed
+  SendActivation / SendGrad instruction of the schedule, counted from every stage's stream:
+  each permute moves one micro-batch activation [mb, T, D] between ONE stage pair (in every data
+  replica), and summed over the loop trips, each stage pair carries exactly as many activations
+  (gradients) as the sending stage's stream has SendActivation (SendGrad) instructions.
 """
 
 import functools
@@ -20,6 +21,7 @@ import pytest
 import zeroxla
 from zeroxla import models
 from zeroxla.analysis.hlo import collectives
+from zeroxla.pipeline import SendActivation, SendGrad
 
 pytestmark = pytest.mark.slow
 
@@ -47,32 +49,47 @@ def test_1f1b_stash_is_flat_in_micro_batches_and_gpipe_grows():
     stash_buffer = MICRO_BATCH * SEQ * D_MODEL * 4                    # one [mb, T, D] float32
     gpipe_growth = temps["gpipe", 16] - temps["gpipe", 4]
     one_f_one_b_growth = temps["1f1b", 16] - temps["1f1b", 4]
-    # GPipe keeps 12 more micro-batches' stage inputs; 1F1B keeps min(S, M) = 4 either way.
+    # GPipe keeps 12 more micro-batches' stashes (each at least an [mb, T, D]: the stage's vjp
+    # residuals under the default remat "none"); 1F1B keeps min(S, M) = 4 either way.
     assert gpipe_growth >= 12 * stash_buffer, temps
     assert one_f_one_b_growth <= 0.1 * gpipe_growth, temps
     assert temps["1f1b", 16] < temps["gpipe", 16]
 
 
-@pytest.mark.parametrize("schedule,micro_batches", [("1f1b", 4), ("gpipe", 16)])
+def _sends_in_streams(schedule, micro_batches, instruction):
+    """{stage: how many `instruction`s its DeepSpeed stream issues} over one batch."""
+    schedule_class = zeroxla.PipelineConfig(micro_batches, schedule=schedule).schedule_class
+    return {s: sum(isinstance(i, instruction)
+                   for step in schedule_class(micro_batches, STAGES, s).steps() for i in step)
+            for s in range(STAGES)}
+
+
+@pytest.mark.parametrize("schedule,micro_batches", [("1f1b", 4), ("1f1b", 16), ("gpipe", 16)])
 def test_collective_permutes_are_what_the_table_implies(schedule, micro_batches):
     step, compiled = _compiled(schedule, micro_batches)
-    table = step.pipeline.table
     permutes = [c for c in collectives(compiled) if c.kind == "collective-permute"]
-    activation = MICRO_BATCH * SEQ * D_MODEL * 4                      # [mb, T, D] float32
-    assert len(permutes) == 2                                         # one each way per step
-    assert all(c.multiplier == table.num_steps == 2 * (micro_batches + STAGES - 1)
-               for c in permutes)
-    assert all(c.operand_bytes == activation for c in permutes)
-    # Per data replica, the S - 1 neighbour pairs, one way and the other.
-    grid = np.asarray(step.mesh.devices)                               # [stage, node, local]
+    grid = np.asarray(step.mesh.devices).reshape(STAGES, -1)          # [stage, data replica]
     position = {d: i for i, d in enumerate(step.mesh.devices.flat)}
-    up = {(position[grid[s, 0, j]], position[grid[s + 1, 0, j]])
-          for s in range(STAGES - 1) for j in range(grid.shape[2])}
-    down = {(b, a) for a, b in up}
-    assert sorted(set(c.device_pairs) for c in permutes) == sorted([up, down])
-    # Every send the table schedules rides one of these permutes: M (S - 1) activations and as
-    # many gradients, of the T (S - 1) slots the lockstep executor moves each way.
-    sends = sum(b >= 0 for row in table.send_activation for b in row)
-    grads = sum(b >= 0 for row in table.send_grad for b in row)
-    assert sends == grads == micro_batches * (STAGES - 1)
-    assert sends <= table.num_steps * (STAGES - 1)
+    stage_of = {position[d]: s for s in range(STAGES) for d in grid[s]}
+    activation = MICRO_BATCH * SEQ * D_MODEL * 4                      # [mb, T, D] float32
+
+    # Each permute moves one activation between one stage pair, in every data replica.
+    runs, sent_bytes = {}, {}                                         # (stage, hop) -> total
+    for c in permutes:
+        source, target = c.device_pairs[0]
+        s, hop = stage_of[source], stage_of[target] - stage_of[source]
+        assert hop in (1, -1), c.device_pairs
+        assert sorted(c.device_pairs) == sorted(
+            (position[a], position[b]) for a, b in zip(grid[s], grid[s + hop])), c.device_pairs
+        assert c.operand_bytes == activation
+        runs[s, hop] = runs.get((s, hop), 0) + c.multiplier
+        sent_bytes[s, hop] = sent_bytes.get((s, hop), 0) + c.multiplier * c.operand_bytes
+
+    # Summed over loop trips: one run per Send instruction of the sending stage's stream.
+    for hop, instruction in ((1, SendActivation), (-1, SendGrad)):
+        expected = {s: n for s, n in _sends_in_streams(schedule, micro_batches,
+                                                       instruction).items() if n}
+        assert sum(expected.values()) == micro_batches * (STAGES - 1)
+        assert {s: n for (s, h), n in runs.items() if h == hop} == expected
+        assert sum(b for (_, h), b in sent_bytes.items() if h == hop) == (
+            micro_batches * (STAGES - 1) * activation)
