@@ -13,6 +13,14 @@ Convention (the one ZeRO / ZeRO++ papers use for communication volume):
   that is its own target sends nothing).
 - A peer whose mesh coordinate along "node" differs is cross-node; the rest are intra-node.
 - A collective inside loops counts once per iteration (`Collective.multiplier`).
+- A collective inside a branch that only some steps of a loop take counts as often as the
+  branch runs, when the step says how often (`branch_executions()`, the pipeline executor's:
+  every stage runs M forwards and M backwards per step, while the compiled loops around its
+  `pipeline_forward` / `pipeline_backward` branches run more often than that). This is exact
+  when every compiled copy of a branch holds the same collectives (the default remat "none");
+  under remat "full" with ZeRO-3 per-micro-batch gathers XLA merges some recompute gathers in
+  some copies only, and the count is their average. Other branches of `lax.cond` /
+  `lax.switch` count as if taken (an upper bound).
 - Bytes are per device: averaged over the mesh's devices, and for the busiest device (max).
 - The phase is the innermost of the engine's `jax.named_scope` names ("zero_fwd_gather",
   "zero_bwd_gather", "zero_grad_reduce", "zero_param_update") found in the collective's
@@ -25,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -71,8 +80,9 @@ class CollectiveTraffic:
 
     collective: Collective
     phase: str
-    intra_node: np.ndarray  # [devices], all executions (x multiplier)
+    intra_node: np.ndarray  # [devices], all executions
     cross_node: np.ndarray  # [devices]
+    executions: Fraction = Fraction(1)    # per step: the multiplier, x a branch's share
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,10 +138,10 @@ class CommReport:
 
     # -- payload ("traffic" as full payload S x executions) ----------------------------------
 
-    def payload_bytes(self, kind: str, phase: str | None = None) -> int:
-        """Sum of S x multiplier over the collectives of `kind` (in `phase`, if given)."""
-        return sum(entry.collective.payload_bytes * entry.collective.multiplier
-                   for entry in self._select(kind, phase))
+    def payload_bytes(self, kind: str, phase: str | None = None) -> int | float:
+        """Sum of S x executions over the collectives of `kind` (in `phase`, if given)."""
+        return _number(sum((entry.collective.payload_bytes * entry.executions
+                            for entry in self._select(kind, phase)), Fraction(0)))
 
     def all_gather_bytes(self, phase: str | None = None) -> int:
         """Gathered-output bytes of all all-gathers, x multiplier."""
@@ -153,9 +163,10 @@ class CommReport:
         """Operand bytes of all collective-permutes, x multiplier."""
         return self.payload_bytes("collective-permute", phase)
 
-    def count(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Executions per run (sum of multipliers) of the collectives of `kind` in `phase`."""
-        return sum(entry.collective.multiplier for entry in self._select(kind, phase))
+    def count(self, kind: str | None = None, phase: str | None = None) -> int | float:
+        """Executions per run (sum of `executions`) of the collectives of `kind` in `phase`."""
+        return _number(sum((entry.executions for entry in self._select(kind, phase)),
+                           Fraction(0)))
 
     # -- output ------------------------------------------------------------------------------
 
@@ -222,10 +233,16 @@ class CommReport:
 def _entry_dict(entry: CollectiveTraffic) -> dict[str, Any]:
     c = entry.collective
     return {"kind": c.kind, "name": c.name, "computation": c.computation, "phase": entry.phase,
-            "op_name": c.op_name, "multiplier": c.multiplier, "group_size": c.group_size,
+            "op_name": c.op_name, "multiplier": c.multiplier,
+            "executions": _number(entry.executions), "group_size": c.group_size,
             "payload_bytes": c.payload_bytes, "is_async": c.is_async,
             "intra_node_bytes": float(entry.intra_node.mean()),
             "cross_node_bytes": float(entry.cross_node.mean())}
+
+
+def _number(value: Fraction) -> int | float:
+    """An exact sum of executions as an int when whole (it is, summed over a whole branch)."""
+    return int(value) if value.denominator == 1 else float(value)
 
 
 def _human(num_bytes: float) -> str:
@@ -257,18 +274,35 @@ def comm_report(step_or_compiled: Any, *args: Any, mesh: Mesh | None = None) -> 
         raise ValueError("comm_report needs the mesh the program was compiled for: pass mesh=, "
                          "or a step with a .mesh attribute")
     _check_device_order(compiled, mesh)
-    report = report_from_collectives(collectives(compiled), mesh)
+    pipeline = getattr(step_or_compiled, "pipeline", None)
+    branches = pipeline.branch_executions() if hasattr(pipeline, "branch_executions") else {}
+    report = report_from_collectives(collectives(compiled), mesh, branches)
     describe = getattr(step_or_compiled, "describe_collectives", None)
     return dataclasses.replace(report, parameters=tuple(describe())) if describe else report
 
 
-def report_from_collectives(found: Iterable[Collective], mesh: Mesh) -> CommReport:
-    """A `CommReport` of already parsed collectives, for the devices of `mesh`."""
+def report_from_collectives(found: Iterable[Collective], mesh: Mesh,
+                            branches: Mapping[str, tuple[int, int]] | None = None
+                            ) -> CommReport:
+    """A `CommReport` of already parsed collectives, for the devices of `mesh`.
+
+    `branches` maps a `jax.named_scope` name to (how many times the compiled loops run the code
+    under it, how many times a device really runs it per step): a collective whose `op_name`
+    names the scope counts the second over the first of its multiplier (see the module
+    docstring)."""
     node_of = _node_of_device(mesh)
     entries = []
     for collective in found:
+        share = Fraction(1)
+        for scope, (compiled, runs) in (branches or {}).items():
+            if re.search(rf"(?<![A-Za-z0-9_]){re.escape(scope)}(?![A-Za-z0-9_])",
+                         collective.op_name):
+                share = Fraction(runs, compiled)
+                break
         intra, cross = _sent_bytes(collective, node_of)
-        entries.append(CollectiveTraffic(collective, phase_of(collective.op_name), intra, cross))
+        entries.append(CollectiveTraffic(collective, phase_of(collective.op_name),
+                                         intra * float(share), cross * float(share),
+                                         collective.multiplier * share))
     return CommReport(tuple(entries), dict(mesh.shape))
 
 

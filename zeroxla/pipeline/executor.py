@@ -194,6 +194,35 @@ class PipelineExecutor:
                 f"a global batch that is a multiple of {n * m}, or micro_batches dividing "
                 f"{batch_size // n if batch_size % n == 0 else batch_size / n}")
 
+    def _work(self, segment: Segment) -> list[dict[int, set[int]]]:
+        """Per unrolled step of `segment`: op -> the stages that run it there in some repeat
+        (the branches that step's compiled code holds)."""
+        works = []
+        for p in range(segment.period):
+            work: dict[int, set[int]] = {}
+            for t in range(segment.start + p, segment.stop, segment.period):
+                for s, op in enumerate(self.table.op[t]):
+                    work.setdefault(op, set()).add(s)
+            works.append(work)
+        return works
+
+    def branch_executions(self) -> dict[str, tuple[int, int]]:
+        """{scope: (compiled runs, real runs)} of the forward and backward branches, for the
+        comm report (`zeroxla.analysis.comm_report`). A compiled step holding a branch runs its
+        code `repeats` times as far as the loops say, whichever stages take it; a device really
+        runs M forwards and M backwards per step. The collectives under `FORWARD_SCOPE` /
+        `BACKWARD_SCOPE` then count M / (compiled runs) of their loop multiplier; that is exact
+        in the per-device total because every compiled copy of a branch holds the same
+        collectives and no branch inside them does (the blocks run outside the first/last-stage
+        conds)."""
+        compiled = {FORWARD: 0, BACKWARD: 0}
+        for segment in self.segments:
+            for work in self._work(segment):
+                for op in compiled:
+                    compiled[op] += segment.repeats if op in work else 0
+        m = self.config.micro_batches
+        return {FORWARD_SCOPE: (compiled[FORWARD], m), BACKWARD_SCOPE: (compiled[BACKWARD], m)}
+
     def _gathers_per_micro_batch(self, leaf: Any) -> bool:
         return (leaf.params_partitioned and leaf.stacked
                 and self.config.zero3_gather == "micro_batch")
@@ -367,18 +396,22 @@ class PipelineExecutor:
                         d_full, d_x = layouts[0].cotangents(kept, block_full, d_y)
                         d_p = dict(zip(self.block.paths, d_full))   # the blocks' leaves only
                     else:                                 # remat "full": recompute the stage
-                        x = c["stash"][buf]
+                        # The blocks' recompute and vjp sit outside the last-stage branch, so
+                        # their collectives are in the program once (`branch_executions`).
+                        y, pullback = jax.vjp(lambda p, x: blocks(p, x, positions), trainable,
+                                              c["stash"][buf])
 
                         def with_head():
-                            def loss(p, x):
-                                return head_terms(p, blocks(p, x, positions), micro)[0] * seed
-                            return jax.vjp(loss, trainable, x)[1](f32(1))
+                            def loss(p, y):
+                                return head_terms(p, y, micro)[0] * seed
+                            d_head, d_y = jax.vjp(loss, trainable, y)[1](f32(1))
+                            return d_head, d_y.astype(act.dtype)
 
-                        def blocks_only():
-                            return jax.vjp(lambda p, x: blocks(p, x, positions), trainable,
-                                           x)[1](c["grad"])
-
-                        d_p, d_x = branch(is_last, bwd, last, with_head, blocks_only)
+                        d_head, d_y = branch(
+                            is_last, bwd, last, with_head,
+                            lambda: (jax.tree.map(jnp.zeros_like, trainable), c["grad"]))
+                        d_p, d_x = pullback(d_y.astype(y.dtype))
+                        d_p = jax.tree.map(lambda a, b: a + b.astype(a.dtype), d_p, d_head)
                     d_embed = branch(
                         is_first, bwd, first,
                         lambda: jax.vjp(lambda p: embed(p, micro), trainable)[1](d_x)[0],
@@ -425,13 +458,8 @@ class PipelineExecutor:
             # static sends, so the compiled permutes run exactly as often as the table sends.
             xs = {k: jnp.asarray(v[segment.start:segment.stop].reshape(
                 segment.repeats, segment.period, S)) for k, v in rows.items()}  # [R, P, S]
-            phases = []
-            for p in range(segment.period):
-                work: dict[int, set[int]] = {}           # op -> stages running it
-                for t in range(segment.start + p, segment.stop, segment.period):
-                    for s, o in enumerate(self.table.op[t]):
-                        work.setdefault(o, set()).add(s)
-                phases.append((work, sends[segment.start + p]))
+            phases = [(work, sends[segment.start + p])
+                      for p, work in enumerate(self._work(segment))]
 
             def body(c, xs, phases=tuple(phases)):
                 for p, (work, sent) in enumerate(phases):

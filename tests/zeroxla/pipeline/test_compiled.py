@@ -20,6 +20,7 @@ import pytest
 
 import zeroxla
 from zeroxla import models
+from zeroxla.analysis.comm_report import comm_report
 from zeroxla.analysis.hlo import collectives
 from zeroxla.pipeline import SendActivation, SendGrad
 
@@ -93,3 +94,35 @@ def test_collective_permutes_are_what_the_table_implies(schedule, micro_batches)
         assert {s: n for (s, h), n in runs.items() if h == hop} == expected
         assert sum(b for (_, h), b in sent_bytes.items() if h == hop) == (
             micro_batches * (STAGES - 1) * activation)
+
+
+def test_comm_report_counts_the_stage_gathers_once_per_micro_batch():
+    """ZeRO-3 inside 2 stages, gathering per micro-batch, default remat "none": each device
+    gathers its stage's layers M times in forward, re-gathers them M times in backward and
+    reduce-scatters their gradients M times, whatever the loops around the pipeline's branches
+    say (`branch_executions`: each branch is compiled into 8 steps' code here, not 4).
+    (Under remat "full" XLA merges some of the recompute's gathers in some compiled steps and
+    not in others, so the report's per-step count is an average over them, not exact.)"""
+    stages, m, layers = 2, 4, 4
+    step = zeroxla.make_step(
+        models.build("gpt-tiny", num_layers=layers), zeroxla.make_mesh(1, stages=stages),
+        optimizer=optax.sgd(0.1),
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=500),
+        pipeline=zeroxla.PipelineConfig(m, zero3_gather="micro_batch"))
+    batch = {k: np.zeros((2 * m * step.data_size, 16), np.int32)
+             for k in ("inputs", "targets")}
+    report = comm_report(step, jax.eval_shape(step.init), batch)
+    compiled_runs = step.pipeline.branch_executions()
+    assert all(compiled > m for compiled, _ in compiled_runs.values())   # the loops over-run
+    # One stage's blocks gathered whole, float32: max_layers layers of every stacked leaf.
+    stage_blocks = step.pipeline.split.max_layers * sum(
+        4 * leaf.padded_numel for leaf in step.plan.leaves if leaf.stacked
+        and leaf.params_partitioned)
+
+    def payload(kind, scope):
+        return sum(e.collective.payload_bytes * e.executions for e in report.entries
+                   if e.collective.kind == kind and scope in e.collective.op_name)
+
+    assert payload("all-gather", "pipeline_forward") == m * stage_blocks
+    assert payload("all-gather", "pipeline_backward") == m * stage_blocks
+    assert payload("reduce-scatter", "pipeline_backward") == m * stage_blocks
