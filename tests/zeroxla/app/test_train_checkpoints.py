@@ -76,6 +76,7 @@ def interrupted_run(tmp_path_factory):
     """A run with --mesh 1x4 --zero-stage 2 --dtype bf16, stopped by Ctrl-C after a few steps;
     returns (run dir, the step it stopped at, stderr)."""
     run_dir = tmp_path_factory.mktemp("interrupted") / "run"
+    before = signal.getsignal(signal.SIGINT)    # Python's default; SIG_IGN in an xdist worker
     done = threading.Event()
     sender = threading.Thread(target=_interrupt_after,
                               args=(run_dir / rundir.METRICS_FILE, 3, done))
@@ -88,7 +89,7 @@ def interrupted_run(tmp_path_factory):
     finally:
         done.set()
         sender.join()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler restored
+    assert signal.getsignal(signal.SIGINT) is before                       # handler restored
     return run_dir, status, err.getvalue()
 
 
