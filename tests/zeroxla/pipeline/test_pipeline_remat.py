@@ -17,7 +17,7 @@ import pytest
 
 import zeroxla
 from zeroxla import models
-from reference import flat_params, token_batches
+from reference import flat_params, token_batches, train_single_device
 
 pytestmark = pytest.mark.slow
 
@@ -60,3 +60,17 @@ def test_none_trains_like_full_with_fewer_flops(zero_stage):
     for path in params:
         np.testing.assert_allclose(params[path], full_params[path], rtol=1e-6,
                                    atol=1e-6 * scale, err_msg=path)
+
+
+def test_full_trains_like_one_device():
+    """"full" (recompute the stage in backward) against plain optax on one device, not only
+    against "none": the same losses (rtol 1e-5) and parameters (rtol 1e-4, atol 1e-6)."""
+    losses, params, _ = _train(3, "full")
+    batches = token_batches(STEPS, BATCH, SEQ, vocab=65, seed=4)
+    expected_losses, expected = train_single_device(
+        models.build("gpt-tiny", seed=1, num_layers=4), optax.sgd(0.5, momentum=0.9), batches)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert params.keys() == expected.keys()
+    for path in expected:
+        np.testing.assert_allclose(params[path], expected[path], rtol=1e-4, atol=1e-6,
+                                   err_msg=path)
