@@ -89,7 +89,12 @@ import os, sys, time
 rank = int(os.environ["ZEROXLA_PROCESS_ID"])
 print(f"hello {rank} of {os.environ['ZEROXLA_NUM_PROCESSES']}", flush=True)
 print(f"flags {os.environ.get('XLA_FLAGS')}", file=sys.stderr, flush=True)
+if rank == 0:
+    open("rank0.printed", "w").close()     # rank 1 dies only once rank 0 has spoken
 if rank == 1:
+    deadline = time.monotonic() + 60
+    while not os.path.exists("rank0.printed") and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit(3)
 time.sleep(300)
 """
