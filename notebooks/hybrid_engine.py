@@ -37,7 +37,8 @@
 # `import jax`: it splits the CPU into 8 host devices, enough for a 2-node x 4-device mesh.
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +   # keeps flags you set
+                           " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import time

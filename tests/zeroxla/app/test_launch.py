@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import xla_flags
 
 from zeroxla.app import distributed, launch, rundir
 
@@ -20,10 +21,8 @@ def zeroxla(*args):
 
 
 def cpu_env():
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and k not in distributed.ENV_VARS}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    """No device count and no rank variables: the launcher sets both per rank."""
+    return {k: v for k, v in xla_flags.child_environ().items() if k not in distributed.ENV_VARS}
 
 
 # ---- the environment contract --------------------------------------------------------------------
@@ -113,7 +112,8 @@ def test_a_dead_rank_stops_the_others_and_launch_exits_naming_it(tmp_path):
     assert "stopping rank 0" in result.stderr
     assert elapsed < 60
     assert "[rank 0] hello 0 of 2" in result.stdout and "[rank 1] hello 1 of 2" in result.stdout
-    assert "[rank 1] flags --xla_force_host_platform_device_count=3" in result.stderr
+    assert (f"[rank 1] flags {xla_flags.CODEGEN_FLAGS} --xla_force_host_platform_device_count=3"
+            in result.stderr)
 
 
 def test_a_rank_killed_by_a_signal_is_named(tmp_path):

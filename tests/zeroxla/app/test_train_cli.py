@@ -10,6 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
+import xla_flags
 
 from zeroxla import models
 from zeroxla.app import cli
@@ -29,9 +30,8 @@ def command(*args):
 
 
 def run_command(args, tmp_path, timeout):
-    """Runs the command with no XLA_FLAGS, so the CLI has to set the device count itself."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    """Runs the command with no device count in XLA_FLAGS, so the CLI has to set it itself."""
+    env = xla_flags.child_environ()
     return subprocess.run(command(*args), cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -51,7 +51,10 @@ def train(devices):
 
 
 if __name__ == "__main__":
-    # Before the backend starts (XLA reads the flag then): this process's 4 devices.
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # Before the backend starts (XLA reads the flag then): this process's 4 devices, and the
+    # test's other XLA flags (tests/support/xla_flags.py), as `zeroxla launch` would set them.
+    from zeroxla.app.launch import with_device_count
+
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 4)
     os.environ["JAX_PLATFORMS"] = "cpu"
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,37 @@
+"""The XLA flags every test process runs with, in one place: conftest.py sets them for pytest's
+own process, and `child_environ()` hands them to the processes tests start (workers, `zeroxla
+train`, `zeroxla launch`, notebook kernels inherit them).
+
+`--xla_backend_optimization_level=0` runs XLA:CPU's LLVM code generation at -O0. The suite
+compiles about a thousand programs and runs each a few times on tiny shapes, so compile time is
+most of its time; -O0 cuts it by about a third (a gpt-tiny ZeRO-2 step: 10.1 -> 6.4 s of XLA
+compilation). It changes no HLO: `compiled.as_text()`, `memory_analysis()` and `cost_analysis()`
+are identical to an -O3 build, so every byte, memory and FLOP figure a test reads is what users
+get. Only machine code differs, and with it float results in the last bits (FMA contraction):
+gpt-tiny's third AdamW loss 3.74925423 at -O3, 3.74925447 at -O0. Every comparison in the suite is
+between programs built under these same flags, in this process or in one started with
+`child_environ()`. (Notebooks add their device count to the XLA_FLAGS they find, so their test
+kernels run with these flags too; users' runs get XLA's default.)
+"""
+
+import os
+from collections.abc import Mapping
+
+CODEGEN_FLAGS = "--xla_backend_optimization_level=0"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_codegen_flags(xla_flags: str) -> str:
+    """`xla_flags` with CODEGEN_FLAGS added (once)."""
+    return xla_flags if CODEGEN_FLAGS in xla_flags else f"{xla_flags} {CODEGEN_FLAGS}".strip()
+
+
+def child_environ(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment for a process a test starts that sets its own device count (`zeroxla
+    train`, `zeroxla launch --devices-per-proc`): `environ` with XLA_FLAGS holding only the
+    codegen flags, no device count, and JAX on the CPU."""
+    env = dict(environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    env["XLA_FLAGS"] = with_codegen_flags(" ".join(flags))
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
