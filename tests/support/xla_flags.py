@@ -26,12 +26,18 @@ def with_codegen_flags(xla_flags: str) -> str:
     return xla_flags if CODEGEN_FLAGS in xla_flags else f"{xla_flags} {CODEGEN_FLAGS}".strip()
 
 
-def child_environ(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def child_environ(environ: Mapping[str, str] = os.environ, *,
+                  codegen_flags: bool = True) -> dict[str, str]:
     """The environment for a process a test starts that sets its own device count (`zeroxla
-    train`, `zeroxla launch --devices-per-proc`): `environ` with XLA_FLAGS holding only the
-    codegen flags, no device count, and JAX on the CPU."""
+    train`, `zeroxla launch --devices-per-proc`): `environ` with no device count in XLA_FLAGS,
+    and JAX on the CPU. With `codegen_flags`, XLA_FLAGS holds CODEGEN_FLAGS; without, none of
+    them: the process compiles at XLA's default, as a user's command does (a test of a long run
+    that compiles little, like the README's job, is faster so: -O0 code runs slower)."""
     env = dict(environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = with_codegen_flags(" ".join(flags))
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith(DEVICE_COUNT_FLAG) and f not in CODEGEN_FLAGS.split()]
+    env["XLA_FLAGS"] = " ".join(flags)
+    if codegen_flags:
+        env["XLA_FLAGS"] = with_codegen_flags(env["XLA_FLAGS"])
     env["JAX_PLATFORMS"] = "cpu"
     return env
