@@ -42,8 +42,12 @@ def stacked(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
     blocks = create(rngs)
     for _, variable in nnx.iter_graph(blocks):
         if isinstance(variable, nnx.Param):
-            variable.set_metadata("logical_axes",
-                                  (axes.LAYERS,) + tuple(variable.get_metadata()["logical_axes"]))
+            # A block of plain `nnx.Linear` / `nnx.LayerNorm` names no dims: its dims stay
+            # unnamed (the engine's rules give unnamed dims a default role).
+            names = variable.get_metadata().get("logical_axes")
+            if names is None:
+                names = (None,) * (variable.get_value().ndim - 1)
+            variable.set_metadata("logical_axes", (axes.LAYERS,) + tuple(names))
     return blocks
 
 

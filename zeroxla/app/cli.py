@@ -77,9 +77,33 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a positive number")
+    if not 0 < value < float("inf"):             # refuses nan too
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a finite positive "
+                                         "number")
     return value
+
+
+def _temperature(text: str) -> float:
+    """A sampling temperature: 0 (greedy) or a finite positive number (not nan, not inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: 0 (greedy) or a finite "
+                                         "positive number")
+    return value
+
+
+def host_device_count(environ: dict | None = None) -> int | None:
+    """The device count XLA_FLAGS already sets (`--xla_force_host_platform_device_count=N`),
+    or None when it sets none."""
+    environ = os.environ if environ is None else environ
+    for flag in environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == DEVICE_COUNT_FLAG and value.isdigit():
+            return int(value)
+    return None
 
 
 def set_host_device_count(count: int, environ: dict | None = None) -> bool:
@@ -177,8 +201,9 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
                         "KV cache; 0: none). Prompt + sample stop at --seq-len, the positions "
                         "the model was trained on: a larger value is capped there and the run "
                         f"says so; default {_DEFAULTS['sample_tokens']}")
-    p.add_argument("--temperature", type=float, default=None,
-                   help=f"sampling temperature; default {_DEFAULTS['temperature']}")
+    p.add_argument("--temperature", type=_temperature, default=None,
+                   help="sampling temperature (0: greedy); default "
+                        f"{_DEFAULTS['temperature']}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a run: its directory, its checkpoint/ or one step in it (the "
@@ -333,10 +358,12 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
                    help="checkpoint directory given to zeroxla.save (a train run's checkpoints)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=_non_negative_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--temperature", type=_temperature, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=_positive_int, default=None)
     p.add_argument("--tp", type=_positive_int, default=1,
-                   help="tensor-parallel devices (inference_tp_size)")
+                   help="tensor-parallel devices (inference_tp_size): a divisor of the model's "
+                        "attention heads (and of the device count when XLA_FLAGS sets one; "
+                        "otherwise --tp devices are simulated)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None,
                    help="checkpoint step (default: the newest complete one)")
@@ -345,13 +372,14 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     """Runs `zeroxla generate`: prints the prompt and its continuation."""
+    devices = host_device_count()             # the user's count; None: we simulate --tp devices
     set_host_device_count(args.tp)            # before JAX starts (module docstring)
     from zeroxla.app.sampling import generate_from_checkpoint
 
     print(generate_from_checkpoint(args.checkpoint, args.prompt,
                                    max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, top_k=args.top_k, tp=args.tp,
-                                   seed=args.seed, step=args.step), flush=True)
+                                   seed=args.seed, step=args.step, devices=devices), flush=True)
     return 0
 
 

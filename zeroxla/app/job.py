@@ -11,6 +11,7 @@ Nothing here uses a device.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -97,14 +98,14 @@ class TrainJobConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 fail(name, f"an integer >= 1, or None (from the DeepSpeed config, else {default})")
-        if self.lr is not None and not self.lr > 0:
-            fail("lr", "a positive number, or None")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            fail("lr", "a finite positive number, or None")
         if not 0 <= self.min_lr_ratio <= 1:
             fail("min_lr_ratio", "a number in [0, 1]")
-        if self.weight_decay < 0:
-            fail("weight_decay", "a number >= 0")
-        if self.gradient_clipping < 0:
-            fail("gradient_clipping", "0 (off) or a positive max norm")
+        if not 0 <= self.weight_decay < math.inf:          # refuses nan too
+            fail("weight_decay", "a finite number >= 0")
+        if not 0 <= self.gradient_clipping < math.inf:
+            fail("gradient_clipping", "0 (off) or a finite positive max norm")
         if (len(self.mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in self.mesh)):
             fail("mesh", "(nodes, local) with both >= 1, e.g. (2, 4)")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
@@ -116,8 +117,9 @@ class TrainJobConfig:
             fail("dtype", ", ".join(DTYPES) + ", or None (from the DeepSpeed config, else fp32)")
         if not 0 < self.val_fraction < 1:
             fail("val_fraction", "a number in (0, 1)")
-        if self.temperature < 0:
-            fail("temperature", "0 (greedy) or a positive number")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 <= self.temperature < math.inf):
+            fail("temperature", "0 (greedy) or a finite positive number")
 
     @property
     def data_parallel_size(self) -> int:

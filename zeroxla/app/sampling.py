@@ -14,6 +14,8 @@ notebook uses it on a gathered model.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -36,9 +38,9 @@ def sample_tokens(model: nnx.Module, prompt: np.ndarray, *, num_tokens: int, con
     if num_tokens < 0 or context < 1:
         raise ValueError(f"sample_tokens: num_tokens={num_tokens} must be >= 0 and "
                          f"context={context} >= 1")
-    if temperature < 0:
+    if not 0 <= temperature < math.inf:                  # refuses nan too
         raise ValueError(f"sample_tokens: temperature={temperature} is invalid; accepted: 0 "
-                         "(greedy) or a positive number")
+                         "(greedy) or a finite positive number")
     length = prompt.size + num_tokens
     buffer = np.zeros(max(length, context), np.int32)
     buffer[:prompt.size] = prompt
@@ -118,18 +120,40 @@ def sample_with_engine(step: Any, state: Any, tokenizer: Tokenizer, prompt: np.n
     return tokenizer.decode(out), new
 
 
+def check_tp(tp: int, model_fields: Mapping[str, Any], devices: int | None) -> None:
+    """ValueError naming --tp, with the accepted sizes, unless `tp` divides the attention heads
+    of the model whose config fields are `model_fields` (`num_heads`, and `num_kv_heads` when
+    it has them) and `devices` (None: `zeroxla generate` simulates `tp` devices). The Hybrid
+    Engine checks again on the devices it gets (GPUs, TPUs)."""
+    from zeroxla.inference.layout import accepted_tp_sizes, tp_fits
+
+    heads = model_fields.get("num_heads")
+    if not isinstance(heads, int):
+        return                           # not a models/ config: the engine checks its heads
+    kv = [model_fields["num_kv_heads"]] if "num_kv_heads" in model_fields else []
+    if not tp_fits(tp, devices, [heads], kv):
+        shape = f"{heads} attention heads" + (f", {kv[0]} KV heads" if kv else "")
+        where = f" on {devices} devices" if devices is not None else ""
+        accepted = ", ".join(map(str, accepted_tp_sizes(devices, [heads], kv)))
+        raise ValueError(f"--tp {tp} does not divide the checkpoint's model ({shape}){where}; "
+                         f"accepted: {accepted}")
+
+
 def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int,
                              temperature: float, top_k: int | None, tp: int,
-                             seed: int = 0, step: int | None = None) -> str:
+                             seed: int = 0, step: int | None = None,
+                             devices: int | None = None) -> str:
     """`zeroxla generate`: the checkpoint's weights on this process's devices (ZeRO-3,
     one node), continued from `prompt` by the Hybrid Engine with `tp`-way tensor parallelism
     and a KV cache; returns prompt + continuation as text. The tokenizer is the one the
-    checkpoint records (`zeroxla train` records it)."""
+    checkpoint records (`zeroxla train` records it). `devices`: the device count the user
+    fixed (None: the command simulates `tp` devices), for `check_tp`."""
     import zeroxla
     from zeroxla.app.tokenizer import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata
 
     meta = checkpoint_metadata(checkpoint, step=step)
+    check_tp(tp, (meta.get("model_config") or {}).get("fields", {}), devices)
     record = meta["metadata"].get("tokenizer")
     if record is None:
         raise ValueError(f"checkpoint {checkpoint!r} records no tokenizer; accepted: a "

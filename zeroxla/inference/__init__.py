@@ -5,7 +5,10 @@
     baseline.py  ZeRO-3 generation that re-gathers every layer at every token (for comparison)
     layout.py    the tensor-parallel layout from logical axis names (rules table)
     decode.py    the decode loop (prefill + while_loop) and prompt packing
-    sampling.py  greedy / temperature / top-k / top-p as pure functions
+    sampling.py  greedy / temperature / top-k / top-p as pure functions; per-prompt keys (seed,
+                 a hash of the prompt's tokens, the decode step: no dependence on neighbours)
+    checks.py    what the engine refuses by name: a model without the KV-cache protocol, a
+                 state of another step or one donated to the training step
     config.py    HybridEngineConfig: DeepSpeed's `hybrid_engine` keys
 """
 

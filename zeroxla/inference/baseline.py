@@ -4,8 +4,9 @@ The parameters stay partitioned over the data axes as training stores them, and 
 gathers each layer just before it runs (the training step's own `zero3_module` stand-ins), so
 *every decoded token re-gathers the whole model*: what DeepSpeed does when ZeRO-3 generation
 runs without the Hybrid Engine (DeepSpeedExamples#718: 72 s per generation, #764: ~700 ms per
-token). It uses the same KV cache and decode loop as the engine; rows are split over all data
-devices.
+token). It uses the same KV cache and decode loop as the engine, and the same sampling keys (a
+row's draws depend on the seed and its own prompt, not on the device it lands on); rows are
+split over all data devices.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.state import TrainState
-from zeroxla.inference.decode import bucket, check_prompts, decode_loop, pack, unpack
-from zeroxla.inference.sampling import Sampling
+from zeroxla.inference.checks import check_decodable, check_state, check_step
+from zeroxla.inference.decode import (bucket, check_eos_id, check_prompts, decode_loop, pack,
+                                      unpack)
+from zeroxla.inference.sampling import Sampling, seed_key
 
 
 class Zero3Generator:
     """`generate(state, prompts, ...)` as `HybridEngine.generate`, re-gathering per token."""
 
     def __init__(self, step: Any, max_out_tokens: int = 512):
+        check_step(step, "Zero3Generator")
         if step.config.stage != 3 or step.axes.num_stages > 1:
             raise ValueError(f"Zero3Generator needs a ZeRO stage 3 step without pipeline "
                              f"stages; got stage={step.config.stage}, "
@@ -35,10 +39,8 @@ class Zero3Generator:
         self.step = step
         self.axes = step.axes
         self.max_out_tokens = max_out_tokens
-        abstract = step.model_def.abstract_module()
-        self._cache_shape = tuple(jax.eval_shape(
-            lambda: abstract.init_cache(1, max_out_tokens))["k"].shape)
         self.vocab_size = step.vocab_size
+        self._cache_shape = check_decodable(step.model_def, max_out_tokens, self.vocab_size)
         self._programs: dict[tuple, Any] = {}
 
     def _specs(self) -> tuple[Any, P, P]:
@@ -58,11 +60,11 @@ class Zero3Generator:
             def all_done(done):          # every device runs the same number of steps
                 return lax.pmin(jnp.all(done).astype(jnp.int32), axes) > 0
 
-            def local(params, model_state, cache, tokens, lengths, live, max_new, eos_id, rng):
-                device = lax.axis_index(axes)
-                rng = jax.random.fold_in(jax.random.wrap_key_data(rng), device)
+            def local(params, model_state, cache, tokens, lengths, live, max_new, eos_id, key):
+                # each row's keys come from the seed and its prompt (decode_loop), so the
+                # device it lands on does not matter
                 return decode_loop(self._local_model(params, model_state), cache, tokens,
-                                   lengths, live, max_new, eos_id, rng, sampling,
+                                   lengths, live, max_new, eos_id, key, sampling,
                                    self.max_out_tokens, all_done)
 
             run = jax.shard_map(local, mesh=self.step.mesh, check_vma=False, in_specs=(
@@ -81,20 +83,22 @@ class Zero3Generator:
     def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,
-                 seed: int = 0) -> list[np.ndarray]:
-        """As `HybridEngine.generate`."""
+                 seed: int | jax.Array = 0) -> list[np.ndarray]:
+        """As `HybridEngine.generate` (the same tokens for the same seed, sampled too)."""
         sampling = Sampling(temperature, top_k, top_p)
+        key = seed_key(seed)
+        check_eos_id(eos_id, self.vocab_size)
         rows = check_prompts(prompts, max_new_tokens, self.max_out_tokens, self.vocab_size)
+        check_state(state, self.step.plan, self.step.model_def)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
         batch = bucket(len(rows), multiple=self.axes.data_size)
         prompt = bucket(max(row.size for row in rows), limit=self.max_out_tokens)
         tokens, lengths, live = pack(rows, batch, prompt)
-        rng = jax.random.key_data(jax.random.key(seed))
         buffer, steps, _ = self._program(batch, prompt, sampling)(
             self.step._compute_inputs(state.params), state.model_state, self._cache(batch),
             tokens, lengths, live, np.int32(max_new_tokens),
-            np.int32(-1 if eos_id is None else eos_id), rng)
+            np.int32(-1 if eos_id is None else eos_id), key)
         return unpack(rows, np.asarray(buffer), int(steps), eos_id)
 
     def token_program(self, state: TrainState, batch: int) -> Any:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.inference.sampling import Sampling, next_token
+from zeroxla.inference.sampling import Sampling, next_token, row_keys, step_keys
 
 
 def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
@@ -29,38 +29,40 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     model: `decode(tokens, positions, cache) -> (logits, cache)`; cache [L, B, S, G, K];
     tokens int32 [B, P] right-padded prompts; lengths int32 [B] (>= 1); live bool [B] (False:
     a filler row of the batch bucket, which never holds the loop up); eos_id int32 scalar
-    (-1: none); key: this generation's PRNG key. Returns (buffer int32 [B, max_len] with the
-    prompt then the new tokens of each row, steps taken (int32 scalar), cache). The loop
-    stops early once `all_done(done [B])` holds: every row has produced `eos_id` (inside a
-    `shard_map` it must agree across devices, which then run the same number of steps).
+    (-1: none); key: this generation's PRNG key (from its seed). Row b's n-th new token is drawn
+    with `step_keys(row_keys(key, tokens, lengths), n)[b]` from its own logits: it depends on
+    the seed and the row's prompt, not on the other rows, their number or the buckets
+    (`sampling.py`). Returns (buffer int32 [B, max_len] with the prompt then the new tokens of
+    each row, steps taken (int32 scalar), cache). The loop stops early once `all_done(done
+    [B])` holds: every row has produced `eos_id` (inside a `shard_map` it must agree across
+    devices, which then run the same number of steps).
     """
     b, p = tokens.shape
     rows = jnp.arange(b)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = model.decode(tokens, positions, cache)                  # [B, P, V]
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, V]
-    key, sub = jax.random.split(key)
-    token = next_token(last, sub, sampling)                                  # [B]
+    keys = row_keys(key, tokens, lengths)                                    # [B]
+    token = next_token(last, step_keys(keys, 0), sampling)                   # [B]
     buffer = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(tokens)
     buffer = buffer.at[rows, lengths].set(token)
     done = (token == eos_id) | ~live
 
     def more(carry):
-        _, n, _, done, _ = carry
+        _, n, _, done = carry
         return (n < max_new) & ~all_done(done)
 
     def step(carry):
-        buffer, n, cache, done, key = carry
+        buffer, n, cache, done = carry
         pos = lengths + n - 1                                                # newest token's
         fed = buffer[rows, pos][:, None]                                     # [B, 1]
         logits, cache = model.decode(fed, pos[:, None], cache)               # [B, 1, V]
-        key, sub = jax.random.split(key)
-        token = next_token(logits[:, 0], sub, sampling)
+        token = next_token(logits[:, 0], step_keys(keys, n), sampling)
         buffer = buffer.at[rows, pos + 1].set(token)
-        return buffer, n + 1, cache, done | (token == eos_id), key
+        return buffer, n + 1, cache, done | (token == eos_id)
 
-    buffer, n, cache, _, _ = jax.lax.while_loop(
-        more, step, (buffer, jnp.int32(1), cache, done, key))
+    buffer, n, cache, _ = jax.lax.while_loop(
+        more, step, (buffer, jnp.int32(1), cache, done))
     return buffer, n, cache
 
 
@@ -93,6 +95,15 @@ def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: i
                 f"{max_out_tokens}; accepted: prompt length + max_new_tokens <= max_out_tokens")
         rows.append(row.astype(np.int32))
     return rows
+
+
+def check_eos_id(eos_id: Any, vocab_size: int) -> None:
+    """ValueError naming `eos_id` unless it is None or a token id in [0, vocab_size)."""
+    if eos_id is not None and not (isinstance(eos_id, (int, np.integer))
+                                   and not isinstance(eos_id, bool)
+                                   and 0 <= eos_id < vocab_size):
+        raise ValueError(f"eos_id={eos_id!r} is invalid; accepted: None or a token id in "
+                         f"[0, {vocab_size})")
 
 
 def bucket(n: int, multiple: int = 1, limit: int | None = None) -> int:

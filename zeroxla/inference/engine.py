@@ -6,6 +6,9 @@ devices, with DeepSpeed's names (`deepspeed/runtime/hybrid_engine.py`).
     engine.release()
 
 Per generation (data flow):
+0. check: every argument, naming it (`sampling.py`, `decode.check_prompts`), then the state: a
+   state of another step, or one donated to `step(state, batch)` (its buffers deleted), is
+   refused before any of its arrays is read (`checks.py`).
 1. reshard (once while the parameters are pinned and no optimizer step has run since): one
    compiled program takes the training state's partitioned storage (`state.params`, split over
    the data axes) to the tensor-parallel inference layout (`layout.py`); the training state is
@@ -14,6 +17,9 @@ Per generation (data flow):
    `lax.while_loop` over new tokens (`decode.py`), under GSPMD with the parameters' tensor
    layout and the rows split over the data groups; the KV cache is donated in and out.
 3. the host cuts each row after its prompt + new tokens (and after EOS).
+
+Row b's draws use keys folded from the seed, a hash of row b's prompt and the decode step
+(`sampling.row_keys`), so a prompt's tokens do not depend on the other prompts of the call.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroxla.engine.state import TrainState
+from zeroxla.inference.checks import check_decodable, check_state, check_step
 from zeroxla.inference.config import HybridEngineConfig
-from zeroxla.inference.decode import bucket, check_prompts, decode_loop, pack, unpack
+from zeroxla.inference.decode import (bucket, check_eos_id, check_prompts, decode_loop, pack,
+                                      unpack)
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
 from zeroxla.inference.reshard import reshard_function
-from zeroxla.inference.sampling import Sampling
+from zeroxla.inference.sampling import Sampling, seed_key
 
 
 def _leaves(state: TrainState) -> list[Any]:
@@ -39,29 +47,29 @@ def _leaves(state: TrainState) -> list[Any]:
 
 
 class HybridEngine:
-    """Generation from a `ZeroStep`'s training state (see the module docstring)."""
+    """Generation from a `ZeroStep`'s training state (see the module docstring).
+
+    Construction refuses, by name, a step that is not a `ZeroStep`, a tensor-parallel size the
+    devices or heads do not allow, and a model without the KV-cache protocol
+    (`zeroxla.inference.checks`)."""
 
     def __init__(self, step: Any, config: HybridEngineConfig | None = None):
+        check_step(step)
         self.step = step
         self.config = config = config if config is not None else HybridEngineConfig()
         if not isinstance(config, HybridEngineConfig):
-            raise TypeError(f"HybridEngine: config must be a HybridEngineConfig, got "
-                            f"{type(config).__name__}")
+            raise ValueError(f"HybridEngine: config is a {type(config).__name__}; accepted: a "
+                             "HybridEngineConfig (or None for DeepSpeed's defaults)")
         self.model_def = step.model_def
         self.plan = step.plan
         devices = list(np.asarray(step.mesh.devices).reshape(-1))
         self.layout: TensorParallelLayout = tensor_parallel_layout(
             self.model_def, devices, config.inference_tp_size)
         self.mesh = self.layout.mesh
-        abstract = self.model_def.abstract_module()
-        try:
-            cache = jax.eval_shape(lambda: abstract.init_cache(1, config.max_out_tokens))
-        except ValueError as err:
-            raise ValueError(f"HybridEngineConfig.max_out_tokens={config.max_out_tokens} does "
-                             f"not fit the model: {err}") from None
-        self._cache_shape = tuple(cache["k"].shape)           # [L, 1, S, G, K]
-        self._kv_heads = self._cache_shape[3] * self.layout.kv_repeat
         self.vocab_size = step.vocab_size
+        self._cache_shape = check_decodable(self.model_def, config.max_out_tokens,
+                                            self.vocab_size)         # [L, 1, S, G, K]
+        self._kv_heads = self._cache_shape[3] * self.layout.kv_repeat
         self._reshard = None                 # compiled reshard program
         self._programs: dict[tuple, Any] = {}
         self._params: dict[str, jax.Array] | None = None
@@ -73,6 +81,7 @@ class HybridEngine:
     def reshard_program(self, state: TrainState) -> Any:
         """The compiled reshard: training storage -> tensor-parallel layout (inspect it with
         `zeroxla.comm_report(program, mesh=engine.mesh)`)."""
+        check_state(state, self.plan, self.model_def)
         if self._reshard is None:
             self._reshard = jax.jit(reshard_function(self.plan, self.layout),
                                     out_shardings=self.layout.param_shardings()
@@ -87,9 +96,10 @@ class HybridEngine:
                 and all(ref() is leaf for ref, leaf in zip(self._source, leaves)))
 
     def inference_params(self, state: TrainState) -> dict[str, jax.Array]:
-        """The tensor-parallel parameters of `state` (resharded unless pinned and current)."""
-        if not isinstance(state, TrainState):
-            raise TypeError(f"generate takes a TrainState, got {type(state).__name__}")
+        """The tensor-parallel parameters of `state` (resharded unless pinned and current).
+        ValueError naming the field for a state of another step or a donated one
+        (`checks.check_state`), before any of its arrays is read."""
+        check_state(state, self.plan, self.model_def)
         if self._pinned_for(state):
             return self._params
         self._free_params()
@@ -105,11 +115,11 @@ class HybridEngine:
             max_len = self.config.max_out_tokens
             layout = self.layout
 
-            def run(params, model_state, cache, tokens, lengths, live, max_new, eos_id, rng):
+            def run(params, model_state, cache, tokens, lengths, live, max_new, eos_id, key):
                 model = self.model_def.module(params, model_state)
                 model.eval()
-                return decode_loop(model, cache, tokens, lengths, live, max_new, eos_id,
-                                   jax.random.wrap_key_data(rng), sampling, max_len)
+                return decode_loop(model, cache, tokens, lengths, live, max_new, eos_id, key,
+                                   sampling, max_len)
 
             cache_sharding = {k: jax.sharding.NamedSharding(
                 layout.mesh, layout.cache_spec(self._kv_heads)) for k in ("k", "v")}
@@ -133,20 +143,25 @@ class HybridEngine:
     def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,
-                 seed: int = 0) -> list[np.ndarray]:
+                 seed: int | jax.Array = 0) -> list[np.ndarray]:
         """Continues each prompt (1-D int array) by up to `max_new_tokens` tokens.
 
         Returns one int32 array per prompt: the prompt and its new tokens, cut after the first
-        `eos_id`. `temperature` 0 is greedy; `top_k` / `top_p` restrict the draw; `seed` fixes
-        every draw. The training state is only read.
+        `eos_id`. `temperature` 0 is greedy; `top_k` / `top_p` restrict the draw; `seed` (an
+        int or a typed key, `jax.random.key(...)`) fixes every draw. A prompt's tokens depend
+        only on the prompt, the seed and the knobs, not on the other prompts of the call or
+        its place among them: each row draws with keys folded from the seed, a hash of its own
+        token ids and the decode step (`zeroxla.inference.sampling`), so equal prompts in one
+        call get equal continuations. `state` must be a live state of the engine's step (not
+        one already given to `step(state, batch)`, which donates it). The training state is
+        only read. Every argument is checked, naming it, before anything runs.
         """
         sampling = Sampling(temperature, top_k, top_p)
-        if eos_id is not None and not (isinstance(eos_id, (int, np.integer))
-                                       and 0 <= eos_id < self.vocab_size):
-            raise ValueError(f"eos_id={eos_id!r} is invalid; accepted: None or a token id in "
-                             f"[0, {self.vocab_size})")
+        key = seed_key(seed)
+        check_eos_id(eos_id, self.vocab_size)
         rows = check_prompts(prompts, max_new_tokens, self.config.max_out_tokens,
                              self.vocab_size)
+        check_state(state, self.plan, self.model_def)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
         params = self.inference_params(state)
@@ -161,8 +176,7 @@ class HybridEngine:
                                         rows_sharding))
         model_state = jax.device_put(state.model_state, rep)
         scalars = jax.device_put((np.int32(max_new_tokens),
-                                  np.int32(-1 if eos_id is None else eos_id),
-                                  jax.random.key_data(jax.random.key(seed))), rep)
+                                  np.int32(-1 if eos_id is None else eos_id), key), rep)
         buffer, steps, cache = program(params, model_state, self._cache(batch, cache_sharding),
                                        tokens, lengths, live, *scalars)
         buffer, steps = np.asarray(buffer), int(steps)

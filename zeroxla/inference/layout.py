@@ -79,6 +79,22 @@ class TensorParallelLayout:
         return "\n".join(lines)
 
 
+def tp_fits(tp: int, devices: int | None, heads: Sequence[int], kv_heads: Sequence[int]) -> bool:
+    """Whether `tp`-way tensor parallelism fits: `tp` divides the device count (None: any
+    count) and every attention-heads size, and divides every KV-heads size or is a multiple of
+    it (the KV heads are then replicated)."""
+    return ((devices is None or devices % tp == 0) and all(h % tp == 0 for h in heads)
+            and all(g % tp == 0 or tp % g == 0 for g in kv_heads))
+
+
+def accepted_tp_sizes(devices: int | None, heads: Sequence[int],
+                      kv_heads: Sequence[int]) -> list[int]:
+    """Every tensor-parallel size that fits (`tp_fits`), for error messages: the divisors of
+    the device count, or of the heads when the count is not fixed (None)."""
+    bound = devices if devices is not None else math.gcd(*heads) if heads else 1
+    return [t for t in _divisors(bound) if tp_fits(t, devices, heads, kv_heads)]
+
+
 def tensor_parallel_layout(model_def: ModelDef, devices: Sequence[jax.Device],
                            tp: int) -> TensorParallelLayout:
     """The layout of `model_def`'s parameters for `tp`-way tensor parallelism over `devices`.
@@ -93,16 +109,14 @@ def tensor_parallel_layout(model_def: ModelDef, devices: Sequence[jax.Device],
                  for i, name in enumerate(names or ()) if name == logical.KV_HEADS})
 
     def fits(t: int) -> bool:
-        return (count % t == 0 and all(h % t == 0 for h in heads)
-                and all(g % t == 0 or (t % g == 0 and all(h % t == 0 for h in heads))
-                        for g in kv))
+        return tp_fits(t, count, heads, kv)
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or not fits(tp):
         what = f"the {count} devices" if count % tp else (
             f"the {', '.join(map(str, heads))} attention heads" if any(h % tp for h in heads)
             else f"the {', '.join(map(str, kv))} KV heads (nor is a multiple of them)")
         raise ValueError(f"HybridEngineConfig.inference_tp_size={tp} does not divide {what}; "
-                         f"accepted: {', '.join(str(t) for t in _divisors(count) if fits(t))}")
+                         f"accepted: {', '.join(map(str, accepted_tp_sizes(count, heads, kv)))}")
     repeats = {tp // g for g in kv if g % tp}
     if len(repeats) > 1:
         raise ValueError(f"kv_heads dims of sizes {kv} need different replication for "
@@ -137,4 +151,5 @@ def bytes_per_device(shapes: Sequence[tuple[int, ...]], specs: Sequence[P], axes
     return total
 
 
-__all__ = ["TensorParallelLayout", "bytes_per_device", "tensor_parallel_layout"]
+__all__ = ["TensorParallelLayout", "accepted_tp_sizes", "bytes_per_device",
+           "tensor_parallel_layout", "tp_fits"]

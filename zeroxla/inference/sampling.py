@@ -1,16 +1,25 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus).
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), and the
+keys the draws use.
 
-Pure functions of (logits, key): the decode loop calls `next_token` once per step with a key
-split from the generation's seed, so a seed fixes every draw. The knobs are Python values
-(static under `jit`); `check_sampling` refuses bad ones by name.
+Pure functions of (logits, key): the decode loop calls `next_token` once per step with one key
+per row. A row's key is folded from the generation's seed, the row's prompt (a hash of its
+token ids, `prompt_hash`) and the decode step (`row_keys`, `step_keys`), never from the row's
+index or the batch's shape, so a prompt's tokens depend on (prompt, seed) alone: not on the other
+prompts of the call, nor on its place among them, nor on the padding. (Two equal prompts in one
+call therefore get equal continuations: draw several samples of a prompt with several seeds.)
+The knobs are Python values (static under `jit`); `check_sampling` and `seed_key` refuse bad
+ones by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = -jnp.inf
 
@@ -36,9 +45,9 @@ class Sampling:
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """ValueError naming the first bad knob, its value and what is accepted."""
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-            or temperature < 0:
+            or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature={temperature!r} is invalid; accepted: 0 (greedy) or a "
-                         "positive number")
+                         "finite positive number")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)
                               or top_k < 1):
         raise ValueError(f"top_k={top_k!r} is invalid; accepted: None or an integer >= 1")
@@ -69,7 +78,10 @@ def top_p_mask(logits: jax.Array, p: float) -> jax.Array:
 
 
 def next_token(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """The next token of each row: logits float [B, V] -> int32 [B]."""
+    """The next token of each row: logits float [B, V] -> int32 [B].
+
+    `key`: one PRNG key per row ([B], row b's draw uses key b and its own logits only), or one
+    key for the whole batch (a scalar)."""
     logits = logits.astype(jnp.float32)
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -78,4 +90,52 @@ def next_token(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arr
         logits = top_k_mask(logits, sampling.top_k)
     if sampling.top_p is not None:
         logits = top_p_mask(logits, sampling.top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    if key.ndim == 0:
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
+    return draw(key, logits).astype(jnp.int32)
+
+
+# ---- keys ------------------------------------------------------------------------------------
+
+HASH_BASE = 1_000_003       # odd: multiplication by it is a bijection mod 2^32
+
+
+def prompt_hash(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """A hash of each row's prompt: tokens int [B, P] (right-padded), lengths int [B] ->
+    uint32 [B], sum over t < length of (token_t + 1) * HASH_BASE^t mod 2^32. Padding (t >=
+    length) is left out, so the hash does not depend on the prompt bucket."""
+    p = tokens.shape[1]
+    powers = jnp.concatenate([jnp.ones((1,), jnp.uint32),                # B^t mod 2^32 [P]
+                              jnp.cumprod(jnp.full((p - 1,), HASH_BASE, jnp.uint32))])
+    terms = (tokens.astype(jnp.uint32) + 1) * powers                             # [B, P]
+    real = jnp.arange(p)[None, :] < lengths[:, None]
+    return jnp.sum(jnp.where(real, terms, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
+
+
+def row_keys(key: jax.Array, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """One key per row ([B]): the generation's `key` folded with the row's `prompt_hash`."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, prompt_hash(tokens, lengths))
+
+
+def step_keys(keys: jax.Array, n: jax.Array) -> jax.Array:
+    """The keys [B] of new token `n` (0 for the first) of each row."""
+    return jax.vmap(jax.random.fold_in, (0, None))(keys, n)
+
+
+def seed_key(seed: Any) -> jax.Array:
+    """A generation's `seed` as a typed PRNG key: an integer in [-2^63, 2^63) (`jax.random.key`)
+    or a typed key (`jax.random.key(...)`, a scalar) as it is; ValueError naming `seed`
+    otherwise (a legacy uint32 `PRNGKey` included: wrap it with `jax.random.wrap_key_data`)."""
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
+        if -2**63 <= int(seed) < 2**63:
+            return jax.random.key(int(seed))
+    elif isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        if seed.shape == ():
+            return seed
+    legacy = (" (a legacy uint32 key: pass jax.random.wrap_key_data(seed))"
+              if getattr(seed, "dtype", None) == np.uint32 and np.shape(seed) == (2,) else "")
+    shown = f"{type(seed).__name__} of shape {np.shape(seed)}" if hasattr(seed, "shape") \
+        else repr(seed)
+    raise ValueError(f"seed={shown} is invalid{legacy}; accepted: an integer in [-2**63, 2**63) "
+                     "or a typed PRNG key of shape () (jax.random.key(...))")

@@ -25,8 +25,10 @@ Compile time grows with the unrolled steps (about 4(S - 1) + 2 for 1F1B, indepen
 each unrolled step builds only the branches some stage takes in it (no backward in a
 forward-only warm-up step, no embedding where the first stage does not run a forward).
 
-Forward on stage s: x = embed(tokens) on the first stage, else the activation received; the
-stage's blocks run; on the last stage the head and the loss too. What the forward keeps in stash
+Forward on stage s: x = the model's computation up to its stack on the first stage (its own
+`__call__` and loss, cut at `blocks`: `zeroxla.pipeline.stages`), else the activation received;
+the stage's blocks run; on the last stage the rest of `__call__` and the loss (the default or the
+user's `loss_fn`) too. What the forward keeps in stash
 buffer `buffer` for its backward is `ZeroConfig.remat` (`zeroxla.engine.remat`), as in the plain
 step:
   "none" (the default; DeepSpeed without activation checkpointing): the blocks run under
@@ -74,10 +76,12 @@ from zeroxla.collectives import zero as collectives
 from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.engine import remat
 from zeroxla.engine.gather import GatheredStack
-from zeroxla.engine.loss import next_token_loss, normalizer, token_cross_entropy
-from zeroxla.models.layers import call_block, default_positions
+from zeroxla.engine.loss import loss_terms, next_token_loss, next_token_loss_terms, normalizer
+from zeroxla.models.layers import call_block
 from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.split import BLOCKS_PREFIX, StageSplit, layer_list, split_stages
+from zeroxla.pipeline.stages import (StageCut, check_stages, loss_after_stack, stack_input,
+                                     stop_gradients)
 from zeroxla.pipeline.storage import stage_local
 from zeroxla.pipeline.table import (BACKWARD, FORWARD, IDLE, ScheduleTable, Segment, StepSends,
                                     schedule_table, send_segments, step_sends)
@@ -112,9 +116,6 @@ def _check_step(step: Any, config: PipelineConfig) -> None:
         raise TypeError(f"make_step: pipeline must be a PipelineConfig, got "
                         f"{type(config).__name__}")
     zero = step.config
-    if step.loss_fn is not next_token_loss:
-        raise ValueError("make_step: loss_fn is not supported with pipeline= (the last stage "
-                         "computes the default next-token loss); accepted: loss_fn=None")
     if step.model_def.state_paths or step.uses_rng:
         raise ValueError("make_step: pipeline= needs a model without model state or RNG streams "
                          f"(found {list(step.model_def.state_paths[:3])} "
@@ -158,8 +159,12 @@ class PipelineExecutor:
         self.step, self.config = step, config
         self.stages = step.axes.num_stages
         model = step.model_def.abstract_module()
-        self.split: StageSplit = split_stages(layer_list(model, step.model_def.shape_dict()),
-                                              self.stages, config.partition_method)
+        self.cut: StageCut = self._model_cut()
+        self.split: StageSplit = split_stages(
+            layer_list(model, step.model_def.shape_dict(), self.cut.embed_paths,
+                       self.cut.head_paths), self.stages, config.partition_method)
+        self._checked: set[Any] = set()           # batch signatures `check_batch` has traced
+        self._loss_returns_pair: bool | None = None   # a custom loss_fn's, from `check_batch`
         self.table: ScheduleTable = schedule_table(config.schedule_class, config.micro_batches,
                                                    self.stages)
         _check_table(self.table)
@@ -180,9 +185,39 @@ class PipelineExecutor:
                 f"micro-batches, {t.num_steps} steps, {self.num_buffers} stash buffers, bubble "
                 f"{t.bubble_fraction:.3f}")
 
+    # ------------------------------------------------------------------------------------------
+    # The model's computation, cut at its stack (`zeroxla.pipeline.stages`).
+    def loss_terms(self, model: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        """The plain step's loss of `model` on `batch` as `(sum, count)`: what the pipeline
+        splits (the default next-token loss, or the user's `loss_fn`)."""
+        if self.step.loss_fn is next_token_loss:
+            return next_token_loss_terms(model, batch)
+        return loss_terms(self.step.loss_fn(model, batch), "loss_fn")
+
+    def loss_is_sum(self) -> bool:
+        """Whether the loss returns `(sum, count)` (the default does) rather than a mean."""
+        if self.step.loss_fn is next_token_loss:
+            return True
+        if self._loss_returns_pair is None:
+            raise AssertionError("check_batch runs before the pipelined gradient pass is traced")
+        return self._loss_returns_pair
+
+    def _model_cut(self) -> StageCut:
+        """The cut of the model's own `__call__` (`model(tokens)`) on a probe batch [1, 2]: it
+        refuses a model the pipeline cannot split before anything is compiled. A custom
+        `loss_fn` is cut again on the first real batch (`check_batch`)."""
+        probe = {"inputs": jax.ShapeDtypeStruct((1, 2), jnp.int32),
+                 "targets": jax.ShapeDtypeStruct((1, 2), jnp.int32)}
+        values = self.step.model_def.abstract_values()[0]
+        return check_stages(next_token_loss_terms, self._abstract_model, values, probe)
+
+    def _abstract_model(self, values: dict[str, Any]) -> Any:
+        return self.step.model_def.module(values, {}, None)
+
     def check_batch(self, batch: Any) -> None:
         """ValueError unless the global batch splits into data replicas x micro_batches (other
-        batch errors are left to `zeroxla.engine.batch_checks`)."""
+        batch errors are left to `zeroxla.engine.batch_checks`); the loss is cut at the stack
+        on the batch's micro-batch shapes once per batch signature (`stages.check_stages`)."""
         if not isinstance(batch, dict) or not batch or not np.shape(next(iter(batch.values()))):
             return
         batch_size = int(np.shape(next(iter(batch.values())))[0])
@@ -193,6 +228,17 @@ class PipelineExecutor:
                 f"(global batch {batch_size} over {n} data-parallel replicas); accepted: "
                 f"a global batch that is a multiple of {n * m}, or micro_batches dividing "
                 f"{batch_size // n if batch_size % n == 0 else batch_size / n}")
+        micro = {k: jax.ShapeDtypeStruct((batch_size // (n * m), *np.shape(v)[1:]),
+                                         jnp.result_type(v)) for k, v in batch.items()}
+        signature = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in micro.items()))
+        if signature not in self._checked:
+            values = self.step.model_def.abstract_values()[0]
+            check_stages(self.loss_terms, self._abstract_model, values, micro)
+            if self.step.loss_fn is not next_token_loss:
+                value = jax.eval_shape(lambda p, b: self.step.loss_fn(
+                    self._abstract_model(p), b), values, micro)
+                self._loss_returns_pair = isinstance(value, (tuple, list))
+            self._checked.add(signature)
 
     def _work(self, segment: Segment) -> list[dict[int, set[int]]]:
         """Per unrolled step of `segment`: op -> the stages that run it there in some repeat
@@ -272,20 +318,24 @@ class PipelineExecutor:
             return step.model_def.module({**frozen, **p}, {}, None)
 
         def embed(p, micro):                                   # -> [mb, T, D]
-            tokens = micro["inputs"]
-            return model_of(p).embed(tokens, default_positions(tokens)).astype(dtype)
+            """The model's computation up to its stack: the first stage's forward."""
+            return stack_input(self.loss_terms, model_of(p), micro)[0].astype(dtype)
 
-        def blocks_of(full, x, positions):                     # [mb, T, D] -> [mb, T, D]
+        def stack_args(micro):                                 # e.g. (positions [mb, T],)
+            """The stack's other arguments; parameter-free (`check_stages`), so constants."""
+            return stop_gradients(stack_input(self.loss_terms, model_of(trainable), micro)[1])
+
+        def blocks_of(full, x, consts):                        # [mb, T, D] -> [mb, T, D]
             if stack is not None:                              # full: the blocks' shards
-                return stack(full, x, (positions,), mask)[0]
+                return stack(full, x, consts, mask)[0]
 
             def body(h, per_layer):
                 layer, keep = per_layer
-                return self.block(layer, h, (positions,), keep)[0], None
+                return self.block(layer, h, consts, keep)[0], None
             return lax.scan(body, x, (full, mask))[0]
 
-        def blocks(p, x, positions):
-            return blocks_of([{**frozen, **p}[path] for path in self.block.paths], x, positions)
+        def blocks(p, x, consts):
+            return blocks_of([{**frozen, **p}[path] for path in self.block.paths], x, consts)
 
         # remat "none" (or a checkpoint policy): forward keeps the blocks' vjp residuals less
         # the parameters (`linearize_keeping`: a residual that *is* a parameter or shard is
@@ -295,18 +345,20 @@ class PipelineExecutor:
         block_full = [values[path] for path in self.block.paths]
         policy = remat.NONE if stack is not None else self.remat
 
-        def linearized_blocks(x, positions):                   # (y, kept, layout)
-            return remat.linearize_keeping(lambda full, x: blocks_of(full, x, positions),
+        def linearized_blocks(x, consts):                      # (y, kept, layout)
+            return remat.linearize_keeping(lambda full, x: blocks_of(full, x, consts),
                                            block_leaves, block_full, x, policy)
 
         def head_terms(p, y, micro):                            # (loss sum, token count)
-            return token_cross_entropy(model_of(p).head(y), micro)
+            """The model's computation after its stack, and the loss: the last stage's."""
+            return loss_after_stack(self.loss_terms, model_of(p), micro, y)
 
         # 2. Micro-batches: [B_local, ...] -> [M, mb, ...].
         micro_batches = jax.tree.map(lambda a: a.reshape(M, a.shape[0] // M, *a.shape[1:]),
                                      batch)
         first_micro = jax.tree.map(lambda a: a[0], micro_batches)
-        c0 = normalizer(first_micro)          # static: loss sums are differentiated / c0
+        # static: loss sums are differentiated / c0 (a loss returning a mean counts 1)
+        c0 = normalizer(first_micro) if self.loss_is_sum() else 1.0
         seed = scale / c0
         act = jax.eval_shape(embed, trainable, first_micro)
         zeros_act = jnp.zeros(act.shape, act.dtype)
@@ -315,11 +367,11 @@ class PipelineExecutor:
         layouts: list[Any] = []       # the blocks' vjp layout: static, the same in every trace
         kept_shapes: list[Any] = []   # each kept residual's shape, per buffer
         if keeps_residuals:
-            def probe(x, positions):
-                _, kept, layout = linearized_blocks(x, positions)
+            def probe(x, consts):
+                _, kept, layout = linearized_blocks(x, consts)
                 layouts.append(layout)
                 return kept
-            kept_shapes = jax.eval_shape(probe, act, default_positions(first_micro["inputs"]))
+            kept_shapes = jax.eval_shape(probe, act, stack_args(first_micro))
 
         def compute(c, row, work):
             """This stage's work in one step. `row` holds the step's [S] op / micro-batch /
@@ -329,7 +381,7 @@ class PipelineExecutor:
             to compile. Returns (carry, forward output or zeros, input gradient or zeros)."""
             op, m, buf = (jnp.maximum(row[k][stage], 0) for k in ("op", "micro_batch", "buffer"))
             micro = jax.tree.map(lambda a: a[m], micro_batches)
-            positions = default_positions(micro["inputs"])
+            consts = stack_args(micro)
 
             def branch(pred, stages, where, true_fn, false_fn):
                 """`lax.cond(pred, ...)`, or the one side any of `stages` takes."""
@@ -355,14 +407,14 @@ class PipelineExecutor:
                     x = branch(is_first, fwd, first, lambda: embed(trainable, micro),
                                lambda: c["act"])
                     if not keeps_residuals:               # remat "full": keep the input only
-                        y = blocks(trainable, x, positions)
+                        y = blocks(trainable, x, consts)
                         total, count = branch(is_last, fwd, last,
                                               lambda: head_terms(trainable, y, micro),
                                               lambda: (f32(0), f32(0)))
                         return ({**c, "stash": c["stash"].at[buf].set(x),
                                  "total": c["total"] + total, "count": c["count"] + count},
                                 y.astype(act.dtype), zeros_act)
-                    y, kept, layout = linearized_blocks(x, positions)
+                    y, kept, layout = linearized_blocks(x, consts)
                     if layout.slots != layouts[0].slots:
                         raise AssertionError("the stage's residuals differ between traces")
 
@@ -398,7 +450,7 @@ class PipelineExecutor:
                     else:                                 # remat "full": recompute the stage
                         # The blocks' recompute and vjp sit outside the last-stage branch, so
                         # their collectives are in the program once (`branch_executions`).
-                        y, pullback = jax.vjp(lambda p, x: blocks(p, x, positions), trainable,
+                        y, pullback = jax.vjp(lambda p, x: blocks(p, x, consts), trainable,
                                               c["stash"][buf])
 
                         def with_head():

@@ -1,12 +1,14 @@
 """Which of a model's layers run on which pipeline stage: DeepSpeed's layer list view.
 
-DeepSpeed partitions a `PipelineModule`'s flat list of layers. A zeroxla model is
-`embed -> blocks (one LayerStack) -> head`; its layer list view is
+DeepSpeed partitions a `PipelineModule`'s flat list of layers. A pipelined zeroxla model is its
+loss cut at its `blocks` (one LayerStack; `zeroxla.pipeline.stages`); its layer list view is
 
-    [embed, block 0, ..., block L-1, head]
+    [embedding, block 0, ..., block L-1, head]
 
-with each entry's parameter count (GPT-2's tied `wte` counted once, in the embedding, as
-DeepSpeed's TiedLayerSpec owner) and class name (for "type:<regex>"). `partition_layers` cuts
+where "embedding" counts the parameters outside the stack that the stack's input is computed
+from (GPT-2's tied `wte` counted once, there, as DeepSpeed's TiedLayerSpec owner) and "head"
+the other parameters outside it, each entry with its class name (for "type:<regex>").
+`partition_layers` cuts
 that list into S contiguous parts; the embedding then lives on the first stage and the head on
 the last (a partition of more entries than stages never leaves the first or last part empty),
 and stage s runs blocks `first_layer[s] : first_layer[s] + num_layers[s]`, possibly none.
@@ -25,7 +27,6 @@ from typing import Any
 from zeroxla.pipeline.partition import partition_layers
 
 BLOCKS_PREFIX = "blocks/"
-EMBED_PREFIX = "embed/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,33 +74,33 @@ class StageSplit:
         return "\n".join(lines)
 
 
-def layer_list(model: Any, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, int]]:
+def layer_list(model: Any, shapes: dict[str, tuple[int, ...]], embed_paths: tuple[str, ...],
+               head_paths: tuple[str, ...]) -> list[tuple[str, int]]:
     """DeepSpeed's layer list view of `model` (concrete or abstract): `(class name, parameter
     count)` of the embedding, each block, and the head. `shapes` are the plan's parameter
-    shapes by path (shared parameters appear once). ValueError for a model without the
-    `embed` / `blocks` (a `LayerStack`) / `head` protocol."""
-    from zeroxla.models.layers import LayerStack
-
-    missing = [name for name in ("embed", "blocks", "head") if not hasattr(model, name)]
-    if missing or not isinstance(model.blocks, LayerStack):
-        raise ValueError(
-            f"pipeline: {type(model).__name__} cannot be pipelined: it needs `embed(tokens, "
-            "positions)`, `blocks` (a models.LayerStack of its repeated blocks) and "
-            f"`head(x)`; missing: {missing or ['blocks as a LayerStack']}")
+    shapes by path (shared parameters appear once); `embed_paths` are the parameters outside
+    the stack that its input is computed from (`stages.check_stages`: a tied GPT-2 `wte` counts
+    there, as DeepSpeed's TiedLayerSpec owner), `head_paths` the other ones outside it."""
     stacked = {p: s for p, s in shapes.items() if p.startswith(BLOCKS_PREFIX)}
     num_layers = model.blocks.num_layers
     if not stacked or any(s[0] != num_layers for s in stacked.values()):
         raise ValueError(f"pipeline: the parameters under 'blocks/' must all be stacked "
                          f"[{num_layers}, ...] (a LayerStack)")
     per_block = sum(math.prod(s[1:]) for s in stacked.values())
-    embed = sum(math.prod(s) for p, s in shapes.items() if p.startswith(EMBED_PREFIX))
-    head = sum(math.prod(s) for p, s in shapes.items()
-               if not p.startswith((EMBED_PREFIX, BLOCKS_PREFIX)))
-    head_name = (type(model.head).__name__ if not callable(getattr(model.head, "__func__", None))
-                 else model.head.__name__)
-    block_name = type(model.blocks.layers).__name__
-    return ([(type(model.embed).__name__, embed)] + [(block_name, per_block)] * num_layers
-            + [(head_name, head)])
+    embed = sum(math.prod(shapes[p]) for p in embed_paths if p in shapes)
+    head = sum(math.prod(shapes[p]) for p in head_paths if p in shapes)
+    return ([(_name(model, "embed", "Embedding"), embed)]
+            + [(type(model.blocks.layers).__name__, per_block)] * num_layers
+            + [(_name(model, "head", "Head"), head)])
+
+
+def _name(model: Any, attribute: str, default: str) -> str:
+    """The class (or method) name of `model.<attribute>` for DeepSpeed's "type:<regex>"
+    partitioning, `default` when the model has no such attribute."""
+    part = getattr(model, attribute, None)
+    if part is None:
+        return default
+    return part.__name__ if callable(getattr(part, "__func__", None)) else type(part).__name__
 
 
 def split_stages(layers: list[tuple[str, int]], stages: int, method: str) -> StageSplit:

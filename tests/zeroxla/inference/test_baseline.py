@@ -31,3 +31,17 @@ def test_bytes_per_token_baseline_regathers_engine_does_not(trained):
     tp = comm_report(engine.token_program(state, 8), mesh=engine.mesh)
     assert tp.total_bytes * 5 < baseline.total_bytes
     engine.release()
+
+
+@pytest.mark.slow
+def test_baseline_samples_what_the_engine_samples(trained):
+    """Same seed, same prompts: the same sampled tokens, whichever device a row lands on (the
+    keys come from the seed and each row's own prompt)."""
+    step, state = trained("gpt-tiny")
+    prompts = prompts_of()
+    kwargs = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "seed": 5}
+    baseline = Zero3Generator(step, max_out_tokens=32).generate(state, prompts, **kwargs)
+    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
+    for a, b in zip(baseline, engine.generate(state, prompts, **kwargs)):
+        np.testing.assert_array_equal(a, b)
+    engine.release()

@@ -1,8 +1,11 @@
 """Bad input to the Hybrid Engine: a ValueError naming the field and the accepted values, raised
-before anything is compiled. And DeepSpeed's `hybrid_engine` JSON section."""
+before anything is compiled (sampling knobs, seeds, states of another step, models without a
+KV-cache path). And DeepSpeed's `hybrid_engine` JSON section."""
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -79,3 +82,109 @@ def test_config_from_deepspeed_json(tmp_path):
         hybrid_engine_config_from_json({"hybrid_engine": {"max_tokens": 3}})
     with pytest.raises(ValueError, match=r"pin_parameters=1 is invalid; accepted: true or false"):
         HybridEngineConfig(pin_parameters=1)
+
+
+# ---- every generate input, refused by name before the state is read -------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"temperature": NAN}, r"temperature=nan is invalid; accepted: 0 \(greedy\) or a finite "
+                           r"positive number"),
+    ({"temperature": INF}, r"temperature=inf is invalid; accepted"),
+    ({"temperature": -0.5}, r"temperature=-0\.5 is invalid; accepted"),
+    ({"temperature": "1"}, r"temperature='1' is invalid; accepted"),
+    ({"temperature": 1.0, "top_p": NAN}, r"top_p=nan is invalid; accepted: None or a number in "
+                                         r"\(0, 1\]"),
+    ({"temperature": 1.0, "top_p": 0.0}, r"top_p=0\.0 is invalid; accepted"),
+    ({"temperature": 1.0, "top_k": 0}, r"top_k=0 is invalid; accepted: None or an integer >= 1"),
+    ({"temperature": 1.0, "top_k": 2.5}, r"top_k=2\.5 is invalid; accepted"),
+    ({"max_new_tokens": 1.5}, r"max_new_tokens=1\.5 is invalid; accepted: an integer >= 0"),
+    ({"max_new_tokens": True}, r"max_new_tokens=True is invalid; accepted"),
+    ({"eos_id": True}, r"eos_id=True is invalid; accepted: None or a token id in \[0, 65\)"),
+    ({"seed": 1.5}, r"seed=1\.5 is invalid; accepted: an integer in \[-2\*\*63, 2\*\*63\) or a "
+                    r"typed PRNG key"),
+    ({"seed": "0"}, r"seed='0' is invalid; accepted"),
+    ({"seed": 2**64}, r"seed=18446744073709551616 is invalid; accepted"),
+    ({"seed": jax.random.PRNGKey(0)}, r"seed=.*shape \(2,\) is invalid \(a legacy uint32 key: "
+                                      r"pass jax\.random\.wrap_key_data\(seed\)\); accepted"),
+    ({"seed": jax.random.split(jax.random.key(0))}, r"seed=.*shape \(2,\) is invalid; "
+                                                    r"accepted"),
+])
+def test_bad_sampling_arguments_name_the_field(gpt, kwargs, message):
+    engine = HybridEngine(gpt, HybridEngineConfig(max_out_tokens=8))
+    kwargs = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        engine.generate(None, [np.arange(3)], **kwargs)
+
+
+def test_state_that_is_not_a_train_state(gpt):
+    engine = HybridEngine(gpt, HybridEngineConfig(max_out_tokens=8))
+    with pytest.raises(ValueError, match=r"state is a dict; accepted: a TrainState of the "
+                                         r"engine's step"):
+        engine.generate({}, [np.arange(3)], max_new_tokens=2)
+
+
+def test_state_of_another_step(gpt):
+    engine = HybridEngine(gpt, HybridEngineConfig(max_out_tokens=8))
+    shallower = step_of(GPT(GPTConfig.tiny().replace(num_layers=1), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"state is a TrainState of another step: its model "
+                                         r"has another model structure.*accepted: a state of "
+                                         r"the step given to HybridEngine"):
+        engine.generate(shallower.init(), [np.arange(3)], max_new_tokens=2)
+    stage2 = zeroxla.make_step(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), zeroxla.make_mesh(2, 4),
+                               optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=2))
+    with pytest.raises(ValueError, match=r"state is a TrainState of another step: state\.plan "
+                                         r"is ZeRO-2 .*the engine's step's is ZeRO-3"):
+        engine.generate(stage2.init(), [np.arange(3)], max_new_tokens=2)
+
+
+def test_step_that_is_not_a_zero_step():
+    with pytest.raises(ValueError, match=r"HybridEngine: step is a GPT without model_def, plan, "
+                                         r"mesh, vocab_size; accepted: the step zeroxla"
+                                         r"\.make_step returns"):
+        HybridEngine(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)))
+
+
+# ---- a model the engine cannot decode, refused at construction --------------------------------
+
+class NoCache(nnx.Module):
+    """A plain nnx model, as the Flax examples write one: no KV-cache path."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(65, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 65, rngs=rngs)
+
+    def __call__(self, tokens, positions=None):
+        return self.out(self.embed(tokens))
+
+
+class WrongDecode(NoCache):
+    """A cache, but a `decode` that returns logits alone."""
+
+    def init_cache(self, batch, max_len):
+        shape = (1, batch, max_len, 2, 8)
+        return {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+
+    def decode(self, tokens, positions, cache):
+        return self(tokens)
+
+
+class WrongCache(WrongDecode):
+    def init_cache(self, batch, max_len):
+        return jnp.zeros((1, batch, max_len, 2, 8))
+
+
+@pytest.mark.parametrize("model,message", [
+    (NoCache, r"HybridEngine cannot decode NoCache: it has no init_cache and no decode method "
+              r"\(no KV-cache path\); add init_cache\(batch, max_len\) returning \{'k', 'v'\}"),
+    (WrongCache, r"HybridEngine cannot decode WrongCache: WrongCache\.init_cache\(1, 8\) "
+                 r"returned .*; accepted: init_cache\(batch, max_len\)"),
+    (WrongDecode, r"HybridEngine cannot decode WrongDecode: WrongDecode\.decode\(tokens \[1, 1\], "
+                  r"positions \[1, 1\], cache\) returned .*; accepted: logits \[1, 1, 65\]"),
+])
+def test_model_without_the_cache_protocol_is_refused_by_name(model, message):
+    step = step_of(model(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=message):
+        HybridEngine(step, HybridEngineConfig(max_out_tokens=8))

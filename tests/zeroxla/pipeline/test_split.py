@@ -3,18 +3,28 @@ no devices needed."""
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from zeroxla import models
 from zeroxla.engine.model_def import ModelDef
 from zeroxla.pipeline import GPipeSchedule, TrainSchedule, schedule_table
 from zeroxla.pipeline.executor import _check_table
+from zeroxla.engine.loss import next_token_loss_terms
 from zeroxla.pipeline.split import layer_list, split_stages
+from zeroxla.pipeline.stages import check_stages
+
+PROBE = {"inputs": jax.ShapeDtypeStruct((1, 2), jnp.int32),
+         "targets": jax.ShapeDtypeStruct((1, 2), jnp.int32)}
 
 
 def _view(name, num_layers):
     model = models.build(name, num_layers=num_layers)
-    return layer_list(model, ModelDef.of(model)[0].shape_dict())
+    model_def = ModelDef.of(model)[0]
+    cut = check_stages(next_token_loss_terms, lambda v: model_def.module(v, {}, None),
+                       model_def.abstract_values()[0], PROBE)
+    return layer_list(model, model_def.shape_dict(), cut.embed_paths, cut.head_paths)
 
 
 def test_gpt_layer_list_counts_the_tied_embedding_once():

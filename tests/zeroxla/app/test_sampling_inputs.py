@@ -1,0 +1,92 @@
+"""`zeroxla train` and `zeroxla generate` refuse bad sampling input by name: a temperature that
+is not 0 or a finite positive number (nan used to emit token 0 forever and land in
+summary.json), and a --tp the model's heads do not allow (listing the sizes they do)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import optax
+import pytest
+import xla_flags
+from flax import nnx
+
+import zeroxla
+from zeroxla import models
+from zeroxla.app import cli, train
+from zeroxla.app.sampling import check_tp, sample_tokens
+from zeroxla.models import GPT, GPTConfig
+
+
+@pytest.mark.parametrize("command", [["train"], ["generate", "CKPT", "--prompt", "A"]])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "warm"])
+def test_temperature_option_is_finite_and_not_negative(command, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*command, "--temperature", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"argument --temperature: {value!r} is invalid; accepted: 0 (greedy) or a finite "
+            "positive number") in err
+
+
+def test_temperature_option_accepts_zero_and_positive():
+    assert cli.build_parser().parse_args(["train", "--temperature", "0"]).temperature == 0.0
+    assert cli.build_parser().parse_args(
+        ["generate", "C", "--prompt", "A", "--temperature", "1.5"]).temperature == 1.5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1),
+    ("lr", float("inf")), ("weight_decay", float("nan")), ("gradient_clipping", float("nan"))])
+def test_job_config_refuses_non_finite_numbers(field, value):
+    with pytest.raises(ValueError, match=rf"TrainJobConfig\.{field}={value!r} is invalid; "
+                                         r"accepted: .*finite"):
+        train.TrainJobConfig(**{field: value})
+
+
+def test_plain_sampler_refuses_nan_temperature():
+    model = models.build("gpt-tiny", max_seq_len=16)
+    with pytest.raises(ValueError, match=r"sample_tokens: temperature=nan is invalid; accepted: "
+                                         r"0 \(greedy\) or a finite positive number"):
+        sample_tokens(model, np.array([1, 2]), num_tokens=2, context=16,
+                      temperature=float("nan"))
+
+
+@pytest.mark.parametrize("tp,fields,devices,message", [
+    (3, {"num_heads": 4}, 8, r"--tp 3 does not divide the checkpoint's model \(4 attention "
+                             r"heads\) on 8 devices; accepted: 1, 2, 4$"),
+    (8, {"num_heads": 4}, None, r"--tp 8 does not divide the checkpoint's model \(4 attention "
+                                r"heads\); accepted: 1, 2, 4$"),
+    (4, {"num_heads": 6, "num_kv_heads": 2}, None, r"\(6 attention heads, 2 KV heads\); "
+                                                   r"accepted: 1, 2, 6$"),
+    (3, {"num_heads": 6, "num_kv_heads": 2}, 8, r"on 8 devices; accepted: 1, 2$"),
+])
+def test_tp_names_the_sizes_the_heads_allow(tp, fields, devices, message):
+    with pytest.raises(ValueError, match=message):
+        check_tp(tp, fields, devices)
+    check_tp(2, fields, devices)                 # a size that fits passes
+
+
+def test_host_device_count_reads_xla_flags():
+    flag = xla_flags.DEVICE_COUNT_FLAG
+    assert cli.host_device_count({"XLA_FLAGS": f"--foo {flag}=6"}) == 6
+    assert cli.host_device_count({"XLA_FLAGS": "--foo"}) is None
+    assert cli.host_device_count({}) is None
+
+
+def test_generate_tp_lists_the_sizes_the_model_allows(tmp_path):
+    """In its own process, with no device count set: the command simulates --tp devices, so
+    before this check a 3-way split of a 4-head model said "accepted: 1" (the 3 devices)."""
+    step = zeroxla.make_step(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=3))
+    checkpoint = tmp_path / "checkpoint"
+    chars = "".join(map(chr, range(65, 130)))           # the model's 65 ids
+    zeroxla.save(checkpoint, step.init(), step=step,
+                 metadata={"tokenizer": {"kind": "char", "chars": chars}})
+    result = subprocess.run(
+        [sys.executable, "-m", "zeroxla", "generate", str(checkpoint), "--prompt", "AB",
+         "--tp", "3", "--max-new-tokens", "2"], env=xla_flags.child_environ(), cwd=tmp_path,
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert ("zeroxla generate: error: --tp 3 does not divide the checkpoint's model (4 "
+            "attention heads); accepted: 1, 2, 4\n") in result.stderr

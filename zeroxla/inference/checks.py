@@ -1,0 +1,132 @@
+"""What the Hybrid Engine refuses, by name, before it compiles or runs anything: a step that is not
+a `ZeroStep`, a model it cannot decode, and a training state it must not read (one of another
+step, or one whose buffers were donated to the training step).
+
+The model protocol the engine decodes with (`models.GPT` and `models.Llama` implement it; a
+model with the `embed` / `blocks` / `head` protocol gets it from `models.layers.init_kv_cache`
+and `models.layers.decode`):
+
+    init_cache(batch, max_len) -> {"k": [L, batch, S, G, K], "v": the same}   S >= max_len
+    decode(tokens int32 [B, T], positions int32 [B, T], cache) -> (logits [B, T, V], cache)
+
+`check_decodable` verifies it on abstract values (shapes only, nothing computed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroxla.engine.model_def import ModelDef
+from zeroxla.engine.plan import ShardingPlan
+from zeroxla.engine.state import TrainState
+
+PROTOCOL = ("init_cache(batch, max_len) returning {'k', 'v'} arrays [L, batch, max_len, G, K] "
+            "and decode(tokens [B, T], positions [B, T], cache) returning (logits [B, T, V], "
+            "cache); a model with embed / blocks / head gets both from models.layers "
+            "(init_kv_cache, decode), as models.GPT does")
+STEP_ATTRIBUTES = ("model_def", "plan", "mesh", "vocab_size")
+
+
+def check_step(step: Any, who: str = "HybridEngine") -> None:
+    """ValueError naming what `step` lacks unless it is a `zeroxla.make_step` step."""
+    missing = [name for name in STEP_ATTRIBUTES if not hasattr(step, name)]
+    if missing:
+        raise ValueError(f"{who}: step is a {type(step).__name__} without "
+                         f"{', '.join(missing)}; accepted: the step zeroxla.make_step returns")
+
+
+def _shapes(tree: Any) -> Any:
+    """`tree` with each array as (shape, dtype), for messages and comparisons."""
+    return jax.tree.map(lambda x: (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", x))),
+                        tree)
+
+
+def check_decodable(model_def: ModelDef, max_out_tokens: int,
+                    vocab_size: int) -> tuple[int, ...]:
+    """The KV cache shape of one row, [L, 1, S, G, K], once `model_def`'s model is seen to
+    follow the protocol (module docstring) for `max_out_tokens` positions: ValueError naming the
+    model class, what is missing or wrong, and what to add."""
+    abstract = model_def.abstract_module()
+    name = type(abstract).__name__
+    missing = [m for m in ("init_cache", "decode") if not callable(getattr(abstract, m, None))]
+    if missing:
+        raise ValueError(f"HybridEngine cannot decode {name}: it has no "
+                         f"{' and no '.join(missing)} method (no KV-cache path); add {PROTOCOL}")
+    try:
+        cache = jax.eval_shape(lambda: abstract.init_cache(1, max_out_tokens))
+    except ValueError as err:         # the model's own refusal, e.g. past learned positions
+        raise ValueError(f"HybridEngineConfig.max_out_tokens={max_out_tokens} does not fit the "
+                         f"model: {err}") from None
+    except Exception as err:
+        raise ValueError(f"HybridEngine cannot decode {name}: {name}.init_cache(1, "
+                         f"{max_out_tokens}) raised {type(err).__name__}: {err}; accepted: "
+                         f"{PROTOCOL}") from err
+    shapes = ([tuple(getattr(cache[k], "shape", ())) for k in ("k", "v")]
+              if isinstance(cache, Mapping) and set(cache) == {"k", "v"} else None)
+    if not (shapes and shapes[0] == shapes[1] and len(shapes[0]) == 5 and shapes[0][1] == 1
+            and shapes[0][2] >= max_out_tokens):
+        raise ValueError(f"HybridEngine cannot decode {name}: {name}.init_cache(1, "
+                         f"{max_out_tokens}) returned {_shapes(cache)}; accepted: {PROTOCOL}")
+
+    def probe(values, model_state, cache):
+        model = model_def.module(values, model_state)
+        model.eval()
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        return model.decode(tokens, tokens, cache)
+
+    try:
+        out = jax.eval_shape(probe, *model_def.abstract_values(), cache)
+    except Exception as err:
+        raise ValueError(f"HybridEngine cannot decode {name}: {name}.decode(tokens [1, 1], "
+                         f"positions [1, 1], cache) raised {type(err).__name__}: {err}; "
+                         f"accepted: {PROTOCOL}") from err
+    ok = (isinstance(out, tuple) and len(out) == 2
+          and getattr(out[0], "shape", None) == (1, 1, vocab_size)
+          and _shapes(out[1]) == _shapes(cache))
+    if not ok:
+        raise ValueError(f"HybridEngine cannot decode {name}: {name}.decode(tokens [1, 1], "
+                         f"positions [1, 1], cache) returned {_shapes(out)}; accepted: logits "
+                         f"[1, 1, {vocab_size}] (the vocabulary of {name}.__call__) and a cache "
+                         f"of the shapes init_cache gave ({PROTOCOL})")
+    return shapes[0]
+
+
+def _describe(plan: ShardingPlan) -> str:
+    return (f"ZeRO-{plan.stage} over {plan.data_size} data devices"
+            + (f" ({plan.mesh_description})" if plan.mesh_description else ""))
+
+
+def check_state(state: Any, plan: ShardingPlan, model_def: ModelDef) -> None:
+    """ValueError naming the field unless `state` is a live TrainState of the step whose `plan`
+    and `model_def` are given: not a TrainState, a state of another step (another model or
+    another sharding plan), or a state whose buffers are deleted (donated to the step)."""
+    if not isinstance(state, TrainState):
+        raise ValueError(f"state is a {type(state).__name__}; accepted: a TrainState of the "
+                         "engine's step (step.init(), or what step(state, batch) returned)")
+    if state.model_def is not model_def and state.model_def != model_def:
+        ours, theirs = set(model_def.paths), set(state.model_def.paths)
+        what = (f"parameters {sorted(theirs - ours)[:3]} the engine's model lacks"
+                if theirs - ours else f"no parameters {sorted(ours - theirs)[:3]}"
+                if ours - theirs else "another model structure (shapes or dtypes)")
+        raise ValueError(f"state is a TrainState of another step: its model has {what}; "
+                         "accepted: a state of the step given to HybridEngine (step.init(), or "
+                         "what step(state, batch) returned)")
+    if state.plan is not plan and state.plan != plan:
+        raise ValueError(f"state is a TrainState of another step: state.plan is "
+                         f"{_describe(state.plan)}, the engine's step's is {_describe(plan)} "
+                         "(or their leaves differ); accepted: a state of the step given to "
+                         "HybridEngine (step.init(), or what step(state, batch) returned)")
+    for field in ("params", "model_state"):
+        for path, value in getattr(state, field).items():
+            if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(value)):
+                raise ValueError(
+                    f"state.{field}[{path!r}] is deleted: the state was donated to the training "
+                    "step (`state, metrics = step(state, batch)` consumes the state it is "
+                    "given); use the state the step returned")
+
+
+__all__ = ["PROTOCOL", "check_decodable", "check_state", "check_step"]
