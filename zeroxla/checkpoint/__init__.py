@@ -3,7 +3,7 @@
     listing.py     a directory's steps (complete or interrupted), which one to read
     integrity.py   array checksums, the digested JSON metadata
     manager.py     save / Checkpointer / restore
-    codes.py       frozen int8/int4 leaves saved as codes; restored exactly or re-blocked
+    codes.py       frozen int8/int4 leaves saved as codes, in logical groups: exact on any mesh
     stored.py      one array (or one layer of it) as numpy, without devices
     weights.py     load_params: a checkpoint's model and trained parameters, no optimizer
     export.py      a checkpoint's weights as Hugging Face safetensors, streamed

@@ -1,35 +1,45 @@
-"""Frozen int8/int4 codes in checkpoints: saved as codes, restored exactly or re-blocked.
+"""Frozen int8/int4 codes in checkpoints: stored in a layout-independent form, restored onto any
+mesh bit for bit.
 
 With `quantized_nontrainable_weights` a frozen partitioned leaf lives in the state as codes of
-each device's shard, in groups (`zeroxla.engine.plan`, `LeafPlan.quantize_partitioned`). A
-checkpoint stores those codes and their steps (`frozen_codes/<path>/data`, `.../scales`) with
-the group layout they were cut in (`layout_record`), never floats: dequantizing on save and
-requantizing on restore is not idempotent (DeepSpeed's step is absmax/128 with codes clipped to
-127, so requantizing a dequantized group shrinks its step and moves its codes on every resume).
+each device's shard (`LeafPlan.quantize_partitioned`), in groups the plan cuts on the logical
+tensor (`zeroxla.engine.plan.frozen_code_groups`): `g` consecutive elements of a unit (one layer
+of a stacked leaf) flattened row-major, every shard on every mesh a whole number of them. A
+checkpoint stores those groups in their logical order, as the float leaves are stored at their
+logical shape: `frozen_codes/<path>/data` `[L?, G, g * bits / 8]` int8 and `.../scales`
+`[L?, G]` float32, G = unit elements / g (`to_logical`; `layout_record` in the JSON). Never
+floats: dequantizing on save and requantizing on restore is not idempotent (DeepSpeed's step is
+absmax/128 with codes clipped to 127, so requantizing a dequantized group shrinks its step and
+moves its codes on every resume).
 
-Restoring a leaf:
+Restoring a leaf: each element's (code, step) is read out of the stored groups at the logical
+shape (`element_codes`), then
 
-* same group layout (same data size, shard dim, padding, group size and bits): the stored
-  arrays are the state's, bit for bit (`same_groups`);
-* another layout (another data size, so other shards and groups): `reblock`. Each element's
-  (code, step) is read out of the stored layout into the logical shape (`element_codes`), then
-  cut into the target's groups. A target group whose elements all carry one stored step keeps
-  their codes and that step: exact. A group mixing steps cannot hold its values in one step; it
-  is requantized from the exact stored values with step absmax / (2^(bits-1) - 1), so each value
-  moves by at most half that step. Every target group then has one step, so re-blocking onto the
-  same layout again copies it: codes never drift, whatever the number of resumes;
+* a quantized target with the same bits and group size, on any mesh (data size, shard dim,
+  padding): each target group is one stored group, so `reblock` copies codes and steps, bit
+  for bit;
+* a quantized target with other groups or fewer bits (another `weight_quantization_group_size`
+  or `weight_quantization_bits`): `reblock` keeps every group lying in one stored group whose
+  codes fit the target's bits, and requantizes the others from the exact stored values with
+  step absmax / (2^(bits-1) - 1) (each value moves by at most half that step), once: restoring
+  that onto the same layout again copies it;
 * a float target (the leaf trainable, or stored in float32, there): the stored values,
   `code * step` in float32, the same product `dequantize` computes;
 * a checkpoint holding floats for a quantized target (format 1, or saved without
   `quantized_nontrainable_weights`): quantized once by the step's own quantizer, as at init.
 
-`dequantize_numpy` gives a leaf's logical float values from its stored codes on the host, for
-readers without devices (export, `load_params`).
+Format-2 checkpoints stored each device's codes in its shard layout (their `layout_record`
+names the data size, shard dim and padding, `leaf_of_record`); they read through the same
+`element_codes`.
+
+`dequantize_numpy` gives a leaf's logical float values from its stored codes on the host, whole
+or one layer, for readers without devices (export, `load_params`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,11 +52,52 @@ from zeroxla.pallas_kernels import QuantizedArray
 
 CODES_PREFIX = "frozen_codes/"
 FIELDS = ("data", "scales")
+LOGICAL = "logical"            # `layout_record`'s "layout" since format 3
 # A group whose values' absmax is below this requantizes to step 1 and codes 0 (the quantizer's
 # rule for a constant group, `pallas_kernels._common.MIN_RANGE`).
 MIN_RANGE = 1e-30
-_RECORD_KEYS = ("shape", "stacked", "data_size", "shard_dim", "padded_size", "bits",
-                "group_size")
+_LOGICAL_KEYS = ("shape", "stacked", "bits", "group_size")
+_SHARD_KEYS = ("shape", "stacked", "data_size", "shard_dim", "padded_size", "bits", "group_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalCodes:
+    """A frozen leaf's codes as a checkpoint stores them: groups of `group_size` consecutive
+    elements of each unit (the leaf, or one layer of a stacked leaf) flattened row-major."""
+
+    path: str
+    shape: tuple[int, ...]
+    stacked: bool
+    bits: int
+    group_size: int
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return self.shape[:1] if self.stacked else ()
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        return self.shape[1:] if self.stacked else self.shape
+
+    @property
+    def groups(self) -> int:
+        """Groups of one unit (G)."""
+        return math.prod(self.unit_shape) // self.group_size
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The stored arrays' shapes: data [L?, G, packed], scales [L?, G]."""
+        return {"data": (*self.lead, self.groups, self.group_size * self.bits // 8),
+                "scales": (*self.lead, self.groups)}
+
+    @classmethod
+    def of(cls, leaf: LeafPlan) -> "LogicalCodes":
+        """How the codes of a quantized leaf of the state are stored (`to_logical`)."""
+        return cls(path=leaf.path, shape=leaf.shape, stacked=leaf.stacked,
+                   bits=leaf.storage_bits, group_size=leaf.storage_group_size)
+
+
+Stored = LogicalCodes | LeafPlan        # format 3 | format 2 (each device's shard layout)
 
 
 def array_name(path: str, field: str) -> str:
@@ -55,20 +106,40 @@ def array_name(path: str, field: str) -> str:
 
 
 def layout_record(leaf: LeafPlan) -> dict[str, Any]:
-    """What decides a quantized leaf's group layout, as stored in the checkpoint's JSON."""
-    return {"shape": list(leaf.shape), "stacked": leaf.stacked, "data_size": leaf.data_size,
-            "shard_dim": leaf.shard_dim, "padded_size": leaf.padded_size,
-            "bits": leaf.storage_bits, "group_size": leaf.storage_group_size}
+    """How a quantized leaf's codes are stored (`LogicalCodes.of`), as the checkpoint's JSON
+    records it."""
+    stored = LogicalCodes.of(leaf)
+    return {"layout": LOGICAL, "shape": list(stored.shape), "stacked": stored.stacked,
+            "bits": stored.bits, "group_size": stored.group_size}
+
+
+def _check_keys(path: str, record: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise ValueError(f"frozen codes of {path!r}: layout record lacks {missing}; it has "
+                         f"{sorted(record)}")
+
+
+def stored_layout(path: str, record: Mapping[str, Any], like: LeafPlan | None = None) -> Stored:
+    """The stored form a checkpoint's `layout_record` describes: `LogicalCodes`, or for a
+    format-2 record the `LeafPlan` of the shard layout the codes were saved in."""
+    if record.get("layout") != LOGICAL:
+        return leaf_of_record(path, record, like)
+    _check_keys(path, record, _LOGICAL_KEYS)
+    shape = tuple(int(n) for n in record["shape"])
+    stored = LogicalCodes(path=path, shape=shape, stacked=bool(record["stacked"]),
+                          bits=int(record["bits"]), group_size=int(record["group_size"]))
+    if stored.groups * stored.group_size != math.prod(stored.unit_shape):
+        raise ValueError(f"frozen codes of {path!r}: group_size={stored.group_size} does not "
+                         f"divide a unit of shape {stored.unit_shape}")
+    return stored
 
 
 def leaf_of_record(path: str, record: Mapping[str, Any],
                    like: LeafPlan | None = None) -> LeafPlan:
-    """The stored group layout as a (quantized, frozen, partitioned) `LeafPlan`; `like` supplies
-    the fields that do not decide the layout (mesh axis names, logical axes)."""
-    missing = [k for k in _RECORD_KEYS if k not in record]
-    if missing:
-        raise ValueError(f"frozen codes of {path!r}: layout record lacks {missing}; it has "
-                         f"{sorted(record)}")
+    """A format-2 record's shard layout as a (quantized, frozen, partitioned) `LeafPlan`; `like`
+    supplies the fields that do not decide the layout (mesh axis names, logical axes)."""
+    _check_keys(path, record, _SHARD_KEYS)
     shape = tuple(int(n) for n in record["shape"])
     fields = dict(shape=shape, stacked=bool(record["stacked"]),
                   data_size=int(record["data_size"]), shard_dim=int(record["shard_dim"]),
@@ -81,18 +152,8 @@ def leaf_of_record(path: str, record: Mapping[str, Any],
     return dataclasses.replace(like, **fields)
 
 
-def same_groups(stored: LeafPlan, target: LeafPlan) -> bool:
-    """True when the stored codes are exactly the target's storage (no re-blocking)."""
-    return target.params_quantized and all(
-        getattr(stored, f) == getattr(target, f)
-        for f in ("shape", "stacked", "data_size", "shard_dim", "padded_size", "storage_bits",
-                  "storage_group_size"))
-
-
-def _storage(leaf: LeafPlan, data: jax.Array, scales: jax.Array) -> QuantizedArray:
-    shape = (leaf.layers, leaf.chunk) if leaf.stacked else (leaf.chunk,)
-    return QuantizedArray(data=data, scales=scales, offsets=None, shape=shape,
-                          bits=leaf.storage_bits, group_size=leaf.storage_group_size)
+def _bits(stored: Stored) -> int:
+    return stored.bits if isinstance(stored, LogicalCodes) else stored.storage_bits
 
 
 def _unpack(data: Any, bits: int, xp: Any) -> Any:
@@ -103,10 +164,18 @@ def _unpack(data: Any, bits: int, xp: Any) -> Any:
     return xp.concatenate([(b << 28) >> 28, b >> 4], axis=-1)
 
 
-def element_codes(leaf: LeafPlan, data: jax.Array, scales: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
-    """Stored codes in `leaf`'s group layout -> (codes int32, steps float32), both of the leaf's
-    logical shape: each element's code and its group's step."""
+def _pack(codes: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `_unpack`: [..., group_size] int32 codes -> [..., packed] int8."""
+    if bits == 4:
+        half = codes.shape[-1] // 2
+        codes = (codes[..., :half] & 0xF) | (codes[..., half:] << 4)
+    return codes.astype(jnp.int8)
+
+
+def _shard_element_codes(leaf: LeafPlan, data: jax.Array, scales: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+    """Codes in `leaf`'s shard layout (the state's, or a format-2 checkpoint's) -> (codes int32,
+    steps float32), both of the leaf's logical shape: each element's code and its group's step."""
     rows, groups, gs = leaf.layers * leaf.data_size, leaf.storage_groups, leaf.storage_group_size
     codes = _unpack(data.reshape(rows, groups, -1), leaf.storage_bits, jnp)    # [R, G, gs]
     steps = jnp.broadcast_to(scales.reshape(rows, groups, 1), codes.shape)     # [R, G, gs]
@@ -118,9 +187,38 @@ def element_codes(leaf: LeafPlan, data: jax.Array, scales: jax.Array
     return logical(codes), logical(steps)
 
 
-def reblock(leaf: LeafPlan, codes: jax.Array, steps: jax.Array) -> QuantizedArray:
-    """Logical (codes, steps) -> `leaf`'s stored codes (see the module docstring): a group with
-    one step keeps codes and step, a group mixing steps is requantized from code * step."""
+def element_codes(stored: Stored, data: jax.Array, scales: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Stored codes -> (codes int32, steps float32), both of the leaf's logical shape."""
+    if isinstance(stored, LeafPlan):
+        return _shard_element_codes(stored, data, scales)
+    codes = _unpack(data, stored.bits, jnp)                                   # [L?, G, g]
+    steps = jnp.broadcast_to(scales[..., None], codes.shape)
+    return codes.reshape(stored.shape), steps.reshape(stored.shape)
+
+
+def to_logical(leaf: LeafPlan, q: QuantizedArray) -> tuple[jax.Array, jax.Array]:
+    """The state's codes of `leaf` (any mesh) -> the stored form (`LogicalCodes`): data
+    [L?, G, packed] and scales [L?, G]. Moves codes and steps, computes nothing."""
+    codes, steps = _shard_element_codes(leaf, q.data, q.scales)
+    lead = (leaf.layers,) if leaf.stacked else ()
+    grouped = (*lead, -1, leaf.storage_group_size)
+    # A group lies in one shard group (`frozen_code_groups`): its first element's step is its.
+    return (_pack(codes.reshape(grouped), leaf.storage_bits),
+            steps.reshape(grouped)[..., 0])
+
+
+def _storage(leaf: LeafPlan, data: jax.Array, scales: jax.Array) -> QuantizedArray:
+    shape = (leaf.layers, leaf.chunk) if leaf.stacked else (leaf.chunk,)
+    return QuantizedArray(data=data, scales=scales, offsets=None, shape=shape,
+                          bits=leaf.storage_bits, group_size=leaf.storage_group_size)
+
+
+def reblock(leaf: LeafPlan, codes: jax.Array, steps: jax.Array, *,
+            source_bits: int) -> QuantizedArray:
+    """Logical (codes, steps) of `source_bits`-bit codes -> `leaf`'s stored codes (see the
+    module docstring): a group with one step keeps its codes and step when they fit the leaf's
+    bits; any other group is requantized from code * step."""
     rows, groups, gs = leaf.layers * leaf.data_size, leaf.storage_groups, leaf.storage_group_size
     qmax = 2 ** (leaf.storage_bits - 1) - 1
 
@@ -134,7 +232,7 @@ def reblock(leaf: LeafPlan, codes: jax.Array, steps: jax.Array) -> QuantizedArra
     lo = jnp.min(jnp.where(real, s, jnp.inf), axis=-1)
     hi = jnp.max(jnp.where(real, s, -jnp.inf), axis=-1)
     any_real = jnp.any(real, axis=-1)
-    one_step = any_real & (lo == hi)
+    one_step = any_real & (lo == hi) & (source_bits <= leaf.storage_bits)
     values = jnp.where(real, c.astype(jnp.float32) * s, 0.0)          # exact stored values
     absmax = jnp.max(jnp.abs(values), axis=-1)
     step = jnp.where(absmax > MIN_RANGE, absmax / qmax, 1.0)
@@ -143,39 +241,52 @@ def reblock(leaf: LeafPlan, codes: jax.Array, steps: jax.Array) -> QuantizedArra
                           jnp.where((finite & any_real)[..., None], requantized, 0))
     new_steps = jnp.where(~finite, jnp.nan, jnp.where(one_step, lo, jnp.where(any_real, step,
                                                                               1.0)))
-    if leaf.storage_bits == 4:
-        half = gs // 2
-        new_codes = (new_codes[..., :half] & 0xF) | (new_codes[..., half:] << 4)
     lead = (leaf.layers,) if leaf.stacked else ()
-    return _storage(leaf, new_codes.astype(jnp.int8).reshape(*lead, leaf.data_size * groups, -1),
-                    new_steps.astype(jnp.float32).reshape(*lead, leaf.data_size * groups))
+    return _storage(leaf, _pack(new_codes, leaf.storage_bits).reshape(
+        *lead, leaf.data_size * groups, -1),
+        new_steps.astype(jnp.float32).reshape(*lead, leaf.data_size * groups))
 
 
-def restore_codes(stored: LeafPlan, target: LeafPlan, data: jax.Array, scales: jax.Array,
+def _reblocked(stored: Stored, target: LeafPlan, data: jax.Array, scales: jax.Array
+               ) -> QuantizedArray:
+    return reblock(target, *element_codes(stored, data, scales), source_bits=_bits(stored))
+
+
+def restore_codes(stored: Stored, target: LeafPlan, data: jax.Array, scales: jax.Array,
                   sharding: Any) -> QuantizedArray:
-    """The target's storage of a frozen leaf read as `stored`'s codes: the arrays themselves on
-    the same group layout, else `reblock`ed (jitted into `sharding`, a QuantizedArray of
-    shardings)."""
-    if same_groups(stored, target):
-        return _storage(target, data, scales)
-    convert = jax.jit(lambda d, s: reblock(target, *element_codes(stored, d, s)),
-                      out_shardings=sharding)
-    return convert(data, scales)
+    """The target's storage of a frozen leaf read from `stored` codes, `reblock`ed (jitted into
+    `sharding`, a QuantizedArray of shardings; compiled once per layout pair)."""
+    return jax.jit(_reblocked, static_argnums=(0, 1), out_shardings=sharding)(
+        stored, target, data, scales)
 
 
-def restore_values(stored: LeafPlan, data: jax.Array, scales: jax.Array, sharding: Any,
+def _values(stored: Stored, dtype: Any, data: jax.Array, scales: jax.Array) -> jax.Array:
+    codes, steps = element_codes(stored, data, scales)
+    return (codes.astype(jnp.float32) * steps).astype(dtype)
+
+
+def restore_values(stored: Stored, data: jax.Array, scales: jax.Array, sharding: Any,
                    dtype: Any = jnp.float32) -> jax.Array:
     """The stored values (code * step in float32, then `dtype`) at the leaf's logical shape,
     in `sharding`."""
-    def values(d, s):
-        codes, steps = element_codes(stored, d, s)
-        return (codes.astype(jnp.float32) * steps).astype(dtype)
-    return jax.jit(values, out_shardings=sharding)(data, scales)
+    return jax.jit(_values, static_argnums=(0, 1), out_shardings=sharding)(
+        stored, np.dtype(dtype), data, scales)
 
 
-def dequantize_numpy(leaf: LeafPlan, data: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """Host-side stored values: `data` [L?, N*G, packed], `scales` [L?, N*G] (or one layer of a
-    stacked leaf: [N*G, packed], [N*G]) -> float32 of the logical shape (or of one layer)."""
+def dequantize_numpy(stored: Stored, data: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Host-side stored values, float32 of the logical shape, or of one layer when `data` and
+    `scales` are one layer of a stacked leaf."""
+    if isinstance(stored, LogicalCodes):            # data [L?, G, packed], scales [L?, G]
+        values = (_unpack(data, stored.bits, np).astype(np.float32)
+                  * scales[..., None].astype(np.float32))
+        return values.reshape(*data.shape[:-2], *stored.unit_shape)
+    return _dequantize_shards_numpy(stored, data, scales)
+
+
+def _dequantize_shards_numpy(leaf: LeafPlan, data: np.ndarray, scales: np.ndarray
+                             ) -> np.ndarray:
+    """Format 2: `data` [L?, N*G, packed], `scales` [L?, N*G] (or one layer: [N*G, packed],
+    [N*G]) in `leaf`'s shard layout."""
     n, groups, gs = leaf.data_size, leaf.storage_groups, leaf.storage_group_size
     lead = data.shape[:-2]
     codes = _unpack(data.reshape(-1, n, groups, data.shape[-1]), leaf.storage_bits, np)
@@ -188,6 +299,6 @@ def dequantize_numpy(leaf: LeafPlan, data: np.ndarray, scales: np.ndarray) -> np
     return unit.reshape(*lead, *leaf.unit_shape)
 
 
-__all__ = ["CODES_PREFIX", "FIELDS", "array_name", "dequantize_numpy", "element_codes",
-           "layout_record", "leaf_of_record", "reblock", "restore_codes", "restore_values",
-           "same_groups"]
+__all__ = ["CODES_PREFIX", "FIELDS", "LogicalCodes", "array_name", "dequantize_numpy",
+           "element_codes", "layout_record", "leaf_of_record", "reblock", "restore_codes",
+           "restore_values", "stored_layout", "to_logical"]

@@ -19,10 +19,12 @@ import re
 import warnings
 from pathlib import Path
 
-# 2: frozen leaves held as codes saved as codes (`frozen_codes/...`, `zeroxla.checkpoint.codes`);
-# 1: the same, but such leaves stored as dequantized floats (still read: requantized once).
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+# 3: frozen leaves held as codes saved as codes in their logical group order, the same on every
+#    mesh (`frozen_codes/...`, `zeroxla.checkpoint.codes`);
+# 2: the same, but each device's codes in its shard layout (still read);
+# 1: such leaves stored as dequantized floats (still read: requantized once).
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 STATE_ITEM = "state"          # orbax item holding the arrays
 META_ITEM = "zeroxla"         # orbax item holding our JSON
 TMP_SUFFIX = ".orbax-checkpoint-tmp"          # orbax's temporary step directories

@@ -2,7 +2,8 @@
 
     zeroxla.save(directory, state, step=zero_step, metadata={"data_position": 1234, "rng": key})
     restored = zeroxla.restore(directory, zero_step)            # newest complete checkpoint
-    restored = zeroxla.restore(directory, (mesh, ZeroConfig(stage=1)))   # model rebuilt from it
+    restored = zeroxla.restore(directory, (mesh, ZeroConfig(stage=1)),  # model rebuilt from it,
+                               optimizer=optax.adamw(1e-3))    # with the run's own optimizer
     state, metadata = restored.state, restored.metadata
 
     with zeroxla.Checkpointer(directory, keep=2, async_save=True) as checkpointer:
@@ -10,9 +11,9 @@
             checkpointer.save(state, step=zero_step)            # returns once copied to host
 
 What is stored is the state's logical form (`zeroxla.engine.logical`): independent of the mesh,
-the ZeRO stage and hpZ, so a checkpoint restores onto any of them. The exception is a frozen
-leaf held as int8/int4 codes (`quantized_nontrainable_weights`): its codes and steps are stored
-with their group layout, restored bit-exactly onto the same layout and re-blocked onto another
+the ZeRO stage and hpZ, so a checkpoint restores onto any of them. A frozen leaf held as
+int8/int4 codes (`quantized_nontrainable_weights`) is stored as its codes and steps, in groups
+cut on the logical tensor, so they too restore onto any mesh bit for bit
 (`zeroxla.checkpoint.codes`). Each process writes only the
 shards it holds and reads back only the slices its devices need. The directory layout and crash
 safety are described in `zeroxla.checkpoint.listing`, the checksums in `.integrity`.
@@ -51,6 +52,7 @@ from zeroxla.checkpoint.listing import (
     select,
 )
 from zeroxla.engine.config import ZeroConfig
+from zeroxla.engine.leaf_plan import LeafPlan
 from zeroxla.engine.logical import LogicalLayout, logical_sharding, named_leaves
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.state import TrainState
@@ -177,14 +179,12 @@ class Checkpointer:
         if model_config is None:
             model_config = _model_config_of(step)
         arrays = step.logical_layout.to_logical(state)
-        # Frozen leaves stored as codes are saved as their codes and steps, not as floats
-        # (`zeroxla.checkpoint.codes`).
+        # Frozen leaves stored as codes are saved as their codes and steps, not as floats, in
+        # the logical group order (`zeroxla.checkpoint.codes`).
         quantized = [leaf for leaf in step.plan.leaves if leaf.params_quantized]
         for leaf in quantized:
             del arrays[f"params/{leaf.path}"]
-            stored = state.params[leaf.path]
-            for field in codes.FIELDS:
-                arrays[codes.array_name(leaf.path, field)] = getattr(stored, field)
+            arrays.update(_logical_codes(step.mesh, leaf, state.params[leaf.path]))
         sums = checksums(arrays)
         number = host_int(state.step)
         loss_scale = (float(np.asarray(state.loss_scale.scale.addressable_data(0)))
@@ -223,6 +223,16 @@ class Checkpointer:
         return self.directory / str(number)
 
 
+def _logical_codes(mesh: Mesh, leaf: LeafPlan, stored: Any) -> dict[str, jax.Array]:
+    """A frozen leaf's codes in the state -> its checkpoint arrays (`codes.to_logical`), kept
+    sharded over the data devices."""
+    shapes = codes.LogicalCodes.of(leaf).shapes
+    shardings = tuple(logical_sharding(mesh, shapes[f], leaf.stacked, prefer=int(leaf.stacked))
+                      for f in codes.FIELDS)
+    logical = jax.jit(codes.to_logical, static_argnums=0, out_shardings=shardings)(leaf, stored)
+    return {codes.array_name(leaf.path, f): a for f, a in zip(codes.FIELDS, logical)}
+
+
 def save(directory: str | Path, state: TrainState, *, step: ZeroStep,
          metadata: Mapping[str, Any] | None = None, model_config: Any = None,
          keep: int | None = None) -> Path:
@@ -243,11 +253,13 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
 
     `target` is a ZeroStep (any mesh, device count, stage or hpZ setting), or a mesh, or
     `(mesh, ZeroConfig)`: then the model is rebuilt from the checkpoint's model config and the
-    step is made with `optimizer` (default: make_step's AdamW; pass the one you trained with),
+    step is made with `optimizer` (required: the optax transformation the run trained with),
     `loss_fn` and the given config (default: the checkpoint's). Newer incomplete checkpoints are
     skipped with an `IncompleteCheckpointWarning`.
 
-    Raises ValueError naming the first parameter whose path or shape differs between the
+    Raises ValueError when a mesh target comes without `optimizer` (a checkpoint holds the
+    optimizer's state, never the optax transformation that reads it, so no default can be
+    known to be the run's), naming the first parameter whose path or shape differs between the
     checkpoint and the target, CorruptCheckpointError when an array or the metadata fails its
     checksum, IncompleteCheckpointError when `step` names an uncommitted save.
     """
@@ -258,23 +270,21 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
     layout = zero_step.logical_layout
     stored = meta["arrays"]
     _check_compatible(meta, layout, info)
-    # Frozen leaves saved as codes: each one's stored group layout (`zeroxla.checkpoint.codes`).
-    frozen = {path: codes.leaf_of_record(path, record, zero_step.plan[path])
+    # Frozen leaves saved as codes: each one's stored form (`zeroxla.checkpoint.codes`).
+    frozen = {path: codes.stored_layout(path, record, zero_step.plan[path])
               for path, record in meta.get("frozen_codes", {}).items()}
     shardings = zero_step.state_shardings.params
 
     # The loss scale is optional on both sides: fp16 runs carry one, others do not.
     wanted = {n: a for n, a in layout.abstract.items() if n in stored}
     for path, leaf in frozen.items():
-        same = codes.same_groups(leaf, zero_step.plan[path])
         for field in codes.FIELDS:
             name = codes.array_name(path, field)
             shape = tuple(stored[name]["shape"])
-            # Read straight into the target's storage when nothing is re-blocked.
-            sharding = (getattr(shardings[path], field) if same
-                        else logical_sharding(zero_step.mesh, shape))
-            wanted[name] = jax.ShapeDtypeStruct(shape, np.dtype(stored[name]["dtype"]),
-                                                sharding=sharding)
+            wanted[name] = jax.ShapeDtypeStruct(
+                shape, np.dtype(stored[name]["dtype"]),
+                sharding=logical_sharding(zero_step.mesh, shape, leaf.stacked,
+                                          prefer=int(leaf.stacked)))
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         read_only=True))
     try:
@@ -339,6 +349,15 @@ def _target_step(target: Any, meta: Mapping[str, Any], optimizer: Any,
     else:
         raise TypeError(f"restore: target must be a ZeroStep, a Mesh or (mesh, ZeroConfig); "
                         f"got {type(target).__name__}")
+    if optimizer is None:
+        # An optax transformation is code (closures, schedules): the checkpoint holds its state
+        # but cannot record it, and make_step's default AdamW(1e-3) would resume any other run
+        # silently wrong (its moments read as Adam's, its learning rate replaced).
+        raise ValueError(
+            "restore: optimizer=None with a mesh target; pass optimizer=<the optax "
+            "transformation the run trained with> (a checkpoint stores the optimizer's state, "
+            "not the optimizer, so none is assumed), or restore into a ZeroStep built with it; "
+            "for the weights alone use zeroxla.load_params(directory)")
     if config is None:
         known = {f.name for f in dataclasses.fields(ZeroConfig)}
         config = ZeroConfig(**{k: v for k, v in meta["zero_config"].items() if k in known})

@@ -17,7 +17,6 @@ from etils import epath
 from zeroxla.checkpoint import codes
 from zeroxla.checkpoint.integrity import checksum_numpy, read_meta
 from zeroxla.checkpoint.listing import STATE_ITEM, CorruptCheckpointError, select
-from zeroxla.engine.leaf_plan import LeafPlan
 
 
 class StoredArrays:
@@ -51,11 +50,11 @@ class StoredArrays:
     def __contains__(self, name: str) -> bool:
         return name in self.meta["arrays"] or self._frozen(name) is not None
 
-    def _frozen(self, name: str) -> LeafPlan | None:
-        """The stored group layout when `name` is 'params/<path>' of a leaf saved as codes."""
+    def _frozen(self, name: str) -> codes.Stored | None:
+        """The stored form of the codes when `name` is 'params/<path>' of a leaf saved as codes."""
         path = name[len("params/"):] if name.startswith("params/") else None
         record = self.meta.get("frozen_codes", {}).get(path)
-        return None if record is None else codes.leaf_of_record(path, record)
+        return None if record is None else codes.stored_layout(path, record)
 
     def read(self, name: str, index: int | None = None) -> np.ndarray:
         """Array `name` (e.g. 'params/embed/wte'), or its slice `[index]`. A frozen leaf saved

@@ -22,8 +22,12 @@ Frozen (non-trainable) leaves have no gradient, optimizer state or update; at st
 still partitioned and gathered for compute. With ZeRO++'s `quantized_nontrainable_weights` a
 frozen partitioned leaf is stored as block-quantized codes of each device's shard (a
 `QuantizedArray`, quantized once at init and never again): per device, `[L?, G, group_size *
-bits / 8]` int8 codes and `[L?, G]` float32 scales, G = ceil(chunk / group_size), chunk = the
-elements of one layer's shard.
+bits / 8]` int8 codes and `[L?, G]` float32 scales, G = chunk / group_size, chunk = the
+elements of one layer's shard. Its groups are cut on the logical tensor, not on the shards
+(`frozen_code_groups`): runs of `group_size` elements within a row (the dims after its first
+data-role dim), a size dividing the row, and a shard dim whose boundaries fall between rows. So
+every shard on every mesh is a whole number of the same groups, and a checkpoint's codes and
+steps restore onto any mesh bit for bit (`zeroxla.checkpoint.codes`).
 
 Under a 16-bit compute dtype at stages 1-2, and for stage 3's persistent leaves, a leaf whose
 optimizer state is partitioned while its parameter is replicated is stored as DeepSpeed's
@@ -132,6 +136,10 @@ class ShardingPlan:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        if any(None in leaf.logical_axes for leaf in self.leaves):
+            lines.append("logical axis '-': a dim the model does not name (a Param without "
+                         "logical_axes, e.g. nnx.Linear's); the rules' '*' entry (the default "
+                         "rule) decides its layout")
         if self.aliases:
             lines.append("shared parameters (one partition and optimizer state; gathered at "
                          "each use, gradients summed over the uses):")
@@ -141,11 +149,30 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def _stored_group_size(chunk: int, group_size: int) -> int:
-    """Group size of a shard's stored codes: `group_size`, or for a shard smaller than one group
-    the power of two >= chunk (at least 2, so int4 codes pair up), so a small shard is not padded
-    to a whole large group."""
-    return min(group_size, max(2, 1 << (chunk - 1).bit_length()))
+def frozen_code_groups(shape: Sequence[int], data_dims: Sequence[int], *, bits: int,
+                       group_size: int) -> tuple[int, tuple[int, ...]]:
+    """The quantization groups of a frozen leaf stored as codes, and the dims that may carry
+    its partition: `(g, dims)`.
+
+    Groups live on the logical tensor, independent of the mesh: a *row* is the elements after
+    the first data-role dim k0 at fixed indices up to k0 (one layer of a stacked leaf at a
+    time), R = prod(shape[k0 + 1:]) long; a group is g consecutive elements of a row, g the
+    largest divisor of R not above `group_size` (even under int4, whose bytes pair codes).
+    A shard cut along dim k is a whole number of groups exactly when g divides
+    prod(shape[k + 1:]); `dims` are those data-role dims (k0 always among them), so neither a
+    shard boundary nor the zero padding ever splits a group, whatever the data size, and the
+    codes of one mesh are the codes of every other. (0, ()) when no g >= 2 exists (a row of
+    one element, or an odd row under int4): codes would not be smaller than float32, and the
+    leaf stays float32.
+    """
+    if not data_dims:
+        return 0, ()
+    row = math.prod(shape[data_dims[0] + 1:])
+    divisors = {d for k in range(1, math.isqrt(row) + 1) if row % k == 0 for d in (k, row // k)}
+    g = max((d for d in divisors if d <= group_size and (bits != 4 or d % 2 == 0)), default=0)
+    if g < 2:
+        return 0, ()
+    return g, tuple(k for k in data_dims if math.prod(shape[k + 1:]) % g == 0)
 
 
 def _compute_copy_dtype(stage: int, compute_dtype: str, partitioned: bool,
@@ -178,7 +205,7 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
     applies the threshold per parameter, and a stacked leaf is L parameters) has fewer elements
     than `persistence_threshold`. Leaves in `frozen` are not trained; with `frozen_storage_bits`
     (4 or 8; ZeRO++'s quantized_nontrainable_weights) the partitioned ones among them are stored
-    as codes in groups of up to `frozen_group_size` elements.
+    as codes in groups of up to `frozen_group_size` elements (`frozen_code_groups`).
     """
     unknown = set(frozen) - set(shapes)
     if unknown:
@@ -195,13 +222,19 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
         persistent = stage == 3 and unit < persistence_threshold
         trainable = path not in frozen
         partitioned = stage == 3 and not persistent
+        group, code_dims = 0, None        # frozen codes: groups on the logical tensor
+        if partitioned and not trainable and frozen_storage_bits > 0 and shape:
+            group, code_dims = frozen_code_groups(
+                shape, storage_rules.data_dims(names, len(shape)), bits=frozen_storage_bits,
+                group_size=frozen_group_size)
         if not shape:           # a scalar: nothing to split; always replicated
             assignment_dim, padded = 0, 1
             partitioned, optimizer_partitioned = False, False
         else:
             # The rules never give the layer dim to the data axes: the scan gathers one layer
             # at a time.
-            assignment = storage_rules.spec(shape, names, axes)
+            assignment = storage_rules.spec(shape, names, axes,
+                                            data_dims=code_dims if group else None)
             if stacked and assignment.data_dim == 0:
                 raise ValueError(f"storage rules {storage_rules.name!r} give the layer dim of "
                                  f"{path!r} to the data axes; map 'layers' to None or 'stage'")
@@ -211,7 +244,7 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
             partitioned = partitioned and assignment.data_dim is not None
         compute = compute_rules.spec(shape, names, axes, partition_data=False).spec \
             if shape else P()
-        quantized = partitioned and not trainable and frozen_storage_bits > 0
+        quantized = partitioned and group > 0
         leaf = LeafPlan(
             path=path, shape=shape, logical_axes=names, stacked=stacked, persistent=persistent,
             params_partitioned=partitioned,
@@ -226,7 +259,7 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
         if quantized:
             leaf = dataclasses.replace(
                 leaf, storage_bits=frozen_storage_bits,
-                storage_group_size=_stored_group_size(leaf.chunk, frozen_group_size))
+                storage_group_size=group)
         leaves.append(leaf)
     return ShardingPlan(tuple(leaves), stage, axes.data_size, persistence_threshold,
                         axes.describe(), storage_rules, compute_rules)

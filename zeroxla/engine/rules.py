@@ -32,7 +32,7 @@ How a role becomes a spec entry (`AxisRules.spec`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from jax.sharding import PartitionSpec as P
 
@@ -73,12 +73,20 @@ class AxisRules:
                 return role
         return None
 
+    def data_dims(self, logical_axes: Sequence[str | None] | None, ndim: int) -> tuple[int, ...]:
+        """The dims whose role is "data" (unnamed dims match "*")."""
+        names = tuple(logical_axes) if logical_axes else (None,) * ndim
+        return tuple(d for d, n in enumerate(names) if self.role_of(n) == "data")
+
     def spec(self, shape: Sequence[int], logical_axes: Sequence[str | None] | None,
-             axes: MeshAxes, *, partition_data: bool = True) -> DimAssignment:
+             axes: MeshAxes, *, partition_data: bool = True,
+             data_dims: Collection[int] | None = None) -> DimAssignment:
         """The layout of a parameter of `shape` named `logical_axes` on a mesh with `axes`.
 
         `partition_data=False` leaves out the data role (a replicated parameter: below the
-        persistence threshold, or a ZeRO stage that does not partition it).
+        persistence threshold, or a ZeRO stage that does not partition it). `data_dims`, if
+        given, are the only data-role dims that may carry the data axes (frozen int8/int4 codes:
+        dims whose shard boundaries never cut a quantization group, `zeroxla.engine.plan`).
         """
         names = tuple(logical_axes) if logical_axes else (None,) * len(shape)
         roles = [self.role_of(n) for n in names]
@@ -97,7 +105,8 @@ class AxisRules:
                 unsplit.append((dims[0], role))
         data_dim = None
         n = axes.data_size
-        candidates = [d for d, r in enumerate(roles) if r == "data" and entries[d] is None]
+        candidates = [d for d, r in enumerate(roles) if r == "data" and entries[d] is None
+                      and (data_dims is None or d in data_dims)]
         if partition_data and candidates:
             dividing = [d for d in candidates if shape[d] % n == 0]
             if dividing:

@@ -1,8 +1,10 @@
-"""Frozen int8/int4 codes in checkpoints (`zeroxla.checkpoint.codes`): saved as codes, restored
-bit-exactly on the same group layout, re-blocked from the stored codes on another one.
+"""Frozen int8/int4 codes in checkpoints (`zeroxla.checkpoint.codes`): quantization groups cut
+on the logical tensor (`zeroxla.engine.plan.frozen_code_groups`), so the same codes and steps are
+every mesh's; a checkpoint stores them in that logical order and restores them onto any mesh
+bit for bit.
 
-The reference for the re-blocking is numpy on an element-index array: zero-pad the shard dim to
-a multiple of N, split it into N blocks, flatten each (the plan's documented layout), cut rows
+The reference for the layouts is numpy on an element-index array: zero-pad the shard dim to a
+multiple of N, split it into N blocks, flatten each (the plan's documented layout), cut rows
 into groups; it never calls the engine's `shards_of` / `from_shards`.
 """
 
@@ -22,17 +24,19 @@ from zeroxla import checkpoint, models
 from zeroxla.checkpoint import codes
 from zeroxla.checkpoint.integrity import digest
 from zeroxla.checkpoint.listing import META_ITEM
+from zeroxla.engine.leaf_plan import LeafPlan
 from zeroxla.engine.mesh import MeshAxes, make_mesh
 from zeroxla.engine.plan import make_plan
 from zeroxla.engine.state import gather_params
+from zeroxla.pallas_kernels import quantize
 
 VOCAB, D = 64, 256
 BATCHES = token_batches(2, 8, 8, vocab=VOCAB, seed=0)
 
 
 class FrozenBase(nnx.Module):
-    """A frozen embedding and projection (every shard a whole number of 2048-element groups on
-    8 and on 4 devices) under a trained head."""
+    """A frozen embedding and projection (rows of 256 elements: groups of 256, shard dim 0 on
+    every mesh, no padding) under a trained head."""
 
     def __init__(self, rngs: nnx.Rngs):
         normal = nnx.initializers.normal
@@ -51,7 +55,8 @@ def _step(model_name, mesh, *, bits=8, quantized=True):
                                 quantized_nontrainable_weights=quantized)
     if model_name == "base":
         factory, trainable = (lambda: FrozenBase(nnx.Rngs(0))), nnx.PathContains("head")
-    else:       # gpt-tiny, d_model 60: padded partitions, groups smaller than 2048
+    else:       # gpt-tiny, d_model 60: groups of 60 and 900, padded partitions (wte's 65
+        # rows; wo's 4 heads on 8 devices)
         factory, trainable = (lambda: models.build("gpt-tiny", seed=1)), nnx.PathContains("w_fc")
     return zeroxla.make_step(factory, mesh, optimizer=optax.adamw(1e-2), config=config,
                              trainable=trainable)
@@ -78,12 +83,32 @@ def _assert_same_codes(got, expected):
                                           getattr(expected[path], field), err_msg=path)
 
 
+
+
+def _logical(state, step):
+    """The stored form (`codes.to_logical`) of every frozen leaf's codes in `state`."""
+    return {leaf.path: SimpleNamespace(**dict(zip(codes.FIELDS, map(np.asarray, jax.jit(
+        lambda q, leaf=leaf: codes.to_logical(leaf, q))(state.params[leaf.path])))))
+        for leaf in step.plan.leaves if leaf.params_quantized}
+
+
 # ---------------------------------------------------------------------------------------------
 # The layout logic, against numpy.
 
+MESH_SHAPES = {8: (2, 4), 4: (1, 4), 2: (1, 2)}
+HOPS = (8, 4, 8, 2)
+
+
+def _plan(shape, axes, devices, *, bits, group):
+    return make_plan({"w": shape}, {"w": axes}, stage=3,
+                     axes=MeshAxes(("node", "local"), MESH_SHAPES[devices]),
+                     persistence_threshold=0, frozen={"w"}, frozen_storage_bits=bits,
+                     frozen_group_size=group)["w"]
+
+
 def _groups_numpy(leaf, x):
     """x (logical shape) -> [L, N, G, gs] in the leaf's stored group layout: pad the shard dim
-    with `fill`, split it into N blocks, flatten each, edge-pad to whole groups."""
+    with -1, split it into N blocks, flatten each, edge-pad to whole groups."""
     layers = x if leaf.stacked else x[None]
     dim = leaf.shard_dim - (1 if leaf.stacked else 0)
     widths = [(0, 0)] * layers[0].ndim
@@ -98,64 +123,163 @@ def _groups_numpy(leaf, x):
     return np.stack(out)
 
 
-CASES = [((64, 256), ("vocab", "embed"), 256),     # shard dim 0, groups aligned: all exact
-         ((65, 60), ("vocab", "embed"), 64),       # padded, shard dim 1: groups mix
-         ((3, 7, 40), ("layers", "embed", "mlp"), 16)]
+def _row_group_size(shape, stacked, group, bits):
+    """The largest divisor of a row (the dims after the first unit dim) not above `group`
+    (even under int4)."""
+    row = int(np.prod(shape[2 if stacked else 1:]))
+    return max(d for d in range(1, min(row, group) + 1)
+               if row % d == 0 and (bits == 8 or d % 2 == 0))
+
+
+CASES = [((64, 256), ("vocab", "embed"), 256),      # shard dim 0, no padding
+         ((65, 60), ("vocab", "embed"), 64),        # padded shard dim, groups of a whole row
+         ((3, 7, 40), ("layers", "embed", "mlp"), 16),   # stacked, padded, groups of 10
+         ((6, 8, 16), ("vocab", "heads", "embed"), 16)]  # shard dim 0 on 2 devices, 1 on 4, 8
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("shape,axes,group", CASES)
-def test_reblock_against_numpy(shape, axes, group, bits):
-    def plan(mesh_shape):
-        return make_plan({"w": shape}, {"w": axes}, stage=3,
-                         axes=MeshAxes(("node", "local"), mesh_shape), persistence_threshold=0,
-                         frozen={"w"}, frozen_storage_bits=bits, frozen_group_size=group)["w"]
-    eight, four = plan((2, 4)), plan((1, 4))
+def test_groups_are_cut_on_the_logical_tensor(shape, axes, group, bits):
+    """On every mesh each stored group is one aligned run of `g` elements of the logical unit
+    flattened (or all padding), and its codes and step are those of quantizing the logical
+    unit itself: the same groups, codes and steps on 8, 4 and 2 devices."""
+    stacked = axes[0] == "layers"
+    g = _row_group_size(shape, stacked, group, bits)
     x = jax.random.normal(jax.random.key(1), shape) * jnp.linspace(0.1, 10, shape[-1])
-    stored = jax.jit(eight.logical_to_storage)(x)
-    values8 = np.asarray(jax.jit(eight.storage_to_logical)(stored))
+    units = x if stacked else x[None]
+    unit_numel = units[0].size
+    logical = [quantize(u.reshape(-1), bits=bits, group_size=g, impl="jnp") for u in units]
+    shard_dims = set()
+    for devices in MESH_SHAPES:
+        leaf = _plan(shape, axes, devices, bits=bits, group=group)
+        assert leaf.params_quantized and leaf.storage_group_size == g
+        assert leaf.chunk % g == 0                      # no shard ends inside a group
+        shard_dims.add(leaf.shard_dim)
+        stored = jax.jit(leaf.logical_to_storage)(x)
+        data = np.asarray(stored.data).reshape(len(units), devices, leaf.storage_groups, -1)
+        scales = np.asarray(stored.scales).reshape(data.shape[:3])
+        ids = _groups_numpy(leaf, np.arange(x.size).reshape(shape))     # [L, N, G, g]
+        seen = set()
+        for key in np.ndindex(*ids.shape[:3]):
+            group_ids = ids[key]
+            if (group_ids < 0).all():                   # padding: codes 0, step 1
+                assert (data[key] == 0).all() and scales[key] == 1.0
+                continue
+            layer, offset = divmod(int(group_ids[0]), unit_numel)
+            j = offset // g
+            np.testing.assert_array_equal(group_ids, layer * unit_numel + j * g + np.arange(g))
+            np.testing.assert_array_equal(data[key], np.asarray(logical[layer].data[j]))
+            assert scales[key] == np.asarray(logical[layer].scales[j])
+            seen.add((layer, j))
+        assert len(seen) == len(units) * unit_numel // g         # every group, once
+        # The stored form is the logical quantization, whatever the mesh.
+        data_l, scales_l = jax.jit(lambda q, leaf=leaf: codes.to_logical(leaf, q))(stored)
+        lead = (len(units),) if stacked else ()
+        np.testing.assert_array_equal(
+            data_l, np.stack([q.data for q in logical]).reshape(*lead, -1, data.shape[-1]))
+        np.testing.assert_array_equal(
+            scales_l, np.stack([q.scales for q in logical]).reshape(*lead, -1))
+    assert (len(shard_dims) > 1) == (shape == (6, 8, 16)), shard_dims
 
-    def reblock(source, target, q):
-        return jax.jit(lambda d, s: codes.reblock(target, *codes.element_codes(source, d, s)))(
-            q.data, q.scales)
 
-    # Same layout: the identity, bit for bit (padding codes included).
-    _assert_same_codes({"w": jax.tree.map(np.asarray, reblock(eight, eight, stored))},
-                       {"w": jax.tree.map(np.asarray, stored)})
+def _restore(stored, target, data, scales):
+    """`codes.restore_codes` without the shardings: stored codes -> the target's storage."""
+    bits = stored.storage_bits if isinstance(stored, LeafPlan) else stored.bits
+    return jax.jit(lambda d, s: codes.reblock(target, *codes.element_codes(stored, d, s),
+                                              source_bits=bits))(data, scales)
 
-    moved = reblock(eight, four, stored)
-    values4 = np.asarray(jax.jit(four.storage_to_logical)(moved))
-    # Reference: which stored group each element sat in, and which target group it lands in.
-    index = np.arange(np.prod(shape)).reshape(shape)
-    src = _groups_numpy(eight, index)                         # [L, 8, G8, gs8] element ids
-    dst = _groups_numpy(four, index)                          # [L, 4, G4, gs4]
-    src_step = np.full(index.size, np.nan, np.float32)
-    scales8 = np.asarray(stored.scales).reshape(src.shape[:3])
-    for key in np.ndindex(*src.shape[:3]):
-        ids = src[key][src[key] >= 0]
-        src_step[ids] = scales8[key]
-    qmax = 2 ** (bits - 1) - 1
-    exact = mixed = 0
-    for key in np.ndindex(*dst.shape[:3]):
-        ids = dst[key][dst[key] >= 0]
-        if ids.size == 0:
-            continue
-        flat4, flat8 = values4.reshape(-1)[ids], values8.reshape(-1)[ids]
-        if np.unique(src_step[ids]).size == 1:                # one stored step: exact
-            exact += 1
-            np.testing.assert_array_equal(flat4, flat8)
-        else:        # requantized: half a step, + float32 rounding of step and code * step
-            mixed += 1
-            absmax = np.abs(flat8).max()
-            assert np.abs(flat4 - flat8).max() <= absmax / qmax / 2 + absmax * 2.0 ** -22
-    # Aligned shards keep every group; padded, column-split ones mix stored groups.
-    assert (exact, mixed) == ((64, 0) if shape == (64, 256) else (exact, mixed)) and mixed + exact
-    assert (mixed == 0) == (shape == (64, 256)), (exact, mixed)
 
-    # Idempotent: re-blocking the result onto its own layout copies it.
-    again = reblock(four, four, moved)
-    _assert_same_codes({"w": jax.tree.map(np.asarray, again)},
+def _stored_form(leaf):
+    """The stored form a checkpoint's JSON record of `leaf` describes."""
+    stored = codes.stored_layout(leaf.path, codes.layout_record(leaf))
+    assert stored == codes.LogicalCodes.of(leaf)
+    return stored
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape,axes,group", CASES)
+def test_codes_hop_across_meshes_bit_for_bit(shape, axes, group, bits):
+    """8 -> 4 -> 8 -> 2 devices through the stored form: at every hop the codes are exactly what
+    quantizing on that mesh gives, the values bit-identical, and the stored form the same."""
+    x = jax.random.normal(jax.random.key(2), shape) * jnp.linspace(0.1, 10, shape[-1])
+    first = _plan(shape, axes, HOPS[0], bits=bits, group=group)
+    state = jax.jit(first.logical_to_storage)(x)
+    values = np.asarray(jax.jit(first.storage_to_logical)(state))
+    stored = jax.jit(lambda q: codes.to_logical(first, q))(state)
+    for devices in HOPS[1:]:
+        leaf = _plan(shape, axes, devices, bits=bits, group=group)
+        state = _restore(_stored_form(first), leaf, *stored)
+        _assert_same_codes({"w": jax.tree.map(np.asarray, state)},
+                           {"w": jax.tree.map(np.asarray, jax.jit(leaf.logical_to_storage)(x))})
+        np.testing.assert_array_equal(jax.jit(leaf.storage_to_logical)(state), values)
+        again = jax.jit(lambda q, leaf=leaf: codes.to_logical(leaf, q))(state)
+        for a, b in zip(again, stored):
+            np.testing.assert_array_equal(a, b)
+        stored = again
+
+
+@pytest.mark.parametrize("target_group,target_bits", [(60, 8), (48, 4), (48, 8)])
+def test_other_groups_or_fewer_bits_requantize_once(target_group, target_bits):
+    """Stored int8 groups of 48, restored into groups of 60 (straddling them) or into int4: the
+    values move by at most half the target's step, once; restoring that onto its own layout
+    copies it. Into int8 groups of 48 from int4 ones (more bits): exact."""
+    shape, axes = (16, 240), ("vocab", "embed")
+    source_bits = 4 if target_bits == 8 and target_group == 48 else 8
+    source = _plan(shape, axes, 8, bits=source_bits, group=48)
+    target = _plan(shape, axes, 4, bits=target_bits, group=target_group)
+    assert (source.storage_group_size, target.storage_group_size) == (48, target_group)
+    x = jax.random.normal(jax.random.key(3), shape) * jnp.linspace(0.1, 10, shape[-1])
+    stored = jax.jit(lambda q: codes.to_logical(source, q))(jax.jit(source.logical_to_storage)(x))
+    values = np.asarray(jax.jit(lambda d, s: jnp.multiply(*codes.element_codes(
+        _stored_form(source), d, s)))(*stored))
+    moved = _restore(_stored_form(source), target, *stored)
+    got = np.asarray(jax.jit(target.storage_to_logical)(moved))
+    if source_bits < target_bits:
+        np.testing.assert_array_equal(got, values)
+    else:
+        qmax = 2 ** (target_bits - 1) - 1
+        rows = values.reshape(-1, target_group)            # the target's (logical) groups
+        bound = np.abs(rows).max(axis=1, keepdims=True) * (1 / qmax / 2 + 2.0 ** -22)
+        assert (np.abs(got.reshape(rows.shape) - rows) <= bound).all()
+        assert not np.array_equal(got, values)
+    again = jax.jit(lambda q: codes.to_logical(target, q))(moved)
+    _assert_same_codes({"w": jax.tree.map(np.asarray, _restore(_stored_form(target), target,
+                                                               *again))},
                        {"w": jax.tree.map(np.asarray, moved)})
+
+
+def test_format_two_shard_layout_still_reads():
+    """A format-2 checkpoint stored each device's codes in its shard layout (here the old
+    plan's: shard dim 1, groups of 64 cut across rows): its values read exactly, on devices and
+    on the host, and restore into today's groups within half a step."""
+    record = {"shape": [65, 60], "stacked": False, "data_size": 8, "shard_dim": 1,
+              "padded_size": 64, "bits": 8, "group_size": 64}
+    old = codes.stored_layout("w", record)
+    assert isinstance(old, LeafPlan)
+    x = jax.random.normal(jax.random.key(4), (65, 60))
+    q = jax.jit(old.logical_to_storage)(x)
+    expected = np.asarray(jax.jit(old.storage_to_logical)(q))
+    got = jax.jit(lambda d, s: jnp.multiply(*codes.element_codes(old, d, s)))(q.data, q.scales)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(
+        codes.dequantize_numpy(old, np.asarray(q.data), np.asarray(q.scales)), expected)
+    target = _plan((65, 60), ("vocab", "embed"), 4, bits=8, group=64)
+    moved = np.asarray(jax.jit(target.storage_to_logical)(_restore(old, target, q.data,
+                                                                   q.scales)))
+    bound = np.abs(expected).max(axis=1, keepdims=True) * (1 / 127 / 2 + 2.0 ** -22)
+    assert (np.abs(moved - expected) <= bound).all()
+
+
+def test_rows_without_a_group_stay_float32():
+    """A frozen leaf whose rows admit no group of 2 or more (one element per row; an odd row
+    under int4) is stored as float32, partitioned as before."""
+    plan = make_plan({"vector": (4096,), "odd": (64, 15), "even": (64, 16)}, {}, stage=3,
+                     axes=MeshAxes(("node", "local"), (2, 4)), persistence_threshold=0,
+                     frozen={"vector", "odd", "even"}, frozen_storage_bits=4,
+                     frozen_group_size=2048)
+    assert not plan["vector"].params_quantized and plan["vector"].params_partitioned
+    assert not plan["odd"].params_quantized and plan["odd"].params_partitioned
+    assert plan["even"].params_quantized and plan["even"].storage_group_size == 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,30 +304,38 @@ def test_save_restore_save_ten_times_keeps_the_codes(tmp_path, bits):
     assert {p: q.bits for p, q in original.items()} == {"table": bits, "w": bits}
     for i in range(10):
         checkpoint.save(tmp_path / str(i), state, step=step)
-        _assert_same_codes(_saved_codes(tmp_path / str(i), step), original)
+        _assert_same_codes(_saved_codes(tmp_path / str(i), step), _logical(state, step))
         state = checkpoint.restore(tmp_path / str(i), step).state
         _assert_same_codes(_codes(state, step), original)
 
 
 @pytest.mark.slow
-def test_restore_onto_four_devices(tmp_path):
-    """8 -> 4 devices: every new group lies in one stored group (shard dim 0, whole groups), so
-    the values are exact. Saved again on 4 and restored: bit-exact. (Mixed groups, gpt-tiny
-    with d_model 60: test_checkpoint.py::test_frozen_leaves_round_trip, within half a step.)"""
-    step, state = _initial("base", 8)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("model_name", ["base", "gpt"])
+def test_frozen_codes_restore_across_meshes_bit_for_bit(tmp_path, model_name, bits):
+    """8 -> 4 -> 8 -> 2 devices, saving on each mesh and restoring on the next: every parameter's
+    values (frozen codes dequantized, float leaves) bit-identical at every hop, each mesh's
+    codes exactly those its own step quantizes at init, and the checkpoint's frozen arrays the
+    same bytes whichever mesh saved them."""
+    meshes = {8: lambda: make_mesh(2, 4), 4: lambda: make_mesh(1, 4, devices=jax.devices()[:4]),
+              2: lambda: make_mesh(1, 2, devices=jax.devices()[:2])}
+    step, state = _initial(model_name, bits)
     expected = flat_params(gather_params(state))
-    checkpoint.save(tmp_path / "8", state, step=step)
-    four = _step("base", make_mesh(1, 4, devices=jax.devices()[:4]))
-    restored = checkpoint.restore(tmp_path / "8", four).state
-    got = flat_params(gather_params(restored))
-    assert any(leaf.params_quantized for leaf in four.plan.leaves)
-    for path, value in expected.items():        # frozen codes and float leaves alike: exact
-        np.testing.assert_array_equal(got[path], value, err_msg=path)
-    checkpoint.save(tmp_path / "4", restored, step=four)
-    _assert_same_codes(_codes(checkpoint.restore(tmp_path / "4", four).state, four),
-                       _codes(restored, four))
-    _, metrics = four(restored, BATCHES[0])     # it trains on from there
-    assert np.isfinite(float(metrics["loss"]))
+    first = checkpoint.save(tmp_path / "0", state, step=step)
+    saved = _saved_codes(tmp_path / "0", step)
+    for hop, devices in enumerate(HOPS[1:], start=1):
+        step = _step(model_name, meshes[devices](), bits=bits)
+        assert step.plan.data_size == devices
+        state = checkpoint.restore(tmp_path / str(hop - 1), step).state
+        _assert_same_codes(_codes(state, step), _codes(step.init(), step))
+        got = flat_params(gather_params(state))
+        assert got.keys() == expected.keys()
+        for path, value in expected.items():
+            np.testing.assert_array_equal(got[path], value, err_msg=f"{devices} devices: {path}")
+        path = checkpoint.save(tmp_path / str(hop), state, step=step)
+        _assert_same_codes(_saved_codes(tmp_path / str(hop), step), saved)
+        assert (json.loads((path / META_ITEM / "metadata").read_text())["frozen_codes"]
+                == json.loads((first / META_ITEM / "metadata").read_text())["frozen_codes"])
 
 
 @pytest.mark.slow
@@ -245,6 +377,6 @@ def test_format_one_floats_restore_into_codes_and_unknown_formats_are_refused(tm
     quantized = _step("base", make_mesh(2, 4))
     restored = checkpoint.restore(tmp_path, quantized).state
     _assert_same_codes(_codes(restored, quantized), _codes(quantized.init(), quantized))
-    _rewrite_format(path, 3)
-    with pytest.raises(checkpoint.CheckpointError, match="format 3; .*reads formats 1, 2"):
+    _rewrite_format(path, 4)
+    with pytest.raises(checkpoint.CheckpointError, match="format 4; .*reads formats 1, 2, 3"):
         checkpoint.restore(tmp_path, quantized)
