@@ -1,18 +1,32 @@
 """Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape), compiled
-with the suite's codegen flags (tests/support/xla_flags.py says what they change and what not)."""
+with the suite's codegen flags, through one compilation cache shared by the run's processes
+(tests/support/xla_flags.py says what each changes and what not)."""
 
 import os
+import shutil
 
 import xla_flags  # tests/support, on sys.path through pyproject's `pythonpath`
 
 os.environ["XLA_FLAGS"] = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", "")) +
                            f" {xla_flags.DEVICE_COUNT_FLAG}=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Set before pytest-xdist starts its workers, so they and every process a test starts share it.
+_CREATED_CACHE = xla_flags.use_compilation_cache(os.environ)
 
 import jax  # noqa: E402  (must come after the flag)
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# JAX read its environment when xla_flags imported it, before the cache was named: say it here.
+jax.config.update("jax_compilation_cache_dir", os.environ[xla_flags.CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_sessionfinish(session):
+    """The run's compilation cache goes with the run (the controller's, after its workers)."""
+    if _CREATED_CACHE and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

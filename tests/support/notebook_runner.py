@@ -1,0 +1,21 @@
+"""Runs one notebook of notebooks/ top to bottom, errors disallowed (tests/notebooks/)."""
+
+import pathlib
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
+CELL_TIMEOUT_S = 300
+
+
+def run_notebook(name: str) -> None:
+    """Executes notebooks/NAME.ipynb in a "python3" kernel (this interpreter, this environment;
+    it inherits the test run's XLA flags and compilation cache); raises CellExecutionError,
+    naming the cell, on the first error."""
+    path = NOTEBOOK_DIR / f"{name}.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            allow_errors=False,
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client.execute()
