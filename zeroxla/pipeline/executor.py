@@ -76,11 +76,11 @@ from zeroxla.collectives import zero as collectives
 from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.engine import remat
 from zeroxla.engine.gather import GatheredStack
-from zeroxla.engine.loss import loss_terms, next_token_loss, next_token_loss_terms, normalizer
+from zeroxla.engine.loss import normalizer
 from zeroxla.models.layers import call_block
 from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.split import BLOCKS_PREFIX, StageSplit, layer_list, split_stages
-from zeroxla.pipeline.stages import (StageCut, check_stages, loss_after_stack, stack_input,
+from zeroxla.pipeline.stages import (StageCut, StagedLoss, loss_after_stack, stack_input,
                                      stop_gradients)
 from zeroxla.pipeline.storage import stage_local
 from zeroxla.pipeline.table import (BACKWARD, FORWARD, IDLE, ScheduleTable, Segment, StepSends,
@@ -159,12 +159,11 @@ class PipelineExecutor:
         self.step, self.config = step, config
         self.stages = step.axes.num_stages
         model = step.model_def.abstract_module()
-        self.cut: StageCut = self._model_cut()
+        self.loss = StagedLoss(step.loss_fn, step.model_def)
+        self.cut: StageCut = self.loss.model_cut()
         self.split: StageSplit = split_stages(
             layer_list(model, step.model_def.shape_dict(), self.cut.embed_paths,
                        self.cut.head_paths), self.stages, config.partition_method)
-        self._checked: set[Any] = set()           # batch signatures `check_batch` has traced
-        self._loss_returns_pair: bool | None = None   # a custom loss_fn's, from `check_batch`
         self.table: ScheduleTable = schedule_table(config.schedule_class, config.micro_batches,
                                                    self.stages)
         _check_table(self.table)
@@ -185,39 +184,10 @@ class PipelineExecutor:
                 f"micro-batches, {t.num_steps} steps, {self.num_buffers} stash buffers, bubble "
                 f"{t.bubble_fraction:.3f}")
 
-    # ------------------------------------------------------------------------------------------
-    # The model's computation, cut at its stack (`zeroxla.pipeline.stages`).
-    def loss_terms(self, model: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-        """The plain step's loss of `model` on `batch` as `(sum, count)`: what the pipeline
-        splits (the default next-token loss, or the user's `loss_fn`)."""
-        if self.step.loss_fn is next_token_loss:
-            return next_token_loss_terms(model, batch)
-        return loss_terms(self.step.loss_fn(model, batch), "loss_fn")
-
-    def loss_is_sum(self) -> bool:
-        """Whether the loss returns `(sum, count)` (the default does) rather than a mean."""
-        if self.step.loss_fn is next_token_loss:
-            return True
-        if self._loss_returns_pair is None:
-            raise AssertionError("check_batch runs before the pipelined gradient pass is traced")
-        return self._loss_returns_pair
-
-    def _model_cut(self) -> StageCut:
-        """The cut of the model's own `__call__` (`model(tokens)`) on a probe batch [1, 2]: it
-        refuses a model the pipeline cannot split before anything is compiled. A custom
-        `loss_fn` is cut again on the first real batch (`check_batch`)."""
-        probe = {"inputs": jax.ShapeDtypeStruct((1, 2), jnp.int32),
-                 "targets": jax.ShapeDtypeStruct((1, 2), jnp.int32)}
-        values = self.step.model_def.abstract_values()[0]
-        return check_stages(next_token_loss_terms, self._abstract_model, values, probe)
-
-    def _abstract_model(self, values: dict[str, Any]) -> Any:
-        return self.step.model_def.module(values, {}, None)
-
     def check_batch(self, batch: Any) -> None:
         """ValueError unless the global batch splits into data replicas x micro_batches (other
         batch errors are left to `zeroxla.engine.batch_checks`); the loss is cut at the stack
-        on the batch's micro-batch shapes once per batch signature (`stages.check_stages`)."""
+        on the batch's micro-batch shapes (`StagedLoss.check`)."""
         if not isinstance(batch, dict) or not batch or not np.shape(next(iter(batch.values()))):
             return
         batch_size = int(np.shape(next(iter(batch.values())))[0])
@@ -228,17 +198,9 @@ class PipelineExecutor:
                 f"(global batch {batch_size} over {n} data-parallel replicas); accepted: "
                 f"a global batch that is a multiple of {n * m}, or micro_batches dividing "
                 f"{batch_size // n if batch_size % n == 0 else batch_size / n}")
-        micro = {k: jax.ShapeDtypeStruct((batch_size // (n * m), *np.shape(v)[1:]),
-                                         jnp.result_type(v)) for k, v in batch.items()}
-        signature = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in micro.items()))
-        if signature not in self._checked:
-            values = self.step.model_def.abstract_values()[0]
-            check_stages(self.loss_terms, self._abstract_model, values, micro)
-            if self.step.loss_fn is not next_token_loss:
-                value = jax.eval_shape(lambda p, b: self.step.loss_fn(
-                    self._abstract_model(p), b), values, micro)
-                self._loss_returns_pair = isinstance(value, (tuple, list))
-            self._checked.add(signature)
+        self.loss.check(jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct((batch_size // (n * m), *np.shape(v)[1:]),
+                                           jnp.result_type(v)), dict(batch)))
 
     def _work(self, segment: Segment) -> list[dict[int, set[int]]]:
         """Per unrolled step of `segment`: op -> the stages that run it there in some repeat
@@ -319,11 +281,11 @@ class PipelineExecutor:
 
         def embed(p, micro):                                   # -> [mb, T, D]
             """The model's computation up to its stack: the first stage's forward."""
-            return stack_input(self.loss_terms, model_of(p), micro)[0].astype(dtype)
+            return stack_input(self.loss.terms, model_of(p), micro)[0].astype(dtype)
 
         def stack_args(micro):                                 # e.g. (positions [mb, T],)
             """The stack's other arguments; parameter-free (`check_stages`), so constants."""
-            return stop_gradients(stack_input(self.loss_terms, model_of(trainable), micro)[1])
+            return stop_gradients(stack_input(self.loss.terms, model_of(trainable), micro)[1])
 
         def blocks_of(full, x, consts):                        # [mb, T, D] -> [mb, T, D]
             if stack is not None:                              # full: the blocks' shards
@@ -351,14 +313,14 @@ class PipelineExecutor:
 
         def head_terms(p, y, micro):                            # (loss sum, token count)
             """The model's computation after its stack, and the loss: the last stage's."""
-            return loss_after_stack(self.loss_terms, model_of(p), micro, y)
+            return loss_after_stack(self.loss.terms, model_of(p), micro, y)
 
         # 2. Micro-batches: [B_local, ...] -> [M, mb, ...].
         micro_batches = jax.tree.map(lambda a: a.reshape(M, a.shape[0] // M, *a.shape[1:]),
                                      batch)
         first_micro = jax.tree.map(lambda a: a[0], micro_batches)
         # static: loss sums are differentiated / c0 (a loss returning a mean counts 1)
-        c0 = normalizer(first_micro) if self.loss_is_sum() else 1.0
+        c0 = normalizer(first_micro) if self.loss.is_sum() else 1.0
         seed = scale / c0
         act = jax.eval_shape(embed, trainable, first_micro)
         zeros_act = jnp.zeros(act.shape, act.dtype)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from zeroxla.engine.loss import loss_terms, next_token_loss, next_token_loss_terms
 from zeroxla.models.layers import LayerStack
 
 STACK_ATTRIBUTE = "blocks"
@@ -172,6 +173,55 @@ def check_stages(loss: LossTerms, model_of: Callable[[dict], Any], values: dict[
     jax.eval_shape(lambda p, b, y: loss_after_stack(loss, model_of(p), b, y), values, batch, x)
     head = tuple(p for p in paths if not p.startswith(prefix) and p not in embed)
     return StageCut(embed, head)
+
+
+class StagedLoss:
+    """The plain step's loss as the pipeline splits it: `terms(model, batch)` is `(sum, count)`
+    of the default next-token loss or of the user's `loss_fn`; `model_cut` and `check` run
+    `check_stages` on the model's own call and on each batch signature's micro-batch."""
+
+    PROBE = {"inputs": jax.ShapeDtypeStruct((1, 2), jnp.int32),      # tokens [1, 2]
+             "targets": jax.ShapeDtypeStruct((1, 2), jnp.int32)}
+
+    def __init__(self, loss_fn: Callable, model_def: Any):
+        self.loss_fn, self.model_def = loss_fn, model_def
+        self._checked: set[Any] = set()             # micro-batch signatures cut so far
+        self._returns_pair: bool | None = None      # a custom loss_fn's, from `check`
+
+    def terms(self, model: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        if self.loss_fn is next_token_loss:
+            return next_token_loss_terms(model, batch)
+        return loss_terms(self.loss_fn(model, batch), "loss_fn")
+
+    def is_sum(self) -> bool:
+        """Whether the loss returns `(sum, count)` (the default does) rather than a mean."""
+        if self.loss_fn is next_token_loss:
+            return True
+        if self._returns_pair is None:
+            raise AssertionError("StagedLoss.check runs before the pipelined pass is traced")
+        return self._returns_pair
+
+    def _model(self, values: dict[str, Any]) -> Any:
+        return self.model_def.module(values, {}, None)
+
+    def model_cut(self) -> StageCut:
+        """The cut of the model's own `model(tokens)` on a probe batch: a model the pipeline
+        cannot split is refused by `make_step`, before anything is compiled."""
+        values = self.model_def.abstract_values()[0]
+        return check_stages(next_token_loss_terms, self._model, values, self.PROBE)
+
+    def check(self, micro: dict[str, jax.ShapeDtypeStruct]) -> None:
+        """Cuts the loss on a micro-batch of these shapes (once per signature): a custom
+        `loss_fn` is refused here, on the first batch, before any compute."""
+        signature = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in micro.items()))
+        if signature in self._checked:
+            return
+        values = self.model_def.abstract_values()[0]
+        check_stages(self.terms, self._model, values, micro)
+        if self.loss_fn is not next_token_loss:
+            value = jax.eval_shape(lambda p, b: self.loss_fn(self._model(p), b), values, micro)
+            self._returns_pair = isinstance(value, (tuple, list))
+        self._checked.add(signature)
 
 
 def stop_gradients(tree: Any) -> Any:

@@ -292,3 +292,14 @@ def test_unnamed_dims_take_the_default_rule_shown_in_describe():
     # The embedding (its input) and the head are what the stack's input does / does not read.
     assert step.pipeline.cut.embed_paths == ("wpe/embedding", "wte/embedding")
     assert step.pipeline.cut.head_paths == ("ln_f/bias", "ln_f/scale")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_as_without_pipeline():
+    batch = token_batches(1, 16, SEQ, vocab=V)[0]
+    batch["inputs"][3, 2] = V                                 # one id past the vocabulary
+    for mesh, pipeline in ((zeroxla.make_mesh(1), None),
+                           (zeroxla.make_mesh(1, stages=2), zeroxla.PipelineConfig(2))):
+        step = zeroxla.make_step(NanoGPT(nnx.Rngs(0)), mesh, optimizer=optax.sgd(0.1),
+                                 pipeline=pipeline)
+        with pytest.raises(ValueError, match=f"vocab"):
+            step.lower(jax.eval_shape(step.init), batch)
