@@ -1,15 +1,23 @@
-"""swizzled_quantize: kernel vs reference, and the two-hop layout of ZeRO++ §3.3."""
+"""swizzled_quantize against float64 numpy (tests/support/numpy_quant.py), the Pallas kernel
+against its `*_reference` where a kernel runs, and the two-hop layout of ZeRO++ §3.3."""
 
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
+from numpy_quant import (
+    assert_codes_match,
+    assert_steps_match,
+    quantize64,
+    swizzled_quantize64,
+    unpack_codes,
+)
 from zeroxla.pallas_kernels import (
     dequantize,
-    quantize_reference,
     swizzled_quantize,
     swizzled_quantize_reference,
 )
+from zeroxla.pallas_kernels._common import use_pallas
 
 # (nodes, devices_per_node, chunk, group_size): the standard 2x4 mesh, one node of 8, an odd
 # 3x2 one, and chunks that are not multiples of the group (each partition padded on its own).
@@ -27,7 +35,14 @@ def by_group(values, group_size: int) -> np.ndarray:
     return np.pad(a, pad, mode="edge").reshape(*a.shape[:-1], -1, group_size)
 
 
+def gaussian(nodes, local, chunk) -> np.ndarray:
+    return np.random.default_rng(chunk).standard_normal(nodes * local * chunk).astype(np.float32)
+
+
 class TestSwizzle:
+    """`impl="auto"` (the kernel on GPU, the jnp reference on CPU) against float64 numpy; the
+    twin below runs the same assertions on the interpreted Pallas kernel."""
+
     INTERPRET = False
 
     def kw(self):
@@ -35,68 +50,71 @@ class TestSwizzle:
 
     @pytest.mark.parametrize("nodes,local,chunk,group_size", CASES, ids=str)
     @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
-    def test_matches_reference(self, nodes, local, chunk, group_size, bits, symmetric):
-        x = jnp.asarray(np.random.default_rng(chunk).standard_normal(nodes * local * chunk),
-                        jnp.float32)
-        args = dict(bits=bits, group_size=group_size, nodes=nodes, devices_per_node=local,
-                    symmetric=symmetric)
-        q = swizzled_quantize(x, **args, **self.kw())
-        r = swizzled_quantize_reference(x, **args)
+    def test_matches_float64(self, nodes, local, chunk, group_size, bits, symmetric):
+        x = gaussian(nodes, local, chunk)
+        q = swizzled_quantize(jnp.asarray(x), bits=bits, group_size=group_size, nodes=nodes,
+                              devices_per_node=local, symmetric=symmetric, **self.kw())
         groups = -(-chunk // group_size)
         assert q.data.shape == (local, nodes, groups, group_size * bits // 8)
         assert q.scales.shape == (local, nodes, groups) and q.shape == (local, nodes, chunk)
-        np.testing.assert_array_equal(q.data, r.data)
-        np.testing.assert_allclose(q.scales, r.scales, rtol=1e-7)
-        if not symmetric:
-            np.testing.assert_allclose(q.offsets, r.offsets, rtol=1e-7)
+        expected = swizzled_quantize64(x, bits, group_size, nodes, local, symmetric)
+        assert_codes_match(unpack_codes(q.data, bits), expected)
+        assert_steps_match(q.scales, q.offsets, expected)
 
     @pytest.mark.parametrize("nodes,local,chunk,group_size", CASES, ids=str)
     def test_row_l_n_is_partition_n_l(self, nodes, local, chunk, group_size):
         # [l, n] of the output is partition (n, l) of the input, quantized on its own.
-        x = jnp.asarray(np.random.default_rng(chunk).standard_normal(nodes * local * chunk),
-                        jnp.float32)
-        q = swizzled_quantize(x, bits=4, group_size=group_size, nodes=nodes,
+        x = gaussian(nodes, local, chunk)
+        q = swizzled_quantize(jnp.asarray(x), bits=4, group_size=group_size, nodes=nodes,
                               devices_per_node=local, **self.kw())
-        data, scales = np.asarray(q.data), np.asarray(q.scales)
+        codes = unpack_codes(q.data, 4)
         parts = x.reshape(nodes, local, chunk)
         for n in range(nodes):
             for l in range(local):
-                alone = quantize_reference(parts[n, l], bits=4, group_size=group_size)
-                np.testing.assert_array_equal(data[l, n], alone.data)
-                np.testing.assert_allclose(scales[l, n], alone.scales, rtol=1e-7)
+                alone = quantize64(parts[n, l], 4, group_size)
+                assert_codes_match(codes[l, n], alone)
+                assert_steps_match(q.scales[l, n], None, alone)
 
+    def kernel_runs(self, group_size: int) -> bool:
+        return self.INTERPRET or use_pallas("auto", group_size)
+
+    @pytest.mark.parametrize("nodes,local,chunk,group_size", CASES, ids=str)
+    @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
+    def test_kernel_matches_reference(self, nodes, local, chunk, group_size, bits, symmetric):
+        """The same float32 arithmetic: bit for bit the same codes and steps."""
+        if not self.kernel_runs(group_size):
+            pytest.skip("impl='auto' runs the jnp reference itself off GPU (the interpret twin "
+                        "compares the kernel)")
+        x = jnp.asarray(gaussian(nodes, local, chunk))
+        args = dict(bits=bits, group_size=group_size, nodes=nodes, devices_per_node=local,
+                    symmetric=symmetric)
+        q, r = swizzled_quantize(x, **args, **self.kw()), swizzled_quantize_reference(x, **args)
+        np.testing.assert_array_equal(q.data, r.data)
+        np.testing.assert_array_equal(q.scales, r.scales)
+        if not symmetric:
+            np.testing.assert_array_equal(q.offsets, r.offsets)
 
     @pytest.mark.parametrize("bad", NONFINITE, ids=NONFINITE_IDS)
     @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
     def test_non_finite_group_dequantizes_to_nan(self, bits, symmetric, bad):
         # Issue 10: a NaN or +-inf in a gradient must survive qgZ's quantization.
         nodes, local, chunk, group_size = CASES[2]  # 3 x 2 partitions of 1000: 4 groups each
-        x = np.random.default_rng(chunk).standard_normal(nodes * local * chunk).astype(np.float32)
-        y = x.copy()
+        y = gaussian(nodes, local, chunk)
         parts = y.reshape(nodes, local, chunk)  # a view: partition (n, l)
         parts[1, 0, 600] = bad                  # group 2 of partition (1, 0)
         parts[2, 1, 999] = bad                  # its last element: group 3, with the padding
         parts[0, 1, [5, 6, 7]] = NONFINITE      # NaN, +inf, -inf together in group 0
         hit = np.zeros((local, nodes, 4), bool)  # output layout [l, n, G]
         hit[0, 1, 2] = hit[1, 2, 3] = hit[1, 0, 0] = True
-        args = dict(bits=bits, group_size=group_size, nodes=nodes, devices_per_node=local,
-                    symmetric=symmetric)
-        clean = swizzled_quantize(jnp.asarray(x), **args, **self.kw())
-        q = swizzled_quantize(jnp.asarray(y), **args, **self.kw())
-        r = swizzled_quantize_reference(jnp.asarray(y), **args)
-        np.testing.assert_array_equal(q.data, r.data)
-        np.testing.assert_allclose(q.scales, r.scales, rtol=1e-7, equal_nan=True)
-        assert not np.any(np.asarray(q.data)[hit]) and np.all(np.isnan(q.scales[hit]))
-        np.testing.assert_array_equal(q.data[~hit], clean.data[~hit])
-        np.testing.assert_array_equal(q.scales[~hit], clean.scales[~hit])
-        if not symmetric:
-            np.testing.assert_allclose(q.offsets, r.offsets, rtol=1e-7, equal_nan=True)
-            assert np.all(np.isnan(q.offsets[hit]))
-            np.testing.assert_array_equal(q.offsets[~hit], clean.offsets[~hit])
+        q = swizzled_quantize(jnp.asarray(y), bits=bits, group_size=group_size, nodes=nodes,
+                              devices_per_node=local, symmetric=symmetric, **self.kw())
+        expected = swizzled_quantize64(y, bits, group_size, nodes, local, symmetric)
+        np.testing.assert_array_equal(np.isnan(expected.steps), hit)
+        assert_codes_match(unpack_codes(q.data, bits), expected)
+        assert_steps_match(q.scales, q.offsets, expected)
+        assert not np.any(np.asarray(q.data)[hit])
         out = by_group(dequantize(q, impl="jnp"), group_size)  # [l, n, G, gs]
-        assert np.all(np.isnan(out[hit]))
-        np.testing.assert_array_equal(out[~hit], by_group(dequantize(clean, impl="jnp"),
-                                                          group_size)[~hit])
+        assert np.all(np.isnan(out[hit])) and np.all(np.isfinite(out[~hit]))
 
 
 class TestSwizzleInterpret(TestSwizzle):

@@ -24,7 +24,8 @@ def train_single_device(model, optimizer, batches, *, clip=0.0, loss_fn=cross_en
     rest_leaves, rest_def = jax.tree.flatten(rest)
     device = jax.devices()[0]
     params = jax.device_put(params, device)
-    opt_state = optimizer.init(params)
+    # On the device: a host-side step counter would make the second call compile again.
+    opt_state = jax.device_put(optimizer.init(params), device)
 
     def model_of(p):
         return nnx.merge(graphdef, p, jax.tree.unflatten(rest_def, rest_leaves))
