@@ -311,7 +311,7 @@ def test_save_restore_save_ten_times_keeps_the_codes(tmp_path, bits):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("model_name", ["base", "gpt"])
+@pytest.mark.parametrize("model_name", ["gpt"])    # the base model's layouts: the layout test
 def test_frozen_codes_restore_across_meshes_bit_for_bit(tmp_path, model_name, bits):
     """8 -> 4 -> 8 -> 2 devices, saving on each mesh and restoring on the next: every parameter's
     values (frozen codes dequantized, float leaves) bit-identical at every hop, each mesh's

@@ -82,8 +82,15 @@ def _zero_run(name, stage, batches, mesh=None):
     return losses, flat_params(zeroxla.gather_params(state))
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# Cases `test_float64_parity.py` checks strictly (float64, every element rtol 1e-4 + atol 1e-6)
+# are not run again here in float32 with the round-off allowances above: every normalising
+# optimizer at stage 3, LAMB at stages 1 and 2.
+STRICT_IN_FLOAT64 = {(name, 3) for name in NORMALISING_LR} | {("lamb", 1), ("lamb", 2)}
+CASES = [(name, stage) for name in OPTIMIZERS for stage in (1, 2, 3)
+         if (name, stage) not in STRICT_IN_FLOAT64]
+
+
+@pytest.mark.parametrize("name,stage", CASES)
 def test_optimizer_matches_single_device(name, stage):
     _, loss_rtol, rtol, atol = OPTIMIZERS[name]
     batches, expected_losses, expected = _reference(name)
