@@ -1,7 +1,8 @@
 """`ZeroConfig.remat` in the pipeline: "none" (the default) keeps each stage's vjp residuals per
 stash buffer (never the parameters or their shards) and recomputes nothing in backward; "full"
 keeps only the stage input and recomputes the stage. Training is the same; "none" runs fewer
-FLOPs (XLA's `cost_analysis`) for more temporary memory.
+FLOPs (XLA's `cost_analysis`) for more temporary memory. Every case is held to plain float32
+optax on one device, not to the other remat mode.
 
 gpt-tiny, 4 layers over 2 stages x 1 x 4, M = 4 (1F1B), at ZeRO-3 with per-micro-batch gathers
 (the blocks are a `GatheredStack`, whose custom vjp keeps only shards) and at ZeRO-2 (the blocks
@@ -14,10 +15,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import zeroxla
 from zeroxla import models
-from reference import flat_params, token_batches, train_single_device
+from reference import distance_over_travelled, flat_params, token_batches, train_single_device
 
 pytestmark = pytest.mark.slow
 
@@ -42,35 +44,42 @@ def _train(zero_stage, remat):
     return losses, flat_params(zeroxla.gather_params(state)), compiled
 
 
+@functools.cache
+def _one_device():
+    """(losses, final parameters, initial parameters) of plain optax on one device."""
+    batches = token_batches(STEPS, BATCH, SEQ, vocab=65, seed=4)
+    losses, params = train_single_device(models.build("gpt-tiny", seed=1, num_layers=4),
+                                         optax.sgd(0.5, momentum=0.9), batches)
+    initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1, num_layers=4), nnx.Param))
+    return losses, params, initial
+
+
 @pytest.mark.parametrize("zero_stage", [3, 2])
-def test_none_trains_like_full_with_fewer_flops(zero_stage):
-    losses, params, none = _train(zero_stage, "none")
-    full_losses, full_params, full = _train(zero_stage, "full")
-    # "full" recomputes every stage forward in backward: about a third more FLOPs.
+def test_none_runs_fewer_flops_than_full(zero_stage):
+    """"full" recomputes every stage forward in backward: about a third more FLOPs (that both
+    train like one device is `test_trains_like_one_device`)."""
+    none, full = _train(zero_stage, "none")[2], _train(zero_stage, "full")[2]
     flops, full_flops = none.cost_analysis()["flops"], full.cost_analysis()["flops"]
     assert flops < 0.85 * full_flops, (flops, full_flops)
-    np.testing.assert_allclose(losses, full_losses, rtol=1e-6)
-    assert losses[-1] < losses[0]
-    assert params.keys() == full_params.keys()
-    # The same arithmetic compiled in other fusions (and the last stage's head gradient added
-    # in forward): float32 rounding only, which SGD with momentum carries into the parameters.
-    # Relative to the model's parameter scale: an entry near zero (a bias, or the key bias,
-    # whose gradient is exactly zero and which holds rounding noise) has no scale of its own.
-    scale = max(np.abs(v).max() for v in full_params.values())
-    for path in params:
-        np.testing.assert_allclose(params[path], full_params[path], rtol=1e-6,
-                                   atol=1e-6 * scale, err_msg=path)
 
 
-def test_full_trains_like_one_device():
-    """"full" (recompute the stage in backward) against plain optax on one device, not only
-    against "none": the same losses (rtol 1e-5) and parameters (rtol 1e-4, atol 1e-6)."""
-    losses, params, _ = _train(3, "full")
-    batches = token_batches(STEPS, BATCH, SEQ, vocab=65, seed=4)
-    expected_losses, expected = train_single_device(
-        models.build("gpt-tiny", seed=1, num_layers=4), optax.sgd(0.5, momentum=0.9), batches)
+@pytest.mark.parametrize("zero_stage,remat", [(3, "full"), (3, "none"), (2, "full"),
+                                              (2, "none")])
+def test_trains_like_one_device(zero_stage, remat):
+    """Each (ZeRO stage, remat) pipelined against plain float32 optax on one device: the same
+    losses (rtol 1e-5) and parameters (rtol 1e-4, atol 1e-6 relative to the model's parameter
+    scale: an entry near zero, a bias or the key bias whose gradient is exactly zero, holds
+    rounding noise only), and their distance from the reference under 1e-5 of the distance
+    travelled (measured 2.9e-7 in all four: float32 rounding in other fusions, carried by SGD's
+    momentum). With ZeRO-2's reduce-scattered gradients scaled by 1.01 the stage-2 losses are
+    already 2.1e-4 off."""
+    losses, params, _ = _train(zero_stage, remat)
+    expected_losses, expected, initial = _one_device()
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
     assert params.keys() == expected.keys()
+    scale = max(np.abs(v).max() for v in expected.values())
     for path in expected:
-        np.testing.assert_allclose(params[path], expected[path], rtol=1e-4, atol=1e-6,
+        np.testing.assert_allclose(params[path], expected[path], rtol=1e-4, atol=1e-6 * scale,
                                    err_msg=path)
+    assert distance_over_travelled(params, expected, initial) < 1e-5

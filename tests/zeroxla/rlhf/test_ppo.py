@@ -1,8 +1,10 @@
 """The PPO loop (zeroxla/rlhf) against DeepSpeed-Chat's definitions, recomputed here in numpy
 float64 from the same rollout arrays: per-token rewards (KL penalty + clipped score on the last
-answer token), GAE advantages and returns, the KL and reward records, and the first PPO epoch's
-losses. The formulas below are written from `dschat/rlhf/ppo_trainer.py` as loops, not by
-calling the package's functions."""
+answer token), GAE advantages and returns, the KL and reward records, and every PPO epoch's
+losses (3 epochs per rollout: the first at the rollout's weights, where the ratio is 1, the
+later ones where ratio and value clipping act, from the weights each epoch's step started at).
+The formulas below are written from `dschat/rlhf/ppo_trainer.py` as loops, not by calling the
+package's functions."""
 
 import jax
 import numpy as np
@@ -13,7 +15,7 @@ from zeroxla import models, rlhf
 from zeroxla.app import data
 
 CONFIG = rlhf.PPOConfig(kl_ctl=0.2, clip_reward_value=0.25, cliprange=0.2, cliprange_value=0.2,
-                        gamma=0.9, lam=0.8, ppo_epochs=1, actor_lr=3e-3, critic_lr=3e-3,
+                        gamma=0.9, lam=0.8, ppo_epochs=3, actor_lr=3e-3, critic_lr=3e-3,
                         prompts_per_iteration=16, prompt_length=8, answer_length=12)
 VOWELS = set("aeiouAEIOU")
 
@@ -55,22 +57,57 @@ def corpus():
     return data.load_corpus()
 
 
+class EpochRecorder:
+    """Stands in for a trainer's `make_step` during `train_rlhf`: before each epoch's step it
+    runs the weights that step starts from (gathered, one device) on the rollout's tokens
+    [B, P+G-1] -> outputs (actor logits [B, P+G-1, V] / critic values [B, P+G-1]); after it,
+    keeps the loss the step reports."""
+
+    def __init__(self, step):
+        self.step, self.outputs, self.losses = step, [], []
+
+    def __call__(self, state, batch):
+        model = zeroxla.gathered_model(state)
+        self.outputs.append(np.asarray(model(jax.numpy.asarray(batch["tokens"][:, :-1]))))
+        state, metrics = self.step(state, batch)
+        self.losses.append(float(metrics["loss"]))
+        return state, metrics
+
+
 @pytest.fixture(scope="module")
 def ppo(corpus):
+    """Two iterations of `run_ppo`, with each `train_rlhf` call's epochs recorded:
+    (run, eos, [(actor EpochRecorder, critic EpochRecorder, returned losses)] per iteration)."""
     eos = int(corpus.tokenizer.encode(" ")[0])      # a random model ends some answers early
     actor = models.build("gpt-tiny", seed=0)
-    run = rlhf.run_ppo(CONFIG, 2, actor, mesh=zeroxla.make_mesh(nodes=2, local=4),
-                       tokenizer=corpus.tokenizer, prompt_tokens=corpus.val, eos_id=eos, seed=0)
-    return run, eos
+    epochs = []
+    train_rlhf = rlhf.PPOTrainer.train_rlhf
+
+    def recorded(trainer, rollout):
+        steps = trainer.actor_step, trainer.critic_step
+        trainer.actor_step, trainer.critic_step = map(EpochRecorder, steps)
+        try:
+            losses = train_rlhf(trainer, rollout)
+            epochs.append((trainer.actor_step, trainer.critic_step, losses))
+        finally:
+            trainer.actor_step, trainer.critic_step = steps
+        return losses
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rlhf.PPOTrainer, "train_rlhf", recorded)
+        run = rlhf.run_ppo(CONFIG, 2, actor, mesh=zeroxla.make_mesh(nodes=2, local=4),
+                           tokenizer=corpus.tokenizer, prompt_tokens=corpus.val, eos_id=eos,
+                           seed=0)
+    return run, eos, epochs
 
 
 def test_two_iterations_match_numpy(ppo, corpus):
-    run, eos = ppo
+    run, eos, epochs = ppo
     assert len(run.records) == len(run.rollouts) == 2
     c, p, g = CONFIG, CONFIG.prompt_length, CONFIG.answer_length
     masks = np.concatenate([r.action_mask for r in run.rollouts])
     assert masks.min() == 0, "no answer ended early: the masks are not exercised"
-    for record, r in zip(run.records, run.rollouts):
+    for record, r, (actor, critic, _) in zip(run.records, run.rollouts, epochs):
         assert r.tokens.shape == (c.prompts_per_iteration, p + g)
         for b in range(r.tokens.shape[0]):
             n = int(r.action_mask[b].sum())
@@ -99,19 +136,23 @@ def test_two_iterations_match_numpy(ppo, corpus):
         advantages, returns = np_advantages_and_returns(r.values, rewards, mask, c.gamma, c.lam)
         np.testing.assert_allclose(r.advantages, advantages, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(r.returns, returns, rtol=1e-5, atol=1e-5)
-        # one ZeRO-3 step per model: its loss is taken at the rollout's own weights, where the
-        # ratio is 1 and the values are the old values.
-        np.testing.assert_allclose(record["actor_loss"],
+        # the first epoch's ZeRO-3 step per model takes its loss at the rollout's own weights,
+        # where the ratio is 1 and the values are the old values; a record holds the mean
+        # loss over the epochs
+        assert len(actor.losses) == len(critic.losses) == c.ppo_epochs
+        np.testing.assert_allclose(actor.losses[0],
                                    -np.sum(advantages * mask) / mask.sum(), rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(record["critic_loss"],
+        np.testing.assert_allclose(critic.losses[0],
                                    0.5 * np.sum((r.values - returns) ** 2 * mask) / mask.sum(),
                                    rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(record["actor_loss"], np.mean(actor.losses), rtol=1e-6)
+        np.testing.assert_allclose(record["critic_loss"], np.mean(critic.losses), rtol=1e-6)
     # the score is clipped at 0.25 somewhere, so the clip is exercised
     assert max(r.scores.max() for r in run.rollouts) > CONFIG.clip_reward_value
 
 
 def test_reference_is_the_initial_actor_and_the_actor_moves(ppo):
-    run, _ = ppo
+    run, _, _ = ppo
     first, second = run.rollouts
     p, g = CONFIG.prompt_length, CONFIG.answer_length
     # reference log-probs, from the initial model (one device) and a float64 log-softmax
@@ -129,6 +170,43 @@ def test_reference_is_the_initial_actor_and_the_actor_moves(ppo):
     assert np.abs(second.values).max() > 1e-4
     split = rlhf.time_split(run.records)
     assert set(split) >= {"generation_s", "training_s", "generation_share", "training_share"}
+
+
+def test_later_epochs_clip_the_ratio_and_the_values(ppo):
+    """ppo_epochs = 3: from the second epoch on, the actor has moved off the rollout's policy,
+    so some ratios leave [1 - eps, 1 + eps] (measured: 36-65% of the answer tokens at epochs
+    2-3, none at epoch 1). Each epoch's reported loss is the clipped objective recomputed here
+    in float64 from the weights that epoch's step started at, and clipping changes it; the
+    critic's clipped value loss is checked the same way."""
+    run, _, epochs = ppo
+    p, c = CONFIG.prompt_length, CONFIG
+    for r, (actor, critic, returned) in zip(run.rollouts, epochs):
+        mask = r.action_mask.astype(np.float64)
+        adv = r.advantages.astype(np.float64)
+        old, old_values = r.logprobs.astype(np.float64), r.values.astype(np.float64)
+        returns = r.returns.astype(np.float64)
+        for epoch, (logits, values, actor_loss, critic_loss) in enumerate(zip(
+                actor.outputs, critic.outputs, actor.losses, critic.losses)):
+            logp = np.take_along_axis(np_log_softmax(logits[:, p - 1:]), r.tokens[:, p:, None],
+                                      -1)[..., 0]
+            ratio = np.exp((logp - old) * mask)
+            clipped = np.clip(ratio, 1 - c.cliprange, 1 + c.cliprange)
+            objective = np.sum(np.maximum(-adv * ratio, -adv * clipped) * mask) / mask.sum()
+            np.testing.assert_allclose(actor_loss, objective, rtol=1e-4, atol=1e-6)
+            fraction = np.sum((np.abs(ratio - 1) > c.cliprange) * mask) / mask.sum()
+            v = values[:, p - 1:].astype(np.float64)
+            v_clipped = np.clip(v, old_values - c.cliprange_value, old_values + c.cliprange_value)
+            value_loss = 0.5 * np.sum(np.maximum((v - returns) ** 2, (v_clipped - returns) ** 2)
+                                      * mask) / mask.sum()
+            np.testing.assert_allclose(critic_loss, value_loss, rtol=1e-4, atol=1e-7)
+            if epoch == 0:
+                assert fraction == 0
+                continue
+            assert fraction > 0, (epoch, fraction)                   # the clip acts ...
+            unclipped = -np.sum(adv * ratio * mask) / mask.sum()
+            assert abs(objective - unclipped) > 1e-3 * abs(objective)   # ... and it changes
+        np.testing.assert_allclose(returned, (np.mean(actor.losses), np.mean(critic.losses)),
+                                   rtol=1e-6)
 
 
 # ---- the losses on a hand-built example -------------------------------------------------------
