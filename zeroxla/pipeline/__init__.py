@@ -8,6 +8,7 @@
                    at each step (step_sends) and the repeating runs of steps (segments)
     timeline.py    the table as text or as a matplotlib picture
     config.py      PipelineConfig: micro-batches, schedule, partition method, ZeRO-3 gathers
+    checks.py      what the executor needs of a schedule table and of the step
     split.py       DeepSpeed's layer list view of a model, split over the stages
     stages.py      the model's loss cut at its layer stack: what the first stage computes
                    before the blocks and the last after them (imports JAX)

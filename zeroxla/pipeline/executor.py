@@ -16,7 +16,7 @@ phases repeat one; warm-up and cool-down steps are short segments):
 
 so each compiled collective-permute execution is one DeepSpeed SendActivation / SendGrad
 instruction (M (S - 1) of each per data replica), not a permute of every pair on every step.
-A new schedule is a new table, not a new executor (`_check_table` states what a table must
+A new schedule is a new table, not a new executor (`checks.check_table` states what a table must
 satisfy: a stage's input arrives from its neighbour's compute of the step before). A step's
 forward and backward run under `FORWARD_SCOPE` / `BACKWARD_SCOPE` (`jax.named_scope`), so the
 HLO names which collectives belong to a schedule op.
@@ -78,6 +78,7 @@ from zeroxla.engine import remat
 from zeroxla.engine.gather import GatheredStack
 from zeroxla.engine.loss import normalizer
 from zeroxla.models.layers import call_block
+from zeroxla.pipeline.checks import check_step, check_table
 from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.split import BLOCKS_PREFIX, StageSplit, layer_list, split_stages
 from zeroxla.pipeline.stages import (StageCut, StagedLoss, loss_after_stack, stack_input,
@@ -90,51 +91,6 @@ from zeroxla.pipeline.table import (BACKWARD, FORWARD, IDLE, ScheduleTable, Segm
 # collectives of each schedule op (ZeRO-3 gathers, reduce-scatters) from those of the loop.
 FORWARD_SCOPE = "pipeline_forward"
 BACKWARD_SCOPE = "pipeline_backward"
-
-
-def _check_table(table: ScheduleTable) -> None:
-    """The executor moves results one hop per tick: what a stage computes at tick t reaches its
-    neighbour at tick t + 1. ValueError for a table whose forwards (backwards) do not follow the
-    previous (next) stage's forward (backward) of the same micro-batch by exactly one tick."""
-    S = table.stages
-    for t, row in enumerate(table.op):
-        for s, op in enumerate(row):
-            neighbour = s - 1 if op == FORWARD else s + 1
-            if op == IDLE or not 0 <= neighbour < S:
-                continue
-            ok = (t > 0 and table.op[t - 1][neighbour] == op
-                  and table.micro_batch[t - 1][neighbour] == table.micro_batch[t][s])
-            if not ok:
-                raise ValueError(f"{table.schedule} step {t} stage {s}: its input was not "
-                                 f"computed by stage {neighbour} at step {t - 1}; the pipeline "
-                                 "executor needs one-hop-per-step tables (1F1B, GPipe)")
-
-
-def _check_step(step: Any, config: PipelineConfig) -> None:
-    """What the pipelined gradient pass does not support, refused by name."""
-    if not isinstance(config, PipelineConfig):
-        raise TypeError(f"make_step: pipeline must be a PipelineConfig, got "
-                        f"{type(config).__name__}")
-    zero = step.config
-    if step.model_def.state_paths or step.uses_rng:
-        raise ValueError("make_step: pipeline= needs a model without model state or RNG streams "
-                         f"(found {list(step.model_def.state_paths[:3])} "
-                         f"{[p for p, _, _ in step.model_def.rng_leaves[:3]]}); accepted: "
-                         "parameters only (no BatchNorm statistics, no Dropout)")
-    frozen = [leaf.path for leaf in step.plan.leaves if not leaf.trainable]
-    if frozen:      # the executor differentiates every parameter; frozen leaves are untested
-        raise ValueError(f"make_step: trainable={step.trainable!r} freezes {frozen[:3]}, which "
-                         "is not supported with pipeline= yet; accepted: trainable=None")
-    if zero.uses_zeropp:
-        raise ValueError("make_step: ZeRO++ (hpz_partition_size, quantized_weights, "
-                         "quantized_gradients, quantized_nontrainable_weights) is not supported "
-                         "with pipeline=; accepted: the plain ZeRO stages 0-3")
-    k = zero.gradient_accumulation_steps
-    if k not in (1, config.micro_batches):
-        raise ValueError(f"ZeroConfig.gradient_accumulation_steps={k} with "
-                         f"PipelineConfig.micro_batches={config.micro_batches}: under "
-                         "pipelining the micro-batches are the accumulation steps; accepted: 1 "
-                         f"or {config.micro_batches}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +111,7 @@ class PipelineExecutor:
     """The pipelined gradient pass of a `ZeroStep` (see the module docstring)."""
 
     def __init__(self, step: Any, config: PipelineConfig):
-        _check_step(step, config)
+        check_step(step, config)
         self.step, self.config = step, config
         self.stages = step.axes.num_stages
         model = step.model_def.abstract_module()
@@ -166,7 +122,7 @@ class PipelineExecutor:
                        self.cut.head_paths), self.stages, config.partition_method)
         self.table: ScheduleTable = schedule_table(config.schedule_class, config.micro_batches,
                                                    self.stages)
-        _check_table(self.table)
+        check_table(self.table)
         self.segments: tuple[Segment, ...] = send_segments(self.table)
         graphdef, state = nnx.split(model.blocks.layers)
         paths = tuple(BLOCKS_PREFIX + "layers/" + "/".join(map(str, p))
@@ -242,7 +198,7 @@ class PipelineExecutor:
                         ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, Any]]:
         """`ZeroStep._local_gradients`' contract: (global mean loss, reduced gradients of the
         trainable leaves times `scale`, model state)."""
-        del key_data                                  # no RNG streams (_check_step)
+        del key_data                                  # no RNG streams (checks.check_step)
         step, axes, plan = self.step, self.step.axes, self.step.plan
         dtype = step.config.dtype
         S, M = self.stages, self.config.micro_batches

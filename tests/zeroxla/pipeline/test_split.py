@@ -10,7 +10,7 @@ import pytest
 from zeroxla import models
 from zeroxla.engine.model_def import ModelDef
 from zeroxla.pipeline import GPipeSchedule, TrainSchedule, schedule_table
-from zeroxla.pipeline.executor import _check_table
+from zeroxla.pipeline.checks import check_table
 from zeroxla.engine.loss import next_token_loss_terms
 from zeroxla.pipeline.split import layer_list, split_stages
 from zeroxla.pipeline.stages import check_stages
@@ -68,7 +68,7 @@ def test_describe():
 @pytest.mark.parametrize("schedule", [TrainSchedule, GPipeSchedule])
 @pytest.mark.parametrize("micro_batches,stages", [(1, 4), (3, 2), (8, 4)])
 def test_shipped_tables_run(schedule, micro_batches, stages):
-    _check_table(schedule_table(schedule, micro_batches, stages))
+    check_table(schedule_table(schedule, micro_batches, stages))
 
 
 def test_a_table_with_a_skipped_hop_is_refused():
@@ -82,4 +82,4 @@ def test_a_table_with_a_skipped_hop_is_refused():
                               micro_batch=tuple(map(tuple, micro_batch)))
     with pytest.raises(ValueError, match=r"step 2 stage 1: its input was not computed by stage 0 "
                                          r"at step 1"):
-        _check_table(bad)
+        check_table(bad)

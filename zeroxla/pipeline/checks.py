@@ -1,0 +1,54 @@
+"""What the pipeline executor needs of a schedule table and of the step it pipelines, checked
+when the step is built; each refusal names the option and the accepted values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroxla.pipeline.config import PipelineConfig
+from zeroxla.pipeline.table import FORWARD, IDLE, ScheduleTable
+
+
+def check_table(table: ScheduleTable) -> None:
+    """The executor moves results one hop per tick: what a stage computes at tick t reaches its
+    neighbour at tick t + 1. ValueError for a table whose forwards (backwards) do not follow the
+    previous (next) stage's forward (backward) of the same micro-batch by exactly one tick."""
+    S = table.stages
+    for t, row in enumerate(table.op):
+        for s, op in enumerate(row):
+            neighbour = s - 1 if op == FORWARD else s + 1
+            if op == IDLE or not 0 <= neighbour < S:
+                continue
+            ok = (t > 0 and table.op[t - 1][neighbour] == op
+                  and table.micro_batch[t - 1][neighbour] == table.micro_batch[t][s])
+            if not ok:
+                raise ValueError(f"{table.schedule} step {t} stage {s}: its input was not "
+                                 f"computed by stage {neighbour} at step {t - 1}; the pipeline "
+                                 "executor needs one-hop-per-step tables (1F1B, GPipe)")
+
+
+def check_step(step: Any, config: PipelineConfig) -> None:
+    """What the pipelined gradient pass does not support, refused by name."""
+    if not isinstance(config, PipelineConfig):
+        raise TypeError(f"make_step: pipeline must be a PipelineConfig, got "
+                        f"{type(config).__name__}")
+    zero = step.config
+    if step.model_def.state_paths or step.uses_rng:
+        raise ValueError("make_step: pipeline= needs a model without model state or RNG streams "
+                         f"(found {list(step.model_def.state_paths[:3])} "
+                         f"{[p for p, _, _ in step.model_def.rng_leaves[:3]]}); accepted: "
+                         "parameters only (no BatchNorm statistics, no Dropout)")
+    frozen = [leaf.path for leaf in step.plan.leaves if not leaf.trainable]
+    if frozen:      # the executor differentiates every parameter; frozen leaves are untested
+        raise ValueError(f"make_step: trainable={step.trainable!r} freezes {frozen[:3]}, which "
+                         "is not supported with pipeline= yet; accepted: trainable=None")
+    if zero.uses_zeropp:
+        raise ValueError("make_step: ZeRO++ (hpz_partition_size, quantized_weights, "
+                         "quantized_gradients, quantized_nontrainable_weights) is not supported "
+                         "with pipeline=; accepted: the plain ZeRO stages 0-3")
+    k = zero.gradient_accumulation_steps
+    if k not in (1, config.micro_batches):
+        raise ValueError(f"ZeroConfig.gradient_accumulation_steps={k} with "
+                         f"PipelineConfig.micro_batches={config.micro_batches}: under "
+                         "pipelining the micro-batches are the accumulation steps; accepted: 1 "
+                         f"or {config.micro_batches}")
