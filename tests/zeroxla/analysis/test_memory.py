@@ -12,6 +12,9 @@ from zeroxla import models
 import zeroxla
 from reference import flat_params, token_batches
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 ADAM_BYTES_PER_PARAM = 4 + 8     # float32 master weight + two float32 moments
 
 

@@ -18,6 +18,9 @@ import pytest
 from zeroxla import checkpoint
 from zeroxla.app import cli, rundir, train
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 SMALL = {"batch_size": 8, "seq_len": 32, "eval_batches": 1, "sample_tokens": 0,
          "progress": False}
 SMALL_ARGS = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1",

@@ -18,6 +18,9 @@ from zeroxla.app.sampling import sample_with_engine
 from zeroxla.app.tokenizer import CharTokenizer, tokenizer_from_record
 from zeroxla.checkpoint.export import checkpoint_metadata
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 SMALL = {"steps": 3, "batch_size": 8, "seq_len": 32, "eval_batches": 1, "progress": False}
 
 

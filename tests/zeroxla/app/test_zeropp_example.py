@@ -11,6 +11,7 @@ import os
 import warnings
 
 import numpy as np
+import pytest
 
 import zeroxla
 from reference import token_batches
@@ -18,6 +19,9 @@ from zeroxla import models
 from zeroxla.app import train
 from zeroxla.collectives.zero import FWD_GATHER, GRAD_REDUCE
 from zeroxla.deepspeed.config import DeepSpeedConfigWarning
+
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "ds_zeropp.json")
 

@@ -29,6 +29,9 @@ from zeroxla.engine.mesh import make_mesh
 from zeroxla.engine.state import gather_params
 from zeroxla.engine.step import make_step
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 RESHARD_TOL = 1e-5
 

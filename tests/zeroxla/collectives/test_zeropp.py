@@ -22,6 +22,9 @@ from reference import flat_params, token_batches, train_single_device
 from zeropp_reference import partitioned_layout, train_zeropp_reference
 from zeroxla.analysis.comm_report import comm_report
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 ALL = dict(quantized_weights=True, hpz_partition_size=4, quantized_gradients=True)
 
 

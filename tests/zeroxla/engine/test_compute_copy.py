@@ -12,6 +12,9 @@ from zeroxla import checkpoint, models
 from zeroxla.engine.leaf_plan import MasterWithCopy
 from reference import token_batches
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 BATCHES = token_batches(2, 16, 16, vocab=65)
 
 

@@ -19,6 +19,9 @@ from reference import token_batches
 from zeroxla import models
 from zeroxla.engine.loss import next_token_loss
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 BATCH, SEQ = 16, 64          # 2 sequences per device on 8 devices
 
 

@@ -13,6 +13,9 @@ from reference import distance_over_travelled, flat_params, token_batches, train
 from tracking import travel_ratio
 from zeroxla.analysis.comm_report import comm_report
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 
 def _report(model_name, stage, threshold=500, num_layers=2, **config):
     model = models.build(model_name, num_layers=num_layers)

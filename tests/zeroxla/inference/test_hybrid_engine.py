@@ -9,6 +9,9 @@ import pytest
 from inference_helpers import batches, greedy_reference, prompts_of, train
 from zeroxla.inference import HybridEngine, HybridEngineConfig
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 NEW = 8
 
 

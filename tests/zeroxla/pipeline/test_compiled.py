@@ -24,6 +24,9 @@ from zeroxla.analysis.comm_report import comm_report
 from zeroxla.analysis.hlo import collectives
 from zeroxla.pipeline import SendActivation, SendGrad
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 pytestmark = pytest.mark.slow
 
 STAGES, LAYERS, SEQ, MICRO_BATCH = 4, 4, 32, 2          # mesh 4 stages x 1 x 2

@@ -21,6 +21,9 @@ import zeroxla
 from zeroxla import models
 from reference import distance_over_travelled, flat_params, token_batches, train_single_device
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH, SEQ, STAGES, MICRO_BATCHES = 3, 16, 8, 2, 4

@@ -27,6 +27,9 @@ from zeroxla import models
 from reference import (cross_entropy, distance_over_travelled, flat_params, token_batches,
                        train_single_device)
 
+# Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
+pytestmark = pytest.mark.slow
+
 STAGES, BATCH, SEQ, CLIP = 2, 16, 8, 0.05
 
 
