@@ -77,17 +77,24 @@ def _with_boundary(model: Any, output: Any = None) -> StageBoundary:
     return boundary
 
 
-def stack_input(loss: LossTerms, model: Any, batch: Any) -> tuple[Any, tuple]:
-    """(x, args): what `loss(model, batch)` passes to `model.blocks` (x [B, T, D] and the other
-    positional arguments, e.g. positions [B, T]). `model` is consumed (its stack replaced)."""
+def _reach_stack(loss: LossTerms, model: Any, batch: Any) -> _ReachedStack:
+    """Runs `loss(model, batch)` up to `model.blocks`: what the stack is called with. `model`
+    is consumed (its stack replaced)."""
     _with_boundary(model)
     try:
         loss(model, batch)
     except _ReachedStack as reached:
-        return reached.x, reached.args
+        return reached
     raise ValueError(f"pipeline: the loss never calls model.{STACK_ATTRIBUTE}; the pipeline "
                      f"splits the model at its {STACK_ATTRIBUTE} (a LayerStack), so its "
                      "__call__ must run them")
+
+
+def stack_input(loss: LossTerms, model: Any, batch: Any) -> tuple[Any, tuple]:
+    """(x, args): what `loss(model, batch)` passes to `model.blocks` (x [B, T, D] and the other
+    positional arguments, e.g. positions [B, T]). `model` is consumed (its stack replaced)."""
+    reached = _reach_stack(loss, model, batch)
+    return reached.x, reached.args
 
 
 def loss_after_stack(loss: LossTerms, model: Any, batch: Any,
@@ -137,20 +144,14 @@ def check_stages(loss: LossTerms, model_of: Callable[[dict], Any], values: dict[
     seen: dict[str, Any] = {}
 
     def entry(p, b):
-        model = model_of(p)
-        _with_boundary(model)
         try:
-            loss(model, b)
-        except _ReachedStack as reached:
-            seen["kwargs"] = reached.kwargs
-            return reached.x, reached.args
+            reached = _reach_stack(loss, model_of(p), b)
         except AttributeError as error:
             raise ValueError(f"pipeline: the model reads an attribute of "
                              f"self.{STACK_ATTRIBUTE} ({error}); the pipeline replaces the "
                              "stack on each stage, so __call__ may only call it") from error
-        raise ValueError(f"pipeline: the loss never calls model.{STACK_ATTRIBUTE}; the "
-                         f"pipeline splits the model at its {STACK_ATTRIBUTE} (a LayerStack), "
-                         "so the model's __call__ must run them")
+        seen["kwargs"] = reached.kwargs
+        return reached.x, reached.args
 
     closed, (x, _) = jax.make_jaxpr(entry, return_shape=True)(values, batch)
     extra = sorted(k for k, v in seen["kwargs"].items() if not (k == "cache" and v is None))
