@@ -11,6 +11,7 @@ from flax import nnx
 from zeroxla import models
 import zeroxla
 from reference import flat_params, token_batches
+from runs import device_bytes
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
 pytestmark = pytest.mark.slow
@@ -72,11 +73,7 @@ def test_estimate_follows_zero_formula_for_a_large_model():
 
 
 def _worst_device_bytes(tree):
-    per_device = {}
-    for array in jax.tree.leaves(tree):
-        for shard in array.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values())
+    return max(device_bytes(tree).values())
 
 
 def test_memory_report_reads_the_compiled_step():

@@ -10,6 +10,7 @@ import pytest
 import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.engine.leaf_plan import MasterWithCopy
+from runs import run_steps
 from reference import token_batches
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
@@ -125,10 +126,7 @@ def test_stage3_bf16_with_persistent_copies_tracks_float32_single_device():
     expected_losses, expected = train_single_device(models.build("gpt-tiny", seed=1),
                                                     optax.sgd(0.5), batches)
     step = _stage3("bfloat16")
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), batches)
     np.testing.assert_allclose(losses, expected_losses, rtol=2e-3)
     got = flat_params(zeroxla.gather_params(state))
     initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))

@@ -25,6 +25,7 @@ from zeroxla import models
 import zeroxla
 from zeroxla.pallas_kernels import QuantizedArray, quantize
 from reference import flat_params, token_batches, train_single_device
+from runs import device_bytes
 from zeroxla.analysis.comm_report import comm_report, phase_of
 from zeroxla.engine.mesh import MeshAxes
 from zeroxla.engine.plan import make_plan
@@ -410,11 +411,7 @@ def test_frozen_quantized_storage_is_a_quarter_of_float32():
     float_step, float_state, _, _ = _frozen_run(0)
 
     def per_device(tree):
-        totals = {}
-        for array in jax.tree.leaves(tree):
-            for shard in array.addressable_shards:
-                totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
-        return set(totals.values())
+        return set(device_bytes(tree).values())
 
     quantized = per_device({p: state.params[p] for p in QUANTIZED})
     as_float = per_device({p: float_state.params[p] for p in QUANTIZED})

@@ -9,6 +9,7 @@ from flax import nnx
 
 from zeroxla import models
 import zeroxla
+from runs import run_steps
 from reference import distance_over_travelled, flat_params, token_batches, train_single_device
 from tracking import travel_ratio
 from zeroxla.analysis.comm_report import comm_report
@@ -209,10 +210,7 @@ def test_bf16_tracks_float32_single_device(stage):
     step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
                              optimizer=optax.sgd(0.5),
                              config=zeroxla.ZeroConfig(stage=stage, compute_dtype="bfloat16"))
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), batches)
     np.testing.assert_allclose(losses, expected_losses, rtol=5e-4)
     got = flat_params(zeroxla.gather_params(state))
     assert distance_over_travelled(got, expected, initial) < 0.01

@@ -24,6 +24,7 @@ from flax import nnx
 
 import zeroxla
 from zeroxla import models
+from runs import run_steps
 from reference import (cross_entropy, distance_over_travelled, flat_params, token_batches,
                        train_single_device)
 
@@ -132,10 +133,7 @@ def test_bf16_master_with_copy_pipelined_tracks_single_device(zero_stage):
                              zeroxla.make_mesh(1, stages=STAGES), optimizer=optax.sgd(0.5),
                              config=config, pipeline=zeroxla.PipelineConfig(2))
     assert type(step.init().params["blocks/layers/w_fc"]).__name__ == "MasterWithCopy"
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), batches)
     np.testing.assert_allclose(losses, expected_losses, rtol=2e-3)
     got = flat_params(zeroxla.gather_params(state))
     initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1, num_layers=3), nnx.Param))
