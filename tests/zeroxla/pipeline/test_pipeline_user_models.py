@@ -201,6 +201,14 @@ def test_user_model_pipelined_matches_single_device(name, stages, micro, schedul
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_user_model_unpipelined_matches_single_device(name):
+    # The same models through the plain step (ZeRO-3 over 8 data devices, each layer of the
+    # nnx.Linear LayerStack gathered in the scan): the path eval_loss takes above.
+    _check(name, 1, None, 3)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage,schedule", [(3, ONE_F_ONE_B), (0, GPIPE)])
 def test_custom_masked_weighted_loss_pipelined(zero_stage, schedule):
     def reference(model, batch):
