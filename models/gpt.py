@@ -171,3 +171,11 @@ class GPT(nnx.Module):
         x = self.embed(tokens, positions)
         x, _ = self.blocks(x, positions)
         return self.head(x)                                               # [B, T, V]
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The final hidden states [B, T, D] (after `ln_f`, before the head): HF's
+        `GPT2Model(...).last_hidden_state`, which reward and value heads read."""
+        if positions is None:
+            positions = default_positions(tokens)
+        x, _ = self.blocks(self.embed(tokens, positions), positions)
+        return self.ln_f(x)

@@ -252,29 +252,12 @@ def to_hf_tensors(config: Config,
                        np.ascontiguousarray(r.to_hf(*(get(p, i) for p in r.ours))))
 
 
-def from_hf_tensors(config: Config, get_tensor: Callable[[str], np.ndarray], *,
-                    dtype: Any = np.float32) -> dict[str, np.ndarray]:
-    """Our parameters (path -> numpy array in `dtype`, stacked leaves [L, ...]) from HF tensors.
-
-    `get_tensor(hf_name)` is called once per HF tensor; host memory holds the result plus one
-    HF tensor. Shapes are checked against `config`.
-    """
+def iter_hf_params(config: Config, get_tensor: Callable[[str], np.ndarray]
+                   ) -> Iterator[tuple[str, int | None, np.ndarray]]:
+    """Yields `(our path, layer or None, array)` converted from HF tensors, one HF tensor read at
+    a time: a per-layer rule yields each of its paths' slice `[layer]`, a global one the whole
+    parameter. Each rule's layers come in order 0..L-1. Shapes are checked against `config`."""
     expected = _abstract_params(config)
-    out: dict[str, np.ndarray] = {}
-
-    def put(path, array, layer):
-        shape = expected[path][0]
-        got = array.shape if layer is None else (shape[0],) + array.shape
-        if got != shape:
-            raise ValueError(f"{path}: HF checkpoint gives shape {got}, "
-                             f"config {config} needs {shape}")
-        if layer is None:
-            out[path] = np.asarray(array, dtype)
-        else:
-            if path not in out:
-                out[path] = np.empty(shape, dtype)
-            out[path][layer] = array
-
     for r in hf_name_map(config):
         for i in range(config.num_layers) if r.per_layer else (None,):
             name = r.hf.format(i=i) if r.per_layer else r.hf
@@ -285,7 +268,30 @@ def from_hf_tensors(config: Config, get_tensor: Callable[[str], np.ndarray], *,
                 raise ValueError(f"{name} has shape {tensor.shape}, which does not fit "
                                  f"{r.ours} of config {config}") from e
             for path, part in zip(r.ours, parts):
-                put(path, part, i)
+                shape = expected[path][0]
+                if part.shape != (shape if i is None else shape[1:]):
+                    got = part.shape if i is None else (shape[0],) + part.shape
+                    raise ValueError(f"{path}: HF checkpoint gives shape {got}, "
+                                     f"config {config} needs {shape}")
+                yield path, i, part
+
+
+def from_hf_tensors(config: Config, get_tensor: Callable[[str], np.ndarray], *,
+                    dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Our parameters (path -> numpy array in `dtype`, stacked leaves [L, ...]) from HF tensors.
+
+    `get_tensor(hf_name)` is called once per HF tensor; host memory holds the result plus one
+    HF tensor. Shapes are checked against `config`.
+    """
+    expected = _abstract_params(config)
+    out: dict[str, np.ndarray] = {}
+    for path, layer, part in iter_hf_params(config, get_tensor):
+        if layer is None:
+            out[path] = np.asarray(part, dtype)
+        else:
+            if path not in out:
+                out[path] = np.empty(expected[path][0], dtype)
+            out[path][layer] = part
     return out
 
 
@@ -400,7 +406,23 @@ def from_hf_config(hf: Mapping[str, Any]) -> Config:
 
 # ----------------------------------------------------------------------------- loading and saving
 
-def _with_fallbacks(get_tensor: Callable[[str], np.ndarray], hf: Mapping[str, Any]):
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The `config.json` dict of a HF checkpoint directory (or of the directory holding a
+    `.safetensors` file), with a FileNotFoundError naming what is missing."""
+    path = Path(path)
+    file = (path if path.is_dir() else path.parent) / "config.json"
+    if not file.exists():
+        what = "directory" if path.is_dir() else "path"
+        raise FileNotFoundError(f"{what} {path} has no config.json: a Hugging Face checkpoint "
+                                "directory holds config.json and model.safetensors (or "
+                                "model.safetensors.index.json and its shards)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+
+
+def with_fallbacks(get_tensor: Callable[[str], np.ndarray], hf: Mapping[str, Any]):
     """Name fallbacks real checkpoints need: GPT-2 saved from `GPT2Model` (the hub's
     openai-community/gpt2) has no `transformer.` prefix; a tied Llama stores no lm_head."""
     tied_llama = hf.get("model_type") == "llama" and hf.get("tie_word_embeddings", False)
@@ -426,10 +448,10 @@ def load_hf_model(path: str | os.PathLike, *,
     made from them (to place a large model on a mesh, use `from_hf_tensors` and put each leaf
     with its sharding instead)."""
     path = Path(path)
-    hf = json.loads(((path if path.is_dir() else path.parent) / "config.json").read_text())
+    hf = read_hf_config(path)
     config = from_hf_config(hf)
     with open_safetensors(path) as get_tensor:
-        params = from_hf_tensors(config, _with_fallbacks(get_tensor, hf),
+        params = from_hf_tensors(config, with_fallbacks(get_tensor, hf),
                                  dtype=_np_dtype(dtype))
     return config, model_from_params(config, params, dtype=dtype)
 

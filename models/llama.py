@@ -155,3 +155,11 @@ class Llama(nnx.Module):
         x = self.embed(tokens, positions)
         x, _ = self.blocks(x, positions)
         return self.head(x)                                               # [B, T, V]
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The final hidden states [B, T, D] (after the final RMSNorm, before the projection):
+        HF's `LlamaModel(...).last_hidden_state`, which reward and value heads read."""
+        if positions is None:
+            positions = default_positions(tokens)
+        x, _ = self.blocks(self.embed(tokens, positions), positions)
+        return self.head.norm(x)

@@ -19,6 +19,7 @@ from zeroxla.checkpoint import (
 )
 from zeroxla.analysis.comm_report import CommReport, comm_report
 from zeroxla.checkpoint.export import export_checkpoint
+from zeroxla.checkpoint.pretrained import load_pretrained
 from zeroxla.deepspeed import zero_config_from_json
 from zeroxla.engine.config import ZeroConfig
 from zeroxla.analysis.memory import estimate_memory, memory_report
@@ -32,6 +33,6 @@ from zeroxla.pipeline.config import PipelineConfig
 __all__ = [
     "CheckpointError", "Checkpointer", "CommReport", "HybridEngine", "HybridEngineConfig", "Restored", "ShardingPlan", "TrainState", "ZeroConfig",
     "PipelineConfig", "ZeroStep", "comm_report", "estimate_memory", "export_checkpoint", "gather_params",
-    "gathered_model", "hybrid_engine_config_from_json", "latest_step", "list_checkpoints", "load_params", "make_mesh", "make_step",
+    "gathered_model", "hybrid_engine_config_from_json", "latest_step", "list_checkpoints", "load_params", "load_pretrained", "make_mesh", "make_step",
     "memory_report", "next_token_loss", "restore", "save", "zero_config_from_json",
 ]

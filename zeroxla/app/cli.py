@@ -137,11 +137,18 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="models/ preset (gpt-tiny, gpt-small, llama-tiny, ...); default "
                         f"{_DEFAULTS['model']}")
+    p.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="start from a pretrained Hugging Face checkpoint (GPT-2 or Llama: "
+                        "config.json, safetensors, tokenizer.json), loaded straight into its "
+                        "ZeRO partitions; its model and tokenizer replace --model/--tokenizer")
     p.add_argument("--data", default=None, metavar="PATH",
-                   help="UTF-8 text file (.gz ok); default: the bundled tiny-shakespeare")
+                   help="UTF-8 text file (.gz ok), or a .jsonl of {\"prompt\", \"response\"} "
+                        "lines (DeepSpeed-Chat's \"chosen\" also read): supervised fine-tuning, "
+                        "the loss on the response tokens only; default: the bundled "
+                        "tiny-shakespeare")
     p.add_argument("--tokenizer", choices=("char", "byte"), default=None,
                    help="character-level (vocabulary from the corpus) or UTF-8 byte-level; "
-                        f"default {_DEFAULTS['tokenizer']}")
+                        "default char (with --init-from: the checkpoint's own)")
     p.add_argument("--steps", type=_positive_int, default=None,
                    help=f"training steps; default {_DEFAULTS['steps']}")
     p.add_argument("--batch-size", type=_positive_int, default=None,
@@ -214,7 +221,7 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
 
 
 # argparse dest -> TrainJobConfig field: the options that --resume restores unless given.
-_JOB_OPTIONS = {"model": "model", "data": "data", "tokenizer": "tokenizer", "steps": "steps",
+_JOB_OPTIONS = {"model": "model", "init_from": "init_from", "data": "data", "tokenizer": "tokenizer", "steps": "steps",
                 "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr",
                 "warmup_steps": "warmup_steps", "mesh": "mesh", "zero_stage": "zero_stage",
                 "dtype": "dtype", "grad_accum": "grad_accum",
@@ -260,6 +267,9 @@ def _run_train(args: argparse.Namespace) -> int:
 
     explicit = {field: getattr(args, dest) for dest, field in _JOB_OPTIONS.items()
                 if getattr(args, dest) is not None}
+    if args.init_from is not None and args.model is not None:
+        raise ValueError(f"--model {args.model} with --init-from {args.init_from}: the "
+                         "checkpoint's config.json decides the model; give one of them")
     env = distributed.from_environ(os.environ)
     resume = rundir.locate_resume(args.resume) if args.resume else None
     if args.out is not None:
@@ -322,7 +332,7 @@ def _size(text: str) -> int | str:
 def _run_export(args: argparse.Namespace) -> int:
     """Runs `zeroxla export`: the weights, then the tokenizer the checkpoint records (a
     `zeroxla train` checkpoint records its character or byte vocabulary); prints the files."""
-    from zeroxla.app.hf_tokenizer import save_hf_tokenizer
+    from zeroxla.app.hf_tokenizer import save_tokenizer
     from zeroxla.app.tokenizer import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata, export_checkpoint
 
@@ -333,7 +343,7 @@ def _run_export(args: argparse.Namespace) -> int:
     tokenizer = None
     if record is not None:
         tokenizer = tokenizer_from_record(record)
-        files += save_hf_tokenizer(tokenizer, args.out, model_max_length=meta["model_config"][
+        files += save_tokenizer(tokenizer, args.out, model_max_length=meta["model_config"][
             "fields"]["max_seq_len"])
     total = sum(f.stat().st_size for f in files)
     print(json.dumps({"out": str(args.out), "step": meta["step"],

@@ -31,7 +31,7 @@ PER_INVOCATION = ("out_dir", "resume", "progress")
 OPTION_NAMES = {"zero_stage": "--zero-stage", "mesh": "--mesh", "dtype": "--dtype",
                 "grad_accum": "--grad-accum", "batch_size": "--batch-size", "lr": "--lr",
                 "steps": "--steps", "seq_len": "--seq-len", "seed": "--seed", "model": "--model",
-                "data": "--data", "tokenizer": "--tokenizer", "deepspeed_config": "--config",
+                "data": "--data", "tokenizer": "--tokenizer", "init_from": "--init-from", "deepspeed_config": "--config",
                 "persistence_threshold": "--persistence-threshold",
                 "warmup_steps": "--warmup-steps", "eval_every": "--eval-every",
                 "eval_batches": "--eval-batches", "save_every": "--save-every",
@@ -44,8 +44,13 @@ class TrainJobConfig:
     """Everything `zeroxla train` needs. `None` means "from the DeepSpeed config, else default"."""
 
     model: str = "gpt-tiny"
-    data: str | None = None                 # a UTF-8 text file; None = bundled tiny-shakespeare
-    tokenizer: str = "char"                 # "char" or "byte"
+    # A Hugging Face checkpoint directory to start from (config.json, safetensors, tokenizer):
+    # its model replaces `model`, its tokenizer `tokenizer`.
+    init_from: str | None = None
+    # A UTF-8 text file, or a .jsonl of {"prompt", "response"} pairs (supervised fine-tuning:
+    # the loss on the responses only); None = bundled tiny-shakespeare.
+    data: str | None = None
+    tokenizer: str | None = None            # "char" or "byte"; None: char, or init_from's
     steps: int = 600
     batch_size: int | None = None           # global batch (train_batch_size)
     seq_len: int = 128
@@ -86,8 +91,8 @@ class TrainJobConfig:
 
         if self.model not in models.PRESETS:
             fail("model", ", ".join(models.PRESETS))
-        if self.tokenizer not in TOKENIZERS:
-            fail("tokenizer", ", ".join(TOKENIZERS))
+        if self.tokenizer is not None and self.tokenizer not in TOKENIZERS:
+            fail("tokenizer", ", ".join(TOKENIZERS) + ", or None (char; with init_from, its own)")
         for name in ("steps", "seq_len", "eval_every", "eval_batches", "pipeline_stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
@@ -122,6 +127,11 @@ class TrainJobConfig:
             fail("temperature", "0 (greedy) or a finite positive number")
 
     @property
+    def model_name(self) -> str:
+        """The checkpoint directory it starts from, else the preset's name."""
+        return self.init_from if self.init_from is not None else self.model
+
+    @property
     def data_parallel_size(self) -> int:
         return self.mesh[0] * self.mesh[1]
 
@@ -132,7 +142,7 @@ def job_record(job: TrainJobConfig) -> dict[str, Any]:
     record = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)
               if f.name not in PER_INVOCATION}
     record["mesh"] = list(job.mesh)
-    for name in ("data", "deepspeed_config"):
+    for name in ("data", "deepspeed_config", "init_from"):
         if record[name] is not None:
             record[name] = os.path.abspath(record[name])
     return record

@@ -7,6 +7,7 @@
     stored.py      one array (or one layer of it) as numpy, without devices
     weights.py     load_params: a checkpoint's model and trained parameters, no optimizer
     export.py      a checkpoint's weights as Hugging Face safetensors, streamed
+    pretrained.py  load_pretrained: a Hugging Face checkpoint straight into ZeRO partitions
 """
 
 from zeroxla.checkpoint.integrity import checksum_numpy, read_metadata

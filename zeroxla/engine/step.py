@@ -191,6 +191,24 @@ class ZeroStep:
         return self._jitted_init(self._initial_values, self._initial_model_state,
                                  self._seed(seed))
 
+    def init_from(self, values: dict[str, jax.Array], seed: int | jax.Array = 0) -> TrainState:
+        """The initial state from every parameter's full value, `{path: array [logical shape]}`
+        (a pretrained checkpoint's: `zeroxla.load_pretrained` passes each array already spread
+        over the mesh, so that no device ever holds a whole leaf). Shapes are checked; a model
+        with state besides its parameters is refused (its state has no source here)."""
+        expected, _ = self.model_def.abstract_values()
+        if sorted(values) != sorted(expected):
+            raise KeyError(f"init_from: values for {sorted(set(values) - set(expected))[:4]} are "
+                           f"not parameters, {sorted(set(expected) - set(values))[:4]} missing")
+        for path, struct in expected.items():
+            if tuple(values[path].shape) != tuple(struct.shape):
+                raise ValueError(f"init_from: {path} has shape {tuple(values[path].shape)}, "
+                                 f"the model needs {tuple(struct.shape)}")
+        if self.model_def.state_paths:
+            raise ValueError(f"init_from: the model has state besides its parameters "
+                             f"{list(self.model_def.state_paths[:4])}; build it with init()")
+        return self._jitted_init(dict(values), {}, self._seed(seed))
+
     def lower_init(self) -> Any:
         """`jax.stages.Lowered` of `init`, e.g. for the memory analysis of its compiled program."""
         return self._jitted_init.lower(self._initial_values, self._initial_model_state,

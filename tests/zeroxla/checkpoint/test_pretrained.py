@@ -1,0 +1,133 @@
+"""zeroxla.load_pretrained: a Hugging Face checkpoint straight into ZeRO partitions.
+
+References: `transformers` itself (the same checkpoint's logits and loss in torch) and the
+checkpoint's own tensor sizes (the host-memory bound). The checkpoints are tiny random GPT-2 and
+Llama models written by `transformers` (tests/support/hf_checkpoints.py), every parameter
+perturbed so that a zero bias or a unit norm scale cannot hide a wrong mapping.
+"""
+
+import json
+import tracemalloc
+
+import numpy as np
+import optax
+import pytest
+
+import zeroxla
+from hf_checkpoints import gpt2_checkpoint, llama_checkpoint
+from runs import device_bytes
+from zeroxla.checkpoint.pretrained import spread_hf_params
+from zeroxla.models import hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4            # float32 logits, ours vs transformers
+BUILDERS = {"gpt2": gpt2_checkpoint, "llama": llama_checkpoint}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> directory of a sharded (index + several files) tiny random checkpoint."""
+    return {family: build(tmp_path_factory.mktemp(family), sharded=True)
+            for family, build in BUILDERS.items()}
+
+
+def torch_model(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def tokens(directory, shape, seed=0):
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
+
+
+def test_the_fixture_is_sharded_with_an_index(checkpoints):
+    for directory in checkpoints.values():
+        assert (directory / hf.INDEX_FILE).exists()
+        assert len(list(directory.glob("model-*-of-*.safetensors"))) >= 2
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_loaded_logits_and_first_loss_equal_transformers(checkpoints, family, mesh_shape, stage):
+    directory = checkpoints[family]
+    mesh = zeroxla.make_mesh(nodes=mesh_shape[0], local=mesh_shape[1])
+    step, state = zeroxla.load_pretrained(directory, mesh, optimizer=optax.adamw(1e-3),
+                                          config=zeroxla.ZeroConfig(stage=stage),
+                                          progress=False)
+    reference = torch_model(directory)
+
+    x = tokens(directory, (2, 24))
+    ours = np.asarray(zeroxla.gathered_model(state)(x))
+    with torch.no_grad():
+        theirs = reference(torch.tensor(x, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=ATOL, rtol=0)
+
+    # The step's first loss is computed before its update: transformers' loss with labels = the
+    # same tokens (it shifts them by one, as our inputs/targets split does).
+    seq = tokens(directory, (8, 17), seed=1)
+    _, metrics = step(state, {"inputs": seq[:, :-1], "targets": seq[:, 1:]})
+    with torch.no_grad():
+        t = torch.tensor(seq, dtype=torch.long)
+        want = reference(t, labels=t).loss.item()
+    np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+
+
+def test_the_state_is_partitioned_as_a_fresh_init(checkpoints):
+    """Loading places the parameters exactly where `init` would: same bytes on every device,
+    1/8 of the model's partitioned leaves each at stage 3."""
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    step, state = zeroxla.load_pretrained(checkpoints["llama"], mesh,
+                                          config=zeroxla.ZeroConfig(stage=3), progress=False)
+    loaded = device_bytes(state.params)
+    assert loaded == device_bytes(step.init().params)
+    expected = sum(leaf.param_bytes_per_device for leaf in step.plan.leaves)
+    assert set(loaded.values()) == {expected}
+
+
+def test_host_memory_stays_near_one_tensor(tmp_path):
+    """The host never holds the model: while the tensors go to the devices, the traced host
+    peak stays under 2x the largest single HF tensor plus a fixed 256 KiB (Python objects,
+    safetensors' file handles). The checkpoint has 8 layers, so the model is several times
+    its largest tensor and a whole-model read could not pass. Measured after a first load, so
+    that compiling the stacking programs is not counted."""
+    directory = llama_checkpoint(tmp_path, sharded=True, num_layers=8)
+    config = hf.from_hf_config(hf.read_hf_config(directory))
+    sizes = {}
+    with hf.open_safetensors(directory) as get_tensor:
+        index = json.loads((directory / hf.INDEX_FILE).read_text())["weight_map"]
+        for name in index:
+            sizes[name] = get_tensor(name).astype(np.float32).nbytes
+    largest, total = max(sizes.values()), sum(sizes.values())
+    assert total > 6 * largest
+
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    spread_hf_params(config, directory, mesh, progress=False)         # compiles the stacking
+    tracemalloc.start()
+    try:
+        values = spread_hf_params(config, directory, mesh, progress=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(values) == len(hf.param_dict(zeroxla.models.abstract_model(config)))
+    print(f"host peak {peak} B; largest tensor {largest} B; model {total} B")
+    assert peak < 2 * largest + 256 * 1024
+
+
+def test_unsupported_architecture_is_refused_by_name(checkpoints, tmp_path):
+    config = json.loads((checkpoints["gpt2"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    with pytest.raises(ValueError, match=r"model_type='bert' is not supported.*'gpt2' and 'llama'"):
+        zeroxla.load_pretrained(tmp_path, mesh, progress=False)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
+    with pytest.raises(ValueError, match=f"{tmp_path}.*activation_function='relu'"):
+        zeroxla.load_pretrained(tmp_path, mesh, progress=False)
+
+
+def test_a_directory_without_config_is_refused(tmp_path):
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        zeroxla.load_pretrained(tmp_path, mesh, progress=False)

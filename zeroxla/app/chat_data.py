@@ -1,0 +1,350 @@
+"""DeepSpeed-Chat's data for its three steps: SFT examples, preference pairs, PPO prompts.
+
+The data flow, one way:
+
+    read_sft_jsonl / read_pair_jsonl / read_prompt_jsonl   JSON lines -> examples (checked first)
+    sft_arrays / pair_arrays / prompt_arrays               examples -> numpy arrays for the step
+    shakespeare_sft / _pairs / _prompts, write_jsonl       offline examples from tiny-shakespeare
+
+File format (one JSON object a line, blank lines skipped, other keys ignored), as DeepSpeed-Chat's
+`PromptRawDataset` gives them (`get_prompt`, `get_chosen`, `get_rejected`):
+
+    SFT      {"prompt": "...", "response": "..."}         ("chosen" accepted for "response")
+    pairs    {"prompt": "...", "chosen": "...", "rejected": "..."}
+    prompts  {"prompt": "..."}
+
+Every problem with a file is a `ChatDataError` naming `file:line` before any token is computed,
+and an example too long for the sequence is an error naming it, never a silent truncation.
+
+Token layout. Prompt and answer are encoded separately and concatenated, so the boundary the loss
+mask follows is exact (encoding `prompt + answer` as one string lets a BPE merge across it):
+
+    SFT      seq = prompt + response (+ eos)   len(seq) <= seq_len + 1
+             inputs = seq[:-1], targets = seq[1:], right-padded with the pad id; loss_mask = 1
+             where the target is a response (or eos) token: the model learns the answer only
+    pairs    prompt + chosen / prompt + rejected (+ eos), each <= seq_len, right-padded;
+             *_end = index of the last real token (where the reward model reads its score)
+    prompts  left-padded to prompt_length, so every row's next token goes in the same column
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zeroxla.app.data import load_text
+from zeroxla.app.tokenizer import Tokenizer
+
+
+class ChatDataError(ValueError):
+    """A chat data file or example that cannot be used, named by file:line or example index."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    """A prompt and the response the model should learn to give. `path`/`line` (1-based) say
+    where it was read; None for generated examples."""
+
+    prompt: str
+    response: str
+    path: str | None = None
+    line: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PairExample:
+    """A prompt with a preferred (`chosen`) and a dispreferred (`rejected`) answer."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    path: str | None = None
+    line: int | None = None
+
+
+def _where(example: SFTExample | PairExample, index: int) -> str:
+    """'file:line (example i)', or 'example i' for an example not read from a file."""
+    if example.path is not None and example.line is not None:
+        return f"{example.path}:{example.line} (example {index})"
+    return f"example {index}"
+
+
+# ----------------------------------------------------------------------------- reading files
+
+def _read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
+    """[(1-based line, JSON object)] of a JSON-lines file, blank lines skipped."""
+    name = os.fspath(path)
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"{name}: no such file; accepted: a JSON-lines file")
+    records = []
+    with open(name, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ChatDataError(f"{name}:{number}: not UTF-8 ({err.reason})") from None
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ChatDataError(f"{name}:{number}: invalid JSON ({err.msg}, column "
+                                    f"{err.colno})") from None
+            if not isinstance(record, dict):
+                raise ChatDataError(f"{name}:{number}: a JSON {type(record).__name__}; "
+                                    "accepted: one JSON object per line")
+            records.append((number, record))
+    if not records:
+        raise ChatDataError(f"{name}: no examples (the file is empty or blank); accepted: one "
+                            "JSON object per line")
+    return records
+
+
+def _field(record: dict[str, Any], names: tuple[str, ...], name: str, number: int) -> str:
+    """The string under the first of `names` present in `record` (names[1:] are aliases)."""
+    for key in names:
+        if key in record:
+            value = record[key]
+            if not isinstance(value, str):
+                raise ChatDataError(f"{name}:{number}: field {key!r} is a JSON "
+                                    f"{type(value).__name__}; accepted: a string")
+            return value
+    accepted = " or ".join(repr(k) for k in names)
+    raise ChatDataError(f"{name}:{number}: missing field {names[0]!r}; accepted: {accepted} "
+                        f"(found {sorted(record)})")
+
+
+def read_sft_jsonl(path: str | os.PathLike) -> list[SFTExample]:
+    """SFT examples from `{"prompt", "response"}` lines (DeepSpeed-Chat's `"chosen"` is accepted
+    in place of `"response"`)."""
+    name = os.fspath(path)
+    return [SFTExample(_field(r, ("prompt",), name, n),
+                       _field(r, ("response", "chosen"), name, n), path=name, line=n)
+            for n, r in _read_records(name)]
+
+
+def read_pair_jsonl(path: str | os.PathLike) -> list[PairExample]:
+    """Preference pairs from `{"prompt", "chosen", "rejected"}` lines."""
+    name = os.fspath(path)
+    return [PairExample(*(_field(r, (key,), name, n) for key in ("prompt", "chosen", "rejected")),
+                        path=name, line=n)
+            for n, r in _read_records(name)]
+
+
+def read_prompt_jsonl(path: str | os.PathLike) -> list[str]:
+    """PPO prompts from `{"prompt"}` lines."""
+    name = os.fspath(path)
+    return [_field(r, ("prompt",), name, n) for n, r in _read_records(name)]
+
+
+# ----------------------------------------------------------------------------- token arrays
+
+def _pad_id(tokenizer: Tokenizer, pad_id: int | None, length_name: str, length: int) -> int:
+    """`pad_id`, else the tokenizer's `pad_id` (PretrainedTokenizer has one), else 0; checks
+    the row length `length_name`=`length` on the way."""
+    if not isinstance(length, (int, np.integer)) or length < 1:
+        raise ValueError(f"{length_name}={length!r} is invalid; accepted: an integer >= 1")
+    return int(pad_id if pad_id is not None else getattr(tokenizer, "pad_id", 0))
+
+
+def _encode_answer(tokenizer: Tokenizer, prompt: str, answer: str,
+                   eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt ids int32[P], answer ids int32[A] with eos appended when given)."""
+    tail = [] if eos_id is None else [int(eos_id)]
+    answer_ids = np.concatenate([tokenizer.encode(answer), np.asarray(tail, np.int32)])
+    return tokenizer.encode(prompt).astype(np.int32), answer_ids.astype(np.int32)
+
+
+def _check_fit(where: str, what: str, prompt: int, answer: int, limit: int,
+               limit_name: str) -> None:
+    """ChatDataError when a `prompt + answer`-token sequence is empty or longer than `limit`."""
+    if prompt + answer > limit:
+        raise ChatDataError(f"{where}: prompt+{what} is {prompt + answer} tokens (prompt "
+                            f"{prompt}, {what} {answer}) but {limit_name} fits {limit}; raise "
+                            "seq_len or drop the example (zeroxla does not truncate)")
+    if prompt + answer == 0:
+        raise ChatDataError(f"{where}: prompt+{what} has no tokens")
+
+
+def sft_arrays(examples: Sequence[SFTExample], tokenizer: Tokenizer, seq_len: int, *,
+               eos_id: int | None = None, pad_id: int | None = None) -> dict[str, np.ndarray]:
+    """SFT batch arrays for `examples`: {"inputs", "targets"} int32[N, seq_len] and
+    "loss_mask" float32[N, seq_len], 1 exactly where the target is a response token (or the
+    appended `eos_id`), 0 on prompt and padding. Padding uses `pad_id` (default: the
+    tokenizer's pad id, else 0). Each prompt+response(+eos) must fit seq_len + 1 tokens."""
+    pad = _pad_id(tokenizer, pad_id, "seq_len", seq_len)
+    n = len(examples)
+    inputs = np.full((n, seq_len), pad, np.int32)          # [N, T]
+    targets = np.full((n, seq_len), pad, np.int32)         # [N, T]
+    loss_mask = np.zeros((n, seq_len), np.float32)         # [N, T]
+    for i, example in enumerate(examples):
+        prompt, answer = _encode_answer(tokenizer, example.prompt, example.response, eos_id)
+        _check_fit(_where(example, i), "response", len(prompt), len(answer), seq_len + 1,
+                   f"seq_len={seq_len} (+1 for the shifted targets)")
+        seq = np.concatenate([prompt, answer])             # [L], L <= T + 1
+        inputs[i, :len(seq) - 1] = seq[:-1]
+        targets[i, :len(seq) - 1] = seq[1:]
+        # targets[t] = seq[t + 1] is a response token iff t + 1 >= len(prompt).
+        loss_mask[i, max(len(prompt) - 1, 0):len(seq) - 1] = 1.0
+    return {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
+
+
+def pair_arrays(examples: Sequence[PairExample], tokenizer: Tokenizer, seq_len: int, *,
+                eos_id: int | None = None, pad_id: int | None = None) -> dict[str, np.ndarray]:
+    """Reward-model batch arrays for `examples`: "chosen" and "rejected" int32[N, seq_len]
+    (prompt + answer (+ `eos_id`), right-padded), "chosen_end" and "rejected_end" int32[N]
+    (index of each row's last real token). Each sequence must fit seq_len tokens."""
+    pad = _pad_id(tokenizer, pad_id, "seq_len", seq_len)
+    n = len(examples)
+    out = {"chosen": np.full((n, seq_len), pad, np.int32),          # [N, T]
+           "rejected": np.full((n, seq_len), pad, np.int32),        # [N, T]
+           "chosen_end": np.zeros((n,), np.int32),                  # [N]
+           "rejected_end": np.zeros((n,), np.int32)}                # [N]
+    for i, example in enumerate(examples):
+        for key in ("chosen", "rejected"):
+            prompt, answer = _encode_answer(tokenizer, example.prompt, getattr(example, key),
+                                            eos_id)
+            _check_fit(_where(example, i), key, len(prompt), len(answer), seq_len,
+                       f"seq_len={seq_len}")
+            seq = np.concatenate([prompt, answer])
+            out[key][i, :len(seq)] = seq
+            out[f"{key}_end"][i] = len(seq) - 1
+    return out
+
+
+def prompt_arrays(prompts: Sequence[str], tokenizer: Tokenizer, prompt_length: int, *,
+                  pad_id: int | None = None) -> dict[str, np.ndarray]:
+    """Generation inputs: "prompts" int32[N, prompt_length] LEFT-padded (DeepSpeed-Chat's
+    layout: every row ends at the same column), "prompt_mask" bool[N, prompt_length] (True on
+    real tokens) and "lengths" int32[N]. A prompt of no tokens or more than `prompt_length`
+    tokens is a ChatDataError naming its index."""
+    pad = _pad_id(tokenizer, pad_id, "prompt_length", prompt_length)
+    ids = np.full((len(prompts), prompt_length), pad, np.int32)     # [N, P]
+    mask = np.zeros((len(prompts), prompt_length), bool)            # [N, P]
+    lengths = np.zeros((len(prompts),), np.int32)                   # [N]
+    for i, prompt in enumerate(prompts):
+        tokens = tokenizer.encode(prompt)
+        if not 0 < len(tokens) <= prompt_length:
+            raise ChatDataError(f"prompt {i} ({prompt[:40]!r}...) is {len(tokens)} tokens; "
+                                f"accepted: 1 to prompt_length={prompt_length}")
+        ids[i, prompt_length - len(tokens):] = tokens
+        mask[i, prompt_length - len(tokens):] = True
+        lengths[i] = len(tokens)
+    return {"prompts": ids, "prompt_mask": mask, "lengths": lengths}
+
+
+# ----------------------------------------------------------------------------- writing files
+
+def _record(example: SFTExample | PairExample | str) -> dict[str, str]:
+    if isinstance(example, str):
+        return {"prompt": example}
+    if isinstance(example, SFTExample):
+        return {"prompt": example.prompt, "response": example.response}
+    if isinstance(example, PairExample):
+        return {"prompt": example.prompt, "chosen": example.chosen, "rejected": example.rejected}
+    raise TypeError(f"write_jsonl: {type(example).__name__} is not SFTExample, PairExample or "
+                    "str (a prompt)")
+
+
+def write_jsonl(examples: Sequence[SFTExample | PairExample | str],
+                path: str | os.PathLike) -> Path:
+    """Writes `examples` (SFT examples, pairs, or prompt strings) as JSON lines that the matching
+    reader reads back; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(_record(e), ensure_ascii=False) + "\n" for e in examples]
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+
+# ----------------------------------------------------------------------------- generated examples
+
+# Generated examples are short, so tiny models and short sequences fit them: prompt + response is
+# at most 60 characters, which the tests' 512-token byte-level BPE (tests/support/hf_checkpoints)
+# encodes in at most 47 tokens, 48 with eos (538 distinct examples).
+MAX_EXAMPLE_CHARS = 60
+_WORD = re.compile(r"[A-Za-z]+")
+
+
+@functools.lru_cache(maxsize=1)
+def _dialogue() -> tuple[tuple[str, str], ...]:
+    """(prompt, answer) for every two consecutive speeches of tiny-shakespeare that are short
+    enough: the prompt is the first speaker's name and last line and the next speaker's name,
+    the answer the next speech's first line, which has a word of two different letters (so that
+    `_scramble` changes it)."""
+    speeches = []
+    for block in load_text().split("\n\n"):
+        head, *lines = block.strip().split("\n")
+        if head.endswith(":") and lines:
+            speeches.append((head[:-1], lines))
+    out = []
+    for (speaker, lines), (next_speaker, next_lines) in zip(speeches, speeches[1:]):
+        prompt = f"{speaker}:\n{lines[-1]}\n\n{next_speaker}:\n"
+        answer = next_lines[0]
+        if (len(prompt) + len(answer) <= MAX_EXAMPLE_CHARS
+                and any(len(set(w)) > 1 for w in _WORD.findall(answer))):
+            out.append((prompt, answer))
+    return tuple(out)
+
+
+def _pick(n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
+    """`n` (prompt, answer) pairs drawn by `rng` (distinct while n <= the candidates)."""
+    if n < 0:
+        raise ValueError(f"n={n} is invalid; accepted: an integer >= 0")
+    table = _dialogue()
+    rows = rng.choice(len(table), size=n, replace=n > len(table))
+    return [table[r] for r in rows]
+
+
+def shakespeare_sft(n: int, seed: int = 0) -> list[SFTExample]:
+    """`n` SFT examples from tiny-shakespeare, a pure function of `seed`: the prompt is a
+    speaker's line followed by the next speaker's name, the response that speaker's first line
+    (prompt + response <= MAX_EXAMPLE_CHARS characters), e.g.
+
+        prompt   "MENENIUS:\nThe city is well stored.\n\nMARCIUS:\n"
+        response "Hang 'em! They say!"
+    """
+    return [SFTExample(p, a) for p, a in _pick(n, np.random.default_rng(seed))]
+
+
+def shakespeare_prompts(n: int, seed: int = 0) -> list[str]:
+    """The prompts of `shakespeare_sft(n, seed)`: PPO prompts in the SFT format."""
+    return [example.prompt for example in shakespeare_sft(n, seed)]
+
+
+def _scramble(text: str, rng: np.random.Generator) -> str:
+    """`text` with each word's letters shuffled in place (spaces and punctuation kept): the
+    same characters and length, so neither is a cue for the reward model. Never returns `text`
+    when a word has two different letters (then the first such word is rotated by one)."""
+    out = _WORD.sub(lambda m: "".join(rng.permutation(list(m.group()))), text)
+    if out != text:
+        return out
+    for m in _WORD.finditer(text):
+        if len(set(m.group())) > 1:
+            word = m.group()
+            return text[:m.start()] + word[1:] + word[0] + text[m.end():]
+    return out
+
+
+def shakespeare_pairs(n: int, seed: int = 0) -> list[PairExample]:
+    """`n` preference pairs, a pure function of `seed`: the prompt and the true continuation
+    (chosen) of `shakespeare_sft`'s kind, and a corrupted one (rejected: each word's letters
+    shuffled, `_scramble`), which differs from chosen and has its length in characters (a BPE
+    encodes scrambled words in more tokens: up to 52 with eos under the tests' tokenizer)."""
+    rng = np.random.default_rng(seed)
+    return [PairExample(p, a, _scramble(a, rng)) for p, a in _pick(n, rng)]
+
+
+__all__ = ["ChatDataError", "MAX_EXAMPLE_CHARS", "PairExample", "SFTExample", "pair_arrays",
+           "prompt_arrays", "read_pair_jsonl", "read_prompt_jsonl", "read_sft_jsonl",
+           "shakespeare_pairs", "shakespeare_prompts", "shakespeare_sft", "sft_arrays",
+           "write_jsonl"]

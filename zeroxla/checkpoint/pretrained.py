@@ -1,0 +1,128 @@
+"""A pretrained Hugging Face checkpoint loaded straight into ZeRO partitions.
+
+    step, state = zeroxla.load_pretrained("gpt2_dir", mesh, optimizer=optax.adamw(1e-5),
+                                          config=zeroxla.ZeroConfig(stage=3))
+
+DeepSpeed's `zero.Init` + `from_pretrained` materialises each parameter once and partitions it at
+once, so a model that fits no single device can be fine-tuned. The same here, in three moves:
+
+1. the model class and config come from the directory's `config.json` (`models.hf`: GPT-2 and
+   Llama families; anything else is refused by name), and `make_step` builds the step from the
+   model's shapes alone (a factory, never called outside a trace);
+2. the HF tensors are read one at a time (safetensors, single file or sharded with an index) and
+   converted with the name map of `models.hf`; each converted piece (a whole parameter, or one
+   layer's slice of a stacked `[L, ...]` parameter) goes straight onto the mesh, spread over all
+   its devices along its largest evenly dividing dim, and its host copy is dropped; a stacked
+   parameter's layers are then stacked on the devices;
+3. `ZeroStep.init_from` lays the spread parameters out in their ZeRO storage (partitions, padding,
+   codes, compute copies) and creates the optimizer state, as `init` does for a fresh model.
+
+Host memory: one HF tensor and the pieces converted from it (a transpose may copy) at a time.
+Device memory: the spread parameters (1/N of the model per device, N devices, plus parameters too
+small to divide) and then the state being built from them.
+
+In a multi-process run every process reads each tensor whole (safetensors reads are memory
+mapped; only the slices of the process's own devices are copied to them): reading only the
+owned byte ranges is left for layouts where a slice of ours is a contiguous range of the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from zeroxla.engine.config import ZeroConfig
+from zeroxla.engine.state import TrainState
+from zeroxla.engine.step import ZeroStep, make_step
+from zeroxla.models import hf as hf_io
+from zeroxla.models import model_class
+
+
+def spread_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The layout a loaded piece of `shape` takes on `mesh`: its largest dim that all the mesh's
+    devices divide evenly, split over all of them (every mesh axis); replicated when none does
+    (biases and norms smaller than the mesh)."""
+    n = mesh.devices.size
+    dims = sorted((d for d, size in enumerate(shape) if size % n == 0 and size >= n),
+                  key=lambda d: -shape[d])
+    if not dims:
+        return P()
+    spec = [None] * len(shape)
+    spec[dims[0]] = tuple(mesh.axis_names)
+    return P(*spec)
+
+
+def place(piece: np.ndarray, mesh: Mesh, dtype: Any) -> jax.Array:
+    """`piece` on `mesh` in `spread_spec` layout: each device receives only its slice (with
+    several processes, each fills only its own devices)."""
+    piece = np.asarray(piece, dtype)
+    sharding = NamedSharding(mesh, spread_spec(piece.shape, mesh))
+    return jax.make_array_from_callback(piece.shape, sharding, lambda index: piece[index])
+
+
+def _stacker(mesh: Mesh, spec: P, count: int) -> Callable[..., jax.Array]:
+    """`count` layer slices -> their stack [count, ...], spread like each slice (no data moves
+    between devices: slice and stack have the same device split)."""
+    return jax.jit(lambda *layers: jnp.stack(layers),
+                   out_shardings=NamedSharding(mesh, P(None, *spec)))
+
+
+def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
+                     dtype: Any = np.float32, progress: bool = True) -> dict[str, jax.Array]:
+    """`{our path: array}` of a HF checkpoint's parameters, each spread over `mesh` (see the
+    module docstring), converted to `dtype`. `config` is the models config `config.json` gives."""
+    hf = hf_io.read_hf_config(path)
+    values: dict[str, jax.Array] = {}
+    layers: dict[str, list[jax.Array]] = {}
+    pieces = sum(len(r.ours) * (config.num_layers if r.per_layer else 1)
+                 for r in hf_io.hf_name_map(config))
+    with (hf_io.open_safetensors(path) as get_tensor,
+          tqdm(total=pieces, desc="loading", unit="tensor", disable=not progress or None) as bar):
+        for name, layer, piece in hf_io.iter_hf_params(
+                config, hf_io.with_fallbacks(get_tensor, hf)):
+            if layer is None:
+                values[name] = place(piece, mesh, dtype)
+            else:
+                layers.setdefault(name, []).append(place(piece, mesh, dtype))
+                if len(layers[name]) == config.num_layers:
+                    slices = layers.pop(name)
+                    values[name] = _stacker(mesh, slices[0].sharding.spec, len(slices))(*slices)
+            del piece                     # the host copy goes as soon as the devices have it
+            bar.update()
+    return values
+
+
+def load_pretrained(path: str | os.PathLike, mesh: Mesh, *, optimizer: Any = None,
+                    config: ZeroConfig | None = None, pipeline: Any = None,
+                    loss_fn: Any = None, trainable: Any = None, seed: int = 0,
+                    progress: bool = True) -> tuple[ZeroStep, TrainState]:
+    """`(step, state)`: the ZeRO step of the HF checkpoint at `path` (a directory with
+    `config.json` and safetensors, single or sharded with an index) and its initial state
+    holding the pretrained parameters in their ZeRO partitions (see the module docstring).
+
+    `optimizer`, `config`, `pipeline`, `loss_fn` and `trainable` are `make_step`'s; `seed` seeds
+    the run's random draws (as `ZeroStep.init`). `zeroxla.gathered_model(state)` is the
+    unsharded model, whose `.config` is the models config read from `config.json`."""
+    hf = hf_io.read_hf_config(path)
+    try:
+        model_config = hf_io.from_hf_config(hf)
+    except ValueError as e:
+        raise ValueError(f"{Path(path)}: {e}") from None
+    cls = model_class(model_config)
+    step = make_step(lambda: cls(model_config, rngs=nnx.Rngs(0)), mesh, optimizer=optimizer,
+                     config=config, loss_fn=loss_fn, trainable=trainable, pipeline=pipeline)
+    values = spread_hf_params(model_config, path, mesh, dtype=np.dtype(step.config.master_dtype),
+                              progress=progress)
+    return step, step.init_from(values, seed)
+
+
+__all__ = ["load_pretrained", "place", "spread_hf_params", "spread_spec"]
