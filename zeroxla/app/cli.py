@@ -2,6 +2,11 @@
 
     zeroxla train [options]     train a model on a text file (default: gpt-tiny on the bundled
                                 tiny-shakespeare, ZeRO-3 on a simulated 2 x 4 CPU mesh)
+    zeroxla reward --init-from HF_DIR --data pairs.jsonl
+                                a reward model on preference pairs (DeepSpeed-Chat step 2)
+    zeroxla ppo --actor SFT_RUN --reward RM_RUN --prompts prompts.jsonl
+                                RLHF with PPO (DeepSpeed-Chat step 3; step 1 is
+                                `zeroxla train --init-from HF_DIR --data sft.jsonl`)
     zeroxla export CKPT OUT     a checkpoint as Hugging Face safetensors + tokenizer files
     zeroxla generate CKPT --prompt TEXT
                                 continue a prompt with the Hybrid Engine (KV cache, --tp)
@@ -31,93 +36,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, TrainJobConfig  # no JAX use
+from zeroxla.app.chat_cli import add_ppo, add_reward
+from zeroxla.app.cli_args import (host_device_count, mesh_shape, non_negative_int,  # noqa: F401
+                                  positive_float, positive_int, set_host_device_count,
+                                  temperature)
 from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG, INTERRUPTED
 
 EXPORT_DTYPES = ("float32", "bfloat16")     # zeroxla.checkpoint.export.DTYPES
 # TrainJobConfig's defaults, for the help texts (the options themselves default to None: "not
 # given", so that --resume can tell what the command line sets).
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainJobConfig)}
-
-
-def _mesh_shape(text: str) -> tuple[int, int]:
-    """'2x4' -> (2, 4)."""
-    try:
-        nodes, local = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh {text!r} is invalid; accepted: NODESxLOCAL with "
-                                         "positive integers, e.g. 2x4") from None
-    if nodes < 1 or local < 1:
-        raise argparse.ArgumentTypeError(f"--mesh {text!r} is invalid; accepted: NODESxLOCAL with "
-                                         "positive integers, e.g. 2x4")
-    return nodes, local
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):             # refuses nan too
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a finite positive "
-                                         "number")
-    return value
-
-
-def _temperature(text: str) -> float:
-    """A sampling temperature: 0 (greedy) or a finite positive number (not nan, not inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: 0 (greedy) or a finite "
-                                         "positive number")
-    return value
-
-
-def host_device_count(environ: dict | None = None) -> int | None:
-    """The device count XLA_FLAGS already sets (`--xla_force_host_platform_device_count=N`),
-    or None when it sets none."""
-    environ = os.environ if environ is None else environ
-    for flag in environ.get("XLA_FLAGS", "").split():
-        name, _, value = flag.partition("=")
-        if name == DEVICE_COUNT_FLAG and value.isdigit():
-            return int(value)
-    return None
-
-
-def set_host_device_count(count: int, environ: dict | None = None) -> bool:
-    """Adds `--xla_force_host_platform_device_count=count` to XLA_FLAGS unless a count is set.
-
-    Returns whether it set the flag. Must run before JAX creates its CPU backend. The flag only
-    affects the host (CPU) platform, so it is harmless on GPU/TPU machines.
-    """
-    environ = os.environ if environ is None else environ
-    flags = environ.get("XLA_FLAGS", "")
-    if DEVICE_COUNT_FLAG in flags:
-        return False
-    environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
-    return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -149,24 +77,24 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", choices=("char", "byte"), default=None,
                    help="character-level (vocabulary from the corpus) or UTF-8 byte-level; "
                         "default char (with --init-from: the checkpoint's own)")
-    p.add_argument("--steps", type=_positive_int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None,
                    help=f"training steps; default {_DEFAULTS['steps']}")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="global batch (DeepSpeed's train_batch_size); default: from --config, "
                         f"else {DEFAULT_BATCH_SIZE}")
-    p.add_argument("--seq-len", type=_positive_int, default=None,
+    p.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (at most the model's max_seq_len); default "
                         f"{_DEFAULTS['seq_len']}")
-    p.add_argument("--lr", type=_positive_float, default=None,
+    p.add_argument("--lr", type=positive_float, default=None,
                    help="peak learning rate of the default warmup + cosine AdamW recipe (not "
                         "with a --config that has an optimizer or scheduler); default "
                         f"{DEFAULT_LR:g}")
-    p.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+    p.add_argument("--warmup-steps", type=non_negative_int, default=None,
                    help=f"linear warmup steps; default {_DEFAULTS['warmup_steps']}")
-    p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="NODESxLOCAL",
+    p.add_argument("--mesh", type=mesh_shape, default=None, metavar="NODESxLOCAL",
                    help="device mesh; on CPU the devices are simulated; default "
                         f"{_DEFAULTS['mesh'][0]}x{_DEFAULTS['mesh'][1]}")
-    p.add_argument("--pipeline-stages", type=_positive_int, default=None, metavar="S",
+    p.add_argument("--pipeline-stages", type=positive_int, default=None, metavar="S",
                    help="pipeline the model's layers over S stages (1F1B, --grad-accum "
                         "micro-batches), each stage a --mesh of data-parallel devices: S x "
                         "nodes x local devices in all; default 1 (no pipeline)")
@@ -176,10 +104,10 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
                    help="compute dtype; master weights and optimizer state stay float32; fp16 "
                         "adds DeepSpeed's dynamic loss scaling (default fp32, or the fp16/bf16 "
                         "section of --config)")
-    p.add_argument("--grad-accum", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--grad-accum", type=positive_int, default=None, metavar="N",
                    help="micro-batches per step (DeepSpeed's gradient_accumulation_steps); the "
                         "batch is split N ways (default 1, or from --config)")
-    p.add_argument("--persistence-threshold", type=_non_negative_int, default=None, metavar="N",
+    p.add_argument("--persistence-threshold", type=non_negative_int, default=None, metavar="N",
                    help="parameters with fewer elements stay replicated (DeepSpeed's "
                         "stage3_param_persistence_threshold); default: from --config, else 0 "
                         "(partition every leaf of the tiny default model)")
@@ -190,25 +118,25 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
                    help="run directory; default: a fresh runs/<model>-<YYYYmmdd-HHMMSS> (the "
                         "resumed run's own directory with --resume). A directory that holds "
                         "another run is refused")
-    p.add_argument("--seed", type=_non_negative_int, default=None,
+    p.add_argument("--seed", type=non_negative_int, default=None,
                    help=f"model init, data order and sampling; default {_DEFAULTS['seed']}")
-    p.add_argument("--eval-every", type=_positive_int, default=None,
+    p.add_argument("--eval-every", type=positive_int, default=None,
                    help="validation every N steps (and at the end); default "
                         f"{_DEFAULTS['eval_every']}")
-    p.add_argument("--eval-batches", type=_positive_int, default=None,
+    p.add_argument("--eval-batches", type=positive_int, default=None,
                    help=f"validation batches per evaluation; default {_DEFAULTS['eval_batches']}")
-    p.add_argument("--save-every", type=_non_negative_int, default=None, metavar="N",
+    p.add_argument("--save-every", type=non_negative_int, default=None, metavar="N",
                    help="save a checkpoint every N steps (DeepSpeed's checkpoint interval); the "
                         "final step is always saved; default 0: only the final one")
-    p.add_argument("--keep-last", type=_non_negative_int, default=None, metavar="K",
+    p.add_argument("--keep-last", type=non_negative_int, default=None, metavar="K",
                    help="keep only the newest K step checkpoints, deleting older ones after a "
                         "newer one is committed (torchtitan's keep_latest_k); default 0: keep all")
-    p.add_argument("--sample-tokens", type=_non_negative_int, default=None,
+    p.add_argument("--sample-tokens", type=non_negative_int, default=None,
                    help="tokens generated from the trained model at the end (Hybrid Engine, "
                         "KV cache; 0: none). Prompt + sample stop at --seq-len, the positions "
                         "the model was trained on: a larger value is capped there and the run "
                         f"says so; default {_DEFAULTS['sample_tokens']}")
-    p.add_argument("--temperature", type=_temperature, default=None,
+    p.add_argument("--temperature", type=temperature, default=None,
                    help="sampling temperature (0: greedy); default "
                         f"{_DEFAULTS['temperature']}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -367,10 +295,10 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="checkpoint directory given to zeroxla.save (a train run's checkpoints)")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=_non_negative_int, default=64)
-    p.add_argument("--temperature", type=_temperature, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=_positive_int, default=None)
-    p.add_argument("--tp", type=_positive_int, default=1,
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=64)
+    p.add_argument("--temperature", type=temperature, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel devices (inference_tp_size): a divisor of the model's "
                         "attention heads (and of the device count when XLA_FLAGS sets one; "
                         "otherwise --tp devices are simulated)")
@@ -407,13 +335,13 @@ def _add_launch(subparsers: argparse._SubParsersAction) -> None:
                     "are prefixed with [rank i]. If a process fails, the others are stopped "
                     "(SIGTERM, then SIGKILL) and launch exits non-zero naming the rank. Example: "
                     "zeroxla launch --nproc 2 --devices-per-proc 4 -- zeroxla train --mesh 2x4")
-    p.add_argument("--nproc", type=_positive_int, required=True, metavar="N",
+    p.add_argument("--nproc", type=positive_int, required=True, metavar="N",
                    help="number of processes")
-    p.add_argument("--devices-per-proc", type=_positive_int, default=None, metavar="M",
+    p.add_argument("--devices-per-proc", type=positive_int, default=None, metavar="M",
                    help="simulated CPU devices per process (XLA_FLAGS="
                         f"{DEVICE_COUNT_FLAG}=M); default: XLA_FLAGS as it is (GPUs, or the "
                         "command sets the count; zeroxla train uses its share of --mesh)")
-    p.add_argument("--grace-period", type=_positive_float, default=DEFAULT_GRACE_S,
+    p.add_argument("--grace-period", type=positive_float, default=DEFAULT_GRACE_S,
                    metavar="SECONDS", help="after SIGTERM, how long the other processes get "
                    f"before SIGKILL (default {DEFAULT_GRACE_S:g})")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -436,7 +364,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_train, _add_export, _add_generate, _add_launch)
+    _add_train, add_reward, add_ppo, _add_export, _add_generate, _add_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

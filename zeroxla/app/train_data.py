@@ -39,6 +39,18 @@ def to_devices(arrays: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -
             for key, value in arrays.items()}
 
 
+def epoch_rows(arrays: dict[str, np.ndarray], batch_size: int, k: int,
+               seed: int) -> dict[str, np.ndarray]:
+    """Step k's `batch_size` rows of `arrays` (each [N, ...]): the examples are visited in a
+    fresh seeded shuffle each epoch, and a batch may run on into the next epoch."""
+    n = len(next(iter(arrays.values())))
+    epoch, offset = divmod(k * batch_size, n)
+    epochs = range(epoch, epoch + -(-(offset + batch_size) // n))
+    order = np.concatenate([np.random.default_rng((seed, e)).permutation(n) for e in epochs])
+    rows = order[offset:offset + batch_size]
+    return {key: value[rows] for key, value in arrays.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class TextData:
     """A tokenized text stream, split into train and validation, cut into windows."""
@@ -100,13 +112,7 @@ class SFTData:
                 "tokens in train")
 
     def _rows(self, split: str, k: int, seed: int) -> dict[str, np.ndarray]:
-        arrays = self.train if split == "train" else self.val
-        n = len(arrays["inputs"])
-        epoch, offset = divmod(k * self.batch_size, n)
-        epochs = range(epoch, epoch + -(-(offset + self.batch_size) // n))   # a batch may span
-        order = np.concatenate([np.random.default_rng((seed, e)).permutation(n) for e in epochs])
-        rows = order[offset:offset + self.batch_size]
-        return {key: value[rows] for key, value in arrays.items()}
+        return epoch_rows(self.train if split == "train" else self.val, self.batch_size, k, seed)
 
     def train_batch(self, k: int, sharding: jax.sharding.Sharding) -> dict:
         return to_devices(self._rows("train", k, self.seed), sharding)
@@ -120,7 +126,7 @@ class SFTData:
         return self.val["inputs"][0, :start]
 
 
-def _split_examples(examples: list, val_fraction: float, seed: int) -> tuple[list, list]:
+def split_examples(examples: list, val_fraction: float, seed: int) -> tuple[list, list]:
     """A seeded shuffle, then the last `val_fraction` (at least one) for validation."""
     order = np.random.default_rng(seed).permutation(len(examples))
     n_val = max(1, int(round(len(examples) * val_fraction)))
@@ -151,11 +157,12 @@ def load_train_data(data: str | None, *, tokenizer: str | None, init_from: str |
     if not is_sft:
         train, val = split_tokens(tok.encode(text), val_fraction)
         return TextData(tok, train, val, source, batch_size, seq_len, seed)
-    train_examples, val_examples = _split_examples(examples, val_fraction, seed)
+    train_examples, val_examples = split_examples(examples, val_fraction, seed)
     eos = getattr(tok, "eos_id", None)
     return SFTData(tok, chat_data.sft_arrays(train_examples, tok, seq_len, eos_id=eos),
                    chat_data.sft_arrays(val_examples, tok, seq_len, eos_id=eos),
                    source, batch_size, seed)
 
 
-__all__ = ["SFTData", "SFT_SUFFIX", "TextData", "load_train_data", "to_devices"]
+__all__ = ["SFTData", "SFT_SUFFIX", "TextData", "epoch_rows", "load_train_data", "split_examples",
+           "to_devices"]

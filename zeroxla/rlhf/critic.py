@@ -1,37 +1,28 @@
-"""The critic: the actor's architecture with a scalar value head, as DeepSpeed-Chat builds it
-(`dschat/utils/model/reward_model.py`: the base transformer, then `v_head = Linear(D, 1,
-bias=False)` on every position's final hidden state).
+"""The critic of step 3: DeepSpeed-Chat's `create_critic_model`
+(`dschat/utils/model/model_utils.py`) builds a `RewardModel` and loads the step-2 reward model's
+weights into it, so the critic *is* a reward model: `critic(tokens int32[B, T]) -> values
+float32[B, T]`, the value of each prefix, from `base.hidden` and a `[D]` head.
 
-The trunk is a `models.GPT` (`embed` -> `blocks` -> `ln_f`); its tied language-model head is
-simply not used. `Critic(trunk)` takes the trunk module itself, so the critic can start
-from the actor's weights (DeepSpeed-Chat starts it from the reward model's; here the reward is a
-program, so the actor's weights are the natural start), with a zero head: values start at 0.
+`Critic(base)` takes any base with `hidden` (`models.GPT`, `models.Llama`); with a fresh zero
+head its values start at 0 (the PPO trainer's default: the actor's weights, since the
+programmatic reward has no reward model to start from). `critic_from_reward_model(rm)` is the
+DeepSpeed-Chat start: a copy of a (trained) reward model, which gives the same values.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from zeroxla.models import axes
-from zeroxla.models.layers import default_positions
+from zeroxla.rlhf.reward_model import RewardModel
+
+Critic = RewardModel
 
 
-class Critic(nnx.Module):
-    """`critic(tokens int32[B, T]) -> values float32[B, T]`, the value of each prefix."""
-
-    def __init__(self, trunk: nnx.Module):
-        if not all(hasattr(trunk, name) for name in ("embed", "blocks", "ln_f", "config")):
-            raise ValueError(f"Critic(trunk): trunk must be a models.GPT (embed, blocks, ln_f); "
-                             f"got {type(trunk).__name__}")
-        self.trunk = trunk
-        d = trunk.config.d_model
-        self.v_head = nnx.Param(jnp.zeros((d,), jnp.float32), logical_axes=(axes.EMBED,))
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        positions = default_positions(tokens)                             # [B, T]
-        x = self.trunk.embed(tokens, positions)                           # [B, T, D]
-        x, _ = self.trunk.blocks(x, positions)
-        x = self.trunk.ln_f(x)
-        return jnp.einsum("BTD,D->BT", x, self.v_head[...].astype(x.dtype))
+def critic_from_reward_model(reward_model: RewardModel) -> RewardModel:
+    """A critic starting from `reward_model`'s weights (base and head): an independent copy,
+    so training the critic leaves the reward model as it was."""
+    if not isinstance(reward_model, RewardModel):
+        raise TypeError(f"critic_from_reward_model(reward_model={type(reward_model).__name__}); "
+                        "accepted: a zeroxla.rlhf.RewardModel (e.g. zeroxla.gathered_model of a "
+                        "reward-model training state)")
+    return nnx.clone(reward_model)

@@ -12,7 +12,7 @@ def plot_records(records: list[dict[str, float]]) -> Any:
     its = [r["iteration"] for r in records]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     ax1.plot(its, [r["reward"] for r in records], marker="o")
-    ax1.set(xlabel="PPO iteration", ylabel="mean reward (vowel fraction)", title="reward")
+    ax1.set(xlabel="PPO iteration", ylabel="mean reward (score per answer)", title="reward")
     ax2.plot(its, [r["kl"] for r in records], marker="o", color="tab:red")
     ax2.set(xlabel="PPO iteration", ylabel="KL per token", title="KL(actor || reference)")
     fig.tight_layout()

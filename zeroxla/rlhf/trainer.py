@@ -8,7 +8,8 @@ One iteration (`PPOTrainer.generate_experience`, then `train_rlhf`):
    resharded once to tensor parallelism; the copy is released right after, because the
    optimizer step below makes it stale and training should not hold it);
 3. log-probs of the answers under the actor and the reference, values from the critic,
-   a reward score per answer (`reward.py`), per-token rewards and GAE (`advantages.py`);
+   a score per answer (`reward.py`: a learned `RewardModel`'s end score, or a program on the
+   answer text), per-token rewards and GAE (`advantages.py`);
 4. `ppo_epochs` times: one actor step (clipped policy loss) and one critic step (clipped value
    loss) on the whole rollout.
 
@@ -35,9 +36,10 @@ from flax import nnx
 import zeroxla
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.config import PPOConfig
-from zeroxla.rlhf.critic import Critic
+from zeroxla.rlhf.critic import Critic, critic_from_reward_model
 from zeroxla.rlhf.losses import answer_logprobs, answer_values, make_actor_loss, make_critic_loss
-from zeroxla.rlhf.reward import RewardFn, reward_scores, vowel_fraction
+from zeroxla.rlhf.reward import RewardFn, make_scorer
+from zeroxla.rlhf.reward_model import RewardModel
 from zeroxla.rlhf.rollout import Rollout, pad_answers
 
 
@@ -57,32 +59,69 @@ def _rewards_and_advantages(logprobs, ref_logprobs, scores, values, mask, *, kl_
     return rewards, advantages, returns
 
 
+def _check_scoring_model(field: str, model: Any, actor: nnx.Module, seq_len: int) -> None:
+    """A reward model or critic start must be a `RewardModel` reading the actor's tokens (same
+    vocabulary) over a whole rollout row (`seq_len` = P + G positions)."""
+    if not isinstance(model, RewardModel):
+        raise TypeError(f"{field}={type(model).__name__}; accepted: a zeroxla.rlhf.RewardModel "
+                        "(plain, e.g. zeroxla.gathered_model of its training state)")
+    config, actor_config = model.base.config, getattr(actor, "config", None)
+    vocab, actor_vocab = (getattr(c, "vocab_size", None) for c in (config, actor_config))
+    if None not in (vocab, actor_vocab) and vocab != actor_vocab:
+        raise ValueError(f"{field} has vocab_size={vocab} but the actor {actor_vocab}; accepted: "
+                         "a reward model over the actor's tokenizer")
+    max_len = getattr(config, "max_seq_len", None)
+    if max_len is not None and max_len < seq_len:
+        raise ValueError(f"{field} has max_seq_len={max_len} < prompt_length + answer_length = "
+                         f"{seq_len}; accepted: a base that reads whole rollout rows")
+
+
 class PPOTrainer:
     """Actor, critic and reference of one PPO run (see the module docstring).
 
     `actor` is the initial policy, a plain `models.GPT` (e.g. after `supervised_finetune`); the
-    reference is a frozen copy of it and the critic is `Critic(copy of it)`. `prompt_tokens` is
-    the token stream prompts are cut from; `tokenizer.decode` turns answers into text for
-    `reward_fn`. With `eos_id`, an answer ends after its first EOS token (kept, as the last
-    action); the rest of its row is padding, masked out of every loss.
+    reference is a frozen copy of it. `prompt_tokens` is the token stream prompts are cut from,
+    or the prompts themselves, int32[N, prompt_length];
+    `tokenizer.decode` turns answers into text (for `reward_fn` and the rollout's `texts`).
+    With `eos_id`, an answer ends after its first EOS token (kept, as the last action); the rest
+    of its row is padding, masked out of every loss.
+
+    The score of an answer comes from `reward_model` (a plain `RewardModel`, frozen: its value
+    of prompt + answer at the last real answer token, DeepSpeed-Chat's `chosen_end_scores`) or
+    from `reward_fn` on the answer text; at most one of them, `vowel_fraction` when neither.
+    The critic starts from `critic_init` (a `RewardModel`, copied: DeepSpeed-Chat starts it
+    from the step-2 reward model) or, by default, as `Critic(copy of the actor)` with a zero
+    head.
     """
 
     def __init__(self, config: PPOConfig, actor: nnx.Module, *, mesh: Any, tokenizer: Any,
-                 prompt_tokens: np.ndarray, reward_fn: RewardFn = vowel_fraction,
+                 prompt_tokens: np.ndarray, reward_fn: RewardFn | None = None,
+                 reward_model: RewardModel | None = None, critic_init: RewardModel | None = None,
                  inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
-        self.config, self.tokenizer, self.reward_fn, self.seed = config, tokenizer, reward_fn, seed
+        seq_len = config.prompt_length + config.answer_length
+        for field, model in (("reward_model", reward_model), ("critic_init", critic_init)):
+            if model is not None:
+                _check_scoring_model(field, model, actor, seq_len)
+        self.score = make_scorer(reward_fn, reward_model)   # (tokens, mask, texts) -> [B]
+        self.config, self.tokenizer, self.seed = config, tokenizer, seed
         self.eos_id = eos_id
         self.prompt_tokens = np.asarray(prompt_tokens, np.int32)
-        if self.prompt_tokens.size <= config.prompt_length:
-            raise ValueError(f"prompt_tokens has {self.prompt_tokens.size} tokens; "
-                             f"PPOConfig.prompt_length={config.prompt_length} needs more")
+        if self.prompt_tokens.ndim == 2:
+            if self.prompt_tokens.shape[1] != config.prompt_length:
+                raise ValueError(f"prompt_tokens rows have {self.prompt_tokens.shape[1]} tokens; "
+                                 f"accepted: PPOConfig.prompt_length={config.prompt_length}")
+        elif self.prompt_tokens.ndim != 1 or self.prompt_tokens.size <= config.prompt_length:
+            raise ValueError(f"prompt_tokens of shape {self.prompt_tokens.shape} is invalid; "
+                             f"accepted: a token stream longer than PPOConfig.prompt_length="
+                             f"{config.prompt_length}, or prompts int32[N, prompt_length]")
         # The reference: the actor's initial weights, frozen (never passed to an optimizer).
         device = jax.local_devices()[0]
         self.ref_graphdef, ref_params = nnx.split(nnx.clone(actor))
         self.ref_params = jax.device_put(ref_params, device)
-        critic = Critic(nnx.clone(actor))
+        critic = (Critic(nnx.clone(actor)) if critic_init is None
+                  else critic_from_reward_model(critic_init))
         self.actor_step = zeroxla.make_step(
             actor, mesh, optimizer=optax.adamw(config.actor_lr),
             config=zeroxla.ZeroConfig(stage=3), loss_fn=make_actor_loss(config.cliprange))
@@ -98,10 +137,15 @@ class PPOTrainer:
 
     # ---- rollout ---------------------------------------------------------------------------
     def sample_prompts(self, iteration: int) -> list[np.ndarray]:
-        """`prompts_per_iteration` windows of `prompt_length` tokens, drawn from
-        `(seed, iteration)`."""
+        """`prompts_per_iteration` prompts of `prompt_length` tokens, drawn from
+        `(seed, iteration)`: rows of given prompts (without replacement while there are enough),
+        or windows of a token stream."""
         c = self.config
         rng = np.random.default_rng((self.seed, iteration))
+        if self.prompt_tokens.ndim == 2:
+            n = len(self.prompt_tokens)
+            rows = rng.choice(n, c.prompts_per_iteration, replace=n < c.prompts_per_iteration)
+            return list(self.prompt_tokens[rows])
         starts = rng.integers(0, self.prompt_tokens.size - c.prompt_length,
                               c.prompts_per_iteration)
         return [self.prompt_tokens[s:s + c.prompt_length] for s in starts]
@@ -134,7 +178,7 @@ class PPOTrainer:
         values = _forward(answer_values, critic_graphdef, critic_params, tokens, g) * mask
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))
-        scores = reward_scores(texts, self.reward_fn)
+        scores = self.score(tokens, mask, texts)
         rewards, advantages, returns = _rewards_and_advantages(
             logprobs, ref_logprobs, scores, values, mask, kl_ctl=c.kl_ctl,
             clip_reward_value=c.clip_reward_value, gamma=c.gamma, lam=c.lam)
@@ -177,10 +221,12 @@ class PPORun:
 
 
 def run_ppo(config: PPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any, tokenizer: Any,
-            prompt_tokens: np.ndarray, reward_fn: RewardFn = vowel_fraction,
+            prompt_tokens: np.ndarray, reward_fn: RewardFn | None = None,
+            reward_model: RewardModel | None = None, critic_init: RewardModel | None = None,
             inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0,
             on_iteration: Callable[[dict[str, float]], None] | None = None) -> PPORun:
-    """`iterations` PPO iterations from `actor` (see `PPOTrainer`). Each record holds the
+    """`iterations` PPO iterations from `actor` (see `PPOTrainer`, which also says what
+    `reward_fn`, `reward_model` and `critic_init` choose). Each record holds the
     iteration, the rollout's mean `reward` (score) and `kl`, the `actor_loss` and `critic_loss`
     of the training that followed, and the seconds spent in `generation_s` (Hybrid Engine),
     `experience_s` (forwards, rewards, GAE) and `training_s` (ZeRO-3 steps). Iteration 0's times
@@ -189,6 +235,7 @@ def run_ppo(config: PPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any,
         raise ValueError(f"iterations={iterations!r} is invalid; accepted: an integer >= 1")
     trainer = PPOTrainer(config, actor, mesh=mesh, tokenizer=tokenizer,
                          prompt_tokens=prompt_tokens, reward_fn=reward_fn,
+                         reward_model=reward_model, critic_init=critic_init,
                          inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed)
     records, rollouts = [], []
     for it in range(iterations):

@@ -1,0 +1,112 @@
+"""`zeroxla reward` and `zeroxla ppo`: DeepSpeed-Chat's steps 2 and 3 on the command line (step 1
+is `zeroxla train --init-from HF_DIR --data sft.jsonl`).
+
+As every subcommand (see `zeroxla.app.cli`): `add_<name>(subparsers)` declares the options and
+sets `handler`; the handler sets the simulated device count before importing anything that
+uses JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from zeroxla.app.cli_args import (mesh_shape, non_negative_int, positive_float, positive_int,
+                                  set_host_device_count)
+
+DS_CHAT = "DeepSpeed-Chat's name and default"
+
+
+def add_reward(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "reward", help="train a reward model on preference pairs (DeepSpeed-Chat step 2)",
+        description="A pretrained Hugging Face checkpoint (--init-from) plus a scalar head, "
+                    "trained with -log sigmoid(r_chosen - r_rejected) on the end scores of "
+                    "{\"prompt\", \"chosen\", \"rejected\"} JSONL pairs under ZeRO. Writes "
+                    "metrics.jsonl (loss; validation accuracy and margin), summary.json and "
+                    "checkpoint/ (read by zeroxla ppo --reward).")
+    p.add_argument("--init-from", required=True, metavar="HF_DIR",
+                   help="a Hugging Face checkpoint directory (GPT-2 or Llama, with tokenizer)")
+    p.add_argument("--data", required=True, metavar="PAIRS_JSONL")
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--batch-size", type=positive_int, default=16, help="pairs per step")
+    p.add_argument("--seq-len", type=positive_int, default=64,
+                   help="prompt + answer tokens (a longer pair is an error, not truncated)")
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--mesh", type=mesh_shape, default=(2, 4), metavar="NODESxLOCAL")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3)
+    p.add_argument("--eval-every", type=positive_int, default=50)
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--out", default=None, metavar="DIR")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=run_reward)
+
+
+def run_reward(args: argparse.Namespace) -> int:
+    set_host_device_count(args.mesh[0] * args.mesh[1])
+    from zeroxla.app import reward_job
+
+    job = reward_job.RewardJobConfig(
+        init_from=args.init_from, data=args.data, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=args.lr, weight_decay=args.weight_decay, mesh=args.mesh,
+        zero_stage=args.zero_stage, eval_every=args.eval_every, seed=args.seed,
+        out_dir=args.out, progress=not args.no_progress)
+    summary = reward_job.run(job)
+    print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=2),
+          flush=True)
+    return 0
+
+
+def add_ppo(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "ppo", help="RLHF with PPO from an SFT run and a reward model (DeepSpeed-Chat step 3)",
+        description="PPO with the SFT run's model as actor and frozen reference, the critic "
+                    "started from the reward model, rollouts by the Hybrid Engine and rewards "
+                    "from the learned reward model plus the KL penalty. Writes metrics.jsonl, "
+                    "reward_kl.png, summary.json, checkpoint/actor, checkpoint/critic and "
+                    "actor_hf/ (the actor as a Hugging Face checkpoint).")
+    p.add_argument("--actor", required=True, metavar="SFT_RUN",
+                   help="a zeroxla train run directory (step 1)")
+    p.add_argument("--reward", required=True, metavar="RM_RUN",
+                   help="a zeroxla reward run directory (step 2)")
+    p.add_argument("--prompts", required=True, metavar="PROMPTS_JSONL")
+    p.add_argument("--iterations", type=positive_int, default=10)
+    p.add_argument("--out", default=None, metavar="DIR")
+    p.add_argument("--mesh", type=mesh_shape, default=(2, 4), metavar="NODESxLOCAL")
+    p.add_argument("--inference-tp-size", type=positive_int, default=2)
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    ppo = p.add_argument_group("PPO hyper-parameters (" + DS_CHAT + " where it has one)")
+    for flag, field, kind in (
+            ("--actor-learning-rate", "actor_lr", positive_float),
+            ("--critic-learning-rate", "critic_lr", positive_float),
+            ("--ppo-epochs", "ppo_epochs", positive_int),
+            ("--max-prompt-seq-len", "prompt_length", positive_int),
+            ("--max-answer-seq-len", "answer_length", positive_int),
+            ("--per-iteration-prompts", "prompts_per_iteration", positive_int),
+            ("--kl-ctl", "kl_ctl", float), ("--clip-reward-value", "clip_reward_value", float),
+            ("--cliprange", "cliprange", float), ("--cliprange-value", "cliprange_value", float),
+            ("--gamma", "gamma", float), ("--lam", "lam", float)):
+        ppo.add_argument(flag, dest=field, type=kind, default=None)
+    p.set_defaults(handler=run_ppo)
+
+
+def run_ppo(args: argparse.Namespace) -> int:
+    set_host_device_count(args.mesh[0] * args.mesh[1])
+    from zeroxla.app import ppo_job
+    from zeroxla.rlhf import PPOConfig
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(PPOConfig)
+             if getattr(args, f.name, None) is not None}
+    job = ppo_job.PPOJobConfig(actor=args.actor, reward=args.reward, prompts=args.prompts,
+                               ppo=PPOConfig(**given), iterations=args.iterations,
+                               mesh=args.mesh, inference_tp_size=args.inference_tp_size,
+                               seed=args.seed, out_dir=args.out, progress=not args.no_progress)
+    summary = ppo_job.run(job)
+    print(json.dumps({k: v for k, v in summary.items() if k != "ppo"}, indent=2), flush=True)
+    return 0
+
+
+__all__ = ["add_ppo", "add_reward", "run_ppo", "run_reward"]

@@ -1,0 +1,163 @@
+"""`zeroxla ppo`: DeepSpeed-Chat's step 3 on the runs of steps 1 and 2.
+
+    zeroxla ppo --actor runs/sft --reward runs/rm --prompts prompts.jsonl --out runs/ppo
+
+- actor and reference: the SFT run's (`zeroxla train --init-from ... --data sft.jsonl`) final
+  checkpoint; the reference stays frozen;
+- critic: starts from the reward model (`zeroxla reward`), as DeepSpeed-Chat's does;
+- reward: the reward model's score of prompt + answer at the answer's last real token, plus the
+  per-token KL penalty against the reference (`zeroxla.rlhf.compute_rewards`);
+- rollouts: the Hybrid Engine generates from the actor's ZeRO-3 partitions;
+- prompts: each line's `prompt`, tokenized with the actor's tokenizer; as DeepSpeed-Chat's
+  prompt dataset does, a prompt longer than `--max-prompt-seq-len` keeps its last tokens. Our
+  models take no attention mask, so a shorter prompt cannot be left-padded without changing what
+  the actor sees: it is refused, naming it.
+
+Writes metrics.jsonl (one record per iteration: reward, KL, losses, the time split),
+reward_kl.png, summary.json, checkpoint/actor and checkpoint/critic (ZeRO checkpoints), and
+actor_hf/ (the trained actor as a Hugging Face checkpoint with its tokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import zeroxla
+from zeroxla import checkpoint
+from zeroxla.app import chat_data, rundir
+from zeroxla.app.hf_tokenizer import save_tokenizer
+from zeroxla.app.reward_job import KIND, load_reward_model
+from zeroxla.app.tokenizer import tokenizer_from_record, tokenizer_record
+from zeroxla.checkpoint.export import export_checkpoint
+from zeroxla.rlhf import PPOConfig, plot_records, run_ppo, time_split
+
+PLOT_FILE = "reward_kl.png"
+ACTOR_EXPORT_DIR = "actor_hf"
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOJobConfig:
+    """Everything `zeroxla ppo` needs; `ppo` holds DeepSpeed-Chat's hyper-parameters."""
+
+    actor: str                               # a `zeroxla train` run (SFT) or its checkpoint/
+    reward: str                              # a `zeroxla reward` run or its checkpoint/
+    prompts: str                             # a .jsonl of {"prompt"}
+    ppo: PPOConfig = PPOConfig()
+    iterations: int = 10
+    mesh: tuple[int, int] = (2, 4)
+    inference_tp_size: int = 2
+    seed: int = 0
+    out_dir: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ppo, PPOConfig):
+            raise TypeError(f"PPOJobConfig.ppo must be a PPOConfig, got {type(self.ppo).__name__}")
+        if not isinstance(self.iterations, int) or self.iterations < 1:
+            raise ValueError(f"PPOJobConfig.iterations={self.iterations!r} is invalid; accepted: "
+                             "an integer >= 1")
+
+
+def _checkpoint_dir(run: str | Path) -> Path:
+    run = Path(run)
+    return run / rundir.CHECKPOINT_DIR if (run / rundir.CHECKPOINT_DIR).is_dir() else run
+
+
+def load_actor(run: str | Path) -> tuple[Any, Any]:
+    """(plain model with the trained weights, tokenizer) of a `zeroxla train` run."""
+    directory = _checkpoint_dir(run)
+    meta = checkpoint.read_metadata(directory)["metadata"]
+    if meta.get("model_kind") == KIND:
+        raise ValueError(f"--actor {run} is a reward-model run; accepted: a `zeroxla train` run "
+                         "(step 1, SFT)")
+    if "tokenizer" not in meta:
+        raise ValueError(f"--actor {run}: its checkpoint records no tokenizer; accepted: a run of "
+                         "`zeroxla train`")
+    return zeroxla.load_params(directory), tokenizer_from_record(meta["tokenizer"])
+
+
+def prompt_rows(prompts: list[str], tokenizer: Any, length: int, path: str) -> np.ndarray:
+    """int32[N, length]: each prompt's last `length` tokens (see the module docstring)."""
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(tokenizer.encode(prompt), np.int32)
+        if len(ids) < length:
+            raise chat_data.ChatDataError(
+                f"{path}: prompt {i + 1} ({prompt[:30]!r}...) is {len(ids)} tokens, fewer than "
+                f"--max-prompt-seq-len {length}; our models take no attention mask, so prompts "
+                "are not left-padded: lower --max-prompt-seq-len or lengthen the prompt")
+        rows.append(ids[-length:])
+    return np.stack(rows)
+
+
+def _save(out: Path, trainer: Any, tokenizer: Any, critic_config: Any) -> dict[str, str]:
+    """The actor's and critic's ZeRO checkpoints, and the actor exported to Hugging Face."""
+    record = tokenizer_record(tokenizer)
+    actor = checkpoint.save(out / rundir.CHECKPOINT_DIR / "actor", trainer.actor_state,
+                            step=trainer.actor_step, metadata={"tokenizer": record})
+    critic = checkpoint.save(out / rundir.CHECKPOINT_DIR / "critic", trainer.critic_state,
+                             step=trainer.critic_step, model_config=critic_config,
+                             metadata={"model_kind": KIND, "tokenizer": record})
+    export = out / ACTOR_EXPORT_DIR
+    export_checkpoint(out / rundir.CHECKPOINT_DIR / "actor", export)
+    save_tokenizer(tokenizer, export, model_max_length=trainer.actor_step.model_def
+                   .abstract_module().config.max_seq_len)
+    return {"actor_checkpoint": str(actor), "critic_checkpoint": str(critic),
+            "actor_hf": str(export)}
+
+
+def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs PPO as `job` says; returns the summary (also in summary.json)."""
+    start = time.perf_counter()
+    actor, tokenizer = load_actor(job.actor)
+    reward_model, reward_tokenizer = load_reward_model(job.reward)
+    def vocabulary(t: Any) -> dict:
+        return {k: v for k, v in tokenizer_record(t).items() if k != "source"}
+
+    if vocabulary(reward_tokenizer) != vocabulary(tokenizer):
+        raise ValueError(f"--reward {job.reward} was trained with another tokenizer than --actor "
+                         f"{job.actor}; accepted: both from the same pretrained checkpoint family")
+    c = job.ppo
+    rows = prompt_rows(chat_data.read_prompt_jsonl(job.prompts), tokenizer, c.prompt_length,
+                       job.prompts)
+    out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
+        "ppo", now=datetime.datetime.now())
+    rundir.check_out_dir(out, resuming=None)
+    mesh = zeroxla.make_mesh(*job.mesh)
+    write(f"zeroxla ppo: actor {job.actor}, reward model {job.reward}, {len(rows)} prompts of "
+          f"{c.prompt_length} tokens, answers of up to {c.answer_length}, {job.iterations} "
+          f"iterations of {c.prompts_per_iteration} rollouts, ppo_epochs {c.ppo_epochs}")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / rundir.METRICS_FILE, "w", encoding="utf-8") as f:
+        def on_iteration(record: dict[str, float]) -> None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            write(f"iteration {record['iteration']:>3}: reward {record['reward']:.4f}  "
+                  f"KL {record['kl']:.4f}  actor loss {record['actor_loss']:.4f}  critic loss "
+                  f"{record['critic_loss']:.4f}")
+
+        result = run_ppo(c, job.iterations, actor, mesh=mesh, tokenizer=tokenizer,
+                         prompt_tokens=rows, reward_model=reward_model, critic_init=reward_model,
+                         inference_tp_size=job.inference_tp_size,
+                         eos_id=getattr(tokenizer, "eos_id", None), seed=job.seed,
+                         on_iteration=on_iteration)
+    plot_records(result.records).savefig(out / PLOT_FILE, dpi=100)
+    paths = _save(out, result.trainer, tokenizer, reward_model.base.config)
+    records = result.records
+    summary = {"iterations": job.iterations, "first_reward": records[0]["reward"],
+               "last_reward": records[-1]["reward"], "last_kl": records[-1]["kl"],
+               "time_split": time_split(records), "wall_time_s": time.perf_counter() - start,
+               "paths": paths, "ppo": dataclasses.asdict(c)}
+    (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+__all__ = ["PPOJobConfig", "load_actor", "prompt_rows", "run"]

@@ -1,0 +1,187 @@
+"""`zeroxla reward`: DeepSpeed-Chat's step 2, a reward model trained on preference pairs.
+
+    zeroxla reward --init-from HF_DIR --data pairs.jsonl --out runs/rm
+
+The base is a pretrained Hugging Face checkpoint (`--init-from`: its weights are loaded straight
+into their ZeRO partitions, its tokenizer tokenizes the pairs); a zero-initialised scalar head
+reads its final hidden states (`zeroxla.rlhf.RewardModel`). Each line of `--data` holds
+`prompt`, `chosen` and `rejected`; the loss is `-log sigmoid(r_chosen - r_rejected)` on the
+scores at each answer's last real token (`pairwise_loss_terms`), the base's unused LM output
+projection is frozen. Every `eval_every` steps and at the end, the held-out pairs give
+`val_accuracy` (share with r_chosen > r_rejected), `val_margin` and `val_loss`.
+
+The run directory holds metrics.jsonl, summary.json and checkpoint/<step>/, a ZeRO checkpoint
+of the reward model recording its base config and tokenizer, which `load_reward_model` (and
+`zeroxla ppo --reward`) rebuilds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import zeroxla
+from zeroxla import checkpoint, models
+from zeroxla.app import chat_data, rundir
+from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+from zeroxla.app.tokenizer import tokenizer_from_record
+from zeroxla.app.train_data import epoch_rows, split_examples, to_devices
+from zeroxla.checkpoint.pretrained import place, spread_hf_params
+from zeroxla.models import hf as hf_io
+from zeroxla.rlhf.reward_model import (RewardModel, pair_metrics, pairwise_loss_terms,
+                                       without_lm_head)
+
+KIND = "zeroxla.rlhf.RewardModel"      # the checkpoint metadata's "model_kind"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardJobConfig:
+    """Everything `zeroxla reward` needs; each field is validated."""
+
+    init_from: str                          # a HF checkpoint directory (GPT-2 or Llama)
+    data: str                               # a .jsonl of {"prompt", "chosen", "rejected"}
+    steps: int = 200
+    batch_size: int = 16                    # pairs per step (global)
+    seq_len: int = 64                       # prompt + answer (+ eos) tokens, right-padded
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    mesh: tuple[int, int] = (2, 4)
+    zero_stage: int = 3
+    eval_every: int = 50
+    val_fraction: float = 0.1
+    seed: int = 0
+    out_dir: str | None = None              # None: runs/reward-<base>-<time>
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def fail(name: str, accepted: str) -> None:
+            raise ValueError(f"RewardJobConfig.{name}={getattr(self, name)!r} is invalid; "
+                             f"accepted: {accepted}")
+
+        for name in ("steps", "batch_size", "seq_len", "eval_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                fail(name, "an integer >= 1")
+        if not 0 < self.lr < math.inf:
+            fail("lr", "a finite positive number")
+        if not 0 <= self.weight_decay < math.inf:
+            fail("weight_decay", "a finite number >= 0")
+        if self.zero_stage not in (0, 1, 2, 3):
+            fail("zero_stage", "0, 1, 2 or 3")
+        if not 0 < self.val_fraction < 1:
+            fail("val_fraction", "a number in (0, 1)")
+        if len(self.mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in self.mesh):
+            fail("mesh", "(nodes, local) with both >= 1, e.g. (2, 4)")
+
+
+def reward_model_factory(config: Any, seed: int = 0) -> Callable[[], RewardModel]:
+    """A zero-arg factory of `RewardModel(base)` for a models config (for `make_step` and
+    `load_params`)."""
+    cls = models.model_class(config)
+    return lambda: RewardModel(cls(config, rngs=nnx.Rngs(seed)))
+
+
+def _pairs(job: RewardJobConfig, tokenizer: PretrainedTokenizer) -> tuple[dict, dict]:
+    """(train, val) pair arrays, every error (file:line, a pair that does not fit) first."""
+    train, val = split_examples(chat_data.read_pair_jsonl(job.data), job.val_fraction, job.seed)
+    if len(train) < job.batch_size:
+        raise ValueError(f"--batch-size {job.batch_size} exceeds the {len(train)} training "
+                         f"pairs of {job.data}; accepted: --batch-size <= {len(train)}")
+    arrays = [chat_data.pair_arrays(part, tokenizer, job.seq_len, eos_id=tokenizer.eos_id)
+              for part in (train, val)]
+    return arrays[0], arrays[1]
+
+
+def _validate(state: Any, val: dict) -> dict[str, float]:
+    model = zeroxla.gathered_model(state)
+    metrics = pair_metrics(model, val)
+    total, count = nnx.jit(pairwise_loss_terms)(model, {k: np.asarray(v) for k, v in val.items()})
+    return {f"val_{k}": v for k, v in metrics.items()} | {"val_loss": float(total / count)}
+
+
+def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
+    """Trains the reward model as `job` says; returns the summary (also in summary.json)."""
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    tokenizer = PretrainedTokenizer.from_dir(job.init_from)
+    config = hf_io.from_hf_config(hf_io.read_hf_config(job.init_from))
+    tokenizer.check_vocab(config.vocab_size, f"{job.init_from}/config.json")
+    if job.seq_len > config.max_seq_len:
+        raise ValueError(f"--seq-len {job.seq_len} exceeds the max_seq_len={config.max_seq_len} "
+                         f"of {job.init_from}; accepted: --seq-len <= {config.max_seq_len}")
+    train, val = _pairs(job, tokenizer)
+    out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
+        f"reward-{Path(job.init_from).name}", now=datetime.datetime.now())
+    rundir.check_out_dir(out, resuming=None)
+
+    mesh = zeroxla.make_mesh(*job.mesh)
+    step = zeroxla.make_step(
+        reward_model_factory(config, job.seed), mesh, loss_fn=pairwise_loss_terms,
+        optimizer=optax.adamw(job.lr, weight_decay=job.weight_decay),
+        config=zeroxla.ZeroConfig(stage=job.zero_stage), trainable=without_lm_head)
+    values = {f"base/{path}": value for path, value in spread_hf_params(
+        config, job.init_from, mesh, progress=job.progress).items()}
+    values["v_head"] = place(np.zeros((config.d_model,), np.float32), mesh, np.float32)
+    state = step.init_from(values, job.seed)
+    write(f"zeroxla reward: {job.init_from} + scalar head on {job.data} ({len(train['chosen'])} "
+          f"train / {len(val['chosen'])} val pairs), ZeRO-{job.zero_stage} on a "
+          f"{job.mesh[0]}x{job.mesh[1]} mesh, batch {job.batch_size} pairs x {job.seq_len}")
+
+    out.mkdir(parents=True, exist_ok=True)
+    records = [{"step": 0, **_validate(state, val)}]
+    with open(out / rundir.METRICS_FILE, "w", encoding="utf-8") as f, \
+            tqdm(total=job.steps, desc="reward", unit="step", disable=not job.progress) as bar:
+        f.write(json.dumps(records[0]) + "\n")
+        for k in range(job.steps):
+            batch = to_devices(epoch_rows(train, job.batch_size, k, job.seed), step.batch_sharding)
+            state, metrics = step(state, batch)
+            record = {"step": k + 1, "loss": float(metrics["loss"])}
+            if (k + 1) % job.eval_every == 0 or k + 1 == job.steps:
+                record.update(_validate(state, val))
+                write(f"step {k + 1:>5}: loss {record['loss']:.4f}  validation accuracy "
+                      f"{record['val_accuracy']:.3f}  margin {record['val_margin']:.3f}")
+            records.append(record)
+            f.write(json.dumps(record) + "\n")
+            bar.set_postfix_str(f"loss {record['loss']:.3f}", refresh=False)
+            bar.update()
+
+    path = checkpoint.save(out / rundir.CHECKPOINT_DIR, state, step=step, model_config=config,
+                           metadata={"model_kind": KIND, "init_from": str(job.init_from),
+                                     "tokenizer": tokenizer.record()})
+    last = records[-1]
+    summary = {"steps": job.steps, "first_val_accuracy": records[0]["val_accuracy"],
+               **{k: v for k, v in last.items() if k.startswith("val_")},
+               "final_train_loss": last["loss"], "checkpoint": str(path),
+               "wall_time_s": time.perf_counter() - start,
+               "settings": {**dataclasses.asdict(job), "mesh": list(job.mesh)}}
+    (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def load_reward_model(run_dir: str | Path) -> tuple[RewardModel, Any]:
+    """(plain RewardModel with the trained weights, tokenizer) of a `zeroxla reward` run (its
+    directory, or its checkpoint/ directory)."""
+    run_dir = Path(run_dir)
+    directory = run_dir / rundir.CHECKPOINT_DIR if (run_dir / rundir.CHECKPOINT_DIR).is_dir() \
+        else run_dir
+    meta = checkpoint.read_metadata(directory)
+    if meta["metadata"].get("model_kind") != KIND:
+        raise ValueError(f"{run_dir} is not a `zeroxla reward` run: its checkpoint records "
+                         f"model_kind={meta['metadata'].get('model_kind')!r}, not {KIND!r}")
+    config = checkpoint.model_config_from_record(meta["model_config"])
+    model = zeroxla.load_params(directory, model=reward_model_factory(config))
+    return model, tokenizer_from_record(meta["metadata"]["tokenizer"])
+
+
+__all__ = ["KIND", "RewardJobConfig", "load_reward_model", "reward_model_factory", "run"]

@@ -1,0 +1,138 @@
+"""The reward model of DeepSpeed-Chat's step 2 (`dschat/utils/model/reward_model.py`,
+`RewardModel(base_model)`): a transformer's final hidden states through a scalar head, one value
+per position, and the pairwise ranking loss that trains it on (chosen, rejected) answers.
+
+    tokens int32[B, T] --base.hidden--> [B, T, D] --v_head [D]--> values float32[B, T]
+    values, ends int32[B]  --end_scores--> [B]       (the value at each row's last real token)
+
+DeepSpeed-Chat uses the same class for the critic of step 3 (`create_critic_model` builds a
+`RewardModel` and loads the step-2 weights into it), so `zeroxla.rlhf.Critic` is this class.
+
+The head is zero-initialised, so every score starts at exactly 0: a fresh critic predicts
+values of 0, and a fresh reward model is indifferent between the answers of a pair (loss log 2).
+DeepSpeed-Chat's `v_head` is a bias-free `Linear(D, 1)` with the default random init; a zero
+start changes nothing the pairwise loss can see (it depends on score differences only) and
+makes a fresh critic's first values exact.
+
+The base is held whole, language-model head included, so `hidden` is the base's own method and
+its parameter paths stay those of the LM it came from (an SFT actor goes in unchanged). GPT's
+head is tied to the token embedding, so it has no parameter of its own; Llama's untied output
+projection is never read: it gets a zero gradient, which `make_step` accepts like any other
+(under Adam it stays bit-for-bit where it was; AdamW's decoupled weight decay shrinks it, which
+no output sees). To spend no optimizer state on it, pass `trainable=without_lm_head` to
+`make_step`: the projection is then frozen (partitioned, but no gradient and no Adam moments).
+
+The loss (`pairwise_loss_terms`) is InstructGPT's (Ouyang et al. 2022, eq. 1) on the end
+scores: `-log sigmoid(r_chosen - r_rejected)` per pair. DeepSpeed-Chat's own `forward` averages
+that over every position from the pairs' first differing token to the later end instead; its
+evaluation (`evaluation_reward` in step 2's `main.py`) compares the end scores, as
+`pair_metrics` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zeroxla.models import axes
+
+PairBatch = dict[str, jax.Array]   # chosen, rejected int32[B, T]; chosen_end, rejected_end int32[B]
+PAIR_KEYS = ("chosen", "rejected", "chosen_end", "rejected_end")
+
+
+def _missing(base: Any) -> list[str]:
+    missing = [] if callable(getattr(base, "hidden", None)) else ["hidden(tokens)"]
+    if not isinstance(getattr(getattr(base, "config", None), "d_model", None), int):
+        missing.append("config.d_model")
+    return missing
+
+
+def without_lm_head(path: tuple, variable: Any) -> bool:
+    """An nnx filter for `make_step(trainable=...)`: every parameter but the base's LM output
+    projection (`base/head/weight`, Llama's untied head), which a reward model never reads."""
+    del variable
+    return tuple(path[-3:]) != ("base", "head", "weight")
+
+
+def end_scores(values: jax.Array, ends: jax.Array) -> jax.Array:
+    """`values[b, ends[b]]`: float[B] from values [B, T] and ends int32[B], the index of each
+    row's last real (non-pad) token (DeepSpeed-Chat's `chosen_end_scores`, `value[c_ind - 1]`).
+    Under a causal base, whatever follows `ends[b]` cannot change it."""
+    ends = jnp.asarray(ends, jnp.int32)
+    return jnp.take_along_axis(values, ends[:, None], axis=1)[:, 0]
+
+
+class RewardModel(nnx.Module):
+    """`reward_model(tokens int32[B, T]) -> values float32[B, T]`: `base.hidden(tokens)` [B, T, D]
+    dotted with the zero-initialised head `v_head` [D] (see the module docstring).
+
+    `base` is any module with `hidden(tokens) -> [B, T, D]` and `config.d_model` (D):
+    `models.GPT` or `models.Llama`."""
+
+    def __init__(self, base: nnx.Module):
+        missing = _missing(base)
+        if missing:
+            raise TypeError(f"RewardModel(base): base={type(base).__name__} lacks "
+                            f"{' and '.join(missing)}; accepted: a module with hidden(tokens) "
+                            "-> [B, T, D] and config.d_model, such as models.GPT or models.Llama")
+        self.base = base
+        d = base.config.d_model
+        self.v_head = nnx.Param(jnp.zeros((d,), jnp.float32), logical_axes=(axes.EMBED,))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.base.hidden(tokens)                                      # [B, T, D]
+        # float32 whatever the base computes in: a score is a sum over D products.
+        return jnp.einsum("BTD,D->BT", x.astype(jnp.float32),
+                          self.v_head[...].astype(jnp.float32))           # [B, T]
+
+    end_scores = staticmethod(end_scores)
+
+
+def pair_scores(model: RewardModel, batch: PairBatch) -> tuple[jax.Array, jax.Array]:
+    """The end scores (chosen float32[B], rejected float32[B]) of a pair batch, from one forward
+    over both halves stacked ([2B, T]); chosen and rejected must have the same T."""
+    chosen, rejected = batch["chosen"], batch["rejected"]                 # [B, T] each
+    if chosen.shape != rejected.shape:
+        raise ValueError(f"pair batch: chosen{tuple(chosen.shape)} and rejected"
+                         f"{tuple(rejected.shape)} differ; accepted: both [B, T] (pad to one T)")
+    b = chosen.shape[0]
+    values = model(jnp.concatenate([chosen, rejected]))                   # [2B, T]
+    ends = jnp.concatenate([batch["chosen_end"], batch["rejected_end"]])  # [2B]
+    scores = end_scores(values, ends)
+    return scores[:b], scores[b:]
+
+
+def pairwise_loss_terms(model: RewardModel, batch: PairBatch) -> tuple[jax.Array, jax.Array]:
+    """The `make_step` loss_fn of step 2: `(sum over pairs of -log sigmoid(r_chosen -
+    r_rejected), number of pairs)`, so the step's loss is the exact mean over the global batch.
+
+    `batch`: {"chosen", "rejected": int32[B, T], "chosen_end", "rejected_end": int32[B]} (the
+    index of each answer's last real token). `log_sigmoid` keeps it finite for any margin."""
+    r_chosen, r_rejected = pair_scores(model, batch)
+    losses = -jax.nn.log_sigmoid(r_chosen - r_rejected)                  # [B]
+    return jnp.sum(losses), jnp.float32(losses.shape[0])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pair_metrics(graphdef: Any, params: Any, batch: PairBatch) -> dict[str, jax.Array]:
+    r_chosen, r_rejected = pair_scores(nnx.merge(graphdef, params), batch)
+    return dict(accuracy=jnp.mean((r_chosen > r_rejected).astype(jnp.float32)),
+                margin=jnp.mean(r_chosen - r_rejected),
+                chosen_score=jnp.mean(r_chosen), rejected_score=jnp.mean(r_rejected))
+
+
+def pair_metrics(model: RewardModel, batch: PairBatch) -> dict[str, float]:
+    """Validation of a plain (gathered) reward model on a pair batch, as step 2's
+    `evaluation_reward`: `accuracy` (share of pairs with r_chosen > r_rejected), `margin` (mean
+    r_chosen - r_rejected), `chosen_score` and `rejected_score` (their means). One jitted
+    program per model structure and batch shape."""
+    missing = [k for k in PAIR_KEYS if k not in batch]
+    if missing:
+        raise KeyError(f"pair batch lacks {missing}; accepted keys: {list(PAIR_KEYS)}")
+    graphdef, params = nnx.split(model)
+    metrics = _pair_metrics(graphdef, params, {k: jnp.asarray(batch[k]) for k in PAIR_KEYS})
+    return {k: float(v) for k, v in metrics.items()}
