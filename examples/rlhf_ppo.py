@@ -45,12 +45,13 @@ def main(argv=None) -> None:
     import zeroxla
     from zeroxla import rlhf
     from zeroxla.app import data
+    from zeroxla.app.char_sft import supervised_finetune
 
     start = time.perf_counter()
     corpus = data.load_corpus()
     mesh = zeroxla.make_mesh(nodes=2, local=4)
     config = rlhf.PPOConfig.vowels_demo().replace(prompts_per_iteration=args.prompts)
-    actor, sft_loss = rlhf.supervised_finetune(mesh=mesh, steps=args.sft_steps, seed=args.seed)
+    actor, sft_loss = supervised_finetune(mesh=mesh, steps=args.sft_steps, seed=args.seed)
     print(f"supervised fine-tune: {args.sft_steps} steps, loss {sft_loss:.3f}")
     print(f"PPO: {config}")
 

@@ -269,7 +269,7 @@ def write_jsonl(examples: Sequence[SFTExample | PairExample | str],
 # ----------------------------------------------------------------------------- generated examples
 
 # Generated examples are short, so tiny models and short sequences fit them: prompt + response is
-# at most 60 characters, which the tests' 512-token byte-level BPE (tests/support/hf_checkpoints)
+# at most 60 characters, which the tests' 512-token byte-level BPE (zeroxla/app/tiny_checkpoints)
 # encodes in at most 47 tokens, 48 with eos (538 distinct examples).
 MAX_EXAMPLE_CHARS = 60
 _WORD = re.compile(r"[A-Za-z]+")

@@ -261,7 +261,7 @@ def _run_export(args: argparse.Namespace) -> int:
     """Runs `zeroxla export`: the weights, then the tokenizer the checkpoint records (a
     `zeroxla train` checkpoint records its character or byte vocabulary); prints the files."""
     from zeroxla.app.hf_tokenizer import save_tokenizer
-    from zeroxla.app.tokenizer import tokenizer_from_record
+    from zeroxla.app.tokenizer_records import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata, export_checkpoint
 
     meta = checkpoint_metadata(args.checkpoint, step=args.step)     # pins the step exported

@@ -35,7 +35,7 @@ from zeroxla import checkpoint
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import save_tokenizer
 from zeroxla.app.reward_job import KIND, load_reward_model
-from zeroxla.app.tokenizer import tokenizer_from_record, tokenizer_record
+from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
 from zeroxla.checkpoint.export import export_checkpoint
 from zeroxla.rlhf import PPOConfig, plot_records, run_ppo, time_split
 

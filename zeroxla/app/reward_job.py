@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -35,7 +34,7 @@ import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.tokenizer import tokenizer_from_record
+from zeroxla.app.tokenizer_records import tokenizer_from_record
 from zeroxla.app.train_data import epoch_rows, split_examples, to_devices
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
 from zeroxla.models import hf as hf_io
@@ -58,6 +57,9 @@ class RewardJobConfig:
     weight_decay: float = 0.0
     mesh: tuple[int, int] = (2, 4)
     zero_stage: int = 3
+    # As `zeroxla train`: 0 partitions every parameter (DeepSpeed's 1e5 default would keep
+    # every parameter of a small model whole on each device).
+    persistence_threshold: int = 0
     eval_every: int = 50
     val_fraction: float = 0.1
     seed: int = 0
@@ -129,7 +131,9 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
     step = zeroxla.make_step(
         reward_model_factory(config, job.seed), mesh, loss_fn=pairwise_loss_terms,
         optimizer=optax.adamw(job.lr, weight_decay=job.weight_decay),
-        config=zeroxla.ZeroConfig(stage=job.zero_stage), trainable=without_lm_head)
+        config=zeroxla.ZeroConfig(stage=job.zero_stage,
+                                  persistence_threshold=job.persistence_threshold),
+        trainable=without_lm_head)
     values = {f"base/{path}": value for path, value in spread_hf_params(
         config, job.init_from, mesh, progress=job.progress).items()}
     values["v_head"] = place(np.zeros((config.d_model,), np.float32), mesh, np.float32)

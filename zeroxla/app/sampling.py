@@ -149,7 +149,7 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
     checkpoint records (`zeroxla train` records it). `devices`: the device count the user
     fixed (None: the command simulates `tp` devices), for `check_tp`."""
     import zeroxla
-    from zeroxla.app.tokenizer import tokenizer_from_record
+    from zeroxla.app.tokenizer_records import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata
 
     meta = checkpoint_metadata(checkpoint, step=step)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -92,35 +92,6 @@ class ByteTokenizer:
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} is outside the byte vocabulary [0, 256)")
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-
-def tokenizer_record(tokenizer: Tokenizer) -> dict[str, Any]:
-    """A JSON-able description of `tokenizer`, stored in checkpoints so that a checkpoint can be
-    exported with its vocabulary: {"kind": "char", "chars": ...}, {"kind": "byte"}, or a
-    pretrained tokenizer's own record ({"kind": "hf", "files": {name: text}}: self-contained)."""
-    if hasattr(tokenizer, "record"):                 # hf_tokenizer.PretrainedTokenizer
-        return tokenizer.record()
-    if isinstance(tokenizer, CharTokenizer):
-        return {"kind": "char", "chars": tokenizer.chars}
-    if isinstance(tokenizer, ByteTokenizer):
-        return {"kind": "byte"}
-    raise TypeError(f"tokenizer_record: {type(tokenizer).__name__} is not CharTokenizer or "
-                    "ByteTokenizer")
-
-
-def tokenizer_from_record(record: dict[str, Any]) -> Tokenizer:
-    """Inverse of `tokenizer_record`."""
-    kind = record.get("kind")
-    if kind == "hf":
-        from zeroxla.app.hf_tokenizer import PretrainedTokenizer    # imports this module
-
-        return PretrainedTokenizer.from_record(record)
-    if kind == "char":
-        return CharTokenizer(record["chars"])
-    if kind == "byte":
-        return ByteTokenizer()
-    raise ValueError(f"tokenizer record kind={kind!r} is invalid; accepted: "
-                     f"{', '.join(TOKENIZERS)}, hf")
 
 
 def make_tokenizer(kind: str, text: str) -> CharTokenizer | ByteTokenizer:

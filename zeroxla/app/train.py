@@ -42,17 +42,16 @@ import jax
 import numpy as np
 
 import zeroxla
-from zeroxla import checkpoint, models
+from zeroxla import checkpoint
 from zeroxla.app import distributed, rundir
+from zeroxla.app.job_model import initial_state, model_config, model_factory
 from zeroxla.app.train_data import SFTData, TextData, load_train_data
 from zeroxla.app.interrupt import stop_requests
 from zeroxla.app.job import (DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPE_NAMES, TrainJobConfig,
                              job_record)
 from zeroxla.app.recipe import TrainingSetup, resolve_setup
 from zeroxla.app.sampling import local_zero3_step, sample_with_engine
-from zeroxla.app.tokenizer import tokenizer_record
-from zeroxla.checkpoint.pretrained import spread_hf_params
-from zeroxla.models import hf as hf_io
+from zeroxla.app.tokenizer_records import tokenizer_record
 from zeroxla.checkpoint.retention import prune_checkpoints
 from zeroxla.deepspeed import config as ds_config
 from zeroxla.engine.mesh import make_mesh
@@ -106,39 +105,6 @@ def _mesh_for(job: TrainJobConfig):
     stages = job.pipeline_stages
     return make_mesh(nodes, local, stages=stages,
                      devices=distributed.mesh_devices(jax.devices(), stages * nodes * local))
-
-
-def _model_config(job: TrainJobConfig, data: TextData | SFTData) -> Any:
-    """The models config: the pretrained checkpoint's (`init_from`), or the preset's with the
-    tokenizer's vocabulary (65 characters for tiny-shakespeare, 256 bytes)."""
-    if job.init_from is not None:
-        config = hf_io.from_hf_config(hf_io.read_hf_config(job.init_from))
-        data.tokenizer.check_vocab(config.vocab_size, f"{job.init_from}/config.json")
-        where = f"the max_seq_len={config.max_seq_len} of --init-from {job.init_from}"
-    else:
-        _, preset = models.PRESETS[job.model]
-        config = preset().replace(vocab_size=data.vocab_size)
-        where = f"the max_seq_len={config.max_seq_len} of --model {job.model}"
-    if job.seq_len > config.max_seq_len:
-        raise ValueError(f"--seq-len {job.seq_len} exceeds {where}; accepted: --seq-len <= "
-                         f"{config.max_seq_len}")
-    return config
-
-
-def _model_factory(job: TrainJobConfig, config: Any) -> Callable[[], Any]:
-    from flax import nnx
-
-    cls = models.model_class(config)
-    return lambda: cls(config, rngs=nnx.Rngs(job.seed))
-
-
-def _initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any:
-    """A fresh run's state: the pretrained weights placed in their partitions, or a new model."""
-    if job.init_from is None:
-        return step.init()
-    values = spread_hf_params(config, job.init_from, mesh, progress=job.progress,
-                              dtype=np.dtype(step.config.master_dtype))
-    return step.init_from(values, job.seed)
 
 
 def _mean_loss(step: Any, state: Any, batches: list[dict]) -> float:
@@ -226,7 +192,8 @@ def run_settings(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFT
     dp = job.data_parallel_size
     settings = {
         "model": job.model_name, "data": data.source,
-        "tokenizer": tokenizer_record(data.tokenizer)["kind"], "vocab_size": data.vocab_size, "steps": job.steps, "batch_size": setup.batch_size,
+        "tokenizer": tokenizer_record(data.tokenizer)["kind"], "vocab_size": data.vocab_size,
+        "steps": job.steps, "batch_size": setup.batch_size,
         "micro_batch_size": setup.batch_size // (dp * zero.gradient_accumulation_steps),
         "seq_len": job.seq_len, "lr": _peak_lr(setup.learning_rate, job.steps),
         "lr_schedule": setup.source, "warmup_steps": job.warmup_steps,
@@ -327,11 +294,11 @@ def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> T
     data = load_train_data(job.data, tokenizer=job.tokenizer, init_from=job.init_from,
                            batch_size=setup.batch_size, seq_len=job.seq_len,
                            val_fraction=job.val_fraction, seed=job.seed)
-    model_config = _model_config(job, data)
+    config = model_config(job, data)
     mesh = _mesh_for(job)
     pipeline = (zeroxla.PipelineConfig(setup.zero.gradient_accumulation_steps)
                 if job.pipeline_stages > 1 else None)
-    step = zeroxla.make_step(_model_factory(job, model_config), mesh, optimizer=setup.optimizer,
+    step = zeroxla.make_step(model_factory(job, config), mesh, optimizer=setup.optimizer,
                              config=setup.zero, pipeline=pipeline)
     batch, seq = setup.batch_size, job.seq_len
     sharding = step.batch_sharding
@@ -348,7 +315,7 @@ def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> T
         _check_no_newer_checkpoint(checkpoint_dir, first_step)
         write(f"resumed from {restored.path} at step {first_step}")
     else:
-        state = _initial_state(job, step, model_config, mesh)
+        state = initial_state(job, step, config, mesh)
     settings = run_settings(job, setup, data, out)
     zero = setup.zero
     write(f"zeroxla train: {job.model_name} on {data.source} ({data.describe()}, vocab "

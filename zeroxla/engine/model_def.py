@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -184,6 +185,22 @@ class ModelDef:
                 {p: jax.ShapeDtypeStruct(s, d)
                  for p, s, d in zip(self.state_paths, self.state_shapes, self.state_dtypes)})
 
+    def check_values(self, values: Mapping[str, Any], where: str) -> None:
+        """Raises naming the first difference between `values` ({path: array}) and this
+        model's parameters (paths, shapes); a model with state besides its parameters is
+        refused, since `values` holds none of it."""
+        expected, _ = self.abstract_values()
+        if sorted(values) != sorted(expected):
+            raise KeyError(f"{where}: values for {sorted(set(values) - set(expected))[:4]} are "
+                           f"not parameters, {sorted(set(expected) - set(values))[:4]} missing")
+        for path, struct in expected.items():
+            if tuple(values[path].shape) != tuple(struct.shape):
+                raise ValueError(f"{where}: {path} has shape {tuple(values[path].shape)}, "
+                                 f"the model needs {tuple(struct.shape)}")
+        if self.state_paths:
+            raise ValueError(f"{where}: the model has state besides its parameters "
+                             f"{list(self.state_paths[:4])}; build it with init()")
+
     def abstract_module(self) -> nnx.Module:
         """The module with abstract values (ShapeDtypeStructs): its attributes, not its math."""
         return self.module(*self.abstract_values())
@@ -214,3 +231,14 @@ class ModelDef:
 
     def key_path_dict(self) -> dict[str, tuple[Any, ...]]:
         return dict(zip(self.paths, self.key_paths))
+
+
+def placeable(value: Any) -> jax.Array:
+    """`value` as an array `init` can lay out over any mesh: an array committed to particular
+    devices (a `gathered_model`'s, `load_params`'s, both on one device) goes through the host,
+    since jit cannot move a committed argument onto the mesh's other devices."""
+    if isinstance(value, jax.Array) and value.committed:
+        value = np.asarray(value)
+    return jnp.asarray(value)
+
+

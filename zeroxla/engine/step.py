@@ -41,7 +41,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax import lax
@@ -64,7 +63,7 @@ from zeroxla.engine.loss import (
 from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
 from zeroxla.engine.mesh import check_mesh
-from zeroxla.engine.model_def import Filter, ModelDef, frozen_paths
+from zeroxla.engine.model_def import Filter, ModelDef, frozen_paths, placeable
 from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
 from zeroxla.engine.leaf_plan import LeafPlan
 from zeroxla.engine.plan import ShardingPlan, plan_for
@@ -81,15 +80,6 @@ from zeroxla.engine.randomness import (
     takes_rngs,
 )
 from zeroxla.engine.wrap import zero3_module
-
-def _placeable(value: Any) -> jax.Array:
-    """`value` as an array `init` can lay out over any mesh: an array committed to particular
-    devices (a `gathered_model`'s, `load_params`'s, both on one device) goes through the host,
-    since jit cannot move a committed argument onto the mesh's other devices."""
-    if isinstance(value, jax.Array) and value.committed:
-        value = np.asarray(value)
-    return jnp.asarray(value)
-
 
 class ZeroStep:
     """A compiled ZeRO training step. Call it; `init`, `lower` and `eval_loss` are beside it."""
@@ -111,8 +101,8 @@ class ZeroStep:
         if isinstance(model, nnx.Module):
             self._factory = None
             self.model_def, values = ModelDef.of(model)
-            self._initial_values = {p: _placeable(v) for p, v in values.items()}
-            self._initial_model_state = {p: _placeable(v) for p, v in
+            self._initial_values = {p: placeable(v) for p, v in values.items()}
+            self._initial_model_state = {p: placeable(v) for p, v in
                                          ModelDef.model_state_of(model).items()}
             frozen = frozen_paths(model, trainable)
         elif callable(model):
@@ -196,17 +186,7 @@ class ZeroStep:
         (a pretrained checkpoint's: `zeroxla.load_pretrained` passes each array already spread
         over the mesh, so that no device ever holds a whole leaf). Shapes are checked; a model
         with state besides its parameters is refused (its state has no source here)."""
-        expected, _ = self.model_def.abstract_values()
-        if sorted(values) != sorted(expected):
-            raise KeyError(f"init_from: values for {sorted(set(values) - set(expected))[:4]} are "
-                           f"not parameters, {sorted(set(expected) - set(values))[:4]} missing")
-        for path, struct in expected.items():
-            if tuple(values[path].shape) != tuple(struct.shape):
-                raise ValueError(f"init_from: {path} has shape {tuple(values[path].shape)}, "
-                                 f"the model needs {tuple(struct.shape)}")
-        if self.model_def.state_paths:
-            raise ValueError(f"init_from: the model has state besides its parameters "
-                             f"{list(self.model_def.state_paths[:4])}; build it with init()")
+        self.model_def.check_values(values, "init_from")
         return self._jitted_init(dict(values), {}, self._seed(seed))
 
     def lower_init(self) -> Any:

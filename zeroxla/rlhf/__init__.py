@@ -10,7 +10,6 @@ preference pairs, then PPO with actor and critic trained under ZeRO-3 (`make_ste
     critic.py      Critic = RewardModel; critic_from_reward_model (DeepSpeed-Chat's start)
     reward.py      an answer's score: a RewardModel's end score or a program (vowel fraction)
     rollout.py     Rollout: one iteration's experience as numpy arrays
-    sft.py         a short supervised fine-tune to start from
     trainer.py     PPOTrainer (generate_experience, train_rlhf) and run_ppo
     plot.py        plot_records: the reward and KL curves
 """
@@ -25,7 +24,6 @@ from zeroxla.rlhf.reward import answer_end_scores, make_scorer, reward_scores, v
 from zeroxla.rlhf.reward_model import (RewardModel, end_scores, pair_metrics, pair_scores,
                                        pairwise_loss_terms, without_lm_head)
 from zeroxla.rlhf.rollout import Rollout, pad_answers
-from zeroxla.rlhf.sft import supervised_finetune
 from zeroxla.rlhf.trainer import PPORun, PPOTrainer, run_ppo, time_split
 
 __all__ = ["Critic", "PPOConfig", "PPORun", "PPOTrainer", "RewardModel", "Rollout",
@@ -33,5 +31,5 @@ __all__ = ["Critic", "PPOConfig", "PPORun", "PPOTrainer", "RewardModel", "Rollou
            "compute_rewards", "critic_from_reward_model", "critic_loss_fn", "end_scores",
            "get_advantages_and_returns", "make_actor_loss", "make_critic_loss", "make_scorer",
            "pad_answers", "pair_metrics", "pair_scores", "pairwise_loss_terms", "plot_records",
-           "reward_scores", "run_ppo", "supervised_finetune", "time_split", "vowel_fraction",
+           "reward_scores", "run_ppo", "time_split", "vowel_fraction",
            "without_lm_head"]

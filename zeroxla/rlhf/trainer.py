@@ -79,7 +79,7 @@ def _check_scoring_model(field: str, model: Any, actor: nnx.Module, seq_len: int
 class PPOTrainer:
     """Actor, critic and reference of one PPO run (see the module docstring).
 
-    `actor` is the initial policy, a plain `models.GPT` (e.g. after `supervised_finetune`); the
+    `actor` is the initial policy, a plain `models.GPT` (e.g. after `zeroxla.app.char_sft.supervised_finetune`); the
     reference is a frozen copy of it. `prompt_tokens` is the token stream prompts are cut from,
     or the prompts themselves, int32[N, prompt_length];
     `tokenizer.decode` turns answers into text (for `reward_fn` and the rollout's `texts`).

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import zeroxla
-from hf_checkpoints import gpt2_checkpoint
+from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
 from zeroxla.app import chat_data, cli, ppo_job, reward_job, train
 from zeroxla.app.job import TrainJobConfig
 from zeroxla.rlhf import PPOConfig

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from zeroxla.app.hf_tokenizer import bytes_to_unicode, save_hf_tokenizer
-from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer, tokenizer_from_record, \
-    tokenizer_record
+from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer
+from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
 
 TEXT = ("First Citizen:\nBefore we proceed,  hear me speak.\r\n"
         "\tÜber allen Gipfeln — ist Ruh 😀 ")

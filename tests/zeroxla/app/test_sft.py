@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zeroxla
-from hf_checkpoints import gpt2_checkpoint, llama_checkpoint
+from zeroxla.app.tiny_checkpoints import gpt2_checkpoint, llama_checkpoint
 from zeroxla.app import chat_data, cli, train
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
 from zeroxla.app.job import TrainJobConfig

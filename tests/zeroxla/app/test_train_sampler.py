@@ -15,7 +15,8 @@ import zeroxla
 from zeroxla import models
 from zeroxla.app import train
 from zeroxla.app.sampling import sample_with_engine
-from zeroxla.app.tokenizer import CharTokenizer, tokenizer_from_record
+from zeroxla.app.tokenizer import CharTokenizer
+from zeroxla.app.tokenizer_records import tokenizer_from_record
 from zeroxla.checkpoint.export import checkpoint_metadata
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.

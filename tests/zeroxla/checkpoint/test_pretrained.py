@@ -2,7 +2,7 @@
 
 References: `transformers` itself (the same checkpoint's logits and loss in torch) and the
 checkpoint's own tensor sizes (the host-memory bound). The checkpoints are tiny random GPT-2 and
-Llama models written by `transformers` (tests/support/hf_checkpoints.py), every parameter
+Llama models written by `transformers` (zeroxla/app/tiny_checkpoints.py), every parameter
 perturbed so that a zero bias or a unit norm scale cannot hide a wrong mapping.
 """
 
@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zeroxla
-from hf_checkpoints import gpt2_checkpoint, llama_checkpoint
+from zeroxla.app.tiny_checkpoints import gpt2_checkpoint, llama_checkpoint
 from runs import device_bytes
 from zeroxla.checkpoint.pretrained import spread_hf_params
 from zeroxla.models import hf
@@ -76,15 +76,18 @@ def test_loaded_logits_and_first_loss_equal_transformers(checkpoints, family, me
 
 
 def test_the_state_is_partitioned_as_a_fresh_init(checkpoints):
-    """Loading places the parameters exactly where `init` would: same bytes on every device,
-    1/8 of the model's partitioned leaves each at stage 3."""
+    """Loading places the parameters exactly where `init` would: the same bytes on every
+    device, and with every leaf partitioned, 1/8 of the model each (up to padding)."""
     mesh = zeroxla.make_mesh(nodes=2, local=4)
-    step, state = zeroxla.load_pretrained(checkpoints["llama"], mesh,
-                                          config=zeroxla.ZeroConfig(stage=3), progress=False)
+    config = zeroxla.ZeroConfig(stage=3, persistence_threshold=0)
+    step, state = zeroxla.load_pretrained(checkpoints["llama"], mesh, config=config,
+                                          progress=False)
     loaded = device_bytes(state.params)
     assert loaded == device_bytes(step.init().params)
-    expected = sum(leaf.param_bytes_per_device for leaf in step.plan.leaves)
-    assert set(loaded.values()) == {expected}
+    total = 4 * sum(leaf.numel for leaf in step.plan.leaves)
+    padding = 4 * sum(leaf.padding for leaf in step.plan.leaves)
+    assert set(loaded.values()) == {(total + padding) // 8}
+    print(f"per device {(total + padding) // 8} B of a {total} B model")
 
 
 def test_host_memory_stays_near_one_tensor(tmp_path):

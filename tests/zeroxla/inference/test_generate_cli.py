@@ -14,7 +14,7 @@ def test_generate_continues_a_trained_checkpoint(tmp_path, capsys):
 
     import zeroxla
     from zeroxla.app import train
-    from zeroxla.app.tokenizer import tokenizer_from_record
+    from zeroxla.app.tokenizer_records import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata
 
     job = train.TrainJobConfig(steps=2, batch_size=8, seq_len=32, eval_batches=1,

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
+from zeroxla.app.char_sft import supervised_finetune
 from zeroxla import models, rlhf
 from zeroxla.app import data
 from reference import distance_over_travelled, flat_params, train_single_device
@@ -28,7 +29,7 @@ def test_supervised_finetune_trains_like_one_device():
     measured 1.4e-5 at 3 steps: AdamW's normalised step enlarges float32 rounding in the
     smallest gradients), the loss within 2e-7."""
     steps, batch_size, seq_len, lr = 3, 16, 32, 3e-3
-    model, loss = rlhf.supervised_finetune(mesh=zeroxla.make_mesh(2, 4), steps=steps,
+    model, loss = supervised_finetune(mesh=zeroxla.make_mesh(2, 4), steps=steps,
                                            batch_size=batch_size, seq_len=seq_len, lr=lr)
     corpus = data.load_corpus()
     plan = data.BatchPlan(len(corpus.train), batch_size, seq_len, seed=0)

@@ -1,6 +1,10 @@
-"""Tiny random Hugging Face checkpoints, built with `transformers` itself, for tests that load real
-HF directories: `config.json`, float32 safetensors (one file, or an index plus shards) and a real
-byte-level BPE tokenizer that `transformers.AutoTokenizer.from_pretrained(dir)` loads.
+"""Tiny random Hugging Face checkpoints, built with `transformers` itself, for the tests and the
+notebooks, which run without network access: stand-ins for a pretrained model directory
+(with network, `AutoModelForCausalLM.from_pretrained("gpt2").save_pretrained(dir)` and its
+tokenizer's `save_pretrained(dir)` give a real one). Each is a directory with `config.json`,
+float32 safetensors (one file, or an index plus shards) and a real byte-level BPE tokenizer
+that `transformers.AutoTokenizer.from_pretrained(dir)` loads. Needs torch and transformers
+(the `dev` extra).
 
     gpt2_checkpoint(tmp_path / "gpt2")                  # GPT2LMHeadModel, 2 layers, d=64
     llama_checkpoint(tmp_path / "llama", sharded=True)  # LlamaForCausalLM, GQA 4 q / 2 kv heads

@@ -1,6 +1,7 @@
-"""Supervised fine-tuning before PPO (DeepSpeed-Chat's step 1, shortened): next-token training of
-the actor on tiny-shakespeare under ZeRO-3, so that PPO starts from a model that writes
-Shakespeare-like text rather than uniform noise."""
+"""Supervised fine-tuning before the character-level PPO demo (`examples/rlhf_ppo.py`): next-token
+training of a preset on tiny-shakespeare under ZeRO-3, so that PPO starts from a model that
+writes Shakespeare-like text rather than uniform noise. (DeepSpeed-Chat's step 1 on a pretrained
+checkpoint is `zeroxla train --init-from HF_DIR --data sft.jsonl`.)"""
 
 from __future__ import annotations
 
