@@ -4,7 +4,8 @@ answer token), GAE advantages and returns, the KL and reward records, and every 
 losses (3 epochs per rollout: the first at the rollout's weights, where the ratio is 1, the
 later ones where ratio and value clipping act, from the weights each epoch's step started at).
 The formulas below are written from `dschat/rlhf/ppo_trainer.py` as loops, not by calling the
-package's functions."""
+package's functions. The scores come from a learned-reward stand-in: a `RewardModel` (a GPT trunk
+with a random head), read at each answer's last real token as DeepSpeed-Chat does."""
 
 import jax
 import numpy as np
@@ -17,7 +18,14 @@ from zeroxla.app import data
 CONFIG = rlhf.PPOConfig(kl_ctl=0.2, clip_reward_value=0.25, cliprange=0.2, cliprange_value=0.2,
                         gamma=0.9, lam=0.8, ppo_epochs=3, actor_lr=3e-3, critic_lr=3e-3,
                         prompts_per_iteration=16, prompt_length=8, answer_length=12)
-VOWELS = set("aeiouAEIOU")
+
+
+def reward_model():
+    """A RewardModel on its own random GPT with a random head: scores of order 1, both signs."""
+    model = rlhf.RewardModel(models.build("gpt-tiny", seed=7))
+    head = np.random.default_rng(7).standard_normal(model.v_head[...].shape)
+    model.v_head[...] = jax.numpy.asarray(head, jax.numpy.float32)
+    return model
 
 
 # ---- numpy float64 references ---------------------------------------------------------------
@@ -97,7 +105,7 @@ def ppo(corpus):
         patch.setattr(rlhf.PPOTrainer, "train_rlhf", recorded)
         run = rlhf.run_ppo(CONFIG, 2, actor, mesh=zeroxla.make_mesh(nodes=2, local=4),
                            tokenizer=corpus.tokenizer, prompt_tokens=corpus.val, eos_id=eos,
-                           seed=0)
+                           reward_model=reward_model(), seed=0)
     return run, eos, epochs
 
 
@@ -106,9 +114,11 @@ def test_two_iterations_match_numpy(ppo, corpus):
     assert len(run.records) == len(run.rollouts) == 2
     c, p, g = CONFIG, CONFIG.prompt_length, CONFIG.answer_length
     masks = np.concatenate([r.action_mask for r in run.rollouts])
+    scorer = reward_model()
     assert masks.min() == 0, "no answer ended early: the masks are not exercised"
     for record, r, (actor, critic, _) in zip(run.records, run.rollouts, epochs):
         assert r.tokens.shape == (c.prompts_per_iteration, p + g)
+        values = np.asarray(scorer(jax.numpy.asarray(r.tokens)))                # [B, P + G]
         for b in range(r.tokens.shape[0]):
             n = int(r.action_mask[b].sum())
             answer = r.tokens[b, p:p + n]
@@ -119,8 +129,8 @@ def test_two_iterations_match_numpy(ppo, corpus):
             assert np.all(r.tokens[b, p + n:] == 0)
             text = corpus.tokenizer.decode(answer)
             assert r.texts[b] == text
-            expected = sum(ch in VOWELS for ch in text) / len(text)
-            np.testing.assert_allclose(r.scores[b], expected, rtol=1e-6)
+            # the reward model's value at the answer's last real token (prompt + n - 1)
+            np.testing.assert_allclose(r.scores[b], values[b, p + n - 1], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(record["reward"], np.mean(r.scores, dtype=np.float64),
                                    rtol=1e-6)
         mask = r.action_mask.astype(np.float64)
@@ -147,8 +157,8 @@ def test_two_iterations_match_numpy(ppo, corpus):
                                    rtol=1e-4, atol=1e-7)
         np.testing.assert_allclose(record["actor_loss"], np.mean(actor.losses), rtol=1e-6)
         np.testing.assert_allclose(record["critic_loss"], np.mean(critic.losses), rtol=1e-6)
-    # the score is clipped at 0.25 somewhere, so the clip is exercised
-    assert max(r.scores.max() for r in run.rollouts) > CONFIG.clip_reward_value
+    # the score is clipped at +-0.25 somewhere, so the clip is exercised
+    assert max(np.abs(r.scores).max() for r in run.rollouts) > CONFIG.clip_reward_value
 
 
 def test_reference_is_the_initial_actor_and_the_actor_moves(ppo):
