@@ -90,6 +90,9 @@ def add_ppo(subparsers: argparse._SubParsersAction) -> None:
             ("--cliprange", "cliprange", float), ("--cliprange-value", "cliprange_value", float),
             ("--gamma", "gamma", float), ("--lam", "lam", float)):
         ppo.add_argument(flag, dest=field, type=kind, default=None)
+    ppo.add_argument("--reference-int8", dest="reference_int8", action="store_const",
+                     const=True, default=None,
+                     help="hold the frozen reference as int8 codes (ZeRO++ MixZ++)")
     p.set_defaults(handler=run_ppo)
 
 

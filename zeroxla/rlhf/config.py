@@ -51,6 +51,9 @@ class PPOConfig:
     prompts_per_iteration: int = 32
     prompt_length: int = 16
     answer_length: int = 32
+    # The frozen reference as int8 codes (ZeRO++'s MixZ++: quantized non-trainable weights;
+    # `zeroxla.rlhf.reference`): about 1/4 of its float32 bytes, log-probs within int8 rounding.
+    reference_int8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value"):
@@ -63,6 +66,8 @@ class PPOConfig:
         for name in ("actor_lr", "critic_lr"):
             value = getattr(self, name)
             _check(name, value, _is_number(value) and value > 0, "a number > 0")
+        _check("reference_int8", self.reference_int8, isinstance(self.reference_int8, bool),
+               "True or False")
         for name in ("ppo_epochs", "prompts_per_iteration", "prompt_length", "answer_length"):
             value = getattr(self, name)
             _check(name, value, _is_int(value) and value >= 1, "an integer >= 1")

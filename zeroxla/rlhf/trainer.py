@@ -38,6 +38,7 @@ from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
 from zeroxla.rlhf.losses import answer_logprobs, answer_values, make_actor_loss, make_critic_loss
+from zeroxla.rlhf.reference import FrozenReference
 from zeroxla.rlhf.reward import RewardFn, make_scorer
 from zeroxla.rlhf.reward_model import RewardModel
 from zeroxla.rlhf.rollout import Rollout, pad_answers
@@ -118,8 +119,7 @@ class PPOTrainer:
                              f"{config.prompt_length}, or prompts int32[N, prompt_length]")
         # The reference: the actor's initial weights, frozen (never passed to an optimizer).
         device = jax.local_devices()[0]
-        self.ref_graphdef, ref_params = nnx.split(nnx.clone(actor))
-        self.ref_params = jax.device_put(ref_params, device)
+        self.reference = FrozenReference(actor, device=device, int8=config.reference_int8)
         critic = (Critic(nnx.clone(actor)) if critic_init is None
                   else critic_from_reward_model(critic_init))
         self.actor_step = zeroxla.make_step(
@@ -173,8 +173,7 @@ class PPOTrainer:
         actor_graphdef, actor_params = nnx.split(zeroxla.gathered_model(self.actor_state))
         critic_graphdef, critic_params = nnx.split(zeroxla.gathered_model(self.critic_state))
         logprobs = _forward(answer_logprobs, actor_graphdef, actor_params, tokens, g) * mask
-        ref_logprobs = _forward(answer_logprobs, self.ref_graphdef, self.ref_params, tokens,
-                                g) * mask
+        ref_logprobs = self.reference(answer_logprobs, tokens, g) * mask
         values = _forward(answer_values, critic_graphdef, critic_params, tokens, g) * mask
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))

@@ -1,0 +1,48 @@
+"""The frozen PPO reference stored as int8 codes (MixZ++), against the same model whose weights
+are quantized and dequantized in float64 numpy (DeepSpeed's group formulas, tests/support)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from numpy_quant import dequantize_groups64, quantize64, unpad_groups
+from zeroxla import models, rlhf
+from zeroxla.rlhf.losses import answer_logprobs
+from zeroxla.rlhf.reference import GROUP_SIZE, FrozenReference
+
+
+def numpy_rounded(model):
+    """A copy of `model` whose floating parameters of >= one group hold their int8 round trip,
+    computed in float64 numpy."""
+    copy = nnx.clone(model)
+    for _, var in nnx.to_flat_state(nnx.state(copy, nnx.Param)):
+        x = np.asarray(var.get_value())
+        if x.size >= GROUP_SIZE:
+            q = quantize64(x, bits=8, group_size=GROUP_SIZE)
+            back = unpad_groups(dequantize_groups64(q.codes, q.steps), x.shape, 0)
+            var.set_value(jnp.asarray(back, jnp.float32))
+    return copy
+
+
+def test_int8_reference_equals_the_dequantized_model_and_holds_a_quarter_of_the_bytes():
+    model = models.build("gpt-tiny", seed=3)
+    device = jax.local_devices()[0]
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 65, size=(4, 24)), jnp.int32)
+    exact = FrozenReference(model, device=device)
+    codes = FrozenReference(model, device=device, int8=True)
+
+    want = np.asarray(answer_logprobs(numpy_rounded(model), tokens, 8))
+    got = np.asarray(codes(answer_logprobs, tokens, 8))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # and rounding is visible: the codes are not the float weights
+    assert np.abs(got - np.asarray(exact(answer_logprobs, tokens, 8))).max() > 1e-5
+    print(f"reference bytes: float32 {exact.nbytes}, int8 codes {codes.nbytes}")
+    assert codes.nbytes < 0.3 * exact.nbytes
+
+
+def test_reference_int8_is_validated():
+    assert rlhf.PPOConfig(reference_int8=True).reference_int8
+    with pytest.raises(ValueError, match="reference_int8"):
+        rlhf.PPOConfig(reference_int8="yes")
