@@ -33,3 +33,14 @@ def pytest_sessionfinish(session):
 def devices():
     assert jax.device_count() == 8, "conftest must run before jax initialises its backend"
     return jax.devices()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding slow tests run first, the rest after, each file's tests in their order.
+
+    `-n 2 --dist loadfile` hands whole files to the two workers first come, first served; with
+    the long files at the front, the run ends on short ones instead of one worker finishing a
+    long file while the other idles (longest-first scheduling). Order only: every test is
+    independent of the others."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)      # stable: order within kept
