@@ -44,6 +44,7 @@ from .safetensors_io import (  # noqa: F401  (re-exported: part of the hf API)
 )
 
 from . import axes
+from .hf_config import from_hf_config, read_hf_config, to_hf_config  # noqa: F401  (re-exported)
 from . import abstract_model
 from .gpt import GPTConfig
 from .llama import LlamaConfig
@@ -53,8 +54,6 @@ Config = GPTConfig | LlamaConfig
 # parameter is stacked and `layer` is not None.
 ParamGetter = Callable[[str, int | None], np.ndarray]
 
-_GPT_LN_EPS = 1e-5            # models.layers.LayerNorm's eps, which GPT uses
-_GPT_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")   # all the tanh approximation
 
 
 # ----------------------------------------------------------------------------- the name map
@@ -169,6 +168,11 @@ def _abstract_params(config: Config) -> dict[str, tuple[tuple[int, ...], tuple[s
             for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+def param_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """Our parameter path -> its shape for `config` (from the cached abstract model)."""
+    return {path: shape for path, (shape, _) in _abstract_params(config).items()}
+
+
 def _resolve(rel: str, per_layer: bool, params: Mapping[str, tuple]) -> str:
     """Our full path for a rule's path: as is for a global one; for a per-layer one, the unique
     stacked (leading `layers` axis) parameter whose path ends with it."""
@@ -252,15 +256,34 @@ def to_hf_tensors(config: Config,
                        np.ascontiguousarray(r.to_hf(*(get(p, i) for p in r.ours))))
 
 
-def iter_hf_params(config: Config, get_tensor: Callable[[str], np.ndarray]
-                   ) -> Iterator[tuple[str, int | None, np.ndarray]]:
-    """Yields `(our path, layer or None, array)` converted from HF tensors, one HF tensor read at
-    a time: a per-layer rule yields each of its paths' slice `[layer]`, a global one the whole
-    parameter. Each rule's layers come in order 0..L-1. Shapes are checked against `config`."""
+def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
+                   select: Callable[[tuple[int, ...]], tuple[slice, ...] | None] | None = None
+                   ) -> Iterator[tuple[str, int | None, np.ndarray, tuple[slice, ...] | None]]:
+    """Yields `(our path, layer or None, array, index)` converted from HF tensors, one HF tensor
+    read at a time: a per-layer rule yields each of its paths' slice `[layer]`, a global one the
+    whole parameter. Each rule's layers come in order 0..L-1. Shapes are checked against
+    `config`.
+
+    `select(piece shape) -> index or None` (with a reader that has `shape`, e.g.
+    `SafetensorsReader`): where our piece is the stored tensor as it is (no transpose, split or
+    reshape: embeddings, norms, GPT-2's Conv1D weights), only `array = piece[index]` is read from
+    the file, and `index` says which part it is; elsewhere `index` is None (the whole piece).
+    """
     expected = _abstract_params(config)
     for r in hf_name_map(config):
+        stored_as_is = (select is not None and r.from_hf is _same_inv and len(r.ours) == 1
+                        and hasattr(get_tensor, "shape"))
         for i in range(config.num_layers) if r.per_layer else (None,):
             name = r.hf.format(i=i) if r.per_layer else r.hf
+            path = r.ours[0]
+            want = expected[path][0] if i is None else expected[path][0][1:]
+            if stored_as_is:
+                shape = tuple(get_tensor.shape(name))
+                _check_piece(path, shape, want, i, config)
+                index = select(shape)
+                if index is not None:
+                    yield path, i, np.asarray(get_tensor(name, index)), index
+                    continue
             tensor = np.asarray(get_tensor(name))
             try:
                 parts = r.from_hf(tensor)
@@ -268,12 +291,17 @@ def iter_hf_params(config: Config, get_tensor: Callable[[str], np.ndarray]
                 raise ValueError(f"{name} has shape {tensor.shape}, which does not fit "
                                  f"{r.ours} of config {config}") from e
             for path, part in zip(r.ours, parts):
-                shape = expected[path][0]
-                if part.shape != (shape if i is None else shape[1:]):
-                    got = part.shape if i is None else (shape[0],) + part.shape
-                    raise ValueError(f"{path}: HF checkpoint gives shape {got}, "
-                                     f"config {config} needs {shape}")
-                yield path, i, part
+                want = expected[path][0] if i is None else expected[path][0][1:]
+                _check_piece(path, part.shape, want, i, config)
+                yield path, i, part, None
+
+
+def _check_piece(path: str, got: tuple[int, ...], want: tuple[int, ...], layer: int | None,
+                 config: Config) -> None:
+    if tuple(got) != tuple(want):
+        full = _abstract_params(config)[path][0]
+        got = tuple(got) if layer is None else (full[0],) + tuple(got)
+        raise ValueError(f"{path}: HF checkpoint gives shape {got}, config {config} needs {full}")
 
 
 def from_hf_tensors(config: Config, get_tensor: Callable[[str], np.ndarray], *,
@@ -285,7 +313,7 @@ def from_hf_tensors(config: Config, get_tensor: Callable[[str], np.ndarray], *,
     """
     expected = _abstract_params(config)
     out: dict[str, np.ndarray] = {}
-    for path, layer, part in iter_hf_params(config, get_tensor):
+    for path, layer, part, _ in iter_hf_params(config, get_tensor):
         if layer is None:
             out[path] = np.asarray(part, dtype)
         else:
@@ -309,135 +337,33 @@ def model_from_params(config: Config, params: Mapping[str, Any], *,
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-# ----------------------------------------------------------------------------- configs
-
-def to_hf_config(config: Config, *, dtype: Any = "float32", **overrides) -> dict[str, Any]:
-    """`config.json` contents for `config` (read by transformers 4.x and 5.x); `overrides`
-    add or replace keys (e.g. `bos_token_id=...`)."""
-    dtype_name = np.dtype(_np_dtype(dtype)).name
-    if config.family == "gpt2":
-        hf = {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": config.vocab_size, "n_positions": config.max_seq_len,
-            "n_embd": config.d_model, "n_layer": config.num_layers, "n_head": config.num_heads,
-            "n_inner": config.mlp_dim, "activation_function": "gelu_new",
-            "layer_norm_epsilon": _GPT_LN_EPS, "initializer_range": config.init_std,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "tie_word_embeddings": True,
-            # Our model has no dropout; HF's 0.1 defaults would change fine-tuning there.
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            # GPT-2's BPE <|endoftext|>; only meaningful with that vocabulary.
-            "bos_token_id": 50256 if config.vocab_size > 50256 else None,
-            "eos_token_id": 50256 if config.vocab_size > 50256 else None,
-        }
-    elif config.family == "llama":
-        hf = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-            "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-            "head_dim": config.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-            "initializer_range": config.init_std, "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False,
-            # transformers 4.x reads rope_theta / rope_scaling, 5.x reads rope_parameters.
-            "rope_theta": config.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        }
-    else:
-        raise ValueError(f"no Hugging Face config for family {config.family!r}")
-    hf["torch_dtype"] = hf["dtype"] = dtype_name     # 4.x and 5.x spellings
-    hf.update(overrides)
-    return hf
-
-
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ValueError(f"config.json {key}={value!r} is not supported: {why}")
-
-
-def from_hf_config(hf: Mapping[str, Any]) -> Config:
-    """Our GPTConfig / LlamaConfig from a HF `config.json` dict; raises ValueError on options our
-    models do not implement. A tied Llama (`tie_word_embeddings=true`) is accepted: its head is
-    loaded as a copy of the embedding and trains untied from then on."""
-    model_type = hf.get("model_type")
-    if model_type == "gpt2":
-        act = hf.get("activation_function", "gelu_new")
-        _require(act in _GPT_GELUS, "activation_function", act, f"GPT uses tanh GELU {_GPT_GELUS}")
-        eps = hf.get("layer_norm_epsilon", 1e-5)
-        _require(eps == _GPT_LN_EPS, "layer_norm_epsilon", eps,
-                 f"GPT's LayerNorm uses {_GPT_LN_EPS}")
-        for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False), ("tie_word_embeddings", True)):
-            _require(hf.get(key, want) == want, key, hf.get(key), f"GPT needs {key}={want}")
-        d = hf["n_embd"]
-        return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], d_model=d,
-                         num_heads=hf["n_head"], num_layers=hf["n_layer"],
-                         mlp_dim=hf.get("n_inner") or 4 * d,
-                         init_std=hf.get("initializer_range", 0.02))
-    if model_type == "llama":
-        act = hf.get("hidden_act", "silu")
-        _require(act == "silu", "hidden_act", act, "Llama's MLP is SwiGLU (silu)")
-        for key in ("attention_bias", "mlp_bias"):
-            _require(not hf.get(key, False), key, hf.get(key), "our Llama has no biases")
-        d, h = hf["hidden_size"], hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or d // h
-        _require(head_dim == d // h, "head_dim", head_dim,
-                 f"our Llama's head_dim is hidden_size // num_attention_heads = {d // h}")
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _require(rope_type == "default", "rope_parameters.rope_type", rope_type,
-                 "only plain RoPE is implemented (no scaling)")
-        scaling = hf.get("rope_scaling")
-        _require(not scaling or scaling.get("rope_type", scaling.get("type")) == "default",
-                 "rope_scaling", scaling, "only plain RoPE is implemented (no scaling)")
-        factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        _require(factor == 1.0, "partial_rotary_factor", factor, "RoPE rotates the whole head")
-        return LlamaConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                           d_model=d, num_heads=h,
-                           num_kv_heads=hf.get("num_key_value_heads") or h,
-                           num_layers=hf["num_hidden_layers"], mlp_dim=hf["intermediate_size"],
-                           rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                           norm_eps=hf.get("rms_norm_eps", 1e-6),
-                           init_std=hf.get("initializer_range", 0.02))
-    raise ValueError(f"config.json model_type={model_type!r} is not supported; "
-                     "zeroxla reads 'gpt2' and 'llama'")
-
-
 # ----------------------------------------------------------------------------- loading and saving
 
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The `config.json` dict of a HF checkpoint directory (or of the directory holding a
-    `.safetensors` file), with a FileNotFoundError naming what is missing."""
-    path = Path(path)
-    file = (path if path.is_dir() else path.parent) / "config.json"
-    if not file.exists():
-        what = "directory" if path.is_dir() else "path"
-        raise FileNotFoundError(f"{what} {path} has no config.json: a Hugging Face checkpoint "
-                                "directory holds config.json and model.safetensors (or "
-                                "model.safetensors.index.json and its shards)")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from e
+class NameFallbacks:
+    """`reader` with the name fallbacks real checkpoints need: GPT-2 saved from `GPT2Model` (the
+    hub's openai-community/gpt2) has no `transformer.` prefix; a tied Llama stores no lm_head.
+    Called and `shape`d as the reader is (`SafetensorsReader`)."""
 
+    def __init__(self, reader: Callable[..., np.ndarray], hf: Mapping[str, Any]):
+        self.reader = reader
+        self.tied_llama = hf.get("model_type") == "llama" and hf.get("tie_word_embeddings", False)
 
-def with_fallbacks(get_tensor: Callable[[str], np.ndarray], hf: Mapping[str, Any]):
-    """Name fallbacks real checkpoints need: GPT-2 saved from `GPT2Model` (the hub's
-    openai-community/gpt2) has no `transformer.` prefix; a tied Llama stores no lm_head."""
-    tied_llama = hf.get("model_type") == "llama" and hf.get("tie_word_embeddings", False)
-
-    def get(name: str) -> np.ndarray:
+    def _resolve(self, fn: Callable[[str], Any], name: str) -> Any:
         try:
-            return get_tensor(name)
+            return fn(name)
         except KeyError:
-            if tied_llama and name == "lm_head.weight":
-                return get_tensor("model.embed_tokens.weight")
+            if self.tied_llama and name == "lm_head.weight":
+                return fn("model.embed_tokens.weight")
             if name.startswith("transformer."):
-                return get_tensor(name.removeprefix("transformer."))
+                return fn(name.removeprefix("transformer."))
             raise
 
-    return get
+    def __call__(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        return self._resolve(lambda n: self.reader(n) if index is None else self.reader(n, index),
+                             name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._resolve(self.reader.shape, name)
 
 
 def load_hf_model(path: str | os.PathLike, *,
@@ -451,7 +377,7 @@ def load_hf_model(path: str | os.PathLike, *,
     hf = read_hf_config(path)
     config = from_hf_config(hf)
     with open_safetensors(path) as get_tensor:
-        params = from_hf_tensors(config, with_fallbacks(get_tensor, hf),
+        params = from_hf_tensors(config, NameFallbacks(get_tensor, hf),
                                  dtype=_np_dtype(dtype))
     return config, model_from_params(config, params, dtype=dtype)
 

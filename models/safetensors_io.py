@@ -9,7 +9,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,37 +21,54 @@ from safetensors.numpy import save_file
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
+class SafetensorsReader:
+    """`reader(name)` -> the whole tensor; `reader(name, index)` -> only `index` (a tuple of
+    slices) of it, read from the file without the rest; `reader.shape(name)` -> its shape.
+    Files open on first use and stay open until `open_safetensors` exits."""
+
+    def __init__(self, path: Path, files: dict[str, Path] | None, single: Path | None,
+                 stack: contextlib.ExitStack):
+        self.path, self._files, self._single, self._stack = path, files, single, stack
+        self._opened: dict[Path, tuple[Any, set[str]]] = {}   # file -> (handle, tensor names)
+
+    def _handle(self, name: str) -> Any:
+        f = self._single if self._files is None else self._files.get(name)
+        if f is not None and f not in self._opened:
+            handle = self._stack.enter_context(safe_open(str(f), framework="numpy"))
+            self._opened[f] = handle, set(handle.keys())
+        if f is None or name not in self._opened[f][1]:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.path}")
+        return self._opened[f][0]
+
+    def __call__(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        if index is None:
+            return self._handle(name).get_tensor(name)
+        return self._handle(name).get_slice(name)[index]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+
 @contextlib.contextmanager
-def open_safetensors(path: str | os.PathLike) -> Iterator[Callable[[str], np.ndarray]]:
-    """Yields `get_tensor(name) -> np.ndarray` over a HF checkpoint: a directory with
-    `model.safetensors` or `model.safetensors.index.json` + shards, or one `.safetensors` file.
-    Each call reads one tensor; files stay open until the context exits."""
+def open_safetensors(path: str | os.PathLike) -> Iterator[SafetensorsReader]:
+    """Yields a `SafetensorsReader` over a HF checkpoint: a directory with `model.safetensors`
+    or `model.safetensors.index.json` + shards, or one `.safetensors` file. Each call reads one
+    tensor (or part of one); files stay open until the context exits."""
     path = Path(path)
+    files, single = None, None
     if path.is_dir():
         index = path / INDEX_FILE
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             files = {name: path / f for name, f in weight_map.items()}
         elif (path / SINGLE_FILE).exists():
-            files = None
             single = path / SINGLE_FILE
         else:
             raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     else:
-        files, single = None, path
+        single = path
     with contextlib.ExitStack() as stack:
-        opened: dict[Path, tuple[Any, set[str]]] = {}     # file -> (handle, its tensor names)
-
-        def get_tensor(name: str) -> np.ndarray:
-            f = single if files is None else files.get(name)
-            if f is not None and f not in opened:
-                handle = stack.enter_context(safe_open(str(f), framework="numpy"))
-                opened[f] = handle, set(handle.keys())
-            if f is None or name not in opened[f][1]:
-                raise KeyError(f"tensor {name!r} is not in the checkpoint at {path}")
-            return opened[f][0].get_tensor(name)
-
-        yield get_tensor
+        yield SafetensorsReader(path, files, single, stack)
 
 
 def parse_size(size: int | str) -> int:

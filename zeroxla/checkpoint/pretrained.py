@@ -21,13 +21,15 @@ Host memory: one HF tensor and the pieces converted from it (a transpose may cop
 Device memory: the spread parameters (1/N of the model per device, N devices, plus parameters too
 small to divide) and then the state being built from them.
 
-In a multi-process run every process reads each tensor whole (safetensors reads are memory
-mapped; only the slices of the process's own devices are copied to them): reading only the
-owned byte ranges is left for layouts where a slice of ours is a contiguous range of the file.
+In a multi-process run each process reads only the part its own devices hold where our piece is
+the stored tensor as it is (embeddings, norms, GPT-2's Conv1D weights: `owned_index`, read
+with safetensors' slices); a piece that needs a transpose or a split (Llama's projections,
+GPT-2's fused q|k|v) is read whole, one at a time, and only its devices' slices are copied.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -61,14 +63,43 @@ def spread_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
     return P(*spec)
 
 
-def place(piece: np.ndarray, mesh: Mesh, dtype: Any) -> jax.Array:
-    """`piece` on `mesh` in `spread_spec` layout: each device receives only its slice (with
-    several processes, each fills only its own devices)."""
+def owned_index(shape: tuple[int, ...], mesh: Mesh,
+                devices: Any = None) -> tuple[slice, ...] | None:
+    """The part of a piece of `shape` that `devices` (default: this process's) hold in
+    `spread_spec` layout, as one slice along the spread dim; None when they hold all of it
+    (one process, or a replicated piece)."""
+    spec = spread_spec(shape, mesh)
+    if spec == P():
+        return None
+    mine = set(jax.local_devices() if devices is None else devices)
+    dim = next(d for d, axes in enumerate(spec) if axes is not None)
+    index_map = NamedSharding(mesh, spec).devices_indices_map(shape)
+    parts = [index[dim] for device, index in index_map.items() if device in mine]
+    start, stop = min(p.start for p in parts), max(p.stop for p in parts)
+    if (start, stop) == (0, shape[dim]):
+        return None
+    return tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
+
+
+def place(piece: np.ndarray, mesh: Mesh, dtype: Any, *, shape: tuple[int, ...] | None = None,
+          index: tuple[slice, ...] | None = None) -> jax.Array:
+    """The array of `shape` (default: `piece`'s) on `mesh` in `spread_spec` layout, each
+    device receiving only its slice (with several processes, each fills only its own devices).
+    `piece` is the whole array, or only its part `index` (`owned_index`: the part this
+    process's devices hold)."""
     piece = np.asarray(piece, dtype)
-    sharding = NamedSharding(mesh, spread_spec(piece.shape, mesh))
-    return jax.make_array_from_callback(piece.shape, sharding, lambda index: piece[index])
+    shape = piece.shape if shape is None else tuple(shape)
+    starts = [0 if index is None else (index[d].start or 0) for d in range(len(shape))]
+
+    def local(device_index: tuple[slice, ...]) -> np.ndarray:
+        return piece[tuple(slice((s.start or 0) - o, (n if s.stop is None else s.stop) - o)
+                           for s, o, n in zip(device_index, starts, shape))]
+
+    sharding = NamedSharding(mesh, spread_spec(shape, mesh))
+    return jax.make_array_from_callback(shape, sharding, local)
 
 
+@functools.lru_cache(maxsize=64)
 def _stacker(mesh: Mesh, spec: P, count: int) -> Callable[..., jax.Array]:
     """`count` layer slices -> their stack [count, ...], spread like each slice (no data moves
     between devices: slice and stack have the same device split)."""
@@ -83,16 +114,20 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
     hf = hf_io.read_hf_config(path)
     values: dict[str, jax.Array] = {}
     layers: dict[str, list[jax.Array]] = {}
+    abstract = hf_io.param_shapes(config)
     pieces = sum(len(r.ours) * (config.num_layers if r.per_layer else 1)
                  for r in hf_io.hf_name_map(config))
     with (hf_io.open_safetensors(path) as get_tensor,
           tqdm(total=pieces, desc="loading", unit="tensor", disable=not progress or None) as bar):
-        for name, layer, piece in hf_io.iter_hf_params(
-                config, hf_io.with_fallbacks(get_tensor, hf)):
+        for name, layer, piece, index in hf_io.iter_hf_params(
+                config, hf_io.NameFallbacks(get_tensor, hf),
+                select=lambda shape: owned_index(shape, mesh)):
+            full = abstract[name] if layer is None else abstract[name][1:]
+            array = place(piece, mesh, dtype, shape=full, index=index)
             if layer is None:
-                values[name] = place(piece, mesh, dtype)
+                values[name] = array
             else:
-                layers.setdefault(name, []).append(place(piece, mesh, dtype))
+                layers.setdefault(name, []).append(array)
                 if len(layers[name]) == config.num_layers:
                     slices = layers.pop(name)
                     values[name] = _stacker(mesh, slices[0].sharding.spec, len(slices))(*slices)
@@ -125,4 +160,4 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh, *, optimizer: Any = Non
     return step, step.init_from(values, seed)
 
 
-__all__ = ["load_pretrained", "place", "spread_hf_params", "spread_spec"]
+__all__ = ["load_pretrained", "owned_index", "place", "spread_hf_params", "spread_spec"]

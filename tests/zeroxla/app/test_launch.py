@@ -3,7 +3,6 @@ failure handling, and a real 2-process `zeroxla train` against the 1-process run
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -11,18 +10,12 @@ import time
 import numpy as np
 import pytest
 import xla_flags
+from commands import cpu_env, zeroxla_command
 
 from zeroxla.app import distributed, launch, rundir
 
 
-def zeroxla(*args):
-    exe = shutil.which("zeroxla")
-    return [exe, *args] if exe else [sys.executable, "-m", "zeroxla", *args]
-
-
-def cpu_env():
-    """No device count and no rank variables: the launcher sets both per rank."""
-    return {k: v for k, v in xla_flags.child_environ().items() if k not in distributed.ENV_VARS}
+zeroxla = zeroxla_command
 
 
 # ---- the environment contract --------------------------------------------------------------------

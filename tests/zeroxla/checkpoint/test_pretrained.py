@@ -16,7 +16,7 @@ import pytest
 import zeroxla
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint, llama_checkpoint
 from runs import device_bytes
-from zeroxla.checkpoint.pretrained import spread_hf_params
+from zeroxla.checkpoint.pretrained import owned_index, spread_hf_params
 from zeroxla.models import hf
 
 torch = pytest.importorskip("torch")
@@ -134,3 +134,64 @@ def test_a_directory_without_config_is_refused(tmp_path):
     mesh = zeroxla.make_mesh(nodes=2, local=4)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         zeroxla.load_pretrained(tmp_path, mesh, progress=False)
+
+
+# ---- several processes: each reads only what its devices hold -----------------------------------
+
+def test_owned_index_is_the_rows_of_the_given_devices():
+    """On the 2 x 4 mesh a [512, 64] table is spread by rows, 64 per device in mesh order: the
+    first node's four devices hold rows 0..255, the second's 256..511; all eight, everything."""
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    first, second = list(mesh.devices[0]), list(mesh.devices[1])
+    assert owned_index((512, 64), mesh, first) == (slice(0, 256), slice(None))
+    assert owned_index((512, 64), mesh, second) == (slice(256, 512), slice(None))
+    assert owned_index((512, 64), mesh, first + second) is None
+    assert owned_index((3,), mesh, first) is None                    # replicated: read whole
+
+
+def test_a_selected_part_is_read_from_the_file_as_stored(checkpoints):
+    """`iter_hf_params(select=...)` reads only the selected rows of the tensors stored as they
+    are (embeddings, norms, Conv1D weights), equal to the same rows of transformers' tensors;
+    the others come whole."""
+    directory = checkpoints["gpt2"]
+    config = hf.from_hf_config(hf.read_hf_config(directory))
+    reference = {k: v.numpy() for k, v in torch_model(directory).state_dict().items()}
+    parted = 0
+    with hf.open_safetensors(directory) as reader:
+        for path, layer, piece, index in hf.iter_hf_params(
+                config, hf.NameFallbacks(reader, {}),
+                select=lambda shape: (slice(0, shape[0] // 2),) + (slice(None),) * (len(shape) - 1)):
+            if path == "embed/wte":
+                np.testing.assert_array_equal(piece, reference["transformer.wte.weight"][:256])
+            if index is not None:
+                parted += 1
+                assert piece.shape[0] * 2 == hf.param_shapes(config)[path][1 if layer is not None
+                                                                           else 0]
+    assert parted >= 10                         # wte, wpe, norms, biases, mlp weights per layer
+
+
+@pytest.mark.slow
+def test_two_processes_load_and_train_as_one(checkpoints, tmp_path):
+    """`zeroxla launch --nproc 2 -- zeroxla train --init-from HF_DIR`: each process reads only
+    its half of the tensors stored as they are; the losses equal one process's (which equal
+    transformers' above)."""
+    import subprocess
+
+    from commands import cpu_env, zeroxla_command
+    from zeroxla.app import chat_data, cli, rundir
+
+    data = tmp_path / "sft.jsonl"
+    chat_data.write_jsonl(chat_data.shakespeare_sft(64, seed=0), data)
+    job = ["train", "--init-from", str(checkpoints["gpt2"]), "--data", str(data), "--steps",
+           "3", "--batch-size", "16", "--seq-len", "48", "--eval-every", "3",
+           "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+    result = subprocess.run(
+        zeroxla_command("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+                        *zeroxla_command(*job, "--out", str(tmp_path / "multi"))),
+        cwd=tmp_path, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert cli.main([*job, "--out", str(tmp_path / "single")]) == 0
+    losses = {name: [r["loss"] for r in rundir.read_metrics(tmp_path / name / rundir.METRICS_FILE)
+                     if "loss" in r] for name in ("multi", "single")}
+    assert len(losses["multi"]) == 3
+    np.testing.assert_allclose(losses["multi"], losses["single"], rtol=1e-5)
