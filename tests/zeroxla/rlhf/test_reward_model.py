@@ -115,6 +115,7 @@ def test_zero3_pairwise_loss_and_metrics_match_numpy(family):
     np.testing.assert_allclose(float(step_metrics["loss"]), np.mean(np_pair_loss(d)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_llama_unused_lm_head_gets_no_update_and_the_step_matches_one_device():
     """Llama's untied output projection is held but never read: a ZeRO-3 step (SGD, Adam, or
     with `without_lm_head` freezing it) leaves it bit-for-bit as it was, and the SGD step's
