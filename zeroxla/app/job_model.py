@@ -15,20 +15,29 @@ from zeroxla.checkpoint.pretrained import spread_hf_params
 from zeroxla.models import hf as hf_io
 
 
+def pretrained_config(init_from: str, tokenizer: Any, seq_len: int) -> Any:
+    """The models config of the HF checkpoint `init_from`, refused (before any compute) when
+    `tokenizer` produces ids beyond its vocabulary or `seq_len` exceeds its positions."""
+    config = hf_io.from_hf_config(hf_io.read_hf_config(init_from))
+    tokenizer.check_vocab(config.vocab_size, f"{init_from}/config.json")
+    _check_seq_len(seq_len, config, f"--init-from {init_from}")
+    return config
+
+
+def _check_seq_len(seq_len: int, config: Any, source: str) -> None:
+    if seq_len > config.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the max_seq_len={config.max_seq_len} of "
+                         f"{source}; accepted: --seq-len <= {config.max_seq_len}")
+
+
 def model_config(job: TrainJobConfig, data: TextData | SFTData) -> Any:
     """The models config: the pretrained checkpoint's (`init_from`), or the preset's with the
     tokenizer's vocabulary (65 characters for tiny-shakespeare, 256 bytes)."""
     if job.init_from is not None:
-        config = hf_io.from_hf_config(hf_io.read_hf_config(job.init_from))
-        data.tokenizer.check_vocab(config.vocab_size, f"{job.init_from}/config.json")
-        where = f"the max_seq_len={config.max_seq_len} of --init-from {job.init_from}"
-    else:
-        _, preset = models.PRESETS[job.model]
-        config = preset().replace(vocab_size=data.vocab_size)
-        where = f"the max_seq_len={config.max_seq_len} of --model {job.model}"
-    if job.seq_len > config.max_seq_len:
-        raise ValueError(f"--seq-len {job.seq_len} exceeds {where}; accepted: --seq-len <= "
-                         f"{config.max_seq_len}")
+        return pretrained_config(job.init_from, data.tokenizer, job.seq_len)
+    _, preset = models.PRESETS[job.model]
+    config = preset().replace(vocab_size=data.vocab_size)
+    _check_seq_len(job.seq_len, config, f"--model {job.model}")
     return config
 
 
@@ -48,4 +57,4 @@ def initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any
     return step.init_from(values, job.seed)
 
 
-__all__ = ["initial_state", "model_config", "model_factory"]
+__all__ = ["initial_state", "model_config", "model_factory", "pretrained_config"]

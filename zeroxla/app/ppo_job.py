@@ -66,14 +66,9 @@ class PPOJobConfig:
                              "an integer >= 1")
 
 
-def _checkpoint_dir(run: str | Path) -> Path:
-    run = Path(run)
-    return run / rundir.CHECKPOINT_DIR if (run / rundir.CHECKPOINT_DIR).is_dir() else run
-
-
 def load_actor(run: str | Path) -> tuple[Any, Any]:
     """(plain model with the trained weights, tokenizer) of a `zeroxla train` run."""
-    directory = _checkpoint_dir(run)
+    directory = rundir.checkpoint_dir_of(run)
     meta = checkpoint.read_metadata(directory)["metadata"]
     if meta.get("model_kind") == KIND:
         raise ValueError(f"--actor {run} is a reward-model run; accepted: a `zeroxla train` run "

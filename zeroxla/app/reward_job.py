@@ -34,10 +34,10 @@ import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+from zeroxla.app.job_model import pretrained_config
 from zeroxla.app.tokenizer_records import tokenizer_from_record
 from zeroxla.app.train_data import epoch_rows, split_examples, to_devices
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
-from zeroxla.models import hf as hf_io
 from zeroxla.rlhf.reward_model import (RewardModel, pair_metrics, pairwise_loss_terms,
                                        without_lm_head)
 
@@ -117,11 +117,7 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
 
     start = time.perf_counter()
     tokenizer = PretrainedTokenizer.from_dir(job.init_from)
-    config = hf_io.from_hf_config(hf_io.read_hf_config(job.init_from))
-    tokenizer.check_vocab(config.vocab_size, f"{job.init_from}/config.json")
-    if job.seq_len > config.max_seq_len:
-        raise ValueError(f"--seq-len {job.seq_len} exceeds the max_seq_len={config.max_seq_len} "
-                         f"of {job.init_from}; accepted: --seq-len <= {config.max_seq_len}")
+    config = pretrained_config(job.init_from, tokenizer, job.seq_len)
     train, val = _pairs(job, tokenizer)
     out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
         f"reward-{Path(job.init_from).name}", now=datetime.datetime.now())
@@ -177,8 +173,7 @@ def load_reward_model(run_dir: str | Path) -> tuple[RewardModel, Any]:
     """(plain RewardModel with the trained weights, tokenizer) of a `zeroxla reward` run (its
     directory, or its checkpoint/ directory)."""
     run_dir = Path(run_dir)
-    directory = run_dir / rundir.CHECKPOINT_DIR if (run_dir / rundir.CHECKPOINT_DIR).is_dir() \
-        else run_dir
+    directory = rundir.checkpoint_dir_of(run_dir)
     meta = checkpoint.read_metadata(directory)
     if meta["metadata"].get("model_kind") != KIND:
         raise ValueError(f"{run_dir} is not a `zeroxla reward` run: its checkpoint records "

@@ -122,6 +122,13 @@ def _run_of(checkpoint_dir: Path) -> Path | None:
     return checkpoint_dir.parent if checkpoint_dir.name == CHECKPOINT_DIR else None
 
 
+def checkpoint_dir_of(run: str | Path) -> Path:
+    """The checkpoint directory of a run directory (its checkpoint/), or `run` itself when it
+    is already one."""
+    run = Path(run)
+    return run / CHECKPOINT_DIR if (run / CHECKPOINT_DIR).is_dir() else run
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics.jsonl ([] if there is none). A torn last line (a run killed
     while writing it) is skipped."""
@@ -148,6 +155,6 @@ def write_metrics(path: str | Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["CHECKPOINT_DIR", "DEFAULT_ROOT", "METRICS_FILE", "PLOT_FILE", "RUN_FILES",
+__all__ = ["CHECKPOINT_DIR", "checkpoint_dir_of", "DEFAULT_ROOT", "METRICS_FILE", "PLOT_FILE", "RUN_FILES",
            "ResumePoint", "RunDirError", "SUMMARY_FILE", "check_out_dir", "default_run_dir",
            "fresh_path", "locate_resume", "read_metrics", "run_files", "write_metrics"]
