@@ -2,16 +2,28 @@
 own process, and `child_environ()` hands them to the processes tests start (workers, `zeroxla
 train`, `zeroxla launch`, notebook kernels inherit them).
 
-`--xla_backend_optimization_level=0` runs XLA:CPU's LLVM code generation at -O0. The suite
-compiles about a thousand programs and runs each a few times on tiny shapes, so compile time is
-most of its time; -O0 cuts it by about a third (a gpt-tiny ZeRO-2 parity test: 15.6 -> 9.7 s
-of XLA compilation over its compiles). It changes no HLO: `compiled.as_text()`, `memory_analysis()` and `cost_analysis()`
-are identical to an -O3 build, so every byte, memory and FLOP figure a test reads is what users
-get. Only machine code differs, and with it float results in the last bits (FMA contraction):
-gpt-tiny's third AdamW loss 3.74925423 at -O3, 3.74925447 at -O0. Every comparison in the suite is
-between programs built under these same flags, in this process or in one started with
-`child_environ()`. (Notebooks add their device count to the XLA_FLAGS they find, so their test
-kernels run with these flags too; users' runs get XLA's default.)
+The suite compiles about a thousand programs and runs each a few times on tiny shapes, so XLA
+compilation is most of its time (test_parity.py: 114 of 159 s). Two XLA:CPU code-generation
+flags cut it:
+
+- `--xla_backend_optimization_level=0` runs LLVM at -O0 (a gpt-tiny ZeRO-2 parity test: 15.6 ->
+  9.7 s of XLA compilation over its compiles). It changes no HLO.
+- `--xla_cpu_use_fusion_emitters=false` emits XLA:CPU's loop fusions with its older IR emitters
+  instead of the MLIR fusion emitters (test_parity.py: 181 -> 104 CPU-seconds). XLA:CPU then
+  forms slightly different fusions, so a compiled step's temporary buffer differs by a few
+  percent from the default CPU build (gpt-tiny ZeRO-3 step: 1,194,832 vs 1,253,328 bytes).
+
+Neither touches what zeroxla emits or what the SPMD partitioner makes of it: the collectives,
+their replica groups and bytes, named scopes and trip counts that zeroxla.analysis reads, and
+argument/output sizes are those of a default build. Memory checks that read temporaries compare
+programs compiled under the same flags with each other (1F1B vs GPipe stash, remat policies,
+ZeRO stages) or with a bound, which are properties of zeroxla's program, not of a CPU fusion
+choice; GPU users get another compiler anyway. Float results differ in the last bits from a
+default build (FMA contraction; gpt-tiny's third AdamW loss 3.74925423 at -O3, 3.74925447 at
+-O0); every comparison in the suite is between programs built under these same flags, in this
+process or in one started with `child_environ()`. (Notebooks add their device count to the
+XLA_FLAGS they find, so their test kernels run with these flags too; users' runs get XLA's
+default.)
 """
 
 import os
@@ -20,7 +32,7 @@ from collections.abc import MutableMapping, Mapping
 
 from zeroxla.app.launch import DEVICE_COUNT_FLAG  # no JAX backend starts on import
 
-CODEGEN_FLAGS = "--xla_backend_optimization_level=0"
+CODEGEN_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 # JAX's persistent compilation cache, one directory per test run (`use_compilation_cache`):
 # tests build many identical programs (the same gpt-tiny step in parity, optimizer, memory and
@@ -48,8 +60,9 @@ def use_compilation_cache(environ: MutableMapping[str, str]) -> str | None:
 
 
 def with_codegen_flags(xla_flags: str) -> str:
-    """`xla_flags` with CODEGEN_FLAGS added (once)."""
-    return xla_flags if CODEGEN_FLAGS in xla_flags else f"{xla_flags} {CODEGEN_FLAGS}".strip()
+    """`xla_flags` with each of CODEGEN_FLAGS added (once)."""
+    missing = [f for f in CODEGEN_FLAGS.split() if f not in xla_flags.split()]
+    return " ".join([*xla_flags.split(), *missing])
 
 
 def child_environ(environ: Mapping[str, str] = os.environ, *,
