@@ -44,7 +44,7 @@ import zeroxla  # noqa: E402
 from zeroxla import models  # noqa: E402
 from zeroxla.analysis.comm_report import comm_report  # noqa: E402
 from zeroxla.engine.loss import token_cross_entropy  # noqa: E402
-from zeroxla.engine.mesh import DATA_AXES  # noqa: E402
+from zeroxla.sharding.mesh import DATA_AXES  # noqa: E402
 from zeroxla.models import axes  # noqa: E402
 from zeroxla.models.layers import call_block, default_positions  # noqa: E402
 

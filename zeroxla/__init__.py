@@ -21,10 +21,10 @@ from zeroxla.analysis.comm_report import CommReport, comm_report
 from zeroxla.checkpoint.export import export_checkpoint
 from zeroxla.checkpoint.pretrained import load_pretrained
 from zeroxla.deepspeed import zero_config_from_json
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 from zeroxla.analysis.memory import estimate_memory, memory_report
-from zeroxla.engine.mesh import make_mesh
-from zeroxla.engine.plan import ShardingPlan
+from zeroxla.sharding.mesh import make_mesh
+from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.engine.state import TrainState, gather_params, gathered_model
 from zeroxla.engine.step import ZeroStep, make_step, next_token_loss
 from zeroxla.inference import HybridEngine, HybridEngineConfig, hybrid_engine_config_from_json

@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from zeroxla.analysis.hlo import KINDS, Collective, collectives
-from zeroxla.engine.mesh import NODE_AXIS
+from zeroxla.sharding.mesh import NODE_AXIS
 
 PHASES = ("zero_fwd_gather", "zero_bwd_gather", "zero_grad_reduce", "zero_param_update")
 OTHER = "other"

@@ -20,10 +20,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from zeroxla import models
-from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.model_def import ModelDef
-from zeroxla.engine.plan import plan_for
+from zeroxla.sharding.config import ZeroConfig
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.model_def import ModelDef
+from zeroxla.sharding.plan import plan_for
 from zeroxla.engine.step import frozen_paths
 
 MASTER_BYTES = 4          # float32 master weights (`LeafPlan.param_bytes_per_device`)

@@ -19,7 +19,7 @@ import optax
 
 from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, TrainJobConfig
 from zeroxla.deepspeed import config as ds_config
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,7 @@ from zeroxla.app.sampling import local_zero3_step, sample_with_engine
 from zeroxla.app.tokenizer_records import tokenizer_record
 from zeroxla.checkpoint.retention import prune_checkpoints
 from zeroxla.deepspeed import config as ds_config
-from zeroxla.engine.mesh import make_mesh
+from zeroxla.sharding.mesh import make_mesh
 
 
 

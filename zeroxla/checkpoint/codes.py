@@ -3,7 +3,7 @@ mesh bit for bit.
 
 With `quantized_nontrainable_weights` a frozen partitioned leaf lives in the state as codes of
 each device's shard (`LeafPlan.quantize_partitioned`), in groups the plan cuts on the logical
-tensor (`zeroxla.engine.plan.frozen_code_groups`): `g` consecutive elements of a unit (one layer
+tensor (`zeroxla.sharding.plan.frozen_code_groups`): `g` consecutive elements of a unit (one layer
 of a stacked leaf) flattened row-major, every shard on every mesh a whole number of them. A
 checkpoint stores those groups in their logical order, as the float leaves are stored at their
 logical shape: `frozen_codes/<path>/data` `[L?, G, g * bits / 8]` int8 and `.../scales`
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.pallas_kernels import QuantizedArray
 
 CODES_PREFIX = "frozen_codes/"

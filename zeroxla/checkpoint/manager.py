@@ -51,8 +51,8 @@ from zeroxla.checkpoint.listing import (
     CorruptCheckpointError,
     select,
 )
-from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.sharding.config import ZeroConfig
+from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.logical import LogicalLayout, logical_sharding, named_leaves
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.state import TrainState

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.step import ZeroStep, make_step
 from zeroxla.models import hf as hf_io

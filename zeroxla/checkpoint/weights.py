@@ -17,7 +17,7 @@ from flax import nnx
 from zeroxla import models
 from zeroxla.checkpoint.manager import model_config_from_record
 from zeroxla.checkpoint.stored import StoredArrays
-from zeroxla.engine.model_def import ModelDef
+from zeroxla.sharding.model_def import ModelDef
 
 
 def load_params(directory: str | Path, *, step: int | None = None,

@@ -32,7 +32,7 @@ from zeroxla.pallas_kernels import (
     quantize,
     swizzled_quantize,
 )
-from zeroxla.engine.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS  # default axis names
+from zeroxla.sharding.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS  # default axis names
 
 # ZeRO++ defaults: int8 weights for qwZ (§3.1), int4 gradients for qgZ (§3.3). Group sizes keep
 # the float32 scales to <1% (qwZ) and ~3% (qgZ) of the bytes sent.

@@ -21,8 +21,8 @@ from jax import lax
 
 from zeroxla.collectives.wire import (all_gather_dim, all_gather_flat, is_16bit_float,
                                       reduce_scatter_dim, reduce_scatter_flat)
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.leaf_plan import LeafPlan
 
 FWD_GATHER = "zero_fwd_gather"
 BWD_GATHER = "zero_bwd_gather"

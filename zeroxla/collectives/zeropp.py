@@ -38,9 +38,9 @@ from zeroxla.collectives.quantized import (
 )
 from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zero import BWD_GATHER, FWD_GATHER, GRAD_REDUCE, ZeroCollectives
-from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.sharding.config import ZeroConfig
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.leaf_plan import LeafPlan
 
 
 def unit_rows(padded_unit: jax.Array, leaf: LeafPlan) -> jax.Array:

@@ -48,7 +48,7 @@ from zeroxla.deepspeed.lr_schedules import Schedule, build_schedule
 from zeroxla.deepspeed.optimizers import DEFAULT_LR, build_optimizer
 from zeroxla.deepspeed.zero_config import (build_zero_config, check_mesh_local_size,
                                            zero_fields)
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 
 from zeroxla.deepspeed.checks import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.deepspeed.keys import FP16, MAPPED_SECTIONS, TOP_LEVEL, ZERO
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 
 # ZeroConfig field -> the DeepSpeed key that sets it (compute_dtype: fp16.enabled or bf16.enabled).
 KEY_OF_FIELD: Mapping[str, str] = types.MappingProxyType({

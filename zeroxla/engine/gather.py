@@ -46,7 +46,7 @@ from jax import lax
 
 from zeroxla.collectives.wire import is_16bit_float
 from zeroxla.collectives.zero import ZeroCollectives
-from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.remat import (
     FULL,
     KeptVjp,

@@ -22,8 +22,8 @@ import jax
 
 from zeroxla.collectives import zero as collectives
 from zeroxla.collectives.zero import GradientSink, Zero2Collectives, ZeroCollectives
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.plan import ShardingPlan
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.plan import ShardingPlan
 
 
 def differentiated(comm: ZeroCollectives, plan: ShardingPlan, trainable: dict[str, jax.Array]

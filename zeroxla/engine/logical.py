@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.loss_scale import init_loss_scale
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.state import TrainState
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 
 SCALE_FACTOR = 2.0
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from flax import nnx
 
-from zeroxla.engine.model_def import path_str
+from zeroxla.sharding.model_def import path_str
 
 
 def model_state_variables(model: nnx.Module) -> dict[str, nnx.Variable]:

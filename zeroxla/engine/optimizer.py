@@ -26,9 +26,9 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zeroxla.engine.model_def import ModelDef
-from zeroxla.engine.leaf_plan import LeafPlan
-from zeroxla.engine.plan import ShardingPlan
+from zeroxla.sharding.model_def import ModelDef
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.plan import ShardingPlan
 
 
 def _key(entry: Any) -> Any:

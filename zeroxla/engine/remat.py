@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zeroxla.engine.leaf_plan import LeafPlan
+from zeroxla.sharding.leaf_plan import LeafPlan
 
 FULL, NONE = "full", "none"     # the other accepted values: `config.REMAT_POLICIES`
 

@@ -14,8 +14,8 @@ import jax
 from flax import nnx, struct
 
 from zeroxla.engine.loss_scale import LossScaleState
-from zeroxla.engine.model_def import ModelDef
-from zeroxla.engine.plan import ShardingPlan
+from zeroxla.sharding.model_def import ModelDef
+from zeroxla.sharding.plan import ShardingPlan
 
 
 @struct.dataclass

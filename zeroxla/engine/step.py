@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zeroxla.collectives.zero import (PARAM_UPDATE, GradientSink, Zero2Collectives,
                                       ZeroCollectives)
 from zeroxla.collectives.zeropp import ZeroPPCollectives
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
 from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.loss import (
@@ -62,11 +62,11 @@ from zeroxla.engine.loss import (
 )
 from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
-from zeroxla.engine.mesh import check_mesh
-from zeroxla.engine.model_def import Filter, ModelDef, frozen_paths, placeable
+from zeroxla.sharding.mesh import check_mesh
+from zeroxla.sharding.model_def import Filter, ModelDef, frozen_paths, placeable
 from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
-from zeroxla.engine.leaf_plan import LeafPlan
-from zeroxla.engine.plan import ShardingPlan, plan_for
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.plan import ShardingPlan, plan_for
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.update import (gradient_spec, logical_gradient, optimizer_input,
                                    stored_update)

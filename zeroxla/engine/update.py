@@ -23,8 +23,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.collectives.wire import all_gather_dim
-from zeroxla.engine.leaf_plan import LeafPlan, MasterWithCopy
-from zeroxla.engine.mesh import MeshAxes
+from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
+from zeroxla.sharding.mesh import MeshAxes
 
 
 def constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:

@@ -38,9 +38,9 @@ from flax import nnx
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
 from zeroxla.engine.gather import GatheredStack, gathered_call, gathered_value
-from zeroxla.engine.leaf_plan import LeafPlan
-from zeroxla.engine.model_def import direct_variables, has_descendant_params, variable_paths
-from zeroxla.engine.plan import ShardingPlan
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.model_def import direct_variables, has_descendant_params, variable_paths
+from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.models.layers import LayerStack, call_block
 from zeroxla.pallas_kernels import QuantizedArray
 

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zeroxla.engine.model_def import ModelDef
-from zeroxla.engine.plan import ShardingPlan
+from zeroxla.sharding.model_def import ModelDef
+from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.engine.state import TrainState
 
 PROTOCOL = ("init_cache(batch, max_len) returning {'k', 'v'} arrays [L, batch, max_len, G, K] "

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zeroxla.engine.mesh import MeshAxes, make_mesh
-from zeroxla.engine.model_def import ModelDef
-from zeroxla.engine.rules import TENSOR_PARALLEL_RULES
+from zeroxla.sharding.mesh import MeshAxes, make_mesh
+from zeroxla.sharding.model_def import ModelDef
+from zeroxla.sharding.rules import TENSOR_PARALLEL_RULES
 from zeroxla.models import axes as logical
 from zeroxla.models.layers import KV_CACHE_AXES
 

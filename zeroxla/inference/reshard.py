@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zeroxla.engine.leaf_plan import LeafPlan
-from zeroxla.engine.plan import ShardingPlan
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.inference.layout import TensorParallelLayout
 
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.leaf_plan import LeafPlan
-from zeroxla.engine.plan import ShardingPlan
-from zeroxla.engine.rules import PIPELINE_STORAGE_RULES
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.plan import ShardingPlan
+from zeroxla.sharding.rules import PIPELINE_STORAGE_RULES
 from zeroxla.pipeline.split import StageSplit
 
 

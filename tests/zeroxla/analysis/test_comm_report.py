@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroxla.analysis import hlo
 from zeroxla.analysis.comm_report import OTHER, comm_report, phase_of
-from zeroxla.engine.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
+from zeroxla.sharding.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
 
 B = 4 * 16 * 4
 X = jnp.ones((32, 16), jnp.float32)

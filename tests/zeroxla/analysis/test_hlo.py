@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroxla.analysis import hlo
-from zeroxla.engine.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
+from zeroxla.sharding.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
 
 BLOCK = 4 * 16 * 4  # f32[4,16] per device
 ALL = ((0, 1, 2, 3, 4, 5, 6, 7),)

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.app import data
 from zeroxla.app.data import BatchPlan, device_batch, host_batch, load_corpus, load_text, split_tokens
-from zeroxla.engine.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
+from zeroxla.sharding.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
 from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer, make_tokenizer
 
 

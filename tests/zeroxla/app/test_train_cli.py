@@ -15,7 +15,7 @@ import xla_flags
 from zeroxla import models
 from zeroxla.app import cli
 from zeroxla.app import train
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 from zeroxla.deepspeed.config import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.app.sampling import sample_text, sample_tokens
 from zeroxla.app.tokenizer import CharTokenizer

@@ -35,8 +35,8 @@ import optax  # noqa: E402
 from zeroxla import models  # noqa: E402
 from reference import token_batches  # noqa: E402
 from zeroxla import checkpoint  # noqa: E402
-from zeroxla.engine.config import ZeroConfig  # noqa: E402
-from zeroxla.engine.mesh import make_mesh  # noqa: E402
+from zeroxla.sharding.config import ZeroConfig  # noqa: E402
+from zeroxla.sharding.mesh import make_mesh  # noqa: E402
 from zeroxla.engine.step import make_step  # noqa: E402
 
 STEPS, SAVE_AT = 10, 5

@@ -24,8 +24,8 @@ from zeroxla import models
 from checkpoint_worker import BATCHES, SAVE_AT, make_run, optimizer, train
 from reference import flat_params
 from zeroxla import checkpoint
-from zeroxla.engine.config import ZeroConfig
-from zeroxla.engine.mesh import make_mesh
+from zeroxla.sharding.config import ZeroConfig
+from zeroxla.sharding.mesh import make_mesh
 from zeroxla.engine.state import gather_params
 from zeroxla.engine.step import make_step
 

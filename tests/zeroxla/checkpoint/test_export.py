@@ -21,10 +21,10 @@ from zeroxla import models
 from zeroxla.models import hf
 from reference import flat_params
 from zeroxla import checkpoint
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 from zeroxla.app import cli
 from zeroxla.checkpoint.export import export_checkpoint
-from zeroxla.engine.mesh import make_mesh
+from zeroxla.sharding.mesh import make_mesh
 from zeroxla.engine.state import gather_params
 from zeroxla.engine.step import make_step
 

@@ -1,5 +1,5 @@
 """Frozen int8/int4 codes in checkpoints (`zeroxla.checkpoint.codes`): quantization groups cut
-on the logical tensor (`zeroxla.engine.plan.frozen_code_groups`), so the same codes and steps are
+on the logical tensor (`zeroxla.sharding.plan.frozen_code_groups`), so the same codes and steps are
 every mesh's; a checkpoint stores them in that logical order and restores them onto any mesh
 bit for bit.
 
@@ -24,9 +24,9 @@ from zeroxla import checkpoint, models
 from zeroxla.checkpoint import codes
 from zeroxla.checkpoint.integrity import digest
 from zeroxla.checkpoint.listing import META_ITEM
-from zeroxla.engine.leaf_plan import LeafPlan
-from zeroxla.engine.mesh import MeshAxes, make_mesh
-from zeroxla.engine.plan import make_plan
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.mesh import MeshAxes, make_mesh
+from zeroxla.sharding.plan import make_plan
 from zeroxla.engine.state import gather_params
 from zeroxla.pallas_kernels import quantize
 

@@ -24,7 +24,7 @@ from numpy_quant import (
     swizzled_quantize64,
     unpad_groups,
 )
-from zeroxla.engine.mesh import DATA_AXES
+from zeroxla.sharding.mesh import DATA_AXES
 from zeroxla.collectives.quantized import (
     one_hop_quantized_reduce_scatter,
     quantized_all_gather,

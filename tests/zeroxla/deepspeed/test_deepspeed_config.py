@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 from zeroxla.deepspeed.config import (BF16, FP16, KEY_MAP, OPTIMIZERS, SCHEDULERS, TOP_LEVEL, ZERO,
                                       DeepSpeedConfigError, DeepSpeedConfigWarning,
                                       describe_key_map, load_deepspeed_config,

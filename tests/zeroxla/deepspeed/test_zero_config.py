@@ -9,7 +9,7 @@ import zeroxla.deepspeed
 from zeroxla.deepspeed import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.deepspeed.config import KEY_MAP, load_deepspeed_config, zero_config_from_json
 from zeroxla.deepspeed.zero_config import KEY_OF_FIELD
-from zeroxla.engine.config import ZeroConfig
+from zeroxla.sharding.config import ZeroConfig
 
 ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights",
                "zero_quantized_nontrainable_weights", "zero_quantized_gradients")

@@ -1,5 +1,5 @@
 """Stages 1-2 (and stage 3's persistent leaves) under bf16/fp16: a float32 master partition plus
-a replicated 16-bit compute copy (`zeroxla.engine.plan.MasterWithCopy`), DeepSpeed's bf16/fp16
+a replicated 16-bit compute copy (`zeroxla.sharding.plan.MasterWithCopy`), DeepSpeed's bf16/fp16
 optimizer layout."""
 
 import jax
@@ -9,7 +9,7 @@ import pytest
 
 import zeroxla
 from zeroxla import checkpoint, models
-from zeroxla.engine.leaf_plan import MasterWithCopy
+from zeroxla.sharding.leaf_plan import MasterWithCopy
 from runs import run_steps
 from reference import token_batches
 

@@ -2,7 +2,7 @@
 
 The model is LoRA-style: frozen embedding, base projections and head, trainable low-rank A/B
 adapters (`nnx.LoRAParam`). Every frozen matrix's partition on the 8 devices is a whole number
-of quantization groups (groups are cut within rows, `zeroxla.engine.plan.frozen_code_groups`:
+of quantization groups (groups are cut within rows, `zeroxla.sharding.plan.frozen_code_groups`:
 here rows of 64, 256 or 512 elements), which makes the storage and traffic arithmetic exact.
 Frozen training is compared with single-device optax where the frozen leaves are masked
 (`optax.multi_transform` with `set_to_zero`; the trainable leaves chosen by nnx's own filter,
@@ -27,8 +27,8 @@ from zeroxla.pallas_kernels import QuantizedArray, quantize
 from reference import flat_params, token_batches, train_single_device
 from runs import device_bytes
 from zeroxla.analysis.comm_report import comm_report, phase_of
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.plan import make_plan
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.plan import make_plan
 from zeroxla.engine.step import frozen_paths
 
 VOCAB, D, HIDDEN, RANK = 64, 256, 512, 8

@@ -11,7 +11,7 @@ import pytest
 import zeroxla
 from reference import flat_params, token_batches, train_single_device
 from zeroxla import models
-from zeroxla.engine.mesh import MeshAxes
+from zeroxla.sharding.mesh import MeshAxes
 
 MESHES = {
     "stages2_local4": dict(stages=2, nodes=1, local=4),

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from zeroxla import models
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.model_def import ModelDef
-from zeroxla.engine.plan import make_plan
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.model_def import ModelDef
+from zeroxla.sharding.plan import make_plan
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 AXES = MeshAxes(("node", "local"), (2, 4))          # 8 data-parallel devices

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from zeroxla.collectives.zero import ZeroCollectives
 from zeroxla.engine.gather import GatheredStack
-from zeroxla.engine.mesh import MeshAxes, make_mesh
-from zeroxla.engine.plan import make_plan
+from zeroxla.sharding.mesh import MeshAxes, make_mesh
+from zeroxla.sharding.plan import make_plan
 
 L, B, D = 3, 16, 12          # 12 does not divide 8: the weights are padded when partitioned
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from zeroxla import models
-from zeroxla.engine.model_def import ModelDef
+from zeroxla.sharding.model_def import ModelDef
 from zeroxla.pipeline import GPipeSchedule, TrainSchedule, schedule_table
 from zeroxla.pipeline.checks import check_table
 from zeroxla.engine.loss import next_token_loss_terms

@@ -2,7 +2,7 @@
 
 The difference between a parameter's *storage* layout and its *compute* layout is ZeRO: every
 gather, scatter and optimizer slice of the step follows from this table. Both layouts come from
-the parameter's logical axis names and a rules table (`zeroxla.engine.rules`), plus the
+the parameter's logical axis names and a rules table (`zeroxla.sharding.rules`), plus the
 persistence threshold:
 
 * storage (`ZERO_STORAGE_RULES`): a partitioned parameter keeps its logical shape, with one dim
@@ -49,9 +49,9 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeroxla.engine.leaf_plan import LAYERS_AXIS, LeafPlan
-from zeroxla.engine.mesh import MeshAxes
-from zeroxla.engine.rules import TRAINING_COMPUTE_RULES, ZERO_STORAGE_RULES, AxisRules
+from zeroxla.sharding.leaf_plan import LAYERS_AXIS, LeafPlan
+from zeroxla.sharding.mesh import MeshAxes
+from zeroxla.sharding.rules import TRAINING_COMPUTE_RULES, ZERO_STORAGE_RULES, AxisRules
 from zeroxla.pallas_kernels import QuantizedArray
 
 
@@ -267,7 +267,7 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
 
 def plan_for(model_def: Any, config: Any, axes: MeshAxes, *,
              frozen: Collection[str] = ()) -> ShardingPlan:
-    """The plan of a model (`zeroxla.engine.model_def.ModelDef`) under a `ZeroConfig` on a mesh
+    """The plan of a model (`zeroxla.sharding.model_def.ModelDef`) under a `ZeroConfig` on a mesh
     with `axes`: what `make_step` runs and `estimate_memory` predicts, decided in one place."""
     plan = make_plan(
         model_def.shape_dict(), model_def.axes_dict(), stage=config.stage, axes=axes,

@@ -36,7 +36,7 @@ from collections.abc import Collection, Sequence
 
 from jax.sharding import PartitionSpec as P
 
-from zeroxla.engine.mesh import MeshAxes
+from zeroxla.sharding.mesh import MeshAxes
 
 ROLES = ("stage", "data", "tensor")
 ANY = "*"
@@ -86,7 +86,7 @@ class AxisRules:
         `partition_data=False` leaves out the data role (a replicated parameter: below the
         persistence threshold, or a ZeRO stage that does not partition it). `data_dims`, if
         given, are the only data-role dims that may carry the data axes (frozen int8/int4 codes:
-        dims whose shard boundaries never cut a quantization group, `zeroxla.engine.plan`).
+        dims whose shard boundaries never cut a quantization group, `zeroxla.sharding.plan`).
         """
         names = tuple(logical_axes) if logical_axes else (None,) * len(shape)
         roles = [self.role_of(n) for n in names]

@@ -1,6 +1,6 @@
 """One parameter's layout (`LeafPlan`): its storage and compute shapes and specs, and the
 pure conversions between them (padding, stage slots, per-device shards, frozen codes, the 16-bit
-compute copy). `zeroxla.engine.plan` decides these for a whole model (`make_plan`) and prints the
+compute copy). `zeroxla.sharding.plan` decides these for a whole model (`make_plan`) and prints the
 table (`ShardingPlan.describe`); the module docstring there says what each layout means and why.
 """
 

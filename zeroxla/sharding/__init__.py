@@ -1,0 +1,12 @@
+"""The sharding layer: what is partitioned where, as data (no collectives, no kernels).
+
+    mesh.py        the device mesh and the role of each axis (stage, node, local, tensor)
+    config.py      ZeroConfig: how parameters, gradients and optimizer state are partitioned
+    model_def.py   an nnx model's static half: parameter paths, shapes, logical axes, aliases
+    rules.py       logical-axis rules tables: storage and compute layouts by axis name
+    leaf_plan.py   one parameter's layout: padding, partition, gather unit, stored form
+    plan.py        the sharding plan: storage and compute layout of every parameter
+
+Layer: above `zeroxla.models` and `zeroxla.pallas_kernels`, below `zeroxla.collectives` and
+`zeroxla.engine` (tests/zeroxla/test_package.py holds the rules).
+"""
