@@ -5,14 +5,8 @@ GPT-2 maps onto `GPT2LMHeadModel`, Llama onto `LlamaForCausalLM`. The mapping is
 tensor, the parameter path(s) of ours it is made of, and the two reshapes between them. A rule
 whose HF name holds `{i}` is per layer: our side is a slice `[i]` of a stacked `[L, ...]` leaf.
 
-Conventions, checked against transformers 5.23.0 (`models/gpt2/modeling_gpt2.py`,
-`models/llama/modeling_llama.py`, `pytorch_utils.py`; tests/models/test_hf.py also passes on 4.57):
-- GPT-2 projections are `Conv1D`, weight stored `[in, out]` (x @ W + b), so ours map with no
-  transpose; `c_attn` fuses q|k|v along `out`, each `[D, H*K]` with head-major columns.
-- Llama projections are `nn.Linear`, weight stored `[out, in]`: ours are transposed.
-- Llama RoPE: HF's checkpoints are already in the rotate-half layout (`rotate_half`), which is the
-  one `models.layers.rope` uses, so q/k need no row permutation.
-- GPT-2's `lm_head.weight` is tied to `wte` and absent from its checkpoints.
+The per-family tables, with the layout conventions they follow (GPT-2's Conv1D, Llama's
+nn.Linear, RoPE, tied heads; checked against transformers), are in `hf_rules`.
 
 Reading streams one HF tensor at a time from (possibly sharded) safetensors; writing keeps at most
 one shard's tensors in host memory (see `write_safetensors`).
@@ -23,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -46,6 +39,7 @@ from .safetensors_io import (  # noqa: F401  (re-exported: part of the hf API)
 from . import axes
 from .hf_config import from_hf_config, read_hf_config, to_hf_config  # noqa: F401  (re-exported)
 from . import abstract_model
+from .hf_rules import as_is_inv, gpt2_rules, llama_rules
 from .gpt import GPTConfig
 from .llama import LlamaConfig
 
@@ -74,90 +68,6 @@ class Rule:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
-
-
-def _same(a: np.ndarray) -> np.ndarray:
-    return a
-
-
-def _same_inv(a: np.ndarray) -> tuple[np.ndarray, ...]:
-    return (a,)
-
-
-def _concat(shapes: tuple[tuple[int, ...], ...], hf_shapes: tuple[tuple[int, ...], ...]):
-    """Our arrays, each reshaped to its `hf_shapes` entry, concatenated on the last dim.
-
-    GPT-2's Conv1D weights are [in, out] with `out` flattened head-major; c_attn fuses q|k|v.
-    """
-    cuts = np.cumsum([s[-1] for s in hf_shapes])[:-1]
-
-    def to_hf(*ours):
-        parts = [a.reshape(s) for a, s in zip(ours, hf_shapes)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-
-    def from_hf(t):
-        return tuple(p.reshape(s) for p, s in zip(np.split(t, cuts, axis=-1), shapes))
-
-    return to_hf, from_hf
-
-
-def _linear(shape: tuple[int, ...], split: int):
-    """Our weight [in..., out...] (in = dims [:split]) <-> nn.Linear's [out, in]."""
-    rows, cols = math.prod(shape[:split]), math.prod(shape[split:])
-
-    def to_hf(w):
-        return w.reshape(rows, cols).T
-
-    def from_hf(t):
-        return (t.T.reshape(shape),)
-
-    return to_hf, from_hf
-
-
-def _gpt2_rules(c: GPTConfig) -> list[tuple[str, tuple[str, ...], tuple]]:
-    d, h, k = c.d_model, c.num_heads, c.head_dim
-    same = (_same, _same_inv)
-    layer = "transformer.h.{i}."
-    return [
-        ("transformer.wte.weight", ("embed/wte",), same),                 # [V, D]
-        ("transformer.wpe.weight", ("embed/wpe",), same),                 # [P, D]
-        (layer + "ln_1.weight", ("ln1/scale",), same),
-        (layer + "ln_1.bias", ("ln1/bias",), same),
-        (layer + "attn.c_attn.weight", ("wq", "wk", "wv"),                # [D, 3*H*K]
-         _concat(((d, h, k),) * 3, ((d, h * k),) * 3)),
-        (layer + "attn.c_attn.bias", ("bq", "bk", "bv"),                  # [3*H*K]
-         _concat(((h, k),) * 3, ((h * k,),) * 3)),
-        (layer + "attn.c_proj.weight", ("wo",), _concat(((h, k, d),), ((h * k, d),))),  # [H*K, D]
-        (layer + "attn.c_proj.bias", ("bo",), same),
-        (layer + "ln_2.weight", ("ln2/scale",), same),
-        (layer + "ln_2.bias", ("ln2/bias",), same),
-        (layer + "mlp.c_fc.weight", ("w_fc",), same),                     # [D, F]
-        (layer + "mlp.c_fc.bias", ("b_fc",), same),
-        (layer + "mlp.c_proj.weight", ("w_proj",), same),                 # [F, D]
-        (layer + "mlp.c_proj.bias", ("b_proj",), same),
-        ("transformer.ln_f.weight", ("ln_f/scale",), same),
-        ("transformer.ln_f.bias", ("ln_f/bias",), same),
-    ]
-
-
-def _llama_rules(c: LlamaConfig) -> list[tuple[str, tuple[str, ...], tuple]]:
-    d, h, g, k, f, v = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim, c.vocab_size
-    same = (_same, _same_inv)
-    layer = "model.layers.{i}."
-    return [
-        ("model.embed_tokens.weight", ("embed/weight",), same),           # [V, D]
-        (layer + "input_layernorm.weight", ("attn_norm/scale",), same),
-        (layer + "self_attn.q_proj.weight", ("wq",), _linear((d, h, k), 1)),   # [H*K, D]
-        (layer + "self_attn.k_proj.weight", ("wk",), _linear((d, g, k), 1)),   # [G*K, D]
-        (layer + "self_attn.v_proj.weight", ("wv",), _linear((d, g, k), 1)),   # [G*K, D]
-        (layer + "self_attn.o_proj.weight", ("wo",), _linear((h, k, d), 2)),   # [D, H*K]
-        (layer + "post_attention_layernorm.weight", ("mlp_norm/scale",), same),
-        (layer + "mlp.gate_proj.weight", ("w_gate",), _linear((d, f), 1)),     # [F, D]
-        (layer + "mlp.up_proj.weight", ("w_up",), _linear((d, f), 1)),         # [F, D]
-        (layer + "mlp.down_proj.weight", ("w_down",), _linear((f, d), 1)),     # [D, F]
-        ("model.norm.weight", ("head/norm/scale",), same),
-        ("lm_head.weight", ("head/weight",), _linear((d, v), 1)),              # [V, D]
-    ]
 
 
 @functools.lru_cache(maxsize=16)
@@ -197,9 +107,9 @@ def hf_name_map(config: Config) -> tuple[Rule, ...]:
     our stacked `[L, ...]` leaves and convert one layer's slice.
     """
     if config.family == "gpt2":
-        table = _gpt2_rules(config)
+        table = gpt2_rules(config)
     elif config.family == "llama":
-        table = _llama_rules(config)
+        table = llama_rules(config)
     else:
         raise ValueError(f"no Hugging Face mapping for family {config.family!r}")
     params = _abstract_params(config)
@@ -271,7 +181,7 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
     """
     expected = _abstract_params(config)
     for r in hf_name_map(config):
-        stored_as_is = (select is not None and r.from_hf is _same_inv and len(r.ours) == 1
+        stored_as_is = (select is not None and r.from_hf is as_is_inv and len(r.ours) == 1
                         and hasattr(get_tensor, "shape"))
         for i in range(config.num_layers) if r.per_layer else (None,):
             name = r.hf.format(i=i) if r.per_layer else r.hf

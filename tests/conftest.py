@@ -7,11 +7,16 @@ import shutil
 
 import xla_flags  # tests/support, on sys.path through pyproject's `pythonpath`
 
-os.environ["XLA_FLAGS"] = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", "")) +
+_FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
+os.environ["XLA_FLAGS"] = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
+                                                        older_emitters=not _FUSION_EMITTERS) +
                            f" {xla_flags.DEVICE_COUNT_FLAG}=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Set before pytest-xdist starts its workers, so they and every process a test starts share it.
 _CREATED_CACHE = xla_flags.use_compilation_cache(os.environ)
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402  (must come after the flag)
 import pytest  # noqa: E402
@@ -44,3 +49,30 @@ def pytest_collection_modifyitems(config, items):
     independent of the others."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)      # stable: order within kept
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "fusion_emitters: the check is bit-identity between differently compiled "
+        "programs, which holds with XLA:CPU's fusion emitters (what users run) but not with the "
+        "older emitters the suite compiles with (tests/support/xla_flags.py): the test runs in "
+        "a child pytest with the fusion emitters")
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A `fusion_emitters` test runs in a child pytest (this test only, XLA:CPU's fusion
+    emitters, the run's compilation cache) and passes or fails with it."""
+    if _FUSION_EMITTERS or not pyfuncitem.get_closest_marker("fusion_emitters"):
+        return None
+    env = dict(os.environ, **{xla_flags.FUSION_EMITTERS_ENV: "1"})
+    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
+                                if not f.startswith(xla_flags.DEVICE_COUNT_FLAG))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+         "--rootdir", str(pyfuncitem.config.rootpath), pyfuncitem.nodeid],
+        cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=1200)
+    if result.returncode != 0:
+        pytest.fail(f"with XLA:CPU's fusion emitters (child pytest, exit "
+                    f"{result.returncode}):\n{result.stdout[-6000:]}{result.stderr[-2000:]}",
+                    pytrace=False)
+    return True

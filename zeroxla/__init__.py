@@ -20,14 +20,15 @@ from zeroxla.checkpoint import (
 from zeroxla.analysis.comm_report import CommReport, comm_report
 from zeroxla.checkpoint.export import export_checkpoint
 from zeroxla.checkpoint.pretrained import load_pretrained
-from zeroxla.deepspeed import zero_config_from_json
+from zeroxla.deepspeed import hybrid_engine_config_from_json, zero_config_from_json
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.analysis.memory import estimate_memory, memory_report
 from zeroxla.sharding.mesh import make_mesh
 from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.engine.state import TrainState, gather_params, gathered_model
-from zeroxla.engine.step import ZeroStep, make_step, next_token_loss
-from zeroxla.inference import HybridEngine, HybridEngineConfig, hybrid_engine_config_from_json
+from zeroxla.engine.step import ZeroStep, next_token_loss
+from zeroxla.make import make_step
+from zeroxla.inference import HybridEngine, HybridEngineConfig
 from zeroxla.pipeline.config import PipelineConfig
 
 __all__ = [

@@ -18,7 +18,11 @@ their replica groups and bytes, named scopes and trip counts that zeroxla.analys
 argument/output sizes are those of a default build. Memory checks that read temporaries compare
 programs compiled under the same flags with each other (1F1B vs GPipe stash, remat policies,
 ZeRO stages) or with a bound, which are properties of zeroxla's program, not of a CPU fusion
-choice; GPU users get another compiler anyway. Float results differ in the last bits from a
+choice; GPU users get another compiler anyway. One property does depend on the emitters: the
+same arithmetic in two differently shaped programs giving the same bits (a frozen leaf's int8
+scales quantized on 8 devices and on 4 agree bit for bit under the default emitters, and differ in
+the last bit of 9 of 68 scales under the older ones). Tests of that carry the `fusion_emitters`
+mark and run in a child pytest with XLA's fusion emitters (tests/conftest.py). Float results differ in the last bits from a
 default build (FMA contraction; gpt-tiny's third AdamW loss 3.74925423 at -O3, 3.74925447 at
 -O0); every comparison in the suite is between programs built under these same flags, in this
 process or in one started with `child_environ()`. (Notebooks add their device count to the
@@ -32,7 +36,8 @@ from collections.abc import MutableMapping, Mapping
 
 from zeroxla.app.launch import DEVICE_COUNT_FLAG  # no JAX backend starts on import
 
-CODEGEN_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+OLDER_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+CODEGEN_FLAGS = f"--xla_backend_optimization_level=0 {OLDER_EMITTERS_FLAG}"
 
 # JAX's persistent compilation cache, one directory per test run (`use_compilation_cache`):
 # tests build many identical programs (the same gpt-tiny step in parity, optimizer, memory and
@@ -44,6 +49,9 @@ CODEGEN_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitter
 # `as_text()` differs only in its source-location tables (file names and lines of whichever
 # process compiled it first), which nothing reads. A gpt-tiny ZeRO-3 step: 6.2 s -> 1.2 s.
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+# Set in the child pytest that runs a `fusion_emitters` test (tests/conftest.py): CODEGEN_FLAGS
+# without OLDER_EMITTERS_FLAG.
+FUSION_EMITTERS_ENV = "ZEROXLA_TEST_FUSION_EMITTERS"
 CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
@@ -59,10 +67,12 @@ def use_compilation_cache(environ: MutableMapping[str, str]) -> str | None:
     return environ[CACHE_ENV]
 
 
-def with_codegen_flags(xla_flags: str) -> str:
-    """`xla_flags` with each of CODEGEN_FLAGS added (once)."""
-    missing = [f for f in CODEGEN_FLAGS.split() if f not in xla_flags.split()]
-    return " ".join([*xla_flags.split(), *missing])
+def with_codegen_flags(xla_flags: str, *, older_emitters: bool = True) -> str:
+    """`xla_flags` with each of CODEGEN_FLAGS added (once); without OLDER_EMITTERS_FLAG when
+    `older_emitters` is False."""
+    wanted = [f for f in CODEGEN_FLAGS.split() if older_emitters or f != OLDER_EMITTERS_FLAG]
+    kept = [f for f in xla_flags.split() if older_emitters or f != OLDER_EMITTERS_FLAG]
+    return " ".join([*kept, *(f for f in wanted if f not in kept)])
 
 
 def child_environ(environ: Mapping[str, str] = os.environ, *,

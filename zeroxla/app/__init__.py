@@ -4,7 +4,10 @@ sampling.
 Nothing in the library imports this package; `import zeroxla` does not load it.
 
     cli.py           the `zeroxla` command
+    train_cli.py     `zeroxla train`: its options, and the handler that runs the job
     train.py         the training job (run: set up, loop, checkpoints, report)
+    train_setup.py   setting a job up before its run directory is made (data, step, restore)
+    train_report.py  what a run reports: settings, loss curve, sample, summary
     job.py           TrainJobConfig, and what --resume restores from a checkpoint
     recipe.py        the ZeRO config, optimizer, schedule and batch of a job
     rundir.py        run directories: fresh names, no overwriting, what --resume accepts

@@ -3,6 +3,8 @@
     listing.py     a directory's steps (complete or interrupted), which one to read
     integrity.py   array checksums, the digested JSON metadata
     manager.py     save / Checkpointer / restore
+    target.py      what restore reads into: the target ZeroStep, checked against the stored shapes
+    model_record.py  the model config a checkpoint records, and back
     codes.py       frozen int8/int4 leaves saved as codes, in logical groups: exact on any mesh
     stored.py      one array (or one layer of it) as numpy, without devices
     weights.py     load_params: a checkpoint's model and trained parameters, no optimizer

@@ -2,15 +2,15 @@
 mesh bit for bit.
 
 With `quantized_nontrainable_weights` a frozen partitioned leaf lives in the state as codes of
-each device's shard (`LeafPlan.quantize_partitioned`), in groups the plan cuts on the logical
-tensor (`zeroxla.sharding.plan.frozen_code_groups`): `g` consecutive elements of a unit (one layer
-of a stacked leaf) flattened row-major, every shard on every mesh a whole number of them. A
-checkpoint stores those groups in their logical order, as the float leaves are stored at their
-logical shape: `frozen_codes/<path>/data` `[L?, G, g * bits / 8]` int8 and `.../scales`
-`[L?, G]` float32, G = unit elements / g (`to_logical`; `layout_record` in the JSON). Never
-floats: dequantizing on save and requantizing on restore is not idempotent (DeepSpeed's step is
-absmax/128 with codes clipped to 127, so requantizing a dequantized group shrinks its step and
-moves its codes on every resume).
+each device's shard (a `StoredCodes`, `zeroxla.engine.stored.quantize_partitioned`), in groups
+the plan cuts on the logical tensor (`zeroxla.sharding.plan.frozen_code_groups`): `g`
+consecutive elements of a unit (one layer of a stacked leaf) flattened row-major, every shard
+on every mesh a whole number of them. A checkpoint stores those groups in their logical order,
+as the float leaves are stored at their logical shape: `frozen_codes/<path>/data`
+`[L?, G, g * bits / 8]` int8 and `.../scales` `[L?, G]` float32, G = unit elements / g
+(`to_logical`; `layout_record` in the JSON). Never floats: dequantizing on save and
+requantizing on restore is not idempotent (DeepSpeed's step is absmax/128 with codes clipped to
+127, so requantizing a dequantized group shrinks its step and moves its codes on every resume).
 
 Restoring a leaf: each element's (code, step) is read out of the stored groups at the logical
 shape (`element_codes`), then
@@ -47,8 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.sharding.leaf_plan import LeafPlan
-from zeroxla.pallas_kernels import QuantizedArray
+from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
 
 CODES_PREFIX = "frozen_codes/"
 FIELDS = ("data", "scales")
@@ -197,7 +196,7 @@ def element_codes(stored: Stored, data: jax.Array, scales: jax.Array
     return codes.reshape(stored.shape), steps.reshape(stored.shape)
 
 
-def to_logical(leaf: LeafPlan, q: QuantizedArray) -> tuple[jax.Array, jax.Array]:
+def to_logical(leaf: LeafPlan, q: StoredCodes) -> tuple[jax.Array, jax.Array]:
     """The state's codes of `leaf` (any mesh) -> the stored form (`LogicalCodes`): data
     [L?, G, packed] and scales [L?, G]. Moves codes and steps, computes nothing."""
     codes, steps = _shard_element_codes(leaf, q.data, q.scales)
@@ -208,14 +207,8 @@ def to_logical(leaf: LeafPlan, q: QuantizedArray) -> tuple[jax.Array, jax.Array]
             steps.reshape(grouped)[..., 0])
 
 
-def _storage(leaf: LeafPlan, data: jax.Array, scales: jax.Array) -> QuantizedArray:
-    shape = (leaf.layers, leaf.chunk) if leaf.stacked else (leaf.chunk,)
-    return QuantizedArray(data=data, scales=scales, offsets=None, shape=shape,
-                          bits=leaf.storage_bits, group_size=leaf.storage_group_size)
-
-
 def reblock(leaf: LeafPlan, codes: jax.Array, steps: jax.Array, *,
-            source_bits: int) -> QuantizedArray:
+            source_bits: int) -> StoredCodes:
     """Logical (codes, steps) of `source_bits`-bit codes -> `leaf`'s stored codes (see the
     module docstring): a group with one step keeps its codes and step when they fit the leaf's
     bits; any other group is requantized from code * step."""
@@ -242,20 +235,20 @@ def reblock(leaf: LeafPlan, codes: jax.Array, steps: jax.Array, *,
     new_steps = jnp.where(~finite, jnp.nan, jnp.where(one_step, lo, jnp.where(any_real, step,
                                                                               1.0)))
     lead = (leaf.layers,) if leaf.stacked else ()
-    return _storage(leaf, _pack(new_codes, leaf.storage_bits).reshape(
-        *lead, leaf.data_size * groups, -1),
-        new_steps.astype(jnp.float32).reshape(*lead, leaf.data_size * groups))
+    return StoredCodes(
+        data=_pack(new_codes, leaf.storage_bits).reshape(*lead, leaf.data_size * groups, -1),
+        scales=new_steps.astype(jnp.float32).reshape(*lead, leaf.data_size * groups))
 
 
 def _reblocked(stored: Stored, target: LeafPlan, data: jax.Array, scales: jax.Array
-               ) -> QuantizedArray:
+               ) -> StoredCodes:
     return reblock(target, *element_codes(stored, data, scales), source_bits=_bits(stored))
 
 
 def restore_codes(stored: Stored, target: LeafPlan, data: jax.Array, scales: jax.Array,
-                  sharding: Any) -> QuantizedArray:
+                  sharding: Any) -> StoredCodes:
     """The target's storage of a frozen leaf read from `stored` codes, `reblock`ed (jitted into
-    `sharding`, a QuantizedArray of shardings; compiled once per layout pair)."""
+    `sharding`, a StoredCodes of shardings; compiled once per layout pair)."""
     return jax.jit(_reblocked, static_argnums=(0, 1), out_shardings=sharding)(
         stored, target, data, scales)
 

@@ -33,7 +33,6 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from zeroxla import models
 from zeroxla.checkpoint import codes
 from zeroxla.checkpoint.integrity import (
     checksums,
@@ -51,12 +50,19 @@ from zeroxla.checkpoint.listing import (
     CorruptCheckpointError,
     select,
 )
+from zeroxla.checkpoint.model_record import (
+    config_record,
+    known_model_config,
+    model_config_from_record,
+    model_config_of,
+)
+from zeroxla.checkpoint.target import check_compatible, target_step
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.logical import LogicalLayout, logical_sharding, named_leaves
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.state import TrainState
-from zeroxla.engine.step import ZeroStep, make_step
+from zeroxla.engine.step import ZeroStep
 
 
 def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,41 +93,6 @@ class Restored:
     zero_config: ZeroConfig
     model_config: Any
     loss_scale: float | None
-
-
-def _config_record(config: Any) -> dict[str, Any] | None:
-    """A frozen model config dataclass -> {'family', 'class', 'fields'} (init fields only)."""
-    if config is None:
-        return None
-    if not dataclasses.is_dataclass(config):
-        raise TypeError(f"model_config must be a dataclass (e.g. GPTConfig), got "
-                        f"{type(config).__name__}")
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    return {"family": getattr(config, "family", None), "class": type(config).__qualname__,
-            "fields": fields}
-
-
-def model_config_from_record(record: Mapping[str, Any] | None) -> Any:
-    """Inverse of the stored model-config record (None stays None)."""
-    if record is None:
-        return None
-    if record.get("family") not in models.FAMILIES:
-        raise ValueError(f"checkpoint model family {record.get('family')!r} is not one of "
-                         f"{sorted(models.FAMILIES)}; restore into a ZeroStep you build yourself")
-    return models.FAMILIES[record["family"]][1](**record["fields"])
-
-
-def _known_model_config(meta: Mapping[str, Any]) -> Any:
-    """The checkpoint's model config, or None if it has none of a family `models` knows."""
-    record = meta["model_config"]
-    return (model_config_from_record(record)
-            if record and record.get("family") in models.FAMILIES else None)
-
-
-def _model_config_of(step: ZeroStep) -> Any:
-    """The `config` dataclass of the step's model, if the model keeps one (models/ do)."""
-    config = getattr(step.model_def.abstract_module(), "config", None)
-    return config if dataclasses.is_dataclass(config) else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +148,7 @@ class Checkpointer:
             raise TypeError(f"save(step=...) takes the ZeroStep that produced the state (the "
                             f"checkpoint is numbered by state.step); got {type(step).__name__}")
         if model_config is None:
-            model_config = _model_config_of(step)
+            model_config = model_config_of(step)
         arrays = step.logical_layout.to_logical(state)
         # Frozen leaves stored as codes are saved as their codes and steps, not as floats, in
         # the logical group order (`zeroxla.checkpoint.codes`).
@@ -193,7 +164,7 @@ class Checkpointer:
             "format": FORMAT_VERSION,
             "step": number,
             "zero_config": dataclasses.asdict(step.config),
-            "model_config": _config_record(model_config),
+            "model_config": config_record(model_config),
             "loss_scale": loss_scale,
             "mesh": {"shape": dict(step.mesh.shape), "data_size": step.data_size},
             "metadata": dict(metadata or {}),
@@ -266,15 +237,46 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
     directory = Path(directory).absolute()
     info = select(directory, step)
     meta = read_meta(info)
-    zero_step = _target_step(target, meta, optimizer, loss_fn)
+    zero_step = target_step(target, meta, optimizer, loss_fn)
     layout = zero_step.logical_layout
     stored = meta["arrays"]
-    _check_compatible(meta, layout, info)
+    check_compatible(meta, layout, info)
     # Frozen leaves saved as codes: each one's stored form (`zeroxla.checkpoint.codes`).
     frozen = {path: codes.stored_layout(path, record, zero_step.plan[path])
               for path, record in meta.get("frozen_codes", {}).items()}
     shardings = zero_step.state_shardings.params
 
+    wanted = _wanted(layout, stored, frozen, zero_step.mesh)
+    arrays = _read_checked(directory, info, wanted, stored)
+    target_codes = {}
+    for path, leaf in frozen.items():
+        data, scales = (arrays.pop(codes.array_name(path, f)) for f in codes.FIELDS)
+        name = f"params/{path}"
+        # The stored values: a float target's parameter (for a quantized target, overwritten
+        # below by the codes themselves).
+        arrays[name] = codes.restore_values(leaf, data, scales, layout.abstract[name].sharding,
+                                            layout.abstract[name].dtype)
+        if zero_step.plan[path].params_quantized:
+            target_codes[path] = codes.restore_codes(leaf, zero_step.plan[path], data, scales,
+                                                     shardings[path])
+    fresh = named_leaves({"loss_scale": init_loss_scale(zero_step.config)})
+    for name in [n for n in layout.names if n not in arrays]:
+        if name not in fresh:
+            raise CheckpointError(f"checkpoint step {info.step}: array {name!r} was not restored")
+        arrays[name] = jax.device_put(fresh[name], layout.abstract[name].sharding)
+    state = layout.to_storage([arrays[n] for n in layout.names])
+    if target_codes:
+        state = state.replace(params={**state.params, **target_codes})
+    return Restored(state=state, step=zero_step, metadata=meta["metadata"],
+                    checkpoint_step=info.step, path=info.path,
+                    zero_config=zero_step.config, model_config=known_model_config(meta),
+                    loss_scale=meta["loss_scale"])
+
+
+def _wanted(layout: LogicalLayout, stored: Mapping[str, Any], frozen: Mapping[str, Any],
+            mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """The arrays to read, each with the sharding it is read into: the target's logical arrays
+    the checkpoint holds, and the codes of each frozen leaf saved as codes."""
     # The loss scale is optional on both sides: fp16 runs carry one, others do not.
     wanted = {n: a for n, a in layout.abstract.items() if n in stored}
     for path, leaf in frozen.items():
@@ -283,8 +285,14 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
             shape = tuple(stored[name]["shape"])
             wanted[name] = jax.ShapeDtypeStruct(
                 shape, np.dtype(stored[name]["dtype"]),
-                sharding=logical_sharding(zero_step.mesh, shape, leaf.stacked,
-                                          prefer=int(leaf.stacked)))
+                sharding=logical_sharding(mesh, shape, leaf.stacked, prefer=int(leaf.stacked)))
+    return wanted
+
+
+def _read_checked(directory: Path, info: CheckpointInfo, wanted: Mapping[str, Any],
+                  stored: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Reads the `wanted` arrays of checkpoint `info` (name -> array), each checked against its
+    `stored` checksum."""
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         read_only=True))
     try:
@@ -310,103 +318,7 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
                 f"checkpoint step {info.step} at {info.path} is corrupted: array {name!r} "
                 f"fails its checksum (stored {stored[name]['checksum']:#010x}, read "
                 f"{host_int(sums[name]):#010x})")
-    target_codes = {}
-    for path, leaf in frozen.items():
-        data, scales = (arrays.pop(codes.array_name(path, f)) for f in codes.FIELDS)
-        name = f"params/{path}"
-        # The stored values: a float target's parameter (for a quantized target, overwritten
-        # below by the codes themselves).
-        arrays[name] = codes.restore_values(leaf, data, scales, layout.abstract[name].sharding,
-                                            layout.abstract[name].dtype)
-        if zero_step.plan[path].params_quantized:
-            target_codes[path] = codes.restore_codes(leaf, zero_step.plan[path], data, scales,
-                                                     shardings[path])
-    fresh = named_leaves({"loss_scale": init_loss_scale(zero_step.config)})
-    for name in [n for n in layout.names if n not in arrays]:
-        if name not in fresh:
-            raise CheckpointError(f"checkpoint step {info.step}: array {name!r} was not restored")
-        arrays[name] = jax.device_put(fresh[name], layout.abstract[name].sharding)
-    state = layout.to_storage([arrays[n] for n in layout.names])
-    if target_codes:
-        state = state.replace(params={**state.params, **target_codes})
-    return Restored(state=state, step=zero_step, metadata=meta["metadata"],
-                    checkpoint_step=info.step, path=info.path,
-                    zero_config=zero_step.config, model_config=_known_model_config(meta),
-                    loss_scale=meta["loss_scale"])
-
-
-def _target_step(target: Any, meta: Mapping[str, Any], optimizer: Any,
-                 loss_fn: Any) -> ZeroStep:
-    if isinstance(target, ZeroStep):
-        if optimizer is not None or loss_fn is not None:
-            raise ValueError("restore: optimizer/loss_fn are only used with a (mesh, config) "
-                             "target; a ZeroStep already has them")
-        return target
-    if isinstance(target, Mesh):
-        mesh, config = target, None
-    elif isinstance(target, tuple) and len(target) == 2 and isinstance(target[0], Mesh):
-        mesh, config = target
-    else:
-        raise TypeError(f"restore: target must be a ZeroStep, a Mesh or (mesh, ZeroConfig); "
-                        f"got {type(target).__name__}")
-    if optimizer is None:
-        # An optax transformation is code (closures, schedules): the checkpoint holds its state
-        # but cannot record it, and make_step's default AdamW(1e-3) would resume any other run
-        # silently wrong (its moments read as Adam's, its learning rate replaced).
-        raise ValueError(
-            "restore: optimizer=None with a mesh target; pass optimizer=<the optax "
-            "transformation the run trained with> (a checkpoint stores the optimizer's state, "
-            "not the optimizer, so none is assumed), or restore into a ZeroStep built with it; "
-            "for the weights alone use zeroxla.load_params(directory)")
-    if config is None:
-        known = {f.name for f in dataclasses.fields(ZeroConfig)}
-        config = ZeroConfig(**{k: v for k, v in meta["zero_config"].items() if k in known})
-    record = meta["model_config"]
-    if record is None:
-        raise ValueError("restore: the checkpoint records no model config; restore into a "
-                         "ZeroStep built with the model")
-    model_config = model_config_from_record(record)
-    model_cls = models.model_class(model_config)
-
-    def factory():
-        from flax import nnx
-
-        return model_cls(model_config, rngs=nnx.Rngs(0))
-
-    return make_step(factory, mesh, optimizer=optimizer, config=config, loss_fn=loss_fn)
-
-
-def _check_compatible(meta: Mapping[str, Any], layout: LogicalLayout, info: CheckpointInfo) -> None:
-    """Raises ValueError at the first parameter (then optimizer leaf) that differs."""
-    # A frozen leaf saved as codes has the logical shape its layout record states.
-    stored = {**meta["arrays"], **{f"params/{path}": {"shape": record["shape"]}
-                                   for path, record in meta.get("frozen_codes", {}).items()}}
-    record = meta.get("model_config")
-    where = f"checkpoint step {info.step} at {info.path}"
-    if record:
-        fields = ", ".join(f"{k}={v}" for k, v in record["fields"].items())
-        where += f" ({record['class']}({fields}))"
-
-    def shape(name, table):
-        if name not in table:
-            return "absent"
-        entry = table[name]
-        return tuple(entry["shape"] if isinstance(entry, dict) else entry.shape)
-
-    target = layout.abstract
-    for prefix, what in (("params/", "parameter"), ("opt_state/", "optimizer state leaf"),
-                         ("step", "step counter")):
-        names = [n for n in target if n.startswith(prefix)]
-        names += [n for n in stored if n.startswith(prefix) and n not in target]
-        for name in names:
-            ours, theirs = shape(name, target), shape(name, stored)
-            if ours != theirs:
-                label = name[len(prefix):] if prefix.endswith("/") else name
-                hint = ("; restore with the optimizer the checkpoint was trained with"
-                        if prefix == "opt_state/" else "")
-                raise ValueError(f"{where} does not match the target: first mismatched {what} "
-                                 f"{label!r}: checkpoint shape {theirs}, target shape {ours}"
-                                 f"{hint}")
+    return arrays
 
 
 __all__ = ["Checkpointer", "Restored", "model_config_from_record", "restore", "save"]

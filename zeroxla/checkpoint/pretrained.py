@@ -44,7 +44,8 @@ from tqdm.auto import tqdm
 
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.engine.state import TrainState
-from zeroxla.engine.step import ZeroStep, make_step
+from zeroxla.engine.step import ZeroStep
+from zeroxla.make import make_step
 from zeroxla.models import hf as hf_io
 from zeroxla.models import model_class
 

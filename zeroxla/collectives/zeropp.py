@@ -13,8 +13,8 @@
   all-to-all of `quantized_reduce_scatter`, landing in the same shard layout as `psum_scatter`;
   gradients too small for it fall back to `psum_scatter`.
 * `quantized_nontrainable_weights`: a frozen leaf's shard is stored as codes (quantized once
-  at init, `LeafPlan.params_quantized`), so its forward and backward gathers move those codes
-  (`gather_quantized`) and never quantize again.
+  at init, `LeafPlan.params_quantized`, a `StoredCodes`), so its forward and backward gathers
+  move those codes (`gather_quantized`) and never quantize again.
 
 The quantized collectives work on flat vectors: a unit's shards become rows `[N, chunk]` (row d
 is device d's shard, `unit_rows`) and back (`rows_to_unit`).
@@ -40,7 +40,8 @@ from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zero import BWD_GATHER, FWD_GATHER, GRAD_REDUCE, ZeroCollectives
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.mesh import MeshAxes
-from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
+from zeroxla.pallas_kernels import QuantizedArray
 
 
 def unit_rows(padded_unit: jax.Array, leaf: LeafPlan) -> jax.Array:
@@ -53,6 +54,14 @@ def rows_to_unit(rows: jax.Array, leaf: LeafPlan) -> jax.Array:
     """Inverse of `unit_rows`: `[N, chunk]` (or flat `[N * chunk]`) -> the padded unit."""
     pieces = rows.reshape(leaf.data_size, *leaf.shard_shape)
     return jnp.concatenate(list(pieces), axis=leaf.unit_shard_dim)
+
+
+def unit_codes(shard: StoredCodes, leaf: LeafPlan) -> QuantizedArray:
+    """One device's stored codes of one unit (one layer, sliced by the scan, or the whole leaf)
+    -> a one-row `QuantizedArray` of `chunk` elements, in the bits and groups the plan names."""
+    return QuantizedArray(data=shard.data, scales=shard.scales, offsets=None,
+                          shape=(leaf.chunk,), bits=leaf.storage_bits,
+                          group_size=leaf.storage_group_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +110,7 @@ class ZeroPPCollectives(ZeroCollectives):
         `quantize` (qwZ), else gathered in the compute dtype.
         """
         if leaf.params_quantized:
-            flat = gather_quantized(leaf.unit_codes(shard), axis_names=self.axes.data,
+            flat = gather_quantized(unit_codes(shard, leaf), axis_names=self.axes.data,
                                     dtype=self.compute_dtype, impl=self.impl)   # [N*chunk]
             return rows_to_unit(flat, leaf)
         if quantize:

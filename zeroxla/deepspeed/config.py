@@ -231,6 +231,51 @@ def _batch_sizes(top: Mapping[str, Any], data_parallel_size: int | None,
     return train, micro, accum, dp
 
 
+def _read_optimizer(top: Mapping[str, Any], src: str, ignored: list[str]
+                    ) -> tuple[str | None, dict[str, Any], float | None]:
+    """The `optimizer` section: (type, checked params, base lr: `params.lr` or the type's
+    default); (None, {}, None) without the section."""
+    if "optimizer" not in top:
+        return None, {}, None
+    sec = _read_section(top["optimizer"], "optimizer.", TYPED_SECTION, src, ignored)
+    if "type" not in sec:
+        raise DeepSpeedConfigError(f"{src}: optimizer.type is missing; accepted: "
+                                   + ", ".join(OPTIMIZER_NAMES.values()))
+    opt_name = _read_type(sec["type"], "optimizer.", OPTIMIZER_NAMES, UNSUPPORTED_OPTIMIZERS,
+                          src)
+    params_raw = sec.get("params", {})
+    if isinstance(params_raw, Mapping) and "max_grad_norm" in params_raw:
+        raise DeepSpeedConfigError(f"{src}: optimizer.params.max_grad_norm is not accepted: "
+                                   f"{NO_GRAD_NORM}")
+    opt_params = _read_section(params_raw, "optimizer.params.", OPTIMIZERS[opt_name], src,
+                               ignored)
+    return opt_name, opt_params, opt_params.get("lr", DEFAULT_LR[opt_name])
+
+
+def _read_scheduler(top: Mapping[str, Any], base_lr: float | None, src: str, ignored: list[str]
+                    ) -> tuple[str | None, dict[str, Any], float | Schedule | None]:
+    """The `scheduler` section: (type, checked params, the learning rate: the schedule built
+    on `base_lr`); (None, {}, base_lr) without the section."""
+    if "scheduler" not in top:
+        return None, {}, base_lr
+    sec = _read_section(top["scheduler"], "scheduler.", TYPED_SECTION, src, ignored)
+    if "type" not in sec:
+        raise DeepSpeedConfigError(f"{src}: scheduler.type is missing; accepted: "
+                                   + ", ".join(SCHEDULERS))
+    sched_name = _read_type(sec["type"], "scheduler.", {n: n for n in SCHEDULERS},
+                            UNSUPPORTED_SCHEDULERS, src)
+    sched_params = _read_section(sec.get("params", {}), "scheduler.params.",
+                                 SCHEDULERS[sched_name], src, ignored)
+    for key in REQUIRED_SCHEDULER_PARAMS.get(sched_name, ()):
+        if key not in sched_params:
+            raise DeepSpeedConfigError(f"{src}: scheduler.params.{key} is required by "
+                                       f"{sched_name}; accepted: an integer >= 1")
+    # Without an optimizer section DeepSpeed schedules the client's optimizer; its lr is
+    # unknown here, so WarmupLR/WarmupCosineLR use FusedAdam's default 1e-3.
+    return sched_name, sched_params, build_schedule(
+        sched_name, sched_params, DEFAULT_LR["adam"] if base_lr is None else base_lr)
+
+
 def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
                           data_parallel_size: int | None = None,
                           mesh_local_size: int | None = None,
@@ -268,43 +313,10 @@ def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
     fields["gradient_accumulation_steps"] = accum
     zero = build_zero_config(fields, mesh_local_size=mesh_local_size, source=src)
 
-    opt_name, opt_params, optimizer = None, {}, None
-    base_lr = None
-    if "optimizer" in top:
-        sec = _read_section(top["optimizer"], "optimizer.", TYPED_SECTION, src, ignored)
-        if "type" not in sec:
-            raise DeepSpeedConfigError(f"{src}: optimizer.type is missing; accepted: "
-                                       + ", ".join(OPTIMIZER_NAMES.values()))
-        opt_name = _read_type(sec["type"], "optimizer.", OPTIMIZER_NAMES, UNSUPPORTED_OPTIMIZERS,
-                              src)
-        params_raw = sec.get("params", {})
-        if isinstance(params_raw, Mapping) and "max_grad_norm" in params_raw:
-            raise DeepSpeedConfigError(f"{src}: optimizer.params.max_grad_norm is not accepted: "
-                                       f"{NO_GRAD_NORM}")
-        opt_params = _read_section(params_raw, "optimizer.params.", OPTIMIZERS[opt_name], src,
-                                   ignored)
-        base_lr = opt_params.get("lr", DEFAULT_LR[opt_name])
-
-    sched_name, sched_params, learning_rate = None, {}, base_lr
-    if "scheduler" in top:
-        sec = _read_section(top["scheduler"], "scheduler.", TYPED_SECTION, src, ignored)
-        if "type" not in sec:
-            raise DeepSpeedConfigError(f"{src}: scheduler.type is missing; accepted: "
-                                       + ", ".join(SCHEDULERS))
-        sched_name = _read_type(sec["type"], "scheduler.", {n: n for n in SCHEDULERS},
-                                UNSUPPORTED_SCHEDULERS, src)
-        sched_params = _read_section(sec.get("params", {}), "scheduler.params.",
-                                     SCHEDULERS[sched_name], src, ignored)
-        for key in REQUIRED_SCHEDULER_PARAMS.get(sched_name, ()):
-            if key not in sched_params:
-                raise DeepSpeedConfigError(f"{src}: scheduler.params.{key} is required by "
-                                           f"{sched_name}; accepted: an integer >= 1")
-        # Without an optimizer section DeepSpeed schedules the client's optimizer; its lr is
-        # unknown here, so WarmupLR/WarmupCosineLR use FusedAdam's default 1e-3.
-        learning_rate = build_schedule(sched_name, sched_params,
-                                       DEFAULT_LR["adam"] if base_lr is None else base_lr)
-    if opt_name is not None:
-        optimizer = build_optimizer(opt_name, opt_params, learning_rate)
+    opt_name, opt_params, base_lr = _read_optimizer(top, src, ignored)
+    sched_name, sched_params, learning_rate = _read_scheduler(top, base_lr, src, ignored)
+    optimizer = (build_optimizer(opt_name, opt_params, learning_rate)
+                 if opt_name is not None else None)
 
     return DeepSpeedConfig(
         zero=zero, train_batch_size=train, micro_batch_size=micro, data_parallel_size=dp,

@@ -1,16 +1,25 @@
 """The ZeRO engine (the step layer): from the sharding plan to one compiled training step.
 
-    model_state.py non-parameter Variables (BatchNorm statistics): replicated, cross-replica
-    randomness.py  one seed -> a key per step, data device and micro-batch (dropout)
-    gather.py      gather before use, release, re-gather in backward (custom VJPs)
-    wrap.py        the model copy inside the step: gather units follow the module tree
-    loss.py        losses as (sum, count); batch_checks.py: the batch validated before sending
-    optimizer.py   any optax transformation on the logical, sharded parameters
-    logical.py     the state's mesh-independent form (checkpoints)
+    layout.py      ZeroLayout: axes, config, plan, collectives, optimizer layout, shardings,
+                   built once in a fixed order; what every consumer of a step reads
     state.py       TrainState and the consolidated (gathered) parameters
+    stored.py      a parameter's stored form <-> its logical values (frozen codes quantized here)
+    step.py        ZeroStep: the step as one pure function, compiled once
+    apply.py       the update half: clipping, the optax update, fp16 overflow skip
+    loss.py        losses as (sum, count)
+    batch_checks.py the batch validated before sending
+    randomness.py  one seed -> a key per step, data device and micro-batch (dropout)
+    model_state.py non-parameter Variables (BatchNorm statistics): replicated, cross-replica
+    wrap.py        the model copy inside the step: gather units follow the module tree
+    gather.py      gather before use, release, re-gather in backward (custom VJPs)
+    remat.py       what a gathered unit keeps for its backward (remat policies)
+    gradients.py   what is differentiated, and where each gradient is reduced, per stage
+    update.py      each leaf's layouts around the optax update
+    optimizer.py   any optax transformation on the logical, sharded parameters
     loss_scale.py  fp16 dynamic loss scaling, DeepSpeed's semantics
-    step.py        make_step: the step as one pure function, compiled once
+    logical.py     the state's mesh-independent form (checkpoints)
 
 The plan it runs (mesh, ZeroConfig, rules, leaf plans) is `zeroxla.sharding`; collectives live
-in `zeroxla.collectives`, kernels in `zeroxla.pallas_kernels`.
+in `zeroxla.collectives`, kernels in `zeroxla.pallas_kernels`. `zeroxla.make.make_step` builds
+the layout and chooses the plain step or the pipelined one (`zeroxla.pipeline`), which sit above.
 """

@@ -25,8 +25,8 @@ inputs and outputs (a KV cache's layer slice; None in training).
 
 Frozen leaves (`LeafPlan.trainable` False) are gathered like the others, but backward
 differentiates only with respect to the trainable ones: a frozen leaf gets no gradient, no
-reduce-scatter, and a zero (None) cotangent. A frozen leaf's shard may be a `QuantizedArray`
-of stored codes (quantized_nontrainable_weights); it is one "shard" to the code below.
+reduce-scatter, and a zero (None) cotangent. A frozen leaf's shard may be a `StoredCodes`
+(quantized_nontrainable_weights); it is one "shard" to the code below.
 Non-float inputs (token positions) get no cotangent either.
 
 ZeRO-2 runs the same units with `Zero2Collectives`: the "gather" is the identity on replicated
@@ -49,6 +49,7 @@ from zeroxla.collectives.zero import ZeroCollectives
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.remat import (
     FULL,
+    VjpLayout,
     KeptVjp,
     cotangent_tree,
     is_float,

@@ -30,6 +30,7 @@ from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.state import TrainState
+from zeroxla.engine.stored import logical_to_storage, storage_to_logical
 
 
 def logical_sharding(mesh: Mesh, shape: Sequence[int], stacked: bool = False,
@@ -106,7 +107,7 @@ def build_layout(step: Any) -> LogicalLayout:
 
     def logical_tree(state: TrainState) -> dict[str, Any]:
         tree = {"step": state.step,
-                "params": {p: leaf.storage_to_logical(state.params[p])
+                "params": {p: storage_to_logical(leaf, state.params[p])
                            for p, leaf in leaves.items()},
                 "opt_state": optimizer.to_logical(state.opt_state)}
         if state.loss_scale is not None:
@@ -120,7 +121,7 @@ def build_layout(step: Any) -> LogicalLayout:
     def storage_state(tree: Mapping[str, Any]) -> TrainState:
         return TrainState(
             step=tree["step"],
-            params={p: leaf.logical_to_storage(tree["params"][p]) for p, leaf in leaves.items()},
+            params={p: logical_to_storage(leaf, tree["params"][p]) for p, leaf in leaves.items()},
             opt_state=optimizer.to_storage(tree["opt_state"]),
             loss_scale=tree.get("loss_scale"), plan=plan, model_def=step.model_def,
             model_state=dict(tree.get("model_state", {})), rng=tree.get("rng"))

@@ -14,6 +14,7 @@ import jax
 from flax import nnx, struct
 
 from zeroxla.engine.loss_scale import LossScaleState
+from zeroxla.engine.stored import storage_to_logical
 from zeroxla.sharding.model_def import ModelDef
 from zeroxla.sharding.plan import ShardingPlan
 
@@ -22,7 +23,7 @@ from zeroxla.sharding.plan import ShardingPlan
 class TrainState:
     step: jax.Array                       # int32 scalar: steps taken (skipped fp16 steps count)
     # float32 master weights in their storage layout; a frozen leaf stored as codes
-    # (quantized_nontrainable_weights) is a `QuantizedArray` of its partitions.
+    # (quantized_nontrainable_weights) is a `StoredCodes` of its partitions.
     params: dict[str, Any]
     opt_state: Any                        # optax state over the trainable leaves' optimizer view
     loss_scale: LossScaleState | None     # fp16 only
@@ -38,7 +39,7 @@ class TrainState:
 
 
 def _logical_params(state: TrainState) -> dict[str, jax.Array]:
-    return {leaf.path: leaf.storage_to_logical(state.params[leaf.path])
+    return {leaf.path: storage_to_logical(leaf, state.params[leaf.path])
             for leaf in state.plan.leaves}
 
 

@@ -1,4 +1,4 @@
-"""`make_step`: the ZeRO training step, one pure function compiled once.
+"""`ZeroStep`: the ZeRO training step, one pure function compiled once (`zeroxla.make_step`).
 
     step = make_step(model, mesh, optimizer=optax.adamw(1e-3), config=ZeroConfig(stage=3))
     state = step.init()
@@ -14,7 +14,7 @@ One `jax.jit` holds two parts:
        reduce gradients                  stage 0-1: psum; stage 2-3: psum of the leaves left
                                          replicated (persistent, or scalars) only
 
-2. the update, on globally shaped arrays outside the `shard_map`: unscale and overflow check
+2. the update (`engine.apply`), on globally shaped arrays outside the `shard_map`: unscale and overflow check
    (fp16), global norm and clipping, then the optax transformation on the logical parameters
    (`ShardedOptimizer`): elementwise optimizers compute on each device's partition and move no
    bytes; statistics over a whole tensor (norms, factored moments) get XLA's reductions. At
@@ -36,125 +36,80 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zeroxla.collectives.zero import (PARAM_UPDATE, GradientSink, Zero2Collectives,
-                                      ZeroCollectives)
-from zeroxla.collectives.zeropp import ZeroPPCollectives
-from zeroxla.sharding.config import ZeroConfig
-from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
+from zeroxla.collectives.zero import GradientSink
+from zeroxla.engine.apply import apply_gradients
 from zeroxla.engine.batch_checks import check_batch
+from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
+from zeroxla.engine.layout import ModelSource, ZeroLayout
+from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss import (
     Batch,
-    LossFn,
     loss_terms,
     next_token_loss,
     next_token_loss_terms,
     normalizer,
 )
-from zeroxla.engine.logical import LogicalLayout, build_layout
-from zeroxla.engine.loss_scale import init_loss_scale, update_loss_scale
-from zeroxla.sharding.mesh import check_mesh
-from zeroxla.sharding.model_def import Filter, ModelDef, frozen_paths, placeable
-from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
-from zeroxla.sharding.leaf_plan import LeafPlan
-from zeroxla.sharding.plan import ShardingPlan, plan_for
-from zeroxla.engine.state import TrainState
-from zeroxla.engine.update import (gradient_spec, logical_gradient, optimizer_input,
-                                   stored_update)
+from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
+from zeroxla.engine.optimizer import default_optimizer
 from zeroxla.engine.randomness import (
     CALL_STREAM,
     device_key,
     micro_batch_key,
     seed_key_data,
     step_key,
-    takes_rngs,
 )
+from zeroxla.engine.state import TrainState
+from zeroxla.engine.stored import logical_to_storage
+from zeroxla.engine.update import gradient_spec
 from zeroxla.engine.wrap import zero3_module
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.model_def import ModelDef, frozen_paths
+
 
 class ZeroStep:
-    """A compiled ZeRO training step. Call it; `init`, `lower` and `eval_loss` are beside it."""
+    """A compiled ZeRO training step. Call it; `init`, `lower` and `eval_loss` are beside it.
 
-    def __init__(self, model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
-                 optimizer: optax.GradientTransformation | None = None,
-                 config: ZeroConfig | None = None, loss_fn: LossFn | None = None,
-                 trainable: Filter | None = None, pipeline: Any = None):
-        self.axes = check_mesh(mesh)
-        self.mesh = mesh
-        self.config = config = config if config is not None else ZeroConfig()
-        if not isinstance(config, ZeroConfig):
-            raise TypeError(f"make_step: config must be a ZeroConfig, got {type(config).__name__}")
-        self.data_size = self.axes.data_size
-        config.validate_for_mesh(self.axes.local_size, self.data_size)
-        self.optimizer = optimizer if optimizer is not None else default_optimizer()
-        self.loss_fn = loss_fn if loss_fn is not None else next_token_loss
+    Built by `zeroxla.make_step` from a `ModelSource` and a `ZeroLayout`; `gradient_pass` (the
+    pipeline executor, for `pipeline=`) replaces the plain gradient pass and checks batches
+    against its micro-batches; the update is the same either way."""
 
-        if isinstance(model, nnx.Module):
-            self._factory = None
-            self.model_def, values = ModelDef.of(model)
-            self._initial_values = {p: placeable(v) for p, v in values.items()}
-            self._initial_model_state = {p: placeable(v) for p, v in
-                                         ModelDef.model_state_of(model).items()}
-            frozen = frozen_paths(model, trainable)
-        elif callable(model):
-            self._factory = model
-            abstract = nnx.eval_shape(model)
-            self.model_def, _ = ModelDef.of(abstract)
-            self._initial_values = None
-            self._initial_model_state = None
-            frozen = frozen_paths(abstract, trainable)
-        else:
-            raise TypeError(f"make_step: model must be an nnx.Module or a factory returning one, "
-                            f"got {type(model).__name__}")
-        if len(frozen) == len(self.model_def.paths):
-            raise ValueError(f"make_step: trainable={trainable!r} selects none of the model's "
-                             f"parameters {list(self.model_def.paths[:5])}...; pass a filter "
-                             "that selects at least one (None trains all)")
-        self.trainable = trainable
-        self._loss_takes_rngs = takes_rngs(self.loss_fn)
-        # Random numbers drawn anywhere (model-held RNG streams, a loss_fn taking `rngs`): the
-        # state then carries the run's seed (`TrainState.rng`).
-        self.uses_rng = bool(self.model_def.rng_leaves) or self._loss_takes_rngs
-
-        self.plan: ShardingPlan = plan_for(self.model_def, config, self.axes, frozen=frozen)
-        self.comm = (ZeroPPCollectives.from_config(config, self.axes) if config.uses_zeropp
-                     else Zero2Collectives(self.axes, config.dtype) if config.stage == 2
-                     else ZeroCollectives(self.axes, config.dtype))
-        self.sharded_optimizer = ShardedOptimizer(self.optimizer, self.plan, self.model_def)
-        self.sharded_optimizer.check()
-        self.state_shardings = self._state_shardings()
-        self.batch_sharding = NamedSharding(mesh, P(self.axes.data))
-        replicated = NamedSharding(mesh, P())
+    def __init__(self, source: ModelSource, layout: ZeroLayout, *, gradient_pass: Any = None):
+        self.layout = layout
+        self.source = source
+        # The layout's parts, under the names the step has always had.
+        self.axes, self.mesh, self.config = layout.axes, layout.mesh, layout.config
+        self.data_size, self.model_def = layout.data_size, layout.model_def
+        self.optimizer, self.loss_fn, self.trainable = (layout.optimizer, layout.loss_fn,
+                                                        layout.trainable)
+        self.plan, self._model_plan, self.comm = layout.plan, layout.model_plan, layout.comm
+        self.sharded_optimizer = layout.sharded_optimizer
+        self.state_shardings, self.batch_sharding = layout.state_shardings, layout.batch_sharding
+        self.uses_rng, self._loss_takes_rngs = layout.uses_rng, layout.loss_takes_rngs
+        self._factory = source.factory
+        self._initial_values = source.initial_values
+        self._initial_model_state = source.initial_model_state
         # pipeline=PipelineConfig(...): the gradient pass runs the schedule over the stage axis
-        # (`zeroxla.pipeline.executor`); the update below is the same.
-        self.pipeline = None
-        # The plan the whole (unpipelined) model runs under: evaluation's and the plain step's.
-        self._model_plan = self.plan
-        if pipeline is not None:
-            from zeroxla.pipeline.executor import PipelineExecutor
-            from zeroxla.pipeline.storage import pipelined_plan
-            self.pipeline = PipelineExecutor(self, pipeline)
-            # Each stage stores only its layers (`zeroxla.pipeline.storage`); evaluation runs
-            # the unpipelined model on the layers gathered over the stages.
-            self.plan = pipelined_plan(self.plan, self.pipeline.split, self.axes)
-            self.sharded_optimizer = ShardedOptimizer(self.optimizer, self.plan, self.model_def)
-            self.state_shardings = self._state_shardings()
+        # (`zeroxla.pipeline.executor`); each stage stores only its layers (`layout.plan`),
+        # evaluation runs the unpipelined model on the layers gathered over the stages.
+        self.pipeline = gradient_pass
+        mesh = layout.mesh
         self._gradients = jax.shard_map(
-            self._local_gradients if self.pipeline is None else self.pipeline.local_gradients,
+            self._local_gradients if gradient_pass is None else gradient_pass.local_gradients,
             mesh=mesh,
             in_specs=(self._param_specs(), P(self.axes.data), P(), P(), P()),
             out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
                              for leaf in self.plan.trainable_leaves}, P()),
             check_vma=False)
+        replicated = NamedSharding(mesh, P())
         self._jitted = jax.jit(self._step, in_shardings=(self.state_shardings, None),
                                out_shardings=(self.state_shardings, replicated),
                                donate_argnums=0)
@@ -254,20 +209,6 @@ class ZeroStep:
         """Layout of a trainable leaf's reduced gradient leaving the gradient pass."""
         return gradient_spec(leaf, self.config.stage)
 
-    def _state_shardings(self) -> TrainState:
-        def named(spec):
-            return NamedSharding(self.mesh, spec)
-        replicated = named(P())
-        loss_scale = (jax.tree.map(lambda _: replicated, init_loss_scale(self.config))
-                      if self.config.uses_loss_scaling else None)
-        # A leaf stored as codes has a `QuantizedArray` of specs (codes and scales).
-        params = {leaf.path: jax.tree.map(named, leaf.param_spec) for leaf in self.plan.leaves}
-        return TrainState(step=replicated, params=params,
-                          opt_state=self.sharded_optimizer.state_shardings(self.mesh),
-                          loss_scale=loss_scale, plan=self.plan, model_def=self.model_def,
-                          model_state={p: replicated for p in self.model_def.state_paths},
-                          rng=replicated if self.uses_rng else None)
-
     def _init_state(self, values: dict[str, jax.Array] | None,
                     model_state: dict[str, jax.Array] | None,
                     rng: jax.Array | None) -> TrainState:
@@ -278,7 +219,7 @@ class ZeroStep:
         params, logical = {}, {}
         for leaf in self.plan.leaves:
             full = jnp.asarray(values[leaf.path], self.config.master_dtype)
-            params[leaf.path] = leaf.logical_to_storage(full)   # frozen codes: quantized once, here
+            params[leaf.path] = logical_to_storage(leaf, full)  # frozen codes: quantized once, here
             if leaf.trainable:
                 logical[leaf.path] = full
         return TrainState(
@@ -431,7 +372,7 @@ class ZeroStep:
         return total / jnp.where(count > 0, count, 1.0)
 
     # ------------------------------------------------------------------------------------------
-    # The update: on global arrays, outside shard_map.
+    # The step: the gradient pass, then the update on global arrays (`engine.apply`).
     def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         cfg = self.config
         scale = state.loss_scale.scale if cfg.uses_loss_scaling else jnp.float32(1)
@@ -439,60 +380,7 @@ class ZeroStep:
                     jax.random.key_data(step_key(state.rng, state.step)))
         loss, grads, model_state = self._gradients(self._compute_inputs(state.params), batch,
                                                    scale, state.model_state, key_data)
-        mesh, trainable = self.mesh, self.plan.trainable_leaves
-        logical_grads = {leaf.path: logical_gradient(leaf, grads[leaf.path] / scale,
-                                                     cfg.stage, mesh) for leaf in trainable}
-        grad_norm = optax.tree.norm(logical_grads)
-        if cfg.gradient_clipping > 0:
-            # DeepSpeed's clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when < 1.
-            coef = jnp.minimum(cfg.gradient_clipping / (grad_norm + 1e-6), 1.0)
-            logical_grads = jax.tree.map(lambda g: g * coef, logical_grads)
-
-        with jax.named_scope(PARAM_UPDATE):
-            params = {leaf.path: optimizer_input(leaf, state.params[leaf.path], mesh)
-                      for leaf in trainable}
-            new_logical, new_opt_state = self.sharded_optimizer.update(
-                logical_grads, state.opt_state, params)
-            new_params = dict(state.params)
-            new_params.update({leaf.path: stored_update(leaf, new_logical[leaf.path], mesh,
-                                                        self.axes) for leaf in trainable})
-
-        metrics = {"loss": loss, "grad_norm": grad_norm}
-        loss_scale = state.loss_scale
-        if cfg.uses_loss_scaling:
-            nonfinite = sum(jnp.sum(~jnp.isfinite(g)) for g in logical_grads.values())
-            overflow = (nonfinite > 0) | ~jnp.isfinite(grad_norm)
-            # An overflow skips the update: parameters and optimizer state stay bit-identical.
-            new_params, new_opt_state = jax.tree.map(
-                lambda new, old: jnp.where(overflow, old, new),
-                (new_params, new_opt_state), (state.params, state.opt_state))
-            loss_scale = update_loss_scale(state.loss_scale, overflow, cfg)
-            metrics.update(loss_scale=state.loss_scale.scale, overflow=overflow)
-        new_state = state.replace(step=state.step + 1, params=new_params,
-                                  opt_state=new_opt_state, loss_scale=loss_scale,
-                                  model_state=model_state)
-        return new_state, metrics
+        return apply_gradients(self.layout, state, loss, grads, model_state, scale)
 
 
-def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
-              optimizer: optax.GradientTransformation | None = None,
-              config: ZeroConfig | None = None, loss_fn: LossFn | None = None,
-              trainable: Filter | None = None, pipeline: Any = None) -> ZeroStep:
-    """Builds the ZeRO training step for `model` on `mesh` (see the module docstring).
-
-    `model` is an `nnx.Module` (its current parameters become the initial state) or a zero-arg
-    factory (the state is then created directly in sharded form). `loss_fn(model, batch)`
-    returns the mean loss over the batch it is given, or `(sum, count)` (then the step's loss
-    is the exact mean over the global batch); the default is next-token cross-entropy, masked
-    by `batch["loss_mask"]` when present. `optimizer` is any optax transformation, applied to
-    the whole (logical) parameters as on one device. `trainable` is an nnx filter (a Variable
-    type, `nnx.PathContains("lora")`, a `(path, variable) -> bool` callable, `nnx.Not(...)`,
-    ...) choosing the parameters to train; None trains all. The rest are frozen.
-    `pipeline` (a `zeroxla.PipelineConfig`) pipelines the model's layers over the mesh's
-    `stage` axis (`zeroxla.pipeline.executor`).
-    """
-    return ZeroStep(model, mesh, optimizer=optimizer, config=config, loss_fn=loss_fn,
-                    trainable=trainable, pipeline=pipeline)
-
-
-__all__ = ["ZeroStep", "default_optimizer", "frozen_paths", "make_step", "next_token_loss"]
+__all__ = ["ZeroStep", "default_optimizer", "frozen_paths", "next_token_loss"]

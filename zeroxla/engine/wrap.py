@@ -38,11 +38,10 @@ from flax import nnx
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
 from zeroxla.engine.gather import GatheredStack, gathered_call, gathered_value
-from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
 from zeroxla.sharding.model_def import direct_variables, has_descendant_params, variable_paths
 from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.models.layers import LayerStack, call_block
-from zeroxla.pallas_kernels import QuantizedArray
 
 _CONTAINERS = (list, tuple, dict)
 
@@ -155,7 +154,7 @@ class _GatheredModule:
 
 def _is_codes(x: Any) -> bool:
     """One parameter's storage that is a pytree: frozen codes, or stage 2's gradient sink."""
-    return isinstance(x, (QuantizedArray, GradientSink))
+    return isinstance(x, (StoredCodes, GradientSink))
 
 
 def _variables_in(tree: Any) -> list[nnx.Variable]:

@@ -9,13 +9,14 @@
                  a hash of the prompt's tokens, the decode step: no dependence on neighbours)
     checks.py    what the engine refuses by name: a model without the KV-cache protocol, a
                  state of another step or one donated to the training step
-    config.py    HybridEngineConfig: DeepSpeed's `hybrid_engine` keys
+    config.py    HybridEngineConfig: DeepSpeed's `hybrid_engine` keys (the JSON file is read by
+                 zeroxla.deepspeed.hybrid_engine_config_from_json)
 """
 
-from zeroxla.inference.config import HybridEngineConfig, hybrid_engine_config_from_json
+from zeroxla.inference.config import HybridEngineConfig, hybrid_engine_config_from_section
 from zeroxla.inference.baseline import Zero3Generator
 from zeroxla.inference.engine import HybridEngine
 from zeroxla.inference.sampling import Sampling, next_token
 
-__all__ = ["HybridEngine", "HybridEngineConfig", "Sampling", "hybrid_engine_config_from_json",
+__all__ = ["HybridEngine", "HybridEngineConfig", "Sampling", "hybrid_engine_config_from_section",
            "next_token", "Zero3Generator"]

@@ -63,15 +63,13 @@ class HybridEngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def hybrid_engine_config_from_json(source: str | Mapping[str, Any]) -> HybridEngineConfig:
-    """The `hybrid_engine` section of a DeepSpeed JSON config (a path or a dict) -> config.
+def hybrid_engine_config_from_section(section: Any, *, where: str) -> HybridEngineConfig:
+    """DeepSpeed's `hybrid_engine` JSON object, already read, -> config (`where` names its
+    source in messages). `zeroxla.deepspeed.hybrid_engine_config_from_json` reads it from a
+    DeepSpeed JSON config.
 
-    A missing section gives DeepSpeed's defaults; an unknown key or a bad value is a ValueError
-    naming the JSON key and the accepted keys or values."""
-    from zeroxla.deepspeed import read_deepspeed_json
-
-    raw, where = read_deepspeed_json(source)
-    section = raw.get("hybrid_engine", {})
+    An unknown key or a bad value is a ValueError naming the JSON key and the accepted keys or
+    values."""
     if not isinstance(section, Mapping):
         raise ValueError(f"{where}: 'hybrid_engine' must be a JSON object; got {section!r}")
     unknown = sorted(set(section) - set(KEYS))

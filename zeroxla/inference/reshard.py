@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from zeroxla.engine.stored import storage_to_logical
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.inference.layout import TensorParallelLayout
@@ -101,7 +102,7 @@ def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout
         out = gather({leaf.path: params[leaf.path] for leaf in moved})
         for leaf in plan.leaves:
             if routes[leaf.path] == "local":              # XLA slices it where it lies
-                x = leaf.storage_to_logical(params[leaf.path])
+                x = storage_to_logical(leaf, params[leaf.path])
                 if leaf.path in kv_dims:
                     x = jnp.repeat(x, layout.kv_repeat, axis=kv_dims[leaf.path])
                 out[leaf.path] = x

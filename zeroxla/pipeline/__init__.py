@@ -12,11 +12,13 @@
     split.py       DeepSpeed's layer list view of a model, split over the stages
     stages.py      the model's loss cut at its layer stack: what the first stage computes
                    before the blocks and the last after them (imports JAX)
+    passes.py      one stage's forward and backward in a schedule step: the model's pieces
+                   on the stage and the idle / forward / backward branches (imports JAX)
     executor.py    the table run as one lax.scan per segment, one ppermute per send, inside
                    the ZeRO step (imports JAX; loaded by make_step(pipeline=...), not by this
                    package)
 
-Nothing here but executor.py and stages.py imports JAX.
+Nothing here but executor.py, passes.py and stages.py imports JAX.
 """
 
 from zeroxla.pipeline.config import PipelineConfig

@@ -3,10 +3,13 @@ when the step is built; each refusal names the option and the accepted values.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.table import FORWARD, IDLE, ScheduleTable
+
+if TYPE_CHECKING:                 # annotations only: this module imports no JAX
+    from zeroxla.engine.layout import ZeroLayout
 
 
 def check_table(table: ScheduleTable) -> None:
@@ -27,20 +30,20 @@ def check_table(table: ScheduleTable) -> None:
                                  "executor needs one-hop-per-step tables (1F1B, GPipe)")
 
 
-def check_step(step: Any, config: PipelineConfig) -> None:
+def check_step(layout: ZeroLayout, config: PipelineConfig) -> None:
     """What the pipelined gradient pass does not support, refused by name."""
     if not isinstance(config, PipelineConfig):
         raise TypeError(f"make_step: pipeline must be a PipelineConfig, got "
                         f"{type(config).__name__}")
-    zero = step.config
-    if step.model_def.state_paths or step.uses_rng:
+    zero = layout.config
+    if layout.model_def.state_paths or layout.uses_rng:
         raise ValueError("make_step: pipeline= needs a model without model state or RNG streams "
-                         f"(found {list(step.model_def.state_paths[:3])} "
-                         f"{[p for p, _, _ in step.model_def.rng_leaves[:3]]}); accepted: "
+                         f"(found {list(layout.model_def.state_paths[:3])} "
+                         f"{[p for p, _, _ in layout.model_def.rng_leaves[:3]]}); accepted: "
                          "parameters only (no BatchNorm statistics, no Dropout)")
-    frozen = [leaf.path for leaf in step.plan.leaves if not leaf.trainable]
+    frozen = [leaf.path for leaf in layout.plan.leaves if not leaf.trainable]
     if frozen:      # the executor differentiates every parameter; frozen leaves are untested
-        raise ValueError(f"make_step: trainable={step.trainable!r} freezes {frozen[:3]}, which "
+        raise ValueError(f"make_step: trainable={layout.trainable!r} freezes {frozen[:3]}, which "
                          "is not supported with pipeline= yet; accepted: trainable=None")
     if zero.uses_zeropp:
         raise ValueError("make_step: ZeRO++ (hpz_partition_size, quantized_weights, "

@@ -7,6 +7,7 @@
     leaf_plan.py   one parameter's layout: padding, partition, gather unit, stored form
     plan.py        the sharding plan: storage and compute layout of every parameter
 
-Layer: above `zeroxla.models` and `zeroxla.pallas_kernels`, below `zeroxla.collectives` and
-`zeroxla.engine` (tests/zeroxla/test_package.py holds the rules).
+Layer: above `zeroxla.models`, below `zeroxla.collectives` and `zeroxla.engine`
+(tests/zeroxla/test_package.py holds the rules). It imports no kernels: a leaf stored as codes
+names its bits and group size; the step layer quantizes (`zeroxla.engine.stored`).
 """

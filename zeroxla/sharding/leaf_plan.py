@@ -1,7 +1,10 @@
 """One parameter's layout (`LeafPlan`): its storage and compute shapes and specs, and the
-pure conversions between them (padding, stage slots, per-device shards, frozen codes, the 16-bit
-compute copy). `zeroxla.sharding.plan` decides these for a whole model (`make_plan`) and prints the
-table (`ShardingPlan.describe`); the module docstring there says what each layout means and why.
+pure layout conversions between them (padding, stage slots, per-device shards); the stored forms
+that are pytrees (`MasterWithCopy`, the 16-bit compute copy; `StoredCodes`, frozen codes).
+`zeroxla.sharding.plan` decides these for a whole model (`make_plan`) and prints the table
+(`ShardingPlan.describe`); the module docstring there says what each layout means and why. The
+plan only names bit widths and group sizes: quantizing and dequantizing stored codes is the step
+layer's (`zeroxla.engine.stored`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-
-from zeroxla.pallas_kernels import QuantizedArray, dequantize, quantize
 
 
 LAYERS_AXIS = "layers"
@@ -36,6 +37,22 @@ class MasterWithCopy:
 
 
 jax.tree_util.register_dataclass(MasterWithCopy, ["master", "compute"], [])
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredCodes:
+    """The storage of a frozen partitioned leaf under ZeRO++'s quantized_nontrainable_weights
+    (`LeafPlan.params_quantized`): block-quantized codes of each device's shard, quantized once
+    at init. Global: `data` [L?, N*G, group_size * bits / 8] int8 and `scales` [L?, N*G]
+    float32 (the dequantization step of each group); one device holds its own G groups. The
+    bits, group size and what the codes stand for are the `LeafPlan`'s (`storage_bits`,
+    `storage_group_size`, `chunk`)."""
+
+    data: Any
+    scales: Any
+
+
+jax.tree_util.register_dataclass(StoredCodes, ["data", "scales"], [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,12 +209,13 @@ class LeafPlan:
         return self.padded_shape if self.master_partitioned else self.slotted_shape
 
     @property
-    def param_spec(self) -> P | QuantizedArray:
-        """Sharding of the stored parameter: one spec, or a `QuantizedArray` of specs."""
+    def param_spec(self) -> Any:
+        """Sharding of the stored parameter: one spec, or a `StoredCodes` or `MasterWithCopy`
+        of specs."""
         if self.params_quantized:
             lead = (None,) if self.stacked else ()
-            return self._quantized_storage(P(*lead, self.data_axes, None),
-                                           P(*lead, self.data_axes))
+            return StoredCodes(data=P(*lead, self.data_axes, None),
+                               scales=P(*lead, self.data_axes))
         if self.has_compute_copy:
             return MasterWithCopy(master=self._data_spec(), compute=self._stage_spec())
         return self._data_spec() if self.params_partitioned else self._stage_spec()
@@ -218,7 +236,7 @@ class LeafPlan:
         data axes; split over the stages when `stage_split`)."""
         return self._data_spec() if self.params_partitioned else self._stage_spec()
 
-    def param_struct(self) -> jax.ShapeDtypeStruct | QuantizedArray:
+    def param_struct(self) -> Any:
         """Abstract stored parameter (global shape and dtype), the shape of `state.params`."""
         if self.has_compute_copy:
             return MasterWithCopy(
@@ -229,8 +247,8 @@ class LeafPlan:
         lead = (self.layers,) if self.stacked else ()
         groups = self.storage_groups * self.data_size
         packed = self.storage_group_size * self.storage_bits // 8
-        return self._quantized_storage(jax.ShapeDtypeStruct((*lead, groups, packed), jnp.int8),
-                                       jax.ShapeDtypeStruct((*lead, groups), jnp.float32))
+        return StoredCodes(data=jax.ShapeDtypeStruct((*lead, groups, packed), jnp.int8),
+                           scales=jax.ShapeDtypeStruct((*lead, groups), jnp.float32))
 
     @property
     def param_bytes_per_device(self) -> int:
@@ -325,61 +343,6 @@ class LeafPlan:
     def storage_groups(self) -> int:
         """Quantization groups in one unit's shard on one device."""
         return -(-self.chunk // self.storage_group_size)
-
-    def _quantized_storage(self, data: Any, scales: Any) -> QuantizedArray:
-        # `shape` is what one device's codes stand for: its shard [L?, chunk].
-        shape = (self.layers, self.chunk) if self.stacked else (self.chunk,)
-        return QuantizedArray(data=data, scales=scales, offsets=None, shape=shape,
-                              bits=self.storage_bits, group_size=self.storage_group_size)
-
-    def quantize_partitioned(self, x: jax.Array) -> QuantizedArray:
-        """Padded layout -> stored codes: each device's shard is quantized on its own, so a
-        device holds exactly the codes and scales of its shard."""
-        rows = self.shards_of(x).reshape(self.layers * self.data_size, self.chunk)
-        # Runs once, at init: the jnp path, which vmaps over rows on every backend.
-        q = jax.vmap(lambda c: quantize(c, bits=self.storage_bits,
-                                        group_size=self.storage_group_size, impl="jnp"))(rows)
-        lead = (self.layers,) if self.stacked else ()
-        groups = self.data_size * self.storage_groups
-        return self._quantized_storage(
-            q.data.reshape(*lead, groups, q.data.shape[-1]),                # [L?, N*G, packed]
-            q.scales.reshape(*lead, groups))                                # [L?, N*G]
-
-    def dequantize_partitioned(self, q: QuantizedArray) -> jax.Array:
-        """Stored codes (global) -> float32 padded layout."""
-        rows = self.layers * self.data_size
-        per_device = QuantizedArray(
-            data=q.data.reshape(rows, self.storage_groups, -1),
-            scales=q.scales.reshape(rows, self.storage_groups), offsets=None,
-            shape=(rows, self.chunk), bits=q.bits, group_size=q.group_size)
-        flat = dequantize(per_device)                                      # [L*N, chunk]
-        lead = (self.layers,) if self.stacked else ()
-        return self.from_shards(flat.reshape(*lead, self.data_size, self.chunk))
-
-    def unit_codes(self, q: QuantizedArray) -> QuantizedArray:
-        """One device's codes of one unit (one layer, sliced by the scan, or the whole leaf),
-        as a one-row `QuantizedArray` of `chunk` elements."""
-        return QuantizedArray(data=q.data, scales=q.scales, offsets=None, shape=(self.chunk,),
-                              bits=q.bits, group_size=q.group_size)
-
-    def storage_to_logical(self, stored: Any) -> jax.Array:
-        """`state.params[path]` (global, any storage) -> master dtype, the logical `shape`."""
-        if self.params_quantized:
-            stored = self.dequantize_partitioned(stored)
-        if self.has_compute_copy:
-            stored = stored.master           # the float32 master, never its 16-bit copy
-        return self.unpad(stored) if self.master_partitioned else self.stage_unpad(stored)
-
-    def logical_to_storage(self, x: jax.Array) -> Any:
-        """Inverse of `storage_to_logical` (up to quantization for quantized storage)."""
-        x = jnp.asarray(x, self.master_dtype)
-        if self.has_compute_copy:
-            return MasterWithCopy(master=self.pad(x),
-                                  compute=self.stage_pad(x).astype(self.compute_copy_dtype))
-        if not self.params_partitioned:
-            return self.stage_pad(x)
-        padded = self.pad(x)
-        return self.quantize_partitioned(padded) if self.params_quantized else padded
 
     # ---- words -------------------------------------------------------------------------------
     def storage_kind(self) -> str:

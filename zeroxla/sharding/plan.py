@@ -21,13 +21,14 @@ optimizer sees the parameter, so it never leaks into results.
 Frozen (non-trainable) leaves have no gradient, optimizer state or update; at stage 3 they are
 still partitioned and gathered for compute. With ZeRO++'s `quantized_nontrainable_weights` a
 frozen partitioned leaf is stored as block-quantized codes of each device's shard (a
-`QuantizedArray`, quantized once at init and never again): per device, `[L?, G, group_size *
-bits / 8]` int8 codes and `[L?, G]` float32 scales, G = chunk / group_size, chunk = the
-elements of one layer's shard. Its groups are cut on the logical tensor, not on the shards
-(`frozen_code_groups`): runs of `group_size` elements within a row (the dims after its first
-data-role dim), a size dividing the row, and a shard dim whose boundaries fall between rows. So
-every shard on every mesh is a whole number of the same groups, and a checkpoint's codes and
-steps restore onto any mesh bit for bit (`zeroxla.checkpoint.codes`).
+`leaf_plan.StoredCodes`, quantized once at init by the step layer, `zeroxla.engine.stored`, and
+never again): per device, `[L?, G, group_size * bits / 8]` int8 codes and `[L?, G]` float32
+scales, G = chunk / group_size, chunk = the elements of one layer's shard. Its groups are cut
+on the logical tensor, not on the shards (`frozen_code_groups`): runs of `group_size` elements
+within a row (the dims after its first data-role dim), a size dividing the row, and a shard dim
+whose boundaries fall between rows. So every shard on every mesh is a whole number of the same
+groups, and a checkpoint's codes and steps restore onto any mesh bit for bit
+(`zeroxla.checkpoint.codes`).
 
 Under a 16-bit compute dtype at stages 1-2, and for stage 3's persistent leaves, a leaf whose
 optimizer state is partitioned while its parameter is replicated is stored as DeepSpeed's
@@ -49,14 +50,13 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeroxla.sharding.leaf_plan import LAYERS_AXIS, LeafPlan
+from zeroxla.sharding.leaf_plan import LAYERS_AXIS, LeafPlan, StoredCodes
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.rules import TRAINING_COMPUTE_RULES, ZERO_STORAGE_RULES, AxisRules
-from zeroxla.pallas_kernels import QuantizedArray
 
 
 def _spec_text(spec: Any) -> str:
-    if isinstance(spec, QuantizedArray):
+    if isinstance(spec, StoredCodes):
         spec = spec.data
     entries = []
     for entry in spec:
@@ -100,7 +100,7 @@ class ShardingPlan:
         """The leaves with gradients and optimizer state (`state.opt_state` covers these)."""
         return tuple(leaf for leaf in self.leaves if leaf.trainable)
 
-    def param_specs(self) -> dict[str, P | QuantizedArray]:
+    def param_specs(self) -> dict[str, Any]:
         return {leaf.path: leaf.param_spec for leaf in self.leaves}
 
     def total_numel(self) -> int:

@@ -37,7 +37,7 @@ from reference import token_batches  # noqa: E402
 from zeroxla import checkpoint  # noqa: E402
 from zeroxla.sharding.config import ZeroConfig  # noqa: E402
 from zeroxla.sharding.mesh import make_mesh  # noqa: E402
-from zeroxla.engine.step import make_step  # noqa: E402
+from zeroxla.make import make_step  # noqa: E402
 
 STEPS, SAVE_AT = 10, 5
 BATCH, SEQ = 8, 16

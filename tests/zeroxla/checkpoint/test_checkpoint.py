@@ -27,7 +27,7 @@ from zeroxla import checkpoint
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.mesh import make_mesh
 from zeroxla.engine.state import gather_params
-from zeroxla.engine.step import make_step
+from zeroxla.make import make_step
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ from zeroxla.app import cli
 from zeroxla.checkpoint.export import export_checkpoint
 from zeroxla.sharding.mesh import make_mesh
 from zeroxla.engine.state import gather_params
-from zeroxla.engine.step import make_step
+from zeroxla.make import make_step
 
 GPT = models.GPTConfig(d_model=128, num_heads=4, num_layers=4, mlp_dim=512)
 TOKENS = np.random.default_rng(0).integers(0, 65, (2, 16)).astype(np.int32)

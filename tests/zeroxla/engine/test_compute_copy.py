@@ -9,6 +9,7 @@ import pytest
 
 import zeroxla
 from zeroxla import checkpoint, models
+from zeroxla.engine.stored import storage_to_logical
 from zeroxla.sharding.leaf_plan import MasterWithCopy
 from runs import run_steps
 from reference import token_batches
@@ -39,7 +40,7 @@ def test_stage1_master_follows_the_stage0_float32_master():
     assert copies
     for leaf in step.plan.leaves:
         stored = state.params[leaf.path]
-        master = np.asarray(leaf.storage_to_logical(stored))
+        master = np.asarray(storage_to_logical(leaf, stored))
         assert master.dtype == np.float32
         np.testing.assert_allclose(master, np.asarray(ref.params[leaf.path]), rtol=1e-6,
                                    atol=1e-7)
@@ -49,7 +50,7 @@ def test_stage1_master_follows_the_stage0_float32_master():
                                           master.astype(stored.compute.dtype))
     # Not rounded through bf16: most master elements are not bf16 values.
     leaf = copies[0]
-    master = np.asarray(leaf.storage_to_logical(state.params[leaf.path]))
+    master = np.asarray(storage_to_logical(leaf, state.params[leaf.path]))
     rounded = master.astype(jax.numpy.bfloat16).astype(np.float32)
     assert np.mean(master != rounded) > 0.5
 
@@ -59,13 +60,13 @@ def test_checkpoint_keeps_the_float32_master(stage, tmp_path):
     """Saved and restored (same step, and into a float32 stage-3 step): the float32 master
     values come back bit-exactly; the copy is rebuilt as their rounding."""
     step, state = _run(stage)
-    logical = {leaf.path: np.asarray(leaf.storage_to_logical(state.params[leaf.path]))
+    logical = {leaf.path: np.asarray(storage_to_logical(leaf, state.params[leaf.path]))
                for leaf in step.plan.leaves}
     checkpoint.save(tmp_path, state, step=step)
     restored = checkpoint.restore(tmp_path, step).state
     for leaf in step.plan.leaves:
         stored = restored.params[leaf.path]
-        np.testing.assert_array_equal(np.asarray(leaf.storage_to_logical(stored)),
+        np.testing.assert_array_equal(np.asarray(storage_to_logical(leaf, stored)),
                                       logical[leaf.path])
         if leaf.has_compute_copy:
             np.testing.assert_array_equal(np.asarray(stored.compute),
@@ -74,13 +75,13 @@ def test_checkpoint_keeps_the_float32_master(stage, tmp_path):
                              optimizer=optax.adam(3e-3), config=zeroxla.ZeroConfig(stage=3))
     other = checkpoint.restore(tmp_path, fp32).state
     for leaf in fp32.plan.leaves:
-        np.testing.assert_array_equal(np.asarray(leaf.storage_to_logical(
+        np.testing.assert_array_equal(np.asarray(storage_to_logical(leaf,
             other.params[leaf.path])), logical[leaf.path])
     # And back: the float32 stage-3 state into this step.
     checkpoint.save(tmp_path / "back", other, step=fp32)
     again = checkpoint.restore(tmp_path / "back", step).state
     for leaf in step.plan.leaves:
-        np.testing.assert_array_equal(np.asarray(leaf.storage_to_logical(
+        np.testing.assert_array_equal(np.asarray(storage_to_logical(leaf,
             again.params[leaf.path])), logical[leaf.path])
 
 
@@ -137,4 +138,4 @@ def test_stage3_bf16_with_persistent_copies_tracks_float32_single_device():
             assert isinstance(stored, MasterWithCopy)
             np.testing.assert_array_equal(
                 np.asarray(stored.compute),
-                np.asarray(leaf.storage_to_logical(stored)).astype(stored.compute.dtype))
+                np.asarray(storage_to_logical(leaf, stored)).astype(stored.compute.dtype))

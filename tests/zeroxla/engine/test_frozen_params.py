@@ -23,13 +23,15 @@ from flax import nnx
 
 from zeroxla import models
 import zeroxla
-from zeroxla.pallas_kernels import QuantizedArray, quantize
+from zeroxla.pallas_kernels import quantize
 from reference import flat_params, token_batches, train_single_device
 from runs import device_bytes
 from zeroxla.analysis.comm_report import comm_report, phase_of
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.plan import make_plan
 from zeroxla.engine.step import frozen_paths
+from zeroxla.engine.stored import dequantize_partitioned, logical_to_storage, storage_to_logical
+from zeroxla.sharding.leaf_plan import StoredCodes
 
 VOCAB, D, HIDDEN, RANK = 64, 256, 512, 8
 STEPS, BATCH, SEQ = 5, 16, 8
@@ -158,13 +160,13 @@ def _set_param(model, path, value):
 
 
 def _dequantized_codes(leaf, stored):
-    """float64 numpy, written from the format (`QuantizedArray`): a frozen leaf's logical values
+    """float64 numpy, written from the format (`StoredCodes`): a frozen leaf's logical values
     from its stored codes. Device d's rows hold the groups of its partition d (the padded leaf
     split into 8 equal blocks along the shard dim, flattened); a group's values are code * step;
     int4 bytes hold code k in the low nibble and code k + group/2 in the high one, both signed."""
     data = np.asarray(stored.data).astype(np.int64)                    # [8 * G, packed]
     steps = np.asarray(stored.scales, np.float64)                      # [8 * G]
-    if stored.bits == 4:
+    if leaf.storage_bits == 4:
         low = ((data & 0xF) ^ 8) - 8                                   # sign-extend 4 bits
         codes = np.concatenate([low, data >> 4], axis=-1)              # int8 >> 4 is signed
     else:
@@ -247,15 +249,15 @@ def test_plan_quantized_storage_round_trip(shape, axes, bits):
     row = int(np.prod(leaf.unit_shape[leaf.unit_shard_dim + 1:]))
     assert leaf.storage_group_size == row == shape[-1] and leaf.chunk % row == 0
     x = jax.random.normal(jax.random.key(0), shape)
-    stored = leaf.logical_to_storage(x)
+    stored = logical_to_storage(leaf, x)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), stored) == jax.tree.map(
         lambda a: (a.shape, a.dtype), leaf.param_struct())
     assert jax.tree.structure(stored) == jax.tree.structure(
         leaf.param_spec, is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec))
-    back = leaf.storage_to_logical(stored)
+    back = storage_to_logical(leaf, stored)
     assert back.shape == shape
     np.testing.assert_allclose(back, x, atol=float(jnp.abs(x).max()) * 2 / 2 ** bits)
-    padded = jax.lax.slice_in_dim(leaf.dequantize_partitioned(stored), shape[leaf.shard_dim],
+    padded = jax.lax.slice_in_dim(dequantize_partitioned(leaf, stored), shape[leaf.shard_dim],
                                   None, axis=leaf.shard_dim)
     assert padded.size > 0 and float(jnp.abs(padded).sum()) == 0.0   # padding stays zero
     assert leaf.param_bytes_per_device == leaf.layers * leaf.storage_groups * (
@@ -311,7 +313,7 @@ def test_stored_codes_are_each_devices_partition_and_never_requantized():
     initial = flat_params(nnx.state(_lora_model(), nnx.Param))
     for leaf in _quantized_leaves(step):
         q = state.params[leaf.path]
-        assert isinstance(q, QuantizedArray) and q.data.dtype == jnp.int8 and q.bits == 8
+        assert isinstance(q, StoredCodes) and q.data.dtype == jnp.int8 and leaf.storage_bits == 8
         # Bit-identical after 5 steps: codes and scales were never recomputed.
         np.testing.assert_array_equal(np.asarray(q.data), stored_before[leaf.path].data)
         np.testing.assert_array_equal(np.asarray(q.scales), stored_before[leaf.path].scales)
@@ -470,15 +472,15 @@ def test_fp16_steps_and_overflow_skips_keep_frozen_codes():
             np.testing.assert_array_equal(after, before, err_msg=path)
     for path in TRAINABLE:      # the persistent ones: a float32 master partition, fp16 copy
         leaf = step.plan[path]
-        assert not np.array_equal(np.asarray(leaf.storage_to_logical(state.params[path])),
-                                  np.asarray(leaf.storage_to_logical(stored_before[path]))), path
+        assert not np.array_equal(np.asarray(storage_to_logical(leaf, state.params[path])),
+                                  np.asarray(storage_to_logical(leaf, stored_before[path]))), path
 
 
 def test_int4_storage_packs_two_codes_a_byte():
     step, state, stored_before, _ = _frozen_run(4)
     for leaf in _quantized_leaves(step):
         q = state.params[leaf.path]
-        assert q.bits == 4
+        assert leaf.storage_bits == 4
         assert q.data.addressable_shards[0].data.shape == (leaf.storage_groups,
                                                            leaf.storage_group_size // 2)
         np.testing.assert_array_equal(np.asarray(q.data), stored_before[leaf.path].data)

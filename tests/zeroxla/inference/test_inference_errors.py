@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 import zeroxla
-from zeroxla.inference import HybridEngine, HybridEngineConfig, hybrid_engine_config_from_json
+from zeroxla.deepspeed import hybrid_engine_config_from_json
+from zeroxla.inference import HybridEngine, HybridEngineConfig
 from zeroxla.models import GPT, GPTConfig, Llama, LlamaConfig
 
 

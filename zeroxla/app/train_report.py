@@ -1,0 +1,195 @@
+"""What a `zeroxla train` run reports: its settings, the loss curve, the end-of-run sample and
+the summary.
+
+    run_settings      every value the run used (summary.json's "settings", each checkpoint's too)
+    write_plot        loss_curve.png: train and validation loss against step
+    final_sample      the prompt continued by the trained model (Hybrid Engine, KV cache)
+    TrainSummary      what a finished run reports; `write_summary` writes it as summary.json
+    format_summary    the report `zeroxla train` prints
+
+`zeroxla.app.train` builds these at the end of `run` (and re-exports the public names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+import zeroxla
+from zeroxla.app.job import DTYPE_NAMES, TrainJobConfig
+from zeroxla.app.recipe import TrainingSetup
+from zeroxla.app.sampling import local_zero3_step, sample_with_engine
+from zeroxla.app.tokenizer_records import tokenizer_record
+from zeroxla.app.train_data import SFTData, TextData
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSummary:
+    """What a finished run reports (also written to summary.json)."""
+
+    steps: int
+    tokens_seen: int                # over the whole run, resumed parts included
+    final_train_loss: float         # mean loss on `eval_batches` fixed training batches
+    final_val_loss: float           # same, on the held-out split
+    tokens_per_s: float             # batch tokens / step_time_s
+    step_time_s: float              # median step time after the first (compiling) step
+    compile_time_s: float           # the first step of this invocation, compilation included
+    wall_time_s: float              # this invocation
+    memory: Mapping[str, int]       # per-device bytes from zeroxla.memory_report
+    memory_table: str
+    samples: str
+    paths: Mapping[str, str | None]
+    resumed_from_step: int = 0      # 0: trained from scratch
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "memory": dict(self.memory),
+                "paths": dict(self.paths)}
+
+
+def _peak_lr(schedule: Callable[[Any], Any], steps: int) -> float:
+    """The largest learning rate of the run, to float32's 7 digits (0.01, not 0.0099999998)."""
+    return float(f"{float(np.max(np.asarray(schedule(np.arange(steps))))):.7g}")
+
+
+def run_settings(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFTData,
+                 out: Path) -> dict[str, Any]:
+    """Every value the run uses, defaults resolved (summary.json's "settings"; also stored in
+    each checkpoint, and compared on --resume)."""
+    zero = setup.zero
+    dp = job.data_parallel_size
+    settings = {
+        "model": job.model_name, "data": data.source,
+        "tokenizer": tokenizer_record(data.tokenizer)["kind"], "vocab_size": data.vocab_size,
+        "steps": job.steps, "batch_size": setup.batch_size,
+        "micro_batch_size": setup.batch_size // (dp * zero.gradient_accumulation_steps),
+        "seq_len": job.seq_len, "lr": _peak_lr(setup.learning_rate, job.steps),
+        "lr_schedule": setup.source, "warmup_steps": job.warmup_steps,
+        "mesh": f"{job.mesh[0]}x{job.mesh[1]}", "pipeline_stages": job.pipeline_stages,
+        "processes": jax.process_count(),
+        "zero_stage": zero.stage, "persistence_threshold": zero.persistence_threshold,
+        "dtype": DTYPE_NAMES[zero.compute_dtype],
+        "loss_scaling": ("off" if not zero.uses_loss_scaling else "dynamic"
+                         if zero.loss_scale == 0 else f"static {zero.loss_scale:g}"),
+        "grad_accum": zero.gradient_accumulation_steps,
+        "gradient_clipping": zero.gradient_clipping, "seed": job.seed,
+        "eval_every": job.eval_every, "eval_batches": job.eval_batches,
+        "save_every": job.save_every, "keep_last": job.keep_last,
+        "sample_tokens": job.sample_tokens, "temperature": job.temperature, "out_dir": str(out),
+    }
+    if job.deepspeed_config is not None:
+        settings["deepspeed_config"] = job.deepspeed_config
+    return settings
+
+
+def write_plot(path: Path, records: list[dict], title: str) -> None:
+    """loss_curve.png: per-step train loss (and its moving average) and validation loss."""
+    from matplotlib.figure import Figure   # no pyplot: no global figure state
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    ax = fig.add_subplot()
+    if train:
+        steps, losses = map(np.asarray, zip(*train))
+        width = len(losses) // 30           # smooth long runs; short ones are shown as they are
+        ax.plot(steps, losses, color="tab:blue", alpha=0.3 if width > 1 else 1.0,
+                lw=0.8 if width > 1 else 1.8, label="train (per step)")
+        if width > 1:
+            smooth = np.convolve(losses, np.ones(width) / width, mode="valid")
+            ax.plot(steps[width - 1:], smooth, color="tab:blue", lw=1.8,
+                    label=f"train ({width}-step mean)")
+    if val:
+        steps, losses = zip(*val)
+        ax.plot(steps, losses, "o-", color="tab:orange", lw=1.8, ms=4, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _host_model(state: Any) -> Any:
+    """The full model on this process's first device, for sampling. `gathered_model` moves the
+    parameters to one device, which needs them addressable here: with several processes each
+    first collects the whole storage-layout parameters on its host."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        device = jax.local_devices()[0]
+        params = jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True),
+                              state.params)
+        state = state.replace(step=jax.device_put(np.int32(0), device),
+                              params=jax.device_put(params, device), opt_state=None,
+                              loss_scale=None)
+    return zeroxla.gathered_model(state)
+
+
+def final_sample(step: Any, state: Any, data: TextData | SFTData, prompt: np.ndarray,
+                 job: TrainJobConfig, write: Callable[[str], None]) -> str:
+    """The end-of-run sample: `prompt` continued by `--sample-tokens` tokens, generated by the
+    Hybrid Engine (KV cache) from the trained state. Prompt + sample stop at `--seq-len`, the
+    positions the model was trained on (GPT's learned positions end at max_seq_len, and those
+    past the training length are untrained); a longer request is capped, and the run says so.
+    With several processes, or a pipelined step, each process generates on its own devices
+    from the gathered weights, the way `zeroxla generate` does from a checkpoint."""
+    if job.sample_tokens == 0:
+        return data.tokenizer.decode(np.asarray(prompt))
+    if jax.process_count() > 1 or job.pipeline_stages > 1:
+        step = local_zero3_step(_host_model(state))
+        state = step.init()
+    text, new = sample_with_engine(step, state, data.tokenizer, prompt,
+                                   num_tokens=job.sample_tokens, max_len=job.seq_len,
+                                   temperature=job.temperature, seed=job.seed)
+    if new < job.sample_tokens:
+        write(f"sample: {new} new tokens, not --sample-tokens {job.sample_tokens}: prompt + "
+              f"sample are capped at --seq-len {job.seq_len}, the positions the model was "
+              "trained on")
+    return text
+
+
+def write_summary(path: Path, settings: Mapping[str, Any], summary: TrainSummary) -> None:
+    """summary.json: the run's settings and its TrainSummary."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"settings": settings, **summary.to_dict()}, f, indent=2)
+
+
+def format_summary(summary: TrainSummary) -> str:
+    """The end-of-run report `zeroxla train` prints."""
+    sample = "\n".join("    " + line for line in summary.samples.splitlines())
+    resumed = (f", resumed at step {summary.resumed_from_step}" if summary.resumed_from_step
+               else "")
+    return "\n".join([
+        "",
+        "=== summary ===",
+        f"steps                 {summary.steps}  ({summary.tokens_seen:,} tokens{resumed})",
+        f"final train loss      {summary.final_train_loss:.4f}",
+        f"final validation loss {summary.final_val_loss:.4f}",
+        f"throughput            {summary.tokens_per_s:,.0f} tokens/s  "
+        f"({summary.step_time_s * 1e3:.1f} ms/step, median; first step with compilation "
+        f"{summary.compile_time_s:.1f} s)",
+        f"wall time             {summary.wall_time_s:.1f} s",
+        "per-device memory (zeroxla.memory_report):",
+        "\n".join("    " + line for line in summary.memory_table.splitlines()),
+        "",
+        "=== sample (generated from the trained model by the Hybrid Engine, KV cache) ===",
+        sample,
+        "",
+        "=== written ===",
+        f"run directory {summary.paths['run_dir']}",
+        f"metrics      {summary.paths['metrics']}",
+        f"loss curve   {summary.paths['loss_curve']}",
+        f"summary      {summary.paths['summary']}",
+        f"checkpoint   {summary.paths['checkpoint']}",
+    ])
+
+
+__all__ = ["TrainSummary", "final_sample", "format_summary", "run_settings", "write_plot",
+           "write_summary"]

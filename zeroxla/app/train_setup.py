@@ -1,0 +1,171 @@
+"""Setting up a `zeroxla train` job: everything that can fail on a bad option or bad data, done
+before any file is made (`zeroxla.app.train` creates the run directory only after `set_up`).
+
+`set_up(job, write) -> (TrainRun, state)`: the run directory's name (not yet created), the recipe
+(`zeroxla.app.recipe`), the data, the mesh and the step, and the state restored from `--resume`'s
+checkpoint or freshly initialized; `TrainRun` holds what the rest of the run reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+import zeroxla
+from zeroxla import checkpoint
+from zeroxla.app import distributed, rundir
+from zeroxla.app.job import TrainJobConfig
+from zeroxla.app.job_model import initial_state, model_config, model_factory
+from zeroxla.app.recipe import TrainingSetup, resolve_setup
+from zeroxla.app.train_data import SFTData, TextData, load_train_data
+from zeroxla.app.train_report import run_settings
+from zeroxla.deepspeed import config as ds_config
+from zeroxla.sharding.mesh import make_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRun:
+    """A job set up to run: what `set_up` decided before the run directory is made."""
+
+    job: TrainJobConfig
+    out: Path                       # the run directory
+    fresh: bool                     # a fresh default one (`_choose_out_dir`)
+    resume: rundir.ResumePoint | None
+    setup: TrainingSetup
+    data: TextData | SFTData
+    step: Any                       # from zeroxla.make_step
+    first_step: int                 # the resumed checkpoint's data position, else 0
+    restored_path: Path | None      # the resumed checkpoint
+    val_batches: list[dict]
+    settings: dict[str, Any]        # run_settings
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one global batch."""
+        return self.setup.batch_size * self.job.seq_len
+
+    @property
+    def plot_title(self) -> str:
+        """loss_curve.png's title: model, data, ZeRO stage, mesh and batch."""
+        job = self.job
+        return (f"{job.model_name} on {self.data.source}: ZeRO-{self.setup.zero.stage}, mesh "
+                f"{job.mesh[0]}x{job.mesh[1]}, batch {self.setup.batch_size}x{job.seq_len}")
+
+
+def _mesh_for(job: TrainJobConfig):
+    """The job's mesh: `pipeline_stages` x nodes x local devices."""
+    nodes, local = job.mesh
+    stages = job.pipeline_stages
+    return make_mesh(nodes, local, stages=stages,
+                     devices=distributed.mesh_devices(jax.devices(), stages * nodes * local))
+
+
+def _choose_out_dir(job: TrainJobConfig, resume: rundir.ResumePoint | None) -> tuple[Path, bool]:
+    """(the run directory, whether it is a fresh default one). Every process gets the same."""
+    if job.out_dir is not None:
+        out = Path(job.out_dir)
+        rundir.check_out_dir(out, resuming=resume.run_dir if resume else None)
+        return out, False
+    if resume is not None and resume.run_dir is not None:
+        return resume.run_dir, False
+    out = rundir.default_run_dir(Path(job.model_name).name, now=datetime.datetime.now())
+    if jax.process_count() > 1:               # process 0's clock and file system decide
+        out = Path(distributed.broadcast_text(str(out)))
+    return out, True
+
+
+def _check_no_newer_checkpoint(directory: Path, first_step: int) -> None:
+    """Refuses to resume at `first_step` into a checkpoint directory that already goes further."""
+    latest = checkpoint.latest_step(directory)
+    if latest is not None and latest > first_step:
+        raise rundir.RunDirError(
+            f"--resume: the checkpoint is at step {first_step} but {directory} already has a "
+            f"newer one, step {latest}; resume from the newest (--resume {directory.parent}) or "
+            f"continue into a fresh directory (--out {rundir.fresh_path(directory.parent)})")
+
+
+def _resolve_recipe(job: TrainJobConfig, write: Callable[[str], None]) -> TrainingSetup:
+    """`resolve_setup(job)`, each DeepSpeed config warning written as a plain line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ds_config.DeepSpeedConfigWarning)
+        setup = resolve_setup(job)
+    for w in caught:          # DeepSpeed keys without effect: one plain line each
+        if issubclass(w.category, ds_config.DeepSpeedConfigWarning):
+            write(f"warning: {w.message}")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return setup
+
+
+def _make_step(job: TrainJobConfig, setup: TrainingSetup, config: Any, mesh: Any) -> Any:
+    """The job's model under `setup`'s ZeRO config and optimizer on `mesh`; with several
+    pipeline stages, pipelined over `--grad-accum` micro-batches."""
+    pipeline = (zeroxla.PipelineConfig(setup.zero.gradient_accumulation_steps)
+                if job.pipeline_stages > 1 else None)
+    return zeroxla.make_step(model_factory(job, config), mesh, optimizer=setup.optimizer,
+                             config=setup.zero, pipeline=pipeline)
+
+
+def _restore_or_init(job: TrainJobConfig, step: Any, config: Any, mesh: Any,
+                     resume: rundir.ResumePoint | None, checkpoint_dir: Path,
+                     write: Callable[[str], None]) -> tuple[Any, int, Path | None]:
+    """(state, first step, restored checkpoint path): the `--resume` checkpoint restored for
+    `step`, or a fresh initial state at step 0."""
+    if not resume:
+        return initial_state(job, step, config, mesh), 0, None
+    # Any mesh, device count or stage: the checkpoint is re-laid out for this step.
+    restored = checkpoint.restore(resume.checkpoint_dir, step, step=resume.step)
+    state, first_step = restored.state, int(restored.metadata["data_position"])
+    if first_step >= job.steps:
+        raise ValueError(f"--resume {job.resume}: the checkpoint is at step {first_step}, "
+                         f"but --steps is {job.steps}; accepted: --steps > {first_step}")
+    _check_no_newer_checkpoint(checkpoint_dir, first_step)
+    write(f"resumed from {restored.path} at step {first_step}")
+    return state, first_step, restored.path
+
+
+def _describe(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFTData, mesh: Any,
+              settings: Mapping[str, Any]) -> str:
+    """The line that says what the run trains, on what, on which mesh and how."""
+    zero = setup.zero
+    return (f"zeroxla train: {job.model_name} on {data.source} ({data.describe()}, vocab "
+            f"{data.vocab_size}), ZeRO-{zero.stage} "
+            f"on a {job.mesh[0]}x{job.mesh[1]} mesh of {mesh.devices.flat[0].platform} devices"
+            + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+            + f", batch {setup.batch_size} x {job.seq_len} tokens"
+            + (f" in {zero.gradient_accumulation_steps} micro-batches"
+               if zero.gradient_accumulation_steps > 1 else "")
+            + f", {settings['dtype']}, recipe: {setup.source}")
+
+
+def set_up(job: TrainJobConfig, write: Callable[[str], None]) -> tuple[TrainRun, Any]:
+    """(the run, its first state): the run directory's name, the recipe, the data, the step and
+    the restored or initial state. Makes no file."""
+    resume = rundir.locate_resume(job.resume) if job.resume else None
+    out, fresh = _choose_out_dir(job, resume)
+    write(f"zeroxla train: run directory {out}")
+    setup = _resolve_recipe(job, write)
+    data = load_train_data(job.data, tokenizer=job.tokenizer, init_from=job.init_from,
+                           batch_size=setup.batch_size, seq_len=job.seq_len,
+                           val_fraction=job.val_fraction, seed=job.seed)
+    config = model_config(job, data)
+    mesh = _mesh_for(job)
+    step = _make_step(job, setup, config, mesh)
+    val_batches = data.eval_batches("val", job.eval_batches, step.batch_sharding)
+    state, first_step, restored_path = _restore_or_init(
+        job, step, config, mesh, resume, out / rundir.CHECKPOINT_DIR, write)
+    settings = run_settings(job, setup, data, out)
+    write(_describe(job, setup, data, mesh, settings))
+    run = TrainRun(job=job, out=out, fresh=fresh, resume=resume, setup=setup, data=data,
+                   step=step, first_step=first_step, restored_path=restored_path,
+                   val_batches=val_batches, settings=settings)
+    return run, state
+
+
+__all__ = ["TrainRun", "set_up"]

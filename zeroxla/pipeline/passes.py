@@ -1,0 +1,282 @@
+"""One stage's forward and backward passes: what a device computes in one schedule step.
+
+    Block          one block called from a flat list of its parameters
+    StageModel     the model's pieces on this stage, as functions of the parameters and a
+                   micro-batch: the computation up to the stack (the first stage's), the
+                   stage's blocks (plain, or linearized keeping their vjp residuals), and the
+                   computation after the stack with the loss (the last stage's)
+    StagePasses    one schedule step on this stage: idle, forward or backward, picked by
+                   `lax.switch` from the table's op; only the branches some stage takes in that
+                   step are built
+
+Everything here runs inside the ZeRO step's `shard_map`, on one device's arrays; the executor
+(`zeroxla.pipeline.executor`, whose docstring says what a forward keeps for its backward under
+each remat setting) builds one `StageModel` and one `StagePasses` per trace and scans the
+table's steps over `StagePasses.compute`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from zeroxla.engine import remat
+from zeroxla.engine.gather import GatheredStack
+from zeroxla.models.layers import call_block
+from zeroxla.pipeline.stages import StagedLoss, loss_after_stack, stack_input, stop_gradients
+from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE
+
+# `jax.named_scope`s around a stage's forward and backward work, so an HLO reading can tell the
+# collectives of each schedule op (ZeRO-3 gathers, reduce-scatters) from those of the loop.
+FORWARD_SCOPE = "pipeline_forward"
+BACKWARD_SCOPE = "pipeline_backward"
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """How to call one block from a flat list of its parameters (stacked-leaf order)."""
+
+    graphdef: Any
+    treedef: Any
+    paths: tuple[str, ...]          # the plan paths of its leaves, in that order
+
+    def __call__(self, full: list[Any], x: Any, consts: tuple, keep: Any) -> tuple[Any, None]:
+        block = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, full))
+        y, _ = call_block(block, x, consts, None)
+        return jnp.where(keep, y, x), None          # a masked (padding) slot passes x through
+
+
+@dataclasses.dataclass(frozen=True)
+class StageModel:
+    """The model cut at its stack (`zeroxla.pipeline.stages`), on this stage's parameter values.
+    `p` below is a dict of trainable leaves (path -> value), the frozen ones fill the rest."""
+
+    loss: StagedLoss
+    model_def: Any
+    block: Block
+    trainable: dict[str, Any]       # path -> this stage's value (stacked leaves: [Lmax, ...])
+    frozen: dict[str, Any]
+    mask: jax.Array                 # [Lmax]: False on this stage's padding slots
+    stack: GatheredStack | None     # ZeRO-3 per-micro-batch gathers of the blocks, else None
+    block_leaves: tuple[Any, ...]   # the blocks' plan leaves, in `block.paths` order
+    block_full: list[Any]           # their values (under `stack`: their shards)
+    policy: str                     # the remat policy of the blocks' vjp
+    dtype: Any
+
+    def model_of(self, p: dict[str, Any]) -> Any:
+        return self.model_def.module({**self.frozen, **p}, {}, None)
+
+    def embed(self, p: dict[str, Any], micro: Any) -> jax.Array:    # -> [mb, T, D]
+        """The model's computation up to its stack: the first stage's forward."""
+        return stack_input(self.loss.terms, self.model_of(p), micro)[0].astype(self.dtype)
+
+    def stack_args(self, micro: Any) -> tuple:                      # e.g. (positions [mb, T],)
+        """The stack's other arguments; parameter-free (`check_stages`), so constants."""
+        return stop_gradients(stack_input(self.loss.terms, self.model_of(self.trainable),
+                                          micro)[1])
+
+    def blocks_of(self, full: list[Any], x: jax.Array, consts: tuple) -> jax.Array:
+        """The stage's blocks on x [mb, T, D] -> [mb, T, D]; `full` their leaves (or shards)."""
+        if self.stack is not None:                             # full: the blocks' shards
+            return self.stack(full, x, consts, self.mask)[0]
+
+        def body(h, per_layer):
+            layer, keep = per_layer
+            return self.block(layer, h, consts, keep)[0], None
+        return lax.scan(body, x, (full, self.mask))[0]
+
+    def blocks(self, p: dict[str, Any], x: jax.Array, consts: tuple) -> jax.Array:
+        return self.blocks_of([{**self.frozen, **p}[path] for path in self.block.paths], x,
+                              consts)
+
+    def linearized_blocks(self, x: jax.Array, consts: tuple) -> tuple[Any, list[Any], Any]:
+        """(y, kept, layout): the blocks' forward keeping their vjp residuals less the
+        parameters (`linearize_keeping`: a residual that *is* a parameter or shard is taken
+        from `block_full` again in backward, never stashed per buffer)."""
+        return remat.linearize_keeping(lambda full, x: self.blocks_of(full, x, consts),
+                                       self.block_leaves, self.block_full, x, self.policy)
+
+    def head_terms(self, p: dict[str, Any], y: jax.Array, micro: Any) -> tuple[Any, Any]:
+        """The model's computation after its stack, and the loss: the last stage's.
+        Returns (loss sum, token count)."""
+        return loss_after_stack(self.loss.terms, self.model_of(p), micro, y)
+
+
+def accumulate(grads: dict[str, Any], d_p: dict[str, Any]) -> dict[str, Any]:
+    """`grads` plus `d_p` (some or all paths), as float32 sums."""
+    return {**grads, **{path: grads[path] + d.astype(f32) for path, d in d_p.items()
+                        if d is not None}}
+
+
+def _branch(pred: Any, sides: set[bool], true_fn: Callable, false_fn: Callable) -> Any:
+    """`lax.cond(pred, ...)`, or the one side every stage that may run here takes (`sides`)."""
+    if sides == {True}:
+        return true_fn()
+    if sides == {False}:
+        return false_fn()
+    return lax.cond(pred, true_fn, false_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What one schedule step hands this stage's op: `work` (static) maps each op to the stages
+    that may run it in this step; the rest is this stage's micro-batch and stash buffer."""
+
+    work: dict[int, set[int]]
+    micro: Any                      # the micro-batch [mb, ...]
+    consts: tuple                   # the stack's other arguments for it
+    buf: jax.Array                  # the stash buffer
+
+
+@dataclasses.dataclass
+class StagePasses:
+    """This stage's work in a schedule step, on the carry `c`: {"stash", "kept", "act",
+    "grad", "grads", "total", "count"} (`PipelineExecutor._run_schedule`)."""
+
+    model: StageModel
+    stages: int                     # S
+    is_first: jax.Array             # this device is stage 0
+    is_last: jax.Array              # this device is stage S - 1
+    stage: jax.Array
+    micro_batches: Any              # [M, mb, ...]
+    seed: jax.Array                 # the loss's cotangent: scale / c0
+    act: Any                        # a stage's input / output: ShapeDtypeStruct [mb, T, D]
+    zeros_act: jax.Array            # [mb, T, D]
+    keeps_residuals: bool           # remat is not "full": forward keeps the blocks' vjp
+    layouts: list[Any] = dataclasses.field(default_factory=list)  # static, same every trace
+
+    def kept_shapes(self, consts: tuple) -> list[Any]:
+        """Each residual the blocks' forward keeps, as a shape (per buffer); records the vjp's
+        static layout for the forward and backward to use."""
+        def probe(x, consts):
+            _, kept, layout = self.model.linearized_blocks(x, consts)
+            self.layouts.append(layout)
+            return kept
+        return jax.eval_shape(probe, self.act, consts)
+
+    def _if_first(self, stages: set[int], true_fn: Callable, false_fn: Callable) -> Any:
+        return _branch(self.is_first, {s == 0 for s in stages}, true_fn, false_fn)
+
+    def _if_last(self, stages: set[int], true_fn: Callable, false_fn: Callable) -> Any:
+        return _branch(self.is_last, {s == self.stages - 1 for s in stages}, true_fn, false_fn)
+
+    def compute(self, c: dict[str, Any], row: dict[str, Any], work: dict[int, set[int]]
+                ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
+        """This stage's work in one step. `row` holds the step's [S] op / micro-batch /
+        buffer; `work` (static) maps each op to the stages that may run it in this step:
+        only those branches are built (no backward in a forward-only step, no embedding
+        where the first stage runs no forward, ...), which keeps the unrolled steps cheap
+        to compile. Returns (carry, forward output or zeros, input gradient or zeros)."""
+        op, m, buf = (jnp.maximum(row[k][self.stage], 0)
+                      for k in ("op", "micro_batch", "buffer"))
+        micro = jax.tree.map(lambda a: a[m], self.micro_batches)
+        at = StepInputs(work, micro, self.model.stack_args(micro), buf)
+        branches = {IDLE: self._idle, FORWARD: self._forward, BACKWARD: self._backward}
+        ops = sorted(work)
+        if len(ops) == 1:
+            return branches[ops[0]](c, at)
+        index = jnp.asarray([ops.index(o) if o in ops else 0 for o in sorted(branches)],
+                            jnp.int32)[op]
+        return lax.switch(index, [functools.partial(branches[o], at=at) for o in ops], c)
+
+    def _idle(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
+        return c, self.zeros_act, self.zeros_act
+
+    def _forward(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
+        model = self.model
+        with jax.named_scope(FORWARD_SCOPE):
+            x = self._if_first(at.work[FORWARD], lambda: model.embed(model.trainable, at.micro),
+                               lambda: c["act"])
+            if not self.keeps_residuals:
+                return self._forward_keeping_input(c, at, x)
+            return self._forward_keeping_residuals(c, at, x)
+
+    def _forward_keeping_input(self, c: dict[str, Any], at: StepInputs, x: jax.Array
+                               ) -> tuple[dict, jax.Array, jax.Array]:
+        """remat "full": stash the stage input x only; backward recomputes the stage."""
+        model = self.model
+        y = model.blocks(model.trainable, x, at.consts)
+        total, count = self._if_last(at.work[FORWARD],
+                                     lambda: model.head_terms(model.trainable, y, at.micro),
+                                     lambda: (f32(0), f32(0)))
+        return ({**c, "stash": c["stash"].at[at.buf].set(x),
+                 "total": c["total"] + total, "count": c["count"] + count},
+                y.astype(self.act.dtype), self.zeros_act)
+
+    def _forward_keeping_residuals(self, c: dict[str, Any], at: StepInputs, x: jax.Array
+                                   ) -> tuple[dict, jax.Array, jax.Array]:
+        """remat "none" / a policy: keep the blocks' vjp residuals, and on the last stage run
+        the head's backward now, stashing its input gradient d_y."""
+        model = self.model
+        y, kept, layout = model.linearized_blocks(x, at.consts)
+        if layout.slots != self.layouts[0].slots:
+            raise AssertionError("the stage's residuals differ between traces")
+
+        def with_head():
+            # The loss's cotangent is known now, so the head's backward runs here
+            # and only its input gradient d_y [mb, T, D] waits for the backward.
+            def loss(p, y):
+                total, count = model.head_terms(p, y, at.micro)
+                return total * self.seed, (total, count)
+            _, pullback, (total, count) = jax.vjp(loss, model.trainable, y, has_aux=True)
+            d_p, d_y = pullback(f32(1))
+            return total, count, accumulate(c["grads"], d_p), d_y.astype(self.act.dtype)
+
+        total, count, grads, d_y = self._if_last(
+            at.work[FORWARD], with_head, lambda: (f32(0), f32(0), c["grads"], self.zeros_act))
+        return ({**c, "stash": c["stash"].at[at.buf].set(d_y), "grads": grads,
+                 "kept": [k.at[at.buf].set(v) for k, v in zip(c["kept"], kept)],
+                 "total": c["total"] + total, "count": c["count"] + count},
+                y.astype(self.act.dtype), self.zeros_act)
+
+    def _backward(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
+        model = self.model
+        with jax.named_scope(BACKWARD_SCOPE):
+            if self.keeps_residuals:
+                d_p, d_x = self._backward_from_residuals(c, at)
+            else:
+                d_p, d_x = self._backward_recomputing(c, at)
+            d_embed = self._if_first(
+                at.work[BACKWARD],
+                lambda: jax.vjp(lambda p: model.embed(p, at.micro), model.trainable)[1](d_x)[0],
+                lambda: jax.tree.map(jnp.zeros_like, model.trainable))
+            grads = accumulate(accumulate(c["grads"], d_p), d_embed)
+            return {**c, "grads": grads}, self.zeros_act, d_x.astype(self.act.dtype)
+
+    def _backward_from_residuals(self, c: dict[str, Any], at: StepInputs
+                                 ) -> tuple[dict[str, Any], jax.Array]:
+        """(d_p of the blocks' leaves only, d_x): the blocks' kept vjp, no recompute."""
+        d_y = self._if_last(at.work[BACKWARD], lambda: c["stash"][at.buf], lambda: c["grad"])
+        kept = [k[at.buf] for k in c["kept"]]
+        d_full, d_x = self.layouts[0].cotangents(kept, self.model.block_full, d_y)
+        return dict(zip(self.model.block.paths, d_full)), d_x
+
+    def _backward_recomputing(self, c: dict[str, Any], at: StepInputs
+                              ) -> tuple[dict[str, Any], jax.Array]:
+        """(d_p, d_x) under remat "full": recompute the stage (and the head on the last)."""
+        model = self.model
+        # The blocks' recompute and vjp sit outside the last-stage branch, so
+        # their collectives are in the program once (`branch_executions`).
+        y, pullback = jax.vjp(lambda p, x: model.blocks(p, x, at.consts), model.trainable,
+                              c["stash"][at.buf])
+
+        def with_head():
+            def loss(p, y):
+                return model.head_terms(p, y, at.micro)[0] * self.seed
+            d_head, d_y = jax.vjp(loss, model.trainable, y)[1](f32(1))
+            return d_head, d_y.astype(self.act.dtype)
+
+        d_head, d_y = self._if_last(
+            at.work[BACKWARD], with_head,
+            lambda: (jax.tree.map(jnp.zeros_like, model.trainable), c["grad"]))
+        d_p, d_x = pullback(d_y.astype(y.dtype))
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), d_p, d_head), d_x
