@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from zeroxla import models
+from zeroxla.engine.layout import ZeroLayout
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.model_def import ModelDef
@@ -84,22 +85,34 @@ def memory_report(step: Any, state: Any, batch: Any) -> MemoryReport:
         per_device = _device_bytes(tree)
         return max(per_device.values()) if per_device else 0
     analysis = step.compile(state, batch).memory_analysis()
-    gradients = sum(GRAD_BYTES * leaf.local_layers * (
-        leaf.chunk if leaf.optimizer_partitioned and step.config.stage >= 2 else leaf.unit_numel)
-        for leaf in step.plan.trainable_leaves)     # local_layers: a pipeline stage's own
-    secondary = 0
-    if step.config.hpz_partition_size > 1:
-        itemsize = jnp.dtype(step.config.compute_dtype).itemsize
-        secondary = sum(itemsize * leaf.layers * leaf.padded_numel
-                        // step.config.hpz_partition_size
-                        for leaf in step.plan.leaves if leaf.params_partitioned)
+    layout = step.layout
     return MemoryReport(
         params=worst(state.params), optimizer=worst(state.opt_state),
-        gradients=gradients, secondary_partition=secondary, loss_scale=worst(state.loss_scale),
+        gradients=_gradient_bytes(layout), secondary_partition=_secondary_bytes(layout),
+        loss_scale=worst(state.loss_scale),
         temporaries=int(analysis.temp_size_in_bytes),
         arguments=int(analysis.argument_size_in_bytes),
         outputs=int(analysis.output_size_in_bytes),
         aliased=int(analysis.alias_size_in_bytes))
+
+
+def _gradient_bytes(layout: ZeroLayout) -> int:
+    """Per-device float32 gradients: a partition each from stage 2 on, else whole leaves."""
+    config = layout.config
+    return sum(GRAD_BYTES * leaf.local_layers * (
+        leaf.chunk if leaf.optimizer_partitioned and config.stage >= 2 else leaf.unit_numel)
+        for leaf in layout.plan.trainable_leaves)   # local_layers: a pipeline stage's own
+
+
+def _secondary_bytes(layout: ZeroLayout) -> int:
+    """Per-device hpZ secondary partition (ZeRO++ §3.2): the compute-dtype copy of every
+    partitioned parameter, split over `hpz_partition_size` devices; 0 without hpZ."""
+    config = layout.config
+    if config.hpz_partition_size <= 1:
+        return 0
+    itemsize = jnp.dtype(config.compute_dtype).itemsize
+    return sum(itemsize * leaf.layers * leaf.padded_numel // config.hpz_partition_size
+               for leaf in layout.plan.leaves if leaf.params_partitioned)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,15 +147,16 @@ class Checkpointer:
         if not isinstance(step, ZeroStep):
             raise TypeError(f"save(step=...) takes the ZeroStep that produced the state (the "
                             f"checkpoint is numbered by state.step); got {type(step).__name__}")
+        layout = step.layout
         if model_config is None:
-            model_config = model_config_of(step)
+            model_config = model_config_of(layout)
         arrays = step.logical_layout.to_logical(state)
         # Frozen leaves stored as codes are saved as their codes and steps, not as floats, in
         # the logical group order (`zeroxla.checkpoint.codes`).
-        quantized = [leaf for leaf in step.plan.leaves if leaf.params_quantized]
+        quantized = [leaf for leaf in layout.plan.leaves if leaf.params_quantized]
         for leaf in quantized:
             del arrays[f"params/{leaf.path}"]
-            arrays.update(_logical_codes(step.mesh, leaf, state.params[leaf.path]))
+            arrays.update(_logical_codes(layout.mesh, leaf, state.params[leaf.path]))
         sums = checksums(arrays)
         number = host_int(state.step)
         loss_scale = (float(np.asarray(state.loss_scale.scale.addressable_data(0)))
@@ -163,10 +164,10 @@ class Checkpointer:
         meta = {
             "format": FORMAT_VERSION,
             "step": number,
-            "zero_config": dataclasses.asdict(step.config),
+            "zero_config": dataclasses.asdict(layout.config),
             "model_config": config_record(model_config),
             "loss_scale": loss_scale,
-            "mesh": {"shape": dict(step.mesh.shape), "data_size": step.data_size},
+            "mesh": {"shape": dict(layout.mesh.shape), "data_size": layout.data_size},
             "metadata": dict(metadata or {}),
             "frozen_codes": {leaf.path: codes.layout_record(leaf) for leaf in quantized},
             "arrays": {name: {"shape": list(a.shape), "dtype": a.dtype.name,
@@ -175,7 +176,7 @@ class Checkpointer:
         meta = json.loads(json.dumps(meta, default=encode))
         meta["digest"] = digest(meta)
         # One layer of a stacked [L, ...] parameter per chunk, so export reads a layer alone.
-        stacked = {name for leaf in step.plan.leaves if leaf.stacked
+        stacked = {name for leaf in layout.plan.leaves if leaf.stacked
                    for name in (f"params/{leaf.path}",
                                 *(codes.array_name(leaf.path, f) for f in codes.FIELDS))}
         save_args = {name: ocp.SaveArgs(shard_axes=(0,) if name in stacked else ())
@@ -238,15 +239,15 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
     info = select(directory, step)
     meta = read_meta(info)
     zero_step = target_step(target, meta, optimizer, loss_fn)
-    layout = zero_step.logical_layout
+    layout, logical = zero_step.layout, zero_step.logical_layout
     stored = meta["arrays"]
-    check_compatible(meta, layout, info)
+    check_compatible(meta, logical, info)
     # Frozen leaves saved as codes: each one's stored form (`zeroxla.checkpoint.codes`).
-    frozen = {path: codes.stored_layout(path, record, zero_step.plan[path])
+    frozen = {path: codes.stored_layout(path, record, layout.plan[path])
               for path, record in meta.get("frozen_codes", {}).items()}
-    shardings = zero_step.state_shardings.params
+    shardings = layout.state_shardings.params
 
-    wanted = _wanted(layout, stored, frozen, zero_step.mesh)
+    wanted = _wanted(logical, stored, frozen, layout.mesh)
     arrays = _read_checked(directory, info, wanted, stored)
     target_codes = {}
     for path, leaf in frozen.items():
@@ -254,22 +255,22 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
         name = f"params/{path}"
         # The stored values: a float target's parameter (for a quantized target, overwritten
         # below by the codes themselves).
-        arrays[name] = codes.restore_values(leaf, data, scales, layout.abstract[name].sharding,
-                                            layout.abstract[name].dtype)
-        if zero_step.plan[path].params_quantized:
-            target_codes[path] = codes.restore_codes(leaf, zero_step.plan[path], data, scales,
+        arrays[name] = codes.restore_values(leaf, data, scales, logical.abstract[name].sharding,
+                                            logical.abstract[name].dtype)
+        if layout.plan[path].params_quantized:
+            target_codes[path] = codes.restore_codes(leaf, layout.plan[path], data, scales,
                                                      shardings[path])
-    fresh = named_leaves({"loss_scale": init_loss_scale(zero_step.config)})
-    for name in [n for n in layout.names if n not in arrays]:
+    fresh = named_leaves({"loss_scale": init_loss_scale(layout.config)})
+    for name in [n for n in logical.names if n not in arrays]:
         if name not in fresh:
             raise CheckpointError(f"checkpoint step {info.step}: array {name!r} was not restored")
-        arrays[name] = jax.device_put(fresh[name], layout.abstract[name].sharding)
-    state = layout.to_storage([arrays[n] for n in layout.names])
+        arrays[name] = jax.device_put(fresh[name], logical.abstract[name].sharding)
+    state = logical.to_storage([arrays[n] for n in logical.names])
     if target_codes:
         state = state.replace(params={**state.params, **target_codes})
     return Restored(state=state, step=zero_step, metadata=meta["metadata"],
                     checkpoint_step=info.step, path=info.path,
-                    zero_config=zero_step.config, model_config=known_model_config(meta),
+                    zero_config=layout.config, model_config=known_model_config(meta),
                     loss_scale=meta["loss_scale"])
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zeroxla import models
-from zeroxla.engine.step import ZeroStep
+from zeroxla.engine.layout import ZeroLayout
 
 
 def config_record(config: Any) -> dict[str, Any] | None:
@@ -46,9 +46,9 @@ def known_model_config(meta: Mapping[str, Any]) -> Any:
             if record and record.get("family") in models.FAMILIES else None)
 
 
-def model_config_of(step: ZeroStep) -> Any:
-    """The `config` dataclass of the step's model, if the model keeps one (models/ do)."""
-    config = getattr(step.model_def.abstract_module(), "config", None)
+def model_config_of(layout: ZeroLayout) -> Any:
+    """The `config` dataclass of the layout's model, if the model keeps one (models/ do)."""
+    config = getattr(layout.model_def.abstract_module(), "config", None)
     return config if dataclasses.is_dataclass(config) else None
 
 

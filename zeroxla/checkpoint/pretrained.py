@@ -156,8 +156,8 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh, *, optimizer: Any = Non
     cls = model_class(model_config)
     step = make_step(lambda: cls(model_config, rngs=nnx.Rngs(0)), mesh, optimizer=optimizer,
                      config=config, loss_fn=loss_fn, trainable=trainable, pipeline=pipeline)
-    values = spread_hf_params(model_config, path, mesh, dtype=np.dtype(step.config.master_dtype),
-                              progress=progress)
+    values = spread_hf_params(model_config, path, mesh,
+                              dtype=np.dtype(step.layout.config.master_dtype), progress=progress)
     return step, step.init_from(values, seed)
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.leaf_plan import LeafPlan
@@ -87,22 +88,22 @@ class LogicalLayout:
     to_storage: Callable[[Sequence[jax.Array]], TrainState]
 
 
-def abstract_storage_state(step: Any) -> TrainState:
-    """Shapes, dtypes and shardings of `step`'s stored state (nothing allocated)."""
-    loss_scale = (jax.eval_shape(lambda: init_loss_scale(step.config))
-                  if step.config.uses_loss_scaling else None)
+def abstract_storage_state(layout: ZeroLayout) -> TrainState:
+    """Shapes, dtypes and shardings of the state stored in `layout` (nothing allocated)."""
+    loss_scale = (jax.eval_shape(lambda: init_loss_scale(layout.config))
+                  if layout.config.uses_loss_scaling else None)
     return TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
-        params={leaf.path: leaf.param_struct() for leaf in step.plan.leaves},
-        opt_state=step.sharded_optimizer.abstract_state(), loss_scale=loss_scale,
-        plan=step.plan, model_def=step.model_def,
-        model_state=step.model_def.abstract_values()[1],
-        rng=jax.ShapeDtypeStruct((2,), jnp.uint32) if step.uses_rng else None)
+        params={leaf.path: leaf.param_struct() for leaf in layout.plan.leaves},
+        opt_state=layout.sharded_optimizer.abstract_state(), loss_scale=loss_scale,
+        plan=layout.plan, model_def=layout.model_def,
+        model_state=layout.model_def.abstract_values()[1],
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32) if layout.uses_rng else None)
 
 
-def build_layout(step: Any) -> LogicalLayout:
-    """The logical form of `step`'s state (`step` is a `ZeroStep`)."""
-    plan, optimizer, mesh = step.plan, step.sharded_optimizer, step.mesh
+def build_layout(layout: ZeroLayout) -> LogicalLayout:
+    """The logical form of the state stored in `layout` (a step's `ZeroLayout`)."""
+    plan, optimizer, mesh = layout.plan, layout.sharded_optimizer, layout.mesh
     leaves = {leaf.path: leaf for leaf in plan.leaves}
 
     def logical_tree(state: TrainState) -> dict[str, Any]:
@@ -123,10 +124,10 @@ def build_layout(step: Any) -> LogicalLayout:
             step=tree["step"],
             params={p: logical_to_storage(leaf, tree["params"][p]) for p, leaf in leaves.items()},
             opt_state=optimizer.to_storage(tree["opt_state"]),
-            loss_scale=tree.get("loss_scale"), plan=plan, model_def=step.model_def,
+            loss_scale=tree.get("loss_scale"), plan=plan, model_def=layout.model_def,
             model_state=dict(tree.get("model_state", {})), rng=tree.get("rng"))
 
-    abstract_tree = jax.eval_shape(logical_tree, abstract_storage_state(step))
+    abstract_tree = jax.eval_shape(logical_tree, abstract_storage_state(layout))
     named = named_leaves(abstract_tree)
     is_plan = lambda x: x is None or isinstance(x, LeafPlan)   # noqa: E731
     plans = {**{f"params/{p}": leaf for p, leaf in leaves.items()},
@@ -146,4 +147,4 @@ def build_layout(step: Any) -> LogicalLayout:
         to_logical=jax.jit(lambda state: named_leaves(logical_tree(state)),
                            out_shardings=shardings),
         to_storage=jax.jit(lambda arrays: storage_state(jax.tree.unflatten(treedef, arrays)),
-                           out_shardings=step.state_shardings))
+                           out_shardings=layout.state_shardings))

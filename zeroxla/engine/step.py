@@ -182,7 +182,7 @@ class ZeroStep:
     def logical_layout(self) -> LogicalLayout:
         """The mesh- and stage-independent form of this step's state (what checkpoints store),
         with its two jitted conversions; built on first use."""
-        return build_layout(self)
+        return build_layout(self.layout)
 
     def gathered_model(self, state: TrainState) -> nnx.Module:
         """A plain model holding the full parameters of `state` (see `gathered_model`)."""

@@ -32,15 +32,16 @@ class Zero3Generator:
 
     def __init__(self, step: Any, max_out_tokens: int = 512):
         check_step(step, "Zero3Generator")
-        if step.config.stage != 3 or step.axes.num_stages > 1:
+        self.layout = layout = step.layout
+        if layout.config.stage != 3 or layout.axes.num_stages > 1:
             raise ValueError(f"Zero3Generator needs a ZeRO stage 3 step without pipeline "
-                             f"stages; got stage={step.config.stage}, "
-                             f"stages={step.axes.num_stages}; accepted: stage=3, stages=1")
-        self.step = step
-        self.axes = step.axes
+                             f"stages; got stage={layout.config.stage}, "
+                             f"stages={layout.axes.num_stages}; accepted: stage=3, stages=1")
+        self.step = step                     # its compute: parameter specs, local model, inputs
+        self.axes = layout.axes
         self.max_out_tokens = max_out_tokens
         self.vocab_size = step.vocab_size
-        self._cache_shape = check_decodable(step.model_def, max_out_tokens, self.vocab_size)
+        self._cache_shape = check_decodable(layout.model_def, max_out_tokens, self.vocab_size)
         self._programs: dict[tuple, Any] = {}
 
     def _specs(self) -> tuple[Any, P, P]:
@@ -67,7 +68,7 @@ class Zero3Generator:
                                    lengths, live, max_new, eos_id, key, sampling,
                                    self.max_out_tokens, all_done)
 
-            run = jax.shard_map(local, mesh=self.step.mesh, check_vma=False, in_specs=(
+            run = jax.shard_map(local, mesh=self.layout.mesh, check_vma=False, in_specs=(
                 params_spec, P(), {"k": cache_spec, "v": cache_spec}, rows, rows, rows, P(),
                 P(), P()), out_specs=(rows, P(), {"k": cache_spec, "v": cache_spec}))
             self._programs[key] = jax.jit(run, donate_argnums=(2,))
@@ -76,7 +77,7 @@ class Zero3Generator:
     def _cache(self, batch: int) -> dict[str, jax.Array]:
         shape = list(self._cache_shape)
         shape[1] = batch
-        sharding = NamedSharding(self.step.mesh, self._specs()[1])
+        sharding = NamedSharding(self.layout.mesh, self._specs()[1])
         return jax.jit(lambda: {k: jnp.zeros(shape, jnp.float32) for k in ("k", "v")},
                        out_shardings={"k": sharding, "v": sharding})()
 
@@ -89,7 +90,7 @@ class Zero3Generator:
         key = seed_key(seed)
         check_eos_id(eos_id, self.vocab_size)
         rows = check_prompts(prompts, max_new_tokens, self.max_out_tokens, self.vocab_size)
-        check_state(state, self.step.plan, self.step.model_def)
+        check_state(state, self.layout.plan, self.layout.model_def)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
         batch = bucket(len(rows), multiple=self.axes.data_size)
@@ -109,7 +110,7 @@ class Zero3Generator:
         def local(params, model_state, cache, token, pos):
             return self._local_model(params, model_state).decode(token, pos, cache)
 
-        run = jax.shard_map(local, mesh=self.step.mesh, check_vma=False, in_specs=(
+        run = jax.shard_map(local, mesh=self.layout.mesh, check_vma=False, in_specs=(
             params_spec, P(), {"k": cache_spec, "v": cache_spec}, rows, rows),
             out_specs=(rows, {"k": cache_spec, "v": cache_spec}))
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)

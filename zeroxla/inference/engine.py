@@ -60,9 +60,10 @@ class HybridEngine:
         if not isinstance(config, HybridEngineConfig):
             raise ValueError(f"HybridEngine: config is a {type(config).__name__}; accepted: a "
                              "HybridEngineConfig (or None for DeepSpeed's defaults)")
-        self.model_def = step.model_def
-        self.plan = step.plan
-        devices = list(np.asarray(step.mesh.devices).reshape(-1))
+        zero_layout = step.layout            # the training layout; `self.layout` is inference's
+        self.model_def = zero_layout.model_def
+        self.plan = zero_layout.plan
+        devices = list(np.asarray(zero_layout.mesh.devices).reshape(-1))
         self.layout: TensorParallelLayout = tensor_parallel_layout(
             self.model_def, devices, config.inference_tp_size)
         self.mesh = self.layout.mesh
