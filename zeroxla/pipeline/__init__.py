@@ -15,8 +15,8 @@
     passes.py      one stage's forward and backward in a schedule step: the model's pieces
                    on the stage and the idle / forward / backward branches (imports JAX)
     executor.py    the table run as one lax.scan per segment, one ppermute per send, inside
-                   the ZeRO step (imports JAX; loaded by make_step(pipeline=...), not by this
-                   package)
+                   the ZeRO step; built on the step's ZeroLayout by `zeroxla.make.make_step`
+                   (imports JAX; loaded by zeroxla.make, not by this package)
 
 Nothing here but executor.py, passes.py and stages.py imports JAX.
 """
