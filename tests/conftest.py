@@ -64,9 +64,8 @@ def pytest_pyfunc_call(pyfuncitem):
     emitters, the run's compilation cache) and passes or fails with it."""
     if _FUSION_EMITTERS or not pyfuncitem.get_closest_marker("fusion_emitters"):
         return None
-    env = dict(os.environ, **{xla_flags.FUSION_EMITTERS_ENV: "1"})
-    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
-                                if not f.startswith(xla_flags.DEVICE_COUNT_FLAG))
+    env = xla_flags.child_environ()       # the child's conftest drops OLDER_EMITTERS_FLAG
+    env[xla_flags.FUSION_EMITTERS_ENV] = "1"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
          "--rootdir", str(pyfuncitem.config.rootpath), pyfuncitem.nodeid],

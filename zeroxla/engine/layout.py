@@ -104,8 +104,9 @@ class ZeroLayout:
         return takes_rngs(self.loss_fn)
 
     def with_plan(self, plan: ShardingPlan) -> ZeroLayout:
-        """This layout storing parameters as `plan` says (steps 5-6 redone); `model_plan` kept."""
-        sharded_optimizer = _sharded_optimizer(self.optimizer, plan, self.model_def)
+        """This layout storing parameters as `plan` says (steps 5-6 redone); `model_plan` kept.
+        The optimizer was checked on the logical parameters, which no plan changes."""
+        sharded_optimizer = ShardedOptimizer(self.optimizer, plan, self.model_def)
         return dataclasses.replace(
             self, plan=plan, sharded_optimizer=sharded_optimizer,
             state_shardings=_state_shardings(self.mesh, self.config, plan, self.model_def,
@@ -128,7 +129,8 @@ def zero_layout(source: ModelSource, mesh: Mesh, *,
             else Zero2Collectives(axes, config.dtype) if config.stage == 2
             else ZeroCollectives(axes, config.dtype))
     optimizer = optimizer if optimizer is not None else default_optimizer()
-    sharded_optimizer = _sharded_optimizer(optimizer, plan, model_def)         # 5
+    sharded_optimizer = ShardedOptimizer(optimizer, plan, model_def)          # 5
+    sharded_optimizer.check()        # refuses, by name, transformations it cannot run exactly
     loss_fn = loss_fn if loss_fn is not None else next_token_loss
     # Random numbers drawn anywhere (model-held RNG streams, a loss_fn taking `rngs`): the
     # state then carries the run's seed (`TrainState.rng`).
@@ -140,13 +142,6 @@ def zero_layout(source: ModelSource, mesh: Mesh, *,
                                          uses_rng),
         batch_sharding=NamedSharding(mesh, P(axes.data)), loss_fn=loss_fn,
         trainable=trainable, uses_rng=uses_rng)
-
-
-def _sharded_optimizer(optimizer: optax.GradientTransformation, plan: ShardingPlan,
-                       model_def: ModelDef) -> ShardedOptimizer:
-    sharded = ShardedOptimizer(optimizer, plan, model_def)
-    sharded.check()                  # refuses, by name, transformations it cannot run exactly
-    return sharded
 
 
 def _state_shardings(mesh: Mesh, config: ZeroConfig, plan: ShardingPlan, model_def: ModelDef,

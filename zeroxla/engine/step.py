@@ -14,10 +14,10 @@ One `jax.jit` holds two parts:
        reduce gradients                  stage 0-1: psum; stage 2-3: psum of the leaves left
                                          replicated (persistent, or scalars) only
 
-2. the update (`engine.apply`), on globally shaped arrays outside the `shard_map`: unscale and overflow check
-   (fp16), global norm and clipping, then the optax transformation on the logical parameters
-   (`ShardedOptimizer`): elementwise optimizers compute on each device's partition and move no
-   bytes; statistics over a whole tensor (norms, factored moments) get XLA's reductions. At
+2. the update (`engine.apply`), on globally shaped arrays outside the `shard_map`: unscale and
+   overflow check (fp16), global norm and clipping, then the optax transformation on the logical
+   parameters (`ShardedOptimizer`): elementwise optimizers compute on each device's partition and
+   move no bytes; statistics over a whole tensor (norms, factored moments) get XLA's reductions. At
    stages 1-2 (and for stage 3's persistent leaves) the updated partitions are all-gathered back
    into the replicated parameters; under bf16/fp16 the float32 master stays a partition and its
    16-bit rounding is gathered into the 16-bit copy compute reads (`leaf_plan.MasterWithCopy`).
