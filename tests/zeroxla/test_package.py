@@ -323,3 +323,22 @@ def test_no_function_is_over_80_lines():
                     over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
     assert not over, (f"functions over {MAX_FUNCTION_LINES} lines (split them into functions "
                       "that each do one thing): " + ", ".join(over))
+
+
+def test_every_module_is_named_in_its_package_guide_and_the_readme_layout():
+    """Each package's `__init__` docstring lists its modules, and the README's layout table row
+    for the package names each one: a new module shows up in both, or this fails naming it."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = {line.split("`")[1].rstrip("/"): line for line in readme.splitlines()
+            if line.startswith("| ") and line.count("`") >= 2}
+    unlisted = []
+    for init in sorted((ROOT / PACKAGE).glob("*/__init__.py")):
+        guide = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        row = rows.get(f"{PACKAGE}/{init.parent.name}", "")
+        for module in sorted(p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"):
+            if f"{module}.py" not in guide:
+                unlisted.append(f"{init.parent.name}/{module}.py missing from {init}'s guide")
+            if f"`{module}`" not in row:
+                unlisted.append(f"{init.parent.name}/{module}.py missing from the README "
+                                f"layout row of {PACKAGE}/{init.parent.name}/")
+    assert not unlisted, "\n".join(unlisted)

@@ -4,18 +4,31 @@ sampling.
 Nothing in the library imports this package; `import zeroxla` does not load it.
 
     cli.py           the `zeroxla` command
-    train_cli.py     `zeroxla train`: its options, and the handler that runs the job
+    cli_args.py      argparse value types and the simulated-device flag of every subcommand
+    train_options.py `zeroxla train`'s option table: argparse, --resume, names, DeepSpeed
+                     overrides, all generated from it
+    train_cli.py     `zeroxla train`: the handler that turns the options into a job and runs it
     train.py         the training job (run: set up, loop, checkpoints, report)
     train_setup.py   setting a job up before its run directory is made (data, step, restore)
+    train_data.py    what a job trains on: a text corpus or SFT pairs
     train_report.py  what a run reports: settings, loss curve, sample, summary
     job.py           TrainJobConfig, and what --resume restores from a checkpoint
-    recipe.py        the ZeRO config, optimizer, schedule and batch of a job
+    job_model.py     the model a job trains: a models/ preset or a Hugging Face checkpoint
+    recipe.py        the ZeRO config, optimizer, schedule and batch of a job (a --config JSON
+                     read once, the job's options applied to it as typed overrides)
+    chat_cli.py      `zeroxla reward` and `zeroxla ppo` on the command line
+    chat_data.py     DeepSpeed-Chat's data: SFT examples, preference pairs, PPO prompts
+    reward_job.py    `zeroxla reward`: DeepSpeed-Chat's step 2
+    ppo_job.py       `zeroxla ppo`: DeepSpeed-Chat's step 3
+    char_sft.py      the SFT warm-up of the character-level PPO demo
     rundir.py        run directories: fresh names, no overwriting, what --resume accepts
     interrupt.py     Ctrl-C as a request to stop between steps
     distributed.py   the multi-process environment (ZEROXLA_*) and jax.distributed start-up
     launch.py        `zeroxla launch`: N local processes, supervised
     data.py          corpora and per-device batches
     tokenizer.py     character and byte tokenizers
+    tokenizer_records.py  tokenizers as JSON records stored in checkpoints
+    tiny_checkpoints.py   tiny random Hugging Face checkpoints for the tests and the demos
     hf_tokenizer.py  the same as Hugging Face tokenizer files, for export
     sampling.py      text sampling from a trained model
 """

@@ -4,7 +4,7 @@ Every checkpoint of `zeroxla train` records the job as it was given (`job_record
 the DeepSpeed config or a default decided) next to the settings actually used. `--resume` rebuilds
 the job from that record, with the options given on the command line winning
 (`resumed_fields`), so a resumed run keeps its model, data, batch, mesh, ZeRO stage and dtype
-unless told otherwise, and `describe_resume` says which settings came back and which changed.
+unless told otherwise (`train_options.describe_resume` says which came back and which changed).
 Nothing here uses a device.
 """
 
@@ -27,18 +27,6 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Fields that belong to one invocation, not to the run: never restored by --resume.
 PER_INVOCATION = ("out_dir", "resume", "progress")
-# How the settings read on the command line, for messages.
-OPTION_NAMES = {"zero_stage": "--zero-stage", "mesh": "--mesh", "dtype": "--dtype",
-                "grad_accum": "--grad-accum", "batch_size": "--batch-size", "lr": "--lr",
-                "steps": "--steps", "seq_len": "--seq-len", "seed": "--seed", "model": "--model",
-                "data": "--data", "tokenizer": "--tokenizer", "init_from": "--init-from", "deepspeed_config": "--config",
-                "persistence_threshold": "--persistence-threshold",
-                "warmup_steps": "--warmup-steps", "eval_every": "--eval-every",
-                "eval_batches": "--eval-batches", "save_every": "--save-every",
-                "keep_last": "--keep-last", "sample_tokens": "--sample-tokens",
-                "temperature": "--temperature", "pipeline_stages": "--pipeline-stages"}
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainJobConfig:
     """Everything `zeroxla train` needs. `None` means "from the DeepSpeed config, else default"."""
@@ -160,34 +148,5 @@ def resumed_fields(saved: Mapping[str, Any] | None,
     return fields
 
 
-def _show(name: str, value: Any) -> str:
-    if name == "mesh" and isinstance(value, (list, tuple)):
-        return "x".join(map(str, value))
-    return str(value)
-
-
-def describe_resume(saved_settings: Mapping[str, Any] | None,
-                    explicit: Mapping[str, Any]) -> list[str]:
-    """Lines saying what a resume kept from the run and what the command line changed.
-
-    `saved_settings` are the settings the run used (its summary's "settings"); `explicit` the
-    TrainJobConfig fields given on the command line.
-    """
-    if not saved_settings:
-        return ["resume: the checkpoint records no zeroxla train settings; using the command "
-                "line and the defaults"]
-    kept = [f"{OPTION_NAMES[name]} {_show(name, saved_settings[name])}"
-            for name in ("model", "mesh", "zero_stage", "dtype", "grad_accum", "batch_size",
-                         "seq_len", "steps") if name not in explicit and name in saved_settings]
-    changed = [f"{OPTION_NAMES.get(name, name)} {_show(name, saved_settings[name])} -> "
-               f"{_show(name, value)}" for name, value in explicit.items()
-               if name in saved_settings
-               and _show(name, saved_settings[name]) != _show(name, value)]
-    lines = [f"resume: kept from the run: {', '.join(kept) or 'nothing listed'} (and its other "
-             "settings)"]
-    lines.append(f"resume: changed on the command line: {', '.join(changed) or 'nothing'}")
-    return lines
-
-
-__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_LR", "DTYPES", "DTYPE_NAMES", "OPTION_NAMES",
-           "PER_INVOCATION", "TrainJobConfig", "describe_resume", "job_record", "resumed_fields"]
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_LR", "DTYPES", "DTYPE_NAMES", "PER_INVOCATION",
+           "TrainJobConfig", "job_record", "resumed_fields"]

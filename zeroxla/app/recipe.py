@@ -3,21 +3,23 @@
 `resolve_setup(job) -> TrainingSetup`. Where each setting comes from: an explicit job field wins;
 a DeepSpeed JSON (`job.deepspeed_config`) gives the batch sizes, ZeRO config, precision,
 optimizer and schedule; otherwise the defaults (tuned so the default job, gpt-tiny on
-tiny-shakespeare, finishes in a few minutes on two CPU cores). A field set both explicitly and
-in the JSON to different values is an error naming both, not a silent override. No device is
-used.
+tiny-shakespeare, finishes in a few minutes on two CPU cores). With a JSON, the job's options
+that are DeepSpeed settings go to the loader as typed overrides
+(`train_options.deepspeed_overrides`), applied while the JSON is read once; a field set both
+explicitly and in the JSON to different values is an error naming both, not a silent override.
+No device is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Any
 
 import optax
 
 from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, TrainJobConfig
+from zeroxla.app.train_options import deepspeed_overrides
 from zeroxla.deepspeed import config as ds_config
 from zeroxla.sharding.config import ZeroConfig
 
@@ -46,50 +48,6 @@ def _default_optimizer(job: TrainJobConfig,
     return optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=job.weight_decay)
 
 
-def _merge_precision(raw: dict, dtype: str, path: str) -> None:
-    """Adds `--dtype` to the DeepSpeed dict as its fp16/bf16 sections; a conflict is an error."""
-    for name, key in (("fp16", "fp16"), ("bf16", "bfloat16" if "bfloat16" in raw else "bf16")):
-        section = raw.get(key)
-        enabled = section.get("enabled") if isinstance(section, dict) else None
-        if (enabled is True and name != dtype) or (enabled is False and name == dtype):
-            raise ValueError(f"--dtype {dtype} conflicts with {key}.enabled="
-                             f"{str(enabled).lower()} in {path}; give one")
-        if name == dtype:
-            raw[key] = {**(section if isinstance(section, dict) else {}), "enabled": True}
-
-
-def _merge_job_into_deepspeed(job: TrainJobConfig, raw: dict, path: str) -> dict:
-    """The DeepSpeed dict with the job's explicit settings added; a conflict is an error."""
-    raw = json.loads(json.dumps(raw))      # a deep copy
-    for option, key, value in (
-            ("--zero-stage", "stage", job.zero_stage),
-            ("--persistence-threshold", "stage3_param_persistence_threshold",
-             job.persistence_threshold)):
-        if value is None:
-            continue
-        zero = raw.setdefault("zero_optimization", {})
-        if key in zero and zero[key] != value:
-            raise ValueError(f"{option} {value} conflicts with zero_optimization.{key}="
-                             f"{zero[key]} in {path}; give one")
-        zero[key] = value
-    for option, key, value in (("--batch-size", "train_batch_size", job.batch_size),
-                               ("--grad-accum", "gradient_accumulation_steps", job.grad_accum)):
-        if value is None:
-            continue
-        if key in raw and raw[key] != value:
-            raise ValueError(f"{option} {value} conflicts with {key}={raw[key]} in {path}; "
-                             "give one")
-        raw[key] = value
-    if "train_batch_size" not in raw and "train_micro_batch_size_per_gpu" not in raw:
-        raw["train_batch_size"] = DEFAULT_BATCH_SIZE
-    if job.dtype is not None:
-        _merge_precision(raw, job.dtype, path)
-    if job.lr is not None and ("optimizer" in raw or "scheduler" in raw):
-        raise ValueError(f"--lr {job.lr} conflicts with the optimizer/scheduler sections of "
-                         f"{path}, which set the learning rate; give one")
-    return raw
-
-
 def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
     """The ZeRO config, optimizer, schedule and global batch size for `job` (no devices used)."""
     dp = job.data_parallel_size
@@ -111,10 +69,12 @@ def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
                              optimizer=_default_optimizer(job, schedule), learning_rate=schedule,
                              batch_size=batch, source="defaults (AdamW, warmup + cosine)")
     path = job.deepspeed_config
-    raw, _ = ds_config.read_deepspeed_json(path)
-    merged = _merge_job_into_deepspeed(job, raw, path)
-    ds = ds_config.load_deepspeed_config(merged, data_parallel_size=dp,
-                                         mesh_local_size=job.mesh[1], name=path)
+    ds = ds_config.load_deepspeed_config(path, data_parallel_size=dp, mesh_local_size=job.mesh[1],
+                                         overrides=deepspeed_overrides(job),
+                                         default_train_batch_size=DEFAULT_BATCH_SIZE)
+    if job.lr is not None and (ds.optimizer_name is not None or ds.scheduler_name is not None):
+        raise ValueError(f"--lr {job.lr} conflicts with the optimizer/scheduler sections of "
+                         f"{path}, which set the learning rate; give one")
     schedule = ds.learning_rate
     if schedule is None:
         schedule = _default_schedule(job, DEFAULT_LR if job.lr is None else job.lr)

@@ -7,6 +7,7 @@
     model_record.py  the model config a checkpoint records, and back
     codes.py       frozen int8/int4 leaves saved as codes, in logical groups: exact on any mesh
     stored.py      one array (or one layer of it) as numpy, without devices
+    retention.py   keep_last: deleting older step checkpoints once a newer one is committed
     weights.py     load_params: a checkpoint's model and trained parameters, no optimizer
     export.py      a checkpoint's weights as Hugging Face safetensors, streamed
     pretrained.py  load_pretrained: a Hugging Face checkpoint straight into ZeRO partitions

@@ -2,6 +2,7 @@
 hierarchical versions, called inside `jax.shard_map` over the data axes of the mesh.
 
     zero.py        ZeroCollectives: all-gather, re-gather, reduce-scatter of one unit
+    wire.py        the dtype a collective travels in, per backend (XLA:CPU widens bf16)
     zeropp.py      ZeroPPCollectives: qwZ, hpZ, qgZ (ZeRO++, Wang et al. 2023)
     quantized.py   the quantized all-gather and the two-hop quantized reduce-scatter
 """

@@ -1,6 +1,7 @@
 """DeepSpeed compatibility: a DeepSpeed JSON config mapped onto zeroxla's dataclasses.
 
     config.py        load_deepspeed_config / zero_config_from_json: the loader
+    overrides.py     settings given beside the JSON (a job's options) as typed overrides
     keys.py          the key table: every DeepSpeed key, its check and its destination (KEY_MAP)
     checks.py        value checks and the errors that name the JSON key
     zero_config.py   the ZeroConfig keys checked together and against the mesh (hpZ clamp)

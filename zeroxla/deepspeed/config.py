@@ -33,7 +33,7 @@ import json
 import os
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +46,7 @@ from zeroxla.deepspeed.keys import (BF16, FP16, KEY_MAP, NO_GRAD_NORM, OPTIMIZER
                                     ZERO, Section, describe_key_map)
 from zeroxla.deepspeed.lr_schedules import Schedule, build_schedule
 from zeroxla.deepspeed.optimizers import DEFAULT_LR, build_optimizer
+from zeroxla.deepspeed.overrides import BATCH_KEYS, Override, apply_overrides
 from zeroxla.deepspeed.zero_config import (build_zero_config, check_mesh_local_size,
                                            zero_fields)
 from zeroxla.sharding.config import ZeroConfig
@@ -185,16 +186,17 @@ def _dotted_keys(raw: Mapping, prefix: str = "") -> set[str]:
     return keys
 
 
-def _batch_sizes(top: Mapping[str, Any], data_parallel_size: int | None,
+def _batch_sizes(batch: Mapping[str, Any], data_parallel_size: int | None,
                  source: str) -> tuple[int | None, int | None, int, int | None]:
-    """DeepSpeed's `_set_batch_related_parameters` and `_batch_assertion`.
+    """DeepSpeed's `_set_batch_related_parameters` and `_batch_assertion` over the batch keys
+    (`overrides.BATCH_KEYS`, those given).
 
     Returns (train_batch_size, micro_batch_size, gradient_accumulation_steps, dp size). Without
     either batch key the batch sizes stay None (a config snippet such as ZeRO++'s).
     """
-    train = top.get("train_batch_size")
-    micro = top.get("train_micro_batch_size_per_gpu")
-    accum = top.get("gradient_accumulation_steps")
+    train = batch.get("train_batch_size")
+    micro = batch.get("train_micro_batch_size_per_gpu")
+    accum = batch.get("gradient_accumulation_steps")
     if train is None and micro is None:
         return None, None, 1 if accum is None else accum, data_parallel_size
     if data_parallel_size is None:
@@ -279,7 +281,9 @@ def _read_scheduler(top: Mapping[str, Any], base_lr: float | None, src: str, ign
 def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
                           data_parallel_size: int | None = None,
                           mesh_local_size: int | None = None,
-                          name: str | None = None) -> DeepSpeedConfig:
+                          name: str | None = None,
+                          overrides: Sequence[Override] = (),
+                          default_train_batch_size: int | None = None) -> DeepSpeedConfig:
     """Reads a DeepSpeed JSON config (a path or a dict) into a `DeepSpeedConfig`.
 
     `data_parallel_size` is DeepSpeed's world size for the batch arithmetic (the mesh's
@@ -292,6 +296,12 @@ def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
     fp16 with bf16) and inconsistent batch sizes; warns with `DeepSpeedConfigWarning` for each
     key that has no effect in zeroxla. Messages name the source as `name` (default: the path, or
     "DeepSpeed config" for a dict).
+
+    `overrides` (`zeroxla.deepspeed.overrides.Override`: a job's command-line options) are applied
+    to the checked values before the cross-key checks and the batch arithmetic; one that
+    contradicts a key of the JSON is a `DeepSpeedConfigError` naming both. Where neither the JSON
+    nor an override sets train_batch_size or train_micro_batch_size_per_gpu,
+    `default_train_batch_size` (if given) is the global batch.
     """
     check_mesh_local_size(mesh_local_size)
     raw, src = read_deepspeed_json(source)
@@ -309,7 +319,13 @@ def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
     # ZeroConfig fields, each from exactly one key. Without zero_optimization.stage DeepSpeed runs
     # stage 0 (its default); build_zero_config fills that in.
     fields = zero_fields(top, fp16, bf16, zero_raw, bf16_prefix=bf16_name, source=src)
-    train, micro, accum, dp = _batch_sizes(top, data_parallel_size, src)
+    batch = {key: top[key] for key in BATCH_KEYS if key in top}
+    apply_overrides(overrides, fields=fields, batch=batch, fp16=fp16, bf16=bf16,
+                    bf16_prefix=bf16_name, source=src)
+    if ("train_batch_size" not in batch and "train_micro_batch_size_per_gpu" not in batch
+            and default_train_batch_size is not None):
+        batch["train_batch_size"] = default_train_batch_size
+    train, micro, accum, dp = _batch_sizes(batch, data_parallel_size, src)
     fields["gradient_accumulation_steps"] = accum
     zero = build_zero_config(fields, mesh_local_size=mesh_local_size, source=src)
 

@@ -4,6 +4,8 @@
                  decode loop compiled per (batch bucket, prompt bucket)
     baseline.py  ZeRO-3 generation that re-gathers every layer at every token (for comparison)
     layout.py    the tensor-parallel layout from logical axis names (rules table)
+    reshard.py   ZeRO-3 storage -> the tensor-parallel layout in one program, each device
+                 receiving only its own slice
     decode.py    the decode loop (prefill + while_loop) and prompt packing
     sampling.py  greedy / temperature / top-k / top-p as pure functions; per-prompt keys (seed,
                  a hash of the prompt's tokens, the decode step: no dependence on neighbours)

@@ -10,6 +10,7 @@
     config.py      PipelineConfig: micro-batches, schedule, partition method, ZeRO-3 gathers
     checks.py      what the executor needs of a schedule table and of the step
     split.py       DeepSpeed's layer list view of a model, split over the stages
+    storage.py     the layer stack's storage split over the `stage` axis
     stages.py      the model's loss cut at its layer stack: what the first stage computes
                    before the blocks and the last after them (imports JAX)
     passes.py      one stage's forward and backward in a schedule step: the model's pieces

@@ -8,7 +8,8 @@ import warnings
 import pytest
 
 from zeroxla.app import cli
-from zeroxla.app.job import TrainJobConfig, describe_resume, job_record, resumed_fields
+from zeroxla.app.job import TrainJobConfig, job_record, resumed_fields
+from zeroxla.app.train_options import describe_resume
 from zeroxla.app.recipe import resolve_setup
 from zeroxla.deepspeed.config import DeepSpeedConfigWarning
 
@@ -29,7 +30,7 @@ def test_new_train_options_parse_and_default_to_none():
         "bf16", 2, 10, 3, "runs/x")
     defaults = cli.build_parser().parse_args(["train"])
     # None = "not given": --resume restores the run's value, else the job's default applies.
-    for name in ("model", "mesh", "dtype", "grad_accum", "seed", "out", "save_every", "steps"):
+    for name in ("model", "mesh", "dtype", "grad_accum", "seed", "out_dir", "save_every", "steps"):
         assert getattr(defaults, name) is None, name
 
 

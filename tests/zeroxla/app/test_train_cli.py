@@ -56,11 +56,11 @@ def test_train_options_parse():
          "--seq-len", "64", "--lr", "1e-3", "--mesh", "1x8", "--zero-stage", "2", "--config",
          "ds.json", "--out", "o", "--seed", "3"])
     assert (args.model, args.data, args.steps, args.batch_size, args.seq_len, args.lr, args.mesh,
-            args.zero_stage, args.config, args.out, args.seed) == (
+            args.zero_stage, args.deepspeed_config, args.out_dir, args.seed) == (
         "llama-tiny", "x.txt", 7, 16, 64, 1e-3, (1, 8), 2, "ds.json", "o", 3)
     defaults = cli.build_parser().parse_args(["train"])
     # None: not given (--resume restores the run's value; otherwise TrainJobConfig's default).
-    assert defaults.mesh is None and defaults.config is None
+    assert defaults.mesh is None and defaults.deepspeed_config is None
     assert train.TrainJobConfig().mesh == (2, 4)
 
 
