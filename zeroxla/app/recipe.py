@@ -13,6 +13,7 @@ No device is used.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,10 @@ def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
     ds = ds_config.load_deepspeed_config(path, data_parallel_size=dp, mesh_local_size=job.mesh[1],
                                          overrides=deepspeed_overrides(job),
                                          default_train_batch_size=DEFAULT_BATCH_SIZE)
+    if ds.hybrid_engine is not None:
+        warnings.warn(f"{path}: the hybrid_engine section configures zeroxla.HybridEngine (RLHF "
+                      "generation); zeroxla train's end-of-run sample does not read it",
+                      ds_config.DeepSpeedConfigWarning, stacklevel=2)
     if job.lr is not None and (ds.optimizer_name is not None or ds.scheduler_name is not None):
         raise ValueError(f"--lr {job.lr} conflicts with the optimizer/scheduler sections of "
                          f"{path}, which set the learning rate; give one")

@@ -4,8 +4,9 @@
 `DeepSpeedConfig`: `.zero` (a `ZeroConfig`), the batch sizes after DeepSpeed's batch arithmetic,
 `.learning_rate` (an optax schedule that reproduces DeepSpeed's `lr_schedules.py` step for step,
 built by `zeroxla.deepspeed.lr_schedules`) and `.optimizer` (the optax transformation for the
-`optimizer` section, built by `zeroxla.deepspeed.optimizers`). `zero_config_from_json(path)` is
-the `ZeroConfig` alone.
+`optimizer` section, built by `zeroxla.deepspeed.optimizers`) and `.hybrid_engine` (the
+`HybridEngineConfig`, when the section is given): each section read once, into typed values.
+`zero_config_from_json(path)` is the `ZeroConfig` alone.
 
 Every key DeepSpeed defines falls in one of two groups:
   * mapped: it has exactly one destination (a `ZeroConfig` field, a `DeepSpeedConfig` field, or a
@@ -49,6 +50,7 @@ from zeroxla.deepspeed.optimizers import DEFAULT_LR, build_optimizer
 from zeroxla.deepspeed.overrides import BATCH_KEYS, Override, apply_overrides
 from zeroxla.deepspeed.zero_config import (build_zero_config, check_mesh_local_size,
                                            zero_fields)
+from zeroxla.inference.config import HybridEngineConfig, hybrid_engine_config_from_section
 from zeroxla.sharding.config import ZeroConfig
 
 
@@ -123,6 +125,7 @@ class DeepSpeedConfig:
     optimizer: the optax transformation for the `optimizer` section (None without one).
     learning_rate: the optax schedule for the `scheduler` section, or the optimizer's constant lr;
         None when the JSON has neither section.
+    hybrid_engine: the `hybrid_engine` section (None without one).
     given: the dotted keys present in the JSON; ignored: those that warned and have no effect.
     """
 
@@ -138,6 +141,7 @@ class DeepSpeedConfig:
     scheduler_params: Mapping[str, Any] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
     learning_rate: float | Schedule | None = None
+    hybrid_engine: HybridEngineConfig | None = None
     given: frozenset[str] = frozenset()
     ignored: tuple[str, ...] = ()
     source: str = "DeepSpeed config"
@@ -333,12 +337,15 @@ def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
     sched_name, sched_params, learning_rate = _read_scheduler(top, base_lr, src, ignored)
     optimizer = (build_optimizer(opt_name, opt_params, learning_rate)
                  if opt_name is not None else None)
+    hybrid_engine = (hybrid_engine_config_from_section(top["hybrid_engine"], where=src)
+                     if "hybrid_engine" in top else None)
 
     return DeepSpeedConfig(
         zero=zero, train_batch_size=train, micro_batch_size=micro, data_parallel_size=dp,
         optimizer_name=opt_name, optimizer_params=types.MappingProxyType(opt_params),
         optimizer=optimizer, scheduler_name=sched_name,
         scheduler_params=types.MappingProxyType(sched_params), learning_rate=learning_rate,
+        hybrid_engine=hybrid_engine,
         given=frozenset(_dotted_keys(raw)), ignored=tuple(ignored), source=src)
 
 

@@ -72,6 +72,16 @@ def test_dtype_and_grad_accum_merge_into_a_deepspeed_config(tmp_path):
             setup.batch_size) == ("bfloat16", 2, 32)
 
 
+def test_a_hybrid_engine_section_the_job_does_not_use_is_said(tmp_path):
+    from zeroxla.deepspeed import DeepSpeedConfigWarning
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 32,
+                                "hybrid_engine": {"inference_tp_size": 2}}))
+    with pytest.warns(DeepSpeedConfigWarning, match="end-of-run sample does not read it"):
+        resolve_setup(TrainJobConfig(deepspeed_config=str(path)))
+
+
 @pytest.mark.parametrize("field,value", [("dtype", "fp8"), ("grad_accum", 0), ("save_every", -1),
                                          ("keep_last", -2)])
 def test_new_job_fields_are_validated(field, value):

@@ -85,3 +85,14 @@ def test_the_default_batch_applies_only_where_nothing_sets_one():
 def test_override_refuses_an_unknown_target_or_dtype(target, value):
     with pytest.raises(ValueError, match="accepted"):
         Override(target, value, "--x")
+
+
+def test_the_hybrid_engine_section_is_read_with_the_rest():
+    from zeroxla.inference import HybridEngineConfig
+
+    cfg = load({"train_batch_size": 8, "hybrid_engine": {"enabled": True,
+                                                         "inference_tp_size": 2}})
+    assert cfg.hybrid_engine == HybridEngineConfig(enabled=True, inference_tp_size=2)
+    assert load({}).hybrid_engine is None
+    with pytest.raises(ValueError, match=r"hybrid_engine\.inference_tp_size=0 is invalid"):
+        load({"hybrid_engine": {"inference_tp_size": 0}})
