@@ -2,7 +2,10 @@
 
     partition.py   which layers go to which stage (partition_uniform / _balanced / _layers)
     schedule.py    each stage's instruction stream: TrainSchedule (1F1B), GPipeSchedule,
-                   InferenceSchedule, and DeepSpeed's instruction classes
+                   InferenceSchedule, and DeepSpeed's instruction classes (plus
+                   BackwardWeightPass, the weight-gradient half of a split backward)
+    zero_bubble.py ZBH1Schedule: zero-bubble 1F1B (ZB-H1), backward split into the input-gradient
+                   pass B and the weight-gradient pass W, W deferred into 1F1B's bubbles
     table.py       all stages' streams lowered to one [step][stage] table for a lax.scan
                    executor (schedule_table), the bubble fraction, the stage pairs that send
                    at each step (step_sends) and the repeating runs of steps (segments)
@@ -14,7 +17,8 @@
     stages.py      the model's loss cut at its layer stack: what the first stage computes
                    before the blocks and the last after them (imports JAX)
     passes.py      one stage's forward and backward in a schedule step: the model's pieces
-                   on the stage and the idle / forward / backward branches (imports JAX)
+                   on the stage and the idle / forward / backward (/ weight-gradient) branches,
+                   and what ZB-H1's B and W compute and keep (imports JAX)
     executor.py    the table run as one lax.scan per segment, one ppermute per send, inside
                    the ZeRO step; built on the step's ZeroLayout by `zeroxla.make.make_step`
                    (imports JAX; loaded by zeroxla.make, not by this package)
@@ -26,6 +30,7 @@ from zeroxla.pipeline.config import PipelineConfig
 from zeroxla.pipeline.partition import partition_balanced, partition_layers, partition_uniform
 from zeroxla.pipeline.schedule import (
     BackwardPass,
+    BackwardWeightPass,
     BufferOpInstruction,
     Compute,
     ForwardPass,
@@ -44,11 +49,13 @@ from zeroxla.pipeline.schedule import (
     TrainSchedule,
 )
 from zeroxla.pipeline.table import ScheduleTable, bubble_fraction, schedule_table
+from zeroxla.pipeline.zero_bubble import ZBH1Schedule
 
 __all__ = [
-    "BackwardPass", "BufferOpInstruction", "Compute", "ForwardPass", "GPipeSchedule",
-    "InferenceSchedule", "LoadMicroBatch", "OptimizerStep", "PipeInstruction", "PipeSchedule",
-    "PipelineConfig", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads",
-    "ScheduleTable", "SendActivation", "SendGrad", "TrainSchedule", "bubble_fraction",
-    "partition_balanced", "partition_layers", "partition_uniform", "schedule_table",
+    "BackwardPass", "BackwardWeightPass", "BufferOpInstruction", "Compute", "ForwardPass",
+    "GPipeSchedule", "InferenceSchedule", "LoadMicroBatch", "OptimizerStep", "PipeInstruction",
+    "PipeSchedule", "PipelineConfig", "RecvActivation", "RecvGrad", "ReduceGrads",
+    "ReduceTiedGrads", "ScheduleTable", "SendActivation", "SendGrad", "TrainSchedule",
+    "ZBH1Schedule", "bubble_fraction", "partition_balanced", "partition_layers",
+    "partition_uniform", "schedule_table",
 ]

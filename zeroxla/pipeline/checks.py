@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zeroxla.pipeline.config import PipelineConfig
-from zeroxla.pipeline.table import FORWARD, IDLE, ScheduleTable
+from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, WEIGHT, ScheduleTable
 
 if TYPE_CHECKING:                 # annotations only: this module imports no JAX
     from zeroxla.engine.layout import ZeroLayout
@@ -15,10 +15,14 @@ if TYPE_CHECKING:                 # annotations only: this module imports no JAX
 def check_table(table: ScheduleTable) -> None:
     """The executor moves results one hop per tick: what a stage computes at tick t reaches its
     neighbour at tick t + 1. ValueError for a table whose forwards (backwards) do not follow the
-    previous (next) stage's forward (backward) of the same micro-batch by exactly one tick."""
+    previous (next) stage's forward (backward) of the same micro-batch by exactly one tick, or
+    whose weight-gradient pass does not follow the same stage's backward of its micro-batch."""
     S = table.stages
     for t, row in enumerate(table.op):
         for s, op in enumerate(row):
+            if op == WEIGHT:
+                _check_weight(table, t, s)
+                continue
             neighbour = s - 1 if op == FORWARD else s + 1
             if op == IDLE or not 0 <= neighbour < S:
                 continue
@@ -27,7 +31,16 @@ def check_table(table: ScheduleTable) -> None:
             if not ok:
                 raise ValueError(f"{table.schedule} step {t} stage {s}: its input was not "
                                  f"computed by stage {neighbour} at step {t - 1}; the pipeline "
-                                 "executor needs one-hop-per-step tables (1F1B, GPipe)")
+                                 "executor needs one-hop-per-step tables (1F1B, GPipe, ZB-H1)")
+
+
+def _check_weight(table: ScheduleTable, t: int, s: int) -> None:
+    """W of micro-batch m on stage s at tick t: B of m ran there before, in the same buffer."""
+    m, buffer = table.micro_batch[t][s], table.buffer[t][s]
+    if not any(table.op[u][s] == BACKWARD and table.micro_batch[u][s] == m
+               and table.buffer[u][s] == buffer for u in range(t)):
+        raise ValueError(f"{table.schedule} step {t} stage {s}: the weight-gradient pass of "
+                         f"micro-batch {m} runs before its backward on that stage")
 
 
 def check_step(layout: ZeroLayout, config: PipelineConfig) -> None:

@@ -17,9 +17,11 @@ import dataclasses
 import re
 
 from zeroxla.pipeline.schedule import GPipeSchedule, PipeSchedule, TrainSchedule
+from zeroxla.pipeline.zero_bubble import ZBH1Schedule
 
 # schedule name -> the schedule class whose table the executor runs.
-SCHEDULES: dict[str, type[PipeSchedule]] = {"1f1b": TrainSchedule, "gpipe": GPipeSchedule}
+SCHEDULES: dict[str, type[PipeSchedule]] = {"1f1b": TrainSchedule, "gpipe": GPipeSchedule,
+                                            "zb-h1": ZBH1Schedule}
 PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
 # Under ZeRO-3: gather a stage's layers around every micro-batch's forward and again in its
 # backward (least memory: DeepSpeed's ZeRO-3 per-module gathers), or once per step and keep them
@@ -38,7 +40,10 @@ class PipelineConfig:
     micro_batches     M: each data replica's batch is cut into M micro-batches that flow
                       through the stages (the per-replica batch must be a multiple of M)
     schedule          "1f1b" (DeepSpeed's TrainSchedule: at most S - stage micro-batches in
-                      flight) or "gpipe" (all forwards, then all backwards: M in flight)
+                      flight), "gpipe" (all forwards, then all backwards: M in flight) or
+                      "zb-h1" (zero-bubble 1F1B, Qi et al. 2023: the backward split into an
+                      input-gradient and a deferred weight-gradient pass; bubble
+                      (S - 1) / (3M + S - 1), at most min(S, M) micro-batches in flight)
     partition_method  how DeepSpeed's layer list view of the model (embedding, each block, the
                       head) is split: "parameters" (balance parameter counts, DeepSpeed's
                       default), "uniform" (the same number of layers) or "type:<regex>"

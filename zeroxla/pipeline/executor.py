@@ -3,14 +3,15 @@
 `make_step(..., pipeline=PipelineConfig(...))` replaces the step's gradient pass with
 `PipelineExecutor.local_gradients`, which runs inside the same `shard_map` as the ZeRO step.
 Every device runs the same program; its stage is `lax.axis_index("stage")`. The schedule
-(1F1B or GPipe) is data: `schedule_table` gives int32 grids [T, S] of (op, micro-batch,
+(1F1B, GPipe or ZB-H1) is data: `schedule_table` gives int32 grids [T, S] of (op, micro-batch,
 buffer), and the executor runs the T steps as consecutive segments (`table.send_segments`),
 each `repeats` times a pattern of `period` steps (1F1B's steady state alternates two, GPipe's
-phases repeat one; warm-up and cool-down steps are short segments):
+phases repeat one, ZB-H1's repeats 3S; warm-up and cool-down steps are short segments):
 
     for each segment:                              lax.scan, trip count = repeats
         for each of its `period` steps (unrolled):
             op = table.op[t, stage]                lax.switch: idle / forward / backward
+                                                   (/ weight-gradient pass, ZB-H1)
             for each stage pair sending this step (static, `table.step_sends`):
                 one lax.ppermute over "stage": activation s -> s + 1, or gradient s -> s - 1
 
@@ -18,10 +19,11 @@ so each compiled collective-permute execution is one DeepSpeed SendActivation / 
 instruction (M (S - 1) of each per data replica), not a permute of every pair on every step.
 A new schedule is a new table, not a new executor (`checks.check_table` states what a table must
 satisfy: a stage's input arrives from its neighbour's compute of the step before). A step's
-forward and backward run under `FORWARD_SCOPE` / `BACKWARD_SCOPE` (`jax.named_scope`), so the
-HLO names which collectives belong to a schedule op.
+forward, backward and weight-gradient pass run under `FORWARD_SCOPE` / `BACKWARD_SCOPE` /
+`WEIGHT_SCOPE` (`jax.named_scope`), so the HLO names which collectives belong to a schedule op.
 
-Compile time grows with the unrolled steps (about 4(S - 1) + 2 for 1F1B, independent of M);
+Compile time grows with the unrolled steps (about 4(S - 1) + 2 for 1F1B, independent of M;
+about 6S + 2 for ZB-H1 once M >= 2S);
 each unrolled step builds only the branches some stage takes in it (no backward in a
 forward-only warm-up step, no embedding where the first stage does not run a forward).
 
@@ -42,7 +44,9 @@ the loss (the default or the user's `loss_fn`) too. What the forward keeps in st
       about one more forward's FLOPs, one activation per buffer instead of every layer's
       intermediates (attention scores [mb, H, T, T] included).
   a checkpoint policy ("dots_saveable", ...): as "none", keeping what the policy saves.
-The stash has `max(num_pipe_buffers)` buffers: 1F1B's min(S, M) (at least 2), GPipe's M.
+The stash has `max(num_pipe_buffers)` buffers: 1F1B's min(S, M) (at least 2), GPipe's M,
+ZB-H1's min(S, M) (a buffer lives from F to W). ZB-H1 splits the backward into B (input
+gradient) and W (weight gradient); what each computes and keeps: `zeroxla.pipeline.passes`.
 
 Each stage stores only its own layers (`zeroxla.pipeline.storage`: the stacked leaves split over
 the stage axis in `max_layers` slots per stage, padding slots masked; partitioned over the data
@@ -78,12 +82,13 @@ from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.loss import normalizer
 from zeroxla.pipeline.checks import check_step, check_table
 from zeroxla.pipeline.config import PipelineConfig
-from zeroxla.pipeline.passes import BACKWARD_SCOPE, FORWARD_SCOPE, Block, StageModel, StagePasses
+from zeroxla.pipeline.passes import (BACKWARD_SCOPE, FORWARD_SCOPE, WEIGHT_SCOPE, Block,
+                                     StageModel, StagePasses)
 from zeroxla.pipeline.split import BLOCKS_PREFIX, StageSplit, layer_list, split_stages
 from zeroxla.pipeline.stages import StageCut, StagedLoss
 from zeroxla.pipeline.storage import pipelined_plan, stage_local
-from zeroxla.pipeline.table import (BACKWARD, FORWARD, ScheduleTable, Segment, schedule_table,
-                                    send_segments, step_sends)
+from zeroxla.pipeline.table import (BACKWARD, FORWARD, WEIGHT, ScheduleTable, Segment,
+                                    schedule_table, send_segments, step_sends)
 
 
 class PipelineExecutor:
@@ -115,14 +120,17 @@ class PipelineExecutor:
         self.num_layers = model.blocks.num_layers
         self.num_buffers = max(self.table.num_pipe_buffers)
         self.remat = layout.config.remat        # what a forward keeps for its backward
+        self.splits_backward = any(WEIGHT in row for row in self.table.op)      # ZB-H1
 
     # ------------------------------------------------------------------------------------------
     def describe(self) -> str:
         """Which stage holds which layers, and the schedule's shape."""
         t = self.table
+        passes = ("forward, input-gradient backward B and weight-gradient pass W per "
+                  "micro-batch, " if self.splits_backward else "")
         return (self.split.describe() + f"\nschedule: {t.schedule}, {t.micro_batches} "
-                f"micro-batches, {t.num_steps} steps, {self.num_buffers} stash buffers, bubble "
-                f"{t.bubble_fraction:.3f}")
+                f"micro-batches, {passes}{t.num_steps} steps, {self.num_buffers} stash buffers, "
+                f"bubble {t.bubble_fraction:.3f}")
 
     def check_batch(self, batch: Any) -> None:
         """ValueError unless the global batch splits into data replicas x micro_batches (other
@@ -155,21 +163,24 @@ class PipelineExecutor:
         return works
 
     def branch_executions(self) -> dict[str, tuple[int, int]]:
-        """{scope: (compiled runs, real runs)} of the forward and backward branches, for the
-        comm report (`zeroxla.analysis.comm_report`). A compiled step holding a branch runs its
-        code `repeats` times as far as the loops say, whichever stages take it; a device really
-        runs M forwards and M backwards per step. The collectives under `FORWARD_SCOPE` /
-        `BACKWARD_SCOPE` then count M / (compiled runs) of their loop multiplier; that is exact
-        in the per-device total because every compiled copy of a branch holds the same
-        collectives and no branch inside them does (the blocks run outside the first/last-stage
-        conds)."""
-        compiled = {FORWARD: 0, BACKWARD: 0}
+        """{scope: (compiled runs, real runs)} of the forward, backward (and ZB-H1's weight)
+        branches, for the comm report (`zeroxla.analysis.comm_report`). A compiled step holding
+        a branch runs its code `repeats` times as far as the loops say, whichever stages take
+        it; a device really runs M of each per step. The collectives under `FORWARD_SCOPE` /
+        `BACKWARD_SCOPE` / `WEIGHT_SCOPE` then count M / (compiled runs) of their loop
+        multiplier; that is exact in the per-device total because every compiled copy of a
+        branch holds the same collectives and no branch inside them does (the blocks run
+        outside the first/last-stage conds)."""
+        scopes = {FORWARD: FORWARD_SCOPE, BACKWARD: BACKWARD_SCOPE}
+        if self.splits_backward:
+            scopes[WEIGHT] = WEIGHT_SCOPE
+        compiled = dict.fromkeys(scopes, 0)
         for segment in self.segments:
             for work in self._work(segment):
                 for op in compiled:
                     compiled[op] += segment.repeats if op in work else 0
         m = self.config.micro_batches
-        return {FORWARD_SCOPE: (compiled[FORWARD], m), BACKWARD_SCOPE: (compiled[BACKWARD], m)}
+        return {scope: (compiled[op], m) for op, scope in scopes.items()}
 
     def _gathers_per_micro_batch(self, leaf: Any) -> bool:
         return (leaf.params_partitioned and leaf.stacked
@@ -201,7 +212,8 @@ class PipelineExecutor:
         seed = scale / c0
         act = jax.eval_shape(model.embed, model.trainable, first_micro)     # [mb, T, D]
         passes = StagePasses(model, S, is_first, is_last, stage, micro_batches, seed, act,
-                             jnp.zeros(act.shape, act.dtype), self.remat != remat.FULL)
+                             jnp.zeros(act.shape, act.dtype), self.remat != remat.FULL,
+                             self.splits_backward)
         kept_shapes = (passes.kept_shapes(model.stack_args(first_micro))
                        if passes.keeps_residuals else [])
         carry = self._run_schedule(passes, kept_shapes)
@@ -276,6 +288,8 @@ class PipelineExecutor:
                  "act": zeros_act, "grad": zeros_act,
                  "grads": jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), trainable),
                  "total": jnp.float32(0), "count": jnp.float32(0)}
+        if self.splits_backward and not passes.keeps_residuals:   # B's d_y for W, remat "full"
+            carry["cot"] = jnp.zeros((self.num_buffers, *act.shape), act.dtype)  # [NB, mb, T, D]
         rows = {k: v for k, v in self.table.as_arrays().items()
                 if k in ("op", "micro_batch", "buffer")}                       # [T, S] each
         sends = step_sends(self.table)                                         # [T]

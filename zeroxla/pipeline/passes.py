@@ -5,14 +5,33 @@
                    micro-batch: the computation up to the stack (the first stage's), the
                    stage's blocks (plain, or linearized keeping their vjp residuals), and the
                    computation after the stack with the loss (the last stage's)
-    StagePasses    one schedule step on this stage: idle, forward or backward, picked by
-                   `lax.switch` from the table's op; only the branches some stage takes in that
-                   step are built
+    StagePasses    one schedule step on this stage: idle, forward, backward or (zero-bubble
+                   schedules) weight-gradient pass, picked by `lax.switch` from the table's op;
+                   only the branches some stage takes in that step are built
 
 Everything here runs inside the ZeRO step's `shard_map`, on one device's arrays; the executor
 (`zeroxla.pipeline.executor`, whose docstring says what a forward keeps for its backward under
 each remat setting) builds one `StageModel` and one `StagePasses` per trace and scans the
 table's steps over `StagePasses.compute`.
+
+Zero-bubble schedules (ZB-H1, `zeroxla.pipeline.zero_bubble`) split the backward in two
+(`StagePasses.splits_backward`):
+  B (BACKWARD) computes only the cotangent d_x of the stage input, which is sent to stage - 1 at
+      once, and stashes the stage output's cotangent d_y in the buffer: under remat "none" in
+      "stash" (where the last stage's forward already put its head's d_y), under "full" in
+      "cot". The first stage's embedding gradient (a scatter-add of d_x) is accumulated here,
+      and under remat "full" the last stage's head gradient too (the head's vjp that yields d_y
+      yields it): the blocks' parameter gradients are W's. B's vjp also has the blocks'
+      parameter cotangents on hand; they are unused, and XLA drops them.
+  W (WEIGHT) computes the blocks' parameter gradients from d_y and what the forward kept:
+      under remat "none" it applies the stage's kept vjp (the residuals stay in "kept" from F
+      to W) to d_y again, recomputing the chain of activation cotangents through the stage's
+      blocks that B computed (about a backward's FLOPs, not a weight pass's: the blocks' vjp is
+      one function here, not split per matmul); under "full" it recomputes the stage's forward
+      from the stashed x too. Under ZeRO-3 per-micro-batch gathers W gathers each layer again
+      (a third time per micro-batch) and reduce-scatters its gradients where it accumulates
+      them; under "step" gathers the accumulated gradients are reduce-scattered once after
+      the schedule, as for 1F1B.
 """
 
 from __future__ import annotations
@@ -31,12 +50,13 @@ from zeroxla.engine import remat
 from zeroxla.engine.gather import GatheredStack
 from zeroxla.models.layers import call_block
 from zeroxla.pipeline.stages import StagedLoss, loss_after_stack, stack_input, stop_gradients
-from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE
+from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, WEIGHT
 
 # `jax.named_scope`s around a stage's forward and backward work, so an HLO reading can tell the
 # collectives of each schedule op (ZeRO-3 gathers, reduce-scatters) from those of the loop.
 FORWARD_SCOPE = "pipeline_forward"
 BACKWARD_SCOPE = "pipeline_backward"
+WEIGHT_SCOPE = "pipeline_weight"
 
 f32 = jnp.float32
 
@@ -152,6 +172,7 @@ class StagePasses:
     act: Any                        # a stage's input / output: ShapeDtypeStruct [mb, T, D]
     zeros_act: jax.Array            # [mb, T, D]
     keeps_residuals: bool           # remat is not "full": forward keeps the blocks' vjp
+    splits_backward: bool = False   # the table has WEIGHT steps: BACKWARD is then B only
     layouts: list[Any] = dataclasses.field(default_factory=list)  # static, same every trace
 
     def kept_shapes(self, consts: tuple) -> list[Any]:
@@ -180,7 +201,9 @@ class StagePasses:
                       for k in ("op", "micro_batch", "buffer"))
         micro = jax.tree.map(lambda a: a[m], self.micro_batches)
         at = StepInputs(work, micro, self.model.stack_args(micro), buf)
-        branches = {IDLE: self._idle, FORWARD: self._forward, BACKWARD: self._backward}
+        branches = {IDLE: self._idle, FORWARD: self._forward,
+                    BACKWARD: self._input_backward if self.splits_backward else self._backward,
+                    WEIGHT: self._weight}
         ops = sorted(work)
         if len(ops) == 1:
             return branches[ops[0]](c, at)
@@ -280,3 +303,58 @@ class StagePasses:
             lambda: (jax.tree.map(jnp.zeros_like, model.trainable), c["grad"]))
         d_p, d_x = pullback(d_y.astype(y.dtype))
         return jax.tree.map(lambda a, b: a + b.astype(a.dtype), d_p, d_head), d_x
+
+    # --- Zero-bubble: the backward as B (input gradient) then W (weight gradient) -------------
+
+    def _input_backward(self, c: dict[str, Any], at: StepInputs
+                        ) -> tuple[dict, jax.Array, jax.Array]:
+        """B: d_x only (sent to stage - 1), d_y stashed for W; see the module docstring."""
+        model = self.model
+        with jax.named_scope(BACKWARD_SCOPE):
+            if self.keeps_residuals:
+                d_y = self._if_last(at.work[BACKWARD], lambda: c["stash"][at.buf],
+                                    lambda: c["grad"])
+                kept = [k[at.buf] for k in c["kept"]]
+                d_x = self.layouts[0].cotangents(kept, model.block_full, d_y)[1]
+                c = {**c, "stash": c["stash"].at[at.buf].set(d_y)}
+                d_head = {}
+            else:
+                y, pullback = jax.vjp(lambda x: model.blocks(model.trainable, x, at.consts),
+                                      c["stash"][at.buf])
+                d_head, d_y = self._if_last(
+                    at.work[BACKWARD], lambda: self._head_backward(y, at),
+                    lambda: (jax.tree.map(jnp.zeros_like, model.trainable), c["grad"]))
+                (d_x,) = pullback(d_y.astype(y.dtype))
+                c = {**c, "cot": c["cot"].at[at.buf].set(d_y)}
+            d_embed = self._if_first(
+                at.work[BACKWARD],
+                lambda: jax.vjp(lambda p: model.embed(p, at.micro), model.trainable)[1](d_x)[0],
+                lambda: jax.tree.map(jnp.zeros_like, model.trainable))
+            grads = accumulate(accumulate(c["grads"], d_head), d_embed)
+            return {**c, "grads": grads}, self.zeros_act, d_x.astype(self.act.dtype)
+
+    def _head_backward(self, y: jax.Array, at: StepInputs) -> tuple[dict[str, Any], jax.Array]:
+        """The last stage's head and loss vjp on the blocks' output y: (d_params, d_y)."""
+        def loss(p, y):
+            return self.model.head_terms(p, y, at.micro)[0] * self.seed
+        d_head, d_y = jax.vjp(loss, self.model.trainable, y)[1](f32(1))
+        return d_head, d_y.astype(self.act.dtype)
+
+    def _weight(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
+        """W: the blocks' parameter gradients from the stashed d_y, accumulated."""
+        model = self.model
+        with jax.named_scope(WEIGHT_SCOPE):
+            if self.keeps_residuals:
+                kept = [k[at.buf] for k in c["kept"]]
+                d_full = self.layouts[0].cotangents(kept, model.block_full,
+                                                    c["stash"][at.buf])[0]
+                d_p = dict(zip(model.block.paths, d_full))
+            else:
+                paths = [path for path in model.block.paths if path in model.trainable]
+                _, pullback = jax.vjp(
+                    lambda pb: model.blocks({**model.trainable, **pb}, c["stash"][at.buf],
+                                            at.consts),
+                    {path: model.trainable[path] for path in paths})
+                (d_p,) = pullback(c["cot"][at.buf].astype(self.act.dtype))
+            return ({**c, "grads": accumulate(c["grads"], d_p)}, self.zeros_act,
+                    self.zeros_act)

@@ -10,6 +10,9 @@ deadlocks. Nothing here runs anything; an executor interprets the instructions (
     TrainSchedule       DeepSpeed's synchronous 1F1B (Narayanan et al. 2019, PipeDream-Flush)
     GPipeSchedule       all forwards, then all backwards (Huang et al. 2019, GPipe)
     InferenceSchedule   forwards only
+    ZBH1Schedule        zero-bubble 1F1B (Qi et al. 2023, ZB-H1), backward split into the
+                        input-gradient pass B and the weight-gradient pass W
+                        (`zeroxla.pipeline.zero_bubble`; not DeepSpeed's)
 
 `TrainSchedule` and `InferenceSchedule` yield exactly DeepSpeed's instruction streams
 (`deepspeed/runtime/pipe/schedule.py`, unchanged since v0.8.3): the same instructions, buffer ids
@@ -22,7 +25,8 @@ Every step of a stage has the same shape:
   2. receive this step's input (an activation from stage - 1 for a forward, a gradient from
      stage + 1 for a backward), and on the first and last stages load the micro-batch (inputs and
      labels respectively);
-  3. compute: one forward or one backward pass, or nothing (a bubble);
+  3. compute: one forward or one backward pass (or, in a split backward, one weight-gradient
+     pass), or nothing (a bubble);
   4. after the last step of a training batch: ReduceTiedGrads, ReduceGrads, OptimizerStep.
 """
 
@@ -84,6 +88,13 @@ class BackwardPass(BufferOpInstruction):
     that produced outputs[buffer_id]; accumulate parameter gradients."""
 
 
+class BackwardWeightPass(BufferOpInstruction):
+    """Zero-bubble schedules only (not a DeepSpeed instruction): the weight-gradient pass W of
+    the micro-batch in buffer_id, whose BackwardPass (then the input-gradient pass B) ran in an
+    earlier step; accumulate the stage's parameter gradients. torch.distributed.pipelining
+    calls the two halves BACKWARD_INPUT and BACKWARD_WEIGHT."""
+
+
 class SendActivation(BufferOpInstruction):
     """Send outputs[buffer_id] to stage + 1 (paired with its RecvActivation)."""
 
@@ -104,10 +115,13 @@ class RecvGrad(BufferOpInstruction):
 
 @dataclasses.dataclass(frozen=True)
 class Compute:
-    """What a stage computes in one step: the forward or the backward pass of one micro-batch."""
+    """What a stage computes in one step: the forward or the backward pass of one micro-batch,
+    or (`is_weight`, zero-bubble schedules) the weight-gradient pass W of a backward split in
+    two; `is_forward` is then False and the backward before it is the input-gradient pass B."""
 
     micro_batch_id: int
     is_forward: bool
+    is_weight: bool = False
 
 
 def _check(schedule: str, field: str, value: object, ok: bool, accepted: str) -> None:
@@ -155,6 +169,12 @@ class PipeSchedule(abc.ABC):
         """Buffers this stage allocates: at least the micro-batches it has in flight."""
         return self.micro_batches
 
+    def steady_period(self) -> int:
+        """Steps after which the schedule's steady state repeats (1F1B alternates forward and
+        backward steps: 2); the executor compiles loops of up to this many unrolled steps
+        (`table.send_segments`)."""
+        return 2
+
     def buffer_id(self, micro_batch_id: int) -> int:
         """The buffer holding `micro_batch_id`: buffers are reused cyclically."""
         return micro_batch_id % self.num_pipe_buffers()
@@ -184,7 +204,7 @@ class PipeSchedule(abc.ABC):
         """Step 1: pass the previous step's result on (nothing if there was none, or if this is
         the stage at the end it would travel towards)."""
         done = self.compute_at(step_id - 1) if step_id > 0 else None
-        if done is None:
+        if done is None or done.is_weight:              # W makes nothing another stage needs
             return []
         buffer = self.buffer_id(done.micro_batch_id)
         if done.is_forward:
@@ -194,7 +214,7 @@ class PipeSchedule(abc.ABC):
     def _recv(self, step_id: int) -> list[PipeInstruction]:
         """Step 2: receive this step's input from the neighbour that produced it."""
         work = self.compute_at(step_id)
-        if work is None:
+        if work is None or work.is_weight:              # W reads only this stage's buffer
             return []
         buffer = self.buffer_id(work.micro_batch_id)
         if work.is_forward:
@@ -211,11 +231,13 @@ class PipeSchedule(abc.ABC):
         return [LoadMicroBatch(self.buffer_id(work.micro_batch_id))]
 
     def _compute(self, step_id: int) -> list[PipeInstruction]:
-        """Step 3: this step's forward or backward pass, if any."""
+        """Step 3: this step's forward, backward or weight-gradient pass, if any."""
         work = self.compute_at(step_id)
         if work is None:
             return []
         buffer = self.buffer_id(work.micro_batch_id)
+        if work.is_weight:
+            return [BackwardWeightPass(buffer)]
         return [ForwardPass(buffer) if work.is_forward else BackwardPass(buffer)]
 
     def _optimizer_step(self, step_id: int) -> list[PipeInstruction]:

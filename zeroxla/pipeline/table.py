@@ -11,13 +11,16 @@ Within a step the table means, for every stage at once:
      `send_grad` to stage - 1 (one `ppermute` each way);
   2. the matching receives fill buffers on the neighbour (`recv_activation` from stage - 1,
      `recv_grad` from stage + 1), and `load` fills a buffer with micro-batch `load_micro_batch`;
-  3. the stage runs `op` on micro-batch `micro_batch` held in buffer `buffer`;
+  3. the stage runs `op` on micro-batch `micro_batch` held in buffer `buffer` (FORWARD,
+     BACKWARD, or WEIGHT: the weight-gradient half of a backward that a zero-bubble schedule
+     splits, BACKWARD then being the input-gradient half);
   4. where `optimizer_step` is 1, the batch's gradients are reduced and applied.
 
 `step_sends` gives, per step, the stage pairs that send at its end (each one of DeepSpeed's
 SendActivation / SendGrad instructions), and `segments` / `send_segments` cut the steps into
-runs that repeat one pattern of sends with period 1 or 2, so an executor can compile each run
-as one loop whose permutes are static.
+runs that repeat one pattern of sends with period up to the schedule's `steady_period` (1F1B,
+GPipe: 2; ZB-H1: 3S), so an executor can compile each run as one loop whose permutes are
+static.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from zeroxla.pipeline.schedule import (
     BackwardPass,
+    BackwardWeightPass,
     ForwardPass,
     LoadMicroBatch,
     OptimizerStep,
@@ -40,7 +44,7 @@ from zeroxla.pipeline.schedule import (
 )
 
 # `op` values.
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 # Buffer and micro-batch fields hold this where the stage does not do that thing in that step.
 NONE = -1
 
@@ -55,6 +59,8 @@ _BUFFER_FIELDS = {
     SendGrad: "send_grad",
 }
 _REDUCE_AND_STEP = (ReduceTiedGrads, ReduceGrads, OptimizerStep)
+# Compute instruction class -> its `op`.
+_OPS = {ForwardPass: FORWARD, BackwardPass: BACKWARD, BackwardWeightPass: WEIGHT}
 
 # The ScheduleTable fields that are [step][stage] grids, and the value of an empty slot.
 GRID_FIELDS = {
@@ -75,7 +81,7 @@ class ScheduleTable:
     micro_batches: int                    # M
     stages: int                           # S
     num_pipe_buffers: tuple[int, ...]     # [S]
-    op: Grid                              # [T][S] IDLE (0), FORWARD (1) or BACKWARD (2)
+    op: Grid                              # [T][S] IDLE (0), FORWARD (1), BACKWARD (2), WEIGHT (3)
     micro_batch: Grid                     # [T][S] micro-batch of the pass, NONE when IDLE
     buffer: Grid                          # [T][S] buffer of the pass, NONE when IDLE
     load: Grid                            # [T][S] buffer LoadMicroBatch fills (inputs on
@@ -87,6 +93,7 @@ class ScheduleTable:
     send_grad: Grid                       # [T][S] buffer whose input gradient goes to stage - 1
     optimizer_step: Grid                  # [T][S] 1 after the batch's last step (ReduceTiedGrads,
     #                                       ReduceGrads, OptimizerStep), else 0
+    steady_period: int = 2                # the schedule's `steady_period()`
 
     @property
     def num_steps(self) -> int:
@@ -96,9 +103,10 @@ class ScheduleTable:
     def bubble_fraction(self) -> float:
         """Idle (stage, step) slots over all S * T slots.
 
-        A forward and a backward fill one slot each (lockstep steps of equal length, as the
-        schedules are written). For 1F1B and GPipe, T = 2(M + S - 1) and each stage computes
-        in 2M slots, so the bubble is (S - 1) / (M + S - 1).
+        A forward, a backward and a weight-gradient pass fill one slot each (lockstep steps
+        of equal length, as the schedules are written). For 1F1B and GPipe, T = 2(M + S - 1)
+        and each stage computes in 2M slots, so the bubble is (S - 1) / (M + S - 1); for ZB-H1
+        T = 3M + S - 1 (S even, M a multiple of S) with 3M busy: (S - 1) / (3M + S - 1).
         """
         idle = sum(row.count(IDLE) for row in self.op)
         return idle / (self.num_steps * self.stages)
@@ -142,13 +150,13 @@ def schedule_table(schedule_class: type[PipeSchedule], micro_batches: int, stage
         for step_id, instructions in enumerate(schedule.steps()):
             work = schedule.compute_at(step_id)
             for instruction in instructions:
-                if isinstance(instruction, (ForwardPass, BackwardPass)):
-                    is_forward = isinstance(instruction, ForwardPass)
-                    if (work is None or work.is_forward != is_forward
+                if type(instruction) in _OPS:
+                    op = _OPS[type(instruction)]
+                    if (work is None or _op_of(work) != op
                             or schedule.buffer_id(work.micro_batch_id) != instruction.buffer_id):
                         raise ValueError(f"{schedule!r} step {step_id}: {instruction!r} "
                                          f"disagrees with compute_at = {work!r}")
-                    put("op", step_id, stage_id, FORWARD if is_forward else BACKWARD)
+                    put("op", step_id, stage_id, op)
                     put("micro_batch", step_id, stage_id, work.micro_batch_id)
                     put("buffer", step_id, stage_id, instruction.buffer_id)
                 elif isinstance(instruction, _REDUCE_AND_STEP):
@@ -163,7 +171,13 @@ def schedule_table(schedule_class: type[PipeSchedule], micro_batches: int, stage
     return ScheduleTable(
         schedule=schedule_class.__name__, micro_batches=micro_batches, stages=stages,
         num_pipe_buffers=tuple(s.num_pipe_buffers() for s in schedules),
+        steady_period=schedules[0].steady_period(),
         **{name: tuple(tuple(row) for row in grid) for name, grid in grids.items()})
+
+
+def _op_of(work: Any) -> int:
+    """The `op` of a schedule's `Compute`."""
+    return WEIGHT if work.is_weight else FORWARD if work.is_forward else BACKWARD
 
 
 def bubble_fraction(schedule_class: type[PipeSchedule], micro_batches: int, stages: int
@@ -254,5 +268,6 @@ def segments(pattern: tuple[Any, ...], max_period: int = 2) -> tuple[Segment, ..
 
 
 def send_segments(table: ScheduleTable) -> tuple[Segment, ...]:
-    """`segments` of the table's per-step sends (`step_sends`)."""
-    return segments(step_sends(table))
+    """`segments` of the table's per-step sends (`step_sends`), with periods up to the
+    schedule's steady state's (`ScheduleTable.steady_period`)."""
+    return segments(step_sends(table), max_period=table.steady_period)

@@ -1,7 +1,8 @@
 """Pictures of a schedule: which stage computes which micro-batch at each step.
 
     render_text(table)        stages x steps as text, cells `F0` (forward of micro-batch 0),
-                              `B3` (backward of 3) or `.` (idle: the bubble)
+                              `B3` (backward of 3; in ZB-H1 its input-gradient pass), `W3`
+                              (ZB-H1's weight-gradient pass of 3) or `.` (idle: the bubble)
     plot_timeline(table, ax)  the same on a matplotlib Axes
     render_png(table, path)   ... written to a PNG file
 
@@ -14,10 +15,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, ScheduleTable
+from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, WEIGHT, ScheduleTable
 
-_LETTER = {FORWARD: "F", BACKWARD: "B"}
-_COLOUR = {FORWARD: "#4c72b0", BACKWARD: "#dd8452"}
+_LETTER = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
+_COLOUR = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", WEIGHT: "#55a868"}
+_LABEL = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight gradient"}
 
 
 def _title(table: ScheduleTable) -> str:
@@ -54,8 +56,8 @@ def render_text(table: ScheduleTable) -> str:
 
 def plot_timeline(table: ScheduleTable, ax: Any = None) -> Any:
     """Draws the schedule on `ax` (a new figure's if None): stages top to bottom, steps left to
-    right, forwards and backwards in two colours with the micro-batch number in each cell.
-    Returns the Axes."""
+    right, forwards, backwards and (ZB-H1) weight-gradient passes in their own colours with the
+    micro-batch number in each cell. Returns the Axes."""
     if ax is None:
         from matplotlib.figure import Figure
         fig = Figure(figsize=(max(4.0, 0.45 * table.num_steps + 1.5),
@@ -78,8 +80,13 @@ def plot_timeline(table: ScheduleTable, ax: Any = None) -> Any:
     ax.set_xlabel("step")
     ax.set_title(_title(table), fontsize=9)
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=_COLOUR[FORWARD], label="forward"),
-                       Patch(color=_COLOUR[BACKWARD], label="backward")],
+    ops = [op for op in (FORWARD, BACKWARD, WEIGHT)
+           if op in (FORWARD, BACKWARD) or any(op in row for row in table.op)]
+    if WEIGHT in ops:                                   # a split backward: B is its input half
+        labels = {**_LABEL, BACKWARD: "backward (input gradient)"}
+    else:
+        labels = _LABEL
+    ax.legend(handles=[Patch(color=_COLOUR[op], label=labels[op]) for op in ops],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return ax
 

@@ -1,5 +1,5 @@
-"""Pipelined training (1F1B and GPipe over the mesh's stage axis, ZeRO inside the stages) trains
-exactly like plain single-device optax: losses and final parameters, float32.
+"""Pipelined training (1F1B, GPipe and ZB-H1 over the mesh's stage axis, ZeRO inside the
+stages) trains exactly like plain single-device optax: losses and final parameters, float32.
 
 Coverage (one compiled step per case, 20-90 s each on the 2-core machine, hence all marked
 slow; the cross product would cost many minutes of compilation):
@@ -15,6 +15,14 @@ slow; the cross product would cost many minutes of compilation):
 
 Stages 2 and 4; M = 1 (< S), 4, 8; both schedules; ZeRO 0 and 3 (both gather modes) and 2;
 GPT-2's tied embedding and Llama; uneven splits, including a stage with no blocks.
+
+ZB-H1 (backward split into the input-gradient pass B and the weight-gradient pass W), SGD:
+
+    model       stages x node x local   M   ZeRO  gather       layers  remat
+    gpt-tiny    2 x 1 x 4               4   0     -            4       none (W re-applies the
+                                                                       kept vjp)
+    llama-tiny  4 x 1 x 2               4   3     micro_batch  4       none (W gathers again)
+    gpt-tiny    2 x 1 x 4               2   3     step         2       full (B and W recompute)
 """
 
 import functools
@@ -45,12 +53,14 @@ def _reference(model_name, num_layers, optimizer):
     return batches, losses, params
 
 
-def _pipelined_run(model_name, num_layers, optimizer, stages, pipeline, zero_stage, batches):
+def _pipelined_run(model_name, num_layers, optimizer, stages, pipeline, zero_stage, batches,
+                   remat="none"):
     mesh = zeroxla.make_mesh(1, stages=stages)
     step = zeroxla.make_step(
         models.build(model_name, seed=1, num_layers=num_layers), mesh,
         optimizer=OPTIMIZERS[optimizer](),
-        config=zeroxla.ZeroConfig(stage=zero_stage, persistence_threshold=THRESHOLD),
+        config=zeroxla.ZeroConfig(stage=zero_stage, persistence_threshold=THRESHOLD,
+                                  remat=remat),
         pipeline=pipeline)
     state = step.init()
     losses = []
@@ -102,6 +112,31 @@ def test_matches_single_device(model_name, num_layers, stages, pipeline, zero_st
         assert moved > len(expected) // 2                  # the run really changed them
 
 
+ZB_CASES = [  # the references are the 1F1B cases' (same model, layers, optimizer): cached
+    pytest.param("gpt-tiny", 4, 2, zeroxla.PipelineConfig(4, schedule="zb-h1"), 0, "none",
+                 id="gpt-s2-m4-zbh1-z0", marks=SLOW),
+    pytest.param("llama-tiny", 4, 4, zeroxla.PipelineConfig(4, schedule="zb-h1"), 3, "none",
+                 id="llama-s4-m4-zbh1-z3-microbatch", marks=SLOW),
+    pytest.param("gpt-tiny", 2, 2,
+                 zeroxla.PipelineConfig(2, schedule="zb-h1", zero3_gather="step"), 3, "full",
+                 id="gpt-s2-m2-zbh1-z3-step-remat-full", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("model_name,num_layers,stages,pipeline,zero_stage,remat", ZB_CASES)
+def test_zb_h1_matches_single_device(model_name, num_layers, stages, pipeline, zero_stage,
+                                     remat):
+    batches, expected_losses, expected = _reference(model_name, num_layers, "sgd")
+    step, losses, got = _pipelined_run(model_name, num_layers, "sgd", stages, pipeline,
+                                       zero_stage, batches, remat=remat)
+    assert step.pipeline.table.schedule == "ZBH1Schedule"
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert got.keys() == expected.keys()
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6,
+                                   err_msg=path)
+
+
 def test_describe_and_step_surface():
     mesh = zeroxla.make_mesh(1, stages=2)
     step = zeroxla.make_step(models.build("gpt-tiny", seed=0, num_layers=3), mesh,
@@ -110,3 +145,9 @@ def test_describe_and_step_surface():
     text = step.pipeline.describe()
     assert "stage 0: embedding, blocks 0..0" in text and "stage 1: blocks 1..2, head" in text
     assert "TrainSchedule, 2 micro-batches, 6 steps, 2 stash buffers" in text
+    zb = zeroxla.make_step(models.build("gpt-tiny", seed=0, num_layers=3), mesh,
+                           optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=0),
+                           pipeline=zeroxla.PipelineConfig(4, schedule="zb-h1"))
+    assert ("ZBH1Schedule, 4 micro-batches, forward, input-gradient backward B and "
+            "weight-gradient pass W per micro-batch, 13 steps, 2 stash buffers, bubble 0.077"
+            in zb.pipeline.describe())

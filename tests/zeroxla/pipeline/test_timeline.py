@@ -1,6 +1,6 @@
 """Schedule pictures: a hand-checked text table and a PNG file."""
 
-from zeroxla.pipeline import GPipeSchedule, TrainSchedule, schedule_table
+from zeroxla.pipeline import GPipeSchedule, TrainSchedule, ZBH1Schedule, schedule_table
 from zeroxla.pipeline.timeline import plot_timeline, render_png, render_text
 
 
@@ -47,3 +47,23 @@ def test_plot_timeline_draws_on_given_axes():
     assert len(ax.patches) == 2 * 4 * 2                       # one cell per pass
     assert "bubble=0.200" in ax.get_title()
     assert plot_timeline(table).figure is not None            # makes its own figure
+
+
+def test_render_text_zb_h1_two_by_two():
+    # ZB-H1: 1F1B's F and B steps, each weight-gradient pass W in the stage's next free step.
+    assert render_text(schedule_table(ZBH1Schedule, 2, 2)) == (
+        "ZBH1Schedule  micro_batches=2  stages=2  bubble=0.143\n"
+        "step     0  1  2  3  4  5  6\n"
+        "stage 0  F0 .  F1 B0 W0 B1 W1\n"
+        "stage 1  .  F0 B0 F1 B1 W0 W1\n")
+
+
+def test_plot_timeline_draws_weight_passes_in_their_own_colour():
+    from matplotlib.figure import Figure
+
+    ax = plot_timeline(schedule_table(ZBH1Schedule, 4, 2), Figure().add_subplot())
+    assert len(ax.patches) == 3 * 4 * 2                       # F, B and W of every micro-batch
+    colours = {p.get_facecolor() for p in ax.patches}
+    assert len(colours) == 3
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["forward", "backward (input gradient)", "weight gradient"]
