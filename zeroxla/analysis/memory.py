@@ -7,11 +7,14 @@ divides the optimizer state by N, stage 2 also the gradients, stage 3 also the p
 before anything is allocated, counting parameters under the persistence threshold as replicated.
 Frozen parameters (`make_step(..., trainable=)`) have no gradient or optimizer state; with
 `quantized_nontrainable_weights` their partitions are stored as codes plus float32 scales.
+With ZeRO-Offload (`ZeroConfig.offload_optimizer="cpu"`) both count what is held in host memory
+apart from device memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -32,18 +35,43 @@ GRAD_BYTES = 4            # float32 gradients after reduction
 ADAM_STATE_BYTES = 8      # two float32 moments per parameter
 
 
-def _device_bytes(tree: Any) -> dict[Any, int]:
-    """Bytes of `tree`'s shards on each device."""
+def _in_host_memory(leaf: Any) -> bool:
+    """Held in a host memory kind (`pinned_host`, `unpinned_host`: ZeRO-Offload)."""
+    return getattr(leaf.sharding, "memory_kind", None) not in (None, "device")
+
+
+def _device_bytes(tree: Any, host: bool = False) -> dict[Any, int]:
+    """Bytes of `tree`'s shards for each device, in device memory (or, with `host`, in the host
+    memory kinds attached to that device)."""
     totals: dict[Any, int] = {}
     for leaf in jax.tree.leaves(tree):
+        if _in_host_memory(leaf) != host:
+            continue
         for shard in leaf.addressable_shards:
             totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
     return totals
 
 
+def argument_bytes_by_memory_kind(compiled: Any) -> dict[str, int]:
+    """Per-device bytes of a compiled program's arguments by memory kind ("device",
+    "pinned_host", "unpinned_host"), from the compiled program's own input shardings (XLA's
+    `memory_analysis` on the CPU backend counts host-kind arguments as device bytes; on GPU its
+    `host_argument_size_in_bytes` agrees with this)."""
+    totals: dict[str, int] = {}
+    infos = jax.tree.leaves(compiled.args_info)
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    for info, sharding in zip(infos, shardings, strict=True):
+        shape = sharding.shard_shape(info.shape)
+        kind = sharding.memory_kind or "device"
+        totals[kind] = totals.get(kind, 0) + math.prod(shape) * jnp.dtype(info.dtype).itemsize
+    return totals
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Per-device bytes (the maximum over devices for the state parts)."""
+    """Per-device bytes (the maximum over devices for the state parts). `params` and
+    `optimizer` are in device memory; `host_params` and `host_optimizer` are what ZeRO-Offload
+    keeps in host memory for each device (`ZeroConfig.offload_optimizer`)."""
 
     params: int
     optimizer: int
@@ -54,6 +82,13 @@ class MemoryReport:
     arguments: int
     outputs: int
     aliased: int            # donated state buffers reused for the outputs
+    host_params: int = 0    # float32 master partitions in host memory
+    host_optimizer: int = 0  # optimizer state in host memory
+
+    @property
+    def host_state(self) -> int:
+        """Bytes held in host memory for each device between steps (ZeRO-Offload)."""
+        return self.host_params + self.host_optimizer
 
     @property
     def training_state(self) -> int:
@@ -67,7 +102,8 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, int]:
         out = dataclasses.asdict(self)
-        out.update(training_state=self.training_state, peak_estimate=self.peak_estimate)
+        out.update(training_state=self.training_state, peak_estimate=self.peak_estimate,
+                   host_state=self.host_state)
         return out
 
     def table(self) -> str:
@@ -75,14 +111,15 @@ class MemoryReport:
                 ("gradients (transient)", self.gradients),
                 ("hpZ secondary partition", self.secondary_partition),
                 ("training state", self.training_state),
+                *([("host state (offload)", self.host_state)] if self.host_state else []),
                 ("step temporaries (XLA)", self.temporaries), ("step peak (XLA)", self.peak_estimate)]
         return "\n".join(f"{name:<24}{value / 2**20:>10.3f} MiB" for name, value in rows)
 
 
 def memory_report(step: Any, state: Any, batch: Any) -> MemoryReport:
     """Measures per-device memory of `state` and of the compiled `step` on `batch`."""
-    def worst(tree):
-        per_device = _device_bytes(tree)
+    def worst(tree, host=False):
+        per_device = _device_bytes(tree, host)
         return max(per_device.values()) if per_device else 0
     analysis = step.compile(state, batch).memory_analysis()
     layout = step.layout
@@ -93,7 +130,9 @@ def memory_report(step: Any, state: Any, batch: Any) -> MemoryReport:
         temporaries=int(analysis.temp_size_in_bytes),
         arguments=int(analysis.argument_size_in_bytes),
         outputs=int(analysis.output_size_in_bytes),
-        aliased=int(analysis.alias_size_in_bytes))
+        aliased=int(analysis.alias_size_in_bytes),
+        host_params=worst(state.params, host=True),
+        host_optimizer=worst(state.opt_state, host=True))
 
 
 def _gradient_bytes(layout: ZeroLayout) -> int:
@@ -117,16 +156,27 @@ def _secondary_bytes(layout: ZeroLayout) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
+    """Predicted per-device bytes: `params`, `gradients` and `optimizer` in device memory;
+    `host_params` (separate float32 masters) and `host_optimizer` in host memory, for each
+    device, under ZeRO-Offload."""
     params: int
     gradients: int
     optimizer: int
+    host_params: int = 0
+    host_optimizer: int = 0
 
     @property
     def training_state(self) -> int:
+        """Device bytes between steps: parameters + optimizer state."""
         return self.params + self.optimizer
 
+    @property
+    def host_state(self) -> int:
+        return self.host_params + self.host_optimizer
+
     def to_dict(self) -> dict[str, int]:
-        return {**dataclasses.asdict(self), "training_state": self.training_state}
+        return {**dataclasses.asdict(self), "training_state": self.training_state,
+                "host_state": self.host_state}
 
 
 def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
@@ -136,20 +186,29 @@ def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
 
     `model_config` is a models config (GPTConfig, LlamaConfig) or an (abstract) nnx.Module;
     nothing is allocated. Ψ partitioned parameters cost Ψ/N each, persistent ones Ψ.
-    `trainable` is `make_step`'s nnx filter (None: all).
+    `trainable` is `make_step`'s nnx filter (None: all). With `offload_optimizer="cpu"` the
+    optimizer state, and a float32 master kept apart from its 16-bit copy (stages 1-2 under
+    bf16/fp16), are counted in host memory (`zeroxla.engine.offload`).
     """
     model = (model_config if isinstance(model_config, nnx.Module)
              else models.abstract_model(model_config))
     model_def, _ = ModelDef.of(model)
     plan = plan_for(model_def, config, MeshAxes.of(mesh), frozen=frozen_paths(model, trainable))
-    params = gradients = optimizer = 0
+    offload = config.offload_optimizer != "none"
+    params = gradients = optimizer = host_params = 0
     for leaf in plan.leaves:
         params += leaf.param_bytes_per_device
         if not leaf.trainable:
             continue
         share = leaf.chunk * leaf.layers            # this device's partition (padding included)
+        if offload and leaf.has_compute_copy:       # the master partition lives on the host
+            master = jnp.dtype(leaf.master_dtype).itemsize * share
+            params, host_params = params - master, host_params + master
         optimizer += optimizer_bytes_per_param * (share if leaf.optimizer_partitioned
                                                   else leaf.numel)
         gradients += GRAD_BYTES * (share if leaf.optimizer_partitioned and config.stage >= 2
                                    else leaf.numel)
+    if offload:
+        return MemoryEstimate(params=params, gradients=gradients, optimizer=0,
+                              host_params=host_params, host_optimizer=optimizer)
     return MemoryEstimate(params=params, gradients=gradients, optimizer=optimizer)

@@ -25,6 +25,8 @@ DEFAULT_LR = 1e-2
 # on DeepSpeed's dynamic loss scaling.
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# --offload-optimizer / --offload-param: where ZeRO-Offload keeps that state.
+OFFLOAD_DEVICES = ("none", "cpu")
 # Fields that belong to one invocation, not to the run: never restored by --resume.
 PER_INVOCATION = ("out_dir", "resume", "progress")
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,10 @@ class TrainJobConfig:
     persistence_threshold: int | None = None
     dtype: str | None = None                # "fp32", "bf16" or "fp16"; default fp32
     grad_accum: int | None = None           # micro-batches per step; default 1
+    # ZeRO-Offload (ZeroConfig.offload_optimizer / offload_param): "none" or "cpu"; None: from
+    # the DeepSpeed config, else "none".
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
     deepspeed_config: str | None = None     # a DeepSpeed JSON path
     out_dir: str | None = None              # None: a fresh runs/<model>-<YYYYmmdd-HHMMSS>
     seed: int = 0
@@ -106,6 +112,10 @@ class TrainJobConfig:
         if self.persistence_threshold is not None and (
                 not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0):
             fail("persistence_threshold", "an integer >= 0, or None")
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) not in (None, *OFFLOAD_DEVICES):
+                fail(name, ", ".join(OFFLOAD_DEVICES) + ", or None (from the DeepSpeed config, "
+                     "else none)")
         if self.dtype is not None and self.dtype not in DTYPES:
             fail("dtype", ", ".join(DTYPES) + ", or None (from the DeepSpeed config, else fp32)")
         if not 0 < self.val_fraction < 1:

@@ -65,7 +65,9 @@ def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
             stage=3 if job.zero_stage is None else job.zero_stage,
             persistence_threshold=job.persistence_threshold or 0,
             compute_dtype=DTYPES[job.dtype or "fp32"],
-            gradient_clipping=job.gradient_clipping, gradient_accumulation_steps=accum)
+            gradient_clipping=job.gradient_clipping, gradient_accumulation_steps=accum,
+            offload_optimizer=job.offload_optimizer or "none",
+            offload_param=job.offload_param or "none")
         return TrainingSetup(zero=zero,
                              optimizer=_default_optimizer(job, schedule), learning_rate=schedule,
                              batch_size=batch, source="defaults (AdamW, warmup + cosine)")

@@ -21,7 +21,8 @@ from typing import Any
 
 from zeroxla.app.cli_args import (mesh_shape, non_negative_int, positive_float, positive_int,
                                   temperature)
-from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, PER_INVOCATION, TrainJobConfig
+from zeroxla.app.job import (DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, OFFLOAD_DEVICES,
+                             PER_INVOCATION, TrainJobConfig)
 from zeroxla.deepspeed.overrides import Override
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainJobConfig)}
@@ -120,6 +121,14 @@ OPTIONS: tuple[JobOption, ...] = (
               "stage3_param_persistence_threshold); default: from --config, else 0 (partition "
               "every leaf of the tiny default model)", type=non_negative_int, metavar="N",
               deepspeed="zero.persistence_threshold"),
+    JobOption("--offload-optimizer", "offload_optimizer", "parallel",
+              "ZeRO-Offload: keep the optimizer state and float32 masters in host memory "
+              "(DeepSpeed's offload_optimizer.device; stage >= 1); default none, or from --config",
+              choices=OFFLOAD_DEVICES, deepspeed="zero.offload_optimizer"),
+    JobOption("--offload-param", "offload_param", "parallel",
+              "ZeRO-Infinity parameter offload (DeepSpeed's offload_param.device; stage 3); "
+              "'cpu' is refused by name: not built yet", choices=OFFLOAD_DEVICES,
+              deepspeed="zero.offload_param"),
     JobOption("--config", "deepspeed_config", "parallel",
               "a DeepSpeed JSON config (batch sizes, optimizer, scheduler, fp16/bf16, "
               "zero_optimization); as in DeepSpeed, no zero_optimization means stage 0",

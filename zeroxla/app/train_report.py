@@ -77,6 +77,7 @@ def run_settings(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFT
         "loss_scaling": ("off" if not zero.uses_loss_scaling else "dynamic"
                          if zero.loss_scale == 0 else f"static {zero.loss_scale:g}"),
         "grad_accum": zero.gradient_accumulation_steps,
+        "offload_optimizer": zero.offload_optimizer, "offload_param": zero.offload_param,
         "gradient_clipping": zero.gradient_clipping, "seed": job.seed,
         "eval_every": job.eval_every, "eval_batches": job.eval_batches,
         "save_every": job.save_every, "keep_last": job.keep_last,

@@ -5,6 +5,7 @@
     keys.py          the key table: every DeepSpeed key, its check and its destination (KEY_MAP)
     checks.py        value checks and the errors that name the JSON key
     zero_config.py   the ZeroConfig keys checked together and against the mesh (hpZ clamp)
+    offload.py       offload_optimizer / offload_param (and their old spellings) onto ZeroConfig
     optimizers.py    DeepSpeed's optimizer section onto optax
     lr_schedules.py  DeepSpeed's LR schedulers (WarmupLR, WarmupDecayLR, ...) as optax schedules
     pipeline.py      the pipeline section and gradient_accumulation_steps onto a PipelineConfig

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from zeroxla.deepspeed.checks import (Check, any_value, betas, boolean, choice, integer, number,
                                       only)
+from zeroxla.deepspeed.offload import cpu_if, device_of, offload_section
 
 # A `Key` says how one key is checked and where its value goes:
 #   dest "zero.<field>"       -> that ZeroConfig field
@@ -56,8 +57,8 @@ _NO_OVERLAP = ("XLA schedules collectives and overlaps them with compute itself 
                "scheduler); there is no separate communication stream or bucket to configure")
 _MONITOR = ("zeroxla train prints progress and writes metrics.jsonl itself; DeepSpeed's monitors "
             "and profilers are not read")
-_NO_OFFLOAD = ("zeroxla keeps parameters, gradients and optimizer state in device memory; "
-               "CPU/NVMe offload is not implemented")
+_NO_OFFLOAD = ("zeroxla offloads to host memory only (offload_optimizer / offload_param with "
+               "device 'cpu'); NVMe offload and its tuning are not implemented")
 _NOT_HERE = "that DeepSpeed feature has no counterpart in zeroxla"
 
 TOP_LEVEL = section(
@@ -71,6 +72,7 @@ TOP_LEVEL = section(
         "fp16": Key(any_value(), "fp16"),
         "bf16": Key(any_value(), "bf16"),
         "zero_optimization": Key(any_value(), "zero"),
+        "hybrid_engine": Key(any_value(), "hybrid_engine"),
     },
     {
         "steps_per_print": _MONITOR,
@@ -115,8 +117,6 @@ TOP_LEVEL = section(
         "dataloader_drop_last": "the data pipeline is zeroxla.data",
         "progressive_layer_drop": _NOT_HERE + " (progressive layer drop)",
         "eigenvalue": _NOT_HERE + " (eigenvalue-based MoQ)",
-        "hybrid_engine": ("read by zeroxla.hybrid_engine_config_from_json into a "
-                          "HybridEngineConfig, not by this loader"),
         "pipeline": ("read by zeroxla.deepspeed.pipeline_config_from_json into a PipelineConfig "
                      "(pass it to make_step(pipeline=...)); the stage count is the mesh's"),
         "tensor_parallel": _NOT_HERE + " (AutoTP tensor parallelism)",
@@ -177,6 +177,18 @@ ZERO = section(
         "zero_quantized_nontrainable_weights": Key(boolean(),
                                                    "zero.quantized_nontrainable_weights"),
         "zero_quantized_gradients": Key(boolean(), "zero.quantized_gradients"),
+        # ZeRO-Offload (`zeroxla.engine.offload`). The pre-0.6 boolean spellings first, so that
+        # messages name the current keys; pin_memory is read by `zero_config.offload_fields`.
+        "cpu_offload": Key(boolean(), "zero.offload_optimizer", convert=cpu_if,
+                           note="old name: true -> offload_optimizer.device 'cpu'"),
+        "cpu_offload_param": Key(boolean(), "zero.offload_param", convert=cpu_if,
+                                 note="old name: true -> offload_param.device 'cpu'"),
+        "cpu_offload_use_pin_memory": Key(boolean(), "zero.offload_pin_memory",
+                                          note="old name of pin_memory"),
+        "offload_optimizer": Key(offload_section("offload_optimizer"), "zero.offload_optimizer",
+                                 convert=device_of, note="device; pin_memory -> pinned_host"),
+        "offload_param": Key(offload_section("offload_param"), "zero.offload_param",
+                             convert=device_of, note="device; pin_memory -> pinned_host"),
     },
     {
         "overlap_comm": _NO_OVERLAP,
@@ -208,12 +220,7 @@ ZERO = section(
         "ignore_unused_parameters": "unused parameters simply get zero gradients in JAX",
         "legacy_stage1": "there is one implementation per stage",
         "grad_hooks": "JAX has no gradient hooks; reductions are in the compiled step",
-        "offload_param": _NO_OFFLOAD,
-        "offload_optimizer": _NO_OFFLOAD,
-        "cpu_offload": _NO_OFFLOAD,
-        "cpu_offload_param": _NO_OFFLOAD,
-        "cpu_offload_use_pin_memory": _NO_OFFLOAD,
-        "zenflow": _NO_OFFLOAD,
+        "zenflow": _NO_OFFLOAD + " (ZenFlow's stall-free offload)",
         "mics_shard_size": _NOT_HERE + " (MiCS)",
         "mics_hierarchical_params_gather": _NOT_HERE + " (MiCS)",
         "zeropp_loco_param": _NOT_HERE + " (LoCo error feedback for qgZ)",

@@ -10,7 +10,9 @@ mesh, is checked here, so that every error names the JSON key a DeepSpeed user w
   * hpZ's secondary partition lies inside a node (ZeRO++ §3.2), so once the mesh's devices per
     node are known, a zero_hpz_partition_size that does not divide them is clamped to them, with a
     `DeepSpeedConfigWarning`. The ZeRO++ tutorial's value, 16, assumes 16 GPUs per node; on a mesh
-    of 4 local devices it becomes 4.
+    of 4 local devices it becomes 4;
+  * the offload keys (`offload_optimizer`, `offload_param`, their old boolean spellings and
+    pin_memory) against each other and the stage (`zeroxla.deepspeed.offload`).
 `ZeroConfig.__post_init__` checks the result again; after the checks here it does not fail, and if
 it ever does, the error still names the JSON key.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 from zeroxla.deepspeed.checks import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.deepspeed.keys import FP16, MAPPED_SECTIONS, TOP_LEVEL, ZERO
+from zeroxla.deepspeed.offload import offload_fields
 from zeroxla.sharding.config import ZeroConfig
 
 # ZeroConfig field -> the DeepSpeed key that sets it (compute_dtype: fp16.enabled or bf16.enabled).
@@ -53,6 +56,7 @@ def zero_fields(top: Mapping[str, Any], fp16: Mapping[str, Any], bf16: Mapping[s
             if spec.dest.startswith("zero.") and spec.dest != "zero.compute_dtype":
                 fields[spec.dest.removeprefix("zero.")] = (spec.convert(value) if spec.convert
                                                            else value)
+    offload_fields(zero, fields, source)       # pin_memory, old spellings, stages
     if fp16.get("enabled") and bf16.get("enabled"):
         raise DeepSpeedConfigError(f"{source}: fp16.enabled and {bf16_prefix}enabled are both "
                                    "true; accepted: at most one (DeepSpeed asserts the same)")

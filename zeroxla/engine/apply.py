@@ -5,6 +5,7 @@
       -> the optax transformation on the logical trainable parameters (`ShardedOptimizer`)
       -> each updated leaf back in its stored layout (`engine.update.stored_update`)
       -> fp16: an overflow keeps parameters and optimizer state bit-identical, the scale moves
+    ZeRO-Offload: optimizer state and masters moved in from host memory before, out after
 
 A pure function of the layout, the state and the gradient pass's outputs.
 """
@@ -20,6 +21,7 @@ import optax
 from zeroxla.collectives.zero import PARAM_UPDATE
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.loss_scale import update_loss_scale
+from zeroxla.engine.offload import offloaded, resident
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.update import logical_gradient, optimizer_input, stored_update
 
@@ -27,7 +29,9 @@ from zeroxla.engine.update import logical_gradient, optimizer_input, stored_upda
 def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
                     grads: dict[str, jax.Array], model_state: dict[str, jax.Array],
                     scale: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The next state and the step's metrics (loss, grad_norm; fp16: loss_scale, overflow)."""
+    """The next state and the step's metrics (loss, grad_norm; fp16: loss_scale, overflow).
+    With ZeRO-Offload the optimizer state and masters come in from host memory for the update
+    and go back after it (`engine.offload`)."""
     cfg, mesh, trainable = layout.config, layout.mesh, layout.plan.trainable_leaves
     logical_grads = {leaf.path: logical_gradient(leaf, grads[leaf.path] / scale,
                                                  cfg.stage, mesh) for leaf in trainable}
@@ -37,6 +41,8 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
         coef = jnp.minimum(cfg.gradient_clipping / (grad_norm + 1e-6), 1.0)
         logical_grads = jax.tree.map(lambda g: g * coef, logical_grads)
 
+    # ZeRO-Offload: the optimizer state and masters come onto the device for the update.
+    state = resident(layout, state)
     with jax.named_scope(PARAM_UPDATE):
         params = {leaf.path: optimizer_input(leaf, state.params[leaf.path], mesh)
                   for leaf in trainable}
@@ -60,4 +66,4 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
     new_state = state.replace(step=state.step + 1, params=new_params,
                               opt_state=new_opt_state, loss_scale=loss_scale,
                               model_state=model_state)
-    return new_state, metrics
+    return offloaded(layout, new_state), metrics

@@ -11,7 +11,8 @@ the ones before it (as torchtitan's `parallelize` applies its parallelisms one a
     3. plan        every parameter's storage and compute layout (`sharding.plan.plan_for`)
     4. comm        the collectives that move them (ZeRO, stage 2's sinks, or ZeRO++)
     5. optimizer   the optax transformation over the plan (`engine.optimizer.ShardedOptimizer`)
-    6. shardings   of the whole `TrainState` and of a batch
+    6. shardings   of the whole `TrainState` (offloaded parts in host memory,
+                   `engine.offload`) and of a batch
 
 `with_plan` replaces step 3's result and redoes 5-6 (the pipeline stores each stage's layers only,
 `zeroxla.pipeline.storage.pipelined_plan`); `model_plan` keeps the plan of the whole model, which
@@ -33,6 +34,7 @@ from zeroxla.collectives.zero import Zero2Collectives, ZeroCollectives
 from zeroxla.collectives.zeropp import ZeroPPCollectives
 from zeroxla.engine.loss import LossFn, next_token_loss
 from zeroxla.engine.loss_scale import init_loss_scale
+from zeroxla.engine.offload import host_shardings
 from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
 from zeroxla.engine.randomness import takes_rngs
 from zeroxla.engine.state import TrainState
@@ -153,8 +155,10 @@ def _state_shardings(mesh: Mesh, config: ZeroConfig, plan: ShardingPlan, model_d
                   if config.uses_loss_scaling else None)
     # A leaf stored as codes has a pytree of specs (codes and scales).
     params = {leaf.path: jax.tree.map(named, leaf.param_spec) for leaf in plan.leaves}
-    return TrainState(step=replicated, params=params,
-                      opt_state=sharded_optimizer.state_shardings(mesh),
+    # ZeRO-Offload: the optimizer state and float32 masters carry a host memory kind.
+    params, opt_state = host_shardings(config, plan, params,
+                                       sharded_optimizer.state_shardings(mesh))
+    return TrainState(step=replicated, params=params, opt_state=opt_state,
                       loss_scale=loss_scale, plan=plan, model_def=model_def,
                       model_state={p: replicated for p in model_def.state_paths},
                       rng=replicated if uses_rng else None)

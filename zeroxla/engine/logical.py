@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.loss_scale import init_loss_scale
+from zeroxla.engine.offload import resident
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.state import TrainState
@@ -107,6 +108,7 @@ def build_layout(layout: ZeroLayout) -> LogicalLayout:
     leaves = {leaf.path: leaf for leaf in plan.leaves}
 
     def logical_tree(state: TrainState) -> dict[str, Any]:
+        state = resident(layout, state)       # offloaded parts: converted on the device
         tree = {"step": state.step,
                 "params": {p: storage_to_logical(leaf, state.params[p])
                            for p, leaf in leaves.items()},

@@ -14,6 +14,7 @@ import jax
 from flax import nnx, struct
 
 from zeroxla.engine.loss_scale import LossScaleState
+from zeroxla.engine.offload import on_device
 from zeroxla.engine.stored import storage_to_logical
 from zeroxla.sharding.model_def import ModelDef
 from zeroxla.sharding.plan import ShardingPlan
@@ -47,7 +48,7 @@ def gather_params(state: TrainState) -> nnx.State:
     """The full (unpadded, logical-shape) float32 parameters as an `nnx.State`, on this
     process's first device (so that evaluating or sampling from them is a one-device program);
     leaves stored as codes come back dequantized."""
-    values = jax.jit(_logical_params)(state)
+    values = jax.jit(_logical_params)(on_device(state))
     return state.model_def.state(jax.device_put(values, jax.local_devices()[0]))
 
 
@@ -64,5 +65,5 @@ def gathered_model(state: TrainState, *legacy: TrainState) -> nnx.Module:
     if not isinstance(state, TrainState):
         raise TypeError(f"gathered_model takes a TrainState, got {type(state).__name__}")
     device = jax.local_devices()[0]
-    values = jax.device_put(jax.jit(_logical_params)(state), device)
+    values = jax.device_put(jax.jit(_logical_params)(on_device(state)), device)
     return state.model_def.module(values, jax.device_put(state.model_state, device))

@@ -57,6 +57,7 @@ from zeroxla.engine.loss import (
     next_token_loss_terms,
     normalizer,
 )
+from zeroxla.engine import offload
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
 from zeroxla.engine.optimizer import default_optimizer
@@ -83,6 +84,7 @@ class ZeroStep:
     against its micro-batches; the update is the same either way."""
 
     def __init__(self, source: ModelSource, layout: ZeroLayout, *, gradient_pass: Any = None):
+        offload.check_offload(layout.config, pipelined=gradient_pass is not None)
         self.layout = layout
         self.source = source
         # The layout's parts, under the names the step has always had.
@@ -188,6 +190,10 @@ class ZeroStep:
         """A plain model holding the full parameters of `state` (see `gathered_model`)."""
         from zeroxla.engine.state import gathered_model
         return gathered_model(state)
+
+    def describe(self) -> str:
+        """The sharding plan's table and where offloaded state lives (`engine.offload`)."""
+        return f"{offload.describe(self.config)}\n{self.plan.describe()}"
 
     def describe_collectives(self) -> list[tuple[str, str, str, str]]:
         """(path, forward gather, backward gather, gradient reduction) per partitioned leaf."""

@@ -2,7 +2,8 @@
 
     engine.py    HybridEngine: reshard ZeRO-3 storage once into tensor parallelism, KV-cached
                  decode loop compiled per (batch bucket, prompt bucket)
-    baseline.py  ZeRO-3 generation that re-gathers every layer at every token (for comparison)
+    baseline.py  what the engine is measured against: ZeRO-3 generation that re-gathers every
+                 layer at every token, and the gathered model decoded on one device
     layout.py    the tensor-parallel layout from logical axis names (rules table)
     reshard.py   ZeRO-3 storage -> the tensor-parallel layout in one program, each device
                  receiving only its own slice
@@ -16,9 +17,9 @@
 """
 
 from zeroxla.inference.config import HybridEngineConfig, hybrid_engine_config_from_section
-from zeroxla.inference.baseline import Zero3Generator
+from zeroxla.inference.baseline import SingleDeviceGenerator, Zero3Generator
 from zeroxla.inference.engine import HybridEngine
 from zeroxla.inference.sampling import Sampling, next_token
 
-__all__ = ["HybridEngine", "HybridEngineConfig", "Sampling", "hybrid_engine_config_from_section",
-           "next_token", "Zero3Generator"]
+__all__ = ["HybridEngine", "HybridEngineConfig", "Sampling", "SingleDeviceGenerator",
+           "hybrid_engine_config_from_section", "next_token", "Zero3Generator"]

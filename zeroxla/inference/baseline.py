@@ -1,4 +1,5 @@
-"""ZeRO-3 generation without the Hybrid Engine: the baseline the engine is measured against.
+"""The generators the Hybrid Engine is measured against: ZeRO-3 generation without it
+(`Zero3Generator`), and the same gathered model decoded on one device (`SingleDeviceGenerator`).
 
 The parameters stay partitioned over the data axes as training stores them, and every forward
 gathers each layer just before it runs (the training step's own `zero3_module` stand-ins), so
@@ -20,7 +21,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zeroxla.engine.state import TrainState
+from zeroxla.engine.state import TrainState, gather_params
 from zeroxla.inference.checks import check_decodable, check_state, check_step
 from zeroxla.inference.decode import (bucket, check_eos_id, check_prompts, decode_loop, pack,
                                       unpack)
@@ -116,3 +117,67 @@ class Zero3Generator:
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
         return jax.jit(run).lower(self.step._compute_inputs(state.params), state.model_state,
                                   self._cache(batch), column, column).compile()
+
+
+class SingleDeviceGenerator:
+    """`generate(state, prompts, ...)` as `HybridEngine.generate`, on one device: the whole
+    float32 model (`gather_params(state)`, the same values `gathered_model` holds, kept while
+    the state's parameter arrays are the same ones), the same decode loop, KV cache and
+    sampling keys, no collectives. The engine's tokens/s against this is the price (or the
+    gain) of splitting the model over devices."""
+
+    def __init__(self, step: Any, max_out_tokens: int = 512):
+        check_step(step, "SingleDeviceGenerator")
+        self.model_def, self.plan = step.layout.model_def, step.layout.plan
+        self.max_out_tokens = max_out_tokens
+        self.vocab_size = step.vocab_size
+        self._cache_shape = check_decodable(self.model_def, max_out_tokens, self.vocab_size)
+        self.device = jax.local_devices()[0]
+        self._programs: dict[tuple, Any] = {}
+        self._pinned: tuple[list[Any], dict[str, jax.Array]] | None = None
+
+    def params(self, state: TrainState) -> dict[str, jax.Array]:
+        """{path: float32 array} of `state` on `self.device`, gathered once per parameters."""
+        check_state(state, self.plan, self.model_def)
+        leaves = jax.tree.leaves(state.params)
+        if self._pinned is None or any(a is not b for a, b in zip(self._pinned[0], leaves)):
+            logical = gather_params(state)                   # on this process's first device
+            self._pinned = (leaves, dict(zip(self.model_def.paths,
+                                             self.model_def.treedef.flatten_up_to(logical))))
+        return self._pinned[1]
+
+    def _program(self, batch: int, prompt: int, sampling: Sampling) -> Any:
+        key = (batch, prompt, sampling)
+        if key not in self._programs:
+            def run(params, model_state, cache, tokens, lengths, live, max_new, eos_id, key):
+                model = self.model_def.module(params, model_state)
+                model.eval()
+                return decode_loop(model, cache, tokens, lengths, live, max_new, eos_id, key,
+                                   sampling, self.max_out_tokens)
+            self._programs[key] = jax.jit(run, donate_argnums=(2,))
+        return self._programs[key]
+
+    def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_id: int | None = None,
+                 seed: int | jax.Array = 0) -> list[np.ndarray]:
+        """As `HybridEngine.generate` (the same tokens for the same seed, sampled too)."""
+        sampling = Sampling(temperature, top_k, top_p)
+        key = seed_key(seed)
+        check_eos_id(eos_id, self.vocab_size)
+        rows = check_prompts(prompts, max_new_tokens, self.max_out_tokens, self.vocab_size)
+        if max_new_tokens == 0:
+            return [row.copy() for row in rows]
+        params = self.params(state)
+        batch = bucket(len(rows))
+        prompt = bucket(max(row.size for row in rows), limit=self.max_out_tokens)
+        shape = list(self._cache_shape)
+        shape[1] = batch
+        cache = {k: jnp.zeros(shape, jnp.float32, device=self.device) for k in ("k", "v")}
+        inputs = jax.device_put((*pack(rows, batch, prompt), state.model_state,
+                                 np.int32(max_new_tokens),
+                                 np.int32(-1 if eos_id is None else eos_id), key), self.device)
+        tokens, lengths, live, model_state, *scalars = inputs
+        buffer, steps, _ = self._program(batch, prompt, sampling)(
+            params, model_state, cache, tokens, lengths, live, *scalars)
+        return unpack(rows, np.asarray(buffer), int(steps), eos_id)

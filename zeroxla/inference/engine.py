@@ -32,13 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroxla.engine.offload import on_device
 from zeroxla.engine.state import TrainState
 from zeroxla.inference.checks import check_decodable, check_state, check_step
 from zeroxla.inference.config import HybridEngineConfig
 from zeroxla.inference.decode import (bucket, check_eos_id, check_prompts, decode_loop, pack,
                                       unpack)
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
-from zeroxla.inference.reshard import reshard_function
+from zeroxla.inference.reshard import reshard_function, storage_view
 from zeroxla.inference.sampling import Sampling, seed_key
 
 
@@ -64,8 +65,11 @@ class HybridEngine:
         self.model_def = zero_layout.model_def
         self.plan = zero_layout.plan
         devices = list(np.asarray(zero_layout.mesh.devices).reshape(-1))
+        # storage split over the data axes alone: the mesh that holds each ZeRO partition in
+        # its tensor slice (`layout.inference_mesh`); else the training order, XLA moving it
         self.layout: TensorParallelLayout = tensor_parallel_layout(
-            self.model_def, devices, config.inference_tp_size)
+            self.model_def, devices, config.inference_tp_size,
+            tensor_major=zero_layout.axes.data_size == len(devices))
         self.mesh = self.layout.mesh
         self.vocab_size = step.vocab_size
         self._cache_shape = check_decodable(self.model_def, config.max_out_tokens,
@@ -80,14 +84,21 @@ class HybridEngine:
 
     # ---- reshard ---------------------------------------------------------------------------
     def reshard_program(self, state: TrainState) -> Any:
-        """The compiled reshard: training storage -> tensor-parallel layout (inspect it with
-        `zeroxla.comm_report(program, mesh=engine.mesh)`)."""
+        """The compiled reshard: training storage -> tensor-parallel layout; call it on
+        `reshard_inputs(state)` (inspect it with `zeroxla.comm_report(program,
+        mesh=engine.mesh)`)."""
         check_state(state, self.plan, self.model_def)
         if self._reshard is None:
             self._reshard = jax.jit(reshard_function(self.plan, self.layout),
                                     out_shardings=self.layout.param_shardings()
-                                    ).lower(state.params).compile()
+                                    ).lower(self.reshard_inputs(state)).compile()
         return self._reshard
+
+    def reshard_inputs(self, state: TrainState) -> dict[str, Any]:
+        """`state.params` on the inference mesh's device order, the same buffers (no copy):
+        the reshard program's argument (`reshard.storage_view`)."""
+        check_state(state, self.plan, self.model_def)
+        return storage_view(on_device(state.params), self.layout)
 
     def _pinned_for(self, state: TrainState) -> bool:
         """Whether the pinned copy was built from exactly these parameter arrays (an optimizer
@@ -104,7 +115,7 @@ class HybridEngine:
         if self._pinned_for(state):
             return self._params
         self._free_params()
-        self._params = self.reshard_program(state)(state.params)
+        self._params = self.reshard_program(state)(self.reshard_inputs(state))
         self._source = [weakref.ref(leaf) for leaf in _leaves(state)]
         self.reshards += 1
         return self._params

@@ -1,8 +1,9 @@
 """The tensor-parallel inference layout, derived from logical axis names alone.
 
 The inference mesh is the training mesh's devices regrouped as `(node=1, local=D/tp,
-tensor=tp)`: each `tensor` row is one tensor-parallel group; the `local` axis serves different
-prompts data-parallel. Every parameter's spec comes from `TENSOR_PARALLEL_RULES` (heads,
+tensor=tp)`, tensor-major (`inference_mesh`: position (l, t) is training device t D/tp + l, so
+each device's ZeRO partition lies in the tensor slice it will hold): each `tensor` row is one
+tensor-parallel group; the `local` axis serves different prompts data-parallel. Every parameter's spec comes from `TENSOR_PARALLEL_RULES` (heads,
 kv_heads, mlp, vocab -> tensor; Megatron column-parallel in, row-parallel out), so a model with
 logical axes needs no code here.
 
@@ -20,9 +21,10 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from zeroxla.sharding.mesh import MeshAxes, make_mesh
+from zeroxla.sharding.mesh import LOCAL_AXIS, NODE_AXIS, TENSOR_AXIS, MeshAxes
 from zeroxla.sharding.model_def import ModelDef
 from zeroxla.sharding.rules import TENSOR_PARALLEL_RULES
 from zeroxla.models import axes as logical
@@ -43,6 +45,9 @@ class TensorParallelLayout:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]   # (path, inference shape)
     kv_repeat: int                              # KV heads replicated this many times
     kv_dims: tuple[tuple[str, int], ...]        # (path, its kv_heads dim)
+    # `inference_mesh`'s order: position (l, t) is training device t dp + l (True), or
+    # l tp + t, the training order itself (False: storage not split over the data axes alone)
+    tensor_major: bool = True
 
     @property
     def tp(self) -> int:
@@ -74,6 +79,8 @@ class TensorParallelLayout:
         """One line per parameter: path, inference shape, spec."""
         shapes = dict(self.shapes)
         lines = [f"inference mesh {self.axes.describe()}"
+                 + (", tensor-major (position (l, t) = training device t dp + l)"
+                    if self.tensor_major and self.tp > 1 else "")
                  + (f"; KV heads replicated x{self.kv_repeat}" if self.kv_repeat > 1 else "")]
         lines += [f"  {path:<28} {str(shapes[path]):<18} {spec}" for path, spec in self.specs]
         return "\n".join(lines)
@@ -95,9 +102,33 @@ def accepted_tp_sizes(devices: int | None, heads: Sequence[int],
     return [t for t in _divisors(bound) if tp_fits(t, devices, heads, kv_heads)]
 
 
-def tensor_parallel_layout(model_def: ModelDef, devices: Sequence[jax.Device],
-                           tp: int) -> TensorParallelLayout:
-    """The layout of `model_def`'s parameters for `tp`-way tensor parallelism over `devices`.
+def inference_mesh(devices: Sequence[jax.Device], tp: int, tensor_major: bool = True) -> Mesh:
+    """`(node=1, local=D/tp, tensor=tp)` over `devices` (the training mesh's, in its flat
+    order: device d holds ZeRO storage chunk d), tensor-major: mesh position (l, t) is device
+    t D/tp + l. Device (l, t) then holds chunk t D/tp + l, which lies in tensor slice t of a
+    dim split into D chunks, so its `local` row of D/tp devices holds exactly slice t between
+    them and the reshard is one all-gather over `local` (`zeroxla.inference.reshard`).
+
+    The price: a tensor group is strided over the training order (devices l, l + D/tp, ...),
+    so with D/tp < the devices of a node it crosses nodes, as verl's 3D-HybridEngine's
+    generation groups do for the same reason; `make_mesh`'s order (l tp + t) would keep it
+    within a node but hold the wrong chunk on every device but one per group; it is the order
+    with `tensor_major=False` (for storage split over a pipeline or tensor axis too, which the
+    reshard leaves to XLA)."""
+    count = len(devices)
+    grid = np.asarray(devices, dtype=object)
+    grid = grid.reshape(tp, count // tp).T if tensor_major else grid.reshape(count // tp, tp)
+    if tp == 1:
+        return Mesh(grid.reshape(1, count), (NODE_AXIS, LOCAL_AXIS),
+                    axis_types=(AxisType.Auto,) * 2)
+    return Mesh(grid.reshape(1, count // tp, tp), (NODE_AXIS, LOCAL_AXIS, TENSOR_AXIS),
+                axis_types=(AxisType.Auto,) * 3)
+
+
+def tensor_parallel_layout(model_def: ModelDef, devices: Sequence[jax.Device], tp: int,
+                           tensor_major: bool = True) -> TensorParallelLayout:
+    """The layout of `model_def`'s parameters for `tp`-way tensor parallelism over `devices`
+    (the training mesh's, flat), on `inference_mesh(devices, tp, tensor_major)`.
 
     ValueError naming `HybridEngineConfig.inference_tp_size` and the accepted sizes when `tp`
     does not divide the devices, a `heads` dim, or a `kv_heads` dim (nor is a multiple of it).
@@ -122,7 +153,7 @@ def tensor_parallel_layout(model_def: ModelDef, devices: Sequence[jax.Device],
         raise ValueError(f"kv_heads dims of sizes {kv} need different replication for "
                          f"inference_tp_size={tp}; accepted: a tp dividing all of them")
     kv_repeat = repeats.pop() if repeats else 1
-    mesh = make_mesh(1, count // tp, tensor=tp, devices=devices)
+    mesh = inference_mesh(devices, tp, tensor_major)
     axes = MeshAxes.of(mesh)
     specs, shapes, kv_dims = [], [], []
     for path, shape, names in zip(model_def.paths, model_def.shapes, model_def.logical_axes):
@@ -135,7 +166,7 @@ def tensor_parallel_layout(model_def: ModelDef, devices: Sequence[jax.Device],
         specs.append((path, spec))
         shapes.append((path, tuple(shape)))
     return TensorParallelLayout(mesh, axes, tuple(specs), tuple(shapes), kv_repeat,
-                                tuple(kv_dims))
+                                tuple(kv_dims), tensor_major)
 
 
 def bytes_per_device(shapes: Sequence[tuple[int, ...]], specs: Sequence[P], axes: MeshAxes,
@@ -152,4 +183,4 @@ def bytes_per_device(shapes: Sequence[tuple[int, ...]], specs: Sequence[P], axes
 
 
 __all__ = ["TensorParallelLayout", "accepted_tp_sizes", "bytes_per_device",
-           "tensor_parallel_layout", "tp_fits"]
+           "inference_mesh", "tensor_parallel_layout", "tp_fits"]

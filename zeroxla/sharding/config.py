@@ -23,6 +23,9 @@ import jax.numpy as jnp
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 QUANTIZATION_BITS = (4, 8)
+# ZeRO-Offload's targets (DeepSpeed's `offload_optimizer.device` / `offload_param.device`):
+# "cpu" is host memory (JAX's `pinned_host` or `unpinned_host` memory kind); "nvme" is not built.
+OFFLOAD_DEVICES = ("none", "cpu")
 
 
 def _fail(field: str, value: Any, accepted: str) -> None:
@@ -46,7 +49,8 @@ _KINDS = {"stage": "int", "persistence_threshold": "int", "prefetch": "bool", "r
           "hpz_partition_size": "int", "quantized_weights": "bool",
           "quantized_nontrainable_weights": "bool", "quantized_gradients": "bool",
           "weight_quantization_bits": "int", "weight_quantization_group_size": "int",
-          "gradient_quantization_group_size": "int"}
+          "gradient_quantization_group_size": "int", "offload_optimizer": "str",
+          "offload_param": "str", "offload_pin_memory": "bool"}
 _CHECKS = {"int": (_is_int, "an integer"), "bool": (lambda v: isinstance(v, bool), "True or False"),
            "str": (lambda v: isinstance(v, str), "a string"),
            "number": (_is_number, "a number")}
@@ -106,6 +110,16 @@ class ZeroConfig:
     weight_quantization_group_size: int = 2048
     gradient_quantization_group_size: int = 2048
 
+    # ZeRO-Offload (Ren et al. 2021): "cpu" keeps the optimizer state and the float32 master
+    # partition in host memory between steps (`zeroxla.engine.offload`); stages 1-3.
+    offload_optimizer: str = "none"
+    # ZeRO-Infinity's parameter offload (stage 3): accepted here as DeepSpeed spells it; the step
+    # refuses "cpu" by name until it is built (`zeroxla.engine.offload.check_offload`).
+    offload_param: str = "none"
+    # DeepSpeed's `pin_memory`: offloaded arrays in page-locked host memory (`pinned_host`, fast
+    # DMA) instead of pageable memory (`unpinned_host`). DeepSpeed's default is False.
+    offload_pin_memory: bool = False
+
     def __post_init__(self) -> None:
         for field, kind in _KINDS.items():
             check, accepted = _CHECKS[kind]
@@ -152,6 +166,19 @@ class ZeroConfig:
         if self.compute_dtype == "float64" and self.uses_zeropp:
             _fail("compute_dtype", self.compute_dtype, "float32, bfloat16 or float16 with ZeRO++ "
                   "(its int8/int4 quantization would undo a float64 verification run)")
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) not in OFFLOAD_DEVICES:
+                _fail(name, getattr(self, name), "'none' or 'cpu' (host memory; 'nvme' is not "
+                      "built: zeroxla has no NVMe swapper)")
+        if self.offload_optimizer != "none" and self.stage < 1:
+            _fail("offload_optimizer", self.offload_optimizer, "'none' at stage 0 (ZeRO-Offload "
+                  "moves the partitioned optimizer state: use stage 1, 2 or 3)")
+        if self.offload_param != "none" and self.stage != 3:
+            _fail("offload_param", self.offload_param, "'none' below stage 3 (only stage 3 "
+                  "partitions parameters)")
+        if self.offload_pin_memory and not self.offloads:
+            _fail("offload_pin_memory", self.offload_pin_memory, "False unless offload_optimizer "
+                  "or offload_param is 'cpu' (nothing is offloaded to pin)")
         if self.uses_zeropp and self.stage != 3:
             _fail("stage", self.stage, "3 when ZeRO++ (hpz_partition_size > 1, quantized_weights, "
                   "quantized_gradients, quantized_nontrainable_weights) is enabled")
@@ -173,6 +200,16 @@ class ZeroConfig:
         """Any ZeRO++ feature on (they all need stage 3)."""
         return (self.hpz_partition_size > 1 or self.quantized_weights
                 or self.quantized_gradients or self.quantized_nontrainable_weights)
+
+    @property
+    def offloads(self) -> bool:
+        """Anything kept in host memory (ZeRO-Offload / ZeRO-Infinity)."""
+        return self.offload_optimizer != "none" or self.offload_param != "none"
+
+    @property
+    def offload_memory_kind(self) -> str:
+        """The JAX memory kind offloaded arrays live in: `pin_memory` -> pinned, else pageable."""
+        return "pinned_host" if self.offload_pin_memory else "unpinned_host"
 
     @property
     def uses_loss_scaling(self) -> bool:

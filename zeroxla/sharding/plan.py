@@ -8,8 +8,10 @@ persistence threshold:
 * storage (`ZERO_STORAGE_RULES`): a partitioned parameter keeps its logical shape, with one dim
   split over the data axes ("node", "local") - per-parameter sharding, as PyTorch FSDP2 does,
   rather than DeepSpeed's flat buffers, so that the optimizer can see every parameter whole
-  (`zeroxla.engine.optimizer`). The dim is the first one the data size N divides; when none
-  does, the one needing the least zero padding, padded up to a multiple of N. A stacked
+  (`zeroxla.engine.optimizer`). The dim is the first one the data size N divides, one that
+  tensor-parallel generation splits (heads, kv_heads, mlp, vocab) before the others, so the
+  Hybrid Engine's reshard is at its byte floor (`rules.ZERO_STORAGE_RULES`); when none
+  divides, the one needing the least zero padding, padded up to a multiple of N. A stacked
   `LayerStack` parameter keeps its leading `[L]` dim so the layer scan can gather one layer at a
   time.
 * compute (`TRAINING_COMPUTE_RULES`): whole on every device while a layer (or a module call)

@@ -110,3 +110,17 @@ def test_describe_resume_says_what_was_kept_and_what_changed():
     assert "--mesh" not in kept and "--zero-stage 2" in kept and "--dtype bf16" in kept
     assert changed == "resume: changed on the command line: --steps 10 -> 20, --mesh 1x4 -> 2x4"
     assert "records no zeroxla train settings" in describe_resume(None, {})[0]
+
+
+def test_offload_options_reach_the_zero_config(tmp_path):
+    assert resolve_setup(TrainJobConfig(offload_optimizer="cpu")).zero.offload_optimizer == "cpu"
+    assert resolve_setup(TrainJobConfig()).zero.offload_optimizer == "none"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "none"}}}))
+    with pytest.raises(ValueError, match="--offload-optimizer cpu conflicts with "
+                                         "zero_optimization.offload_optimizer"):
+        resolve_quietly(deepspeed_config=str(path), offload_optimizer="cpu")
+    path.write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 2}}))
+    assert resolve_quietly(deepspeed_config=str(path),
+                           offload_optimizer="cpu").zero.offload_optimizer == "cpu"

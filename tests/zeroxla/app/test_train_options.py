@@ -17,12 +17,14 @@ GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--s
          "--batch-size": "16", "--seq-len": "64", "--lr": "0.001", "--warmup-steps": "2",
          "--mesh": "1x8", "--pipeline-stages": "2", "--zero-stage": "2", "--dtype": "bf16",
          "--grad-accum": "2", "--persistence-threshold": "5", "--config": "ds.json",
+         "--offload-optimizer": "cpu", "--offload-param": "none",
          "--out": "o", "--seed": "3", "--eval-every": "4", "--eval-batches": "5",
          "--save-every": "6", "--keep-last": "1", "--sample-tokens": "9", "--temperature": "0",
          "--no-progress": None, "--resume": "r", "--init-from": "hf"}
 EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, batch_size=16,
                 seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), pipeline_stages=2,
                 zero_stage=2, dtype="bf16", grad_accum=2, persistence_threshold=5,
+                offload_optimizer="cpu", offload_param="none",
                 deepspeed_config="ds.json", out_dir="o", seed=3, eval_every=4, eval_batches=5,
                 save_every=6, keep_last=1, sample_tokens=9, temperature=0.0, progress=False,
                 resume="r", init_from="hf")
@@ -55,5 +57,7 @@ def test_deepspeed_overrides_are_the_deepspeed_settings_given():
         ("train_batch_size", 16, "--batch-size 16"), ("zero.stage", 2, "--zero-stage 2"),
         ("zero.compute_dtype", "bfloat16", "--dtype bf16"),
         ("gradient_accumulation_steps", 2, "--grad-accum 2"),
-        ("zero.persistence_threshold", 5, "--persistence-threshold 5")}
+        ("zero.persistence_threshold", 5, "--persistence-threshold 5"),
+        ("zero.offload_optimizer", "cpu", "--offload-optimizer cpu"),
+        ("zero.offload_param", "none", "--offload-param none")}
     assert deepspeed_overrides(TrainJobConfig()) == ()

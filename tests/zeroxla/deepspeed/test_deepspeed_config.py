@@ -219,6 +219,16 @@ ZERO_CASES = [
               extra={"zero_optimization": {"stage": 3}}),
     zero_case("zero_optimization.zero_quantized_gradients", True, "quantized_gradients", True,
               extra={"zero_optimization": {"stage": 3}}),
+    zero_case("zero_optimization.offload_optimizer", {"device": "cpu"}, "offload_optimizer",
+              "cpu", extra={"zero_optimization": {"stage": 2}}),
+    zero_case("zero_optimization.offload_param", {"device": "cpu", "pin_memory": True},
+              "offload_pin_memory", True, extra={"zero_optimization": {"stage": 3}}),
+    zero_case("zero_optimization.cpu_offload", True, "offload_optimizer", "cpu",
+              extra={"zero_optimization": {"stage": 1}}),
+    zero_case("zero_optimization.cpu_offload_param", True, "offload_param", "cpu",
+              extra={"zero_optimization": {"stage": 3}}),
+    zero_case("zero_optimization.cpu_offload_use_pin_memory", True, "offload_pin_memory", True,
+              extra={"zero_optimization": {"stage": 2, "cpu_offload": True}}),
 ]
 
 

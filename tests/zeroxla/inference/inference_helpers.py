@@ -18,6 +18,11 @@ MODELS = {
     "llama-tiny": lambda: Llama(LlamaConfig.tiny().replace(init_std=0.2), rngs=nnx.Rngs(1)),
     # 8 query heads, 4 KV heads: tp 4 splits both; tp 8 replicates each KV head twice
     "llama-small": lambda: Llama(LlamaConfig.small().replace(init_std=0.1), rngs=nnx.Rngs(2)),
+    # every dim tensor parallelism splits (8 heads, mlp 256, a tied vocabulary of 72) divisible
+    # by 8 devices: the reshard's byte floor is reachable for tp 1, 2, 4 and 8
+    "gpt-8heads": lambda: GPT(GPTConfig(vocab_size=72, max_seq_len=16, d_model=64, num_heads=8,
+                                        num_layers=2, mlp_dim=256, init_std=0.2),
+                              rngs=nnx.Rngs(3)),
 }
 PROMPT_LENGTHS = (1, 3, 5, 7)
 
@@ -30,12 +35,13 @@ def batches(seed, count=3, rows=8, length=17):
 
 
 @functools.cache
-def zero3_step(name):
+def zero3_step(name, persistence_threshold=0):
     """The ZeRO-3 step of model `name` on a 2 x 4 mesh (compiled once per session)."""
     return zeroxla.make_step(MODELS[name](), zeroxla.make_mesh(2, 4),
                              optimizer=optax.adam(3e-3),
                              # threshold 0: every leaf partitioned, as a large model is
-                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+                             config=zeroxla.ZeroConfig(stage=3,
+                                                       persistence_threshold=persistence_threshold))
 
 
 def train(step, steps, seed=0):

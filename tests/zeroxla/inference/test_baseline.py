@@ -7,7 +7,7 @@ import pytest
 from inference_helpers import greedy_reference, prompts_of
 from zeroxla import comm_report
 from zeroxla.inference import HybridEngine, HybridEngineConfig
-from zeroxla.inference.baseline import Zero3Generator
+from zeroxla.inference.baseline import SingleDeviceGenerator, Zero3Generator
 
 
 @pytest.mark.slow
@@ -45,3 +45,14 @@ def test_baseline_samples_what_the_engine_samples(trained):
     for a, b in zip(baseline, engine.generate(state, prompts, **kwargs)):
         np.testing.assert_array_equal(a, b)
     engine.release()
+
+
+@pytest.mark.slow
+def test_single_device_generator_is_the_unsharded_model(trained):
+    step, state = trained("gpt-tiny")
+    prompts = prompts_of()
+    single = SingleDeviceGenerator(step, max_out_tokens=32)
+    outs = single.generate(state, prompts, max_new_tokens=6)
+    for out, ref in zip(outs, greedy_reference(state, prompts, 6)):
+        np.testing.assert_array_equal(out, ref)
+    assert {x.devices().pop() for x in single.params(state).values()} == {single.device}

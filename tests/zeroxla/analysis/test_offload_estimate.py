@@ -1,0 +1,93 @@
+"""`estimate_memory` with ZeRO-Offload for Llama-2-70B on one node of 8 devices, against
+DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
+`estimate_zero3_model_states_mem_needs`, reproduced below from
+deepspeed/runtime/zero/stage_1_and_2.py and stage3.py). Shapes only: nothing is allocated."""
+
+import pytest
+
+import zeroxla
+from zeroxla import models
+
+# Llama-2-70B: GQA with 8 key/value heads, SwiGLU width 28672, untied 32000-token head.
+LLAMA2_70B = models.LlamaConfig(vocab_size=32000, max_seq_len=4096, d_model=8192, num_heads=64,
+                                num_kv_heads=8, num_layers=80, mlp_dim=28672)
+TOTAL_PARAMS = 68_976_648_192
+LARGEST_LAYER_PARAMS = 32000 * 8192          # the embedding (or the head): DeepSpeed's largest
+GPUS = 8
+
+
+def deepspeed_zero2_mem_needs(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+                              additional_buffer_factor=1.5):
+    """DeepSpeed's estimate_zero2_model_states_mem_needs -> (cpu_mem per node, gpu_mem per GPU)."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 4 * total_params + int(16 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def deepspeed_zero3_mem_needs(total_params, largest_layer_params, num_gpus_per_node=1,
+                              num_nodes=1, cpu_offload=True, cpu_offload_params=True,
+                              zero_init=True, additional_buffer_factor=1.5):
+    """DeepSpeed's estimate_zero3_model_states_mem_needs -> (cpu_mem per node, gpu_mem per GPU,
+    largest_layer_memory)."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            per_param = 18 * gpus_factor if zero_init else max(4 * num_gpus_per_node,
+                                                               18 * gpus_factor)
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            per_param = 16 * gpus_factor if zero_init else max(4 * num_gpus_per_node,
+                                                               16 * gpus_factor)
+        cpu_mem = total_params * per_param * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        cpu_mem = (largest_layer_params if zero_init else total_params) * 4 * \
+            num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def _estimate(stage):
+    config = zeroxla.ZeroConfig(stage=stage, compute_dtype="bfloat16", offload_optimizer="cpu")
+    return zeroxla.estimate_memory(LLAMA2_70B, zeroxla.make_mesh(1, GPUS), config)
+
+
+def test_the_model_is_llama2_70b():
+    estimate = zeroxla.estimate_memory(LLAMA2_70B, zeroxla.make_mesh(1, GPUS),
+                                       zeroxla.ZeroConfig(stage=0))
+    assert estimate.params == 4 * TOTAL_PARAMS            # float32, replicated
+
+
+def test_zero2_offload_device_bytes_match_deepspeed():
+    """ZeRO-2 + offload_optimizer: each device keeps the bf16 parameters (2 bytes/param), the
+    host the float32 master partition and Adam's moments. Measured: 137.95 GB both."""
+    _, gpu_mem = deepspeed_zero2_mem_needs(TOTAL_PARAMS, GPUS, 1, cpu_offload=True)
+    estimate = _estimate(2)
+    assert estimate.optimizer == 0
+    assert estimate.training_state == pytest.approx(gpu_mem, rel=0.10)
+
+
+def test_zero2_offload_host_bytes_are_deepspeeds_model_states_less_its_gradient_copy():
+    """DeepSpeed's ZeRO-Offload host holds 16 bytes a parameter (fp32 master 4, Adam 8, fp32
+    gradients 4; its 1.5 is a buffer factor, not state); here the gradients stay on the device
+    and reach the update there, so the host holds 12 per parameter, summed over the node."""
+    cpu_mem, _, _ = deepspeed_zero3_mem_needs(TOTAL_PARAMS, LARGEST_LAYER_PARAMS, GPUS, 1,
+                                              cpu_offload=True, cpu_offload_params=False)
+    without_gradients = cpu_mem / 1.5 - 4 * TOTAL_PARAMS
+    assert GPUS * _estimate(2).host_state == pytest.approx(without_gradients, rel=0.10)
+
+
+@pytest.mark.xfail(strict=True, reason="stage 3 keeps its float32 partition on the device as "
+                   "the master (4 bytes/param / N); DeepSpeed keeps a 16-bit partition there and "
+                   "the float32 master on the host: a 16-bit stage-3 stored form is not built")
+def test_zero3_offload_device_bytes_match_deepspeed():
+    _, gpu_mem, _ = deepspeed_zero3_mem_needs(TOTAL_PARAMS, LARGEST_LAYER_PARAMS, GPUS, 1,
+                                              cpu_offload=True, cpu_offload_params=False)
+    assert _estimate(3).training_state == pytest.approx(gpu_mem, rel=0.10)   # 34.5 vs 18.3 GB

@@ -1,0 +1,288 @@
+"""ZeRO-Offload (`ZeroConfig.offload_optimizer="cpu"`): the optimizer state and float32 masters
+live in host memory, and the step trains exactly as without offload and as single-device optax.
+
+One compiled step per stage (gpt-tiny, 3 steps, gradient accumulation 2, SGD with momentum)
+against one shared single-device run; one fp16 pair (offloaded, not offloaded: stage 1, where
+the float32 master is a separate partition) with an overflowing step; the placement measured
+from the compiled programs of those same steps; a checkpoint round trip through a
+non-offloaded mesh; ZeRO++ (slow); the refusals and the DeepSpeed keys (no devices).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from reference import flat_params, token_batches, train_single_device
+from zeroxla import checkpoint, models
+from zeroxla.analysis.memory import argument_bytes_by_memory_kind
+from zeroxla.engine.offload import OffloadError
+from zeroxla.engine.step import next_token_loss
+
+STEPS, BATCH, SEQ = 3, 16, 16
+THRESHOLD = 500            # biases and norms replicated, matrices partitioned and padded
+
+
+def _sgd():
+    return optax.sgd(0.5, momentum=0.9)
+
+
+@functools.cache
+def _reference():
+    batches = token_batches(STEPS, BATCH, SEQ, vocab=65, seed=3)
+    losses, params = train_single_device(models.build("gpt-tiny", seed=1), _sgd(), batches,
+                                         clip=1.0)
+    return batches, losses, params
+
+
+@functools.cache
+def _offloaded_run(stage):
+    """The offloaded step (stage `stage`, accumulation 2, clipping): its losses, final state."""
+    batches, _, _ = _reference()
+    config = zeroxla.ZeroConfig(stage=stage, persistence_threshold=THRESHOLD,
+                                gradient_accumulation_steps=2, gradient_clipping=1.0,
+                                offload_optimizer="cpu")
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                             optimizer=_sgd(), config=config)
+    state, losses = step.init(), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return step, state, losses
+
+
+def _kinds(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_step_matches_single_device(stage):
+    _, expected_losses, expected = _reference()
+    step, state, losses = _offloaded_run(stage)
+    assert _kinds(state.opt_state) == {"unpinned_host"}          # DeepSpeed's pin_memory=False
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    got = flat_params(zeroxla.gather_params(state))
+    initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+    assert sum(np.abs(expected[p] - initial[p]).max() > 1e-3 for p in expected) > len(expected) // 2
+
+
+def _poisoned_loss(model, batch):
+    loss = next_token_loss(model, {"inputs": batch["inputs"], "targets": batch["targets"]})
+    return loss * jnp.mean(batch["poison"])
+
+
+def _fp16_batches():
+    batches = []
+    for i, batch in enumerate(token_batches(3, BATCH, SEQ, vocab=65, seed=5)):
+        poison = np.ones(BATCH, np.float32)
+        poison[5] = np.inf if i == 1 else 1.0        # step 2 overflows (on one device only)
+        batches.append({**batch, "poison": poison})
+    return batches
+
+
+@functools.cache
+def _fp16_run(offload):
+    """Stage 1 under fp16 (a float32 master partition beside the 16-bit replicated copy), AdamW,
+    pinned host memory: the step, its final state, each step's (params, opt_state) as numpy
+    arrays and each step's metrics."""
+    config = zeroxla.ZeroConfig(stage=1, compute_dtype="float16", persistence_threshold=THRESHOLD,
+                                initial_scale_power=10, offload_optimizer=offload,
+                                offload_pin_memory=offload == "cpu")
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.adamw(3e-3), config=config, loss_fn=_poisoned_loss)
+    state, snapshots, metrics = step.init(), [], []
+    for batch in _fp16_batches():
+        state, m = step(state, batch)
+        snapshots.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
+        metrics.append(jax.tree.map(float, m))
+    return step, state, snapshots, metrics
+
+
+def test_fp16_offloaded_equals_not_offloaded_and_skips_overflow():
+    _, state, snapshots, off_metrics = _fp16_run("cpu")
+    _, _, dev_snapshots, dev_metrics = _fp16_run("none")
+    assert [m["overflow"] for m in off_metrics] == [0.0, 1.0, 0.0]
+    np.testing.assert_equal(off_metrics, dev_metrics)   # losses, norms, scales exactly (nan==nan)
+    for a, b in zip(jax.tree.leaves(snapshots[-1]), jax.tree.leaves(dev_snapshots[-1])):
+        np.testing.assert_array_equal(a, b)
+    # The overflowing step kept the (offloaded) master and optimizer state bit-identical.
+    for a, b in zip(jax.tree.leaves(snapshots[0]), jax.tree.leaves(snapshots[1])):
+        np.testing.assert_array_equal(a, b)
+    masters = [state.params[leaf.path].master for leaf in state.plan.trainable_leaves
+               if leaf.has_compute_copy]
+    assert masters and _kinds(masters) == {"pinned_host"}
+    assert _kinds(state.opt_state) == {"pinned_host"}
+
+
+def _split(step, state):
+    """Per-device argument bytes of the compiled step by memory kind, and the state's bytes."""
+    compiled = step.compile(state, _fp16_batches()[0])
+    return compiled, argument_bytes_by_memory_kind(compiled)
+
+
+def test_compiled_step_keeps_only_the_parameters_on_the_device():
+    """From the compiled programs: offloaded, the host arguments are the optimizer state and the
+    float32 masters exactly, and what stays in device memory is the non-offloaded program's
+    arguments minus those bytes (the 16-bit copies, the loss scale, the batch)."""
+    step, state, _, _ = _fp16_run("cpu")
+    compiled, split = _split(step, state)
+    report = zeroxla.memory_report(step, state, _fp16_batches()[0])
+    dev_step, dev_state, _, _ = _fp16_run("none")
+    _, dev_split = _split(dev_step, dev_state)
+
+    assert set(dev_split) == {"device"}
+    assert report.host_optimizer > 0 and report.optimizer == 0
+    assert split["pinned_host"] == report.host_optimizer + report.host_params
+    assert split["device"] == dev_split["device"] - split["pinned_host"]
+    # XLA's own entry layout puts every pinned_host argument in host memory space S(5).
+    layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", compiled.as_text()).group(1)
+    host_args = sum(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state))
+    assert layout.count("S(5)") == host_args
+    # estimate_memory, made before anything is allocated, splits the bytes the same way (but
+    # for AdamW's int32 step count, not a per-parameter cost).
+    estimate = zeroxla.estimate_memory(models.GPTConfig.tiny(), step.mesh, step.config,
+                                       optimizer_bytes_per_param=8)
+    assert (estimate.params, estimate.optimizer, estimate.host_params) == (
+        report.params, 0, report.host_params)
+    assert estimate.host_optimizer + 4 == report.host_optimizer
+    print(f"\nfp16 stage 1 gpt-tiny per-device arguments: offloaded {split}, "
+          f"not offloaded {dev_split}")
+
+
+def test_stage3_device_state_is_the_parameter_partition():
+    step, state, _ = _offloaded_run(3)
+    compiled = step.compile(state, _reference()[0][0])
+    split = argument_bytes_by_memory_kind(compiled)
+    report = zeroxla.memory_report(step, state, _reference()[0][0])
+    assert report.optimizer == 0 and report.host_params == 0      # float32: no separate master
+    assert split["unpinned_host"] == report.host_optimizer
+    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(_reference()[0][0])) // 8
+    assert split["device"] == report.params + batch_bytes + 4     # + the step counter
+    assert "update runs on device" in step.describe()
+
+
+def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
+    """The fp16 stage-1 state (float32 masters, AdamW moments and their count in pinned host
+    memory) saved, restored onto the same mesh without offload, saved again and restored with
+    offload: every logical array bit-exact, each time in the memory the target asks for."""
+    step, state, _, _ = _fp16_run("cpu")
+    mesh = zeroxla.make_mesh(2, 4)
+    plain = step.config.replace(offload_optimizer="none", offload_pin_memory=False)
+    checkpoint.save(tmp_path / "a", state, step=step)
+    restored = checkpoint.restore(tmp_path / "a", (mesh, plain), optimizer=optax.adamw(3e-3))
+    assert _kinds(restored.state.opt_state) == {"device"}
+    checkpoint.save(tmp_path / "b", restored.state, step=restored.step)
+    back = checkpoint.restore(tmp_path / "b", (mesh, step.config), optimizer=optax.adamw(3e-3))
+    assert _kinds(back.state.opt_state) == {"pinned_host"}
+    logical = step.logical_layout.to_logical
+    original, plain_view = logical(state), restored.step.logical_layout.to_logical(restored.state)
+    back_view = logical(back.state)
+    for name, value in original.items():
+        np.testing.assert_array_equal(plain_view[name], value, err_msg=name)
+        np.testing.assert_array_equal(back_view[name], value, err_msg=name)
+
+
+# ---- configuration: no devices -----------------------------------------------------------------
+@pytest.mark.parametrize("field,value,match", [
+    ("offload_optimizer", "nvme", r"offload_optimizer='nvme' is invalid; accepted: 'none' or "
+                                  r"'cpu' .*'nvme' is not built"),
+    ("offload_param", "gpu", r"offload_param='gpu' is invalid; accepted: 'none' or 'cpu'"),
+    ("offload_optimizer", True, r"offload_optimizer=True is invalid; accepted: a string"),
+    ("offload_pin_memory", "yes", r"offload_pin_memory='yes' is invalid; accepted: True or False"),
+])
+def test_config_names_the_offload_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        zeroxla.ZeroConfig(**{field: value})
+
+
+def test_config_refuses_offload_combinations_by_field():
+    with pytest.raises(ValueError, match=r"offload_optimizer='cpu' .*'none' at stage 0"):
+        zeroxla.ZeroConfig(stage=0, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match=r"offload_param='cpu' .*'none' below stage 3"):
+        zeroxla.ZeroConfig(stage=2, offload_param="cpu")
+    with pytest.raises(ValueError, match=r"offload_pin_memory=True .*nothing is offloaded"):
+        zeroxla.ZeroConfig(offload_pin_memory=True)
+    config = zeroxla.ZeroConfig(offload_optimizer="cpu", offload_pin_memory=True)
+    assert config.offload_memory_kind == "pinned_host"
+    assert zeroxla.ZeroConfig(offload_optimizer="cpu").offload_memory_kind == "unpinned_host"
+
+
+def test_parameter_offload_is_refused_by_name():
+    config = zeroxla.ZeroConfig(stage=3, offload_param="cpu")
+    with pytest.raises(OffloadError, match=r"ZeroConfig.offload_param='cpu' is not built"):
+        zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(2, 4), config=config)
+
+
+def test_deepspeed_offload_keys_map_onto_the_config():
+    load = zeroxla.zero_config_from_json
+    zero = load({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu", "pin_memory": True, "buffer_count": 4}}})
+    assert (zero.offload_optimizer, zero.offload_param, zero.offload_pin_memory) == (
+        "cpu", "none", True)
+    old = load({"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert (old.offload_optimizer, old.offload_pin_memory) == ("cpu", False)
+    with pytest.raises(ValueError, match=r"zero_optimization.offload_optimizer=.*'nvme' is not "
+                                         r"built"):
+        load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})
+    with pytest.raises(ValueError, match=r"zero_optimization.offload_optimizer offloads to 'cpu' "
+                                         r"at zero_optimization.stage=0"):
+        load({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ValueError, match=r"offload_optimizer and zero_optimization.cpu_offload "
+                                         r"are both given"):
+        load({"zero_optimization": {"stage": 2, "cpu_offload": True,
+                                    "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ValueError, match=r"pin_memory=false and .*pin_memory=true differ"):
+        load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu", "pin_memory": True}}})
+
+
+def test_pipeline_with_offload_is_refused_by_name():
+    config = zeroxla.ZeroConfig(stage=1, offload_optimizer="cpu")
+    with pytest.raises(OffloadError, match=r"offload_optimizer='cpu' with pipeline= is not built"):
+        zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(1, 4, stages=2),
+                          config=config, pipeline=zeroxla.PipelineConfig(micro_batches=2))
+
+
+@pytest.mark.slow
+def test_zeropp_offloaded_equals_not_offloaded():
+    """ZeRO++ (hpZ, qwZ, qgZ) changes the gradient pass only; the offloaded update after it
+    gives bit-identical losses and parameters (measured: 0.0 difference after 2 AdamW steps)."""
+    batches = token_batches(2, BATCH, SEQ, vocab=65, seed=7)
+    runs = []
+    for offload in ("none", "cpu"):
+        config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
+                                    hpz_partition_size=4, quantized_weights=True,
+                                    quantized_gradients=True, offload_optimizer=offload)
+        step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                                 optimizer=optax.adamw(3e-3), config=config)
+        state, losses = step.init(), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, flat_params(zeroxla.gather_params(state))))
+    assert runs[0][0] == runs[1][0]
+    for path, value in runs[0][1].items():
+        np.testing.assert_array_equal(runs[1][1][path], value, err_msg=path)
+
+
+def test_hybrid_engine_generates_from_an_offloaded_state():
+    """The Hybrid Engine reads the float32 masters, which offload keeps in host memory: it
+    copies them to the device and generates the tokens of the non-offloaded state."""
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    tokens = {}
+    for offload in ("cpu", "none"):
+        step, state, _, _ = _fp16_run(offload)
+        engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=12))
+        tokens[offload] = engine.generate(state, [np.arange(1, 5, dtype=np.int32)],
+                                          max_new_tokens=8, temperature=0.0)[0]
+        engine.release()
+    np.testing.assert_array_equal(tokens["cpu"], tokens["none"])
