@@ -89,11 +89,15 @@ engine = zeroxla.HybridEngine(step, zeroxla.HybridEngineConfig(inference_tp_size
 print(engine.layout.describe())
 
 # %% [markdown]
-# The reshard is one program (`zeroxla/inference/reshard.py`): per leaf an `all_to_all` over
-# `tensor` and an `all_gather` over the data axes, so each device receives about its own 1/tp
-# slice and no device ever assembles the whole model. `comm_report` reads the bytes from the
-# compiled program; the training state is only read (never donated), so training continues
-# from it unchanged.
+# The reshard is one program (`zeroxla/inference/reshard.py`). ZeRO storage splits each weight
+# along the dim tensor parallelism splits (where the 8 devices divide it), and the inference mesh is
+# tensor-major, so each device's ZeRO partition already lies inside the slice it will hold: per
+# leaf one `all_gather` within the tensor group's data row brings the rest, 4Ψ/T·(1 − T/N) float32
+# bytes per device, the floor (verl's 3D-HybridEngine bound). A leaf whose tensor dim the devices
+# do not divide takes an `all_to_all`, and one tensor parallelism replicates is gathered whole
+# (`reshard_account` lists each leaf's route and why). No device ever assembles the whole model.
+# `comm_report` reads the bytes from the compiled program; the training state is only read (never
+# donated), so training continues from it unchanged.
 
 # %%
 reshard = engine.reshard_program(state)
