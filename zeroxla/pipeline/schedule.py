@@ -246,6 +246,19 @@ class PipeSchedule(abc.ABC):
             return []
         return [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
 
+    def _exchange_in_parity(self, step_id: int) -> list[PipeInstruction]:
+        """One step of a schedule whose stages alternate forward and backward along the pipe
+        (1F1B, ZB-H1). Sends and receives are blocking p2p in DeepSpeed. In a step where stage s
+        computes a forward, its neighbours compute backwards (parities alternate along the
+        pipe); the forward stage sends its gradient before receiving its activation and the
+        backward stage receives its gradient before sending its activation, so each pair of
+        stages exchanges in the same order on both sides."""
+        send, recv = self._send(step_id), self._recv(step_id)
+        forward_step = (step_id - self.stage_id) % 2 == 0
+        exchange = send + recv if forward_step else recv + send
+        return (exchange + self._load(step_id) + self._compute(step_id)
+                + self._optimizer_step(step_id))
+
     def _micro_batch(self, micro_batch_id: int, is_forward: bool) -> Compute | None:
         if 0 <= micro_batch_id < self.micro_batches:
             return Compute(micro_batch_id, is_forward)
@@ -282,16 +295,7 @@ class TrainSchedule(PipeSchedule):
         return max(2, min(self.stages - self.stage_id, self.micro_batches))
 
     def instructions_at(self, step_id: int) -> list[PipeInstruction]:
-        # Sends and receives are blocking p2p in DeepSpeed. In a step where stage s computes a
-        # forward, its neighbours compute backwards (parities alternate along the pipe); the
-        # forward stage sends its gradient before receiving its activation and the backward
-        # stage receives its gradient before sending its activation, so each pair of stages
-        # exchanges in the same order on both sides.
-        send, recv = self._send(step_id), self._recv(step_id)
-        forward_step = (step_id - self.stage_id) % 2 == 0
-        exchange = send + recv if forward_step else recv + send
-        return (exchange + self._load(step_id) + self._compute(step_id)
-                + self._optimizer_step(step_id))
+        return self._exchange_in_parity(step_id)
 
 
 class GPipeSchedule(PipeSchedule):

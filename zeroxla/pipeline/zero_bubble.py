@@ -100,10 +100,4 @@ class ZBH1Schedule(PipeSchedule):
         return block_period(self.stages)
 
     def instructions_at(self, step_id: int) -> list[PipeInstruction]:
-        # TrainSchedule's order: forward steps (step - stage even) send, then receive; the
-        # neighbours, in the other parity, receive first.
-        send, recv = self._send(step_id), self._recv(step_id)
-        forward_step = (step_id - self.stage_id) % 2 == 0
-        exchange = send + recv if forward_step else recv + send
-        return (exchange + self._load(step_id) + self._compute(step_id)
-                + self._optimizer_step(step_id))
+        return self._exchange_in_parity(step_id)          # TrainSchedule's order
