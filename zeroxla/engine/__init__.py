@@ -12,7 +12,6 @@
     model_state.py non-parameter Variables (BatchNorm statistics): replicated, cross-replica
     wrap.py        the model copy inside the step: gather units follow the module tree
     gather.py      gather before use, release, re-gather in backward (custom VJPs)
-    layer_loop.py  the scanned layer loop: prefetch, residuals read where forward left them
     remat.py       what a gathered unit keeps for its backward (remat policies)
     gradients.py   what is differentiated, and where each gradient is reduced, per stage
     update.py      each leaf's layouts around the optax update
