@@ -83,11 +83,13 @@ def test_describe_shows_which_stage_holds_which_layers():
     assert "storage rules: layers -> stage, * -> data" in text
     assert "stage 0: embedding, blocks 0..0" in text and "stage 1: blocks 1..2, head" in text
     assert "stored split over 'stage': 2 layer slots per stage (1 padding slots, zero)" in text
-    # w_fc [3, 60, 240]: 2 stages x 2 slots, one of them padding; 2 slots per device.
+    # w_fc [3, 60, 240]: 2 stages x 2 slots, one of them padding; 2 slots per device. The
+    # optimizer state splits `mlp` (dim 2), the tensor-parallel dim, which the data size divides
+    # (ZERO_STORAGE_RULES.data_first: the Hybrid Engine's reshard then stays at its byte floor).
     row = next(line for line in text.splitlines() if line.startswith("blocks/layers/w_fc "))
     assert row.split()[2:] == ["layers,embed,mlp", "replicated", "within", "a", "stage",
-                               "(optimizer", "state", "partitioned", "dim", "1)",
-                               "[stage,", "node+local,", "-]", "2x60x240", "14400", "used",
+                               "(optimizer", "state", "partitioned", "dim", "2)",
+                               "[stage,", "-,", "node+local]", "2x60x240", "14400", "used",
                                "in", "place", "[-,", "-,", "-]"], row
 
 
