@@ -23,9 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.state import TrainState, gather_params
 from zeroxla.inference.checks import check_decodable, check_state, check_step
-from zeroxla.inference.decode import (bucket, check_eos_id, check_prompts, decode_loop, pack,
-                                      unpack)
-from zeroxla.inference.sampling import Sampling, seed_key
+from zeroxla.inference.decode import bucket, check_request, decode_loop, pack, unpack
+from zeroxla.inference.sampling import Sampling
 
 
 class Zero3Generator:
@@ -87,10 +86,9 @@ class Zero3Generator:
                  top_p: float | None = None, eos_id: int | None = None,
                  seed: int | jax.Array = 0) -> list[np.ndarray]:
         """As `HybridEngine.generate` (the same tokens for the same seed, sampled too)."""
-        sampling = Sampling(temperature, top_k, top_p)
-        key = seed_key(seed)
-        check_eos_id(eos_id, self.vocab_size)
-        rows = check_prompts(prompts, max_new_tokens, self.max_out_tokens, self.vocab_size)
+        rows, sampling, key = check_request(
+            prompts, max_new_tokens, self.max_out_tokens, self.vocab_size,
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed)
         check_state(state, self.layout.plan, self.layout.model_def)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
@@ -162,10 +160,9 @@ class SingleDeviceGenerator:
                  top_p: float | None = None, eos_id: int | None = None,
                  seed: int | jax.Array = 0) -> list[np.ndarray]:
         """As `HybridEngine.generate` (the same tokens for the same seed, sampled too)."""
-        sampling = Sampling(temperature, top_k, top_p)
-        key = seed_key(seed)
-        check_eos_id(eos_id, self.vocab_size)
-        rows = check_prompts(prompts, max_new_tokens, self.max_out_tokens, self.vocab_size)
+        rows, sampling, key = check_request(
+            prompts, max_new_tokens, self.max_out_tokens, self.vocab_size,
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
         params = self.params(state)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.inference.sampling import Sampling, next_token, row_keys, step_keys
+from zeroxla.inference.sampling import Sampling, next_token, row_keys, seed_key, step_keys
 
 
 def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
@@ -95,6 +95,17 @@ def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: i
                 f"{max_out_tokens}; accepted: prompt length + max_new_tokens <= max_out_tokens")
         rows.append(row.astype(np.int32))
     return rows
+
+
+def check_request(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: int,
+                  vocab_size: int, *, temperature: Any, top_k: Any, top_p: Any, eos_id: Any,
+                  seed: Any) -> tuple[list[np.ndarray], Sampling, jax.Array]:
+    """A `generate` call's arguments, each checked and named in its error, in the order every
+    generator checks them: (the prompts as int32 rows, the sampling knobs, the seed's key)."""
+    sampling = Sampling(temperature, top_k, top_p)
+    key = seed_key(seed)
+    check_eos_id(eos_id, vocab_size)
+    return check_prompts(prompts, max_new_tokens, max_out_tokens, vocab_size), sampling, key
 
 
 def check_eos_id(eos_id: Any, vocab_size: int) -> None:

@@ -36,11 +36,10 @@ from zeroxla.engine.offload import on_device
 from zeroxla.engine.state import TrainState
 from zeroxla.inference.checks import check_decodable, check_state, check_step
 from zeroxla.inference.config import HybridEngineConfig
-from zeroxla.inference.decode import (bucket, check_eos_id, check_prompts, decode_loop, pack,
-                                      unpack)
+from zeroxla.inference.decode import bucket, check_request, decode_loop, pack, unpack
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
 from zeroxla.inference.reshard import reshard_function, storage_view
-from zeroxla.inference.sampling import Sampling, seed_key
+from zeroxla.inference.sampling import Sampling
 
 
 def _leaves(state: TrainState) -> list[Any]:
@@ -168,11 +167,9 @@ class HybridEngine:
         one already given to `step(state, batch)`, which donates it). The training state is
         only read. Every argument is checked, naming it, before anything runs.
         """
-        sampling = Sampling(temperature, top_k, top_p)
-        key = seed_key(seed)
-        check_eos_id(eos_id, self.vocab_size)
-        rows = check_prompts(prompts, max_new_tokens, self.config.max_out_tokens,
-                             self.vocab_size)
+        rows, sampling, key = check_request(
+            prompts, max_new_tokens, self.config.max_out_tokens, self.vocab_size,
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed)
         check_state(state, self.plan, self.model_def)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
