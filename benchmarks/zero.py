@@ -1,6 +1,6 @@
 """ZeRO stages 0-3 against the two baselines a JAX user would run, on 8 simulated CPU devices.
 
-    python benchmarks/zero.py [--models gpt-small] [--steps 5] [--batch-size 32]
+    python benchmarks/zero.py [--models gpt-small] [--steps 7] [--batch-size 32]
 
 Runs, all on one 2-node x 4-local mesh, the same model, batch and AdamW, measured in one process:
 
@@ -11,9 +11,12 @@ Runs, all on one 2-node x 4-local mesh, the same model, batch and AdamW, measure
   those NamedShardings, the activations are constrained to the batch sharding at every layer
   boundary (MaxText's `activation_batch` constraints), and XLA inserts the collectives. A leaf
   with no `embed` dim (biases, norms) or one the data size does not divide stays replicated.
+  Both are built by `fsdp_baseline.py` (beside this file), which the test pinning ZeRO-3's peak
+  against FSDP's shares (`tests/zeroxla/analysis/test_peak_vs_fsdp.py`).
 * `zero-0` ... `zero-3`: zeroxla's step (`make_step`), persistence threshold 1000.
 
-For each: the median step time, the per-device training state, XLA's peak for the compiled step
+For each: the median step time (the runs' steps interleaved, one of each per round), the
+per-device training state, XLA's peak for the compiled step
 (`compiled.memory_analysis()`: arguments + temporaries + outputs - donated), and the bytes each
 device sends per step, read from the compiled program (`compiled.as_text()` parsed by
 `zeroxla.analysis`; `comm_report`'s convention: a collective over g devices with payload S sends
@@ -38,21 +41,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zeroxla  # noqa: E402
+from fsdp_baseline import jit_train_step, peak_bytes  # noqa: E402  (beside this file)
 from zeroxla import models  # noqa: E402
 from zeroxla.analysis.comm_report import comm_report  # noqa: E402
-from zeroxla.engine.loss import token_cross_entropy  # noqa: E402
-from zeroxla.sharding.mesh import DATA_AXES  # noqa: E402
-from zeroxla.models import axes  # noqa: E402
-from zeroxla.models.layers import call_block, default_positions  # noqa: E402
 
 SEQ = {"gpt-tiny": 64, "gpt-small": 128, "llama-tiny": 64, "llama-small": 128}
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
-# MaxText-style logical-axis rules for pure FSDP: the batch and `embed` on the data axes ("fsdp"
-# in MaxText), every other logical axis unsharded. The first matching rule wins.
-FSDP_RULES = ((axes.BATCH, DATA_AXES), (axes.EMBED, DATA_AXES))
 
 
 def _batch(model_name: str, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -61,14 +57,19 @@ def _batch(model_name: str, batch_size: int, seed: int = 0) -> dict[str, np.ndar
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _time(run, steps: int) -> float:
-    jax.block_until_ready(run())                # compile + first step
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+def _time_interleaved(runs: dict, steps: int) -> dict[str, float]:
+    """{label: median seconds of its steps}: each run's first step (compile) untimed, then
+    `steps` rounds, each timing one step of every run in turn, so that a change in the load
+    on the shared cores falls on all runs alike rather than on whichever ran then."""
+    for run in runs.values():
         jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(steps):
+        for label, run in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def _state_bytes(tree) -> int:
@@ -79,17 +80,11 @@ def _state_bytes(tree) -> int:
     return max(per_device.values())
 
 
-def _peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-            - m.alias_size_in_bytes)
-
-
-def _measure(compiled, mesh, run, state_of, steps: int) -> dict:
-    """Time `run`, then read peak and traffic from `compiled`."""
+def _measure(compiled, mesh, run, state_of) -> dict:
+    """Peak and traffic read from `compiled`, the state's bytes, and `run` (one step), timed
+    later with the others (`_time_interleaved`)."""
     report = comm_report(compiled, mesh=mesh)
-    seconds = _time(run, steps)
-    return {"seconds": seconds, "state": _state_bytes(state_of()), "peak": _peak(compiled),
+    return {"run": run, "state": _state_bytes(state_of()), "peak": peak_bytes(compiled),
             "sent": report.total_bytes,
             "payload": {kind: report.payload_bytes(kind) for kind in KINDS}}
 
@@ -97,7 +92,7 @@ def _measure(compiled, mesh, run, state_of, steps: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 # zeroxla
 
-def bench_zero(model_name: str, stage: int, mesh, batch, steps: int) -> dict:
+def bench_zero(model_name: str, stage: int, mesh, batch) -> dict:
     step = zeroxla.make_step(lambda: models.build(model_name), mesh,
                              optimizer=optax.adamw(1e-3),
                              config=zeroxla.ZeroConfig(stage=stage, persistence_threshold=1000))
@@ -107,87 +102,17 @@ def bench_zero(model_name: str, stage: int, mesh, batch, steps: int) -> dict:
     def run():
         holder["state"], metrics = step(holder["state"], batch)
         return metrics["loss"]
-    return _measure(compiled, mesh, run, lambda: holder["state"], steps)
+    return _measure(compiled, mesh, run, lambda: holder["state"])
 
 
 # ------------------------------------------------------------------------------------------------
-# The baselines: one jitted train step, shardings given, XLA inserting the collectives.
+# The baselines (`fsdp_baseline`): one jitted train step, shardings given, XLA inserting the
+# collectives.
 
-def _fsdp_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], devices: int) -> P:
-    """The logical-axis rules applied to one parameter: the first dim whose name has a rule,
-    if the data size divides it; else replicated (MaxText would refuse such a leaf)."""
-    for d, name in enumerate(logical):
-        for rule_name, mesh_axes in FSDP_RULES:
-            if name == rule_name and shape[d] % devices == 0:
-                spec: list = [None] * len(shape)
-                spec[d] = mesh_axes
-                return P(*spec)
-    return P()
-
-
-def _constrained_forward(model, tokens: jax.Array, batch_sharding: NamedSharding) -> jax.Array:
-    """The model's forward (embed -> stacked blocks -> head, as `GPT.__call__` / `Llama`) with
-    the activations constrained to the batch sharding at every layer boundary, as MaxText's
-    decoder does; GSPMD is then free to choose only how to move the weights."""
-    def constrain(x):
-        return jax.lax.with_sharding_constraint(x, batch_sharding)
-    positions = default_positions(tokens)
-    x = constrain(model.embed(tokens, positions))                          # [B, T, D]
-    graphdef, layers = nnx.split(model.blocks.layers)
-
-    def body(h, layer_state):
-        h, _ = call_block(nnx.merge(graphdef, layer_state), h, (positions,), None)
-        return constrain(h), None
-    x, _ = jax.lax.scan(body, x, layers)
-    return model.head(x)                                                   # [B, T, V]
-
-
-def bench_jit(model_name: str, mode: str, mesh, batch, steps: int) -> dict:
-    """`mode` "dp": parameters replicated; "fsdp": the MaxText rules above."""
-    model = models.build(model_name)
-    if not all(hasattr(model, a) for a in ("embed", "blocks", "head")):
-        raise ValueError(f"model {model_name!r} has no embed/blocks/head; the GSPMD baselines "
-                         "replay that forward with activation constraints")
-    graphdef, params = nnx.split(model, nnx.Param)
-    optimizer = optax.adamw(1e-3)
-    n = mesh.devices.size
-    batch_sh = NamedSharding(mesh, P(DATA_AXES))
-
-    def sharding(v: nnx.Variable) -> nnx.Variable:
-        logical = tuple(v.get_metadata()["logical_axes"])
-        spec = _fsdp_spec(logical, v.shape, n) if mode == "fsdp" else P()
-        return v.replace(NamedSharding(mesh, spec))
-    param_sh = jax.tree.map(sharding, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    opt_state = jax.eval_shape(optimizer.init, params)
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_sh,
-                                   transform_non_params=lambda _: NamedSharding(mesh, P()))
-
-    def train_step(params, opt_state, batch):
-        def loss_fn(p):
-            module = nnx.merge(graphdef, p)
-            if mode == "fsdp":
-                logits = _constrained_forward(module, batch["inputs"], batch_sh)
-            else:
-                logits = module(batch["inputs"])
-            total, count = token_cross_entropy(logits, batch)     # zeroxla's default loss
-            return total / count
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    jitted = jax.jit(train_step, in_shardings=(param_sh, opt_sh, batch_sh),
-                     out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())),
-                     donate_argnums=(0, 1))
-    params = jax.device_put(params, param_sh)
-    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-    batch = jax.device_put(batch, batch_sh)
-    compiled = jitted.lower(params, opt_state, batch).compile()
-    holder = {"params": params, "opt": opt_state}
-
-    def run():
-        holder["params"], holder["opt"], loss = compiled(holder["params"], holder["opt"], batch)
-        return loss
-    return _measure(compiled, mesh, run, lambda: (holder["params"], holder["opt"]), steps)
+def bench_jit(model_name: str, mode: str, mesh, batch) -> dict:
+    """`mode` "dp": parameters replicated; "fsdp": MaxText's rules (`fsdp_baseline`)."""
+    base = jit_train_step(models.build(model_name), mode, mesh, batch)
+    return _measure(base.compiled, mesh, base.run, lambda: (base.params, base.opt_state))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,12 +143,14 @@ def table(model_name: str, rows: list[tuple[str, dict]], param_bytes: int) -> li
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt-small"], choices=sorted(SEQ))
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--steps", type=int, default=7,
+                        help="timed rounds, one step of every run each (median)")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
     mesh = zeroxla.make_mesh(2, 4)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"mesh 2x4, batch {args.batch_size}, AdamW float32, median of {args.steps} steps")
+          f"mesh 2x4, batch {args.batch_size}, AdamW float32, median of {args.steps} interleaved "
+          "steps")
     header = (f"{'model':<10}{'run':<8}{'step ms':>9}{'xDP':>6}{'xFSDP':>7}{'state MiB':>10}"
               f"{'peak MiB':>10}{'xDP':>6}{'xFSDP':>7}{'sent MiB':>10}{'xDP':>6}{'xFSDP':>7}"
               f"  AG/RS/AR/A2A x params")
@@ -233,9 +160,12 @@ def main(argv=None) -> None:
         batch = _batch(name, args.batch_size)
         param_bytes = 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(
             nnx.state(models.build(name), nnx.Param)))
-        rows = [("dp", bench_jit(name, "dp", mesh, batch, args.steps)),
-                ("fsdp", bench_jit(name, "fsdp", mesh, batch, args.steps))]
-        rows += [(f"zero-{s}", bench_zero(name, s, mesh, batch, args.steps)) for s in range(4)]
+        rows = [("dp", bench_jit(name, "dp", mesh, batch)),
+                ("fsdp", bench_jit(name, "fsdp", mesh, batch))]
+        rows += [(f"zero-{s}", bench_zero(name, s, mesh, batch)) for s in range(4)]
+        seconds = _time_interleaved({label: r["run"] for label, r in rows}, args.steps)
+        for label, r in rows:
+            r["seconds"] = seconds[label]
         print("\n".join(table(name, rows, param_bytes)), flush=True)
 
 

@@ -5,7 +5,8 @@ with the suite's codegen flags, through one compilation cache shared by the run'
 import os
 import shutil
 
-import xla_flags  # tests/support, on sys.path through pyproject's `pythonpath`
+import file_order  # tests/support, on sys.path through pyproject's `pythonpath`
+import xla_flags
 
 _FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
 os.environ["XLA_FLAGS"] = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
@@ -41,14 +42,9 @@ def devices():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files holding slow tests run first, the rest after, each file's tests in their order.
-
-    `-n 2 --dist loadfile` hands whole files to the two workers first come, first served; with
-    the long files at the front, the run ends on short ones instead of one worker finishing a
-    long file while the other idles (longest-first scheduling). Order only: every test is
-    independent of the others."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)      # stable: order within kept
+    """Files are handed to the workers longest first, each file's tests in their order
+    (tests/support/file_order.py). Order only: every test is independent of the others."""
+    file_order.longest_first(items, config.rootpath)
 
 
 def pytest_configure(config):

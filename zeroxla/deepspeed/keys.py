@@ -170,7 +170,9 @@ ZERO = section(
         "stage3_param_persistence_threshold": Key(integer(0), "zero.persistence_threshold"),
         "stage3_prefetch_bucket_size": Key(integer(0), "zero.prefetch",
                                            convert=lambda n: n > 0,
-                                           note="> 0 -> True (XLA sizes the prefetch)"),
+                                           note="> 0 -> True (one layer ahead)"),
+        "stage3_max_live_parameters": Key(integer(1), "zero.max_live_parameters",
+                                          note="prefetch only while two layers fit"),
         "zero_hpz_partition_size": Key(integer(0), "zero.hpz_partition_size",
                                        convert=lambda n: max(n, 1), note="0 or 1 = off"),
         "zero_quantized_weights": Key(boolean(), "zero.quantized_weights"),
@@ -201,8 +203,6 @@ ZERO = section(
         "allgather_bucket_size": _NO_OVERLAP,
         "use_multi_rank_bucket_allreduce": _NO_OVERLAP,
         "round_robin_gradients": _NO_OVERLAP,
-        "stage3_max_live_parameters": ("XLA frees each gathered layer after use; liveness is "
-                                       "decided by the compiler"),
         "stage3_max_reuse_distance": ("XLA frees each gathered layer after use; liveness is "
                                       "decided by the compiler"),
         "stage3_model_persistence_threshold": "only the per-parameter persistence threshold is "

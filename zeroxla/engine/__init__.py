@@ -12,6 +12,7 @@
     model_state.py non-parameter Variables (BatchNorm statistics): replicated, cross-replica
     wrap.py        the model copy inside the step: gather units follow the module tree
     gather.py      gather before use, release, re-gather in backward (custom VJPs)
+    layer_loop.py  a gathered stack's layer loop: prefetch, per-layer values read in place
     remat.py       what a gathered unit keeps for its backward (remat policies)
     gradients.py   what is differentiated, and where each gradient is reduced, per stage
     update.py      each leaf's layouts around the optax update

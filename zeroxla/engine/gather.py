@@ -13,7 +13,8 @@ Three units of gathering, all `jax.custom_vjp`s so that the schedule of collecti
   i+1 while layer i computes (prefetch) and returns the layers' results with explicit
   residuals; `backward` walks the layers in reverse, re-gathering layer i-1 while layer i's
   gradient is computed, and reduce-scatters each layer's gradient as soon as it exists. At most
-  two layers' parameters are ever live, and gathered parameters are never saved for backward
+  two layers' parameters are ever live (one without prefetch, or when two layers exceed
+  `ZeroConfig.max_live_parameters`), and gathered parameters are never saved for backward
   (whatever the policy keeps: each layer's input carry, or its residuals).
   `GatheredStack.__call__` ties the two into a custom VJP (the ZeRO-3 step); the pipeline
   executor calls `forward` and `backward` itself, per micro-batch.
@@ -44,8 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeroxla.collectives.wire import is_16bit_float
 from zeroxla.collectives.zero import ZeroCollectives
+from zeroxla.engine.layer_loop import Peeled, layer_loop
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.remat import (
     FULL,
@@ -93,6 +94,15 @@ def _poisoned_by(x: Any, dependency: Any) -> Any:
             return jnp.where(poisoned, jnp.zeros_like(leaf), leaf)
         return jnp.where(poisoned, jnp.nan, leaf).astype(leaf.dtype)
     return jax.tree.map(tie, x)
+
+
+def check_live(numel: int, max_live: int | None, what: str) -> None:
+    """Refuses a gather unit of `numel` gathered elements that `ZeroConfig.max_live_parameters`
+    (DeepSpeed's `stage3_max_live_parameters`) cannot hold: ZeRO-3 gathers a unit whole."""
+    if max_live is not None and numel > max_live:
+        raise ValueError(f"ZeroConfig.max_live_parameters={max_live} (DeepSpeed's "
+                         f"stage3_max_live_parameters) is smaller than {what}: {numel} gathered "
+                         f"parameters, gathered whole; accepted: >= {numel}")
 
 
 def _scatter_gradients(comm: ZeroCollectives, leaves: tuple[LeafPlan, ...],
@@ -161,110 +171,7 @@ gathered_value.defvjp(_gathered_value_fwd, _gathered_value_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
-# A scanned stack of layers.
-def _take(tree: Any, i: int) -> Any:
-    return jax.tree.map(lambda a: a[i], tree)
-
-
-def _slice(tree: Any, s: slice) -> Any:
-    return jax.tree.map(lambda a: a[s], tree)
-
-
-def _put_back(scanned: Any, outside: Any, *, at_front: bool) -> Any:
-    """Joins the per-layer results of the scan with the one computed outside it, in layer order."""
-    def join(rest, one):
-        return jnp.concatenate([one[None], rest] if at_front else [rest, one[None]])
-    return jax.tree.map(join, scanned, outside)
-
-
-@dataclasses.dataclass(frozen=True)
-class Peeled:
-    """Per-layer values of a `layer_loop`, left where the loop made them: `scanned` stacked for
-    the layers computed inside the scan, `outside` the one computed after it with prefetch (else
-    None, and `scanned` holds every layer). Joining the two would copy every layer's values;
-    the loop over the same layers in the other direction consumes them as they are."""
-
-    scanned: Any
-    outside: Any
-
-
-jax.tree_util.register_dataclass(Peeled, ["scanned", "outside"], [])
-
-
-def _scan(body: Callable, carry: Any, xs: Any, *, reverse: bool) -> tuple[Any, Any]:
-    """`lax.scan(body, carry, xs)`, with the 16-bit float arrays of `xs` sliced as their raw
-    bits (uint16) and handed to `body` as floats again.
-
-    XLA:CPU has no 16-bit float `dynamic-slice`: its float normalization (bf16) converts the
-    operand, the whole scanned stack, to float32 inside the loop, and loop-invariant code motion
-    hoists that convert out of it. A float32 image of every 16-bit stack the loop scans (stage
-    2's bf16 compute copy of the layers: twice its bytes) is then live from before the forward
-    loop to after the backward one, which scans the same stack. A uint16 slice is native; XLA:CPU
-    materialises the bitcast as a uint16 copy of the stack (half the float32 image), and other
-    backends, which slice bf16 natively, reinterpret it in place. gpt-small, bf16 ZeRO-2:
-    temporaries 19.1 -> 10.2 MiB. Used inside custom VJPs only (`GatheredStack`, the pipeline
-    executor): bitcasts have no derivative, and nothing here is differentiated through."""
-    leaves, treedef = jax.tree.flatten(xs)
-    dtypes = [leaf.dtype if is_16bit_float(leaf.dtype) else None for leaf in leaves]
-    bits = [lax.bitcast_convert_type(leaf, jnp.uint16) if dtype else leaf
-            for leaf, dtype in zip(leaves, dtypes)]
-
-    def sliced(c, x_bits):
-        x = [lax.bitcast_convert_type(leaf, dtype) if dtype else leaf
-             for leaf, dtype in zip(jax.tree.leaves(x_bits), dtypes)]
-        return body(c, jax.tree.unflatten(treedef, x))
-    return lax.scan(sliced, carry, jax.tree.unflatten(treedef, bits), reverse=reverse)
-
-
-def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, carry: Any, *,
-               num_layers: int, reverse: bool, prefetch: bool,
-               kept: Peeled | None = None) -> tuple[Any, Any, Peeled]:
-    """Runs `carry, y_i, k_i = step(carry, full_i, xs_i, kept_i)` over layers (last to first if
-    `reverse`).
-
-    `full_i, saved_i = gather(gather_inputs_i, carry)` (the carry lets a gather depend on it).
-    With `prefetch`, the gather of the next layer is issued in the same scan iteration as the
-    current layer's compute, before it and independent of it, so XLA can overlap the two; the
-    first gather happens before the loop and the last layer's compute after it, so exactly
-    `num_layers` gathers run. `kept` is what a loop over the same layers in the other direction
-    returned as its `k`s (the forward's residuals, for backward; None: `kept_i` is None); with
-    prefetch its layers travel beside the gathers, so they are never joined or copied whole.
-    Returns `(carry, (ys, saveds), ks)`: ys and saveds stacked in layer order, ks `Peeled`.
-    """
-    if not prefetch or num_layers == 1:
-        def body(c, inputs):
-            gin, x, k_in = inputs
-            full, saved = gather(gin, c)
-            c, y, k = step(c, full, x, k_in)
-            return c, (y, saved, k)
-        carry, (ys, saveds, ks) = _scan(
-            body, carry, (gather_inputs, xs, None if kept is None else kept.scanned),
-            reverse=reverse)
-        return carry, (ys, saveds), Peeled(ks, None)
-
-    first, last = (num_layers - 1, 0) if reverse else (0, num_layers - 1)
-    current = slice(1, None) if reverse else slice(0, num_layers - 1)
-    upcoming = slice(0, num_layers - 1) if reverse else slice(1, None)
-    # A loop in the other direction computed `first` outside its scan and `upcoming` inside.
-    k_first, k_upcoming = (None, None) if kept is None else (kept.outside, kept.scanned)
-
-    def body(state, inputs):
-        c, full, saved, k_in = state
-        next_gin, x, next_k_in = inputs
-        next_full, next_saved = gather(next_gin, c)          # prefetch the next layer
-        c, y, k = step(c, full, x, k_in)
-        return (c, next_full, next_saved, next_k_in), (y, saved, k)
-
-    full, saved = gather(_take(gather_inputs, first), carry)
-    (carry, full, saved, k_in), (ys, saveds, ks) = _scan(
-        body, (carry, full, saved, k_first),
-        (_slice(gather_inputs, upcoming), _slice(xs, current), k_upcoming), reverse=reverse)
-    carry, y_last, k_last = step(carry, full, _take(xs, last), k_in)
-    # In reverse the layer computed outside the scan is layer 0, else layer L-1.
-    return carry, (_put_back(ys, y_last, at_front=reverse),
-                   _put_back(saveds, saved, at_front=reverse)), Peeled(ks, k_last)
-
-
+# A scanned stack of layers (its loop: `zeroxla.engine.layer_loop`).
 @dataclasses.dataclass(frozen=True)
 class StackResiduals:
     """What `GatheredStack.forward` keeps for `backward`: the shards (re-gathered later), hpZ's
@@ -296,10 +203,33 @@ class GatheredStack:
     comm: ZeroCollectives
     prefetch: bool = True
     remat: str = FULL                 # the activation policy (`zeroxla.engine.remat`)
+    max_live_parameters: int | None = None    # `ZeroConfig.max_live_parameters`; None: no bound
+
+    def __post_init__(self) -> None:
+        check_live(self.layer_numel, self.max_live_parameters, "one layer of the stack")
 
     @property
     def num_layers(self) -> int:
         return self.leaves[0].layers
+
+    @property
+    def layer_numel(self) -> int:
+        """Elements one layer gathers (its partitioned leaves)."""
+        return sum(leaf.unit_numel for leaf in self.leaves if leaf.params_partitioned)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether the layer loop gathers the next layer while one computes (two layers live):
+        `prefetch`, and two layers within `max_live_parameters` (DeepSpeed prefetches only
+        while its live count stays under stage3_max_live_parameters)."""
+        bound = self.max_live_parameters
+        return self.prefetch and (bound is None or 2 * self.layer_numel <= bound)
+
+    @property
+    def gathers(self) -> bool:
+        """Whether any leaf's parameters are stored partitioned, to be gathered (ZeRO-3; not
+        ZeRO-2, whose "gather" is the identity)."""
+        return any(leaf.params_partitioned for leaf in self.leaves)
 
     def _gather(self, backward: bool) -> Callable:
         comm, leaves = self.comm, self.leaves
@@ -330,7 +260,8 @@ class GatheredStack:
 
         carry_out, (ys, saveds), per_layer = layer_loop(
             step, self._gather(backward=False), (shards, [None] * len(shards)), xs, carry,
-            num_layers=self.num_layers, reverse=False, prefetch=self.prefetch)
+            num_layers=self.num_layers, reverse=False, prefetch=self.prefetching,
+            gathers=self.gathers)
         if any(layout.slots != layouts[0].slots for layout in layouts):
             raise AssertionError("the layer's residuals differ between traces of the same layer")
         return carry_out, ys, StackResiduals(shards, saveds, consts, xs, per_layer,
@@ -363,7 +294,7 @@ class GatheredStack:
         (d_carry_in, d_consts_floats), ((d_shards, d_x_floats), _), _ = layer_loop(
             step, self._gather(backward=True), (r.shards, r.saveds), (r.xs, d_ys),
             (d_carry, d_consts0), num_layers=self.num_layers, reverse=True,
-            prefetch=self.prefetch, kept=r.kept)
+            prefetch=self.prefetching, gathers=self.gathers, kept=r.kept)
         return (d_shards, d_carry_in, cotangent_tree(r.consts, d_consts_floats),
                 cotangent_tree(r.xs, d_x_floats))
 

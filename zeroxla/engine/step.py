@@ -282,8 +282,9 @@ class ZeroStep:
         if self.config.stage == 3 or (self.config.stage == 2 and training):
             # Stage 2 gathers nothing, so there is nothing to prefetch.
             prefetch = self.config.prefetch and self.config.stage == 3
+            max_live = self.config.max_live_parameters if self.config.stage == 3 else None
             model = zero3_module(model, self._model_plan, self.comm, prefetch, self.config.remat,
-                                 reduced_once=reduced_once, uses=uses)
+                                 reduced_once=reduced_once, uses=uses, max_live=max_live)
 
         def read_state() -> dict[str, jax.Array]:
             return {p: lax.pmean(v.get_value(), self.axes.data)

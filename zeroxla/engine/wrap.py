@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
-from zeroxla.engine.gather import GatheredStack, gathered_call, gathered_value
+from zeroxla.engine.gather import GatheredStack, check_live, gathered_call, gathered_value
 from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
 from zeroxla.sharding.model_def import direct_variables, has_descendant_params, variable_paths
 from zeroxla.sharding.plan import ShardingPlan
@@ -52,9 +52,10 @@ class _Context:
     when given, counts per leaf path the stand-in calls that gather it (`zero3_module`)."""
 
     def __init__(self, plan: ShardingPlan, comm: ZeroCollectives, prefetch: bool, remat: str,
-                 paths: Mapping[int, str], uses: Counter | None = None):
+                 paths: Mapping[int, str], uses: Counter | None = None,
+                 max_live: int | None = None):
         self.plan, self.comm, self.prefetch, self.paths = plan, comm, prefetch, paths
-        self.remat, self.uses = remat, uses
+        self.remat, self.uses, self.max_live = remat, uses, max_live
 
     def count(self, leaves: tuple[LeafPlan, ...]) -> None:
         """One call of a unit gathering `leaves` (their `LeafPlan`s), when counting."""
@@ -71,7 +72,8 @@ class _Context:
         """The same context for a fresh copy of a module, whose `variables` (in split order)
         have these canonical `paths`."""
         return _Context(self.plan, self.comm, self.prefetch, self.remat,
-                        {id(v): p for v, p in zip(variables, paths, strict=True)}, self.uses)
+                        {id(v): p for v, p in zip(variables, paths, strict=True)}, self.uses,
+                        self.max_live)
 
     def partitioned(self, variable: nnx.Variable) -> bool:
         """A parameter whose units go through the collectives: stored partitioned (stage 3),
@@ -101,6 +103,8 @@ class _GatheredModule:
         self._paths = [ctx.path_of(v) for v in variables]
         self._own = frozenset(i for i, p in enumerate(self._paths) if p in own)
         self._leaves = tuple(ctx.plan[self._paths[i]] for i in sorted(self._own))
+        check_live(sum(leaf.unit_numel for leaf in self._leaves if leaf.params_partitioned),
+                   ctx.max_live, f"module {type(module).__name__}'s parameters")
         if len(jax.tree.leaves(state, is_leaf=_is_codes)) != len(variables):
             raise ValueError(f"module {type(module).__name__}: nested Variables are not supported")
         self._variables = variables            # the step's model copy's: read at each call
@@ -185,7 +189,8 @@ class _GatheredLayerStack:
         def layer(full, x, consts, cache_i):
             block = nnx.merge(graphdef, jax.tree.unflatten(treedef, full))
             return call_block(block, x, consts, cache_i)
-        self._stack = GatheredStack(layer, leaves, ctx.comm, ctx.prefetch, ctx.remat)
+        self._stack = GatheredStack(layer, leaves, ctx.comm, ctx.prefetch, ctx.remat,
+                                    ctx.max_live)
 
     def __call__(self, x: Any, *args: Any, cache: Any = None) -> tuple[Any, Any]:
         self._ctx.count(self._leaves)
@@ -212,6 +217,9 @@ def _wrap(node: Any, ctx: _Context, gathered: frozenset[str], memo: dict[int, An
                                              frozenset(ctx.path_of(v) for v in own))
             return memo[id(node)]
         for variable in own:       # a module with children: its own parameters, gathered alone
+            if ctx.leaf_of(variable).params_partitioned:
+                check_live(ctx.leaf_of(variable).unit_numel, ctx.max_live,
+                           f"parameter {ctx.path_of(variable)}")
             variable.set_value(gathered_value(ctx.leaf_of(variable), ctx.comm,
                                               variable.get_value()))
         _wrap_children(node, ctx, gathered | {ctx.path_of(v) for v in own}, memo)
@@ -242,7 +250,7 @@ def _wrap_children(module: nnx.Module, ctx: _Context, gathered: frozenset[str],
 
 def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
                  prefetch: bool, remat: str, *, reduced_once: frozenset[str] = frozenset(),
-                 uses: Counter | None = None) -> Any:
+                 uses: Counter | None = None, max_live: int | None = None) -> Any:
     """Wraps a model whose parameters hold *local shards* so that it computes as if whole.
 
     `model` must be a fresh copy (nnx.merge of the local storage) made inside the traced step.
@@ -251,9 +259,10 @@ def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
     `gathered_value`, whose backward reduce-scatters the gradient summed over all its uses
     (stage 2's weights used by more than one call, `engine.gradients.reduced_once`).
     `uses`: a Counter that every stand-in call adds one to for each leaf it gathers (the
-    counting pass that finds those weights).
+    counting pass that finds those weights). `max_live`: `ZeroConfig.max_live_parameters`
+    (stage 3), the bound on gathered elements live at once (`GatheredStack.prefetching`).
     """
-    ctx = _Context(plan, comm, prefetch, remat, variable_paths(model), uses)
+    ctx = _Context(plan, comm, prefetch, remat, variable_paths(model), uses, max_live)
     for variable in _variables_of(model):
         if isinstance(variable, nnx.Param) and ctx.path_of(variable) in reduced_once:
             variable.set_value(gathered_value(ctx.leaf_of(variable), comm, variable.get_value()))

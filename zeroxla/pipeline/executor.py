@@ -258,7 +258,8 @@ class PipelineExecutor:
             lmax = self.split.max_layers
             leaves = tuple(stage_local(plan[p], lmax) for p in self.block.paths)
             stack = GatheredStack(self.block, leaves, layout.comm, layout.config.prefetch,
-                                  remat=self.remat)
+                                  remat=self.remat,
+                                  max_live_parameters=layout.config.max_live_parameters)
         # remat "none" (or a checkpoint policy): forward keeps the blocks' vjp residuals less
         # the parameters (`StageModel.linearized_blocks`). A GatheredStack applies the policy
         # per layer itself, so the vjp around it keeps no policy of its own.

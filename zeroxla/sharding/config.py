@@ -42,7 +42,8 @@ def _is_number(value: Any) -> bool:
 
 
 # Field -> kind, checked before any range check: a wrong type is named, not coerced.
-_KINDS = {"stage": "int", "persistence_threshold": "int", "prefetch": "bool", "remat": "str",
+_KINDS = {"stage": "int", "persistence_threshold": "int", "prefetch": "bool",
+          "max_live_parameters": "int", "remat": "str",
           "compute_dtype": "str", "loss_scale": "number", "initial_scale_power": "int",
           "loss_scale_window": "int", "hysteresis": "int", "min_loss_scale": "number",
           "gradient_clipping": "number", "gradient_accumulation_steps": "int",
@@ -75,6 +76,11 @@ class ZeroConfig:
     # Issue the gather of layer i+1 before layer i computes (DeepSpeed's prefetch), so XLA can
     # overlap communication with compute.
     prefetch: bool = True
+    # At most this many gathered parameter elements live at once (DeepSpeed's
+    # `stage3_max_live_parameters`, default 1e9). ZeRO-3 gathers whole layers: the layer loop
+    # prefetches the next layer only while two layers fit (else it gathers just in time, one
+    # layer live); a layer or module call larger than this is refused when the step is traced.
+    max_live_parameters: int = 1_000_000_000
     # What a gathered unit (a layer, a module call) keeps from forward to backward
     # (`zeroxla.engine.remat`): "none" keeps its activations and re-gathers only its weights
     # (DeepSpeed's default, no recompute); "full" keeps only its inputs and recomputes it in
@@ -130,6 +136,8 @@ class ZeroConfig:
             _fail("stage", self.stage, "0, 1, 2 or 3")
         if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
             _fail("persistence_threshold", self.persistence_threshold, "an integer >= 0")
+        if self.max_live_parameters < 1:
+            _fail("max_live_parameters", self.max_live_parameters, "an integer >= 1")
         if self.remat not in REMAT_POLICIES:
             _fail("remat", self.remat, ", ".join(REMAT_POLICIES))
         if self.remat != "none" and self.stage < 2:

@@ -210,6 +210,8 @@ ZERO_CASES = [
     zero_case("zero_optimization.stage3_param_persistence_threshold", 1234,
               "persistence_threshold", 1234),
     zero_case("zero_optimization.stage3_prefetch_bucket_size", 0, "prefetch", False),
+    zero_case("zero_optimization.stage3_max_live_parameters", 3e6, "max_live_parameters",
+              3_000_000),
     zero_case("zero_optimization.zero_hpz_partition_size", 4, "hpz_partition_size", 4,
               extra={"zero_optimization": {"stage": 3}}),
     zero_case("zero_optimization.zero_quantized_weights", True, "quantized_weights", True,

@@ -39,7 +39,8 @@ def config_with(dotted, value):
 
 def test_the_zero_keys_cover_the_fields_the_loader_sets():
     assert set(KEY_OF_FIELD) == {
-        "stage", "persistence_threshold", "prefetch", "compute_dtype", "loss_scale",
+        "stage", "persistence_threshold", "prefetch", "max_live_parameters", "compute_dtype",
+        "loss_scale",
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "gradient_clipping", "gradient_accumulation_steps", "hpz_partition_size",
         "quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
