@@ -48,6 +48,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    # pytest-xdist (>= 3.6) reorders `--dist loadfile`'s files by their number of tests unless
+    # told not to, which would hand out the many-test files first and a 100-second notebook
+    # last; the order above (longest first) is the one wanted. (The option exists only where
+    # xdist is loaded: not in a `-p no:xdist` child.)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "fusion_emitters: the check is bit-identity between differently compiled "
         "programs, which holds with XLA:CPU's fusion emitters (what users run) but not with the "

@@ -5,7 +5,8 @@ scheduling), the run ends on short files on both workers; in collection order, a
 notebook can start last on one worker while the other idles. Each file's seconds come from a
 measured run (`file_seconds.json`, beside this file); a file not in it counts as
 `UNMEASURED_SLOW` seconds if it holds a slow test, else 0. The numbers only order the files:
-a stale table costs balance, never a test.
+a stale table costs balance, never a test. (pytest-xdist would otherwise reorder the files by
+their number of tests; tests/conftest.py turns that off.)
 
 Regenerate after a full run with a JUnit report:
     python -m pytest -n 2 --dist loadfile --junitxml=/tmp/suite.xml
