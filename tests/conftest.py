@@ -5,8 +5,7 @@ with the suite's codegen flags, through one compilation cache shared by the run'
 import os
 import shutil
 
-import file_order  # tests/support, on sys.path through pyproject's `pythonpath`
-import xla_flags
+import xla_flags  # tests/support, on sys.path through pyproject's `pythonpath`
 
 _FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
 os.environ["XLA_FLAGS"] = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
@@ -41,19 +40,7 @@ def devices():
     return jax.devices()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files are handed to the workers longest first, each file's tests in their order
-    (tests/support/file_order.py). Order only: every test is independent of the others."""
-    file_order.longest_first(items, config.rootpath)
-
-
 def pytest_configure(config):
-    # pytest-xdist (>= 3.6) reorders `--dist loadfile`'s files by their number of tests unless
-    # told not to, which would hand out the many-test files first and a 100-second notebook
-    # last; the order above (longest first) is the one wanted. (The option exists only where
-    # xdist is loaded: not in a `-p no:xdist` child.)
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "fusion_emitters: the check is bit-identity between differently compiled "
         "programs, which holds with XLA:CPU's fusion emitters (what users run) but not with the "

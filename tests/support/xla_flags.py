@@ -4,7 +4,8 @@ train`, `zeroxla launch`, notebook kernels inherit them).
 
 The suite compiles about a thousand programs and runs each a few times on tiny shapes, so XLA
 compilation is most of its time (test_parity.py: 114 of 159 s). Two XLA:CPU code-generation
-flags cut it:
+flags cut it, and a third cuts what running costs two processes of 8 simulated devices on two
+cores:
 
 - `--xla_backend_optimization_level=0` runs LLVM at -O0 (a gpt-tiny ZeRO-2 parity test: 15.6 ->
   9.7 s of XLA compilation over its compiles). It changes no HLO.
@@ -12,8 +13,14 @@ flags cut it:
   instead of the MLIR fusion emitters (test_parity.py: 181 -> 104 CPU-seconds). XLA:CPU then
   forms slightly different fusions, so a compiled step's temporary buffer differs by a few
   percent from the default CPU build (gpt-tiny ZeRO-3 step: 1,194,832 vs 1,253,328 bytes).
+- `--xla_cpu_multi_thread_eigen=false` runs XLA:CPU's dots and convolutions on the thread of
+  the device that issued them instead of Eigen's thread pool: with 8 device threads in each of
+  two worker processes on two cores, the pool's threads only contend with them
+  (test_parity.py + test_zeropp.py under `-n 2`: 251 -> 237 CPU-seconds, 147 -> 139 s). A
+  contraction split over the pool may add in another order, so results can differ from a
+  default build in the last bits, as the -O0 build's do (below).
 
-Neither touches what zeroxla emits or what the SPMD partitioner makes of it: the collectives,
+None of them touches what zeroxla emits or what the SPMD partitioner makes of it: the collectives,
 their replica groups and bytes, named scopes and trip counts that zeroxla.analysis reads, and
 argument/output sizes are those of a default build. Memory checks that read temporaries compare
 programs compiled under the same flags with each other (1F1B vs GPipe stash, remat policies,
@@ -37,7 +44,8 @@ from collections.abc import MutableMapping, Mapping
 from zeroxla.app.launch import DEVICE_COUNT_FLAG  # no JAX backend starts on import
 
 OLDER_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
-CODEGEN_FLAGS = f"--xla_backend_optimization_level=0 {OLDER_EMITTERS_FLAG}"
+CODEGEN_FLAGS = (f"--xla_backend_optimization_level=0 {OLDER_EMITTERS_FLAG} "
+                 "--xla_cpu_multi_thread_eigen=false")
 
 # JAX's persistent compilation cache, one directory per test run (`use_compilation_cache`):
 # tests build many identical programs (the same gpt-tiny step in parity, optimizer, memory and

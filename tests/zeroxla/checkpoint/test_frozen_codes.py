@@ -99,6 +99,7 @@ def _logical(state, step):
 
 MESH_SHAPES = {8: (2, 4), 4: (1, 4), 2: (1, 2)}
 HOPS = (8, 4, 8, 2)
+STEP_HOPS = (8, 2, 4)      # through whole steps and checkpoints: each hop compiles a mesh's step
 
 
 def _plan(shape, axes, devices, *, bits, group):
@@ -325,8 +326,9 @@ def test_save_restore_save_ten_times_keeps_the_codes(tmp_path, bits):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("model_name", ["gpt"])    # the base model's layouts: the layout test
 def test_frozen_codes_restore_across_meshes_bit_for_bit(tmp_path, model_name, bits):
-    """8 -> 4 -> 8 -> 2 devices, saving on each mesh and restoring on the next: every parameter's
-    values (frozen codes dequantized, float leaves) bit-identical at every hop, each mesh's
+    """8 -> 2 -> 4 devices (to fewer, then to more; the layout test above walks 8 -> 4 -> 8 -> 2),
+    saving on each mesh and restoring on the next: every parameter's values (frozen codes
+    dequantized, float leaves) bit-identical at every hop, each mesh's
     codes exactly those its own step quantizes at init, and the checkpoint's frozen arrays the
     same bytes whichever mesh saved them."""
     meshes = {8: lambda: make_mesh(2, 4), 4: lambda: make_mesh(1, 4, devices=jax.devices()[:4]),
@@ -335,7 +337,7 @@ def test_frozen_codes_restore_across_meshes_bit_for_bit(tmp_path, model_name, bi
     expected = flat_params(gather_params(state))
     first = checkpoint.save(tmp_path / "0", state, step=step)
     saved = _saved_codes(tmp_path / "0", step)
-    for hop, devices in enumerate(HOPS[1:], start=1):
+    for hop, devices in enumerate(STEP_HOPS[1:], start=1):
         step = _step(model_name, meshes[devices](), bits=bits)
         assert step.plan.data_size == devices
         state = checkpoint.restore(tmp_path / str(hop - 1), step).state

@@ -11,8 +11,9 @@ compared with plain single-device optax from the same initial parameters on the 
 
 Cases (stages x data, micro-batches, schedule, ZeRO stage): every model runs at 2 and 4 stages,
 ZeRO 0 and 3, 1F1B and GPipe or ZB-H1 between its cases; plus a custom masked and weighted
-`loss_fn` (under ZB-H1 with ZeRO-3, and GPipe), a loss_fn returning a mean, and the refusals,
-which happen in `make_step` before any compute.
+`loss_fn` (under ZB-H1 with ZeRO-3, and GPipe), a loss_fn returning a mean, nanoGPT unpipelined
+with the optimizer offloaded (ZeRO-3), and the refusals, which happen in `make_step`
+before any compute.
 """
 
 import jax
@@ -153,12 +154,16 @@ def _mean_loss(model, batch):
     return cross_entropy(model, batch)
 
 
-def _run(name, stages, pipeline, zero_stage, loss_fn=None):
+def _run(name, stages, pipeline, zero_stage, loss_fn=None, **config):
     mesh = zeroxla.make_mesh(1, stages=stages)
     step = zeroxla.make_step(MODELS[name](), mesh, optimizer=optax.sgd(0.3, momentum=0.9),
-                             config=zeroxla.ZeroConfig(stage=zero_stage, persistence_threshold=0),
+                             config=zeroxla.ZeroConfig(stage=zero_stage, persistence_threshold=0,
+                                                       **config),
                              loss_fn=loss_fn, pipeline=pipeline)
     state = step.init()
+    if config.get("offload_optimizer") == "cpu":       # the momentum lives in host memory
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {
+            "unpinned_host"}
     batches = _batches(weighted=loss_fn is _masked_weighted)
     eval_first = float(step.eval_loss(state, batches[0]))
     losses = []
@@ -168,11 +173,12 @@ def _run(name, stages, pipeline, zero_stage, loss_fn=None):
     return eval_first, losses, flat_params(zeroxla.gather_params(state))
 
 
-def _check(name, stages, pipeline, zero_stage, loss_fn=None, reference_loss=cross_entropy):
+def _check(name, stages, pipeline, zero_stage, loss_fn=None, reference_loss=cross_entropy,
+           **config):
     expected_losses, expected = train_single_device(
         MODELS[name](), optax.sgd(0.3, momentum=0.9), _batches(weighted=loss_fn is _masked_weighted),
         loss_fn=reference_loss)
-    eval_first, losses, got = _run(name, stages, pipeline, zero_stage, loss_fn)
+    eval_first, losses, got = _run(name, stages, pipeline, zero_stage, loss_fn, **config)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     np.testing.assert_allclose(eval_first, losses[0], rtol=1e-5)
     assert got.keys() == expected.keys()
@@ -207,6 +213,13 @@ def test_user_model_unpipelined_matches_single_device(name):
     # The same models through the plain step (ZeRO-3 over 8 data devices, each layer of the
     # nnx.Linear LayerStack gathered in the scan): the path eval_loss takes above.
     _check(name, 1, None, 3)
+
+
+@pytest.mark.slow
+def test_user_model_with_optimizer_offload_matches_single_device():
+    # nanoGPT, ZeRO-3 over 8 data devices with ZeRO-Offload: the optimizer state in host
+    # memory, the update on the device between explicit transfers (`zeroxla.engine.offload`).
+    _check("nanogpt", 1, None, 3, offload_optimizer="cpu")
 
 
 @pytest.mark.slow
