@@ -118,7 +118,7 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
     next layer's from the stack into the same buffer (at an index that depends on the layer's
     result, so not before). At backward's first layer the residuals live are then the stack's
     L-1 layers and that one, not the stack's L and a copy of one. gpt-small, AdamW, 2x4
-    (`benchmarks/zero.py`): ZeRO-3's peak 128.9 -> 105.8 MiB (GSPMD FSDP's: 112.3).
+    (`benchmarks/zero.py`): ZeRO-3's peak 128.9 -> 105.9 MiB (GSPMD FSDP's: 112.3).
     """
     if num_layers == 1 or not gathers:
         def body(c, inputs):
