@@ -226,7 +226,7 @@ class GatheredStack:
         return self.prefetch and (bound is None or 2 * self.layer_numel <= bound)
 
     @property
-    def gathers(self) -> bool:
+    def partitioned(self) -> bool:
         """Whether any leaf's parameters are stored partitioned, to be gathered (ZeRO-3; not
         ZeRO-2, whose "gather" is the identity)."""
         return any(leaf.params_partitioned for leaf in self.leaves)
@@ -261,7 +261,7 @@ class GatheredStack:
         carry_out, (ys, saveds), per_layer = layer_loop(
             step, self._gather(backward=False), (shards, [None] * len(shards)), xs, carry,
             num_layers=self.num_layers, reverse=False, prefetch=self.prefetching,
-            gathers=self.gathers)
+            partitioned=self.partitioned)
         if any(layout.slots != layouts[0].slots for layout in layouts):
             raise AssertionError("the layer's residuals differ between traces of the same layer")
         return carry_out, ys, StackResiduals(shards, saveds, consts, xs, per_layer,
@@ -294,7 +294,7 @@ class GatheredStack:
         (d_carry_in, d_consts_floats), ((d_shards, d_x_floats), _), _ = layer_loop(
             step, self._gather(backward=True), (r.shards, r.saveds), (r.xs, d_ys),
             (d_carry, d_consts0), num_layers=self.num_layers, reverse=True,
-            prefetch=self.prefetching, gathers=self.gathers, kept=r.kept)
+            prefetch=self.prefetching, partitioned=self.partitioned, kept=r.kept)
         return (d_shards, d_carry_in, cotangent_tree(r.consts, d_consts_floats),
                 cotangent_tree(r.xs, d_x_floats))
 

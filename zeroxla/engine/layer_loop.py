@@ -93,7 +93,7 @@ jax.tree_util.register_dataclass(Peeled, ["scanned", "outside"], [])
 
 
 def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, carry: Any, *,
-               num_layers: int, reverse: bool, prefetch: bool, gathers: bool = True,
+               num_layers: int, reverse: bool, prefetch: bool, partitioned: bool,
                kept: Peeled | None = None) -> tuple[Any, Any, Peeled]:
     """Runs `carry, y_i, k_i = step(carry, full_i, xs_i, kept_i)` over layers (last to first if
     `reverse`).
@@ -103,9 +103,9 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
     current layer's compute, before it and independent of it, so XLA can overlap the two (the
     first gather happens before the loop); without, each layer is gathered just before it runs.
     Either way exactly `num_layers` gathers run, and the last layer is computed after the loop.
-    A stack that `gathers` nothing (ZeRO-2's, whose parameters are whole) runs as one plain scan
-    over all its layers: computing one layer apart costs a second compile of the layer for one
-    layer's residuals. `kept` is what the forward loop returned as its `k`s, for the backward
+    A stack with no `partitioned` parameters (ZeRO-2's: its "gather" is the identity) runs as one
+    plain scan over all its layers: computing one layer apart costs a second compile of the
+    layer for one layer's residuals. `kept` is what the forward loop returned as its `k`s, for the backward
     one (`reverse`; None: `kept_i` is None). Returns `(carry, (ys, saveds), ks)`: ys and saveds
     stacked in layer order, ks `Peeled`.
 
@@ -120,7 +120,7 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
     L-1 layers and that one, not the stack's L and a copy of one. gpt-small, AdamW, 2x4
     (`benchmarks/zero.py`): ZeRO-3's peak 128.9 -> 105.9 MiB (GSPMD FSDP's: 112.3).
     """
-    if num_layers == 1 or not gathers:
+    if num_layers == 1 or not partitioned:
         def body(c, inputs):
             gin, x, k_in = inputs
             full, saved = gather(gin, c)
@@ -139,15 +139,15 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
     k_in = None if kept is None else kept.outside          # backward's first layer's
     gathered = (gather(gins.at(first), carry) if prefetch
                 else jax.eval_shape(lambda: gather(gins.at(first), carry)))
-    y_shape, k_shape = jax.eval_shape(lambda: step(carry, gathered[0], per_layer.at(first),
-                                                   k_in))[1:]
+    # ys and saveds have a row for every layer, the last one's written after the loop; the
+    # loop's ks are its own output (forward computes layers 0..L-2 in it, in row order).
+    y_shape = jax.eval_shape(lambda: step(carry, gathered[0], per_layer.at(first), k_in))[1]
     ys_saveds = jax.tree.map(lambda a: jnp.zeros((num_layers, *a.shape), a.dtype),
                              (y_shape, gathered[1]))
-    ks = jax.tree.map(lambda a: jnp.zeros((num_layers - 1, *a.shape), a.dtype), k_shape)
     gathered = gathered if prefetch else None
 
     def body(state, p):
-        c, gathered, k_in, ys_saveds, ks = state
+        c, gathered, k_in, ys_saveds = state
         layer = num_layers - 1 - p if reverse else p
         if prefetch:                   # the next layer's gather, issued beside this compute
             (full, saved), gathered = gathered, gather(gins.at(layer + ahead), c)
@@ -156,11 +156,10 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
         c, y, k = step(c, full, per_layer.at(layer), k_in)
         if kept is not None:           # the next layer's residuals, read after this one's use
             k_in = stacked_kept.at(_index_after(layer + ahead, c))
-        return (c, gathered, k_in, _written(ys_saveds, layer, (y, saved)),
-                _written(ks, layer, k)), None
+        return (c, gathered, k_in, _written(ys_saveds, layer, (y, saved))), k
 
-    (carry, gathered, k_in, ys_saveds, ks), _ = lax.scan(
-        body, (carry, gathered, k_in, ys_saveds, ks), jnp.arange(num_layers - 1))
+    (carry, gathered, k_in, ys_saveds), ks = lax.scan(
+        body, (carry, gathered, k_in, ys_saveds), jnp.arange(num_layers - 1))
     full, saved = gathered if prefetch else gather(gins.at(last), carry)
     carry, y, k_last = step(carry, full, per_layer.at(_index_after(last, carry)), k_in)
     ys, saveds = _written(ys_saveds, last, (y, saved))
