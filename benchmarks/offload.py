@@ -1,10 +1,11 @@
-"""ZeRO-Offload of the optimizer: device and host bytes with and without it, on 8 simulated CPU
-devices (2 nodes x 4 local), AdamW, persistence threshold 1000.
+"""ZeRO-Offload (optimizer) and ZeRO-Infinity's parameter offload: device and host bytes with and
+without them, on 8 simulated CPU devices (2 nodes x 4 local), AdamW, persistence threshold 1000.
 
-    python benchmarks/offload.py [--model gpt-small] [--steps 3] [--batch-size 16]
+    python benchmarks/offload.py [--model gpt-small] [--steps 3] [--batch-size 16] [--stages 1,2,3]
 
-For each stage (1-3), compute dtype (float32, bfloat16) and `offload_optimizer` ("none", "cpu"
-with pinned host memory): the per-device state in device memory and in host memory
+For each stage (1-3), compute dtype (float32, bfloat16) and what is offloaded ("none"; "opt":
+`offload_optimizer="cpu"` with pinned host memory; at stage 3 also "param": `offload_param="cpu"`,
+and "opt+param"): the per-device state in device memory and in host memory
 (`zeroxla.memory_report`: the state's shards by memory kind), the compiled step's per-device
 arguments by memory kind (`zeroxla.analysis.memory.argument_bytes_by_memory_kind`, read from the
 compiled program's input shardings; XLA:CPU's `memory_analysis()` counts host-kind arguments as
@@ -34,11 +35,17 @@ from zeroxla.analysis.memory import argument_bytes_by_memory_kind  # noqa: E402
 MIB = 2 ** 20
 
 
+OFFLOADS = {"none": {}, "opt": {"offload_optimizer": "cpu", "offload_pin_memory": True},
+            "param": {"offload_param": "cpu"},
+            "opt+param": {"offload_optimizer": "cpu", "offload_param": "cpu",
+                          "offload_pin_memory": True}}
+
+
 def measure(model_name: str, stage: int, dtype: str, offload: str, batch: dict,
             steps: int) -> dict:
     """One configuration's bytes (MiB per device) and median step time (s)."""
     config = zeroxla.ZeroConfig(stage=stage, compute_dtype=dtype, persistence_threshold=1000,
-                                offload_optimizer=offload, offload_pin_memory=offload == "cpu")
+                                **OFFLOADS[offload])
     step = zeroxla.make_step(models.build(model_name), zeroxla.make_mesh(2, 4),
                              optimizer=optax.adamw(1e-3), config=config)
     state = step.init()
@@ -62,18 +69,19 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages")
     args = parser.parse_args()
     vocab = models.PRESETS[args.model][1]().vocab_size
     inputs = np.random.default_rng(0).integers(0, vocab, (args.batch_size, 64)).astype(np.int32)
     batch = {"inputs": inputs, "targets": (inputs + 1) % vocab}
     print(f"{args.model}, AdamW, 2 x 4 CPU devices, batch {inputs.shape}; MiB per device")
-    print(f"{'stage':>5} {'dtype':>9} {'offload':>7} {'dev state':>10} {'host state':>10} "
+    print(f"{'stage':>5} {'dtype':>9} {'offload':>9} {'dev state':>10} {'host state':>10} "
           f"{'dev args':>9} {'host args':>9} {'temps':>8} {'step s':>7}")
-    for stage in (1, 2, 3):
+    for stage in (int(s) for s in args.stages.split(",")):
         for dtype in ("float32", "bfloat16"):
-            for offload in ("none", "cpu"):
+            for offload in (OFFLOADS if stage == 3 else ("none", "opt")):
                 r = measure(args.model, stage, dtype, offload, batch, args.steps)
-                print(f"{stage:>5} {dtype:>9} {offload:>7} {r['device_state']:>10.2f} "
+                print(f"{stage:>5} {dtype:>9} {offload:>9} {r['device_state']:>10.2f} "
                       f"{r['host_state']:>10.2f} {r['device_args']:>9.2f} "
                       f"{r['host_args']:>9.2f} {r['temporaries']:>8.2f} {r['step_s']:>7.3f}")
 

@@ -7,8 +7,8 @@ divides the optimizer state by N, stage 2 also the gradients, stage 3 also the p
 before anything is allocated, counting parameters under the persistence threshold as replicated.
 Frozen parameters (`make_step(..., trainable=)`) have no gradient or optimizer state; with
 `quantized_nontrainable_weights` their partitions are stored as codes plus float32 scales.
-With ZeRO-Offload (`ZeroConfig.offload_optimizer="cpu"`) both count what is held in host memory
-apart from device memory.
+With ZeRO-Offload (`ZeroConfig.offload_optimizer="cpu"`, `offload_param="cpu"`) both count what is
+held in host memory apart from device memory.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def argument_bytes_by_memory_kind(compiled: Any) -> dict[str, int]:
 class MemoryReport:
     """Per-device bytes (the maximum over devices for the state parts). `params` and
     `optimizer` are in device memory; `host_params` and `host_optimizer` are what ZeRO-Offload
-    keeps in host memory for each device (`ZeroConfig.offload_optimizer`)."""
+    keeps in host memory for each device (`ZeroConfig.offload_optimizer`, `offload_param`)."""
 
     params: int
     optimizer: int
@@ -82,7 +82,7 @@ class MemoryReport:
     arguments: int
     outputs: int
     aliased: int            # donated state buffers reused for the outputs
-    host_params: int = 0    # float32 master partitions in host memory
+    host_params: int = 0    # float32 masters (offload_param: parameter partitions) in host memory
     host_optimizer: int = 0  # optimizer state in host memory
 
     @property
@@ -157,8 +157,8 @@ def _secondary_bytes(layout: ZeroLayout) -> int:
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted per-device bytes: `params`, `gradients` and `optimizer` in device memory;
-    `host_params` (separate float32 masters) and `host_optimizer` in host memory, for each
-    device, under ZeRO-Offload."""
+    `host_params` (separate float32 masters; with `offload_param`, the parameter partitions)
+    and `host_optimizer` in host memory, for each device, under ZeRO-Offload."""
     params: int
     gradients: int
     optimizer: int
@@ -188,7 +188,8 @@ def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
     nothing is allocated. Ψ partitioned parameters cost Ψ/N each, persistent ones Ψ.
     `trainable` is `make_step`'s nnx filter (None: all). With `offload_optimizer="cpu"` the
     optimizer state, and a float32 master kept apart from its 16-bit copy (stages 1-2 under
-    bf16/fp16), are counted in host memory (`zeroxla.engine.offload`).
+    bf16/fp16), are counted in host memory (`zeroxla.engine.offload`); with `offload_param="cpu"`
+    every partitioned leaf's partition is too.
     """
     model = (model_config if isinstance(model_config, nnx.Module)
              else models.abstract_model(model_config))
@@ -197,7 +198,10 @@ def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
     offload = config.offload_optimizer != "none"
     params = gradients = optimizer = host_params = 0
     for leaf in plan.leaves:
-        params += leaf.param_bytes_per_device
+        if config.offload_param != "none" and leaf.params_partitioned:
+            host_params += leaf.param_bytes_per_device
+        else:
+            params += leaf.param_bytes_per_device
         if not leaf.trainable:
             continue
         share = leaf.chunk * leaf.layers            # this device's partition (padding included)
@@ -211,4 +215,5 @@ def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
     if offload:
         return MemoryEstimate(params=params, gradients=gradients, optimizer=0,
                               host_params=host_params, host_optimizer=optimizer)
-    return MemoryEstimate(params=params, gradients=gradients, optimizer=optimizer)
+    return MemoryEstimate(params=params, gradients=gradients, optimizer=optimizer,
+                          host_params=host_params)

@@ -18,7 +18,7 @@
     update.py      each leaf's layouts around the optax update
     optimizer.py   any optax transformation on the logical, sharded parameters
     loss_scale.py  fp16 dynamic loss scaling, DeepSpeed's semantics
-    offload.py     ZeRO-Offload: optimizer state and float32 masters in host memory kinds
+    offload.py     ZeRO-Offload / ZeRO-Infinity: optimizer state, masters and stage-3 partitions in host memory
     logical.py     the state's mesh-independent form (checkpoints)
 
 The plan it runs (mesh, ZeroConfig, rules, leaf plans) is `zeroxla.sharding`; collectives live

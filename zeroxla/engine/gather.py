@@ -47,6 +47,7 @@ from jax import lax
 
 from zeroxla.collectives.zero import ZeroCollectives
 from zeroxla.engine.layer_loop import Peeled, layer_loop
+from zeroxla.engine.offload import cotangent, fetch
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.remat import (
     FULL,
@@ -120,12 +121,12 @@ def gathered_call(fn: Callable, leaves: tuple[LeafPlan, ...], comm: ZeroCollecti
     """fn(full_params: list, inputs) with `full_params` gathered from `shards` around the call.
     `inputs` is any pytree (e.g. a call's `(args, kwargs)`); `remat` the activation policy
     (`zeroxla.engine.remat`): what the call keeps for backward besides its shards."""
-    full = [comm.forward_gather(s, leaf)[0] for s, leaf in zip(shards, leaves)]
+    full = [comm.forward_gather(fetch(s), leaf)[0] for s, leaf in zip(shards, leaves)]
     return fn(full, inputs)
 
 
 def _gathered_call_fwd(fn, leaves, comm, remat, shards, inputs):
-    pairs = [comm.forward_gather(s, leaf) for s, leaf in zip(shards, leaves)]
+    pairs = [comm.forward_gather(fetch(s), leaf) for s, leaf in zip(shards, leaves)]
     full = [p[0] for p in pairs]
     saved = [p[1] for p in pairs]                # hpZ's secondary partition; None for plain ZeRO
     if remat == FULL:
@@ -135,14 +136,15 @@ def _gathered_call_fwd(fn, leaves, comm, remat, shards, inputs):
 
 
 def _gathered_call_bwd(fn, leaves, comm, remat, residuals, g):
-    shards, saved, kept = residuals
-    shards, saved = _after((shards, saved), g)
+    stored, saved, kept = residuals
+    shards, saved = _after(([fetch(s) for s in stored], saved), g)
     full = [comm.backward_gather(s, sv, leaf) for s, sv, leaf in zip(shards, saved, leaves)]
     if remat == FULL:
         g_full, g_inputs = vjp(fn, leaves, full, kept, g)                 # kept: the inputs
     else:
         g_full, g_inputs = kept.layout.cotangents(kept.arrays, full, g)
-    return _scatter_gradients(comm, leaves, g_full), g_inputs
+    d_shards = _scatter_gradients(comm, leaves, g_full)
+    return [cotangent(s, d) for s, d in zip(stored, d_shards)], g_inputs
 
 
 gathered_call.defvjp(_gathered_call_fwd, _gathered_call_bwd)
@@ -156,15 +158,17 @@ def gathered_value(leaf: LeafPlan, comm: ZeroCollectives, shard: Any) -> jax.Arr
     is reduce-scattered back. For a module's own parameters when the module also has children
     (a root-owned table): gathered alone, not with the descendants, and kept only where an op
     needs it for its backward (autodiff decides; an addition keeps nothing)."""
-    return comm.forward_gather(shard, leaf)[0]
+    return comm.forward_gather(fetch(shard), leaf)[0]
 
 
 def _gathered_value_fwd(leaf, comm, shard):
-    return comm.forward_gather(shard, leaf)[0], None
+    # Residual: the shard's kind only (an `OffloadedPartition` with no arrays, or None), which
+    # the cotangent's form follows.
+    return comm.forward_gather(fetch(shard), leaf)[0], cotangent(shard, None)
 
 
-def _gathered_value_bwd(leaf, comm, _, g):
-    return (comm.reduce_scatter(g, leaf) if leaf.trainable else None,)
+def _gathered_value_bwd(leaf, comm, kind, g):
+    return (cotangent(kind, comm.reduce_scatter(g, leaf)) if leaf.trainable else None,)
 
 
 gathered_value.defvjp(_gathered_value_fwd, _gathered_value_bwd)
@@ -236,6 +240,7 @@ class GatheredStack:
 
         def gather(gin, dependency):
             shards, saveds = gin
+            shards = [fetch(s) for s in shards]    # offload_param: copied in from the host
             if backward:
                 shards, saveds = _after((shards, saveds), dependency)
                 return [comm.backward_gather(s, sv, leaf)
@@ -295,6 +300,7 @@ class GatheredStack:
             step, self._gather(backward=True), (r.shards, r.saveds), (r.xs, d_ys),
             (d_carry, d_consts0), num_layers=self.num_layers, reverse=True,
             prefetch=self.prefetching, partitioned=self.partitioned, kept=r.kept)
+        d_shards = [cotangent(s, d) for s, d in zip(r.shards, d_shards)]
         return (d_shards, d_carry_in, cotangent_tree(r.consts, d_consts_floats),
                 cotangent_tree(r.xs, d_x_floats))
 

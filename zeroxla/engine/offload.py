@@ -29,19 +29,31 @@ gradient pass, but it changes how XLA:CPU fuses the update (measured: the offloa
 then drifts from the non-offloaded one by ulps, which AdamW amplifies), so it is not used; the
 step is bit-identical to the non-offloaded one (`tests/zeroxla/engine/test_offload.py`).
 
-Parameter offload (`offload_param`) and offload under the pipeline are refused by name
-(`check_offload`).
+Parameter offload (ZeRO-Infinity's `offload_param="cpu"`, stage 3) keeps every partitioned
+parameter's partition (stage 3's float32 master, and frozen leaves' partitions or codes) in host
+memory too. Inside the gradient pass a partition is fetched, one unit at a time, just before its
+all-gather (`fetch`: a `jax.device_put` to the device, in the layer loop's iteration, so the
+copy of layer i+1 is issued beside layer i's compute like its gather) and dropped with the
+gathered unit; nothing of it is held on the device between units. The pass differentiates
+device zeros beside each stored partition (`OffloadedPartition.sink`, ZeRO-2's gradient-sink
+pattern), so the reduce-scattered gradient stays on the device where the update reads it
+instead of being sent to the host and back. The update itself, as with optimizer offload,
+brings the partitions in (`resident`) and sends the new ones back (`offloaded`).
+
+Offload under the pipeline is refused by name (`check_offload`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from zeroxla.sharding.config import ZeroConfig
-from zeroxla.sharding.leaf_plan import MasterWithCopy
+from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
 from zeroxla.sharding.plan import ShardingPlan
 
 DEVICE_KIND = "device"
@@ -55,17 +67,12 @@ class OffloadError(ValueError):
 
 def check_offload(config: ZeroConfig, *, pipelined: bool) -> None:
     """Refuses, by field, what is accepted as DeepSpeed spells it but not built here."""
-    if config.offload_param != "none":
-        raise OffloadError(
-            f"ZeroConfig.offload_param={config.offload_param!r} is not built: parameter "
-            "partitions stay in device memory (ZeRO-Infinity's parameter offload needs each "
-            "layer's partition moved in before its all-gather); use offload_param='none' "
-            "(offload_optimizer='cpu' is built)")
-    if config.offload_optimizer != "none" and pipelined:
-        raise OffloadError(
-            f"ZeroConfig.offload_optimizer={config.offload_optimizer!r} with pipeline= is not "
-            "built (the pipelined state's offload is untested); use offload_optimizer='none' "
-            "with a pipeline, or no pipeline")
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(config, name) != "none" and pipelined:
+            raise OffloadError(
+                f"ZeroConfig.{name}={getattr(config, name)!r} with pipeline= is not built (the "
+                f"pipelined state's offload is untested); use {name}='none' with a pipeline, "
+                "or no pipeline")
 
 
 def _with_kind(tree: Any, kind: str) -> Any:
@@ -73,49 +80,64 @@ def _with_kind(tree: Any, kind: str) -> Any:
                         is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def _offloaded_params(params: dict[str, Any], plan: ShardingPlan, kind: str) -> dict[str, Any]:
-    """`params`' shardings with every separate float32 master (`MasterWithCopy`) on `kind`."""
-    out = dict(params)
-    for leaf in plan.trainable_leaves:
-        if leaf.has_compute_copy:
-            spec = params[leaf.path]
-            out[leaf.path] = MasterWithCopy(master=spec.master.with_memory_kind(kind),
-                                            compute=spec.compute)
+def _offloaded_params(params: dict[str, Any], config: ZeroConfig,
+                      plan: ShardingPlan) -> dict[str, Any]:
+    """`params`' shardings with what offload keeps in host memory: every separate float32
+    master (`MasterWithCopy`) under `offload_optimizer`, every partitioned leaf's partition
+    under `offload_param` (always pinned: `ZeroConfig.param_offload_memory_kind`)."""
+    out, kind = dict(params), config.offload_memory_kind
+    if config.offload_optimizer != "none":
+        for leaf in plan.trainable_leaves:
+            if leaf.has_compute_copy:
+                spec = params[leaf.path]
+                out[leaf.path] = MasterWithCopy(master=spec.master.with_memory_kind(kind),
+                                                compute=spec.compute)
+    if config.offload_param != "none":
+        for path in _partitions(plan):
+            out[path] = _with_kind(params[path], config.param_offload_memory_kind)
     return out
 
 
 def host_shardings(config: ZeroConfig, plan: ShardingPlan, params: dict[str, Any],
                    opt_state: Any) -> tuple[dict[str, Any], Any]:
     """The stored state's (params, opt_state) shardings with the offloaded parts in host
-    memory; unchanged when `offload_optimizer` is "none"."""
-    if config.offload_optimizer == "none":
-        return params, opt_state
-    kind = config.offload_memory_kind
-    return _offloaded_params(params, plan, kind), _with_kind(opt_state, kind)
+    memory; unchanged without offload."""
+    if config.offload_optimizer != "none":
+        opt_state = _with_kind(opt_state, config.offload_memory_kind)
+    return _offloaded_params(params, config, plan), opt_state
+
+
+def _moved_params(layout: Any, state: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """`state.params` with each offloaded one put on its sharding in `params`."""
+    config, plan = layout.config, layout.plan
+    paths = (_masters(plan) if config.offload_optimizer != "none" else []) + (
+        _partitions(plan) if config.offload_param != "none" else [])
+    return {**state.params, **{p: jax.device_put(state.params[p], params[p]) for p in paths}}
 
 
 def resident(layout: Any, state: Any) -> Any:
     """`state` with its offloaded parts moved onto the device (inside `jit`: an explicit
     host-to-device copy); `state` itself without offload."""
-    if layout.config.offload_optimizer == "none":
+    config = layout.config
+    if not config.offloads:
         return state
     shardings = layout.state_shardings
-    params = _offloaded_params(shardings.params, layout.plan, DEVICE_KIND)
-    moved = {p: jax.device_put(state.params[p], params[p]) for p in _masters(layout.plan)}
-    return state.replace(params={**state.params, **moved},
-                         opt_state=jax.device_put(state.opt_state,
-                                                  _with_kind(shardings.opt_state, DEVICE_KIND)))
+    params = _moved_params(layout, state, _with_kind(shardings.params, DEVICE_KIND))
+    opt_state = state.opt_state if config.offload_optimizer == "none" else jax.device_put(
+        state.opt_state, _with_kind(shardings.opt_state, DEVICE_KIND))
+    return state.replace(params=params, opt_state=opt_state)
 
 
 def offloaded(layout: Any, state: Any) -> Any:
     """`state` (on the device) with its offloaded parts sent back to host memory."""
-    if layout.config.offload_optimizer == "none":
+    config = layout.config
+    if not config.offloads:
         return state
     shardings = layout.state_shardings
-    moved = {p: jax.device_put(state.params[p], shardings.params[p])
-             for p in _masters(layout.plan)}
-    return state.replace(params={**state.params, **moved},
-                         opt_state=jax.device_put(state.opt_state, shardings.opt_state))
+    opt_state = state.opt_state if config.offload_optimizer == "none" else jax.device_put(
+        state.opt_state, shardings.opt_state)
+    return state.replace(params=_moved_params(layout, state, shardings.params),
+                         opt_state=opt_state)
 
 
 def on_device(tree: Any) -> Any:
@@ -133,9 +155,76 @@ def _masters(plan: ShardingPlan) -> list[str]:
     return [leaf.path for leaf in plan.trainable_leaves if leaf.has_compute_copy]
 
 
+def _partitions(plan: ShardingPlan) -> list[str]:
+    """The leaves whose parameters stage 3 partitions (what `offload_param` moves)."""
+    return [leaf.path for leaf in plan.leaves if leaf.params_partitioned]
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter offload inside the gradient pass.
+@dataclasses.dataclass(frozen=True)
+class OffloadedPartition:
+    """A trainable partition under `offload_param`, as the gradient pass sees it: `stored`, this
+    device's partition in host memory (`[L?, *shard_shape]`, read by the gather after `fetch`),
+    and `sink`, master-dtype device zeros of the same shape, which the pass differentiates: a
+    unit's reduce-scattered gradient is its cotangent (`cotangent`), so it stays on the device."""
+
+    stored: Any
+    sink: Any
+
+
+jax.tree_util.register_dataclass(OffloadedPartition, ["stored", "sink"], [])
+
+
+def partition_sinks(plan: ShardingPlan, trainable: dict[str, Any], master_dtype: Any
+                    ) -> tuple[dict[str, Any], Any]:
+    """`(wrt, as_values)` of the gradient pass under `offload_param`: the device zeros it
+    differentiates in place of each offloaded trainable partition, and `as_values(wrt)`, the
+    model's values (`OffloadedPartition(stored, sink)` for those, the rest as they are)."""
+    offloaded_paths = {leaf.path for leaf in plan.trainable_leaves if leaf.params_partitioned}
+    wrt = {p: _zeros_like_partition(plan[p], master_dtype) if p in offloaded_paths else v
+           for p, v in trainable.items()}
+    return wrt, lambda values: {
+        p: OffloadedPartition(trainable[p], v) if p in offloaded_paths else v
+        for p, v in values.items()}
+
+
+def _zeros_like_partition(leaf: LeafPlan, dtype: Any) -> jax.Array:
+    return jnp.zeros(((leaf.layers,) if leaf.stacked else ()) + leaf.shard_shape, dtype)
+
+
+def fetch(shard: Any) -> Any:
+    """The partition a gather reads, in device memory: an `OffloadedPartition`'s stored value,
+    or a frozen partition held in host memory, copied to the device (ZeRO-Infinity's fetch);
+    anything else as it is."""
+    if isinstance(shard, OffloadedPartition):
+        shard = shard.stored
+    return jax.tree.map(_to_device, shard)
+
+
+def _to_device(x: Any) -> Any:
+    if x is None or jax.typeof(x).memory_space != jax.memory.Space.Host:
+        return x
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+def cotangent(shard: Any, grad: Any) -> Any:
+    """`grad`, a unit's reduced gradient partition, as the cotangent of `shard` (the sink of an
+    `OffloadedPartition`); `grad` itself for any other shard."""
+    if isinstance(shard, OffloadedPartition):
+        return OffloadedPartition(stored=None, sink=grad)
+    return grad
+
+
 def describe(config: ZeroConfig) -> str:
     """One line: what is offloaded, to which memory kind, and where the update runs."""
-    if config.offload_optimizer == "none":
+    if not config.offloads:
         return "offload: none (parameters, master weights and optimizer state in device memory)"
-    return (f"offload: optimizer state and float32 master partitions in "
-            f"{config.offload_memory_kind} memory; update runs on {UPDATE_PLACEMENT}")
+    parts = []
+    if config.offload_optimizer != "none":
+        parts.append("optimizer state and float32 master partitions")
+        parts[-1] += f" in {config.offload_memory_kind} memory"
+    if config.offload_param != "none":
+        parts.append(f"stage 3's parameter partitions in {config.param_offload_memory_kind} "
+                     "memory (each unit's fetched to the device just before its all-gather)")
+    return f"offload: {'; '.join(parts)}; update runs on {UPDATE_PLACEMENT}"

@@ -320,7 +320,8 @@ class ZeroStep:
         master = self.config.master_dtype       # gradients are summed in the master dtype
         trainable = {leaf.path: params[leaf.path] for leaf in self.plan.trainable_leaves}
         frozen = {p: v for p, v in params.items() if p not in trainable}
-        wrt, as_values = differentiated(self.comm, self.plan, trainable)
+        wrt, as_values = differentiated(self.comm, self.plan, trainable,
+                                        offload_param=self.config.offload_param != "none")
         sizes: list[float] = []          # the static c0 chosen while tracing `objective`
 
         base = (None if key_data is None else

@@ -119,11 +119,13 @@ class ZeroConfig:
     # ZeRO-Offload (Ren et al. 2021): "cpu" keeps the optimizer state and the float32 master
     # partition in host memory between steps (`zeroxla.engine.offload`); stages 1-3.
     offload_optimizer: str = "none"
-    # ZeRO-Infinity's parameter offload (stage 3): accepted here as DeepSpeed spells it; the step
-    # refuses "cpu" by name until it is built (`zeroxla.engine.offload.check_offload`).
+    # ZeRO-Infinity's parameter offload (stage 3): "cpu" keeps every partitioned parameter's
+    # partition in host memory, fetched to the device one unit at a time just before its
+    # all-gather (`zeroxla.engine.offload`).
     offload_param: str = "none"
-    # DeepSpeed's `pin_memory`: offloaded arrays in page-locked host memory (`pinned_host`, fast
-    # DMA) instead of pageable memory (`unpinned_host`). DeepSpeed's default is False.
+    # DeepSpeed's `pin_memory`: offloaded optimizer state and masters in page-locked host memory
+    # (`pinned_host`, fast DMA) instead of pageable memory (`unpinned_host`). DeepSpeed's default
+    # is False. Offloaded parameter partitions are always pinned (`param_offload_memory_kind`).
     offload_pin_memory: bool = False
 
     def __post_init__(self) -> None:
@@ -216,8 +218,17 @@ class ZeroConfig:
 
     @property
     def offload_memory_kind(self) -> str:
-        """The JAX memory kind offloaded arrays live in: `pin_memory` -> pinned, else pageable."""
+        """The JAX memory kind the offloaded optimizer state and masters live in: `pin_memory`
+        -> pinned, else pageable."""
         return "pinned_host" if self.offload_pin_memory else "unpinned_host"
+
+    @property
+    def param_offload_memory_kind(self) -> str:
+        """The JAX memory kind offloaded parameter partitions live in: always `pinned_host`.
+        The step copies one unit's partition to the device inside its program, and a JAX program
+        addresses host memory only when it is pinned (an `unpinned_host` argument is one device
+        buffer to the program, so the whole partition would be copied in before the step)."""
+        return "pinned_host"
 
     @property
     def uses_loss_scaling(self) -> bool:

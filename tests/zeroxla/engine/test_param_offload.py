@@ -1,0 +1,242 @@
+"""ZeRO-Infinity's parameter offload (`ZeroConfig(stage=3, offload_param="cpu")`): every
+partitioned parameter's partition lives in pinned host memory between steps, is fetched to the
+device one unit at a time just before its all-gather, and the step trains exactly as without
+offload and as single-device optax.
+
+gpt-tiny on the 2x4 mesh, persistence threshold 500 (biases and norms replicated on the device,
+matrices partitioned). One float32 run per offload setting (accumulation 2, clipping, SGD with
+momentum: 3 steps) against single-device optax; one fp16 pair (offloaded and not) through an
+overflowing step; what the compiled program keeps where, from its input shardings and from the
+program lowered for a GPU; a checkpoint round trip through a non-offloaded mesh.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from reference import flat_params, token_batches, train_single_device
+from zeroxla import checkpoint, models
+from zeroxla.analysis.memory import argument_bytes_by_memory_kind
+from zeroxla.engine.offload import OffloadError
+from zeroxla.engine.step import next_token_loss
+
+STEPS, BATCH, SEQ = 3, 16, 16
+THRESHOLD = 500
+
+
+def _sgd():
+    return optax.sgd(0.5, momentum=0.9)
+
+
+@functools.cache
+def _reference():
+    batches = token_batches(STEPS, BATCH, SEQ, vocab=65, seed=3)
+    losses, params = train_single_device(models.build("gpt-tiny", seed=1), _sgd(), batches,
+                                         clip=1.0)
+    return batches, losses, params
+
+
+@functools.cache
+def _run(offload_optimizer):
+    """Stage 3 with offload_param="cpu" (and the optimizer offloaded or not): step, final state,
+    losses."""
+    batches, _, _ = _reference()
+    config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
+                                gradient_accumulation_steps=2, gradient_clipping=1.0,
+                                offload_param="cpu", offload_optimizer=offload_optimizer)
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                             optimizer=_sgd(), config=config)
+    state, losses = step.init(), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return step, state, losses
+
+
+def _kinds(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def _partitioned(plan):
+    return [leaf for leaf in plan.leaves if leaf.params_partitioned]
+
+
+@pytest.mark.parametrize("offload_optimizer", ["none", "cpu"])
+def test_parameter_offload_trains_like_single_device(offload_optimizer):
+    _, expected_losses, expected = _reference()
+    step, state, losses = _run(offload_optimizer)
+    partitioned = {leaf.path for leaf in _partitioned(state.plan)}
+    assert partitioned and len(partitioned) < len(state.plan.leaves)
+    for path, value in state.params.items():      # pinned whatever offload_pin_memory says
+        assert _kinds(value) == ({"pinned_host"} if path in partitioned else {"device"}), path
+    assert _kinds(state.opt_state) == (
+        {"unpinned_host"} if offload_optimizer == "cpu" else {"device"})
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    got = flat_params(zeroxla.gather_params(state))
+    initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+    assert sum(np.abs(expected[p] - initial[p]).max() > 1e-3 for p in expected) > len(expected) // 2
+
+
+def _poisoned_loss(model, batch):
+    loss = next_token_loss(model, {"inputs": batch["inputs"], "targets": batch["targets"]})
+    return loss * jnp.mean(batch["poison"])
+
+
+def _fp16_batches():
+    batches = []
+    for i, batch in enumerate(token_batches(3, BATCH, SEQ, vocab=65, seed=5)):
+        poison = np.ones(BATCH, np.float32)
+        poison[5] = np.inf if i == 1 else 1.0        # step 2 overflows (on one device only)
+        batches.append({**batch, "poison": poison})
+    return batches
+
+
+@functools.cache
+def _fp16_run(offload_param):
+    """Stage 3 under fp16, AdamW, parameters offloaded or not: step, final state, each step's
+    (params, opt_state) as numpy arrays, each step's metrics."""
+    config = zeroxla.ZeroConfig(stage=3, compute_dtype="float16", persistence_threshold=THRESHOLD,
+                                initial_scale_power=10, offload_param=offload_param)
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.adamw(3e-3), config=config, loss_fn=_poisoned_loss)
+    state, snapshots, metrics = step.init(), [], []
+    for batch in _fp16_batches():
+        state, m = step(state, batch)
+        snapshots.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
+        metrics.append(jax.tree.map(float, m))
+    return step, state, snapshots, metrics
+
+
+def test_fp16_parameter_offload_equals_not_offloaded_and_skips_overflow():
+    _, state, snapshots, off_metrics = _fp16_run("cpu")
+    _, _, dev_snapshots, dev_metrics = _fp16_run("none")
+    assert [m["overflow"] for m in off_metrics] == [0.0, 1.0, 0.0]
+    np.testing.assert_equal(off_metrics, dev_metrics)   # losses, norms, scales exactly (nan==nan)
+    for a, b in zip(jax.tree.leaves(snapshots[-1]), jax.tree.leaves(dev_snapshots[-1])):
+        np.testing.assert_array_equal(a, b)
+    # The overflowing step kept the (offloaded) partitions and optimizer state bit-identical.
+    for a, b in zip(jax.tree.leaves(snapshots[0]), jax.tree.leaves(snapshots[1])):
+        np.testing.assert_array_equal(a, b)
+    assert _kinds([state.params[leaf.path] for leaf in _partitioned(state.plan)]) == {
+        "pinned_host"}
+
+
+def test_compiled_step_keeps_the_partitions_in_host_memory():
+    """From the compiled program's input shardings: the host arguments are exactly the
+    parameter partitions, and the device keeps the non-offloaded program's arguments less those
+    bytes (persistent leaves, optimizer state, loss scale, batch). `memory_report` measures the
+    same split on the live state and `estimate_memory` predicts it before anything exists."""
+    batch = _fp16_batches()[0]
+    step, state, _, _ = _fp16_run("cpu")
+    dev_step, dev_state, _, _ = _fp16_run("none")
+    split = argument_bytes_by_memory_kind(step.compile(state, batch))
+    dev_split = argument_bytes_by_memory_kind(dev_step.compile(dev_state, batch))
+    partition_bytes = sum(leaf.param_bytes_per_device for leaf in _partitioned(state.plan))
+    assert set(dev_split) == {"device"} and set(split) == {"device", "pinned_host"}
+    assert split["pinned_host"] == partition_bytes
+    assert split["device"] == dev_split["device"] - partition_bytes
+    report = zeroxla.memory_report(step, state, batch)
+    dev_report = zeroxla.memory_report(dev_step, dev_state, batch)
+    assert report.host_params == partition_bytes
+    assert report.params == dev_report.params - partition_bytes
+    estimate = zeroxla.estimate_memory(models.GPTConfig.tiny(), step.mesh, step.config)
+    assert (estimate.params, estimate.host_params) == (report.params, report.host_params)
+    assert "parameter partitions in pinned_host memory" in step.describe()
+
+
+def _placements(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(memory kind, shape) of every `annotate_device_placement` (a `jax.device_put` between
+    memory kinds) in a lowered StableHLO module."""
+    found = re.findall(r'annotate_device_placement.*?_xla_buffer_placement = "(\w+)".*?'
+                       r': \(tensor<([0-9x]*)x?[a-z]+\d*>', text)
+    return [(kind, tuple(int(d) for d in dims.split("x") if d)) for kind, dims in found]
+
+
+def test_the_gpu_program_fetches_one_layer_partition_at_a_time():
+    """The step lowered for a GPU (XLA:CPU ignores memory kinds, so its program cannot show this):
+    during the gradient pass a stacked leaf's partition comes to the device one layer at a time,
+    in forward and again in backward (the layer loop's fetches, plus the peeled last layer's),
+    never the whole stacked partition; that is brought in for the update, and sent back after.
+    So the device holds, of the offloaded parameters, the fetched layers (at most two with
+    prefetch, as for the gathered ones) until the update, not every layer's partition."""
+    step, state, _ = _run("none")
+    lowered = step._jitted.trace(state, _reference()[0][0]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    placements = _placements(lowered)
+    stacked = [leaf for leaf in _partitioned(state.plan) if leaf.stacked]
+    assert stacked
+    for leaf in stacked:
+        # Inside the gradient pass (shard_map: local shapes): one layer's partition at a time,
+        # never the device's whole stacked partition [L, *shard_shape].
+        assert placements.count(("device", leaf.shard_shape)) >= 4, leaf.path
+        assert placements.count(("device", (leaf.layers, *leaf.shard_shape))) == 0, leaf.path
+        # The update, on global arrays: the whole partition in, and back to the host.
+        assert ("device", leaf.param_shape) in placements, leaf.path
+        assert ("pinned_host", leaf.param_shape) in placements, leaf.path
+    per_layer = sum(placements.count(("device", leaf.shard_shape)) for leaf in stacked)
+    print(f"\nGPU program: {per_layer} one-layer fetches of {len(stacked)} stacked leaves")
+
+
+def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
+    """The fp16 stage-3 state with its partitions in pinned host memory saved, restored onto the
+    same mesh without offload, saved again and restored with offload: every logical array
+    bit-exact, each time in the memory the target asks for."""
+    step, state, _, _ = _fp16_run("cpu")
+    mesh = zeroxla.make_mesh(2, 4)
+    paths = [leaf.path for leaf in _partitioned(state.plan)]
+    checkpoint.save(tmp_path / "a", state, step=step)
+    restored = checkpoint.restore(tmp_path / "a", (mesh, step.config.replace(offload_param="none")),
+                                  optimizer=optax.adamw(3e-3))
+    assert _kinds([restored.state.params[p] for p in paths]) == {"device"}
+    checkpoint.save(tmp_path / "b", restored.state, step=restored.step)
+    back = checkpoint.restore(tmp_path / "b", (mesh, step.config), optimizer=optax.adamw(3e-3))
+    assert _kinds([back.state.params[p] for p in paths]) == {"pinned_host"}
+    logical = step.logical_layout.to_logical
+    original, plain_view = logical(state), restored.step.logical_layout.to_logical(restored.state)
+    back_view = logical(back.state)
+    for name, value in original.items():
+        np.testing.assert_array_equal(plain_view[name], value, err_msg=name)
+        np.testing.assert_array_equal(back_view[name], value, err_msg=name)
+
+
+def test_pipeline_with_parameter_offload_is_refused_by_name():
+    config = zeroxla.ZeroConfig(stage=3, offload_param="cpu")
+    with pytest.raises(OffloadError, match=r"offload_param='cpu' with pipeline= is not built"):
+        zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(1, 4, stages=2),
+                          config=config, pipeline=zeroxla.PipelineConfig(micro_batches=2))
+
+
+@pytest.mark.parametrize("quantized_frozen", [False, True])
+def test_frozen_partitions_are_offloaded_and_train_as_without(quantized_frozen):
+    """Frozen leaves (everything but the MLP's first matrix) are partitions too: offloaded with
+    the trainable ones (as float32, or as ZeRO++'s stored int8 codes), fetched the same way, and
+    given no gradient; 2 AdamW steps equal the non-offloaded run's bit for bit."""
+    batches = token_batches(2, BATCH, SEQ, vocab=65, seed=4)
+    runs = {}
+    for offload in ("none", "cpu"):
+        config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
+                                    quantized_nontrainable_weights=quantized_frozen,
+                                    offload_param=offload)
+        step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                                 optimizer=optax.adamw(3e-3), config=config,
+                                 trainable=nnx.PathContains("w_fc"))
+        state, losses = step.init(), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs[offload] = (losses, jax.tree.map(np.asarray, state.params))
+        frozen = [state.params[leaf.path] for leaf in _partitioned(state.plan)
+                  if not leaf.trainable]
+        assert frozen and _kinds(frozen) == ({"pinned_host"} if offload == "cpu" else {"device"})
+    assert runs["cpu"][0] == runs["none"][0]
+    for a, b in zip(jax.tree.leaves(runs["cpu"][1]), jax.tree.leaves(runs["none"][1])):
+        np.testing.assert_array_equal(a, b)
