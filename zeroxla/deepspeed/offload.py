@@ -6,7 +6,10 @@
 
 `device` "cpu" is host memory (a JAX host memory kind, `zeroxla.engine.offload`); "none" keeps
 the state on the accelerator; "nvme" is refused by name (zeroxla has no NVMe swapper).
-`pin_memory` picks pinned (`pinned_host`) or pageable (`unpinned_host`) host memory. The pre-0.6
+`pin_memory` picks pinned (`pinned_host`) or pageable (`unpinned_host`) host memory for the
+optimizer state and masters; offloaded parameter partitions are pinned whatever it says (the step
+fetches them from inside its program, which JAX allows from pinned host memory only:
+`ZeroConfig.param_offload_memory_kind`). The pre-0.6
 booleans `cpu_offload`, `cpu_offload_param` and `cpu_offload_use_pin_memory` are DeepSpeed's old
 spellings of the same settings and map the same way. What depends on more than one key (an old
 and a new spelling of one setting; differing pin_memory; the stage) is checked in
@@ -97,8 +100,9 @@ def offload_fields(zero: Mapping[str, Any], fields: dict[str, Any], source: str)
     if len(set(pins.values())) > 1:
         raise DeepSpeedConfigError(
             f"{source}: {' and '.join(f'{k}={str(v).lower()}' for k, v in pins.items())} "
-            "differ; accepted: one pin_memory for everything offloaded (zeroxla keeps all "
-            "offloaded state in one host memory kind)")
+            "differ; accepted: one pin_memory for everything offloaded (zeroxla keeps the "
+            "offloaded optimizer state in one host memory kind, and parameter partitions "
+            "pinned)")
     if pins:
         fields["offload_pin_memory"] = next(iter(pins.values()))
         return

@@ -240,3 +240,26 @@ def test_frozen_partitions_are_offloaded_and_train_as_without(quantized_frozen):
     assert runs["cpu"][0] == runs["none"][0]
     for a, b in zip(jax.tree.leaves(runs["cpu"][1]), jax.tree.leaves(runs["none"][1])):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_zeropp_with_parameter_offload_equals_not_offloaded():
+    """ZeRO++ (hpZ's secondary partition, qwZ's int8 forward gather, qgZ's int4 gradient
+    reduce-scatter) gathers from the fetched partition: 2 AdamW steps bit-identical to the
+    non-offloaded ZeRO++ run (whose own parity is tests/zeroxla/collectives/test_zeropp.py's)."""
+    batches = token_batches(2, BATCH, SEQ, vocab=65, seed=7)
+    runs = []
+    for offload in ("none", "cpu"):
+        config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
+                                    hpz_partition_size=4, quantized_weights=True,
+                                    quantized_gradients=True, offload_param=offload)
+        step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                                 optimizer=optax.adamw(3e-3), config=config)
+        state, losses = step.init(), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, flat_params(zeroxla.gather_params(state))))
+    assert runs[0][0] == runs[1][0]
+    for path, value in runs[0][1].items():
+        np.testing.assert_array_equal(runs[1][1][path], value, err_msg=path)
