@@ -198,16 +198,17 @@ def estimate_memory(model_config: Any, mesh: Mesh, config: ZeroConfig, *,
     offload = config.offload_optimizer != "none"
     params = gradients = optimizer = host_params = 0
     for leaf in plan.leaves:
+        share = leaf.chunk * leaf.layers            # this device's partition (padding included)
         if config.offload_param != "none" and leaf.params_partitioned:
-            host_params += leaf.param_bytes_per_device
+            host_params += leaf.param_bytes_per_device          # all of it
+        elif offload and leaf.trainable and leaf.has_compute_copy:
+            master = jnp.dtype(leaf.master_dtype).itemsize * share   # on the host
+            params += leaf.param_bytes_per_device - master
+            host_params += master
         else:
             params += leaf.param_bytes_per_device
         if not leaf.trainable:
             continue
-        share = leaf.chunk * leaf.layers            # this device's partition (padding included)
-        if offload and leaf.has_compute_copy:       # the master partition lives on the host
-            master = jnp.dtype(leaf.master_dtype).itemsize * share
-            params, host_params = params - master, host_params + master
         optimizer += optimizer_bytes_per_param * (share if leaf.optimizer_partitioned
                                                   else leaf.numel)
         gradients += GRAD_BYTES * (share if leaf.optimizer_partitioned and config.stage >= 2

@@ -8,9 +8,10 @@
   A weight used by more than one call (GPT's tied embedding: `embed` and the head's `attend`)
   is reduce-scattered once instead, after autodiff has summed its uses (`reduced_once`).
 * stage 3: the trainable parameters' shards; partitioned leaves are reduce-scattered per unit
-  in backward (`zeroxla.engine.gather`). Under `offload_param` a partition lives in host memory:
-  the pass differentiates device zeros beside it instead (`engine.offload.partition_sinks`), so
-  its reduced gradient stays on the device.
+  in backward (`zeroxla.engine.gather`). A partition in host memory (`offload_param`), or a
+  16-bit one whose float32 master is there (`offload_optimizer` under bf16/fp16), is read, not
+  differentiated: the pass differentiates float32 device zeros beside it instead
+  (`engine.offload.partition_sinks`), so its reduced gradient stays on the device, unrounded.
 At stages 2-3 the leaves left replicated (persistent ones, scalars) are all-reduced at the end.
 """
 
@@ -31,14 +32,14 @@ from zeroxla.sharding.plan import ShardingPlan
 
 
 def differentiated(comm: ZeroCollectives, plan: ShardingPlan, trainable: dict[str, jax.Array],
-                   *, offload_param: bool = False
+                   *, sinked: frozenset[str] = frozenset()
                    ) -> tuple[dict[str, jax.Array], Callable[[dict[str, Any]], dict[str, Any]]]:
     """`(wrt, as_values)`: what the gradient pass differentiates, and `as_values(wrt)`, the
-    model's values of those leaves (stage 2: `GradientSink(parameter, sink)`; stage 3 with
-    `offload_param`: `OffloadedPartition(partition, sink)`)."""
-    if offload_param:
+    model's values of those leaves (stage 2: `GradientSink(parameter, sink)`; stage 3's
+    partitions in `sinked`, `engine.offload.sinked_paths`: `PartitionSink(partition, sink)`)."""
+    if sinked:
         master = jnp.promote_types(comm.compute_dtype, jnp.float32)   # float64 runs: float64
-        return partition_sinks(plan, trainable, master)
+        return partition_sinks(sinked, plan, trainable, master)
     if not isinstance(comm, Zero2Collectives):
         return trainable, lambda p: p
     sinked = {leaf.path for leaf in plan.trainable_leaves if leaf.optimizer_partitioned}

@@ -1,4 +1,5 @@
-"""ZeRO-Offload of the optimizer (`ZeroConfig.offload_optimizer="cpu"`) on JAX memory kinds.
+"""ZeRO-Offload of the optimizer (`ZeroConfig.offload_optimizer="cpu"`) and ZeRO-Infinity's
+parameter offload (`offload_param="cpu"`) on JAX memory kinds.
 
 DeepSpeed's ZeRO-Offload (Ren et al. 2021, §4) keeps the float32 master weights and the
 optimizer moments in host memory, so between steps a device holds its parameter partition only.
@@ -8,12 +9,15 @@ Here that is a placement, not a second engine: the state's shardings carry a hos
 
     state.opt_state              every leaf                               host
     state.params[p].master       MasterWithCopy's float32 partition      host
-                                 (stages 1-2 under bf16/fp16 compute, and
-                                 stage 3's persistent leaves)
-    state.params[p]              what the gradient pass reads            device
-                                 (under float32 compute, and for stage 3's partitions, this
-                                 parameter is itself the float32 master: a host copy would hold
-                                 the same bits, so none is kept)
+                                 (under bf16/fp16 compute: stages 1-2, and
+                                 every trainable leaf at stage 3)
+    state.params[p].compute      its 16-bit copy, what the pass reads     device
+                                 (replicated at stages 1-2 and for stage 3's persistent
+                                 leaves; stage 3's partitioned leaves keep a 16-bit partition,
+                                 as DeepSpeed's stage 3 does: `sharding.plan._compute_copy_dtype`)
+    state.params[p]              under float32 compute                   device
+                                 (the parameter is itself the float32 master: a host copy
+                                 would hold the same bits, so none is kept)
 
 Where the update runs: on the device, with explicit transfers. `resident` brings the offloaded
 parts in (`jax.device_put` to the device memory kind, inside the step's `jit`) just before
@@ -35,7 +39,7 @@ memory too. Inside the gradient pass a partition is fetched, one unit at a time,
 all-gather (`fetch`: a `jax.device_put` to the device, in the layer loop's iteration, so the
 copy of layer i+1 is issued beside layer i's compute like its gather) and dropped with the
 gathered unit; nothing of it is held on the device between units. The pass differentiates
-device zeros beside each stored partition (`OffloadedPartition.sink`, ZeRO-2's gradient-sink
+device zeros beside each stored partition (`PartitionSink.sink`, ZeRO-2's gradient-sink
 pattern), so the reduce-scattered gradient stays on the device where the update reads it
 instead of being sent to the host and back. The update itself, as with optimizer offload,
 brings the partitions in (`resident`) and sends the new ones back (`offloaded`).
@@ -85,16 +89,15 @@ def _offloaded_params(params: dict[str, Any], config: ZeroConfig,
     """`params`' shardings with what offload keeps in host memory: every separate float32
     master (`MasterWithCopy`) under `offload_optimizer`, every partitioned leaf's partition
     under `offload_param` (always pinned: `ZeroConfig.param_offload_memory_kind`)."""
-    out, kind = dict(params), config.offload_memory_kind
-    if config.offload_optimizer != "none":
-        for leaf in plan.trainable_leaves:
-            if leaf.has_compute_copy:
-                spec = params[leaf.path]
-                out[leaf.path] = MasterWithCopy(master=spec.master.with_memory_kind(kind),
-                                                compute=spec.compute)
+    out = dict(params)
     if config.offload_param != "none":
         for path in _partitions(plan):
             out[path] = _with_kind(params[path], config.param_offload_memory_kind)
+    if config.offload_optimizer != "none":
+        for path in _masters(plan):
+            out[path] = MasterWithCopy(
+                master=params[path].master.with_memory_kind(config.offload_memory_kind),
+                compute=out[path].compute)
     return out
 
 
@@ -110,8 +113,8 @@ def host_shardings(config: ZeroConfig, plan: ShardingPlan, params: dict[str, Any
 def _moved_params(layout: Any, state: Any, params: dict[str, Any]) -> dict[str, Any]:
     """`state.params` with each offloaded one put on its sharding in `params`."""
     config, plan = layout.config, layout.plan
-    paths = (_masters(plan) if config.offload_optimizer != "none" else []) + (
-        _partitions(plan) if config.offload_param != "none" else [])
+    paths = dict.fromkeys((_masters(plan) if config.offload_optimizer != "none" else []) + (
+        _partitions(plan) if config.offload_param != "none" else []))
     return {**state.params, **{p: jax.device_put(state.params[p], params[p]) for p in paths}}
 
 
@@ -161,32 +164,40 @@ def _partitions(plan: ShardingPlan) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Parameter offload inside the gradient pass.
+# Offloaded partitions inside the gradient pass.
 @dataclasses.dataclass(frozen=True)
-class OffloadedPartition:
-    """A trainable partition under `offload_param`, as the gradient pass sees it: `stored`, this
-    device's partition in host memory (`[L?, *shard_shape]`, read by the gather after `fetch`),
-    and `sink`, master-dtype device zeros of the same shape, which the pass differentiates: a
-    unit's reduce-scattered gradient is its cotangent (`cotangent`), so it stays on the device."""
+class PartitionSink:
+    """A trainable partition that the gradient pass reads but does not differentiate: in host
+    memory (`offload_param`), or a 16-bit copy whose float32 master is in host memory (stage 3
+    with `offload_optimizer` under bf16/fp16: `LeafPlan.has_compute_copy`), either way not the
+    float32 device array its gradient must be. `stored` is this device's partition
+    (`[L?, *shard_shape]`, read by the gather after `fetch`) and `sink` master-dtype device zeros
+    of the same shape, which the pass differentiates: a unit's reduce-scattered float32 gradient
+    is its cotangent (`cotangent`), never rounded to 16 bits, and stays on the device."""
 
     stored: Any
     sink: Any
 
 
-jax.tree_util.register_dataclass(OffloadedPartition, ["stored", "sink"], [])
+jax.tree_util.register_dataclass(PartitionSink, ["stored", "sink"], [])
 
 
-def partition_sinks(plan: ShardingPlan, trainable: dict[str, Any], master_dtype: Any
-                    ) -> tuple[dict[str, Any], Any]:
-    """`(wrt, as_values)` of the gradient pass under `offload_param`: the device zeros it
-    differentiates in place of each offloaded trainable partition, and `as_values(wrt)`, the
-    model's values (`OffloadedPartition(stored, sink)` for those, the rest as they are)."""
-    offloaded_paths = {leaf.path for leaf in plan.trainable_leaves if leaf.params_partitioned}
-    wrt = {p: _zeros_like_partition(plan[p], master_dtype) if p in offloaded_paths else v
+def sinked_paths(config: ZeroConfig, plan: ShardingPlan) -> frozenset[str]:
+    """The trainable partitions the gradient pass reaches through a `PartitionSink`: every
+    one under `offload_param`, the 16-bit ones (a float32 master in host memory) otherwise."""
+    return frozenset(leaf.path for leaf in plan.trainable_leaves if leaf.params_partitioned and (
+        config.offload_param != "none" or leaf.has_compute_copy))
+
+
+def partition_sinks(paths: frozenset[str], plan: ShardingPlan, trainable: dict[str, Any],
+                    master_dtype: Any) -> tuple[dict[str, Any], Any]:
+    """`(wrt, as_values)` of the gradient pass: the device zeros it differentiates in place of
+    each partition in `paths`, and `as_values(wrt)`, the model's values (`PartitionSink(stored,
+    sink)` for those, the rest as they are)."""
+    wrt = {p: _zeros_like_partition(plan[p], master_dtype) if p in paths else v
            for p, v in trainable.items()}
-    return wrt, lambda values: {
-        p: OffloadedPartition(trainable[p], v) if p in offloaded_paths else v
-        for p, v in values.items()}
+    return wrt, lambda values: {p: PartitionSink(trainable[p], v) if p in paths else v
+                                for p, v in values.items()}
 
 
 def _zeros_like_partition(leaf: LeafPlan, dtype: Any) -> jax.Array:
@@ -194,10 +205,10 @@ def _zeros_like_partition(leaf: LeafPlan, dtype: Any) -> jax.Array:
 
 
 def fetch(shard: Any) -> Any:
-    """The partition a gather reads, in device memory: an `OffloadedPartition`'s stored value,
+    """The partition a gather reads, in device memory: an `PartitionSink`'s stored value,
     or a frozen partition held in host memory, copied to the device (ZeRO-Infinity's fetch);
     anything else as it is."""
-    if isinstance(shard, OffloadedPartition):
+    if isinstance(shard, PartitionSink):
         shard = shard.stored
     return jax.tree.map(_to_device, shard)
 
@@ -210,9 +221,9 @@ def _to_device(x: Any) -> Any:
 
 def cotangent(shard: Any, grad: Any) -> Any:
     """`grad`, a unit's reduced gradient partition, as the cotangent of `shard` (the sink of an
-    `OffloadedPartition`); `grad` itself for any other shard."""
-    if isinstance(shard, OffloadedPartition):
-        return OffloadedPartition(stored=None, sink=grad)
+    `PartitionSink`); `grad` itself for any other shard."""
+    if isinstance(shard, PartitionSink):
+        return PartitionSink(stored=None, sink=grad)
     return grad
 
 

@@ -321,7 +321,7 @@ class ZeroStep:
         trainable = {leaf.path: params[leaf.path] for leaf in self.plan.trainable_leaves}
         frozen = {p: v for p, v in params.items() if p not in trainable}
         wrt, as_values = differentiated(self.comm, self.plan, trainable,
-                                        offload_param=self.config.offload_param != "none")
+                                        sinked=offload.sinked_paths(self.config, self.plan))
         sizes: list[float] = []          # the static c0 chosen while tracing `objective`
 
         base = (None if key_data is None else

@@ -58,8 +58,8 @@ def logical_to_storage(leaf: LeafPlan, x: jax.Array) -> Any:
     """Inverse of `storage_to_logical` (up to quantization for quantized storage)."""
     x = jnp.asarray(x, leaf.master_dtype)
     if leaf.has_compute_copy:
-        return MasterWithCopy(master=leaf.pad(x),
-                              compute=leaf.stage_pad(x).astype(leaf.compute_copy_dtype))
+        copy = leaf.pad(x) if leaf.params_partitioned else leaf.stage_pad(x)
+        return MasterWithCopy(master=leaf.pad(x), compute=copy.astype(leaf.compute_copy_dtype))
     if not leaf.params_partitioned:
         return leaf.stage_pad(x)
     padded = leaf.pad(x)

@@ -40,7 +40,7 @@ def gradient_padded(leaf: LeafPlan, stage: int) -> bool:
 def gradient_spec(leaf: LeafPlan, stage: int) -> P:
     """Layout of a trainable leaf's reduced gradient leaving the gradient pass."""
     if gradient_padded(leaf, stage):
-        return leaf.optimizer_spec if not leaf.params_partitioned else leaf.param_spec
+        return leaf.optimizer_spec       # stage 3's partitioned leaves: their param layout
     return leaf.gradient_spec            # replicated (split over the stages if stage_split)
 
 
@@ -70,9 +70,11 @@ def stored_update(leaf: LeafPlan, new: jax.Array, mesh: Mesh, axes: MeshAxes) ->
         return leaf.stage_pad(new)
     new = constrain(leaf.pad(new), mesh, leaf.optimizer_spec)
     if leaf.has_compute_copy:
-        # The float32 partition is kept exactly; its 16-bit rounding is gathered.
-        return MasterWithCopy(master=new, compute=all_gather_update(
-            new.astype(leaf.compute_copy_dtype), leaf, mesh, axes))
+        # The float32 partition is kept exactly; its 16-bit rounding is gathered (stage 3's
+        # partitioned copy is this device's rounding alone: nothing to gather).
+        copy = new.astype(leaf.compute_copy_dtype)
+        return MasterWithCopy(master=new, compute=copy if leaf.params_partitioned
+                              else all_gather_update(copy, leaf, mesh, axes))
     if not leaf.params_partitioned:
         return all_gather_update(new, leaf, mesh, axes)
     return new

@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
-from zeroxla.engine.offload import OffloadedPartition
+from zeroxla.engine.offload import PartitionSink
 from zeroxla.engine.gather import GatheredStack, check_live, gathered_call, gathered_value
 from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
 from zeroxla.sharding.model_def import direct_variables, has_descendant_params, variable_paths
@@ -160,7 +160,7 @@ class _GatheredModule:
 def _is_codes(x: Any) -> bool:
     """One parameter's storage that is a pytree: frozen codes, stage 2's gradient sink, or an
     offloaded partition with its sink (`engine.offload`)."""
-    return isinstance(x, (StoredCodes, GradientSink, OffloadedPartition))
+    return isinstance(x, (StoredCodes, GradientSink, PartitionSink))
 
 
 def _variables_in(tree: Any) -> list[nnx.Variable]:

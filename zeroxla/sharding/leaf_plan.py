@@ -82,8 +82,9 @@ class LeafPlan:
     # The stored (master) weights' dtype: float32, or float64 in a float64 verification run.
     master_dtype: str = "float32"
     # Stage 1-2 under bf16/fp16 compute, optimizer state partitioned: the dtype of the
-    # replicated compute copy stored beside the partitioned master (`MasterWithCopy`); "": the
-    # leaf is stored as one array.
+    # replicated compute copy stored beside the partitioned master (`MasterWithCopy`); at stage
+    # 3 with the optimizer offloaded, a partitioned leaf's 16-bit partition beside its float32
+    # master (in host memory); "": the leaf is stored as one array.
     compute_copy_dtype: str = ""
     # Pipeline storage (`zeroxla.pipeline.storage`): a stacked leaf's layers split over the
     # mesh's `stage_axis`. Its stored layer dim has `stage_count * local_layers` slots, stage s
@@ -182,7 +183,9 @@ class LeafPlan:
 
     @property
     def has_compute_copy(self) -> bool:
-        """Stored as a `MasterWithCopy`: a partitioned master and a replicated 16-bit copy."""
+        """Stored as a `MasterWithCopy`: a partitioned master and a 16-bit copy, replicated
+        (stages 1-2, persistent leaves) or partitioned like the master (`params_partitioned`:
+        stage 3 with the optimizer offloaded)."""
         return bool(self.compute_copy_dtype)
 
     @property
@@ -196,7 +199,9 @@ class LeafPlan:
     def compute_input_spec(self) -> Any:
         """Sharding of what the gradient pass reads (`compute_input`): the compute copy's
         (replicated over the data axes) where the leaf has one, else `param_spec`."""
-        return self._stage_spec() if self.has_compute_copy else self.param_spec
+        if self.has_compute_copy:
+            return self._data_spec() if self.params_partitioned else self._stage_spec()
+        return self.param_spec
 
     def compute_input(self, stored: Any) -> Any:
         """`state.params[path]` -> what the gradient pass reads: the compute copy where the leaf
@@ -217,7 +222,7 @@ class LeafPlan:
             return StoredCodes(data=P(*lead, self.data_axes, None),
                                scales=P(*lead, self.data_axes))
         if self.has_compute_copy:
-            return MasterWithCopy(master=self._data_spec(), compute=self._stage_spec())
+            return MasterWithCopy(master=self._data_spec(), compute=self.compute_input_spec)
         return self._data_spec() if self.params_partitioned else self._stage_spec()
 
     @property
@@ -241,7 +246,9 @@ class LeafPlan:
         if self.has_compute_copy:
             return MasterWithCopy(
                 master=jax.ShapeDtypeStruct(self.param_shape, self.master_dtype),
-                compute=jax.ShapeDtypeStruct(self.slotted_shape, self.compute_copy_dtype))
+                compute=jax.ShapeDtypeStruct(
+                    self.param_shape if self.params_partitioned else self.slotted_shape,
+                    self.compute_copy_dtype))
         if not self.params_quantized:
             return jax.ShapeDtypeStruct(self.param_shape, self.master_dtype)
         lead = (self.layers,) if self.stacked else ()
@@ -258,7 +265,8 @@ class LeafPlan:
             return self.layers * self.storage_groups * (code_bytes + 4)
         itemsize = jnp.dtype(self.master_dtype).itemsize
         unit = self.chunk if self.master_partitioned else self.unit_numel
-        copy = (jnp.dtype(self.compute_copy_dtype).itemsize * self.local_layers * self.unit_numel
+        copy = (jnp.dtype(self.compute_copy_dtype).itemsize * self.local_layers
+                * (self.chunk if self.params_partitioned else self.unit_numel)
                 if self.has_compute_copy else 0)
         return itemsize * self.local_layers * unit + copy
 
@@ -351,7 +359,9 @@ class LeafPlan:
             codes = (f" as int{self.storage_bits} codes (groups of {self.storage_group_size})"
                      if self.params_quantized else "")
             split = ", layers split over stages" if self.stage_split else ""
-            return f"partitioned dim {self.shard_dim}" + codes + split + frozen
+            copy = (f" as a {self.compute_copy_dtype} copy (float32 master partition apart)"
+                    if self.has_compute_copy else "")
+            return f"partitioned dim {self.shard_dim}" + codes + copy + split + frozen
         if self.has_compute_copy:
             under = ", under persistence threshold" if self.persistent else ""
             return (f"replicated {self.compute_copy_dtype} copy{under} (float32 master, optimizer "

@@ -124,7 +124,8 @@ class ShardingPlan:
                 leaf.path, "x".join(map(str, leaf.shape)) or "scalar",
                 ",".join(a or "-" for a in leaf.logical_axes) or "-",
                 leaf.storage_kind(),
-                _spec_text(leaf.param_spec if leaf.params_partitioned else leaf.optimizer_spec),
+                _spec_text(leaf.compute_input_spec if leaf.params_partitioned
+                           else leaf.optimizer_spec),
                 "x".join(map(str, shard)) or "scalar",
                 str(leaf.padding if padded else 0), leaf.compute_kind(),
                 _spec_text(leaf.compute_spec)))
@@ -178,7 +179,7 @@ def frozen_code_groups(shape: Sequence[int], data_dims: Sequence[int], *, bits: 
 
 
 def _compute_copy_dtype(stage: int, compute_dtype: str, partitioned: bool,
-                        optimizer_partitioned: bool) -> str:
+                        optimizer_partitioned: bool, master_offloaded: bool) -> str:
     """The compute copy a leaf is stored with (`MasterWithCopy`): under 16-bit compute, for a
     leaf whose optimizer state (and so its float32 update) is partitioned while its parameter is
     used whole (stages 1-2; stage 3's persistent leaves, DeepSpeed's `ds_persist` parameters,
@@ -186,9 +187,17 @@ def _compute_copy_dtype(stage: int, compute_dtype: str, partitioned: bool,
     partition), DeepSpeed's layout: the updated partition is all-gathered in 16 bits into a
     16-bit replicated copy, instead of in float32 into a float32 replicated master. What the
     forward reads is the copy (`LeafPlan.compute_input`), on every path: training, evaluation,
-    the stage-3 inference baseline."""
+    the stage-3 inference baseline.
+
+    At stage 3 with the optimizer offloaded (`master_offloaded`), a partitioned leaf is stored
+    as DeepSpeed's ZeRO-Offload stores it: a 16-bit partition on the device, gathered for each
+    use, beside the float32 master partition in host memory (`zeroxla.engine.offload`); the
+    update casts the new master to 16 bits, with no gather. Without offload the float32
+    partition is the only copy (no 16-bit one is worth its bytes beside it)."""
     sixteen = jnp.dtype(compute_dtype).itemsize == 2
     if stage in (1, 2, 3) and sixteen and optimizer_partitioned and not partitioned:
+        return jnp.dtype(compute_dtype).name
+    if stage == 3 and sixteen and optimizer_partitioned and partitioned and master_offloaded:
         return jnp.dtype(compute_dtype).name
     return ""
 
@@ -199,7 +208,8 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
               frozen_storage_bits: int = 0, frozen_group_size: int = 2048,
               storage_rules: AxisRules = ZERO_STORAGE_RULES,
               compute_rules: AxisRules = TRAINING_COMPUTE_RULES,
-              master_dtype: str = "float32", compute_dtype: str = "float32") -> ShardingPlan:
+              master_dtype: str = "float32", compute_dtype: str = "float32",
+              master_offloaded: bool = False) -> ShardingPlan:
     """Decides the layout of every leaf.
 
     A leaf is `stacked` when its first logical axis is 'layers'. At stage 3 it is `persistent`
@@ -208,6 +218,8 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
     than `persistence_threshold`. Leaves in `frozen` are not trained; with `frozen_storage_bits`
     (4 or 8; ZeRO++'s quantized_nontrainable_weights) the partitioned ones among them are stored
     as codes in groups of up to `frozen_group_size` elements (`frozen_code_groups`).
+    `master_offloaded`: the float32 masters live in host memory (`offload_optimizer`), which
+    gives stage 3's partitioned leaves a 16-bit device partition (`_compute_copy_dtype`).
     """
     unknown = set(frozen) - set(shapes)
     if unknown:
@@ -257,7 +269,8 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
             padded_size=padded if shape else 1, compute_spec=compute, trainable=trainable,
             master_dtype=master_dtype,
             compute_copy_dtype=_compute_copy_dtype(stage, compute_dtype, partitioned,
-                                                   optimizer_partitioned))
+                                                   optimizer_partitioned,
+                                                   master_offloaded))
         if quantized:
             leaf = dataclasses.replace(
                 leaf, storage_bits=frozen_storage_bits,
@@ -277,7 +290,8 @@ def plan_for(model_def: Any, config: Any, axes: MeshAxes, *,
         frozen_storage_bits=(config.weight_quantization_bits
                              if config.quantized_nontrainable_weights else 0),
         frozen_group_size=config.weight_quantization_group_size,
-        master_dtype=jnp.dtype(config.master_dtype).name, compute_dtype=config.compute_dtype)
+        master_dtype=jnp.dtype(config.master_dtype).name, compute_dtype=config.compute_dtype,
+        master_offloaded=config.offload_optimizer != "none")
     alone = set(model_def.gathered_alone)
     leaves = tuple(dataclasses.replace(leaf, gathered_alone=leaf.path in alone)
                    for leaf in plan.leaves)

@@ -84,28 +84,30 @@ def test_zero2_offload_host_bytes_are_deepspeeds_model_states_less_its_gradient_
     assert GPUS * _estimate(2).host_state == pytest.approx(without_gradients, rel=0.10)
 
 
-@pytest.mark.xfail(strict=True, reason="stage 3 keeps its float32 partition on the device as "
-                   "the master (4 bytes/param / N); DeepSpeed keeps a 16-bit partition there and "
-                   "the float32 master on the host: a 16-bit stage-3 stored form is not built")
 def test_zero3_offload_device_bytes_match_deepspeed():
+    """ZeRO-3 + offload_optimizer under bf16: each device keeps its bf16 parameter partition
+    (2 bytes/param / N), the host the float32 master partition and Adam's moments, as DeepSpeed
+    lays it out. DeepSpeed's figure adds its largest layer in float32 as a working buffer
+    (1.05 GB). Measured: 17.25 GB here, 18.29 GB DeepSpeed's."""
     _, gpu_mem, _ = deepspeed_zero3_mem_needs(TOTAL_PARAMS, LARGEST_LAYER_PARAMS, GPUS, 1,
                                               cpu_offload=True, cpu_offload_params=False)
-    assert _estimate(3).training_state == pytest.approx(gpu_mem, rel=0.10)   # 34.5 vs 18.3 GB
+    estimate = _estimate(3)
+    assert estimate.optimizer == 0
+    assert estimate.training_state == pytest.approx(gpu_mem, rel=0.10)
 
 
-def test_zero3_parameter_offload_host_bytes_are_deepspeeds_less_its_gradient_and_16bit_copies():
-    """ZeRO-Infinity (offload_param and offload_optimizer to the CPU, stage 3): DeepSpeed's host
-    holds 18 bytes a parameter (its 16-bit parameter partition 2, float32 master 4, Adam 8,
-    float32 gradients 4; 1.5 is a buffer factor). Here the float32 partition is the master and
-    the only parameter copy, and gradients stay on the device, so the host holds 12 a
-    parameter, summed over the node; the device keeps only the persistent leaves between steps
-    (measured: 827.7 GB on the host, 3 MB per device)."""
+def test_zero3_parameter_offload_host_bytes_are_deepspeeds_less_its_gradient_copy():
+    """ZeRO-Infinity (offload_param and offload_optimizer to the CPU, stage 3, bf16): DeepSpeed's
+    host holds 18 bytes a parameter (its 16-bit parameter partition 2, float32 master 4, Adam 8,
+    float32 gradients 4; 1.5 is a buffer factor). Here the same but the gradients, which stay on
+    the device: 14 a parameter, summed over the node; the device keeps only the persistent
+    leaves between steps (measured: 965.7 GB on the host, 3 MB per device)."""
     cpu_mem, _, _ = deepspeed_zero3_mem_needs(TOTAL_PARAMS, LARGEST_LAYER_PARAMS, GPUS, 1,
                                               cpu_offload=True, cpu_offload_params=True)
     estimate = zeroxla.estimate_memory(
         LLAMA2_70B, zeroxla.make_mesh(1, GPUS),
         zeroxla.ZeroConfig(stage=3, compute_dtype="bfloat16", offload_optimizer="cpu",
                            offload_param="cpu"))
-    assert GPUS * estimate.host_state == pytest.approx(cpu_mem / 1.5 - 6 * TOTAL_PARAMS,
+    assert GPUS * estimate.host_state == pytest.approx(cpu_mem / 1.5 - 4 * TOTAL_PARAMS,
                                                        rel=0.10)
     assert estimate.training_state < 1e-3 * 2 * TOTAL_PARAMS / GPUS    # persistent leaves only
