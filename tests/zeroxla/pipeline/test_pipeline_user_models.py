@@ -12,7 +12,7 @@ compared with plain single-device optax from the same initial parameters on the 
 Cases (stages x data, micro-batches, schedule, ZeRO stage): every model runs at 2 and 4 stages,
 ZeRO 0 and 3, 1F1B and GPipe or ZB-H1 between its cases; plus a custom masked and weighted
 `loss_fn` (under ZB-H1 with ZeRO-3, and GPipe), a loss_fn returning a mean, nanoGPT unpipelined
-with the optimizer offloaded (ZeRO-3), and the refusals, which happen in `make_step`
+with the optimizer or the parameters offloaded (ZeRO-3), and the refusals, which happen in `make_step`
 before any compute.
 """
 
@@ -164,6 +164,9 @@ def _run(name, stages, pipeline, zero_stage, loss_fn=None, **config):
     if config.get("offload_optimizer") == "cpu":       # the momentum lives in host memory
         assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {
             "unpinned_host"}
+    if config.get("offload_param") == "cpu":           # so do the partitions (threshold 0)
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {
+            "pinned_host"}
     batches = _batches(weighted=loss_fn is _masked_weighted)
     eval_first = float(step.eval_loss(state, batches[0]))
     losses = []
@@ -216,10 +219,13 @@ def test_user_model_unpipelined_matches_single_device(name):
 
 
 @pytest.mark.slow
-def test_user_model_with_optimizer_offload_matches_single_device():
-    # nanoGPT, ZeRO-3 over 8 data devices with ZeRO-Offload: the optimizer state in host
-    # memory, the update on the device between explicit transfers (`zeroxla.engine.offload`).
-    _check("nanogpt", 1, None, 3, offload_optimizer="cpu")
+@pytest.mark.parametrize("offload", ["offload_optimizer", "offload_param"])
+def test_user_model_with_offload_matches_single_device(offload):
+    # nanoGPT, ZeRO-3 over 8 data devices with ZeRO-Offload (the optimizer state in host
+    # memory, the update on the device between explicit transfers) or ZeRO-Infinity's parameter
+    # offload (each nnx.Linear's partition fetched from pinned host memory before its gather;
+    # `zeroxla.engine.offload`).
+    _check("nanogpt", 1, None, 3, **{offload: "cpu"})
 
 
 @pytest.mark.slow
