@@ -44,7 +44,8 @@ pattern), so the reduce-scattered gradient stays on the device where the update 
 instead of being sent to the host and back. The update itself, as with optimizer offload,
 brings the partitions in (`resident`) and sends the new ones back (`offloaded`).
 
-Offload under the pipeline is refused by name (`check_offload`).
+Under the pipeline, optimizer offload runs as in the plain step (the update is shared); what
+would change the executor's gradient pass is refused by name (`check_offload`).
 """
 
 from __future__ import annotations
@@ -69,14 +70,27 @@ class OffloadError(ValueError):
     """An offload setting this step cannot run (named, with the reason)."""
 
 
-def check_offload(config: ZeroConfig, *, pipelined: bool) -> None:
-    """Refuses, by field, what is accepted as DeepSpeed spells it but not built here."""
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(config, name) != "none" and pipelined:
-            raise OffloadError(
-                f"ZeroConfig.{name}={getattr(config, name)!r} with pipeline= is not built (the "
-                f"pipelined state's offload is untested); use {name}='none' with a pipeline, "
-                "or no pipeline")
+def check_offload(config: ZeroConfig, plan: ShardingPlan, *, pipelined: bool) -> None:
+    """Refuses, by field, what is accepted as DeepSpeed spells it but not built here: under the
+    pipeline, what changes its gradient pass (parameter partitions in host memory, or stage 3's
+    16-bit partitions beside offloaded masters: the executor differentiates its stage's values
+    itself, without `PartitionSink`s). Optimizer offload changes only the update, which the
+    pipelined step shares, so it is accepted otherwise."""
+    if not pipelined:
+        return
+    if config.offload_param != "none":
+        raise OffloadError(
+            f"ZeroConfig.offload_param={config.offload_param!r} with pipeline= is not built (the "
+            "pipeline executor reads its stage's partitions from device memory); use "
+            "offload_param='none' with a pipeline, or no pipeline")
+    copies = [leaf.path for leaf in plan.leaves if leaf.params_partitioned
+              and leaf.has_compute_copy]
+    if copies:
+        raise OffloadError(
+            f"ZeroConfig.offload_optimizer={config.offload_optimizer!r} at stage 3 under "
+            f"{config.compute_dtype} with pipeline= is not built: its partitions ({copies[0]}, "
+            "...) would be 16-bit copies beside host masters, which the pipeline executor does "
+            "not differentiate; use compute_dtype='float32', ZeRO stage 1-2, or no pipeline")
 
 
 def _with_kind(tree: Any, kind: str) -> Any:

@@ -84,7 +84,7 @@ class ZeroStep:
     against its micro-batches; the update is the same either way."""
 
     def __init__(self, source: ModelSource, layout: ZeroLayout, *, gradient_pass: Any = None):
-        offload.check_offload(layout.config, pipelined=gradient_pass is not None)
+        offload.check_offload(layout.config, layout.plan, pipelined=gradient_pass is not None)
         self.layout = layout
         self.source = source
         # The layout's parts, under the names the step has always had.

@@ -306,11 +306,22 @@ def test_deepspeed_offload_keys_map_onto_the_config():
                                     "offload_param": {"device": "cpu", "pin_memory": True}}})
 
 
-def test_pipeline_with_offload_is_refused_by_name():
-    config = zeroxla.ZeroConfig(stage=1, offload_optimizer="cpu")
-    with pytest.raises(OffloadError, match=r"offload_optimizer='cpu' with pipeline= is not built"):
-        zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(1, 4, stages=2),
-                          config=config, pipeline=zeroxla.PipelineConfig(micro_batches=2))
+def test_pipeline_refuses_what_would_change_its_gradient_pass_by_name():
+    mesh = zeroxla.make_mesh(1, 4, stages=2)
+    pipeline = zeroxla.PipelineConfig(micro_batches=2)
+    config = zeroxla.ZeroConfig(stage=3, compute_dtype="bfloat16", offload_optimizer="cpu",
+                                persistence_threshold=THRESHOLD)
+    with pytest.raises(OffloadError, match=r"offload_optimizer='cpu' at stage 3 under bfloat16 "
+                                           r"with pipeline= is not built: .*16-bit copies"):
+        zeroxla.make_step(models.build("gpt-tiny"), mesh, config=config, pipeline=pipeline)
+    config = zeroxla.ZeroConfig(stage=3, offload_param="cpu")
+    with pytest.raises(OffloadError, match=r"offload_param='cpu' with pipeline= is not built"):
+        zeroxla.make_step(models.build("gpt-tiny"), mesh, config=config, pipeline=pipeline)
+    # Optimizer offload under float32, or at stages 1-2, changes only the shared update.
+    for config in (zeroxla.ZeroConfig(stage=3, offload_optimizer="cpu"),
+                   zeroxla.ZeroConfig(stage=1, compute_dtype="bfloat16",
+                                      offload_optimizer="cpu")):
+        zeroxla.make_step(models.build("gpt-tiny"), mesh, config=config, pipeline=pipeline)
 
 
 @pytest.mark.slow

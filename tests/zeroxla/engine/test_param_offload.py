@@ -208,13 +208,6 @@ def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
         np.testing.assert_array_equal(back_view[name], value, err_msg=name)
 
 
-def test_pipeline_with_parameter_offload_is_refused_by_name():
-    config = zeroxla.ZeroConfig(stage=3, offload_param="cpu")
-    with pytest.raises(OffloadError, match=r"offload_param='cpu' with pipeline= is not built"):
-        zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(1, 4, stages=2),
-                          config=config, pipeline=zeroxla.PipelineConfig(micro_batches=2))
-
-
 @pytest.mark.parametrize("quantized_frozen", [False, True])
 def test_frozen_partitions_are_offloaded_and_train_as_without(quantized_frozen):
     """Frozen leaves (everything but the MLP's first matrix) are partitions too: offloaded with

@@ -229,6 +229,13 @@ def test_user_model_with_offload_matches_single_device(offload):
 
 
 @pytest.mark.slow
+def test_user_model_pipelined_with_optimizer_offload_matches_single_device():
+    # The pipelined step shares the plain step's update, so ZeRO-Offload runs there unchanged:
+    # nanoGPT, 2 stages x 4 data devices, 1F1B over 4 micro-batches, ZeRO-3, float32.
+    _check("nanogpt", 2, zeroxla.PipelineConfig(4), 3, offload_optimizer="cpu")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage,schedule", [(3, ZB_H1), (0, GPIPE)])
 def test_custom_masked_weighted_loss_pipelined(zero_stage, schedule):
     def reference(model, batch):
