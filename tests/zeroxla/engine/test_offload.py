@@ -5,7 +5,10 @@ One compiled step per stage (gpt-tiny, 3 steps, gradient accumulation 2, SGD wit
 against one shared single-device run; one fp16 pair (offloaded, not offloaded: stage 1, where
 the float32 master is a separate partition) with an overflowing step; the placement measured
 from the compiled programs of those same steps; a checkpoint round trip through a
-non-offloaded mesh; ZeRO++ (slow); the refusals and the DeepSpeed keys (no devices).
+non-offloaded mesh; stage 3 under bf16/fp16, where offload keeps a 16-bit partition on the
+device; ZeRO++ (slow, with either offload); the refusals (the pipeline's) and the DeepSpeed keys
+(no devices). The shared runs and checks are tests/support/offload_cases.py's; parameter offload
+is tests/zeroxla/engine/test_param_offload.py's.
 """
 
 import functools
@@ -16,115 +19,46 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import zeroxla
-from reference import flat_params, token_batches, train_single_device
+from offload_cases import (BATCH, SEQ, THRESHOLD, assert_same_through_the_overflow,
+                           assert_trains_like_single_device, fp16_batches, fp16_run, memory_kinds,
+                           poisoned_loss, reference, sgd_run)
+from reference import flat_params, token_batches
 from zeroxla import checkpoint, models
 from zeroxla.analysis.memory import argument_bytes_by_memory_kind
 from zeroxla.engine.offload import OffloadError
-from zeroxla.engine.step import next_token_loss
-
-STEPS, BATCH, SEQ = 3, 16, 16
-THRESHOLD = 500            # biases and norms replicated, matrices partitioned and padded
 
 
-def _sgd():
-    return optax.sgd(0.5, momentum=0.9)
-
-
-@functools.cache
-def _reference():
-    batches = token_batches(STEPS, BATCH, SEQ, vocab=65, seed=3)
-    losses, params = train_single_device(models.build("gpt-tiny", seed=1), _sgd(), batches,
-                                         clip=1.0)
-    return batches, losses, params
-
-
-@functools.cache
 def _offloaded_run(stage):
-    """The offloaded step (stage `stage`, accumulation 2, clipping): its losses, final state."""
-    batches, _, _ = _reference()
-    config = zeroxla.ZeroConfig(stage=stage, persistence_threshold=THRESHOLD,
-                                gradient_accumulation_steps=2, gradient_clipping=1.0,
-                                offload_optimizer="cpu")
-    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
-                             optimizer=_sgd(), config=config)
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return step, state, losses
-
-
-def _kinds(tree):
-    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    """The offloaded step (stage `stage`, accumulation 2, clipping): step, final state, losses."""
+    return sgd_run(stage, offload_optimizer="cpu")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_step_matches_single_device(stage):
-    _, expected_losses, expected = _reference()
-    step, state, losses = _offloaded_run(stage)
-    assert _kinds(state.opt_state) == {"unpinned_host"}          # DeepSpeed's pin_memory=False
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    got = flat_params(zeroxla.gather_params(state))
-    initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))
-    for path in expected:
-        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
-    assert sum(np.abs(expected[p] - initial[p]).max() > 1e-3 for p in expected) > len(expected) // 2
+    _, state, losses = _offloaded_run(stage)
+    assert memory_kinds(state.opt_state) == {"unpinned_host"}          # DeepSpeed's pin_memory=False
+    assert_trains_like_single_device(state, losses)
 
 
-def _poisoned_loss(model, batch):
-    loss = next_token_loss(model, {"inputs": batch["inputs"], "targets": batch["targets"]})
-    return loss * jnp.mean(batch["poison"])
-
-
-def _fp16_batches():
-    batches = []
-    for i, batch in enumerate(token_batches(3, BATCH, SEQ, vocab=65, seed=5)):
-        poison = np.ones(BATCH, np.float32)
-        poison[5] = np.inf if i == 1 else 1.0        # step 2 overflows (on one device only)
-        batches.append({**batch, "poison": poison})
-    return batches
-
-
-@functools.cache
 def _fp16_run(offload):
-    """Stage 1 under fp16 (a float32 master partition beside the 16-bit replicated copy), AdamW,
-    pinned host memory: the step, its final state, each step's (params, opt_state) as numpy
-    arrays and each step's metrics."""
-    config = zeroxla.ZeroConfig(stage=1, compute_dtype="float16", persistence_threshold=THRESHOLD,
-                                initial_scale_power=10, offload_optimizer=offload,
-                                offload_pin_memory=offload == "cpu")
-    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
-                             optimizer=optax.adamw(3e-3), config=config, loss_fn=_poisoned_loss)
-    state, snapshots, metrics = step.init(), [], []
-    for batch in _fp16_batches():
-        state, m = step(state, batch)
-        snapshots.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
-        metrics.append(jax.tree.map(float, m))
-    return step, state, snapshots, metrics
+    """Stage 1 under fp16: a float32 master partition beside the 16-bit replicated copy."""
+    return fp16_run(1, offload_optimizer=offload)
 
 
 def test_fp16_offloaded_equals_not_offloaded_and_skips_overflow():
-    _, state, snapshots, off_metrics = _fp16_run("cpu")
-    _, _, dev_snapshots, dev_metrics = _fp16_run("none")
-    assert [m["overflow"] for m in off_metrics] == [0.0, 1.0, 0.0]
-    np.testing.assert_equal(off_metrics, dev_metrics)   # losses, norms, scales exactly (nan==nan)
-    for a, b in zip(jax.tree.leaves(snapshots[-1]), jax.tree.leaves(dev_snapshots[-1])):
-        np.testing.assert_array_equal(a, b)
-    # The overflowing step kept the (offloaded) master and optimizer state bit-identical.
-    for a, b in zip(jax.tree.leaves(snapshots[0]), jax.tree.leaves(snapshots[1])):
-        np.testing.assert_array_equal(a, b)
+    assert_same_through_the_overflow(_fp16_run("cpu"), _fp16_run("none"))
+    state = _fp16_run("cpu")[1]
     masters = [state.params[leaf.path].master for leaf in state.plan.trainable_leaves
                if leaf.has_compute_copy]
-    assert masters and _kinds(masters) == {"pinned_host"}
-    assert _kinds(state.opt_state) == {"pinned_host"}
+    assert masters and memory_kinds(masters) == {"pinned_host"}
+    assert memory_kinds(state.opt_state) == {"pinned_host"}
 
 
 def _split(step, state):
     """Per-device argument bytes of the compiled step by memory kind, and the state's bytes."""
-    compiled = step.compile(state, _fp16_batches()[0])
+    compiled = step.compile(state, fp16_batches()[0])
     return compiled, argument_bytes_by_memory_kind(compiled)
 
 
@@ -134,7 +68,7 @@ def test_compiled_step_keeps_only_the_parameters_on_the_device():
     arguments minus those bytes (the 16-bit copies, the loss scale, the batch)."""
     step, state, _, _ = _fp16_run("cpu")
     compiled, split = _split(step, state)
-    report = zeroxla.memory_report(step, state, _fp16_batches()[0])
+    report = zeroxla.memory_report(step, state, fp16_batches()[0])
     dev_step, dev_state, _, _ = _fp16_run("none")
     _, dev_split = _split(dev_step, dev_state)
 
@@ -159,12 +93,12 @@ def test_compiled_step_keeps_only_the_parameters_on_the_device():
 
 def test_stage3_device_state_is_the_parameter_partition():
     step, state, _ = _offloaded_run(3)
-    compiled = step.compile(state, _reference()[0][0])
+    compiled = step.compile(state, reference()[0][0])
     split = argument_bytes_by_memory_kind(compiled)
-    report = zeroxla.memory_report(step, state, _reference()[0][0])
+    report = zeroxla.memory_report(step, state, reference()[0][0])
     assert report.optimizer == 0 and report.host_params == 0      # float32: no separate master
     assert split["unpinned_host"] == report.host_optimizer
-    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(_reference()[0][0])) // 8
+    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(reference()[0][0])) // 8
     assert split["device"] == report.params + batch_bytes + 4     # + the step counter
     assert "update runs on device" in step.describe()
 
@@ -176,10 +110,10 @@ def _stage3_16bit_run(dtype, offload):
     config = zeroxla.ZeroConfig(stage=3, compute_dtype=dtype, persistence_threshold=THRESHOLD,
                                 initial_scale_power=10, offload_optimizer=offload)
     step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
-                             optimizer=optax.adamw(3e-3), config=config, loss_fn=_poisoned_loss)
+                             optimizer=optax.adamw(3e-3), config=config, loss_fn=poisoned_loss)
     state, metrics = step.init(), []
-    batches = _fp16_batches() if dtype == "float16" else [
-        {**b, "poison": np.ones(BATCH, np.float32)} for b in _fp16_batches()]
+    batches = fp16_batches() if dtype == "float16" else [
+        {**b, "poison": np.ones(BATCH, np.float32)} for b in fp16_batches()]
     for batch in batches:
         state, m = step(state, batch)
         metrics.append((float(m["loss"]), float(m.get("overflow", 0.0))))
@@ -216,11 +150,11 @@ def test_stage3_offload_keeps_a_16bit_partition_on_the_device(dtype, tmp_path):
         assert stored.master.sharding.memory_kind == "unpinned_host", leaf.path
         assert stored.compute.addressable_shards[0].data.shape == stored.master.addressable_shards[
             0].data.shape, leaf.path                 # partitioned alike, 16 bits against 32
-    report = zeroxla.memory_report(step, state, _fp16_batches()[0])
+    report = zeroxla.memory_report(step, state, fp16_batches()[0])
     estimate = zeroxla.estimate_memory(models.GPTConfig.tiny(), step.mesh, step.config)
     assert (report.params, report.host_params, report.optimizer) == (
         estimate.params, estimate.host_params, 0)
-    dev_report = zeroxla.memory_report(*_stage3_16bit_run(dtype, "none")[:2], _fp16_batches()[0])
+    dev_report = zeroxla.memory_report(*_stage3_16bit_run(dtype, "none")[:2], fp16_batches()[0])
     sixteen_bit = sum(2 * leaf.local_layers * leaf.chunk for leaf in partitioned)
     assert report.params < dev_report.params - sixteen_bit        # float32 partitions gone
 
@@ -246,10 +180,10 @@ def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
     plain = step.config.replace(offload_optimizer="none", offload_pin_memory=False)
     checkpoint.save(tmp_path / "a", state, step=step)
     restored = checkpoint.restore(tmp_path / "a", (mesh, plain), optimizer=optax.adamw(3e-3))
-    assert _kinds(restored.state.opt_state) == {"device"}
+    assert memory_kinds(restored.state.opt_state) == {"device"}
     checkpoint.save(tmp_path / "b", restored.state, step=restored.step)
     back = checkpoint.restore(tmp_path / "b", (mesh, step.config), optimizer=optax.adamw(3e-3))
-    assert _kinds(back.state.opt_state) == {"pinned_host"}
+    assert memory_kinds(back.state.opt_state) == {"pinned_host"}
     logical = step.logical_layout.to_logical
     original, plain_view = logical(state), restored.step.logical_layout.to_logical(restored.state)
     back_view = logical(back.state)
@@ -324,26 +258,34 @@ def test_pipeline_refuses_what_would_change_its_gradient_pass_by_name():
         zeroxla.make_step(models.build("gpt-tiny"), mesh, config=config, pipeline=pipeline)
 
 
+@functools.cache
+def _zeropp_run(offload_optimizer="none", offload_param="none"):
+    """ZeRO++ (hpZ, qwZ, qgZ), 2 AdamW steps: losses and final parameters."""
+    config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD, hpz_partition_size=4,
+                                quantized_weights=True, quantized_gradients=True,
+                                offload_optimizer=offload_optimizer, offload_param=offload_param)
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.adamw(3e-3), config=config)
+    state, losses = step.init(), []
+    for batch in token_batches(2, BATCH, SEQ, vocab=65, seed=7):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, flat_params(zeroxla.gather_params(state))
+
+
 @pytest.mark.slow
-def test_zeropp_offloaded_equals_not_offloaded():
-    """ZeRO++ (hpZ, qwZ, qgZ) changes the gradient pass only; the offloaded update after it
-    gives bit-identical losses and parameters (measured: 0.0 difference after 2 AdamW steps)."""
-    batches = token_batches(2, BATCH, SEQ, vocab=65, seed=7)
-    runs = []
-    for offload in ("none", "cpu"):
-        config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
-                                    hpz_partition_size=4, quantized_weights=True,
-                                    quantized_gradients=True, offload_optimizer=offload)
-        step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
-                                 optimizer=optax.adamw(3e-3), config=config)
-        state, losses = step.init(), []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        runs.append((losses, flat_params(zeroxla.gather_params(state))))
-    assert runs[0][0] == runs[1][0]
-    for path, value in runs[0][1].items():
-        np.testing.assert_array_equal(runs[1][1][path], value, err_msg=path)
+@pytest.mark.parametrize("offload", ["offload_optimizer", "offload_param"])
+def test_zeropp_offloaded_equals_not_offloaded(offload):
+    """ZeRO++ with the optimizer offloaded (only the update changes) or the parameters (hpZ's
+    secondary partition, qwZ's int8 forward gather and qgZ's int4 reduce-scatter then work on
+    the fetched partition): losses and parameters bit-identical to the non-offloaded ZeRO++ run
+    (whose own parity is tests/zeroxla/collectives/test_zeropp.py's; measured: 0.0 difference
+    after 2 AdamW steps)."""
+    losses, params = _zeropp_run(**{offload: "cpu"})
+    expected_losses, expected = _zeropp_run()
+    assert losses == expected_losses
+    for path, value in expected.items():
+        np.testing.assert_array_equal(params[path], value, err_msg=path)
 
 
 def test_hybrid_engine_generates_from_an_offloaded_state():

@@ -10,58 +10,27 @@ overflowing step; what the compiled program keeps where, from its input sharding
 program lowered for a GPU; a checkpoint round trip through a non-offloaded mesh.
 """
 
-import functools
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import zeroxla
-from reference import flat_params, token_batches, train_single_device
+from offload_cases import (BATCH, SEQ, THRESHOLD, assert_same_through_the_overflow,
+                           assert_trains_like_single_device, fp16_batches, fp16_run, memory_kinds,
+                           reference, sgd_run)
+from reference import token_batches
 from zeroxla import checkpoint, models
 from zeroxla.analysis.memory import argument_bytes_by_memory_kind
-from zeroxla.engine.offload import OffloadError
-from zeroxla.engine.step import next_token_loss
-
-STEPS, BATCH, SEQ = 3, 16, 16
-THRESHOLD = 500
 
 
-def _sgd():
-    return optax.sgd(0.5, momentum=0.9)
-
-
-@functools.cache
-def _reference():
-    batches = token_batches(STEPS, BATCH, SEQ, vocab=65, seed=3)
-    losses, params = train_single_device(models.build("gpt-tiny", seed=1), _sgd(), batches,
-                                         clip=1.0)
-    return batches, losses, params
-
-
-@functools.cache
 def _run(offload_optimizer):
     """Stage 3 with offload_param="cpu" (and the optimizer offloaded or not): step, final state,
     losses."""
-    batches, _, _ = _reference()
-    config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
-                                gradient_accumulation_steps=2, gradient_clipping=1.0,
-                                offload_param="cpu", offload_optimizer=offload_optimizer)
-    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
-                             optimizer=_sgd(), config=config)
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return step, state, losses
-
-
-def _kinds(tree):
-    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    return sgd_run(3, offload_optimizer=offload_optimizer, offload_param="cpu")
 
 
 def _partitioned(plan):
@@ -70,63 +39,25 @@ def _partitioned(plan):
 
 @pytest.mark.parametrize("offload_optimizer", ["none", "cpu"])
 def test_parameter_offload_trains_like_single_device(offload_optimizer):
-    _, expected_losses, expected = _reference()
-    step, state, losses = _run(offload_optimizer)
+    _, state, losses = _run(offload_optimizer)
     partitioned = {leaf.path for leaf in _partitioned(state.plan)}
     assert partitioned and len(partitioned) < len(state.plan.leaves)
     for path, value in state.params.items():      # pinned whatever offload_pin_memory says
-        assert _kinds(value) == ({"pinned_host"} if path in partitioned else {"device"}), path
-    assert _kinds(state.opt_state) == (
+        assert memory_kinds(value) == ({"pinned_host"} if path in partitioned else {"device"}), path
+    assert memory_kinds(state.opt_state) == (
         {"unpinned_host"} if offload_optimizer == "cpu" else {"device"})
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    got = flat_params(zeroxla.gather_params(state))
-    initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))
-    for path in expected:
-        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
-    assert sum(np.abs(expected[p] - initial[p]).max() > 1e-3 for p in expected) > len(expected) // 2
+    assert_trains_like_single_device(state, losses)
 
 
-def _poisoned_loss(model, batch):
-    loss = next_token_loss(model, {"inputs": batch["inputs"], "targets": batch["targets"]})
-    return loss * jnp.mean(batch["poison"])
-
-
-def _fp16_batches():
-    batches = []
-    for i, batch in enumerate(token_batches(3, BATCH, SEQ, vocab=65, seed=5)):
-        poison = np.ones(BATCH, np.float32)
-        poison[5] = np.inf if i == 1 else 1.0        # step 2 overflows (on one device only)
-        batches.append({**batch, "poison": poison})
-    return batches
-
-
-@functools.cache
 def _fp16_run(offload_param):
-    """Stage 3 under fp16, AdamW, parameters offloaded or not: step, final state, each step's
-    (params, opt_state) as numpy arrays, each step's metrics."""
-    config = zeroxla.ZeroConfig(stage=3, compute_dtype="float16", persistence_threshold=THRESHOLD,
-                                initial_scale_power=10, offload_param=offload_param)
-    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
-                             optimizer=optax.adamw(3e-3), config=config, loss_fn=_poisoned_loss)
-    state, snapshots, metrics = step.init(), [], []
-    for batch in _fp16_batches():
-        state, m = step(state, batch)
-        snapshots.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
-        metrics.append(jax.tree.map(float, m))
-    return step, state, snapshots, metrics
+    """Stage 3 under fp16, parameters offloaded or not."""
+    return fp16_run(3, offload_param=offload_param)
 
 
 def test_fp16_parameter_offload_equals_not_offloaded_and_skips_overflow():
-    _, state, snapshots, off_metrics = _fp16_run("cpu")
-    _, _, dev_snapshots, dev_metrics = _fp16_run("none")
-    assert [m["overflow"] for m in off_metrics] == [0.0, 1.0, 0.0]
-    np.testing.assert_equal(off_metrics, dev_metrics)   # losses, norms, scales exactly (nan==nan)
-    for a, b in zip(jax.tree.leaves(snapshots[-1]), jax.tree.leaves(dev_snapshots[-1])):
-        np.testing.assert_array_equal(a, b)
-    # The overflowing step kept the (offloaded) partitions and optimizer state bit-identical.
-    for a, b in zip(jax.tree.leaves(snapshots[0]), jax.tree.leaves(snapshots[1])):
-        np.testing.assert_array_equal(a, b)
-    assert _kinds([state.params[leaf.path] for leaf in _partitioned(state.plan)]) == {
+    assert_same_through_the_overflow(_fp16_run("cpu"), _fp16_run("none"))
+    state = _fp16_run("cpu")[1]
+    assert memory_kinds([state.params[leaf.path] for leaf in _partitioned(state.plan)]) == {
         "pinned_host"}
 
 
@@ -135,7 +66,7 @@ def test_compiled_step_keeps_the_partitions_in_host_memory():
     parameter partitions, and the device keeps the non-offloaded program's arguments less those
     bytes (persistent leaves, optimizer state, loss scale, batch). `memory_report` measures the
     same split on the live state and `estimate_memory` predicts it before anything exists."""
-    batch = _fp16_batches()[0]
+    batch = fp16_batches()[0]
     step, state, _, _ = _fp16_run("cpu")
     dev_step, dev_state, _, _ = _fp16_run("none")
     split = argument_bytes_by_memory_kind(step.compile(state, batch))
@@ -169,7 +100,7 @@ def test_the_gpu_program_fetches_one_layer_partition_at_a_time():
     So the device holds, of the offloaded parameters, the fetched layers (at most two with
     prefetch, as for the gathered ones) until the update, not every layer's partition."""
     step, state, _ = _run("none")
-    lowered = step._jitted.trace(state, _reference()[0][0]).lower(
+    lowered = step._jitted.trace(state, reference()[0][0]).lower(
         lowering_platforms=("cuda",)).as_text()
     placements = _placements(lowered)
     stacked = [leaf for leaf in _partitioned(state.plan) if leaf.stacked]
@@ -196,10 +127,10 @@ def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
     checkpoint.save(tmp_path / "a", state, step=step)
     restored = checkpoint.restore(tmp_path / "a", (mesh, step.config.replace(offload_param="none")),
                                   optimizer=optax.adamw(3e-3))
-    assert _kinds([restored.state.params[p] for p in paths]) == {"device"}
+    assert memory_kinds([restored.state.params[p] for p in paths]) == {"device"}
     checkpoint.save(tmp_path / "b", restored.state, step=restored.step)
     back = checkpoint.restore(tmp_path / "b", (mesh, step.config), optimizer=optax.adamw(3e-3))
-    assert _kinds([back.state.params[p] for p in paths]) == {"pinned_host"}
+    assert memory_kinds([back.state.params[p] for p in paths]) == {"pinned_host"}
     logical = step.logical_layout.to_logical
     original, plain_view = logical(state), restored.step.logical_layout.to_logical(restored.state)
     back_view = logical(back.state)
@@ -229,30 +160,7 @@ def test_frozen_partitions_are_offloaded_and_train_as_without(quantized_frozen):
         runs[offload] = (losses, jax.tree.map(np.asarray, state.params))
         frozen = [state.params[leaf.path] for leaf in _partitioned(state.plan)
                   if not leaf.trainable]
-        assert frozen and _kinds(frozen) == ({"pinned_host"} if offload == "cpu" else {"device"})
+        assert frozen and memory_kinds(frozen) == ({"pinned_host"} if offload == "cpu" else {"device"})
     assert runs["cpu"][0] == runs["none"][0]
     for a, b in zip(jax.tree.leaves(runs["cpu"][1]), jax.tree.leaves(runs["none"][1])):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.slow
-def test_zeropp_with_parameter_offload_equals_not_offloaded():
-    """ZeRO++ (hpZ's secondary partition, qwZ's int8 forward gather, qgZ's int4 gradient
-    reduce-scatter) gathers from the fetched partition: 2 AdamW steps bit-identical to the
-    non-offloaded ZeRO++ run (whose own parity is tests/zeroxla/collectives/test_zeropp.py's)."""
-    batches = token_batches(2, BATCH, SEQ, vocab=65, seed=7)
-    runs = []
-    for offload in ("none", "cpu"):
-        config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
-                                    hpz_partition_size=4, quantized_weights=True,
-                                    quantized_gradients=True, offload_param=offload)
-        step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
-                                 optimizer=optax.adamw(3e-3), config=config)
-        state, losses = step.init(), []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        runs.append((losses, flat_params(zeroxla.gather_params(state))))
-    assert runs[0][0] == runs[1][0]
-    for path, value in runs[0][1].items():
-        np.testing.assert_array_equal(runs[1][1][path], value, err_msg=path)
