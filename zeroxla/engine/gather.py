@@ -162,7 +162,7 @@ def gathered_value(leaf: LeafPlan, comm: ZeroCollectives, shard: Any) -> jax.Arr
 
 
 def _gathered_value_fwd(leaf, comm, shard):
-    # Residual: the shard's kind only (an `PartitionSink` with no arrays, or None), which
+    # Residual: the shard's kind only (a `PartitionSink` with no arrays, or None), which
     # the cotangent's form follows.
     return comm.forward_gather(fetch(shard), leaf)[0], cotangent(shard, None)
 

@@ -158,8 +158,8 @@ class _GatheredModule:
 
 
 def _is_codes(x: Any) -> bool:
-    """One parameter's storage that is a pytree: frozen codes, stage 2's gradient sink, or an
-    offloaded partition with its sink (`engine.offload`)."""
+    """One parameter's storage that is a pytree: frozen codes, stage 2's gradient sink, or a
+    partition read beside its gradient sink (`engine.offload.PartitionSink`)."""
     return isinstance(x, (StoredCodes, GradientSink, PartitionSink))
 
 
