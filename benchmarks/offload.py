@@ -11,7 +11,8 @@ arguments by memory kind (`zeroxla.analysis.memory.argument_bytes_by_memory_kind
 compiled program's input shardings; XLA:CPU's `memory_analysis()` counts host-kind arguments as
 device bytes, so it is not used for the split), XLA's temporaries, and the median step time. On
 the CPU backend "device" and "host" memory are the same RAM, so the step time says nothing about
-PCIe transfers; the bytes are properties of the programs.
+PCIe transfers; the bytes are properties of the programs. First, before anything is compiled,
+`estimate_memory` for Llama-2-70B on one node of 8 beside DeepSpeed's own estimators.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import optax  # noqa: E402
 import zeroxla  # noqa: E402
 from zeroxla import models  # noqa: E402
 from zeroxla.analysis.memory import argument_bytes_by_memory_kind  # noqa: E402
+from deepspeed_estimators import (  # noqa: E402  (benchmarks/, beside this file)
+    GPUS, LARGEST_LAYER_PARAMS, LLAMA2_70B, TOTAL_PARAMS, deepspeed_zero2_mem_needs,
+    deepspeed_zero3_mem_needs)
 
 MIB = 2 ** 20
 
@@ -64,6 +68,29 @@ def measure(model_name: str, stage: int, dtype: str, offload: str, batch: dict,
             "step_s": statistics.median(times[1:] or times)}
 
 
+def llama2_70b_table() -> list[str]:
+    """`estimate_memory` for Llama-2-70B on 1 node x 8 (bf16, AdamW), GB, against DeepSpeed's
+    estimators for the same settings (`deepspeed_estimators`; per device on the accelerator,
+    per node on the host; DeepSpeed's host figure less its 1.5 buffer factor)."""
+    mesh = zeroxla.make_mesh(1, GPUS)
+    rows = [f"Llama-2-70B, 1 x {GPUS}, bf16, AdamW: GB (device: per device; host: per node)",
+            f"{'stage':>5} {'offload':>9} {'zeroxla dev':>11} {'DeepSpeed dev':>13} "
+            f"{'zeroxla host':>12} {'DeepSpeed host':>14}"]
+    for stage, offload in ((2, "opt"), (3, "opt"), (3, "opt+param")):
+        config = zeroxla.ZeroConfig(stage=stage, compute_dtype="bfloat16", **OFFLOADS[offload])
+        estimate = zeroxla.estimate_memory(LLAMA2_70B, mesh, config)
+        if stage == 2:
+            cpu, gpu = deepspeed_zero2_mem_needs(TOTAL_PARAMS, GPUS, 1, cpu_offload=True)
+        else:
+            cpu, gpu, _ = deepspeed_zero3_mem_needs(
+                TOTAL_PARAMS, LARGEST_LAYER_PARAMS, GPUS, 1, cpu_offload=True,
+                cpu_offload_params=offload == "opt+param")
+        rows.append(f"{stage:>5} {offload:>9} {estimate.training_state / 1e9:>11.2f} "
+                    f"{gpu / 1e9:>13.2f} {GPUS * estimate.host_state / 1e9:>12.1f} "
+                    f"{cpu / 1.5 / 1e9:>14.1f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-small")
@@ -71,6 +98,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages")
     args = parser.parse_args()
+    print("\n".join(llama2_70b_table()) + "\n")
     vocab = models.PRESETS[args.model][1]().vocab_size
     inputs = np.random.default_rng(0).integers(0, vocab, (args.batch_size, 64)).astype(np.int32)
     batch = {"inputs": inputs, "targets": (inputs + 1) % vocab}
