@@ -26,13 +26,17 @@ SMALL = {"steps": 3, "batch_size": 8, "seq_len": 32, "eval_batches": 1, "progres
 
 
 def greedy_by_full_forward(model, prompt, new_tokens):
-    """The independent reference: argmax of the last position of a full forward, per token."""
-    seq = list(np.asarray(prompt, np.int32))
+    """The independent reference: per token, the argmax at the sequence's last position of a
+    full forward over the whole sequence, right-padded to its final length (causal, so the
+    padding after that position is never seen; as `inference_helpers.greedy_reference`): one
+    compiled forward for every length."""
+    seq = np.zeros(len(prompt) + new_tokens, np.int32)
+    seq[:len(prompt)] = prompt
     forward = nnx.jit(lambda m, t: m(t))
-    for _ in range(new_tokens):
-        logits = np.asarray(forward(model, np.asarray([seq], np.int32)))[0, -1]     # [V]
-        seq.append(int(logits.argmax()))
-    return np.asarray(seq, np.int32)
+    for n in range(len(prompt), len(seq)):
+        logits = np.asarray(forward(model, seq[None]))[0, n - 1]                   # [V]
+        seq[n] = int(logits.argmax())
+    return seq
 
 
 def run_job(tmp_path, **changes):
