@@ -101,7 +101,7 @@ print(step.plan.describe())
 corpus = data.load_corpus()
 print(f"{corpus.source}: {len(corpus.train):,} training characters, vocabulary "
       f"{corpus.vocab_size}")
-batches = data.BatchPlan(len(corpus.train), batch_size=64, seq_len=64, seed=0)
+batches = data.BatchPlan(len(corpus.train), batch_size=32, seq_len=64, seed=0)
 
 state = step.init()
 losses = []
