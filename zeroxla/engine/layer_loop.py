@@ -141,7 +141,9 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
                 else jax.eval_shape(lambda: gather(gins.at(first), carry)))
     # ys and saveds have a row for every layer, the last one's written after the loop; the
     # loop's ks are its own output (forward computes layers 0..L-2 in it, in row order).
-    y_shape = jax.eval_shape(lambda: step(carry, gathered[0], per_layer.at(first), k_in))[1]
+    # `gathered` is abstract without prefetch: an argument of eval_shape, not a closed-over value.
+    y_shape = jax.eval_shape(lambda full: step(carry, full, per_layer.at(first), k_in),
+                             gathered[0])[1]
     ys_saveds = jax.tree.map(lambda a: jnp.zeros((num_layers, *a.shape), a.dtype),
                              (y_shape, gathered[1]))
     gathered = gathered if prefetch else None
