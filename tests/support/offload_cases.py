@@ -12,6 +12,7 @@ from flax import nnx
 
 import zeroxla
 from reference import flat_params, token_batches, train_single_device
+from runs import run_steps
 from zeroxla import models
 from zeroxla.engine.step import next_token_loss
 
@@ -96,10 +97,7 @@ def sgd_run(stage, offload_optimizer="none", offload_param="none"):
                                 offload_optimizer=offload_optimizer, offload_param=offload_param)
     step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
                              optimizer=sgd(), config=config)
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), batches)
     return step, state, losses
 
 

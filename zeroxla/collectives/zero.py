@@ -102,6 +102,14 @@ class GradientSink:
 jax.tree_util.register_dataclass(GradientSink, ["value", "sink"], [])
 
 
+def sink_zeros(leaf: LeafPlan, compute_dtype: Any) -> jax.Array:
+    """Master-dtype zeros shaped like this device's gradient partition of `leaf`
+    (`[L?, *shard_shape]`): what a gradient sink is (ZeRO-2's `GradientSink`, stage 3's
+    `engine.offload.PartitionSink`)."""
+    master = jnp.promote_types(compute_dtype, jnp.float32)          # float64 runs: float64
+    return jnp.zeros(((leaf.layers,) if leaf.stacked else ()) + leaf.shard_shape, master)
+
+
 @dataclasses.dataclass(frozen=True)
 class Zero2Collectives(ZeroCollectives):
     """ZeRO-2 (DeepSpeed's stage 2) through the units ZeRO-3 uses: parameters are replicated,
@@ -115,8 +123,7 @@ class Zero2Collectives(ZeroCollectives):
 
     def sink(self, leaf: LeafPlan) -> jax.Array:
         """The zeros whose cotangent is this device's reduced gradient partition of `leaf`."""
-        master = jnp.promote_types(self.compute_dtype, jnp.float32)    # float64 runs: float64
-        return jnp.zeros(((leaf.layers,) if leaf.stacked else ()) + leaf.shard_shape, master)
+        return sink_zeros(leaf, self.compute_dtype)
 
     def forward_gather(self, shard: Any, leaf: LeafPlan) -> tuple[jax.Array, Any]:
         value = shard.value if isinstance(shard, GradientSink) else shard

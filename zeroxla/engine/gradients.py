@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from zeroxla.collectives import zero as collectives
 from zeroxla.collectives.zero import GradientSink, Zero2Collectives, ZeroCollectives
@@ -38,8 +37,7 @@ def differentiated(comm: ZeroCollectives, plan: ShardingPlan, trainable: dict[st
     model's values of those leaves (stage 2: `GradientSink(parameter, sink)`; stage 3's
     partitions in `sinked`, `engine.offload.sinked_paths`: `PartitionSink(partition, sink)`)."""
     if sinked:
-        master = jnp.promote_types(comm.compute_dtype, jnp.float32)   # float64 runs: float64
-        return partition_sinks(sinked, plan, trainable, master)
+        return partition_sinks(sinked, plan, trainable, comm.compute_dtype)
     if not isinstance(comm, Zero2Collectives):
         return trainable, lambda p: p
     sinked = {leaf.path for leaf in plan.trainable_leaves if leaf.optimizer_partitioned}

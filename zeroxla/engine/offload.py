@@ -54,11 +54,11 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from zeroxla.collectives.zero import sink_zeros
 from zeroxla.sharding.config import ZeroConfig
-from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
+from zeroxla.sharding.leaf_plan import MasterWithCopy
 from zeroxla.sharding.plan import ShardingPlan
 
 DEVICE_KIND = "device"
@@ -204,22 +204,18 @@ def sinked_paths(config: ZeroConfig, plan: ShardingPlan) -> frozenset[str]:
 
 
 def partition_sinks(paths: frozenset[str], plan: ShardingPlan, trainable: dict[str, Any],
-                    master_dtype: Any) -> tuple[dict[str, Any], Any]:
+                    compute_dtype: Any) -> tuple[dict[str, Any], Any]:
     """`(wrt, as_values)` of the gradient pass: the device zeros it differentiates in place of
     each partition in `paths`, and `as_values(wrt)`, the model's values (`PartitionSink(stored,
     sink)` for those, the rest as they are)."""
-    wrt = {p: _zeros_like_partition(plan[p], master_dtype) if p in paths else v
+    wrt = {p: sink_zeros(plan[p], compute_dtype) if p in paths else v
            for p, v in trainable.items()}
     return wrt, lambda values: {p: PartitionSink(trainable[p], v) if p in paths else v
                                 for p, v in values.items()}
 
 
-def _zeros_like_partition(leaf: LeafPlan, dtype: Any) -> jax.Array:
-    return jnp.zeros(((leaf.layers,) if leaf.stacked else ()) + leaf.shard_shape, dtype)
-
-
 def fetch(shard: Any) -> Any:
-    """The partition a gather reads, in device memory: an `PartitionSink`'s stored value,
+    """The partition a gather reads, in device memory: a `PartitionSink`'s stored value,
     or a frozen partition held in host memory, copied to the device (ZeRO-Infinity's fetch);
     anything else as it is."""
     if isinstance(shard, PartitionSink):
@@ -234,7 +230,7 @@ def _to_device(x: Any) -> Any:
 
 
 def cotangent(shard: Any, grad: Any) -> Any:
-    """`grad`, a unit's reduced gradient partition, as the cotangent of `shard` (the sink of an
+    """`grad`, a unit's reduced gradient partition, as the cotangent of `shard` (the sink of a
     `PartitionSink`); `grad` itself for any other shard."""
     if isinstance(shard, PartitionSink):
         return PartitionSink(stored=None, sink=grad)
@@ -247,8 +243,8 @@ def describe(config: ZeroConfig) -> str:
         return "offload: none (parameters, master weights and optimizer state in device memory)"
     parts = []
     if config.offload_optimizer != "none":
-        parts.append("optimizer state and float32 master partitions")
-        parts[-1] += f" in {config.offload_memory_kind} memory"
+        parts.append(f"optimizer state and float32 master partitions in "
+                     f"{config.offload_memory_kind} memory")
     if config.offload_param != "none":
         parts.append(f"stage 3's parameter partitions in {config.param_offload_memory_kind} "
                      "memory (each unit's fetched to the device just before its all-gather)")

@@ -25,6 +25,7 @@ from offload_cases import (BATCH, SEQ, THRESHOLD, assert_same_through_the_overfl
                            assert_trains_like_single_device, fp16_batches, fp16_run, memory_kinds,
                            poisoned_loss, reference, sgd_run)
 from reference import flat_params, token_batches
+from runs import run_steps
 from zeroxla import checkpoint, models
 from zeroxla.analysis.memory import argument_bytes_by_memory_kind
 from zeroxla.engine.offload import OffloadError
@@ -266,10 +267,7 @@ def _zeropp_run(offload_optimizer="none", offload_param="none"):
                                 offload_optimizer=offload_optimizer, offload_param=offload_param)
     step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
                              optimizer=optax.adamw(3e-3), config=config)
-    state, losses = step.init(), []
-    for batch in token_batches(2, BATCH, SEQ, vocab=65, seed=7):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), token_batches(2, BATCH, SEQ, vocab=65, seed=7))
     return losses, flat_params(zeroxla.gather_params(state))
 
 

@@ -23,6 +23,7 @@ from offload_cases import (BATCH, SEQ, THRESHOLD, assert_same_through_the_overfl
                            assert_trains_like_single_device, fp16_batches, fp16_run, memory_kinds,
                            reference, sgd_run)
 from reference import token_batches
+from runs import run_steps
 from zeroxla import checkpoint, models
 from zeroxla.analysis.memory import argument_bytes_by_memory_kind
 
@@ -153,10 +154,7 @@ def test_frozen_partitions_are_offloaded_and_train_as_without(quantized_frozen):
         step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
                                  optimizer=optax.adamw(3e-3), config=config,
                                  trainable=nnx.PathContains("w_fc"))
-        state, losses = step.init(), []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        state, losses = run_steps(step, step.init(), batches)
         runs[offload] = (losses, jax.tree.map(np.asarray, state.params))
         frozen = [state.params[leaf.path] for leaf in _partitioned(state.plan)
                   if not leaf.trainable]
@@ -179,10 +177,7 @@ def test_parameter_offload_with_recompute_jit_gathers_and_16bit_partitions():
                                     offload_optimizer="cpu", offload_param=offload)
         step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
                                  optimizer=optax.adamw(3e-3), config=config)
-        state, losses = step.init(), []
-        for batch in token_batches(2, BATCH, SEQ, vocab=65, seed=3):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        state, losses = run_steps(step, step.init(), token_batches(2, BATCH, SEQ, vocab=65, seed=3))
         runs.append((losses, jax.tree.map(np.asarray, zeroxla.gather_params(state))))
         copies = [state.params[leaf.path].compute for leaf in _partitioned(state.plan)]
         assert memory_kinds(copies) == ({"pinned_host"} if offload == "cpu" else {"device"})

@@ -16,6 +16,7 @@ from flax import nnx
 
 import zeroxla
 from reference import token_batches
+from runs import run_steps
 from zeroxla import models
 from zeroxla.engine.loss import next_token_loss
 
@@ -123,11 +124,7 @@ def test_policies_without_prefetch_train_as_with_it(remat):
             models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.5),
             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=500, remat=remat,
                                       prefetch=prefetch))
-        state = step.init()
-        losses = []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        state, losses = run_steps(step, step.init(), batches)
         runs.append((losses, jax.tree.leaves(zeroxla.gather_params(state))))
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6)
     for a, b in zip(runs[1][1], runs[0][1]):
