@@ -184,3 +184,18 @@ def test_parameter_offload_with_recompute_jit_gathers_and_16bit_partitions():
     assert runs[0][0] == runs[1][0]
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_hybrid_engine_generates_from_offloaded_partitions():
+    """The Hybrid Engine reads the partitions, which parameter offload keeps in pinned host
+    memory: it copies them to the device and generates the non-offloaded state's tokens."""
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    tokens = {}
+    for offload in ("cpu", "none"):
+        step, state, _, _ = _fp16_run(offload)
+        engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=12))
+        tokens[offload] = engine.generate(state, [np.arange(1, 5, dtype=np.int32)],
+                                          max_new_tokens=8, temperature=0.0)[0]
+        engine.release()
+    np.testing.assert_array_equal(tokens["cpu"], tokens["none"])
