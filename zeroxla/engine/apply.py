@@ -5,7 +5,8 @@
       -> the optax transformation on the logical trainable parameters (`ShardedOptimizer`)
       -> each updated leaf back in its stored layout (`engine.update.stored_update`)
       -> fp16: an overflow keeps parameters and optimizer state bit-identical, the scale moves
-    ZeRO-Offload: optimizer state and masters moved in from host memory before, out after
+    ZeRO-Offload: the update in host memory where it traces (`engine.host_update`), else on
+    the device with the optimizer state and masters moved in from host memory before, out after
 
 A pure function of the layout, the state and the gradient pass's outputs.
 """
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from zeroxla.collectives.zero import PARAM_UPDATE
+from zeroxla.engine.host_update import host_update
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.loss_scale import update_loss_scale
 from zeroxla.engine.offload import offloaded, resident
@@ -28,10 +30,12 @@ from zeroxla.engine.update import logical_gradient, optimizer_input, stored_upda
 
 def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
                     grads: dict[str, jax.Array], model_state: dict[str, jax.Array],
-                    scale: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+                    scale: jax.Array, *, on_host: bool = False
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
     """The next state and the step's metrics (loss, grad_norm; fp16: loss_scale, overflow).
-    With ZeRO-Offload the optimizer state and masters come in from host memory for the update
-    and go back after it (`engine.offload`)."""
+    With ZeRO-Offload the update runs in host memory (`on_host`: `engine.host_update`), or on
+    the device with the optimizer state and masters brought in from host memory and sent back
+    after it (`engine.offload`); the step's `UpdatePlacement` chose which."""
     cfg, mesh, trainable = layout.config, layout.mesh, layout.plan.trainable_leaves
     logical_grads = {leaf.path: logical_gradient(leaf, grads[leaf.path] / scale,
                                                  cfg.stage, mesh) for leaf in trainable}
@@ -41,7 +45,10 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
         coef = jnp.minimum(cfg.gradient_clipping / (grad_norm + 1e-6), 1.0)
         logical_grads = jax.tree.map(lambda g: g * coef, logical_grads)
 
-    # ZeRO-Offload: the optimizer state and masters come onto the device for the update.
+    if on_host:                      # ZeRO-Offload's update in host memory (`host_update`)
+        return _host_applied(layout, state, loss, logical_grads, grad_norm, model_state)
+
+    # The update on the device; offloaded state comes onto the device for it, and goes back.
     state = resident(layout, state)
     with jax.named_scope(PARAM_UPDATE):
         params = {leaf.path: optimizer_input(leaf, state.params[leaf.path], mesh)
@@ -55,8 +62,7 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
     metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
     loss_scale = state.loss_scale
     if cfg.uses_loss_scaling:
-        nonfinite = sum(jnp.sum(~jnp.isfinite(g)) for g in logical_grads.values())
-        overflow = (nonfinite > 0) | ~jnp.isfinite(grad_norm)
+        overflow = _overflow(logical_grads, grad_norm)
         # An overflow skips the update: parameters and optimizer state stay bit-identical.
         new_params, new_opt_state = jax.tree.map(
             lambda new, old: jnp.where(overflow, old, new),
@@ -67,3 +73,27 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
                               opt_state=new_opt_state, loss_scale=loss_scale,
                               model_state=model_state)
     return offloaded(layout, new_state), metrics
+
+
+def _overflow(logical_grads: dict[str, jax.Array], grad_norm: jax.Array) -> jax.Array:
+    """fp16: whether a gradient is not finite (the step is then skipped)."""
+    nonfinite = sum(jnp.sum(~jnp.isfinite(g)) for g in logical_grads.values())
+    return (nonfinite > 0) | ~jnp.isfinite(grad_norm)
+
+
+def _host_applied(layout: ZeroLayout, state: TrainState, loss: jax.Array,
+                  logical_grads: dict[str, jax.Array], grad_norm: jax.Array,
+                  model_state: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`apply_gradients` with the update in host memory: the overflow flag is computed first,
+    so that the skip runs inside the host update beside the host-held values."""
+    cfg = layout.config
+    metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
+    overflow = _overflow(logical_grads, grad_norm) if cfg.uses_loss_scaling else None
+    with jax.named_scope(PARAM_UPDATE):     # its all-gathers are the update's, as on the device
+        new_params, new_opt_state = host_update(layout, state, logical_grads, overflow)
+    loss_scale = state.loss_scale
+    if cfg.uses_loss_scaling:
+        loss_scale = update_loss_scale(state.loss_scale, overflow, cfg)
+        metrics.update(loss_scale=state.loss_scale.scale, overflow=overflow)
+    return state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state,
+                         loss_scale=loss_scale, model_state=model_state), metrics

@@ -19,19 +19,34 @@ Here that is a placement, not a second engine: the state's shardings carry a hos
                                  (the parameter is itself the float32 master: a host copy
                                  would hold the same bits, so none is kept)
 
-Where the update runs: on the device, with explicit transfers. `resident` brings the offloaded
-parts in (`jax.device_put` to the device memory kind, inside the step's `jit`) just before
-`engine.apply` runs the optax update, and `offloaded` sends the new optimizer state and master
-back to the host right after. Host compute (`jax.experimental.compute_on("device_host")`) was
-tried on JAX 0.10's CPU backend: it runs elementwise transformations (SGD, AdamW), but fails to
-trace others (`optax.clip_by_global_norm`: "memory_space of all inputs passed to `add` must be
-the same", a device-typed constant meets a host-typed array), and a ZeRO step must run every optax
-transformation exactly; so the update is not placed on the host. Its state is transferred in
-and out each step, as in JAX's own optimizer-offload recipe. When the copy in starts is XLA's
-scheduler's choice: an `optimization_barrier` with the gradients' norm would pin it after the
-gradient pass, but it changes how XLA:CPU fuses the update (measured: the offloaded fp16 step
-then drifts from the non-offloaded one by ulps, which AdamW amplifies), so it is not used; the
-step is bit-identical to the non-offloaded one (`tests/zeroxla/engine/test_offload.py`).
+Where the update runs, chosen once when the step is built (`host_update.update_placement`, said
+in `step.describe()`):
+
+* on the host, where it can be traced there (SGD, Adam/AdamW, Lion, RMSProp, ... on JAX 0.10):
+  `engine.host_update` runs the optax update under `compute_on("device_host")` inside the step's
+  `jit`, on host-resident operands only. The reduced gradients go to the host after their
+  reduction (as DeepSpeed copies them to the CPU), the masters, parameter partitions and
+  optimizer state are updated where they are stored, and only what the device stores comes back
+  (stage 3's 16-bit partition, in 16 bits; persistent leaves' new values). The device never
+  holds an offloaded master or partition whole, nor the offloaded optimizer state.
+* on the device with explicit transfers, where host compute cannot be traced: JAX 0.10 refuses
+  some optax transformations under `compute_on` (`optax.clip_by_global_norm`, `lamb`/`lars`'s
+  `scale_by_trust_ratio`, `adafactor`, `adagrad`: "memory_space of all inputs passed to `add`
+  must be the same", a device-typed constant or temporary meets a host-typed array), and a ZeRO
+  step must run every transformation exactly. `resident` then brings the offloaded parts in
+  (`jax.device_put` to the device memory kind, inside the step's `jit`) just before
+  `engine.apply` runs the update, and `offloaded` sends the new optimizer state and master back
+  right after, as in JAX's own optimizer-offload recipe; the device holds every offloaded
+  partition for the update. `make_step` warns, naming the transformation.
+
+Either way the step is bit-identical to the non-offloaded one (`tests/zeroxla/engine/
+test_offload.py`, `test_param_offload.py`: losses and states), but where offload changes the
+stored layout (stage 3 under fp16 with the optimizer offloaded keeps master and 16-bit copy
+apart: a few master entries differ in their last bit, as that test measures). When the
+copies start is XLA's scheduler's choice: an `optimization_barrier` with the gradients' norm
+would pin them after the gradient pass, but it changes how XLA:CPU fuses the update (measured:
+the offloaded fp16 step then drifts from the non-offloaded one by ulps, which AdamW amplifies),
+so it is not used.
 
 Parameter offload (ZeRO-Infinity's `offload_param="cpu"`, stage 3) keeps every partitioned
 parameter's partition (stage 3's float32 master, and frozen leaves' partitions or codes) in host
@@ -40,9 +55,11 @@ all-gather (`fetch`: a `jax.device_put` to the device, in the layer loop's itera
 copy of layer i+1 is issued beside layer i's compute like its gather) and dropped with the
 gathered unit; nothing of it is held on the device between units. The pass differentiates
 device zeros beside each stored partition (`PartitionSink.sink`, ZeRO-2's gradient-sink
-pattern), so the reduce-scattered gradient stays on the device where the update reads it
-instead of being sent to the host and back. The update itself, as with optimizer offload,
-brings the partitions in (`resident`) and sends the new ones back (`offloaded`).
+pattern), so the reduce-scattered gradient stays on the device until the update reads it. The
+update then runs on the host, where the partitions are (the
+gradient sent there, the optimizer state too when it is not offloaded itself, and back after),
+or, for a transformation JAX cannot trace there, on the device with the partitions brought in
+(`resident`) and sent back (`offloaded`).
 
 Under the pipeline, optimizer offload runs as in the plain step (the update is shared); what
 would change the executor's gradient pass is refused by name (`check_offload`).
@@ -62,8 +79,6 @@ from zeroxla.sharding.leaf_plan import MasterWithCopy
 from zeroxla.sharding.plan import ShardingPlan
 
 DEVICE_KIND = "device"
-# Where `engine.apply` runs the optax update when the optimizer is offloaded (see above).
-UPDATE_PLACEMENT = "device (explicit host<->device transfers around the update)"
 
 
 class OffloadError(ValueError):
@@ -172,6 +187,16 @@ def _masters(plan: ShardingPlan) -> list[str]:
     return [leaf.path for leaf in plan.trainable_leaves if leaf.has_compute_copy]
 
 
+def host_stored_paths(config: ZeroConfig, plan: ShardingPlan) -> frozenset[str]:
+    """The trainable leaves whose updated value is stored in host memory: the float32 master
+    partitions (`MasterWithCopy`) under `offload_optimizer`, stage 3's partitions under
+    `offload_param` (`engine.host_update` updates them there)."""
+    paths = set(_masters(plan)) if config.offload_optimizer != "none" else set()
+    if config.offload_param != "none":
+        paths.update(leaf.path for leaf in plan.trainable_leaves if leaf.params_partitioned)
+    return frozenset(paths)
+
+
 def _partitions(plan: ShardingPlan) -> list[str]:
     """The leaves whose parameters stage 3 partitions (what `offload_param` moves)."""
     return [leaf.path for leaf in plan.leaves if leaf.params_partitioned]
@@ -237,8 +262,9 @@ def cotangent(shard: Any, grad: Any) -> Any:
     return grad
 
 
-def describe(config: ZeroConfig) -> str:
-    """One line: what is offloaded, to which memory kind, and where the update runs."""
+def describe(config: ZeroConfig, update_placement: str) -> str:
+    """One line: what is offloaded, to which memory kind, and where the update runs
+    (`update_placement`: `host_update.UpdatePlacement.describe()`)."""
     if not config.offloads:
         return "offload: none (parameters, master weights and optimizer state in device memory)"
     parts = []
@@ -248,4 +274,4 @@ def describe(config: ZeroConfig) -> str:
     if config.offload_param != "none":
         parts.append(f"stage 3's parameter partitions in {config.param_offload_memory_kind} "
                      "memory (each unit's fetched to the device just before its all-gather)")
-    return f"offload: {'; '.join(parts)}; update runs on {UPDATE_PLACEMENT}"
+    return f"offload: {'; '.join(parts)}; update runs on {update_placement}"

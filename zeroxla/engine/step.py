@@ -48,6 +48,7 @@ from zeroxla.collectives.zero import GradientSink
 from zeroxla.engine.apply import apply_gradients
 from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
+from zeroxla.engine.host_update import update_placement
 from zeroxla.engine.layout import ModelSource, ZeroLayout
 from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss import (
@@ -85,6 +86,7 @@ class ZeroStep:
 
     def __init__(self, source: ModelSource, layout: ZeroLayout, *, gradient_pass: Any = None):
         offload.check_offload(layout.config, layout.plan, pipelined=gradient_pass is not None)
+        self.update_placement = update_placement(layout)    # host or device, traced once
         self.layout = layout
         self.source = source
         # The layout's parts, under the names the step has always had.
@@ -192,8 +194,10 @@ class ZeroStep:
         return gathered_model(state)
 
     def describe(self) -> str:
-        """The sharding plan's table and where offloaded state lives (`engine.offload`)."""
-        return f"{offload.describe(self.config)}\n{self.plan.describe()}"
+        """The sharding plan's table, where offloaded state lives and where the update runs
+        (`engine.offload`, `engine.host_update`)."""
+        return (f"{offload.describe(self.config, self.update_placement.describe())}\n"
+                f"{self.plan.describe()}")
 
     def describe_collectives(self) -> list[tuple[str, str, str, str]]:
         """(path, forward gather, backward gather, gradient reduction) per partitioned leaf."""
@@ -388,7 +392,8 @@ class ZeroStep:
                     jax.random.key_data(step_key(state.rng, state.step)))
         loss, grads, model_state = self._gradients(self._compute_inputs(state.params), batch,
                                                    scale, state.model_state, key_data)
-        return apply_gradients(self.layout, state, loss, grads, model_state, scale)
+        return apply_gradients(self.layout, state, loss, grads, model_state, scale,
+                               on_host=self.update_placement.on_host)
 
 
 __all__ = ["ZeroStep", "default_optimizer", "frozen_paths", "next_token_loss"]

@@ -101,7 +101,7 @@ def test_stage3_device_state_is_the_parameter_partition():
     assert split["unpinned_host"] == report.host_optimizer
     batch_bytes = sum(x.nbytes for x in jax.tree.leaves(reference()[0][0])) // 8
     assert split["device"] == report.params + batch_bytes + 4     # + the step counter
-    assert "update runs on device" in step.describe()
+    assert "update runs on the host" in step.describe()
 
 
 @functools.cache

@@ -1,16 +1,20 @@
 """ZeRO-Infinity's parameter offload (`ZeroConfig(stage=3, offload_param="cpu")`): every
 partitioned parameter's partition lives in pinned host memory between steps, is fetched to the
-device one unit at a time just before its all-gather, and the step trains exactly as without
-offload and as single-device optax.
+device one unit at a time just before its all-gather, is updated on the host (or, for an optax
+transformation JAX cannot trace there, on the device, said by name), and the step trains exactly
+as without offload and as single-device optax.
 
 gpt-tiny on the 2x4 mesh, persistence threshold 500 (biases and norms replicated on the device,
 matrices partitioned). One float32 run per offload setting (accumulation 2, clipping, SGD with
 momentum: 3 steps) against single-device optax; one fp16 pair (offloaded and not) through an
 overflowing step; what the compiled program keeps where, from its input shardings and from the
-program lowered for a GPU; a checkpoint round trip through a non-offloaded mesh.
+program lowered for a GPU (the update's host computation, and that no partition comes to the
+device whole); the device update a transformation the host cannot trace falls back to; a
+checkpoint round trip through a non-offloaded mesh.
 """
 
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -22,7 +26,7 @@ import zeroxla
 from offload_cases import (BATCH, SEQ, THRESHOLD, assert_same_through_the_overflow,
                            assert_trains_like_single_device, fp16_batches, fp16_run, memory_kinds,
                            reference, sgd_run)
-from reference import token_batches
+from reference import flat_params, token_batches
 from runs import run_steps
 from zeroxla import checkpoint, models
 from zeroxla.analysis.memory import argument_bytes_by_memory_kind
@@ -85,25 +89,41 @@ def test_compiled_step_keeps_the_partitions_in_host_memory():
     assert "parameter partitions in pinned_host memory" in step.describe()
 
 
-def _placements(text: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(memory kind, shape) of every `annotate_device_placement` (a `jax.device_put` between
-    memory kinds) in a lowered StableHLO module."""
+def _typed_placements(text: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(memory kind, shape, element type) of every `annotate_device_placement` (a
+    `jax.device_put` between memory kinds, or a result's memory kind) in a lowered StableHLO
+    module."""
     found = re.findall(r'annotate_device_placement.*?_xla_buffer_placement = "(\w+)".*?'
-                       r': \(tensor<([0-9x]*)x?[a-z]+\d*>', text)
-    return [(kind, tuple(int(d) for d in dims.split("x") if d)) for kind, dims in found]
+                       r': \(tensor<([0-9x]*?)x?([a-z]+\d*)>', text)
+    return [(kind, tuple(int(d) for d in dims.split("x") if d), dtype)
+            for kind, dims, dtype in found]
+
+
+def _placements(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(memory kind, shape) of every `annotate_device_placement` in a lowered module."""
+    return [(kind, shape) for kind, shape, _ in _typed_placements(text)]
+
+
+def _gpu_program(step, state) -> str:
+    """The step lowered for a GPU (XLA:CPU ignores memory kinds, so its program cannot show
+    where things live)."""
+    return step._jitted.trace(state, reference()[0][0]).lower(
+        lowering_platforms=("cuda",)).as_text()
 
 
 def test_the_gpu_program_fetches_one_layer_partition_at_a_time():
-    """The step lowered for a GPU (XLA:CPU ignores memory kinds, so its program cannot show this):
-    during the gradient pass a stacked leaf's partition comes to the device one layer at a time,
-    in forward and again in backward (the layer loop's fetches, plus the peeled last layer's),
-    never the whole stacked partition; that is brought in for the update, and sent back after.
-    So the device holds, of the offloaded parameters, the fetched layers (at most two with
-    prefetch, as for the gathered ones) until the update, not every layer's partition."""
+    """During the gradient pass a stacked leaf's partition comes to the device one layer at a
+    time, in forward and again in backward (the layer loop's fetches, plus the peeled last
+    layer's), never the whole stacked partition. The update (SGD with momentum: it traces on
+    the host) runs where the partition is: the gradient goes to the host, and of the partition's
+    shape only the momentum comes back to the device, where offload_param alone keeps the
+    optimizer state (its copy back and the step's output: two placements for each momentum of
+    that shape, none for the parameter). So the device holds, of the offloaded parameters, the
+    fetched layers (at most two with prefetch, as for the gathered ones), never every layer's
+    partition."""
     step, state, _ = _run("none")
-    lowered = step._jitted.trace(state, reference()[0][0]).lower(
-        lowering_platforms=("cuda",)).as_text()
-    placements = _placements(lowered)
+    assert step.update_placement.on_host
+    placements = _placements(_gpu_program(step, state))
     stacked = [leaf for leaf in _partitioned(state.plan) if leaf.stacked]
     assert stacked
     for leaf in stacked:
@@ -111,11 +131,128 @@ def test_the_gpu_program_fetches_one_layer_partition_at_a_time():
         # never the device's whole stacked partition [L, *shard_shape].
         assert placements.count(("device", leaf.shard_shape)) >= 4, leaf.path
         assert placements.count(("device", (leaf.layers, *leaf.shard_shape))) == 0, leaf.path
-        # The update, on global arrays: the whole partition in, and back to the host.
-        assert ("device", leaf.param_shape) in placements, leaf.path
+        # The update, on global arrays, on the host: the gradient in; only the momenta of this
+        # shape back (wq, wk and wv share one).
+        momenta = sum(other.optimizer_shape == leaf.param_shape
+                      for other in state.plan.trainable_leaves)
         assert ("pinned_host", leaf.param_shape) in placements, leaf.path
+        assert placements.count(("device", leaf.param_shape)) == 2 * momenta, leaf.path
     per_layer = sum(placements.count(("device", leaf.shard_shape)) for leaf in stacked)
     print(f"\nGPU program: {per_layer} one-layer fetches of {len(stacked)} stacked leaves")
+
+
+def _host_computation(text: str) -> tuple[list[str], str]:
+    """The lowered step's one host computation (a call carrying `_xla_compute_type = "host"`,
+    `compute_on("device_host")`): its operands' defining lines, and its function's body with
+    the bodies of the functions it calls."""
+    main = text.split("func.func private")[0]
+    calls = re.findall(r'= call @(\w+)\(([^)]*)\) \{mhlo.frontend_attributes = '
+                       r'\{_xla_compute_type = "host"\}\}', main)
+    assert len(calls) == 1, [name for name, _ in calls]      # in the step's main function
+    name, operands = calls[0]
+    definitions = {m.group(1): m.group(0) for m in re.finditer(r'(%[\w#]+) = [^\n]*', main)}
+    bodies = dict(re.findall(r'func\.func private @(\w+)\((.*?\n  \})', text, re.S))
+    seen, todo = [], [name]
+    while todo:
+        callee = todo.pop()
+        if callee not in seen:
+            seen.append(callee)
+            todo.extend(re.findall(r'call @(\w+)\(', bodies[callee]))
+    return ([definitions.get(op.strip(), op.strip()) for op in operands.split(",")],
+            "\n".join(bodies[callee] for callee in seen))
+
+
+def _adamw_step(compute_dtype, offload_param, optimizer=None):
+    config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD,
+                                compute_dtype=compute_dtype, offload_optimizer="cpu",
+                                offload_param=offload_param)
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                             optimizer=optimizer or optax.adamw(3e-3), config=config)
+    return step, step.init()
+
+
+@pytest.mark.parametrize("compute_dtype,offload_param", [
+    ("float32", "cpu"), ("bfloat16", "cpu"), ("bfloat16", "none")])
+def test_the_gpu_program_updates_on_the_host_and_never_brings_a_partition_in(
+        compute_dtype, offload_param):
+    """AdamW (it traces on the host) with the optimizer offloaded, and the parameters too
+    (ZeRO-Infinity) or not. In the step lowered for a GPU the update is one host computation
+    (`compute_on("device_host")`): every operand it reads is placed in pinned host memory first
+    (the gradients after their reduction, the masters, partitions and moments where they are),
+    every array op in it carries XLA's host compute attribute, and it moves nothing itself. No
+    partitioned leaf's float32 partition, whole ([L, *shard] locally or its global shape) or
+    stacked, is ever placed on the device: with parameter offload the device's parameters are
+    the gradient pass's gathered working set only (one layer's partition at a time); under
+    bf16 without it, what comes back is the 16-bit partition the device stores, in 16 bits."""
+    step, state = _adamw_step(compute_dtype, offload_param)
+    assert step.update_placement.on_host
+    assert "update runs on the host (compute_on('device_host')" in step.describe()
+    text = _gpu_program(step, state)
+    operands, body = _host_computation(text)
+    assert operands and all('_xla_buffer_placement = "pinned_host"' in op for op in operands)
+    assert "annotate_device_placement" not in body
+    for line in body.splitlines():
+        op = re.search(r'= (stablehlo\.\w+|call)', line)
+        if op and op.group(1) not in ("stablehlo.constant",) and re.search(r'tensor<\d', line):
+            assert '_xla_compute_type = "host"' in line, line
+    placements = _typed_placements(text)
+    partitioned = _partitioned(state.plan)
+    for leaf in partitioned:
+        on_device = {dtype for kind, shape, dtype in placements if kind == "device"
+                     and shape in (leaf.param_shape, (leaf.layers, *leaf.shard_shape))}
+        assert on_device == (set() if offload_param == "cpu" else {"bf16"}), leaf.path
+        if offload_param == "cpu" and leaf.stacked:
+            assert ("device", leaf.shard_shape, "f32" if compute_dtype == "float32" else "bf16"
+                    ) in placements, leaf.path              # fetched one layer at a time
+
+
+def test_a_transformation_the_host_cannot_trace_takes_the_device_update_and_says_so():
+    """`optax.clip_by_global_norm` does not trace under `compute_on("device_host")` on JAX 0.10
+    (a device-typed temporary meets the host-typed gradients): `make_step` warns and the step
+    runs the update on the device between explicit copies, `describe()` naming the
+    transformation; the GPU program then brings the partitions in for the update. It trains
+    bit-identically to the step without offload (2 steps: losses and parameters)."""
+    def chained():
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
+    with pytest.warns(UserWarning, match=r"runs on the device with explicit transfers, not on "
+                                         r"the host: optax\.clip_by_global_norm does not trace"):
+        step, state = _adamw_step("float32", "cpu", chained())
+    assert not step.update_placement.on_host
+    assert ("update runs on device (explicit host<->device transfers around the update: "
+            "optax.clip_by_global_norm does not trace under compute_on('device_host')"
+            ) in step.describe()
+    assert "_xla_compute_type" not in (text := _gpu_program(step, state))
+    stacked = [leaf for leaf in _partitioned(state.plan) if leaf.stacked]
+    assert all(("device", leaf.param_shape) in _placements(text) for leaf in stacked)
+    plain = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                              optimizer=chained(), config=zeroxla.ZeroConfig(
+                                  stage=3, persistence_threshold=THRESHOLD))
+    batches = token_batches(2, BATCH, SEQ, vocab=65, seed=4)
+    runs = [run_steps(s, s.init(), batches) for s in (step, plain)]
+    assert runs[0][1] == runs[1][1]
+    for a, b in zip(jax.tree.leaves(flat_params(zeroxla.gather_params(runs[0][0]))),
+                    jax.tree.leaves(flat_params(zeroxla.gather_params(runs[1][0])))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer,refused_by", [
+    (optax.sgd(0.1, momentum=0.9), None), (optax.adamw(1e-3), None), (optax.lion(1e-4), None),
+    (optax.lamb(1e-3), "optax.scale_by_trust_ratio"), (optax.adafactor(1e-3), "optax.scale_by_"),
+])
+def test_the_update_placement_names_what_cannot_run_on_the_host(optimizer, refused_by):
+    """Which transformations JAX 0.10 traces under host compute (elementwise ones), and the one
+    named when it does not (LAMB's trust ratio, Adafactor's block RMS)."""
+    config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD, offload_param="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = zeroxla.make_step(models.build("gpt-tiny", seed=1), zeroxla.make_mesh(2, 4),
+                                 optimizer=optimizer, config=config)
+    placement = step.update_placement
+    assert placement.on_host == (refused_by is None)
+    if refused_by is not None:
+        assert placement.refused_by.startswith(refused_by)
+        assert "memory_space of all inputs passed to" in placement.refused_by
+        assert any(refused_by in str(w.message) for w in caught)
 
 
 def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
