@@ -38,8 +38,9 @@ def test_zero2_offload_device_bytes_match_deepspeed():
 
 def test_zero2_offload_host_bytes_are_deepspeeds_model_states_less_its_gradient_copy():
     """DeepSpeed's ZeRO-Offload host holds 16 bytes a parameter (fp32 master 4, Adam 8, fp32
-    gradients 4; its 1.5 is a buffer factor, not state); here the gradients stay on the device
-    and reach the update there, so the host holds 12 per parameter, summed over the node."""
+    gradients 4; its 1.5 is a buffer factor, not state); here the gradients are copied to the
+    host inside the step, for the update, and not kept there, so the host holds 12 per
+    parameter, summed over the node."""
     cpu_mem, _, _ = deepspeed_zero3_mem_needs(TOTAL_PARAMS, LARGEST_LAYER_PARAMS, GPUS, 1,
                                               cpu_offload=True, cpu_offload_params=False)
     without_gradients = cpu_mem / 1.5 - 4 * TOTAL_PARAMS

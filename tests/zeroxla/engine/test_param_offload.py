@@ -323,16 +323,19 @@ def test_parameter_offload_with_recompute_jit_gathers_and_16bit_partitions():
         np.testing.assert_array_equal(a, b)
 
 
-def test_hybrid_engine_generates_from_offloaded_partitions():
-    """The Hybrid Engine reads the partitions, which parameter offload keeps in pinned host
-    memory: it copies them to the device and generates the non-offloaded state's tokens."""
+@pytest.mark.parametrize("offload", ["offload_param", "offload_optimizer"])
+def test_hybrid_engine_generates_from_offloaded_partitions(offload):
+    """The Hybrid Engine reads the partitions where offload keeps them: in pinned host memory
+    (parameter offload), or, with the optimizer offloaded, as 16-bit device partitions beside
+    float32 masters in host memory (`MasterWithCopy`). Either way it generates the
+    non-offloaded state's tokens (stage 3, fp16)."""
     from zeroxla.inference import HybridEngine, HybridEngineConfig
 
-    tokens = {}
-    for offload in ("cpu", "none"):
-        step, state, _, _ = _fp16_run(offload)
+    tokens = []
+    for run in (fp16_run(3, **{offload: "cpu"}), _fp16_run("none")):
+        step, state, _, _ = run
         engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=12))
-        tokens[offload] = engine.generate(state, [np.arange(1, 5, dtype=np.int32)],
-                                          max_new_tokens=8, temperature=0.0)[0]
+        tokens.append(engine.generate(state, [np.arange(1, 5, dtype=np.int32)],
+                                      max_new_tokens=8, temperature=0.0)[0])
         engine.release()
-    np.testing.assert_array_equal(tokens["cpu"], tokens["none"])
+    np.testing.assert_array_equal(tokens[0], tokens[1])
