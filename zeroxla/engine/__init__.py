@@ -19,6 +19,7 @@
     optimizer.py   any optax transformation on the logical, sharded parameters
     loss_scale.py  fp16 dynamic loss scaling, DeepSpeed's semantics
     offload.py     ZeRO-Offload / ZeRO-Infinity: optimizer state, masters and stage-3 partitions in host memory
+    host_update.py ZeRO-Offload's update in host memory (compute_on), or why it runs on the device
     logical.py     the state's mesh-independent form (checkpoints)
 
 The plan it runs (mesh, ZeroConfig, rules, leaf plans) is `zeroxla.sharding`; collectives live
