@@ -59,19 +59,15 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
         new_params.update({leaf.path: stored_update(leaf, new_logical[leaf.path], mesh,
                                                     layout.axes) for leaf in trainable})
 
-    metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
-    loss_scale = state.loss_scale
+    overflow = None
     if cfg.uses_loss_scaling:
         overflow = _overflow(logical_grads, grad_norm)
         # An overflow skips the update: parameters and optimizer state stay bit-identical.
         new_params, new_opt_state = jax.tree.map(
             lambda new, old: jnp.where(overflow, old, new),
             (new_params, new_opt_state), (state.params, state.opt_state))
-        loss_scale = update_loss_scale(state.loss_scale, overflow, cfg)
-        metrics.update(loss_scale=state.loss_scale.scale, overflow=overflow)
-    new_state = state.replace(step=state.step + 1, params=new_params,
-                              opt_state=new_opt_state, loss_scale=loss_scale,
-                              model_state=model_state)
+    new_state, metrics = _next_state(layout, state, new_params, new_opt_state, overflow, loss,
+                                     grad_norm, model_state)
     return offloaded(layout, new_state), metrics
 
 
@@ -86,14 +82,23 @@ def _host_applied(layout: ZeroLayout, state: TrainState, loss: jax.Array,
                   model_state: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
     """`apply_gradients` with the update in host memory: the overflow flag is computed first,
     so that the skip runs inside the host update beside the host-held values."""
-    cfg = layout.config
-    metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
-    overflow = _overflow(logical_grads, grad_norm) if cfg.uses_loss_scaling else None
+    overflow = (_overflow(logical_grads, grad_norm) if layout.config.uses_loss_scaling
+                else None)
     with jax.named_scope(PARAM_UPDATE):     # its all-gathers are the update's, as on the device
         new_params, new_opt_state = host_update(layout, state, logical_grads, overflow)
+    return _next_state(layout, state, new_params, new_opt_state, overflow, loss, grad_norm,
+                       model_state)
+
+
+def _next_state(layout: ZeroLayout, state: TrainState, params: dict[str, Any], opt_state: Any,
+                overflow: jax.Array | None, loss: jax.Array, grad_norm: jax.Array,
+                model_state: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The state after an update (its skip, on overflow, already applied) and the step's
+    metrics; fp16 (`overflow` given): the loss scale moves, as DeepSpeed's does."""
+    metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
     loss_scale = state.loss_scale
-    if cfg.uses_loss_scaling:
-        loss_scale = update_loss_scale(state.loss_scale, overflow, cfg)
+    if overflow is not None:
+        loss_scale = update_loss_scale(state.loss_scale, overflow, layout.config)
         metrics.update(loss_scale=state.loss_scale.scale, overflow=overflow)
-    return state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state,
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                          loss_scale=loss_scale, model_state=model_state), metrics

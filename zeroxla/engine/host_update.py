@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
 from zeroxla.engine import offload
+from zeroxla.engine.logical import abstract_storage_state
 from zeroxla.engine.update import all_gather_update, constrain, optimizer_input, stored_update
 from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
 
@@ -83,7 +84,6 @@ def update_placement(layout: Any) -> UpdatePlacement:
     (and a warning, so the fallback is never silent)."""
     if not layout.config.offloads:
         return UpdatePlacement(on_host=False)
-    from zeroxla.engine.logical import abstract_storage_state
     state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                                   sharding=sharding),
                          abstract_storage_state(layout), layout.state_shardings)

@@ -141,9 +141,7 @@ def host_shardings(config: ZeroConfig, plan: ShardingPlan, params: dict[str, Any
 
 def _moved_params(layout: Any, state: Any, params: dict[str, Any]) -> dict[str, Any]:
     """`state.params` with each offloaded one put on its sharding in `params`."""
-    config, plan = layout.config, layout.plan
-    paths = dict.fromkeys((_masters(plan) if config.offload_optimizer != "none" else []) + (
-        _partitions(plan) if config.offload_param != "none" else []))
+    paths = _offloaded_param_paths(layout.config, layout.plan)
     return {**state.params, **{p: jax.device_put(state.params[p], params[p]) for p in paths}}
 
 
@@ -187,14 +185,19 @@ def _masters(plan: ShardingPlan) -> list[str]:
     return [leaf.path for leaf in plan.trainable_leaves if leaf.has_compute_copy]
 
 
+def _offloaded_param_paths(config: ZeroConfig, plan: ShardingPlan) -> list[str]:
+    """The parameters held (in part) in host memory, in plan order, each once: the float32
+    master partitions (`MasterWithCopy`) under `offload_optimizer`, every partitioned leaf's
+    partition (frozen ones too) under `offload_param`."""
+    return list(dict.fromkeys((_masters(plan) if config.offload_optimizer != "none" else []) + (
+        _partitions(plan) if config.offload_param != "none" else [])))
+
+
 def host_stored_paths(config: ZeroConfig, plan: ShardingPlan) -> frozenset[str]:
-    """The trainable leaves whose updated value is stored in host memory: the float32 master
-    partitions (`MasterWithCopy`) under `offload_optimizer`, stage 3's partitions under
-    `offload_param` (`engine.host_update` updates them there)."""
-    paths = set(_masters(plan)) if config.offload_optimizer != "none" else set()
-    if config.offload_param != "none":
-        paths.update(leaf.path for leaf in plan.trainable_leaves if leaf.params_partitioned)
-    return frozenset(paths)
+    """The trainable leaves whose updated value is stored in host memory (`engine.host_update`
+    updates them there): `_offloaded_param_paths` less the frozen leaves."""
+    trainable = {leaf.path for leaf in plan.trainable_leaves}
+    return frozenset(p for p in _offloaded_param_paths(config, plan) if p in trainable)
 
 
 def _partitions(plan: ShardingPlan) -> list[str]:
