@@ -1,6 +1,6 @@
 """ZeRO stages 0-3 against the two baselines a JAX user would run, on 8 simulated CPU devices.
 
-    python benchmarks/zero.py [--models gpt-small] [--steps 7] [--batch-size 32]
+    python benchmarks/zero.py [--models gpt-small] [--steps 21] [--batch-size 32]
 
 Runs, all on one 2-node x 4-local mesh, the same model, batch and AdamW, measured in one process:
 
@@ -20,7 +20,8 @@ Runs, all on one 2-node x 4-local mesh, the same model, batch and AdamW, measure
   the loop a copy of the carried layer (gpt-small: about 6% of the step), and GSPMD FSDP, the
   baseline, does not prefetch on CPU either.
 
-For each: the median step time (the runs' steps interleaved, one of each per round), the
+For each: the median step time (the runs' steps interleaved, one of each per round, the order
+rotated every round) and its ratio to a baseline's as the median of the rounds' paired ratios, the
 per-device training state, XLA's peak for the compiled step
 (`compiled.memory_analysis()`: arguments + temporaries + outputs - donated), and the bytes each
 device sends per step, read from the compiled program (`compiled.as_text()` parsed by
@@ -62,19 +63,29 @@ def _batch(model_name: str, batch_size: int, seed: int = 0) -> dict[str, np.ndar
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _time_interleaved(runs: dict, steps: int) -> dict[str, float]:
-    """{label: median seconds of its steps}: each run's first step (compile) untimed, then
-    `steps` rounds, each timing one step of every run in turn, so that a change in the load
-    on the shared cores falls on all runs alike rather than on whichever ran then."""
+def _time_interleaved(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """{label: seconds of each of its timed steps, one per round}: each run's first step
+    (compile) untimed, then `rounds` rounds, each timing one step of every run, the order
+    rotated from round to round, so that a change in the load on the shared cores falls on
+    all runs alike, and no run always follows the same other run."""
     for run in runs.values():
         jax.block_until_ready(run())
+    labels = list(runs)
     times: dict[str, list[float]] = {label: [] for label in runs}
-    for _ in range(steps):
-        for label, run in runs.items():
+    for k in range(rounds):
+        for label in labels[k % len(labels):] + labels[:k % len(labels)]:
             start = time.perf_counter()
-            jax.block_until_ready(run())
+            jax.block_until_ready(runs[label]())
             times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(t) for label, t in times.items()}
+    return times
+
+
+def time_ratio(times: list[float], base: list[float]) -> float:
+    """The median over rounds of a run's step time over the baseline's in the same round:
+    paired, so that the load of one round (both steps ran in it) cancels, where a ratio of two
+    medians carries each run's own slow rounds (the figure then moved by as much as 5% between
+    two runs of this script minutes apart)."""
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
 
 
 def _state_bytes(tree) -> int:
@@ -128,6 +139,10 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}" if base else "-"
 
 
+def _time_ratios(r: dict, base: dict) -> str:
+    return f"{time_ratio(r['times'], base['times']):.2f}"
+
+
 def _traffic(row: dict, param_bytes: int) -> str:
     return "/".join(f"{row['payload'][k] / param_bytes:.2f}" for k in KINDS)
 
@@ -137,8 +152,8 @@ def table(model_name: str, rows: list[tuple[str, dict]], param_bytes: int) -> li
     lines = []
     for label, r in rows:
         lines.append(
-            f"{model_name:<10}{label:<8}{1e3 * r['seconds']:>9.1f}"
-            f"{_ratio(r['seconds'], dp['seconds']):>6}{_ratio(r['seconds'], fsdp['seconds']):>7}"
+            f"{model_name:<10}{label:<8}{1e3 * statistics.median(r['times']):>9.1f}"
+            f"{_time_ratios(r, dp):>6}{_time_ratios(r, fsdp):>7}"
             f"{r['state'] / 2**20:>10.2f}{r['peak'] / 2**20:>10.2f}"
             f"{_ratio(r['peak'], dp['peak']):>6}{_ratio(r['peak'], fsdp['peak']):>7}"
             f"{r['sent'] / 2**20:>10.2f}{_ratio(r['sent'], dp['sent']):>6}"
@@ -149,14 +164,14 @@ def table(model_name: str, rows: list[tuple[str, dict]], param_bytes: int) -> li
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt-small"], choices=sorted(SEQ))
-    parser.add_argument("--steps", type=int, default=7,
-                        help="timed rounds, one step of every run each (median)")
+    parser.add_argument("--steps", type=int, default=21,
+                        help="timed rounds, one step of every run each (medians)")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
     mesh = zeroxla.make_mesh(2, 4)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"mesh 2x4, batch {args.batch_size}, AdamW float32, median of {args.steps} interleaved "
-          "steps")
+          f"mesh 2x4, batch {args.batch_size}, AdamW float32, {args.steps} interleaved rounds: "
+          "step ms their median, time ratios the median of the rounds' paired ratios")
     header = (f"{'model':<10}{'run':<8}{'step ms':>9}{'xDP':>6}{'xFSDP':>7}{'state MiB':>10}"
               f"{'peak MiB':>10}{'xDP':>6}{'xFSDP':>7}{'sent MiB':>10}{'xDP':>6}{'xFSDP':>7}"
               f"  AG/RS/AR/A2A x params")
@@ -170,9 +185,9 @@ def main(argv=None) -> None:
                 ("fsdp", bench_jit(name, "fsdp", mesh, batch))]
         rows += [(f"zero-{s}", bench_zero(name, s, mesh, batch)) for s in range(4)]
         rows.append(("zero-3j", bench_zero(name, 3, mesh, batch, prefetch=False)))
-        seconds = _time_interleaved({label: r["run"] for label, r in rows}, args.steps)
+        times = _time_interleaved({label: r["run"] for label, r in rows}, args.steps)
         for label, r in rows:
-            r["seconds"] = seconds[label]
+            r["times"] = times[label]
         print("\n".join(table(name, rows, param_bytes)), flush=True)
 
 
