@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 from zeroxla import models
 import zeroxla
@@ -40,6 +41,7 @@ def _zero3_peak(mesh, batch, **config) -> int:
     return peak_bytes(step.compile(jax.eval_shape(step.init), batch))
 
 
+@pytest.mark.slow
 def test_zero3_peak_at_most_fsdp():
     """Measured (3 layers, 32 x 64 tokens, the suite's XLA flags): FSDP 44.84 MiB, ZeRO-3
     42.83 MiB (0.955x) with prefetch, 39.45 MiB (0.880x) gathering just in time. gpt-small in

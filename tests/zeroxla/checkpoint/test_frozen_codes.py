@@ -381,6 +381,7 @@ def _rewrite_format(path, number):
     meta_file.write_text(json.dumps(meta))
 
 
+@pytest.mark.slow
 @pytest.mark.fusion_emitters        # restored codes equal the new step's init quantization
 def test_format_one_floats_restore_into_codes_and_unknown_formats_are_refused(tmp_path):
     """A format-1 checkpoint held frozen leaves as floats: they are quantized once, as at init.

@@ -121,7 +121,8 @@ def _stage3_16bit_run(dtype, offload):
     return step, state, metrics
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16",
+                                   pytest.param("float16", marks=pytest.mark.slow)])
 def test_stage3_offload_keeps_a_16bit_partition_on_the_device(dtype, tmp_path):
     """Stage 3 with the optimizer offloaded under bf16/fp16 stores each partitioned leaf as
     DeepSpeed's ZeRO-Offload does: its 16-bit partition on the device (what the gathers read),

@@ -301,6 +301,7 @@ def test_frozen_partitions_are_offloaded_and_train_as_without(quantized_frozen):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_parameter_offload_with_recompute_jit_gathers_and_16bit_partitions():
     """Other paths through the fetch: remat "full" (backward re-runs each layer from its input,
     fetching again), no prefetch (each layer fetched and gathered just before it runs), and bf16

@@ -10,6 +10,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import zeroxla
@@ -51,6 +52,7 @@ def test_storage_takes_the_tensor_parallel_dim_at_no_training_cost():
     assert moved >= 4                       # wq, wk, wv, w_fc: embed before their split dim
 
 
+@pytest.mark.slow
 def test_reshard_at_the_byte_floor_and_greedy_tokens_unchanged():
     step = zero3_step("gpt-8heads", THRESHOLD)
     state = train(step, 1)
