@@ -14,6 +14,10 @@
     gather.py      gather before use, release, re-gather in backward (custom VJPs)
     layer_loop.py  a gathered stack's layer loop: prefetch, per-layer values read in place
     remat.py       what a gathered unit keeps for its backward (remat policies)
+    weight_split.py a pullback split into its input-gradient part B and its weight-gradient
+                   part W (zero-bubble schedules), W reading what B stashes
+    weight_split_plan.py which jaxpr equations B and W run, and the stash between them
+    jaxpr_compat.py the jaxpr facts the split reads that no public JAX API states
     gradients.py   what is differentiated, and where each gradient is reduced, per stage
     update.py      each leaf's layouts around the optax update
     optimizer.py   any optax transformation on the logical, sharded parameters

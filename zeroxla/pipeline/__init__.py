@@ -19,11 +19,13 @@
     passes.py      one stage's forward and backward in a schedule step: the model's pieces
                    on the stage and the idle / forward / backward (/ weight-gradient) branches,
                    and what ZB-H1's B and W compute and keep (imports JAX)
+    weight_pass.py ZB-H1's W weight-only where the blocks' vjp splits (engine.weight_split),
+                   decided once per trace, or the warned fallback (imports JAX)
     executor.py    the table run as one lax.scan per segment, one ppermute per send, inside
                    the ZeRO step; built on the step's ZeroLayout by `zeroxla.make.make_step`
                    (imports JAX; loaded by zeroxla.make, not by this package)
 
-Nothing here but executor.py, passes.py and stages.py imports JAX.
+Nothing here but executor.py, passes.py, weight_pass.py and stages.py imports JAX.
 """
 
 from zeroxla.pipeline.config import PipelineConfig

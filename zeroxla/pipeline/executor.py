@@ -46,7 +46,9 @@ the loss (the default or the user's `loss_fn`) too. What the forward keeps in st
   a checkpoint policy ("dots_saveable", ...): as "none", keeping what the policy saves.
 The stash has `max(num_pipe_buffers)` buffers: 1F1B's min(S, M) (at least 2), GPipe's M,
 ZB-H1's min(S, M) (a buffer lives from F to W). ZB-H1 splits the backward into B (input
-gradient) and W (weight gradient); what each computes and keeps: `zeroxla.pipeline.passes`.
+gradient) and W (weight gradient); under remat "none" / a policy each buffer also holds the
+cotangents B stashes for a weight-only W ("wstash", `StagePasses.weight_stash_shapes`); what
+each computes and keeps: `zeroxla.pipeline.passes`.
 
 Each stage stores only its own layers (`zeroxla.pipeline.storage`: the stacked leaves split over
 the stage axis in `max_layers` slots per stage, padding slots masked; partitioned over the data
@@ -128,9 +130,15 @@ class PipelineExecutor:
         t = self.table
         passes = ("forward, input-gradient backward B and weight-gradient pass W per "
                   "micro-batch, " if self.splits_backward else "")
+        weight = ("" if not self.splits_backward else
+                  "\nW: recomputes the stage's forward and vjp (remat \"full\")"
+                  if self.remat == remat.FULL else
+                  "\nW: weight-only (the blocks' vjp split per op, B stashing the cotangents "
+                  "W reads; where the split cannot place an equation it warns and re-applies "
+                  "the whole vjp)")
         return (self.split.describe() + f"\nschedule: {t.schedule}, {t.micro_batches} "
                 f"micro-batches, {passes}{t.num_steps} steps, {self.num_buffers} stash buffers, "
-                f"bubble {t.bubble_fraction:.3f}")
+                f"bubble {t.bubble_fraction:.3f}" + weight)
 
     def check_batch(self, batch: Any) -> None:
         """ValueError unless the global batch splits into data replicas x micro_batches (other
@@ -214,9 +222,11 @@ class PipelineExecutor:
         passes = StagePasses(model, S, is_first, is_last, stage, micro_batches, seed, act,
                              jnp.zeros(act.shape, act.dtype), self.remat != remat.FULL,
                              self.splits_backward)
-        kept_shapes = (passes.kept_shapes(model.stack_args(first_micro))
-                       if passes.keeps_residuals else [])
-        carry = self._run_schedule(passes, kept_shapes)
+        consts = model.stack_args(first_micro)
+        kept_shapes = passes.kept_shapes(consts) if passes.keeps_residuals else []
+        stash_shapes = (passes.weight_stash_shapes(consts)
+                        if passes.keeps_residuals and self.splits_backward else [])
+        carry = self._run_schedule(passes, kept_shapes, stash_shapes)
 
         # 3. Back to the plan's layout, reduced over data; the loss over data and stages.
         grads = self._reduce_gradients(carry["grads"], index)
@@ -270,9 +280,11 @@ class PipelineExecutor:
             block_full=[values[path] for path in self.block.paths],
             policy=remat.NONE if stack is not None else self.remat, dtype=layout.config.dtype)
 
-    def _run_schedule(self, passes: StagePasses, kept_shapes: list[Any]) -> dict[str, Any]:
+    def _run_schedule(self, passes: StagePasses, kept_shapes: list[Any],
+                      stash_shapes: list[Any]) -> dict[str, Any]:
         """The table's steps on this stage, one `lax.scan` per segment. Returns the last carry:
-        the float32 gradient sums "grads" and the loss sum "total" over "count" tokens."""
+        the float32 gradient sums "grads" and the loss sum "total" over "count" tokens.
+        `stash_shapes`: what ZB-H1's B stashes for W per buffer (remat "none" / a policy)."""
         act, zeros_act, axis = passes.act, passes.zeros_act, self.layout.axes.stage
         S, trainable = self.stages, passes.model.trainable
 
@@ -289,6 +301,9 @@ class PipelineExecutor:
                  "act": zeros_act, "grad": zeros_act,
                  "grads": jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), trainable),
                  "total": jnp.float32(0), "count": jnp.float32(0)}
+        if self.splits_backward and passes.keeps_residuals:   # B's per-op cotangents for W
+            carry["wstash"] = [jnp.zeros((self.num_buffers, *s.shape), s.dtype)
+                               for s in stash_shapes]
         if self.splits_backward and not passes.keeps_residuals:   # B's d_y for W, remat "full"
             carry["cot"] = jnp.zeros((self.num_buffers, *act.shape), act.dtype)  # [NB, mb, T, D]
         rows = {k: v for k, v in self.table.as_arrays().items()

@@ -21,17 +21,21 @@ Zero-bubble schedules (ZB-H1, `zeroxla.pipeline.zero_bubble`) split the backward
       "stash" (where the last stage's forward already put its head's d_y), under "full" in
       "cot". The first stage's embedding gradient (a scatter-add of d_x) is accumulated here,
       and under remat "full" the last stage's head gradient too (the head's vjp that yields d_y
-      yields it): the blocks' parameter gradients are W's. B's vjp also has the blocks'
-      parameter cotangents on hand; they are unused, and XLA drops them.
-  W (WEIGHT) computes the blocks' parameter gradients from d_y and what the forward kept:
-      under remat "none" it applies the stage's kept vjp (the residuals stay in "kept" from F
-      to W) to d_y again, recomputing the chain of activation cotangents through the stage's
-      blocks that B computed (about a backward's FLOPs, not a weight pass's: the blocks' vjp is
-      one function here, not split per matmul); under "full" it recomputes the stage's forward
-      from the stashed x too. Under ZeRO-3 per-micro-batch gathers W gathers each layer again
-      (a third time per micro-batch) and reduce-scatters its gradients where it accumulates
-      them; under "step" gathers the accumulated gradients are reduce-scattered once after
-      the schedule, as for 1F1B.
+      yields it): the blocks' parameter gradients are W's.
+  W (WEIGHT) computes the blocks' parameter gradients.
+      Under remat "none" / a checkpoint policy the blocks' kept vjp is split at the jaxpr level
+      (`zeroxla.engine.weight_split`): B runs only the equations d_x needs and writes, into
+      the buffer's "wstash" entries, the values of theirs that the weight gradients read (per
+      parameter-consuming op its output cotangent, per layer; the norms' and biases' sums B
+      takes itself); W runs only the weight-gradient equations (dW = x^T dy from the kept x
+      and the stashed dy), about a weight pass's FLOPs. Under ZeRO-3 per-micro-batch gathers
+      B gathers each layer (d_x reads it) and W reduce-scatters each layer's gradient, with no
+      third gather. Where the split cannot place an equation it warns and W re-applies the
+      whole kept vjp to d_y (B's chain recomputed: about a backward's FLOPs, still exact).
+      Under remat "full" W recomputes the stage's forward from the stashed x and applies its
+      vjp to the stashed d_y, by design (nothing is kept to split), gathering each layer again
+      under per-micro-batch gathers. Under "step" gathers the accumulated gradients are
+      reduce-scattered once after the schedule, as for 1F1B.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ from jax import lax
 
 from zeroxla.engine import remat
 from zeroxla.engine.gather import GatheredStack
+from zeroxla.engine.weight_split import WeightSplit
 from zeroxla.models.layers import call_block
 from zeroxla.pipeline.stages import StagedLoss, loss_after_stack, stack_input, stop_gradients
 from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, WEIGHT
+from zeroxla.pipeline.weight_pass import WeightSplitChoice
 
 # `jax.named_scope`s around a stage's forward and backward work, so an HLO reading can tell the
 # collectives of each schedule op (ZeRO-3 gathers, reduce-scatters) from those of the loop.
@@ -174,6 +180,7 @@ class StagePasses:
     keeps_residuals: bool           # remat is not "full": forward keeps the blocks' vjp
     splits_backward: bool = False   # the table has WEIGHT steps: BACKWARD is then B only
     layouts: list[Any] = dataclasses.field(default_factory=list)  # static, same every trace
+    weight_choice: WeightSplitChoice = dataclasses.field(default_factory=WeightSplitChoice)
 
     def kept_shapes(self, consts: tuple) -> list[Any]:
         """Each residual the blocks' forward keeps, as a shape (per buffer); records the vjp's
@@ -183,6 +190,23 @@ class StagePasses:
             self.layouts.append(layout)
             return kept
         return jax.eval_shape(probe, self.act, consts)
+
+    def weight_stash_shapes(self, consts: tuple) -> list[Any]:
+        """What B stashes for W per buffer (zero-bubble, remat "none" / a policy), as shapes:
+        the blocks' per-op cotangents W reads; [] where the split falls back. Decides the
+        split for this trace's B and W branches (`zeroxla.pipeline.weight_pass`)."""
+        def probe(x, consts):
+            _, kept, _ = self.model.linearized_blocks(x, consts)
+            split = self._weight_split(kept, x)
+            return [] if split is None else [jnp.zeros(s.shape, s.dtype)
+                                             for s in split.stash_shapes]
+        return jax.eval_shape(probe, self.act, consts)
+
+    def _weight_split(self, kept: list[Any], d_y: jax.Array) -> WeightSplit | None:
+        """The blocks' kept pullback split into B (d_x, and a stash) and W (the weight
+        gradients from the stash), or None where it falls back (warned)."""
+        return self.weight_choice.split(self.layouts[0].cotangents, kept,
+                                        self.model.block_full, d_y)
 
     def _if_first(self, stages: set[int], true_fn: Callable, false_fn: Callable) -> Any:
         return _branch(self.is_first, {s == 0 for s in stages}, true_fn, false_fn)
@@ -315,7 +339,13 @@ class StagePasses:
                 d_y = self._if_last(at.work[BACKWARD], lambda: c["stash"][at.buf],
                                     lambda: c["grad"])
                 kept = [k[at.buf] for k in c["kept"]]
-                d_x = self.layouts[0].cotangents(kept, model.block_full, d_y)[1]
+                split = self._weight_split(kept, d_y)
+                if split is None:
+                    d_x = self.layouts[0].cotangents(kept, model.block_full, d_y)[1]
+                else:
+                    d_x, wstash = split.input_cotangents(kept, model.block_full, d_y,
+                                                         stash=c["wstash"], at=(at.buf,))
+                    c = {**c, "wstash": wstash}
                 c = {**c, "stash": c["stash"].at[at.buf].set(d_y)}
                 d_head = {}
             else:
@@ -345,9 +375,13 @@ class StagePasses:
         model = self.model
         with jax.named_scope(WEIGHT_SCOPE):
             if self.keeps_residuals:
-                kept = [k[at.buf] for k in c["kept"]]
-                d_full = self.layouts[0].cotangents(kept, model.block_full,
-                                                    c["stash"][at.buf])[0]
+                kept, d_y = [k[at.buf] for k in c["kept"]], c["stash"][at.buf]
+                split = self._weight_split(kept, d_y)
+                if split is None:
+                    d_full = self.layouts[0].cotangents(kept, model.block_full, d_y)[0]
+                else:
+                    d_full = split.weight_cotangents(kept, model.block_full, d_y,
+                                                     stash=c["wstash"], at=(at.buf,))
                 d_p = dict(zip(model.block.paths, d_full))
             else:
                 paths = [path for path in model.block.paths if path in model.trainable]

@@ -19,9 +19,10 @@ GPT-2's tied embedding and Llama; uneven splits, including a stage with no block
 ZB-H1 (backward split into the input-gradient pass B and the weight-gradient pass W), SGD:
 
     model       stages x node x local   M   ZeRO  gather       layers  remat
-    gpt-tiny    2 x 1 x 4               4   0     -            4       none (W re-applies the
-                                                                       kept vjp)
-    llama-tiny  4 x 1 x 2               4   3     micro_batch  4       none (W gathers again)
+    gpt-tiny    2 x 1 x 4               4   0     -            4       none (W weight-only:
+                                                                       the split kept vjp)
+    llama-tiny  4 x 1 x 2               4   3     micro_batch  4       none (B gathers, W
+                                                                       reduce-scatters)
     gpt-tiny    2 x 1 x 4               2   3     step         2       full (B and W recompute)
 """
 

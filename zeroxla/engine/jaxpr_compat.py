@@ -1,0 +1,99 @@
+"""The few facts about JAX's jaxprs that `zeroxla.engine.weight_split` reads and that no public
+API states: written against jax 0.10.2 (check them again on an upgrade).
+
+* Which primitives are plain calls of an inner jaxpr (`pjit`, `closed_call`, `checkpoint`,
+  `custom_jvp_call`, ...), and under which parameter that jaxpr sits: the split inlines them.
+* A `scan` equation's parameters (`num_consts`, `num_carry`, `length`, `reverse`, `unroll`,
+  `jaxpr`): the split rebuilds a scan as two `lax.scan`s.
+* Which effects are only a collective's mesh axis names (`NamedAxisEffect`), not an order.
+* How `jax.core.eval_jaxpr` re-emits an equation: `bind` with `Primitive.get_bind_params`,
+  under the equation's context (`eqn.ctx.manager`) and its name stack
+  (`jax._src.source_info_util.user_context`, private), so the ops the split re-emits keep
+  their `jax.named_scope` names (the comm report reads "zero_bwd_gather" /
+  "zero_grad_reduce" from the compiled ops' names). That private use is here only.
+
+Everything else the split uses is public: `jax.extend.core` (`Jaxpr`, `Var`, `Literal`,
+`jaxprs_in_params`), `jax.make_jaxpr` and `lax.scan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from jax._src import source_info_util   # private: see the module docstring
+from jax.extend import core as jex_core
+
+# primitive name -> the parameter holding the jaxpr it calls (a Jaxpr or ClosedJaxpr)
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+          "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+def called_jaxpr(eqn: Any) -> tuple[Any, list[Any]] | None:
+    """(jaxpr, consts) of a call equation whose inputs are the jaxpr's invars one to one, or
+    None for any other equation."""
+    param = _CALLS.get(eqn.primitive.name)
+    inner = eqn.params.get(param) if param else None
+    if inner is None:
+        return None
+    if isinstance(inner, jex_core.ClosedJaxpr):
+        jaxpr, consts = inner.jaxpr, list(inner.consts)
+    else:
+        jaxpr, consts = inner, []
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        return None                                   # not a plain call (extra operands)
+    return jaxpr, consts
+
+
+def is_scan(eqn: Any) -> bool:
+    return eqn.primitive.name == "scan"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParams:
+    """A scan equation's loop: operands are consts, then carries, then xs."""
+
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+    jaxpr: Any                    # the body, a ClosedJaxpr: (consts, carries, xs) -> (carries, ys)
+
+
+def scan_params(eqn: Any) -> ScanParams:
+    p = eqn.params
+    return ScanParams(p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"],
+                      p["jaxpr"])
+
+
+def ordering_effects(effects: Any) -> set:
+    """The effects that order a program's equations: all but `NamedAxisEffect`, which only
+    records that a collective names a mesh axis (a `shard_map` body's all-gathers have it)."""
+    return {e for e in effects if type(e).__name__ != "NamedAxisEffect"}
+
+
+def has_inner_jaxprs(eqn: Any) -> bool:
+    return bool(list(jex_core.jaxprs_in_params(eqn.params)))
+
+
+def bind(eqn: Any, invals: list[Any]) -> list[Any]:
+    """The equation applied to `invals` as `jax.core.eval_jaxpr` applies it: its outputs, as a
+    list."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with scope_of(eqn), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def scope_of(eqn: Any) -> Iterator[None]:
+    """Re-enters the name stack the equation was traced under (its `jax.named_scope`s and
+    transforms, e.g. "transpose(jvp(zero_fwd_gather))/zero_bwd_gather"), below the current."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        yield
