@@ -179,24 +179,25 @@ def _with_reductions(jaxpr: Any, b: _BPlan, b_has: list[bool]) -> _BPlan:
     has = {v for v, m in zip(jaxpr.invars, b_has) if m} | set(jaxpr.constvars)
     definer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
 
-    def chain(v: Any, seen: set) -> bool:    # B could compute v by cheap ops: add to `seen`
-        if not is_var(v) or v in defined or v in has:
-            return True
-        i = definer.get(v)
-        if i is None or i in b.subs or eqns[i].primitive.name not in _CHEAP or eqns[i].effects:
-            return False
-        seen.add(i)
-        return all(chain(u, seen) for u in eqns[i].invars)
-
+    b_can = set(defined) | has              # what B has or could compute by cheap ops
+    for i, eqn in enumerate(eqns):
+        if (not run[i] and i not in b.subs and eqn.primitive.name in _CHEAP and not eqn.effects
+                and all(not is_var(u) or u in b_can for u in eqn.invars)):
+            b_can.update(eqn.outvars)
     for i, eqn in enumerate(eqns):
         if run[i] or i in b.subs or eqn.primitive.name != "reduce_sum" or eqn.effects:
             continue
         size_in, size_out = (math.prod(v.aval.shape) for v in (eqn.invars[0], eqn.outvars[0]))
-        seen: set[int] = set()
-        if 8 * size_out <= size_in and chain(eqn.invars[0], seen):
-            for j in (*seen, i):
+        if 8 * size_out > size_in or eqn.invars[0] not in b_can:
+            continue
+        todo = [i]                              # the sum and the cheap ops it reads, into B
+        while todo:
+            j = todo.pop()
+            if not run[j]:
                 run[j] = True
                 defined.update(eqns[j].outvars)
+                todo += [definer[u] for u in eqns[j].invars
+                         if is_var(u) and u not in defined and u in definer]
     reads = {v for j, eqn in enumerate(eqns) if run[j] for v in eqn.invars if is_var(v)}
     return dataclasses.replace(b, run=tuple(run), reads=tuple(
         m or v in reads for v, m in zip(jaxpr.invars, b.reads)))
@@ -209,23 +210,17 @@ def _plan_w(jaxpr: Any, consts: tuple, b: _BPlan, w_outs: list[bool], w_has: lis
     b_defined = {v for i, eqn in enumerate(eqns) if b.run[i] for v in eqn.outvars}
     b_defined |= {v for i, sub in b.subs.items()
                   for v, m in zip(eqns[i].outvars, _b_outs(sub)) if m}
-    definer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
-    invar_index = {v: j for j, v in enumerate(jaxpr.invars)}
-    cheap: dict[int, bool] = {}
-
-    def recomputable(i: int) -> bool:       # a B equation W can redo from what it has
-        if i not in cheap:
-            eqn = eqns[i]
-            cheap[i] = (b.run[i] and eqn.primitive.name in _CHEAP and not eqn.effects
-                        and all(_w_can_have(v) for v in eqn.invars))
-        return cheap[i]
-
-    def _w_can_have(v: Any) -> bool:
-        if not is_var(v) or v in jaxpr.constvars:
-            return True
-        if v in invar_index:
-            return w_has[invar_index[v]]
-        return v not in b_defined or recomputable(definer[v])
+    # B equations W can redo from what it has (cheap ops), and the vars W can have: in order.
+    w_can = {v for v, m in zip(jaxpr.invars, w_has) if m} | set(jaxpr.constvars)
+    recomputable = [False] * len(eqns)
+    for i, eqn in enumerate(eqns):
+        if b.run[i]:
+            recomputable[i] = (eqn.primitive.name in _CHEAP and not eqn.effects
+                               and all(not is_var(v) or v in w_can for v in eqn.invars))
+            if recomputable[i]:
+                w_can.update(eqn.outvars)
+        else:
+            w_can.update(v for v in eqn.outvars if v not in b_defined)
 
     want = {v for v, m in zip(jaxpr.outvars, w_outs) if m and is_var(v)}
     run_w, subs, stash = [False] * len(eqns), {}, []
@@ -245,7 +240,7 @@ def _plan_w(jaxpr: Any, consts: tuple, b: _BPlan, w_outs: list[bool], w_has: lis
             reads = subs[i].w_reads
         elif not any(wanted):
             continue
-        elif b.run[i] and not recomputable(i):
+        elif b.run[i] and not recomputable[i]:
             if compat.has_inner_jaxprs(eqn):
                 raise UnsupportedSplit(
                     f"a {eqn.primitive.name} equation computes both what the input gradient "

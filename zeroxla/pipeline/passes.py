@@ -332,7 +332,7 @@ class StagePasses:
 
     def _input_backward(self, c: dict[str, Any], at: StepInputs
                         ) -> tuple[dict, jax.Array, jax.Array]:
-        """B: d_x only (sent to stage - 1), d_y stashed for W; see the module docstring."""
+        """B: d_x only (sent to stage - 1); d_y and what W reads stashed; module docstring."""
         model = self.model
         with jax.named_scope(BACKWARD_SCOPE):
             if self.keeps_residuals:
@@ -371,7 +371,7 @@ class StagePasses:
         return d_head, d_y.astype(self.act.dtype)
 
     def _weight(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
-        """W: the blocks' parameter gradients from the stashed d_y, accumulated."""
+        """W: the blocks' parameter gradients from B's stash (or d_y), accumulated."""
         model = self.model
         with jax.named_scope(WEIGHT_SCOPE):
             if self.keeps_residuals:
