@@ -11,7 +11,8 @@ One process, one model, AdamW float32, ZeRO-3 (persistence threshold 1000) every
   `micro_batches` gradient-accumulation steps so every run sees the same micro-batches.
 * `1f1b` / `zb-h1` / `gpipe`: the pipelined step on a 4-stage x 1 x 2 mesh, ZeRO-3 over the 2
   data devices of each stage, gathering the stage's layers per micro-batch
-  (`zero3_gather="micro_batch"`; ZB-H1 gathers a third time, in its weight-gradient pass);
+  (`zero3_gather="micro_batch"`; ZB-H1's weight-only W gathers nothing: B gathered what
+  its weight gradients read, W reduce-scatters them);
   `1f1b-step`: 1F1B gathering them once per step (`zero3_gather="step"`).
 
 Printed: median step time and its ratios to `zero-3` and to `1f1b`; the schedule's bubble
@@ -21,12 +22,12 @@ step (from `compiled.as_text()` with loop trip counts: each permute op is one st
 send) and, beside them, what the table's sends imply (one [mb, T, D] activation per
 SendActivation / SendGrad: the two agree); the layer all-gather bytes
 per device per step of the stage's blocks, counted from the schedule (micro_batch: a forward
-gather and a backward re-gather per micro-batch, with the default `remat="none"`, and ZB-H1's
-weight-pass gather; step: one); then the compiled temporaries (`memory_analysis()`) of 1F1B,
+gather and a backward re-gather per micro-batch, with the default `remat="none"`, ZB-H1's
+included; step: one); then the compiled temporaries (`memory_analysis()`) of 1F1B,
 ZB-H1 and GPipe at micro_batches 4 / 8 / 16 with the micro-batch size fixed. CPU step times say
 little about a GPU cluster (collectives are memory copies, all devices share two cores, so an
 idle step is free and the lockstep of the stages, which ZB-H1 shortens, costs nothing; what the
-CPU measures is the total compute, where ZB-H1's weight pass re-applies the stage's vjp);
+CPU measures is the total compute, which ZB-H1's weight-only W keeps at 1F1B's);
 bytes and memory are properties of the programs.
 """
 
@@ -150,8 +151,7 @@ def main(argv=None) -> None:
                         for row in grid for b in row)             # per data replica
             activation = 4 * mb * SEQ[args.model] * d_model            # [mb, T, D] float32
             needed = sends * activation                               # per data replica
-            gathers = ((3 if schedule == "zb-h1" else 2) * m if gather == "micro_batch"
-                       else 1)
+            gathers = 2 * m if gather == "micro_batch" else 1       # forward, backward (B)
             extra = (f"{table.bubble_fraction:>8.3f}{_permute_bytes(compiled) / 2**20:>12.2f}"
                      f"{needed / 2**20:>8.2f}{gathers * _stage_block_bytes(step) / 2**20:>13.2f}")
         versus = f"{seconds / base:>9.2f}" if base else f"{'-':>9}"
