@@ -47,7 +47,7 @@ the loss (the default or the user's `loss_fn`) too. What the forward keeps in st
 The stash has `max(num_pipe_buffers)` buffers: 1F1B's min(S, M) (at least 2), GPipe's M,
 ZB-H1's min(S, M) (a buffer lives from F to W). ZB-H1 splits the backward into B (input
 gradient) and W (weight gradient); under remat "none" / a policy each buffer also holds the
-cotangents B stashes for a weight-only W ("wstash", `StagePasses.weight_stash_shapes`); what
+cotangents B stashes for a weight-only W ("wstash", `StagePasses.buffer_shapes`); what
 each computes and keeps: `zeroxla.pipeline.passes`.
 
 Each stage stores only its own layers (`zeroxla.pipeline.storage`: the stacked leaves split over
@@ -223,9 +223,8 @@ class PipelineExecutor:
                              jnp.zeros(act.shape, act.dtype), self.remat != remat.FULL,
                              self.splits_backward)
         consts = model.stack_args(first_micro)
-        kept_shapes = passes.kept_shapes(consts) if passes.keeps_residuals else []
-        stash_shapes = (passes.weight_stash_shapes(consts)
-                        if passes.keeps_residuals and self.splits_backward else [])
+        kept_shapes, stash_shapes = (passes.buffer_shapes(consts) if passes.keeps_residuals
+                                     else ([], []))
         carry = self._run_schedule(passes, kept_shapes, stash_shapes)
 
         # 3. Back to the plan's layout, reduced over data; the loss over data and stages.

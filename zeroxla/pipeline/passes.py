@@ -182,25 +182,22 @@ class StagePasses:
     layouts: list[Any] = dataclasses.field(default_factory=list)  # static, same every trace
     weight_choice: WeightSplitChoice = dataclasses.field(default_factory=WeightSplitChoice)
 
-    def kept_shapes(self, consts: tuple) -> list[Any]:
-        """Each residual the blocks' forward keeps, as a shape (per buffer); records the vjp's
-        static layout for the forward and backward to use."""
+    def buffer_shapes(self, consts: tuple) -> tuple[list[Any], list[Any]]:
+        """(kept, wstash) per buffer, as shapes: each residual the blocks' forward keeps and,
+        zero-bubble, what B stashes for W (the blocks' per-op cotangents W reads; [] where the
+        split falls back). One probe of the forward records the vjp's static layout for the
+        forward and backward and decides the split for this trace's B and W branches
+        (`zeroxla.pipeline.weight_pass`)."""
+        wstash: list[Any] = []
+
         def probe(x, consts):
             _, kept, layout = self.model.linearized_blocks(x, consts)
             self.layouts.append(layout)
+            if self.splits_backward:
+                split = self._weight_split(kept, x)         # x: a d_y of the same shape
+                wstash.extend([] if split is None else split.stash_shapes)
             return kept
-        return jax.eval_shape(probe, self.act, consts)
-
-    def weight_stash_shapes(self, consts: tuple) -> list[Any]:
-        """What B stashes for W per buffer (zero-bubble, remat "none" / a policy), as shapes:
-        the blocks' per-op cotangents W reads; [] where the split falls back. Decides the
-        split for this trace's B and W branches (`zeroxla.pipeline.weight_pass`)."""
-        def probe(x, consts):
-            _, kept, _ = self.model.linearized_blocks(x, consts)
-            split = self._weight_split(kept, x)
-            return [] if split is None else [jnp.zeros(s.shape, s.dtype)
-                                             for s in split.stash_shapes]
-        return jax.eval_shape(probe, self.act, consts)
+        return jax.eval_shape(probe, self.act, consts), wstash
 
     def _weight_split(self, kept: list[Any], d_y: jax.Array) -> WeightSplit | None:
         """The blocks' kept pullback split into B (d_x, and a stash) and W (the weight
