@@ -99,6 +99,13 @@ def _b_outs(sub: Any) -> tuple[bool, ...]:
     return (*sub.carry, *sub.ys) if isinstance(sub, _ScanB) else sub.outs
 
 
+def _b_defined(eqns: list[Any], b: _BPlan) -> set:
+    """The vars B's part of these equations computes (its own equations' and its subs')."""
+    return ({v for i, eqn in enumerate(eqns) if b.run[i] for v in eqn.outvars}
+            | {v for i, sub in b.subs.items() for v, m in zip(eqns[i].outvars, _b_outs(sub))
+               if m})
+
+
 # ----------------------------------------------------------------------------------------------
 # Phase 2: what W runs, and what B stashes for it.
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,9 +180,7 @@ def _with_reductions(jaxpr: Any, b: _BPlan, b_has: list[bool]) -> _BPlan:
     stashes the small sum, not the activation-sized cotangent it reduces (a few elementwise
     FLOPs moved into B, a [mb, T, D] per norm and layer less stash)."""
     eqns, run = jaxpr.eqns, list(b.run)
-    defined = {v for i, eqn in enumerate(eqns) if b.run[i] for v in eqn.outvars}
-    defined |= {v for i, sub in b.subs.items() for v, m in zip(eqns[i].outvars, _b_outs(sub))
-                if m}
+    defined = _b_defined(eqns, b)
     has = {v for v, m in zip(jaxpr.invars, b_has) if m} | set(jaxpr.constvars)
     definer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
 
@@ -207,9 +212,7 @@ def _plan_w(jaxpr: Any, consts: tuple, b: _BPlan, w_outs: list[bool], w_has: lis
             b_has: list[bool]) -> Region:
     """W's part of `jaxpr` given B's (`b`); `w_has` / `b_has`: the invars each side has."""
     eqns = jaxpr.eqns
-    b_defined = {v for i, eqn in enumerate(eqns) if b.run[i] for v in eqn.outvars}
-    b_defined |= {v for i, sub in b.subs.items()
-                  for v, m in zip(eqns[i].outvars, _b_outs(sub)) if m}
+    b_defined = _b_defined(eqns, b)
     # B equations W can redo from what it has (cheap ops), and the vars W can have: in order.
     w_can = {v for v, m in zip(jaxpr.invars, w_has) if m} | set(jaxpr.constvars)
     recomputable = [False] * len(eqns)
