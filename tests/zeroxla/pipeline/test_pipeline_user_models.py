@@ -198,6 +198,7 @@ CASES = [      # model, stages, micro-batches, schedule, ZeRO stage
     ("nanogpt", 4, 8, GPIPE, 3),
     ("gemma-scale", 2, 2, GPIPE, 3),
     ("gemma-scale", 4, 4, ZB_H1, 0),
+    ("nanogpt", 2, 4, ZB_H1, 3),      # the weight-only W through per-micro-batch gathers
     ("softcap", 4, 4, ONE_F_ONE_B, 3),
     ("softcap", 2, 4, GPIPE, 0),
 ]
