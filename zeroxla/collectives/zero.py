@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zeroxla.collectives.dot_layout import Permuted, as_array, reduce_scatter_permuted
 from zeroxla.collectives.wire import (all_gather_dim, all_gather_flat, is_16bit_float,
                                       reduce_scatter_dim, reduce_scatter_flat)
 from zeroxla.sharding.mesh import MeshAxes
@@ -62,15 +63,30 @@ class ZeroCollectives:
         with jax.named_scope(BWD_GATHER):
             return self._gather(shard, leaf)
 
-    def reduce_scatter(self, grad: jax.Array, leaf: LeafPlan) -> jax.Array:
+    @property
+    def permuted_gradients(self) -> bool:
+        """Whether backward hands `reduce_scatter` weight gradients in their dot's dim order
+        (`dot_layout.Permuted`). Not under float16 compute: XLA:CPU runs no float16 dot in its
+        dot library, so there is nothing to keep there: the float16 programs stay as they were."""
+        return jnp.dtype(self.compute_dtype) != jnp.float16
+
+    def reduce_scatter(self, grad: jax.Array | Permuted, leaf: LeafPlan) -> jax.Array:
+        """One unit's gradient (logical unit shape; or `Permuted`, in its dot's dim order)
+        -> this device's summed shard (a persistent leaf's: the whole gradient, unsummed)."""
         if not leaf.params_partitioned:
+            grad = as_array(grad)
             return grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
         return self._reduce_scatter_unit(grad, leaf)
 
-    def _reduce_scatter_unit(self, grad: jax.Array, leaf: LeafPlan) -> jax.Array:
-        """One unit's gradient (logical unit shape) -> this device's summed shard, sent in the
-        compute dtype (float32 or wider on arrival, `reduce_scatter_dim`)."""
+    def _reduce_scatter_unit(self, grad: jax.Array | Permuted, leaf: LeafPlan) -> jax.Array:
+        """One unit's gradient -> this device's summed shard, sent in the compute dtype
+        (float32 or wider on arrival, `reduce_scatter_dim`)."""
         with jax.named_scope(GRAD_REDUCE):
+            if isinstance(grad, Permuted):
+                return reduce_scatter_permuted(
+                    Permuted(grad.natural.astype(self.compute_dtype), grad.permutation),
+                    leaf.unit_shard_dim, leaf.padded_size - leaf.shape[leaf.shard_dim],
+                    lambda x, d: reduce_scatter_dim(x, self.axes.data, d))
             padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
             return reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # shard f32
 
@@ -132,8 +148,9 @@ class Zero2Collectives(ZeroCollectives):
     def backward_gather(self, shard: Any, saved: Any, leaf: LeafPlan) -> jax.Array:
         return self.forward_gather(shard, leaf)[0]
 
-    def reduce_scatter(self, grad: jax.Array, leaf: LeafPlan) -> Any:
+    def reduce_scatter(self, grad: jax.Array | Permuted, leaf: LeafPlan) -> Any:
         if not leaf.optimizer_partitioned:
+            grad = as_array(grad)
             return grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
         part = self._reduce_scatter_unit(grad, leaf)                      # f32 shard
         return GradientSink(value=None, sink=part)        # the cotangent of a GradientSink

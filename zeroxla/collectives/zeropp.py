@@ -36,6 +36,7 @@ from zeroxla.collectives.quantized import (
     quantized_reduce_scatter,
     uses_quantized_reduce_scatter,
 )
+from zeroxla.collectives.dot_layout import Permuted, as_array
 from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zero import BWD_GATHER, FWD_GATHER, GRAD_REDUCE, ZeroCollectives
 from zeroxla.sharding.config import ZeroConfig
@@ -121,9 +122,10 @@ class ZeroPPCollectives(ZeroCollectives):
         return all_gather_dim(shard.astype(self.compute_dtype), self.axes.data,
                               leaf.unit_shard_dim)
 
-    def reduce_scatter(self, grad: jax.Array, leaf: LeafPlan) -> jax.Array:
+    def reduce_scatter(self, grad: jax.Array | Permuted, leaf: LeafPlan) -> jax.Array:
         if not (self.quantized_gradients and leaf.params_partitioned):
             return super().reduce_scatter(grad, leaf)
+        grad = as_array(grad)                       # qgZ's rows are in the weight's order
         with jax.named_scope(GRAD_REDUCE):
             rows = unit_rows(leaf.unit_pad(grad.astype(jnp.float32)), leaf)   # [N, chunk]
             reduced = quantized_reduce_scatter(

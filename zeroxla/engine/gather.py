@@ -108,7 +108,8 @@ def check_live(numel: int, max_live: int | None, what: str) -> None:
 
 def _scatter_gradients(comm: ZeroCollectives, leaves: tuple[LeafPlan, ...],
                        g_full: list[Any]) -> list[Any]:
-    """Reduce-scatters each trainable leaf's gradient; frozen leaves have none."""
+    """Reduce-scatters each trainable leaf's gradient (a `Permuted` one in its dot's dim order,
+    `zeroxla.collectives.dot_layout`); frozen leaves have none."""
     return [None if gf is None else comm.reduce_scatter(gf, leaf)
             for gf, leaf in zip(g_full, leaves)]
 
@@ -140,9 +141,11 @@ def _gathered_call_bwd(fn, leaves, comm, remat, residuals, g):
     shards, saved = _after(([fetch(s) for s in stored], saved), g)
     full = [comm.backward_gather(s, sv, leaf) for s, sv, leaf in zip(shards, saved, leaves)]
     if remat == FULL:
-        g_full, g_inputs = vjp(fn, leaves, full, kept, g)                 # kept: the inputs
+        g_full, g_inputs = vjp(fn, leaves, full, kept, g,             # kept: the inputs
+                               permuted=comm.permuted_gradients)
     else:
-        g_full, g_inputs = kept.layout.cotangents(kept.arrays, full, g)
+        g_full, g_inputs = kept.layout.cotangents(kept.arrays, full, g,
+                                                   permuted=comm.permuted_gradients)
     d_shards = _scatter_gradients(comm, leaves, g_full)
     return [cotangent(s, d) for s, d in zip(stored, d_shards)], g_inputs
 
@@ -288,9 +291,11 @@ class GatheredStack:
             x_i, g_y = per_layer
             if r.layout is None:                          # remat "full": recompute the layer
                 g_full, (g_c_in, g_k_i, g_x_i) = vjp(self._layer, self.leaves, full,
-                                                     (kept_i, r.consts, x_i), (g_c, g_y))
+                                                     (kept_i, r.consts, x_i), (g_c, g_y),
+                                                     permuted=self.comm.permuted_gradients)
             else:
-                g_full, (g_c_in, g_k_i, g_x_i) = r.layout.cotangents(kept_i, full, (g_c, g_y))
+                g_full, (g_c_in, g_k_i, g_x_i) = r.layout.cotangents(
+                    kept_i, full, (g_c, g_y), permuted=self.comm.permuted_gradients)
             g_k = [a + b for a, b in zip(g_k, split_floats(g_k_i)[0])] if g_k else g_k
             g_x_floats = split_floats(g_x_i)[0]
             d_shards_i = _scatter_gradients(self.comm, self.leaves, g_full)

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroxla.engine.cotangent_layout import pull_permuted
 from zeroxla.sharding.leaf_plan import LeafPlan
 
 FULL, NONE = "full", "none"     # the other accepted values: `config.REMAT_POLICIES`
@@ -92,13 +93,19 @@ def _assemble(trainable: list[int], n: int, g_trainable: list[Any]) -> list[Any]
     return g_full
 
 
+def _pull(pullback: Callable, cotangent: Any, permuted: bool) -> tuple[Any, Any]:
+    """`pullback(cotangent)`; with `permuted`, weight cotangents that a transposed dot makes
+    come back in the dot's dim order, for the reduce-scatter (`cotangent_layout`)."""
+    return pull_permuted(pullback, cotangent) if permuted else pullback(cotangent)
+
+
 def vjp(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any,
-        cotangent: Any) -> tuple[list[Any], Any]:
+        cotangent: Any, permuted: bool = False) -> tuple[list[Any], Any]:
     """Cotangents of `out = fn(full, inputs)` for the trainable entries of `full` (None for
     frozen ones, which stay constants of the vjp) and for the float leaves of `inputs` (None for
-    the rest): the forward recomputed (remat "full")."""
+    the rest): the forward recomputed (remat "full"). `permuted`: see `_pull`."""
     _, pullback, trainable = _linearized(fn, leaves, full, inputs, None)
-    g_trainable, g_floats = pullback(cotangent)
+    g_trainable, g_floats = _pull(pullback, cotangent, permuted)
     return _assemble(trainable, len(full), g_trainable), cotangent_tree(inputs, g_floats)
 
 
@@ -116,13 +123,13 @@ class VjpLayout:
     inputs_treedef: Any
     inputs_floats: tuple[bool, ...]
 
-    def cotangents(self, kept: list[Any], full: list[Any],
-                   cotangent: Any) -> tuple[list[Any], Any]:
+    def cotangents(self, kept: list[Any], full: list[Any], cotangent: Any,
+                   permuted: bool = False) -> tuple[list[Any], Any]:
         """`vjp`'s result from the kept residuals and the re-gathered parameters `full`."""
         it = iter(kept)
         residuals = [full[slot] if slot is not None else next(it) for slot in self.slots]
         pullback = jax.tree.unflatten(self.treedef, residuals)
-        g_trainable, g_floats = pullback(cotangent)
+        g_trainable, g_floats = _pull(pullback, cotangent, permuted)
         return (_assemble(list(self.trainable), len(full), g_trainable),
                 _cotangents_for(self.inputs_treedef, self.inputs_floats, g_floats))
 
