@@ -57,7 +57,8 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
             logical_grads, state.opt_state, params)
         new_params = dict(state.params)
         new_params.update({leaf.path: stored_update(leaf, new_logical[leaf.path], mesh,
-                                                    layout.axes) for leaf in trainable})
+                                                    layout.axes, state.step)
+                           for leaf in trainable})
 
     overflow = None
     if cfg.uses_loss_scaling:

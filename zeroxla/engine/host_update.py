@@ -48,7 +48,8 @@ from jax.experimental.compute_on import compute_on
 
 from zeroxla.engine import offload
 from zeroxla.engine.logical import abstract_storage_state
-from zeroxla.engine.update import all_gather_update, constrain, optimizer_input, stored_update
+from zeroxla.engine.update import (all_gather_update, constrain, optimizer_input, stored_update,
+                                   with_rounding)
 from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
 
 HOST = jax.memory.Space.Host
@@ -155,8 +156,9 @@ def host_update(layout: Any, state: Any, logical_grads: dict[str, jax.Array],
                           if _copy_hosted(shardings, p)})
     opt_state, grads = on_host(state.opt_state), on_host(logical_grads)
     flag = None if overflow is None else on_host(overflow)
+    token = on_host(state.step)                     # `with_rounding`'s
 
-    def update(grads, opt_state, masters, inputs, old_copies, old_opt, flag):
+    def update(grads, opt_state, masters, inputs, old_copies, old_opt, flag, token):
         params = {leaf.path: leaf.unpad(constrain(masters[leaf.path], mesh, leaf.optimizer_spec))
                   if leaf.path in masters else inputs[leaf.path] for leaf in trainable}
         new_logical, new_opt = layout.sharded_optimizer.update(grads, opt_state, params)
@@ -165,11 +167,11 @@ def host_update(layout: Any, state: Any, logical_grads: dict[str, jax.Array],
             if leaf.path not in masters:
                 continue
             new = constrain(leaf.pad(new_logical[leaf.path]), mesh, leaf.optimizer_spec)
-            stored[leaf.path] = _kept(flag, masters[leaf.path], new)
             if leaf.has_compute_copy:
-                copy = new.astype(leaf.compute_copy_dtype)
+                new, copy = with_rounding(new, leaf.compute_copy_dtype, token)
                 copies[leaf.path] = (_kept(flag, old_copies[leaf.path], copy)
                                      if leaf.path in old_copies else copy)
+            stored[leaf.path] = _kept(flag, masters[leaf.path], new)
         if old_opt is not None:
             new_opt = _kept(flag, old_opt, new_opt)
         rest = {p: v for p, v in new_logical.items() if p not in masters}
@@ -180,13 +182,13 @@ def host_update(layout: Any, state: Any, logical_grads: dict[str, jax.Array],
     with compute_on("device_host"):
         stored, copies, rest, new_opt = jax.jit(update)(
             grads, opt_state, masters, inputs, old_copies, opt_state if opt_hosted else None,
-            flag)
+            flag, token)
 
     new_params = dict(state.params)
     for leaf in trainable:
         p, old = leaf.path, state.params[leaf.path]
         if p in rest:              # stored in device memory: stored as without offload
-            new = stored_update(leaf, jax.device_put(rest[p], DEVICE), mesh, axes)
+            new = stored_update(leaf, jax.device_put(rest[p], DEVICE), mesh, axes, state.step)
             new_params[p] = _kept(overflow, old, new)
         elif leaf.has_compute_copy:
             new_params[p] = MasterWithCopy(

@@ -64,15 +64,36 @@ def optimizer_input(leaf: LeafPlan, stored: object, mesh: Mesh) -> jax.Array:
     return leaf.unpad(constrain(padded, mesh, leaf.optimizer_spec))
 
 
-def stored_update(leaf: LeafPlan, new: jax.Array, mesh: Mesh, axes: MeshAxes) -> object:
-    """The optimizer's new logical parameter -> its storage layout."""
+def with_rounding(new: jax.Array, dtype, token: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(new, new.astype(dtype))`, the rounding read from the same array the master is
+    stored from.
+
+    Computed plainly, XLA may evaluate the update's last elementwise ops twice, once into the
+    stored master and once into the cast (a cheap producer duplicated into two fusions, here
+    in two layouts), and XLA:CPU's code generator may contract one evaluation into a fused
+    multiply-add and not the other: the two float32 results then differ in the last bit, and
+    where that straddles a 16-bit tie the copy is the other neighbour of the master's rounding
+    (gpt-tiny fp16, stage 1: 7 of 65,760 elements per step), so a restored run (copy rebuilt
+    from the master) would not compute what the uninterrupted one did. Passing both through one
+    `lax.cond` makes `new` one materialized array that both are read from. Its predicate is
+    `token >= 0` of a replicated scalar XLA cannot know (the step counter: no communication);
+    both branches are the same."""
+    def both(x):
+        return x, x.astype(dtype)
+    return lax.cond(token >= 0, both, both, new)
+
+
+def stored_update(leaf: LeafPlan, new: jax.Array, mesh: Mesh, axes: MeshAxes,
+                  token: jax.Array) -> object:
+    """The optimizer's new logical parameter -> its storage layout (`token`: see
+    `with_rounding`)."""
     if not leaf.optimizer_partitioned:
         return leaf.stage_pad(new)
     new = constrain(leaf.pad(new), mesh, leaf.optimizer_spec)
     if leaf.has_compute_copy:
         # The float32 partition is kept exactly; its 16-bit rounding is gathered (stage 3's
         # partitioned copy is this device's rounding alone: nothing to gather).
-        copy = new.astype(leaf.compute_copy_dtype)
+        new, copy = with_rounding(new, leaf.compute_copy_dtype, token)
         return MasterWithCopy(master=new, compute=copy if leaf.params_partitioned
                               else all_gather_update(copy, leaf, mesh, axes))
     if not leaf.params_partitioned:
