@@ -23,10 +23,12 @@ from zeroxla.engine import jaxpr_compat as compat
 _INLINED = ("pjit", "jit", "closed_call", "core_call")   # calls with no semantics of their own
 
 
-def _run(jaxpr: Any, consts: list[Any], args: list[Any], made_by_dot: set[int],
-         transposed: dict[int, Permuted]) -> list[Any]:
+def _run(jaxpr: Any, consts: list[Any], args: list[Any], made_by_dot: dict[int, Any],
+         transposed: dict[int, tuple[Any, Permuted]]) -> list[Any]:
     """The jaxpr's outputs from `args`; records, by `id`, every value a `dot_general` made
-    (`made_by_dot`) and every transpose of one (`transposed`: its `Permuted`)."""
+    (`made_by_dot`) and every transpose of one (`transposed`: the value and its `Permuted`).
+    Each record holds its value, so no id is reused for another array while the records live
+    (an inlined call's dead values would otherwise be freed)."""
     env: dict = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -41,9 +43,10 @@ def _run(jaxpr: Any, consts: list[Any], args: list[Any], made_by_dot: set[int],
         else:
             outs = compat.bind(eqn, invals)
         if eqn.primitive.name == "dot_general":
-            made_by_dot.add(id(outs[0]))
+            made_by_dot[id(outs[0])] = outs[0]
         elif eqn.primitive.name == "transpose" and id(invals[0]) in made_by_dot:
-            transposed[id(outs[0])] = Permuted(invals[0], tuple(eqn.params["permutation"]))
+            transposed[id(outs[0])] = (outs[0], Permuted(invals[0],
+                                                         tuple(eqn.params["permutation"])))
         env.update((v, x) for v, x in zip(eqn.outvars, outs)
                    if not isinstance(v, jex_core.DropVar))
     return [read(v) for v in jaxpr.outvars]
@@ -53,11 +56,11 @@ def pull_permuted(pullback: Callable[[Any], tuple[Any, Any]], cotangent: Any) ->
     """`(weight_cotangents, input_cotangents) = pullback(cotangent)`, each weight cotangent a
     transposed dot made as a `Permuted` (module docstring)."""
     closed, out_shape = jax.make_jaxpr(pullback, return_shape=True)(cotangent)
-    made_by_dot: set[int] = set()
-    transposed: dict[int, Permuted] = {}
+    made_by_dot: dict[int, Any] = {}
+    transposed: dict[int, tuple[Any, Permuted]] = {}
     outs = _run(closed.jaxpr, list(closed.consts), jax.tree.leaves(cotangent), made_by_dot,
                 transposed)
     weights_def, inputs_def = jax.tree.structure(out_shape).children()
     n = weights_def.num_leaves
-    weights = [transposed.get(id(g), g) for g in outs[:n]]
+    weights = [transposed[id(g)][1] if id(g) in transposed else g for g in outs[:n]]
     return jax.tree.unflatten(weights_def, weights), jax.tree.unflatten(inputs_def, outs[n:])
