@@ -40,10 +40,6 @@ class Permuted:
     def value(self) -> jax.Array:
         return lax.transpose(self.natural, self.permutation)
 
-    @property
-    def dtype(self) -> Any:
-        return self.natural.dtype
-
 
 def as_array(grad: Any) -> Any:
     """`grad` in the weight's dim order (a `Permuted` transposed; anything else as it is)."""

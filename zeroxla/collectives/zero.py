@@ -85,7 +85,7 @@ class ZeroCollectives:
             if isinstance(grad, Permuted):
                 return reduce_scatter_permuted(
                     Permuted(grad.natural.astype(self.compute_dtype), grad.permutation),
-                    leaf.unit_shard_dim, leaf.padded_size - leaf.shape[leaf.shard_dim],
+                    leaf.unit_shard_dim, leaf.shard_padding,
                     lambda x, d: reduce_scatter_dim(x, self.axes.data, d))
             padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
             return reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # shard f32

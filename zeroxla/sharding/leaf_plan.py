@@ -130,6 +130,11 @@ class LeafPlan:
         return tuple(shape)
 
     @property
+    def shard_padding(self) -> int:
+        """Zeros appended along `shard_dim` by the partitioned layout."""
+        return self.padded_size - self.shape[self.shard_dim]
+
+    @property
     def padding(self) -> int:
         """Zero elements added by the partitioned layout."""
         return math.prod(self.padded_shape) - self.numel
@@ -289,7 +294,7 @@ class LeafPlan:
     def data_pad(self, x: jax.Array) -> jax.Array:
         """Zeros appended along `shard_dim` only (the layer dim, logical or slotted, as is)."""
         widths = [(0, 0)] * x.ndim
-        widths[self.shard_dim] = (0, self.padded_size - self.shape[self.shard_dim])
+        widths[self.shard_dim] = (0, self.shard_padding)
         return jnp.pad(x, widths)
 
     def data_unpad(self, x: jax.Array) -> jax.Array:
@@ -320,7 +325,7 @@ class LeafPlan:
     def unit_pad(self, unit: jax.Array) -> jax.Array:
         """A unit of logical shape -> `unit_padded_shape`, ready to reduce-scatter."""
         widths = [(0, 0)] * unit.ndim
-        widths[self.unit_shard_dim] = (0, self.padded_size - self.shape[self.shard_dim])
+        widths[self.unit_shard_dim] = (0, self.shard_padding)
         return jnp.pad(unit, widths)
 
     def unit_unpad(self, unit: jax.Array) -> jax.Array:
