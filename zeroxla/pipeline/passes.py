@@ -8,6 +8,12 @@
     StagePasses    one schedule step on this stage: idle, forward, backward or (zero-bubble
                    schedules) weight-gradient pass, picked by `lax.switch` from the table's op;
                    only the branches some stage takes in that step are built
+    StepUpdate     what a branch returns: the one stash buffer it fills, its gradients, its
+                   results to send. The stash arrays ([buffers, ...]) go into the switch
+                   read-only and are written after it in place (or in the branch, where the
+                   only other branch idles); a branch returning them would make XLA copy each
+                   through the conditional, holding two whole stashes (1F1B and ZB-H1
+                   temporaries 30-40% higher, ZB-H1's growing with M)
 
 Everything here runs inside the ZeRO step's `shard_map`, on one device's arrays; the executor
 (`zeroxla.pipeline.executor`, whose docstring says what a forward keeps for its backward under
@@ -41,7 +47,6 @@ Zero-bubble schedules (ZB-H1, `zeroxla.pipeline.zero_bubble`) split the backward
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -137,10 +142,56 @@ class StageModel:
         return loss_after_stack(self.loss.terms, self.model_of(p), micro, y)
 
 
-def accumulate(grads: dict[str, Any], d_p: dict[str, Any]) -> dict[str, Any]:
-    """`grads` plus `d_p` (some or all paths), as float32 sums."""
-    return {**grads, **{path: grads[path] + d.astype(f32) for path, d in d_p.items()
-                        if d is not None}}
+def gradient_sum(*parts: dict[str, Any]) -> dict[str, Any]:
+    """The float32 sum, path by path, of gradient dicts that each cover some paths (None
+    entries skipped): what one op adds to the step's gradient sums."""
+    total: dict[str, Any] = {}
+    for part in parts:
+        for path, d in part.items():
+            if d is not None:
+                total[path] = total[path] + d.astype(f32) if path in total else d.astype(f32)
+    return total
+
+
+def add_gradients(sums: dict[str, Any], grads: dict[str, Any]) -> dict[str, Any]:
+    """The float32 gradient sums `sums` (every trainable path) plus `grads` (some paths)."""
+    if not set(grads) <= set(sums):
+        raise AssertionError(f"gradients of {sorted(set(grads) - set(sums))} have no sum: "
+                             "they are not trainable leaves of this stage")
+    return {path: g + grads[path].astype(f32) if path in grads else g
+            for path, g in sums.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepUpdate:
+    """What one op of a step changes, as values rather than as a new carry.
+
+    A `lax.switch` branch that returned the carry would make XLA copy every stash array it
+    passes through (a conditional's outputs never share its operands' buffers): two copies
+    of the whole stash at every step boundary, and a full copy's memory traffic per step.
+    The branches instead return this, and `StagePasses.apply` writes it into the carry after
+    the switch, in place: one buffer's slot per stash entry, the gradients added to the sums.
+    """
+
+    slots: dict[str, Any] = dataclasses.field(default_factory=dict)  # carry name -> the new
+    #                                 value of the op's buffer (e.g. "stash": [mb, T, D])
+    grads: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> float32 to add
+    total: Any = 0.0                  # loss sum to add
+    count: Any = 0.0                  # token count to add
+    act: Any = None                   # forward output, sent to stage + 1 (None: zeros)
+    grad: Any = None                  # input gradient, sent to stage - 1 (None: zeros)
+
+
+jax.tree_util.register_dataclass(
+    StepUpdate, data_fields=["slots", "grads", "total", "count", "act", "grad"], meta_fields=[])
+
+
+def _write(stash: Any, value: Any, buf: jax.Array) -> Any:
+    """`stash` ([buffers, ...] arrays) with buffer `buf` set to `value`. A clamping update (buf
+    is in range): `.at[buf].set`'s bounds check puts a select around it, which XLA cannot run
+    in place (a new whole stash array per write)."""
+    return jax.tree.map(
+        lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), buf, 0), stash, value)
 
 
 def _branch(pred: Any, sides: set[bool], true_fn: Callable, false_fn: Callable) -> Any:
@@ -217,7 +268,9 @@ class StagePasses:
         buffer; `work` (static) maps each op to the stages that may run it in this step:
         only those branches are built (no backward in a forward-only step, no embedding
         where the first stage runs no forward, ...), which keeps the unrolled steps cheap
-        to compile. Returns (carry, forward output or zeros, input gradient or zeros)."""
+        to compile. The carry goes into the branches read-only; each returns a `StepUpdate`
+        that `apply` writes in after the switch. Returns (carry, forward output or zeros,
+        input gradient or zeros)."""
         op, m, buf = (jnp.maximum(row[k][self.stage], 0)
                       for k in ("op", "micro_batch", "buffer"))
         micro = jax.tree.map(lambda a: a[m], self.micro_batches)
@@ -227,15 +280,73 @@ class StagePasses:
                     WEIGHT: self._weight}
         ops = sorted(work)
         if len(ops) == 1:
-            return branches[ops[0]](c, at)
+            return self.apply(c, branches[ops[0]](c, at), buf)
+        slots = set().union(*(self._writes(o) for o in ops))
+        # Which way the stash leaves the switch is XLA's buffer sharing, measured
+        # (tests/zeroxla/pipeline/test_compiled.py): beside idling, a write inside the branch
+        # shares the idle branch's buffers; where two ops share a step (1F1B's F and B), XLA
+        # copies whatever a branch returns whole, so those return one buffer's value.
+        whole = len([o for o in ops if o != IDLE]) == 1
+
+        def branch(o: int) -> Callable[[dict[str, Any]], tuple[StepUpdate, dict[str, Any]]]:
+            def run(c: dict[str, Any]) -> tuple[StepUpdate, dict[str, Any]]:
+                update = branches[o](c, at)
+                # The gradient sums are added to in the branch and leave it whole (a path the
+                # op adds nothing to passes through): summed after the switch, XLA fuses the
+                # adds of consecutive steps into one and keeps every step's addend alive.
+                return (self._complete(update, slots, c, buf, whole),
+                        add_gradients(c["grads"], update.grads))
+            return run
         index = jnp.asarray([ops.index(o) if o in ops else 0 for o in sorted(branches)],
                             jnp.int32)[op]
-        return lax.switch(index, [functools.partial(branches[o], at=at) for o in ops], c)
+        update, grads = lax.switch(index, [branch(o) for o in ops], c)
+        if whole:
+            c, update = {**c, **update.slots}, dataclasses.replace(update, slots={})
+        return self.apply({**c, "grads": grads}, update, buf)
 
-    def _idle(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
-        return c, self.zeros_act, self.zeros_act
+    def _writes(self, op: int) -> set[str]:
+        """The carry's stash entries `op` writes one buffer of (static)."""
+        if op == FORWARD:
+            return {"stash", "kept"} if self.keeps_residuals else {"stash"}
+        if op == BACKWARD and self.splits_backward:
+            return {"stash", "wstash"} if self.keeps_residuals else {"cot"}
+        return set()
 
-    def _forward(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
+    def _complete(self, update: StepUpdate, slots: set[str], c: dict[str, Any],
+                  buf: jax.Array, whole: bool) -> StepUpdate:
+        """`update` in the one structure every branch of a step's switch returns, less its
+        gradients (the branch adds them itself), with zeros for an unsent result and, for
+        each of `slots`, the stash entry written at `buf` (whole) or the buffer's new value
+        (not whole; the current one where this op writes none, so writing it back changes
+        nothing)."""
+        if not set(update.slots) <= slots:
+            raise AssertionError(f"an op wrote {sorted(update.slots)}, declared {sorted(slots)}")
+
+        def filled(name: str) -> Any:
+            if whole:
+                return (_write(c[name], update.slots[name], buf) if name in update.slots
+                        else c[name])
+            return (update.slots[name] if name in update.slots
+                    else jax.tree.map(lambda b: b[buf], c[name]))
+        return StepUpdate(
+            slots={name: filled(name) for name in sorted(slots)},
+            total=f32(update.total), count=f32(update.count),
+            act=self.zeros_act if update.act is None else update.act,
+            grad=self.zeros_act if update.grad is None else update.grad)
+
+    def apply(self, c: dict[str, Any], update: StepUpdate, buf: jax.Array
+              ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
+        """(carry with `update` written in at buffer `buf`, forward output, input gradient)."""
+        c = {**c, **{name: _write(c[name], value, buf) for name, value in update.slots.items()}}
+        c["grads"] = add_gradients(c["grads"], update.grads)
+        c["total"], c["count"] = c["total"] + update.total, c["count"] + update.count
+        return (c, self.zeros_act if update.act is None else update.act,
+                self.zeros_act if update.grad is None else update.grad)
+
+    def _idle(self, c: dict[str, Any], at: StepInputs) -> StepUpdate:
+        return StepUpdate()
+
+    def _forward(self, c: dict[str, Any], at: StepInputs) -> StepUpdate:
         model = self.model
         with jax.named_scope(FORWARD_SCOPE):
             x = self._if_first(at.work[FORWARD], lambda: model.embed(model.trainable, at.micro),
@@ -245,19 +356,18 @@ class StagePasses:
             return self._forward_keeping_residuals(c, at, x)
 
     def _forward_keeping_input(self, c: dict[str, Any], at: StepInputs, x: jax.Array
-                               ) -> tuple[dict, jax.Array, jax.Array]:
+                               ) -> StepUpdate:
         """remat "full": stash the stage input x only; backward recomputes the stage."""
         model = self.model
         y = model.blocks(model.trainable, x, at.consts)
         total, count = self._if_last(at.work[FORWARD],
                                      lambda: model.head_terms(model.trainable, y, at.micro),
                                      lambda: (f32(0), f32(0)))
-        return ({**c, "stash": c["stash"].at[at.buf].set(x),
-                 "total": c["total"] + total, "count": c["count"] + count},
-                y.astype(self.act.dtype), self.zeros_act)
+        return StepUpdate(slots={"stash": x}, total=total, count=count,
+                          act=y.astype(self.act.dtype))
 
     def _forward_keeping_residuals(self, c: dict[str, Any], at: StepInputs, x: jax.Array
-                                   ) -> tuple[dict, jax.Array, jax.Array]:
+                                   ) -> StepUpdate:
         """remat "none" / a policy: keep the blocks' vjp residuals, and on the last stage run
         the head's backward now, stashing its input gradient d_y."""
         model = self.model
@@ -273,28 +383,35 @@ class StagePasses:
                 return total * self.seed, (total, count)
             _, pullback, (total, count) = jax.vjp(loss, model.trainable, y, has_aux=True)
             d_p, d_y = pullback(f32(1))
-            return total, count, accumulate(c["grads"], d_p), d_y.astype(self.act.dtype)
+            return total, count, gradient_sum(d_p), d_y.astype(self.act.dtype)
 
-        total, count, grads, d_y = self._if_last(
-            at.work[FORWARD], with_head, lambda: (f32(0), f32(0), c["grads"], self.zeros_act))
-        return ({**c, "stash": c["stash"].at[at.buf].set(d_y), "grads": grads,
-                 "kept": [k.at[at.buf].set(v) for k, v in zip(c["kept"], kept)],
-                 "total": c["total"] + total, "count": c["count"] + count},
-                y.astype(self.act.dtype), self.zeros_act)
+        total, count, d_head, d_y = self._if_last(
+            at.work[FORWARD], with_head,
+            lambda: (f32(0), f32(0), self._zero_grads(), self.zeros_act))
+        return StepUpdate(slots={"stash": d_y, "kept": kept}, grads=d_head, total=total,
+                          count=count, act=y.astype(self.act.dtype))
 
-    def _backward(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
+    def _zero_grads(self) -> dict[str, jax.Array]:
+        """Float32 zeros for every trainable path: a branch's 'adds nothing'."""
+        return {path: jnp.zeros(v.shape, f32) for path, v in self.model.trainable.items()}
+
+    def _embedding_grads(self, work: set[int], d_x: jax.Array, at: StepInputs
+                         ) -> dict[str, Any]:
+        """On the first stage, the gradient of its computation up to the stack from d_x."""
         model = self.model
+        return self._if_first(
+            work, lambda: gradient_sum(jax.vjp(lambda p: model.embed(p, at.micro),
+                                               model.trainable)[1](d_x)[0]),
+            self._zero_grads)
+
+    def _backward(self, c: dict[str, Any], at: StepInputs) -> StepUpdate:
         with jax.named_scope(BACKWARD_SCOPE):
             if self.keeps_residuals:
                 d_p, d_x = self._backward_from_residuals(c, at)
             else:
                 d_p, d_x = self._backward_recomputing(c, at)
-            d_embed = self._if_first(
-                at.work[BACKWARD],
-                lambda: jax.vjp(lambda p: model.embed(p, at.micro), model.trainable)[1](d_x)[0],
-                lambda: jax.tree.map(jnp.zeros_like, model.trainable))
-            grads = accumulate(accumulate(c["grads"], d_p), d_embed)
-            return {**c, "grads": grads}, self.zeros_act, d_x.astype(self.act.dtype)
+            d_embed = self._embedding_grads(at.work[BACKWARD], d_x, at)
+            return StepUpdate(grads=gradient_sum(d_p, d_embed), grad=d_x.astype(self.act.dtype))
 
     def _backward_from_residuals(self, c: dict[str, Any], at: StepInputs
                                  ) -> tuple[dict[str, Any], jax.Array]:
@@ -317,18 +434,16 @@ class StagePasses:
             def loss(p, y):
                 return model.head_terms(p, y, at.micro)[0] * self.seed
             d_head, d_y = jax.vjp(loss, model.trainable, y)[1](f32(1))
-            return d_head, d_y.astype(self.act.dtype)
+            return gradient_sum(d_head), d_y.astype(self.act.dtype)
 
-        d_head, d_y = self._if_last(
-            at.work[BACKWARD], with_head,
-            lambda: (jax.tree.map(jnp.zeros_like, model.trainable), c["grad"]))
+        d_head, d_y = self._if_last(at.work[BACKWARD], with_head,
+                                    lambda: (self._zero_grads(), c["grad"]))
         d_p, d_x = pullback(d_y.astype(y.dtype))
-        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), d_p, d_head), d_x
+        return gradient_sum(d_p, d_head), d_x
 
     # --- Zero-bubble: the backward as B (input gradient) then W (weight gradient) -------------
 
-    def _input_backward(self, c: dict[str, Any], at: StepInputs
-                        ) -> tuple[dict, jax.Array, jax.Array]:
+    def _input_backward(self, c: dict[str, Any], at: StepInputs) -> StepUpdate:
         """B: d_x only (sent to stage - 1); d_y and what W reads stashed; module docstring."""
         model = self.model
         with jax.named_scope(BACKWARD_SCOPE):
@@ -339,36 +454,31 @@ class StagePasses:
                 split = self._weight_split(kept, d_y)
                 if split is None:
                     d_x = self.layouts[0].cotangents(kept, model.block_full, d_y)[1]
-                else:
-                    d_x, wstash = split.input_cotangents(kept, model.block_full, d_y,
-                                                         stash=c["wstash"], at=(at.buf,))
-                    c = {**c, "wstash": wstash}
-                c = {**c, "stash": c["stash"].at[at.buf].set(d_y)}
-                d_head = {}
+                    wstash = []
+                else:                                  # this buffer's stash, W's to read
+                    d_x, wstash = split.input_cotangents(kept, model.block_full, d_y)
+                slots, d_head = {"stash": d_y, "wstash": wstash}, {}
             else:
                 y, pullback = jax.vjp(lambda x: model.blocks(model.trainable, x, at.consts),
                                       c["stash"][at.buf])
                 d_head, d_y = self._if_last(
                     at.work[BACKWARD], lambda: self._head_backward(y, at),
-                    lambda: (jax.tree.map(jnp.zeros_like, model.trainable), c["grad"]))
+                    lambda: (self._zero_grads(), c["grad"]))
                 (d_x,) = pullback(d_y.astype(y.dtype))
-                c = {**c, "cot": c["cot"].at[at.buf].set(d_y)}
-            d_embed = self._if_first(
-                at.work[BACKWARD],
-                lambda: jax.vjp(lambda p: model.embed(p, at.micro), model.trainable)[1](d_x)[0],
-                lambda: jax.tree.map(jnp.zeros_like, model.trainable))
-            grads = accumulate(accumulate(c["grads"], d_head), d_embed)
-            return {**c, "grads": grads}, self.zeros_act, d_x.astype(self.act.dtype)
+                slots = {"cot": d_y}
+            d_embed = self._embedding_grads(at.work[BACKWARD], d_x, at)
+            return StepUpdate(slots=slots, grads=gradient_sum(d_head, d_embed),
+                              grad=d_x.astype(self.act.dtype))
 
     def _head_backward(self, y: jax.Array, at: StepInputs) -> tuple[dict[str, Any], jax.Array]:
         """The last stage's head and loss vjp on the blocks' output y: (d_params, d_y)."""
         def loss(p, y):
             return self.model.head_terms(p, y, at.micro)[0] * self.seed
         d_head, d_y = jax.vjp(loss, self.model.trainable, y)[1](f32(1))
-        return d_head, d_y.astype(self.act.dtype)
+        return gradient_sum(d_head), d_y.astype(self.act.dtype)
 
-    def _weight(self, c: dict[str, Any], at: StepInputs) -> tuple[dict, jax.Array, jax.Array]:
-        """W: the blocks' parameter gradients from B's stash (or d_y), accumulated."""
+    def _weight(self, c: dict[str, Any], at: StepInputs) -> StepUpdate:
+        """W: the blocks' parameter gradients from B's stash (or d_y)."""
         model = self.model
         with jax.named_scope(WEIGHT_SCOPE):
             if self.keeps_residuals:
@@ -387,5 +497,4 @@ class StagePasses:
                                             at.consts),
                     {path: model.trainable[path] for path in paths})
                 (d_p,) = pullback(c["cot"][at.buf].astype(self.act.dtype))
-            return ({**c, "grads": accumulate(c["grads"], d_p)}, self.zeros_act,
-                    self.zeros_act)
+            return StepUpdate(grads=gradient_sum(d_p))
