@@ -84,8 +84,8 @@ from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.loss import normalizer
 from zeroxla.pipeline.checks import check_step, check_table
 from zeroxla.pipeline.config import PipelineConfig
-from zeroxla.pipeline.passes import (BACKWARD_SCOPE, FORWARD_SCOPE, WEIGHT_SCOPE, Block,
-                                     StageModel, StagePasses)
+from zeroxla.pipeline.passes import BACKWARD_SCOPE, FORWARD_SCOPE, WEIGHT_SCOPE, StagePasses
+from zeroxla.pipeline.stage_model import Block, StageModel
 from zeroxla.pipeline.split import BLOCKS_PREFIX, StageSplit, layer_list, split_stages
 from zeroxla.pipeline.stages import StageCut, StagedLoss
 from zeroxla.pipeline.storage import pipelined_plan, stage_local

@@ -1,19 +1,11 @@
 """One stage's forward and backward passes: what a device computes in one schedule step.
 
-    Block          one block called from a flat list of its parameters
-    StageModel     the model's pieces on this stage, as functions of the parameters and a
-                   micro-batch: the computation up to the stack (the first stage's), the
-                   stage's blocks (plain, or linearized keeping their vjp residuals), and the
-                   computation after the stack with the loss (the last stage's)
     StagePasses    one schedule step on this stage: idle, forward, backward or (zero-bubble
                    schedules) weight-gradient pass, picked by `lax.switch` from the table's op;
                    only the branches some stage takes in that step are built
-    StepUpdate     what a branch returns: the one stash buffer it fills, its gradients, its
-                   results to send. The stash arrays ([buffers, ...]) go into the switch
-                   read-only and are written after it in place (or in the branch, where the
-                   only other branch idles); a branch returning them would make XLA copy each
-                   through the conditional, holding two whole stashes (1F1B and ZB-H1
-                   temporaries 30-40% higher, ZB-H1's growing with M)
+                   (`zeroxla.pipeline.stage_model` holds the model's pieces it runs; each
+                   branch returns a `zeroxla.pipeline.step_update.StepUpdate`, written into
+                   the carry after the switch)
 
 Everything here runs inside the ZeRO step's `shard_map`, on one device's arrays; the executor
 (`zeroxla.pipeline.executor`, whose docstring says what a forward keeps for its backward under
@@ -52,14 +44,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax import lax
 
-from zeroxla.engine import remat
-from zeroxla.engine.gather import GatheredStack
 from zeroxla.engine.weight_split import WeightSplit
-from zeroxla.models.layers import call_block
-from zeroxla.pipeline.stages import StagedLoss, loss_after_stack, stack_input, stop_gradients
+from zeroxla.pipeline.stage_model import StageModel
+from zeroxla.pipeline.step_update import StepUpdate, add_gradients, gradient_sum, write_buffer
 from zeroxla.pipeline.table import BACKWARD, FORWARD, IDLE, WEIGHT
 from zeroxla.pipeline.weight_pass import WeightSplitChoice
 
@@ -70,128 +59,6 @@ BACKWARD_SCOPE = "pipeline_backward"
 WEIGHT_SCOPE = "pipeline_weight"
 
 f32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """How to call one block from a flat list of its parameters (stacked-leaf order)."""
-
-    graphdef: Any
-    treedef: Any
-    paths: tuple[str, ...]          # the plan paths of its leaves, in that order
-
-    def __call__(self, full: list[Any], x: Any, consts: tuple, keep: Any) -> tuple[Any, None]:
-        block = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, full))
-        y, _ = call_block(block, x, consts, None)
-        return jnp.where(keep, y, x), None          # a masked (padding) slot passes x through
-
-
-@dataclasses.dataclass(frozen=True)
-class StageModel:
-    """The model cut at its stack (`zeroxla.pipeline.stages`), on this stage's parameter values.
-    `p` below is a dict of trainable leaves (path -> value), the frozen ones fill the rest."""
-
-    loss: StagedLoss
-    model_def: Any
-    block: Block
-    trainable: dict[str, Any]       # path -> this stage's value (stacked leaves: [Lmax, ...])
-    frozen: dict[str, Any]
-    mask: jax.Array                 # [Lmax]: False on this stage's padding slots
-    stack: GatheredStack | None     # ZeRO-3 per-micro-batch gathers of the blocks, else None
-    block_leaves: tuple[Any, ...]   # the blocks' plan leaves, in `block.paths` order
-    block_full: list[Any]           # their values (under `stack`: their shards)
-    policy: str                     # the remat policy of the blocks' vjp
-    dtype: Any
-
-    def model_of(self, p: dict[str, Any]) -> Any:
-        return self.model_def.module({**self.frozen, **p}, {}, None)
-
-    def embed(self, p: dict[str, Any], micro: Any) -> jax.Array:    # -> [mb, T, D]
-        """The model's computation up to its stack: the first stage's forward."""
-        return stack_input(self.loss.terms, self.model_of(p), micro)[0].astype(self.dtype)
-
-    def stack_args(self, micro: Any) -> tuple:                      # e.g. (positions [mb, T],)
-        """The stack's other arguments; parameter-free (`check_stages`), so constants."""
-        return stop_gradients(stack_input(self.loss.terms, self.model_of(self.trainable),
-                                          micro)[1])
-
-    def blocks_of(self, full: list[Any], x: jax.Array, consts: tuple) -> jax.Array:
-        """The stage's blocks on x [mb, T, D] -> [mb, T, D]; `full` their leaves (or shards)."""
-        if self.stack is not None:                             # full: the blocks' shards
-            return self.stack(full, x, consts, self.mask)[0]
-
-        def body(h, per_layer):
-            layer, keep = per_layer
-            return self.block(layer, h, consts, keep)[0], None
-        return lax.scan(body, x, (full, self.mask))[0]
-
-    def blocks(self, p: dict[str, Any], x: jax.Array, consts: tuple) -> jax.Array:
-        return self.blocks_of([{**self.frozen, **p}[path] for path in self.block.paths], x,
-                              consts)
-
-    def linearized_blocks(self, x: jax.Array, consts: tuple) -> tuple[Any, list[Any], Any]:
-        """(y, kept, layout): the blocks' forward keeping their vjp residuals less the
-        parameters (`linearize_keeping`: a residual that *is* a parameter or shard is taken
-        from `block_full` again in backward, never stashed per buffer)."""
-        return remat.linearize_keeping(lambda full, x: self.blocks_of(full, x, consts),
-                                       self.block_leaves, self.block_full, x, self.policy)
-
-    def head_terms(self, p: dict[str, Any], y: jax.Array, micro: Any) -> tuple[Any, Any]:
-        """The model's computation after its stack, and the loss: the last stage's.
-        Returns (loss sum, token count)."""
-        return loss_after_stack(self.loss.terms, self.model_of(p), micro, y)
-
-
-def gradient_sum(*parts: dict[str, Any]) -> dict[str, Any]:
-    """The float32 sum, path by path, of gradient dicts that each cover some paths (None
-    entries skipped): what one op adds to the step's gradient sums."""
-    total: dict[str, Any] = {}
-    for part in parts:
-        for path, d in part.items():
-            if d is not None:
-                total[path] = total[path] + d.astype(f32) if path in total else d.astype(f32)
-    return total
-
-
-def add_gradients(sums: dict[str, Any], grads: dict[str, Any]) -> dict[str, Any]:
-    """The float32 gradient sums `sums` (every trainable path) plus `grads` (some paths)."""
-    if not set(grads) <= set(sums):
-        raise AssertionError(f"gradients of {sorted(set(grads) - set(sums))} have no sum: "
-                             "they are not trainable leaves of this stage")
-    return {path: g + grads[path].astype(f32) if path in grads else g
-            for path, g in sums.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class StepUpdate:
-    """What one op of a step changes, as values rather than as a new carry.
-
-    A `lax.switch` branch that returned the carry would make XLA copy every stash array it
-    passes through (a conditional's outputs never share its operands' buffers): two copies
-    of the whole stash at every step boundary, and a full copy's memory traffic per step.
-    The branches instead return this, and `StagePasses.apply` writes it into the carry after
-    the switch, in place: one buffer's slot per stash entry, the gradients added to the sums.
-    """
-
-    slots: dict[str, Any] = dataclasses.field(default_factory=dict)  # carry name -> the new
-    #                                 value of the op's buffer (e.g. "stash": [mb, T, D])
-    grads: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> float32 to add
-    total: Any = 0.0                  # loss sum to add
-    count: Any = 0.0                  # token count to add
-    act: Any = None                   # forward output, sent to stage + 1 (None: zeros)
-    grad: Any = None                  # input gradient, sent to stage - 1 (None: zeros)
-
-
-jax.tree_util.register_dataclass(
-    StepUpdate, data_fields=["slots", "grads", "total", "count", "act", "grad"], meta_fields=[])
-
-
-def _write(stash: Any, value: Any, buf: jax.Array) -> Any:
-    """`stash` ([buffers, ...] arrays) with buffer `buf` set to `value`. A clamping update (buf
-    is in range): `.at[buf].set`'s bounds check puts a select around it, which XLA cannot run
-    in place (a new whole stash array per write)."""
-    return jax.tree.map(
-        lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), buf, 0), stash, value)
 
 
 def _branch(pred: Any, sides: set[bool], true_fn: Callable, false_fn: Callable) -> Any:
@@ -324,7 +191,7 @@ class StagePasses:
 
         def filled(name: str) -> Any:
             if whole:
-                return (_write(c[name], update.slots[name], buf) if name in update.slots
+                return (write_buffer(c[name], update.slots[name], buf) if name in update.slots
                         else c[name])
             return (update.slots[name] if name in update.slots
                     else jax.tree.map(lambda b: b[buf], c[name]))
@@ -337,7 +204,7 @@ class StagePasses:
     def apply(self, c: dict[str, Any], update: StepUpdate, buf: jax.Array
               ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
         """(carry with `update` written in at buffer `buf`, forward output, input gradient)."""
-        c = {**c, **{name: _write(c[name], value, buf) for name, value in update.slots.items()}}
+        c = {**c, **{name: write_buffer(c[name], value, buf) for name, value in update.slots.items()}}
         c["grads"] = add_gradients(c["grads"], update.grads)
         c["total"], c["count"] = c["total"] + update.total, c["count"] + update.count
         return (c, self.zeros_act if update.act is None else update.act,
