@@ -16,16 +16,21 @@
     storage.py     the layer stack's storage split over the `stage` axis
     stages.py      the model's loss cut at its layer stack: what the first stage computes
                    before the blocks and the last after them (imports JAX)
-    passes.py      one stage's forward and backward in a schedule step: the model's pieces
-                   on the stage and the idle / forward / backward (/ weight-gradient) branches,
-                   and what ZB-H1's B and W compute and keep (imports JAX)
+    stage_model.py the model's pieces on one stage: the computation up to the stack, the
+                   stage's blocks, the head and loss (imports JAX)
+    passes.py      one stage's forward and backward in a schedule step: the idle / forward /
+                   backward (/ weight-gradient) branches, and what ZB-H1's B and W compute and
+                   keep (imports JAX)
+    step_update.py what a step's op changes in the carry (the one stash buffer it fills, its
+                   gradients, its sends), written in after the switch (imports JAX)
     weight_pass.py ZB-H1's W weight-only where the blocks' vjp splits (engine.weight_split),
                    decided once per trace, or the warned fallback (imports JAX)
     executor.py    the table run as one lax.scan per segment, one ppermute per send, inside
                    the ZeRO step; built on the step's ZeroLayout by `zeroxla.make.make_step`
                    (imports JAX; loaded by zeroxla.make, not by this package)
 
-Nothing here but executor.py, passes.py, weight_pass.py and stages.py imports JAX.
+Nothing here but executor.py, passes.py, stage_model.py, step_update.py, weight_pass.py and
+stages.py imports JAX.
 """
 
 from zeroxla.pipeline.config import PipelineConfig
