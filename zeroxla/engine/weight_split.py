@@ -65,7 +65,14 @@ def _bind_invars(jaxpr: Any, values: list[Any]) -> dict:
 
 
 def _set(buffer: jax.Array, at: tuple, value: jax.Array) -> jax.Array:
-    return buffer.at[at].set(value) if at else value
+    """`buffer` with entry `at` (leading indices, in range) set to `value`, as a clamping
+    update: `.at[at].set`'s bounds check puts a select around it, which XLA cannot run in
+    place (a copy of the whole buffer per layer's write)."""
+    if not at:
+        return value
+    start = (*at, *(0,) * (buffer.ndim - len(at)))
+    return lax.dynamic_update_slice(
+        buffer, jnp.reshape(value, (1,) * len(at) + value.shape).astype(buffer.dtype), start)
 
 
 # ----------------------------------------------------------------------------------------------
