@@ -204,7 +204,8 @@ class StagePasses:
     def apply(self, c: dict[str, Any], update: StepUpdate, buf: jax.Array
               ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
         """(carry with `update` written in at buffer `buf`, forward output, input gradient)."""
-        c = {**c, **{name: write_buffer(c[name], value, buf) for name, value in update.slots.items()}}
+        c = {**c, **{name: write_buffer(c[name], value, buf)
+                     for name, value in update.slots.items()}}
         c["grads"] = add_gradients(c["grads"], update.grads)
         c["total"], c["count"] = c["total"] + update.total, c["count"] + update.count
         return (c, self.zeros_act if update.act is None else update.act,

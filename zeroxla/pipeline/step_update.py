@@ -4,10 +4,11 @@ A step picks its op (idle, forward, backward, weight-gradient pass) with `lax.sw
 stash arrays ([buffers, ...]: each buffer's activations or residuals, ZB-H1's weight-pass
 stash) go into the switch read-only, and the op returns a `StepUpdate`: the one buffer it
 fills, the gradients it adds, the results it sends. A branch that returned the stash arrays
-themselves would make XLA copy each through the conditional (a conditional's outputs do not
-share its operands' buffers): two whole stashes at every step boundary and a whole stash's
-copy per step (gpt-small, 4 stages: 1F1B's temporaries 107.6 -> 72.1 MiB, ZB-H1's 127-140,
-growing with M, -> 82.6-82.9 MiB, flat; `benchmarks/pipeline.py`).
+themselves would make XLA copy each through the conditional where two ops share the step
+(1F1B's F and B; a conditional's outputs then do not share its operands' buffers): two whole
+stashes at every step boundary and a whole stash's copy per step (gpt-small, 4 stages: the
+temporaries were 107.6 MiB for 1F1B, 127-140 MiB for ZB-H1, growing with M; written this way
+72.1 and 82.6-82.9 MiB, flat; `benchmarks/pipeline.py`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def add_gradients(sums: dict[str, Any], grads: dict[str, Any]) -> dict[str, Any]
 class StepUpdate:
     """What one op of a step changes, as values rather than as a new carry.
 
-    A `lax.switch` branch that returned the carry would make XLA copy every stash array it
-    passes through (a conditional's outputs never share its operands' buffers): two copies
-    of the whole stash at every step boundary, and a full copy's memory traffic per step.
-    The branches instead return this, and `StagePasses.apply` writes it into the carry after
-    the switch, in place: one buffer's slot per stash entry, the gradients added to the sums.
+    `slots` holds one buffer's value per stash entry the op fills; `StagePasses.apply`
+    writes it in at the op's buffer, in place, after the switch (module docstring), and adds
+    `grads` to the float32 sums. (Where a step's only other branch idles, the branch writes
+    its buffer itself and returns the stash entry whole: XLA then shares the idle branch's
+    pass-through buffer with the write, and no buffer's value is held twice.)
     """
 
     slots: dict[str, Any] = dataclasses.field(default_factory=dict)  # carry name -> the new
