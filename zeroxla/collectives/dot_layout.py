@@ -25,8 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+
+from zeroxla.sharding.leaf_plan import pad_along
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +56,7 @@ def reduce_scatter_permuted(grad: Permuted, dim: int, pad: int,
     natural_dim = grad.permutation[dim]
 
     def padded(x: jax.Array, d: int) -> jax.Array:
-        widths = [(0, 0)] * x.ndim
-        widths[d] = (0, pad)
-        return jnp.pad(x, widths) if pad else x
+        return pad_along(x, d, pad) if pad else x
 
     def dot_order(natural):                                # XLA:CPU
         return lax.transpose(scatter(padded(natural, natural_dim), natural_dim),

@@ -15,12 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend import core as jex_core
 
 from zeroxla.collectives.dot_layout import Permuted
 from zeroxla.engine import jaxpr_compat as compat
 
-_INLINED = ("pjit", "jit", "closed_call", "core_call")   # calls with no semantics of their own
 
 
 def _run(jaxpr: Any, consts: list[Any], args: list[Any], made_by_dot: dict[int, Any],
@@ -31,12 +29,9 @@ def _run(jaxpr: Any, consts: list[Any], args: list[Any], made_by_dot: dict[int, 
     (an inlined call's dead values would otherwise be freed)."""
     env: dict = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-
-    def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
     for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        called = compat.called_jaxpr(eqn) if eqn.primitive.name in _INLINED else None
+        invals = [compat.read(env, v) for v in eqn.invars]
+        called = compat.called_jaxpr(eqn) if eqn.primitive.name in compat.PLAIN_CALLS else None
         if called is not None:
             with compat.scope_of(eqn):
                 outs = _run(called[0], called[1], invals, made_by_dot, transposed)
@@ -47,9 +42,8 @@ def _run(jaxpr: Any, consts: list[Any], args: list[Any], made_by_dot: dict[int, 
         elif eqn.primitive.name == "transpose" and id(invals[0]) in made_by_dot:
             transposed[id(outs[0])] = (outs[0], Permuted(invals[0],
                                                          tuple(eqn.params["permutation"])))
-        env.update((v, x) for v, x in zip(eqn.outvars, outs)
-                   if not isinstance(v, jex_core.DropVar))
-    return [read(v) for v in jaxpr.outvars]
+        compat.write(env, eqn.outvars, outs)
+    return [compat.read(env, v) for v in jaxpr.outvars]
 
 
 def pull_permuted(pullback: Callable[[Any], tuple[Any, Any]], cotangent: Any) -> tuple[Any, Any]:

@@ -1,8 +1,12 @@
-"""The few facts about JAX's jaxprs that `zeroxla.engine.weight_split` reads and that no public
-API states: written against jax 0.10.2 (check them again on an upgrade).
+"""The few facts about JAX's jaxprs that `zeroxla.engine.weight_split` and
+`zeroxla.engine.cotangent_layout` read and that no public API states: written against jax
+0.10.2 (check them again on an upgrade). Both re-emit a jaxpr equation by equation, with the
+environment helpers here (`read`, `write`).
 
-* Which primitives are plain calls of an inner jaxpr (`pjit`, `closed_call`, `checkpoint`,
-  `custom_jvp_call`, ...), and under which parameter that jaxpr sits: the split inlines them.
+* Which primitives are calls of an inner jaxpr (`pjit`, `closed_call`, `checkpoint`,
+  `custom_jvp_call`, ...), under which parameter that jaxpr sits, and which of them have no
+  semantics of their own (`PLAIN_CALLS`): the split inlines them all, the cotangent layout
+  the plain ones.
 * A `scan` equation's parameters (`num_consts`, `num_carry`, `length`, `reverse`, `unroll`,
   `jaxpr`): the split rebuilds a scan as two `lax.scan`s.
 * Which effects are only a collective's mesh axis names (`NamedAxisEffect`), not an order.
@@ -31,6 +35,11 @@ _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
           "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+# The calls among them with no semantics of their own (no rematerialization, no custom rule):
+# inlining one changes nothing but the call boundary.
+PLAIN_CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
 def called_jaxpr(eqn: Any) -> tuple[Any, list[Any]] | None:
@@ -79,6 +88,23 @@ def ordering_effects(effects: Any) -> set:
 
 def has_inner_jaxprs(eqn: Any) -> bool:
     return bool(list(jex_core.jaxprs_in_params(eqn.params)))
+
+
+def is_var(v: Any) -> bool:
+    """An equation operand or result that is a variable: not a literal, not a dropped output."""
+    return not isinstance(v, (jex_core.Literal, jex_core.DropVar))
+
+
+def read(env: dict, v: Any) -> Any:
+    """The value of operand `v` where `env` maps variables to values (a literal's own)."""
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+
+def write(env: dict, outvars: list, values: list) -> None:
+    """Records each result's value in `env`; None values and dropped outputs are not kept."""
+    for v, x in zip(outvars, values):
+        if x is not None and is_var(v):
+            env[v] = x
 
 
 def bind(eqn: Any, invals: list[Any]) -> list[Any]:

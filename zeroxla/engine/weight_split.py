@@ -42,22 +42,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 
 from zeroxla.engine import jaxpr_compat as compat
-from zeroxla.engine.weight_split_plan import Region, ScanSplit, UnsupportedSplit, is_var, plan
+from zeroxla.engine.weight_split_plan import Region, ScanSplit, UnsupportedSplit, plan
 
 __all__ = ["UnsupportedSplit", "WeightSplit", "split_pullback"]
-
-
-def _read(env: dict, v: Any) -> Any:
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-
-def _write(env: dict, outvars: list, values: list) -> None:
-    for v, x in zip(outvars, values):
-        if x is not None and is_var(v):
-            env[v] = x
 
 
 def _bind_invars(jaxpr: Any, values: list[Any]) -> dict:
@@ -86,16 +75,16 @@ def _run_b(r: Region, env: dict, buffers: list[Any], at: tuple) -> tuple[list[An
         if i in r.subs:
             sub = r.subs[i]
             mine, rest = rest[:sub.stash_count], rest[sub.stash_count:]
-            operands = [_read(env, v) if m else None for v, m in zip(eqn.invars, sub.b_reads)]
+            operands = [compat.read(env, v) if m else None for v, m in zip(eqn.invars, sub.b_reads)]
             with compat.scope_of(eqn):
                 outs, mine = (_run_scan_b(sub, operands, mine, at) if isinstance(sub, ScanSplit)
                               else _run_b(sub, _bind_invars(sub.jaxpr, operands), mine, at))
-            _write(env, eqn.outvars, [o if m else None for o, m in zip(outs, sub.b_outs)])
+            compat.write(env, eqn.outvars, [o if m else None for o, m in zip(outs, sub.b_outs)])
             done += mine
         elif r.run_b[i]:
-            _write(env, eqn.outvars, compat.bind(eqn, [_read(env, v) for v in eqn.invars]))
-    own = [_set(b, at, _read(env, v)) for b, v in zip(buffers, r.stash)]
-    return [_read(env, v) if m else None for v, m in zip(r.jaxpr.outvars, r.b_outs)], own + done
+            compat.write(env, eqn.outvars, compat.bind(eqn, [compat.read(env, v) for v in eqn.invars]))
+    own = [_set(b, at, compat.read(env, v)) for b, v in zip(buffers, r.stash)]
+    return [compat.read(env, v) if m else None for v, m in zip(r.jaxpr.outvars, r.b_outs)], own + done
 
 
 def _run_scan_b(s: ScanSplit, operands: list[Any], buffers: list[Any], at: tuple
@@ -136,14 +125,14 @@ def _run_w(r: Region, env: dict, buffers: list[Any], at: tuple) -> list[Any]:
             mine, rest = rest[:sub.stash_count], rest[sub.stash_count:]
             if not any(sub.w_outs):
                 continue
-            operands = [_read(env, v) if m else None for v, m in zip(eqn.invars, sub.w_reads)]
+            operands = [compat.read(env, v) if m else None for v, m in zip(eqn.invars, sub.w_reads)]
             with compat.scope_of(eqn):
                 outs = (_run_scan_w(sub, operands, mine, at) if isinstance(sub, ScanSplit) else
                         _run_w(sub, _bind_invars(sub.jaxpr, operands), mine, at))
-            _write(env, eqn.outvars, [o if m else None for o, m in zip(outs, sub.w_outs)])
+            compat.write(env, eqn.outvars, [o if m else None for o, m in zip(outs, sub.w_outs)])
         elif r.run_w[i]:
-            _write(env, eqn.outvars, compat.bind(eqn, [_read(env, v) for v in eqn.invars]))
-    return [_read(env, v) if m else None for v, m in zip(r.jaxpr.outvars, r.w_outs)]
+            compat.write(env, eqn.outvars, compat.bind(eqn, [compat.read(env, v) for v in eqn.invars]))
+    return [compat.read(env, v) if m else None for v, m in zip(r.jaxpr.outvars, r.w_outs)]
 
 
 def _run_scan_w(s: ScanSplit, operands: list[Any], buffers: list[Any], at: tuple

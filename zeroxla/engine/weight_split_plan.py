@@ -16,17 +16,13 @@ import dataclasses
 import math
 from typing import Any
 
-from jax.extend import core as jex_core
 
 from zeroxla.engine import jaxpr_compat as compat
+from zeroxla.engine.jaxpr_compat import is_var
 
 
 class UnsupportedSplit(Exception):
     """The pullback holds something the split cannot place between B and W."""
-
-
-def is_var(v: Any) -> bool:
-    return not isinstance(v, (jex_core.Literal, jex_core.DropVar))
 
 
 # Recomputed in W rather than stashed when their inputs are W's (layout / elementwise ops).

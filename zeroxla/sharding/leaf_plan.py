@@ -22,6 +22,13 @@ from jax.sharding import PartitionSpec as P
 LAYERS_AXIS = "layers"
 
 
+def pad_along(x: jax.Array, dim: int, pad: int) -> jax.Array:
+    """`x` with `pad` zeros appended along its dim `dim`."""
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, pad)
+    return jnp.pad(x, widths)
+
+
 @dataclasses.dataclass(frozen=True)
 class MasterWithCopy:
     """Under 16-bit compute, the storage of a replicated leaf whose optimizer state is
@@ -293,9 +300,7 @@ class LeafPlan:
 
     def data_pad(self, x: jax.Array) -> jax.Array:
         """Zeros appended along `shard_dim` only (the layer dim, logical or slotted, as is)."""
-        widths = [(0, 0)] * x.ndim
-        widths[self.shard_dim] = (0, self.shard_padding)
-        return jnp.pad(x, widths)
+        return pad_along(x, self.shard_dim, self.shard_padding)
 
     def data_unpad(self, x: jax.Array) -> jax.Array:
         """Inverse of `data_pad`."""
@@ -324,9 +329,7 @@ class LeafPlan:
     # ---- one unit inside shard_map -------------------------------------------------------------
     def unit_pad(self, unit: jax.Array) -> jax.Array:
         """A unit of logical shape -> `unit_padded_shape`, ready to reduce-scatter."""
-        widths = [(0, 0)] * unit.ndim
-        widths[self.unit_shard_dim] = (0, self.shard_padding)
-        return jnp.pad(unit, widths)
+        return pad_along(unit, self.unit_shard_dim, self.shard_padding)
 
     def unit_unpad(self, unit: jax.Array) -> jax.Array:
         """A gathered unit `unit_padded_shape` -> the unit's logical shape."""
