@@ -4,7 +4,8 @@ sampling.
 Nothing in the library imports this package; `import zeroxla` does not load it.
 
     cli.py           the `zeroxla` command
-    cli_args.py      argparse value types and the simulated-device flag of every subcommand
+    cli_args.py      argparse value types, checks between options (a batch the --mesh
+                     divides) and the simulated-device flag of every subcommand
     train_options.py `zeroxla train`'s option table: argparse, --resume, names, DeepSpeed
                      overrides, all generated from it
     train_cli.py     `zeroxla train`: the handler that turns the options into a job and runs it
@@ -23,9 +24,10 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
     char_sft.py      the SFT warm-up of the character-level PPO demo
     rundir.py        run directories: fresh names, no overwriting, what --resume accepts
     interrupt.py     Ctrl-C as a request to stop between steps
-    distributed.py   the multi-process environment (ZEROXLA_*) and jax.distributed start-up
+    distributed.py   the multi-process environment (ZEROXLA_*), jax.distributed start-up and
+                     a job's --mesh on the devices
     launch.py        `zeroxla launch`: N local processes, supervised
-    data.py          corpora and per-device batches
+    data.py          corpora, JSON data files (.jsonl, .json arrays) and per-device batches
     tokenizer.py     character and byte tokenizers
     tokenizer_records.py  tokenizers as JSON records stored in checkpoints
     tiny_checkpoints.py   tiny random Hugging Face checkpoints for the tests and the demos

@@ -12,10 +12,15 @@ import argparse
 import dataclasses
 import json
 
-from zeroxla.app.cli_args import (mesh_shape, non_negative_int, positive_float, positive_int,
-                                  set_host_device_count)
+from zeroxla.app.cli_args import (mesh_shape, non_negative_float, non_negative_int,
+                                  positive_float, positive_int, set_host_device_count,
+                                  unit_interval)
 
 DS_CHAT = "DeepSpeed-Chat's name and default"
+MESH_HELP = ("the (node, local) device mesh; its NODES x LOCAL data-parallel devices must divide "
+             "the global batch ({batch}); default 2x4")
+NO_RESUME = ("There is no --resume: a run that fails or is interrupted removes what it wrote, so "
+             "the same --out can be given again.")
 
 
 def add_reward(subparsers: argparse._SubParsersAction) -> None:
@@ -25,17 +30,23 @@ def add_reward(subparsers: argparse._SubParsersAction) -> None:
                     "trained with -log sigmoid(r_chosen - r_rejected) on the end scores of "
                     "{\"prompt\", \"chosen\", \"rejected\"} JSONL pairs under ZeRO. Writes "
                     "metrics.jsonl (loss; validation accuracy and margin), summary.json and "
-                    "checkpoint/ (read by zeroxla ppo --reward).")
+                    "checkpoint/ (read by zeroxla ppo --reward). " + NO_RESUME)
     p.add_argument("--init-from", required=True, metavar="HF_DIR",
                    help="a Hugging Face checkpoint directory (GPT-2 or Llama, with tokenizer)")
-    p.add_argument("--data", required=True, metavar="PAIRS_JSONL")
+    p.add_argument("--data", required=True, metavar="PAIRS_JSONL",
+                   help="preference pairs: a .jsonl of {\"prompt\", \"chosen\", \"rejected\"} "
+                        "lines, or a .json array of those objects (.gz ok). Pairs whose chosen "
+                        "and rejected are the same tokens teach nothing: they are counted and "
+                        "reported, and a file (or its train or validation split) of only such "
+                        "pairs is refused")
     p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--batch-size", type=positive_int, default=16, help="pairs per step")
     p.add_argument("--seq-len", type=positive_int, default=64,
                    help="prompt + answer tokens (a longer pair is an error, not truncated)")
     p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--mesh", type=mesh_shape, default=(2, 4), metavar="NODESxLOCAL")
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.0)
+    p.add_argument("--mesh", type=mesh_shape, default=(2, 4), metavar="NODESxLOCAL",
+                   help=MESH_HELP.format(batch="--batch-size"))
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3)
     p.add_argument("--eval-every", type=positive_int, default=50)
     p.add_argument("--seed", type=non_negative_int, default=0)
@@ -66,16 +77,21 @@ def add_ppo(subparsers: argparse._SubParsersAction) -> None:
                     "started from the reward model, rollouts by the Hybrid Engine and rewards "
                     "from the learned reward model plus the KL penalty. Writes metrics.jsonl, "
                     "reward_kl.png, summary.json, checkpoint/actor, checkpoint/critic and "
-                    "actor_hf/ (the actor as a Hugging Face checkpoint).")
+                    "actor_hf/ (the actor as a Hugging Face checkpoint). " + NO_RESUME)
     p.add_argument("--actor", required=True, metavar="SFT_RUN",
                    help="a zeroxla train run directory (step 1)")
     p.add_argument("--reward", required=True, metavar="RM_RUN",
                    help="a zeroxla reward run directory (step 2)")
-    p.add_argument("--prompts", required=True, metavar="PROMPTS_JSONL")
+    p.add_argument("--prompts", required=True, metavar="PROMPTS_JSONL",
+                   help="a .jsonl of {\"prompt\"} lines, or a .json array of those objects "
+                        "(.gz ok; other keys are ignored, so a pairs file serves)")
     p.add_argument("--iterations", type=positive_int, default=10)
     p.add_argument("--out", default=None, metavar="DIR")
-    p.add_argument("--mesh", type=mesh_shape, default=(2, 4), metavar="NODESxLOCAL")
-    p.add_argument("--inference-tp-size", type=positive_int, default=2)
+    p.add_argument("--mesh", type=mesh_shape, default=(2, 4), metavar="NODESxLOCAL",
+                   help=MESH_HELP.format(batch="--per-iteration-prompts"))
+    p.add_argument("--inference-tp-size", type=positive_int, default=2,
+                   help="tensor-parallel devices of the Hybrid Engine's rollouts: a divisor of "
+                        "the mesh's devices and of the actor's attention heads; default 2")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--no-progress", action="store_true")
     ppo = p.add_argument_group("PPO hyper-parameters (" + DS_CHAT + " where it has one)")
@@ -86,9 +102,11 @@ def add_ppo(subparsers: argparse._SubParsersAction) -> None:
             ("--max-prompt-seq-len", "prompt_length", positive_int),
             ("--max-answer-seq-len", "answer_length", positive_int),
             ("--per-iteration-prompts", "prompts_per_iteration", positive_int),
-            ("--kl-ctl", "kl_ctl", float), ("--clip-reward-value", "clip_reward_value", float),
-            ("--cliprange", "cliprange", float), ("--cliprange-value", "cliprange_value", float),
-            ("--gamma", "gamma", float), ("--lam", "lam", float)):
+            ("--kl-ctl", "kl_ctl", non_negative_float),
+            ("--clip-reward-value", "clip_reward_value", positive_float),
+            ("--cliprange", "cliprange", positive_float),
+            ("--cliprange-value", "cliprange_value", positive_float),
+            ("--gamma", "gamma", unit_interval), ("--lam", "lam", unit_interval)):
         ppo.add_argument(flag, dest=field, type=kind, default=None)
     ppo.add_argument("--reference-int8", dest="reference_int8", action="store_const",
                      const=True, default=None,

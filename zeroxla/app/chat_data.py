@@ -2,19 +2,27 @@
 
 The data flow, one way:
 
-    read_sft_jsonl / read_pair_jsonl / read_prompt_jsonl   JSON lines -> examples (checked first)
+    read_sft_jsonl / read_pair_jsonl / read_prompt_jsonl   JSON files -> examples (checked first)
     sft_arrays / pair_arrays / prompt_arrays               examples -> numpy arrays for the step
+    rows_without_loss / pairs_without_preference,
+    check_learnable                                        nothing to learn: counted, or refused
     shakespeare_sft / _pairs / _prompts, write_jsonl       offline examples from tiny-shakespeare
 
-File format (one JSON object a line, blank lines skipped, other keys ignored), as DeepSpeed-Chat's
-`PromptRawDataset` gives them (`get_prompt`, `get_chosen`, `get_rejected`):
+Files: JSON lines (`.jsonl`), or a JSON array of the same objects (`.json`), optionally gzipped
+(`zeroxla.app.data.read_records`); other keys are ignored. The fields are DeepSpeed-Chat's
+`PromptRawDataset` ones (`get_prompt`, `get_chosen`, `get_rejected`):
 
     SFT      {"prompt": "...", "response": "..."}         ("chosen" accepted for "response")
     pairs    {"prompt": "...", "chosen": "...", "rejected": "..."}
     prompts  {"prompt": "..."}
 
 Every problem with a file is a `ChatDataError` naming `file:line` before any token is computed,
-and an example too long for the sequence is an error naming it, never a silent truncation.
+and an example too long for the sequence is an error naming it, never a silent truncation. An
+example can also hold nothing to learn: an SFT row with no loss token (an empty response and no
+EOS token), a pair whose chosen and rejected rows are the same tokens (the pairwise loss is
+log 2 with a zero gradient). The jobs count those and report them; a file, or a train or
+validation split, of nothing else is refused (`check_learnable`), since it would train on nothing
+and still exit 0.
 
 Token layout. Prompt and answer are encoded separately and concatenated, so the boundary the loss
 mask follows is exact (encoding `prompt + answer` as one string lets a BPE merge across it):
@@ -40,12 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from zeroxla.app.data import load_text
+from zeroxla.app.data import ChatDataError, load_text, read_records
 from zeroxla.app.tokenizer import Tokenizer
-
-
-class ChatDataError(ValueError):
-    """A chat data file or example that cannot be used, named by file:line or example index."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,35 +83,6 @@ def _where(example: SFTExample | PairExample, index: int) -> str:
 
 # ----------------------------------------------------------------------------- reading files
 
-def _read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
-    """[(1-based line, JSON object)] of a JSON-lines file, blank lines skipped."""
-    name = os.fspath(path)
-    if not os.path.isfile(name):
-        raise FileNotFoundError(f"{name}: no such file; accepted: a JSON-lines file")
-    records = []
-    with open(name, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ChatDataError(f"{name}:{number}: not UTF-8 ({err.reason})") from None
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ChatDataError(f"{name}:{number}: invalid JSON ({err.msg}, column "
-                                    f"{err.colno})") from None
-            if not isinstance(record, dict):
-                raise ChatDataError(f"{name}:{number}: a JSON {type(record).__name__}; "
-                                    "accepted: one JSON object per line")
-            records.append((number, record))
-    if not records:
-        raise ChatDataError(f"{name}: no examples (the file is empty or blank); accepted: one "
-                            "JSON object per line")
-    return records
-
-
 def _field(record: dict[str, Any], names: tuple[str, ...], name: str, number: int) -> str:
     """The string under the first of `names` present in `record` (names[1:] are aliases)."""
     for key in names:
@@ -123,26 +98,26 @@ def _field(record: dict[str, Any], names: tuple[str, ...], name: str, number: in
 
 
 def read_sft_jsonl(path: str | os.PathLike) -> list[SFTExample]:
-    """SFT examples from `{"prompt", "response"}` lines (DeepSpeed-Chat's `"chosen"` is accepted
-    in place of `"response"`)."""
+    """SFT examples from `{"prompt", "response"}` records (DeepSpeed-Chat's `"chosen"` is
+    accepted in place of `"response"`)."""
     name = os.fspath(path)
     return [SFTExample(_field(r, ("prompt",), name, n),
                        _field(r, ("response", "chosen"), name, n), path=name, line=n)
-            for n, r in _read_records(name)]
+            for n, r in read_records(name)]
 
 
 def read_pair_jsonl(path: str | os.PathLike) -> list[PairExample]:
-    """Preference pairs from `{"prompt", "chosen", "rejected"}` lines."""
+    """Preference pairs from `{"prompt", "chosen", "rejected"}` records."""
     name = os.fspath(path)
     return [PairExample(*(_field(r, (key,), name, n) for key in ("prompt", "chosen", "rejected")),
                         path=name, line=n)
-            for n, r in _read_records(name)]
+            for n, r in read_records(name)]
 
 
 def read_prompt_jsonl(path: str | os.PathLike) -> list[str]:
-    """PPO prompts from `{"prompt"}` lines."""
+    """PPO prompts from `{"prompt"}` records."""
     name = os.fspath(path)
-    return [_field(r, ("prompt",), name, n) for n, r in _read_records(name)]
+    return [_field(r, ("prompt",), name, n) for n, r in read_records(name)]
 
 
 # ----------------------------------------------------------------------------- token arrays
@@ -239,6 +214,39 @@ def prompt_arrays(prompts: Sequence[str], tokenizer: Tokenizer, prompt_length: i
         mask[i, prompt_length - len(tokens):] = True
         lengths[i] = len(tokens)
     return {"prompts": ids, "prompt_mask": mask, "lengths": lengths}
+
+
+def rows_without_loss(arrays: dict[str, np.ndarray]) -> int:
+    """How many SFT rows (`sft_arrays`) have no loss token: an empty response with no eos."""
+    return int(np.sum(~arrays["loss_mask"].any(axis=-1)))
+
+
+def pairs_without_preference(arrays: dict[str, np.ndarray]) -> int:
+    """How many pairs (`pair_arrays`) have the same tokens for chosen and rejected: one score
+    for both, so the pairwise loss is log 2 whatever the model and its gradient zero."""
+    same = (np.all(arrays["chosen"] == arrays["rejected"], axis=-1)
+            & (arrays["chosen_end"] == arrays["rejected_end"]))
+    return int(same.sum())
+
+
+def check_learnable(source: str, counts: dict[str, tuple[int, int]], lacking: str,
+                    accepted: str) -> int:
+    """Refuses data with nothing to learn. `counts` maps each split ("training", "validation")
+    to (its examples, how many of them have `lacking`, e.g. "no loss token"). A ChatDataError
+    names `source` when every example of the file, or of one split, has it; otherwise returns
+    how many do in all (for the job to report)."""
+    total = sum(n for n, _ in counts.values())
+    lack = sum(k for _, k in counts.values())
+    if lack == total:
+        raise ChatDataError(f"{source}: every one of its {total} examples has {lacking}, so "
+                            f"training would learn nothing; accepted: {accepted}")
+    for split, (n, k) in counts.items():
+        if k == n:
+            raise ChatDataError(
+                f"{source}: every one of the {n} examples of its {split} split has {lacking} "
+                f"(the seeded shuffle into splits put none of the file's {total - lack} others "
+                f"there); accepted: {accepted}, enough for both splits, or another --seed")
+    return lack
 
 
 # ----------------------------------------------------------------------------- writing files
@@ -344,7 +352,7 @@ def shakespeare_pairs(n: int, seed: int = 0) -> list[PairExample]:
     return [PairExample(p, a, _scramble(a, rng)) for p, a in _pick(n, rng)]
 
 
-__all__ = ["ChatDataError", "MAX_EXAMPLE_CHARS", "PairExample", "SFTExample", "pair_arrays",
-           "prompt_arrays", "read_pair_jsonl", "read_prompt_jsonl", "read_sft_jsonl",
-           "shakespeare_pairs", "shakespeare_prompts", "shakespeare_sft", "sft_arrays",
-           "write_jsonl"]
+__all__ = ["ChatDataError", "MAX_EXAMPLE_CHARS", "PairExample", "SFTExample", "check_learnable",
+           "pair_arrays", "pairs_without_preference", "prompt_arrays", "read_pair_jsonl",
+           "read_prompt_jsonl", "read_sft_jsonl", "rows_without_loss", "shakespeare_pairs",
+           "shakespeare_prompts", "shakespeare_sft", "sft_arrays", "write_jsonl"]

@@ -1,6 +1,10 @@
-"""argparse value types and the simulated-device flag shared by the `zeroxla` subcommands.
+"""argparse value types, the checks between options, and the simulated-device flag shared by the
+`zeroxla` subcommands.
 
 No JAX here: the CLI sets the device count before any module that uses JAX is imported.
+`check_batch` refuses, before any compute, a global batch that `--mesh NODESxLOCAL`'s
+data-parallel devices (and the micro-batches) do not divide, which would otherwise fail inside
+JAX's sharding with a message about array axes.
 """
 
 from __future__ import annotations
@@ -55,6 +59,28 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (not nan, not inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a finite number >= 0")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """A number in [0, 1] (a discount or a trace decay)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number in [0, 1]")
+    return value
+
+
 def temperature(text: str) -> float:
     """A sampling temperature: 0 (greedy) or a finite positive number (not nan, not inf)."""
     try:
@@ -65,6 +91,26 @@ def temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: 0 (greedy) or a finite "
                                          "positive number")
     return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_batch(batch: int, option: str, mesh: tuple[int, int], accum: int = 1) -> None:
+    """ValueError unless `batch` (the value of `option`, e.g. "--batch-size") is a multiple of
+    the mesh's data-parallel devices times `accum` micro-batches (--grad-accum)."""
+    unit = mesh[0] * mesh[1] * accum
+    if batch % unit == 0:
+        return
+    per_step = f" x --grad-accum {accum}" if accum > 1 else ""
+    lower = max(unit, batch // unit * unit)
+    meshes = (f", or a --mesh whose NODES x LOCAL is one of "
+              f"{', '.join(map(str, _divisors(batch // accum)))}" if batch % accum == 0 else "")
+    raise ValueError(
+        f"{option} {batch} is not a multiple of the {mesh[0] * mesh[1]} data-parallel devices "
+        f"of --mesh {mesh[0]}x{mesh[1]}{per_step}; use {lower} (accepted: a multiple of "
+        f"{unit}{meshes})")
 
 
 def host_device_count(environ: dict | None = None) -> int | None:
@@ -92,5 +138,6 @@ def set_host_device_count(count: int, environ: dict | None = None) -> bool:
     return True
 
 
-__all__ = ["host_device_count", "mesh_shape", "non_negative_int", "positive_float",
-           "positive_int", "set_host_device_count", "temperature"]
+__all__ = ["check_batch", "host_device_count", "mesh_shape", "non_negative_float",
+           "non_negative_int", "positive_float", "positive_int", "set_host_device_count",
+           "temperature", "unit_interval"]

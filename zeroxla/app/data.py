@@ -1,4 +1,5 @@
-"""Text data for language-model training: load a corpus, tokenize, split, batch, place on the mesh.
+"""Data files and text data for language-model training: load a corpus or a JSON data file,
+tokenize, split, batch, place on the mesh.
 
 The data flow, one way:
 
@@ -14,6 +15,18 @@ in an order drawn from `(seed, epoch)`, so batch k is a pure function of `(seed,
 seed gives the same batches, a resumed run continues the same stream, and every process of a
 multi-process run agrees on the global batch without communicating.
 
+JSON data files (`read_records`: what `--data` gives SFT and reward jobs and `--prompts` PPO,
+read into examples by `chat_data`) come in two layouts, told apart by the file's name and then
+its first character:
+
+    NAME.jsonl   JSON lines: one object a line, blank lines skipped
+    NAME.json    a JSON array of the same objects (`[{...}, {...}]`), or JSON lines when its
+                 first non-blank character is not `[` (Hugging Face `datasets`' `to_json`
+                 writes JSON lines under a .json name)
+
+either optionally gzipped (`.jsonl.gz`, `.json.gz`). The line of an array element is the line
+its `{` is on, so every error names `file:line` as it does for JSON lines.
+
 `device_batch` builds only the rows the *addressable* devices hold (from the sharding's
 `addressable_devices_indices_map`) and assembles the global array with
 `jax.make_array_from_single_device_arrays`; in a multi-process run each process therefore reads
@@ -25,8 +38,10 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import importlib.resources
+import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -71,6 +86,106 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
     cut = int(round(len(tokens) * (1.0 - val_fraction)))
     return tokens[:cut], tokens[cut:]
 
+
+# ----------------------------------------------------------------------------- JSON data files
+
+JSON_LINES = ".jsonl"
+JSON_ARRAY = ".json"
+ACCEPTED_JSON = ("a .jsonl file of one JSON object per line, or a .json file holding a JSON "
+                 "array of those objects (or JSON lines); either may be gzipped (.gz)")
+
+
+class ChatDataError(ValueError):
+    """A JSON data file (here) or a chat example (`chat_data`) that cannot be used, named by
+    file:line or example index."""
+
+
+def json_suffix(path: str | os.PathLike) -> str | None:
+    """".jsonl" or ".json" when `path` names a JSON data file (a trailing .gz ignored), else
+    None."""
+    name = os.fspath(path).lower().removesuffix(".gz")
+    return next((s for s in (JSON_LINES, JSON_ARRAY) if name.endswith(s)), None)
+
+
+def _json_text(name: str) -> str:
+    """The UTF-8 text of `name` (gunzipped when it ends in .gz)."""
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"{name}: no such file; accepted: {ACCEPTED_JSON}")
+    with open(name, "rb") as f:
+        raw = f.read()
+    if name.lower().endswith(".gz"):
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as err:
+            raise ChatDataError(f"{name}: not a gzip file ({err}); accepted: "
+                                f"{ACCEPTED_JSON}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ChatDataError(f"{name}:{line}: not UTF-8 ({err.reason})") from None
+
+
+def _object(name: str, line: int, record: Any, accepted: str) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise ChatDataError(f"{name}:{line}: a JSON {type(record).__name__}; accepted: {accepted}")
+    return record
+
+
+def _lines(name: str, text: str, accepted: str) -> list[tuple[int, dict[str, Any]]]:
+    """JSON lines: one object a line, blank lines skipped. Lines end at "\n" only: a JSON
+    string may hold U+2028 or a form feed unescaped (`json.dumps(ensure_ascii=False)`)."""
+    records = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ChatDataError(f"{name}:{number}: invalid JSON ({err.msg}, column "
+                                f"{err.colno}); accepted: {accepted}") from None
+        records.append((number, _object(name, number, record, accepted)))
+    return records
+
+
+def _array(name: str, text: str) -> list[tuple[int, dict[str, Any]]]:
+    """A JSON array of objects, each with the line its value starts on."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ChatDataError(f"{name}:{err.lineno}: invalid JSON ({err.msg}, column "
+                            f"{err.colno})") from None
+    if not isinstance(values, list):
+        raise ChatDataError(f"{name}: a JSON {type(values).__name__}; accepted: {ACCEPTED_JSON}")
+    # The text is valid JSON, so walking it element by element cannot fail.
+    decoder, pos, records = json.JSONDecoder(), text.index("[") + 1, []
+    for _ in values:
+        while text[pos] in " \t\r\n,":
+            pos += 1
+        line = text.count("\n", 0, pos) + 1
+        record, pos = decoder.raw_decode(text, pos)
+        records.append((line, _object(name, line, record, "a JSON array of objects")))
+    return records
+
+
+def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
+    """[(1-based line, JSON object)] of a JSON data file (see "JSON data files" in the module
+    docstring); a file with no object is a ChatDataError."""
+    name = os.fspath(path)
+    text = _json_text(name)
+    if json_suffix(name) != JSON_ARRAY:
+        records = _lines(name, text, "one JSON object per line")
+    elif text.lstrip().startswith("["):
+        records = _array(name, text)
+    else:
+        records = _lines(name, text, "a JSON array of objects, or one JSON object per line")
+    if not records:
+        what = "an empty JSON array" if text.strip() else "the file is empty or blank"
+        raise ChatDataError(f"{name}: no examples ({what}); accepted: {ACCEPTED_JSON}")
+    return records
+
+
+# ----------------------------------------------------------------------------- text
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
@@ -199,6 +314,7 @@ def device_batches(tokens: np.ndarray, plan: BatchPlan, sharding: jax.sharding.S
         step += 1
 
 
-__all__ = ["BUNDLED_CORPUS", "BatchPlan", "ByteTokenizer", "CharTokenizer", "Corpus",
-           "device_batch", "device_batches", "host_batch", "load_corpus", "load_text",
+__all__ = ["ACCEPTED_JSON", "BUNDLED_CORPUS", "BatchPlan", "ByteTokenizer", "ChatDataError",
+           "CharTokenizer", "Corpus", "JSON_ARRAY", "JSON_LINES", "device_batch", "device_batches",
+           "host_batch", "json_suffix", "load_corpus", "load_text", "read_records",
            "split_tokens"]

@@ -11,7 +11,9 @@ A process learns that it is one of N from its environment, read *before* JAX sta
 `zeroxla launch` sets the first three (and XLA_FLAGS for the CPU device count); a SLURM script
 sets ZEROXLA_DISTRIBUTED=auto. `initialize(env)` then starts JAX's distributed runtime before any
 other JAX use (XLA fixes the process topology when the first backend starts), with gloo as the
-CPU collectives (XLA:CPU has no cross-process collectives without it).
+CPU collectives (XLA:CPU has no cross-process collectives without it). `job_mesh` builds a job's
+`--mesh` on the devices of all processes (`mesh_devices`: ordered by process, refused by name when
+there are too few), for `zeroxla train`, `reward` and `ppo` alike.
 
 This module imports JAX only inside the functions that need it: `zeroxla launch` and the option
 checks of `zeroxla train` run without it.
@@ -133,6 +135,18 @@ def mesh_devices(devices: Sequence[Any], count: int) -> list[Any]:
     return ordered[:count]
 
 
+def job_mesh(mesh: tuple[int, int], stages: int = 1) -> Any:
+    """The `jax.sharding.Mesh` of `--mesh` (with `stages` pipeline stages in front) on the
+    first `stages x nodes x local` devices; ValueError naming --mesh when there are fewer."""
+    import jax
+
+    from zeroxla.sharding.mesh import make_mesh
+
+    nodes, local = mesh
+    return make_mesh(nodes, local, stages=stages,
+                     devices=mesh_devices(jax.devices(), stages * nodes * local))
+
+
 def broadcast_text(text: str, max_bytes: int = 4096) -> str:
     """Process 0's `text`, on every process (e.g. a run directory only process 0 can name)."""
     import numpy as np
@@ -158,4 +172,4 @@ def any_process(flag: bool) -> bool:
 
 __all__ = ["AUTO_ENV", "COORDINATOR_ENV", "CPU_COLLECTIVES", "DistributedEnv", "ENV_VARS",
            "NUM_PROCESSES_ENV", "PROCESS_ID_ENV", "any_process", "broadcast_text",
-           "from_environ", "initialize", "mesh_devices"]
+           "from_environ", "initialize", "job_mesh", "mesh_devices"]

@@ -37,8 +37,9 @@ class TrainJobConfig:
     # A Hugging Face checkpoint directory to start from (config.json, safetensors, tokenizer):
     # its model replaces `model`, its tokenizer `tokenizer`.
     init_from: str | None = None
-    # A UTF-8 text file, or a .jsonl of {"prompt", "response"} pairs (supervised fine-tuning:
-    # the loss on the responses only); None = bundled tiny-shakespeare.
+    # A UTF-8 text file, or {"prompt", "response"} pairs in a .jsonl or .json (supervised
+    # fine-tuning: the loss on the responses only; `train_data.read_data` decides which);
+    # None = bundled tiny-shakespeare.
     data: str | None = None
     tokenizer: str | None = None            # "char" or "byte"; None: char, or init_from's
     steps: int = 600

@@ -34,6 +34,8 @@ import zeroxla
 from zeroxla import checkpoint
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import save_tokenizer
+from zeroxla.app.cli_args import check_batch
+from zeroxla.app.distributed import job_mesh
 from zeroxla.app.reward_job import KIND, load_reward_model
 from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
 from zeroxla.checkpoint.export import export_checkpoint
@@ -41,6 +43,8 @@ from zeroxla.rlhf import PPOConfig, plot_records, run_ppo, time_split
 
 PLOT_FILE = "reward_kl.png"
 ACTOR_EXPORT_DIR = "actor_hf"
+ACTOR_ACCEPTED = ("a `zeroxla train` run directory (step 1, SFT: zeroxla train --init-from HF_DIR "
+                  "--data sft.jsonl) or its checkpoint/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,22 +65,75 @@ class PPOJobConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.ppo, PPOConfig):
             raise TypeError(f"PPOJobConfig.ppo must be a PPOConfig, got {type(self.ppo).__name__}")
-        if not isinstance(self.iterations, int) or self.iterations < 1:
-            raise ValueError(f"PPOJobConfig.iterations={self.iterations!r} is invalid; accepted: "
-                             "an integer >= 1")
+        for name in ("iterations", "inference_tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PPOJobConfig.{name}={value!r} is invalid; accepted: an "
+                                 "integer >= 1")
+        if len(self.mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in self.mesh):
+            raise ValueError(f"PPOJobConfig.mesh={self.mesh!r} is invalid; accepted: (nodes, "
+                             "local) with both >= 1, e.g. (2, 4)")
+        # Each rollout is one global batch of the actor's and critic's steps.
+        check_batch(self.ppo.prompts_per_iteration, "--per-iteration-prompts", self.mesh)
+
+
+def check_inference_tp(tp: int, mesh: tuple[int, int], model_config: Any,
+                       model_name: str) -> None:
+    """ValueError naming --inference-tp-size unless `tp` divides the mesh's devices and the
+    attention heads of `model_config` (`num_heads`; `num_kv_heads`, when it has them, divides
+    `tp` or `tp` divides it: the Hybrid Engine replicates the KV heads)."""
+    from zeroxla.inference.layout import accepted_tp_sizes, tp_fits
+
+    devices = mesh[0] * mesh[1]
+    heads = [model_config.num_heads] if hasattr(model_config, "num_heads") else []
+    kv = [model_config.num_kv_heads] if hasattr(model_config, "num_kv_heads") else []
+    if tp_fits(tp, devices, heads, kv):
+        return
+    model = (f" and the {heads[0]} attention heads" + (f" ({kv[0]} KV heads)" if kv else "")
+             + f" of {model_name}" if heads else "")
+    accepted = ", ".join(map(str, accepted_tp_sizes(devices, heads, kv)))
+    raise ValueError(f"--inference-tp-size {tp} does not fit the {devices} devices of --mesh "
+                     f"{mesh[0]}x{mesh[1]}{model}; accepted: {accepted}")
+
+
+def _checkpoint_dir(option: str, run: str | Path, accepted: str) -> Path:
+    """The checkpoint directory of the run `option` names; ValueError naming it when `run` is
+    not a directory or holds no complete zeroxla checkpoint (e.g. a Hugging Face directory)."""
+    if not Path(run).is_dir():
+        raise ValueError(f"{option} {run}: no such directory; accepted: {accepted}")
+    directory = rundir.checkpoint_dir_of(run)
+    if checkpoint.latest_step(directory) is None:
+        raise ValueError(f"{option} {run} holds no complete zeroxla checkpoint; accepted: "
+                         f"{accepted}")
+    return directory
 
 
 def load_actor(run: str | Path) -> tuple[Any, Any]:
     """(plain model with the trained weights, tokenizer) of a `zeroxla train` run."""
-    directory = rundir.checkpoint_dir_of(run)
+    directory = _checkpoint_dir("--actor", run, ACTOR_ACCEPTED)
     meta = checkpoint.read_metadata(directory)["metadata"]
     if meta.get("model_kind") == KIND:
-        raise ValueError(f"--actor {run} is a reward-model run; accepted: a `zeroxla train` run "
-                         "(step 1, SFT)")
+        raise ValueError(f"--actor {run} is a reward-model run; accepted: {ACTOR_ACCEPTED}")
     if "tokenizer" not in meta:
-        raise ValueError(f"--actor {run}: its checkpoint records no tokenizer; accepted: a run of "
-                         "`zeroxla train`")
+        raise ValueError(f"--actor {run}: its checkpoint records no tokenizer; accepted: "
+                         f"{ACTOR_ACCEPTED}")
     return zeroxla.load_params(directory), tokenizer_from_record(meta["tokenizer"])
+
+
+def _check_fit(job: PPOJobConfig, actor: Any, reward_model: Any) -> None:
+    """The rollout shape against the models, before any compute: prompt + answer tokens fit
+    both models' positions, and --inference-tp-size fits the mesh and the actor's heads."""
+    c = job.ppo
+    need = c.prompt_length + c.answer_length
+    for option, path, config in (("--actor", job.actor, getattr(actor, "config", None)),
+                                 ("--reward", job.reward, reward_model.base.config)):
+        limit = getattr(config, "max_seq_len", None)
+        if limit is not None and need > limit:
+            raise ValueError(f"--max-prompt-seq-len {c.prompt_length} + --max-answer-seq-len "
+                             f"{c.answer_length} = {need} tokens exceed the max_seq_len={limit} "
+                             f"of {option} {path}; accepted: a sum <= {limit}")
+    check_inference_tp(job.inference_tp_size, job.mesh, getattr(actor, "config", None),
+                       f"--actor {job.actor}")
 
 
 def prompt_rows(prompts: list[str], tokenizer: Any, length: int, path: str) -> np.ndarray:
@@ -110,49 +167,54 @@ def _save(out: Path, trainer: Any, tokenizer: Any, critic_config: Any) -> dict[s
 
 
 def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs PPO as `job` says; returns the summary (also in summary.json)."""
+    """Runs PPO as `job` says; returns the summary (also in summary.json). A run that fails,
+    or is interrupted, removes what it wrote to its directory (`zeroxla ppo` has no --resume)."""
     start = time.perf_counter()
+    mesh = job_mesh(job.mesh)                # a --mesh larger than the devices is refused here
     actor, tokenizer = load_actor(job.actor)
+    _checkpoint_dir("--reward", job.reward, "a `zeroxla reward` run directory (step 2)")
     reward_model, reward_tokenizer = load_reward_model(job.reward)
+
     def vocabulary(t: Any) -> dict:
         return {k: v for k, v in tokenizer_record(t).items() if k != "source"}
 
     if vocabulary(reward_tokenizer) != vocabulary(tokenizer):
         raise ValueError(f"--reward {job.reward} was trained with another tokenizer than --actor "
                          f"{job.actor}; accepted: both from the same pretrained checkpoint family")
+    _check_fit(job, actor, reward_model)
     c = job.ppo
     rows = prompt_rows(chat_data.read_prompt_jsonl(job.prompts), tokenizer, c.prompt_length,
                        job.prompts)
     out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
         "ppo", now=datetime.datetime.now())
-    rundir.check_out_dir(out, resuming=None)
-    mesh = zeroxla.make_mesh(*job.mesh)
+    rundir.check_out_dir(out, resuming=None, resumable=False)
     write(f"zeroxla ppo: actor {job.actor}, reward model {job.reward}, {len(rows)} prompts of "
           f"{c.prompt_length} tokens, answers of up to {c.answer_length}, {job.iterations} "
           f"iterations of {c.prompts_per_iteration} rollouts, ppo_epochs {c.ppo_epochs}")
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / rundir.METRICS_FILE, "w", encoding="utf-8") as f:
-        def on_iteration(record: dict[str, float]) -> None:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            write(f"iteration {record['iteration']:>3}: reward {record['reward']:.4f}  "
-                  f"KL {record['kl']:.4f}  actor loss {record['actor_loss']:.4f}  critic loss "
-                  f"{record['critic_loss']:.4f}")
+    with rundir.removed_on_failure(out):
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / rundir.METRICS_FILE, "w", encoding="utf-8") as f:
+            def on_iteration(record: dict[str, float]) -> None:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                write(f"iteration {record['iteration']:>3}: reward {record['reward']:.4f}  "
+                      f"KL {record['kl']:.4f}  actor loss {record['actor_loss']:.4f}  critic "
+                      f"loss {record['critic_loss']:.4f}")
 
-        result = run_ppo(c, job.iterations, actor, mesh=mesh, tokenizer=tokenizer,
-                         prompt_tokens=rows, reward_model=reward_model, critic_init=reward_model,
-                         inference_tp_size=job.inference_tp_size,
-                         eos_id=getattr(tokenizer, "eos_id", None), seed=job.seed,
-                         on_iteration=on_iteration)
-    plot_records(result.records).savefig(out / PLOT_FILE, dpi=100)
-    paths = _save(out, result.trainer, tokenizer, reward_model.base.config)
-    records = result.records
-    summary = {"iterations": job.iterations, "first_reward": records[0]["reward"],
-               "last_reward": records[-1]["reward"], "last_kl": records[-1]["kl"],
-               "time_split": time_split(records), "wall_time_s": time.perf_counter() - start,
-               "paths": paths, "ppo": dataclasses.asdict(c)}
-    (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            result = run_ppo(c, job.iterations, actor, mesh=mesh, tokenizer=tokenizer,
+                             prompt_tokens=rows, reward_model=reward_model,
+                             critic_init=reward_model, inference_tp_size=job.inference_tp_size,
+                             eos_id=getattr(tokenizer, "eos_id", None), seed=job.seed,
+                             on_iteration=on_iteration)
+        plot_records(result.records).savefig(out / PLOT_FILE, dpi=100)
+        paths = _save(out, result.trainer, tokenizer, reward_model.base.config)
+        records = result.records
+        summary = {"iterations": job.iterations, "first_reward": records[0]["reward"],
+                   "last_reward": records[-1]["reward"], "last_kl": records[-1]["kl"],
+                   "time_split": time_split(records), "wall_time_s": time.perf_counter() - start,
+                   "paths": paths, "ppo": dataclasses.asdict(c)}
+        (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-__all__ = ["PPOJobConfig", "load_actor", "prompt_rows", "run"]
+__all__ = ["PPOJobConfig", "check_inference_tp", "load_actor", "prompt_rows", "run"]

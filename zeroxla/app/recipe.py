@@ -20,6 +20,7 @@ from typing import Any
 import optax
 
 from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, TrainJobConfig
+from zeroxla.app.cli_args import check_batch
 from zeroxla.app.train_options import deepspeed_overrides
 from zeroxla.deepspeed import config as ds_config
 from zeroxla.sharding.config import ZeroConfig
@@ -55,11 +56,7 @@ def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
     if job.deepspeed_config is None:
         batch = DEFAULT_BATCH_SIZE if job.batch_size is None else job.batch_size
         accum = 1 if job.grad_accum is None else job.grad_accum
-        if batch % (dp * accum):
-            per_step = f" x --grad-accum {accum}" if accum > 1 else ""
-            raise ValueError(f"--batch-size {batch} is not a multiple of the {dp} data-parallel "
-                             f"devices of --mesh {job.mesh[0]}x{job.mesh[1]}{per_step}; use "
-                             f"{max(dp * accum, batch // (dp * accum) * dp * accum)}")
+        check_batch(batch, "--batch-size", job.mesh, accum)
         schedule = _default_schedule(job, DEFAULT_LR if job.lr is None else job.lr)
         zero = ZeroConfig(
             stage=3 if job.zero_stage is None else job.zero_stage,

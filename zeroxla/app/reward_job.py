@@ -4,15 +4,18 @@
 
 The base is a pretrained Hugging Face checkpoint (`--init-from`: its weights are loaded straight
 into their ZeRO partitions, its tokenizer tokenizes the pairs); a zero-initialised scalar head
-reads its final hidden states (`zeroxla.rlhf.RewardModel`). Each line of `--data` holds
-`prompt`, `chosen` and `rejected`; the loss is `-log sigmoid(r_chosen - r_rejected)` on the
-scores at each answer's last real token (`pairwise_loss_terms`), the base's unused LM output
-projection is frozen. Every `eval_every` steps and at the end, the held-out pairs give
-`val_accuracy` (share with r_chosen > r_rejected), `val_margin` and `val_loss`.
+reads its final hidden states (`zeroxla.rlhf.RewardModel`). Each record of `--data` (JSON lines,
+or a .json array) holds `prompt`, `chosen` and `rejected`; the loss is
+`-log sigmoid(r_chosen - r_rejected)` on the scores at each answer's last real token
+(`pairwise_loss_terms`), the base's unused LM output projection is frozen. Every `eval_every`
+steps and at the end, the held-out pairs give `val_accuracy` (share with r_chosen >
+r_rejected), `val_margin` and `val_loss`.
 
 The run directory holds metrics.jsonl, summary.json and checkpoint/<step>/, a ZeRO checkpoint
 of the reward model recording its base config and tokenizer, which `load_reward_model` (and
-`zeroxla ppo --reward`) rebuilds.
+`zeroxla ppo --reward`) rebuilds. Everything that can be refused (options, mesh, pairs, an --out
+that holds a run) is refused before the directory is made; a run that fails after that removes
+what it wrote.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from zeroxla import checkpoint, models
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
 from zeroxla.app.job_model import pretrained_config
+from zeroxla.app.cli_args import check_batch
+from zeroxla.app.distributed import job_mesh
 from zeroxla.app.tokenizer_records import tokenizer_from_record
 from zeroxla.app.train_data import epoch_rows, split_examples, to_devices
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
@@ -84,6 +89,7 @@ class RewardJobConfig:
             fail("val_fraction", "a number in (0, 1)")
         if len(self.mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in self.mesh):
             fail("mesh", "(nodes, local) with both >= 1, e.g. (2, 4)")
+        check_batch(self.batch_size, "--batch-size", self.mesh)
 
 
 def reward_model_factory(config: Any, seed: int = 0) -> Callable[[], RewardModel]:
@@ -93,15 +99,23 @@ def reward_model_factory(config: Any, seed: int = 0) -> Callable[[], RewardModel
     return lambda: RewardModel(cls(config, rngs=nnx.Rngs(seed)))
 
 
-def _pairs(job: RewardJobConfig, tokenizer: PretrainedTokenizer) -> tuple[dict, dict]:
-    """(train, val) pair arrays, every error (file:line, a pair that does not fit) first."""
+def _pairs(job: RewardJobConfig, tokenizer: PretrainedTokenizer) -> tuple[dict, dict, int]:
+    """(train, val) pair arrays and how many pairs have no preference (chosen = rejected
+    tokens), every error (file:line, a pair that does not fit, nothing to learn) first."""
     train, val = split_examples(chat_data.read_pair_jsonl(job.data), job.val_fraction, job.seed)
     if len(train) < job.batch_size:
         raise ValueError(f"--batch-size {job.batch_size} exceeds the {len(train)} training "
                          f"pairs of {job.data}; accepted: --batch-size <= {len(train)}")
     arrays = [chat_data.pair_arrays(part, tokenizer, job.seq_len, eos_id=tokenizer.eos_id)
               for part in (train, val)]
-    return arrays[0], arrays[1]
+    same = chat_data.check_learnable(
+        f"--data {job.data}",
+        {"training": (len(train), chat_data.pairs_without_preference(arrays[0])),
+         "validation": (len(val), chat_data.pairs_without_preference(arrays[1]))},
+        "the same tokens for \"chosen\" and \"rejected\" (one score for both: the "
+        "pairwise loss is log 2 with a zero gradient)",
+        "pairs whose \"chosen\" and \"rejected\" differ")
+    return arrays[0], arrays[1], same
 
 
 def _validate(state: Any, val: dict) -> dict[str, float]:
@@ -111,34 +125,11 @@ def _validate(state: Any, val: dict) -> dict[str, float]:
     return {f"val_{k}": v for k, v in metrics.items()} | {"val_loss": float(total / count)}
 
 
-def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
-    """Trains the reward model as `job` says; returns the summary (also in summary.json)."""
+def _train(job: RewardJobConfig, step: Any, state: Any, train: dict, val: dict, out: Path,
+           write: Callable[[str], None]) -> tuple[Any, list[dict]]:
+    """The steps, with metrics.jsonl written as they go; returns the state and the records."""
     from tqdm import tqdm
 
-    start = time.perf_counter()
-    tokenizer = PretrainedTokenizer.from_dir(job.init_from)
-    config = pretrained_config(job.init_from, tokenizer, job.seq_len)
-    train, val = _pairs(job, tokenizer)
-    out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
-        f"reward-{Path(job.init_from).name}", now=datetime.datetime.now())
-    rundir.check_out_dir(out, resuming=None)
-
-    mesh = zeroxla.make_mesh(*job.mesh)
-    step = zeroxla.make_step(
-        reward_model_factory(config, job.seed), mesh, loss_fn=pairwise_loss_terms,
-        optimizer=optax.adamw(job.lr, weight_decay=job.weight_decay),
-        config=zeroxla.ZeroConfig(stage=job.zero_stage,
-                                  persistence_threshold=job.persistence_threshold),
-        trainable=without_lm_head)
-    values = {f"base/{path}": value for path, value in spread_hf_params(
-        config, job.init_from, mesh, progress=job.progress).items()}
-    values["v_head"] = place(np.zeros((config.d_model,), np.float32), mesh, np.float32)
-    state = step.init_from(values, job.seed)
-    write(f"zeroxla reward: {job.init_from} + scalar head on {job.data} ({len(train['chosen'])} "
-          f"train / {len(val['chosen'])} val pairs), ZeRO-{job.zero_stage} on a "
-          f"{job.mesh[0]}x{job.mesh[1]} mesh, batch {job.batch_size} pairs x {job.seq_len}")
-
-    out.mkdir(parents=True, exist_ok=True)
     records = [{"step": 0, **_validate(state, val)}]
     with open(out / rundir.METRICS_FILE, "w", encoding="utf-8") as f, \
             tqdm(total=job.steps, desc="reward", unit="step", disable=not job.progress) as bar:
@@ -155,17 +146,54 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
             f.write(json.dumps(record) + "\n")
             bar.set_postfix_str(f"loss {record['loss']:.3f}", refresh=False)
             bar.update()
+    return state, records
 
-    path = checkpoint.save(out / rundir.CHECKPOINT_DIR, state, step=step, model_config=config,
-                           metadata={"model_kind": KIND, "init_from": str(job.init_from),
-                                     "tokenizer": tokenizer.record()})
-    last = records[-1]
-    summary = {"steps": job.steps, "first_val_accuracy": records[0]["val_accuracy"],
-               **{k: v for k, v in last.items() if k.startswith("val_")},
-               "final_train_loss": last["loss"], "checkpoint": str(path),
-               "wall_time_s": time.perf_counter() - start,
-               "settings": {**dataclasses.asdict(job), "mesh": list(job.mesh)}}
-    (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
+    """Trains the reward model as `job` says; returns the summary (also in summary.json). A
+    run that fails, or is interrupted, removes what it wrote to its directory (nothing in it
+    could be continued: `zeroxla reward` has no --resume)."""
+    start = time.perf_counter()
+    mesh = job_mesh(job.mesh)                # a --mesh larger than the devices is refused here
+    tokenizer = PretrainedTokenizer.from_dir(job.init_from)
+    config = pretrained_config(job.init_from, tokenizer, job.seq_len)
+    train, val, same = _pairs(job, tokenizer)
+    out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
+        f"reward-{Path(job.init_from).name}", now=datetime.datetime.now())
+    rundir.check_out_dir(out, resuming=None, resumable=False)
+
+    step = zeroxla.make_step(
+        reward_model_factory(config, job.seed), mesh, loss_fn=pairwise_loss_terms,
+        optimizer=optax.adamw(job.lr, weight_decay=job.weight_decay),
+        config=zeroxla.ZeroConfig(stage=job.zero_stage,
+                                  persistence_threshold=job.persistence_threshold),
+        trainable=without_lm_head)
+    values = {f"base/{path}": value for path, value in spread_hf_params(
+        config, job.init_from, mesh, progress=job.progress).items()}
+    values["v_head"] = place(np.zeros((config.d_model,), np.float32), mesh, np.float32)
+    state = step.init_from(values, job.seed)
+    write(f"zeroxla reward: {job.init_from} + scalar head on {job.data} ({len(train['chosen'])} "
+          f"train / {len(val['chosen'])} val pairs"
+          + (f"; {same} with the same tokens for chosen and rejected add nothing to the loss"
+             if same else "")
+          + f"), ZeRO-{job.zero_stage} on a {job.mesh[0]}x{job.mesh[1]} mesh, batch "
+          f"{job.batch_size} pairs x {job.seq_len}")
+
+    with rundir.removed_on_failure(out):
+        out.mkdir(parents=True, exist_ok=True)
+        state, records = _train(job, step, state, train, val, out, write)
+        path = checkpoint.save(out / rundir.CHECKPOINT_DIR, state, step=step,
+                               model_config=config,
+                               metadata={"model_kind": KIND, "init_from": str(job.init_from),
+                                         "tokenizer": tokenizer.record()})
+        last = records[-1]
+        summary = {"steps": job.steps, "first_val_accuracy": records[0]["val_accuracy"],
+                   **{k: v for k, v in last.items() if k.startswith("val_")},
+                   "final_train_loss": last["loss"], "checkpoint": str(path),
+                   "pairs_without_preference": same,
+                   "wall_time_s": time.perf_counter() - start,
+                   "settings": {**dataclasses.asdict(job), "mesh": list(job.mesh)}}
+        (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -9,16 +9,20 @@
 A new run gets a fresh directory, `runs/<model>-<YYYYmmdd-HHMMSS>` (with `-2`, `-3`, ... if that
 name is taken). An explicit `--out` that already holds a run is refused (`check_out_dir`) unless
 it is the run being resumed; the checks here read only the file system, so `zeroxla train`
-refuses before JAX starts. `--resume` accepts a run directory, its `checkpoint/` directory, or one
-step directory inside it (`locate_resume`).
+refuses before JAX starts. A job that cannot be resumed (`zeroxla reward`, `zeroxla ppo`) removes
+what it wrote when it fails (`removed_on_failure`). `--resume` accepts a run directory, its
+`checkpoint/` directory, or one step directory inside it (`locate_resume`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -54,10 +58,13 @@ def fresh_path(directory: Path) -> Path:
     return candidate
 
 
-def check_out_dir(out: str | Path, *, resuming: Path | None = None) -> None:
+def check_out_dir(out: str | Path, *, resuming: Path | None = None,
+                  resumable: bool = True) -> None:
     """Raises RunDirError if `out` holds a run other than `resuming` (the run being continued).
 
-    The message names both ways forward: `--resume` to continue that run, or a fresh `--out`.
+    The message names the ways forward that exist: a fresh `--out`, and `--resume` to continue
+    that run only for a command that has it (`resumable`: `zeroxla train`; not `reward`, `ppo`)
+    and a run that has a checkpoint/ to continue from.
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -70,10 +77,38 @@ def check_out_dir(out: str | Path, *, resuming: Path | None = None) -> None:
     if resuming is not None and out.resolve() == resuming.resolve():
         return
     listed = ", ".join(f"{name}/" if (out / name).is_dir() else name for name in found)
-    raise RunDirError(
-        f"--out {out} already holds a run ({listed}); refusing to overwrite it. To continue "
-        f"that run: --resume {out}; to start a new one: --out {fresh_path(out)} (or leave "
-        f"--out out for a fresh {DEFAULT_ROOT}/<model>-<time>)")
+    fresh = (f"to start a new one: --out {fresh_path(out)} (or leave --out out for a fresh "
+             f"{DEFAULT_ROOT}/<model>-<time>)")
+    if resumable and (out / CHECKPOINT_DIR).is_dir():
+        forward = f"To continue that run: --resume {out}; {fresh}"
+    else:
+        forward = f"{fresh[0].upper()}{fresh[1:]}, or delete {out} to redo it"
+    raise RunDirError(f"--out {out} already holds a run ({listed}); refusing to overwrite it. "
+                      f"{forward}")
+
+
+@contextlib.contextmanager
+def removed_on_failure(out: Path) -> Iterator[None]:
+    """Around a job's writing to its run directory `out`: if the block raises (an error, or
+    Ctrl-C), removes what the block created, so a retry with the same --out is not refused as
+    a run and no half-written run is left: `out` itself (and the parents it made) when the
+    block created it, else the entries of `out` that were not there before."""
+    out = Path(out)
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
+    before = set(os.listdir(out)) if created is None and out.is_dir() else set()
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif out.is_dir():
+            for name in set(os.listdir(out)) - before:
+                path = out / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,4 +192,5 @@ def write_metrics(path: str | Path, records: list[dict]) -> None:
 
 __all__ = ["CHECKPOINT_DIR", "checkpoint_dir_of", "DEFAULT_ROOT", "METRICS_FILE", "PLOT_FILE", "RUN_FILES",
            "ResumePoint", "RunDirError", "SUMMARY_FILE", "check_out_dir", "default_run_dir",
-           "fresh_path", "locate_resume", "read_metrics", "run_files", "write_metrics"]
+           "fresh_path", "locate_resume", "read_metrics", "removed_on_failure", "run_files",
+           "write_metrics"]

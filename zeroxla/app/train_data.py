@@ -2,7 +2,14 @@
 
     --data corpus.txt   next-token windows of a text stream (`TextData`)
     --data sft.jsonl    prompt/response examples (`SFTData`), one per row, right-padded, the loss
-                        on the response tokens only (DeepSpeed-Chat's step 1)
+    --data sft.json     on the response tokens only (DeepSpeed-Chat's step 1); .json holds a JSON
+                        array of the same objects (or JSON lines); either may end in .gz
+
+`read_data` is the one place that decides which, from the name and then the content: a file
+named otherwise that holds `{"prompt": ...}` records (its first line one, or a JSON array of
+them) is refused, not trained as text.
+SFT rows with no loss token (an empty response and no EOS token) are counted and reported by
+`describe()`; a file, or a train or validation split, of nothing else is refused.
 
 Both have the same members, so the training loop never asks which it holds: `tokenizer`,
 `source`, `vocab_size`, `describe()`, `train_batch(k, sharding)` (step k's global batch),
@@ -15,19 +22,19 @@ fitted to the data (`char`: every character of the text; `byte`: the 256 bytes).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from zeroxla.app import chat_data
-from zeroxla.app.data import BatchPlan, device_batch, load_text, split_tokens
+from zeroxla.app.data import (ACCEPTED_JSON, BatchPlan, device_batch, json_suffix, load_text,
+                              split_tokens)
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
 from zeroxla.app.tokenizer import Tokenizer, make_tokenizer
 
-SFT_SUFFIX = ".jsonl"
 # Validation examples are drawn with this seed whatever the training seed (as text windows are).
 VALIDATION_SEED = 1234
 
@@ -100,6 +107,7 @@ class SFTData:
     source: str
     batch_size: int
     seed: int
+    rows_without_loss: int = 0     # examples of either split with no loss token
 
     @property
     def vocab_size(self) -> int:
@@ -108,8 +116,11 @@ class SFTData:
     def describe(self) -> str:
         n_train, n_val = len(self.train["inputs"]), len(self.val["inputs"])
         answer = int(self.train["loss_mask"].sum())
+        empty = (f"; {self.rows_without_loss:,} with no loss token (an empty response, no EOS "
+                 "token) fill batch rows but add nothing to the loss"
+                 if self.rows_without_loss else "")
         return (f"{n_train:,} train / {n_val:,} val prompt-response pairs, {answer:,} response "
-                "tokens in train")
+                f"tokens in train{empty}")
 
     def _rows(self, split: str, k: int, seed: int) -> dict[str, np.ndarray]:
         return epoch_rows(self.train if split == "train" else self.val, self.batch_size, k, seed)
@@ -121,9 +132,9 @@ class SFTData:
         return [to_devices(self._rows(split, k, VALIDATION_SEED), sharding) for k in range(n)]
 
     def sample_prompt(self) -> np.ndarray:
-        first = self.val["loss_mask"][0]
-        start = int(np.argmax(first > 0)) + 1           # the prompt ends where the loss starts
-        return self.val["inputs"][0, :start]
+        row = int(np.argmax(self.val["loss_mask"].any(axis=-1)))     # the first with a loss
+        start = int(np.argmax(self.val["loss_mask"][row] > 0)) + 1   # the prompt ends there
+        return self.val["inputs"][row, :start]
 
 
 def split_examples(examples: list, val_fraction: float, seed: int) -> tuple[list, list]:
@@ -137,6 +148,54 @@ def split_examples(examples: list, val_fraction: float, seed: int) -> tuple[list
     return shuffled[:-n_val], shuffled[-n_val:]
 
 
+def _holds_records(text: str) -> bool:
+    """Whether `text` is SFT records rather than prose: its first non-blank line is a JSON
+    object with a "prompt" field, or the whole text a JSON array starting with one."""
+    head = text.lstrip()
+    candidates = [head.split("\n", 1)[0]] + ([head] if head.startswith("[") else [])
+    for candidate in candidates:
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        first = value[0] if isinstance(value, list) and value else value
+        if isinstance(first, dict) and "prompt" in first:
+            return True
+    return False
+
+
+def read_data(data: str | None) -> str | list[chat_data.SFTExample]:
+    """`--data`, read by the one rule (module docstring): the text to train on, or the SFT
+    examples. Every error names the file and the accepted forms."""
+    if data is not None and json_suffix(data) is not None:
+        return chat_data.read_sft_jsonl(data)
+    text = load_text(data)
+    if data is not None and _holds_records(text):
+        raise chat_data.ChatDataError(
+            f"--data {data} holds JSON records with a \"prompt\" field, but its name does not "
+            "end in .jsonl or .json, so it would train as plain text; accepted: "
+            f"for supervised fine-tuning {ACCEPTED_JSON} (rename it); for text, a file that is not "
+            "JSON records")
+    return text
+
+
+def _sft_data(examples: list[chat_data.SFTExample], tok: Any, source: str, batch_size: int,
+              seq_len: int, val_fraction: float, seed: int) -> SFTData:
+    """The examples split and tokenized; a file or split with no loss token is refused."""
+    train_examples, val_examples = split_examples(examples, val_fraction, seed)
+    eos = getattr(tok, "eos_id", None)
+    train, val = (chat_data.sft_arrays(part, tok, seq_len, eos_id=eos)
+                  for part in (train_examples, val_examples))
+    why = ("an empty response, and the tokenizer has no EOS token to learn in its place"
+           if eos is None else "an empty prompt and response: one EOS token, nothing to predict")
+    empty = chat_data.check_learnable(
+        f"--data {source}",
+        {"training": (len(train_examples), chat_data.rows_without_loss(train)),
+         "validation": (len(val_examples), chat_data.rows_without_loss(val))},
+        f"no loss token ({why})", 'examples with a non-empty "response"')
+    return SFTData(tok, train, val, source, batch_size, seed, rows_without_loss=empty)
+
+
 def load_train_data(data: str | None, *, tokenizer: str | None, init_from: str | None,
                     batch_size: int, seq_len: int, val_fraction: float,
                     seed: int) -> TextData | SFTData:
@@ -145,24 +204,17 @@ def load_train_data(data: str | None, *, tokenizer: str | None, init_from: str |
     if init_from is not None and tokenizer is not None:
         raise ValueError(f"--tokenizer {tokenizer} with --init-from {init_from}: a pretrained "
                          "model's vocabulary is its own tokenizer's; leave --tokenizer out")
-    is_sft = data is not None and Path(data).suffix == SFT_SUFFIX
-    if is_sft:
-        examples = chat_data.read_sft_jsonl(data)
-        text = "".join(e.prompt + e.response for e in examples)
-    else:
-        text = load_text(data)
+    content = read_data(data)
+    text = content if isinstance(content, str) else "".join(e.prompt + e.response
+                                                            for e in content)
     tok: Any = (PretrainedTokenizer.from_dir(init_from) if init_from is not None
                 else make_tokenizer(tokenizer or "char", text))
     source = "tiny-shakespeare (bundled)" if data is None else os.fspath(data)
-    if not is_sft:
+    if isinstance(content, str):
         train, val = split_tokens(tok.encode(text), val_fraction)
         return TextData(tok, train, val, source, batch_size, seq_len, seed)
-    train_examples, val_examples = split_examples(examples, val_fraction, seed)
-    eos = getattr(tok, "eos_id", None)
-    return SFTData(tok, chat_data.sft_arrays(train_examples, tok, seq_len, eos_id=eos),
-                   chat_data.sft_arrays(val_examples, tok, seq_len, eos_id=eos),
-                   source, batch_size, seed)
+    return _sft_data(content, tok, source, batch_size, seq_len, val_fraction, seed)
 
 
-__all__ = ["SFTData", "SFT_SUFFIX", "TextData", "epoch_rows", "load_train_data", "split_examples",
+__all__ = ["SFTData", "TextData", "epoch_rows", "load_train_data", "read_data", "split_examples",
            "to_devices"]

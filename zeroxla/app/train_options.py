@@ -75,9 +75,13 @@ OPTIONS: tuple[JobOption, ...] = (
               "safetensors, tokenizer.json), loaded straight into its ZeRO partitions; its model "
               "and tokenizer replace --model/--tokenizer", metavar="HF_DIR"),
     JobOption("--data", "data", "model",
-              "UTF-8 text file (.gz ok), or a .jsonl of {\"prompt\", \"response\"} lines "
-              "(DeepSpeed-Chat's \"chosen\" also read): supervised fine-tuning, the loss on the "
-              "response tokens only; default: the bundled tiny-shakespeare", metavar="PATH"),
+              "UTF-8 text file (.gz ok), or supervised fine-tuning examples: a .jsonl of "
+              "{\"prompt\", \"response\"} lines (DeepSpeed-Chat's \"chosen\" also read) or a "
+              ".json array of those objects (.gz ok), the loss on the response tokens only. "
+              "Examples with no loss token (an empty response and no EOS token) are counted and "
+              "reported; a file (or its train or validation split) in which no example has one "
+              "is refused. A file not named .jsonl/.json that holds such records is refused, "
+              "not read as text; default: the bundled tiny-shakespeare", metavar="PATH"),
     JobOption("--tokenizer", "tokenizer", "model",
               "character-level (vocabulary from the corpus) or UTF-8 byte-level; default char "
               "(with --init-from: the checkpoint's own)", choices=("char", "byte")),
@@ -126,8 +130,12 @@ OPTIONS: tuple[JobOption, ...] = (
               "(DeepSpeed's offload_optimizer.device; stage >= 1); default none, or from --config",
               choices=OFFLOAD_DEVICES, deepspeed="zero.offload_optimizer"),
     JobOption("--offload-param", "offload_param", "parallel",
-              "ZeRO-Infinity parameter offload (DeepSpeed's offload_param.device; stage 3); "
-              "'cpu' is refused by name: not built yet", choices=OFFLOAD_DEVICES,
+              "ZeRO-Infinity's parameter offload (DeepSpeed's offload_param.device): 'cpu' keeps "
+              "every stage-3 parameter partition (the float32 master) in pinned host memory "
+              "between steps, copies each layer's partition to the device just before its "
+              "all-gather and drops it after, and runs the update on the host; needs --zero-stage "
+              "3, not with --pipeline-stages; default none, or from --config",
+              choices=OFFLOAD_DEVICES,
               deepspeed="zero.offload_param"),
     JobOption("--config", "deepspeed_config", "parallel",
               "a DeepSpeed JSON config (batch sizes, optimizer, scheduler, fp16/bf16, "

@@ -26,7 +26,6 @@ from zeroxla.app.recipe import TrainingSetup, resolve_setup
 from zeroxla.app.train_data import SFTData, TextData, load_train_data
 from zeroxla.app.train_report import run_settings
 from zeroxla.deepspeed import config as ds_config
-from zeroxla.sharding.mesh import make_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +55,6 @@ class TrainRun:
         job = self.job
         return (f"{job.model_name} on {self.data.source}: ZeRO-{self.setup.zero.stage}, mesh "
                 f"{job.mesh[0]}x{job.mesh[1]}, batch {self.setup.batch_size}x{job.seq_len}")
-
-
-def _mesh_for(job: TrainJobConfig):
-    """The job's mesh: `pipeline_stages` x nodes x local devices."""
-    nodes, local = job.mesh
-    stages = job.pipeline_stages
-    return make_mesh(nodes, local, stages=stages,
-                     devices=distributed.mesh_devices(jax.devices(), stages * nodes * local))
 
 
 def _choose_out_dir(job: TrainJobConfig, resume: rundir.ResumePoint | None) -> tuple[Path, bool]:
@@ -155,7 +146,7 @@ def set_up(job: TrainJobConfig, write: Callable[[str], None]) -> tuple[TrainRun,
                            batch_size=setup.batch_size, seq_len=job.seq_len,
                            val_fraction=job.val_fraction, seed=job.seed)
     config = model_config(job, data)
-    mesh = _mesh_for(job)
+    mesh = distributed.job_mesh(job.mesh, job.pipeline_stages)
     step = _make_step(job, setup, config, mesh)
     val_batches = data.eval_batches("val", job.eval_batches, step.batch_sharding)
     state, first_step, restored_path = _restore_or_init(

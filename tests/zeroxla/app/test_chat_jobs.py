@@ -5,6 +5,7 @@ References: the pair metrics recomputed in float64 numpy from the reward model's
 the held-out pairs; `transformers` for the exported actor (its logits and tokenizer).
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -112,4 +113,45 @@ def test_bad_inputs_are_refused_before_any_compute(runs, tmp_path, capsys):
         ppo_job.run(job, write=quiet)
     with pytest.raises(ValueError, match="is a reward-model run"):
         ppo_job.run(job.__class__(**{**job.__dict__, "actor": str(rm_run)}), write=quiet)
+    with pytest.raises(ValueError, match=f"--reward {hf} holds no complete zeroxla checkpoint; "
+                                         "accepted: a `zeroxla reward` run directory"):
+        ppo_job.run(dataclasses.replace(job, reward=str(hf)), write=quiet)
+    prompts = tmp / "prompts.jsonl"
+    with pytest.raises(ValueError, match=r"--inference-tp-size 3 does not fit the 8 devices of "
+                                         r"--mesh 2x4 and the 4 attention heads of --actor .*; "
+                                         r"accepted: 1, 2, 4$"):
+        ppo_job.run(dataclasses.replace(job, prompts=str(prompts), inference_tp_size=3),
+                    write=quiet)
+    with pytest.raises(ValueError, match=r"--max-prompt-seq-len 12 \+ --max-answer-seq-len 120 = "
+                                         r"132 tokens exceed the max_seq_len=128 of --actor"):
+        ppo_job.run(dataclasses.replace(job, prompts=str(prompts),
+                                        ppo=PPO.replace(answer_length=120)), write=quiet)
     assert not (tmp_path / "ppo").exists()
+
+
+def stop_at(prefix, failure):
+    """A `write` that raises `failure` at the first line starting with `prefix`."""
+    def write(line):
+        if line.startswith(prefix):
+            raise failure
+    return write
+
+
+def test_a_job_that_fails_after_making_its_directory_removes_it(runs, tmp_path):
+    tmp, hf, sft_run, rm_run, _ = runs
+    out = tmp_path / "rm"
+    job = reward_job.RewardJobConfig(init_from=str(hf), data=str(tmp / "pairs.jsonl"), steps=2,
+                                     eval_every=1, seq_len=64, out_dir=str(out), progress=False)
+    with pytest.raises(KeyboardInterrupt):           # Ctrl-C during step 1's report
+        reward_job.run(job, write=stop_at("step", KeyboardInterrupt()))
+    assert not out.exists()
+    reward_job.run(job, write=quiet)                 # the same --out again: accepted
+    assert (out / "summary.json").is_file()
+
+    out = tmp_path / "ppo"
+    job = ppo_job.PPOJobConfig(actor=str(sft_run), reward=str(rm_run),
+                               prompts=str(tmp / "prompts.jsonl"), ppo=PPO, iterations=1,
+                               out_dir=str(out), progress=False)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ppo_job.run(job, write=stop_at("iteration", RuntimeError("disk full")))
+    assert not out.exists()

@@ -1,6 +1,10 @@
-"""Data pipeline: corpus, tokenizers, splits, deterministic batches, placement on the mesh."""
+"""Data pipeline: corpus, tokenizers, splits, deterministic batches, placement on the mesh; JSON
+data files (JSON lines and JSON arrays, optionally gzipped, give the same records, each with the
+line it starts on; every bad file is a ChatDataError naming file:line)."""
 
 import gzip
+import json
+import re
 
 import jax
 import numpy as np
@@ -8,7 +12,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.app import data
+from zeroxla.app.chat_data import read_pair_jsonl, read_prompt_jsonl, read_sft_jsonl
 from zeroxla.app.data import BatchPlan, device_batch, host_batch, load_corpus, load_text, split_tokens
+from zeroxla.app.data import ChatDataError, json_suffix, read_records
 from zeroxla.sharding.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
 from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer, make_tokenizer
 
@@ -203,3 +209,64 @@ def test_device_batches_stream_continues_from_start_step(devices):
     np.testing.assert_array_equal(np.asarray(second["inputs"]),
                                   host_batch(TOKENS, plan, 11)["inputs"])
     assert isinstance(first["inputs"], jax.Array)
+
+
+# ---- JSON data files ---------------------------------------------------------------------------
+
+JSON_RECORDS = [{"prompt": "Q1", "response": "A1"}, {"prompt": "Q2", "response": ""},
+           {"prompt": "Q3\u2028x", "response": "A3", "extra": [1, {"a": 2}]}]
+
+
+def test_an_array_gives_the_records_of_the_same_lines_and_the_line_each_starts_on(tmp_path):
+    lines = tmp_path / "d.jsonl"
+    lines.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in JSON_RECORDS),
+                     encoding="utf-8")
+    array = tmp_path / "d.json"
+    array.write_text(json.dumps(JSON_RECORDS, indent=2, ensure_ascii=False), encoding="utf-8")
+    assert read_records(lines) == [(1, JSON_RECORDS[0]), (2, JSON_RECORDS[1]), (3, JSON_RECORDS[2])]
+    # indent=2: "[" on line 1, then each object over 4, 4 and 9 lines.
+    assert read_records(array) == [(2, JSON_RECORDS[0]), (6, JSON_RECORDS[1]),
+                                   (10, JSON_RECORDS[2])]
+    one_line = tmp_path / "one.json"
+    one_line.write_text(json.dumps(JSON_RECORDS), encoding="utf-8")
+    assert [r for _, r in read_records(one_line)] == JSON_RECORDS
+    # JSON lines under a .json name (Hugging Face datasets' to_json writes those).
+    hf_style = tmp_path / "hf.json"
+    hf_style.write_bytes(lines.read_bytes())
+    assert read_records(hf_style) == read_records(lines)
+
+
+def test_gzipped_files_and_the_three_readers(tmp_path):
+    array = tmp_path / "d.json.gz"
+    array.write_bytes(gzip.compress(json.dumps(JSON_RECORDS).encode()))
+    assert [r for _, r in read_records(array)] == JSON_RECORDS
+    examples = read_sft_jsonl(array)
+    assert [(e.prompt, e.response, e.line, e.path) for e in examples] == [
+        ("Q1", "A1", 1, str(array)), ("Q2", "", 1, str(array)), ("Q3\u2028x", "A3", 1, str(array))]
+    assert read_prompt_jsonl(array) == ["Q1", "Q2", "Q3\u2028x"]
+    pairs = tmp_path / "p.json"
+    pairs.write_text(json.dumps([{"prompt": "P", "chosen": "C", "rejected": "R"}]))
+    assert [(p.prompt, p.chosen, p.rejected) for p in read_pair_jsonl(pairs)] == [("P", "C", "R")]
+    assert [json_suffix(n) for n in ("a.jsonl", "a.JSON", "a.json.gz", "a.txt", "a.gz")] == [
+        ".jsonl", ".json", ".json", None, None]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("d.json", '{\n  "prompt": "Q"\n}', r":1: invalid JSON \(.*\); accepted: a JSON array of "
+                                      r"objects, or one JSON object per line"),
+    ("d.json", '"Q"\n', r":1: a JSON str; accepted: a JSON array of objects, or one JSON "
+                       r"object per line"),
+    ("d.json", '[\n  {"prompt": "Q"},\n  ["Q"]\n]', r":3: a JSON list; accepted: a JSON array of "
+                                                    r"objects"),
+    ("d.json", '[\n  {"prompt": "Q"},\n  {"prompt": }\n]', r":3: invalid JSON"),
+    ("d.json", "[]", r": no examples \(an empty JSON array\)"),
+    ("d.jsonl", '[{"prompt": "Q"}]', r":1: a JSON list; accepted: one JSON object per line"),
+    ("d.json.gz", "not gzip", r": not a gzip file"),
+], ids=["one-object-over-lines", "string", "element-not-object", "bad-json", "empty-array",
+         "array-in-jsonl",
+        "not-gzip"])
+def test_bad_json_files_name_file_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ChatDataError, match=re.escape(str(path)) + message):
+        read_records(path)

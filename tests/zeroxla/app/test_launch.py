@@ -64,6 +64,18 @@ def test_mesh_devices_put_each_process_in_consecutive_rows():
         distributed.mesh_devices(one_host, 16)
 
 
+def test_job_mesh_takes_the_first_devices_and_refuses_more_than_there_are():
+    import jax
+
+    assert len(jax.devices()) == 8
+    mesh = distributed.job_mesh((3, 1))
+    assert mesh.devices.shape == (3, 1) and list(mesh.devices.flat) == jax.devices()[:3]
+    assert distributed.job_mesh((2, 2), stages=2).devices.shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="--mesh has 16 devices but only 8 are available; "
+                                         "accepted: a --mesh NODESxLOCAL with NODES x LOCAL <= 8"):
+        distributed.job_mesh((4, 4))
+
+
 def test_lines_split_on_newline_and_carriage_return():
     assert launch.split_lines(b"a\nb\rprogress") == ([b"a\n", b"b\r"], b"progress")
     assert launch.split_lines(b"") == ([], b"")

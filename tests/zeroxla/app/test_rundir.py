@@ -64,6 +64,52 @@ def test_out_dir_holding_a_run_is_refused_naming_resume_and_a_fresh_path(tmp_pat
         rundir.check_out_dir(tmp_path / "file")
 
 
+def test_resume_is_offered_only_where_it_exists(tmp_path):
+    run = make_run(tmp_path / "run")
+    for resumable in (True, False):
+        with pytest.raises(rundir.RunDirError) as err:
+            rundir.check_out_dir(run, resumable=resumable)
+        assert ("--resume" in str(err.value)) == resumable            # reward, ppo: no --resume
+        assert f"--out {run}-2" in str(err.value)
+    assert f"or delete {run} to redo it" in str(err.value)
+    # A run with metrics but no checkpoint/ has nothing --resume could continue.
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / rundir.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(rundir.RunDirError, match=r"already holds a run \(metrics.jsonl\)") as err:
+        rundir.check_out_dir(partial)
+    assert "--resume" not in str(err.value)
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("disk full"), KeyboardInterrupt()],
+                         ids=["error", "ctrl-c"])
+def test_a_failed_job_removes_what_it_wrote_and_nothing_else(tmp_path, failure):
+    # A directory the job created, with parents: all of it goes.
+    out = tmp_path / "runs" / "rm"
+    with pytest.raises(type(failure)):
+        with rundir.removed_on_failure(out):
+            out.mkdir(parents=True)
+            (out / rundir.METRICS_FILE).write_text("{}\n")
+            raise failure
+    assert sorted(os.listdir(tmp_path)) == []
+    # A directory that was there: only the entries the job added go.
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "notes.txt").write_text("mine")
+    with pytest.raises(type(failure)):
+        with rundir.removed_on_failure(given):
+            (given / rundir.METRICS_FILE).write_text("{}\n")
+            (given / rundir.CHECKPOINT_DIR / "1").mkdir(parents=True)
+            raise failure
+    assert sorted(os.listdir(given)) == ["notes.txt"]
+    rundir.check_out_dir(given, resumable=False)         # the same --out is accepted again
+    # A job that succeeds keeps everything.
+    with rundir.removed_on_failure(out):
+        out.mkdir(parents=True)
+        (out / rundir.SUMMARY_FILE).write_text("{}")
+    assert os.listdir(out) == [rundir.SUMMARY_FILE]
+
+
 def test_resume_accepts_a_run_its_checkpoint_dir_or_one_step(tmp_path):
     run = make_run(tmp_path / "run")
     ckpt = run / rundir.CHECKPOINT_DIR

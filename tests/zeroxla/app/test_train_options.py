@@ -4,10 +4,13 @@ from it."""
 
 import dataclasses
 
+import pytest
+
 from zeroxla.app import cli
 from zeroxla.app.job import TrainJobConfig
 from zeroxla.app.train_options import (OPTION_NAMES, OPTIONS, deepspeed_overrides,
                                        explicit_fields)
+from zeroxla.sharding.config import ZeroConfig
 
 # TrainJobConfig fields that are fixed parts of the default recipe, not command-line options.
 RECIPE_CONSTANTS = {"min_lr_ratio", "weight_decay", "gradient_clipping", "val_fraction"}
@@ -61,3 +64,16 @@ def test_deepspeed_overrides_are_the_deepspeed_settings_given():
         ("zero.offload_optimizer", "cpu", "--offload-optimizer cpu"),
         ("zero.offload_param", "none", "--offload-param none")}
     assert deepspeed_overrides(TrainJobConfig()) == ()
+
+
+def test_offload_param_help_says_what_the_engine_does():
+    """The help's claims against ZeroConfig: 'cpu' runs at stage 3 with the partitions in pinned
+    host memory, and is refused below stage 3 (the pipeline refusal: engine/test_offload.py)."""
+    text = " ".join(next(o for o in OPTIONS if o.flag == "--offload-param").help.split())
+    assert "not built" not in text and "refused" not in text
+    for claim in ("ZeRO-Infinity", "pinned host memory", "just before its all-gather",
+                  "needs --zero-stage 3", "not with --pipeline-stages"):
+        assert claim in text
+    assert ZeroConfig(stage=3, offload_param="cpu").param_offload_memory_kind == "pinned_host"
+    with pytest.raises(ValueError, match="offload_param"):
+        ZeroConfig(stage=2, offload_param="cpu")
