@@ -21,13 +21,17 @@ DS_CHAT = "DeepSpeed-Chat's name and default"
 def add_reward(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "reward", help="train a reward model on preference pairs (DeepSpeed-Chat step 2)",
-        description="A pretrained Hugging Face checkpoint (--init-from) plus a scalar head, "
-                    "trained with -log sigmoid(r_chosen - r_rejected) on the end scores of "
-                    "{\"prompt\", \"chosen\", \"rejected\"} JSONL pairs under ZeRO. Writes "
-                    "metrics.jsonl (loss; validation accuracy and margin), summary.json and "
-                    "checkpoint/ (read by zeroxla ppo --reward).")
+        description="A pretrained Hugging Face checkpoint (--init-from) plus a scalar head (a "
+                    "causal LM gets a zero one; a *ForSequenceClassification reward model with "
+                    "num_labels=1 keeps its own), trained with -log sigmoid(r_chosen - "
+                    "r_rejected) on the end scores of {\"prompt\", \"chosen\", \"rejected\"} "
+                    "JSONL pairs under ZeRO. Writes metrics.jsonl (loss; validation accuracy and "
+                    "margin), summary.json and checkpoint/ (read by zeroxla ppo --reward; "
+                    "zeroxla export writes it as a *ForSequenceClassification).")
     p.add_argument("--init-from", required=True, metavar="HF_DIR",
-                   help="a Hugging Face checkpoint directory (GPT-2 or Llama, with tokenizer)")
+                   help="a Hugging Face checkpoint directory (GPT-2 or Llama, with tokenizer): "
+                        "a causal LM, or a reward model (*ForSequenceClassification, "
+                        "num_labels=1)")
     p.add_argument("--data", required=True, metavar="PAIRS_JSONL")
     p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--batch-size", type=positive_int, default=16, help="pairs per step")
@@ -70,7 +74,9 @@ def add_ppo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--actor", required=True, metavar="SFT_RUN",
                    help="a zeroxla train run directory (step 1)")
     p.add_argument("--reward", required=True, metavar="RM_RUN",
-                   help="a zeroxla reward run directory (step 2)")
+                   help="a zeroxla reward run directory (step 2), or a Hugging Face reward "
+                        "model directory (*ForSequenceClassification, num_labels=1, with its "
+                        "tokenizer)")
     p.add_argument("--prompts", required=True, metavar="PROMPTS_JSONL")
     p.add_argument("--iterations", type=positive_int, default=10)
     p.add_argument("--out", default=None, metavar="DIR")

@@ -4,7 +4,10 @@
 
 - actor and reference: the SFT run's (`zeroxla train --init-from ... --data sft.jsonl`) final
   checkpoint; the reference stays frozen;
-- critic: starts from the reward model (`zeroxla reward`), as DeepSpeed-Chat's does;
+- reward model: a `zeroxla reward` run, or a Hugging Face reward model directory (a
+  `*ForSequenceClassification` with num_labels=1 and its tokenizer: downloaded, or written by
+  `zeroxla export`), with the actor's vocabulary;
+- critic: starts from the reward model, as DeepSpeed-Chat's does;
 - reward: the reward model's score of prompt + answer at the answer's last real token, plus the
   per-token KL penalty against the reference (`zeroxla.rlhf.compute_rewards`);
 - rollouts: the Hybrid Engine generates from the actor's ZeRO-3 partitions;
@@ -14,8 +17,10 @@
   the actor sees: it is refused, naming it.
 
 Writes metrics.jsonl (one record per iteration: reward, KL, losses, the time split),
-reward_kl.png, summary.json, checkpoint/actor and checkpoint/critic (ZeRO checkpoints), and
-actor_hf/ (the trained actor as a Hugging Face checkpoint with its tokenizer).
+reward_kl.png, summary.json, checkpoint/actor and checkpoint/critic (ZeRO checkpoints),
+actor_hf/ (the trained actor as a Hugging Face checkpoint with its tokenizer), and
+rollouts/<iteration>.npz for the first and the last iteration (`zeroxla.rlhf.Rollout.load`: the
+tokens, the reward model's scores, the critic's values, ...).
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ from zeroxla import checkpoint
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import save_tokenizer
 from zeroxla.app.reward_job import KIND, load_reward_model
-from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
+from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record, tokenizes_alike
 from zeroxla.checkpoint.export import export_checkpoint
-from zeroxla.rlhf import PPOConfig, plot_records, run_ppo, time_split
+from zeroxla.rlhf import PPOConfig, Rollout, plot_records, run_ppo, time_split, with_vocab_size
 
 PLOT_FILE = "reward_kl.png"
 ACTOR_EXPORT_DIR = "actor_hf"
+ROLLOUT_DIR = "rollouts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,8 @@ class PPOJobConfig:
     """Everything `zeroxla ppo` needs; `ppo` holds DeepSpeed-Chat's hyper-parameters."""
 
     actor: str                               # a `zeroxla train` run (SFT) or its checkpoint/
-    reward: str                              # a `zeroxla reward` run or its checkpoint/
+    reward: str                              # a `zeroxla reward` run (or its checkpoint/), or
+                                             # a HF *ForSequenceClassification directory
     prompts: str                             # a .jsonl of {"prompt"}
     ppo: PPOConfig = PPOConfig()
     iterations: int = 10
@@ -77,6 +84,24 @@ def load_actor(run: str | Path) -> tuple[Any, Any]:
         raise ValueError(f"--actor {run}: its checkpoint records no tokenizer; accepted: a run of "
                          "`zeroxla train`")
     return zeroxla.load_params(directory), tokenizer_from_record(meta["tokenizer"])
+
+
+def load_reward(source: str | Path, actor: Any, tokenizer: Any) -> Any:
+    """The plain reward model of `--reward source` (`load_reward_model`: a `zeroxla reward` run
+    or a HF reward model directory) for `actor` and its `tokenizer`: refused unless its
+    tokenizer tokenizes as the actor's (`tokenizes_alike`). A vocabulary larger than the
+    actor's (the pad row an exported reward model adds) is cut to the actor's ids, the only
+    ones a rollout holds (`zeroxla.rlhf.with_vocab_size`: exact)."""
+    reward_model, reward_tokenizer = load_reward_model(source)
+    if not tokenizes_alike(tokenizer, reward_tokenizer):
+        raise ValueError(f"--reward {source} tokenizes text differently from --actor's tokenizer "
+                         f"({getattr(tokenizer, 'source', '') or 'recorded in its checkpoint'}); "
+                         "accepted: a reward model over the actor's vocabulary (both from the "
+                         "same pretrained checkpoint family)")
+    vocab = actor.config.vocab_size
+    if reward_model.base.config.vocab_size > vocab:
+        reward_model = with_vocab_size(reward_model, vocab)
+    return reward_model
 
 
 def prompt_rows(prompts: list[str], tokenizer: Any, length: int, path: str) -> np.ndarray:
@@ -109,17 +134,18 @@ def _save(out: Path, trainer: Any, tokenizer: Any, critic_config: Any) -> dict[s
             "actor_hf": str(export)}
 
 
+def save_rollouts(out: Path, rollouts: list[Rollout]) -> list[str]:
+    """The first and the last iteration's rollouts as `rollouts/<iteration>.npz`."""
+    (out / ROLLOUT_DIR).mkdir(exist_ok=True)
+    return [str(rollouts[i].save(out / ROLLOUT_DIR / f"{i}.npz"))
+            for i in sorted({0, len(rollouts) - 1})]
+
+
 def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs PPO as `job` says; returns the summary (also in summary.json)."""
     start = time.perf_counter()
     actor, tokenizer = load_actor(job.actor)
-    reward_model, reward_tokenizer = load_reward_model(job.reward)
-    def vocabulary(t: Any) -> dict:
-        return {k: v for k, v in tokenizer_record(t).items() if k != "source"}
-
-    if vocabulary(reward_tokenizer) != vocabulary(tokenizer):
-        raise ValueError(f"--reward {job.reward} was trained with another tokenizer than --actor "
-                         f"{job.actor}; accepted: both from the same pretrained checkpoint family")
+    reward_model = load_reward(job.reward, actor, tokenizer)
     c = job.ppo
     rows = prompt_rows(chat_data.read_prompt_jsonl(job.prompts), tokenizer, c.prompt_length,
                        job.prompts)
@@ -146,6 +172,7 @@ def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str,
                          on_iteration=on_iteration)
     plot_records(result.records).savefig(out / PLOT_FILE, dpi=100)
     paths = _save(out, result.trainer, tokenizer, reward_model.base.config)
+    paths["rollouts"] = save_rollouts(out, result.rollouts)
     records = result.records
     summary = {"iterations": job.iterations, "first_reward": records[0]["reward"],
                "last_reward": records[-1]["reward"], "last_kl": records[-1]["kl"],
@@ -155,4 +182,4 @@ def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str,
     return summary
 
 
-__all__ = ["PPOJobConfig", "load_actor", "prompt_rows", "run"]
+__all__ = ["PPOJobConfig", "load_actor", "load_reward", "prompt_rows", "run", "save_rollouts"]
