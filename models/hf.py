@@ -8,6 +8,12 @@ whose HF name holds `{i}` is per layer: our side is a slice `[i]` of a stacked `
 The per-family tables, with the layout conventions they follow (GPT-2's Conv1D, Llama's
 nn.Linear, RoPE, tied heads; checked against transformers), are in `hf_rules`.
 
+Every function takes the checkpoint's `head` (`hf_config`): CAUSAL_LM (default) is our model as it
+is; SEQUENCE_CLASSIFICATION (`*ForSequenceClassification`, one label) is our reward-model layout
+(`zeroxla.rlhf.RewardModel`, DeepSpeed-Chat's names): the base model's parameters under `base/`
+and the score vector `v_head` [D] <-> `score.weight` [1, D]. The base's LM output projection
+(Llama's `head/weight`) has no tensor in such a checkpoint (`unmapped_params`).
+
 Reading streams one HF tensor at a time from (possibly sharded) safetensors; writing keeps at most
 one shard's tensors in host memory (see `write_safetensors`).
 """
@@ -37,9 +43,11 @@ from .safetensors_io import (  # noqa: F401  (re-exported: part of the hf API)
 )
 
 from . import axes
-from .hf_config import from_hf_config, read_hf_config, to_hf_config  # noqa: F401  (re-exported)
+from .hf_config import (ARCHITECTURES, CAUSAL_LM, SEQUENCE_CLASSIFICATION,  # noqa: F401
+                        architecture, check_head, from_hf_config, hf_head, read_hf_config,
+                        to_hf_config)
 from . import abstract_model
-from .hf_rules import as_is_inv, gpt2_rules, llama_rules
+from .hf_rules import LM_HEAD, SCORE, as_is_inv, gpt2_rules, llama_rules, score_fns
 from .gpt import GPTConfig
 from .llama import LlamaConfig
 
@@ -47,7 +55,10 @@ Config = GPTConfig | LlamaConfig
 # get(path, layer) -> the host array of our parameter `path`, or of its slice [layer] when the
 # parameter is stacked and `layer` is not None.
 ParamGetter = Callable[[str, int | None], np.ndarray]
-
+# The reward-model layout of a sequence classifier: the base model under REWARD_BASE, the score
+# vector REWARD_SCORE [D] (zeroxla.rlhf.RewardModel's attributes).
+REWARD_BASE = "base"
+REWARD_SCORE = "v_head"
 
 
 # ----------------------------------------------------------------------------- the name map
@@ -78,9 +89,32 @@ def _abstract_params(config: Config) -> dict[str, tuple[tuple[int, ...], tuple[s
             for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def param_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    """Our parameter path -> its shape for `config` (from the cached abstract model)."""
-    return {path: shape for path, (shape, _) in _abstract_params(config).items()}
+@functools.lru_cache(maxsize=16)
+def _head_params(config: Config,
+                 head: str = CAUSAL_LM) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """`_abstract_params` of the model a `head` checkpoint loads into (the module docstring)."""
+    base = _abstract_params(config)
+    if head == CAUSAL_LM:
+        return base
+    if head == SEQUENCE_CLASSIFICATION:
+        return ({f"{REWARD_BASE}/{p}": v for p, v in base.items()}
+                | {REWARD_SCORE: ((config.d_model,), (axes.EMBED,))})
+    raise ValueError(f"head={head!r} is invalid; accepted: {CAUSAL_LM!r}, "
+                     f"{SEQUENCE_CLASSIFICATION!r}")
+
+
+def param_shapes(config: Config, head: str = CAUSAL_LM) -> dict[str, tuple[int, ...]]:
+    """Our parameter path -> its shape for `config` and `head` (from the cached abstract
+    model)."""
+    return {path: shape for path, (shape, _) in _head_params(config, head).items()}
+
+
+def unmapped_params(config: Config, head: str = CAUSAL_LM) -> tuple[str, ...]:
+    """Our parameters that no HF tensor of a `head` checkpoint holds: under
+    SEQUENCE_CLASSIFICATION, the base's LM output projection (Llama's; GPT-2's is tied), which a
+    reward model never reads. A loader fills them with zeros."""
+    covered = {p for r in hf_name_map(config, head) for p in r.ours}
+    return tuple(sorted(set(_head_params(config, head)) - covered))
 
 
 def _resolve(rel: str, per_layer: bool, params: Mapping[str, tuple]) -> str:
@@ -100,32 +134,38 @@ def _resolve(rel: str, per_layer: bool, params: Mapping[str, tuple]) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def hf_name_map(config: Config) -> tuple[Rule, ...]:
-    """The rules between our parameter paths and HF names for `config`'s family.
+def hf_name_map(config: Config, head: str = CAUSAL_LM) -> tuple[Rule, ...]:
+    """The rules between our parameter paths and HF names for `config`'s family and `head`.
 
-    Every parameter of ours appears in exactly one rule; per-layer rules (`"{i}"` in `hf`) name
-    our stacked `[L, ...]` leaves and convert one layer's slice.
+    Every parameter of ours appears in at most one rule (all of them but `unmapped_params`);
+    per-layer rules (`"{i}"` in `hf`) name our stacked `[L, ...]` leaves and convert one layer's
+    slice.
     """
+    _head_params(config, head)                        # refuses an unknown head
     if config.family == "gpt2":
         table = gpt2_rules(config)
     elif config.family == "llama":
         table = llama_rules(config)
     else:
         raise ValueError(f"no Hugging Face mapping for family {config.family!r}")
-    params = _abstract_params(config)
-    rules = tuple(Rule(hf, tuple(_resolve(p, "{i}" in hf, params) for p in ours), *fns)
+    base = _abstract_params(config)
+    rules = tuple(Rule(hf, tuple(_resolve(p, "{i}" in hf, base) for p in ours), *fns)
                   for hf, ours, fns in table)
     covered = sorted(p for r in rules for p in r.ours)
-    if covered != sorted(params):
-        raise AssertionError(f"models/hf.py's map covers {covered}, the model has {sorted(params)}")
+    if covered != sorted(base):
+        raise AssertionError(f"models/hf.py's map covers {covered}, the model has {sorted(base)}")
+    if head == SEQUENCE_CLASSIFICATION:
+        rules = tuple(dataclasses.replace(r, ours=tuple(f"{REWARD_BASE}/{p}" for p in r.ours))
+                      for r in rules if r.hf != LM_HEAD)
+        rules += (Rule(SCORE, (REWARD_SCORE,), *score_fns(config.d_model)),)
     return rules
 
 
-def describe_hf_name_map(config: Config) -> str:
+def describe_hf_name_map(config: Config, head: str = CAUSAL_LM) -> str:
     """The name map as a table: our path(s) [shape] -> HF name, one line per rule."""
-    params = _abstract_params(config)
+    params = _head_params(config, head)
     lines = []
-    for r in hf_name_map(config):
+    for r in hf_name_map(config, head):
         ours = " | ".join(f"{p}{list(params[p][0])}" for p in r.ours)
         lines.append(f"{ours:<70} -> {r.hf}")
     return "\n".join(lines)
@@ -139,8 +179,8 @@ def param_dict(model: nnx.Module) -> dict[str, jax.Array]:
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def to_hf_tensors(config: Config,
-                  params: Mapping[str, Any] | ParamGetter) -> Iterator[tuple[str, np.ndarray]]:
+def to_hf_tensors(config: Config, params: Mapping[str, Any] | ParamGetter,
+                  head: str = CAUSAL_LM) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, array)` one HF tensor at a time, in our parameters' dtype.
 
     `params` is either a mapping path -> array (numpy or jax; a stacked leaf is sliced to one
@@ -155,7 +195,7 @@ def to_hf_tensors(config: Config,
             return np.asarray(leaf if layer is None else leaf[layer])
     else:
         get = params
-    rules = hf_name_map(config)
+    rules = hf_name_map(config, head)
     for r in rules:
         if not r.per_layer:
             yield r.hf, np.ascontiguousarray(r.to_hf(*(get(p, None) for p in r.ours)))
@@ -167,7 +207,8 @@ def to_hf_tensors(config: Config,
 
 
 def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
-                   select: Callable[[tuple[int, ...]], tuple[slice, ...] | None] | None = None
+                   select: Callable[[tuple[int, ...]], tuple[slice, ...] | None] | None = None,
+                   head: str = CAUSAL_LM
                    ) -> Iterator[tuple[str, int | None, np.ndarray, tuple[slice, ...] | None]]:
     """Yields `(our path, layer or None, array, index)` converted from HF tensors, one HF tensor
     read at a time: a per-layer rule yields each of its paths' slice `[layer]`, a global one the
@@ -179,8 +220,8 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
     reshape: embeddings, norms, GPT-2's Conv1D weights), only `array = piece[index]` is read from
     the file, and `index` says which part it is; elsewhere `index` is None (the whole piece).
     """
-    expected = _abstract_params(config)
-    for r in hf_name_map(config):
+    expected = _head_params(config, head)
+    for r in hf_name_map(config, head):
         stored_as_is = (select is not None and r.from_hf is as_is_inv and len(r.ours) == 1
                         and hasattr(get_tensor, "shape"))
         for i in range(config.num_layers) if r.per_layer else (None,):
@@ -189,7 +230,7 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
             want = expected[path][0] if i is None else expected[path][0][1:]
             if stored_as_is:
                 shape = tuple(get_tensor.shape(name))
-                _check_piece(path, shape, want, i, config)
+                _check_piece(path, shape, want, i, config, head)
                 index = select(shape)
                 if index is not None:
                     yield path, i, np.asarray(get_tensor(name, index)), index
@@ -202,28 +243,29 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
                                  f"{r.ours} of config {config}") from e
             for path, part in zip(r.ours, parts):
                 want = expected[path][0] if i is None else expected[path][0][1:]
-                _check_piece(path, part.shape, want, i, config)
+                _check_piece(path, part.shape, want, i, config, head)
                 yield path, i, part, None
 
 
 def _check_piece(path: str, got: tuple[int, ...], want: tuple[int, ...], layer: int | None,
-                 config: Config) -> None:
+                 config: Config, head: str) -> None:
     if tuple(got) != tuple(want):
-        full = _abstract_params(config)[path][0]
+        full = _head_params(config, head)[path][0]
         got = tuple(got) if layer is None else (full[0],) + tuple(got)
         raise ValueError(f"{path}: HF checkpoint gives shape {got}, config {config} needs {full}")
 
 
 def from_hf_tensors(config: Config, get_tensor: Callable[[str], np.ndarray], *,
-                    dtype: Any = np.float32) -> dict[str, np.ndarray]:
-    """Our parameters (path -> numpy array in `dtype`, stacked leaves [L, ...]) from HF tensors.
+                    dtype: Any = np.float32, head: str = CAUSAL_LM) -> dict[str, np.ndarray]:
+    """Our parameters (path -> numpy array in `dtype`, stacked leaves [L, ...]) from the HF
+    tensors of a `head` checkpoint; `unmapped_params` are zeros.
 
     `get_tensor(hf_name)` is called once per HF tensor; host memory holds the result plus one
     HF tensor. Shapes are checked against `config`.
     """
-    expected = _abstract_params(config)
-    out: dict[str, np.ndarray] = {}
-    for path, layer, part, _ in iter_hf_params(config, get_tensor):
+    expected = _head_params(config, head)
+    out = {p: np.zeros(expected[p][0], dtype) for p in unmapped_params(config, head)}
+    for path, layer, part, _ in iter_hf_params(config, get_tensor, head=head):
         if layer is None:
             out[path] = np.asarray(part, dtype)
         else:
@@ -285,6 +327,9 @@ def load_hf_model(path: str | os.PathLike, *,
     with its sharding instead)."""
     path = Path(path)
     hf = read_hf_config(path)
+    check_head(hf, (CAUSAL_LM,), user="load_hf_model",
+               instead="read a reward model's tensors with from_hf_tensors(..., head="
+                       "SEQUENCE_CLASSIFICATION) or zeroxla.rlhf.load_hf_reward_model")
     config = from_hf_config(hf)
     with open_safetensors(path) as get_tensor:
         params = from_hf_tensors(config, NameFallbacks(get_tensor, hf),
@@ -294,18 +339,39 @@ def load_hf_model(path: str | os.PathLike, *,
 
 def save_hf_model(config: Config, params: Mapping[str, Any] | ParamGetter | nnx.Module,
                   out_dir: str | os.PathLike, *, dtype: Any = "float32",
-                  max_shard_size: int | str = "5GB", **config_overrides) -> list[Path]:
-    """Writes a HF checkpoint `transformers.AutoModelForCausalLM.from_pretrained` loads:
-    `config.json` plus safetensors shards. `params` is an nnx model, a mapping path -> array or a
-    getter (see `to_hf_tensors`). Returns the files written."""
+                  max_shard_size: int | str = "5GB", head: str = CAUSAL_LM,
+                  **config_overrides) -> list[Path]:
+    """Writes a HF checkpoint `transformers.AutoModelForCausalLM.from_pretrained` loads (or,
+    with `head=SEQUENCE_CLASSIFICATION`, `AutoModelForSequenceClassification`): `config.json`
+    plus safetensors shards. `params` is an nnx model, a mapping path -> array or a getter (see
+    `to_hf_tensors`). Returns the files written."""
     if isinstance(params, nnx.Module):
         params = param_dict(params)
-    files = write_safetensors(to_hf_tensors(config, params), out_dir, dtype=dtype,
+    files = write_safetensors(to_hf_tensors(config, params, head), out_dir, dtype=dtype,
                               max_shard_size=max_shard_size)
     cfg_file = Path(out_dir) / "config.json"
-    cfg_file.write_text(json.dumps(to_hf_config(config, dtype=dtype, **config_overrides),
-                                   indent=2) + "\n")
+    cfg_file.write_text(json.dumps(to_hf_config(config, dtype=dtype, head=head,
+                                                **config_overrides), indent=2) + "\n")
     return files + [cfg_file]
+
+
+def with_vocab_size(config: Config, get: ParamGetter, vocab_size: int,
+                    head: str = CAUSAL_LM) -> tuple[Config, ParamGetter]:
+    """`config` with `vocab_size` (>= its own) token ids, and a getter whose parameters are
+    `get`'s zero-padded to it along every dim named `axes.VOCAB`: rows that no token of the old
+    vocabulary reads (a pad token's), so every output of the old ids is unchanged."""
+    if vocab_size < config.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} < the model's {config.vocab_size}; accepted: "
+                         "a larger vocabulary (rows are added, never dropped)")
+    names = {path: logical for path, (_, logical) in _head_params(config, head).items()}
+
+    def padded(path: str, layer: int | None) -> np.ndarray:
+        array = get(path, layer)
+        dims = names[path] if layer is None else names[path][1:]
+        widths = [(0, vocab_size - config.vocab_size if d == axes.VOCAB else 0) for d in dims]
+        return np.pad(array, widths) if any(w for _, w in widths) else array
+
+    return config.replace(vocab_size=vocab_size), padded
 
 
 def _path_str(path: tuple) -> str:

@@ -1,5 +1,12 @@
 """Hugging Face `config.json` <-> our model configs (GPTConfig, LlamaConfig), with the options
-our models do not implement refused by key (the tensors: `models.hf`)."""
+our models do not implement refused by key (the tensors: `models.hf`), and the head a checkpoint
+carries (`hf_head`, from `architectures`).
+
+Two heads are read and written: a causal LM (`GPT2LMHeadModel`, `LlamaForCausalLM`: our models
+as they are) and a sequence classifier with one label (`GPT2ForSequenceClassification`,
+`LlamaForSequenceClassification`, `num_labels=1`: a reward or value model, which TRL, OpenRLHF
+and verl load as such; ours is `zeroxla.rlhf.RewardModel`). Any other head is refused by name.
+"""
 
 from __future__ import annotations
 
@@ -17,17 +24,43 @@ from .safetensors_io import _np_dtype
 
 Config = GPTConfig | LlamaConfig
 
+CAUSAL_LM = "causal_lm"
+SEQUENCE_CLASSIFICATION = "sequence_classification"
+# head -> family -> the transformers class that config.json's `architectures` names.
+ARCHITECTURES = {
+    CAUSAL_LM: {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"},
+    SEQUENCE_CLASSIFICATION: {"gpt2": "GPT2ForSequenceClassification",
+                              "llama": "LlamaForSequenceClassification"},
+}
+# (class-name suffix, head kind), first match wins; the kinds after the first two are refused.
+_HEAD_SUFFIXES = (("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
+                  ("ForSequenceClassification", SEQUENCE_CLASSIFICATION),
+                  ("ForTokenClassification", "token_classification"),
+                  ("ForQuestionAnswering", "question_answering"),
+                  ("DoubleHeadsModel", "double_heads"))
+HEAD_NAMES = {CAUSAL_LM: "a causal LM", SEQUENCE_CLASSIFICATION:
+              "a sequence-classification (reward) model",
+              "token_classification": "a token-classification model",
+              "question_answering": "a question-answering model",
+              "double_heads": "a double-heads (LM + multiple choice) model",
+              "base": "a base model whose checkpoint holds no LM head (untied)",
+              "other": "a model whose head zeroxla does not read"}
+
 _GPT_LN_EPS = 1e-5            # models.layers.LayerNorm's eps, which GPT uses
 _GPT_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")   # all the tanh approximation
 
 
-def to_hf_config(config: Config, *, dtype: Any = "float32", **overrides) -> dict[str, Any]:
-    """`config.json` contents for `config` (read by transformers 4.x and 5.x); `overrides`
-    add or replace keys (e.g. `bos_token_id=...`)."""
+def to_hf_config(config: Config, *, dtype: Any = "float32", head: str = CAUSAL_LM,
+                 **overrides) -> dict[str, Any]:
+    """`config.json` contents for `config` (read by transformers 4.x and 5.x) with `head`
+    (CAUSAL_LM, or SEQUENCE_CLASSIFICATION with one label); `overrides` add or replace keys
+    (e.g. `bos_token_id=...`, a classifier's `pad_token_id`)."""
+    if head not in ARCHITECTURES:
+        raise ValueError(f"head={head!r} is invalid; accepted: {', '.join(ARCHITECTURES)}")
     dtype_name = np.dtype(_np_dtype(dtype)).name
     if config.family == "gpt2":
         hf = {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "model_type": "gpt2",
             "vocab_size": config.vocab_size, "n_positions": config.max_seq_len,
             "n_embd": config.d_model, "n_layer": config.num_layers, "n_head": config.num_heads,
             "n_inner": config.mlp_dim, "activation_function": "gelu_new",
@@ -42,7 +75,7 @@ def to_hf_config(config: Config, *, dtype: Any = "float32", **overrides) -> dict
         }
     elif config.family == "llama":
         hf = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "model_type": "llama",
             "vocab_size": config.vocab_size, "hidden_size": config.d_model,
             "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
@@ -57,6 +90,9 @@ def to_hf_config(config: Config, *, dtype: Any = "float32", **overrides) -> dict
     else:
         raise ValueError(f"no Hugging Face config for family {config.family!r}")
     hf["torch_dtype"] = hf["dtype"] = dtype_name     # 4.x and 5.x spellings
+    hf["architectures"] = [ARCHITECTURES[head][config.family]]
+    if head == SEQUENCE_CLASSIFICATION:            # num_labels=1, as transformers spells it
+        hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     hf.update(overrides)
     return hf
 
@@ -114,6 +150,53 @@ def from_hf_config(hf: Mapping[str, Any]) -> Config:
                      "zeroxla reads 'gpt2' and 'llama'")
 
 
+def architecture(hf: Mapping[str, Any]) -> str | None:
+    """The class config.json's `architectures` names (its first entry), or None."""
+    names = hf.get("architectures") or [None]
+    return names[0]
+
+
+def hf_head(hf: Mapping[str, Any]) -> str:
+    """The head of a HF config: CAUSAL_LM, SEQUENCE_CLASSIFICATION, or another kind of
+    HEAD_NAMES, read from the suffix of its `architectures` class. A config without
+    `architectures` counts as a causal LM (our configs always write it; the tensors decide), and
+    so does a bare base model (`GPT2Model`) whose LM head is its tied embedding."""
+    name = architecture(hf)
+    if name is None:
+        return CAUSAL_LM
+    kind = next((kind for suffix, kind in _HEAD_SUFFIXES if name.endswith(suffix)), "other")
+    if kind == "other" and name.endswith("Model"):
+        tied = hf.get("tie_word_embeddings", hf.get("model_type") == "gpt2")   # their defaults
+        return CAUSAL_LM if tied else "base"
+    return kind
+
+
+def num_labels(hf: Mapping[str, Any]) -> int:
+    """A classifier's label count: `id2label`'s size, else `num_labels`, else transformers'
+    default of 2."""
+    if hf.get("id2label"):
+        return len(hf["id2label"])
+    return int(hf.get("num_labels", 2))
+
+
+def check_head(hf: Mapping[str, Any], accepted: tuple[str, ...], *, user: str,
+               instead: str) -> str:
+    """`hf_head(hf)` when it is one of `accepted` (a sequence classifier only with one label);
+    otherwise a ValueError naming the `architectures` class, what it is, what `user` (e.g.
+    "`zeroxla train`") needs and what to use `instead`. Reads nothing but the config."""
+    head, name = hf_head(hf), architecture(hf)
+    needs = " or ".join(f"{HEAD_NAMES[h]} ({', '.join(sorted(ARCHITECTURES[h].values()))})"
+                        for h in accepted)
+    if head not in accepted:
+        raise ValueError(f"config.json architectures={hf.get('architectures')!r}: {name} is "
+                         f"{HEAD_NAMES[head]}; {user} needs {needs}; {instead}")
+    if head == SEQUENCE_CLASSIFICATION and num_labels(hf) != 1:
+        raise ValueError(f"config.json of {name} has num_labels={num_labels(hf)} (id2label="
+                         f"{hf.get('id2label')!r}); {user} needs num_labels=1: a reward model's "
+                         "one score per sequence")
+    return head
+
+
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     """The `config.json` dict of a HF checkpoint directory (or of the directory holding a
     `.safetensors` file), with a FileNotFoundError naming what is missing."""
@@ -130,4 +213,6 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{file} is not valid JSON: {e}") from e
 
 
-__all__ = ["from_hf_config", "read_hf_config", "to_hf_config"]
+__all__ = ["ARCHITECTURES", "CAUSAL_LM", "HEAD_NAMES", "SEQUENCE_CLASSIFICATION", "architecture",
+           "check_head", "from_hf_config", "hf_head", "num_labels", "read_hf_config",
+           "to_hf_config"]

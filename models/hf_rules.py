@@ -12,6 +12,9 @@ Conventions, checked against transformers 5.23.0 (`models/gpt2/modeling_gpt2.py`
 - Llama RoPE: HF's checkpoints are already in the rotate-half layout (`rotate_half`), which is the
   one `models.layers.rope` uses, so q/k need no row permutation.
 - GPT-2's `lm_head.weight` is tied to `wte` and absent from its checkpoints.
+- A `*ForSequenceClassification` (`GenericForSequenceClassification`, GPT-2's own class) holds the
+  same base tensors under the same names, no `lm_head.weight`, and `score.weight`
+  [num_labels, D], an `nn.Linear` without bias: with one label, a reward model's `v_head` [D].
 """
 
 from __future__ import annotations
@@ -63,6 +66,24 @@ def _linear(shape: tuple[int, ...], split: int):
     return to_hf, from_hf
 
 
+LM_HEAD = "lm_head.weight"     # a causal LM's output projection (Llama's; GPT-2's is tied)
+SCORE = "score.weight"         # a sequence classifier's head, nn.Linear(D, num_labels, bias=False)
+
+
+def score_fns(d: int):
+    """Our score vector [D] <-> `score.weight` [1, D] (one label); another shape is refused."""
+
+    def to_hf(v):
+        return v.reshape(1, d)
+
+    def from_hf(t):
+        if t.shape != (1, d):
+            raise ValueError(f"{SCORE} must be [1, {d}] (num_labels=1), not {list(t.shape)}")
+        return (t.reshape(d),)
+
+    return to_hf, from_hf
+
+
 def gpt2_rules(c: GPTConfig) -> list[tuple[str, tuple[str, ...], tuple]]:
     d, h, k = c.d_model, c.num_heads, c.head_dim
     same = (as_is, as_is_inv)
@@ -105,8 +126,8 @@ def llama_rules(c: LlamaConfig) -> list[tuple[str, tuple[str, ...], tuple]]:
         (layer + "mlp.up_proj.weight", ("w_up",), _linear((d, f), 1)),         # [F, D]
         (layer + "mlp.down_proj.weight", ("w_down",), _linear((f, d), 1)),     # [D, F]
         ("model.norm.weight", ("head/norm/scale",), same),
-        ("lm_head.weight", ("head/weight",), _linear((d, v), 1)),              # [V, D]
+        (LM_HEAD, ("head/weight",), _linear((d, v), 1)),                       # [V, D]
     ]
 
 
-__all__ = ["as_is", "as_is_inv", "gpt2_rules", "llama_rules"]
+__all__ = ["LM_HEAD", "SCORE", "as_is", "as_is_inv", "gpt2_rules", "llama_rules", "score_fns"]

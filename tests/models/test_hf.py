@@ -219,3 +219,161 @@ def test_parse_size(size, expected):
 def test_parse_size_rejects_garbage():
     with pytest.raises(ValueError, match="max_shard_size"):
         hf.parse_size("five gigs")
+
+
+# ---- the sequence-classification head: a reward model <-> *ForSequenceClassification ------------
+SEQ = hf.SEQUENCE_CLASSIFICATION
+
+
+def reward_params(config, seed):
+    """A reward model's parameters (module docstring of models/hf.py): the base's under `base/`,
+    a random score vector `v_head` [D]."""
+    rng = np.random.default_rng(seed + 100)
+    return ({f"base/{p}": v for p, v in random_params(config, seed).items()}
+            | {"v_head": (0.3 * rng.standard_normal(config.d_model)).astype(np.float32)})
+
+
+def our_reward_model(config, params):
+    from zeroxla import rlhf
+
+    model = rlhf.RewardModel(hf.model_from_params(
+        config, {p.removeprefix("base/"): v for p, v in params.items() if p != "v_head"}))
+    model.v_head[...] = jnp.asarray(params["v_head"])
+    return model
+
+
+def hf_scores(hf_model, tokens):
+    """transformers' score at every position [B, T]: `score(base(tokens).last_hidden_state)`,
+    not its pooled output (so every position is compared, not only the pooled one)."""
+    import torch
+
+    with torch.no_grad():
+        hidden = hf_model.base_model(torch.as_tensor(tokens, dtype=torch.long)).last_hidden_state
+        return hf_model.score(hidden).numpy()[..., 0]
+
+
+def random_hf_reward_model(transformers, family):
+    import torch
+
+    common = dict(num_labels=1, pad_token_id=66)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=67, n_positions=32, n_embd=48, n_layer=2,
+                                      n_head=4, n_inner=100, **common)
+        model = transformers.GPT2ForSequenceClassification(cfg)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=67, hidden_size=48, intermediate_size=80,
+                                       num_hidden_layers=2, num_attention_heads=6,
+                                       num_key_value_heads=2, max_position_embeddings=32,
+                                       rms_norm_eps=1e-5, rope_theta=5000.0, **common)
+        model = transformers.LlamaForSequenceClassification(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm_weight = p.ndim == 1 and name.endswith("weight")
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm_weight else 0.0))
+    return model.eval()
+
+
+def test_sequence_classification_map_is_the_reward_models_parameters():
+    from zeroxla import rlhf
+
+    for config in (GPT, LLAMA):
+        reward = nnx.eval_shape(lambda: rlhf.RewardModel(abstract_model(config)))
+        ours = [p for rule in hf.hf_name_map(config, SEQ) for p in rule.ours]
+        assert sorted(ours + list(hf.unmapped_params(config, SEQ))) == sorted(
+            hf.param_dict(reward))
+        assert len(ours) == len(set(ours))
+    assert hf.unmapped_params(GPT, SEQ) == ()                     # tied: no LM projection
+    assert hf.unmapped_params(LLAMA, SEQ) == ("base/head/weight",)
+    assert "lm_head.weight" not in {r.hf for r in hf.hf_name_map(LLAMA, SEQ)}
+
+
+@pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt2", "llama"])
+def test_transformers_loads_our_reward_model_as_a_sequence_classifier(transformers, tmp_path,
+                                                                      config):
+    """Our reward model written as `*ForSequenceClassification` with one more (zero) token row
+    as its pad id: transformers' score equals ours at every position, and its pooled output of
+    a batch without padding is our value at the last token, whichever ids end the rows."""
+    params = reward_params(config, seed=6)
+    ours = our_reward_model(config, params)
+    grown, get = hf.with_vocab_size(config, lambda p, i: params[p] if i is None else params[p][i],
+                                    68, SEQ)
+    hf.save_hf_model(grown, get, tmp_path, head=SEQ, pad_token_id=67)
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == hf.ARCHITECTURES[SEQ][config.family]
+    assert (theirs.config.num_labels, theirs.config.pad_token_id) == (1, 67)
+    values = np.asarray(ours(jnp.asarray(TOKENS)))                               # [B, T]
+    np.testing.assert_allclose(hf_scores(theirs, TOKENS), values, atol=ATOL, rtol=0)
+    import torch
+
+    with torch.no_grad():
+        pooled = theirs(torch.as_tensor(TOKENS, dtype=torch.long)).logits.numpy()[:, 0]
+    np.testing.assert_allclose(pooled, values[:, -1], atol=ATOL, rtol=0)
+    with hf.open_safetensors(tmp_path) as get_tensor:
+        assert get_tensor("score.weight").shape == (1, config.d_model)
+        embedding = "transformer.wte.weight" if config.family == "gpt2" else \
+            "model.embed_tokens.weight"
+        table = get_tensor(embedding)
+    np.testing.assert_array_equal(table[:67], params[f"base/{hf.hf_name_map(config)[0].ours[0]}"])
+    np.testing.assert_array_equal(table[67], 0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_transformers_reward_model_loads_as_ours(transformers, tmp_path, family):
+    from zeroxla import rlhf
+
+    theirs = random_hf_reward_model(transformers, family)
+    theirs.save_pretrained(tmp_path)
+    ours = rlhf.load_hf_reward_model(tmp_path)
+    assert ours.base.config == (GPT if family == "gpt2" else LLAMA)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(TOKENS))), hf_scores(theirs, TOKENS),
+                               atol=ATOL, rtol=0)
+    if family == "llama":              # no lm_head in the checkpoint: the unread projection is 0
+        np.testing.assert_array_equal(np.asarray(ours.base.head.weight[...]), 0)
+    with pytest.raises(ValueError, match=r"LlamaForSequenceClassification|GPT2ForSequence.*is a "
+                                         r"sequence-classification \(reward\) model; "
+                                         r"load_hf_model needs a causal LM"):
+        hf.load_hf_model(tmp_path)
+
+
+@pytest.mark.parametrize("architecture,kind", [
+    ("GPT2LMHeadModel", "causal LM"), ("LlamaForCausalLM", "causal LM"),
+    ("LlamaForSequenceClassification", r"sequence-classification \(reward\) model"),
+    ("GPT2ForTokenClassification", "token-classification model"),
+    ("LlamaForQuestionAnswering", "question-answering model"),
+    ("GPT2DoubleHeadsModel", "double-heads"), ("LlamaModel", "base model whose checkpoint holds "
+                                                             r"no LM head \(untied\)"),
+    ("LlamaBidirectionalEncoder", "model whose head zeroxla does not read"),
+])
+def test_heads_other_than_the_accepted_ones_are_refused_by_architecture(architecture, kind):
+    config = {**hf.to_hf_config(LLAMA), "architectures": [architecture]}
+    accepted = (hf.SEQUENCE_CLASSIFICATION,) if "CausalLM" in architecture or "LMHead" in \
+        architecture else (hf.CAUSAL_LM,)
+    with pytest.raises(ValueError, match=rf"architectures=\['{architecture}'\]: {architecture} "
+                                         rf"is an? {kind}.*; the job needs"):
+        hf.check_head(config, accepted, user="the job", instead="use another")
+    assert hf.check_head({k: v for k, v in config.items() if k != "architectures"},
+                         (hf.CAUSAL_LM,), user="the job", instead="") == hf.CAUSAL_LM
+    bare_gpt2 = {**hf.to_hf_config(GPT), "architectures": ["GPT2Model"]}   # head = tied wte
+    assert hf.hf_head(bare_gpt2) == hf.CAUSAL_LM
+
+
+def test_a_sequence_classifier_needs_one_label():
+    config = {**hf.to_hf_config(GPT, head=SEQ)}
+    assert hf.check_head(config, (SEQ,), user="u", instead="") == SEQ
+    two = {**config, "id2label": {"0": "bad", "1": "good"}}
+    with pytest.raises(ValueError, match=r"num_labels=2 .*needs num_labels=1"):
+        hf.check_head(two, (SEQ,), user="u", instead="")
+    del two["id2label"]                                        # transformers' default: 2 labels
+    with pytest.raises(ValueError, match="num_labels=2"):
+        hf.check_head(two, (SEQ,), user="u", instead="")
+
+
+def test_with_vocab_size_adds_rows_and_never_drops_them():
+    params = random_params(GPT, seed=7)
+    grown, get = hf.with_vocab_size(GPT, lambda p, i: params[p] if i is None else params[p][i], 70)
+    assert grown.vocab_size == 70
+    np.testing.assert_array_equal(get("embed/wte", None)[:67], params["embed/wte"])
+    np.testing.assert_array_equal(get("embed/wte", None)[67:], 0)
+    assert get("embed/wpe", None) is params["embed/wpe"]
+    with pytest.raises(ValueError, match="vocab_size=60 < the model's 67"):
+        hf.with_vocab_size(GPT, get, 60)

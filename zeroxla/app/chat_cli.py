@@ -26,13 +26,17 @@ NO_RESUME = ("There is no --resume: a run that fails or is interrupted removes w
 def add_reward(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "reward", help="train a reward model on preference pairs (DeepSpeed-Chat step 2)",
-        description="A pretrained Hugging Face checkpoint (--init-from) plus a scalar head, "
-                    "trained with -log sigmoid(r_chosen - r_rejected) on the end scores of "
-                    "{\"prompt\", \"chosen\", \"rejected\"} JSONL pairs under ZeRO. Writes "
-                    "metrics.jsonl (loss; validation accuracy and margin), summary.json and "
-                    "checkpoint/ (read by zeroxla ppo --reward). " + NO_RESUME)
+        description="A pretrained Hugging Face checkpoint (--init-from) plus a scalar head (a "
+                    "causal LM gets a zero one; a *ForSequenceClassification reward model with "
+                    "num_labels=1 keeps its own), trained with -log sigmoid(r_chosen - "
+                    "r_rejected) on the end scores of {\"prompt\", \"chosen\", \"rejected\"} "
+                    "JSONL pairs under ZeRO. Writes metrics.jsonl (loss; validation accuracy and "
+                    "margin), summary.json and checkpoint/ (read by zeroxla ppo --reward; "
+                    "zeroxla export writes it as a *ForSequenceClassification). " + NO_RESUME)
     p.add_argument("--init-from", required=True, metavar="HF_DIR",
-                   help="a Hugging Face checkpoint directory (GPT-2 or Llama, with tokenizer)")
+                   help="a Hugging Face checkpoint directory (GPT-2 or Llama, with tokenizer): "
+                        "a causal LM, or a reward model (*ForSequenceClassification, "
+                        "num_labels=1)")
     p.add_argument("--data", required=True, metavar="PAIRS_JSONL",
                    help="preference pairs: a .jsonl of {\"prompt\", \"chosen\", \"rejected\"} "
                         "lines, or a .json array of those objects (.gz ok). Pairs whose chosen "
@@ -81,7 +85,9 @@ def add_ppo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--actor", required=True, metavar="SFT_RUN",
                    help="a zeroxla train run directory (step 1)")
     p.add_argument("--reward", required=True, metavar="RM_RUN",
-                   help="a zeroxla reward run directory (step 2)")
+                   help="a zeroxla reward run directory (step 2), or a Hugging Face reward "
+                        "model directory (*ForSequenceClassification, num_labels=1, with its "
+                        "tokenizer)")
     p.add_argument("--prompts", required=True, metavar="PROMPTS_JSONL",
                    help="a .jsonl of {\"prompt\"} lines, or a .json array of those objects "
                         "(.gz ok; other keys are ignored, so a pairs file serves)")

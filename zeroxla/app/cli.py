@@ -55,7 +55,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         description="Consolidate a zeroxla checkpoint into Hugging Face safetensors (GPT-2 or "
                     "Llama names, config.json), one tensor at a time: host memory stays at "
                     "about one shard, whatever the model size (DeepSpeed's zero_to_fp32 "
-                    "without its RAM problem).",
+                    "without its RAM problem). A language model becomes GPT2LMHeadModel / "
+                    "LlamaForCausalLM; a reward model (zeroxla reward, a PPO critic) "
+                    "GPT2ForSequenceClassification / LlamaForSequenceClassification with "
+                    "num_labels=1 and a pad token transformers scores by.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="checkpoint directory given to zeroxla.save, or one step inside it")
@@ -75,28 +78,50 @@ def _size(text: str) -> int | str:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    """Runs `zeroxla export`: the weights, then the tokenizer the checkpoint records (a
-    `zeroxla train` checkpoint records its character or byte vocabulary); prints the files."""
-    from zeroxla.app.hf_tokenizer import save_tokenizer
-    from zeroxla.app.tokenizer_records import tokenizer_from_record
-    from zeroxla.checkpoint.export import checkpoint_metadata, export_checkpoint
-
-    meta = checkpoint_metadata(args.checkpoint, step=args.step)     # pins the step exported
-    files = export_checkpoint(args.checkpoint, args.out, step=meta["step"], dtype=args.dtype,
-                              max_shard_size=args.max_shard_size)
-    record = meta["metadata"].get("tokenizer")
-    tokenizer = None
-    if record is not None:
-        tokenizer = tokenizer_from_record(record)
-        files += save_tokenizer(tokenizer, args.out, model_max_length=meta["model_config"][
-            "fields"]["max_seq_len"])
-    total = sum(f.stat().st_size for f in files)
-    print(json.dumps({"out": str(args.out), "step": meta["step"],
-                      "files": [f.name for f in files], "bytes": total,
-                      "tokenizer": (f"{record['kind']} ({tokenizer.vocab_size} ids)" if record
-                                    else "none recorded in the checkpoint")},
-                     indent=2), flush=True)
+    """Runs `zeroxla export` (`export_run`); prints its report."""
+    report = export_run(args.checkpoint, args.out, step=args.step, dtype=args.dtype,
+                        max_shard_size=args.max_shard_size)
+    print(json.dumps(report, indent=2), flush=True)
     return 0
+
+
+def export_run(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "float32",
+               max_shard_size: int | str = "5GB") -> dict:
+    """`zeroxla export`: checkpoint `step` (default: the newest) as a HF directory `out`, the
+    weights (`zeroxla.checkpoint.export`: a causal LM, or a reward model as a one-label
+    `*ForSequenceClassification`), then the tokenizer the checkpoint records (a `zeroxla train`
+    checkpoint records its character or byte vocabulary), with a reward model's pad token
+    (`hf_tokenizer.reward_pad_id`). Returns a report: out, step, model class, files, bytes,
+    tokenizer, and a reward model's pad_token_id."""
+    from pathlib import Path
+
+    from zeroxla.app.hf_tokenizer import (PAD_TOKEN, add_pad_token, reward_pad_id,
+                                          save_tokenizer)
+    from zeroxla.app.tokenizer_records import tokenizer_from_record
+    from zeroxla.checkpoint.export import checkpoint_head, checkpoint_metadata, export_checkpoint
+    from zeroxla.models.hf import SEQUENCE_CLASSIFICATION
+
+    meta = checkpoint_metadata(checkpoint, step=step)                  # pins the step exported
+    fields = meta["model_config"]["fields"] if meta["model_config"] else {}
+    record = meta["metadata"].get("tokenizer")
+    tokenizer = None if record is None else tokenizer_from_record(record)
+    pad, new_token = None, False
+    if checkpoint_head(checkpoint, step=meta["step"]) == SEQUENCE_CLASSIFICATION:
+        pad, new_token = reward_pad_id(tokenizer, fields["vocab_size"])
+    files = export_checkpoint(checkpoint, out, step=meta["step"], dtype=dtype,
+                              max_shard_size=max_shard_size, pad_token_id=pad)
+    if tokenizer is not None:
+        files += save_tokenizer(tokenizer, out, model_max_length=fields["max_seq_len"])
+        if new_token:
+            files += add_pad_token(out, pad)
+    config = json.loads((Path(out) / "config.json").read_text())
+    return {"out": str(out), "step": meta["step"], "model": config["architectures"][0],
+            "files": sorted({f.name for f in files}),
+            "bytes": sum(f.stat().st_size for f in set(files)),
+            "tokenizer": (f"{record['kind']} ({tokenizer.vocab_size} ids"
+                          f"{f', + {PAD_TOKEN} = {pad}' if new_token else ''})" if record
+                          else "none recorded in the checkpoint"),
+            **({"pad_token_id": pad} if pad is not None else {})}
 
 
 # ------------------------------------------------------------------------------------------------

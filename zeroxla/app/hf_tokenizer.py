@@ -21,6 +21,20 @@ fast-tokenizer files (tokenizer.json, plus the special tokens of tokenizer_confi
 special_tokens_map.json) so that fine-tuning a Hugging Face checkpoint tokenizes as it was trained;
 it keeps those files' text, which `record()` carries inside our checkpoints and `save` writes back
 next to an exported model (`save_tokenizer` writes any of our tokenizers).
+
+An exported reward model needs one thing more: transformers scores a row at its last token that
+is not `config.pad_token_id`, so that id must be one no real sequence holds, and the tokenizer
+must pad with it. Our reward data ends every answer with EOS and pads with EOS when the
+tokenizer has no pad token (GPT-2's), so EOS cannot be it (transformers would score the token
+before it). `reward_pad_id` picks the id (`add_pad_token` writes a new one):
+
+    the tokenizer's own pad token, when it has one that is not EOS or BOS;
+    else a new special token PAD_TOKEN at the first id the tokenizer does not produce: a spare
+    embedding row when the model's vocabulary is larger, else a new zero row (the exported
+    vocabulary grows by one; every real token's output is unchanged).
+
+Then a batch without padding is scored at its true last token, and `tokenizer(..., padding=True)`
+pads with `pad_token_id`, so a padded batch is scored at each row's last real token: our score.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 FILE_MODE = 0o644
+PAD_TOKEN = "<|pad|>"          # the pad token an exported reward model gets when it needs one
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -316,7 +331,56 @@ def save_tokenizer(tokenizer: CharTokenizer | ByteTokenizer | PretrainedTokenize
     return save_hf_tokenizer(tokenizer, out_dir, model_max_length=model_max_length)
 
 
-__all__ = ["FILE_MODE", "GENERIC_TOKENIZER_CLASS", "PRETRAINED_FILES", "PretrainedTokenizer",
-           "SPECIAL_TOKENS_MAP_FILE", "SPECIAL_TOKEN_KEYS", "TOKENIZER_CONFIG_FILE",
-           "TOKENIZER_FILE", "bytes_to_unicode", "hf_tokenizer", "save_hf_tokenizer",
-           "save_tokenizer"]
+def reward_pad_id(tokenizer: Any, vocab_size: int) -> tuple[int, bool]:
+    """(pad id, whether PAD_TOKEN must be added to the tokenizer as that id) for a reward model
+    of `vocab_size` ids whose data `tokenizer` (or None: no tokenizer recorded) produces; see
+    the module docstring. The id is `vocab_size` when a new embedding row is needed."""
+    if tokenizer is None:
+        return vocab_size, False
+    special = {getattr(tokenizer, "eos_token", None), getattr(tokenizer, "bos_token", None)}
+    if isinstance(tokenizer, PretrainedTokenizer) and tokenizer.pad_token not in special | {None}:
+        return tokenizer.pad_id, False
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} ids, its model "
+                         f"vocab_size={vocab_size}: they do not match")
+    return tokenizer.vocab_size, True
+
+
+def add_pad_token(out_dir: str | os.PathLike, pad_id: int) -> list[Path]:
+    """Adds the special token PAD_TOKEN to the tokenizer files in `out_dir` as id `pad_id` (the
+    next id it has) and names it the pad token (tokenizer_config.json, and
+    special_tokens_map.json when present); returns the files rewritten (mode 0644)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    out_dir = Path(out_dir)
+    file = out_dir / TOKENIZER_FILE
+    tokenizer = Tokenizer.from_str(file.read_text(encoding="utf-8"))
+    if tokenizer.token_to_id(PAD_TOKEN) is not None:
+        raise ValueError(f"{file} already holds {PAD_TOKEN!r} (id "
+                         f"{tokenizer.token_to_id(PAD_TOKEN)}) but does not pad with it")
+    tokenizer.add_special_tokens([AddedToken(PAD_TOKEN, special=True, normalized=False)])
+    if tokenizer.token_to_id(PAD_TOKEN) != pad_id:
+        raise ValueError(f"{file}: {PAD_TOKEN!r} gets id {tokenizer.token_to_id(PAD_TOKEN)}, not "
+                         f"the model's pad_token_id {pad_id}: the tokenizer's ids have a gap")
+    file.write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    written = [file]
+    for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE):
+        path = out_dir / name
+        if path.is_file():
+            record = json.loads(path.read_text(encoding="utf-8"))
+            record["pad_token"] = PAD_TOKEN
+            if isinstance(record.get("added_tokens_decoder"), dict):     # transformers' own
+                record["added_tokens_decoder"][str(pad_id)] = {
+                    "content": PAD_TOKEN, "lstrip": False, "normalized": False, "rstrip": False,
+                    "single_word": False, "special": True}
+            path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            written.append(path)
+    for path in written:
+        path.chmod(FILE_MODE)
+    return written
+
+
+__all__ = ["FILE_MODE", "GENERIC_TOKENIZER_CLASS", "PAD_TOKEN", "PRETRAINED_FILES",
+           "PretrainedTokenizer", "SPECIAL_TOKENS_MAP_FILE", "SPECIAL_TOKEN_KEYS",
+           "TOKENIZER_CONFIG_FILE", "TOKENIZER_FILE", "add_pad_token", "bytes_to_unicode",
+           "hf_tokenizer", "reward_pad_id", "save_hf_tokenizer", "save_tokenizer"]

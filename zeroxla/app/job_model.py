@@ -15,9 +15,32 @@ from zeroxla.checkpoint.pretrained import spread_hf_params
 from zeroxla.models import hf as hf_io
 
 
-def pretrained_config(init_from: str, tokenizer: Any, seq_len: int) -> Any:
+# The heads (`models.hf`) each command's --init-from accepts, and where a refused one goes.
+INIT_FROM_HEADS = {
+    "zeroxla train": ((hf_io.CAUSAL_LM,), "use `zeroxla reward --init-from` or `zeroxla ppo "
+                      "--reward` for a reward model (...ForSequenceClassification)"),
+    "zeroxla reward": ((hf_io.CAUSAL_LM, hf_io.SEQUENCE_CLASSIFICATION),
+                       "a causal LM gets a new zero score head, a reward model keeps its own"),
+}
+
+
+def init_from_head(init_from: str, command: str = "zeroxla train") -> str:
+    """The head (`models.hf.hf_head`) of the HF checkpoint `init_from`, refused by its
+    `architectures` class, before any tensor is read, when `command` does not take it."""
+    accepted, instead = INIT_FROM_HEADS[command]
+    try:
+        return hf_io.check_head(hf_io.read_hf_config(init_from), accepted, user=f"`{command}`",
+                                instead=instead)
+    except ValueError as err:
+        raise ValueError(f"--init-from {init_from}: {err}") from None
+
+
+def pretrained_config(init_from: str, tokenizer: Any, seq_len: int,
+                      command: str = "zeroxla train") -> Any:
     """The models config of the HF checkpoint `init_from`, refused (before any compute) when
-    `tokenizer` produces ids beyond its vocabulary or `seq_len` exceeds its positions."""
+    its head is not one `command` takes (`init_from_head`), `tokenizer` produces ids beyond its
+    vocabulary or `seq_len` exceeds its positions."""
+    init_from_head(init_from, command)
     config = hf_io.from_hf_config(hf_io.read_hf_config(init_from))
     tokenizer.check_vocab(config.vocab_size, f"{init_from}/config.json")
     _check_seq_len(seq_len, config, f"--init-from {init_from}")
@@ -57,4 +80,5 @@ def initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any
     return step.init_from(values, job.seed)
 
 
-__all__ = ["initial_state", "model_config", "model_factory", "pretrained_config"]
+__all__ = ["INIT_FROM_HEADS", "init_from_head", "initial_state", "model_config", "model_factory",
+           "pretrained_config"]

@@ -4,7 +4,10 @@
 
 - actor and reference: the SFT run's (`zeroxla train --init-from ... --data sft.jsonl`) final
   checkpoint; the reference stays frozen;
-- critic: starts from the reward model (`zeroxla reward`), as DeepSpeed-Chat's does;
+- reward model: a `zeroxla reward` run, or a Hugging Face reward model directory (a
+  `*ForSequenceClassification` with num_labels=1 and its tokenizer: downloaded, or written by
+  `zeroxla export`), with the actor's vocabulary;
+- critic: starts from the reward model, as DeepSpeed-Chat's does;
 - reward: the reward model's score of prompt + answer at the answer's last real token, plus the
   per-token KL penalty against the reference (`zeroxla.rlhf.compute_rewards`);
 - rollouts: the Hybrid Engine generates from the actor's ZeRO-3 partitions;
@@ -14,8 +17,10 @@
   the actor sees: it is refused, naming it.
 
 Writes metrics.jsonl (one record per iteration: reward, KL, losses, the time split),
-reward_kl.png, summary.json, checkpoint/actor and checkpoint/critic (ZeRO checkpoints), and
-actor_hf/ (the trained actor as a Hugging Face checkpoint with its tokenizer).
+reward_kl.png, summary.json, checkpoint/actor and checkpoint/critic (ZeRO checkpoints),
+actor_hf/ (the trained actor as a Hugging Face checkpoint with its tokenizer), and
+rollouts/<iteration>.npz for the first and the last iteration (`zeroxla.rlhf.Rollout.load`: the
+tokens, the reward model's scores, the critic's values, ...).
 """
 
 from __future__ import annotations
@@ -37,14 +42,15 @@ from zeroxla.app.hf_tokenizer import save_tokenizer
 from zeroxla.app.cli_args import check_batch
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.reward_job import KIND, load_reward_model
-from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
+from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record, tokenizes_alike
 from zeroxla.checkpoint.export import export_checkpoint
-from zeroxla.rlhf import PPOConfig, plot_records, run_ppo, time_split
+from zeroxla.rlhf import PPOConfig, Rollout, plot_records, run_ppo, time_split, with_vocab_size
 
 PLOT_FILE = "reward_kl.png"
 ACTOR_EXPORT_DIR = "actor_hf"
 ACTOR_ACCEPTED = ("a `zeroxla train` run directory (step 1, SFT: zeroxla train --init-from HF_DIR "
                   "--data sft.jsonl) or its checkpoint/")
+ROLLOUT_DIR = "rollouts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +58,8 @@ class PPOJobConfig:
     """Everything `zeroxla ppo` needs; `ppo` holds DeepSpeed-Chat's hyper-parameters."""
 
     actor: str                               # a `zeroxla train` run (SFT) or its checkpoint/
-    reward: str                              # a `zeroxla reward` run or its checkpoint/
+    reward: str                              # a `zeroxla reward` run (or its checkpoint/), or
+                                             # a HF *ForSequenceClassification directory
     prompts: str                             # a .jsonl of {"prompt"}
     ppo: PPOConfig = PPOConfig()
     iterations: int = 10
@@ -136,6 +143,30 @@ def _check_fit(job: PPOJobConfig, actor: Any, reward_model: Any) -> None:
                        f"--actor {job.actor}")
 
 
+REWARD_ACCEPTED = ("a `zeroxla reward` run directory (step 2) or its checkpoint/, or a Hugging "
+                   "Face reward model directory (*ForSequenceClassification, num_labels=1)")
+
+
+def load_reward(source: str | Path, actor: Any, tokenizer: Any) -> Any:
+    """The plain reward model of `--reward source` (`load_reward_model`: a `zeroxla reward` run
+    or a HF reward model directory) for `actor` and its `tokenizer`: refused unless its
+    tokenizer tokenizes as the actor's (`tokenizes_alike`). A vocabulary larger than the
+    actor's (the pad row an exported reward model adds) is cut to the actor's ids, the only
+    ones a rollout holds (`zeroxla.rlhf.with_vocab_size`: exact)."""
+    if not (Path(source) / "config.json").is_file():
+        _checkpoint_dir("--reward", source, REWARD_ACCEPTED)     # names the option if not a run
+    reward_model, reward_tokenizer = load_reward_model(source)
+    if not tokenizes_alike(tokenizer, reward_tokenizer):
+        raise ValueError(f"--reward {source} tokenizes text differently from --actor's tokenizer "
+                         f"({getattr(tokenizer, 'source', '') or 'recorded in its checkpoint'}); "
+                         "accepted: a reward model over the actor's vocabulary (both from the "
+                         "same pretrained checkpoint family)")
+    vocab = actor.config.vocab_size
+    if reward_model.base.config.vocab_size > vocab:
+        reward_model = with_vocab_size(reward_model, vocab)
+    return reward_model
+
+
 def prompt_rows(prompts: list[str], tokenizer: Any, length: int, path: str) -> np.ndarray:
     """int32[N, length]: each prompt's last `length` tokens (see the module docstring)."""
     rows = []
@@ -166,21 +197,20 @@ def _save(out: Path, trainer: Any, tokenizer: Any, critic_config: Any) -> dict[s
             "actor_hf": str(export)}
 
 
+def save_rollouts(out: Path, rollouts: list[Rollout]) -> list[str]:
+    """The first and the last iteration's rollouts as `rollouts/<iteration>.npz`."""
+    (out / ROLLOUT_DIR).mkdir(exist_ok=True)
+    return [str(rollouts[i].save(out / ROLLOUT_DIR / f"{i}.npz"))
+            for i in sorted({0, len(rollouts) - 1})]
+
+
 def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs PPO as `job` says; returns the summary (also in summary.json). A run that fails,
     or is interrupted, removes what it wrote to its directory (`zeroxla ppo` has no --resume)."""
     start = time.perf_counter()
     mesh = job_mesh(job.mesh)                # a --mesh larger than the devices is refused here
     actor, tokenizer = load_actor(job.actor)
-    _checkpoint_dir("--reward", job.reward, "a `zeroxla reward` run directory (step 2)")
-    reward_model, reward_tokenizer = load_reward_model(job.reward)
-
-    def vocabulary(t: Any) -> dict:
-        return {k: v for k, v in tokenizer_record(t).items() if k != "source"}
-
-    if vocabulary(reward_tokenizer) != vocabulary(tokenizer):
-        raise ValueError(f"--reward {job.reward} was trained with another tokenizer than --actor "
-                         f"{job.actor}; accepted: both from the same pretrained checkpoint family")
+    reward_model = load_reward(job.reward, actor, tokenizer)
     _check_fit(job, actor, reward_model)
     c = job.ppo
     rows = prompt_rows(chat_data.read_prompt_jsonl(job.prompts), tokenizer, c.prompt_length,
@@ -208,6 +238,7 @@ def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str,
                              on_iteration=on_iteration)
         plot_records(result.records).savefig(out / PLOT_FILE, dpi=100)
         paths = _save(out, result.trainer, tokenizer, reward_model.base.config)
+        paths["rollouts"] = save_rollouts(out, result.rollouts)
         records = result.records
         summary = {"iterations": job.iterations, "first_reward": records[0]["reward"],
                    "last_reward": records[-1]["reward"], "last_kl": records[-1]["kl"],
@@ -217,4 +248,5 @@ def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str,
     return summary
 
 
-__all__ = ["PPOJobConfig", "check_inference_tp", "load_actor", "prompt_rows", "run"]
+__all__ = ["PPOJobConfig", "check_inference_tp", "load_actor", "load_reward", "prompt_rows", "run",
+           "save_rollouts"]

@@ -3,9 +3,11 @@
     zeroxla reward --init-from HF_DIR --data pairs.jsonl --out runs/rm
 
 The base is a pretrained Hugging Face checkpoint (`--init-from`: its weights are loaded straight
-into their ZeRO partitions, its tokenizer tokenizes the pairs); a zero-initialised scalar head
-reads its final hidden states (`zeroxla.rlhf.RewardModel`). Each record of `--data` (JSON lines,
-or a .json array) holds `prompt`, `chosen` and `rejected`; the loss is
+into their ZeRO partitions, its tokenizer tokenizes the pairs); a scalar head reads its final
+hidden states (`zeroxla.rlhf.RewardModel`): zero-initialised on a causal LM, or the checkpoint's
+own `score` head when it is a reward model (`*ForSequenceClassification`, num_labels=1: one
+downloaded, or exported by `zeroxla export`), which training continues. Each record of `--data`
+(JSON lines, or a .json array) holds `prompt`, `chosen` and `rejected`; the loss is
 `-log sigmoid(r_chosen - r_rejected)` on the scores at each answer's last real token
 (`pairwise_loss_terms`), the base's unused LM output projection is frozen. Every `eval_every`
 steps and at the end, the held-out pairs give `val_accuracy` (share with r_chosen >
@@ -13,9 +15,9 @@ r_rejected), `val_margin` and `val_loss`.
 
 The run directory holds metrics.jsonl, summary.json and checkpoint/<step>/, a ZeRO checkpoint
 of the reward model recording its base config and tokenizer, which `load_reward_model` (and
-`zeroxla ppo --reward`) rebuilds. Everything that can be refused (options, mesh, pairs, an --out
-that holds a run) is refused before the directory is made; a run that fails after that removes
-what it wrote.
+`zeroxla ppo --reward`) rebuilds; `zeroxla export` writes it as a `*ForSequenceClassification`.
+Everything that can be refused (options, mesh, pairs, an --out that holds a run) is refused
+before the directory is made; a run that fails after that removes what it wrote.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.job_model import pretrained_config
+from zeroxla.app.job_model import init_from_head, pretrained_config
 from zeroxla.app.cli_args import check_batch
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.tokenizer_records import tokenizer_from_record
 from zeroxla.app.train_data import epoch_rows, split_examples, to_devices
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
-from zeroxla.rlhf.reward_model import (RewardModel, pair_metrics, pairwise_loss_terms,
-                                       without_lm_head)
+from zeroxla.models import hf as hf_io
+from zeroxla.rlhf.reward_model import (RewardModel, load_hf_reward_model, pair_metrics,
+                                       pairwise_loss_terms, without_lm_head)
 
 KIND = "zeroxla.rlhf.RewardModel"      # the checkpoint metadata's "model_kind"
 
@@ -53,7 +56,7 @@ KIND = "zeroxla.rlhf.RewardModel"      # the checkpoint metadata's "model_kind"
 class RewardJobConfig:
     """Everything `zeroxla reward` needs; each field is validated."""
 
-    init_from: str                          # a HF checkpoint directory (GPT-2 or Llama)
+    init_from: str                          # a HF causal LM or reward model (GPT-2 or Llama)
     data: str                               # a .jsonl of {"prompt", "chosen", "rejected"}
     steps: int = 200
     batch_size: int = 16                    # pairs per step (global)
@@ -97,6 +100,20 @@ def reward_model_factory(config: Any, seed: int = 0) -> Callable[[], RewardModel
     `load_params`)."""
     cls = models.model_class(config)
     return lambda: RewardModel(cls(config, rngs=nnx.Rngs(seed)))
+
+
+def initial_values(init_from: str, config: Any, mesh: Any, *,
+                   progress: bool = True) -> dict[str, Any]:
+    """The reward model's parameters from the HF checkpoint `init_from`, spread over `mesh`
+    (`step.init_from` lays them out): a causal LM's under `base/` with a zero `v_head`
+    (DeepSpeed-Chat's fresh head), or a reward model's own, `score.weight` as `v_head`."""
+    head = init_from_head(init_from, "zeroxla reward")
+    if head == hf_io.SEQUENCE_CLASSIFICATION:
+        return spread_hf_params(config, init_from, mesh, progress=progress, head=head)
+    values = {f"{hf_io.REWARD_BASE}/{path}": value for path, value in spread_hf_params(
+        config, init_from, mesh, progress=progress).items()}
+    values[hf_io.REWARD_SCORE] = place(np.zeros((config.d_model,), np.float32), mesh, np.float32)
+    return values
 
 
 def _pairs(job: RewardJobConfig, tokenizer: PretrainedTokenizer) -> tuple[dict, dict, int]:
@@ -156,7 +173,7 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
     start = time.perf_counter()
     mesh = job_mesh(job.mesh)                # a --mesh larger than the devices is refused here
     tokenizer = PretrainedTokenizer.from_dir(job.init_from)
-    config = pretrained_config(job.init_from, tokenizer, job.seq_len)
+    config = pretrained_config(job.init_from, tokenizer, job.seq_len, command="zeroxla reward")
     train, val, same = _pairs(job, tokenizer)
     out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
         f"reward-{Path(job.init_from).name}", now=datetime.datetime.now())
@@ -168,10 +185,8 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
         config=zeroxla.ZeroConfig(stage=job.zero_stage,
                                   persistence_threshold=job.persistence_threshold),
         trainable=without_lm_head)
-    values = {f"base/{path}": value for path, value in spread_hf_params(
-        config, job.init_from, mesh, progress=job.progress).items()}
-    values["v_head"] = place(np.zeros((config.d_model,), np.float32), mesh, np.float32)
-    state = step.init_from(values, job.seed)
+    state = step.init_from(initial_values(job.init_from, config, mesh, progress=job.progress),
+                           job.seed)
     write(f"zeroxla reward: {job.init_from} + scalar head on {job.data} ({len(train['chosen'])} "
           f"train / {len(val['chosen'])} val pairs"
           + (f"; {same} with the same tokens for chosen and rejected add nothing to the loss"
@@ -199,8 +214,11 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
 
 def load_reward_model(run_dir: str | Path) -> tuple[RewardModel, Any]:
     """(plain RewardModel with the trained weights, tokenizer) of a `zeroxla reward` run (its
-    directory, or its checkpoint/ directory)."""
+    directory, or its checkpoint/ directory), or of a HF reward model directory (config.json:
+    a `*ForSequenceClassification` with num_labels=1, and its tokenizer)."""
     run_dir = Path(run_dir)
+    if (run_dir / "config.json").is_file():
+        return load_hf_reward_model(run_dir), PretrainedTokenizer.from_dir(run_dir)
     directory = rundir.checkpoint_dir_of(run_dir)
     meta = checkpoint.read_metadata(directory)
     if meta["metadata"].get("model_kind") != KIND:
@@ -211,4 +229,5 @@ def load_reward_model(run_dir: str | Path) -> tuple[RewardModel, Any]:
     return model, tokenizer_from_record(meta["metadata"]["tokenizer"])
 
 
-__all__ = ["KIND", "RewardJobConfig", "load_reward_model", "reward_model_factory", "run"]
+__all__ = ["KIND", "RewardJobConfig", "initial_values", "load_reward_model", "reward_model_factory",
+           "run"]

@@ -8,7 +8,12 @@ that `transformers.AutoTokenizer.from_pretrained(dir)` loads. Needs torch and tr
 
     gpt2_checkpoint(tmp_path / "gpt2")                  # GPT2LMHeadModel, 2 layers, d=64
     llama_checkpoint(tmp_path / "llama", sharded=True)  # LlamaForCausalLM, GQA 4 q / 2 kv heads
+    gpt2_checkpoint(tmp_path / "rm", reward=True)       # GPT2ForSequenceClassification, 1 label
     write_tokenizer(tmp_path / "tok")                   # the tokenizer files alone
+
+A reward model (`reward=True`: `*ForSequenceClassification`, num_labels=1) is what TRL and
+OpenRLHF save: the same base, a bias-free `score` head, and `pad_token_id` = EOS, as a GPT-2
+tokenizer without a pad token is padded.
 
 The tokenizer is GPT-2's scheme, trained here: a ByteLevel BPE of 511 tokens on the first 200 KB
 of the bundled tiny-shakespeare, plus `<|endoftext|>` as an added special token (id 511), so the
@@ -92,38 +97,48 @@ def _save(model, out_dir: Path, sharded: bool) -> Path:
     return out_dir
 
 
-def gpt2_checkpoint(out_dir: str | os.PathLike, *, sharded: bool = False,
-                    num_layers: int = 2) -> Path:
+def _reward_fields(reward: bool) -> dict:
+    """The config fields of a one-label sequence classifier padded with EOS (module docstring)."""
+    return {"num_labels": 1, "pad_token_id": eos_id()} if reward else {}
+
+
+def gpt2_checkpoint(out_dir: str | os.PathLike, *, sharded: bool = False, num_layers: int = 2,
+                    reward: bool = False) -> Path:
     """A random GPT2LMHeadModel (n_embd 64, 2 layers, 4 heads, 128 positions, no dropout) with
     the fixture tokenizer, saved in `out_dir`; returns the directory. Its config.json is one
-    `models.hf.from_hf_config` accepts (tanh GELU, LayerNorm eps 1e-5, tied head)."""
+    `models.hf.from_hf_config` accepts (tanh GELU, LayerNorm eps 1e-5, tied head). With
+    `reward`, a GPT2ForSequenceClassification reward model of the same shape."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=tokenizer_vocab_size(), n_positions=MAX_POSITIONS, n_embd=64,
                         n_layer=num_layers, n_head=4, activation_function="gelu_new",
                         layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=eos_id(), eos_token_id=eos_id(), tie_word_embeddings=True)
+                        bos_token_id=eos_id(), eos_token_id=eos_id(), tie_word_embeddings=True,
+                        **_reward_fields(reward))
     torch.manual_seed(SEED)
-    model = GPT2LMHeadModel(config).to(torch.float32).eval()
+    cls = GPT2ForSequenceClassification if reward else GPT2LMHeadModel
+    model = cls(config).to(torch.float32).eval()
     return _save(model, Path(out_dir), sharded)
 
 
-def llama_checkpoint(out_dir: str | os.PathLike, *, sharded: bool = False,
-                     num_layers: int = 2) -> Path:
+def llama_checkpoint(out_dir: str | os.PathLike, *, sharded: bool = False, num_layers: int = 2,
+                     reward: bool = False) -> Path:
     """A random LlamaForCausalLM (hidden 64, 2 layers, 4 query / 2 key-value heads,
     intermediate 128, 128 positions, untied head) with the fixture tokenizer, saved in
-    `out_dir`; returns the directory."""
+    `out_dir`; returns the directory. With `reward`, a LlamaForSequenceClassification reward
+    model of the same shape."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     config = LlamaConfig(vocab_size=tokenizer_vocab_size(), hidden_size=64,
                          intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
                          tie_word_embeddings=False, bos_token_id=eos_id(),
-                         eos_token_id=eos_id())
+                         eos_token_id=eos_id(), **_reward_fields(reward))
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    cls = LlamaForSequenceClassification if reward else LlamaForCausalLM
+    model = cls(config).to(torch.float32).eval()
     return _save(model, Path(out_dir), sharded)
 
 

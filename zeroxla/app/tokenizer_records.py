@@ -3,6 +3,7 @@ and fine-tuned further with the vocabulary it was trained with."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
@@ -36,4 +37,24 @@ def tokenizer_from_record(record: dict[str, Any]) -> Tokenizer:
                      f"{', '.join(TOKENIZERS)}, hf")
 
 
-__all__ = ["tokenizer_from_record", "tokenizer_record"]
+def tokenizes_alike(tokenizer: Tokenizer, other: Tokenizer) -> bool:
+    """Whether `other` turns every text into the ids `tokenizer` does, with the same EOS: the
+    same record (wherever it was read), or for pretrained tokenizers the same tokenizer.json
+    but for special tokens `other` adds beyond `tokenizer`'s ids (the pad token of a reward
+    model `zeroxla export` wrote). Other files (tokenizer_config.json's model_max_length, ...)
+    do not change the ids."""
+    if not (isinstance(tokenizer, PretrainedTokenizer) and isinstance(other, PretrainedTokenizer)):
+        return ({k: v for k, v in tokenizer_record(tokenizer).items() if k != "source"}
+                == {k: v for k, v in tokenizer_record(other).items() if k != "source"})
+    if tokenizer.eos_token != other.eos_token:
+        return False
+    # Both as this `tokenizers` version writes them (a file from another version may spell the
+    # same merges differently).
+    mine, theirs = (json.loads(t.tokenizer.to_str()) for t in (tokenizer, other))
+    theirs["added_tokens"] = [t for t in theirs.get("added_tokens") or []
+                              if not (t.get("special") and t["id"] >= tokenizer.vocab_size)]
+    mine["added_tokens"] = mine.get("added_tokens") or []
+    return mine == theirs
+
+
+__all__ = ["tokenizer_from_record", "tokenizer_record", "tokenizes_alike"]

@@ -12,6 +12,17 @@ them (`models.hf` owns the name map and the reshapes), and hands the tensor to t
 writer, which keeps at most one shard. Host memory stays at about one shard plus a few copies of
 the largest tensor, whatever the model size. Every array's checksum is verified as it is read.
 
+A checkpoint holds one of two models, told apart by its parameters (`checkpoint_head`): a causal
+LM (`GPT2LMHeadModel` / `LlamaForCausalLM`), or a reward (or value) model,
+`zeroxla.rlhf.RewardModel` as `zeroxla reward` and the PPO critic save it (`base/...` and
+`v_head` [D]), written as `GPT2ForSequenceClassification` / `LlamaForSequenceClassification`
+with `num_labels=1`: `score.weight` [1, D] is `v_head` (both bias-free), the base's unused LM
+projection is left out.
+transformers' classifier reads its score at each row's last token that is not
+`config.pad_token_id` (`GenericForSequenceClassification.forward`); the export sets that id to
+one no real token has (`pad_token_id`, see `export_checkpoint`), so a batch without padding is
+scored at its true last token, where ours is.
+
 The `zeroxla export` subcommand is declared in `zeroxla.app.cli`; it also writes the tokenizer a
 `zeroxla train` checkpoint records (`zeroxla.app.hf_tokenizer`), so that
 `transformers.AutoTokenizer.from_pretrained(OUT)` loads next to the model. Every file written is
@@ -28,37 +39,89 @@ FILE_MODE = 0o644
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None,
-                      dtype: str = "float32", max_shard_size: int | str = "5GB") -> list[Path]:
+                      dtype: str = "float32", max_shard_size: int | str = "5GB",
+                      pad_token_id: int | None = None) -> list[Path]:
     """Writes checkpoint `step` (default: the newest complete one) as a HF model in `out_dir`.
 
     `checkpoint` is a checkpoint directory (the one given to `zeroxla.save`) or one step
     directory inside it. Writes `config.json` and `model.safetensors` (or numbered shards of at
     most `max_shard_size` plus `model.safetensors.index.json`), with GPT-2 / Llama parameter
-    names; returns the files written. Raises ValueError when the checkpoint records no model
-    config of a known family, CorruptCheckpointError when an array fails its checksum.
+    names, as a causal LM or a sequence classifier (module docstring); returns the files
+    written.
+
+    `pad_token_id` (a reward model's only) is the classifier's pad id: a token id that no real
+    sequence holds (its tokenizer's pad token, or an id its tokenizer never produces); the
+    default and the value `vocab_size` add one zero embedding row as that id (the vocabulary
+    grows by one), for a tokenizer that uses every id. Raises ValueError when the checkpoint
+    records no model config of a known family or holds neither model,
+    CorruptCheckpointError when an array fails its checksum.
     """
     from zeroxla.models import hf
-    from zeroxla import checkpoint as ckpt
 
     if dtype not in DTYPES:
         raise ValueError(f"export: dtype={dtype!r} is invalid; accepted: {', '.join(DTYPES)}")
-    root, step = _resolve(Path(checkpoint), step)
-    arrays = ckpt.StoredArrays(root, step)
-    record = arrays.meta["model_config"]
-    if record is None:
-        raise ValueError(f"checkpoint {arrays.info.path} records no model config; export needs "
-                         "the model family and shape (save with model_config=...)")
-    config = ckpt.model_config_from_record(record)
+    arrays, config = _open(Path(checkpoint), step)
+    head = _stored_head(arrays, config)
 
     def get(path: str, layer: int | None) -> Any:
         return arrays.read(f"params/{path}", layer)
 
-    files = hf.save_hf_model(config, get, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    overrides: dict[str, Any] = {}
+    if head == hf.SEQUENCE_CLASSIFICATION:
+        pad = config.vocab_size if pad_token_id is None else pad_token_id
+        if not (isinstance(pad, int) and 0 <= pad <= config.vocab_size):
+            raise ValueError(f"export: pad_token_id={pad_token_id!r} is invalid; accepted: an id "
+                             f"in [0, {config.vocab_size}] ({config.vocab_size}: a new pad row)")
+        if pad == config.vocab_size:
+            config, get = hf.with_vocab_size(config, get, pad + 1, head)
+        overrides["pad_token_id"] = pad
+    elif pad_token_id is not None:
+        raise ValueError(f"export: pad_token_id={pad_token_id} is for a reward model's "
+                         f"checkpoint; {arrays.info.path} holds a causal LM")
+    files = hf.save_hf_model(config, get, out_dir, dtype=dtype, max_shard_size=max_shard_size,
+                             head=head, **overrides)
     # safetensors creates its files owner-only (0600); an export is meant to be shared and
     # uploaded, so every file is world-readable whatever the umask.
     for path in files:
         path.chmod(FILE_MODE)
     return files
+
+
+def checkpoint_head(checkpoint: str | Path, *, step: int | None = None) -> str:
+    """Which model checkpoint `step` holds, by its parameters: `models.hf.CAUSAL_LM` or
+    `SEQUENCE_CLASSIFICATION` (a reward model: `base/...` and `v_head`); ValueError for
+    anything else."""
+    return _stored_head(*_open(Path(checkpoint), step))
+
+
+def _open(path: Path, step: int | None) -> tuple[Any, Any]:
+    """(StoredArrays, the models config it records) of a checkpoint or step directory."""
+    from zeroxla import checkpoint as ckpt
+
+    root, step = _resolve(path, step)
+    arrays = ckpt.StoredArrays(root, step)
+    record = arrays.meta["model_config"]
+    if record is None:
+        raise ValueError(f"checkpoint {arrays.info.path} records no model config; export needs "
+                         "the model family and shape (save with model_config=...)")
+    return arrays, ckpt.model_config_from_record(record)
+
+
+def _stored_head(arrays: Any, config: Any) -> str:
+    """The head whose parameters (`models.hf.param_shapes`) the checkpoint holds, all of them."""
+    from zeroxla.models import hf
+
+    missing = {}
+    for head in (hf.CAUSAL_LM, hf.SEQUENCE_CLASSIFICATION):
+        missing[head] = [p for p in hf.param_shapes(config, head) if f"params/{p}" not in arrays]
+        if not missing[head]:
+            return head
+    stored = sorted(name for name in arrays.meta["arrays"] if name.startswith("params/"))
+    raise ValueError(
+        f"checkpoint {arrays.info.path} holds neither a {config.family} causal LM (it lacks "
+        f"{missing[hf.CAUSAL_LM][:3]}) nor a reward model (base/... and v_head; it lacks "
+        f"{missing[hf.SEQUENCE_CLASSIFICATION][:3]}); its parameters are {stored[:6]}...: "
+        "export writes the models of zeroxla.models and zeroxla.rlhf.RewardModel")
 
 
 def checkpoint_metadata(checkpoint: str | Path, *, step: int | None = None) -> dict[str, Any]:
@@ -84,4 +147,4 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, int | None]:
     return path, step
 
 
-__all__ = ["DTYPES", "FILE_MODE", "checkpoint_metadata", "export_checkpoint"]
+__all__ = ["DTYPES", "FILE_MODE", "checkpoint_head", "checkpoint_metadata", "export_checkpoint"]

@@ -109,20 +109,26 @@ def _stacker(mesh: Mesh, spec: P, count: int) -> Callable[..., jax.Array]:
 
 
 def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
-                     dtype: Any = np.float32, progress: bool = True) -> dict[str, jax.Array]:
+                     dtype: Any = np.float32, progress: bool = True,
+                     head: str = hf_io.CAUSAL_LM) -> dict[str, jax.Array]:
     """`{our path: array}` of a HF checkpoint's parameters, each spread over `mesh` (see the
-    module docstring), converted to `dtype`. `config` is the models config `config.json` gives."""
+    module docstring), converted to `dtype`. `config` is the models config `config.json` gives;
+    `head` says which model the paths are those of (`models.hf`: a causal LM's, or a reward
+    model's `base/...` and `v_head` for a sequence classifier). Parameters the checkpoint has
+    no tensor for (`models.hf.unmapped_params`: a reward model's unused LM projection) are
+    zeros, created on the devices."""
     hf = hf_io.read_hf_config(path)
-    values: dict[str, jax.Array] = {}
+    abstract = hf_io.param_shapes(config, head)
+    values = {name: _zeros(abstract[name], mesh, dtype)
+              for name in hf_io.unmapped_params(config, head)}
     layers: dict[str, list[jax.Array]] = {}
-    abstract = hf_io.param_shapes(config)
     pieces = sum(len(r.ours) * (config.num_layers if r.per_layer else 1)
-                 for r in hf_io.hf_name_map(config))
+                 for r in hf_io.hf_name_map(config, head))
     with (hf_io.open_safetensors(path) as get_tensor,
           tqdm(total=pieces, desc="loading", unit="tensor", disable=not progress or None) as bar):
         for name, layer, piece, index in hf_io.iter_hf_params(
                 config, hf_io.NameFallbacks(get_tensor, hf),
-                select=lambda shape: owned_index(shape, mesh)):
+                select=lambda shape: owned_index(shape, mesh), head=head):
             full = abstract[name] if layer is None else abstract[name][1:]
             array = place(piece, mesh, dtype, shape=full, index=index)
             if layer is None:
@@ -135,6 +141,12 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
             del piece                     # the host copy goes as soon as the devices have it
             bar.update()
     return values
+
+
+def _zeros(shape: tuple[int, ...], mesh: Mesh, dtype: Any) -> jax.Array:
+    """Zeros of `shape` in `spread_spec` layout, made on the devices (no host copy)."""
+    sharding = NamedSharding(mesh, spread_spec(shape, mesh))
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
 def load_pretrained(path: str | os.PathLike, mesh: Mesh, *, optimizer: Any = None,
@@ -150,6 +162,9 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh, *, optimizer: Any = Non
     unsharded model, whose `.config` is the models config read from `config.json`."""
     hf = hf_io.read_hf_config(path)
     try:
+        hf_io.check_head(hf, (hf_io.CAUSAL_LM,), user="load_pretrained",
+                         instead="load a reward model with `zeroxla reward --init-from` or "
+                                 "zeroxla.rlhf.load_hf_reward_model")
         model_config = hf_io.from_hf_config(hf)
     except ValueError as e:
         raise ValueError(f"{Path(path)}: {e}") from None

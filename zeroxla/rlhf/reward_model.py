@@ -22,6 +22,15 @@ projection is never read: it gets a zero gradient, which `make_step` accepts lik
 no output sees). To spend no optimizer state on it, pass `trainable=without_lm_head` to
 `make_step`: the projection is then frozen (partitioned, but no gradient and no Adam moments).
 
+In Hugging Face terms a RewardModel is a `*ForSequenceClassification` with `num_labels=1`
+(`GPT2ForSequenceClassification`, `LlamaForSequenceClassification`), which TRL, OpenRLHF and
+verl load as a reward model: its `score` is a bias-free `Linear(D, 1)`, so `score.weight` [1, D]
+is `v_head`, and the base's tensors keep their names (`models.hf` maps the layout; `zeroxla
+export` writes it, `load_hf_reward_model` reads it). transformers' own forward reads the score at
+each row's last token that is not `pad_token_id`; ours is read at an index (`end_scores`), the
+mask's last real token, as OpenRLHF and verl do: the same position whenever no real token of a
+row equals the pad id.
+
 The loss (`pairwise_loss_terms`) is InstructGPT's (Ouyang et al. 2022, eq. 1) on the end
 scores: `-log sigmoid(r_chosen - r_rejected)` per pair. DeepSpeed-Chat's own `forward` averages
 that over every position from the pairs' first differing token to the later end instead; its
@@ -32,6 +41,8 @@ evaluation (`evaluation_reward` in step 2's `main.py`) compares the end scores, 
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,6 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zeroxla.models import axes
+from zeroxla.models import hf as hf_io
 
 PairBatch = dict[str, jax.Array]   # chosen, rejected int32[B, T]; chosen_end, rejected_end int32[B]
 PAIR_KEYS = ("chosen", "rejected", "chosen_end", "rejected_end")
@@ -90,6 +102,49 @@ class RewardModel(nnx.Module):
                           self.v_head[...].astype(jnp.float32))           # [B, T]
 
     end_scores = staticmethod(end_scores)
+
+
+def load_hf_reward_model(path: str | os.PathLike) -> RewardModel:
+    """The plain RewardModel of a HF `*ForSequenceClassification` checkpoint with one label
+    (`config.json` + safetensors, single or sharded): its base model, and `score.weight` [1, D]
+    as `v_head`. Llama's LM projection, which such a checkpoint does not hold and a reward model
+    never reads, is zeros. Any other architecture is refused by name, before any tensor is
+    read."""
+    hf = hf_io.read_hf_config(path)
+    try:
+        hf_io.check_head(hf, (hf_io.SEQUENCE_CLASSIFICATION,), user="a reward model",
+                         instead="a causal LM has no score head: train one with `zeroxla reward "
+                                 "--init-from`")
+        config = hf_io.from_hf_config(hf)
+    except ValueError as err:
+        raise ValueError(f"{Path(path)}: {err}") from None
+    with hf_io.open_safetensors(path) as get_tensor:
+        params = hf_io.from_hf_tensors(config, hf_io.NameFallbacks(get_tensor, hf),
+                                       head=hf_io.SEQUENCE_CLASSIFICATION)
+    prefix = f"{hf_io.REWARD_BASE}/"
+    base = hf_io.model_from_params(config, {p.removeprefix(prefix): v for p, v in params.items()
+                                            if p.startswith(prefix)})
+    model = RewardModel(base)
+    model.v_head[...] = jnp.asarray(params[hf_io.REWARD_SCORE], jnp.float32)
+    return model
+
+
+def with_vocab_size(model: RewardModel, vocab_size: int) -> RewardModel:
+    """A copy of `model` for token ids below `vocab_size` (<= its own): its base's rows beyond
+    them (e.g. the pad token `zeroxla export` adds) dropped along every dim named
+    `axes.VOCAB`. Every value of a sequence of such ids is unchanged."""
+    config = model.base.config
+    if not 0 < vocab_size <= config.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is invalid for a reward model of "
+                         f"{config.vocab_size} ids; accepted: 1..{config.vocab_size}")
+    params = {}
+    for path, var in nnx.to_flat_state(nnx.state(model.base, nnx.Param)):
+        names = var.get_metadata().get("logical_axes") or ()
+        params["/".join(map(str, path))] = var.get_value()[tuple(
+            slice(0, vocab_size) if name == axes.VOCAB else slice(None) for name in names)]
+    cut = RewardModel(hf_io.model_from_params(config.replace(vocab_size=vocab_size), params))
+    cut.v_head[...] = model.v_head[...]
+    return cut
 
 
 def pair_scores(model: RewardModel, batch: PairBatch) -> tuple[jax.Array, jax.Array]:

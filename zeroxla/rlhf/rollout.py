@@ -10,7 +10,9 @@ PPO trains on, as host numpy arrays, so that they can be inspected and checked.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -34,6 +36,24 @@ class Rollout:
     @property
     def answer_length(self) -> int:
         return self.action_mask.shape[1]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Writes every field to the `.npz` file `path` (texts as a string array, no pickle);
+        `Rollout.load` reads it back. Returns the path."""
+        path = Path(path)
+        if path.suffix != ".npz":
+            raise ValueError(f"Rollout.save({path}): accepted: a path ending in .npz")
+        np.savez(path, **{f.name: np.asarray(getattr(self, f.name))
+                          for f in dataclasses.fields(self)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Rollout":
+        """The rollout `save` wrote to `path`."""
+        with np.load(path, allow_pickle=False) as stored:
+            fields = {name: stored[name] for name in stored.files}
+        return cls(prompt_length=int(fields.pop("prompt_length")),
+                   texts=tuple(str(t) for t in fields.pop("texts")), **fields)
 
     def kl(self) -> float:
         """Mean over real answer tokens of logprobs - ref_logprobs (the sampled estimate of

@@ -1,8 +1,10 @@
 """DeepSpeed-Chat's steps 2 and 3 as jobs: `zeroxla reward` and `zeroxla ppo`, on a tiny random
-GPT-2 written by `transformers` and the bundled tiny-shakespeare pairs.
+GPT-2 written by `transformers` and the bundled tiny-shakespeare pairs; the trained reward model
+exported to Hugging Face and used again from there.
 
 References: the pair metrics recomputed in float64 numpy from the reward model's own scores of
-the held-out pairs; `transformers` for the exported actor (its logits and tokenizer).
+the held-out pairs; `transformers` for the exported actor (its logits and tokenizer) and for the
+exported reward model (its scores of the held-out pairs and of the PPO rollouts).
 """
 
 import dataclasses
@@ -14,8 +16,9 @@ import pytest
 import zeroxla
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
 from zeroxla.app import chat_data, cli, ppo_job, reward_job, train
+from zeroxla.app.hf_tokenizer import PretrainedTokenizer
 from zeroxla.app.job import TrainJobConfig
-from zeroxla.rlhf import PPOConfig
+from zeroxla.rlhf import PPOConfig, Rollout
 from zeroxla.rlhf.reward_model import end_scores
 
 torch = pytest.importorskip("torch")
@@ -79,6 +82,20 @@ def test_ppo_job_trains_saves_and_exports_the_actor(runs):
         iterations=2, out_dir=str(out), progress=False), write=quiet)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1]
+
+    # The job scores with the reward model it loaded and starts the critic from it: the first
+    # rollout's scores are the trained reward model's values at each answer's last real token,
+    # its values the reward model's at positions P-1 .. P+G-2 (read by index, in float64).
+    rollout = Rollout.load(out / ppo_job.ROLLOUT_DIR / "0.npz")
+    assert sorted(p.name for p in (out / ppo_job.ROLLOUT_DIR).iterdir()) == ["0.npz", "1.npz"]
+    reward_model, _ = reward_job.load_reward_model(rm_run)
+    values = np.asarray(reward_model(rollout.tokens), np.float64)             # [B, P + G]
+    p, lengths = PPO.prompt_length, rollout.action_mask.sum(1).astype(int)
+    np.testing.assert_allclose(rollout.scores, [values[b, p + n - 1] for b, n in
+                                                enumerate(lengths)], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rollout.values, values[:, p - 1:-1] * rollout.action_mask,
+                               rtol=1e-5, atol=1e-6)
+    assert records[0]["reward"] == pytest.approx(float(np.mean(rollout.scores)), rel=1e-6)
     assert (out / ppo_job.PLOT_FILE).stat().st_size > 0
     assert summary["time_split"]["generation_s"] > 0
 
@@ -155,3 +172,81 @@ def test_a_job_that_fails_after_making_its_directory_removes_it(runs, tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         ppo_job.run(job, write=stop_at("iteration", RuntimeError("disk full")))
     assert not out.exists()
+# ---- the trained reward model through Hugging Face ----------------------------------------------
+@pytest.fixture(scope="module")
+def exported_rm(runs):
+    """`zeroxla export` of the trained reward run: a GPT2ForSequenceClassification directory."""
+    tmp, _, _, rm_run, _ = runs
+    out = tmp / "rm_hf"
+    assert cli.main(["export", str(rm_run / "checkpoint"), str(out)]) == 0
+    return out
+
+
+def val_pairs(tmp, tokenizer):
+    """The held-out pairs of every reward run here (val_fraction 0.1, seed 0), as arrays."""
+    _, val = reward_job.split_examples(chat_data.read_pair_jsonl(tmp / "pairs.jsonl"), 0.1, 0)
+    return chat_data.pair_arrays(val, tokenizer, 64, eos_id=tokenizer.eos_id)
+
+
+def pooled_scores(model, tokens):
+    """transformers' own score of each row (its pooling: the last id that is not pad)."""
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()[:, 0]
+
+
+def test_the_exported_reward_model_reproduces_the_runs_validation(runs, exported_rm):
+    """transformers, given the held-out pairs padded with the export's pad id, scores them as the
+    run did: its accuracy and margin are the run's final validation figures."""
+    tmp, _, _, _, summary = runs
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(exported_rm).eval()
+    pad = model.config.pad_token_id
+    arrays = val_pairs(tmp, PretrainedTokenizer.from_dir(exported_rm))       # padded with `pad`
+    chosen, rejected = (pooled_scores(model, arrays[k]).astype(np.float64)
+                        for k in ("chosen", "rejected"))
+    assert (arrays["chosen"] == pad).any()
+    np.testing.assert_allclose(np.mean(chosen > rejected), summary["val_accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(np.mean(chosen - rejected), summary["val_margin"], rtol=1e-4)
+
+
+def test_reward_job_init_from_the_export_starts_from_its_head(runs, exported_rm):
+    """`zeroxla reward --init-from` the export: its step-0 validation (before any update) is
+    transformers' scores of the held-out pairs."""
+    tmp = runs[0]
+    out = tmp / "rm_again"
+    reward_job.run(reward_job.RewardJobConfig(
+        init_from=str(exported_rm), data=str(tmp / "pairs.jsonl"), steps=1, seq_len=64,
+        eval_every=1, out_dir=str(out), progress=False), write=quiet)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(exported_rm).eval()
+    arrays = val_pairs(tmp, PretrainedTokenizer.from_dir(exported_rm))
+    chosen, rejected = (pooled_scores(model, arrays[k]).astype(np.float64)
+                        for k in ("chosen", "rejected"))
+    assert first["step"] == 0
+    np.testing.assert_allclose(first["val_chosen_score"], np.mean(chosen), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(first["val_rejected_score"], np.mean(rejected), rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(first["val_loss"], np.mean(np.logaddexp(0, rejected - chosen)),
+                               rtol=1e-4)
+
+
+def test_ppo_job_with_the_exported_reward_model_scores_with_it(runs, exported_rm):
+    """`zeroxla ppo --reward` the export: the first rollout's scores are transformers' scores of
+    its rows (each padded after its last real token with the export's pad id), the critic's
+    first values transformers' scores at positions P-1 .. P+G-2."""
+    tmp, _, sft_run, _, _ = runs
+    out = tmp / "ppo_hf"
+    ppo_job.run(ppo_job.PPOJobConfig(
+        actor=str(sft_run), reward=str(exported_rm), prompts=str(tmp / "prompts.jsonl"),
+        ppo=PPO, iterations=1, out_dir=str(out), progress=False), write=quiet)
+    rollout = Rollout.load(out / ppo_job.ROLLOUT_DIR / "0.npz")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(exported_rm).eval()
+    p = PPO.prompt_length
+    real = np.concatenate([np.ones((len(rollout.tokens), p)), rollout.action_mask], axis=1) > 0
+    padded = np.where(real, rollout.tokens, model.config.pad_token_id)
+    np.testing.assert_allclose(rollout.scores, pooled_scores(model, padded), atol=1e-4, rtol=0)
+    with torch.no_grad():
+        hidden = model.base_model(torch.as_tensor(rollout.tokens, dtype=torch.long))
+        every = model.score(hidden.last_hidden_state).numpy()[..., 0]        # [B, P + G]
+    np.testing.assert_allclose(rollout.values, every[:, p - 1:-1] * rollout.action_mask,
+                               atol=1e-4, rtol=0)
+    assert np.std(rollout.scores) > 1e-3
