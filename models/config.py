@@ -1,4 +1,5 @@
-"""What every model config shares: positive sizes, head_dim, and `replace`."""
+"""What every model config shares: positive sizes, head_dim, the maximum length rule, and
+`replace`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ class ModelConfig:
     """
 
     POSITIVE_FIELDS: tuple[str, ...] = ()
+    # Why the family stops at max_seq_len (its subclass says), shown in `check_seq_len`'s error.
+    MAX_SEQ_LEN_REASON: str = "the positions the model is built for"
 
     def check_sizes(self) -> None:
         name = type(self).__name__
@@ -24,6 +27,20 @@ class ModelConfig:
         if self.d_model % self.num_heads:
             raise ValueError(f"{name}.d_model={self.d_model} is not divisible by "
                              f"num_heads={self.num_heads}")
+
+    def check_seq_len(self, length: int, what: str, accepted: str | None = None) -> None:
+        """The maximum length rule, one for every family and every path (the forward, a KV
+        cache, `zeroxla generate`, the Hybrid Engine): a sequence, prompt and new tokens
+        together, holds at most `max_seq_len` positions. ValueError otherwise, naming `what`
+        (the request, e.g. "sequence length"), its `length`, max_seq_len with the family's
+        reason, and `accepted` (the fix the caller can make; by default 1..max_seq_len or a
+        larger max_seq_len)."""
+        if length > self.max_seq_len:
+            accepted = accepted or (f"1..{self.max_seq_len} positions, or a model config with a "
+                                    "larger max_seq_len")
+            raise ValueError(f"{what} {length} exceeds {type(self).__name__}.max_seq_len="
+                             f"{self.max_seq_len} ({self.MAX_SEQ_LEN_REASON}); accepted: "
+                             f"{accepted}")
 
     @property
     def head_dim(self) -> int:

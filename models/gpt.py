@@ -40,6 +40,9 @@ class GPTConfig(ModelConfig):
     init_std: float = 0.02
     family: str = dataclasses.field(default="gpt2", init=False)
 
+    # Learned positions: `wpe` has max_seq_len rows, and no embedding exists past them.
+    MAX_SEQ_LEN_REASON = "learned positions: the embedding has max_seq_len rows"
+
     POSITIVE_FIELDS = ("vocab_size", "max_seq_len", "d_model", "num_heads", "num_layers",
                        "mlp_dim")
 
@@ -148,12 +151,10 @@ class GPT(nnx.Module):
     def init_cache(self, batch: int, max_len: int,
                    dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
         """A zeroed KV cache for `batch` rows of up to `max_len` positions; GPT's keys and
-        values have one head per query head: {"k", "v"} [L, B, max_len, H, K]."""
-        if max_len > self.config.max_seq_len:
-            raise ValueError(f"max_len={max_len} exceeds GPTConfig.max_seq_len="
-                             f"{self.config.max_seq_len} (learned positions); accepted: "
-                             f"1..{self.config.max_seq_len}")
+        values have one head per query head: {"k", "v"} [L, B, max_len, H, K]. ValueError past
+        max_seq_len (the maximum length rule, `ModelConfig.check_seq_len`)."""
         c = self.config
+        c.check_seq_len(max_len, "KV cache length (max_len)")
         return init_kv_cache(c.num_layers, batch, max_len, c.num_heads, c.head_dim, dtype)
 
     def decode(self, tokens: jax.Array, positions: jax.Array,
@@ -163,9 +164,7 @@ class GPT(nnx.Module):
         return decode(self, tokens, positions, cache)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
-                             f"GPTConfig.max_seq_len={self.config.max_seq_len}")
+        self.config.check_seq_len(tokens.shape[1], "sequence length")
         if positions is None:
             positions = default_positions(tokens)
         x = self.embed(tokens, positions)
@@ -175,6 +174,7 @@ class GPT(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after `ln_f`, before the head): HF's
         `GPT2Model(...).last_hidden_state`, which reward and value heads read."""
+        self.config.check_seq_len(tokens.shape[1], "sequence length")
         if positions is None:
             positions = default_positions(tokens)
         x, _ = self.blocks(self.embed(tokens, positions), positions)

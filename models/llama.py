@@ -30,6 +30,11 @@ class LlamaConfig(ModelConfig):
     init_std: float = 0.02
     family: str = dataclasses.field(default="llama", init=False)
 
+    # RoPE could rotate past max_seq_len, but the model is built and trained for max_seq_len
+    # positions (Hugging Face's max_position_embeddings), so past it is refused as GPT's is.
+    MAX_SEQ_LEN_REASON = ("RoPE: the positions the model is built and trained for, Hugging "
+                          "Face's max_position_embeddings")
+
     POSITIVE_FIELDS = ("vocab_size", "max_seq_len", "d_model", "num_heads", "num_kv_heads",
                        "num_layers", "mlp_dim")
 
@@ -136,8 +141,10 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, max_len: int,
                    dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
         """A zeroed grouped-query KV cache for `batch` rows of up to `max_len` positions:
-        {"k", "v"} [L, B, max_len, G, K], G = num_kv_heads."""
+        {"k", "v"} [L, B, max_len, G, K], G = num_kv_heads. ValueError past max_seq_len (the
+        maximum length rule, `ModelConfig.check_seq_len`)."""
         c = self.config
+        c.check_seq_len(max_len, "KV cache length (max_len)")
         return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
     def decode(self, tokens: jax.Array, positions: jax.Array,
@@ -147,9 +154,7 @@ class Llama(nnx.Module):
         return decode(self, tokens, positions, cache)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
-                             f"LlamaConfig.max_seq_len={self.config.max_seq_len}")
+        self.config.check_seq_len(tokens.shape[1], "sequence length")
         if positions is None:
             positions = default_positions(tokens)
         x = self.embed(tokens, positions)
@@ -159,6 +164,7 @@ class Llama(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after the final RMSNorm, before the projection):
         HF's `LlamaModel(...).last_hidden_state`, which reward and value heads read."""
+        self.config.check_seq_len(tokens.shape[1], "sequence length")
         if positions is None:
             positions = default_positions(tokens)
         x, _ = self.blocks(self.embed(tokens, positions), positions)

@@ -41,6 +41,7 @@ from zeroxla.app.cli_args import (host_device_count, mesh_shape, non_negative_in
                                   temperature)
 from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG, INTERRUPTED
 from zeroxla.app.train_cli import add_train
+from zeroxla.inference.sampling import TEMPERATURE_RULE
 
 EXPORT_DTYPES = ("float32", "bfloat16")     # zeroxla.checkpoint.export.DTYPES
 
@@ -138,7 +139,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
                    help="checkpoint directory given to zeroxla.save (a train run's checkpoints)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=non_negative_int, default=64)
-    p.add_argument("--temperature", type=temperature, default=0.8, help="0 is greedy")
+    p.add_argument("--temperature", type=temperature, default=0.8,
+                   help=f"sampling temperature: {TEMPERATURE_RULE}")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel devices (inference_tp_size): a divisor of the model's "

@@ -1,10 +1,12 @@
 """argparse value types, the checks between options, and the simulated-device flag shared by the
 `zeroxla` subcommands.
 
-No JAX here: the CLI sets the device count before any module that uses JAX is imported.
+Nothing here starts JAX: the CLI sets the device count before a JAX backend exists.
 `check_batch` refuses, before any compute, a global batch that `--mesh NODESxLOCAL`'s
 data-parallel devices (and the micro-batches) do not divide, which would otherwise fail inside
-JAX's sharding with a message about array axes.
+JAX's sharding with a message about array axes. The temperature check is the engine's own
+(`zeroxla.inference.sampling.check_temperature`, plain Python), so the option accepts exactly
+what `HybridEngine.generate` does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import os
 
 from zeroxla.app.launch import DEVICE_COUNT_FLAG
+from zeroxla.inference.sampling import TEMPERATURE_ACCEPTED, check_temperature
 
 
 def mesh_shape(text: str) -> tuple[int, int]:
@@ -82,15 +85,13 @@ def unit_interval(text: str) -> float:
 
 
 def temperature(text: str) -> float:
-    """A sampling temperature: 0 (greedy) or a finite positive number (not nan, not inf)."""
+    """A sampling temperature: 0 (greedy) or a finite positive number (not nan, not inf), as
+    the engine's `check_temperature` accepts it."""
     try:
-        value = float(text)
+        return check_temperature(float(text))
     except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: 0 (greedy) or a finite "
-                                         "positive number")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: "
+                                         f"{TEMPERATURE_ACCEPTED}") from None
 
 
 def _divisors(n: int) -> list[int]:

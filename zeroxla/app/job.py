@@ -18,6 +18,7 @@ from typing import Any
 
 from zeroxla import models
 from zeroxla.app.tokenizer import TOKENIZERS
+from zeroxla.inference.sampling import SCALAR_TYPES, TEMPERATURE_ACCEPTED, check_temperature
 
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_LR = 1e-2
@@ -121,9 +122,10 @@ class TrainJobConfig:
             fail("dtype", ", ".join(DTYPES) + ", or None (from the DeepSpeed config, else fp32)")
         if not 0 < self.val_fraction < 1:
             fail("val_fraction", "a number in (0, 1)")
-        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not 0 <= self.temperature < math.inf):
-            fail("temperature", "0 (greedy) or a finite positive number")
+        try:           # the engine's own check (the closing sample), stored as a Python float
+            object.__setattr__(self, "temperature", check_temperature(self.temperature))
+        except ValueError:
+            fail("temperature", f"{TEMPERATURE_ACCEPTED} ({SCALAR_TYPES})")
 
     @property
     def model_name(self) -> str:

@@ -14,7 +14,6 @@ notebook uses it on a gathered model.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,13 +23,16 @@ import numpy as np
 from flax import nnx
 
 from zeroxla.app.tokenizer import Tokenizer
+from zeroxla.inference.sampling import Sampling, check_sampling, next_token
 
 
 def sample_tokens(model: nnx.Module, prompt: np.ndarray, *, num_tokens: int, context: int,
                   temperature: float = 0.8, seed: int = 0) -> np.ndarray:
     """Extends `prompt` (int[P], P >= 1) by `num_tokens` sampled ids -> int32[P + num_tokens].
 
-    `model(tokens int32[1, context]) -> logits [1, context, V]`; `temperature` 0 is greedy.
+    `model(tokens int32[1, context]) -> logits [1, context, V]`; `temperature` 0 is greedy,
+    checked and drawn as the Hybrid Engine does (`zeroxla.inference.sampling`: below 2**-126
+    greedy, above 3.4e38 uniform).
     """
     prompt = np.asarray(prompt, dtype=np.int32).reshape(-1)
     if prompt.size < 1:
@@ -38,9 +40,10 @@ def sample_tokens(model: nnx.Module, prompt: np.ndarray, *, num_tokens: int, con
     if num_tokens < 0 or context < 1:
         raise ValueError(f"sample_tokens: num_tokens={num_tokens} must be >= 0 and "
                          f"context={context} >= 1")
-    if not 0 <= temperature < math.inf:                  # refuses nan too
-        raise ValueError(f"sample_tokens: temperature={temperature} is invalid; accepted: 0 "
-                         "(greedy) or a finite positive number")
+    try:
+        sampling = Sampling(temperature)     # the engine's knobs, checks and limits
+    except ValueError as err:
+        raise ValueError(f"sample_tokens: {err}") from None
     length = prompt.size + num_tokens
     buffer = np.zeros(max(length, context), np.int32)
     buffer[:prompt.size] = prompt
@@ -54,11 +57,8 @@ def sample_tokens(model: nnx.Module, prompt: np.ndarray, *, num_tokens: int, con
             window = jax.lax.dynamic_slice(buffer, (start,), (context,))[None]    # [1, C]
             logits = nnx.merge(graphdef, state)(window)[0, pos - 1 - start]      # [V]
             key, sub = jax.random.split(key)
-            if temperature == 0:
-                token = jnp.argmax(logits)
-            else:
-                token = jax.random.categorical(sub, logits.astype(jnp.float32) / temperature)
-            return buffer.at[pos].set(token.astype(jnp.int32)), key
+            token = next_token(logits[None], sub, sampling)[0]
+            return buffer.at[pos].set(token), key
 
         buffer, _ = jax.lax.fori_loop(prompt.size, length, body, (buffer, key))
         return buffer
@@ -101,6 +101,7 @@ def sample_with_engine(step: Any, state: Any, tokenizer: Tokenizer, prompt: np.n
     """
     from zeroxla.inference import HybridEngine, HybridEngineConfig
 
+    check_sampling(temperature, top_k, None)     # refused even when no token is generated
     ids = np.asarray(prompt, np.int32).reshape(-1)
     if ids.size < 1:
         raise ValueError("sample_with_engine: the prompt must hold at least one token")
@@ -151,6 +152,7 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
     import zeroxla
     from zeroxla.app.tokenizer_records import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata
+    from zeroxla.checkpoint.model_record import model_config_from_record
 
     meta = checkpoint_metadata(checkpoint, step=step)
     check_tp(tp, (meta.get("model_config") or {}).get("fields", {}), devices)
@@ -160,11 +162,13 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
                          "checkpoint written by `zeroxla train`")
     tokenizer = tokenizer_from_record(record)
     ids = np.asarray(tokenizer.encode(prompt), np.int32)
-    max_seq_len = meta["model_config"]["fields"]["max_seq_len"]
-    if ids.size + max_new_tokens > max_seq_len:
-        raise ValueError(f"--prompt ({ids.size} tokens) + --max-new-tokens={max_new_tokens} "
-                         f"exceeds the model's max_seq_len={max_seq_len}; accepted: at most "
-                         f"{max(0, max_seq_len - ids.size)} new tokens")
+    config = model_config_from_record(meta.get("model_config"))
+    if config is None:
+        raise ValueError(f"checkpoint {checkpoint!r} records no model config; accepted: a "
+                         "checkpoint written by `zeroxla train`")
+    config.check_seq_len(ids.size + max_new_tokens, f"--prompt ({ids.size} tokens) + "
+                         f"--max-new-tokens {max_new_tokens} =", accepted=f"--max-new-tokens "
+                         f"<= {max(0, config.max_seq_len - ids.size)} for this prompt")
     # weights only (no optimizer state)
     step_fn = local_zero3_step(zeroxla.load_params(checkpoint, step=meta["step"]))
     text, _ = sample_with_engine(step_fn, step_fn.init(), tokenizer, ids,

@@ -24,6 +24,7 @@ from zeroxla.app.cli_args import (mesh_shape, non_negative_int, positive_float, 
 from zeroxla.app.job import (DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES, OFFLOAD_DEVICES,
                              PER_INVOCATION, TrainJobConfig)
 from zeroxla.deepspeed.overrides import Override
+from zeroxla.inference.sampling import TEMPERATURE_RULE
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainJobConfig)}
 # --help groups, in order.
@@ -169,7 +170,8 @@ OPTIONS: tuple[JobOption, ...] = (
               "a larger value is capped there and the run says so; default "
               f"{_default('sample_tokens')}", type=non_negative_int),
     JobOption("--temperature", "temperature", "run",
-              f"sampling temperature (0: greedy); default {_default('temperature')}",
+              f"sampling temperature of the closing sample: {TEMPERATURE_RULE}; default "
+              f"{_default('temperature')}",
               type=temperature),
     JobOption("--no-progress", "progress", "run", "no progress bar", action="store_false"),
     JobOption("--resume", "resume", "run",

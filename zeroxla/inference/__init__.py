@@ -8,8 +8,10 @@
     reshard.py   ZeRO-3 storage -> the tensor-parallel layout in one program, each device
                  receiving only its own slice
     decode.py    the decode loop (prefill + while_loop) and prompt packing
-    sampling.py  greedy / temperature / top-k / top-p as pure functions; per-prompt keys (seed,
-                 a hash of the prompt's tokens, the decode step: no dependence on neighbours)
+    sampling.py  greedy / temperature / top-k / top-p as pure functions; the knobs checked
+                 (any Python or NumPy scalar in range) and the temperatures float32 cannot carry
+                 mapped to their limits; per-prompt keys (seed, a hash of the prompt's tokens,
+                 the decode step: no dependence on neighbours)
     checks.py    what the engine refuses by name: a model without the KV-cache protocol, a
                  state of another step or one donated to the training step
     config.py    HybridEngineConfig: DeepSpeed's `hybrid_engine` keys (the JSON file is read by

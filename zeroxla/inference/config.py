@@ -8,7 +8,9 @@ The keys and defaults are DeepSpeed's (`deepspeed/runtime/hybrid_engine.py`). Wh
 here:
   enabled                  whether a training job builds the engine (the engine itself runs
                            whenever it is constructed)
-  max_out_tokens           the KV cache length: a prompt plus its new tokens must fit in it
+  max_out_tokens           the KV cache length: a prompt plus its new tokens must fit in it;
+                           at most the model's max_seq_len (the models' one maximum length
+                           rule, `ModelConfig.check_seq_len`: refused at construction)
   inference_tp_size        devices in one tensor-parallel group; the other devices serve
                            other prompts data-parallel
   release_inference_cache  free the KV cache after every `generate` (else it is kept, per batch

@@ -158,7 +158,9 @@ class HybridEngine:
         """Continues each prompt (1-D int array) by up to `max_new_tokens` tokens.
 
         Returns one int32 array per prompt: the prompt and its new tokens, cut after the first
-        `eos_id`. `temperature` 0 is greedy; `top_k` / `top_p` restrict the draw; `seed` (an
+        `eos_id`. `temperature` 0 is greedy (below 2**-126 too; above 3.4e38 the draw is
+        uniform over the kept tokens: `sampling`); `top_k` / `top_p` restrict the draw;
+        any Python or NumPy scalar in range is accepted for each knob; `seed` (an
         int or a typed key, `jax.random.key(...)`) fixes every draw. A prompt's tokens depend
         only on the prompt, the seed and the knobs, not on the other prompts of the call or
         its place among them: each row draws with keys folded from the seed, a hash of its own

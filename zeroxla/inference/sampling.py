@@ -1,5 +1,5 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), and the
-keys the draws use.
+"""Choosing the next token from logits: the knobs (`Sampling`: greedy, temperature, top-k,
+top-p (nucleus)), the draw, and the keys the draws use.
 
 Pure functions of (logits, key): the decode loop calls `next_token` once per step with one key
 per row. A row's key is folded from the generation's seed, the row's prompt (a hash of its
@@ -7,93 +7,209 @@ token ids, `prompt_hash`) and the decode step (`row_keys`, `step_keys`), never f
 index or the batch's shape, so a prompt's tokens depend on (prompt, seed) alone: not on the other
 prompts of the call, nor on its place among them, nor on the padding. (Two equal prompts in one
 call therefore get equal continuations: draw several samples of a prompt with several seeds.)
-The knobs are Python values (static under `jit`); `check_sampling` and `seed_key` refuse bad
-ones by name.
+The knobs are Python numbers (static under `jit`), checked by `Sampling` (any Python or NumPy
+scalar in range; `check_temperature` is what the CLI and the job configs check with too);
+`seed_key` refuses a bad seed by name.
+
+The draw computes softmax((logits - max) / temperature) in float32, where the temperature
+enters as the normal float32 constant 1/temperature (times a power of two: `scaled_logits`).
+Float32 sets the two thresholds:
+  temperature < 2**-126 (`FLOAT32_TINY`, float32's smallest normal number): the temperature is
+      not a normal float32 (XLA flushes subnormals to zero, so 1/temperature would be inf), and
+      softmax(logits / temperature) has reached its limit anyway (every token below the
+      maximum by more than 745 * temperature has probability 0 even in float64): sampled as
+      temperature 0, greedy (argmax; a tie at the maximum goes to the lowest id).
+  temperature > 3.4028235e38 (`FLOAT32_MAX`, float32's largest number): the temperature is no
+      float32 at all, and (logits - max) / temperature is below float32's resolution (2**-24)
+      for every logit spread under 2**104 (2e31): sampled as its limit, uniform over the tokens
+      top-k / top-p keep.
+Between them the distribution is computed, and logits / temperature overflowing float32 (a
+small temperature) is harmless: the logits are shifted by their maximum first, so an overflow
+is a -inf, a probability that is 0 in float64 too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-NEG_INF = -jnp.inf
+FLOAT32_TINY = 2.0 ** -126                       # np.finfo(np.float32).tiny
+FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127    # np.finfo(np.float32).max, 3.4028235e38
+
+TEMPERATURE_RULE = ("0 is greedy; below 2**-126 (1.2e-38, float32's smallest normal) it samples "
+                    "as 0 (greedy), above 3.4e38 (float32's largest) as uniform over the kept "
+                    "tokens")
+TEMPERATURE_ACCEPTED = "0 (greedy) or a finite positive number"
+SCALAR_TYPES = "a Python or NumPy scalar, not a bool"
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a Python float if it is a real scalar (Python or NumPy, bool excluded) that a
+    float64 holds finitely; else None."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:                 # an int beyond float64
+        return None
+    return number if math.isfinite(number) else None
+
+
+def check_temperature(temperature: Any) -> float:
+    """`temperature` as a Python float; ValueError naming it unless it is 0 or a finite positive
+    real number (an int, a float, a NumPy integer or floating scalar; not a bool)."""
+    number = _real(temperature)
+    if number is None or number < 0:
+        raise ValueError(f"temperature={temperature!r} is invalid; accepted: "
+                         f"{TEMPERATURE_ACCEPTED} ({SCALAR_TYPES})")
+    return number
+
+
+def check_top_k(top_k: Any) -> int | None:
+    """`top_k` as a Python int (or None); ValueError naming it unless it is None or an integer
+    >= 1 (a Python or NumPy integer; not a bool, not a float)."""
+    if top_k is None:
+        return None
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k={top_k!r} is invalid; accepted: None or an integer >= 1 "
+                         f"({SCALAR_TYPES})")
+    return int(top_k)
+
+
+def check_top_p(top_p: Any) -> float | None:
+    """`top_p` as a Python float (or None); ValueError naming it unless it is None or a real
+    number in (0, 1]."""
+    if top_p is None:
+        return None
+    number = _real(top_p)
+    if number is None or not 0 < number <= 1:
+        raise ValueError(f"top_p={top_p!r} is invalid; accepted: None or a number in (0, 1] "
+                         f"({SCALAR_TYPES})")
+    return number
+
+
+def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+    """ValueError naming the first bad knob, its value and what is accepted."""
+    check_temperature(temperature)
+    check_top_k(top_k)
+    check_top_p(top_p)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How to pick a token: `temperature` 0 is greedy (argmax); otherwise a draw from
-    softmax(logits / temperature) restricted to the `top_k` most likely tokens and to the
-    smallest set whose probability reaches `top_p` (None: no restriction)."""
+    softmax(logits / temperature) restricted to the `top_k` most likely tokens (all tied with
+    the k-th kept, as Hugging Face's `TopKLogitsWarper`) and then to the smallest set whose
+    probability reaches `top_p` (None or 1: no restriction). Temperatures float32 cannot carry
+    sample as their limits (module docstring): below 2**-126 greedy, above 3.4e38 uniform over
+    the kept tokens.
+
+    The knobs are checked and stored as Python numbers, so `Sampling(np.float32(0.5))` equals
+    `Sampling(0.5)` (one compiled program for both)."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        object.__setattr__(self, "temperature", check_temperature(self.temperature))
+        object.__setattr__(self, "top_k", check_top_k(self.top_k))
+        object.__setattr__(self, "top_p", check_top_p(self.top_p))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one below float32's normal range (its limit)."""
+        return self.temperature < FLOAT32_TINY
+
+    @property
+    def uniform(self) -> bool:
+        """A temperature beyond float32's range: uniform over the kept tokens (its limit)."""
+        return self.temperature > FLOAT32_MAX
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """ValueError naming the first bad knob, its value and what is accepted."""
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r} is invalid; accepted: 0 (greedy) or a "
-                         "finite positive number")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)
-                              or top_k < 1):
-        raise ValueError(f"top_k={top_k!r} is invalid; accepted: None or an integer >= 1")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or isinstance(top_p, bool)
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p={top_p!r} is invalid; accepted: None or a number in (0, 1]")
+NEG_INF = -jnp.inf
 
 
-def top_k_mask(logits: jax.Array, k: int) -> jax.Array:
-    """logits [B, V] with all but the k largest of each row set to -inf (ties at the k-th
-    value are all kept)."""
-    k = min(k, logits.shape[-1])
+def scaled_logits(logits: jax.Array, temperature: float) -> jax.Array:
+    """(logits - row max) / temperature: float32 [B, V] -> float32 [B, V], 0 at each row's
+    maximum, for a temperature in [2**-126, 3.4e38] (module docstring); above that, its limit
+    0 everywhere (uniform).
+
+    Computed as (logits * a - max * a) * b with a = 2**-e and b = 2**e / temperature, both
+    normal float32 constants (e = 1, or 64 past 2**127, where 2 / temperature is subnormal and
+    XLA, which turns a division by a constant into a product with its reciprocal, would flush
+    it to 0). Scaling by a first keeps the difference finite for any float32 logits; a product
+    that overflows is -inf, a token whose probability is 0 in float64 too."""
+    if temperature > FLOAT32_MAX:
+        return jnp.zeros_like(logits)
+    e = 1 if temperature <= 2.0 ** 127 else 64
+    shifted = logits * 2.0 ** -e
+    shifted = shifted - jnp.max(shifted, axis=-1, keepdims=True)             # [B, V] <= 0
+    return shifted * (2.0 ** e / temperature)
+
+
+def top_k_keep(logits: jax.Array, k: int) -> jax.Array:
+    """bool [B, V]: the k largest logits of each row and every logit tied with the k-th (Hugging
+    Face's `TopKLogitsWarper`). On the logits themselves, not on scaled ones, whose ties a
+    large temperature would multiply."""
+    if k >= logits.shape[-1]:
+        return jnp.ones(logits.shape, bool)
     kth = jax.lax.top_k(logits, k)[0][:, -1:]                                 # [B, 1]
-    return jnp.where(logits >= kth, logits, NEG_INF)
+    return logits >= kth
 
 
-def top_p_mask(logits: jax.Array, p: float) -> jax.Array:
-    """logits [B, V] restricted to each row's nucleus (Holtzman et al. 2020 §3.1): the most
-    likely tokens, in order, up to and including the first whose cumulative probability
-    reaches p; the rest set to -inf."""
-    sorted_logits = -jnp.sort(-logits, axis=-1)                               # [B, V] desc
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs          # mass of the more likely tokens
+def top_p_keep(logits: jax.Array, scaled: jax.Array, p: float) -> jax.Array:
+    """bool [B, V]: each row's nucleus (Holtzman et al. 2020 §3.1), the most likely tokens in
+    order up to and including the first whose cumulative probability reaches p, and every
+    token tied with it. `scaled` [B, V] (`scaled_logits`, -inf where an earlier filter
+    dropped the token) gives the probabilities; the order and the ties are the logits' own."""
+    if p >= 1:
+        return jnp.ones(logits.shape, bool)
+    neg_sorted, sorted_scaled = jax.lax.sort((-logits, scaled), num_keys=1)   # [B, V] desc
+    probs = jax.nn.softmax(sorted_scaled, axis=-1)
+    before = jnp.cumsum(probs, axis=-1)[:, :-1]       # mass of the more likely tokens
+    before = jnp.concatenate([jnp.zeros_like(probs[:, :1]), before], axis=-1)
     kept = jnp.sum(before < p, axis=-1, keepdims=True)   # >= 1: the first is always kept
-    cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)            # [B, 1]
-    keep = logits >= cutoff                              # ties at the cutoff are all kept
-    return jnp.where(keep, logits, NEG_INF)
+    cutoff = -jnp.take_along_axis(neg_sorted, kept - 1, axis=-1)              # [B, 1]
+    return logits >= cutoff
+
+
+def log_weights(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """The unnormalized log-probabilities of the draw: logits [B, V] -> float32 [B, V], -inf
+    for every token the draw never picks (softmax of it is the sampling distribution). Greedy:
+    0 at each row's argmax (the lowest id of a tie), -inf elsewhere."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        top = jnp.argmax(logits, axis=-1)[:, None]                            # [B, 1]
+        return jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, NEG_INF)
+    keep = jnp.ones(logits.shape, bool)
+    if sampling.top_k is not None:
+        keep = top_k_keep(logits, sampling.top_k)
+    scaled = jnp.where(keep, scaled_logits(logits, sampling.temperature), NEG_INF)
+    if sampling.top_p is not None:
+        scaled = jnp.where(top_p_keep(logits, scaled, sampling.top_p), scaled, NEG_INF)
+    return scaled
 
 
 def next_token(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """The next token of each row: logits float [B, V] -> int32 [B].
+    """The next token of each row: logits float [B, V] -> int32 [B], drawn from
+    softmax(`log_weights`) (greedy: the argmax).
 
     `key`: one PRNG key per row ([B], row b's draw uses key b and its own logits only), or one
     key for the whole batch (a scalar)."""
-    logits = logits.astype(jnp.float32)
     if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
-    if sampling.top_k is not None:
-        logits = top_k_mask(logits, sampling.top_k)
-    if sampling.top_p is not None:
-        logits = top_p_mask(logits, sampling.top_p)
+        return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    weights = log_weights(logits, sampling)
     if key.ndim == 0:
-        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, weights, axis=-1).astype(jnp.int32)
     draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
-    return draw(key, logits).astype(jnp.int32)
+    return draw(key, weights).astype(jnp.int32)
 
 
 # ---- keys ------------------------------------------------------------------------------------

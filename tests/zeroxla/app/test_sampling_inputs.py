@@ -90,3 +90,45 @@ def test_generate_tp_lists_the_sizes_the_model_allows(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert ("zeroxla generate: error: --tp 3 does not divide the checkpoint's model (4 "
             "attention heads); accepted: 1, 2, 4\n") in result.stderr
+
+
+@pytest.mark.parametrize("text", ["0", "0.8", "1e-39", "5e-324", "1e38", "1e300", "7", "nan",
+                                  "inf", "-1", "-0.0", "1e999", "warm"])
+def test_train_and_generate_temperature_is_the_engines_check(text):
+    """`zeroxla train`'s closing sample (the option, then TrainJobConfig) and `zeroxla generate
+    --temperature` accept exactly what the Hybrid Engine's `Sampling` accepts, as the same
+    number; the tiny and huge ones included (the engine samples them as their limits)."""
+    from zeroxla.inference.sampling import Sampling
+
+    try:
+        expected = Sampling(float(text)).temperature
+    except ValueError:
+        expected = None
+    parser = cli.build_parser()
+    for command in (["train"], ["generate", "C", "--prompt", "A"]):
+        if expected is None:
+            with pytest.raises(SystemExit):
+                parser.parse_args([*command, "--temperature", text])
+        else:
+            assert parser.parse_args([*command, "--temperature", text]).temperature == expected
+    if expected is None:
+        with pytest.raises(ValueError, match=r"TrainJobConfig\.temperature="):
+            train.TrainJobConfig(temperature=float(text) if text != "warm" else text)
+    else:
+        assert train.TrainJobConfig(temperature=float(text)).temperature == expected
+
+
+def test_numpy_temperature_is_a_python_float_in_the_job():
+    job = train.TrainJobConfig(temperature=np.float32(0.5))
+    assert type(job.temperature) is float and job.temperature == 0.5      # JSON-serializable
+    with pytest.raises(ValueError, match=r"TrainJobConfig\.temperature=True is invalid"):
+        train.TrainJobConfig(temperature=True)
+
+
+@pytest.mark.parametrize("command", [["train"], ["generate", "C", "--prompt", "A"]])
+def test_temperature_help_states_the_float32_rule(command, capsys):
+    from zeroxla.inference.sampling import TEMPERATURE_RULE
+
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    assert " ".join(TEMPERATURE_RULE.split()) in " ".join(capsys.readouterr().out.split())
