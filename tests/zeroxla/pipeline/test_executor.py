@@ -24,10 +24,18 @@ ZB-H1 (backward split into the input-gradient pass B and the weight-gradient pas
     llama-tiny  4 x 1 x 2               4   3     micro_batch  4       none (B gathers, W
                                                                        reduce-scatters)
     gpt-tiny    2 x 1 x 4               2   3     step         2       full (B and W recompute)
+
+In the daily subset (`-m "not slow"`), one small case per schedule that runs the executor's
+every pass, 2 SGD steps, losses and parameters (about 6-8 s each, compilation mostly):
+
+    model       stages x node x local   M   schedule  ZeRO  layers  remat
+    gpt-tiny    2 x 1 x 2               4   1f1b      0     2       none
+    gpt-tiny    2 x 1 x 2               4   zb-h1     0     2       none (W weight-only)
 """
 
 import functools
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -152,3 +160,47 @@ def test_describe_and_step_surface():
     assert ("ZBH1Schedule, 4 micro-batches, forward, input-gradient backward B and "
             "weight-gradient pass W per micro-batch, 13 steps, 2 stash buffers, bubble 0.077"
             in zb.pipeline.describe())
+
+
+# The daily subset's pipeline check: the smallest gpt-tiny pipeline that runs the executor's
+# every pass (2 stages of one block each, 2 data replicas per stage, M = 4 so that stage 0
+# cycles through more than one stash buffer), ZeRO-0, 2 SGD steps. Its single-device reference
+# has test_mesh_roles.py's shapes and optimizer, so in a run holding both it compiles once.
+DAILY_BATCH, DAILY_SEQ = 16, 16
+
+
+@functools.cache
+def _daily_reference():
+    batches = token_batches(2, DAILY_BATCH, DAILY_SEQ, vocab=65, seed=5)
+    losses, params = train_single_device(models.build("gpt-tiny", seed=2),
+                                         OPTIMIZERS["sgd"](), batches)
+    return batches, losses, params
+
+
+@pytest.mark.parametrize("schedule,schedule_class", [("1f1b", "TrainSchedule"),
+                                                     ("zb-h1", "ZBH1Schedule")])
+def test_two_stages_match_single_device_sgd(schedule, schedule_class):
+    """2 stages x 1 node x 2 local, M = 4, ZeRO-0: losses and parameters after 2 SGD steps
+    equal single-device optax's. ZB-H1 runs its B / W split (remat "none"): W reads the
+    weight stash B wrote at its micro-batch's buffer, and with M = 4 > 2 buffers a W reading
+    any other buffer's stash takes another micro-batch's cotangents."""
+    batches, expected_losses, expected = _daily_reference()
+    mesh = zeroxla.make_mesh(1, stages=2, devices=jax.devices()[:4])
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=2), mesh,
+                             optimizer=OPTIMIZERS["sgd"](), config=zeroxla.ZeroConfig(stage=0),
+                             pipeline=zeroxla.PipelineConfig(4, schedule=schedule))
+    assert step.pipeline.table.schedule == schedule_class
+    assert step.pipeline.split.num_layers == (1, 1) and step.pipeline.num_buffers == 2
+    state, losses = step.init(), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    got = flat_params(zeroxla.gather_params(state))
+    assert got.keys() == expected.keys()
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6,
+                                   err_msg=path)
+    assert expected_losses[-1] < expected_losses[0]          # it trained
+    initial = flat_params(nnx.state(models.build("gpt-tiny", seed=2), nnx.Param))
+    assert sum(np.abs(expected[p] - initial[p]).max() > 1e-3 for p in expected) > len(expected) // 2

@@ -3,7 +3,8 @@
 * The split alone, float64, against `jax.vjp`: B's d_x and W's parameter cotangents equal the
   whole pullback's, for blocks scanned over layers (an MLP with a norm; an attention block
   calling a jitted function and a `jax.checkpoint`ed one; a stack of two nested scans), and B
-  emits no weight-gradient matmul, W no input-gradient one.
+  emits no weight-gradient matmul, W no input-gradient one. Written into entry 1 of a
+  two-entry stash (a pipeline's buffers), B leaves entry 0 as it was and W reads entry 1.
 * A pullback that computes both parts in one opaque loop is refused (`UnsupportedSplit`), so
   the pipeline keeps the unsplit vjp rather than guessing, with a warning, and holds every
   trace of a stage to its first decision.
@@ -126,6 +127,25 @@ def test_split_equals_the_whole_vjp_in_float64(blocks, block):
             np.testing.assert_allclose(d_params[name], expected_params[name], rtol=1e-12,
                                        atol=1e-12, err_msg=name)
         assert stash and all(s.shape[0] == L or s.shape[:2] == (1, L) for s in stash)
+
+        # A pipeline's stash holds one entry per buffer ([buffers, ...]): B writes entry `at`
+        # of the caller's buffers, W reads it there. Two rows, row 0 holding another
+        # micro-batch's values: B at (1,) fills row 1 and leaves row 0 as it was, and W at
+        # (1,) gives the whole pullback's cotangents, which row 0's values do not.
+        rng = np.random.default_rng(0)
+        others = [rng.standard_normal(s.shape).astype(s.dtype) for s in stash]
+        rows = [jnp.stack([o, np.zeros_like(o)]) for o in others]          # [2, ...] each
+        d_x_at, written = split.input_cotangents(residuals, d_y, stash=rows, at=(1,))
+        np.testing.assert_allclose(d_x_at, expected_x, rtol=1e-12, atol=1e-12)
+        assert len(written) == len(stash)
+        for got, other, entry in zip(written, others, stash):
+            np.testing.assert_array_equal(got, np.stack([other, np.asarray(entry)]))
+        d_params_at = split.weight_cotangents(residuals, d_y, stash=written, at=(1,))
+        d_params_other = split.weight_cotangents(residuals, d_y, stash=written, at=(0,))
+        for name in expected_params:
+            np.testing.assert_allclose(d_params_at[name], expected_params[name], rtol=1e-12,
+                                       atol=1e-12, err_msg=name)
+        assert any(not np.allclose(d_params_other[n], expected_params[n]) for n in expected_params)
 
         # B computes no weight gradient and W no input gradient: W's dots are one per weight
         # matrix (dW = x^T dy, in its layer loop), B's none of them, and together they are

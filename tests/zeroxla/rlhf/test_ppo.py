@@ -264,30 +264,46 @@ def test_actor_and_critic_losses_match_numpy_with_clipping():
 
 
 def test_loss_fns_for_make_step_return_sum_and_count():
-    """The make_step loss_fns read the batch and return (masked sum, real-token count)."""
+    """The make_step loss_fns read the batch and return (masked sum, real-token count). The
+    batch is built around the model's own outputs so that each clip binds on some real tokens
+    and not on others: ratios above 1 + eps and below 1 - eps with advantages of both signs,
+    values above and below their clip range with returns on either side."""
     actor = models.build("gpt-tiny", seed=1)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 65, (2, 10), dtype=np.int32)           # P = 6, G = 4
     mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.float32)
     logits = np.asarray(actor(jax.numpy.asarray(tokens[:, :-1])))[:, 5:]
     logp = np.take_along_axis(np_log_softmax(logits), tokens[:, 6:, None], -1)[..., 0]
-    old = logp - np.array([[0.0, 0.5, -0.5, 0.1], [0.3, 0.0, 0.0, 0.0]])
-    adv = np.array([[1.0, -1.0, 1.0, 2.0], [-1.0, 1.0, 0.0, 0.0]])
+    # log-ratios: above 1.2 (0.5, 0.3), below 0.8 (-0.5, -0.4), inside (0.1); the padded
+    # tokens' would bind too if the mask were ignored
+    old = logp - np.array([[0.5, -0.5, 0.1, 0.5], [0.3, -0.4, 1.0, -1.0]])
+    adv = np.array([[1.0, -1.0, 2.0, -1.0], [-1.0, 1.0, 3.0, -2.0]])
     ratio = np.exp(logp - old)
-    terms = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+    unclipped = -adv * ratio
+    terms = np.maximum(unclipped, -adv * np.clip(ratio, 0.8, 1.2))
+    binds = (terms > unclipped + 1e-3) & (mask > 0)
+    assert binds[0, 0] and binds[0, 1] and not binds[1].any()      # A > 0 above, A < 0 below
     s, n = rlhf.make_actor_loss(0.2)(actor, {"tokens": tokens, "old_logprobs": old,
                                              "advantages": adv, "action_mask": mask})
     np.testing.assert_allclose(s, np.sum(terms * mask), rtol=1e-4)
     assert float(n) == 6.0
+    assert abs(np.sum(terms * mask) - np.sum(unclipped * mask)) > 0.1     # the clip matters
 
     critic = rlhf.Critic(actor)
     critic.v_head[...] = jax.numpy.asarray(rng.normal(size=60), jax.numpy.float32)
-    s, n = rlhf.make_critic_loss(0.2)(critic, {"tokens": tokens, "old_values": np.zeros((2, 4)),
-                                               "returns": np.ones((2, 4)), "action_mask": mask})
     values = np.asarray(critic(jax.numpy.asarray(tokens[:, :-1])))[:, 5:].astype(np.float64)
-    clipped = np.clip(values, -0.2, 0.2)
-    expected = 0.5 * np.maximum((values - 1) ** 2, (clipped - 1) ** 2)
+    # V - V_old: outside +-0.2 both ways, inside; returns beyond V, or behind it (no bind)
+    old_values = values - np.array([[0.5, -0.5, 0.1, 0.5], [-0.5, 0.3, 0.0, 0.0]])
+    returns = values + np.array([[1.0, -1.0, 0.5, -1.0], [1.0, 0.5, 0.0, 0.0]])
+    clipped = np.clip(values, old_values - 0.2, old_values + 0.2)
+    unclipped = 0.5 * (values - returns) ** 2
+    expected = np.maximum(unclipped, 0.5 * (clipped - returns) ** 2)
+    binds = (expected > unclipped + 1e-3) & (mask > 0)
+    assert binds[0, 0] and binds[0, 1] and binds[1, 1] and not binds[0, 3] and not binds[1, 0]
+    s, n = rlhf.make_critic_loss(0.2)(critic, {"tokens": tokens, "old_values": old_values,
+                                               "returns": returns, "action_mask": mask})
     np.testing.assert_allclose(s, np.sum(expected * mask), rtol=1e-4)
+    assert float(n) == 6.0
 
 
 # ---- reward and config ------------------------------------------------------------------------
