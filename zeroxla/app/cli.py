@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -39,7 +40,8 @@ from zeroxla.app.chat_cli import add_ppo, add_reward
 from zeroxla.app.cli_args import (host_device_count, mesh_shape, non_negative_int,  # noqa: F401
                                   positive_float, positive_int, set_host_device_count,
                                   temperature)
-from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG, INTERRUPTED
+from zeroxla.app.interrupt import exit_status, signal_name, terminate_raises
+from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG
 from zeroxla.app.train_cli import add_train
 from zeroxla.inference.sampling import TEMPERATURE_RULE
 
@@ -226,12 +228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `zeroxla` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
-    except KeyboardInterrupt:
+        with terminate_raises():        # SIGTERM: cleanups run, as for Ctrl-C; exit 143
+            return args.handler(args)
+    except KeyboardInterrupt as stop:
         if args.traceback:
             raise
-        print(f"zeroxla {args.command}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        signum = getattr(stop, "signum", signal.SIGINT)
+        print(f"zeroxla {args.command}: interrupted ({signal_name(signum)})", file=sys.stderr)
+        return exit_status(signum)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         # RuntimeError: zeroxla.checkpoint.CheckpointError (corrupt or incomplete checkpoints).
         # Configuration mistakes name the option and the accepted values; a traceback would

@@ -221,8 +221,7 @@ def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str,
     write(f"zeroxla ppo: actor {job.actor}, reward model {job.reward}, {len(rows)} prompts of "
           f"{c.prompt_length} tokens, answers of up to {c.answer_length}, {job.iterations} "
           f"iterations of {c.prompts_per_iteration} rollouts, ppo_epochs {c.ppo_epochs}")
-    with rundir.removed_on_failure(out):
-        out.mkdir(parents=True, exist_ok=True)
+    with rundir.job_directory(out, fresh=job.out_dir is None):
         with open(out / rundir.METRICS_FILE, "w", encoding="utf-8") as f:
             def on_iteration(record: dict[str, float]) -> None:
                 f.write(json.dumps(record) + "\n")

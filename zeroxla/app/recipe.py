@@ -3,7 +3,10 @@
 `resolve_setup(job) -> TrainingSetup`. Where each setting comes from: an explicit job field wins;
 a DeepSpeed JSON (`job.deepspeed_config`) gives the batch sizes, ZeRO config, precision,
 optimizer and schedule; otherwise the defaults (tuned so the default job, gpt-tiny on
-tiny-shakespeare, finishes in a few minutes on two CPU cores). With a JSON, the job's options
+tiny-shakespeare, finishes in a few minutes on two CPU cores). A job checks every step for a
+non-finite gradient and skips its update (`ZeroConfig.check_grad_overflow`; a JSON may turn it
+off with `bf16.check_grad_overflow: false`), so a diverging run stops with its last finite
+state intact to save (`zeroxla.app.train`). With a JSON, the job's options
 that are DeepSpeed settings go to the loader as typed overrides
 (`train_options.deepspeed_overrides`), applied while the JSON is read once; a field set both
 explicitly and in the JSON to different values is an error naming both, not a silent override.
@@ -64,7 +67,7 @@ def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
             compute_dtype=DTYPES[job.dtype or "fp32"],
             gradient_clipping=job.gradient_clipping, gradient_accumulation_steps=accum,
             offload_optimizer=job.offload_optimizer or "none",
-            offload_param=job.offload_param or "none")
+            offload_param=job.offload_param or "none", check_grad_overflow=True)
         return TrainingSetup(zero=zero,
                              optimizer=_default_optimizer(job, schedule), learning_rate=schedule,
                              batch_size=batch, source="defaults (AdamW, warmup + cosine)")
@@ -85,7 +88,10 @@ def resolve_setup(job: TrainJobConfig) -> TrainingSetup:
     elif not callable(schedule):
         schedule = optax.constant_schedule(schedule)
     optimizer = ds.optimizer if ds.optimizer is not None else _default_optimizer(job, schedule)
-    return TrainingSetup(zero=ds.zero, optimizer=optimizer, learning_rate=schedule,
+    zero = ds.zero
+    if not {"bf16.check_grad_overflow", "bfloat16.check_grad_overflow"} & ds.given:
+        zero = dataclasses.replace(zero, check_grad_overflow=True)     # the job's default
+    return TrainingSetup(zero=zero, optimizer=optimizer, learning_rate=schedule,
                          batch_size=ds.train_batch_size, source=path)
 
 

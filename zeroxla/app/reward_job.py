@@ -194,8 +194,7 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
           + f"), ZeRO-{job.zero_stage} on a {job.mesh[0]}x{job.mesh[1]} mesh, batch "
           f"{job.batch_size} pairs x {job.seq_len}")
 
-    with rundir.removed_on_failure(out):
-        out.mkdir(parents=True, exist_ok=True)
+    with rundir.job_directory(out, fresh=job.out_dir is None):
         state, records = _train(job, step, state, train, val, out, write)
         path = checkpoint.save(out / rundir.CHECKPOINT_DIR, state, step=step,
                                model_config=config,

@@ -9,9 +9,11 @@
 A new run gets a fresh directory, `runs/<model>-<YYYYmmdd-HHMMSS>` (with `-2`, `-3`, ... if that
 name is taken). An explicit `--out` that already holds a run is refused (`check_out_dir`) unless
 it is the run being resumed; the checks here read only the file system, so `zeroxla train`
-refuses before JAX starts. A job that cannot be resumed (`zeroxla reward`, `zeroxla ppo`) removes
-what it wrote when it fails (`removed_on_failure`). `--resume` accepts a run directory, its
-`checkpoint/` directory, or one step directory inside it (`locate_resume`).
+refuses before JAX starts, and again when the job claims the directory (`claim`: an exclusive
+lock, so of two jobs started together on one `--out` one runs and the other is refused). A job
+that cannot be resumed (`zeroxla reward`, `zeroxla ppo`) claims its directory and removes what
+it wrote when it fails (`job_directory`). `--resume` accepts a run directory, its `checkpoint/`
+directory, or one step directory inside it (`locate_resume`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -87,14 +90,75 @@ def check_out_dir(out: str | Path, *, resuming: Path | None = None,
                       f"{forward}")
 
 
+@dataclasses.dataclass
+class RunClaim:
+    """A run directory held by this job (`claim`): `created` is the outermost directory the
+    claim made (None if `out` existed); the lock lasts until `release()` or the process ends."""
+
+    out: Path
+    created: Path | None
+    fd: int | None
+
+    def release(self) -> None:
+        """Lets another job claim `out` (closing the descriptor releases the lock)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def claim(out: str | Path, *, fresh: bool, resuming: Path | None = None,
+          resumable: bool = True) -> RunClaim:
+    """Makes `out` this job's run directory, atomically: creates it (and its parents) if it is
+    missing (`fresh`: it must not exist), takes an exclusive lock on it (`flock` on the
+    directory, released when the process ends however it ends, so no stale lock survives a
+    crash) and only then checks, under the lock, that it holds no run but `resuming`
+    (`check_out_dir`). Of two jobs given one `--out` at once, exactly one gets it; the other
+    gets the RunDirError `check_out_dir` raises for a directory that holds a run, having
+    written nothing. `check_out_dir` before the job starts stays the early, lock-free refusal.
+    """
+    import fcntl
+
+    out = Path(out)
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
+    try:
+        out.mkdir(parents=True, exist_ok=not fresh)
+    except FileExistsError:
+        raise RunDirError(f"run directory {out} was created by another job meanwhile; start "
+                          "again (a new name is chosen)") from None
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirError(_in_use(out)) from None
+        if os.fstat(fd).st_ino != os.stat(out).st_ino:      # removed and made anew meanwhile
+            raise RunDirError(_in_use(out))
+        check_out_dir(out, resuming=resuming, resumable=resumable)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RunClaim(out, created, fd)
+
+
+def _in_use(out: Path) -> str:
+    return (f"--out {out} already holds a run (another zeroxla job is writing to it now); "
+            f"refusing to share it. To start a new one: --out {fresh_path(out)} (or leave --out "
+            f"out for a fresh {DEFAULT_ROOT}/<model>-<time>)")
+
+
+_UNKNOWN = object()
+
+
 @contextlib.contextmanager
-def removed_on_failure(out: Path) -> Iterator[None]:
+def removed_on_failure(out: Path, *, created: Any = _UNKNOWN) -> Iterator[None]:
     """Around a job's writing to its run directory `out`: if the block raises (an error, or
     Ctrl-C), removes what the block created, so a retry with the same --out is not refused as
     a run and no half-written run is left: `out` itself (and the parents it made) when the
-    block created it, else the entries of `out` that were not there before."""
+    block created it, else the entries of `out` that were not there before. `created`: the
+    outermost directory made just before the block for it (`RunClaim.created`), if known."""
     out = Path(out)
-    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
+    if created is _UNKNOWN:
+        created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
     before = set(os.listdir(out)) if created is None and out.is_dir() else set()
     try:
         yield
@@ -109,6 +173,19 @@ def removed_on_failure(out: Path) -> Iterator[None]:
                 else:
                     path.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def job_directory(out: Path, *, fresh: bool) -> Iterator[Path]:
+    """The run directory of a job that cannot be resumed (`zeroxla reward`, `zeroxla ppo`):
+    claimed for the block (`claim`: no other job writes into it meanwhile) and, if the block
+    raises, left as it was found (`removed_on_failure`)."""
+    held = claim(out, fresh=fresh, resumable=False)
+    try:
+        with removed_on_failure(out, created=held.created):
+            yield Path(out)
+    finally:
+        held.release()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +267,7 @@ def write_metrics(path: str | Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["CHECKPOINT_DIR", "checkpoint_dir_of", "DEFAULT_ROOT", "METRICS_FILE", "PLOT_FILE", "RUN_FILES",
-           "ResumePoint", "RunDirError", "SUMMARY_FILE", "check_out_dir", "default_run_dir",
-           "fresh_path", "locate_resume", "read_metrics", "removed_on_failure", "run_files",
-           "write_metrics"]
+__all__ = ["CHECKPOINT_DIR", "DEFAULT_ROOT", "METRICS_FILE", "PLOT_FILE", "RUN_FILES",
+           "ResumePoint", "RunClaim", "RunDirError", "SUMMARY_FILE", "check_out_dir",
+           "checkpoint_dir_of", "claim", "default_run_dir", "fresh_path", "job_directory",
+           "locate_resume", "read_metrics", "removed_on_failure", "run_files", "write_metrics"]

@@ -53,6 +53,10 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
+    def unknown(self, text: str) -> list[str]:
+        """The distinct characters of `text` outside the vocabulary, sorted."""
+        return sorted(set(text) - set(self.chars))
+
     def encode(self, text: str) -> np.ndarray:
         """`text` -> int32[len(text)]. Raises a ValueError naming the first unknown character."""
         table = {c: i for i, c in enumerate(self.chars)}

@@ -12,7 +12,8 @@ time), evaluates on the held-out split every `eval_every` steps, and writes to i
     loss_curve.png    train and validation loss against step, the whole run
     summary.json      "settings" (every value the run used) and the TrainSummary
     checkpoint/<n>/   every `save_every` steps and at the end (the newest `keep_last` kept), and
-                      at Ctrl-C; each records the job, so `--resume` continues it as it was
+                      at a stop signal or a non-finite loss (`zeroxla.app.train_end`); each
+                      records the job and its tokenizer, so `--resume` continues it as it was
 
 The recipe (ZeRO config, optimizer, schedule, batch) comes from `zeroxla.app.recipe`; setting up
 (everything before the run directory is made) is `zeroxla.app.train_setup`, and the settings, loss
@@ -23,13 +24,14 @@ function: each builds only its own devices' rows of every batch, all take part i
 evaluation and checkpoint, and process 0 alone writes metrics, plot and summary.
 
 The run directory is created only once the job has been set up (options, data, model, restore),
-so a job that fails to start leaves no directory behind; one that fails before its first step
-removes the directory it created.
+and claimed under a lock (`rundir.claim`), so a job that fails to start leaves no directory
+behind and two jobs never write into one; one that fails before its first step removes the
+directory it created. From the claim on, SIGINT and SIGTERM finish the running step, save it and
+stop (`zeroxla.app.interrupt`); the end of every run saves its last step before anything else.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -45,22 +47,16 @@ import numpy as np
 import zeroxla
 from zeroxla import checkpoint
 from zeroxla.app import distributed, rundir
-from zeroxla.app.interrupt import stop_requests
+from zeroxla.app.interrupt import STOP_SIGNALS, StopRequest, stop_requests
 from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, TrainJobConfig, job_record
 from zeroxla.app.recipe import TrainingSetup, resolve_setup
 from zeroxla.app.tokenizer_records import tokenizer_record
 from zeroxla.app.train_report import (TrainSummary, final_sample, format_summary, run_settings,
-                                      write_plot as _write_plot, write_summary)
+                                      write_plot, write_summary)
+from zeroxla.app.train_end import (Progress, TrainingDiverged, TrainingInterrupted, diverged,
+                                   interrupted, save_final)
 from zeroxla.app.train_setup import TrainRun, set_up
 from zeroxla.checkpoint.retention import prune_checkpoints
-
-
-class TrainingInterrupted(Exception):
-    """Ctrl-C stopped the run between steps; a checkpoint of `step` was saved at `checkpoint`."""
-
-    def __init__(self, step: int, checkpoint_path: Path, run_dir: Path):
-        super().__init__(f"interrupted after step {step}; saved checkpoint {checkpoint_path}")
-        self.step, self.checkpoint_path, self.run_dir = step, checkpoint_path, run_dir
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,16 +79,22 @@ def _mean_loss(step: Any, state: Any, batches: list[dict]) -> float:
 # The run directory.
 
 
-def _create_out_dir(out: Path, fresh: bool) -> Path | None:
-    """Creates `out` (process 0 only); returns the outermost directory this created, if any."""
-    if jax.process_index() != 0:
-        return None
-    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
-    if fresh and out.exists():
-        raise rundir.RunDirError(f"run directory {out} was created by another run meanwhile; "
-                                 "start again (a new name is chosen)")
-    out.mkdir(parents=True, exist_ok=True)
-    return created
+def _claim_out_dir(r: TrainRun) -> rundir.RunClaim | None:
+    """Claims the run directory for this job (`rundir.claim`: created if missing, locked, checked
+    under the lock), on process 0; every process raises the same RunDirError if it is refused.
+    Returns process 0's claim (None elsewhere)."""
+    resuming = r.resume.run_dir if r.resume else None
+    held, refusal = None, ""
+    if jax.process_index() == 0:
+        try:
+            held = rundir.claim(r.out, fresh=r.fresh, resuming=resuming)
+        except rundir.RunDirError as err:
+            refusal = str(err)
+    if jax.process_count() > 1:
+        refusal = distributed.broadcast_text(refusal)
+    if refusal:
+        raise rundir.RunDirError(refusal)
+    return held
 
 
 def _earlier_records(resume: rundir.ResumePoint | None, first_step: int) -> list[dict]:
@@ -125,33 +127,19 @@ def _saver(r: TrainRun) -> Callable[[Any, int], Path]:
     return save
 
 
-@dataclasses.dataclass
-class _Progress:
-    """Where the loop stands, updated as it goes (so `run` can read it after a stop or an
-    error)."""
-
-    done: int                       # steps trained, resumed ones included
-    records: list[dict]             # metrics.jsonl's records, the resumed run's included
-    saved_at: int | None = None     # the step of the newest checkpoint in the run directory
-    saved_path: Path | None = None
-    val_loss: float = float("nan")
-    step_times: list[float] = dataclasses.field(default_factory=list)
-    stopped: bool = False           # at Ctrl-C
-
-
-def _step(r: TrainRun, state: Any, k: int, progress: _Progress) -> tuple[Any, dict]:
+def _step(r: TrainRun, state: Any, k: int, progress: Progress) -> tuple[Any, dict]:
     """Trains step `k + 1` on its batch; returns the new state and the step's metrics record
-    (also added to `progress`). A non-finite loss ends the run."""
+    (also added to `progress`). A non-finite loss sets `progress.diverged` instead."""
     batch_k = r.data.train_batch(k, r.step.batch_sharding)
     t0 = time.perf_counter()
     state, metrics = r.step(state, batch_k)
     values = {name: float(v) for name, v in metrics.items()}   # waits for the step
     dt = time.perf_counter() - t0
     progress.step_times.append(dt)
-    if not math.isfinite(values["loss"]):
-        raise FloatingPointError(f"step {k + 1}: loss is {values['loss']}; lower --lr "
-                                 "or enable gradient clipping in --config")
     progress.done = k + 1
+    if not math.isfinite(values["loss"]):
+        progress.diverged = values["loss"]
+        return state, {}
     record = {"step": progress.done, **values, "lr": float(r.setup.learning_rate(k)),
               "tokens": r.tokens_per_step, "step_time_s": dt,
               "tokens_per_s": r.tokens_per_step / dt}
@@ -159,28 +147,27 @@ def _step(r: TrainRun, state: Any, k: int, progress: _Progress) -> tuple[Any, di
     return state, record
 
 
-def _train(r: TrainRun, state: Any, progress: _Progress, save: Callable[[Any, int], Path],
-           write: Callable[[str], None]) -> Any:
-    """Trains from `progress.done` to `--steps` (or to a Ctrl-C), appending to metrics.jsonl,
-    evaluating every `eval_every` steps and saving every `save_every`; returns the state."""
+def _train(r: TrainRun, state: Any, progress: Progress, save: Callable[[Any, int], Path],
+           write: Callable[[str], None], stopping: Callable[[], bool]) -> Any:
+    """Trains from `progress.done` to `--steps`, to a stop signal (`stopping()`) or to a
+    non-finite loss (`progress.diverged`), appending to metrics.jsonl, evaluating every
+    `eval_every` steps and saving every `save_every`; returns the state."""
     from tqdm import tqdm
 
     job = r.job
     primary = jax.process_index() == 0
-    multi = jax.process_count() > 1
     # Processes other than 0 write their metrics nowhere.
     metrics_target = r.out / rundir.METRICS_FILE if primary else os.devnull
     with open(metrics_target, "a", encoding="utf-8") as metrics_file, \
             tqdm(total=job.steps, initial=r.first_step, desc="train", unit="step",
                  disable=not (job.progress and primary), dynamic_ncols=True,
-                 mininterval=0.5) as bar, \
-            stop_requests() as ctrl_c:
+                 mininterval=0.5) as bar:
         for k in range(r.first_step, job.steps):
-            # Every process must stop at the same step (the save is collective).
-            if distributed.any_process(ctrl_c.requested) if multi else ctrl_c.requested:
-                progress.stopped = True
+            if stopping():
                 break
             state, record = _step(r, state, k, progress)
+            if progress.diverged is not None:
+                break
             metrics_file.write(json.dumps(record) + "\n")
             bar.set_postfix_str(f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} "
                                 f"tok/s  {record['step_time_s'] * 1e3:.0f} ms/step",
@@ -196,45 +183,31 @@ def _train(r: TrainRun, state: Any, progress: _Progress, save: Callable[[Any, in
                       f"validation loss {progress.val_loss:.4f}")
             metrics_file.flush()
             if job.save_every and done % job.save_every == 0 and done < job.steps:
-                progress.saved_at, progress.saved_path = done, save(state, done)
+                progress.mark_saved(save(state, done))
                 write(f"step {done:>6}: saved checkpoint {progress.saved_path}")
     return state
 
 
-# ------------------------------------------------------------------------------------------------
-# The end: at Ctrl-C, or the report.
-
-
-def _interrupted(r: TrainRun, state: Any, progress: _Progress,
-                 save: Callable[[Any, int], Path]) -> TrainingInterrupted:
-    """After Ctrl-C: saves the current step (unless just saved), draws the loss curve and
-    returns the exception that says where the checkpoint is."""
-    if progress.saved_at != progress.done:
-        progress.saved_path = save(state, progress.done)
-    if jax.process_index() == 0:
-        _write_plot(r.out / rundir.PLOT_FILE, progress.records, r.plot_title)
-    return TrainingInterrupted(progress.done, progress.saved_path, r.out)
-
-
-def _report(r: TrainRun, state: Any, progress: _Progress, save: Callable[[Any, int], Path],
-            start: float, write: Callable[[str], None]) -> TrainSummary:
-    """The end of a finished run: final losses, speed and memory, the loss curve, the final
-    checkpoint (unless just saved), the sample and summary.json; returns the summary."""
+def _report(r: TrainRun, state: Any, progress: Progress, start: float,
+            write: Callable[[str], None], check_stop: Callable[[], None]) -> TrainSummary:
+    """The end of a finished run, its final checkpoint saved: final losses, speed and memory,
+    the loss curve, the sample and summary.json; returns the summary. `check_stop()` raises
+    between its parts if a stop signal came meanwhile."""
     job, step, out = r.job, r.step, r.out
     primary = jax.process_index() == 0
     train_loss = _mean_loss(step, state,
                             r.data.eval_batches("train", job.eval_batches, step.batch_sharding))
+    check_stop()
     # The median step after the first (compiling) one: robust to a recompile or a busy host.
     step_times = progress.step_times
     step_time = float(np.median(step_times[1:] or step_times))
     report = zeroxla.memory_report(step, state, r.val_batches[0])
     plot_path = out / rundir.PLOT_FILE
     if primary:
-        _write_plot(plot_path, progress.records, r.plot_title)
-    checkpoint_path = (save(state, job.steps) if progress.saved_at != job.steps
-                       else progress.saved_path)
-
+        write_plot(plot_path, progress.records, r.plot_title)
+    check_stop()
     samples = final_sample(step, state, r.data, r.data.sample_prompt(), job, write)
+    check_stop()
 
     summary_path = out / rundir.SUMMARY_FILE
     tokens_per_step = r.tokens_per_step
@@ -250,7 +223,7 @@ def _report(r: TrainRun, state: Any, progress: _Progress, save: Callable[[Any, i
         samples=samples,
         paths={"run_dir": str(out), "metrics": str(out / rundir.METRICS_FILE),
                "loss_curve": str(plot_path), "summary": str(summary_path),
-               "checkpoint": str(checkpoint_path)},
+               "checkpoint": str(progress.saved_path)},
         resumed_from_step=r.first_step)
     if primary:
         write_summary(summary_path, r.settings, summary)
@@ -261,12 +234,22 @@ def _report(r: TrainRun, state: Any, progress: _Progress, save: Callable[[Any, i
 # The job.
 
 
+def _stopping(stop: StopRequest) -> Callable[[], bool]:
+    """Whether a stop signal came, on any process (every process stops at the same step: the
+    save is collective)."""
+    if jax.process_count() > 1:
+        return lambda: distributed.any_process(stop.requested)
+    return lambda: stop.requested
+
+
 def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> TrainSummary:
     """Trains as `job` says and returns the summary (see the module docstring for the outputs).
 
     `write` prints a line without breaking the progress bar (default: tqdm.write to stdout); in
-    a multi-process run only process 0 writes. Raises `TrainingInterrupted` after Ctrl-C, once
-    the checkpoint of the current step is saved.
+    a multi-process run only process 0 writes. From the moment the run directory is claimed, a
+    first SIGINT or SIGTERM finishes the running step (or the final save), saves the last
+    finished step and raises `TrainingInterrupted` (a second one stops at once). A non-finite
+    loss raises `TrainingDiverged`, once the last finite state is saved where the step kept it.
     """
     from tqdm import tqdm
 
@@ -277,32 +260,57 @@ def run(job: TrainJobConfig, *, write: Callable[[str], None] | None = None) -> T
     # 1. Set up: everything that can fail on a bad option or bad data, before any file is made.
     r, state = set_up(job, write)
 
-    # 2. The run directory; a run that fails before its first step takes it away again.
-    created = _create_out_dir(r.out, r.fresh)
+    with stop_requests(*STOP_SIGNALS) as stop:
+        stopping = _stopping(stop)
+        # 2. The run directory, claimed for this job; a run that fails before its first step
+        # takes what it created away again.
+        held = _claim_out_dir(r)
+        try:
+            return _run_claimed(r, state, held, stop, stopping, start, write)
+        finally:
+            if held is not None:
+                held.release()
+
+
+def _run_claimed(r: TrainRun, state: Any, held: rundir.RunClaim | None, stop: StopRequest,
+                 stopping: Callable[[], bool], start: float,
+                 write: Callable[[str], None]) -> TrainSummary:
+    """`run` once the run directory is this job's: the loop, the final save, the report."""
     records = _earlier_records(r.resume, r.first_step)
-    if primary:
+    if jax.process_index() == 0:
         rundir.write_metrics(r.out / rundir.METRICS_FILE, records)
     save = _saver(r)
 
     # 3. The loop.
-    progress = _Progress(done=r.first_step, records=records)
+    progress = Progress(done=r.first_step, records=records)
     checkpoint_dir = r.out / rundir.CHECKPOINT_DIR
     if r.resume and r.resume.checkpoint_dir.resolve() == checkpoint_dir.resolve():
         # Resumed from this run directory's own checkpoint: no need to save it again.
         progress.saved_at, progress.saved_path = r.first_step, r.restored_path
     try:
-        state = _train(r, state, progress, save, write)
+        state = _train(r, state, progress, save, write, stopping)
     except BaseException:
+        created = held.created if held is not None else None
         if created is not None and progress.done == r.first_step:
             shutil.rmtree(created, ignore_errors=True)
         raise
-    if progress.stopped:
-        raise _interrupted(r, state, progress, save)
+    if progress.diverged is not None:
+        raise diverged(r, state, progress, save)
 
-    # 4. The report.
-    return _report(r, state, progress, save, start, write)
+    # 4. The last finished step's checkpoint first: whatever comes after, the training is kept.
+    if stopping():
+        raise interrupted(r, state, progress, save, stop.signum)
+    save_final(state, progress, save)
+
+    def check_stop() -> None:
+        if stopping():
+            raise interrupted(r, state, progress, save, stop.signum)
+
+    # 5. The report.
+    check_stop()
+    return _report(r, state, progress, start, write, check_stop)
 
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_LR", "TrainJobConfig", "TrainSummary",
-           "TrainingInterrupted", "TrainingSetup", "format_summary", "resolve_setup", "run",
-           "run_settings", "save_checkpoint"]
+           "TrainingDiverged", "TrainingInterrupted", "TrainingSetup", "format_summary",
+           "resolve_setup", "run", "run_settings", "save_checkpoint"]

@@ -15,7 +15,11 @@ from typing import Any
 
 from zeroxla.app.cli_args import set_host_device_count
 from zeroxla.app.job import TrainJobConfig, resumed_fields  # no JAX use
-from zeroxla.app.launch import INTERRUPTED
+from zeroxla.app.interrupt import exit_status, signal_name
+
+# The exit status of a run stopped by a non-finite loss (a configuration error exits 2, a stop
+# signal 128 + its number).
+DIVERGED = 1
 from zeroxla.app.train_options import add_options, describe_resume, explicit_fields
 
 
@@ -28,8 +32,11 @@ def add_train(subparsers: argparse._SubParsersAction) -> None:
                     "(default: the bundled tiny-shakespeare) with zeroxla.make_step on a "
                     "(node, local) mesh. Writes metrics.jsonl, loss_curve.png, summary.json and "
                     "checkpoint/ to a run directory: a fresh runs/<model>-<YYYYmmdd-HHMMSS> "
-                    "unless --out names one. Ctrl-C saves a checkpoint and exits; --resume "
-                    "continues a run with its own settings. Under `zeroxla launch` (or "
+                    "unless --out names one. Ctrl-C (SIGINT) or SIGTERM, at any moment, "
+                    "finishes the running step, saves it and exits 130 or 143 (a second signal "
+                    "stops at once); a non-finite loss stops the run, keeping its last finite "
+                    "step as a checkpoint, and exits 1; --resume continues a run with its own "
+                    "settings and tokenizer. Under `zeroxla launch` (or "
                     "ZEROXLA_DISTRIBUTED=auto) it runs as one process of a multi-process job.")
     add_options(p)
     p.set_defaults(handler=_run_train)
@@ -91,10 +98,16 @@ def _run_train(args: argparse.Namespace) -> int:
         summary = train.run(job)
     except train.TrainingInterrupted as stop:
         if primary:
-            print(f"zeroxla train: interrupted (Ctrl-C) after step {stop.step}; saved checkpoint "
-                  f"{stop.checkpoint_path}\nresume with: zeroxla train --resume {stop.run_dir}",
-                  file=sys.stderr, flush=True)
-        return INTERRUPTED
+            print(f"zeroxla train: interrupted ({signal_name(stop.signum)}) after step "
+                  f"{stop.step}; saved checkpoint {stop.checkpoint_path}\nresume with: zeroxla "
+                  f"train --resume {stop.run_dir}", file=sys.stderr, flush=True)
+        return exit_status(stop.signum)
+    except train.TrainingDiverged as err:
+        if args.traceback:
+            raise
+        if primary:
+            print(f"zeroxla train: error: {err}", file=sys.stderr, flush=True)
+        return DIVERGED
     if primary:
         print(train.format_summary(summary), flush=True)
     return 0

@@ -16,7 +16,8 @@ Both have the same members, so the training loop never asks which it holds: `tok
 `eval_batches(split, n, sharding)` (fixed batches of "train" or "val") and `sample_prompt()`.
 
 The tokenizer is the pretrained checkpoint's (`--init-from DIR`: its tokenizer.json), or one
-fitted to the data (`char`: every character of the text; `byte`: the 256 bytes).
+fitted to the data (`char`: every character of the text; `byte`: the 256 bytes); a resumed run's
+is the one its checkpoint records, whatever `--data` it resumes on.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from zeroxla.app import chat_data
 from zeroxla.app.data import (ACCEPTED_JSON, BatchPlan, device_batch, json_suffix, load_text,
                               split_tokens)
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.tokenizer import Tokenizer, make_tokenizer
+from zeroxla.app.tokenizer import CharTokenizer, Tokenizer, make_tokenizer
+from zeroxla.app.tokenizer_records import tokenizer_from_record
 
 # Validation examples are drawn with this seed whatever the training seed (as text windows are).
 VALIDATION_SEED = 1234
@@ -196,20 +198,47 @@ def _sft_data(examples: list[chat_data.SFTExample], tok: Any, source: str, batch
     return SFTData(tok, train, val, source, batch_size, seed, rows_without_loss=empty)
 
 
+def _recorded_tokenizer(recorded: dict, tokenizer: str | None, text: str,
+                        source: str) -> Any:
+    """A resumed run's own tokenizer (its checkpoint's record), checked against `--tokenizer`
+    and against the data, which it must encode as it is: a character vocabulary is never
+    re-derived from other data (its ids would stand for other characters)."""
+    tok = tokenizer_from_record(recorded)
+    if tokenizer is not None and tokenizer != recorded.get("kind"):
+        raise ValueError(f"--tokenizer {tokenizer}: the run being resumed tokenizes with its "
+                         f"{recorded.get('kind')} tokenizer (recorded in its checkpoint), and "
+                         "a resumed run keeps it; leave --tokenizer out, or start a new run")
+    unknown = tok.unknown(text) if isinstance(tok, CharTokenizer) else []
+    if unknown:
+        shown = ", ".join(repr(c) for c in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+        raise ValueError(f"--data {source} has {len(unknown)} character(s) the resumed run's "
+                         f"tokenizer does not know: {shown}. A resumed run tokenizes with its "
+                         f"own vocabulary (the {tok.vocab_size} characters of the data it "
+                         "started on, recorded in its checkpoint); accepted: data of those "
+                         "characters (e.g. the run's own --data), or a new run for this data")
+    return tok
+
+
 def load_train_data(data: str | None, *, tokenizer: str | None, init_from: str | None,
                     batch_size: int, seq_len: int, val_fraction: float,
-                    seed: int) -> TextData | SFTData:
+                    seed: int, recorded: dict | None = None) -> TextData | SFTData:
     """The job's data (see the module docstring). `tokenizer` is "char" or "byte" (default
-    "char"), or None with `init_from` (the checkpoint's); every error comes before any compute."""
+    "char"), or None with `init_from` (the checkpoint's); `recorded`, a resumed run's tokenizer
+    record, overrides both (`_recorded_tokenizer`). Every error comes before any compute."""
     if init_from is not None and tokenizer is not None:
         raise ValueError(f"--tokenizer {tokenizer} with --init-from {init_from}: a pretrained "
                          "model's vocabulary is its own tokenizer's; leave --tokenizer out")
     content = read_data(data)
     text = content if isinstance(content, str) else "".join(e.prompt + e.response
                                                             for e in content)
-    tok: Any = (PretrainedTokenizer.from_dir(init_from) if init_from is not None
-                else make_tokenizer(tokenizer or "char", text))
     source = "tiny-shakespeare (bundled)" if data is None else os.fspath(data)
+    tok: Any
+    if recorded is not None:
+        tok = _recorded_tokenizer(recorded, tokenizer, text, source)
+    elif init_from is not None:
+        tok = PretrainedTokenizer.from_dir(init_from)
+    else:
+        tok = make_tokenizer(tokenizer or "char", text)
     if isinstance(content, str):
         train, val = split_tokens(tok.encode(text), val_fraction)
         return TextData(tok, train, val, source, batch_size, seq_len, seed)

@@ -81,6 +81,23 @@ def _check_no_newer_checkpoint(directory: Path, first_step: int) -> None:
             f"continue into a fresh directory (--out {rundir.fresh_path(directory.parent)})")
 
 
+def _recorded_tokenizer(resume: rundir.ResumePoint | None) -> dict | None:
+    """The tokenizer record of the checkpoint `--resume` names (None for a fresh run). A
+    checkpoint without one was not written by `zeroxla train` and is refused: the ids it was
+    trained on are not known."""
+    if resume is None:
+        return None
+    meta = checkpoint.read_metadata(resume.checkpoint_dir, resume.step)
+    record = meta["metadata"].get("tokenizer")
+    if record is None:
+        raise rundir.RunDirError(
+            f"--resume {resume.checkpoint_dir}: checkpoint step {meta['step']} records no "
+            "tokenizer, so the token ids it was trained on are unknown; accepted: a checkpoint "
+            "zeroxla train wrote (it records its tokenizer), or a fresh run (--init-from for a "
+            "Hugging Face checkpoint)")
+    return record
+
+
 def _resolve_recipe(job: TrainJobConfig, write: Callable[[str], None]) -> TrainingSetup:
     """`resolve_setup(job)`, each DeepSpeed config warning written as a plain line."""
     with warnings.catch_warnings(record=True) as caught:
@@ -144,7 +161,8 @@ def set_up(job: TrainJobConfig, write: Callable[[str], None]) -> tuple[TrainRun,
     setup = _resolve_recipe(job, write)
     data = load_train_data(job.data, tokenizer=job.tokenizer, init_from=job.init_from,
                            batch_size=setup.batch_size, seq_len=job.seq_len,
-                           val_fraction=job.val_fraction, seed=job.seed)
+                           val_fraction=job.val_fraction, seed=job.seed,
+                           recorded=_recorded_tokenizer(resume))
     config = model_config(job, data)
     mesh = distributed.job_mesh(job.mesh, job.pipeline_stages)
     step = _make_step(job, setup, config, mesh)

@@ -154,10 +154,11 @@ FP16 = section(
 BF16 = section(
     {
         "enabled": Key(boolean(), "zero.compute_dtype", note='true -> "bfloat16"'),
+        "check_grad_overflow": Key(boolean(), "zero.check_grad_overflow",
+                                   note="skip the update on a non-finite gradient"),
     },
     {
         "immediate_grad_update": "gradients are applied once per step by the compiled step",
-        "check_grad_overflow": "bf16 has float32's range; only fp16 checks for overflow",
         "bf16_master_weights_and_grads": "master weights, gradients and optimizer state stay "
                                          "float32",
         "bf16_optimizer_states": "optimizer state stays float32",

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zeroxla.deepspeed.checks import DeepSpeedConfigError, DeepSpeedConfigWarning
-from zeroxla.deepspeed.keys import FP16, MAPPED_SECTIONS, TOP_LEVEL, ZERO
+from zeroxla.deepspeed.keys import BF16, FP16, MAPPED_SECTIONS, TOP_LEVEL, ZERO
 from zeroxla.deepspeed.offload import offload_fields
 from zeroxla.sharding.config import ZeroConfig
 
@@ -50,7 +50,7 @@ def zero_fields(top: Mapping[str, Any], fp16: Mapping[str, Any], bf16: Mapping[s
     whichever the JSON used, for messages.
     """
     fields: dict[str, Any] = {}
-    for section, values in ((TOP_LEVEL, top), (FP16, fp16), (ZERO, zero)):
+    for section, values in ((TOP_LEVEL, top), (FP16, fp16), (BF16, bf16), (ZERO, zero)):
         for key, value in values.items():
             spec = section.keys[key]
             if spec.dest.startswith("zero.") and spec.dest != "zero.compute_dtype":

@@ -4,7 +4,8 @@
       -> logical gradients / scale -> global norm -> DeepSpeed's clipping
       -> the optax transformation on the logical trainable parameters (`ShardedOptimizer`)
       -> each updated leaf back in its stored layout (`engine.update.stored_update`)
-      -> fp16: an overflow keeps parameters and optimizer state bit-identical, the scale moves
+      -> fp16 (or `check_grad_overflow`): a non-finite gradient keeps parameters and optimizer
+         state bit-identical; under fp16 the loss scale moves
     ZeRO-Offload: the update in host memory where it traces (`engine.host_update`), else on
     the device with the optimizer state and masters moved in from host memory before, out after
 
@@ -32,7 +33,8 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
                     grads: dict[str, jax.Array], model_state: dict[str, jax.Array],
                     scale: jax.Array, *, on_host: bool = False
                     ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The next state and the step's metrics (loss, grad_norm; fp16: loss_scale, overflow).
+    """The next state and the step's metrics (loss, grad_norm; overflow when the step checks
+    for it; fp16: loss_scale).
     With ZeRO-Offload the update runs in host memory (`on_host`: `engine.host_update`), or on
     the device with the optimizer state and masters brought in from host memory and sent back
     after it (`engine.offload`); the step's `UpdatePlacement` chose which."""
@@ -61,7 +63,7 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
                            for leaf in trainable})
 
     overflow = None
-    if cfg.uses_loss_scaling:
+    if cfg.skips_overflow:
         overflow = _overflow(logical_grads, grad_norm)
         # An overflow skips the update: parameters and optimizer state stay bit-identical.
         new_params, new_opt_state = jax.tree.map(
@@ -73,7 +75,7 @@ def apply_gradients(layout: ZeroLayout, state: TrainState, loss: jax.Array,
 
 
 def _overflow(logical_grads: dict[str, jax.Array], grad_norm: jax.Array) -> jax.Array:
-    """fp16: whether a gradient is not finite (the step is then skipped)."""
+    """Whether a gradient is not finite (the step is then skipped)."""
     nonfinite = sum(jnp.sum(~jnp.isfinite(g)) for g in logical_grads.values())
     return (nonfinite > 0) | ~jnp.isfinite(grad_norm)
 
@@ -83,7 +85,7 @@ def _host_applied(layout: ZeroLayout, state: TrainState, loss: jax.Array,
                   model_state: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
     """`apply_gradients` with the update in host memory: the overflow flag is computed first,
     so that the skip runs inside the host update beside the host-held values."""
-    overflow = (_overflow(logical_grads, grad_norm) if layout.config.uses_loss_scaling
+    overflow = (_overflow(logical_grads, grad_norm) if layout.config.skips_overflow
                 else None)
     with jax.named_scope(PARAM_UPDATE):     # its all-gathers are the update's, as on the device
         new_params, new_opt_state = host_update(layout, state, logical_grads, overflow)
@@ -95,11 +97,14 @@ def _next_state(layout: ZeroLayout, state: TrainState, params: dict[str, Any], o
                 overflow: jax.Array | None, loss: jax.Array, grad_norm: jax.Array,
                 model_state: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
     """The state after an update (its skip, on overflow, already applied) and the step's
-    metrics; fp16 (`overflow` given): the loss scale moves, as DeepSpeed's does."""
+    metrics: `overflow` when the step checks for it (`ZeroConfig.skips_overflow`); under fp16
+    the loss scale moves, as DeepSpeed's does."""
     metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
     loss_scale = state.loss_scale
     if overflow is not None:
+        metrics.update(overflow=overflow)
+    if layout.config.uses_loss_scaling:
         loss_scale = update_loss_scale(state.loss_scale, overflow, layout.config)
-        metrics.update(loss_scale=state.loss_scale.scale, overflow=overflow)
+        metrics.update(loss_scale=state.loss_scale.scale)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                          loss_scale=loss_scale, model_state=model_state), metrics

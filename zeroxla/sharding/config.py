@@ -46,7 +46,8 @@ _KINDS = {"stage": "int", "persistence_threshold": "int", "prefetch": "bool",
           "max_live_parameters": "int", "remat": "str",
           "compute_dtype": "str", "loss_scale": "number", "initial_scale_power": "int",
           "loss_scale_window": "int", "hysteresis": "int", "min_loss_scale": "number",
-          "gradient_clipping": "number", "gradient_accumulation_steps": "int",
+          "gradient_clipping": "number", "check_grad_overflow": "bool",
+          "gradient_accumulation_steps": "int",
           "hpz_partition_size": "int", "quantized_weights": "bool",
           "quantized_nontrainable_weights": "bool", "quantized_gradients": "bool",
           "weight_quantization_bits": "int", "weight_quantization_group_size": "int",
@@ -101,6 +102,11 @@ class ZeroConfig:
 
     # Clip gradients to this global norm (over all shards); 0 disables, as in DeepSpeed.
     gradient_clipping: float = 0.0
+    # Skip the update when a gradient is not finite (inf/NaN): parameters and optimizer state
+    # stay bit-identical and the step's `overflow` metric is True, as fp16's loss scaler skips
+    # (DeepSpeed's `bf16.check_grad_overflow`; fp16 always checks). Off by default, as in
+    # DeepSpeed: a non-finite gradient then reaches the optimizer, as in plain optax.
+    check_grad_overflow: bool = False
     gradient_accumulation_steps: int = 1
 
     # ZeRO++ (Wang et al. 2023). hpZ: secondary partition over this many devices inside a node.
@@ -234,6 +240,12 @@ class ZeroConfig:
     def uses_loss_scaling(self) -> bool:
         """fp16 needs loss scaling; bf16 and fp32 do not (DeepSpeed does the same)."""
         return self.compute_dtype == "float16"
+
+    @property
+    def skips_overflow(self) -> bool:
+        """Whether a step whose gradients are not finite skips its update: always under fp16's
+        loss scaling, else when `check_grad_overflow` asks for it."""
+        return self.uses_loss_scaling or self.check_grad_overflow
 
     def validate_for_mesh(self, local_devices: int, data_devices: int) -> None:
         """Checks the fields that depend on the mesh: `local_devices` per node, `data_devices` total."""

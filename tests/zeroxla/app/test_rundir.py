@@ -166,3 +166,24 @@ def test_failed_start_leaves_no_directory(argv, tmp_path, monkeypatch, capsys):
         assert cli.main(["train", "--no-progress", *out, *argv]) == 2
         assert "error" in capsys.readouterr().err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.txt"]
+
+
+def test_claim_is_exclusive_and_checks_under_its_lock(tmp_path):
+    """Two claims of one directory (two open descriptions: what two processes hold): the second
+    is refused with the usual 'already holds a run' message until the first is released."""
+    out = tmp_path / "runs" / "a"
+    first = rundir.claim(out, fresh=False)
+    assert first.created == tmp_path / "runs" and out.is_dir()
+    with pytest.raises(rundir.RunDirError,
+                       match=r"already holds a run \(another zeroxla job is writing to it now\)"):
+        rundir.claim(out, fresh=False)
+    first.release()
+    second = rundir.claim(out, fresh=False)         # free again, and still holds no run
+    (out / rundir.METRICS_FILE).write_text("")
+    second.release()
+    with pytest.raises(rundir.RunDirError, match=r"already holds a run \(metrics.jsonl\)"):
+        rundir.claim(out, fresh=False)
+    resumed = rundir.claim(out, fresh=False, resuming=out)    # the run being resumed
+    resumed.release()
+    with pytest.raises(rundir.RunDirError, match="created by another job meanwhile"):
+        rundir.claim(out, fresh=True)

@@ -14,7 +14,7 @@ import xla_flags
 
 from zeroxla import models
 from zeroxla.app import cli
-from zeroxla.app import train
+from zeroxla.app import train, train_report
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.deepspeed.config import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.app.sampling import sample_text, sample_tokens
@@ -112,7 +112,9 @@ def test_configuration_errors_exit_2_naming_the_option(argv, message, tmp_path, 
 
 def test_default_recipe_is_zero3_partitioning_every_leaf():
     setup = train.resolve_setup(train.TrainJobConfig())
-    assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0)
+    # check_grad_overflow: the job keeps its last finite step if a run diverges (train_end.py).
+    assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0,
+                                    check_grad_overflow=True)
     assert setup.batch_size == train.DEFAULT_BATCH_SIZE
     assert float(setup.learning_rate(0)) == 0.0
     assert float(setup.learning_rate(train.TrainJobConfig().warmup_steps)) == pytest.approx(
@@ -123,7 +125,8 @@ def test_deepspeed_recipe_comes_from_the_json():
     job = train.TrainJobConfig(deepspeed_config=os.path.join(
         EXAMPLES, "ds_zero3_adamw_warmupdecay.json"))
     setup = train.resolve_setup(job)
-    assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0)
+    assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0,
+                                    check_grad_overflow=True)     # the job's, the JSON sets none
     assert setup.batch_size == 32
     assert float(setup.learning_rate(51)) == pytest.approx(0.003)
 
@@ -156,7 +159,7 @@ def test_job_config_errors_name_the_field(field, value):
 def test_plot_is_written(tmp_path):
     records = [{"step": k, "loss": 4.0 / k} for k in range(1, 80)]
     records += [{"step": 40, "val_loss": 0.2}, {"step": 79, "val_loss": 0.1}]
-    train._write_plot(tmp_path / "p.png", records, "title")
+    train_report.write_plot(tmp_path / "p.png", records, "title")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -206,6 +206,7 @@ ZERO_CASES = [
     zero_case("fp16.hysteresis", 3, "hysteresis", 3),
     zero_case("fp16.min_loss_scale", 0.5, "min_loss_scale", 0.5),
     zero_case("bf16.enabled", True, "compute_dtype", "bfloat16"),
+    zero_case("bf16.check_grad_overflow", True, "check_grad_overflow", True),
     zero_case("zero_optimization.stage", 2, "stage", 2),
     zero_case("zero_optimization.stage3_param_persistence_threshold", 1234,
               "persistence_threshold", 1234),

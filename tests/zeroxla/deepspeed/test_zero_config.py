@@ -42,7 +42,8 @@ def test_the_zero_keys_cover_the_fields_the_loader_sets():
         "stage", "persistence_threshold", "prefetch", "max_live_parameters", "compute_dtype",
         "loss_scale",
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-        "gradient_clipping", "gradient_accumulation_steps", "hpz_partition_size",
+        "gradient_clipping", "check_grad_overflow", "gradient_accumulation_steps",
+        "hpz_partition_size",
         "quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
         "offload_optimizer", "offload_param", "offload_pin_memory"}
     assert "zero_optimization.zero_hpz_partition_size" in ZERO_KEYS
