@@ -124,7 +124,7 @@ print(f"SFT: response loss {sft.final_train_loss:.3f} (train), {sft.final_val_lo
 
 # %%
 rm = reward_job.run(reward_job.RewardJobConfig(
-    init_from=str(base), data=str(work / "pairs.jsonl"), steps=50, seq_len=64, eval_every=25,
+    init_from=str(base), data=str(work / "pairs.jsonl"), steps=100, seq_len=64, eval_every=50,
     out_dir=str(work / "rm"), progress=False))
 print(f"reward model: validation accuracy {rm['first_val_accuracy']:.2f} -> "
       f"{rm['val_accuracy']:.2f}, margin {rm['val_margin']:.2f}")

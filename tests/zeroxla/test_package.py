@@ -57,24 +57,77 @@ def _known_prefix(name: str, modules: Iterable[str]) -> str | None:
     return None
 
 
+def _resolve(name: str, package: str) -> str:
+    """`name` with its leading dots resolved against `package`, as Python does (one dot is
+    `package` itself, each further dot one package up); an absolute name as it is."""
+    level = len(name) - len(name.lstrip("."))
+    if not level:
+        return name
+    parts = package.split(".")
+    rest = name[level:]
+    return ".".join(parts[:len(parts) - level + 1] + ([rest] if rest else []))
+
+
+def _literal(node: ast.AST | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _argument(call: ast.Call, position: int, keyword: str) -> ast.AST | None:
+    if len(call.args) > position:
+        return call.args[position]
+    return next((k.value for k in call.keywords if k.arg == keyword), None)
+
+
+def dynamic_imports(call: ast.Call, module: str, package: str,
+                    import_module_names: set[str]) -> list[str]:
+    """The modules a call imports by a literal name: `importlib.import_module(name, package)`
+    (under any alias of importlib or of the function) and `__import__(name, globals, locals,
+    fromlist, level)`, relative names resolved (a `package` argument of `__package__` or
+    `__name__` is this module's own); [] for any other call, or a name computed at run time."""
+    func = call.func
+    attr = func.attr if isinstance(func, ast.Attribute) else None
+    bare = func.id if isinstance(func, ast.Name) else None
+    name = _literal(_argument(call, 0, "name"))
+    if name is None:
+        return []
+    if attr == "import_module" or bare in import_module_names:
+        if not name.startswith("."):
+            return [name]
+        anchor = _argument(call, 1, "package")
+        own = {"__package__": package, "__name__": module}
+        base = own.get(anchor.id) if isinstance(anchor, ast.Name) else _literal(anchor)
+        return [] if base is None else [_resolve(name, base)]
+    if attr == "__import__" or bare == "__import__":
+        level = _argument(call, 4, "level")
+        base = _resolve("." * (level.value if isinstance(level, ast.Constant) else 0) + name,
+                        package)
+        fromlist = _argument(call, 3, "fromlist")
+        items = fromlist.elts if isinstance(fromlist, (ast.List, ast.Tuple)) else []
+        return [base] + [f"{base}.{item}" for e in items if (item := _literal(e))]
+    return []
+
+
 def imports_of(module: str, path: Path, modules: Mapping[str, Path]) -> set[str]:
     """The modules of `modules` that `module` imports: every `import` / `from ... import`
     statement anywhere in the file (inside functions too), relative ones resolved; `from a import
-    b` is an edge to `a.b` when that is a module, else to `a`."""
+    b` is an edge to `a.b` when that is a module, else to `a`; and every import by a literal
+    name through `importlib.import_module` or `__import__` (`dynamic_imports`)."""
     package = module if _is_package(path) else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    import_module_names = {"import_module"} | {
+        alias.asname or alias.name for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "importlib"
+        for alias in node.names if alias.name == "import_module"}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module]
-                                                                       if node.module else []))
-            else:
-                base = node.module or ""
+            base = _resolve("." * node.level + (node.module or ""), package)
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                        for alias in node.names]
+        elif isinstance(node, ast.Call):
+            targets = dynamic_imports(node, module, package, import_module_names)
         else:
             continue
         found |= {known for target in targets
@@ -187,6 +240,44 @@ def test_graph_builder_on_a_small_package(tmp_path):
     _write(tmp_path, {"zeroxla/sub/__init__.py": "", "zeroxla/a.py": "from .sub.leaf import h\n"})
     assert cycles(import_graph(module_files({"zeroxla": tmp_path / "zeroxla"}))) == [
         ["zeroxla.a", "zeroxla.sub.leaf"]]
+
+
+def test_imports_by_a_literal_name_through_importlib_or_dunder_import_are_edges(tmp_path):
+    """`importlib.import_module` (however importlib or the function is bound) and `__import__`
+    with a literal name are edges, relative names resolved and `fromlist` modules included, so
+    an upward import cannot pass by not being an `import` statement; a name only known at run
+    time is no edge."""
+    _write(tmp_path, {
+        "zeroxla/__init__.py": "",
+        "zeroxla/a.py": "import importlib\nm = importlib.import_module('zeroxla.sub.leaf')\n",
+        "zeroxla/b.py": "from importlib import import_module as load\n"
+                        "def f():\n    return load('.sub', __package__)\n",
+        "zeroxla/c.py": "import importlib as il\nx = il.import_module('..a', 'zeroxla.sub')\n",
+        "zeroxla/d.py": "__import__('zeroxla.sub', fromlist=['leaf'])\n",
+        "zeroxla/e.py": "import importlib\nname = 'zeroxla.a'\nimportlib.import_module(name)\n",
+        "zeroxla/sub/__init__.py": "",
+        "zeroxla/sub/leaf.py": "a = __import__('a', globals(), None, [], 2)\n",
+        "zeroxla/sharding/__init__.py": "",
+        "zeroxla/sharding/mesh.py": "import importlib\n"
+                                    "def f():\n    importlib.import_module('zeroxla.engine')\n",
+        "zeroxla/engine/__init__.py": "",
+    })
+    graph = import_graph(module_files({"zeroxla": tmp_path / "zeroxla"}))
+    assert graph == {
+        "zeroxla": set(),
+        "zeroxla.a": {"zeroxla.sub.leaf"},
+        "zeroxla.b": {"zeroxla.sub"},                       # '.sub' of __package__ 'zeroxla'
+        "zeroxla.c": {"zeroxla.a"},                         # '..a' of 'zeroxla.sub'
+        "zeroxla.d": {"zeroxla.sub", "zeroxla.sub.leaf"},   # fromlist modules too
+        "zeroxla.e": set(),                                 # computed name: not readable
+        "zeroxla.sub": set(),
+        "zeroxla.sub.leaf": {"zeroxla.a"},                  # level 2 from zeroxla.sub.leaf
+        "zeroxla.sharding": set(),
+        "zeroxla.sharding.mesh": {"zeroxla.engine"},
+        "zeroxla.engine": set(),
+    }
+    assert layer_violations(graph) == [
+        "zeroxla.sharding.mesh -> zeroxla.engine (zeroxla.sharding is below zeroxla.engine)"]
 
 
 def test_import_graph_has_no_cycles():

@@ -82,6 +82,20 @@ def owned_index(shape: tuple[int, ...], mesh: Mesh,
     return tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
 
 
+def device_part(piece: np.ndarray, device_index: tuple[slice, ...], shape: tuple[int, ...],
+                index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """The block `device_index` of the array of `shape` (a device's slice, as a sharding's
+    `devices_indices_map` gives it), cut from `piece`, which holds only the part `index` of
+    that array (None: all of it): the device's slice moved back by where the part starts."""
+    starts = [0 if index is None else (index[d].start or 0) for d in range(len(shape))]
+    block = tuple(slice((s.start or 0) - o, (n if s.stop is None else s.stop) - o)
+                  for s, o, n in zip(device_index, starts, shape))
+    if any(b.start < 0 or b.stop > size for b, size in zip(block, piece.shape)):
+        raise ValueError(f"a device's slice {device_index} of {shape} lies outside the part "
+                         f"{index} read for it ({list(piece.shape)})")
+    return piece[block]
+
+
 def place(piece: np.ndarray, mesh: Mesh, dtype: Any, *, shape: tuple[int, ...] | None = None,
           index: tuple[slice, ...] | None = None) -> jax.Array:
     """The array of `shape` (default: `piece`'s) on `mesh` in `spread_spec` layout, each
@@ -90,14 +104,9 @@ def place(piece: np.ndarray, mesh: Mesh, dtype: Any, *, shape: tuple[int, ...] |
     process's devices hold)."""
     piece = np.asarray(piece, dtype)
     shape = piece.shape if shape is None else tuple(shape)
-    starts = [0 if index is None else (index[d].start or 0) for d in range(len(shape))]
-
-    def local(device_index: tuple[slice, ...]) -> np.ndarray:
-        return piece[tuple(slice((s.start or 0) - o, (n if s.stop is None else s.stop) - o)
-                           for s, o, n in zip(device_index, starts, shape))]
-
     sharding = NamedSharding(mesh, spread_spec(shape, mesh))
-    return jax.make_array_from_callback(shape, sharding, local)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda device_index: device_part(piece, device_index, shape, index))
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,4 +185,5 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh, *, optimizer: Any = Non
     return step, step.init_from(values, seed)
 
 
-__all__ = ["load_pretrained", "owned_index", "place", "spread_hf_params", "spread_spec"]
+__all__ = ["device_part", "load_pretrained", "owned_index", "place", "spread_hf_params",
+           "spread_spec"]

@@ -3,7 +3,8 @@
 References: `transformers` itself (the same checkpoint's logits and loss in torch) and the
 checkpoint's own tensor sizes (the host-memory bound). The checkpoints are tiny random GPT-2 and
 Llama models written by `transformers` (zeroxla/app/tiny_checkpoints.py), every parameter
-perturbed so that a zero bias or a unit norm scale cannot hide a wrong mapping.
+drawn at std 0.1 (norm scales around 1), so that a wrong mapping moves the logits by far more
+than the tolerance (swapping Llama's gate and up projections: by 2.75, against 1e-4).
 """
 
 import json
@@ -12,11 +13,13 @@ import tracemalloc
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
 
 import zeroxla
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint, llama_checkpoint
 from runs import device_bytes
-from zeroxla.checkpoint.pretrained import owned_index, spread_hf_params
+from zeroxla.checkpoint.pretrained import (device_part, owned_index, place, spread_hf_params,
+                                           spread_spec)
 from zeroxla.models import hf
 
 torch = pytest.importorskip("torch")
@@ -82,13 +85,32 @@ def test_loaded_logits_and_first_loss_equal_transformers(checkpoints, family, me
     np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
 
 
-def test_the_state_is_partitioned_as_a_fresh_init(checkpoints):
-    """Loading places the parameters exactly where `init` would: the same bytes on every
-    device, and with every leaf partitioned, 1/8 of the model each (up to padding)."""
+@pytest.fixture(scope="module")
+def llama_on_2x4(checkpoints):
+    """(step, state) of the Llama checkpoint loaded on the 2 x 4 mesh, ZeRO-3 with every leaf
+    partitioned: each tensor read in pieces and spread over both nodes."""
     mesh = zeroxla.make_mesh(nodes=2, local=4)
     config = zeroxla.ZeroConfig(stage=3, persistence_threshold=0)
-    step, state = zeroxla.load_pretrained(checkpoints["llama"], mesh, config=config,
-                                          progress=False)
+    return zeroxla.load_pretrained(checkpoints["llama"], mesh, config=config, progress=False)
+
+
+def test_loaded_llama_logits_equal_transformers_on_2x4(checkpoints, llama_on_2x4):
+    """The daily subset's Llama load (the step-and-loss check above runs it in the full
+    suite): GQA, the SwiGLU gate/up/down projections and the untied head, every one a
+    transposed nn.Linear, gathered from their ZeRO-3 partitions, give transformers' logits."""
+    _, state = llama_on_2x4
+    x = tokens(checkpoints["llama"], (2, 24))
+    with torch.no_grad():
+        theirs = torch_model(checkpoints["llama"])(torch.tensor(x, dtype=torch.long)).logits
+    ours = np.asarray(zeroxla.gathered_model(state)(x))
+    assert theirs.numpy().std() > 0.5        # weights of std 0.1: logits of spread ~0.8, not ~0
+    np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)
+
+
+def test_the_state_is_partitioned_as_a_fresh_init(llama_on_2x4):
+    """Loading places the parameters exactly where `init` would: the same bytes on every
+    device, and with every leaf partitioned, 1/8 of the model each (up to padding)."""
+    step, state = llama_on_2x4
     loaded = device_bytes(state.params)
     assert loaded == device_bytes(step.init().params)
     total = 4 * sum(leaf.numel for leaf in step.plan.leaves)
@@ -154,6 +176,32 @@ def test_owned_index_is_the_rows_of_the_given_devices():
     assert owned_index((512, 64), mesh, second) == (slice(256, 512), slice(None))
     assert owned_index((512, 64), mesh, first + second) is None
     assert owned_index((3,), mesh, first) is None                    # replicated: read whole
+
+
+@pytest.mark.parametrize("shape,part_index", [
+    ((512, 64), (slice(256, 512), slice(None))), ((5, 64), (slice(None), slice(32, 64)))],
+    ids=["rows", "columns"])
+def test_a_part_read_at_an_offset_gives_each_device_its_block(shape, part_index):
+    """What the second of two processes does, in one: it reads only the part `owned_index`
+    names for the second node's devices (rows 256..511 of a [512, 64] table; columns 32..63 of
+    a [5, 64] piece, spread on its only dim that 8 divides), and each of those devices gets its
+    block of the full tensor (numpy's slice of it), the part's offset taken off. A block the
+    part does not hold (a first-node device's) is refused, by `place` too, never cut short."""
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    full = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    second = list(mesh.devices[1])
+    index = owned_index(shape, mesh, second)
+    assert index == part_index
+    part = full[index]
+    blocks = NamedSharding(mesh, spread_spec(shape, mesh)).devices_indices_map(shape)
+    for device in second:
+        np.testing.assert_array_equal(device_part(part, blocks[device], shape, index),
+                                      full[blocks[device]], err_msg=str(device))
+    with pytest.raises(ValueError, match=r"lies outside the part"):
+        device_part(part, blocks[mesh.devices[0][0]], shape, index)
+    with pytest.raises(ValueError, match=r"lies outside the part"):
+        place(part, mesh, np.float32, shape=shape, index=index)   # one process: all 8 devices
+    np.testing.assert_array_equal(np.asarray(place(full, mesh, np.float32)), full)
 
 
 def test_a_selected_part_is_read_from_the_file_as_stored(checkpoints):
