@@ -13,6 +13,7 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
     train_setup.py   setting a job up before its run directory is made (data, step, restore)
     train_data.py    what a job trains on: a text corpus or SFT pairs
     train_report.py  what a run reports: settings, loss curve, sample, summary
+    train_end.py     how a run ends early with its training kept: a stop signal, divergence
     job.py           TrainJobConfig, and what --resume restores from a checkpoint
     job_model.py     the model a job trains: a models/ preset or a Hugging Face checkpoint
     recipe.py        the ZeRO config, optimizer, schedule and batch of a job (a --config JSON
@@ -22,8 +23,9 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
     reward_job.py    `zeroxla reward`: DeepSpeed-Chat's step 2
     ppo_job.py       `zeroxla ppo`: DeepSpeed-Chat's step 3
     char_sft.py      the SFT warm-up of the character-level PPO demo
-    rundir.py        run directories: fresh names, no overwriting, what --resume accepts
-    interrupt.py     Ctrl-C as a request to stop between steps
+    rundir.py        run directories: fresh names, claimed under a lock, no overwriting, what
+                     --resume accepts
+    interrupt.py     Ctrl-C and SIGTERM as requests to stop between steps
     distributed.py   the multi-process environment (ZEROXLA_*), jax.distributed start-up and
                      a job's --mesh on the devices
     launch.py        `zeroxla launch`: N local processes, supervised

@@ -155,7 +155,10 @@ def load_reward(source: str | Path, actor: Any, tokenizer: Any) -> Any:
     ones a rollout holds (`zeroxla.rlhf.with_vocab_size`: exact)."""
     if not (Path(source) / "config.json").is_file():
         _checkpoint_dir("--reward", source, REWARD_ACCEPTED)     # names the option if not a run
-    reward_model, reward_tokenizer = load_reward_model(source)
+    try:
+        reward_model, reward_tokenizer = load_reward_model(source)
+    except ValueError as err:           # a HF directory of another head: say which option
+        raise ValueError(f"--reward {err}") from None
     if not tokenizes_alike(tokenizer, reward_tokenizer):
         raise ValueError(f"--reward {source} tokenizes text differently from --actor's tokenizer "
                          f"({getattr(tokenizer, 'source', '') or 'recorded in its checkpoint'}); "

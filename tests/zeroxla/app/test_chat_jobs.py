@@ -130,9 +130,13 @@ def test_bad_inputs_are_refused_before_any_compute(runs, tmp_path, capsys):
         ppo_job.run(job, write=quiet)
     with pytest.raises(ValueError, match="is a reward-model run"):
         ppo_job.run(job.__class__(**{**job.__dict__, "actor": str(rm_run)}), write=quiet)
-    with pytest.raises(ValueError, match=f"--reward {hf} holds no complete zeroxla checkpoint; "
-                                         "accepted: a `zeroxla reward` run directory"):
+    # A causal LM directory is refused by its architecture, naming the option.
+    with pytest.raises(ValueError, match=f"--reward {hf}: config.json architectures="
+                                         r"\['GPT2LMHeadModel'\]: GPT2LMHeadModel is a causal LM"):
         ppo_job.run(dataclasses.replace(job, reward=str(hf)), write=quiet)
+    with pytest.raises(ValueError, match=f"--reward {tmp_path} holds no complete zeroxla "
+                                         "checkpoint; accepted: a `zeroxla reward` run"):
+        ppo_job.run(dataclasses.replace(job, reward=str(tmp_path)), write=quiet)
     prompts = tmp / "prompts.jsonl"
     with pytest.raises(ValueError, match=r"--inference-tp-size 3 does not fit the 8 devices of "
                                          r"--mesh 2x4 and the 4 attention heads of --actor .*; "
