@@ -26,14 +26,19 @@ the parameters it holds are the gradient pass's gathered working set only. (JAX 
 `unpinned_host` array as device memory, `core.mem_kind_to_space`, so state kept there is put in
 pinned host memory for the computation and back.)
 
-JAX 0.10 cannot trace every optax transformation under host compute: some make constants or
-temporaries typed for device memory beside host-typed arrays (`optax.clip_by_global_norm`,
-`scale_by_trust_ratio` of `lamb`/`lars`, `adafactor`, `adagrad`, `zero_nans`), and JAX refuses
-the mix (a `ValueError`: "memory_space of all inputs passed to `add` must be the same"). A ZeRO
-step must run every transformation exactly, so `update_placement` traces the host update once,
-when the step is built; a transformation that fails so takes the device update with explicit
-transfers (`offload.resident` / `offload.offloaded`, `engine.apply`), named in
-`step.describe()` and in a warning. Any other error is re-raised.
+JAX 0.10 cannot trace every optax transformation under host compute: it types what is made
+there (constants, zeros, a result of scalars alone) for device memory, beside the host-typed
+operands, and refuses the mix. Some transformations meet it in one primitive
+(`optax.clip_by_global_norm`, `scale_by_trust_ratio` of `lamb`/`lars`, `adafactor`, `adagrad`,
+`zero_nans`: a `ValueError`, "memory_space of all inputs passed to `add` must be the same");
+wrappers whose `lax.cond` returns an operand from one branch and a value made there from the
+other meet it in the cond's type check (`optax.MultiSteps`, its accumulate-or-apply;
+`optax.apply_if_finite`, its skip: a `TypeError`, "cond branches must have equal output types",
+naming a `float32<host>[...]` against a `float32[...]`). A ZeRO step must run every
+transformation exactly, so `update_placement` traces the host update once, when the step is
+built; a transformation that fails so takes the device update with explicit transfers
+(`offload.resident` / `offload.offloaded`, `engine.apply`), named in `step.describe()` and in
+a warning. Any other error is re-raised.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from jax.experimental.compute_on import compute_on
 
 from zeroxla.engine import offload
 from zeroxla.engine.logical import abstract_storage_state
+from zeroxla.engine.optimizer import optax_transformation
 from zeroxla.engine.update import (all_gather_update, constrain, optimizer_input, stored_update,
                                    with_rounding)
 from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
@@ -56,8 +62,8 @@ HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
 # The start of the ValueError JAX raises when one primitive meets host- and device-typed arrays.
 MEMORY_SPACE_ERROR = "memory_space of all inputs passed to"
+HOST_TYPE = "<host>["          # how JAX prints a host-typed array's type: float32<host>[2,60]
 _OPTIMIZER_FILE = "zeroxla/engine/optimizer.py"   # `ShardedOptimizer.update`: optax runs below
-_OPTAX_DIR = "/optax/"
 _LIBRARY_DIRS = ("/optax/", "/jax/", "/zeroxla/", "/flax/", "/numpy/")
 
 
@@ -82,7 +88,9 @@ class UpdatePlacement:
 def update_placement(layout: Any) -> UpdatePlacement:
     """The host update when something is offloaded and it traces (`jax.eval_shape` over the
     abstract stored state); else the device update, with the failing transformation named
-    (and a warning, so the fallback is never silent)."""
+    (and a warning, so the fallback is never silent). `ShardedOptimizer.check` has traced
+    the same update on device-typed values when the layout was built, so an error of host-
+    and device-typed values met here is host compute's alone."""
     if not layout.config.offloads:
         return UpdatePlacement(on_host=False)
     state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
@@ -90,26 +98,48 @@ def update_placement(layout: Any) -> UpdatePlacement:
                          abstract_storage_state(layout), layout.state_shardings)
     grads = {leaf.path: jax.ShapeDtypeStruct(leaf.shape, leaf.master_dtype)
              for leaf in layout.plan.trainable_leaves}
-    overflow = (jax.ShapeDtypeStruct((), jnp.bool_) if layout.config.uses_loss_scaling
+    overflow = (jax.ShapeDtypeStruct((), jnp.bool_) if layout.config.skips_overflow
                 else None)
     try:
         jax.eval_shape(lambda s, g, o: host_update(layout, s, g, o), state, grads, overflow)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         transformation = _failing_transformation(err)
-        if MEMORY_SPACE_ERROR not in str(err) or transformation is None:
+        if not _host_typing_error(err) or transformation is None:
             raise
         refused_by = (f"{transformation} does not trace under compute_on('device_host') on "
-                      f"JAX {jax.__version__}: {err}")
+                      f"JAX {jax.__version__}: {_first_mismatch(err)}")
         # stacklevel 4: make_step's caller (ZeroStep.__init__ and make_step in between).
         warnings.warn(f"ZeRO-Offload: the optimizer update runs on the device with explicit "
-                      f"transfers, not on the host: {refused_by}", stacklevel=4)
+                      f"transfers, not on the host: {refused_by}. The device then holds the "
+                      "offloaded optimizer state and partitions during the update",
+                      stacklevel=4)
         return UpdatePlacement(on_host=False, refused_by=refused_by)
     return UpdatePlacement(on_host=True)
 
 
+def _host_typing_error(err: BaseException) -> bool:
+    """Whether `err` is JAX refusing host- and device-typed values together: a primitive's
+    `ValueError` ("memory_space of all inputs passed to ..."), or the `TypeError` of a type
+    check between two values' types, one printed `<host>` (`lax.cond`/`switch` branch outputs,
+    `while_loop`/`scan` carries)."""
+    message = str(err)
+    if isinstance(err, ValueError):
+        return MEMORY_SPACE_ERROR in message
+    return isinstance(err, TypeError) and HOST_TYPE in message
+
+
+def _first_mismatch(err: BaseException) -> str:
+    """JAX's message for `err` in one line: its first line, and for a type check (which lists
+    every mismatching leaf, one per line) the first mismatch that names a host-typed value."""
+    lines = [line.strip(" *;.") for line in str(err).splitlines() if line.strip()]
+    first = next((line for line in lines[1:] if HOST_TYPE in line), None)
+    return lines[0] if first is None else f"{lines[0]} ({first}; ...)"
+
+
 def _failing_transformation(err: BaseException) -> str | None:
     """The transformation inside the optax update that raised `err`: the innermost optax
-    `update_fn` in the traceback (e.g. `optax.clip_by_global_norm` inside `chain`), or else the
+    transformation's update in the traceback (`optimizer.optax_transformation`: e.g.
+    `optax.clip_by_global_norm` inside `chain`, `optax.MultiSteps` itself), or else the
     innermost function of the user's own code under `ShardedOptimizer.update`; None when `err`
     was not raised inside the optimizer's update (then it is not the optimizer's to explain)."""
     frames, tb = [], err.__traceback__
@@ -121,11 +151,9 @@ def _failing_transformation(err: BaseException) -> str | None:
     if not starts:
         return None
     inside = frames[starts[-1] + 1:]
-    optax_fns = [c for c in inside if _OPTAX_DIR in c.co_filename and c.co_name == "update_fn"]
-    if optax_fns:       # co_qualname (Python 3.11+): "<transformation>.<locals>.update_fn"
-        code = optax_fns[-1]
-        name = getattr(code, "co_qualname", "").split(".<locals>")[0]
-        return f"optax.{name}" if name else f"an optax transformation ({code.co_filename})"
+    transformation = optax_transformation(inside)
+    if transformation is not None:
+        return transformation
     own = [c for c in inside if not any(part in c.co_filename for part in _LIBRARY_DIRS)]
     if not own:
         return None

@@ -32,12 +32,14 @@ in `step.describe()`):
 * on the device with explicit transfers, where host compute cannot be traced: JAX 0.10 refuses
   some optax transformations under `compute_on` (`optax.clip_by_global_norm`, `lamb`/`lars`'s
   `scale_by_trust_ratio`, `adafactor`, `adagrad`: "memory_space of all inputs passed to `add`
-  must be the same", a device-typed constant or temporary meets a host-typed array), and a ZeRO
-  step must run every transformation exactly. `resident` then brings the offloaded parts in
-  (`jax.device_put` to the device memory kind, inside the step's `jit`) just before
-  `engine.apply` runs the update, and `offloaded` sends the new optimizer state and master back
-  right after, as in JAX's own optimizer-offload recipe; the device holds every offloaded
-  partition for the update. `make_step` warns, naming the transformation.
+  must be the same", a device-typed constant or temporary meets a host-typed array; the
+  `lax.cond` of `optax.MultiSteps` and `optax.apply_if_finite`: "cond branches must have equal
+  output types", for the same reason), and a ZeRO step must run every transformation exactly.
+  `resident` then brings the offloaded parts in (`jax.device_put` to the device memory kind,
+  inside the step's `jit`) just before `engine.apply` runs the update, and `offloaded` sends
+  the new optimizer state and master back right after, as in JAX's own optimizer-offload
+  recipe; the device holds every offloaded partition for the update. `make_step` warns, naming
+  the transformation.
 
 Either way the step is bit-identical to the non-offloaded one (`tests/zeroxla/engine/
 test_offload.py`, `test_param_offload.py`: losses and states), but where offload changes the

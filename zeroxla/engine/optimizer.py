@@ -19,7 +19,8 @@ and column statistics) is stored replicated, as the optimizer made it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +42,36 @@ def _key(entry: Any) -> Any:
 def _describe(optimizer: Any) -> str:
     name = getattr(optimizer, "__qualname__", None) or type(optimizer).__name__
     return f"optimizer {name}"
+
+
+_OPTAX_DIR = "/optax/"
+# optax's adapters and combinators around transformations' updates: where one raises, it is
+# calling the transformation that failed (a missing argument), not failing itself.
+_OPTAX_ADAPTERS = ("with_extra_args_support.", "chain.", "named_chain.")
+
+
+def optax_transformation(codes: Sequence[types.CodeType]) -> str | None:
+    """The optax transformation whose update is innermost in `codes` (a traceback's code
+    objects, outermost first), as the user wrote it: `optax.clip_by_global_norm` inside
+    `chain`, or a wrapper's own (`optax.MultiSteps`, `optax.apply_if_finite`) when it raised
+    itself; None when no optax update is among them."""
+    updates = [c for c in codes if _OPTAX_DIR in c.co_filename
+               and c.co_name in ("update_fn", "update")
+               and not c.co_qualname.startswith(_OPTAX_ADAPTERS)]
+    if not updates:
+        return None
+    # "<transformation>.<locals>.update_fn", "apply_if_finite.<locals>.update",
+    # "MultiSteps.update"
+    name = updates[-1].co_qualname.split(".<locals>")[0].removesuffix(".update")
+    return f"optax.{name}"
+
+
+def _traceback_codes(err: BaseException) -> list[types.CodeType]:
+    codes, tb = [], err.__traceback__
+    while tb is not None:
+        codes.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    return codes
 
 
 class OptimizerError(ValueError):
@@ -155,13 +186,16 @@ class ShardedOptimizer:
                 self.state_tree(g), self.optimizer.init(self.state_tree(p)),
                 self.state_tree(p)), structs, structs)
         except Exception as err:   # noqa: BLE001 - re-raised with the transformation named
+            inner = optax_transformation(_traceback_codes(err))
+            where = f" ({inner} in it)" if inner else ""
             raise OptimizerError(
-                f"{_describe(self.optimizer)} cannot run in a ZeRO step: its update(grads, "
-                f"state, params) fails on the model's parameters with {type(err).__name__}: "
-                f"{err}. A ZeRO step calls update with the reduced gradients, the optimizer "
-                "state and the parameters only; transformations that need more (the loss value "
-                "or a function to re-evaluate it, as optax.lbfgs's line search does) are not "
-                "supported") from err
+                f"{_describe(self.optimizer)}{where} cannot run in a ZeRO step: its "
+                f"update(grads, state, params) fails on the model's parameters with "
+                f"{type(err).__name__}: {err}. A ZeRO step calls update with the reduced "
+                "gradients, the optimizer state and the model's parameters only; "
+                "transformations that need more (the loss value or a function to re-evaluate "
+                "it, as optax.lbfgs's line search does) or parameters of their own structure "
+                "(optax.lookahead's LookaheadParams(fast, slow)) are not supported") from err
 
 
 def default_optimizer() -> optax.GradientTransformation:
