@@ -14,6 +14,8 @@
     gather.py      gather before use, release, re-gather in backward (custom VJPs)
     layer_loop.py  a gathered stack's layer loop: prefetch, per-layer values read in place
     remat.py       what a gathered unit keeps for its backward (remat policies)
+    invariant_residuals.py a stack's layer residuals that are the same at every layer
+                   (a causal mask), computed and kept once instead of per layer
     cotangent_layout.py a unit's pullback with its weight cotangents left in their dot's
                    dim order (for the reduce-scatter, `collectives.dot_layout`)
     weight_split.py a pullback split into its input-gradient part B and its weight-gradient

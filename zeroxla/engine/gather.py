@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeroxla.collectives.zero import ZeroCollectives
+from zeroxla.engine.invariant_residuals import HoistedResiduals, hoist_invariant
 from zeroxla.engine.layer_loop import Peeled, layer_loop
 from zeroxla.engine.offload import cotangent, fetch
 from zeroxla.sharding.leaf_plan import LeafPlan
@@ -184,7 +185,9 @@ class StackResiduals:
     """What `GatheredStack.forward` keeps for `backward`: the shards (re-gathered later), hpZ's
     secondary partitions, the stack's consts and per-layer xs, and per layer either its input
     carry (remat "full": the layer is recomputed in backward) or its vjp's residuals less the
-    gathered parameters (`kept`, laid out by the static `layout`; `zeroxla.engine.remat`)."""
+    gathered parameters (`kept`, laid out by the static `layout`; `zeroxla.engine.remat`) and
+    less those that are the same at every layer (`hoisted`, kept once,
+    `zeroxla.engine.invariant_residuals`)."""
 
     shards: list[Any]
     saveds: list[Any]
@@ -192,9 +195,11 @@ class StackResiduals:
     xs: Any
     kept: Peeled          # per layer: its input carry (remat "full") or its kept residuals
     layout: VjpLayout | None = None       # None for remat "full"
+    hoisted: HoistedResiduals | None = None               # None for remat "full"
 
 
-jax.tree_util.register_dataclass(StackResiduals, ["shards", "saveds", "consts", "xs", "kept"],
+jax.tree_util.register_dataclass(StackResiduals,
+                                 ["shards", "saveds", "consts", "xs", "kept", "hoisted"],
                                  ["layout"])
 
 
@@ -256,6 +261,7 @@ class GatheredStack:
                 xs: Any) -> tuple[Any, Any, StackResiduals]:
         """Runs every layer; returns `(carry, ys, residuals)`."""
         layouts: list[VjpLayout] = []        # one per traced layer body (the scan's, the last's)
+        hoisted = None if self.remat == FULL else self._hoisted(shards, carry, consts, xs)
 
         def step(c, full, x_i, _):
             if self.remat == FULL:
@@ -264,7 +270,7 @@ class GatheredStack:
             (c_out, y), kept, layout = linearize_keeping(self._layer, self.leaves, full,
                                                          (c, consts, x_i), self.remat)
             layouts.append(layout)
-            return c_out, y, kept                        # keep its residuals, not its weights
+            return c_out, y, hoisted.varying(kept)       # its residuals, not its weights
 
         carry_out, (ys, saveds), per_layer = layer_loop(
             step, self._gather(backward=False), (shards, [None] * len(shards)), xs, carry,
@@ -273,7 +279,22 @@ class GatheredStack:
         if any(layout.slots != layouts[0].slots for layout in layouts):
             raise AssertionError("the layer's residuals differ between traces of the same layer")
         return carry_out, ys, StackResiduals(shards, saveds, consts, xs, per_layer,
-                                             layouts[0] if layouts else None)
+                                             layouts[0] if layouts else None, hoisted)
+
+    def _hoisted(self, shards: list[Any], carry: Any, consts: Any, xs: Any) -> HoistedResiduals:
+        """The layer's kept residuals that no layer's parameters, input carry or xs reach
+        (`hoist_invariant`), computed once from `consts`."""
+        def first(tree):
+            return jax.tree.map(lambda a: a[0], tree)
+        full, x_0 = jax.eval_shape(
+            lambda s, x: (self._gather(backward=False)((first(s), [None] * len(s)), carry)[0],
+                          first(x)), shards, xs)
+
+        def kept_of(varying, k):
+            full_i, c, x_i = varying
+            return linearize_keeping(self._layer, self.leaves, full_i, (c, k, x_i),
+                                     self.remat)[1]
+        return hoist_invariant(kept_of, (full, carry, x_0), consts)
 
     def _layer(self, full: list[Any], inputs: Any) -> Any:
         c, k, x_i = inputs
@@ -295,7 +316,8 @@ class GatheredStack:
                                                      permuted=self.comm.permuted_gradients)
             else:
                 g_full, (g_c_in, g_k_i, g_x_i) = r.layout.cotangents(
-                    kept_i, full, (g_c, g_y), permuted=self.comm.permuted_gradients)
+                    r.hoisted.merged(kept_i), full, (g_c, g_y),
+                    permuted=self.comm.permuted_gradients)
             g_k = [a + b for a, b in zip(g_k, split_floats(g_k_i)[0])] if g_k else g_k
             g_x_floats = split_floats(g_x_i)[0]
             d_shards_i = _scatter_gradients(self.comm, self.leaves, g_full)

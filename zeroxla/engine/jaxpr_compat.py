@@ -1,7 +1,7 @@
-"""The few facts about JAX's jaxprs that `zeroxla.engine.weight_split` and
-`zeroxla.engine.cotangent_layout` read and that no public API states: written against jax
-0.10.2 (check them again on an upgrade). Both re-emit a jaxpr equation by equation, with the
-environment helpers here (`read`, `write`).
+"""The few facts about JAX's jaxprs that `zeroxla.engine.weight_split`,
+`zeroxla.engine.cotangent_layout` and `zeroxla.engine.invariant_residuals` read and that no
+public API states: written against jax 0.10.2 (check them again on an upgrade). All three
+re-emit a jaxpr equation by equation, with the environment helpers here (`read`, `write`).
 
 * Which primitives are calls of an inner jaxpr (`pjit`, `closed_call`, `checkpoint`,
   `custom_jvp_call`, ...), under which parameter that jaxpr sits, and which of them have no

@@ -137,17 +137,22 @@ def _step_peak(stage, batch_size, seq_len, dtype="float32"):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batch_size, seq_len", [(8, 32), (32, 128)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stage2_keeps_only_a_partition_of_the_gradients(dtype):
+def test_stage2_keeps_only_a_partition_of_the_gradients(dtype, batch_size, seq_len):
     """ZeRO-2 reduce-scatters each unit's gradient as backward produces it, so 1/8 of the
-    float32 gradients persists instead of all of them. One sequence per device (gradients, not
-    activations, dominate): measured ZeRO-1 40.19 MiB, ZeRO-2 25.86 MiB (0.64x); under bf16
-    (float32 master partitions, bf16 copies) 31.52 vs 21.02 MiB (0.67x; 29.95 while XLA:CPU
-    kept a float32 image of the scanned bf16 layer copies, `engine.gather._scan`). With the
-    benchmark's 32 x 128 batch activations dominate: 133.53 vs 124.49 MiB (0.93x), the same
-    ~9-14 MiB saved."""
-    stage1, step = _step_peak(1, 8, 32, dtype)
-    stage2, _ = _step_peak(2, 8, 32, dtype)
-    assert stage2 <= 0.8 * stage1
+    float32 gradients persists instead of all of them: the peak saves at least 0.8 of the 7/8 of
+    the float32 gradient bytes stage 2 no longer holds, at one sequence per device and at the
+    benchmark's 32 x 128 batch (`benchmarks/zero.py`). At one sequence per device gradients, not
+    activations, dominate: measured ZeRO-1 40.19 MiB, ZeRO-2 26.84 MiB (0.67x; saved 1.23 of
+    the 7/8); under bf16 (float32 master partitions, bf16 copies) 31.53 vs 20.00 MiB (0.63x;
+    29.95 while XLA:CPU kept a float32 image of the scanned bf16 layer copies,
+    `engine.gather._scan`). At 32 x 128 activations dominate: 133.53 vs 123.48 MiB (0.92x;
+    saved 0.93 of the 7/8; 0.79 with the causal mask stacked per layer instead of kept once,
+    `engine.invariant_residuals`); bf16 130.59 vs 86.04 MiB."""
+    stage1, step = _step_peak(1, batch_size, seq_len, dtype)
+    stage2, _ = _step_peak(2, batch_size, seq_len, dtype)
+    if batch_size == 8:                        # gradients dominate the peak
+        assert stage2 <= 0.8 * stage1
     gradient_bytes = 4 * step.plan.total_numel()
     assert stage1 - stage2 >= 0.8 * gradient_bytes * 7 / 8      # (N-1)/N of them no longer held

@@ -3,9 +3,10 @@
 
 Both are XLA's own accounting of the compiled step (`compiled.memory_analysis()`: arguments +
 temporaries + outputs - donated), compiled only, never run. Where the two differ: activations
-dominate both (each layer's vjp residuals, stacked over the layers); ZeRO-3 adds a second gathered
-layer (prefetch) and a per-layer causal mask, and keeps the last layer's residuals, which its
-backward consumes right after forward, out of its stacks (`zeroxla.engine.layer_loop`).
+dominate both (each layer's vjp residuals, stacked over the layers, the causal mask once,
+`zeroxla.engine.invariant_residuals`); ZeRO-3 adds a second gathered layer (prefetch), and keeps
+the last layer's residuals, which its backward consumes right after forward, out of its stacks
+(`zeroxla.engine.layer_loop`).
 """
 
 import sys
@@ -44,7 +45,7 @@ def _zero3_peak(mesh, batch, **config) -> int:
 @pytest.mark.slow
 def test_zero3_peak_at_most_fsdp():
     """Measured (3 layers, 32 x 64 tokens, the suite's XLA flags): FSDP 44.84 MiB, ZeRO-3
-    42.83 MiB (0.955x) with prefetch, 39.45 MiB (0.880x) gathering just in time. gpt-small in
+    43.45 MiB (0.969x) with prefetch, 39.08 MiB (0.872x) gathering just in time. gpt-small in
     `benchmarks/zero.py`: 0.94x with prefetch (before `layer_loop` kept backward's residuals one
     layer at a time and forward's last layer's out of the stack: 1.15x)."""
     mesh = zeroxla.make_mesh(2, 4)
