@@ -14,7 +14,7 @@ generic fast tokenizer class, with ids identical to ours:
 
 No normalizer, no added tokens, and `clean_up_tokenization_spaces` off, so decoding returns the
 text exactly. A character outside a char vocabulary is an encoding error, as in `CharTokenizer`.
-`tokenizers` comes with `transformers`; it is imported only here.
+`tokenizers` (a dependency in pyproject.toml) is imported lazily, here and in `tiny_checkpoints`.
 
 The other direction, `PretrainedTokenizer.from_dir(checkpoint_dir)`, reads a pretrained model's
 fast-tokenizer files (tokenizer.json, plus the special tokens of tokenizer_config.json and

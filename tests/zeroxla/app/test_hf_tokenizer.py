@@ -5,7 +5,8 @@ import stat
 import numpy as np
 import pytest
 
-from zeroxla.app.hf_tokenizer import bytes_to_unicode, save_hf_tokenizer
+from hf_golden import FAMILIES, golden
+from zeroxla.app.hf_tokenizer import PretrainedTokenizer, bytes_to_unicode, save_hf_tokenizer
 from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer
 from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
 
@@ -32,3 +33,19 @@ def test_transformers_tokenizer_gives_our_ids_and_exact_text(ours, tmp_path):
     assert theirs.model_max_length == 128
     assert tokenizer_from_record(tokenizer_record(ours)) == ours
     np.testing.assert_array_equal(ours.encode(theirs.decode(ids)), ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_golden_tokenizer_files_give_transformers_ids(family):
+    """The tokenizer files transformers saved beside the golden checkpoints (tests/assets/hf),
+    read with `tokenizers` alone (no transformers): transformers' ids for each text, the special
+    `<|endoftext|>` as its one id 511, decoded back to the text exactly; eos and bos from
+    tokenizer_config.json."""
+    g = golden(family)
+    ours = PretrainedTokenizer.from_dir(g.directory)
+    assert (ours.vocab_size, ours.eos_id, ours.bos_id, ours.pad_id) == (512, 511, 511, 511)
+    assert 511 in g.ids[1]
+    for text, ids in zip(g.texts, g.ids):
+        assert ours.encode(text).tolist() == list(ids)
+        assert ours.decode(ids) == text
+    assert tokenizer_from_record(tokenizer_record(ours)) == ours
