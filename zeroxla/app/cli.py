@@ -111,8 +111,11 @@ def export_run(checkpoint: str, out: str, *, step: int | None = None, dtype: str
     pad, new_token = None, False
     if checkpoint_head(checkpoint, step=meta["step"]) == SEQUENCE_CLASSIFICATION:
         pad, new_token = reward_pad_id(tokenizer, fields["vocab_size"])
+    token_ids = {f"{name}_token_id": getattr(tokenizer, f"{name}_id", None)
+                 for name in ("bos", "eos")}
     files = export_checkpoint(checkpoint, out, step=meta["step"], dtype=dtype,
-                              max_shard_size=max_shard_size, pad_token_id=pad)
+                              max_shard_size=max_shard_size, pad_token_id=pad,
+                              token_ids={k: v for k, v in token_ids.items() if v is not None})
     if tokenizer is not None:
         files += save_tokenizer(tokenizer, out, model_max_length=fields["max_seq_len"])
         if new_token:

@@ -40,7 +40,8 @@ FILE_MODE = 0o644
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None,
                       dtype: str = "float32", max_shard_size: int | str = "5GB",
-                      pad_token_id: int | None = None) -> list[Path]:
+                      pad_token_id: int | None = None,
+                      token_ids: dict[str, int] | None = None) -> list[Path]:
     """Writes checkpoint `step` (default: the newest complete one) as a HF model in `out_dir`.
 
     `checkpoint` is a checkpoint directory (the one given to `zeroxla.save`) or one step
@@ -49,6 +50,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     names, as a causal LM or a sequence classifier (module docstring); returns the files
     written.
 
+    `token_ids` ({"bos_token_id": ..., "eos_token_id": ...}: the trained tokenizer's) go into
+    config.json, so that transformers' `generate` stops at the EOS the model was trained with.
     `pad_token_id` (a reward model's only) is the classifier's pad id: a token id that no real
     sequence holds (its tokenizer's pad token, or an id its tokenizer never produces); the
     default and the value `vocab_size` add one zero embedding row as that id (the vocabulary
@@ -66,7 +69,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     def get(path: str, layer: int | None) -> Any:
         return arrays.read(f"params/{path}", layer)
 
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(token_ids or {})
     if head == hf.SEQUENCE_CLASSIFICATION:
         pad = config.vocab_size if pad_token_id is None else pad_token_id
         if not (isinstance(pad, int) and 0 <= pad <= config.vocab_size):

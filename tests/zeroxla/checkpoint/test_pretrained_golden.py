@@ -79,5 +79,8 @@ def test_export_gives_back_the_golden(saved, tmp_path, dtype):
     assert len(stated) >= 12 and {"architectures", "model_type", "vocab_size"} <= stated
     assert {k: exported[k] for k in stated} == {k: golden_config[k] for k in stated}
     assert exported["dtype"] == dtype
+    # The trained tokenizer's EOS (and BOS), so that transformers' generate stops where ours does.
+    assert (exported["eos_token_id"], exported["bos_token_id"]) == (
+        golden_config["eos_token_id"], golden_config["bos_token_id"]) == (511, 511)
     for name in ("tokenizer.json", "tokenizer_config.json"):          # written back unchanged
         assert (out / name).read_bytes() == (g.directory / name).read_bytes(), name
