@@ -5,7 +5,8 @@ with the suite's codegen flags, through one compilation cache shared by the run'
 import os
 import shutil
 
-import xla_flags  # tests/support, on sys.path through pyproject's `pythonpath`
+import ci_legs  # tests/support, on sys.path through pyproject's `pythonpath`
+import xla_flags
 
 _FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
 os.environ["XLA_FLAGS"] = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
@@ -40,7 +41,18 @@ def devices():
     return jax.devices()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests of the second CI leg's files carry its marker (tests/support/ci_legs.py)."""
+    for item in items:
+        path = item.path.relative_to(config.rootpath).as_posix()
+        if path in ci_legs.SECOND_LEG_FILES:
+            item.add_marker(ci_legs.MARKER)
+
+
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{ci_legs.MARKER}: run by the second CI leg (Python 3.12, the newest JAX) "
+        "whether slow or not (tests/support/ci_legs.py)")
     config.addinivalue_line(
         "markers", "fusion_emitters: the check is bit-identity between differently compiled "
         "programs, which holds with XLA:CPU's fusion emitters (what users run) but not with the "
@@ -51,7 +63,8 @@ def pytest_configure(config):
 def pytest_pyfunc_call(pyfuncitem):
     """A `fusion_emitters` test runs in a child pytest (this test only, XLA:CPU's fusion
     emitters, the run's compilation cache) and passes or fails with it."""
-    if _FUSION_EMITTERS or not pyfuncitem.get_closest_marker("fusion_emitters"):
+    if (_FUSION_EMITTERS or not xla_flags.HAS_OLDER_EMITTERS
+            or not pyfuncitem.get_closest_marker("fusion_emitters")):
         return None
     env = xla_flags.child_environ()       # the child's conftest drops OLDER_EMITTERS_FLAG
     env[xla_flags.FUSION_EMITTERS_ENV] = "1"

@@ -20,6 +20,7 @@ site-packages instead of a virtualenv's, without its setuptools or jax.)
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -104,6 +105,23 @@ def _expected_files():
     for pattern in PACKAGE_DATA:
         expected |= {path.relative_to(ROOT).as_posix() for path in ROOT.glob(pattern)}
     return expected
+
+
+def test_installing_keeps_the_jax_that_is_there(wheel, tmp_path):
+    """`pip install zeroxla` where a JAX in its range is installed (jax 0.10 on Python 3.11,
+    0.12 on the second CI leg's 3.12) installs zeroxla alone: no JAX downgraded with its CUDA
+    plugin, nothing else replaced. pip's own resolver decides, offline (`--no-index`: nothing
+    but this environment to choose from), in a dry run that reports what it would install."""
+    report = tmp_path / "report.json"
+    _run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-index",
+          "--report", str(report), str(wheel)], cwd=tmp_path)
+    installs = {item["metadata"]["name"]: item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+    assert installs == {"zeroxla": importlib.metadata.version("zeroxla")}, installs
+    jax_version = importlib.metadata.version("jax")
+    requirement = next(r for r in importlib.metadata.requires("zeroxla")
+                       if r.startswith("jax") and r[3] in "<>=!~ ")
+    print(f"kept jax {jax_version} (zeroxla requires {requirement})")
 
 
 def test_wheel_holds_every_package_module_and_data_file(wheel):

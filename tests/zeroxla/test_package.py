@@ -8,6 +8,7 @@ The modules are found from the files, not by importing them: pyproject.toml's
 """
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -296,6 +297,7 @@ def test_import_graph_has_no_cycles():
 # layer may import each other (the cycle test above still holds between modules).
 LAYERS = (
     ("zeroxla.models", "zeroxla.pallas_kernels"),    # import nothing of zeroxla
+    ("zeroxla.compat",),                             # what differs between JAX versions
     ("zeroxla.sharding",),                           # mesh, config, rules, plan: data only
     ("zeroxla.collectives",),
     ("zeroxla.engine",),                             # the step and its layout
@@ -433,3 +435,30 @@ def test_every_module_is_named_in_its_package_guide_and_the_readme_layout():
                 unlisted.append(f"{init.parent.name}/{module}.py missing from the README "
                                 f"layout row of {PACKAGE}/{init.parent.name}/")
     assert not unlisted, "\n".join(unlisted)
+
+
+# ---- JAX versions --------------------------------------------------------------------------------
+
+# What choosing by the installed JAX's version looks like in code: only zeroxla.compat may do it.
+VERSION_CHECKS = re.compile(r"jax_at_least\(|compat\.versions|compat import versions|"
+                            r"__version__\s*[<>=!]|__version__\.split|"
+                            r"metadata\.version\(\s*[\"']jax")
+
+
+def test_only_compat_chooses_by_the_jax_version():
+    """Every version-dependent branch lives in zeroxla.compat (its BRANCHES table lists them):
+    no other module of the package compares or parses the installed JAX's version."""
+    found = [f"{module}: {match.group(0)}"
+             for module, path in module_files(package_dirs()).items()
+             if not (module == "zeroxla.compat" or module.startswith("zeroxla.compat."))
+             for match in VERSION_CHECKS.finditer(path.read_text())]
+    assert not found, found
+
+
+def test_every_listed_version_branch_names_a_file_that_exists():
+    from zeroxla.compat import BRANCHES
+
+    for branch in BRANCHES:
+        path = branch.where.split(" ")[0]
+        assert (ROOT / path).is_file(), branch
+        assert branch.since > (0, 10) and branch.older and branch.newer and branch.tests, branch

@@ -21,7 +21,6 @@
     weight_split.py a pullback split into its input-gradient part B and its weight-gradient
                    part W (zero-bubble schedules), W reading what B stashes
     weight_split_plan.py which jaxpr equations B and W run, and the stash between them
-    jaxpr_compat.py the jaxpr facts the split reads that no public JAX API states
     gradients.py   what is differentiated, and where each gradient is reduced, per stage
     update.py      each leaf's layouts around the optax update
     optimizer.py   any optax transformation on the logical, sharded parameters
@@ -31,6 +30,8 @@
     logical.py     the state's mesh-independent form (checkpoints)
 
 The plan it runs (mesh, ZeroConfig, rules, leaf plans) is `zeroxla.sharding`; collectives live
-in `zeroxla.collectives`, kernels in `zeroxla.pallas_kernels`. `zeroxla.make.make_step` builds
-the layout and chooses the plain step or the pipelined one (`zeroxla.pipeline`), which sit above.
+in `zeroxla.collectives`, kernels in `zeroxla.pallas_kernels`, what differs between JAX
+versions (the jaxpr facts the split reads, `compute_on`) in `zeroxla.compat`.
+`zeroxla.make.make_step` builds the layout and chooses the plain step or the pipelined one
+(`zeroxla.pipeline`), which sit above.
 """

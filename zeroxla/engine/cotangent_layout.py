@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from zeroxla.collectives.dot_layout import Permuted
-from zeroxla.engine import jaxpr_compat as compat
+from zeroxla.compat import jaxpr as compat
 
 
 

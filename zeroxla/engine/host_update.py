@@ -1,8 +1,10 @@
 """The optimizer update in host memory: ZeRO-Offload's CPU optimizer step on JAX memory kinds.
 
 With the optimizer or the parameters offloaded (`engine.offload`), the optax update runs where
-its operands are stored, under `jax.experimental.compute_on("device_host")` inside the step's
-`jit` (one host computation, `host_update`'s `update`), on host-resident operands only:
+its operands are stored, as one host computation inside the step's `jit`
+(`jax.experimental.compute_on("device_host")`, spelled per JAX version by
+`zeroxla.compat.memory.host_computation`: `host_update`'s `update`), on host-resident operands
+only:
 
     into the host computation                       from
       the reduced gradients                         device, after their reduction (DeepSpeed
@@ -24,11 +26,11 @@ its operands are stored, under `jax.experimental.compute_on("device_host")` insi
 So the device never receives an offloaded master or partition whole: with parameter offload,
 the parameters it holds are the gradient pass's gathered working set only. (JAX 0.10 types an
 `unpinned_host` array as device memory, `core.mem_kind_to_space`, so state kept there is put in
-pinned host memory for the computation and back.)
+pinned host memory for the computation and back; 0.12 does the same.)
 
-JAX 0.10 cannot trace every optax transformation under host compute: it types what is made
-there (constants, zeros, a result of scalars alone) for device memory, beside the host-typed
-operands, and refuses the mix. Some transformations meet it in one primitive
+JAX (0.10 and 0.12 alike) cannot trace every optax transformation under host compute: it types
+what is made there (constants, zeros, a result of scalars alone) for device memory, beside the
+host-typed operands, and refuses the mix. Some transformations meet it in one primitive
 (`optax.clip_by_global_norm`, `scale_by_trust_ratio` of `lamb`/`lars`, `adafactor`, `adagrad`,
 `zero_nans`: a `ValueError`, "memory_space of all inputs passed to `add` must be the same");
 wrappers whose `lax.cond` returns an operand from one branch and a value made there from the
@@ -49,8 +51,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
 
+from zeroxla.compat.memory import host_computation
 from zeroxla.engine import offload
 from zeroxla.engine.logical import abstract_storage_state
 from zeroxla.engine.optimizer import optax_transformation
@@ -205,12 +207,11 @@ def host_update(layout: Any, state: Any, logical_grads: dict[str, jax.Array],
         rest = {p: v for p, v in new_logical.items() if p not in masters}
         return stored, copies, rest, new_opt
 
-    # Only the update is under `compute_on` (a `device_put` traced there would lower for the
-    # host, without its placement annotation).
-    with compute_on("device_host"):
-        stored, copies, rest, new_opt = jax.jit(update)(
-            grads, opt_state, masters, inputs, old_copies, opt_state if opt_hosted else None,
-            flag, token)
+    # Only the update is the host computation (a `device_put` traced there would lower for the
+    # host, without its placement annotation); its results are typed for host memory.
+    stored, copies, rest, new_opt = host_computation(update)(
+        grads, opt_state, masters, inputs, old_copies, opt_state if opt_hosted else None,
+        flag, token)
 
     new_params = dict(state.params)
     for leaf in trainable:

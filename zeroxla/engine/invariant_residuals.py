@@ -13,7 +13,7 @@ XLA flags) ZeRO-2 124.98 -> 123.48 MiB, ZeRO-3 106.72 -> 105.22 MiB.
 It traces the layer's forward once more (a jaxpr from the layer's varying inputs - its
 parameters, input carry and per-layer xs - and the stack's consts to its kept residuals), finds
 the residuals no varying input reaches, and computes just those, once, from the consts,
-re-emitting only the equations they need (`jaxpr_compat.bind`, names and scopes kept). The
+re-emitting only the equations they need (`compat.jaxpr.bind`, names and scopes kept). The
 dependence read is conservative: a plain call's body (`pjit`, e.g. `jnp.where`) is read
 equation by equation, any other equation's results depend on all its operands, and a result
 of an equation with an ordering effect (a callback) is never hoisted. The values are those every
@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from zeroxla.engine import jaxpr_compat as compat
+from zeroxla.compat import jaxpr as compat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,24 +22,23 @@ Here that is a placement, not a second engine: the state's shardings carry a hos
 Where the update runs, chosen once when the step is built (`host_update.update_placement`, said
 in `step.describe()`):
 
-* on the host, where it can be traced there (SGD, Adam/AdamW, Lion, RMSProp, ... on JAX 0.10):
-  `engine.host_update` runs the optax update under `compute_on("device_host")` inside the step's
-  `jit`, on host-resident operands only. The reduced gradients go to the host after their
-  reduction (as DeepSpeed copies them to the CPU), the masters, parameter partitions and
-  optimizer state are updated where they are stored, and only what the device stores comes back
-  (stage 3's 16-bit partition, in 16 bits; persistent leaves' new values). The device never
-  holds an offloaded master or partition whole, nor the offloaded optimizer state.
-* on the device with explicit transfers, where host compute cannot be traced: JAX 0.10 refuses
-  some optax transformations under `compute_on` (`optax.clip_by_global_norm`, `lamb`/`lars`'s
-  `scale_by_trust_ratio`, `adafactor`, `adagrad`: "memory_space of all inputs passed to `add`
-  must be the same", a device-typed constant or temporary meets a host-typed array; the
+* on the host, where it can be traced there (SGD, Adam/AdamW, Lion, RMSProp, ... on JAX 0.10 and
+  0.12): `engine.host_update` runs the optax update under `compute_on("device_host")` inside the
+  step's `jit` (`zeroxla.compat.memory`), on host-resident operands only. The reduced gradients go
+  to the host after their reduction (as DeepSpeed copies them to the CPU), the masters, parameter
+  partitions and optimizer state are updated where they are stored, and only what the device stores
+  comes back (stage 3's 16-bit partition, in 16 bits; persistent leaves' new values). The device
+  never holds an offloaded master or partition whole, nor the offloaded optimizer state.
+* on the device with explicit transfers, where host compute cannot be traced: JAX (0.10 and 0.12)
+  refuses some optax transformations under `compute_on` (`optax.clip_by_global_norm`,
+  `lamb`/`lars`'s `scale_by_trust_ratio`, `adafactor`, `adagrad`: "memory_space of all inputs passed
+  to `add` must be the same", a device-typed constant or temporary meets a host-typed array; the
   `lax.cond` of `optax.MultiSteps` and `optax.apply_if_finite`: "cond branches must have equal
   output types", for the same reason), and a ZeRO step must run every transformation exactly.
-  `resident` then brings the offloaded parts in (`jax.device_put` to the device memory kind,
-  inside the step's `jit`) just before `engine.apply` runs the update, and `offloaded` sends
-  the new optimizer state and master back right after, as in JAX's own optimizer-offload
-  recipe; the device holds every offloaded partition for the update. `make_step` warns, naming
-  the transformation.
+  `resident` then brings the offloaded parts in (`jax.device_put` to the device memory kind, inside
+  the step's `jit`) just before `engine.apply` runs the update, and `offloaded` sends the new
+  optimizer state and master back right after, as in JAX's own optimizer-offload recipe; the device
+  holds every offloaded partition for the update. `make_step` warns, naming the transformation.
 
 Either way the step is bit-identical to the non-offloaded one (`tests/zeroxla/engine/
 test_offload.py`, `test_param_offload.py`: losses and states), but where offload changes the

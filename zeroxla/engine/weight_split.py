@@ -30,7 +30,7 @@ B writes the stash into caller-owned buffers at an index (`at`, a pipeline's sta
 scan's part row by row inside its loop, and W reads it there row by row: no stacked copy of the
 stash is made on either side (`zeroxla.engine.layer_loop` keeps its per-layer values the same
 way). How the jaxpr is divided: `zeroxla.engine.weight_split_plan`; the version-specific facts
-read about jaxprs: `zeroxla.engine.jaxpr_compat`.
+read about jaxprs: `zeroxla.compat.jaxpr`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeroxla.engine import jaxpr_compat as compat
+from zeroxla.compat import jaxpr as compat
 from zeroxla.engine.weight_split_plan import Region, ScanSplit, UnsupportedSplit, plan
 
 __all__ = ["UnsupportedSplit", "WeightSplit", "split_pullback"]

@@ -17,8 +17,8 @@ import math
 from typing import Any
 
 
-from zeroxla.engine import jaxpr_compat as compat
-from zeroxla.engine.jaxpr_compat import is_var
+from zeroxla.compat import jaxpr as compat
+from zeroxla.compat.jaxpr import is_var
 
 
 class UnsupportedSplit(Exception):

@@ -107,9 +107,14 @@ def test_hysteresis_absorbs_first_overflow():
 def test_fp16_training_tracks_float32_single_device():
     """fp16 compute (ZeRO-3, loss-scaled fp16 gradients reduced in 16 bits, fp32 master
     partitions) against plain float32 optax on one device, SGD so that a wrong gradient scale
-    shows (Adam normalises it away). Measured: losses within 1.2e-6, the parameters' distance
-    from the reference 0.08% of the distance travelled, the travel ratio 1 within 3e-5; with
-    every 16-bit reduced gradient scaled by 1.01: 3.9e-4, 0.86% and 1.0058 (`tracking.py`)."""
+    shows (Adam normalises it away). Measured, the losses' largest relative gap: 3.7e-7 with
+    XLA:CPU's older loop emitters (jax 0.10's suite), 1.35e-5 with its MLIR fusion emitters
+    (jax 0.10's default build, and jax 0.12's only emitters: 1.75e-5), which round the 16-bit
+    backward differently; step 1's loss is bit-identical in all three. The parameters' distance
+    from the reference is 0.08% of the distance travelled, the travel ratio 1 within 1.2e-4.
+    With every 16-bit reduced gradient scaled by 1.01 (a wrong scale): 3.9e-4, 0.86% and 1.0058
+    (`tracking.py`), so the bounds below (5e-5, 0.2%, 1e-3) hold under either emitter and fail
+    for that bug by 8x, 4x and 6x."""
     batches = token_batches(3, 16, 16, vocab=65, seed=4)
     expected_losses, expected = train_single_device(models.build("gpt-tiny", seed=1),
                                                     optax.sgd(0.5), batches)
@@ -122,7 +127,7 @@ def test_fp16_training_tracks_float32_single_device():
         state, metrics = step(state, batch)
         assert not bool(metrics["overflow"])            # every step taken, as the reference's
         losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, expected_losses, rtol=5e-5)
     got = flat_params(zeroxla.gather_params(state))
     initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))
     assert distance_over_travelled(got, expected, initial) < 2e-3

@@ -2,9 +2,9 @@
 and `optax.apply_if_finite` (skip a step whose gradient is not finite) with the optimizer
 offloaded (stages 1-3) or the parameters (stage 3) train as plain single-device optax does.
 
-Their `lax.cond` does not trace under `compute_on("device_host")` on JAX 0.10 (what a branch
-makes there is typed for device memory, what it passes through for host memory), so the step
-runs their update on the device between explicit transfers, says so in `describe()` and a
+Their `lax.cond` does not trace under `compute_on("device_host")` on JAX 0.10 nor 0.12 (what a
+branch makes there is typed for device memory, what it passes through for host memory), so the
+step runs their update on the device between explicit transfers, says so in `describe()` and a
 warning naming the wrapper, and the program lowered for a GPU has no host computation. Other
 wrappers people chain (clipping, `inject_hyperparams`, `masked`, `multi_transform`) run where
 they trace, host or device, and train as on one device too; `optax.lookahead`, which needs its
@@ -27,6 +27,7 @@ from flax import nnx
 
 import zeroxla
 from reference import flat_params, train_single_device
+from zeroxla.compat.lowering import lower_for_cuda
 from zeroxla.engine.optimizer import OptimizerError
 
 THRESHOLD = 20            # every kernel and the hidden biases partitioned; the 10-wide bias not
@@ -204,8 +205,7 @@ def test_the_gpu_program_updates_on_the_device_between_transfers(name):
         warnings.simplefilter("ignore")
         step = _make_step(WRAPPERS[name][0](), "both-3")
     state = jax.eval_shape(step.init)
-    text = step._jitted.trace(state, _batches()[0]).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(step._jitted, state, _batches()[0]).as_text()
     assert "_xla_compute_type" not in text
     placements = _placements(text)
     partitioned = [leaf for leaf in step.plan.leaves if leaf.params_partitioned]

@@ -30,6 +30,7 @@ from reference import flat_params, token_batches
 from runs import run_steps
 from zeroxla import checkpoint, models
 from zeroxla.analysis.memory import argument_bytes_by_memory_kind
+from zeroxla.compat.lowering import lower_for_cuda
 
 
 def _run(offload_optimizer):
@@ -107,8 +108,7 @@ def _placements(text: str) -> list[tuple[str, tuple[int, ...]]]:
 def _gpu_program(step, state) -> str:
     """The step lowered for a GPU (XLA:CPU ignores memory kinds, so its program cannot show
     where things live)."""
-    return step._jitted.trace(state, reference()[0][0]).lower(
-        lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(step._jitted, state, reference()[0][0]).as_text()
 
 
 def test_the_gpu_program_fetches_one_layer_partition_at_a_time():
@@ -208,8 +208,8 @@ def test_the_gpu_program_updates_on_the_host_and_never_brings_a_partition_in(
 
 def test_a_transformation_the_host_cannot_trace_takes_the_device_update_and_says_so():
     """`optax.clip_by_global_norm` does not trace under `compute_on("device_host")` on JAX 0.10
-    (a device-typed temporary meets the host-typed gradients): `make_step` warns and the step
-    runs the update on the device between explicit copies, `describe()` naming the
+    nor 0.12 (a device-typed temporary meets the host-typed gradients): `make_step` warns and the
+    step runs the update on the device between explicit copies, `describe()` naming the
     transformation; the GPU program then brings the partitions in for the update. It trains
     bit-identically to the step without offload (2 steps: losses and parameters)."""
     def chained():
@@ -240,8 +240,8 @@ def test_a_transformation_the_host_cannot_trace_takes_the_device_update_and_says
     (optax.lamb(1e-3), "optax.scale_by_trust_ratio"), (optax.adafactor(1e-3), "optax.scale_by_"),
 ])
 def test_the_update_placement_names_what_cannot_run_on_the_host(optimizer, refused_by):
-    """Which transformations JAX 0.10 traces under host compute (elementwise ones), and the one
-    named when it does not (LAMB's trust ratio, Adafactor's block RMS)."""
+    """Which transformations JAX (0.10 and 0.12 alike) traces under host compute (elementwise
+    ones), and the one named when it does not (LAMB's trust ratio, Adafactor's block RMS)."""
     config = zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD, offload_param="cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

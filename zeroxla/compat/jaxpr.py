@@ -1,20 +1,32 @@
 """The few facts about JAX's jaxprs that `zeroxla.engine.weight_split`,
 `zeroxla.engine.cotangent_layout` and `zeroxla.engine.invariant_residuals` read and that no
-public API states: written against jax 0.10.2 (check them again on an upgrade). All three
-re-emit a jaxpr equation by equation, with the environment helpers here (`read`, `write`).
+public API states, as they hold on jax 0.10.2 and on jax 0.12.0.1 (check them again on an
+upgrade). All three re-emit a jaxpr equation by equation, with the environment helpers here
+(`read`, `write`).
 
-* Which primitives are calls of an inner jaxpr (`pjit`, `closed_call`, `checkpoint`,
-  `custom_jvp_call`, ...), under which parameter that jaxpr sits, and which of them have no
-  semantics of their own (`PLAIN_CALLS`): the split inlines them all, the cotangent layout
-  the plain ones.
-* A `scan` equation's parameters (`num_consts`, `num_carry`, `length`, `reverse`, `unroll`,
-  `jaxpr`): the split rebuilds a scan as two `lax.scan`s.
-* Which effects are only a collective's mesh axis names (`NamedAxisEffect`), not an order.
-* How `jax.core.eval_jaxpr` re-emits an equation: `bind` with `Primitive.get_bind_params`,
-  under the equation's context (`eqn.ctx.manager`) and its name stack
-  (`jax._src.source_info_util.user_context`, private), so the ops the split re-emits keep
-  their `jax.named_scope` names (the comm report reads "zero_bwd_gather" /
-  "zero_grad_reduce" from the compiled ops' names). That private use is here only.
+* Which primitives are calls of an inner jaxpr, under which parameter that jaxpr sits, and
+  which of them have no semantics of their own (`PLAIN_CALLS`): the split inlines them all, the
+  cotangent layout and the invariant residuals the plain ones. On both versions: `jit`
+  (`jaxpr`), `remat2` (`jax.checkpoint`, `jaxpr`), `custom_jvp_call` and `custom_vjp_call`
+  (`call_jaxpr`). A call of a jaxpr value is `closed_call` on 0.10 and `eval_jaxpr` from 0.12
+  on (both `call_jaxpr`): the table names both, so no version is asked.
+* A called jaxpr with its constants: on 0.10 a `ClosedJaxpr` (`.jaxpr`, `.consts`) or an open
+  `Jaxpr`; from 0.11 on the two are one class (`jax.extend.core.ClosedJaxpr` is `Jaxpr`), whose
+  `.jaxpr` is itself, `.consts` the values of its `constvars` and `.invars` the rest. The same
+  reads (`.jaxpr.invars`, `.jaxpr.constvars`, `.consts`) mean the same on both.
+* A `scan` equation's loop (`scan_params`): operands are consts, then carries, then xs; results
+  carries, then ys. On 0.10 the parameters count them (`num_consts`, `num_carry`); from 0.11 on
+  they are flat trees of the operands and results (`ft_in`: (consts, carries, xs); `ft_out`:
+  (carries, ys)), counted here. `length`, `reverse`, `unroll` and `jaxpr` (the body) are the
+  same on both. The split rebuilds a scan as two `lax.scan`s from them.
+* Which effects are only a collective's mesh axis names (`NamedAxisEffect`, on both), not an
+  order.
+* How `jax.core.eval_jaxpr` re-emits an equation, the same on both: `bind` with
+  `Primitive.get_bind_params`, under the equation's context (`eqn.ctx.manager`) and its name
+  stack (`jax._src.source_info_util.user_context` and `current_name_stack`, private), so the
+  ops the split re-emits keep their `jax.named_scope` names (the comm report reads
+  "zero_bwd_gather" / "zero_grad_reduce" from the compiled ops' names). That private use is
+  here only.
 
 Everything else the split uses is public: `jax.extend.core` (`Jaxpr`, `Var`, `Literal`,
 `jaxprs_in_params`), `jax.make_jaxpr` and `lax.scan`.
@@ -30,16 +42,18 @@ from typing import Any
 from jax._src import source_info_util   # private: see the module docstring
 from jax.extend import core as jex_core
 
+from zeroxla.compat.versions import jax_at_least
+
 # primitive name -> the parameter holding the jaxpr it calls (a Jaxpr or ClosedJaxpr)
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-          "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-          "custom_vjp_call_jaxpr": "fun_jaxpr"}
+          "eval_jaxpr": "call_jaxpr", "core_call": "call_jaxpr", "checkpoint": "jaxpr",
+          "remat": "jaxpr", "remat2": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
 
 
 # The calls among them with no semantics of their own (no rematerialization, no custom rule):
 # inlining one changes nothing but the call boundary.
-PLAIN_CALLS = ("pjit", "jit", "closed_call", "core_call")
+PLAIN_CALLS = ("pjit", "jit", "closed_call", "eval_jaxpr", "core_call")
 
 
 def called_jaxpr(eqn: Any) -> tuple[Any, list[Any]] | None:
@@ -76,8 +90,26 @@ class ScanParams:
 
 def scan_params(eqn: Any) -> ScanParams:
     p = eqn.params
-    return ScanParams(p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"],
-                      p["jaxpr"])
+    num_consts, num_carry = _scan_counts(p)
+    return ScanParams(num_consts, num_carry, p["length"], p["reverse"], p["unroll"], p["jaxpr"])
+
+
+def _counted_scan(p: dict) -> tuple[int, int]:
+    """jax 0.10: `num_consts`, `num_carry`."""
+    return p["num_consts"], p["num_carry"]
+
+
+def _flat_tree_scan(p: dict) -> tuple[int, int]:
+    """jax 0.11 on: the leaf counts of `ft_in`'s consts and carries (`ft_out`'s carries are the
+    same, checked)."""
+    consts, carries, _ = p["ft_in"].unpack()
+    out_carries, _ = p["ft_out"].unpack()
+    if len(carries) != len(out_carries):
+        raise ValueError(f"scan ft_in has {len(carries)} carries, ft_out {len(out_carries)}")
+    return len(consts), len(carries)
+
+
+_scan_counts = _flat_tree_scan if jax_at_least(0, 11) else _counted_scan
 
 
 def ordering_effects(effects: Any) -> set:
@@ -123,3 +155,7 @@ def scope_of(eqn: Any) -> Iterator[None]:
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
         yield
+
+
+__all__ = ["PLAIN_CALLS", "ScanParams", "bind", "called_jaxpr", "has_inner_jaxprs", "is_scan",
+           "is_var", "ordering_effects", "read", "scan_params", "scope_of", "write"]
