@@ -1,9 +1,9 @@
 """Every kernel lowers to Triton IR for CUDA, from this (CPU-only) machine.
 
-`jit(...).trace(...).lower(lowering_platforms=("cuda",))` runs the Pallas Triton lowering
-(jaxpr -> Triton IR) without a GPU; only Triton -> PTX compilation needs one. This catches what
-interpret mode cannot: primitives Triton has no rule for (e.g. `round`) and blocks whose size is
-not a power of two.
+`zeroxla.compat.lowering.lower_for_cuda` runs the Pallas Triton lowering (jaxpr -> Triton IR)
+without a GPU, for compute capability 9.0; only Triton -> PTX compilation needs one. This catches
+what interpret mode cannot: primitives Triton has no rule for (e.g. `round`) and blocks whose
+size is not a power of two.
 """
 
 import re
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import zeroxla.pallas_kernels as pk
+from zeroxla.compat.lowering import lower_for_cuda
 from zeroxla.pallas_kernels.quantization import _dequantize_pallas, _quantize_pallas
 from zeroxla.pallas_kernels.reduction import _dequant_reduce_pallas, _dequant_sum_pallas
 from zeroxla.pallas_kernels.swizzle import _swizzled_quantize_pallas
@@ -23,7 +24,7 @@ TILES = pk.QuantTiles()
 
 
 def triton_calls(fn, *args):
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.jit(fn), *args).as_text()
     return re.findall(r"custom_call @(\S+)\(", text)
 
 

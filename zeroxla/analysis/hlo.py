@@ -13,12 +13,16 @@ The work is split by idea, and this module puts it together:
 Their public names are re-exported here, so `from zeroxla.analysis.hlo import parse_module` (and
 the like) keeps working.
 
-What the text looks like in jax 0.10.2 (each point is checked in
+What the text looks like in jax 0.10 and 0.12 (each point is checked in
 tests/zeroxla/analysis/test_hlo.py), beyond what those modules describe:
 - Asynchronous pairs (`all-gather-start` / `all-gather-done`, or `async-start` wrapping a
   collective) are counted once, at the start.
 - Device ids are flattened ids `replica * num_partitions + partition`; a jitted SPMD program has
   one replica, so they are positions in `mesh.devices.flat` (not `Device.id`).
+- How the SPMD partitioner prints a resharding's groups differs between the versions (see
+  `replica_groups`), and so may the order in which it lists them; what each group holds does
+  not. jax 0.12's compiled program no longer repeats the parameters' `sharding=` (the program as
+  lowered, `lowered.as_text(dialect="hlo")`, still prints it); nothing here reads it.
 """
 
 from __future__ import annotations

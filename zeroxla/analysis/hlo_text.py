@@ -6,9 +6,10 @@ shape string into `ArrayShape`s with byte sizes. Nothing here knows what a colle
 operands: `zeroxla.analysis.hlo` reads collectives off this structure, `replica_groups` decodes
 their device groups and `trip_counts` how often each computation runs.
 
-The printer quirks handled here (jax 0.10.2; each is exercised in tests/zeroxla/analysis/
+The printer quirks handled here (jax 0.10 and 0.12; each is exercised in tests/zeroxla/analysis/
 test_hlo.py): instructions split over several lines, `/*index=5*/` markers in long operand lists,
-quoted strings holding brackets, and layouts `{1,0}` after shapes.
+quoted strings holding brackets, and layouts `{1,0}` after shapes. The module's `FileNames` /
+`StackFrames` tables between the header and the first computation are skipped.
 """
 
 from __future__ import annotations

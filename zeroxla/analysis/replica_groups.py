@@ -1,10 +1,13 @@
 """Replica groups: which devices each collective of an HLO program runs among.
 
-XLA prints `replica_groups=` in three forms (jax 0.10.2; each is checked in
+XLA prints `replica_groups=` in three forms (jax 0.10 and 0.12; each is checked in
 tests/zeroxla/analysis/test_hlo.py):
 - `shard_map` collectives print explicit groups, `replica_groups={{0,1,2,3},{4,5,6,7}}`.
-- Collectives that the SPMD partitioner inserts print the mesh-axes form,
-  `replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_1':(2)2}`.
+- Collectives that the SPMD partitioner inserts print the mesh-axes form. jax 0.10's XLA names
+  a mesh of its own and says where each of its devices sits,
+  `replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_1':(2)2}`;
+  jax 0.12's names the program's own mesh axes, here with no `device_ids` (devices in order),
+  `replica_groups=mesh['node'=2,'local'=4] {'local':(2)2}`. One parser reads both.
 - The iota form `replica_groups=[2,4]<=[4,2]T(1,0)` is what XLA's parser and older printers use.
 `parse_replica_groups` expands any of them to id lists. What the ids mean depends on XLA's
 `CollectiveOpGroupMode` (`group_mode`); `flattened_groups` / `flattened_pairs` turn them into

@@ -125,6 +125,8 @@ def test_iota_replica_groups_match_xla(text):
     ("mesh['x'=4,'y'=2], device_ids=([2,4]T(1,0)) {'x'}", LOCAL),
     ("mesh['x'=2,'y'=4], device_ids=([2,2,2]T(1,0,2)) {'y':(2)2}",
      ((0, 1), (4, 5), (2, 3), (6, 7))),
+    # The same pairs as jax 0.12's XLA spells them: the program's mesh, no device_ids.
+    ("mesh['node'=2,'local'=4] {'local':(2)2}", ((0, 1), (2, 3), (4, 5), (6, 7))),
     ("mesh['x'=2,'y'=4], device_ids=(0,1,4,5,2,3,6,7) {'x'}", ((0, 2), (1, 3), (4, 6), (5, 7))),
 ])
 def test_mesh_axes_replica_groups(text, groups):
@@ -133,10 +135,17 @@ def test_mesh_axes_replica_groups(text, groups):
 
 def test_iota_sharding_of_a_real_program_matches_jax_placement(mesh):
     """The iota `devices=[4,2]<=[2,4]T(1,0)` that XLA prints for P("local","node") puts, at
-    tile (i, j), the position in mesh.devices.flat of the device JAX gives block (i, j)."""
+    tile (i, j), the position in mesh.devices.flat of the device JAX gives block (i, j).
+
+    Read from the program's HLO as JAX hands it to XLA (`dialect="hlo"`, before partitioning):
+    both jax 0.10 and 0.12 print the parameter's sharding there. The compiled (partitioned)
+    program of jax 0.10 repeats it on its per-device parameter; 0.12's does not."""
     sharding = NamedSharding(mesh, P(LOCAL_AXIS, NODE_AXIS))
-    text = jax.jit(lambda a: a * 2, in_shardings=sharding).lower(X).compile().as_text()
-    assert "sharding={devices=[4,2]<=[2,4]T(1,0)}" in text
+    text = jax.jit(lambda a: a * 2, in_shardings=sharding).lower(X).as_text(dialect="hlo")
+    module = hlo.parse_module(text)
+    [param] = [i for i in module.computations[module.entry].instructions
+               if i.opcode == "parameter"]
+    assert param.attrs["sharding"] == "{devices=[4,2]<=[2,4]T(1,0)}"
     tiles = hlo.iota_array((4, 2), (2, 4), (1, 0))
     flat = list(mesh.devices.flat)
     for device, index in sharding.devices_indices_map(X.shape).items():
@@ -219,17 +228,33 @@ def test_groups_are_mesh_positions_not_device_ids(devices):
 
 
 def test_collectives_from_the_spmd_partitioner_use_mesh_axes_form(mesh):
-    """jit with shardings (no shard_map): XLA prints mesh-axes groups; decoded groups agree with
-    the resharding: P("local","node") -> P("node","local") swaps blocks within pairs."""
-    fn = jax.jit(lambda a: a * 2, in_shardings=NamedSharding(mesh, P(LOCAL_AXIS, NODE_AXIS)),
+    """jit with shardings (no shard_map): XLA prints mesh-axes groups, and the decoded groups
+    agree with what executing the resharding P("local","node") -> P("node","local") does.
+
+    The partitioner runs it as an all-to-all within pairs of devices, then a collective-permute.
+    jax 0.10 prints the all-to-all's groups as `mesh['axis_0'=2,'axis_1'=4],
+    device_ids=([2,2,2]T(1,0,2)) {'axis_1':(2)2}`, i.e. ((0,1),(4,5),(2,3),(6,7)); jax 0.12 as
+    `mesh['node'=2,'local'=4] {'local':(2)2}`, the same pairs listed ((0,1),(2,3),(4,5),(6,7)).
+    The order of the groups means nothing to XLA, so the check is where the data goes: the
+    devices whose blocks end on device t are the all-to-all group of t's permute source."""
+    in_sharding = NamedSharding(mesh, P(LOCAL_AXIS, NODE_AXIS))
+    fn = jax.jit(lambda a: a * 2, in_shardings=in_sharding,
                  out_shardings=NamedSharding(mesh, P(NODE_AXIS, LOCAL_AXIS)))
     text = compiled_text(fn, X)
     assert "replica_groups=mesh[" in text
-    by_kind = {c.kind: c for c in hlo.collectives(text)}
-    assert by_kind["all-to-all"].device_groups == ((0, 1), (4, 5), (2, 3), (6, 7))
-    assert by_kind["all-to-all"].operand_bytes == 2 * 8 * 4 * 4
-    assert set(by_kind["collective-permute"].device_pairs) == {
-        (0, 0), (1, 1), (4, 2), (5, 3), (2, 4), (3, 5), (6, 6), (7, 7)}
+    all_to_all, permute = hlo.collectives(text)            # in the scheduled program's order
+    assert (all_to_all.kind, permute.kind) == ("all-to-all", "collective-permute")
+    assert all_to_all.operand_bytes == X.nbytes // 8            # each device's whole block
+    flat = list(mesh.devices.flat)
+    owner = np.zeros(X.shape, np.float32)   # owner[r, c]: the position holding X[r, c]
+    for device, index in in_sharding.devices_indices_map(X.shape).items():
+        owner[index] = flat.index(device)
+    received = {flat.index(shard.device): set(np.asarray(shard.data).astype(int).ravel() // 2)
+                for shard in fn(owner).addressable_shards}
+    group_of = {p: set(group) for group in all_to_all.device_groups for p in group}
+    assert sorted(group_of) == list(range(8)) and len(all_to_all.device_groups) == 4
+    assert sorted(t for _, t in permute.device_pairs) == list(range(8))
+    assert {t: group_of[s] for s, t in permute.device_pairs} == received
 
     summed = jax.jit(lambda a: a.sum(0), in_shardings=NamedSharding(mesh, P(LOCAL_AXIS, NODE_AXIS)),
                      out_shardings=NamedSharding(mesh, P()))

@@ -1,8 +1,8 @@
 """The wire format is chosen per platform when the step is lowered: native 16-bit collectives
 for GPU, the raw-bits workaround for XLA:CPU only; the bytes per parameter are the same.
 
-The CUDA program is lowered on this CPU machine (`lowering_platforms=("cuda",)` needs no GPU)
-and read as StableHLO: every collective op and its operand types, from the MLIR module.
+The CUDA program is lowered on this CPU machine (`zeroxla.compat.lowering.lower_for_cuda` needs
+no GPU) and read as StableHLO: every collective op and its operand types, from the MLIR module.
 """
 
 import math
@@ -14,6 +14,7 @@ import pytest
 
 import zeroxla
 from zeroxla import models
+from zeroxla.compat.lowering import lower_for_cuda
 
 ITEMSIZE = {"bf16": 2, "f16": 2, "ui16": 2, "f32": 4, "ui32": 4, "i32": 4}
 COLLECTIVES = ("stablehlo.all_gather", "stablehlo.reduce_scatter", "stablehlo.all_to_all",
@@ -55,9 +56,9 @@ def _lower(**config):
                              config=zeroxla.ZeroConfig(compute_dtype="bfloat16", **config))
     state = step.init()
     tokens = np.zeros((16, 32), np.int32)
-    traced = step._jitted.trace(state, {"inputs": tokens, "targets": tokens})
-    return {platform: _ops(traced.lower(lowering_platforms=(platform,)))
-            for platform in ("cpu", "cuda")}
+    batch = {"inputs": tokens, "targets": tokens}
+    return {"cpu": _ops(step._jitted.trace(state, batch).lower(lowering_platforms=("cpu",))),
+            "cuda": _ops(lower_for_cuda(step._jitted, state, batch))}
 
 
 @pytest.fixture(scope="module")
