@@ -18,6 +18,7 @@ SECOND_LEG_FILES = (
     "tests/zeroxla/analysis/test_hlo.py",
     "tests/zeroxla/analysis/test_comm_report.py",
     "tests/zeroxla/analysis/test_peak_vs_fsdp.py",
+    "tests/zeroxla/analysis/test_memory.py",
     "tests/zeroxla/collectives/test_dot_layout.py",
     "tests/zeroxla/collectives/test_quantized_collectives.py",
     "tests/zeroxla/collectives/test_wire_backends.py",
