@@ -230,6 +230,7 @@ def test_user_model_with_offload_matches_single_device(offload):
 
 
 @pytest.mark.slow
+@pytest.mark.fusion_emitters
 def test_user_model_16bit_partitions_with_optimizer_offload_train_as_without():
     # nanoGPT at stage 3 under bf16 with ZeRO-Offload: each nnx.Linear's partition is a bf16
     # copy on the device (what its gathers read) beside its float32 master in host memory,
