@@ -45,7 +45,8 @@ def pytest_collection_modifyitems(config, items):
     """The tests of the second CI leg's files carry its marker (tests/support/ci_legs.py)."""
     for item in items:
         path = item.path.relative_to(config.rootpath).as_posix()
-        if path in ci_legs.SECOND_LEG_FILES:
+        if (path in ci_legs.SECOND_LEG_FILES
+                and f"{path}::{item.name}" not in ci_legs.LEFT_TO_LEG_1):
             item.add_marker(ci_legs.MARKER)
 
 
