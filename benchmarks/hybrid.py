@@ -69,7 +69,8 @@ def timed(generate, runs=3):
 
 def hybrid_row(step, state, prompts, tp, max_out, new_tokens, base_out):
     """(table row, floor row) of `HybridEngine` at `inference_tp_size=tp`."""
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=tp, max_out_tokens=max_out))
+    engine = HybridEngine(step.layout,
+                          HybridEngineConfig(inference_tp_size=tp, max_out_tokens=max_out))
     reshard = engine.reshard_program(state)
     jax.block_until_ready(reshard(engine.reshard_inputs(state)))  # compile outside the time
     engine.generate(state, prompts, 1)                            # reshard + pin
@@ -80,10 +81,10 @@ def hybrid_row(step, state, prompts, tp, max_out, new_tokens, base_out):
     gen_time, out = timed(lambda: engine.generate(state, prompts, new_tokens))
     for a, b in zip(out, base_out):
         np.testing.assert_array_equal(a, b)
-    resident = per_device_bytes((state, engine._params, list(engine._caches.values())))
+    resident = per_device_bytes((state, *engine.kept_arrays()))
     comm = comm_report(engine.token_program(state, len(prompts)), mesh=engine.mesh)
     reshard_bytes = comm_report(reshard, mesh=engine.mesh).total_bytes
-    account = reshard_account(step.plan, engine.layout)
+    account = reshard_account(step.layout.plan, engine.layout)
     over: dict[str, list[float]] = {}
     for leaf in account:
         if leaf.reason:       # a leaf above its floor: why, and by how much
@@ -137,10 +138,10 @@ def main() -> None:
     tokens = args.prompts * args.new_tokens
     train_bytes = per_device_bytes(state)
 
-    baseline = Zero3Generator(step, max_out)
+    baseline = Zero3Generator(step.layout, max_out)
     base_time, base_out = timed(lambda: baseline.generate(state, prompts, args.new_tokens))
-    base_comm = comm_report(baseline.token_program(state, len(prompts)), mesh=step.mesh)
-    single = SingleDeviceGenerator(step, max_out)
+    base_comm = comm_report(baseline.token_program(state, len(prompts)), mesh=step.layout.mesh)
+    single = SingleDeviceGenerator(step.layout, max_out)
     single_time, single_out = timed(lambda: single.generate(state, prompts, args.new_tokens))
     for a, b in zip(single_out, base_out):
         np.testing.assert_array_equal(a, b)

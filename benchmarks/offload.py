@@ -53,7 +53,7 @@ def measure(model_name: str, stage: int, dtype: str, offload: str, batch: dict,
     step = zeroxla.make_step(models.build(model_name), zeroxla.make_mesh(2, 4),
                              optimizer=optax.adamw(1e-3), config=config)
     state = step.init()
-    report = zeroxla.memory_report(step, state, batch)
+    report = zeroxla.memory_report(step.compile(state, batch), state, layout=step.layout)
     split = argument_bytes_by_memory_kind(step.compile(state, batch))
     times = []
     for _ in range(steps):

@@ -15,8 +15,8 @@ its own compiled programs), and prints their tables under one heading each:
 * `offload.py`: ZeRO-Offload's device peak and step time with and without it.
 
 `--quick` passes each the fewest timed steps it takes (a smoke run of the whole comparison);
-the figures in the README come from the default. A benchmark that fails stops the run with its
-exit status, after its output.
+the tables in docs/benchmarks.md come from the defaults. A benchmark that fails stops the run
+with its exit status, after its output.
 """
 
 from __future__ import annotations

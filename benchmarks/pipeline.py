@@ -101,7 +101,8 @@ def _permute_bytes(compiled) -> int:
 
 def _stage_block_bytes(step) -> int:
     """float32 bytes of the most blocks one stage holds, gathered whole."""
-    per_layer = sum(4 * math.prod(leaf.shape[1:]) for leaf in step.plan.leaves if leaf.stacked)
+    per_layer = sum(4 * math.prod(leaf.shape[1:]) for leaf in step.layout.plan.leaves
+                    if leaf.stacked)
     return per_layer * step.pipeline.split.max_layers
 
 

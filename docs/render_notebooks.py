@@ -1,11 +1,14 @@
-"""Executes every notebook in notebooks/ and writes it with its outputs as Markdown in docs/.
+"""Executes every notebook in notebooks/ and writes it with its outputs as Markdown in
+docs/notebooks/.
 
     python docs/render_notebooks.py              # all notebooks (a few minutes on 2 CPU cores)
     python docs/render_notebooks.py quickstart   # one
 
-Writes docs/<name>.md (markdown cells as they are, code cells as fenced Python, printed output
-as text blocks) and docs/<name>_files/*.png for plots, so a reader sees the tables and figures
-without running anything. The notebooks themselves stay stored without outputs (a test checks).
+Writes docs/notebooks/<name>.md (markdown cells as they are, code cells as fenced Python, printed
+output as text blocks) and docs/notebooks/<name>_files/*.png for plots, so a reader sees the
+tables and figures without running anything. The notebooks themselves stay stored without
+outputs (a test checks). The topic pages beside this script (docs/*.md) are written by hand
+and link to these renders.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "notebooks"     # the renders; docs/*.md are the topic pages
 
 
 def _outputs(cell: nbformat.NotebookNode, files: pathlib.Path, stem: str, index: int) -> list[str]:

@@ -54,7 +54,7 @@ def train(step, state, first, last):
     losses = []
     for k in range(first, last):
         state, metrics = step(state, data.device_batch(corpus.train, plan, k,
-                                                       step.batch_sharding))
+                                                       step.layout.batch_sharding))
         losses.append(float(metrics["loss"]))
     return state, losses
 
@@ -75,7 +75,7 @@ state8, losses = train(step8, step8.init(), 0, 20)
 print(f"8 devices, ZeRO-3: loss {losses[0]:.3f} -> {losses[-1]:.3f} in 20 steps")
 
 checkpoint_dir = workdir / "checkpoint"
-path = zeroxla.save(checkpoint_dir, state8, step=step8)
+path = zeroxla.save(checkpoint_dir, state8, layout=step8.layout)
 print(f"saved {path}: {sorted(p.name for p in path.iterdir())}")
 tokens = np.asarray(corpus.tokenizer.encode("ROMEO:\nWhat light through yonder window?"),
                     np.int32)[None]                                    # [1, T]

@@ -70,7 +70,8 @@ step = zeroxla.make_step(lambda: models.build("gpt-tiny"), mesh, optimizer=optax
 plan = data.BatchPlan(len(corpus.train), batch_size=32, seq_len=64, seed=0)
 state = step.init()
 for k in range(40):
-    state, metrics = step(state, data.device_batch(corpus.train, plan, k, step.batch_sharding))
+    state, metrics = step(state, data.device_batch(corpus.train, plan, k,
+                                                   step.layout.batch_sharding))
     if k % 10 == 9:
         print(f"step {k + 1}: loss {float(metrics['loss']):.3f}")
 
@@ -84,8 +85,8 @@ for k in range(40):
 
 # %%
 MAX_OUT = 64                                 # longest prompt (28) + 32 new tokens fit
-engine = zeroxla.HybridEngine(step, zeroxla.HybridEngineConfig(inference_tp_size=2,
-                                                               max_out_tokens=MAX_OUT))
+engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(inference_tp_size=2,
+                                                                      max_out_tokens=MAX_OUT))
 print(engine.layout.describe())
 
 # %% [markdown]
@@ -167,7 +168,7 @@ assert np.array_equal(first, second), "the same seed draws the same tokens"
 # properties of the programs.
 
 # %%
-baseline = Zero3Generator(step, max_out_tokens=MAX_OUT)
+baseline = Zero3Generator(step.layout, max_out_tokens=MAX_OUT)
 
 
 def tokens_per_s(generator):
@@ -180,7 +181,7 @@ def tokens_per_s(generator):
     return len(prompts) * NEW / min(seconds), out
 
 
-for name, generator, gen_mesh in (("zero3 re-gather", baseline, step.mesh),
+for name, generator, gen_mesh in (("zero3 re-gather", baseline, step.layout.mesh),
                                   ("hybrid engine tp=2", engine, engine.mesh)):
     rate, out = tokens_per_s(generator)
     for a, b in zip(out, outs):
@@ -201,7 +202,8 @@ for name, generator, gen_mesh in (("zero3 re-gather", baseline, step.mesh),
 # %%
 print("reshards so far:", engine.reshards)
 engine.release()
-state, metrics = step(state, data.device_batch(corpus.train, plan, 40, step.batch_sharding))
+state, metrics = step(state, data.device_batch(corpus.train, plan, 40,
+                                               step.layout.batch_sharding))
 engine.generate(state, prompts[:1], max_new_tokens=4)
 print("after a training step, reshards:", engine.reshards)
 engine.release()

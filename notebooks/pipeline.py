@@ -111,7 +111,7 @@ for m in (1, 4, 8, 16, 32):
 # `make_step(..., pipeline=PipelineConfig(micro_batches=4, schedule="1f1b"))` splits the model's
 # layer list (DeepSpeed's `partition_method="parameters"` by default) and runs the table above
 # inside the ZeRO-3 step: every stage's devices hold 1/4 of the parameters and gather a layer
-# just before using it. `step.plan.describe()` prints each parameter's storage and compute
+# just before using it. `step.layout.plan.describe()` prints each parameter's storage and compute
 # layout, then the stage split and the schedule. The persistence threshold is lowered to 500
 # elements so that every weight matrix is partitioned (DeepSpeed's default, 100,000, would keep
 # all of this tiny model replicated); biases and norm scales stay replicated.
@@ -124,7 +124,7 @@ mesh = zeroxla.make_mesh(1, 4, stages=2)                     # axes ("stage", "n
 step = zeroxla.make_step(model_fn, mesh, optimizer=optax.adamw(3e-3),
                          config=zeroxla.ZeroConfig(stage=3, persistence_threshold=500),
                          pipeline=zeroxla.PipelineConfig(micro_batches=4, schedule="1f1b"))
-print(step.plan.describe())
+print(step.layout.plan.describe())
 
 # %% [markdown]
 # Random tokens whose target is the next id (`inputs + 1`), so the loss can fall. The global batch
@@ -203,7 +203,7 @@ for schedule_name in ("1f1b", "gpipe"):
         s = zeroxla.make_step(model_fn, mesh, optimizer=optax.sgd(0.1),
                               config=zeroxla.ZeroConfig(stage=0),
                               pipeline=zeroxla.PipelineConfig(m, schedule=schedule_name))
-        shape = (MICRO_BATCH * m * s.data_size, SEQ)
+        shape = (MICRO_BATCH * m * s.layout.data_size, SEQ)
         batch = {k: np.zeros(shape, np.int32) for k in ("inputs", "targets")}
         compiled = s.compile(jax.eval_shape(s.init), batch)
         temps[schedule_name, m] = compiled.memory_analysis().temp_size_in_bytes

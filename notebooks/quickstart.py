@@ -73,7 +73,7 @@ config = zeroxla.ZeroConfig(stage=3, persistence_threshold=500)
 schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=10, decay_steps=100,
                                               end_value=3e-4)
 step = zeroxla.make_step(model, mesh, optimizer=optax.adamw(schedule), config=config)
-print(step.plan.describe())
+print(step.layout.plan.describe())
 
 # %% [markdown]
 # ## What one ZeRO-3 step does
@@ -106,7 +106,7 @@ batches = data.BatchPlan(len(corpus.train), batch_size=32, seq_len=64, seed=0)
 state = step.init()
 losses = []
 for k in range(100):
-    batch = data.device_batch(corpus.train, batches, k, step.batch_sharding)
+    batch = data.device_batch(corpus.train, batches, k, step.layout.batch_sharding)
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
     if k % 20 == 0 or k == 99:
@@ -114,7 +114,7 @@ for k in range(100):
 
 val_batches = data.BatchPlan(len(corpus.val), batch_size=64, seq_len=64, seed=0)
 val_loss = float(step.eval_loss(state, data.device_batch(corpus.val, val_batches, 0,
-                                                         step.batch_sharding)))
+                                                         step.layout.batch_sharding)))
 print(f"validation loss {val_loss:.3f}")
 assert losses[-1] < losses[0] - 1.0, "the loss should fall by more than 1 nat in 100 steps"
 
@@ -150,7 +150,8 @@ for stage in range(4):
         stage_step = zeroxla.make_step(model, mesh, optimizer=optax.adamw(schedule),
                                        config=stage_config)
         stage_state = stage_step.init()
-    measured = zeroxla.memory_report(stage_step, stage_state, batch)
+    measured = zeroxla.memory_report(stage_step.compile(stage_state, batch), stage_state,
+                                     layout=stage_step.layout)
     print(f"{stage:<6}{estimate.training_state / 2**10:>9.1f} KiB"
           f"{measured.training_state / 2**10:>9.1f} KiB{measured.peak_estimate / 2**10:>12.1f} KiB")
     assert abs(measured.training_state - estimate.training_state) < 0.01 * estimate.training_state
@@ -221,11 +222,11 @@ class TiedCharLM(nnx.Module):
 own_config = zeroxla.ZeroConfig(stage=3, persistence_threshold=0)
 own_step = zeroxla.make_step(lambda: TiedCharLM(corpus.vocab_size, rngs=nnx.Rngs(0)), mesh,
                              optimizer=optax.adamw(3e-3), config=own_config)
-print("\n".join(own_step.plan.describe().splitlines()[-2:]))
+print("\n".join(own_step.layout.plan.describe().splitlines()[-2:]))
 own_state = own_step.init(seed=0)
 for k in range(60):
     own_state, metrics = own_step(own_state, data.device_batch(corpus.train, batches, k,
-                                                               own_step.batch_sharding))
+                                                               own_step.layout.batch_sharding))
     if k % 20 == 0 or k == 59:
         print(f"step {k:3d}  loss {float(metrics['loss']):.3f}")
 
@@ -241,7 +242,8 @@ def fresh():
     return TiedCharLM(corpus.vocab_size, rate=0.0, rngs=nnx.Rngs(0))
 
 
-host_batches = [jax.device_get(data.device_batch(corpus.train, batches, k, step.batch_sharding))
+host_batches = [jax.device_get(data.device_batch(corpus.train, batches, k,
+                                                  step.layout.batch_sharding))
                 for k in range(3)]
 zero_step = zeroxla.make_step(fresh(), mesh, optimizer=optax.sgd(0.05), config=own_config)
 zero_state, zero_losses = zero_step.init(), []

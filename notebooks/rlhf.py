@@ -52,8 +52,9 @@ import transformers
 
 import zeroxla
 from zeroxla import rlhf
-from zeroxla.app import chat_data, ppo_job, reward_job, train
-from zeroxla.app.job import TrainJobConfig
+from zeroxla.app import chat_data, ppo_job, reward_job
+from zeroxla.app.train import loop
+from zeroxla.app.train.resolve import resolve_job
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
 
 mesh = zeroxla.make_mesh(nodes=2, local=4)
@@ -84,8 +85,9 @@ with torch.no_grad():
 ours = np.asarray(zeroxla.gathered_model(state)(tokens))
 print(f"max |ours - transformers| = {np.abs(ours - hf_logits).max():.2e}")
 assert np.allclose(ours, hf_logits, atol=1e-4)
-print(f"parameter bytes per device: {sum(l.param_bytes_per_device for l in step.plan.leaves):,} "
-      f"of {sum(l.numel * 4 for l in step.plan.leaves):,} in the model")
+leaves = step.layout.plan.leaves
+print(f"parameter bytes per device: {sum(l.param_bytes_per_device for l in leaves):,} "
+      f"of {sum(l.numel * 4 for l in leaves):,} in the model")
 
 # %% [markdown]
 # ## The data
@@ -104,15 +106,16 @@ for name in ("sft", "pairs", "prompts"):
 # %% [markdown]
 # ## Step 1: supervised fine-tuning
 #
-# `train.run(TrainJobConfig(...))` is `zeroxla train` in Python: the checkpoint is loaded into
-# ZeRO-3 partitions, the pairs are tokenized with the checkpoint's own tokenizer, and the loss is
-# the mean cross-entropy over response tokens only.
+# `loop.run(resolve_job({...}))` is `zeroxla train` in Python (the options by name, resolved into
+# the job's config tree as the command line is): the checkpoint is loaded into ZeRO-3
+# partitions, the pairs are tokenized with the checkpoint's own tokenizer, and the loss is the
+# mean cross-entropy over response tokens only.
 
 # %%
-sft = train.run(TrainJobConfig(init_from=str(base), data=str(work / "sft.jsonl"), steps=60,
-                               batch_size=32, seq_len=48, lr=3e-3, warmup_steps=5,
-                               eval_every=30, eval_batches=2, sample_tokens=0,
-                               out_dir=str(work / "sft"), progress=False))
+sft = loop.run(resolve_job(dict(init_from=str(base), data=str(work / "sft.jsonl"), steps=60,
+                                batch_size=32, seq_len=48, lr=3e-3, warmup_steps=5,
+                                eval_every=30, eval_batches=2, sample_tokens=0,
+                                out_dir=str(work / "sft"), progress=False)))
 print(f"SFT: response loss {sft.final_train_loss:.3f} (train), {sft.final_val_loss:.3f} "
       "(held-out pairs)")
 
@@ -175,7 +178,8 @@ print(f"generation {split['generation_share']:.0%}, experience {split['experienc
 
 # %%
 trainer = run.trainer
-zeroxla.save(work / "ppo" / "actor", trainer.actor_state, step=trainer.actor_step)
+zeroxla.save(work / "ppo" / "actor", trainer.actor_state,
+             layout=trainer.actor_step.layout)
 zeroxla.export_checkpoint(work / "ppo" / "actor", work / "actor_hf")
 tokenizer.save(work / "actor_hf")
 exported = transformers.AutoModelForCausalLM.from_pretrained(work / "actor_hf").eval()

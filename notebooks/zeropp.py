@@ -79,7 +79,7 @@ batch_plan = data.BatchPlan(len(corpus.train), batch_size=8, seq_len=128, seed=0
 reports = {}
 for name, config in variants.items():
     step = zeroxla.make_step(lambda: models.build("gpt-small"), mesh, config=config)
-    batch = data.device_batch(corpus.train, batch_plan, 0, step.batch_sharding)
+    batch = data.device_batch(corpus.train, batch_plan, 0, step.layout.batch_sharding)
     abstract_state = jax.eval_shape(step.init)
     reports[name] = zeroxla.comm_report(step, abstract_state, batch)
 
@@ -157,7 +157,7 @@ print(reports["ZeRO++ (all three)"].table())
 # ZeRO++ does not follow ZeRO-3's loss curve here, and it should not be expected to: int4 has 15
 # levels, so in each block of 256 every gradient element smaller than 1/14 of the block's largest
 # is sent as zero and the rest move to the nearest level. Adam divides by each element's own
-# running magnitude, so this rounding changes the direction of every step, not just its noise.
+# running magnitude, so the rounding changes the direction of every step, not just its noise.
 # The fair reference is ZeRO-3 with the same rounding applied to its gradients before AdamW,
 # written below in a few lines of `jnp` without any zeroxla code: if ZeRO++'s collectives are
 # right, the two curves agree up to the difference between rounding once (the reference) and
@@ -190,7 +190,7 @@ for name, (config, optimizer) in runs.items():
     state, losses[name] = step.init(), []
     for k in range(30):
         state, metrics = step(state, data.device_batch(corpus.train, train_plan, k,
-                                                       step.batch_sharding))
+                                                       step.layout.batch_sharding))
         losses[name].append(float(metrics["loss"]))
 
 print(f"{'step':>4}" + "".join(f"{name:>21}" for name in runs))

@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from zeroxla.analysis.hlo import KINDS, Collective, collectives
+from zeroxla.engine.step import ZeroStep
 from zeroxla.sharding.mesh import NODE_AXIS
 
 PHASES = ("zero_fwd_gather", "zero_bwd_gather", "zero_grad_reduce", "zero_param_update")
@@ -260,25 +261,28 @@ def _human(num_bytes: float) -> str:
 def comm_report(step_or_compiled: Any, *args: Any, mesh: Mesh | None = None) -> CommReport:
     """The per-device communication of one run of a compiled program.
 
-    `step_or_compiled` is one of: an object with `.lower(*args)` (a jitted function, or our
-    training step, whose `.mesh` is used when `mesh` is None), a `jax.stages.Lowered`, a
-    `jax.stages.Compiled`, or HLO text. `mesh` is the mesh the program was compiled for; the ids
-    in its collectives are positions in `mesh.devices.flat`.
+    `step_or_compiled` is one of: a `ZeroStep` (compiled for `args`; its `layout.mesh` is used
+    when `mesh` is None, and its parameters' collectives are listed), an object with
+    `.lower(*args)` (a jitted function), a `jax.stages.Lowered`, a `jax.stages.Compiled`, or HLO
+    text. `mesh` is the mesh the program was compiled for; the ids in its collectives are
+    positions in `mesh.devices.flat`.
     """
+    step = step_or_compiled if isinstance(step_or_compiled, ZeroStep) else None
     compiled = _compiled(step_or_compiled, args)
-    if mesh is None:
-        mesh = getattr(step_or_compiled, "mesh", None)
+    if mesh is None and step is not None:
+        mesh = step.layout.mesh
     if mesh is None:
         mesh = _mesh_from_shardings(compiled)
     if mesh is None:
         raise ValueError("comm_report needs the mesh the program was compiled for: pass mesh=, "
-                         "or a step with a .mesh attribute")
+                         "or a ZeroStep")
     _check_device_order(compiled, mesh)
-    pipeline = getattr(step_or_compiled, "pipeline", None)
+    pipeline = step.pipeline if step is not None else None
     branches = pipeline.branch_executions() if hasattr(pipeline, "branch_executions") else {}
     report = report_from_collectives(collectives(compiled), mesh, branches)
-    describe = getattr(step_or_compiled, "describe_collectives", None)
-    return dataclasses.replace(report, parameters=tuple(describe())) if describe else report
+    if step is None:
+        return report
+    return dataclasses.replace(report, parameters=tuple(step.describe_collectives()))
 
 
 def report_from_collectives(found: Iterable[Collective], mesh: Mesh,

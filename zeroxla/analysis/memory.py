@@ -1,7 +1,8 @@
 """Per-device memory: measured from a live state and the compiled step, or predicted beforehand.
 
-`memory_report` reads the bytes each device actually holds (the addressable shards of every
-state leaf) and XLA's own accounting of the compiled step (`compiled.memory_analysis()`).
+`memory_report(step.compile(state, batch), state, layout=step.layout)` reads the bytes each
+device actually holds (the addressable shards of every state leaf) and XLA's own accounting of the
+compiled step (`compiled.memory_analysis()`).
 `estimate_memory` predicts the model-state bytes from the ZeRO paper's formula (§5.1: stage 1
 divides the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters)
 before anything is allocated, counting parameters under the persistence threshold as replicated.
@@ -116,13 +117,21 @@ class MemoryReport:
         return "\n".join(f"{name:<24}{value / 2**20:>10.3f} MiB" for name, value in rows)
 
 
-def memory_report(step: Any, state: Any, batch: Any) -> MemoryReport:
-    """Measures per-device memory of `state` and of the compiled `step` on `batch`."""
+def memory_report(compiled: Any, state: Any, *, layout: ZeroLayout) -> MemoryReport:
+    """Measures per-device memory of `state` and of `compiled` (a `jax.stages.Compiled`, the
+    step's: `step.compile(state, batch)`), whose gradients and hpZ copy are counted from
+    `layout` (`step.layout`)."""
+    if not callable(getattr(compiled, "memory_analysis", None)):
+        raise TypeError(f"memory_report: compiled is a {type(compiled).__name__}; accepted: a "
+                        "jax.stages.Compiled (step.compile(state, batch))")
+    if not isinstance(layout, ZeroLayout):
+        raise TypeError(f"memory_report: layout is a {type(layout).__name__}; accepted: the "
+                        "ZeroLayout of the step (step.layout)")
+
     def worst(tree, host=False):
         per_device = _device_bytes(tree, host)
         return max(per_device.values()) if per_device else 0
-    analysis = step.compile(state, batch).memory_analysis()
-    layout = step.layout
+    analysis = compiled.memory_analysis()
     return MemoryReport(
         params=worst(state.params), optimizer=worst(state.opt_state),
         gradients=_gradient_bytes(layout), secondary_partition=_secondary_bytes(layout),

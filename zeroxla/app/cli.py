@@ -15,7 +15,7 @@
 
 Each subcommand is a pair: `_add_<name>(subparsers)` declares its options and sets `handler`, the
 function that runs it. To add one (e.g. `export`), write the pair and register it in
-`SUBCOMMANDS`. `train` lives in `zeroxla.app.train_cli`, `reward` and `ppo` in
+`SUBCOMMANDS`. `train` lives in `zeroxla.app.train.cli`, `reward` and `ppo` in
 `zeroxla.app.chat_cli`.
 
 This module must not start JAX: on a CPU host the number of simulated devices is fixed when the
@@ -34,15 +34,13 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from zeroxla.app.job import (DEFAULT_BATCH_SIZE, DEFAULT_LR, DTYPES,  # noqa: F401 (no JAX use)
-                             TrainJobConfig)
 from zeroxla.app.chat_cli import add_ppo, add_reward
 from zeroxla.app.cli_args import (host_device_count, mesh_shape, non_negative_int,  # noqa: F401
                                   positive_float, positive_int, set_host_device_count,
                                   temperature)
 from zeroxla.app.interrupt import exit_status, signal_name, terminate_raises
 from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG
-from zeroxla.app.train_cli import add_train
+from zeroxla.app.train.cli import add_train
 from zeroxla.inference.sampling import TEMPERATURE_RULE
 
 EXPORT_DTYPES = ("float32", "bfloat16")     # zeroxla.checkpoint.export.DTYPES

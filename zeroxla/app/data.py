@@ -285,7 +285,7 @@ def _full_index(index: tuple, ndim: int) -> tuple:
 
 def device_batch(tokens: np.ndarray, plan: BatchPlan, step: int,
                  sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
-    """Global batch `step` as jax.Arrays laid out by `sharding` (e.g. `step.batch_sharding`).
+    """Global batch `step` as jax.Arrays laid out by `sharding` (e.g. `step.layout.batch_sharding`).
 
     Builds each addressable device's piece from only the rows that device holds, so no process
     ever materialises the whole global batch.

@@ -188,13 +188,13 @@ def _save(out: Path, trainer: Any, tokenizer: Any, critic_config: Any) -> dict[s
     """The actor's and critic's ZeRO checkpoints, and the actor exported to Hugging Face."""
     record = tokenizer_record(tokenizer)
     actor = checkpoint.save(out / rundir.CHECKPOINT_DIR / "actor", trainer.actor_state,
-                            step=trainer.actor_step, metadata={"tokenizer": record})
+                            layout=trainer.actor_step.layout, metadata={"tokenizer": record})
     critic = checkpoint.save(out / rundir.CHECKPOINT_DIR / "critic", trainer.critic_state,
-                             step=trainer.critic_step, model_config=critic_config,
+                             layout=trainer.critic_step.layout, model_config=critic_config,
                              metadata={"model_kind": KIND, "tokenizer": record})
     export = out / ACTOR_EXPORT_DIR
     export_checkpoint(out / rundir.CHECKPOINT_DIR / "actor", export)
-    save_tokenizer(tokenizer, export, model_max_length=trainer.actor_step.model_def
+    save_tokenizer(tokenizer, export, model_max_length=trainer.actor_step.layout.model_def
                    .abstract_module().config.max_seq_len)
     return {"actor_checkpoint": str(actor), "critic_checkpoint": str(critic),
             "actor_hf": str(export)}

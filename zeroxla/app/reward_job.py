@@ -39,11 +39,11 @@ import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.job_model import init_from_head, pretrained_config
+from zeroxla.app.train.model import init_from_head, pretrained_config
 from zeroxla.app.cli_args import check_batch
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.tokenizer_records import tokenizer_from_record
-from zeroxla.app.train_data import epoch_rows, split_examples, to_devices
+from zeroxla.app.train.data import epoch_rows, split_examples, to_devices
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
 from zeroxla.models import hf as hf_io
 from zeroxla.rlhf.reward_model import (RewardModel, load_hf_reward_model, pair_metrics,
@@ -152,7 +152,8 @@ def _train(job: RewardJobConfig, step: Any, state: Any, train: dict, val: dict, 
             tqdm(total=job.steps, desc="reward", unit="step", disable=not job.progress) as bar:
         f.write(json.dumps(records[0]) + "\n")
         for k in range(job.steps):
-            batch = to_devices(epoch_rows(train, job.batch_size, k, job.seed), step.batch_sharding)
+            batch = to_devices(epoch_rows(train, job.batch_size, k, job.seed),
+                               step.layout.batch_sharding)
             state, metrics = step(state, batch)
             record = {"step": k + 1, "loss": float(metrics["loss"])}
             if (k + 1) % job.eval_every == 0 or k + 1 == job.steps:
@@ -196,7 +197,7 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
 
     with rundir.job_directory(out, fresh=job.out_dir is None):
         state, records = _train(job, step, state, train, val, out, write)
-        path = checkpoint.save(out / rundir.CHECKPOINT_DIR, state, step=step,
+        path = checkpoint.save(out / rundir.CHECKPOINT_DIR, state, layout=step.layout,
                                model_config=config,
                                metadata={"model_kind": KIND, "init_from": str(job.init_from),
                                          "tokenizer": tokenizer.record()})

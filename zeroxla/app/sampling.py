@@ -111,7 +111,7 @@ def sample_with_engine(step: Any, state: Any, tokenizer: Tokenizer, prompt: np.n
     new = min(num_tokens, max_len - ids.size)
     if new <= 0:
         return tokenizer.decode(ids), 0
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=tp,
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=tp,
                                                    max_out_tokens=ids.size + new))
     try:
         out = engine.generate(state, [ids], max_new_tokens=new, temperature=temperature,

@@ -1,6 +1,6 @@
 """Save and restore a training state: `save`, `Checkpointer` (periodic / async), `restore`.
 
-    zeroxla.save(directory, state, step=zero_step, metadata={"data_position": 1234, "rng": key})
+    zeroxla.save(directory, state, layout=zero_step.layout, metadata={"data_position": 1234})
     restored = zeroxla.restore(directory, zero_step)            # newest complete checkpoint
     restored = zeroxla.restore(directory, (mesh, ZeroConfig(stage=1)),  # model rebuilt from it,
                                optimizer=optax.adamw(1e-3))    # with the run's own optimizer
@@ -8,7 +8,7 @@
 
     with zeroxla.Checkpointer(directory, keep=2, async_save=True) as checkpointer:
         for ...:
-            checkpointer.save(state, step=zero_step)            # returns once copied to host
+            checkpointer.save(state, layout=zero_step.layout)   # returns once copied to host
 
 What is stored is the state's logical form (`zeroxla.engine.logical`): independent of the mesh,
 the ZeRO stage and hpZ, so a checkpoint restores onto any of them. A frozen leaf held as
@@ -59,6 +59,7 @@ from zeroxla.checkpoint.model_record import (
 from zeroxla.checkpoint.target import check_compatible, target_step
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.logical import LogicalLayout, logical_sharding, named_leaves
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.state import TrainState
@@ -136,21 +137,27 @@ class Checkpointer:
         self._manager.wait_until_finished()
         self._manager.close()
 
-    def save(self, state: TrainState, *, step: ZeroStep,
+    def save(self, state: TrainState, *, layout: ZeroLayout,
              metadata: Mapping[str, Any] | None = None, model_config: Any = None) -> Path:
         """Saves `state` as checkpoint number `state.step`; returns its (final) path.
 
-        `step` is the ZeroStep that produced `state` (it knows the plan, optimizer and
-        ZeroConfig). `metadata` is the caller's JSON-able dict (data position, RNG keys, ...),
-        returned by `restore`. `model_config` defaults to the model's own `config` attribute.
+        `layout` is the `ZeroLayout` of the step that produced `state` (`step.layout`: the plan,
+        optimizer and ZeroConfig). `metadata` is the caller's JSON-able dict (data position,
+        RNG keys, ...), returned by `restore`. `model_config` defaults to the model's own
+        `config` attribute.
         """
-        if not isinstance(step, ZeroStep):
-            raise TypeError(f"save(step=...) takes the ZeroStep that produced the state (the "
-                            f"checkpoint is numbered by state.step); got {type(step).__name__}")
-        layout = step.layout
+        if not isinstance(layout, ZeroLayout):
+            raise TypeError(f"save(layout=...) takes the ZeroLayout of the step that produced "
+                            f"the state (step.layout); got {type(layout).__name__}")
+        if not isinstance(state, TrainState):
+            raise TypeError(f"save: state is a {type(state).__name__}; accepted: a TrainState "
+                            "(step.init(), or what step(state, batch) returned)")
+        if state.plan is not layout.plan and state.plan != layout.plan:
+            raise ValueError("save: state is not a TrainState of this layout (its plan differs "
+                             "from layout.plan); pass the layout of the step that produced it")
         if model_config is None:
             model_config = model_config_of(layout)
-        arrays = step.logical_layout.to_logical(state)
+        arrays = layout.logical.to_logical(state)
         # Frozen leaves stored as codes are saved as their codes and steps, not as floats, in
         # the logical group order (`zeroxla.checkpoint.codes`).
         quantized = [leaf for leaf in layout.plan.leaves if leaf.params_quantized]
@@ -205,14 +212,15 @@ def _logical_codes(mesh: Mesh, leaf: LeafPlan, stored: Any) -> dict[str, jax.Arr
     return {codes.array_name(leaf.path, f): a for f, a in zip(codes.FIELDS, logical)}
 
 
-def save(directory: str | Path, state: TrainState, *, step: ZeroStep,
+def save(directory: str | Path, state: TrainState, *, layout: ZeroLayout,
          metadata: Mapping[str, Any] | None = None, model_config: Any = None,
          keep: int | None = None) -> Path:
     """Saves `state` as checkpoint number `state.step` under `directory` and waits until it has
     committed; returns its path. See `Checkpointer.save` (and `Checkpointer` for periodic or
     asynchronous saves); `keep` keeps only the newest `keep` checkpoints."""
     with Checkpointer(directory, keep=keep) as checkpointer:
-        return checkpointer.save(state, step=step, metadata=metadata, model_config=model_config)
+        return checkpointer.save(state, layout=layout, metadata=metadata,
+                                 model_config=model_config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +247,8 @@ def restore(directory: str | Path, target: ZeroStep | Mesh | tuple[Mesh, ZeroCon
     info = select(directory, step)
     meta = read_meta(info)
     zero_step = target_step(target, meta, optimizer, loss_fn)
-    layout, logical = zero_step.layout, zero_step.logical_layout
+    layout = zero_step.layout
+    logical = layout.logical
     stored = meta["arrays"]
     check_compatible(meta, logical, info)
     # Frozen leaves saved as codes: each one's stored form (`zeroxla.checkpoint.codes`).

@@ -1,7 +1,7 @@
 """Checkpoint retention: keep the newest K committed step checkpoints of a directory.
 
-    zeroxla.save(directory, state, step=zero_step)         # commits DIR/<n>/
-    prune_checkpoints(directory, keep_last=3)               # then drops the old ones
+    zeroxla.save(directory, state, layout=zero_step.layout)   # commits DIR/<n>/
+    prune_checkpoints(directory, keep_last=3)                 # then drops the old ones
 
 `zeroxla.save` writes step n into a temporary directory and commits it by writing orbax's
 COMMIT_FILE and renaming it to `DIR/<n>` (manager.py). Only committed steps count here: the

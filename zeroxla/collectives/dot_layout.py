@@ -12,9 +12,9 @@ transpose apart).
 `Permuted` carries such a cotangent as the dot made it (`natural`) with the permutation that
 puts it in the weight's order. `reduce_scatter_permuted` sums it over the data devices and
 scatters it, on CPU, in the dot's order, then transposes only this device's shard (1/N of the
-bytes): the transpose no longer meets the dot, which stays as autodiff wrote it. Every other
-backend transposes first and scatters in the weight's order, exactly the program it had before
-(the choice is made per platform when the program is lowered, as `wire`'s). The values are
+bytes): the transpose never meets the dot, which stays as autodiff wrote it. Every other
+backend transposes first and scatters in the weight's order, autodiff's own program (the
+choice is made per platform when the program is lowered, as `wire`'s). The values are
 identical: the same sums of the same elements, moved.
 """
 

@@ -67,7 +67,7 @@ class ZeroCollectives:
     def permuted_gradients(self) -> bool:
         """Whether backward hands `reduce_scatter` weight gradients in their dot's dim order
         (`dot_layout.Permuted`). Not under float16 compute: XLA:CPU runs no float16 dot in its
-        dot library, so there is nothing to keep there: the float16 programs stay as they were."""
+        dot library, so there is nothing to keep there: float16 keeps autodiff's program."""
         return jnp.dtype(self.compute_dtype) != jnp.float16
 
     def reduce_scatter(self, grad: jax.Array | Permuted, leaf: LeafPlan) -> jax.Array:

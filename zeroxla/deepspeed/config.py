@@ -34,7 +34,7 @@ import json
 import os
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -45,11 +45,11 @@ from zeroxla.deepspeed.keys import (BF16, FP16, KEY_MAP, NO_GRAD_NORM, OPTIMIZER
                                     REQUIRED_SCHEDULER_PARAMS, SCHEDULERS, TOP_LEVEL,
                                     TYPED_SECTION, UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_SCHEDULERS,
                                     ZERO, Section, describe_key_map)
-from zeroxla.deepspeed.lr_schedules import Schedule, build_schedule
-from zeroxla.deepspeed.optimizers import DEFAULT_LR, build_optimizer
-from zeroxla.deepspeed.overrides import BATCH_KEYS, Override, apply_overrides
+from zeroxla.deepspeed.lr_schedules import Schedule
+from zeroxla.deepspeed.optimizers import optimizer_and_schedule
+from zeroxla.deepspeed.overrides import BATCH_KEYS, Overrides, apply_overrides
 from zeroxla.deepspeed.zero_config import (build_zero_config, check_mesh_local_size,
-                                           zero_fields)
+                                           keys_of_field, zero_fields)
 from zeroxla.inference.config import HybridEngineConfig, hybrid_engine_config_from_section
 from zeroxla.sharding.config import ZeroConfig
 
@@ -150,6 +150,10 @@ class DeepSpeedConfig:
     def gradient_accumulation_steps(self) -> int:
         return self.zero.gradient_accumulation_steps
 
+    def sets(self, field: str) -> bool:
+        """Whether the JSON gives a key that sets ZeroConfig `field` (in any spelling)."""
+        return bool(keys_of_field(field) & self.given)
+
     def lr_at(self, count: int) -> float | None:
         """The learning rate of update `count` (0 = the first), or None without one."""
         if self.learning_rate is None:
@@ -238,11 +242,10 @@ def _batch_sizes(batch: Mapping[str, Any], data_parallel_size: int | None,
 
 
 def _read_optimizer(top: Mapping[str, Any], src: str, ignored: list[str]
-                    ) -> tuple[str | None, dict[str, Any], float | None]:
-    """The `optimizer` section: (type, checked params, base lr: `params.lr` or the type's
-    default); (None, {}, None) without the section."""
+                    ) -> tuple[str | None, dict[str, Any]]:
+    """The `optimizer` section: (type, checked params); (None, {}) without the section."""
     if "optimizer" not in top:
-        return None, {}, None
+        return None, {}
     sec = _read_section(top["optimizer"], "optimizer.", TYPED_SECTION, src, ignored)
     if "type" not in sec:
         raise DeepSpeedConfigError(f"{src}: optimizer.type is missing; accepted: "
@@ -255,15 +258,14 @@ def _read_optimizer(top: Mapping[str, Any], src: str, ignored: list[str]
                                    f"{NO_GRAD_NORM}")
     opt_params = _read_section(params_raw, "optimizer.params.", OPTIMIZERS[opt_name], src,
                                ignored)
-    return opt_name, opt_params, opt_params.get("lr", DEFAULT_LR[opt_name])
+    return opt_name, opt_params
 
 
-def _read_scheduler(top: Mapping[str, Any], base_lr: float | None, src: str, ignored: list[str]
-                    ) -> tuple[str | None, dict[str, Any], float | Schedule | None]:
-    """The `scheduler` section: (type, checked params, the learning rate: the schedule built
-    on `base_lr`); (None, {}, base_lr) without the section."""
+def _read_scheduler(top: Mapping[str, Any], src: str, ignored: list[str]
+                    ) -> tuple[str | None, dict[str, Any]]:
+    """The `scheduler` section: (type, checked params); (None, {}) without the section."""
     if "scheduler" not in top:
-        return None, {}, base_lr
+        return None, {}
     sec = _read_section(top["scheduler"], "scheduler.", TYPED_SECTION, src, ignored)
     if "type" not in sec:
         raise DeepSpeedConfigError(f"{src}: scheduler.type is missing; accepted: "
@@ -276,17 +278,14 @@ def _read_scheduler(top: Mapping[str, Any], base_lr: float | None, src: str, ign
         if key not in sched_params:
             raise DeepSpeedConfigError(f"{src}: scheduler.params.{key} is required by "
                                        f"{sched_name}; accepted: an integer >= 1")
-    # Without an optimizer section DeepSpeed schedules the client's optimizer; its lr is
-    # unknown here, so WarmupLR/WarmupCosineLR use FusedAdam's default 1e-3.
-    return sched_name, sched_params, build_schedule(
-        sched_name, sched_params, DEFAULT_LR["adam"] if base_lr is None else base_lr)
+    return sched_name, sched_params
 
 
 def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
                           data_parallel_size: int | None = None,
                           mesh_local_size: int | None = None,
                           name: str | None = None,
-                          overrides: Sequence[Override] = (),
+                          overrides: Overrides = Overrides(),
                           default_train_batch_size: int | None = None) -> DeepSpeedConfig:
     """Reads a DeepSpeed JSON config (a path or a dict) into a `DeepSpeedConfig`.
 
@@ -301,8 +300,8 @@ def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
     key that has no effect in zeroxla. Messages name the source as `name` (default: the path, or
     "DeepSpeed config" for a dict).
 
-    `overrides` (`zeroxla.deepspeed.overrides.Override`: a job's command-line options) are applied
-    to the checked values before the cross-key checks and the batch arithmetic; one that
+    `overrides` (`zeroxla.deepspeed.overrides.Overrides`: a job's command-line options) are
+    applied to the checked values before the cross-key checks and the batch arithmetic; one that
     contradicts a key of the JSON is a `DeepSpeedConfigError` naming both. Where neither the JSON
     nor an override sets train_batch_size or train_micro_batch_size_per_gpu,
     `default_train_batch_size` (if given) is the global batch.
@@ -333,10 +332,10 @@ def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
     fields["gradient_accumulation_steps"] = accum
     zero = build_zero_config(fields, mesh_local_size=mesh_local_size, source=src)
 
-    opt_name, opt_params, base_lr = _read_optimizer(top, src, ignored)
-    sched_name, sched_params, learning_rate = _read_scheduler(top, base_lr, src, ignored)
-    optimizer = (build_optimizer(opt_name, opt_params, learning_rate)
-                 if opt_name is not None else None)
+    opt_name, opt_params = _read_optimizer(top, src, ignored)
+    sched_name, sched_params = _read_scheduler(top, src, ignored)
+    optimizer, learning_rate = optimizer_and_schedule(opt_name, opt_params, sched_name,
+                                                      sched_params)
     hybrid_engine = (hybrid_engine_config_from_section(top["hybrid_engine"], where=src)
                      if "hybrid_engine" in top else None)
 

@@ -3,7 +3,8 @@
 `build_optimizer(name, params, learning_rate)` builds, from a checked section, the optax chain
 whose updates match DeepSpeed's optimizer: FusedAdam (Adam/AdamW, decoupled or L2 weight decay),
 FusedLion, and torch's SGD, Adagrad and RMSprop. `DEFAULT_LR` is each one's lr when the section
-gives none.
+gives none. `optimizer_and_schedule` builds both from the checked `optimizer` and `scheduler`
+sections, as DeepSpeed pairs them (the schedule drives the optimizer's lr).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zeroxla.deepspeed.lr_schedules import Schedule
+from zeroxla.deepspeed.lr_schedules import Schedule, build_schedule
 
 # DeepSpeed's optimizer lr default (FusedAdam, FusedLion: 1e-3; torch Adagrad, RMSprop: 1e-2;
 # torch SGD: 1e-3).
@@ -82,4 +83,27 @@ def build_optimizer(name: str, params: Mapping[str, Any],
                                      momentum=momentum or None))
 
 
-__all__ = ["DEFAULT_LR", "build_optimizer"]
+def optimizer_and_schedule(optimizer: str | None, optimizer_params: Mapping[str, Any],
+                           scheduler: str | None, scheduler_params: Mapping[str, Any]
+                           ) -> tuple[optax.GradientTransformation | None,
+                                      float | Schedule | None]:
+    """(the optax optimizer, the learning rate) of checked `optimizer` / `scheduler` sections
+    (their canonical type names, None without the section, and params).
+
+    The learning rate is the scheduler's schedule built on the optimizer's lr (`params.lr`, else
+    its type's default), or that lr alone without a scheduler; None without either section.
+    """
+    base_lr = (optimizer_params.get("lr", DEFAULT_LR[optimizer]) if optimizer is not None
+               else None)
+    learning_rate: float | Schedule | None = base_lr
+    if scheduler is not None:
+        # Without an optimizer section DeepSpeed schedules the client's optimizer; its lr is
+        # unknown here, so WarmupLR/WarmupCosineLR use FusedAdam's default 1e-3.
+        learning_rate = build_schedule(scheduler, scheduler_params,
+                                       DEFAULT_LR["adam"] if base_lr is None else base_lr)
+    built = (build_optimizer(optimizer, optimizer_params, learning_rate)
+             if optimizer is not None else None)
+    return built, learning_rate
+
+
+__all__ = ["DEFAULT_LR", "build_optimizer", "optimizer_and_schedule"]

@@ -38,6 +38,19 @@ KEY_OF_FIELD: Mapping[str, str] = types.MappingProxyType({
 
 # DeepSpeed's default stage when zero_optimization.stage (or the whole section) is absent.
 DEFAULT_STAGE = 0
+
+
+def keys_of_field(field: str) -> frozenset[str]:
+    """Every dotted JSON key that sets ZeroConfig `field`, in each spelling DeepSpeed accepts
+    (an alias, the bf16 section's older name `bfloat16`), e.g. "check_grad_overflow" ->
+    {"bf16.check_grad_overflow", "bfloat16.check_grad_overflow"}."""
+    keys = set()
+    for prefix, section in MAPPED_SECTIONS:
+        prefixes = (prefix, "bfloat16.") if prefix == "bf16." else (prefix,)
+        names = [k for k, spec in section.keys.items() if spec.dest == "zero." + field]
+        names += [alias for alias, canonical in section.aliases.items() if canonical in names]
+        keys |= {p + name for p in prefixes for name in names}
+    return frozenset(keys)
 _ZEROPP_FIELDS = ("hpz_partition_size", "quantized_weights", "quantized_nontrainable_weights",
                   "quantized_gradients")
 

@@ -7,8 +7,9 @@ causal mask `jnp.where` broadcasts to the scores' shape (`models.layers.attentio
 `lax.scan`'s own autodiff (ZeRO stages 0-1 differentiate the model's scan) keeps such
 loop-invariant residuals once; `hoist_invariant` does the same for the stack's explicit ones.
 gpt-small, AdamW, 32 x 128 on 2x4 (`benchmarks/zero.py`): the mask is 4 x 0.5 MiB stacked, the
-one residual the ZeRO-2 forward kept per layer that ZeRO-1's keeps once; peaks (the suite's
-XLA flags) ZeRO-2 124.98 -> 123.48 MiB, ZeRO-3 106.72 -> 105.22 MiB.
+one residual the ZeRO-2 forward would keep per layer that ZeRO-1's keeps once; peaks (the
+suite's XLA flags) with it hoisted, ZeRO-2 123.48 MiB and ZeRO-3 105.22 MiB, and kept per layer,
+124.98 and 106.72 MiB.
 
 It traces the layer's forward once more (a jaxpr from the layer's varying inputs - its
 parameters, input carry and per-layer xs - and the stack's consts to its kept residuals), finds

@@ -31,8 +31,9 @@ class _Stacked:
     after the backward one, which reads the same stack. A uint16 slice is native; XLA:CPU
     materialises the bitcast as a uint16 copy of the stack (half the float32 image), and other
     backends, which slice bf16 natively, reinterpret it in place. gpt-small, bf16 ZeRO-2:
-    temporaries 19.1 -> 10.2 MiB. Used inside custom VJPs only (`GatheredStack`, the pipeline
-    executor): bitcasts have no derivative, and nothing here is differentiated through."""
+    temporaries 10.2 MiB slicing the bits, 19.1 MiB slicing bf16. Used inside custom VJPs only
+    (`GatheredStack`, the pipeline executor): bitcasts have no derivative, and nothing here is
+    differentiated through."""
 
     def __init__(self, tree: Any):
         leaves, self._treedef = jax.tree.flatten(tree)
@@ -118,7 +119,9 @@ def layer_loop(step: Callable, gather: Callable, gather_inputs: Any, xs: Any, ca
     next layer's from the stack into the same buffer (at an index that depends on the layer's
     result, so not before). At backward's first layer the residuals live are then the stack's
     L-1 layers and that one, not the stack's L and a copy of one. gpt-small, AdamW, 2x4
-    (`benchmarks/zero.py`): ZeRO-3's peak 128.9 -> 105.9 MiB (GSPMD FSDP's: 112.3).
+    (`benchmarks/zero.py`), ZeRO-3's compiled peak: 105.9 MiB read and written this way,
+    128.9 MiB with the stacks sliced into copies before the loop, joined by concatenation after
+    it, and the next layer's residuals carried beside the current ones (GSPMD FSDP's: 112.3).
     """
     if num_layers == 1 or not partitioned:
         def body(c, inputs):

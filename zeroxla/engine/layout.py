@@ -16,22 +16,27 @@ the ones before it (as torchtitan's `parallelize` applies its parallelisms one a
 
 `with_plan` replaces step 3's result and redoes 5-6 (the pipeline stores each stage's layers only,
 `zeroxla.pipeline.storage.pipelined_plan`); `model_plan` keeps the plan of the whole model, which
-evaluation and the plain step run under.
+evaluation and the plain step run under. Two facts are derived on first use and kept with the
+layout: `logical` (the state's mesh-independent form and its two jitted conversions, what
+checkpoints read and write) and `vocab_size` (the width of the model's logits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.collectives.zero import Zero2Collectives, ZeroCollectives
 from zeroxla.collectives.zeropp import ZeroPPCollectives
+from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss import LossFn, next_token_loss
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.offload import host_shardings
@@ -104,6 +109,24 @@ class ZeroLayout:
     @property
     def loss_takes_rngs(self) -> bool:
         return takes_rngs(self.loss_fn)
+
+    @functools.cached_property
+    def logical(self) -> LogicalLayout:
+        """The mesh- and stage-independent form of the state stored in this layout (what
+        checkpoints store), with its two jitted conversions; built on first use."""
+        return build_layout(self)
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """The last dim of the model's logits, from an abstract evaluation (no compute): token
+        ids of the default loss's batches and of generation prompts lie in [0, vocab_size)."""
+        def logits_of(values, model_state, tokens):
+            model = self.model_def.module(values, model_state)
+            model.eval()                     # shapes only: no dropout, no statistics
+            return model(tokens)
+        logits = jax.eval_shape(logits_of, *self.model_def.abstract_values(),
+                                jax.ShapeDtypeStruct((1, 1), jnp.int32))
+        return int(logits.shape[-1])
 
     def with_plan(self, plan: ShardingPlan) -> ZeroLayout:
         """This layout storing parameters as `plan` says (steps 5-6 redone); `model_plan` kept.

@@ -26,13 +26,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.offload import resident
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.stored import logical_to_storage, storage_to_logical
+
+# `layout: ZeroLayout` below names `zeroxla.engine.layout.ZeroLayout` without importing it: that
+# module imports this one (`ZeroLayout.logical` keeps the result of `build_layout`).
 
 
 def logical_sharding(mesh: Mesh, shape: Sequence[int], stacked: bool = False,
@@ -76,7 +78,8 @@ def named_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> dic
 
 @dataclasses.dataclass(frozen=True)
 class LogicalLayout:
-    """A ZeroStep's logical form: names, abstract arrays, and the two jitted conversions.
+    """A layout's logical form (`ZeroLayout.logical`): names, abstract arrays, and the two jitted
+    conversions.
 
     `to_logical(state) -> {name: array}`; `to_storage([arrays in names order]) -> TrainState`.
     `plans[name]` is the `LeafPlan` behind a parameter-shaped entry (None for the others).

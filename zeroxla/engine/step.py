@@ -34,8 +34,6 @@ gradients are the mean over the global batch's (unmasked) tokens.
 
 from __future__ import annotations
 
-import functools
-from collections import Counter
 from typing import Any
 
 import jax
@@ -44,13 +42,11 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zeroxla.collectives.zero import GradientSink
 from zeroxla.engine.apply import apply_gradients
 from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
 from zeroxla.engine.host_update import update_placement
 from zeroxla.engine.layout import ModelSource, ZeroLayout
-from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss import (
     Batch,
     loss_terms,
@@ -60,7 +56,6 @@ from zeroxla.engine.loss import (
 )
 from zeroxla.engine import offload
 from zeroxla.engine.loss_scale import init_loss_scale
-from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
 from zeroxla.engine.optimizer import default_optimizer
 from zeroxla.engine.randomness import (
     CALL_STREAM,
@@ -72,7 +67,7 @@ from zeroxla.engine.randomness import (
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.stored import logical_to_storage
 from zeroxla.engine.update import gradient_spec
-from zeroxla.engine.wrap import zero3_module
+from zeroxla.engine.wrap import local_model
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.sharding.model_def import ModelDef, frozen_paths
 
@@ -80,54 +75,44 @@ from zeroxla.sharding.model_def import ModelDef, frozen_paths
 class ZeroStep:
     """A compiled ZeRO training step. Call it; `init`, `lower` and `eval_loss` are beside it.
 
-    Built by `zeroxla.make_step` from a `ModelSource` and a `ZeroLayout`; `gradient_pass` (the
-    pipeline executor, for `pipeline=`) replaces the plain gradient pass and checks batches
-    against its micro-batches; the update is the same either way."""
+    Built by `zeroxla.make_step` from a `ModelSource` and a `ZeroLayout`, which it holds once,
+    as `source` and `layout`: every fact of the step is read there (`step.layout.mesh`,
+    `step.layout.plan`, ...). Its other attributes are what runs: the compiled functions, where
+    the update runs (`update_placement`) and `pipeline`, the gradient pass given as
+    `gradient_pass` (the pipeline executor, for `pipeline=`), which replaces the plain one and
+    checks batches against its micro-batches; the update is the same either way."""
 
     def __init__(self, source: ModelSource, layout: ZeroLayout, *, gradient_pass: Any = None):
         offload.check_offload(layout.config, layout.plan, pipelined=gradient_pass is not None)
-        self.update_placement = update_placement(layout)    # host or device, traced once
         self.layout = layout
         self.source = source
-        # The layout's parts, under the names the step has always had.
-        self.axes, self.mesh, self.config = layout.axes, layout.mesh, layout.config
-        self.data_size, self.model_def = layout.data_size, layout.model_def
-        self.optimizer, self.loss_fn, self.trainable = (layout.optimizer, layout.loss_fn,
-                                                        layout.trainable)
-        self.plan, self._model_plan, self.comm = layout.plan, layout.model_plan, layout.comm
-        self.sharded_optimizer = layout.sharded_optimizer
-        self.state_shardings, self.batch_sharding = layout.state_shardings, layout.batch_sharding
-        self.uses_rng, self._loss_takes_rngs = layout.uses_rng, layout.loss_takes_rngs
-        self._factory = source.factory
-        self._initial_values = source.initial_values
-        self._initial_model_state = source.initial_model_state
+        self.update_placement = update_placement(layout)    # host or device, traced once
         # pipeline=PipelineConfig(...): the gradient pass runs the schedule over the stage axis
         # (`zeroxla.pipeline.executor`); each stage stores only its layers (`layout.plan`),
         # evaluation runs the unpipelined model on the layers gathered over the stages.
         self.pipeline = gradient_pass
-        mesh = layout.mesh
+        mesh, data, plan = layout.mesh, layout.axes.data, layout.plan
         self._gradients = jax.shard_map(
             self._local_gradients if gradient_pass is None else gradient_pass.local_gradients,
             mesh=mesh,
-            in_specs=(self._param_specs(), P(self.axes.data), P(), P(), P()),
+            in_specs=(plan.compute_input_specs(), P(data), P(), P(), P()),
             out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
-                             for leaf in self.plan.trainable_leaves}, P()),
+                             for leaf in plan.trainable_leaves}, P()),
             check_vma=False)
         replicated = NamedSharding(mesh, P())
-        self._jitted = jax.jit(self._step, in_shardings=(self.state_shardings, None),
-                               out_shardings=(self.state_shardings, replicated),
+        self._jitted = jax.jit(self._step, in_shardings=(layout.state_shardings, None),
+                               out_shardings=(layout.state_shardings, replicated),
                                donate_argnums=0)
-        self._jitted_init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        self._jitted_init = jax.jit(self._init_state, out_shardings=layout.state_shardings)
         self._compiled: dict[Any, Any] = {}       # `compile`'s cache, by argument signature
         local_eval = jax.shard_map(
             self._local_eval, mesh=mesh,
-            in_specs=({leaf.path: leaf.compute_input_spec for leaf in self._model_plan.leaves},
-                      P(), P(self.axes.data)),
+            in_specs=(layout.model_plan.compute_input_specs(), P(), P(data)),
             out_specs=P(), check_vma=False)
         self._jitted_eval = jax.jit(
             lambda params, model_state, batch: local_eval(
                 {leaf.path: leaf.stage_unpad(leaf.compute_input(params[leaf.path]))
-                 for leaf in self.plan.leaves},
+                 for leaf in plan.leaves},
                 model_state, batch))
 
     # ------------------------------------------------------------------------------------------
@@ -137,7 +122,7 @@ class ZeroStep:
         with a model factory, no device ever holds the full model). `seed` (an int or a
         `jax.random.key`) seeds every random draw of the run (dropout; see
         `zeroxla.engine.randomness`); it is unused when the model draws none."""
-        return self._jitted_init(self._initial_values, self._initial_model_state,
+        return self._jitted_init(self.source.initial_values, self.source.initial_model_state,
                                  self._seed(seed))
 
     def init_from(self, values: dict[str, jax.Array], seed: int | jax.Array = 0) -> TrainState:
@@ -145,17 +130,17 @@ class ZeroStep:
         (a pretrained checkpoint's: `zeroxla.load_pretrained` passes each array already spread
         over the mesh, so that no device ever holds a whole leaf). Shapes are checked; a model
         with state besides its parameters is refused (its state has no source here)."""
-        self.model_def.check_values(values, "init_from")
+        self.layout.model_def.check_values(values, "init_from")
         return self._jitted_init(dict(values), {}, self._seed(seed))
 
     def lower_init(self) -> Any:
         """`jax.stages.Lowered` of `init`, e.g. for the memory analysis of its compiled program."""
-        return self._jitted_init.lower(self._initial_values, self._initial_model_state,
-                                       self._seed(0))
+        return self._jitted_init.lower(self.source.initial_values,
+                                       self.source.initial_model_state, self._seed(0))
 
     def _seed(self, seed: int | jax.Array) -> jax.Array | None:
         key_data = seed_key_data(seed)
-        return key_data if self.uses_rng else None
+        return key_data if self.layout.uses_rng else None
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on the global `batch`; `state` is donated."""
@@ -182,12 +167,6 @@ class ZeroStep:
         return self._jitted_eval(state.params, state.model_state,
                                  self._check_batch(batch, accumulation=1))
 
-    @functools.cached_property
-    def logical_layout(self) -> LogicalLayout:
-        """The mesh- and stage-independent form of this step's state (what checkpoints store),
-        with its two jitted conversions; built on first use."""
-        return build_layout(self.layout)
-
     def gathered_model(self, state: TrainState) -> nnx.Module:
         """A plain model holding the full parameters of `state` (see `gathered_model`)."""
         from zeroxla.engine.state import gathered_model
@@ -196,118 +175,65 @@ class ZeroStep:
     def describe(self) -> str:
         """The sharding plan's table, where offloaded state lives and where the update runs
         (`engine.offload`, `engine.host_update`)."""
-        return (f"{offload.describe(self.config, self.update_placement.describe())}\n"
-                f"{self.plan.describe()}")
+        return (f"{offload.describe(self.layout.config, self.update_placement.describe())}\n"
+                f"{self.layout.plan.describe()}")
 
     def describe_collectives(self) -> list[tuple[str, str, str, str]]:
         """(path, forward gather, backward gather, gradient reduction) per partitioned leaf."""
-        return [(leaf.path, *self.comm.describe(leaf)) for leaf in self.plan.leaves
+        return [(leaf.path, *self.layout.comm.describe(leaf)) for leaf in self.layout.plan.leaves
                 if leaf.params_partitioned]
 
     # ------------------------------------------------------------------------------------------
     # Layouts.
-    def _param_specs(self) -> dict[str, Any]:
-        """Specs of the parameters the gradient pass reads (`_compute_inputs`)."""
-        return {leaf.path: leaf.compute_input_spec for leaf in self.plan.leaves}
-
-    def _compute_inputs(self, params: dict[str, Any]) -> dict[str, Any]:
-        """`state.params` -> what the gradient pass reads: a leaf stored with a 16-bit compute
-        copy (`MasterWithCopy`) gives the copy, never its float32 master partition."""
-        return {leaf.path: leaf.compute_input(params[leaf.path]) for leaf in self.plan.leaves}
-
     def _gradient_spec(self, leaf: LeafPlan) -> P:
         """Layout of a trainable leaf's reduced gradient leaving the gradient pass."""
-        return gradient_spec(leaf, self.config.stage)
+        return gradient_spec(leaf, self.layout.config.stage)
 
     def _init_state(self, values: dict[str, jax.Array] | None,
                     model_state: dict[str, jax.Array] | None,
                     rng: jax.Array | None) -> TrainState:
+        layout, config = self.layout, self.layout.config
         if values is None:
-            model = self._factory()
+            model = self.source.factory()
             _, values = ModelDef.of(model)
             model_state = ModelDef.model_state_of(model)
         params, logical = {}, {}
-        for leaf in self.plan.leaves:
-            full = jnp.asarray(values[leaf.path], self.config.master_dtype)
+        for leaf in layout.plan.leaves:
+            full = jnp.asarray(values[leaf.path], config.master_dtype)
             params[leaf.path] = logical_to_storage(leaf, full)  # frozen codes: quantized once, here
             if leaf.trainable:
                 logical[leaf.path] = full
         return TrainState(
-            step=jnp.int32(0), params=params, opt_state=self.sharded_optimizer.init(logical),
-            loss_scale=init_loss_scale(self.config) if self.config.uses_loss_scaling else None,
-            plan=self.plan, model_def=self.model_def, model_state=dict(model_state), rng=rng)
+            step=jnp.int32(0), params=params, opt_state=layout.sharded_optimizer.init(logical),
+            loss_scale=init_loss_scale(config) if config.uses_loss_scaling else None,
+            plan=layout.plan, model_def=layout.model_def, model_state=dict(model_state), rng=rng)
 
     def _check_batch(self, batch: Batch, accumulation: int | None = None) -> dict[str, Any]:
         """Validates the global batch (`zeroxla.engine.batch_checks.check_batch`)."""
-        k = self.config.gradient_accumulation_steps if accumulation is None else accumulation
+        layout = self.layout
+        k = layout.config.gradient_accumulation_steps if accumulation is None else accumulation
         if self.pipeline is not None and accumulation is None:
             self.pipeline.check_batch(batch)         # names PipelineConfig.micro_batches
             k = self.pipeline.config.micro_batches
-        return check_batch(batch, next_token=self.loss_fn is next_token_loss,
-                           data_size=self.data_size, accumulation=k,
-                           vocab_size=lambda: self.vocab_size)
-
-    @functools.cached_property
-    def vocab_size(self) -> int:
-        """The last dim of the model's logits (from an abstract evaluation, no compute): token
-        ids in the default loss's batch must lie in [0, vocab_size)."""
-        def logits_of(values, model_state, tokens):
-            model = self.model_def.module(values, model_state)
-            model.eval()                     # shapes only: no dropout, no statistics
-            return model(tokens)
-        logits = jax.eval_shape(logits_of, *self.model_def.abstract_values(),
-                                jax.ShapeDtypeStruct((1, 1), jnp.int32))
-        return int(logits.shape[-1])
+        return check_batch(batch, next_token=layout.loss_fn is next_token_loss,
+                           data_size=layout.data_size, accumulation=k,
+                           vocab_size=lambda: layout.vocab_size)
 
     # ------------------------------------------------------------------------------------------
     # The gradient pass: inside shard_map, everything below sees one device's local arrays.
-    def _local_model(self, params: dict[str, jax.Array], model_state: dict[str, jax.Array],
-                     key: jax.Array | None, *, training: bool = True, reduced_once:
-                     frozenset[str] = frozenset(), uses: Counter | None = None) -> tuple[Any, Any]:
-        """This device's copy of the model (stage 3: wrapped to gather its partitions) and a
-        function reading its model state after a forward pass, averaged over the data devices.
-        `reduced_once` and `uses` go to `zero3_module` (stage 2's weights used more than once).
-
-        BatchNorm statistics are computed over the global batch (`axis_name` = the data axes,
-        Flax's cross-replica BatchNorm), as on one device with the whole batch. The model's RNG
-        streams are keyed from `key`, this device's and micro-batch's key."""
-        dtype = self.config.dtype
-        if self.config.stage < 3:      # stage 2's sinks are cast per unit (Zero2Collectives)
-            values = {p: v if isinstance(v, GradientSink) else v.astype(dtype)
-                      for p, v in params.items()}
-        else:
-            values = {leaf.path: params[leaf.path] if leaf.params_partitioned
-                      else params[leaf.path].astype(dtype) for leaf in self.plan.leaves}
-        model = self.model_def.module(values, model_state, key)
-        if not training:
-            model.eval()
-        variables = model_state_variables(model)
-        cross_replica_batch_norm(model, self.axes.data)
-        if self.config.stage == 3 or (self.config.stage == 2 and training):
-            # Stage 2 gathers nothing, so there is nothing to prefetch.
-            prefetch = self.config.prefetch and self.config.stage == 3
-            max_live = self.config.max_live_parameters if self.config.stage == 3 else None
-            model = zero3_module(model, self._model_plan, self.comm, prefetch, self.config.remat,
-                                 reduced_once=reduced_once, uses=uses, max_live=max_live)
-
-        def read_state() -> dict[str, jax.Array]:
-            return {p: lax.pmean(v.get_value(), self.axes.data)
-                    if jnp.issubdtype(v.get_value().dtype, jnp.inexact) else v.get_value()
-                    for p, v in variables.items()}
-        return model, read_state
-
     def _terms(self, model: Any, batch: Batch,
                key: jax.Array | None) -> tuple[jax.Array, jax.Array, bool]:
         """`(sum, count, is_sum)`: the loss of `batch` as a sum and a count; `is_sum` is False
         for a loss_fn that returned a scalar mean (its count is 1). A loss_fn declaring `rngs`
         gets `nnx.Rngs` seeded from `key`."""
-        if self.loss_fn is next_token_loss:
+        loss_fn = self.layout.loss_fn
+        if loss_fn is next_token_loss:
             return (*next_token_loss_terms(model, batch), True)
-        if self._loss_takes_rngs:
+        if self.layout.loss_takes_rngs:
             rngs = nnx.Rngs(jax.random.fold_in(key, CALL_STREAM))
-            value = self.loss_fn(model, batch, rngs=rngs)
+            value = loss_fn(model, batch, rngs=rngs)
         else:
-            value = self.loss_fn(model, batch)
+            value = loss_fn(model, batch)
         return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)))
 
     def _local_gradients(self, params: dict[str, Any], batch: Batch, scale: jax.Array,
@@ -320,26 +246,28 @@ class ZeroStep:
         so gradients have mean-like magnitudes); after the reduction the gradients are
         multiplied by c0 / (the count over all devices and micro-batches): the exact mean.
         """
-        k = self.config.gradient_accumulation_steps
-        master = self.config.master_dtype       # gradients are summed in the master dtype
-        trainable = {leaf.path: params[leaf.path] for leaf in self.plan.trainable_leaves}
+        layout = self.layout
+        config, plan, data = layout.config, layout.plan, layout.axes.data
+        k = config.gradient_accumulation_steps
+        master = config.master_dtype       # gradients are summed in the master dtype
+        trainable = {leaf.path: params[leaf.path] for leaf in plan.trainable_leaves}
         frozen = {p: v for p, v in params.items() if p not in trainable}
-        wrt, as_values = differentiated(self.comm, self.plan, trainable,
-                                        sinked=offload.sinked_paths(self.config, self.plan))
+        wrt, as_values = differentiated(layout.comm, plan, trainable,
+                                        sinked=offload.sinked_paths(config, plan))
         sizes: list[float] = []          # the static c0 chosen while tracing `objective`
 
         base = (None if key_data is None else
-                device_key(jax.random.wrap_key_data(key_data), self.axes.data))
+                device_key(jax.random.wrap_key_data(key_data), data))
 
         def forward(p, micro, ms, index, once=frozenset(), uses=None):
             key = None if base is None else micro_batch_key(base, index)
-            model, read_state = self._local_model({**frozen, **as_values(p)}, ms, key,
-                                                  reduced_once=once, uses=uses)
+            model, read_state = local_model(layout, {**frozen, **as_values(p)}, ms, key,
+                                            reduced_once=once, uses=uses)
             return *self._terms(model, micro, key), read_state
 
         micro_batches = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
         # Stage 2: the weights used by more than one call, reduced once (`reduced_once`).
-        once = reduced_once(self.comm, self.plan, lambda uses: forward(
+        once = reduced_once(layout.comm, plan, lambda uses: forward(
             wrt, jax.tree.map(lambda a: a[0], micro_batches), model_state, 0, uses=uses)[0])
 
         def objective(p, micro, ms, index):
@@ -366,32 +294,32 @@ class ZeroStep:
             (total, count, grads, model_state), _ = lax.scan(
                 accumulate, (jnp.float32(0), jnp.float32(0), zeros, model_state),
                 (micro_batches, jnp.arange(k)))
-        grads = reduce_gradients(grads, self.plan, self.config.stage, self.axes,
-                                 self.config.dtype)
-        total = lax.psum(total, self.axes.data)
-        count = lax.psum(count, self.axes.data)
+        grads = reduce_gradients(grads, plan, config.stage, layout.axes, config.dtype)
+        total = lax.psum(total, data)
+        count = lax.psum(count, data)
         count = jnp.where(count > 0, count, 1.0)
         factor = sizes[0] / count
         return total / count, jax.tree.map(lambda g: g * factor, grads), model_state
 
     def _local_eval(self, params: dict[str, Any], model_state: dict[str, jax.Array],
                     batch: Batch) -> jax.Array:
-        key = jax.random.key(0) if self.uses_rng else None     # evaluation draws nothing
-        model, _ = self._local_model(params, model_state, key, training=False)
+        key = jax.random.key(0) if self.layout.uses_rng else None   # evaluation draws nothing
+        model, _ = local_model(self.layout, params, model_state, key, training=False)
         total, count, _ = self._terms(model, batch, key)
-        total = lax.psum(total, self.axes.data)
-        count = lax.psum(count, self.axes.data)
+        data = self.layout.axes.data
+        total = lax.psum(total, data)
+        count = lax.psum(count, data)
         return total / jnp.where(count > 0, count, 1.0)
 
     # ------------------------------------------------------------------------------------------
     # The step: the gradient pass, then the update on global arrays (`engine.apply`).
     def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        cfg = self.config
-        scale = state.loss_scale.scale if cfg.uses_loss_scaling else jnp.float32(1)
+        uses_loss_scaling = self.layout.config.uses_loss_scaling
+        scale = state.loss_scale.scale if uses_loss_scaling else jnp.float32(1)
         key_data = (None if state.rng is None else
                     jax.random.key_data(step_key(state.rng, state.step)))
-        loss, grads, model_state = self._gradients(self._compute_inputs(state.params), batch,
-                                                   scale, state.model_state, key_data)
+        loss, grads, model_state = self._gradients(self.layout.plan.compute_inputs(state.params),
+                                                   batch, scale, state.model_state, key_data)
         return apply_gradients(self.layout, state, loss, grads, model_state, scale,
                                on_host=self.update_placement.on_host)
 

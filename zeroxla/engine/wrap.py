@@ -25,6 +25,9 @@ gradient hook fires once, after every use has accumulated into `.grad`).
 Model state and RNG streams (BatchNorm statistics, a Dropout's Rngs) run inside the call of the
 unit that holds them; what the call changes is returned from the custom VJP and written back to
 the step's copy, as are Variables passed as arguments (an `nnx.Rngs` given at call time).
+
+`local_model` builds that copy from a step's `ZeroLayout`: the training step's gradient pass and
+evaluation, and the ZeRO-3 generation baseline (`zeroxla.inference.baseline`), all compute on it.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
 from zeroxla.engine.offload import PartitionSink
 from zeroxla.engine.gather import GatheredStack, check_live, gathered_call, gathered_value
+from zeroxla.engine.layout import ZeroLayout
+from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
 from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
 from zeroxla.sharding.model_def import direct_variables, has_descendant_params, variable_paths
 from zeroxla.sharding.plan import ShardingPlan
@@ -269,3 +276,43 @@ def zero3_module(model: nnx.Module, plan: ShardingPlan, comm: ZeroCollectives,
         if isinstance(variable, nnx.Param) and ctx.path_of(variable) in reduced_once:
             variable.set_value(gathered_value(ctx.leaf_of(variable), comm, variable.get_value()))
     return _wrap(model, ctx, frozenset(reduced_once), {})
+
+
+def local_model(layout: ZeroLayout, params: dict[str, Any], model_state: dict[str, jax.Array],
+                key: jax.Array | None, *, training: bool = True,
+                reduced_once: frozenset[str] = frozenset(), uses: Counter | None = None
+                ) -> tuple[Any, Any]:
+    """This device's copy of the model inside the step's `shard_map` (stage 3: wrapped to gather
+    its partitions, `zero3_module`) and a function reading its model state after a forward
+    pass, averaged over the data devices. `params` is what compute reads of the stored
+    parameters (`ShardingPlan.compute_inputs`), local shards; `reduced_once` and `uses` go to
+    `zero3_module` (stage 2's weights used more than once).
+
+    BatchNorm statistics are computed over the global batch (`axis_name` = the data axes,
+    Flax's cross-replica BatchNorm), as on one device with the whole batch. The model's RNG
+    streams are keyed from `key`, this device's and micro-batch's key."""
+    config, data = layout.config, layout.axes.data
+    dtype = config.dtype
+    if config.stage < 3:      # stage 2's sinks are cast per unit (Zero2Collectives)
+        values = {p: v if isinstance(v, GradientSink) else v.astype(dtype)
+                  for p, v in params.items()}
+    else:
+        values = {leaf.path: params[leaf.path] if leaf.params_partitioned
+                  else params[leaf.path].astype(dtype) for leaf in layout.plan.leaves}
+    model = layout.model_def.module(values, model_state, key)
+    if not training:
+        model.eval()
+    variables = model_state_variables(model)
+    cross_replica_batch_norm(model, data)
+    if config.stage == 3 or (config.stage == 2 and training):
+        # Stage 2 gathers nothing, so there is nothing to prefetch.
+        prefetch = config.prefetch and config.stage == 3
+        max_live = config.max_live_parameters if config.stage == 3 else None
+        model = zero3_module(model, layout.model_plan, layout.comm, prefetch, config.remat,
+                             reduced_once=reduced_once, uses=uses, max_live=max_live)
+
+    def read_state() -> dict[str, jax.Array]:
+        return {p: lax.pmean(v.get_value(), data)
+                if jnp.issubdtype(v.get_value().dtype, jnp.inexact) else v.get_value()
+                for p, v in variables.items()}
+    return model, read_state

@@ -21,35 +21,39 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.state import TrainState, gather_params
-from zeroxla.inference.checks import check_decodable, check_state, check_step
+from zeroxla.engine.wrap import local_model
+from zeroxla.inference.checks import check_decodable, check_layout, check_state
 from zeroxla.inference.decode import bucket, check_request, decode_loop, pack, unpack
 from zeroxla.inference.sampling import Sampling
 
 
 class Zero3Generator:
-    """`generate(state, prompts, ...)` as `HybridEngine.generate`, re-gathering per token."""
+    """`generate(state, prompts, ...)` as `HybridEngine.generate`, re-gathering per token:
+    `Zero3Generator(step.layout, max_out_tokens)`. Each device computes on the training step's
+    own model copy (`engine.wrap.local_model`) from the stored parameters' compute inputs
+    (`ShardingPlan.compute_inputs`)."""
 
-    def __init__(self, step: Any, max_out_tokens: int = 512):
-        check_step(step, "Zero3Generator")
-        self.layout = layout = step.layout
+    def __init__(self, layout: ZeroLayout, max_out_tokens: int = 512):
+        check_layout(layout, "Zero3Generator")
         if layout.config.stage != 3 or layout.axes.num_stages > 1:
             raise ValueError(f"Zero3Generator needs a ZeRO stage 3 step without pipeline "
                              f"stages; got stage={layout.config.stage}, "
                              f"stages={layout.axes.num_stages}; accepted: stage=3, stages=1")
-        self.step = step                     # its compute: parameter specs, local model, inputs
+        self.layout = layout
         self.axes = layout.axes
         self.max_out_tokens = max_out_tokens
-        self.vocab_size = step.vocab_size
+        self.vocab_size = layout.vocab_size
         self._cache_shape = check_decodable(layout.model_def, max_out_tokens, self.vocab_size)
         self._programs: dict[tuple, Any] = {}
 
     def _specs(self) -> tuple[Any, P, P]:
         data = self.axes.data
-        return self.step._param_specs(), P(None, data), P(data)
+        return self.layout.plan.compute_input_specs(), P(None, data), P(data)
 
     def _local_model(self, params: dict[str, Any], model_state: dict[str, Any]) -> Any:
-        model, _ = self.step._local_model(params, model_state, None, training=False)
+        model, _ = local_model(self.layout, params, model_state, None, training=False)
         return model
 
     def _program(self, batch: int, prompt: int, sampling: Sampling) -> Any:
@@ -96,14 +100,15 @@ class Zero3Generator:
         prompt = bucket(max(row.size for row in rows), limit=self.max_out_tokens)
         tokens, lengths, live = pack(rows, batch, prompt)
         buffer, steps, _ = self._program(batch, prompt, sampling)(
-            self.step._compute_inputs(state.params), state.model_state, self._cache(batch),
+            self.layout.plan.compute_inputs(state.params), state.model_state,
+            self._cache(batch),
             tokens, lengths, live, np.int32(max_new_tokens),
             np.int32(-1 if eos_id is None else eos_id), key)
         return unpack(rows, np.asarray(buffer), int(steps), eos_id)
 
     def token_program(self, state: TrainState, batch: int) -> Any:
         """One compiled decode step (T = 1) of `batch` rows: what each generated token costs
-        (`comm_report(program, mesh=step.mesh)` counts its gathers)."""
+        (`comm_report(program, mesh=step.layout.mesh)` counts its gathers)."""
         params_spec, cache_spec, rows = self._specs()
 
         def local(params, model_state, cache, token, pos):
@@ -113,8 +118,8 @@ class Zero3Generator:
             params_spec, P(), {"k": cache_spec, "v": cache_spec}, rows, rows),
             out_specs=(rows, {"k": cache_spec, "v": cache_spec}))
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-        return jax.jit(run).lower(self.step._compute_inputs(state.params), state.model_state,
-                                  self._cache(batch), column, column).compile()
+        return jax.jit(run).lower(self.layout.plan.compute_inputs(state.params),
+                                  state.model_state, self._cache(batch), column, column).compile()
 
 
 class SingleDeviceGenerator:
@@ -122,13 +127,14 @@ class SingleDeviceGenerator:
     float32 model (`gather_params(state)`, the same values `gathered_model` holds, kept while
     the state's parameter arrays are the same ones), the same decode loop, KV cache and
     sampling keys, no collectives. The engine's tokens/s against this is the price (or the
-    gain) of splitting the model over devices."""
+    gain) of splitting the model over devices. `SingleDeviceGenerator(step.layout,
+    max_out_tokens)`."""
 
-    def __init__(self, step: Any, max_out_tokens: int = 512):
-        check_step(step, "SingleDeviceGenerator")
-        self.model_def, self.plan = step.layout.model_def, step.layout.plan
+    def __init__(self, layout: ZeroLayout, max_out_tokens: int = 512):
+        check_layout(layout, "SingleDeviceGenerator")
+        self.model_def, self.plan = layout.model_def, layout.plan
         self.max_out_tokens = max_out_tokens
-        self.vocab_size = step.vocab_size
+        self.vocab_size = layout.vocab_size
         self._cache_shape = check_decodable(self.model_def, max_out_tokens, self.vocab_size)
         self.device = jax.local_devices()[0]
         self._programs: dict[tuple, Any] = {}

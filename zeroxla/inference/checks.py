@@ -1,6 +1,6 @@
-"""What the Hybrid Engine refuses, by name, before it compiles or runs anything: a step that is not
-a `ZeroStep`, a model it cannot decode, and a training state it must not read (one of another
-step, or one whose buffers were donated to the training step).
+"""What the Hybrid Engine refuses, by name, before it compiles or runs anything: a layout that is
+not a step's `ZeroLayout`, a model it cannot decode, and a training state it must not read (one of
+another step, or one whose buffers were donated to the training step).
 
 The model protocol the engine decodes with (`models.GPT` and `models.Llama` implement it; a
 model with the `embed` / `blocks` / `head` protocol gets it from `models.layers.init_kv_cache`
@@ -22,21 +22,21 @@ import jax.numpy as jnp
 
 from zeroxla.sharding.model_def import ModelDef
 from zeroxla.sharding.plan import ShardingPlan
+from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.state import TrainState
 
 PROTOCOL = ("init_cache(batch, max_len) returning {'k', 'v'} arrays [L, batch, max_len, G, K] "
             "and decode(tokens [B, T], positions [B, T], cache) returning (logits [B, T, V], "
             "cache); a model with embed / blocks / head gets both from models.layers "
             "(init_kv_cache, decode), as models.GPT does")
-STEP_ATTRIBUTES = ("model_def", "plan", "mesh", "vocab_size")
 
 
-def check_step(step: Any, who: str = "HybridEngine") -> None:
-    """ValueError naming what `step` lacks unless it is a `zeroxla.make_step` step."""
-    missing = [name for name in STEP_ATTRIBUTES if not hasattr(step, name)]
-    if missing:
-        raise ValueError(f"{who}: step is a {type(step).__name__} without "
-                         f"{', '.join(missing)}; accepted: the step zeroxla.make_step returns")
+def check_layout(layout: Any, who: str = "HybridEngine") -> None:
+    """ValueError naming what `layout` is unless it is the `ZeroLayout` of a step."""
+    if not isinstance(layout, ZeroLayout):
+        raise ValueError(f"{who}: layout is a {type(layout).__name__}; accepted: the ZeroLayout "
+                         "of the training step (step.layout, for a step zeroxla.make_step "
+                         "returns)")
 
 
 def _shapes(tree: Any) -> Any:
@@ -129,4 +129,4 @@ def check_state(state: Any, plan: ShardingPlan, model_def: ModelDef) -> None:
                     "given); use the state the step returned")
 
 
-__all__ = ["PROTOCOL", "check_decodable", "check_state", "check_step"]
+__all__ = ["PROTOCOL", "check_decodable", "check_layout", "check_state"]

@@ -1,14 +1,15 @@
 """The Hybrid Engine: ZeRO-3 training and tensor-parallel KV-cached generation on one set of
 devices, with DeepSpeed's names (`deepspeed/runtime/hybrid_engine.py`).
 
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=4, max_out_tokens=256))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=4, max_out_tokens=256))
     outs = engine.generate(state, prompts, max_new_tokens=32)   # list of int32 [P + new]
     engine.release()
 
 Per generation (data flow):
 0. check: every argument, naming it (`sampling.py`, `decode.check_prompts`), then the state: a
-   state of another step, or one donated to `step(state, batch)` (its buffers deleted), is
-   refused before any of its arrays is read (`checks.py`).
+   state of another step (its `plan` and model are not the layout's), or one donated to
+   `step(state, batch)` (its buffers deleted), is refused before any of its arrays is read
+   (`checks.py`).
 1. reshard (once while the parameters are pinned and no optimizer step has run since): one
    compiled program takes the training state's partitioned storage (`state.params`, split over
    the data axes) to the tensor-parallel inference layout (`layout.py`); the training state is
@@ -34,7 +35,8 @@ import numpy as np
 
 from zeroxla.engine.offload import on_device
 from zeroxla.engine.state import TrainState
-from zeroxla.inference.checks import check_decodable, check_state, check_step
+from zeroxla.engine.layout import ZeroLayout
+from zeroxla.inference.checks import check_decodable, check_layout, check_state
 from zeroxla.inference.config import HybridEngineConfig
 from zeroxla.inference.decode import bucket, check_request, decode_loop, pack, unpack
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
@@ -47,20 +49,19 @@ def _leaves(state: TrainState) -> list[Any]:
 
 
 class HybridEngine:
-    """Generation from a `ZeroStep`'s training state (see the module docstring).
+    """Generation from the training states of a step whose `ZeroLayout` it is given (see the
+    module docstring): `HybridEngine(step.layout, config)`.
 
-    Construction refuses, by name, a step that is not a `ZeroStep`, a tensor-parallel size the
-    devices or heads do not allow, and a model without the KV-cache protocol
+    Construction refuses, by name, a layout that is not a `ZeroLayout`, a tensor-parallel size
+    the devices or heads do not allow, and a model without the KV-cache protocol
     (`zeroxla.inference.checks`)."""
 
-    def __init__(self, step: Any, config: HybridEngineConfig | None = None):
-        check_step(step)
-        self.step = step
+    def __init__(self, zero_layout: ZeroLayout, config: HybridEngineConfig | None = None):
+        check_layout(zero_layout)            # the training layout; `self.layout` is inference's
         self.config = config = config if config is not None else HybridEngineConfig()
         if not isinstance(config, HybridEngineConfig):
             raise ValueError(f"HybridEngine: config is a {type(config).__name__}; accepted: a "
                              "HybridEngineConfig (or None for DeepSpeed's defaults)")
-        zero_layout = step.layout            # the training layout; `self.layout` is inference's
         self.model_def = zero_layout.model_def
         self.plan = zero_layout.plan
         devices = list(np.asarray(zero_layout.mesh.devices).reshape(-1))
@@ -70,7 +71,7 @@ class HybridEngine:
             self.model_def, devices, config.inference_tp_size,
             tensor_major=zero_layout.axes.data_size == len(devices))
         self.mesh = self.layout.mesh
-        self.vocab_size = step.vocab_size
+        self.vocab_size = zero_layout.vocab_size
         self._cache_shape = check_decodable(self.model_def, config.max_out_tokens,
                                             self.vocab_size)         # [L, 1, S, G, K]
         self._kv_heads = self._cache_shape[3] * self.layout.kv_repeat
@@ -216,6 +217,11 @@ class HybridEngine:
             self._cache(batch, {"k": sharding, "v": sharding}), column, column).compile()
 
     # ---- release ---------------------------------------------------------------------------
+    def kept_arrays(self) -> tuple[dict[str, jax.Array], list[dict[str, jax.Array]]]:
+        """What the engine holds between calls (and `release` frees): the pinned inference
+        parameters (`{}` when none) and the kept KV caches, e.g. to count their bytes."""
+        return dict(self._params or {}), list(self._caches.values())
+
     def _free_params(self) -> None:
         if self._params is not None:
             for x in self._params.values():

@@ -131,7 +131,7 @@ class PPOTrainer:
             loss_fn=make_critic_loss(config.cliprange_value))
         self.actor_state = self.actor_step.init(seed)
         self.critic_state = self.critic_step.init(seed)
-        self.engine = zeroxla.HybridEngine(self.actor_step, zeroxla.HybridEngineConfig(
+        self.engine = zeroxla.HybridEngine(self.actor_step.layout, zeroxla.HybridEngineConfig(
             inference_tp_size=inference_tp_size,
             max_out_tokens=config.prompt_length + config.answer_length))
 

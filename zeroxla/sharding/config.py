@@ -2,7 +2,8 @@
 
 Field names follow DeepSpeed's (`stage`, `persistence_threshold`, `hpz_partition_size`,
 `quantized_weights`, ...) so that a DeepSpeed user recognises them; `zeroxla.deepspeed` maps a
-DeepSpeed JSON onto this class in one place (`zeroxla.deepspeed.zero_config(path)`).
+DeepSpeed JSON onto this class in one place (`zeroxla.deepspeed.zero_config_from_json(path)`;
+the keys are mapped in `zeroxla.deepspeed.zero_config`).
 
 Every invariant that can be checked without a mesh is checked in `__post_init__`; the ones that
 need the mesh (does `hpz_partition_size` divide the local devices?) in `validate_for_mesh`. Each

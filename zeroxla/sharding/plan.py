@@ -105,6 +105,15 @@ class ShardingPlan:
     def param_specs(self) -> dict[str, Any]:
         return {leaf.path: leaf.param_spec for leaf in self.leaves}
 
+    def compute_input_specs(self) -> dict[str, Any]:
+        """`{path: spec}` of what compute reads of each parameter (`compute_inputs`)."""
+        return {leaf.path: leaf.compute_input_spec for leaf in self.leaves}
+
+    def compute_inputs(self, params: dict[str, Any]) -> dict[str, Any]:
+        """`state.params` -> what compute reads: a leaf stored with a 16-bit compute copy
+        (`MasterWithCopy`) gives the copy, never its float32 master partition."""
+        return {leaf.path: leaf.compute_input(params[leaf.path]) for leaf in self.leaves}
+
     def total_numel(self) -> int:
         return sum(leaf.numel for leaf in self.leaves)
 

@@ -6,7 +6,7 @@ axis *role* (`"stage"`, `"data"`, `"tensor"`, or None for "not sharded"); the pl
 table to every parameter to get a `PartitionSpec`. `"*"` matches any name, including a dim with
 no name. The first rule whose name matches a dim decides that dim's role.
 
-Three tables ship:
+Four tables ship:
 
 * `ZERO_STORAGE_RULES`: how parameters (and optimizer state) are *stored* under ZeRO: any dim
   but the layer dim of a stacked `LayerStack` parameter may carry the data-parallel partition
@@ -28,11 +28,12 @@ How a role becomes a spec entry (`AxisRules.spec`):
   generation splits (`TENSOR_PARALLEL_NAMES`) first: each device's ZeRO partition then lies
   inside the tensor-parallel slice it will hold for every tp dividing N, so the Hybrid Engine's
   reshard receives only the rest of that slice (`zeroxla.inference.reshard`). Training
-  computes the same numbers: the choice is among dims N divides, so padding, stored bytes and
-  collective bytes are unchanged and losses bitwise equal; its one cost is that a
-  column-parallel weight's shard (`W[D, H/N, K]`, `W[D, F/N]`) is strided in the unit, not
-  contiguous, so XLA may copy a gathered layer (compiled temporaries of the CPU step: +0.08%
-  on llama-small, +0% on gpt-small).
+  computes the same numbers as with the parameter's own dim order: the choice is among dims N
+  divides, so padding, stored bytes and collective bytes are the same and losses bitwise
+  equal; its one cost is that a column-parallel weight's shard (`W[D, H/N, K]`, `W[D, F/N]`)
+  is strided in the unit, not contiguous, so XLA may copy a gathered layer (compiled
+  temporaries of the CPU step against the dim-order choice: +0.08% on llama-small, +0% on
+  gpt-small).
 * "stage", "tensor": the first dim with that role whose size the axis size divides; a dim it
   does not divide stays unsharded (`AxisRules.spec` reports it, and callers that need the split,
   e.g. tensor-parallel generation, refuse it by name).

@@ -30,8 +30,8 @@ def _measure(stage, model_name="gpt-small", threshold=2000):
     for array in jax.tree.leaves((state.params, state.opt_state)):
         for shard in array.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    total_params = step.plan.total_numel()
-    replicated = sum(leaf.numel for leaf in step.plan.leaves if not leaf.params_partitioned)
+    total_params = step.layout.plan.total_numel()
+    replicated = sum(leaf.numel for leaf in step.layout.plan.leaves if not leaf.params_partitioned)
     return step, state, per_device, total_params, replicated, config
 
 
@@ -85,7 +85,7 @@ def test_memory_report_reads_the_compiled_step():
                              config=zeroxla.ZeroConfig(persistence_threshold=500))
     state = step.init()
     batch = token_batches(1, 16, 16, vocab=65)[0]
-    report = zeroxla.memory_report(step, state, batch)
+    report = zeroxla.memory_report(step.compile(state, batch), state, layout=step.layout)
     analysis = step.compile(state, batch).memory_analysis()
     assert report.temporaries == analysis.temp_size_in_bytes > 0
     assert report.arguments == analysis.argument_size_in_bytes
@@ -100,13 +100,20 @@ def test_memory_report_reads_the_compiled_step():
     gradients = 0
     for path, value in flat_params(nnx.state(model, nnx.Param)).items():
         padded = list(value.shape)
-        dim = step.plan[path].shard_dim
+        dim = step.layout.plan[path].shard_dim
         padded[dim] = -(-padded[dim] // 8) * 8
         gradients += 4 * int(np.prod(padded)) // 8
     assert report.gradients == gradients
     assert report.secondary_partition == 0                           # no hpZ
     assert "training state" in report.table()
     assert report.to_dict()["training_state"] == report.training_state
+    # the step in place of its compiled program, or of its layout, is refused by name
+    with pytest.raises(TypeError, match=r"compiled is a ZeroStep; accepted: a "
+                                        r"jax\.stages\.Compiled \(step\.compile\(state, batch\)\)"):
+        zeroxla.memory_report(step, state, layout=step.layout)
+    with pytest.raises(TypeError, match=r"layout is a ZeroStep; accepted: the ZeroLayout of "
+                                        r"the step \(step\.layout\)"):
+        zeroxla.memory_report(step.compile(state, batch), state, layout=step)
 
 
 def test_factory_init_never_holds_the_whole_model():
@@ -120,7 +127,7 @@ def test_factory_init_never_holds_the_whole_model():
                              zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1),
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=1000))
     compiled = step.lower_init().compile()
-    full_model = 4 * step.plan.total_numel()
+    full_model = 4 * step.layout.plan.total_numel()
     assert compiled.memory_analysis().temp_size_in_bytes < 0.3 * full_model
 
 
@@ -133,7 +140,8 @@ def _step_peak(stage, batch_size, seq_len, dtype="float32"):
                                                        compute_dtype=dtype))
     state = step.init()
     batch = token_batches(1, batch_size, seq_len, vocab=65)[0]
-    return zeroxla.memory_report(step, state, batch).peak_estimate, step
+    report = zeroxla.memory_report(step.compile(state, batch), state, layout=step.layout)
+    return report.peak_estimate, step
 
 
 @pytest.mark.slow
@@ -157,13 +165,13 @@ def test_stage2_keeps_only_a_partition_of_the_gradients(dtype, batch_size, seq_l
     them in bf16); 32 x 128 130.59 / 86.04 and 82.38 / 77.64; the bound is 0.8 x 1.62 MiB."""
     stage1, step = _step_peak(1, batch_size, seq_len, dtype)
     stage2, _ = _step_peak(2, batch_size, seq_len, dtype)
-    params = step.plan.total_numel()
+    params = step.layout.plan.total_numel()
     if dtype == "float32":
         if batch_size == 8:                        # gradients dominate the peak
             assert stage2 <= 0.8 * stage1
         assert stage1 - stage2 >= 0.8 * 4 * params * 7 / 8   # (N-1)/N of them no longer held
         return
-    stacked = [leaf for leaf in step.plan.leaves if leaf.path.startswith("blocks/layers/")]
+    stacked = [leaf for leaf in step.layout.plan.leaves if leaf.path.startswith("blocks/layers/")]
     layer = sum(leaf.numel for leaf in stacked) // stacked[0].shape[0]
     least = 2 * params - 4 * params / 8 - 4 * layer
     assert stage1 - stage2 >= 0.8 * least

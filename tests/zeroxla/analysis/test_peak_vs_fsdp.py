@@ -46,8 +46,7 @@ def _zero3_peak(mesh, batch, **config) -> int:
 def test_zero3_peak_at_most_fsdp():
     """Measured (3 layers, 32 x 64 tokens, the suite's XLA flags): FSDP 44.84 MiB, ZeRO-3
     43.45 MiB (0.969x) with prefetch, 39.08 MiB (0.872x) gathering just in time. gpt-small in
-    `benchmarks/zero.py`: 0.94x with prefetch (before `layer_loop` kept backward's residuals one
-    layer at a time and forward's last layer's out of the stack: 1.15x)."""
+    `benchmarks/zero.py`: docs/benchmarks.md."""
     mesh = zeroxla.make_mesh(2, 4)
     batch = _batch()
     fsdp = peak_bytes(jit_train_step(models.build("gpt-small", **CONFIG), "fsdp", mesh,

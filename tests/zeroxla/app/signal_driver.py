@@ -9,14 +9,16 @@ MOMENT: step      during step 2 (the step then finishes)
         save      inside the final checkpoint's save
         report    inside the report, after the final save (the end-of-run sample)
 COUNT: how many signals (2: the second one must stop the job at once).
-The wrappers below are the test's only instrument; the job's code is run unchanged.
+The wrappers below (on `zeroxla.app.train.loop`'s names) are the test's only instrument; the
+job's code is run unchanged.
 """
 
 import os
 import signal
 import sys
 
-from zeroxla.app import cli, train
+from zeroxla.app import cli
+from zeroxla.app.train import loop
 
 
 def _send(signum, count):
@@ -26,39 +28,39 @@ def _send(signum, count):
 
 def _instrument(moment, signum, count, steps):
     if moment == "step":
-        real_step = train._step
+        real_step = loop._step
 
         def step(r, state, k, progress):
             if k == 1:
                 _send(signum, count)
             return real_step(r, state, k, progress)
 
-        train._step = step
+        loop._step = step
     elif moment == "logged":
-        real_save_final = train.save_final
+        real_save_final = loop.save_final
 
         def save_final(state, progress, save):
             _send(signum, count)
             return real_save_final(state, progress, save)
 
-        train.save_final = save_final
+        loop.save_final = save_final
     elif moment == "save":
-        real_save = train.save_checkpoint
+        real_save = loop.save_checkpoint
 
         def save_checkpoint(step, state, directory, *, metadata):
             if metadata["data_position"] == steps:
                 _send(signum, count)
             return real_save(step, state, directory, metadata=metadata)
 
-        train.save_checkpoint = save_checkpoint
+        loop.save_checkpoint = save_checkpoint
     elif moment == "report":
-        real_sample = train.final_sample
+        real_sample = loop.final_sample
 
         def final_sample(*args, **kwargs):
             _send(signum, count)
             return real_sample(*args, **kwargs)
 
-        train.final_sample = final_sample
+        loop.final_sample = final_sample
     else:
         raise SystemExit(f"unknown moment {moment!r}")
 

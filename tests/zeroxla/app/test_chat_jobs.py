@@ -15,9 +15,10 @@ import pytest
 
 import zeroxla
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
-from zeroxla.app import chat_data, cli, ppo_job, reward_job, train
+from zeroxla.app import chat_data, cli, ppo_job, reward_job
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.job import TrainJobConfig
+from zeroxla.app.train import loop
+from zeroxla.app.train.resolve import resolve_job
 from zeroxla.rlhf import PPOConfig, Rollout
 from zeroxla.rlhf.reward_model import end_scores
 
@@ -42,10 +43,10 @@ def runs(tmp_path_factory):
     chat_data.write_jsonl(chat_data.shakespeare_sft(128, seed=0), tmp / "sft.jsonl")
     chat_data.write_jsonl(chat_data.shakespeare_pairs(400, seed=1), tmp / "pairs.jsonl")
     chat_data.write_jsonl(chat_data.shakespeare_prompts(64, seed=2), tmp / "prompts.jsonl")
-    train.run(TrainJobConfig(init_from=str(hf), data=str(tmp / "sft.jsonl"), steps=20,
-                             batch_size=16, seq_len=48, lr=3e-3, warmup_steps=2, eval_every=20,
-                             eval_batches=1, sample_tokens=0, out_dir=str(tmp / "sft"),
-                             progress=False), write=quiet)
+    loop.run(resolve_job(dict(init_from=str(hf), data=str(tmp / "sft.jsonl"), steps=20,
+                              batch_size=16, seq_len=48, lr=3e-3, warmup_steps=2, eval_every=20,
+                              eval_batches=1, sample_tokens=0, out_dir=str(tmp / "sft"),
+                              progress=False)), write=quiet)
     summary = reward_job.run(reward_job.RewardJobConfig(
         init_from=str(hf), data=str(tmp / "pairs.jsonl"), steps=60, seq_len=64, eval_every=30,
         out_dir=str(tmp / "rm"), progress=False), write=quiet)

@@ -20,7 +20,7 @@ import zeroxla
 from zeroxla import checkpoint
 from zeroxla.app import cli, ppo_job, reward_job
 from zeroxla.app.hf_tokenizer import PAD_TOKEN, PretrainedTokenizer, reward_pad_id
-from zeroxla.app.job_model import pretrained_config
+from zeroxla.app.train.model import pretrained_config
 from zeroxla.app.tiny_checkpoints import eos_id, gpt2_checkpoint, llama_checkpoint
 from zeroxla.app.tokenizer import CharTokenizer
 from zeroxla.app.tokenizer_records import tokenizes_alike
@@ -84,7 +84,8 @@ def reward_run(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(family)
     hf_dir = BUILDERS[family](tmp / "hf_rm", reward=True)
     step, state, config, tokenizer = initial_reward_model(hf_dir)
-    directory = checkpoint.save(tmp / "rm" / "checkpoint", state, step=step, model_config=config,
+    directory = checkpoint.save(tmp / "rm" / "checkpoint", state, layout=step.layout,
+                                model_config=config,
                                 metadata={"model_kind": reward_job.KIND,
                                           "tokenizer": tokenizer.record()})
     return family, hf_dir, directory, zeroxla.gathered_model(state), tokenizer

@@ -13,7 +13,8 @@ from flax import nnx
 
 import zeroxla
 from zeroxla import models
-from zeroxla.app import cli, train
+from zeroxla.app import cli
+from zeroxla.app.train import config
 from zeroxla.app.sampling import check_tp, sample_tokens
 from zeroxla.models import GPT, GPTConfig
 
@@ -35,13 +36,16 @@ def test_temperature_option_accepts_zero_and_positive():
         ["generate", "C", "--prompt", "A", "--temperature", "1.5"]).temperature == 1.5
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1),
-    ("lr", float("inf")), ("weight_decay", float("nan")), ("gradient_clipping", float("nan"))])
-def test_job_config_refuses_non_finite_numbers(field, value):
-    with pytest.raises(ValueError, match=rf"TrainJobConfig\.{field}={value!r} is invalid; "
-                                         r"accepted: .*finite"):
-        train.TrainJobConfig(**{field: value})
+@pytest.mark.parametrize("section,field,value", [
+    (config.Run, "temperature", float("nan")), (config.Run, "temperature", float("inf")),
+    (config.Run, "temperature", -0.1), (config.Schedule, "lr", float("inf")),
+    (config.Schedule, "weight_decay", float("nan")),
+    (config.Numerics, "gradient_clipping", float("nan")),
+    (config.Numerics, "gradient_clipping", float("inf"))])
+def test_job_config_refuses_non_finite_numbers(section, field, value):
+    with pytest.raises(ValueError, match=rf"TrainJobConfig\.{section.NAME}\.{field}={value!r} is "
+                                         r"invalid; accepted: .*finite"):
+        section(**{field: value})
 
 
 def test_plain_sampler_refuses_nan_temperature():
@@ -81,7 +85,7 @@ def test_generate_tp_lists_the_sizes_the_model_allows(tmp_path):
                              optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=3))
     checkpoint = tmp_path / "checkpoint"
     chars = "".join(map(chr, range(65, 130)))           # the model's 65 ids
-    zeroxla.save(checkpoint, step.init(), step=step,
+    zeroxla.save(checkpoint, step.init(), layout=step.layout,
                  metadata={"tokenizer": {"kind": "char", "chars": chars}})
     result = subprocess.run(
         [sys.executable, "-m", "zeroxla", "generate", str(checkpoint), "--prompt", "AB",
@@ -95,9 +99,9 @@ def test_generate_tp_lists_the_sizes_the_model_allows(tmp_path):
 @pytest.mark.parametrize("text", ["0", "0.8", "1e-39", "5e-324", "1e38", "1e300", "7", "nan",
                                   "inf", "-1", "-0.0", "1e999", "warm"])
 def test_train_and_generate_temperature_is_the_engines_check(text):
-    """`zeroxla train`'s closing sample (the option, then TrainJobConfig) and `zeroxla generate
-    --temperature` accept exactly what the Hybrid Engine's `Sampling` accepts, as the same
-    number; the tiny and huge ones included (the engine samples them as their limits)."""
+    """`zeroxla train`'s closing sample (the option, then the job's run section) and `zeroxla
+    generate --temperature` accept exactly what the Hybrid Engine's `Sampling` accepts, as the
+    same number; the tiny and huge ones included (the engine samples them as their limits)."""
     from zeroxla.inference.sampling import Sampling
 
     try:
@@ -112,17 +116,17 @@ def test_train_and_generate_temperature_is_the_engines_check(text):
         else:
             assert parser.parse_args([*command, "--temperature", text]).temperature == expected
     if expected is None:
-        with pytest.raises(ValueError, match=r"TrainJobConfig\.temperature="):
-            train.TrainJobConfig(temperature=float(text) if text != "warm" else text)
+        with pytest.raises(ValueError, match=r"TrainJobConfig\.run\.temperature="):
+            config.Run(temperature=float(text) if text != "warm" else text)
     else:
-        assert train.TrainJobConfig(temperature=float(text)).temperature == expected
+        assert config.Run(temperature=float(text)).temperature == expected
 
 
 def test_numpy_temperature_is_a_python_float_in_the_job():
-    job = train.TrainJobConfig(temperature=np.float32(0.5))
-    assert type(job.temperature) is float and job.temperature == 0.5      # JSON-serializable
-    with pytest.raises(ValueError, match=r"TrainJobConfig\.temperature=True is invalid"):
-        train.TrainJobConfig(temperature=True)
+    run = config.Run(temperature=np.float32(0.5))
+    assert type(run.temperature) is float and run.temperature == 0.5      # JSON-serializable
+    with pytest.raises(ValueError, match=r"TrainJobConfig\.run\.temperature=True is invalid"):
+        config.Run(temperature=True)
 
 
 @pytest.mark.parametrize("command", [["train"], ["generate", "C", "--prompt", "A"]])

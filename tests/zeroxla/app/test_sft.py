@@ -4,6 +4,7 @@ References: `transformers` (the pretrained model's logits, in torch) for the res
 computed in float64 numpy; `transformers` again for the exported model and tokenizer.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,9 +12,10 @@ import pytest
 
 import zeroxla
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint, llama_checkpoint
-from zeroxla.app import chat_data, cli, train
+from zeroxla.app import chat_data, cli
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.job import TrainJobConfig
+from zeroxla.app.train import config, loop
+from zeroxla.app.train.resolve import resolve_job
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -64,10 +66,10 @@ def test_response_only_loss_equals_masked_cross_entropy(build, sft_file, tmp_pat
 def test_sft_job_lowers_the_response_loss_and_exports_to_transformers(gpt2_dir, sft_file,
                                                                      tmp_path):
     out = tmp_path / "run"
-    job = TrainJobConfig(init_from=str(gpt2_dir), data=str(sft_file), steps=30, batch_size=16,
-                         seq_len=SEQ, lr=3e-3, warmup_steps=5, eval_every=30, eval_batches=2,
-                         sample_tokens=8, out_dir=str(out), progress=False)
-    summary = train.run(job, write=lambda line: None)
+    job = resolve_job(dict(init_from=str(gpt2_dir), data=str(sft_file), steps=30,
+                           batch_size=16, seq_len=SEQ, lr=3e-3, warmup_steps=5, eval_every=30,
+                           eval_batches=2, sample_tokens=8, out_dir=str(out), progress=False))
+    summary = loop.run(job, write=lambda line: None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = records[0]["loss"]
     print(f"SFT response loss: step 1 {first:.3f} -> held-out {summary.final_val_loss:.3f}")
@@ -97,10 +99,10 @@ def test_a_tokenizer_that_does_not_match_the_checkpoint_is_refused(gpt2_dir, sft
         (bad / f.name).write_bytes(f.read_bytes())
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
-    job = TrainJobConfig(init_from=str(bad), data=str(sft_file), steps=1, seq_len=SEQ,
-                         out_dir=str(tmp_path / "run"), progress=False)
+    job = resolve_job(dict(init_from=str(bad), data=str(sft_file), steps=1, seq_len=SEQ,
+                           out_dir=str(tmp_path / "run"), progress=False))
     with pytest.raises(ValueError, match="512 ids but .*vocab_size=300"):
-        train.run(job, write=lambda line: None)
+        loop.run(job, write=lambda line: None)
     assert not (tmp_path / "run").exists()            # refused before anything was written
 
 
@@ -108,14 +110,19 @@ def test_a_response_that_does_not_fit_is_refused_with_its_line(gpt2_dir, tmp_pat
     path = tmp_path / "sft.jsonl"
     path.write_text(json.dumps({"prompt": "Speak.", "response": "word " * 10}) + "\n"
                     + json.dumps({"prompt": "Speak.", "response": "word " * 200}) + "\n")
-    job = TrainJobConfig(init_from=str(gpt2_dir), data=str(path), steps=1, seq_len=SEQ,
-                         val_fraction=0.5, out_dir=str(tmp_path / "run"), progress=False)
+    job = resolve_job(dict(init_from=str(gpt2_dir), data=str(path), steps=1, seq_len=SEQ,
+                           out_dir=str(tmp_path / "run"), progress=False))
+    job = dataclasses.replace(job, data=dataclasses.replace(job.data, val_fraction=0.5))
     with pytest.raises(chat_data.ChatDataError, match=r"sft.jsonl:2.*seq_len=48"):
-        train.run(job, write=lambda line: None)
+        loop.run(job, write=lambda line: None)
 
 
 def test_tokenizer_and_model_options_conflict_with_init_from(gpt2_dir, capsys):
     with pytest.raises(ValueError, match="--tokenizer byte with --init-from"):
-        train.run(TrainJobConfig(init_from=str(gpt2_dir), tokenizer="byte", progress=False))
+        resolve_job(dict(init_from=str(gpt2_dir), tokenizer="byte", progress=False))
+    with pytest.raises(ValueError, match="TrainJobConfig.data.tokenizer='byte' with "
+                                         "model.init_from="):
+        config.TrainJobConfig(model=config.Model(init_from=str(gpt2_dir)),
+                              data=config.Data(tokenizer="byte"))
     assert cli.main(["train", "--init-from", str(gpt2_dir), "--model", "gpt-tiny"]) == 2
     assert "--model gpt-tiny with --init-from" in capsys.readouterr().err

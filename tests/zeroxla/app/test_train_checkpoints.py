@@ -12,14 +12,21 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from zeroxla import checkpoint
-from zeroxla.app import cli, rundir, train
+from zeroxla.app import cli, rundir
+from zeroxla.app.train import loop
+from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app.train.resume import FLAT_RECORD_KEY, RECORD_KEY
+from zeroxla.checkpoint.integrity import digest
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
 
 SMALL = {"batch_size": 8, "seq_len": 32, "eval_batches": 1, "sample_tokens": 0,
          "progress": False}
@@ -43,8 +50,8 @@ def test_save_every_and_keep_last(tmp_path):
         if "saved checkpoint" in line:
             seen[int(line.split(":")[0].split()[-1])] = committed(run_dir / "checkpoint")
 
-    summary = train.run(train.TrainJobConfig(steps=7, save_every=2, keep_last=2,
-                                             out_dir=str(run_dir), **SMALL), write=write)
+    summary = loop.run(resolve_job({"steps": 7, "save_every": 2, "keep_last": 2,
+                                    "out_dir": str(run_dir), **SMALL}), write=write)
     # Each save commits before older steps go: the newest two committed ones are always there.
     assert seen == {2: [2], 4: [2, 4], 6: [4, 6]}
     assert committed(run_dir / "checkpoint") == [6, 7]      # the final save, always
@@ -58,10 +65,11 @@ def test_save_every_and_keep_last(tmp_path):
                 "save_every": 2, "keep_last": 2, "tokenizer": "char", "processes": 1}
     assert {k: settings[k] for k in expected} == expected
     assert all(v is not None for v in settings.values()), settings
-    # Every checkpoint records the job, the settings and the tokenizer (for --resume, export).
+    # Every checkpoint records the job's tree, the settings and the tokenizer (for --resume,
+    # export).
     meta = checkpoint.read_metadata(run_dir / "checkpoint")["metadata"]
     assert meta["data_position"] == 7 and meta["settings"] == settings
-    assert meta["job"]["save_every"] == 2 and meta["tokenizer"]["kind"] == "char"
+    assert meta[RECORD_KEY]["run"]["save_every"] == 2 and meta["tokenizer"]["kind"] == "char"
 
 
 def _interrupt_after(metrics_path, steps, done):
@@ -147,3 +155,38 @@ def test_resume_into_a_fresh_out_carries_the_earlier_metrics(interrupted_run, tm
     assert train_steps(fork) == list(range(1, stopped + 2))
     assert committed(fork / "checkpoint") == [stopped + 1]
     assert committed(original / "checkpoint") == [stopped]              # untouched
+
+
+def _as_an_older_zeroxla_wrote_it(directory, step):
+    """Rewrites checkpoint `step`'s metadata as an older zeroxla stored it: the job as the flat
+    record that zeroxla wrote for the interrupted run's command line (tests/assets), instead of
+    the tree; the digest recomputed, as that zeroxla computed it."""
+    fixture = json.loads((ROOT / "tests" / "assets" / "checkpoints" /
+                          "flat_job_metadata.json").read_text())["cli"]
+    path = directory / str(step) / "zeroxla" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["metadata"][RECORD_KEY]
+    meta["metadata"][FLAT_RECORD_KEY] = fixture[FLAT_RECORD_KEY]
+    meta["digest"] = digest(meta)
+    path.write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_of_an_older_zeroxla_resumes_as_it_ran(interrupted_run, tmp_path, capsys):
+    """The flat record of a run made before the config tree: --resume rebuilds the same job
+    (stage 2 on a 1x4 mesh in bf16, the command line's other settings) from it."""
+    original, _, _ = interrupted_run
+    run_dir = tmp_path / "old"
+    shutil.copytree(original, run_dir)
+    stopped = train_steps(run_dir)[-1]
+    _as_an_older_zeroxla_wrote_it(run_dir / "checkpoint", stopped)
+    assert RECORD_KEY not in checkpoint.read_metadata(run_dir / "checkpoint")["metadata"]
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run_dir), "--steps", str(stopped + 1),
+                     "--no-progress"]) == 0
+    assert "ZeRO-2 on a 1x4 mesh" in capsys.readouterr().out
+    settings = json.loads((run_dir / rundir.SUMMARY_FILE).read_text())["settings"]
+    assert {k: settings[k] for k in ("mesh", "zero_stage", "dtype", "batch_size", "seq_len",
+                                     "steps", "persistence_threshold", "gradient_clipping")} == {
+        "mesh": "1x4", "zero_stage": 2, "dtype": "bf16", "batch_size": 8, "seq_len": 32,
+        "steps": stopped + 1, "persistence_threshold": 0, "gradient_clipping": 1.0}
+    assert committed(run_dir / "checkpoint") == [stopped, stopped + 1]

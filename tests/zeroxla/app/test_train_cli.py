@@ -14,7 +14,9 @@ import xla_flags
 
 from zeroxla import models
 from zeroxla.app import cli
-from zeroxla.app import train, train_report
+from zeroxla.app.train import config, report
+from zeroxla.app.train.recipe import build_setup
+from zeroxla.app.train.resolve import resolve_job
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.deepspeed.config import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.app.sampling import sample_text, sample_tokens
@@ -59,9 +61,9 @@ def test_train_options_parse():
             args.zero_stage, args.deepspeed_config, args.out_dir, args.seed) == (
         "llama-tiny", "x.txt", 7, 16, 64, 1e-3, (1, 8), 2, "ds.json", "o", 3)
     defaults = cli.build_parser().parse_args(["train"])
-    # None: not given (--resume restores the run's value; otherwise TrainJobConfig's default).
+    # None: not given (--resume restores the run's value; otherwise the tree's default).
     assert defaults.mesh is None and defaults.deepspeed_config is None
-    assert train.TrainJobConfig().mesh == (2, 4)
+    assert config.TrainJobConfig().sharding.mesh == (2, 4)
 
 
 @pytest.mark.parametrize("argv", [["train", "--mesh", "2by4"], ["train", "--mesh", "0x8"],
@@ -82,7 +84,8 @@ def test_help_runs(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--model", "gpt-huge"], "TrainJobConfig.model='gpt-huge' is invalid; accepted: gpt-tiny"),
+    (["--model", "gpt-huge"], "TrainJobConfig.model.preset='gpt-huge' is invalid; accepted: "
+                              "gpt-tiny"),
     (["--batch-size", "30"], "--batch-size 30 is not a multiple of the 8 data-parallel devices"),
     (["--seq-len", "512"], "--seq-len 512 exceeds the max_seq_len=128 of --model gpt-tiny"),
     (["--data", "missing.txt"], "missing.txt': no such file"),
@@ -111,55 +114,57 @@ def test_configuration_errors_exit_2_naming_the_option(argv, message, tmp_path, 
 # ---- recipe resolution ---------------------------------------------------------------------------
 
 def test_default_recipe_is_zero3_partitioning_every_leaf():
-    setup = train.resolve_setup(train.TrainJobConfig())
-    # check_grad_overflow: the job keeps its last finite step if a run diverges (train_end.py).
+    job = resolve_job({})
+    setup = build_setup(job)
+    # check_grad_overflow: the job keeps its last finite step if a run diverges (train/end.py).
     assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0,
                                     check_grad_overflow=True)
-    assert setup.batch_size == train.DEFAULT_BATCH_SIZE
+    assert job.schedule.batch_size == 32                      # the documented default
     assert float(setup.learning_rate(0)) == 0.0
-    assert float(setup.learning_rate(train.TrainJobConfig().warmup_steps)) == pytest.approx(
-        train.DEFAULT_LR)
+    assert float(setup.learning_rate(job.schedule.warmup_steps)) == pytest.approx(1e-2)
 
 
 def test_deepspeed_recipe_comes_from_the_json():
-    job = train.TrainJobConfig(deepspeed_config=os.path.join(
-        EXAMPLES, "ds_zero3_adamw_warmupdecay.json"))
-    setup = train.resolve_setup(job)
+    job = resolve_job({"deepspeed_config": os.path.join(
+        EXAMPLES, "ds_zero3_adamw_warmupdecay.json")})
+    setup = build_setup(job)
     assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0,
                                     check_grad_overflow=True)     # the job's, the JSON sets none
-    assert setup.batch_size == 32
+    assert job.schedule.batch_size == 32
     assert float(setup.learning_rate(51)) == pytest.approx(0.003)
 
 
-def resolve_quietly(**fields):
+def resolve_quietly(**given):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeepSpeedConfigWarning)
-        return train.resolve_setup(train.TrainJobConfig(**fields))
+        return resolve_job(given)
 
 
 def test_explicit_options_fill_what_the_json_leaves_out():
-    setup = resolve_quietly(deepspeed_config=os.path.join(EXAMPLES, "ds_zeropp.json"),
-                            batch_size=64, mesh=(1, 16))
-    assert setup.batch_size == 64 and setup.zero.hpz_partition_size == 16
+    job = resolve_quietly(deepspeed_config=os.path.join(EXAMPLES, "ds_zeropp.json"),
+                          batch_size=64, mesh=(1, 16))
+    assert job.schedule.batch_size == 64 and job.zero_config().hpz_partition_size == 16
     # fp16 example: micro 2 x accumulation 2 x 8 devices = 32, consistent with --batch-size 32
-    setup = resolve_quietly(deepspeed_config=os.path.join(EXAMPLES, "ds_fp16.json"), batch_size=32)
-    assert setup.zero.gradient_accumulation_steps == 2 and setup.zero.compute_dtype == "float16"
+    zero = resolve_quietly(deepspeed_config=os.path.join(EXAMPLES, "ds_fp16.json"),
+                           batch_size=32).zero_config()
+    assert zero.gradient_accumulation_steps == 2 and zero.compute_dtype == "float16"
     with pytest.raises(DeepSpeedConfigError, match="ds_fp16.json: train_batch_size=48 != "):
         resolve_quietly(deepspeed_config=os.path.join(EXAMPLES, "ds_fp16.json"), batch_size=48)
 
 
-@pytest.mark.parametrize("field,value", [("steps", 0), ("seq_len", -1), ("tokenizer", "bpe"),
-                                         ("mesh", (2,)), ("zero_stage", 4), ("lr", 0.0),
-                                         ("val_fraction", 1.0), ("persistence_threshold", -1)])
-def test_job_config_errors_name_the_field(field, value):
-    with pytest.raises(ValueError, match=f"TrainJobConfig.{field}=.*accepted"):
-        train.TrainJobConfig(**{field: value})
+@pytest.mark.parametrize("section,field,value", [
+    (config.Schedule, "steps", 0), (config.Data, "seq_len", -1), (config.Data, "tokenizer", "bpe"),
+    (config.Sharding, "mesh", (2,)), (config.Sharding, "stage", 4), (config.Schedule, "lr", 0.0),
+    (config.Data, "val_fraction", 1.0), (config.Sharding, "persistence_threshold", -1)])
+def test_job_config_errors_name_the_field(section, field, value):
+    with pytest.raises(ValueError, match=f"TrainJobConfig.{section.NAME}.{field}=.*accepted"):
+        section(**{field: value})
 
 
 def test_plot_is_written(tmp_path):
     records = [{"step": k, "loss": 4.0 / k} for k in range(1, 80)]
     records += [{"step": 40, "val_loss": 0.2}, {"step": 79, "val_loss": 0.1}]
-    train_report.write_plot(tmp_path / "p.png", records, "title")
+    report.write_plot(tmp_path / "p.png", records, "title")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -11,13 +11,13 @@ import pytest
 
 from zeroxla.app import cli
 from zeroxla.app.chat_data import ChatDataError, SFTExample
-from zeroxla.app.train_data import SFTData, TextData, load_train_data, read_data
+from zeroxla.app.train.data import SFTData, TextData, load_train_data, read_data
 
 RECORDS = [{"prompt": f"Q{i}: ", "response": f"answer {i}."} for i in range(20)]
 
 
 def load(path, **kwargs):
-    return load_train_data(str(path), **{"tokenizer": None, "init_from": None, "batch_size": 8,
+    return load_train_data(str(path), **{"tokenizer": "char", "init_from": None, "batch_size": 8,
                                          "seq_len": 24, "val_fraction": 0.1, "seed": 0,
                                          **kwargs})
 

@@ -1,52 +1,98 @@
 """`zeroxla train`'s one option table: every job setting a user can give is one row, and the
-parser, `--resume`'s explicit fields, the names in messages and the DeepSpeed overrides all come
-from it."""
+parser, `--resume`'s given options, the names in messages, the config tree's sections and the
+DeepSpeed overrides all come from it."""
 
 import dataclasses
 
 import pytest
 
 from zeroxla.app import cli
-from zeroxla.app.job import TrainJobConfig
-from zeroxla.app.train_options import (OPTION_NAMES, OPTIONS, deepspeed_overrides,
-                                       explicit_fields)
+from zeroxla.app.train import config
+from zeroxla.app.train.options import (OPTION_NAMES, OPTIONS, deepspeed_overrides,
+                                       given_options, section_changes)
+from zeroxla.deepspeed.overrides import Overrides
 from zeroxla.sharding.config import ZeroConfig
 
-# TrainJobConfig fields that are fixed parts of the default recipe, not command-line options.
-RECIPE_CONSTANTS = {"min_lr_ratio", "weight_decay", "gradient_clipping", "val_fraction"}
+# Tree fields no option sets: the default recipe's constants, the --config JSON's optimizer and
+# scheduler sections, and the ZeroConfig settings only a DeepSpeed JSON (or Python) gives.
+NOT_OPTIONS = {("schedule", "min_lr_ratio"), ("schedule", "weight_decay"),
+               ("schedule", "optimizer"), ("schedule", "scheduler"), ("data", "val_fraction"),
+               ("sharding", "prefetch"), ("sharding", "max_live_parameters"),
+               ("sharding", "remat"), ("numerics", "loss_scale"),
+               ("numerics", "initial_scale_power"), ("numerics", "loss_scale_window"),
+               ("numerics", "hysteresis"), ("numerics", "min_loss_scale"),
+               ("offload", "offload_pin_memory")} | {
+    ("zeropp", f.name) for f in dataclasses.fields(config.ZeroPP)}
 
-# One command line that gives every option (flag -> text), and the TrainJobConfig it means.
+# One command line that gives every option (flag -> text; --init-from apart, as it brings its
+# own tokenizer), and the options it means.
 GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--steps": "7",
          "--batch-size": "16", "--seq-len": "64", "--lr": "0.001", "--warmup-steps": "2",
          "--mesh": "1x8", "--pipeline-stages": "2", "--zero-stage": "2", "--dtype": "bf16",
-         "--grad-accum": "2", "--persistence-threshold": "5", "--config": "ds.json",
+         "--grad-accum": "2", "--persistence-threshold": "5", "--gradient-clipping": "0.5",
+         "--no-check-grad-overflow": None, "--config": "ds.json",
          "--offload-optimizer": "cpu", "--offload-param": "none",
          "--out": "o", "--seed": "3", "--eval-every": "4", "--eval-batches": "5",
          "--save-every": "6", "--keep-last": "1", "--sample-tokens": "9", "--temperature": "0",
-         "--no-progress": None, "--resume": "r", "--init-from": "hf"}
+         "--no-progress": None, "--resume": "r"}
 EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, batch_size=16,
                 seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), pipeline_stages=2,
                 zero_stage=2, dtype="bf16", grad_accum=2, persistence_threshold=5,
+                gradient_clipping=0.5, check_grad_overflow=False,
                 offload_optimizer="cpu", offload_param="none",
                 deepspeed_config="ds.json", out_dir="o", seed=3, eval_every=4, eval_batches=5,
                 save_every=6, keep_last=1, sample_tokens=9, temperature=0.0, progress=False,
-                resume="r", init_from="hf")
+                resume="r")
+# The tree fields those options land in, with the tree's values.
+TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
+        ("data", "tokenizer"): "byte", ("schedule", "steps"): 7,
+        ("schedule", "batch_size"): 16, ("data", "seq_len"): 64, ("schedule", "lr"): 1e-3,
+        ("schedule", "warmup_steps"): 2, ("sharding", "mesh"): (1, 8),
+        ("pipeline", "stages"): 2, ("sharding", "stage"): 2,
+        ("numerics", "compute_dtype"): "bfloat16",
+        ("sharding", "gradient_accumulation_steps"): 2,
+        ("sharding", "persistence_threshold"): 5, ("numerics", "gradient_clipping"): 0.5,
+        ("numerics", "check_grad_overflow"): False, ("offload", "offload_optimizer"): "cpu",
+        ("offload", "offload_param"): "none", ("run", "out_dir"): "o", ("run", "seed"): 3,
+        ("run", "eval_every"): 4, ("run", "eval_batches"): 5, ("run", "save_every"): 6,
+        ("run", "keep_last"): 1, ("run", "sample_tokens"): 9, ("run", "temperature"): 0.0,
+        ("run", "progress"): False, ("run", "resume"): "r"}
 
 
-def test_every_job_field_is_one_option_or_a_recipe_constant():
-    fields = {f.name for f in dataclasses.fields(TrainJobConfig)}
-    options = [o.field for o in OPTIONS]
-    assert len(options) == len(set(options))
-    assert set(options) == fields - RECIPE_CONSTANTS
-    assert set(GIVEN) == {o.flag for o in OPTIONS}
+def _argv(given):
+    return ["train"] + [t for flag, text in given.items() for t in (flag, text) if t is not None]
+
+
+def test_every_tree_field_is_one_option_or_not_an_option():
+    fields = {(name, f.name) for name, cls in config.SECTIONS.items()
+              for f in dataclasses.fields(cls)}
+    targets = [(o.section.NAME, o.field) for o in OPTIONS if o.section is not None]
+    assert len(targets) == len(set(targets))
+    assert set(targets) == fields - NOT_OPTIONS
+    assert not NOT_OPTIONS - fields
+    assert [(o.section, o.field) for o in OPTIONS if o.section is None] == [
+        (None, "deepspeed_config")]
+    flags = {o.flag for o in OPTIONS} | {"--no-check-grad-overflow"}
+    assert set(GIVEN) | {"--init-from", "--check-grad-overflow"} == flags
 
 
 def test_a_command_line_giving_every_option_is_that_job():
-    argv = ["train"] + [t for flag, text in GIVEN.items() for t in (flag, text) if t is not None]
-    explicit = explicit_fields(cli.build_parser().parse_args(argv))
-    assert explicit == EXPECTED
-    assert TrainJobConfig(**explicit) == TrainJobConfig(**EXPECTED)
-    assert explicit_fields(cli.build_parser().parse_args(["train"])) == {}
+    given = given_options(cli.build_parser().parse_args(_argv(GIVEN)))
+    assert given == EXPECTED
+    changes = section_changes(config.TrainJobConfig(), given)
+    assert changes["deepspeed_config"] == "ds.json"
+    assert {(section, field): getattr(changes[section], field)
+            for section, field in TREE} == TREE
+    assert given_options(cli.build_parser().parse_args(["train"])) == {}
+
+
+def test_init_from_brings_its_own_tokenizer_and_refuses_another():
+    given = given_options(cli.build_parser().parse_args(["train", "--init-from", "hf"]))
+    changes = section_changes(config.TrainJobConfig(), given)
+    assert (changes["model"].init_from, changes["data"].tokenizer) == ("hf", config.PRETRAINED)
+    with pytest.raises(ValueError, match="--tokenizer byte with --init-from hf: a pretrained "
+                                         "model's vocabulary is its own tokenizer's"):
+        section_changes(config.TrainJobConfig(), {**given, "tokenizer": "byte"})
 
 
 def test_names_in_messages_are_the_flags():
@@ -55,15 +101,21 @@ def test_names_in_messages_are_the_flags():
 
 
 def test_deepspeed_overrides_are_the_deepspeed_settings_given():
-    overrides = deepspeed_overrides(TrainJobConfig(**EXPECTED))
-    assert {(o.target, o.value, o.given_as) for o in overrides} == {
-        ("train_batch_size", 16, "--batch-size 16"), ("zero.stage", 2, "--zero-stage 2"),
-        ("zero.compute_dtype", "bfloat16", "--dtype bf16"),
-        ("gradient_accumulation_steps", 2, "--grad-accum 2"),
-        ("zero.persistence_threshold", 5, "--persistence-threshold 5"),
-        ("zero.offload_optimizer", "cpu", "--offload-optimizer cpu"),
-        ("zero.offload_param", "none", "--offload-param none")}
-    assert deepspeed_overrides(TrainJobConfig()) == ()
+    overrides = deepspeed_overrides(EXPECTED)
+    assert overrides == Overrides(
+        train_batch_size=16, stage=2, compute_dtype="bfloat16", gradient_accumulation_steps=2,
+        persistence_threshold=5, gradient_clipping=0.5, check_grad_overflow=False,
+        offload_optimizer="cpu", offload_param="none", given_as=overrides.given_as)
+    assert dict(overrides.given_as) == {
+        "train_batch_size": "--batch-size 16", "stage": "--zero-stage 2",
+        "compute_dtype": "--dtype bf16", "gradient_accumulation_steps": "--grad-accum 2",
+        "persistence_threshold": "--persistence-threshold 5",
+        "gradient_clipping": "--gradient-clipping 0.5",
+        "check_grad_overflow": "--no-check-grad-overflow",
+        "offload_optimizer": "--offload-optimizer cpu", "offload_param": "--offload-param none"}
+    assert deepspeed_overrides({"check_grad_overflow": True}).written(
+        "check_grad_overflow") == "--check-grad-overflow"
+    assert deepspeed_overrides({}) == Overrides()
 
 
 def test_offload_param_help_says_what_the_engine_does():

@@ -13,7 +13,8 @@ from flax import nnx
 
 import zeroxla
 from zeroxla import models
-from zeroxla.app import train
+from zeroxla.app.train import loop
+from zeroxla.app.train.resolve import resolve_job
 from zeroxla.app.sampling import sample_with_engine
 from zeroxla.app.tokenizer import CharTokenizer
 from zeroxla.app.tokenizer_records import tokenizer_from_record
@@ -42,15 +43,15 @@ def greedy_by_full_forward(model, prompt, new_tokens):
 def run_job(tmp_path, **changes):
     """(job, summary, lines written) of an in-process `zeroxla train`."""
     lines = []
-    job = train.TrainJobConfig(out_dir=str(tmp_path / "run"), **{**SMALL, **changes})
-    summary = train.run(job, write=lines.append)
+    job = resolve_job({"out_dir": str(tmp_path / "run"), **SMALL, **changes})
+    summary = loop.run(job, write=lines.append)
     return job, summary, lines
 
 
 def reference_sample(job, new_tokens):
     """The trained model restored from the run's checkpoint, unsharded, decoding greedily from
     the job's prompt (the corpus' newline) -> the text the job must have printed."""
-    checkpoint = f"{job.out_dir}/checkpoint"
+    checkpoint = f"{job.run.out_dir}/checkpoint"
     tokenizer = tokenizer_from_record(checkpoint_metadata(checkpoint)["metadata"]["tokenizer"])
     model = zeroxla.load_params(checkpoint)
     prompt = np.asarray(tokenizer.encode("\n"), np.int32)
@@ -63,13 +64,13 @@ def test_greedy_sample_equals_the_unsharded_model_decoding_without_cache(
         tmp_path, sample_tokens, zero_stage):
     job, summary, lines = run_job(tmp_path, sample_tokens=sample_tokens, zero_stage=zero_stage,
                                   temperature=0.0)
-    new = min(sample_tokens, job.seq_len - 1)            # the prompt is one token
+    new = min(sample_tokens, job.data.seq_len - 1)       # the prompt is one token
     assert summary.samples == reference_sample(job, new)
     assert len(summary.samples) == 1 + new
     capped = [line for line in lines if line.startswith("sample:")]
     if sample_tokens > new:
         assert capped == [f"sample: {new} new tokens, not --sample-tokens {sample_tokens}: "
-                          f"prompt + sample are capped at --seq-len {job.seq_len}, the "
+                          f"prompt + sample are capped at --seq-len {job.data.seq_len}, the "
                           "positions the model was trained on"]
     else:
         assert capped == []

@@ -16,7 +16,8 @@ import pytest
 import zeroxla
 from reference import token_batches
 from zeroxla import models
-from zeroxla.app import train
+from zeroxla.app.train.recipe import build_setup
+from zeroxla.app.train.resolve import resolve_job
 from zeroxla.collectives.zero import FWD_GATHER, GRAD_REDUCE
 from zeroxla.deepspeed.config import DeepSpeedConfigWarning
 
@@ -27,21 +28,22 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", 
 
 
 def test_ds_zeropp_example_quantizes_weights_and_gradients_of_the_default_model():
-    job = train.TrainJobConfig(deepspeed_config=EXAMPLE, batch_size=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeepSpeedConfigWarning)   # hpZ 16 clamped to 4
-        setup = train.resolve_setup(job)
+        job = resolve_job({"deepspeed_config": EXAMPLE, "batch_size": 16})
+    setup = build_setup(job)
     assert setup.zero.quantized_weights and setup.zero.quantized_gradients
-    assert setup.zero.hpz_partition_size == job.mesh[1] == 4
-    step = zeroxla.make_step(lambda: models.build(job.model, seed=0), zeroxla.make_mesh(*job.mesh),
-                             optimizer=setup.optimizer, config=setup.zero)
-    batches = token_batches(20, setup.batch_size, 32, vocab=65, seed=1)
+    assert setup.zero.hpz_partition_size == job.sharding.mesh[1] == 4
+    step = zeroxla.make_step(lambda: models.build(job.model.preset, seed=0),
+                             zeroxla.make_mesh(*job.sharding.mesh), optimizer=setup.optimizer,
+                             config=setup.zero)
+    batches = token_batches(20, job.schedule.batch_size, 32, vocab=65, seed=1)
     state = step.init()
     report = zeroxla.comm_report(step, state, batches[0])
 
     # The JSON's persistence threshold (1000) partitions every weight matrix and embedding;
     # biases and norm scales stay replicated.
-    partitioned = {leaf.path for leaf in step.plan.leaves if leaf.params_partitioned}
+    partitioned = {leaf.path for leaf in step.layout.plan.leaves if leaf.params_partitioned}
     weights = {"embed/wte", "embed/wpe"} | {f"blocks/layers/{name}" for name in
                                             ("wq", "wk", "wv", "wo", "w_fc", "w_proj")}
     assert partitioned == weights, sorted(partitioned)

@@ -83,7 +83,7 @@ def killed_save(directory, marker):
 
     step = make_run()
     state = step.init()
-    checkpoint.save(directory, state, step=step)
+    checkpoint.save(directory, state, layout=step.layout)
     original = ocp.type_handlers.ArrayHandler.serialize
 
     async def serialize_then_hang(self, *args, **kwargs):
@@ -94,7 +94,7 @@ def killed_save(directory, marker):
         return futures
 
     ocp.type_handlers.ArrayHandler.serialize = serialize_then_hang
-    checkpoint.save(directory, state.replace(step=state.step + 1), step=step)
+    checkpoint.save(directory, state.replace(step=state.step + 1), layout=step.layout)
     raise AssertionError("the second save should have hung")
 
 

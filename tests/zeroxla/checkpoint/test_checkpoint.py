@@ -62,7 +62,7 @@ def run(tmp_path_factory):
     state, first = train(step, step.init(), BATCHES[:SAVE_AT])
     metadata = {"data_position": SAVE_AT * len(BATCHES[0]["inputs"]),
                 "rng": jax.random.key(42)}
-    path = checkpoint.save(directory, state, step=step, metadata=metadata)
+    path = checkpoint.save(directory, state, layout=step.layout, metadata=metadata)
     return dict(step=step, losses=losses, initial=initial, directory=directory, path=path,
                 state=state, first=first)
 
@@ -83,7 +83,7 @@ def test_restore_in_process_is_identical(run):
     restored = checkpoint.restore(run["directory"], run["step"])
     assert restored.checkpoint_step == SAVE_AT
     assert restored.model_config == models.GPTConfig.tiny()
-    assert restored.zero_config == run["step"].config
+    assert restored.zero_config == run["step"].layout.config
     same = jax.tree.map(lambda a, b: np.array_equal(a, b), _host(restored.state),
                         _host(run["state"]))
     assert all(jax.tree.leaves(same))
@@ -98,7 +98,8 @@ def test_restore_onto_other_devices_and_stage(run, devices, stage):
         restored = checkpoint.restore(run["directory"], make_run(mesh, config))
     else:                 # the model rebuilt from the checkpoint's metadata
         restored = checkpoint.restore(run["directory"], (mesh, config), optimizer=optimizer())
-    assert restored.step.plan.data_size == devices and restored.step.config.stage == stage
+    layout = restored.step.layout
+    assert layout.plan.data_size == devices and layout.config.stage == stage
     expected = _params(run["state"])
     for path, value in _params(restored.state).items():
         np.testing.assert_array_equal(value, expected[path], err_msg=path)
@@ -115,6 +116,19 @@ def test_restore_onto_a_mesh_without_optimizer_is_refused(run, target):
     arg = mesh if target == "mesh" else (mesh, ZeroConfig(stage=1))
     with pytest.raises(ValueError, match=r"optimizer=None with a mesh target; pass optimizer="):
         checkpoint.restore(run["directory"], arg)
+
+
+def test_save_takes_the_layout_of_the_step_that_made_the_state(run, tmp_path):
+    """`save(layout=)` refuses the step itself and the layout of another step (ZeRO-1 on 4
+    devices: another plan), naming what to pass, before anything is written."""
+    with pytest.raises(TypeError, match=r"save\(layout=\.\.\.\) takes the ZeroLayout of the step "
+                                        r"that produced the state \(step\.layout\); got ZeroStep"):
+        checkpoint.save(tmp_path, run["state"], layout=run["step"])
+    other = make_run(make_mesh(1, 4, devices=jax.devices()[:4]), ZeroConfig(stage=1))
+    with pytest.raises(ValueError, match=r"save: state is not a TrainState of this layout \(its "
+                                         r"plan differs from layout\.plan\)"):
+        checkpoint.save(tmp_path, run["state"], layout=other.layout)
+    assert not list(tmp_path.iterdir())
 
 
 def test_killed_save_leaves_previous_checkpoint_restorable(run, tmp_path):
@@ -145,7 +159,7 @@ def test_killed_save_leaves_previous_checkpoint_restorable(run, tmp_path):
         checkpoint.restore(directory, run["step"], step=1)
     # Saving step 1 again replaces the broken temporary directory.
     state = restored.state
-    checkpoint.save(directory, state.replace(step=state.step + 1), step=run["step"])
+    checkpoint.save(directory, state.replace(step=state.step + 1), layout=run["step"].layout)
     assert [(c.step, c.complete) for c in checkpoint.list_checkpoints(directory)] == [
         (0, True), (1, True)]
 
@@ -157,7 +171,7 @@ def test_killed_save_leaves_previous_checkpoint_restorable(run, tmp_path):
 def test_restore_into_other_model_names_first_mismatch(run, model, overrides, path, ours,
                                                        theirs):
     target = make_step(lambda: models.build(model, **overrides), make_mesh(2, 4),
-                       optimizer=optimizer(), config=run["step"].config)
+                       optimizer=optimizer(), config=run["step"].layout.config)
     message = (f"first mismatched parameter '{path}': checkpoint shape {theirs}, "
                f"target shape {ours}")
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -168,7 +182,7 @@ def test_restore_with_other_optimizer_is_refused(run):
     import optax
 
     target = make_step(lambda: models.build("gpt-tiny", seed=1), make_mesh(2, 4),
-                       optimizer=optax.sgd(0.1, momentum=0.9), config=run["step"].config)
+                       optimizer=optax.sgd(0.1, momentum=0.9), config=run["step"].layout.config)
     with pytest.raises(ValueError, match="optimizer state leaf .* optimizer the checkpoint"):
         checkpoint.restore(run["directory"], target)
 
@@ -181,15 +195,32 @@ def _flip_bytes(path: Path, count=4):
 
 
 def test_corrupted_array_file_raises(run, tmp_path):
-    """Orbax/tensorstore decode flipped bytes in a data file into wrong values without an
-    error; the per-array checksum in the metadata catches them."""
+    """Flipped bytes in a data file either fail to decode (tensorstore's zstd check) or decode
+    into wrong values that only the per-array checksum catches; which one depends on where the
+    flip lands in the file orbax wrote. Either way the restore raises CorruptCheckpointError."""
     directory = tmp_path / "ck"
     shutil.copytree(run["directory"], directory)
     data_files = [p for p in (directory / str(SAVE_AT) / "state").rglob("*")
                   if p.is_file() and p.parent.name == "d"]
     _flip_bytes(max(data_files, key=lambda p: p.stat().st_size))
-    with pytest.raises(checkpoint.CorruptCheckpointError, match="fails its checksum"):
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="fails its checksum|cannot be read"):
         checkpoint.restore(directory, run["step"])
+
+
+def test_arrays_that_decode_to_other_values_fail_their_checksum(run, tmp_path):
+    """The checksum path, deterministically: the state files of a checkpoint of other values
+    (one more training step, same step number and structure) put under this checkpoint's
+    metadata decode without error, and the per-array checksums name the first array."""
+    step, state = run["step"], run["state"]
+    other, _ = train(step, jax.tree.map(jnp.copy, state), BATCHES[SAVE_AT:SAVE_AT + 1])
+    other_dir = tmp_path / "other"
+    checkpoint.save(other_dir, other.replace(step=state.step), layout=step.layout)
+    directory = tmp_path / "ck"
+    shutil.copytree(run["directory"], directory)
+    shutil.rmtree(directory / str(SAVE_AT) / "state")
+    shutil.copytree(other_dir / str(SAVE_AT) / "state", directory / str(SAVE_AT) / "state")
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="fails its checksum"):
+        checkpoint.restore(directory, step)
 
 
 def test_corrupted_metadata_raises(run, tmp_path):
@@ -205,24 +236,24 @@ def test_async_save_keeps_last_n(run, tmp_path):
     state = run["state"]
     with checkpoint.Checkpointer(tmp_path, keep=2, async_save=True) as checkpointer:
         for extra in range(4):
-            checkpointer.save(state.replace(step=state.step + extra), step=run["step"],
+            checkpointer.save(state.replace(step=state.step + extra), layout=run["step"].layout,
                               metadata={"i": extra})
     infos = checkpoint.list_checkpoints(tmp_path)
     assert [(c.step, c.complete) for c in infos] == [(SAVE_AT + 2, True), (SAVE_AT + 3, True)]
     assert checkpoint.read_metadata(tmp_path)["metadata"] == {"i": 3}
     with pytest.raises(checkpoint.CheckpointError, match="only saves steps newer"):
-        checkpoint.save(tmp_path, state, step=run["step"])
+        checkpoint.save(tmp_path, state, layout=run["step"].layout)
 
 
 def test_loss_scale_round_trip(run, tmp_path):
     """fp16 runs keep their dynamic loss scale; restoring into bf16/fp32 drops it."""
-    fp16 = make_run(config=run["step"].config.replace(compute_dtype="float16"))
+    fp16 = make_run(config=run["step"].layout.config.replace(compute_dtype="float16"))
     restored = checkpoint.restore(run["directory"], fp16)       # saved without a loss scale
     assert float(restored.state.loss_scale.scale) == 2.0 ** 16
     state = restored.state
     state = state.replace(loss_scale=state.loss_scale.replace(
         scale=jax.device_put(jnp.float32(512.0), state.loss_scale.scale.sharding)))
-    checkpoint.save(tmp_path, state, step=fp16)
+    checkpoint.save(tmp_path, state, layout=fp16.layout)
     again = checkpoint.restore(tmp_path, fp16)
     assert again.loss_scale == 512.0 and float(again.state.loss_scale.scale) == 512.0
     assert checkpoint.restore(tmp_path, run["step"]).state.loss_scale is None
@@ -243,7 +274,7 @@ def test_frozen_leaves_round_trip(tmp_path, quantized):
     for batch in BATCHES[:2]:
         state, _ = step(state, batch)
     before = _params(state)
-    checkpoint.save(tmp_path, state, step=step)
+    checkpoint.save(tmp_path, state, layout=step.layout)
 
     other = make_step(models.build("gpt-tiny"), make_mesh(1, 4, devices=jax.devices()[:4]),
                       optimizer=optimizer(), config=config, trainable=trainable)

@@ -37,7 +37,7 @@ def _checkpoint(directory, config, mesh, stage):
     step = make_step(lambda: cls(config, rngs=nnx.Rngs(3)), mesh,
                      config=ZeroConfig(stage=stage, persistence_threshold=500))
     state = step.init()
-    checkpoint.save(directory, state, step=step)
+    checkpoint.save(directory, state, layout=step.layout)
     params = flat_params(gather_params(state))
     return directory, params
 
@@ -127,12 +127,13 @@ def test_export_of_corrupted_checkpoint_raises(llama, tmp_path):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """gpt-tiny trained 3 steps by `zeroxla train`'s job (character tokenizer)."""
-    from zeroxla.app import train
+    from zeroxla.app.train import loop
+    from zeroxla.app.train.resolve import resolve_job
 
-    job = train.TrainJobConfig(steps=3, batch_size=8, seq_len=32, eval_batches=1,
-                               sample_tokens=0, progress=False,
-                               out_dir=str(tmp_path_factory.mktemp("train") / "run"))
-    train.run(job, write=lambda line: None)
+    job = resolve_job(dict(steps=3, batch_size=8, seq_len=32, eval_batches=1, sample_tokens=0,
+                           progress=False,
+                           out_dir=str(tmp_path_factory.mktemp("train") / "run")))
+    loop.run(job, write=lambda line: None)
     return job
 
 
@@ -142,9 +143,9 @@ def test_trained_run_exports_a_model_and_tokenizer_transformers_loads(trained_ru
     torch = pytest.importorskip("torch")
     import zeroxla
     from zeroxla.app.data import load_corpus
-    from zeroxla.app.recipe import resolve_setup
+    from zeroxla.app.train.recipe import build_setup
 
-    run_checkpoint = f"{trained_run.out_dir}/checkpoint"
+    run_checkpoint = f"{trained_run.run.out_dir}/checkpoint"
     out = tmp_path / "hf"
     assert cli.main(["export", run_checkpoint, str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -162,7 +163,7 @@ def test_trained_run_exports_a_model_and_tokenizer_transformers_loads(trained_ru
 
     # Our model: the checkpoint restored with the run's optimizer, gathered by the engine.
     restored = zeroxla.restore(run_checkpoint, (make_mesh(2, 4), None),
-                               optimizer=resolve_setup(trained_run).optimizer)
+                               optimizer=build_setup(trained_run).optimizer)
     ours = zeroxla.gathered_model(restored.state)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     prompt = np.asarray(ids[:20], np.int32)[None]                     # [1, 20]
@@ -183,16 +184,16 @@ def test_load_params_of_a_cli_checkpoint_equals_the_restored_state(trained_run):
     """`zeroxla.load_params` needs no optimizer and no mesh; its model computes the logits of the
     full restore (with the job's optimizer) gathered into a plain model."""
     import zeroxla
-    from zeroxla.app.recipe import resolve_setup
+    from zeroxla.app.train.recipe import build_setup
 
-    directory = f"{trained_run.out_dir}/checkpoint"
+    directory = f"{trained_run.run.out_dir}/checkpoint"
     loaded = zeroxla.load_params(directory)
     restored = zeroxla.restore(directory, (make_mesh(2, 4), None),
-                               optimizer=resolve_setup(trained_run).optimizer)
+                               optimizer=build_setup(trained_run).optimizer)
     tokens = np.random.default_rng(0).integers(0, 65, (2, 16)).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(loaded(tokens)),
                                   np.asarray(zeroxla.gathered_model(restored.state)(tokens)))
-    fresh = models.build(trained_run.model)                           # untrained weights differ
+    fresh = models.build(trained_run.model.preset)                    # untrained weights differ
     assert np.abs(np.asarray(fresh(tokens)) - np.asarray(loaded(tokens))).max() > 1e-3
     with pytest.raises(ValueError, match=r"'params/.*' has shape .*, the model's is"):
         zeroxla.load_params(directory, model=lambda: models.build("gpt-small"))

@@ -74,7 +74,7 @@ def _initial(model_name, bits):
 
 def _codes(state, step):
     return {leaf.path: jax.tree.map(np.asarray, state.params[leaf.path])
-            for leaf in step.plan.leaves if leaf.params_quantized}
+            for leaf in step.layout.plan.leaves if leaf.params_quantized}
 
 
 def _assert_same_codes(got, expected):
@@ -91,7 +91,7 @@ def _logical(state, step):
     """The stored form (`codes.to_logical`) of every frozen leaf's codes in `state`."""
     return {leaf.path: SimpleNamespace(**dict(zip(codes.FIELDS, map(np.asarray, jax.jit(
         lambda q, leaf=leaf: codes.to_logical(leaf, q))(state.params[leaf.path])))))
-        for leaf in step.plan.leaves if leaf.params_quantized}
+        for leaf in step.layout.plan.leaves if leaf.params_quantized}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def _saved_codes(directory, step):
     """The frozen codes a checkpoint holds, read back from disk."""
     arrays = checkpoint.StoredArrays(directory)
     found = {}
-    for leaf in step.plan.leaves:
+    for leaf in step.layout.plan.leaves:
         if leaf.params_quantized:
             found[leaf.path] = SimpleNamespace(**{
                 f: arrays.read(codes.array_name(leaf.path, f)) for f in codes.FIELDS})
@@ -313,9 +313,9 @@ def _saved_codes(directory, step):
 def test_save_restore_save_ten_times_keeps_the_codes(tmp_path, bits):
     step, state = _initial("base", bits)
     original = _codes(state, step)
-    assert {p: step.plan[p].storage_bits for p in original} == {"table": bits, "w": bits}
+    assert {p: step.layout.plan[p].storage_bits for p in original} == {"table": bits, "w": bits}
     for i in range(10):
-        checkpoint.save(tmp_path / str(i), state, step=step)
+        checkpoint.save(tmp_path / str(i), state, layout=step.layout)
         _assert_same_codes(_saved_codes(tmp_path / str(i), step), _logical(state, step))
         state = checkpoint.restore(tmp_path / str(i), step).state
         _assert_same_codes(_codes(state, step), original)
@@ -335,18 +335,18 @@ def test_frozen_codes_restore_across_meshes_bit_for_bit(tmp_path, model_name, bi
               2: lambda: make_mesh(1, 2, devices=jax.devices()[:2])}
     step, state = _initial(model_name, bits)
     expected = flat_params(gather_params(state))
-    first = checkpoint.save(tmp_path / "0", state, step=step)
+    first = checkpoint.save(tmp_path / "0", state, layout=step.layout)
     saved = _saved_codes(tmp_path / "0", step)
     for hop, devices in enumerate(STEP_HOPS[1:], start=1):
         step = _step(model_name, meshes[devices](), bits=bits)
-        assert step.plan.data_size == devices
+        assert step.layout.plan.data_size == devices
         state = checkpoint.restore(tmp_path / str(hop - 1), step).state
         _assert_same_codes(_codes(state, step), _codes(step.init(), step))
         got = flat_params(gather_params(state))
         assert got.keys() == expected.keys()
         for path, value in expected.items():
             np.testing.assert_array_equal(got[path], value, err_msg=f"{devices} devices: {path}")
-        path = checkpoint.save(tmp_path / str(hop), state, step=step)
+        path = checkpoint.save(tmp_path / str(hop), state, layout=step.layout)
         _assert_same_codes(_saved_codes(tmp_path / str(hop), step), saved)
         assert (json.loads((path / META_ITEM / "metadata").read_text())["frozen_codes"]
                 == json.loads((first / META_ITEM / "metadata").read_text())["frozen_codes"])
@@ -358,10 +358,10 @@ def test_readers_and_float_targets_see_the_stored_values(tmp_path):
     float32 all get code * step exactly, what gather_params gives."""
     step, state = _initial("gpt", 4)
     expected = flat_params(gather_params(state))
-    checkpoint.save(tmp_path, state, step=step)
+    checkpoint.save(tmp_path, state, layout=step.layout)
     loaded = flat_params(nnx.state(checkpoint.load_params(tmp_path), nnx.Param))
     arrays = checkpoint.StoredArrays(tmp_path)
-    stacked = [leaf for leaf in step.plan.leaves if leaf.params_quantized and leaf.stacked]
+    stacked = [leaf for leaf in step.layout.plan.leaves if leaf.params_quantized and leaf.stacked]
     assert stacked
     for leaf in stacked:
         layers = [arrays.read(f"params/{leaf.path}", i) for i in range(leaf.layers)]
@@ -388,7 +388,7 @@ def test_format_one_floats_restore_into_codes_and_unknown_formats_are_refused(tm
     A format this zeroxla does not know is refused, naming it."""
     floats = _step("base", make_mesh(2, 4), quantized=False)
     state = floats.init()
-    path = checkpoint.save(tmp_path, state, step=floats)
+    path = checkpoint.save(tmp_path, state, layout=floats.layout)
     _rewrite_format(path, 1)
     quantized = _step("base", make_mesh(2, 4))
     restored = checkpoint.restore(tmp_path, quantized).state

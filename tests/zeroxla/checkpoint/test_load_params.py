@@ -19,7 +19,7 @@ def test_load_params_of_a_user_model_checkpoint(tmp_path):
                              loss_fn=lambda m, b: ((m(b["x"]) - 1.0) ** 2).mean(),
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
     state, _ = step(step.init(), {"x": np.ones((8, 4), np.float32)})
-    zeroxla.save(tmp_path, state, step=step)
+    zeroxla.save(tmp_path, state, layout=step.layout)
     with pytest.raises(ValueError, match="records no model config; pass model="):
         zeroxla.load_params(tmp_path)
     loaded = zeroxla.load_params(tmp_path, model=model)

@@ -113,8 +113,8 @@ def test_the_state_is_partitioned_as_a_fresh_init(llama_on_2x4):
     step, state = llama_on_2x4
     loaded = device_bytes(state.params)
     assert loaded == device_bytes(step.init().params)
-    total = 4 * sum(leaf.numel for leaf in step.plan.leaves)
-    padding = 4 * sum(leaf.padding for leaf in step.plan.leaves)
+    total = 4 * sum(leaf.numel for leaf in step.layout.plan.leaves)
+    padding = 4 * sum(leaf.padding for leaf in step.layout.plan.leaves)
     assert set(loaded.values()) == {(total + padding) // 8}
     print(f"per device {(total + padding) // 8} B of a {total} B model")
 

@@ -42,13 +42,13 @@ def saved(loaded, tmp_path_factory):
     g, step, state = loaded
     directory = tmp_path_factory.mktemp(f"{g.family}-checkpoint")
     record = tokenizer_record(PretrainedTokenizer.from_dir(g.directory))
-    zeroxla.save(directory, state, step=step, metadata={"tokenizer": record})
+    zeroxla.save(directory, state, layout=step.layout, metadata={"tokenizer": record})
     return g, directory
 
 
 def test_load_pretrained_on_2x4_gives_transformers_logits(loaded):
     g, step, state = loaded
-    assert all(leaf.params_partitioned for leaf in step.plan.leaves)
+    assert all(leaf.params_partitioned for leaf in step.layout.plan.leaves)
     ours = np.asarray(zeroxla.gathered_model(state)(g.inputs))       # [B, T, V]
     np.testing.assert_allclose(ours, g.logits, atol=ATOL, rtol=0)
 

@@ -105,7 +105,7 @@ def _train_hpz(k: int, batches):
                              optimizer=HPZ_SGD(), config=config)
     state = step.init()
     report = comm_report(step, state, batches[0])
-    memory = zeroxla.memory_report(step, state, batches[0])
+    memory = zeroxla.memory_report(step.compile(state, batches[0]), state, layout=step.layout)
     compiled = step.compile(state, batches[0])
     losses = []
     for batch in batches:
@@ -153,7 +153,7 @@ def test_hpz_trains_like_single_device(hpz_run, single_device, initial_params):
 
 def test_hpz_memory_shows_in_report(hpz_run):
     step, _, memory, _, _ = hpz_run(4)
-    partitioned = sum(leaf.layers * leaf.padded_numel for leaf in step.plan.leaves
+    partitioned = sum(leaf.layers * leaf.padded_numel for leaf in step.layout.plan.leaves
                       if leaf.params_partitioned)
     assert memory.secondary_partition == 4 * partitioned // 4   # float32 bytes, 1/4 of each layer
     assert "hpZ secondary partition" in memory.table()
@@ -167,7 +167,7 @@ def test_hpz_secondary_groups_smaller_than_a_node(hpz_run, single_device, initia
               and "zero_bwd_gather" in c.op_name for g in c.device_groups}
     assert groups == {(0, 1), (2, 3), (4, 5), (6, 7)}
     assert memory.secondary_partition == 4 * sum(
-        leaf.layers * leaf.padded_numel for leaf in step.plan.leaves
+        leaf.layers * leaf.padded_numel for leaf in step.layout.plan.leaves
         if leaf.params_partitioned) // 2
     _assert_trains_like(run, single_device, initial_params)
 
@@ -241,7 +241,8 @@ def test_trains_like_single_device_with_the_same_rounding(name, text_batches):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     expected, _ = train_zeropp_reference(
-        models.build("llama-tiny"), optax.adamw(LR), text_batches, partitioned_layout(step.plan),
+        models.build("llama-tiny"), optax.adamw(LR), text_batches,
+        partitioned_layout(step.layout.plan),
         nodes=2, local=4, weight_group_size=GROUP_SIZE, **rounding)
     print(f"{name}: max |loss / reference - 1| = "
           f"{np.max(np.abs(np.array(losses) / expected - 1)):.1e}")

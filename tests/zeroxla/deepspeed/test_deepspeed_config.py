@@ -698,7 +698,8 @@ def test_zeropp_tutorial_config_loads_unchanged():
 
 def test_zeropp_example_is_the_tutorial_with_a_persistence_threshold_for_gpt_tiny():
     """examples/ds_zeropp.json = the tutorial's config + stage3_param_persistence_threshold (see
-    README): DeepSpeed's default threshold, 1e5, would keep every gpt-tiny parameter replicated."""
+    docs/zeropp.md): DeepSpeed's default threshold, 1e5, would keep every gpt-tiny parameter
+    replicated."""
     example = json.loads((EXAMPLES / "ds_zeropp.json").read_text())
     threshold = example["zero_optimization"].pop("stage3_param_persistence_threshold")
     assert example == ZEROPP_TUTORIAL and threshold == 1000

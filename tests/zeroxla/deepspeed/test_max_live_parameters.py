@@ -42,7 +42,7 @@ def _step(**config):
 
 
 def _layer_numel(step):
-    return sum(leaf.unit_numel for leaf in step.plan.leaves
+    return sum(leaf.unit_numel for leaf in step.layout.plan.leaves
                if leaf.stacked and leaf.params_partitioned)
 
 

@@ -43,7 +43,7 @@ def train(devices):
     plan = BatchPlan(len(corpus.train), 16, 32, seed=0)
     losses = []
     for k in range(STEPS):
-        batch = device_batch(corpus.train, plan, k, step.batch_sharding)
+        batch = device_batch(corpus.train, plan, k, step.layout.batch_sharding)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     rows = sorted(shard.data.shape[0] for shard in batch["inputs"].addressable_shards)

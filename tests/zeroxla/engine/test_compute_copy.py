@@ -36,9 +36,9 @@ def test_stage1_master_follows_the_stage0_float32_master():
     agree, and each copy is its master rounded to bf16."""
     _, ref = _run(0)
     step, state = _run(1)
-    copies = [leaf for leaf in step.plan.leaves if leaf.has_compute_copy]
+    copies = [leaf for leaf in step.layout.plan.leaves if leaf.has_compute_copy]
     assert copies
-    for leaf in step.plan.leaves:
+    for leaf in step.layout.plan.leaves:
         stored = state.params[leaf.path]
         master = np.asarray(storage_to_logical(leaf, stored))
         assert master.dtype == np.float32
@@ -61,10 +61,10 @@ def test_checkpoint_keeps_the_float32_master(stage, tmp_path):
     values come back bit-exactly; the copy is rebuilt as their rounding."""
     step, state = _run(stage)
     logical = {leaf.path: np.asarray(storage_to_logical(leaf, state.params[leaf.path]))
-               for leaf in step.plan.leaves}
-    checkpoint.save(tmp_path, state, step=step)
+               for leaf in step.layout.plan.leaves}
+    checkpoint.save(tmp_path, state, layout=step.layout)
     restored = checkpoint.restore(tmp_path, step).state
-    for leaf in step.plan.leaves:
+    for leaf in step.layout.plan.leaves:
         stored = restored.params[leaf.path]
         np.testing.assert_array_equal(np.asarray(storage_to_logical(leaf, stored)),
                                       logical[leaf.path])
@@ -74,13 +74,13 @@ def test_checkpoint_keeps_the_float32_master(stage, tmp_path):
     fp32 = zeroxla.make_step(models.build("gpt-tiny"), zeroxla.make_mesh(2, 4),
                              optimizer=optax.adam(3e-3), config=zeroxla.ZeroConfig(stage=3))
     other = checkpoint.restore(tmp_path, fp32).state
-    for leaf in fp32.plan.leaves:
+    for leaf in fp32.layout.plan.leaves:
         np.testing.assert_array_equal(np.asarray(storage_to_logical(leaf,
             other.params[leaf.path])), logical[leaf.path])
     # And back: the float32 stage-3 state into this step.
-    checkpoint.save(tmp_path / "back", other, step=fp32)
+    checkpoint.save(tmp_path / "back", other, layout=fp32.layout)
     again = checkpoint.restore(tmp_path / "back", step).state
-    for leaf in step.plan.leaves:
+    for leaf in step.layout.plan.leaves:
         np.testing.assert_array_equal(np.asarray(storage_to_logical(leaf,
             again.params[leaf.path])), logical[leaf.path])
 
@@ -103,11 +103,11 @@ def test_stage3_persistent_leaves_gather_their_update_in_16_bits():
     update = {}
     for dtype in ("float32", "bfloat16"):
         step = _stage3(dtype)
-        persistent = [leaf for leaf in step.plan.trainable_leaves
+        persistent = [leaf for leaf in step.layout.plan.trainable_leaves
                       if leaf.persistent and leaf.optimizer_partitioned]
         assert persistent
         assert all(leaf.has_compute_copy == (dtype == "bfloat16") for leaf in persistent)
-        assert not any(leaf.has_compute_copy for leaf in step.plan.leaves
+        assert not any(leaf.has_compute_copy for leaf in step.layout.plan.leaves
                        if leaf.params_partitioned)
         update[dtype] = comm_report(step, step.init(), batch).traffic(
             phase="zero_param_update").total
@@ -132,7 +132,7 @@ def test_stage3_bf16_with_persistent_copies_tracks_float32_single_device():
     got = flat_params(zeroxla.gather_params(state))
     initial = flat_params(nnx.state(models.build("gpt-tiny", seed=1), nnx.Param))
     assert distance_over_travelled(got, expected, initial) < 0.03
-    for leaf in step.plan.leaves:
+    for leaf in step.layout.plan.leaves:
         if leaf.has_compute_copy:
             stored = state.params[leaf.path]
             assert isinstance(stored, MasterWithCopy)

@@ -215,7 +215,7 @@ def test_frozen_leaves_have_no_optimizer_state_and_show_in_the_plan():
     step = zeroxla.make_step(_lora_model(), zeroxla.make_mesh(2, 4), optimizer=optax.adam(1e-3),
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=THRESHOLD),
                              trainable=nnx.LoRAParam)
-    plan = step.plan
+    plan = step.layout.plan
     assert {leaf.path for leaf in plan.trainable_leaves} == set(TRAINABLE)
     assert not plan["up/base"].trainable and plan["up/base"].params_partitioned
     assert not plan["up/base"].optimizer_partitioned                 # there is no state to split
@@ -304,7 +304,7 @@ def test_frozen_training_matches_masked_single_device(model_name, trainable_name
 # quantized_nontrainable_weights: frozen partitions stored as int8 codes, quantized once.
 
 def _quantized_leaves(step):
-    return [leaf for leaf in step.plan.leaves if leaf.params_quantized]
+    return [leaf for leaf in step.layout.plan.leaves if leaf.params_quantized]
 
 
 def test_stored_codes_are_each_devices_partition_and_never_requantized():
@@ -373,7 +373,7 @@ def test_frozen_gathers_move_int8_codes_and_frozen_leaves_reduce_nothing():
     step, state, _, _ = _frozen_run(8)
     report = comm_report(step, state, _batches()[0])
     frozen = _quantized_leaves(step)
-    trainable = [leaf for leaf in step.plan.trainable_leaves if leaf.params_partitioned]
+    trainable = [leaf for leaf in step.layout.plan.trainable_leaves if leaf.params_partitioned]
     assert {leaf.path for leaf in trainable} == {"up/lora_b", "down/lora_a"}
 
     # Forward: every frozen partition travels as int8 codes (+ a float32 scale per group);
@@ -390,7 +390,7 @@ def test_frozen_gathers_move_int8_codes_and_frozen_leaves_reduce_nothing():
     # Gradients: reduce-scatters for the trainable partitioned leaves only, an all-reduce for
     # the trainable persistent ones (lora_a of up, lora_b of down); nothing for frozen leaves.
     assert report.reduce_scatter_bytes() == sum(4 * leaf.padded_numel for leaf in trainable)
-    persistent = [leaf for leaf in step.plan.trainable_leaves if not leaf.params_partitioned]
+    persistent = [leaf for leaf in step.layout.plan.trainable_leaves if not leaf.params_partitioned]
     gradient_all_reduce = sum(4 * leaf.numel for leaf in persistent)
     # (+ at most the two float32 scalars, loss and squared norm, if XLA combines them in)
     assert 0 <= report.all_reduce_bytes("zero_grad_reduce") - gradient_all_reduce <= 8
@@ -424,13 +424,14 @@ def test_frozen_quantized_storage_is_a_quarter_of_float32():
     assert quantized == {sum(leaf.param_bytes_per_device for leaf in leaves)}
 
     # The memory report measures it, and the estimate predicts it (no optimizer state either).
-    report = zeroxla.memory_report(step, state, _batches()[0])
-    config = step.config
-    estimate = zeroxla.estimate_memory(_lora_model(), step.mesh, config, trainable=nnx.LoRAParam)
+    report = zeroxla.memory_report(step.compile(state, _batches()[0]), state, layout=step.layout)
+    config = step.layout.config
+    estimate = zeroxla.estimate_memory(_lora_model(), step.layout.mesh, config,
+                                       trainable=nnx.LoRAParam)
     assert estimate.params == report.params
     assert estimate.optimizer == pytest.approx(report.optimizer, abs=16)   # + Adam's counts
     assert report.gradients == sum(4 * leaf.layers * leaf.chunk       # trainable leaves only
-                                   for leaf in step.plan.trainable_leaves)
+                                   for leaf in step.layout.plan.trainable_leaves)
 
 
 def test_all_of_zeropp_with_a_frozen_layer_stack():
@@ -443,7 +444,7 @@ def test_all_of_zeropp_with_a_frozen_layer_stack():
                                                 **zeropp)
     _, _, _, float_losses = _train("gpt", "w_fc", **zeropp)
     assert {leaf.path for leaf in _quantized_leaves(step)} >= {"blocks/layers/wq", "embed/wte"}
-    assert step.plan["blocks/layers/wq"].stacked
+    assert step.layout.plan["blocks/layers/wq"].stacked
     for leaf in _quantized_leaves(step):
         for before, after in zip(jax.tree.leaves(stored_before[leaf.path]),
                                  jax.tree.leaves(_host(state.params[leaf.path]))):
@@ -471,7 +472,7 @@ def test_fp16_steps_and_overflow_skips_keep_frozen_codes():
                                  jax.tree.leaves(_host(state.params[path]))):
             np.testing.assert_array_equal(after, before, err_msg=path)
     for path in TRAINABLE:      # the persistent ones: a float32 master partition, fp16 copy
-        leaf = step.plan[path]
+        leaf = step.layout.plan[path]
         assert not np.array_equal(np.asarray(storage_to_logical(leaf, state.params[path])),
                                   np.asarray(storage_to_logical(leaf, stored_before[path]))), path
 

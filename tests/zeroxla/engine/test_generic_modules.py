@@ -50,7 +50,7 @@ def test_generic_module_matches_single_device(make_model, shape):
     step = zeroxla.make_step(make_model(nnx.Rngs(0)), zeroxla.make_mesh(2, 4),
                              optimizer=optimizer, loss_fn=classification_loss,
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=20))
-    assert any(leaf.params_partitioned for leaf in step.plan.leaves)
+    assert any(leaf.params_partitioned for leaf in step.layout.plan.leaves)
     state = step.init()
     report = comm_report(step, state, batches[0])
     for batch in batches:
@@ -59,7 +59,8 @@ def test_generic_module_matches_single_device(make_model, shape):
     for path in expected:
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
     # Every partitioned leaf is gathered around its own submodule's call.
-    partitioned = sum(4 * leaf.padded_numel for leaf in step.plan.leaves if leaf.params_partitioned)
+    partitioned = sum(4 * leaf.padded_numel for leaf in step.layout.plan.leaves
+                      if leaf.params_partitioned)
     assert report.all_gather_bytes("zero_fwd_gather") == pytest.approx(partitioned, rel=0.01)
     assert report.reduce_scatter_bytes() == pytest.approx(partitioned, rel=0.01)
 

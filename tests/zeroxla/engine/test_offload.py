@@ -69,7 +69,8 @@ def test_compiled_step_keeps_only_the_parameters_on_the_device():
     arguments minus those bytes (the 16-bit copies, the loss scale, the batch)."""
     step, state, _, _ = _fp16_run("cpu")
     compiled, split = _split(step, state)
-    report = zeroxla.memory_report(step, state, fp16_batches()[0])
+    report = zeroxla.memory_report(step.compile(state, fp16_batches()[0]), state,
+                                   layout=step.layout)
     dev_step, dev_state, _, _ = _fp16_run("none")
     _, dev_split = _split(dev_step, dev_state)
 
@@ -83,8 +84,8 @@ def test_compiled_step_keeps_only_the_parameters_on_the_device():
     assert layout.count("S(5)") == host_args
     # estimate_memory, made before anything is allocated, splits the bytes the same way (but
     # for AdamW's int32 step count, not a per-parameter cost).
-    estimate = zeroxla.estimate_memory(models.GPTConfig.tiny(), step.mesh, step.config,
-                                       optimizer_bytes_per_param=8)
+    estimate = zeroxla.estimate_memory(models.GPTConfig.tiny(), step.layout.mesh,
+                                       step.layout.config, optimizer_bytes_per_param=8)
     assert (estimate.params, estimate.optimizer, estimate.host_params) == (
         report.params, 0, report.host_params)
     assert estimate.host_optimizer + 4 == report.host_optimizer
@@ -96,7 +97,7 @@ def test_stage3_device_state_is_the_parameter_partition():
     step, state, _ = _offloaded_run(3)
     compiled = step.compile(state, reference()[0][0])
     split = argument_bytes_by_memory_kind(compiled)
-    report = zeroxla.memory_report(step, state, reference()[0][0])
+    report = zeroxla.memory_report(compiled, state, layout=step.layout)
     assert report.optimizer == 0 and report.host_params == 0      # float32: no separate master
     assert split["unpinned_host"] == report.host_optimizer
     batch_bytes = sum(x.nbytes for x in jax.tree.leaves(reference()[0][0])) // 8
@@ -157,23 +158,28 @@ def test_stage3_offload_keeps_a_16bit_partition_on_the_device(dtype, tmp_path):
         assert stored.master.sharding.memory_kind == "unpinned_host", leaf.path
         assert stored.compute.addressable_shards[0].data.shape == stored.master.addressable_shards[
             0].data.shape, leaf.path                 # partitioned alike, 16 bits against 32
-    report = zeroxla.memory_report(step, state, fp16_batches()[0])
-    estimate = zeroxla.estimate_memory(models.LlamaConfig.tiny(), step.mesh, step.config)
+    report = zeroxla.memory_report(step.compile(state, fp16_batches()[0]), state,
+                                   layout=step.layout)
+    estimate = zeroxla.estimate_memory(models.LlamaConfig.tiny(), step.layout.mesh,
+                                       step.layout.config)
     assert (report.params, report.host_params, report.optimizer) == (
         estimate.params, estimate.host_params, 0)
-    dev_report = zeroxla.memory_report(*_stage3_16bit_run(dtype, "none")[:2], fp16_batches()[0])
+    dev_step, dev_state = _stage3_16bit_run(dtype, "none")[:2]
+    dev_report = zeroxla.memory_report(dev_step.compile(dev_state, fp16_batches()[0]), dev_state,
+                                       layout=dev_step.layout)
     sixteen_bit = sum(2 * leaf.local_layers * leaf.chunk for leaf in partitioned)
     assert report.params < dev_report.params - sixteen_bit        # float32 partitions gone
 
     mesh = zeroxla.make_mesh(2, 4)
-    checkpoint.save(tmp_path / "a", state, step=step)
-    plain = checkpoint.restore(tmp_path / "a", (mesh, step.config.replace(
+    checkpoint.save(tmp_path / "a", state, layout=step.layout)
+    plain = checkpoint.restore(tmp_path / "a", (mesh, step.layout.config.replace(
         offload_optimizer="none")), optimizer=optax.adamw(3e-3))
-    checkpoint.save(tmp_path / "b", plain.state, step=plain.step)
-    back = checkpoint.restore(tmp_path / "b", (mesh, step.config), optimizer=optax.adamw(3e-3))
-    original = step.logical_layout.to_logical(state)
-    for view in (plain.step.logical_layout.to_logical(plain.state),
-                 step.logical_layout.to_logical(back.state)):
+    checkpoint.save(tmp_path / "b", plain.state, layout=plain.step.layout)
+    back = checkpoint.restore(tmp_path / "b", (mesh, step.layout.config),
+                              optimizer=optax.adamw(3e-3))
+    original = step.layout.logical.to_logical(state)
+    for view in (plain.step.layout.logical.to_logical(plain.state),
+                 step.layout.logical.to_logical(back.state)):
         for name, value in original.items():
             np.testing.assert_array_equal(view[name], value, err_msg=name)
 
@@ -184,15 +190,16 @@ def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
     offload: every logical array bit-exact, each time in the memory the target asks for."""
     step, state, _, _ = _fp16_run("cpu")
     mesh = zeroxla.make_mesh(2, 4)
-    plain = step.config.replace(offload_optimizer="none", offload_pin_memory=False)
-    checkpoint.save(tmp_path / "a", state, step=step)
+    plain = step.layout.config.replace(offload_optimizer="none", offload_pin_memory=False)
+    checkpoint.save(tmp_path / "a", state, layout=step.layout)
     restored = checkpoint.restore(tmp_path / "a", (mesh, plain), optimizer=optax.adamw(3e-3))
     assert memory_kinds(restored.state.opt_state) == {"device"}
-    checkpoint.save(tmp_path / "b", restored.state, step=restored.step)
-    back = checkpoint.restore(tmp_path / "b", (mesh, step.config), optimizer=optax.adamw(3e-3))
+    checkpoint.save(tmp_path / "b", restored.state, layout=restored.step.layout)
+    back = checkpoint.restore(tmp_path / "b", (mesh, step.layout.config),
+                              optimizer=optax.adamw(3e-3))
     assert memory_kinds(back.state.opt_state) == {"pinned_host"}
-    logical = step.logical_layout.to_logical
-    original, plain_view = logical(state), restored.step.logical_layout.to_logical(restored.state)
+    logical = step.layout.logical.to_logical
+    original, plain_view = logical(state), restored.step.layout.logical.to_logical(restored.state)
     back_view = logical(back.state)
     for name, value in original.items():
         np.testing.assert_array_equal(plain_view[name], value, err_msg=name)
@@ -300,7 +307,8 @@ def test_hybrid_engine_generates_from_an_offloaded_state():
     tokens = {}
     for offload in ("cpu", "none"):
         step, state, _, _ = _fp16_run(offload)
-        engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=12))
+        engine = HybridEngine(step.layout,
+                              HybridEngineConfig(inference_tp_size=2, max_out_tokens=12))
         tokens[offload] = engine.generate(state, [np.arange(1, 5, dtype=np.int32)],
                                           max_new_tokens=8, temperature=0.0)[0]
         engine.release()

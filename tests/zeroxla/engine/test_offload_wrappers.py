@@ -208,7 +208,7 @@ def test_the_gpu_program_updates_on_the_device_between_transfers(name):
     text = lower_for_cuda(step._jitted, state, _batches()[0]).as_text()
     assert "_xla_compute_type" not in text
     placements = _placements(text)
-    partitioned = [leaf for leaf in step.plan.leaves if leaf.params_partitioned]
+    partitioned = [leaf for leaf in step.layout.plan.leaves if leaf.params_partitioned]
     assert partitioned
     for leaf in partitioned:
         for kind in ("device", "pinned_host", "unpinned_host"):

@@ -81,11 +81,13 @@ def test_compiled_step_keeps_the_partitions_in_host_memory():
     assert set(dev_split) == {"device"} and set(split) == {"device", "pinned_host"}
     assert split["pinned_host"] == partition_bytes
     assert split["device"] == dev_split["device"] - partition_bytes
-    report = zeroxla.memory_report(step, state, batch)
-    dev_report = zeroxla.memory_report(dev_step, dev_state, batch)
+    report = zeroxla.memory_report(step.compile(state, batch), state, layout=step.layout)
+    dev_report = zeroxla.memory_report(dev_step.compile(dev_state, batch), dev_state,
+                                       layout=dev_step.layout)
     assert report.host_params == partition_bytes
     assert report.params == dev_report.params - partition_bytes
-    estimate = zeroxla.estimate_memory(models.GPTConfig.tiny(), step.mesh, step.config)
+    estimate = zeroxla.estimate_memory(models.GPTConfig.tiny(), step.layout.mesh,
+                                       step.layout.config)
     assert (estimate.params, estimate.host_params) == (report.params, report.host_params)
     assert "parameter partitions in pinned_host memory" in step.describe()
 
@@ -262,15 +264,17 @@ def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
     step, state, _, _ = _fp16_run("cpu")
     mesh = zeroxla.make_mesh(2, 4)
     paths = [leaf.path for leaf in _partitioned(state.plan)]
-    checkpoint.save(tmp_path / "a", state, step=step)
-    restored = checkpoint.restore(tmp_path / "a", (mesh, step.config.replace(offload_param="none")),
+    checkpoint.save(tmp_path / "a", state, layout=step.layout)
+    restored = checkpoint.restore(tmp_path / "a",
+                                  (mesh, step.layout.config.replace(offload_param="none")),
                                   optimizer=optax.adamw(3e-3))
     assert memory_kinds([restored.state.params[p] for p in paths]) == {"device"}
-    checkpoint.save(tmp_path / "b", restored.state, step=restored.step)
-    back = checkpoint.restore(tmp_path / "b", (mesh, step.config), optimizer=optax.adamw(3e-3))
+    checkpoint.save(tmp_path / "b", restored.state, layout=restored.step.layout)
+    back = checkpoint.restore(tmp_path / "b", (mesh, step.layout.config),
+                              optimizer=optax.adamw(3e-3))
     assert memory_kinds([back.state.params[p] for p in paths]) == {"pinned_host"}
-    logical = step.logical_layout.to_logical
-    original, plain_view = logical(state), restored.step.logical_layout.to_logical(restored.state)
+    logical = step.layout.logical.to_logical
+    original, plain_view = logical(state), restored.step.layout.logical.to_logical(restored.state)
     back_view = logical(back.state)
     for name, value in original.items():
         np.testing.assert_array_equal(plain_view[name], value, err_msg=name)
@@ -335,7 +339,8 @@ def test_hybrid_engine_generates_from_offloaded_partitions(offload):
     tokens = []
     for run in (fp16_run(3, **{offload: "cpu"}), _fp16_run("none")):
         step, state, _, _ = run
-        engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=12))
+        engine = HybridEngine(step.layout,
+                              HybridEngineConfig(inference_tp_size=2, max_out_tokens=12))
         tokens.append(engine.generate(state, [np.arange(1, 5, dtype=np.int32)],
                                       max_new_tokens=8, temperature=0.0)[0])
         engine.release()

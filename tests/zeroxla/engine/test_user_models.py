@@ -212,8 +212,8 @@ def test_tied_weight_is_reduce_scattered_once_at_stage_2(name):
                              optimizer=optax.sgd(0.5),
                              config=CONFIG.replace(stage=2, compute_dtype="bfloat16"))
     report = comm_report(step, step.init(), token_batches(1, 16, 8, vocab=V)[0])
-    scattered = [leaf for leaf in step.plan.trainable_leaves if leaf.optimizer_partitioned]
-    assert len(scattered) == len(step.plan.trainable_leaves)       # threshold 0: all of them
+    scattered = [leaf for leaf in step.layout.plan.trainable_leaves if leaf.optimizer_partitioned]
+    assert len(scattered) == len(step.layout.plan.trainable_leaves)       # threshold 0: all of them
     assert report.all_to_all_bytes() == sum(2 * leaf.layers * leaf.padded_numel
                                             for leaf in scattered)
 
@@ -225,9 +225,9 @@ def test_shared_weight_is_one_parameter(name, alias, canonical):
     """One partition and one optimizer state; `describe()` names the alias."""
     step = zeroxla.make_step(LANGUAGE_MODELS[name](), zeroxla.make_mesh(2, 4),
                              optimizer=optax.adam(1e-3), config=CONFIG)
-    assert canonical in step.plan.paths and alias not in step.plan.paths
-    assert f"  {alias} -> {canonical}" in step.plan.describe().splitlines()
-    names = step.logical_layout.names        # what checkpoints store
+    assert canonical in step.layout.plan.paths and alias not in step.layout.plan.paths
+    assert f"  {alias} -> {canonical}" in step.layout.plan.describe().splitlines()
+    names = step.layout.logical.names        # what checkpoints store
     assert sum(n.endswith("/" + canonical) for n in names) == 3    # parameter, Adam's mu and nu
     assert not any(n.endswith("/" + alias) for n in names)
 
@@ -247,7 +247,7 @@ def test_root_owned_parameter_is_gathered_alone():
     root_step, root = _temporaries(RootParamLM(nnx.Rngs(0), "root", seq, d, layers=8))
     _, child = _temporaries(RootParamLM(nnx.Rngs(0), "child", seq, d, layers=8))
     assert root <= child
-    assert root_step.plan["pos"].compute_kind() == "gathered alone once per step"
+    assert root_step.layout.plan["pos"].compute_kind() == "gathered alone once per step"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ def test_batch_norm_matches_single_device_on_the_global_batch(stage, tmp_path):
     np.testing.assert_allclose(float(step.eval_loss(state, batches[0])), expected_eval,
                                rtol=1e-5)
     # The statistics are checkpointed and restored.
-    checkpoint.save(tmp_path, state, step=step)
+    checkpoint.save(tmp_path, state, layout=step.layout)
     restored = checkpoint.restore(tmp_path, step).state
     for path in expected_stats:
         np.testing.assert_array_equal(np.asarray(restored.model_state[path]),

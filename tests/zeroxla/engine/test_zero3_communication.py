@@ -30,7 +30,7 @@ def _report(model_name, stage, threshold=500, num_layers=2, **config):
 
 def _partitioned_bytes(step):
     """float32 bytes of every partitioned parameter, padding included (what is gathered)."""
-    return sum(4 * leaf.layers * leaf.padded_numel for leaf in step.plan.leaves
+    return sum(4 * leaf.layers * leaf.padded_numel for leaf in step.layout.plan.leaves
                if leaf.params_partitioned)
 
 
@@ -54,7 +54,7 @@ def _stored_bytes(model_name, step):
     model = models.build(model_name, num_layers=2)
     partitioned, replicated, replicated_padded = {}, 0, 0
     for path, value in flat_params(nnx.state(model, nnx.Param)).items():
-        leaf = step.plan[path]
+        leaf = step.layout.plan[path]
         padded = list(value.shape)
         padded[leaf.shard_dim] = -(-padded[leaf.shard_dim] // 8) * 8
         stacked = path.startswith("blocks/")
@@ -87,7 +87,7 @@ def test_stage3_gathers_twice_and_scatters_once(model_name, prefetch):
     assert report.all_gather_bytes("zero_fwd_gather") == total
     assert report.all_gather_bytes("zero_bwd_gather") == stacked + regathered
     assert report.reduce_scatter_bytes() == total + reused
-    assert report.all_reduce_bytes() == replicated + 4 * (len(step.plan.leaves) + 2)
+    assert report.all_reduce_bytes() == replicated + 4 * (len(step.layout.plan.leaves) + 2)
     # and no other gather: after the optimizer only the replicated leaves' updated partitions
     assert report.all_gather_bytes("zero_param_update") == replicated_padded
     assert report.all_gather_bytes() == total + stacked + regathered + replicated_padded
@@ -109,14 +109,14 @@ def test_stage2_has_no_parameter_gather_in_the_layer_loop():
     # by two module calls (gpt's tied embedding: embed and head) once, after both uses.
     assert [c for c in report.collectives if c.kind == "reduce-scatter" and c.multiplier > 1]
     assert report.reduce_scatter_bytes() == pytest.approx(
-        sum(4 * leaf.layers * leaf.padded_numel for leaf in step.plan.trainable_leaves
+        sum(4 * leaf.layers * leaf.padded_numel for leaf in step.layout.plan.trainable_leaves
             if leaf.optimizer_partitioned), rel=0.01)
 
 
 def test_stage0_all_reduces_everything_once():
     step, report = _report("gpt-tiny", 0)
     assert report.all_gather_bytes() == 0 and report.reduce_scatter_bytes() == 0
-    total = sum(4 * leaf.numel for leaf in step.plan.leaves)
+    total = sum(4 * leaf.numel for leaf in step.layout.plan.leaves)
     assert report.all_reduce_bytes() == pytest.approx(total, rel=0.01, abs=64)
 
 
@@ -143,8 +143,9 @@ def _temporaries(num_layers, remat):
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=1000,
                                                        remat=remat))
     state = step.init()
-    report = zeroxla.memory_report(step, state, token_batches(1, 8, 8, vocab=65)[0])
-    layer_bytes = 4 * sum(leaf.unit_numel for leaf in step.plan.leaves if leaf.stacked)
+    batch = token_batches(1, 8, 8, vocab=65)[0]
+    report = zeroxla.memory_report(step.compile(state, batch), state, layout=step.layout)
+    layer_bytes = 4 * sum(leaf.unit_numel for leaf in step.layout.plan.leaves if leaf.stacked)
     return report.temporaries, layer_bytes
 
 

@@ -14,20 +14,21 @@ from zeroxla.inference.baseline import SingleDeviceGenerator, Zero3Generator
 def test_baseline_greedy_matches_unsharded_model(trained):
     step, state = trained("gpt-tiny")
     prompts = prompts_of()
-    outs = Zero3Generator(step, max_out_tokens=32).generate(state, prompts, max_new_tokens=6)
+    outs = Zero3Generator(step.layout, max_out_tokens=32).generate(state, prompts, max_new_tokens=6)
     for out, ref in zip(outs, greedy_reference(state, prompts, 6)):
         np.testing.assert_array_equal(out, ref)
 
 
 def test_bytes_per_token_baseline_regathers_engine_does_not(trained):
     step, state = trained("gpt-tiny")
-    n = step.axes.data_size
-    param_bytes = sum(4 * leaf.numel for leaf in step.plan.leaves if leaf.params_partitioned)
-    assert param_bytes == 4 * step.plan.total_numel()
-    baseline = comm_report(Zero3Generator(step, 32).token_program(state, 8), mesh=step.mesh)
+    n = step.layout.axes.data_size
+    param_bytes = sum(4 * leaf.numel for leaf in step.layout.plan.leaves if leaf.params_partitioned)
+    assert param_bytes == 4 * step.layout.plan.total_numel()
+    baseline = comm_report(Zero3Generator(step.layout, 32).token_program(state, 8),
+                           mesh=step.layout.mesh)
     # every partitioned parameter gathered once per token: (N-1)/N of it received per device
     assert baseline.total_bytes >= param_bytes * (n - 1) / n * 0.99
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
     tp = comm_report(engine.token_program(state, 8), mesh=engine.mesh)
     assert tp.total_bytes * 5 < baseline.total_bytes
     engine.release()
@@ -40,8 +41,8 @@ def test_baseline_samples_what_the_engine_samples(trained):
     step, state = trained("gpt-tiny")
     prompts = prompts_of()
     kwargs = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "seed": 5}
-    baseline = Zero3Generator(step, max_out_tokens=32).generate(state, prompts, **kwargs)
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
+    baseline = Zero3Generator(step.layout, max_out_tokens=32).generate(state, prompts, **kwargs)
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
     for a, b in zip(baseline, engine.generate(state, prompts, **kwargs)):
         np.testing.assert_array_equal(a, b)
     engine.release()
@@ -51,7 +52,7 @@ def test_baseline_samples_what_the_engine_samples(trained):
 def test_single_device_generator_is_the_unsharded_model(trained):
     step, state = trained("gpt-tiny")
     prompts = prompts_of()
-    single = SingleDeviceGenerator(step, max_out_tokens=32)
+    single = SingleDeviceGenerator(step.layout, max_out_tokens=32)
     outs = single.generate(state, prompts, max_new_tokens=6)
     for out, ref in zip(outs, greedy_reference(state, prompts, 6)):
         np.testing.assert_array_equal(out, ref)

@@ -18,8 +18,8 @@ from zeroxla.models import GPT, GPTConfig
 
 step = zeroxla.make_step(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), zeroxla.make_mesh(2, 4),
                          optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=3))
-pinned = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=16))
-unpinned = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=16,
+pinned = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=16))
+unpinned = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=16,
                                                  pin_parameters=False))
 prompts = [np.arange(3, dtype=np.int32)]
 state_a = step.init()

@@ -21,7 +21,7 @@ NEW = 8
     pytest.param("llama-small", 8, marks=pytest.mark.slow)])
 def test_greedy_matches_unsharded_model(trained, name, tp):
     step, state = trained(name)
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=tp, max_out_tokens=32))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=tp, max_out_tokens=32))
     prompts = prompts_of()
     outs = engine.generate(state, prompts, max_new_tokens=NEW)
     expected = greedy_reference(state, prompts, NEW)
@@ -38,7 +38,8 @@ def test_train_generate_train_is_bitwise_train_train(trained):
 
     def losses(generate):
         state = step.init()
-        engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=16))
+        engine = HybridEngine(step.layout,
+                              HybridEngineConfig(inference_tp_size=2, max_out_tokens=16))
         out = []
         for i, batch in enumerate(batches(5, count=3)):
             if generate and i:
@@ -53,8 +54,8 @@ def test_train_generate_train_is_bitwise_train_train(trained):
 def test_pinned_parameters_follow_optimizer_steps(trained):
     step, _ = trained("llama-tiny")
     state = train(step, 1)
-    pinned = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
-    fresh = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32,
+    pinned = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
+    fresh = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32,
                                                   pin_parameters=False))
     prompts = prompts_of()
     first = pinned.generate(state, prompts, max_new_tokens=NEW)
@@ -79,7 +80,7 @@ def live_bytes():
 
 def test_release_returns_to_training_memory(trained):
     step, state = trained("gpt-tiny")
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=4, max_out_tokens=32))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=4, max_out_tokens=32))
     engine.generate(state, prompts_of(), max_new_tokens=2)        # compile outside the count
     engine.release()
     before = live_bytes()
@@ -89,7 +90,7 @@ def test_release_returns_to_training_memory(trained):
     assert during > before                 # the pinned copy and the kept cache were live
     assert live_bytes() == before
 
-    transient = HybridEngine(step, HybridEngineConfig(
+    transient = HybridEngine(step.layout, HybridEngineConfig(
         inference_tp_size=4, max_out_tokens=32, release_inference_cache=True,
         pin_parameters=False))
     transient.generate(state, prompts_of(), max_new_tokens=NEW)
@@ -98,7 +99,7 @@ def test_release_returns_to_training_memory(trained):
 
 def test_eos_cuts_and_top_k_one_is_greedy(trained):
     step, state = trained("gpt-tiny")
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
     prompts = prompts_of()
     greedy = engine.generate(state, prompts, max_new_tokens=NEW)
     top1 = engine.generate(state, prompts, max_new_tokens=NEW, temperature=0.7, top_k=1, seed=3)
@@ -130,9 +131,9 @@ def test_frozen_base_stored_as_int8_codes(trained):
         config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
                                   quantized_nontrainable_weights=True),
         trainable=lambda path, _: "w_fc" in path or "w_proj" in path)
-    assert any(leaf.params_quantized for leaf in step.plan.leaves)
+    assert any(leaf.params_quantized for leaf in step.layout.plan.leaves)
     state = train(step, 2)
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
     prompts = prompts_of()
     for out, ref in zip(engine.generate(state, prompts, max_new_tokens=NEW),
                         greedy_reference(state, prompts, NEW)):

@@ -30,19 +30,19 @@ def gpt():
 def test_tp_not_dividing_devices(gpt):
     with pytest.raises(ValueError, match=r"inference_tp_size=3 does not divide the 8 devices; "
                                          r"accepted: 1, 2, 4$"):
-        HybridEngine(gpt, HybridEngineConfig(inference_tp_size=3))
+        HybridEngine(gpt.layout, HybridEngineConfig(inference_tp_size=3))
 
 
 def test_tp_not_dividing_heads():
     step = step_of(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))         # 6 heads, 2 KV heads
     with pytest.raises(ValueError, match=r"inference_tp_size=4 does not divide the 6 attention "
                                          r"heads; accepted: 1, 2$"):
-        HybridEngine(step, HybridEngineConfig(inference_tp_size=4))
+        HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=4))
 
 
 def test_max_out_tokens_beyond_learned_positions(gpt):
     with pytest.raises(ValueError, match=r"max_out_tokens=200 .*accepted: 1\.\.128"):
-        HybridEngine(gpt, HybridEngineConfig(max_out_tokens=200))
+        HybridEngine(gpt.layout, HybridEngineConfig(max_out_tokens=200))
 
 
 @pytest.mark.parametrize("prompts,kwargs,message", [
@@ -60,7 +60,7 @@ def test_max_out_tokens_beyond_learned_positions(gpt):
     ([np.arange(3)], {"max_new_tokens": 1, "eos_id": 99}, r"eos_id=99 is invalid; accepted"),
 ])
 def test_bad_generate_arguments(gpt, prompts, kwargs, message):
-    engine = HybridEngine(gpt, HybridEngineConfig(max_out_tokens=8))
+    engine = HybridEngine(gpt.layout, HybridEngineConfig(max_out_tokens=8))
     with pytest.raises(ValueError, match=message):
         engine.generate(None, prompts, **kwargs)   # refused before the state is read
 
@@ -114,21 +114,21 @@ NAN, INF = float("nan"), float("inf")
                                                     r"accepted"),
 ])
 def test_bad_sampling_arguments_name_the_field(gpt, kwargs, message):
-    engine = HybridEngine(gpt, HybridEngineConfig(max_out_tokens=8))
+    engine = HybridEngine(gpt.layout, HybridEngineConfig(max_out_tokens=8))
     kwargs = {"max_new_tokens": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         engine.generate(None, [np.arange(3)], **kwargs)
 
 
 def test_state_that_is_not_a_train_state(gpt):
-    engine = HybridEngine(gpt, HybridEngineConfig(max_out_tokens=8))
+    engine = HybridEngine(gpt.layout, HybridEngineConfig(max_out_tokens=8))
     with pytest.raises(ValueError, match=r"state is a dict; accepted: a TrainState of the "
                                          r"engine's step"):
         engine.generate({}, [np.arange(3)], max_new_tokens=2)
 
 
 def test_state_of_another_step(gpt):
-    engine = HybridEngine(gpt, HybridEngineConfig(max_out_tokens=8))
+    engine = HybridEngine(gpt.layout, HybridEngineConfig(max_out_tokens=8))
     shallower = step_of(GPT(GPTConfig.tiny().replace(num_layers=1), rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"state is a TrainState of another step: its model "
                                          r"has another model structure.*accepted: a state of "
@@ -141,11 +141,13 @@ def test_state_of_another_step(gpt):
         engine.generate(stage2.init(), [np.arange(3)], max_new_tokens=2)
 
 
-def test_step_that_is_not_a_zero_step():
-    with pytest.raises(ValueError, match=r"HybridEngine: step is a GPT without model_def, plan, "
-                                         r"mesh, vocab_size; accepted: the step zeroxla"
-                                         r"\.make_step returns"):
-        HybridEngine(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)))
+def test_layout_that_is_not_a_zero_layout(gpt):
+    """A model, or the step itself, in place of the step's layout is refused, naming the fix."""
+    for wrong, name in ((GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), "GPT"), (gpt, "ZeroStep")):
+        with pytest.raises(ValueError, match=rf"HybridEngine: layout is a {name}; accepted: the "
+                                             r"ZeroLayout of the training step \(step\.layout, "
+                                             r"for a step zeroxla\.make_step returns\)"):
+            HybridEngine(wrong)
 
 
 # ---- a model the engine cannot decode, refused at construction --------------------------------
@@ -188,4 +190,4 @@ class WrongCache(WrongDecode):
 def test_model_without_the_cache_protocol_is_refused_by_name(model, message):
     step = step_of(model(nnx.Rngs(0)))
     with pytest.raises(ValueError, match=message):
-        HybridEngine(step, HybridEngineConfig(max_out_tokens=8))
+        HybridEngine(step.layout, HybridEngineConfig(max_out_tokens=8))

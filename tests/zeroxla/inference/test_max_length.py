@@ -48,9 +48,9 @@ def test_forward_and_cache_stop_at_max_seq_len(preset):
 
 
 @pytest.mark.parametrize("generator", [
-    lambda step, n: HybridEngine(step, HybridEngineConfig(max_out_tokens=n)),
-    lambda step, n: HybridEngine(step, HybridEngineConfig(max_out_tokens=n,
-                                                          inference_tp_size=2)),
+    lambda layout, n: HybridEngine(layout, HybridEngineConfig(max_out_tokens=n)),
+    lambda layout, n: HybridEngine(layout, HybridEngineConfig(max_out_tokens=n,
+                                                              inference_tp_size=2)),
     Zero3Generator, SingleDeviceGenerator], ids=["engine", "engine-tp2", "zero3", "single"])
 def test_generators_refuse_a_cache_past_max_seq_len(preset, generator):
     """The issue's request (max_out_tokens=256 on a max_seq_len 128 model) is refused when the
@@ -59,8 +59,8 @@ def test_generators_refuse_a_cache_past_max_seq_len(preset, generator):
     _, config, _, step = preset
     with pytest.raises(ValueError, match=r"max_out_tokens=256 does not fit the model: KV cache "
                                          rf"length \(max_len\) {rule(config, 256)}"):
-        generator(step, 256)
-    engine = generator(step, 128)
+        generator(step.layout, 256)
+    engine = generator(step.layout, 128)
     with pytest.raises(ValueError, match=r"prompts\[0\] has 100 tokens and max_new_tokens=29: "
                                          r"129 > HybridEngineConfig\.max_out_tokens=128"):
         engine.generate(step.init(), [np.arange(100) % 65], max_new_tokens=29)
@@ -82,7 +82,7 @@ def test_generate_command_refuses_past_max_seq_len(preset, tmp_path):
     """`zeroxla generate` (its library half) on a checkpoint of each family, before it builds
     anything: prompt 'AB' (2 tokens) + 200 new tokens > 128."""
     _, config, _, step = preset
-    zeroxla.save(tmp_path / "checkpoint", step.init(), step=step,
+    zeroxla.save(tmp_path / "checkpoint", step.init(), layout=step.layout,
                  metadata={"tokenizer": {"kind": "char", "chars": CHARS}})
     with pytest.raises(ValueError, match=r"^--prompt \(2 tokens\) \+ --max-new-tokens 200 = "
                                          rf"{rule(config, 202, '--max-new-tokens <= 126 for')}"

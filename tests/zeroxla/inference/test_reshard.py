@@ -19,17 +19,18 @@ from zeroxla.inference.reshard import _tensor_dim, plan_route, reshard_account, 
                                      pytest.param("llama-small", 8, marks=pytest.mark.slow)])
 def test_reshard_is_the_training_parameters_in_slices(trained, name, tp):
     step, state = trained(name)
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=tp, max_out_tokens=16))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=tp, max_out_tokens=16))
     program = engine.reshard_program(state)
     out = program(engine.reshard_inputs(state))
     logical = zeroxla.gather_params(state)
     expected = {path: np.asarray(v) for path, v in
-                zip(step.model_def.paths, step.model_def.treedef.flatten_up_to(logical))}
+                zip(step.layout.model_def.paths,
+                    step.layout.model_def.treedef.flatten_up_to(logical))}
     kv_dims = dict(engine.layout.kv_dims)
     specs = dict(engine.layout.specs)
     routes = set()
     received_bound = 0
-    for leaf in step.plan.leaves:
+    for leaf in step.layout.plan.leaves:
         want = expected[leaf.path]
         if leaf.path in kv_dims:
             want = np.repeat(want, engine.layout.kv_repeat, axis=kv_dims[leaf.path])
@@ -43,10 +44,10 @@ def test_reshard_is_the_training_parameters_in_slices(trained, name, tp):
         received_bound += {"all_to_all": padded * repeat / tp, "slice": padded / tp,
                            "gather": padded, "local": 0}[route]
     received = comm_report(program, mesh=engine.mesh).total_bytes
-    whole = 4 * sum(math.prod(leaf.padded_shape) for leaf in step.plan.leaves)
+    whole = 4 * sum(math.prod(leaf.padded_shape) for leaf in step.layout.plan.leaves)
     assert received <= received_bound
     # the per-leaf account (what the benchmark prints against the floor) is the program's
-    account = reshard_account(step.plan, engine.layout)
+    account = reshard_account(step.layout.plan, engine.layout)
     assert received == sum(row.received for row in account)
     assert all(row.reason or row.received <= row.floor for row in account)
     if name == "gpt-tiny":     # every large leaf sliced (Llama's padded mlp dim is gathered)
@@ -67,7 +68,7 @@ def test_inference_mesh_holds_each_partition_in_its_tensor_slice():
 
 def test_a_training_order_mesh_is_refused_for_partitions_over_every_device():
     step = zero3_step("gpt-tiny")
-    layout = tensor_parallel_layout(step.model_def, list(step.mesh.devices.flat), 2,
+    layout = tensor_parallel_layout(step.layout.model_def, list(step.layout.mesh.devices.flat), 2,
                                     tensor_major=False)
     with pytest.raises(ValueError, match="tensor_major"):
-        reshard_function(step.plan, layout)
+        reshard_function(step.layout.plan, layout)

@@ -35,7 +35,7 @@ def model_bytes(model):
 
 
 def test_storage_takes_the_tensor_parallel_dim_at_no_training_cost():
-    model_def = zero3_step("gpt-8heads", THRESHOLD).model_def
+    model_def = zero3_step("gpt-8heads", THRESHOLD).layout.model_def
     axes = MeshAxes.of(zeroxla.make_mesh(2, 4))
     kwargs = dict(stage=3, axes=axes, persistence_threshold=THRESHOLD)
     ours = make_plan(model_def.shape_dict(), model_def.axes_dict(), **kwargs)
@@ -57,12 +57,13 @@ def test_reshard_at_the_byte_floor_and_greedy_tokens_unchanged():
     step = zero3_step("gpt-8heads", THRESHOLD)
     state = train(step, 1)
     whole = model_bytes(MODELS["gpt-8heads"]())
-    logical = dict(zip(step.model_def.paths,
-                       step.model_def.treedef.flatten_up_to(zeroxla.gather_params(state))))
+    logical = dict(zip(step.layout.model_def.paths,
+                       step.layout.model_def.treedef.flatten_up_to(zeroxla.gather_params(state))))
     prompts = prompts_of()
     expected = greedy_reference(state, prompts, 6)
     for tp in (1, 2, 4, 8):
-        engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=tp, max_out_tokens=16))
+        engine = HybridEngine(step.layout,
+                              HybridEngineConfig(inference_tp_size=tp, max_out_tokens=16))
         program = engine.reshard_program(state)
         out = program(engine.reshard_inputs(state))
         for path, value in logical.items():
@@ -73,7 +74,7 @@ def test_reshard_at_the_byte_floor_and_greedy_tokens_unchanged():
         # only all-gathers inside the tensor groups' data rows: no all_to_all, no permute
         assert set(report.bytes_by_kind) <= {"all-gather"}, report.bytes_by_kind
         assert report.total_bytes == sum(row.received for row in
-                                         reshard_account(step.plan, engine.layout))
+                                         reshard_account(step.layout.plan, engine.layout))
         for want, got in zip(expected, engine.generate(state, prompts, max_new_tokens=6)):
             np.testing.assert_array_equal(got, want)
         engine.release()

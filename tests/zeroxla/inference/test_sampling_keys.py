@@ -19,7 +19,7 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.9}
 def gpt():
     step = zero3_step("gpt-tiny")
     state = train(step, 3)
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
+    engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=2, max_out_tokens=32))
     yield engine, state
     engine.release()
 

@@ -278,7 +278,8 @@ def test_engine_greedy_matches_unsharded_user_model(name, tp):
     initial = nnx.state(MODELS[name](), nnx.Param)
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                                                      jax.tree.leaves(initial))), "not trained"
-    engine = HybridEngine(step, HybridEngineConfig(inference_tp_size=tp, max_out_tokens=MAX_OUT))
+    engine = HybridEngine(step.layout,
+                          HybridEngineConfig(inference_tp_size=tp, max_out_tokens=MAX_OUT))
     ps = prompts()
     outs = engine.generate(state, ps, max_new_tokens=NEW)
     expected = greedy_reference(model, ps, NEW)
@@ -300,4 +301,4 @@ def test_learned_positions_bound_max_out_tokens():
                              optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=3))
     with pytest.raises(ValueError, match=rf"max_out_tokens={SEQ + 1} does not fit the model: "
                                          rf"NanoKV has {SEQ} learned positions"):
-        HybridEngine(step, HybridEngineConfig(max_out_tokens=SEQ + 1))
+        HybridEngine(step.layout, HybridEngineConfig(max_out_tokens=SEQ + 1))

@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from zeroxla.app import cli, train
-from zeroxla.app.job import TrainJobConfig
+from zeroxla.app import cli
+from zeroxla.app.train import config, loop
+from zeroxla.app.train.resolve import resolve_job
 
 
 def test_flag_reaches_the_job():
@@ -15,17 +16,18 @@ def test_flag_reaches_the_job():
     assert args.pipeline_stages == 2
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["train", "--pipeline-stages", "0"])
-    with pytest.raises(ValueError, match=r"TrainJobConfig.pipeline_stages=0 is invalid; "
+    with pytest.raises(ValueError, match=r"TrainJobConfig.pipeline.stages=0 is invalid; "
                                          r"accepted: an integer >= 1"):
-        TrainJobConfig(pipeline_stages=0)
+        config.Pipeline(stages=0)
+    assert resolve_job({"pipeline_stages": 2, "mesh": (1, 4)}).pipeline.stages == 2
 
 
 def _train_losses(tmp_path, name, **options):
     """Per-step training losses (metrics.jsonl) and settings of a short `zeroxla train` job."""
     out = tmp_path / name
-    train.run(TrainJobConfig(mesh=(1, 4), grad_accum=2, steps=3, batch_size=16, seq_len=32,
-                             eval_every=3, eval_batches=1, sample_tokens=0, progress=False,
-                             out_dir=str(out), **options), write=lambda line: None)
+    loop.run(resolve_job(dict(mesh=(1, 4), grad_accum=2, steps=3, batch_size=16, seq_len=32,
+                              eval_every=3, eval_batches=1, sample_tokens=0, progress=False,
+                              out_dir=str(out), **options)), write=lambda line: None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     settings = json.loads((out / "summary.json").read_text())["settings"]
     return [r["loss"] for r in records if "loss" in r], settings

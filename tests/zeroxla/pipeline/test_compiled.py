@@ -38,7 +38,7 @@ def _compiled(schedule, micro_batches, stages=STAGES):
     step = zeroxla.make_step(models.build("gpt-tiny", num_layers=LAYERS), mesh,
                              optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=0),
                              pipeline=zeroxla.PipelineConfig(micro_batches, schedule=schedule))
-    batch_size = MICRO_BATCH * micro_batches * step.data_size
+    batch_size = MICRO_BATCH * micro_batches * step.layout.data_size
     batch = {k: jnp.zeros((batch_size, SEQ), jnp.int32) for k in ("inputs", "targets")}
     return step, step.compile(jax.eval_shape(step.init), batch)
 
@@ -88,8 +88,8 @@ def _sends_in_streams(schedule, micro_batches, instruction, stages):
 def test_collective_permutes_are_what_the_table_implies(schedule, micro_batches, stages):
     step, compiled = _compiled(schedule, micro_batches, stages)
     permutes = [c for c in collectives(compiled) if c.kind == "collective-permute"]
-    grid = np.asarray(step.mesh.devices).reshape(stages, -1)          # [stage, data replica]
-    position = {d: i for i, d in enumerate(step.mesh.devices.flat)}
+    grid = np.asarray(step.layout.mesh.devices).reshape(stages, -1)          # [stage, data replica]
+    position = {d: i for i, d in enumerate(step.layout.mesh.devices.flat)}
     stage_of = {position[d]: s for s in range(stages) for d in grid[s]}
     activation = MICRO_BATCH * SEQ * D_MODEL * 4                      # [mb, T, D] float32
 
@@ -128,14 +128,14 @@ def test_comm_report_counts_the_stage_gathers_once_per_micro_batch():
         optimizer=optax.sgd(0.1),
         config=zeroxla.ZeroConfig(stage=3, persistence_threshold=500),
         pipeline=zeroxla.PipelineConfig(m, zero3_gather="micro_batch"))
-    batch = {k: np.zeros((2 * m * step.data_size, 16), np.int32)
+    batch = {k: np.zeros((2 * m * step.layout.data_size, 16), np.int32)
              for k in ("inputs", "targets")}
     report = comm_report(step, jax.eval_shape(step.init), batch)
     compiled_runs = step.pipeline.branch_executions()
     assert all(compiled > m for compiled, _ in compiled_runs.values())   # the loops over-run
     # One stage's blocks gathered whole, float32: max_layers layers of every stacked leaf.
     stage_blocks = step.pipeline.split.max_layers * sum(
-        4 * leaf.padded_numel for leaf in step.plan.leaves if leaf.stacked
+        4 * leaf.padded_numel for leaf in step.layout.plan.leaves if leaf.stacked
         and leaf.params_partitioned)
 
     def payload(kind, scope):

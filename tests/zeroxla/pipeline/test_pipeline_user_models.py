@@ -336,7 +336,7 @@ def test_unnamed_dims_take_the_default_rule_shown_in_describe():
     step = zeroxla.make_step(NanoGPT(nnx.Rngs(0)), zeroxla.make_mesh(1, stages=2),
                              optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=3),
                              pipeline=zeroxla.PipelineConfig(2))
-    text = step.plan.describe()
+    text = step.layout.plan.describe()
     assert "logical axis '-': a dim the model does not name" in text
     row = next(line for line in text.splitlines() if line.startswith("blocks/layers/c_attn/kernel"))
     assert "layers,-,-" in row                # stacked by the LayerStack, the rest unnamed

@@ -79,7 +79,7 @@ def test_each_stage_stores_only_its_layers(num_layers, partition, zero_stage, bl
 
 
 def test_describe_shows_which_stage_holds_which_layers():
-    text = _step(3, 1, STAGES).plan.describe()
+    text = _step(3, 1, STAGES).layout.plan.describe()
     assert "storage rules: layers -> stage, * -> data" in text
     assert "stage 0: embedding, blocks 0..0" in text and "stage 1: blocks 1..2, head" in text
     assert "stored split over 'stage': 2 layer slots per stage (1 padding slots, zero)" in text
@@ -145,7 +145,7 @@ def test_bf16_master_with_copy_pipelined_tracks_single_device(zero_stage):
 @pytest.mark.slow
 def test_padding_slots_stay_zero():
     _, step, state, _, _ = _trained()
-    slots = step.plan["blocks/layers/w_fc"].stage_slots
+    slots = step.layout.plan["blocks/layers/w_fc"].stage_slots
     assert slots == (0, -1, 1, 2)                                # stage 0: one layer, one pad
     padding = [r for r, layer in enumerate(slots) if layer < 0]
     stored = {"params": state.params, "opt_state": state.opt_state}
@@ -154,26 +154,26 @@ def test_padding_slots_stay_zero():
         if "blocks" in jax.tree_util.keystr(path):
             assert np.all(np.asarray(leaf)[padding] == 0), jax.tree_util.keystr(path)
             checked += 1
-    assert checked == 3 * sum(leaf.stacked for leaf in step.plan.leaves)   # params, mu, nu
+    assert checked == 3 * sum(leaf.stacked for leaf in step.layout.plan.leaves)   # params, mu, nu
 
 
 @pytest.mark.slow
 def test_checkpoint_round_trip_pipelined_unpipelined(tmp_path):
     _, step, state, _, _ = _trained()
-    expected = step.logical_layout.to_logical(state)
-    zeroxla.save(tmp_path / "pipelined", state, step=step)
+    expected = step.layout.logical.to_logical(state)
+    zeroxla.save(tmp_path / "pipelined", state, layout=step.layout)
     plain = zeroxla.restore(tmp_path / "pipelined", _step(3, 1, None))
     assert plain.step.pipeline is None
-    got = plain.step.logical_layout.to_logical(plain.state)
+    got = plain.step.layout.logical.to_logical(plain.state)
     assert got.keys() == expected.keys()
     for name in expected:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]), name)
     for path, value in flat_params(zeroxla.gather_params(plain.state)).items():
         np.testing.assert_array_equal(value, np.asarray(expected["params/" + path]), path)
 
-    zeroxla.save(tmp_path / "plain", plain.state, step=plain.step)
+    zeroxla.save(tmp_path / "plain", plain.state, layout=plain.step.layout)
     back = zeroxla.restore(tmp_path / "plain", _step(3, 1, STAGES))
-    for name, value in back.step.logical_layout.to_logical(back.state).items():
+    for name, value in back.step.layout.logical.to_logical(back.state).items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[name]), name)
     for path, value in state.params.items():          # the stored slots too, padding included
         np.testing.assert_array_equal(np.asarray(back.state.params[path]), np.asarray(value),

@@ -202,7 +202,7 @@ def _compiled_step(schedule, zero_stage=0):
                              optimizer=optax.sgd(0.1),
                              config=zeroxla.ZeroConfig(stage=zero_stage, persistence_threshold=500),
                              pipeline=zeroxla.PipelineConfig(4, schedule=schedule))
-    batch = {k: jnp.zeros((MICRO_BATCH * 4 * step.data_size, SEQ), jnp.int32)
+    batch = {k: jnp.zeros((MICRO_BATCH * 4 * step.layout.data_size, SEQ), jnp.int32)
              for k in ("inputs", "targets")}
     return step.compile(jax.eval_shape(step.init), batch)
 

@@ -1,5 +1,5 @@
-"""The model a `zeroxla train` job trains: a `models/` preset, or a pretrained Hugging Face checkpoint
-(`--init-from`), whose weights go straight into their ZeRO partitions."""
+"""The model a `zeroxla train` job trains: a `models/` preset, or a pretrained Hugging Face
+checkpoint (`--init-from`), whose weights go straight into their ZeRO partitions."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from zeroxla import models
-from zeroxla.app.job import TrainJobConfig
-from zeroxla.app.train_data import SFTData, TextData
+from zeroxla.app.train.config import TrainJobConfig
+from zeroxla.app.train.data import SFTData, TextData
 from zeroxla.checkpoint.pretrained import spread_hf_params
 from zeroxla.models import hf as hf_io
 
@@ -56,11 +56,12 @@ def _check_seq_len(seq_len: int, config: Any, source: str) -> None:
 def model_config(job: TrainJobConfig, data: TextData | SFTData) -> Any:
     """The models config: the pretrained checkpoint's (`init_from`), or the preset's with the
     tokenizer's vocabulary (65 characters for tiny-shakespeare, 256 bytes)."""
-    if job.init_from is not None:
-        return pretrained_config(job.init_from, data.tokenizer, job.seq_len)
-    _, preset = models.PRESETS[job.model]
+    init_from, seq_len = job.model.init_from, job.data.seq_len
+    if init_from is not None:
+        return pretrained_config(init_from, data.tokenizer, seq_len)
+    _, preset = models.PRESETS[job.model.preset]
     config = preset().replace(vocab_size=data.vocab_size)
-    _check_seq_len(job.seq_len, config, f"--model {job.model}")
+    _check_seq_len(seq_len, config, f"--model {job.model.preset}")
     return config
 
 
@@ -68,16 +69,16 @@ def model_factory(job: TrainJobConfig, config: Any) -> Callable[[], Any]:
     from flax import nnx
 
     cls = models.model_class(config)
-    return lambda: cls(config, rngs=nnx.Rngs(job.seed))
+    return lambda: cls(config, rngs=nnx.Rngs(job.run.seed))
 
 
 def initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any:
     """A fresh run's state: the pretrained weights placed in their partitions, or a new model."""
-    if job.init_from is None:
+    if job.model.init_from is None:
         return step.init()
-    values = spread_hf_params(config, job.init_from, mesh, progress=job.progress,
-                              dtype=np.dtype(step.config.master_dtype))
-    return step.init_from(values, job.seed)
+    values = spread_hf_params(config, job.model.init_from, mesh, progress=job.run.progress,
+                              dtype=np.dtype(step.layout.config.master_dtype))
+    return step.init_from(values, job.run.seed)
 
 
 __all__ = ["INIT_FROM_HEADS", "init_from_head", "initial_state", "model_config", "model_factory",

@@ -4,9 +4,9 @@ A run writes the checkpoint of its last finished step before anything else at it
 (`save_final`): the report after a finished run, the exit after a stop signal (`interrupted`:
 Ctrl-C's SIGINT or SIGTERM, exit 128 + the signal) and the error after a non-finite loss
 (`diverged`). A step that checks for overflow (`ZeroConfig.skips_overflow`: the job's
-`check_grad_overflow`, fp16's loss scaler) returns the state it was given when its gradients are
-not finite, so the last finite parameters and optimizer state are still there to save; where
-they are not, the error says why and names the newest checkpoint.
+`numerics.check_grad_overflow`, on by default, or fp16's loss scaler) returns the state it was
+given when its gradients are not finite, so the last finite parameters and optimizer state are
+still there to save; where they are not, the error says why and names the newest checkpoint.
 
 `Progress` is where the loop stands, kept up to date as it goes, so the end can read it after a
 stop or an error.
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from zeroxla.app import rundir
 from zeroxla.app.interrupt import signal_name
-from zeroxla.app.train_report import write_plot
-from zeroxla.app.train_setup import TrainRun
+from zeroxla.app.train.prepare import TrainRun
+from zeroxla.app.train.report import write_plot
 
 
 class TrainingInterrupted(Exception):
@@ -86,8 +86,9 @@ def diverged(r: TrainRun, state: Any, progress: Progress,
     what = (f"step {step}: the loss is {progress.diverged} (not finite), so training stopped "
             "(lower --lr, or clip gradients: gradient_clipping in a --config)")
     if not zero.skips_overflow:
-        kept = ("its update was applied (bf16.check_grad_overflow is false in "
-                f"{r.job.deepspeed_config}), so its parameters are not kept")
+        kept = ("its update was applied (the overflow check is off: --no-check-grad-overflow, "
+                "or bf16.check_grad_overflow false in a --config), so its parameters are not "
+                "kept")
     elif not all_finite(state):
         kept = (f"its update was skipped, but the parameters it kept, those of step {step - 1}, "
                 "are not finite already (an earlier update overflowed), so they are not kept")

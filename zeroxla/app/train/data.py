@@ -15,9 +15,9 @@ Both have the same members, so the training loop never asks which it holds: `tok
 `source`, `vocab_size`, `describe()`, `train_batch(k, sharding)` (step k's global batch),
 `eval_batches(split, n, sharding)` (fixed batches of "train" or "val") and `sample_prompt()`.
 
-The tokenizer is the pretrained checkpoint's (`--init-from DIR`: its tokenizer.json), or one
-fitted to the data (`char`: every character of the text; `byte`: the 256 bytes); a resumed run's
-is the one its checkpoint records, whatever `--data` it resumes on.
+The tokenizer is the pretrained checkpoint's (`pretrained`, with `--init-from DIR`: its
+tokenizer.json), or one fitted to the data (`char`: every character of the text; `byte`: the 256
+bytes); a resumed run's is the one its checkpoint records, whatever `--data` it resumes on.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from zeroxla.app.data import (ACCEPTED_JSON, BatchPlan, device_batch, json_suffi
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
 from zeroxla.app.tokenizer import CharTokenizer, Tokenizer, make_tokenizer
 from zeroxla.app.tokenizer_records import tokenizer_from_record
+from zeroxla.app.train.config import PRETRAINED
 
 # Validation examples are drawn with this seed whatever the training seed (as text windows are).
 VALIDATION_SEED = 1234
@@ -198,13 +199,12 @@ def _sft_data(examples: list[chat_data.SFTExample], tok: Any, source: str, batch
     return SFTData(tok, train, val, source, batch_size, seed, rows_without_loss=empty)
 
 
-def _recorded_tokenizer(recorded: dict, tokenizer: str | None, text: str,
-                        source: str) -> Any:
-    """A resumed run's own tokenizer (its checkpoint's record), checked against `--tokenizer`
-    and against the data, which it must encode as it is: a character vocabulary is never
-    re-derived from other data (its ids would stand for other characters)."""
+def _recorded_tokenizer(recorded: dict, tokenizer: str, text: str, source: str) -> Any:
+    """A resumed run's own tokenizer (its checkpoint's record), checked against the job's kind
+    (`--tokenizer`) and against the data, which it must encode as it is: a character vocabulary
+    is never re-derived from other data (its ids would stand for other characters)."""
     tok = tokenizer_from_record(recorded)
-    if tokenizer is not None and tokenizer != recorded.get("kind"):
+    if {PRETRAINED: "hf"}.get(tokenizer, tokenizer) != recorded.get("kind"):
         raise ValueError(f"--tokenizer {tokenizer}: the run being resumed tokenizes with its "
                          f"{recorded.get('kind')} tokenizer (recorded in its checkpoint), and "
                          "a resumed run keeps it; leave --tokenizer out, or start a new run")
@@ -219,15 +219,17 @@ def _recorded_tokenizer(recorded: dict, tokenizer: str | None, text: str,
     return tok
 
 
-def load_train_data(data: str | None, *, tokenizer: str | None, init_from: str | None,
+def load_train_data(data: str | None, *, tokenizer: str, init_from: str | None,
                     batch_size: int, seq_len: int, val_fraction: float,
                     seed: int, recorded: dict | None = None) -> TextData | SFTData:
-    """The job's data (see the module docstring). `tokenizer` is "char" or "byte" (default
-    "char"), or None with `init_from` (the checkpoint's); `recorded`, a resumed run's tokenizer
-    record, overrides both (`_recorded_tokenizer`). Every error comes before any compute."""
-    if init_from is not None and tokenizer is not None:
-        raise ValueError(f"--tokenizer {tokenizer} with --init-from {init_from}: a pretrained "
-                         "model's vocabulary is its own tokenizer's; leave --tokenizer out")
+    """The job's data (see the module docstring). `tokenizer` is "char", "byte", or
+    "pretrained" with `init_from` (the checkpoint's own); `recorded`, a resumed run's tokenizer
+    record, is used instead once checked against both (`_recorded_tokenizer`). Every error comes
+    before any compute."""
+    if (tokenizer == PRETRAINED) != (init_from is not None):
+        raise ValueError(f"tokenizer {tokenizer!r} with init_from={init_from!r}: a pretrained "
+                         "model's vocabulary is its own tokenizer's ('pretrained'), and only a "
+                         "pretrained model has one")
     content = read_data(data)
     text = content if isinstance(content, str) else "".join(e.prompt + e.response
                                                             for e in content)
@@ -238,7 +240,7 @@ def load_train_data(data: str | None, *, tokenizer: str | None, init_from: str |
     elif init_from is not None:
         tok = PretrainedTokenizer.from_dir(init_from)
     else:
-        tok = make_tokenizer(tokenizer or "char", text)
+        tok = make_tokenizer(tokenizer, text)
     if isinstance(content, str):
         train, val = split_tokens(tok.encode(text), val_fraction)
         return TextData(tok, train, val, source, batch_size, seq_len, seed)

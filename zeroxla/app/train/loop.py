@@ -1,23 +1,27 @@
 """The training job behind `zeroxla train`: data -> mesh -> step -> loop -> report.
 
 `run(TrainJobConfig(...)) -> TrainSummary` trains a `models/` preset, or a pretrained Hugging Face
-checkpoint (`init_from`, loaded straight into its ZeRO partitions), on a text corpus or on
-prompt/response pairs (`zeroxla.app.train_data`: the loss on the responses only) with
+checkpoint (`model.init_from`, loaded straight into its ZeRO partitions), on a text corpus or on
+prompt/response pairs (`zeroxla.app.train.data`: the loss on the responses only) with
 `zeroxla.make_step` on a `("node", "local")` mesh, shows a progress bar (step, loss, tokens/s, step
-time), evaluates on the held-out split every `eval_every` steps, and writes to its run directory
-(`zeroxla.app.rundir`; a fresh `runs/<model>-<time>` unless `out_dir` says otherwise):
+time), evaluates on the held-out split every `run.eval_every` steps, and writes to its run
+directory (`zeroxla.app.rundir`; a fresh `runs/<model>-<time>` unless `run.out_dir` says
+otherwise):
 
     metrics.jsonl     one JSON object per step ({"step", "loss", "grad_norm", "lr", ...}) and per
                       evaluation ({"step", "val_loss"}); a resumed run appends to it
     loss_curve.png    train and validation loss against step, the whole run
     summary.json      "settings" (every value the run used) and the TrainSummary
-    checkpoint/<n>/   every `save_every` steps and at the end (the newest `keep_last` kept), and
-                      at a stop signal or a non-finite loss (`zeroxla.app.train_end`); each
-                      records the job and its tokenizer, so `--resume` continues it as it was
+    checkpoint/<n>/   every `run.save_every` steps and at the end (the newest `run.keep_last`
+                      kept), and at a stop signal or a non-finite loss (`zeroxla.app.train.end`);
+                      each records the job's config tree and its tokenizer, so `--resume`
+                      continues it as it was (`zeroxla.app.train.resume`)
 
-The recipe (ZeRO config, optimizer, schedule, batch) comes from `zeroxla.app.recipe`; setting up
-(everything before the run directory is made) is `zeroxla.app.train_setup`, and the settings, loss
-curve, sample and summary are `zeroxla.app.train_report`.
+The job is a resolved config tree (`zeroxla.app.train.config`; `zeroxla.app.train.resolve` makes
+one from options); the recipe (ZeRO config, optimizer, schedule) is built from it by
+`zeroxla.app.train.recipe`; setting up (everything before the run directory is made) is
+`zeroxla.app.train.prepare`, and the settings, loss curve, sample and summary are
+`zeroxla.app.train.report`.
 
 In a multi-process run (`zeroxla launch`, `zeroxla.app.distributed`) every process runs this same
 function: each builds only its own devices' rows of every batch, all take part in every step,
@@ -48,14 +52,13 @@ import zeroxla
 from zeroxla import checkpoint
 from zeroxla.app import distributed, rundir
 from zeroxla.app.interrupt import STOP_SIGNALS, StopRequest, stop_requests
-from zeroxla.app.job import DEFAULT_BATCH_SIZE, DEFAULT_LR, TrainJobConfig, job_record
-from zeroxla.app.recipe import TrainingSetup, resolve_setup
 from zeroxla.app.tokenizer_records import tokenizer_record
-from zeroxla.app.train_report import (TrainSummary, final_sample, format_summary, run_settings,
-                                      write_plot, write_summary)
-from zeroxla.app.train_end import (Progress, TrainingDiverged, TrainingInterrupted, diverged,
+from zeroxla.app.train.config import TrainJobConfig
+from zeroxla.app.train.end import (Progress, TrainingDiverged, TrainingInterrupted, diverged,
                                    interrupted, save_final)
-from zeroxla.app.train_setup import TrainRun, set_up
+from zeroxla.app.train.prepare import TrainRun, set_up
+from zeroxla.app.train.report import TrainSummary, final_sample, write_plot, write_summary
+from zeroxla.app.train.resume import RECORD_KEY, job_record
 from zeroxla.checkpoint.retention import prune_checkpoints
 
 
@@ -67,7 +70,7 @@ def save_checkpoint(step: Any, state: Any, directory: Path, *, metadata: dict) -
     """Writes the TrainState as checkpoint `state.step` under `directory` (orbax, sharded;
     restorable onto any mesh with `zeroxla.restore` or `zeroxla train --resume`); returns the
     step's path. Every process must call it."""
-    return checkpoint.save(directory, state, step=step, metadata=metadata)
+    return checkpoint.save(directory, state, layout=step.layout, metadata=metadata)
 
 
 def _mean_loss(step: Any, state: Any, batches: list[dict]) -> float:
@@ -114,14 +117,15 @@ def _saver(r: TrainRun) -> Callable[[Any, int], Path]:
     `--resume` continues it as it was) and the data position; the newest `keep_last` are kept."""
     job, checkpoint_dir = r.job, r.out / rundir.CHECKPOINT_DIR
     primary = jax.process_index() == 0
-    metadata = {"seed": job.seed, "model": job.model_name, "job": job_record(job),
+    metadata = {"seed": job.run.seed, "model": job.model_name, RECORD_KEY: job_record(job),
                 "settings": r.settings, "tokenizer": tokenizer_record(r.data.tokenizer)}
+    keep_last = job.run.keep_last
 
     def save(state: Any, done: int) -> Path:
         path = save_checkpoint(r.step, state, checkpoint_dir,
                                metadata={**metadata, "data_position": done})
-        if job.keep_last and primary:
-            prune_checkpoints(checkpoint_dir, job.keep_last)
+        if keep_last and primary:
+            prune_checkpoints(checkpoint_dir, keep_last)
         return path
 
     return save
@@ -130,7 +134,7 @@ def _saver(r: TrainRun) -> Callable[[Any, int], Path]:
 def _step(r: TrainRun, state: Any, k: int, progress: Progress) -> tuple[Any, dict]:
     """Trains step `k + 1` on its batch; returns the new state and the step's metrics record
     (also added to `progress`). A non-finite loss sets `progress.diverged` instead."""
-    batch_k = r.data.train_batch(k, r.step.batch_sharding)
+    batch_k = r.data.train_batch(k, r.step.layout.batch_sharding)
     t0 = time.perf_counter()
     state, metrics = r.step(state, batch_k)
     values = {name: float(v) for name, v in metrics.items()}   # waits for the step
@@ -154,15 +158,15 @@ def _train(r: TrainRun, state: Any, progress: Progress, save: Callable[[Any, int
     `eval_every` steps and saving every `save_every`; returns the state."""
     from tqdm import tqdm
 
-    job = r.job
+    every, steps = r.job.run, r.job.schedule.steps
     primary = jax.process_index() == 0
     # Processes other than 0 write their metrics nowhere.
     metrics_target = r.out / rundir.METRICS_FILE if primary else os.devnull
     with open(metrics_target, "a", encoding="utf-8") as metrics_file, \
-            tqdm(total=job.steps, initial=r.first_step, desc="train", unit="step",
-                 disable=not (job.progress and primary), dynamic_ncols=True,
+            tqdm(total=steps, initial=r.first_step, desc="train", unit="step",
+                 disable=not (every.progress and primary), dynamic_ncols=True,
                  mininterval=0.5) as bar:
-        for k in range(r.first_step, job.steps):
+        for k in range(r.first_step, steps):
             if stopping():
                 break
             state, record = _step(r, state, k, progress)
@@ -174,7 +178,7 @@ def _train(r: TrainRun, state: Any, progress: Progress, save: Callable[[Any, int
                                 refresh=False)
             bar.update(1)
             done = progress.done
-            if done % job.eval_every == 0 or done == job.steps:
+            if done % every.eval_every == 0 or done == steps:
                 progress.val_loss = _mean_loss(r.step, state, r.val_batches)
                 val_record = {"step": done, "val_loss": progress.val_loss}
                 progress.records.append(val_record)
@@ -182,7 +186,7 @@ def _train(r: TrainRun, state: Any, progress: Progress, save: Callable[[Any, int
                 write(f"step {done:>6}: train loss {record['loss']:.4f}  "
                       f"validation loss {progress.val_loss:.4f}")
             metrics_file.flush()
-            if job.save_every and done % job.save_every == 0 and done < job.steps:
+            if every.save_every and done % every.save_every == 0 and done < steps:
                 progress.mark_saved(save(state, done))
                 write(f"step {done:>6}: saved checkpoint {progress.saved_path}")
     return state
@@ -195,13 +199,13 @@ def _report(r: TrainRun, state: Any, progress: Progress, start: float,
     between its parts if a stop signal came meanwhile."""
     job, step, out = r.job, r.step, r.out
     primary = jax.process_index() == 0
-    train_loss = _mean_loss(step, state,
-                            r.data.eval_batches("train", job.eval_batches, step.batch_sharding))
+    train_loss = _mean_loss(step, state, r.data.eval_batches("train", job.run.eval_batches,
+                                                             step.layout.batch_sharding))
     check_stop()
     # The median step after the first (compiling) one: robust to a recompile or a busy host.
     step_times = progress.step_times
     step_time = float(np.median(step_times[1:] or step_times))
-    report = zeroxla.memory_report(step, state, r.val_batches[0])
+    report = zeroxla.memory_report(step.compile(state, r.val_batches[0]), state, layout=step.layout)
     plot_path = out / rundir.PLOT_FILE
     if primary:
         write_plot(plot_path, progress.records, r.plot_title)
@@ -212,7 +216,7 @@ def _report(r: TrainRun, state: Any, progress: Progress, start: float,
     summary_path = out / rundir.SUMMARY_FILE
     tokens_per_step = r.tokens_per_step
     summary = TrainSummary(
-        steps=job.steps,
+        steps=job.schedule.steps,
         tokens_seen=sum(rec.get("tokens", tokens_per_step) for rec in progress.records
                         if "loss" in rec),
         final_train_loss=train_loss, final_val_loss=progress.val_loss,
@@ -311,6 +315,4 @@ def _run_claimed(r: TrainRun, state: Any, held: rundir.RunClaim | None, stop: St
     return _report(r, state, progress, start, write, check_stop)
 
 
-__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_LR", "TrainJobConfig", "TrainSummary",
-           "TrainingDiverged", "TrainingInterrupted", "TrainingSetup", "format_summary",
-           "resolve_setup", "run", "run_settings", "save_checkpoint"]
+__all__ = ["TrainSummary", "TrainingDiverged", "TrainingInterrupted", "run", "save_checkpoint"]

@@ -1,16 +1,16 @@
 """Setting up a `zeroxla train` job: everything that can fail on a bad option or bad data, done
-before any file is made (`zeroxla.app.train` creates the run directory only after `set_up`).
+before any file is made (`zeroxla.app.train.loop` creates the run directory only after
+`set_up`).
 
 `set_up(job, write) -> (TrainRun, state)`: the run directory's name (not yet created), the recipe
-(`zeroxla.app.recipe`), the data, the mesh and the step, and the state restored from `--resume`'s
-checkpoint or freshly initialized; `TrainRun` holds what the rest of the run reads.
+(`zeroxla.app.train.recipe`), the data, the mesh and the step, and the state restored from
+`--resume`'s checkpoint or freshly initialized; `TrainRun` holds what the rest of the run reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,12 +20,11 @@ import jax
 import zeroxla
 from zeroxla import checkpoint
 from zeroxla.app import distributed, rundir
-from zeroxla.app.job import TrainJobConfig
-from zeroxla.app.job_model import initial_state, model_config, model_factory
-from zeroxla.app.recipe import TrainingSetup, resolve_setup
-from zeroxla.app.train_data import SFTData, TextData, load_train_data
-from zeroxla.app.train_report import run_settings
-from zeroxla.deepspeed import config as ds_config
+from zeroxla.app.train.config import TrainJobConfig
+from zeroxla.app.train.data import SFTData, TextData, load_train_data
+from zeroxla.app.train.model import initial_state, model_config, model_factory
+from zeroxla.app.train.recipe import TrainingSetup, build_setup
+from zeroxla.app.train.report import run_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,20 +46,21 @@ class TrainRun:
     @property
     def tokens_per_step(self) -> int:
         """Tokens in one global batch."""
-        return self.setup.batch_size * self.job.seq_len
+        return self.job.schedule.batch_size * self.job.data.seq_len
 
     @property
     def plot_title(self) -> str:
         """loss_curve.png's title: model, data, ZeRO stage, mesh and batch."""
         job = self.job
+        nodes, local = job.sharding.mesh
         return (f"{job.model_name} on {self.data.source}: ZeRO-{self.setup.zero.stage}, mesh "
-                f"{job.mesh[0]}x{job.mesh[1]}, batch {self.setup.batch_size}x{job.seq_len}")
+                f"{nodes}x{local}, batch {job.schedule.batch_size}x{job.data.seq_len}")
 
 
 def _choose_out_dir(job: TrainJobConfig, resume: rundir.ResumePoint | None) -> tuple[Path, bool]:
     """(the run directory, whether it is a fresh default one). Every process gets the same."""
-    if job.out_dir is not None:
-        out = Path(job.out_dir)
+    if job.run.out_dir is not None:
+        out = Path(job.run.out_dir)
         rundir.check_out_dir(out, resuming=resume.run_dir if resume else None)
         return out, False
     if resume is not None and resume.run_dir is not None:
@@ -98,24 +98,11 @@ def _recorded_tokenizer(resume: rundir.ResumePoint | None) -> dict | None:
     return record
 
 
-def _resolve_recipe(job: TrainJobConfig, write: Callable[[str], None]) -> TrainingSetup:
-    """`resolve_setup(job)`, each DeepSpeed config warning written as a plain line."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ds_config.DeepSpeedConfigWarning)
-        setup = resolve_setup(job)
-    for w in caught:          # DeepSpeed keys without effect: one plain line each
-        if issubclass(w.category, ds_config.DeepSpeedConfigWarning):
-            write(f"warning: {w.message}")
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return setup
-
-
 def _make_step(job: TrainJobConfig, setup: TrainingSetup, config: Any, mesh: Any) -> Any:
     """The job's model under `setup`'s ZeRO config and optimizer on `mesh`; with several
     pipeline stages, pipelined over `--grad-accum` micro-batches."""
     pipeline = (zeroxla.PipelineConfig(setup.zero.gradient_accumulation_steps)
-                if job.pipeline_stages > 1 else None)
+                if job.pipeline.stages > 1 else None)
     return zeroxla.make_step(model_factory(job, config), mesh, optimizer=setup.optimizer,
                              config=setup.zero, pipeline=pipeline)
 
@@ -130,9 +117,10 @@ def _restore_or_init(job: TrainJobConfig, step: Any, config: Any, mesh: Any,
     # Any mesh, device count or stage: the checkpoint is re-laid out for this step.
     restored = checkpoint.restore(resume.checkpoint_dir, step, step=resume.step)
     state, first_step = restored.state, int(restored.metadata["data_position"])
-    if first_step >= job.steps:
-        raise ValueError(f"--resume {job.resume}: the checkpoint is at step {first_step}, "
-                         f"but --steps is {job.steps}; accepted: --steps > {first_step}")
+    if first_step >= job.schedule.steps:
+        raise ValueError(f"--resume {job.run.resume}: the checkpoint is at step {first_step}, "
+                         f"but --steps is {job.schedule.steps}; accepted: --steps > "
+                         f"{first_step}")
     _check_no_newer_checkpoint(checkpoint_dir, first_step)
     write(f"resumed from {restored.path} at step {first_step}")
     return state, first_step, restored.path
@@ -142,11 +130,12 @@ def _describe(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFTDat
               settings: Mapping[str, Any]) -> str:
     """The line that says what the run trains, on what, on which mesh and how."""
     zero = setup.zero
+    nodes, local = job.sharding.mesh
     return (f"zeroxla train: {job.model_name} on {data.source} ({data.describe()}, vocab "
             f"{data.vocab_size}), ZeRO-{zero.stage} "
-            f"on a {job.mesh[0]}x{job.mesh[1]} mesh of {mesh.devices.flat[0].platform} devices"
+            f"on a {nodes}x{local} mesh of {mesh.devices.flat[0].platform} devices"
             + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
-            + f", batch {setup.batch_size} x {job.seq_len} tokens"
+            + f", batch {job.schedule.batch_size} x {job.data.seq_len} tokens"
             + (f" in {zero.gradient_accumulation_steps} micro-batches"
                if zero.gradient_accumulation_steps > 1 else "")
             + f", {settings['dtype']}, recipe: {setup.source}")
@@ -155,18 +144,18 @@ def _describe(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFTDat
 def set_up(job: TrainJobConfig, write: Callable[[str], None]) -> tuple[TrainRun, Any]:
     """(the run, its first state): the run directory's name, the recipe, the data, the step and
     the restored or initial state. Makes no file."""
-    resume = rundir.locate_resume(job.resume) if job.resume else None
+    resume = rundir.locate_resume(job.run.resume) if job.run.resume else None
     out, fresh = _choose_out_dir(job, resume)
     write(f"zeroxla train: run directory {out}")
-    setup = _resolve_recipe(job, write)
-    data = load_train_data(job.data, tokenizer=job.tokenizer, init_from=job.init_from,
-                           batch_size=setup.batch_size, seq_len=job.seq_len,
-                           val_fraction=job.val_fraction, seed=job.seed,
-                           recorded=_recorded_tokenizer(resume))
+    setup = build_setup(job)
+    data = load_train_data(job.data.path, tokenizer=job.data.tokenizer,
+                           init_from=job.model.init_from, batch_size=job.schedule.batch_size,
+                           seq_len=job.data.seq_len, val_fraction=job.data.val_fraction,
+                           seed=job.run.seed, recorded=_recorded_tokenizer(resume))
     config = model_config(job, data)
-    mesh = distributed.job_mesh(job.mesh, job.pipeline_stages)
+    mesh = distributed.job_mesh(job.sharding.mesh, job.pipeline.stages)
     step = _make_step(job, setup, config, mesh)
-    val_batches = data.eval_batches("val", job.eval_batches, step.batch_sharding)
+    val_batches = data.eval_batches("val", job.run.eval_batches, step.layout.batch_sharding)
     state, first_step, restored_path = _restore_or_init(
         job, step, config, mesh, resume, out / rundir.CHECKPOINT_DIR, write)
     settings = run_settings(job, setup, data, out)

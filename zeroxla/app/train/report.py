@@ -7,7 +7,7 @@ the summary.
     TrainSummary      what a finished run reports; `write_summary` writes it as summary.json
     format_summary    the report `zeroxla train` prints
 
-`zeroxla.app.train` builds these at the end of `run` (and re-exports the public names).
+`zeroxla.app.train.loop` builds these at the end of `run`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import jax
 import numpy as np
 
 import zeroxla
-from zeroxla.app.job import DTYPE_NAMES, TrainJobConfig
-from zeroxla.app.recipe import TrainingSetup
 from zeroxla.app.sampling import local_zero3_step, sample_with_engine
 from zeroxla.app.tokenizer_records import tokenizer_record
-from zeroxla.app.train_data import SFTData, TextData
+from zeroxla.app.train.config import TrainJobConfig
+from zeroxla.app.train.data import SFTData, TextData
+from zeroxla.app.train.options import DTYPE_NAMES
+from zeroxla.app.train.recipe import TrainingSetup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,18 +60,17 @@ def _peak_lr(schedule: Callable[[Any], Any], steps: int) -> float:
 
 def run_settings(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFTData,
                  out: Path) -> dict[str, Any]:
-    """Every value the run uses, defaults resolved (summary.json's "settings"; also stored in
-    each checkpoint, and compared on --resume)."""
-    zero = setup.zero
-    dp = job.data_parallel_size
+    """Every value the run uses, by the options' names (summary.json's "settings"; also stored
+    in each checkpoint, and compared on --resume)."""
+    zero, schedule, run = setup.zero, job.schedule, job.run
     settings = {
         "model": job.model_name, "data": data.source,
         "tokenizer": tokenizer_record(data.tokenizer)["kind"], "vocab_size": data.vocab_size,
-        "steps": job.steps, "batch_size": setup.batch_size,
-        "micro_batch_size": setup.batch_size // (dp * zero.gradient_accumulation_steps),
-        "seq_len": job.seq_len, "lr": _peak_lr(setup.learning_rate, job.steps),
-        "lr_schedule": setup.source, "warmup_steps": job.warmup_steps,
-        "mesh": f"{job.mesh[0]}x{job.mesh[1]}", "pipeline_stages": job.pipeline_stages,
+        "steps": schedule.steps, "batch_size": schedule.batch_size,
+        "micro_batch_size": job.micro_batch_size,
+        "seq_len": job.data.seq_len, "lr": _peak_lr(setup.learning_rate, schedule.steps),
+        "lr_schedule": setup.source, "warmup_steps": schedule.warmup_steps,
+        "mesh": "x".join(map(str, job.sharding.mesh)), "pipeline_stages": job.pipeline.stages,
         "processes": jax.process_count(),
         "zero_stage": zero.stage, "persistence_threshold": zero.persistence_threshold,
         "dtype": DTYPE_NAMES[zero.compute_dtype],
@@ -78,10 +78,11 @@ def run_settings(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFT
                          if zero.loss_scale == 0 else f"static {zero.loss_scale:g}"),
         "grad_accum": zero.gradient_accumulation_steps,
         "offload_optimizer": zero.offload_optimizer, "offload_param": zero.offload_param,
-        "gradient_clipping": zero.gradient_clipping, "seed": job.seed,
-        "eval_every": job.eval_every, "eval_batches": job.eval_batches,
-        "save_every": job.save_every, "keep_last": job.keep_last,
-        "sample_tokens": job.sample_tokens, "temperature": job.temperature, "out_dir": str(out),
+        "gradient_clipping": zero.gradient_clipping,
+        "check_grad_overflow": zero.check_grad_overflow, "seed": run.seed,
+        "eval_every": run.eval_every, "eval_batches": run.eval_batches,
+        "save_every": run.save_every, "keep_last": run.keep_last,
+        "sample_tokens": run.sample_tokens, "temperature": run.temperature, "out_dir": str(out),
     }
     if job.deepspeed_config is not None:
         settings["deepspeed_config"] = job.deepspeed_config
@@ -141,17 +142,18 @@ def final_sample(step: Any, state: Any, data: TextData | SFTData, prompt: np.nda
     past the training length are untrained); a longer request is capped, and the run says so.
     With several processes, or a pipelined step, each process generates on its own devices
     from the gathered weights, the way `zeroxla generate` does from a checkpoint."""
-    if job.sample_tokens == 0:
+    run, seq_len = job.run, job.data.seq_len
+    if run.sample_tokens == 0:
         return data.tokenizer.decode(np.asarray(prompt))
-    if jax.process_count() > 1 or job.pipeline_stages > 1:
+    if jax.process_count() > 1 or job.pipeline.stages > 1:
         step = local_zero3_step(_host_model(state))
         state = step.init()
     text, new = sample_with_engine(step, state, data.tokenizer, prompt,
-                                   num_tokens=job.sample_tokens, max_len=job.seq_len,
-                                   temperature=job.temperature, seed=job.seed)
-    if new < job.sample_tokens:
-        write(f"sample: {new} new tokens, not --sample-tokens {job.sample_tokens}: prompt + "
-              f"sample are capped at --seq-len {job.seq_len}, the positions the model was "
+                                   num_tokens=run.sample_tokens, max_len=seq_len,
+                                   temperature=run.temperature, seed=run.seed)
+    if new < run.sample_tokens:
+        write(f"sample: {new} new tokens, not --sample-tokens {run.sample_tokens}: prompt + "
+              f"sample are capped at --seq-len {seq_len}, the positions the model was "
               "trained on")
     return text
 
