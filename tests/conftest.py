@@ -6,6 +6,7 @@ import os
 import shutil
 
 import ci_legs  # tests/support, on sys.path through pyproject's `pythonpath`
+import tiers
 import xla_flags
 
 _FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
@@ -42,15 +43,21 @@ def devices():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests of the second CI leg's files carry its marker (tests/support/ci_legs.py)."""
+    """The tests of the second CI leg's files carry its marker (tests/support/ci_legs.py), the
+    unit files' tests theirs (tests/support/tiers.py)."""
     for item in items:
         path = item.path.relative_to(config.rootpath).as_posix()
+        if path in tiers.UNIT_FILES:
+            item.add_marker(tiers.MARKER)
         if (path in ci_legs.SECOND_LEG_FILES
                 and f"{path}::{item.name}" not in ci_legs.LEFT_TO_LEG_1):
             item.add_marker(ci_legs.MARKER)
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{tiers.MARKER}: a unit test, which builds no program of the library and runs "
+        "in seconds (tests/support/tiers.py); every other test is an integration run")
     config.addinivalue_line(
         "markers", f"{ci_legs.MARKER}: run by the second CI leg (Python 3.12, the newest JAX) "
         "whether slow or not (tests/support/ci_legs.py)")

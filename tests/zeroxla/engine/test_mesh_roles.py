@@ -11,26 +11,11 @@ import pytest
 import zeroxla
 from reference import flat_params, token_batches, train_single_device
 from zeroxla import models
-from zeroxla.sharding.mesh import MeshAxes
 
 MESHES = {
     "stages2_local4": dict(stages=2, nodes=1, local=4),
     "tensor2_nodes2_local2": dict(tensor=2, nodes=2, local=2),
 }
-
-
-@pytest.mark.parametrize("name,expected_axes", [
-    ("stages2_local4", {"stage": 2, "node": 1, "local": 4}),
-    ("tensor2_nodes2_local2", {"node": 2, "local": 2, "tensor": 2}),
-])
-def test_make_mesh_axes_and_roles(name, expected_axes):
-    mesh = zeroxla.make_mesh(**MESHES[name])
-    assert dict(mesh.shape) == expected_axes
-    axes = MeshAxes.of(mesh)
-    assert axes.data == ("node", "local") and axes.data_size == 4
-    # one host's devices (process index, then id) are contiguous along local x tensor
-    ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1)
-    assert list(ids) == sorted(ids)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
