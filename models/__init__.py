@@ -1,23 +1,30 @@
-"""Flax NNX decoder-only language models. They name logical axes and know nothing of meshes."""
+"""Flax NNX decoder-only language models. They name logical axes and know nothing of meshes.
+
+- `axes.py`: the logical axis names; `layers.py`: shared building blocks (norms, attention,
+  RoPE, the `LayerStack`); `rope.py`: RoPE frequencies, plain and scaled; `config.py`: what
+  every model config shares.
+- `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
+  (Gemma 2): the modules.
+- `families/`: one module per family (config mapping, tensor map, module), in one table
+  (`families.REGISTRY`; docs/models.md).
+- `hf.py`, `hf_config.py`, `hf_rules.py`, `safetensors_io.py`: Hugging Face names, configs and
+  files.
+"""
 
 from .gpt import GPT, GPTConfig
 from .layers import LayerStack, scan_layers
 from .llama import Llama, LlamaConfig
+from .families import REGISTRY, Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config
+from .gemma2 import Gemma2
 
-PRESETS = {
-    "gpt-tiny": (GPT, GPTConfig.tiny),
-    "gpt-small": (GPT, GPTConfig.small),
-    "gpt2-124m": (GPT, GPTConfig.gpt2_124m),
-    "gpt2-350m": (GPT, GPTConfig.gpt2_350m),
-    "llama-tiny": (Llama, LlamaConfig.tiny),
-    "llama-small": (Llama, LlamaConfig.small),
-    "llama-1b": (Llama, LlamaConfig.llama_1b),
-    "llama-7b": (Llama, LlamaConfig.llama_7b),
-}
+# preset name -> (model class, config factory), from the families' presets.
+PRESETS = {name: (spec.model_class, preset) for spec in REGISTRY.values()
+           for name, preset in spec.presets.items()}
 
 
-# config.family -> (model class, config class): how a stored or loaded config becomes a model.
-FAMILIES = {"gpt2": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
+# config.family -> (model class, config class): how a stored or loaded config becomes a model
+# (from the one family table, `families.REGISTRY`).
+FAMILIES = {name: (spec.model_class, spec.config_class) for name, spec in REGISTRY.items()}
 
 
 def model_class(config):
@@ -48,4 +55,4 @@ def build(name: str, *, seed: int = 0, **overrides):
     return cls(config, rngs=nnx.Rngs(seed))
 
 
-__all__ = ["FAMILIES", "GPT", "GPTConfig", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "MistralConfig", "Qwen2Config", "Qwen3Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]

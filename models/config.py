@@ -11,7 +11,8 @@ class ModelConfig:
     """Mixin for the frozen model-config dataclasses (`GPTConfig`, `LlamaConfig`).
 
     Subclasses list their size fields in `POSITIVE_FIELDS`; `check_sizes` names the first one that
-    is not a positive integer, and that the heads divide d_model.
+    is not a positive integer, and that the heads divide d_model (unless the config gives an
+    `explicit_head_dim`, as Qwen3 and Gemma 2 do).
     """
 
     POSITIVE_FIELDS: tuple[str, ...] = ()
@@ -24,7 +25,7 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{field}={value!r} is invalid; accepted: an integer >= 1")
-        if self.d_model % self.num_heads:
+        if getattr(self, "explicit_head_dim", None) is None and self.d_model % self.num_heads:
             raise ValueError(f"{name}.d_model={self.d_model} is not divisible by "
                              f"num_heads={self.num_heads}")
 

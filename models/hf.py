@@ -1,12 +1,13 @@
 """Hugging Face interop: our parameters <-> `transformers` names and configs (files: safetensors_io).
 
-GPT-2 maps onto `GPT2LMHeadModel`, Llama onto `LlamaForCausalLM`. The mapping is a table of
+Each family (`models.families`) maps onto its transformers class (`GPT2LMHeadModel`,
+`LlamaForCausalLM`, `Qwen2ForCausalLM`, ...). The mapping is a table of
 `Rule`s (`hf_name_map(config)`, printable with `describe_hf_name_map`): each rule names one HF
 tensor, the parameter path(s) of ours it is made of, and the two reshapes between them. A rule
 whose HF name holds `{i}` is per layer: our side is a slice `[i]` of a stacked `[L, ...]` leaf.
 
 The per-family tables, with the layout conventions they follow (GPT-2's Conv1D, Llama's
-nn.Linear, RoPE, tied heads; checked against transformers), are in `hf_rules`.
+nn.Linear, RoPE, tied heads; checked against transformers), are each family's `tensor_map`.
 
 Every function takes the checkpoint's `head` (`hf_config`): CAUSAL_LM (default) is our model as it
 is; SEQUENCE_CLASSIFICATION (`*ForSequenceClassification`, one label) is our reward-model layout
@@ -47,11 +48,13 @@ from .hf_config import (ARCHITECTURES, CAUSAL_LM, SEQUENCE_CLASSIFICATION,  # no
                         architecture, check_head, from_hf_config, hf_head, read_hf_config,
                         to_hf_config)
 from . import abstract_model
-from .hf_rules import LM_HEAD, SCORE, as_is_inv, gpt2_rules, llama_rules, score_fns
+from .families import family
+from .hf_rules import LM_HEAD, SCORE, as_is_inv, score_fns
 from .gpt import GPTConfig
+from .gemma2 import Gemma2Config
 from .llama import LlamaConfig
 
-Config = GPTConfig | LlamaConfig
+Config = GPTConfig | LlamaConfig | Gemma2Config
 # get(path, layer) -> the host array of our parameter `path`, or of its slice [layer] when the
 # parameter is stacked and `layer` is not None.
 ParamGetter = Callable[[str, int | None], np.ndarray]
@@ -78,7 +81,19 @@ class Rule:
 
     @property
     def per_layer(self) -> bool:
-        return "{i}" in self.hf
+        return is_per_layer(self.hf)
+
+    def name(self, layer: int | None) -> str:
+        """The HF tensor name of stacked `layer` (None for a global rule): `{i}` is the layer,
+        `{pair[0]}` / `{pair[1]}` the HF layers 2i and 2i + 1 of a block that holds two
+        (Gemma 2's sliding and global pair)."""
+        return self.hf if layer is None else self.hf.format(i=layer,
+                                                             pair=(2 * layer, 2 * layer + 1))
+
+
+def is_per_layer(hf_name: str) -> bool:
+    """Whether a rule's HF name is a per-layer template (`{i}` or `{pair[...]}`)."""
+    return "{i}" in hf_name or "{pair[" in hf_name
 
 
 @functools.lru_cache(maxsize=16)
@@ -142,14 +157,9 @@ def hf_name_map(config: Config, head: str = CAUSAL_LM) -> tuple[Rule, ...]:
     slice.
     """
     _head_params(config, head)                        # refuses an unknown head
-    if config.family == "gpt2":
-        table = gpt2_rules(config)
-    elif config.family == "llama":
-        table = llama_rules(config)
-    else:
-        raise ValueError(f"no Hugging Face mapping for family {config.family!r}")
+    table = family(config.family).tensor_map(config)
     base = _abstract_params(config)
-    rules = tuple(Rule(hf, tuple(_resolve(p, "{i}" in hf, base) for p in ours), *fns)
+    rules = tuple(Rule(hf, tuple(_resolve(p, is_per_layer(hf), base) for p in ours), *fns)
                   for hf, ours, fns in table)
     covered = sorted(p for r in rules for p in r.ours)
     if covered != sorted(base):
@@ -202,7 +212,7 @@ def to_hf_tensors(config: Config, params: Mapping[str, Any] | ParamGetter,
     for i in range(config.num_layers):
         for r in rules:
             if r.per_layer:
-                yield (r.hf.format(i=i),
+                yield (r.name(i),
                        np.ascontiguousarray(r.to_hf(*(get(p, i) for p in r.ours))))
 
 
@@ -225,7 +235,7 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
         stored_as_is = (select is not None and r.from_hf is as_is_inv and len(r.ours) == 1
                         and hasattr(get_tensor, "shape"))
         for i in range(config.num_layers) if r.per_layer else (None,):
-            name = r.hf.format(i=i) if r.per_layer else r.hf
+            name = r.name(i)
             path = r.ours[0]
             want = expected[path][0] if i is None else expected[path][0][1:]
             if stored_as_is:
@@ -293,19 +303,16 @@ def model_from_params(config: Config, params: Mapping[str, Any], *,
 
 class NameFallbacks:
     """`reader` with the name fallbacks real checkpoints need: GPT-2 saved from `GPT2Model` (the
-    hub's openai-community/gpt2) has no `transformer.` prefix; a tied Llama stores no lm_head.
-    Called and `shape`d as the reader is (`SafetensorsReader`)."""
+    hub's openai-community/gpt2) has no `transformer.` prefix. Called and `shape`d as the reader
+    is (`SafetensorsReader`)."""
 
     def __init__(self, reader: Callable[..., np.ndarray], hf: Mapping[str, Any]):
         self.reader = reader
-        self.tied_llama = hf.get("model_type") == "llama" and hf.get("tie_word_embeddings", False)
 
     def _resolve(self, fn: Callable[[str], Any], name: str) -> Any:
         try:
             return fn(name)
         except KeyError:
-            if self.tied_llama and name == "lm_head.weight":
-                return fn("model.embed_tokens.weight")
             if name.startswith("transformer."):
                 return fn(name.removeprefix("transformer."))
             raise

@@ -1,10 +1,10 @@
-"""Hugging Face `config.json` <-> our model configs (GPTConfig, LlamaConfig), with the options
-our models do not implement refused by key (the tensors: `models.hf`), and the head a checkpoint
-carries (`hf_head`, from `architectures`).
+"""Hugging Face `config.json` <-> our model configs through the family registry
+(`models.families`: each family's mapping, the options it does not build refused by key; the
+tensors: `models.hf`), and the head a checkpoint carries (`hf_head`, from `architectures`).
 
-Two heads are read and written: a causal LM (`GPT2LMHeadModel`, `LlamaForCausalLM`: our models
-as they are) and a sequence classifier with one label (`GPT2ForSequenceClassification`,
-`LlamaForSequenceClassification`, `num_labels=1`: a reward or value model, which TRL, OpenRLHF
+Two heads are read and written: a causal LM (`GPT2LMHeadModel`, `LlamaForCausalLM`, ...: our
+models as they are) and a sequence classifier with one label (`GPT2ForSequenceClassification`,
+`Qwen2ForSequenceClassification`, ..., `num_labels=1`: a reward or value model, which TRL, OpenRLHF
 and verl load as such; ours is `zeroxla.rlhf.RewardModel`). Any other head is refused by name.
 """
 
@@ -18,20 +18,17 @@ from typing import Any
 
 import numpy as np
 
+from .families import CAUSAL_LM, REGISTRY, SEQUENCE_CLASSIFICATION, family
 from .gpt import GPTConfig
+from .gemma2 import Gemma2Config
 from .llama import LlamaConfig
 from .safetensors_io import _np_dtype
 
-Config = GPTConfig | LlamaConfig
+Config = GPTConfig | LlamaConfig | Gemma2Config
 
-CAUSAL_LM = "causal_lm"
-SEQUENCE_CLASSIFICATION = "sequence_classification"
 # head -> family -> the transformers class that config.json's `architectures` names.
-ARCHITECTURES = {
-    CAUSAL_LM: {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"},
-    SEQUENCE_CLASSIFICATION: {"gpt2": "GPT2ForSequenceClassification",
-                              "llama": "LlamaForSequenceClassification"},
-}
+ARCHITECTURES = {head: {name: spec.architectures[head] for name, spec in REGISTRY.items()}
+                 for head in (CAUSAL_LM, SEQUENCE_CLASSIFICATION)}
 # (class-name suffix, head kind), first match wins; the kinds after the first two are refused.
 _HEAD_SUFFIXES = (("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
                   ("ForSequenceClassification", SEQUENCE_CLASSIFICATION),
@@ -46,9 +43,6 @@ HEAD_NAMES = {CAUSAL_LM: "a causal LM", SEQUENCE_CLASSIFICATION:
               "base": "a base model whose checkpoint holds no LM head (untied)",
               "other": "a model whose head zeroxla does not read"}
 
-_GPT_LN_EPS = 1e-5            # models.layers.LayerNorm's eps, which GPT uses
-_GPT_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")   # all the tanh approximation
-
 
 def to_hf_config(config: Config, *, dtype: Any = "float32", head: str = CAUSAL_LM,
                  **overrides) -> dict[str, Any]:
@@ -58,37 +52,7 @@ def to_hf_config(config: Config, *, dtype: Any = "float32", head: str = CAUSAL_L
     if head not in ARCHITECTURES:
         raise ValueError(f"head={head!r} is invalid; accepted: {', '.join(ARCHITECTURES)}")
     dtype_name = np.dtype(_np_dtype(dtype)).name
-    if config.family == "gpt2":
-        hf = {
-            "model_type": "gpt2",
-            "vocab_size": config.vocab_size, "n_positions": config.max_seq_len,
-            "n_embd": config.d_model, "n_layer": config.num_layers, "n_head": config.num_heads,
-            "n_inner": config.mlp_dim, "activation_function": "gelu_new",
-            "layer_norm_epsilon": _GPT_LN_EPS, "initializer_range": config.init_std,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "tie_word_embeddings": True,
-            # Our model has no dropout; HF's 0.1 defaults would change fine-tuning there.
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            # GPT-2's BPE <|endoftext|>; only meaningful with that vocabulary.
-            "bos_token_id": 50256 if config.vocab_size > 50256 else None,
-            "eos_token_id": 50256 if config.vocab_size > 50256 else None,
-        }
-    elif config.family == "llama":
-        hf = {
-            "model_type": "llama",
-            "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-            "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-            "head_dim": config.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-            "initializer_range": config.init_std, "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False,
-            # transformers 4.x reads rope_theta / rope_scaling, 5.x reads rope_parameters.
-            "rope_theta": config.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        }
-    else:
-        raise ValueError(f"no Hugging Face config for family {config.family!r}")
+    hf = family(config.family).to_hf(config)
     hf["torch_dtype"] = hf["dtype"] = dtype_name     # 4.x and 5.x spellings
     hf["architectures"] = [ARCHITECTURES[head][config.family]]
     if head == SEQUENCE_CLASSIFICATION:            # num_labels=1, as transformers spells it
@@ -97,57 +61,11 @@ def to_hf_config(config: Config, *, dtype: Any = "float32", head: str = CAUSAL_L
     return hf
 
 
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ValueError(f"config.json {key}={value!r} is not supported: {why}")
-
-
 def from_hf_config(hf: Mapping[str, Any]) -> Config:
-    """Our GPTConfig / LlamaConfig from a HF `config.json` dict; raises ValueError on options our
-    models do not implement. A tied Llama (`tie_word_embeddings=true`) is accepted: its head is
-    loaded as a copy of the embedding and trains untied from then on."""
-    model_type = hf.get("model_type")
-    if model_type == "gpt2":
-        act = hf.get("activation_function", "gelu_new")
-        _require(act in _GPT_GELUS, "activation_function", act, f"GPT uses tanh GELU {_GPT_GELUS}")
-        eps = hf.get("layer_norm_epsilon", 1e-5)
-        _require(eps == _GPT_LN_EPS, "layer_norm_epsilon", eps,
-                 f"GPT's LayerNorm uses {_GPT_LN_EPS}")
-        for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False), ("tie_word_embeddings", True)):
-            _require(hf.get(key, want) == want, key, hf.get(key), f"GPT needs {key}={want}")
-        d = hf["n_embd"]
-        return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], d_model=d,
-                         num_heads=hf["n_head"], num_layers=hf["n_layer"],
-                         mlp_dim=hf.get("n_inner") or 4 * d,
-                         init_std=hf.get("initializer_range", 0.02))
-    if model_type == "llama":
-        act = hf.get("hidden_act", "silu")
-        _require(act == "silu", "hidden_act", act, "Llama's MLP is SwiGLU (silu)")
-        for key in ("attention_bias", "mlp_bias"):
-            _require(not hf.get(key, False), key, hf.get(key), "our Llama has no biases")
-        d, h = hf["hidden_size"], hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or d // h
-        _require(head_dim == d // h, "head_dim", head_dim,
-                 f"our Llama's head_dim is hidden_size // num_attention_heads = {d // h}")
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _require(rope_type == "default", "rope_parameters.rope_type", rope_type,
-                 "only plain RoPE is implemented (no scaling)")
-        scaling = hf.get("rope_scaling")
-        _require(not scaling or scaling.get("rope_type", scaling.get("type")) == "default",
-                 "rope_scaling", scaling, "only plain RoPE is implemented (no scaling)")
-        factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        _require(factor == 1.0, "partial_rotary_factor", factor, "RoPE rotates the whole head")
-        return LlamaConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                           d_model=d, num_heads=h,
-                           num_kv_heads=hf.get("num_key_value_heads") or h,
-                           num_layers=hf["num_hidden_layers"], mlp_dim=hf["intermediate_size"],
-                           rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                           norm_eps=hf.get("rms_norm_eps", 1e-6),
-                           init_std=hf.get("initializer_range", 0.02))
-    raise ValueError(f"config.json model_type={model_type!r} is not supported; "
-                     "zeroxla reads 'gpt2' and 'llama'")
+    """Our config (of the family config.json's `model_type` names, `models.families`) from a HF
+    `config.json` dict; a ValueError names the model_type, or the key and value of any option
+    the family does not build, with what is supported. Reads no tensor."""
+    return family(hf.get("model_type")).from_hf(hf)
 
 
 def architecture(hf: Mapping[str, Any]) -> str | None:

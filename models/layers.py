@@ -112,17 +112,20 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last dim, computed in float32 (Llama), or float64 for float64 input."""
+    """RMSNorm over the last dim, computed in float32 (Llama), or float64 for float64 input.
+    `axis` names the normalised dim (`embed`; `head_dim` for Qwen3's per-head q/k norms). The
+    output is scaled by `offset + scale` (Gemma's `1 + w`: offset 1, scale initialised to 0)."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axes.EMBED,))
+    def __init__(self, dim: int, *, eps: float = 1e-5, axis: str = axes.EMBED,
+                 offset: float = 0.0):
+        self.eps, self.offset = eps, offset
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32), logical_axes=(axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         acc = at_least_float32(x.dtype)
         h = x.astype(acc)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
-        return (h * self.scale[...].astype(acc)).astype(x.dtype)
+        return (h * (self.offset + self.scale[...].astype(acc))).astype(x.dtype)
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:
@@ -130,8 +133,30 @@ def default_positions(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal softmax attention with grouped-query heads.
+def visible_keys(query_pos: jax.Array, key_pos: jax.Array, window: int | None) -> jax.Array:
+    """Which keys a query attends: key position <= query position and, with a sliding `window`
+    (Mistral's `sliding_window`), key position > query position - window (the query and the
+    window - 1 tokens before it, transformers' `sliding_window_overlay`). Broadcasts."""
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    return visible
+
+
+def attention_scores(q: jax.Array, k: jax.Array, scale: float | None,
+                     softcap: float | None) -> jax.Array:
+    """q [B, T, G, R, K] . k [B, S, G, K] -> scores [B, G, R, T, S] in float32 (float64 for
+    float64 input), times `scale` (default 1/sqrt(K)), soft-capped to (-softcap, softcap) as
+    Gemma 2 does (`softcap * tanh(scores / softcap)`) when `softcap` is set."""
+    scores = jnp.einsum("BTGRK,BSGK->BGRTS", q, k, preferred_element_type=at_least_float32(q.dtype))
+    scores = scores / jnp.sqrt(q.shape[-1]) if scale is None else scores * scale
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
+    """Causal softmax attention with grouped-query heads (and a sliding `window`, see
+    `visible_keys`; `scale` and `softcap`, see `attention_scores`).
 
     q [B, T, H, K], k and v [B, T, G, K] with H a multiple of G -> [B, T, H, K]. Scores and
     softmax in float32 (float64 for float64 input).
@@ -139,9 +164,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     b, t, h, d = q.shape
     g = k.shape[2]
     q = q.reshape(b, t, g, h // g, d)
-    scores = jnp.einsum("BTGRK,BSGK->BGRTS", q, k,
-                        preferred_element_type=at_least_float32(q.dtype)) / jnp.sqrt(d)
-    mask = jnp.tril(jnp.ones((t, t), bool))
+    scores = attention_scores(q, k, scale, softcap)
+    mask = visible_keys(jnp.arange(t)[:, None], jnp.arange(t)[None, :], window)   # [T, S]
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, v)
@@ -164,12 +188,15 @@ def init_kv_cache(num_layers: int, batch: int, max_len: int, kv_heads: int, head
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                     cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     cache: dict[str, jax.Array], *, window: int | None = None,
+                     scale: float | None = None, softcap: float | None = None
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Attention of new tokens against one layer's KV cache, after writing their keys/values.
 
     q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T] (each row its own); cache {"k", "v"}
     [B, S, G, K]. Token (b, t) is written to slot positions[b, t] and attends to the slots
-    s <= positions[b, t] of its row. Every slot below a row's current position was written by
+    s <= positions[b, t] of its row (and, with a sliding `window`, s > positions[b, t] - window:
+    `visible_keys`). Every slot below a row's current position was written by
     this generation (the prompt's prefill, then one token per step), so a slot holding a
     padding token or an earlier generation's data is never attended: with right-padded prompts
     a pad's slot lies above the row's position until a real token overwrites it.
@@ -181,9 +208,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
     s = cache["k"].shape[1]
     q = q.reshape(b, t, g, h // g, d)
-    scores = jnp.einsum("BTGRK,BSGK->BGRTS", q, cache["k"].astype(q.dtype),
-                        preferred_element_type=at_least_float32(q.dtype)) / jnp.sqrt(d)
-    visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]          # [B, T, S]
+    scores = attention_scores(q, cache["k"].astype(q.dtype), scale, softcap)
+    visible = visible_keys(positions[:, :, None], jnp.arange(s)[None, None, :], window)  # [B,T,S]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, cache["v"].astype(v.dtype))
@@ -203,13 +229,13 @@ def decode(model: Any, tokens: jax.Array, positions: jax.Array,
     return model.head(x), cache
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: Any) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), HF Llama's rotate-half convention.
 
-    x [B, T, H, K] with K even; positions int [B, T].
+    x [B, T, H, K] with K even; positions int [B, T]; inv_freq float32 [K/2] (`models.rope`).
     """
     k = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))   # [K/2]
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)                              # [K/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq               # [B, T, K/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]        # [B, T, 1, K]
     h = x.astype(jnp.float32)

@@ -1,4 +1,10 @@
-"""Llama family (Touvron et al. 2023): RMSNorm, RoPE, SwiGLU, grouped-query attention, untied head."""
+"""Llama family (Touvron et al. 2023): RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+The module also runs the families that are Llama plus options (`models.families`: Qwen2, Qwen3,
+Mistral), each option a `LlamaConfig` field: scaled RoPE (`rope_type` linear / llama3), q/k/v
+and output biases, MLP biases, an explicit head_dim, per-head RMSNorm of q and k (Qwen3), a
+sliding attention window (Mistral) and a head tied to the embedding (one parameter).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from flax import nnx
 from . import axes
 from .config import ModelConfig
 from .layers import (LayerStack, RMSNorm, at_least_float32, cached_attention, causal_attention,
-                     decode, default_positions, init_kv_cache, normal, param, rope)
+                     default_positions, init_kv_cache, normal, param, rope)
+from .rope import ROPE_TYPES, inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +35,19 @@ class LlamaConfig(ModelConfig):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # RoPE scaling (`models.rope.inv_freq`): rope_type default | linear | llama3.
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    explicit_head_dim: int | None = None   # HF's head_dim when not d_model // num_heads
+    qkv_bias: bool = False                 # q/k/v projection biases (Qwen2; Llama attention_bias)
+    o_bias: bool = False                   # output projection bias (Llama attention_bias)
+    mlp_bias: bool = False                 # gate/up/down biases (Llama mlp_bias)
+    qk_norm: bool = False                  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None      # keys within the last `sliding_window` positions
+    tie_word_embeddings: bool = False      # the head is the embedding (one parameter)
     family: str = dataclasses.field(default="llama", init=False)
 
     # RoPE could rotate past max_seq_len, but the model is built and trained for max_seq_len
@@ -40,12 +60,38 @@ class LlamaConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         self.check_sizes()
+        name = type(self).__name__
         if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig.d_model={self.d_model} / num_heads={self.num_heads} "
-                             "must be an even head_dim (RoPE rotates pairs)")
+            raise ValueError(f"{name}: head_dim={self.head_dim} must be even (RoPE rotates "
+                             "pairs); accepted: an even explicit_head_dim or d_model / num_heads")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"LlamaConfig.num_heads={self.num_heads} is not a multiple of "
+            raise ValueError(f"{name}.num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"{name}.rope_type={self.rope_type!r} is not built; accepted: "
+                             f"{', '.join(ROPE_TYPES)}")
+        if self.rope_type != "default" and not self.rope_factor > 0:
+            raise ValueError(f"{name}.rope_factor={self.rope_factor!r} is invalid for rope_type="
+                             f"{self.rope_type!r}; accepted: a number > 0")
+        if self.rope_type == "llama3" and self.rope_low_freq_factor == self.rope_high_freq_factor:
+            raise ValueError(f"{name}: llama3 RoPE needs rope_low_freq_factor != "
+                             f"rope_high_freq_factor (both {self.rope_low_freq_factor})")
+        for field in ("explicit_head_dim", "sliding_window"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}.{field}={value!r} is invalid; accepted: None or an "
+                                 "integer >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.d_model // self.num_heads
+
+    def rope_inv_freq(self):
+        """float32 [head_dim / 2]: the RoPE frequencies of this config (`models.rope`)."""
+        return inv_freq(self.head_dim, self.rope_theta, self.rope_type, factor=self.rope_factor,
+                        low_freq_factor=self.rope_low_freq_factor,
+                        high_freq_factor=self.rope_high_freq_factor,
+                        original_max_len=self.rope_original_max_len)
 
 
     @classmethod
@@ -74,17 +120,37 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-        std = cfg.init_std
-        self.rope_theta = cfg.rope_theta
+        std, zeros = cfg.init_std, nnx.initializers.zeros
+        # [K/2] as Python floats (exact float32 values): static, hashable module data.
+        self.inv_freq = tuple(float(f) for f in cfg.rope_inv_freq())
+        self.window = cfg.sliding_window
         self.attn_norm = RMSNorm(d, eps=cfg.norm_eps)
         self.wq = param(rngs, normal(std), (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
         self.wk = param(rngs, normal(std), (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM))
         self.wv = param(rngs, normal(std), (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM))
         self.wo = param(rngs, normal(std), (h, k, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED))
+        if cfg.qkv_bias:
+            self.bq = param(rngs, zeros, (h, k), (axes.HEADS, axes.HEAD_DIM))
+            self.bk = param(rngs, zeros, (g, k), (axes.KV_HEADS, axes.HEAD_DIM))
+            self.bv = param(rngs, zeros, (g, k), (axes.KV_HEADS, axes.HEAD_DIM))
+        if cfg.o_bias:
+            self.bo = param(rngs, zeros, (d,), (axes.EMBED,))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM)
+            self.k_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM)
         self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
         self.w_gate = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_up = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
+        if cfg.mlp_bias:
+            self.b_gate = param(rngs, zeros, (f,), (axes.MLP,))
+            self.b_up = param(rngs, zeros, (f,), (axes.MLP,))
+            self.b_down = param(rngs, zeros, (d,), (axes.EMBED,))
+
+    def _bias(self, name: str) -> jax.Array | float:
+        """The bias parameter `name`, or 0 when the config has none."""
+        bias = getattr(self, name, None)
+        return 0.0 if bias is None else bias[...]
 
     def __call__(self, x: jax.Array, positions: jax.Array,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
@@ -92,18 +158,22 @@ class Block(nnx.Module):
         tokens' keys/values are written at `positions` and attended there
         (`cached_attention`); without, plain causal attention."""
         h = self.attn_norm(x)                                             # [B, T, D]
-        q = rope(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]), positions, self.rope_theta)
-        k = rope(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]), positions, self.rope_theta)
-        v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
+        q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self._bias("bq")
+        k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
+        v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...]) + self._bias("bv")
+        if getattr(self, "q_norm", None) is not None:                     # Qwen3: before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq)
         if cache is None:
-            a = causal_attention(q, k, v)                                 # [B, T, H, K]
+            a = causal_attention(q, k, v, window=self.window)             # [B, T, H, K]
         else:
-            a, cache = cached_attention(q, k, v, positions, cache)
-        x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...])
+            a, cache = cached_attention(q, k, v, positions, cache, window=self.window)
+        x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self._bias("bo")
         h = self.mlp_norm(x)
-        gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]))
-        up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
-        return x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]), cache
+        gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]) + self._bias("b_gate"))
+        up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...]) + self._bias("b_up")
+        return (x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
+                + self._bias("b_down"), cache)
 
 
 class TokenEmbed(nnx.Module):
@@ -115,17 +185,31 @@ class TokenEmbed(nnx.Module):
         del positions                       # Llama's positions enter through RoPE
         return self.weight[...][tokens]                                   # [B, T, D]
 
+    def attend(self, h: jax.Array) -> jax.Array:
+        """The tied head: h [B, T, D] -> logits float32 [B, T, V] = h @ weight^T. A method of
+        the module owning the weight, so that ZeRO-3 gathers the weight around the call."""
+        return jnp.einsum("BTD,VD->BTV", h, self.weight[...].astype(h.dtype),
+                          preferred_element_type=at_least_float32(h.dtype))
+
 
 class Head(nnx.Module):
-    """Final RMSNorm and the (untied) output projection."""
+    """Final RMSNorm and the output projection: its own `weight` [D, V], or, tied
+    (`tie_word_embeddings`), none: the caller passes the embedding module (`TokenEmbed`),
+    whose `attend` projects."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.weight = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
-                            (axes.EMBED, axes.VOCAB))
+        if not cfg.tie_word_embeddings:
+            self.weight = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
+                                (axes.EMBED, axes.VOCAB))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("BTD,DV->BTV", self.norm(x), self.weight[...].astype(x.dtype),
+    def __call__(self, x: jax.Array, embed: TokenEmbed | None = None) -> jax.Array:
+        """x [B, T, D] -> logits float32 [B, T, V]; `embed` (the tied embedding's module) when
+        tied."""
+        h = self.norm(x)
+        if embed is not None:
+            return embed.attend(h)
+        return jnp.einsum("BTD,DV->BTV", h, self.weight[...].astype(x.dtype),
                           preferred_element_type=at_least_float32(x.dtype))
 
 
@@ -150,8 +234,14 @@ class Llama(nnx.Module):
     def decode(self, tokens: jax.Array, positions: jax.Array,
                cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits float32 [B, T, V] of `tokens` [B, T] at `positions` [B, T], against and into
-        `cache` (see `models.layers.decode`)."""
-        return decode(self, tokens, positions, cache)
+        `cache` (the protocol of `models.layers.decode`)."""
+        x, cache = self.blocks(self.embed(tokens, positions), positions, cache=cache)
+        return self.logits(x), cache
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The head of the final hidden states x [B, T, D]: logits float32 [B, T, V], through
+        the embedding when tied."""
+        return self.head(x, self.embed if self.config.tie_word_embeddings else None)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         self.config.check_seq_len(tokens.shape[1], "sequence length")
@@ -159,7 +249,7 @@ class Llama(nnx.Module):
             positions = default_positions(tokens)
         x = self.embed(tokens, positions)
         x, _ = self.blocks(x, positions)
-        return self.head(x)                                               # [B, T, V]
+        return self.logits(x)                                             # [B, T, V]
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after the final RMSNorm, before the projection):

@@ -23,6 +23,40 @@ NO_RESUME = ("There is no --resume: a run that fails or is interrupted removes w
              "the same --out can be given again.")
 
 
+def add_lora_options(parser: argparse.ArgumentParser, whose: str) -> None:
+    """`zeroxla train`'s LoRA options (DeepSpeed-Chat's --lora_dim, --lora_module_name,
+    --only_optimize_lora, and alpha), for `whose` weights; read back by `lora_config`."""
+    g = parser.add_argument_group(f"LoRA: adapters on {whose} weights (zeroxla train's options)")
+    g.add_argument("--lora-dim", dest="lora_dim", type=non_negative_int, metavar="R",
+                   help="adapter rank; default 0: no LoRA")
+    g.add_argument("--lora-alpha", dest="lora_alpha", type=positive_float,
+                   help="the adapters are scaled by alpha / r; default 1")
+    g.add_argument("--lora-module-name", dest="lora_module_name", metavar="REGEX",
+                   help="regular expression over weight paths (blocks/layers/wq): the weights "
+                        "that get adapters; default blocks/layers/ (every block weight)")
+    g.add_argument("--only-optimize-lora", dest="lora_only_optimize_lora",
+                   action="store_const", const=True,
+                   help="train the adapters alone (needs --lora-dim > 0)")
+
+
+LORA_OPTIONS = {"dim": "--lora-dim", "alpha": "--lora-alpha",
+                "module_name": "--lora-module-name", "only_optimize_lora": "--only-optimize-lora"}
+
+
+def lora_config(args: argparse.Namespace):
+    """The `zeroxla.lora.LoRAConfig` of `add_lora_options`' options (its defaults for those not
+    given); an error names the option."""
+    from zeroxla.lora import LoRAConfig
+
+    given = {field: getattr(args, "lora_" + field)
+             for field in LORA_OPTIONS}
+    try:
+        return LoRAConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as err:
+        field = str(err).split("=", 1)[0].removeprefix("LoRAConfig.")
+        raise ValueError(f"{LORA_OPTIONS.get(field, field)}: {err}") from None
+
+
 def add_reward(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "reward", help="train a reward model on preference pairs (DeepSpeed-Chat step 2)",
@@ -39,7 +73,9 @@ def add_reward(subparsers: argparse._SubParsersAction) -> None:
                         "num_labels=1)")
     p.add_argument("--data", required=True, metavar="PAIRS_JSONL",
                    help="preference pairs: a .jsonl of {\"prompt\", \"chosen\", \"rejected\"} "
-                        "lines, or a .json array of those objects (.gz ok). Pairs whose chosen "
+                        "lines (strings, or TRL's lists of {\"role\", \"content\"} messages, "
+                        "rendered with the checkpoint's chat template), or a .json array of "
+                        "those objects (.gz ok). Pairs whose chosen "
                         "and rejected are the same tokens teach nothing: they are counted and "
                         "reported, and a file (or its train or validation split) of only such "
                         "pairs is refused")
@@ -56,6 +92,7 @@ def add_reward(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", default=None, metavar="DIR")
     p.add_argument("--no-progress", action="store_true")
+    add_lora_options(p, "the reward model's base")
     p.set_defaults(handler=run_reward)
 
 
@@ -67,7 +104,7 @@ def run_reward(args: argparse.Namespace) -> int:
         init_from=args.init_from, data=args.data, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, weight_decay=args.weight_decay, mesh=args.mesh,
         zero_stage=args.zero_stage, eval_every=args.eval_every, seed=args.seed,
-        out_dir=args.out, progress=not args.no_progress)
+        out_dir=args.out, progress=not args.no_progress, lora=lora_config(args))
     summary = reward_job.run(job)
     print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=2),
           flush=True)
@@ -114,6 +151,7 @@ def add_ppo(subparsers: argparse._SubParsersAction) -> None:
             ("--cliprange-value", "cliprange_value", positive_float),
             ("--gamma", "gamma", unit_interval), ("--lam", "lam", unit_interval)):
         ppo.add_argument(flag, dest=field, type=kind, default=None)
+    add_lora_options(p, "the actor's and the critic's (not the frozen reference's)")
     ppo.add_argument("--reference-int8", dest="reference_int8", action="store_const",
                      const=True, default=None,
                      help="hold the frozen reference as int8 codes (ZeRO++ MixZ++)")
@@ -130,10 +168,11 @@ def run_ppo(args: argparse.Namespace) -> int:
     job = ppo_job.PPOJobConfig(actor=args.actor, reward=args.reward, prompts=args.prompts,
                                ppo=PPOConfig(**given), iterations=args.iterations,
                                mesh=args.mesh, inference_tp_size=args.inference_tp_size,
-                               seed=args.seed, out_dir=args.out, progress=not args.no_progress)
+                               seed=args.seed, out_dir=args.out, progress=not args.no_progress,
+                               lora=lora_config(args))
     summary = ppo_job.run(job)
     print(json.dumps({k: v for k, v in summary.items() if k != "ppo"}, indent=2), flush=True)
     return 0
 
 
-__all__ = ["add_ppo", "add_reward", "run_ppo", "run_reward"]
+__all__ = ["add_lora_options", "add_ppo", "add_reward", "lora_config", "run_ppo", "run_reward"]

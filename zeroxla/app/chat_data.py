@@ -16,6 +16,10 @@ Files: JSON lines (`.jsonl`), or a JSON array of the same objects (`.json`), opt
     pairs    {"prompt": "...", "chosen": "...", "rejected": "..."}
     prompts  {"prompt": "..."}
 
+and TRL's conversational rows (`chat_messages.py`: `{"messages": [...]}` for SFT; `{"prompt":
+[...], "chosen": [...], "rejected": [...]}` for pairs), rendered with the checkpoint's chat
+template, the SFT loss on the assistant's tokens only.
+
 Every problem with a file is a `ChatDataError` naming `file:line` before any token is computed,
 and an example too long for the sequence is an error naming it, never a silent truncation. An
 example can also hold nothing to learn: an SFT row with no loss token (an empty response and no
@@ -33,6 +37,9 @@ mask follows is exact (encoding `prompt + answer` as one string lets a BPE merge
     pairs    prompt + chosen / prompt + rejected (+ eos), each <= seq_len, right-padded;
              *_end = index of the last real token (where the reward model reads its score)
     prompts  left-padded to prompt_length, so every row's next token goes in the same column
+    chat     seq = the rendered conversation's tokens (the template writes its own end-of-turn
+             and special tokens; no eos is appended); SFT loss_mask = 1 where the target is an
+             assistant token (`chat_template.ChatTemplate.tokens_of`)
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ from typing import Any
 
 import numpy as np
 
+from zeroxla.app import chat_messages
+from zeroxla.app.chat_messages import ChatExample, ChatPairExample
 from zeroxla.app.data import ChatDataError, load_text, read_records
 from zeroxla.app.tokenizer import Tokenizer
 
@@ -74,7 +83,7 @@ class PairExample:
     line: int | None = None
 
 
-def _where(example: SFTExample | PairExample, index: int) -> str:
+def _where(example: Any, index: int) -> str:
     """'file:line (example i)', or 'example i' for an example not read from a file."""
     if example.path is not None and example.line is not None:
         return f"{example.path}:{example.line} (example {index})"
@@ -97,20 +106,23 @@ def _field(record: dict[str, Any], names: tuple[str, ...], name: str, number: in
                         f"(found {sorted(record)})")
 
 
-def read_sft_jsonl(path: str | os.PathLike) -> list[SFTExample]:
+def read_sft_jsonl(path: str | os.PathLike) -> list[SFTExample | ChatExample]:
     """SFT examples from `{"prompt", "response"}` records (DeepSpeed-Chat's `"chosen"` is
-    accepted in place of `"response"`)."""
+    accepted in place of `"response"`), or `{"messages": [...]}` conversations."""
     name = os.fspath(path)
-    return [SFTExample(_field(r, ("prompt",), name, n),
+    return [chat_messages.sft_row(r, f"{name}:{n}", name, n) if "messages" in r else
+            SFTExample(_field(r, ("prompt",), name, n),
                        _field(r, ("response", "chosen"), name, n), path=name, line=n)
             for n, r in read_records(name)]
 
 
-def read_pair_jsonl(path: str | os.PathLike) -> list[PairExample]:
-    """Preference pairs from `{"prompt", "chosen", "rejected"}` records."""
+def read_pair_jsonl(path: str | os.PathLike) -> list[PairExample | ChatPairExample]:
+    """Preference pairs from `{"prompt", "chosen", "rejected"}` records, string fields or
+    TRL's lists of messages (`chat_messages.pair_row`)."""
     name = os.fspath(path)
-    return [PairExample(*(_field(r, (key,), name, n) for key in ("prompt", "chosen", "rejected")),
-                        path=name, line=n)
+    return [chat_messages.pair_row(r, f"{name}:{n}", name, n) if chat_messages.is_chat_pair(r)
+            else PairExample(*(_field(r, (key,), name, n)
+                               for key in ("prompt", "chosen", "rejected")), path=name, line=n)
             for n, r in read_records(name)]
 
 
@@ -149,35 +161,65 @@ def _check_fit(where: str, what: str, prompt: int, answer: int, limit: int,
         raise ChatDataError(f"{where}: prompt+{what} has no tokens")
 
 
-def sft_arrays(examples: Sequence[SFTExample], tokenizer: Tokenizer, seq_len: int, *,
-               eos_id: int | None = None, pad_id: int | None = None) -> dict[str, np.ndarray]:
+def _sft_tokens(example: SFTExample | ChatExample, index: int, tokenizer: Tokenizer,
+                template: Any, eos_id: int | None,
+                seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(seq int32[L], learned bool[L]: True on the tokens the loss predicts), L <= seq_len + 1."""
+    limit = f"seq_len={seq_len} (+1 for the shifted targets)"
+    if isinstance(example, ChatExample):
+        return chat_messages.conversation_tokens(template, example.messages,
+                                                 _where(example, index), seq_len + 1, limit)
+    prompt, answer = _encode_answer(tokenizer, example.prompt, example.response, eos_id)
+    _check_fit(_where(example, index), "response", len(prompt), len(answer), seq_len + 1, limit)
+    learned = np.arange(len(prompt) + len(answer)) >= len(prompt)
+    return np.concatenate([prompt, answer]), learned
+
+
+def sft_arrays(examples: Sequence[SFTExample | ChatExample], tokenizer: Tokenizer,
+               seq_len: int, *, eos_id: int | None = None,
+               pad_id: int | None = None) -> dict[str, np.ndarray]:
     """SFT batch arrays for `examples`: {"inputs", "targets"} int32[N, seq_len] and
     "loss_mask" float32[N, seq_len], 1 exactly where the target is a response token (or the
-    appended `eos_id`), 0 on prompt and padding. Padding uses `pad_id` (default: the
-    tokenizer's pad id, else 0). Each prompt+response(+eos) must fit seq_len + 1 tokens."""
+    appended `eos_id`), or an assistant token of a conversation, 0 on prompt and padding.
+    Padding uses `pad_id` (default: the tokenizer's pad id, else 0). Each prompt+response(+eos),
+    or rendered conversation, must fit seq_len + 1 tokens."""
     pad = _pad_id(tokenizer, pad_id, "seq_len", seq_len)
+    template = chat_messages.template_for(examples, tokenizer)
     n = len(examples)
     inputs = np.full((n, seq_len), pad, np.int32)          # [N, T]
     targets = np.full((n, seq_len), pad, np.int32)         # [N, T]
     loss_mask = np.zeros((n, seq_len), np.float32)         # [N, T]
     for i, example in enumerate(examples):
-        prompt, answer = _encode_answer(tokenizer, example.prompt, example.response, eos_id)
-        _check_fit(_where(example, i), "response", len(prompt), len(answer), seq_len + 1,
-                   f"seq_len={seq_len} (+1 for the shifted targets)")
-        seq = np.concatenate([prompt, answer])             # [L], L <= T + 1
+        seq, learned = _sft_tokens(example, i, tokenizer, template, eos_id, seq_len)  # [L]
         inputs[i, :len(seq) - 1] = seq[:-1]
         targets[i, :len(seq) - 1] = seq[1:]
-        # targets[t] = seq[t + 1] is a response token iff t + 1 >= len(prompt).
-        loss_mask[i, max(len(prompt) - 1, 0):len(seq) - 1] = 1.0
+        loss_mask[i, :len(seq) - 1] = learned[1:]          # targets[t] = seq[t + 1]
     return {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
 
 
-def pair_arrays(examples: Sequence[PairExample], tokenizer: Tokenizer, seq_len: int, *,
-                eos_id: int | None = None, pad_id: int | None = None) -> dict[str, np.ndarray]:
+def _pair_tokens(example: PairExample | ChatPairExample, key: str, tokenizer: Tokenizer,
+                 template: Any, eos_id: int | None, where: str,
+                 seq_len: int) -> tuple[int, np.ndarray]:
+    """(prompt tokens, prompt + answer int32[L]) of one side (`key`) of a pair; a
+    conversation's prompt is what precedes its first assistant token."""
+    if isinstance(example, ChatPairExample):
+        seq, learned = chat_messages.conversation_tokens(
+            template, example.prompt + getattr(example, key), where, seq_len,
+            f"seq_len={seq_len}")
+        return int(np.argmax(learned)), seq
+    prompt, answer = _encode_answer(tokenizer, example.prompt, getattr(example, key), eos_id)
+    return len(prompt), np.concatenate([prompt, answer])
+
+
+def pair_arrays(examples: Sequence[PairExample | ChatPairExample], tokenizer: Tokenizer,
+                seq_len: int, *, eos_id: int | None = None,
+                pad_id: int | None = None) -> dict[str, np.ndarray]:
     """Reward-model batch arrays for `examples`: "chosen" and "rejected" int32[N, seq_len]
-    (prompt + answer (+ `eos_id`), right-padded), "chosen_end" and "rejected_end" int32[N]
-    (index of each row's last real token). Each sequence must fit seq_len tokens."""
+    (prompt + answer (+ `eos_id`), or the rendered conversation, right-padded), "chosen_end"
+    and "rejected_end" int32[N] (index of each row's last real token). Each sequence must fit
+    seq_len tokens."""
     pad = _pad_id(tokenizer, pad_id, "seq_len", seq_len)
+    template = chat_messages.template_for(examples, tokenizer)
     n = len(examples)
     out = {"chosen": np.full((n, seq_len), pad, np.int32),          # [N, T]
            "rejected": np.full((n, seq_len), pad, np.int32),        # [N, T]
@@ -185,11 +227,10 @@ def pair_arrays(examples: Sequence[PairExample], tokenizer: Tokenizer, seq_len: 
            "rejected_end": np.zeros((n,), np.int32)}                # [N]
     for i, example in enumerate(examples):
         for key in ("chosen", "rejected"):
-            prompt, answer = _encode_answer(tokenizer, example.prompt, getattr(example, key),
-                                            eos_id)
-            _check_fit(_where(example, i), key, len(prompt), len(answer), seq_len,
+            prompt, seq = _pair_tokens(example, key, tokenizer, template, eos_id,
+                                       f"{_where(example, i)} {key}", seq_len)
+            _check_fit(_where(example, i), key, prompt, len(seq) - prompt, seq_len,
                        f"seq_len={seq_len}")
-            seq = np.concatenate([prompt, answer])
             out[key][i, :len(seq)] = seq
             out[f"{key}_end"][i] = len(seq) - 1
     return out
@@ -271,7 +312,6 @@ def write_jsonl(examples: Sequence[SFTExample | PairExample | str],
     lines = [json.dumps(_record(e), ensure_ascii=False) + "\n" for e in examples]
     path.write_text("".join(lines), encoding="utf-8")
     return path
-
 
 
 # ----------------------------------------------------------------------------- generated examples

@@ -54,6 +54,7 @@ from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"     # transformers 5 writes the chat template here
 FILE_MODE = 0o644
 PAD_TOKEN = "<|pad|>"          # the pad token an exported reward model gets when it needs one
 
@@ -115,7 +116,8 @@ def save_hf_tokenizer(tokenizer: CharTokenizer | ByteTokenizer, out_dir: str | o
 SPECIAL_TOKEN_KEYS = ("eos_token", "pad_token", "bos_token")
 # The tokenizer files we read, in reading order (the map is read second and wins, as in
 # transformers); only tokenizer.json is required.
-PRETRAINED_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE)
+PRETRAINED_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE,
+                    CHAT_TEMPLATE_FILE)
 # The tokenizer class we name when the source had no tokenizer_config.json.
 GENERIC_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 RECORD_KIND = "hf"
@@ -380,7 +382,7 @@ def add_pad_token(out_dir: str | os.PathLike, pad_id: int) -> list[Path]:
     return written
 
 
-__all__ = ["FILE_MODE", "GENERIC_TOKENIZER_CLASS", "PAD_TOKEN", "PRETRAINED_FILES",
-           "PretrainedTokenizer", "SPECIAL_TOKENS_MAP_FILE", "SPECIAL_TOKEN_KEYS",
+__all__ = ["CHAT_TEMPLATE_FILE", "FILE_MODE", "GENERIC_TOKENIZER_CLASS", "PAD_TOKEN",
+           "PRETRAINED_FILES", "PretrainedTokenizer", "SPECIAL_TOKENS_MAP_FILE", "SPECIAL_TOKEN_KEYS",
            "TOKENIZER_CONFIG_FILE", "TOKENIZER_FILE", "add_pad_token", "bytes_to_unicode",
            "hf_tokenizer", "reward_pad_id", "save_hf_tokenizer", "save_tokenizer"]

@@ -27,12 +27,13 @@ from zeroxla.inference.sampling import Sampling, check_sampling, next_token
 
 
 def sample_tokens(model: nnx.Module, prompt: np.ndarray, *, num_tokens: int, context: int,
-                  temperature: float = 0.8, seed: int = 0) -> np.ndarray:
+                  temperature: float = 0.8, seed: int = 0,
+                  vocab_limit: int | None = None) -> np.ndarray:
     """Extends `prompt` (int[P], P >= 1) by `num_tokens` sampled ids -> int32[P + num_tokens].
 
     `model(tokens int32[1, context]) -> logits [1, context, V]`; `temperature` 0 is greedy,
     checked and drawn as the Hybrid Engine does (`zeroxla.inference.sampling`: below 2**-126
-    greedy, above 3.4e38 uniform).
+    greedy, above 3.4e38 uniform); no id >= `vocab_limit` (the tokenizer's size) is drawn.
     """
     prompt = np.asarray(prompt, dtype=np.int32).reshape(-1)
     if prompt.size < 1:
@@ -41,7 +42,7 @@ def sample_tokens(model: nnx.Module, prompt: np.ndarray, *, num_tokens: int, con
         raise ValueError(f"sample_tokens: num_tokens={num_tokens} must be >= 0 and "
                          f"context={context} >= 1")
     try:
-        sampling = Sampling(temperature)     # the engine's knobs, checks and limits
+        sampling = Sampling(temperature, vocab_limit=vocab_limit)   # the engine's knobs
     except ValueError as err:
         raise ValueError(f"sample_tokens: {err}") from None
     length = prompt.size + num_tokens
@@ -72,7 +73,8 @@ def sample_text(model: nnx.Module, tokenizer: Tokenizer, prompt: str | np.ndarra
     """`prompt` (text, or token ids) followed by `num_tokens` sampled tokens, decoded."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
     return tokenizer.decode(sample_tokens(model, ids, num_tokens=num_tokens, context=context,
-                                          temperature=temperature, seed=seed))
+                                          temperature=temperature, seed=seed,
+                                          vocab_limit=tokenizer.vocab_size))
 
 
 def local_zero3_step(model: nnx.Module) -> Any:
@@ -96,8 +98,11 @@ def sample_with_engine(step: Any, state: Any, tokenizer: Tokenizer, prompt: np.n
 
     Generates min(`num_tokens`, `max_len` - prompt length) tokens: prompt + sample never exceed
     `max_len` (the caller's cap; see the module docstring). `temperature` 0 is greedy, equal to
-    greedy decoding by the unsharded model (`tests/zeroxla/app/test_train_sampler.py`). The
-    engine's inference copy and KV cache are released before returning.
+    greedy decoding by the unsharded model (`tests/zeroxla/app/test_train_sampler.py`). Only
+    ids the tokenizer decodes are drawn (`vocab_limit`: a model vocabulary padded past the
+    tokenizer's keeps its rows, never sampled); a tokenizer larger than the model's vocabulary
+    is refused naming both sizes. The engine's inference copy and KV cache are released before
+    returning.
     """
     from zeroxla.inference import HybridEngine, HybridEngineConfig
 
@@ -108,6 +113,12 @@ def sample_with_engine(step: Any, state: Any, tokenizer: Tokenizer, prompt: np.n
     if ids.size > max_len:
         raise ValueError(f"sample_with_engine: the prompt ({ids.size} tokens) exceeds "
                          f"max_len={max_len}; accepted: a prompt of at most {max_len} tokens")
+    vocab = step.layout.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's "
+                         f"vocab_size is {vocab}: it has no logits for ids {vocab}.."
+                         f"{tokenizer.vocab_size - 1}; accepted: a model vocabulary at least "
+                         "the tokenizer's (padded is fine)")
     new = min(num_tokens, max_len - ids.size)
     if new <= 0:
         return tokenizer.decode(ids), 0
@@ -115,7 +126,7 @@ def sample_with_engine(step: Any, state: Any, tokenizer: Tokenizer, prompt: np.n
                                                    max_out_tokens=ids.size + new))
     try:
         out = engine.generate(state, [ids], max_new_tokens=new, temperature=temperature,
-                              top_k=top_k, seed=seed)[0]
+                              top_k=top_k, seed=seed, vocab_limit=tokenizer.vocab_size)[0]
     finally:
         engine.release()
     return tokenizer.decode(out), new
@@ -148,9 +159,10 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
     one node), continued from `prompt` by the Hybrid Engine with `tp`-way tensor parallelism
     and a KV cache; returns prompt + continuation as text. The tokenizer is the one the
     checkpoint records (`zeroxla train` records it). `devices`: the device count the user
-    fixed (None: the command simulates `tp` devices), for `check_tp`."""
-    import zeroxla
+    fixed (None: the command simulates `tp` devices), for `check_tp`. A LoRA run's adapters
+    are merged (`load_trained`)."""
     from zeroxla.app.tokenizer_records import tokenizer_from_record
+    from zeroxla.app.train.model import load_trained
     from zeroxla.checkpoint.export import checkpoint_metadata
     from zeroxla.checkpoint.model_record import model_config_from_record
 
@@ -170,7 +182,7 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
                          f"--max-new-tokens {max_new_tokens} =", accepted=f"--max-new-tokens "
                          f"<= {max(0, config.max_seq_len - ids.size)} for this prompt")
     # weights only (no optimizer state)
-    step_fn = local_zero3_step(zeroxla.load_params(checkpoint, step=meta["step"]))
+    step_fn = local_zero3_step(load_trained(checkpoint, step=meta["step"]))
     text, _ = sample_with_engine(step_fn, step_fn.init(), tokenizer, ids,
                                  num_tokens=max_new_tokens, max_len=ids.size + max_new_tokens,
                                  temperature=temperature, top_k=top_k, seed=seed, tp=tp)

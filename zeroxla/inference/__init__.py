@@ -7,8 +7,11 @@
     layout.py    the tensor-parallel layout from logical axis names (rules table)
     reshard.py   ZeRO-3 storage -> the tensor-parallel layout in one program, each device
                  receiving only its own slice
+    adapter_switch.py  the switch when only trainable leaves (LoRA adapters) changed: the
+                 frozen base checked bitwise unchanged, the trainable leaves alone resharded
     decode.py    the decode loop (prefill + while_loop) and prompt packing
-    sampling.py  greedy / temperature / top-k / top-p as pure functions; the knobs checked
+    sampling.py  greedy / temperature / top-k / top-p as pure functions, drawing only the
+                 tokenizer's ids of a padded vocabulary (`vocab_limit`); the knobs checked
                  (any Python or NumPy scalar in range) and the temperatures float32 cannot carry
                  mapped to their limits; per-prompt keys (seed, a hash of the prompt's tokens,
                  the decode step: no dependence on neighbours)

@@ -88,11 +88,13 @@ class Zero3Generator:
     def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,
-                 seed: int | jax.Array = 0) -> list[np.ndarray]:
+                 seed: int | jax.Array = 0, vocab_limit: int | None = None
+                 ) -> list[np.ndarray]:
         """As `HybridEngine.generate` (the same tokens for the same seed, sampled too)."""
         rows, sampling, key = check_request(
             prompts, max_new_tokens, self.max_out_tokens, self.vocab_size,
-            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed)
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed,
+            vocab_limit=vocab_limit)
         check_state(state, self.layout.plan, self.layout.model_def)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
@@ -164,11 +166,13 @@ class SingleDeviceGenerator:
     def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,
-                 seed: int | jax.Array = 0) -> list[np.ndarray]:
+                 seed: int | jax.Array = 0, vocab_limit: int | None = None
+                 ) -> list[np.ndarray]:
         """As `HybridEngine.generate` (the same tokens for the same seed, sampled too)."""
         rows, sampling, key = check_request(
             prompts, max_new_tokens, self.max_out_tokens, self.vocab_size,
-            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed)
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed,
+            vocab_limit=vocab_limit)
         if max_new_tokens == 0:
             return [row.copy() for row in rows]
         params = self.params(state)

@@ -16,14 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.inference.sampling import Sampling, next_token, row_keys, seed_key, step_keys
+from zeroxla.inference.sampling import (Sampling, check_vocab_limit, next_token, row_keys,
+                                        sampled_logprobs, seed_key, step_keys)
 
 
 def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
                 live: jax.Array, max_new: jax.Array, eos_id: jax.Array, key: jax.Array,
                 sampling: Sampling, max_len: int,
-                all_done: Callable[[jax.Array], jax.Array] = jnp.all
-                ) -> tuple[jax.Array, jax.Array, Any]:
+                all_done: Callable[[jax.Array], jax.Array] = jnp.all,
+                with_logprobs: bool = False) -> tuple[jax.Array, ...]:
     """Generates up to `max_new` (>= 1) tokens after each row's prompt.
 
     model: `decode(tokens, positions, cache) -> (logits, cache)`; cache [L, B, S, G, K];
@@ -35,7 +36,9 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     (`sampling.py`). Returns (buffer int32 [B, max_len] with the prompt then the new tokens of
     each row, steps taken (int32 scalar), cache). The loop stops early once `all_done(done
     [B])` holds: every row has produced `eos_id` (inside a `shard_map` it must agree across
-    devices, which then run the same number of steps).
+    devices, which then run the same number of steps). `with_logprobs`: a fourth output,
+    float32 [B, max_len], holds at each new token's place in the buffer the log-probability it
+    was drawn with (`sampling.sampled_logprobs`; 0 elsewhere), computed in this program.
     """
     b, p = tokens.shape
     rows = jnp.arange(b)
@@ -46,24 +49,30 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     token = next_token(last, step_keys(keys, 0), sampling)                   # [B]
     buffer = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(tokens)
     buffer = buffer.at[rows, lengths].set(token)
+    logprobs = jnp.zeros((b, max_len if with_logprobs else 0), jnp.float32)
+    if with_logprobs:
+        logprobs = logprobs.at[rows, lengths].set(sampled_logprobs(last, token, sampling))
     done = (token == eos_id) | ~live
 
     def more(carry):
-        _, n, _, done = carry
+        _, _, n, _, done = carry
         return (n < max_new) & ~all_done(done)
 
     def step(carry):
-        buffer, n, cache, done = carry
+        buffer, logprobs, n, cache, done = carry
         pos = lengths + n - 1                                                # newest token's
         fed = buffer[rows, pos][:, None]                                     # [B, 1]
         logits, cache = model.decode(fed, pos[:, None], cache)               # [B, 1, V]
         token = next_token(logits[:, 0], step_keys(keys, n), sampling)
         buffer = buffer.at[rows, pos + 1].set(token)
-        return buffer, n + 1, cache, done | (token == eos_id)
+        if with_logprobs:
+            logprobs = logprobs.at[rows, pos + 1].set(
+                sampled_logprobs(logits[:, 0], token, sampling))
+        return buffer, logprobs, n + 1, cache, done | (token == eos_id)
 
-    buffer, n, cache, _ = jax.lax.while_loop(
-        more, step, (buffer, jnp.int32(1), cache, done))
-    return buffer, n, cache
+    buffer, logprobs, n, cache, _ = jax.lax.while_loop(
+        more, step, (buffer, logprobs, jnp.int32(1), cache, done))
+    return (buffer, n, cache, logprobs) if with_logprobs else (buffer, n, cache)
 
 
 def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: int,
@@ -99,10 +108,13 @@ def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: i
 
 def check_request(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: int,
                   vocab_size: int, *, temperature: Any, top_k: Any, top_p: Any, eos_id: Any,
-                  seed: Any) -> tuple[list[np.ndarray], Sampling, jax.Array]:
+                  seed: Any, vocab_limit: Any = None
+                  ) -> tuple[list[np.ndarray], Sampling, jax.Array]:
     """A `generate` call's arguments, each checked and named in its error, in the order every
-    generator checks them: (the prompts as int32 rows, the sampling knobs, the seed's key)."""
-    sampling = Sampling(temperature, top_k, top_p)
+    generator checks them: (the prompts as int32 rows, the sampling knobs, the seed's key).
+    `vocab_limit` (None, or 1..vocab_size): the draws pick ids below it only."""
+    sampling = Sampling(temperature, top_k, top_p,
+                        check_vocab_limit(vocab_limit, vocab_size))
     key = seed_key(seed)
     check_eos_id(eos_id, vocab_size)
     return check_prompts(prompts, max_new_tokens, max_out_tokens, vocab_size), sampling, key
@@ -149,3 +161,11 @@ def unpack(rows: list[np.ndarray], buffer: np.ndarray, steps: int,
                 new = new[:hits[0] + 1]
         out.append(np.concatenate([row, new]).astype(np.int32))
     return out
+
+
+def unpack_logprobs(rows: list[np.ndarray], outputs: list[np.ndarray],
+                    logprobs: np.ndarray) -> list[np.ndarray]:
+    """The float32 log-probs [new] of each output's new tokens (`unpack`'s rows), from the
+    decode loop's `logprobs` [B, max_len] (aligned with its token buffer)."""
+    return [logprobs[i, row.size:out.size].astype(np.float32)
+            for i, (row, out) in enumerate(zip(rows, outputs))]

@@ -36,9 +36,11 @@ import numpy as np
 from zeroxla.engine.offload import on_device
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.layout import ZeroLayout
+from zeroxla.inference.adapter_switch import frozen_paths, keep, trainable_reshard, unchanged
 from zeroxla.inference.checks import check_decodable, check_layout, check_state
 from zeroxla.inference.config import HybridEngineConfig
-from zeroxla.inference.decode import bucket, check_request, decode_loop, pack, unpack
+from zeroxla.inference.decode import (bucket, check_request, decode_loop, pack, unpack,
+                                      unpack_logprobs)
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
 from zeroxla.inference.reshard import reshard_function, storage_view
 from zeroxla.inference.sampling import Sampling
@@ -81,6 +83,12 @@ class HybridEngine:
         self._source: list[weakref.ref] = []
         self._caches: dict[int, dict[str, jax.Array]] = {}
         self.reshards = 0                    # how many times the parameters were resharded
+        # Only the trainable leaves changed since the last switch: those alone are resharded
+        # (`adapter_switch`); `_kept` is the frozen storage the pinned copy was built from.
+        self._frozen = frozen_paths(self.plan)
+        self._kept: dict[str, Any] | None = None
+        self._trainable_reshard = None
+        self.trainable_reshards = 0          # how many of `reshards` moved trainable leaves only
 
     # ---- reshard ---------------------------------------------------------------------------
     def reshard_program(self, state: TrainState) -> Any:
@@ -114,15 +122,37 @@ class HybridEngine:
         check_state(state, self.plan, self.model_def)
         if self._pinned_for(state):
             return self._params
-        self._free_params()
-        self._params = self.reshard_program(state)(self.reshard_inputs(state))
+        if self._kept is not None and bool(unchanged(self._kept, self._frozen_storage(state))):
+            self._params.update(self.trainable_reshard_program()(self._trainable_inputs(state)))
+            self.trainable_reshards += 1
+        else:
+            self._free_params()
+            self._params = self.reshard_program(state)(self.reshard_inputs(state))
+            if self._frozen and self.config.pin_parameters:
+                self._kept = keep(self._frozen_storage(state))
         self._source = [weakref.ref(leaf) for leaf in _leaves(state)]
         self.reshards += 1
         return self._params
 
+    def _frozen_storage(self, state: TrainState) -> dict[str, Any]:
+        return on_device({path: state.params[path] for path in self._frozen})
+
+    def _trainable_inputs(self, state: TrainState) -> dict[str, Any]:
+        inputs = self.reshard_inputs(state)
+        return {leaf.path: inputs[leaf.path] for leaf in self.plan.trainable_leaves}
+
+    def trainable_reshard_program(self) -> Any:
+        """The jitted switch of the trainable leaves alone, used when the frozen ones are
+        bitwise those of the pinned copy (`adapter_switch`); lower it on the trainable leaves
+        of `reshard_inputs(state)` to inspect its collectives."""
+        if self._trainable_reshard is None:
+            self._trainable_reshard = trainable_reshard(self.plan, self.layout)
+        return self._trainable_reshard
+
     # ---- decode ----------------------------------------------------------------------------
-    def _program(self, batch: int, prompt: int, sampling: Sampling) -> Any:
-        key = (batch, prompt, sampling)
+    def _program(self, batch: int, prompt: int, sampling: Sampling,
+                 with_logprobs: bool = False) -> Any:
+        key = (batch, prompt, sampling, with_logprobs)
         if key not in self._programs:
             max_len = self.config.max_out_tokens
             layout = self.layout
@@ -131,7 +161,7 @@ class HybridEngine:
                 model = self.model_def.module(params, model_state)
                 model.eval()
                 return decode_loop(model, cache, tokens, lengths, live, max_new, eos_id, key,
-                                   sampling, max_len)
+                                   sampling, max_len, with_logprobs=with_logprobs)
 
             cache_sharding = {k: jax.sharding.NamedSharding(
                 layout.mesh, layout.cache_spec(self._kv_heads)) for k in ("k", "v")}
@@ -140,7 +170,8 @@ class HybridEngine:
             jitted = jax.jit(run, donate_argnums=(2,), in_shardings=(
                 layout.param_shardings(), rep, cache_sharding, layout.batch_sharding(2), rows,
                 rows, rep, rep, rep), out_shardings=(layout.batch_sharding(2), rep,
-                                                     cache_sharding))
+                                                     cache_sharding)
+                + ((layout.batch_sharding(2),) if with_logprobs else ()))
             self._programs[key] = (jitted, cache_sharding)
         return self._programs[key]
 
@@ -155,7 +186,9 @@ class HybridEngine:
     def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,
-                 seed: int | jax.Array = 0) -> list[np.ndarray]:
+                 seed: int | jax.Array = 0, vocab_limit: int | None = None,
+                 return_logprobs: bool = False
+                 ) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
         """Continues each prompt (1-D int array) by up to `max_new_tokens` tokens.
 
         Returns one int32 array per prompt: the prompt and its new tokens, cut after the first
@@ -166,20 +199,35 @@ class HybridEngine:
         only on the prompt, the seed and the knobs, not on the other prompts of the call or
         its place among them: each row draws with keys folded from the seed, a hash of its own
         token ids and the decode step (`zeroxla.inference.sampling`), so equal prompts in one
-        call get equal continuations. `state` must be a live state of the engine's step (not
+        call get equal continuations. `vocab_limit` (the tokenizer's vocabulary size, when the
+        model's embedding is padded past it): no id >= it is ever drawn, greedy included
+        (`Sampling.vocab_limit`); None: any id of the model. `state` must be a live state of
+        the engine's step (not
         one already given to `step(state, batch)`, which donates it). The training state is
         only read. Every argument is checked, naming it, before anything runs.
+
+        `return_logprobs=True` returns `(outputs, logprobs)`: logprobs[i] float32 [new tokens
+        of output i], the log-probability each token was drawn with (temperature-scaled,
+        vocabulary-limited, top-k / top-p filtered: `sampling.sampled_logprobs`; 0 when
+        greedy), computed inside the decode program, as an inference engine (vLLM) reports
+        them: what the train/rollout log-prob gap of RL is measured against.
         """
         rows, sampling, key = check_request(
             prompts, max_new_tokens, self.config.max_out_tokens, self.vocab_size,
-            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed)
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed,
+            vocab_limit=vocab_limit)
+        if not isinstance(return_logprobs, (bool, np.bool_)):
+            raise ValueError(f"return_logprobs={return_logprobs!r} is invalid; accepted: True "
+                             "or False")
         check_state(state, self.plan, self.model_def)
         if max_new_tokens == 0:
-            return [row.copy() for row in rows]
+            outputs = [row.copy() for row in rows]
+            return (outputs, [np.zeros((0,), np.float32) for _ in rows]) if return_logprobs \
+                else outputs
         params = self.inference_params(state)
         batch = bucket(len(rows), multiple=self.layout.data_size)
         prompt = bucket(max(row.size for row in rows), limit=self.config.max_out_tokens)
-        program, cache_sharding = self._program(batch, prompt, sampling)
+        program, cache_sharding = self._program(batch, prompt, sampling, bool(return_logprobs))
         # Host inputs are placed on the inference mesh explicitly: with several processes jit
         # refuses numpy arguments that carry a non-replicated sharding.
         rows_sharding, rep = self.layout.batch_sharding(1), self.layout.replicated()
@@ -189,8 +237,9 @@ class HybridEngine:
         model_state = jax.device_put(state.model_state, rep)
         scalars = jax.device_put((np.int32(max_new_tokens),
                                   np.int32(-1 if eos_id is None else eos_id), key), rep)
-        buffer, steps, cache = program(params, model_state, self._cache(batch, cache_sharding),
-                                       tokens, lengths, live, *scalars)
+        buffer, steps, cache, *logprobs = program(
+            params, model_state, self._cache(batch, cache_sharding), tokens, lengths, live,
+            *scalars)
         buffer, steps = np.asarray(buffer), int(steps)
         if self.config.release_inference_cache:
             jax.tree.map(lambda x: x.delete(), cache)
@@ -198,7 +247,10 @@ class HybridEngine:
             self._caches[batch] = cache
         if not self.config.pin_parameters:
             self._free_params()
-        return unpack(rows, buffer, steps, eos_id)
+        outputs = unpack(rows, buffer, steps, eos_id)
+        if return_logprobs:
+            return outputs, unpack_logprobs(rows, outputs, np.asarray(logprobs[0]))
+        return outputs
 
     def token_program(self, state: TrainState, batch: int) -> Any:
         """One compiled decode step (T = 1) of `batch` rows in the tensor-parallel layout:
@@ -226,7 +278,9 @@ class HybridEngine:
         if self._params is not None:
             for x in self._params.values():
                 x.delete()
-        self._params, self._source = None, []
+        if self._kept is not None:
+            jax.tree.map(lambda x: x.delete(), self._kept)
+        self._params, self._source, self._kept = None, [], None
 
     def release(self) -> None:
         """Frees the inference copy of the parameters and every kept KV cache; compiled

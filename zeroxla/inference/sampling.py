@@ -1,5 +1,6 @@
 """Choosing the next token from logits: the knobs (`Sampling`: greedy, temperature, top-k,
-top-p (nucleus)), the draw, and the keys the draws use.
+top-p (nucleus), and `vocab_limit`, the ids a padded vocabulary's tokenizer can decode), the
+draw, and the keys the draws use.
 
 Pure functions of (logits, key): the decode loop calls `next_token` once per step with one key
 per row. A row's key is folded from the generation's seed, the row's prompt (a hash of its
@@ -94,6 +95,19 @@ def check_top_p(top_p: Any) -> float | None:
     return number
 
 
+def check_vocab_limit(vocab_limit: Any, vocab_size: int | None = None) -> int | None:
+    """`vocab_limit` as a Python int (or None); ValueError naming it unless it is None or an
+    integer in [1, vocab_size] (the model's vocabulary, when given)."""
+    if vocab_limit is None:
+        return None
+    upper = "" if vocab_size is None else f", at most the model's vocab_size={vocab_size}"
+    if (not isinstance(vocab_limit, numbers.Integral) or isinstance(vocab_limit, bool)
+            or vocab_limit < 1 or (vocab_size is not None and vocab_limit > vocab_size)):
+        raise ValueError(f"vocab_limit={vocab_limit!r} is invalid; accepted: None or an integer "
+                         f">= 1{upper} (the tokenizer's vocabulary size)")
+    return int(vocab_limit)
+
+
 def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
     """ValueError naming the first bad knob, its value and what is accepted."""
     check_temperature(temperature)
@@ -110,17 +124,24 @@ class Sampling:
     sample as their limits (module docstring): below 2**-126 greedy, above 3.4e38 uniform over
     the kept tokens.
 
+    `vocab_limit`: the ids a draw may pick are [0, vocab_limit), the tokenizer's vocabulary,
+    when the model's is padded past it (Qwen2.5: 151,936 embedding rows for 151,665 tokens).
+    The logits of the padded ids are -inf before any other knob acts (greedy included), so
+    the draw is softmax over the tokenizer's ids alone; None: every id of the model.
+
     The knobs are checked and stored as Python numbers, so `Sampling(np.float32(0.5))` equals
     `Sampling(0.5)` (one compiled program for both)."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
+        object.__setattr__(self, "vocab_limit", check_vocab_limit(self.vocab_limit))
 
     @property
     def greedy(self) -> bool:
@@ -134,6 +155,22 @@ class Sampling:
 
 
 NEG_INF = -jnp.inf
+
+
+def valid_ids(shape: tuple[int, ...], vocab_limit: int | None) -> jax.Array:
+    """bool [..., V]: True for the ids below `vocab_limit` (every id when None)."""
+    if vocab_limit is None or vocab_limit >= shape[-1]:
+        return jnp.ones(shape, bool)
+    return jnp.broadcast_to(jnp.arange(shape[-1]) < vocab_limit, shape)
+
+
+def limited_logits(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
+    """float32 logits [B, V] with every id >= `vocab_limit` at -inf (None, or a limit of V or
+    more: unchanged): the ids the tokenizer cannot decode are never drawn."""
+    logits = logits.astype(jnp.float32)
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    return jnp.where(valid_ids(logits.shape, vocab_limit), logits, NEG_INF)
 
 
 def scaled_logits(logits: jax.Array, temperature: float) -> jax.Array:
@@ -183,14 +220,15 @@ def top_p_keep(logits: jax.Array, scaled: jax.Array, p: float) -> jax.Array:
 def log_weights(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """The unnormalized log-probabilities of the draw: logits [B, V] -> float32 [B, V], -inf
     for every token the draw never picks (softmax of it is the sampling distribution). Greedy:
-    0 at each row's argmax (the lowest id of a tie), -inf elsewhere."""
-    logits = logits.astype(jnp.float32)
+    0 at each row's argmax (the lowest id of a tie), -inf elsewhere. Ids >= `vocab_limit` are
+    -inf in every case (`limited_logits`)."""
+    logits = limited_logits(logits, sampling.vocab_limit)
     if sampling.greedy:
         top = jnp.argmax(logits, axis=-1)[:, None]                            # [B, 1]
         return jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, NEG_INF)
-    keep = jnp.ones(logits.shape, bool)
+    keep = valid_ids(logits.shape, sampling.vocab_limit)   # also at the uniform limit
     if sampling.top_k is not None:
-        keep = top_k_keep(logits, sampling.top_k)
+        keep = keep & top_k_keep(logits, sampling.top_k)
     scaled = jnp.where(keep, scaled_logits(logits, sampling.temperature), NEG_INF)
     if sampling.top_p is not None:
         scaled = jnp.where(top_p_keep(logits, scaled, sampling.top_p), scaled, NEG_INF)
@@ -202,14 +240,26 @@ def next_token(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arr
     softmax(`log_weights`) (greedy: the argmax).
 
     `key`: one PRNG key per row ([B], row b's draw uses key b and its own logits only), or one
-    key for the whole batch (a scalar)."""
+    key for the whole batch (a scalar). Never an id >= `sampling.vocab_limit`."""
     if sampling.greedy:
-        return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        logits = limited_logits(logits, sampling.vocab_limit)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     weights = log_weights(logits, sampling)
     if key.ndim == 0:
         return jax.random.categorical(key, weights, axis=-1).astype(jnp.int32)
     draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
     return draw(key, weights).astype(jnp.int32)
+
+
+def sampled_logprobs(logits: jax.Array, token: jax.Array, sampling: Sampling) -> jax.Array:
+    """The log-probability of each row's drawn `token` int[B] under the distribution it was
+    drawn from, log softmax(`log_weights`) at the token: logits float [B, V] -> float32 [B].
+    At temperature 1 with no top-k / top-p this is the model's log softmax over the ids below
+    `vocab_limit`, computed as `zeroxla.engine.loss.token_logprobs` computes it (the shift by
+    the row maximum is exact), which the training forward's log-probs are compared against.
+    Greedy: 0 (the draw is certain)."""
+    logp = jax.nn.log_softmax(log_weights(logits, sampling), axis=-1)          # [B, V]
+    return jnp.take_along_axis(logp, token[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
 
 # ---- keys ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zeroxla.engine.loss import token_logprobs
+from zeroxla.inference.sampling import valid_ids
 
 
 def actor_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -51,11 +52,16 @@ def critic_loss_fn(values, old_values, returns, action_mask, *, cliprange_value)
 
 
 # ---- model outputs over the answer ------------------------------------------------------------
-def answer_logprobs(model: nnx.Module, tokens: jax.Array, answer_length: int) -> jax.Array:
+def answer_logprobs(model: nnx.Module, tokens: jax.Array, answer_length: int,
+                    vocab_limit: int | None = None) -> jax.Array:
     """log pi(answer token t | everything before it) [B, G] for `tokens` int32[B, P + G]: the
-    logits at positions P-1 .. P+G-2 against the tokens at P .. P+G-1."""
-    logits = model(tokens[:, :-1])                                        # [B, P+G-1, V]
-    return token_logprobs(logits[:, -answer_length:], tokens[:, -answer_length:])   # [B, G]
+    logits at positions P-1 .. P+G-2 against the tokens at P .. P+G-1. With `vocab_limit` (a
+    model vocabulary padded past its tokenizer's), pi is the softmax over the ids below it,
+    the distribution the rollouts draw from (`zeroxla.inference.Sampling.vocab_limit`)."""
+    logits = model(tokens[:, :-1])[:, -answer_length:]                    # [B, G, V]
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(valid_ids(logits.shape, vocab_limit), logits, -jnp.inf)
+    return token_logprobs(logits, tokens[:, -answer_length:])             # [B, G]
 
 
 def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> jax.Array:
@@ -65,12 +71,13 @@ def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> 
 
 
 # ---- make_step loss_fns -------------------------------------------------------------------------
-def make_actor_loss(cliprange: float):
+def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
-    "old_logprobs", "advantages", "action_mask": [B, G]}."""
+    "old_logprobs", "advantages", "action_mask": [B, G]}; the policy over the ids below
+    `vocab_limit` (`answer_logprobs`)."""
     def actor_loss(model, batch):
         mask = batch["action_mask"]
-        logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1])
+        logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit)
         terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                  cliprange=cliprange)
         return jnp.sum(terms * mask), jnp.sum(mask)

@@ -3,11 +3,14 @@
     --data corpus.txt   next-token windows of a text stream (`TextData`)
     --data sft.jsonl    prompt/response examples (`SFTData`), one per row, right-padded, the loss
     --data sft.json     on the response tokens only (DeepSpeed-Chat's step 1); .json holds a JSON
-                        array of the same objects (or JSON lines); either may end in .gz
+                        array of the same objects (or JSON lines); either may end in .gz; rows
+                        may be `{"messages": [...]}` conversations instead, rendered with the
+                        --init-from checkpoint's chat template, the loss on the assistant's
+                        tokens (`chat_data`, `chat_messages`)
 
 `read_data` is the one place that decides which, from the name and then the content: a file
-named otherwise that holds `{"prompt": ...}` records (its first line one, or a JSON array of
-them) is refused, not trained as text.
+named otherwise that holds `{"prompt": ...}` or `{"messages": ...}` records (its first line
+one, or a JSON array of them) is refused, not trained as text.
 SFT rows with no loss token (an empty response and no EOS token) are counted and reported by
 `describe()`; a file, or a train or validation split, of nothing else is refused.
 
@@ -30,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zeroxla.app import chat_data
+from zeroxla.app import chat_data, chat_messages
 from zeroxla.app.data import (ACCEPTED_JSON, BatchPlan, device_batch, json_suffix, load_text,
                               split_tokens)
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
@@ -111,6 +114,7 @@ class SFTData:
     batch_size: int
     seed: int
     rows_without_loss: int = 0     # examples of either split with no loss token
+    conversations: bool = False    # `messages` rows among the examples (the loss: assistant's)
 
     @property
     def vocab_size(self) -> int:
@@ -122,8 +126,10 @@ class SFTData:
         empty = (f"; {self.rows_without_loss:,} with no loss token (an empty response, no EOS "
                  "token) fill batch rows but add nothing to the loss"
                  if self.rows_without_loss else "")
-        return (f"{n_train:,} train / {n_val:,} val prompt-response pairs, {answer:,} response "
-                f"tokens in train{empty}")
+        kinds, learned = (("SFT examples (conversations)", "assistant")
+                          if self.conversations else ("prompt-response pairs", "response"))
+        return (f"{n_train:,} train / {n_val:,} val {kinds}, {answer:,} {learned} tokens in "
+                f"train{empty}")
 
     def _rows(self, split: str, k: int, seed: int) -> dict[str, np.ndarray]:
         return epoch_rows(self.train if split == "train" else self.val, self.batch_size, k, seed)
@@ -151,9 +157,10 @@ def split_examples(examples: list, val_fraction: float, seed: int) -> tuple[list
     return shuffled[:-n_val], shuffled[-n_val:]
 
 
-def _holds_records(text: str) -> bool:
-    """Whether `text` is SFT records rather than prose: its first non-blank line is a JSON
-    object with a "prompt" field, or the whole text a JSON array starting with one."""
+def _record_field(text: str) -> str | None:
+    """The SFT field ("prompt" or "messages") that shows `text` is records rather than prose:
+    its first non-blank line is a JSON object with it, or the whole text a JSON array starting
+    with one; None for prose."""
     head = text.lstrip()
     candidates = [head.split("\n", 1)[0]] + ([head] if head.startswith("[") else [])
     for candidate in candidates:
@@ -162,9 +169,10 @@ def _holds_records(text: str) -> bool:
         except ValueError:
             continue
         first = value[0] if isinstance(value, list) and value else value
-        if isinstance(first, dict) and "prompt" in first:
-            return True
-    return False
+        for field in ("prompt", "messages"):
+            if isinstance(first, dict) and field in first:
+                return field
+    return None
 
 
 def read_data(data: str | None) -> str | list[chat_data.SFTExample]:
@@ -173,9 +181,10 @@ def read_data(data: str | None) -> str | list[chat_data.SFTExample]:
     if data is not None and json_suffix(data) is not None:
         return chat_data.read_sft_jsonl(data)
     text = load_text(data)
-    if data is not None and _holds_records(text):
+    field = _record_field(text) if data is not None else None
+    if field is not None:
         raise chat_data.ChatDataError(
-            f"--data {data} holds JSON records with a \"prompt\" field, but its name does not "
+            f"--data {data} holds JSON records with a \"{field}\" field, but its name does not "
             "end in .jsonl or .json, so it would train as plain text; accepted: "
             f"for supervised fine-tuning {ACCEPTED_JSON} (rename it); for text, a file that is not "
             "JSON records")
@@ -196,7 +205,9 @@ def _sft_data(examples: list[chat_data.SFTExample], tok: Any, source: str, batch
         {"training": (len(train_examples), chat_data.rows_without_loss(train)),
          "validation": (len(val_examples), chat_data.rows_without_loss(val))},
         f"no loss token ({why})", 'examples with a non-empty "response"')
-    return SFTData(tok, train, val, source, batch_size, seed, rows_without_loss=empty)
+    chat = any(isinstance(e, chat_messages.ChatExample) for e in examples)
+    return SFTData(tok, train, val, source, batch_size, seed, rows_without_loss=empty,
+                   conversations=chat)
 
 
 def _recorded_tokenizer(recorded: dict, tokenizer: str, text: str, source: str) -> Any:
@@ -231,8 +242,9 @@ def load_train_data(data: str | None, *, tokenizer: str, init_from: str | None,
                          "model's vocabulary is its own tokenizer's ('pretrained'), and only a "
                          "pretrained model has one")
     content = read_data(data)
-    text = content if isinstance(content, str) else "".join(e.prompt + e.response
-                                                            for e in content)
+    text = content if isinstance(content, str) else "".join(
+        chat_messages.example_text(e) if isinstance(e, chat_messages.ChatExample)
+        else e.prompt + e.response for e in content)
     source = "tiny-shakespeare (bundled)" if data is None else os.fspath(data)
     tok: Any
     if recorded is not None:

@@ -1,0 +1,41 @@
+"""The model families, one module each, registered in one table (`REGISTRY`).
+
+A family (`spec.Family`, torchtitan's `ModelSpec`) is its config dataclass and nnx module, the
+transformers classes of its heads, its `config.json` mapping both ways (what is not built is
+refused by key before any tensor is read) and its tensor name map. docs/models.md says how to
+add one.
+
+- `spec`: the `Family` record, the head names, `require` (the refusal by key).
+- `gpt2`: GPT-2 (`models.gpt`).
+- `llama`: Llama 2/3.x (`models.llama`) and the config keys and tensors Llama-like families share.
+- `qwen2`: Qwen2 / Qwen2.5: Llama + q/k/v biases.
+- `qwen3`: Qwen3 dense: Llama + per-head q/k RMSNorm, explicit head_dim.
+- `mistral`: Mistral: Llama + sliding-window attention.
+- `gemma2`: Gemma 2 (`models.gemma2`): (sliding, global) layer pairs, soft-capping, (1 + w) norms.
+"""
+
+from __future__ import annotations
+
+from . import gemma2, gpt2, llama, mistral, qwen2, qwen3
+from .gemma2 import Gemma2Config
+from .mistral import MistralConfig
+from .qwen2 import Qwen2Config
+from .qwen3 import Qwen3Config
+from .spec import CAUSAL_LM, SEQUENCE_CLASSIFICATION, Family, require
+
+REGISTRY: dict[str, Family] = {spec.name: spec for spec in
+                               (gpt2.SPEC, llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC,
+                                gemma2.SPEC)}
+
+
+def family(name: str | None) -> Family:
+    """The registered family `name` (config.json's model_type, a config's `family`); a
+    ValueError naming it and the families built otherwise."""
+    if name not in REGISTRY:
+        raise ValueError(f"config.json model_type={name!r} is not supported; zeroxla builds "
+                         f"{', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+__all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "MistralConfig", "Qwen2Config", "Qwen3Config", "REGISTRY",
+           "SEQUENCE_CLASSIFICATION", "family", "require"]

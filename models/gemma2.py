@@ -1,0 +1,190 @@
+"""Gemma 2 (Gemma Team 2024): sqrt(d)-scaled embedding, (1 + w) RMSNorm before and after both
+sub-layers, GeGLU (tanh GELU) MLP, grouped-query attention scaled by query_pre_attn_scalar^-1/2
+with soft-capped scores, sliding-window and global layers alternating, soft-capped logits and a
+head tied to the embedding.
+
+The alternation is built into the block: one `Pair` is a sliding-window layer followed by a
+global one (transformers' layer_types: even layers slide), so every block of the `LayerStack`
+has one shape and static windows, and the engine, the pipeline and the Hybrid Engine run it as
+any stack. `Gemma2Config.num_layers` counts pairs (HF's num_hidden_layers / 2). A pair's KV
+cache holds both layers' keys side by side on the head_dim: {"k", "v"} [L, B, S, G, 2K].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import axes
+from .config import ModelConfig
+from .layers import (LayerStack, RMSNorm, at_least_float32, cached_attention, causal_attention,
+                     default_positions, init_kv_cache, normal, param, rope)
+from .rope import inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma2Config(ModelConfig):
+    """Shape of a Gemma 2 model; `num_layers` is the number of (sliding, global) layer pairs."""
+
+    vocab_size: int = 65
+    max_seq_len: int = 128
+    d_model: int = 48
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    num_layers: int = 1
+    mlp_dim: int = 96
+    explicit_head_dim: int | None = 16
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    query_pre_attn_scalar: int = 16        # scores are scaled by its inverse square root
+    attn_softcap: float | None = 50.0
+    final_softcap: float | None = 30.0
+    sliding_window: int = 4096
+    family: str = dataclasses.field(default="gemma2", init=False)
+
+    MAX_SEQ_LEN_REASON = ("RoPE: the positions the model is built and trained for, Hugging "
+                          "Face's max_position_embeddings")
+    POSITIVE_FIELDS = ("vocab_size", "max_seq_len", "d_model", "num_heads", "num_kv_heads",
+                       "num_layers", "mlp_dim", "sliding_window")
+
+    def __post_init__(self) -> None:
+        self.check_sizes()
+        if self.head_dim % 2 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Gemma2Config: head_dim={self.head_dim} must be even and "
+                             f"num_heads={self.num_heads} a multiple of num_kv_heads="
+                             f"{self.num_kv_heads}")
+        for field in ("attn_softcap", "final_softcap"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"Gemma2Config.{field}={value!r} is invalid; accepted: None "
+                                 "or a positive number")
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.d_model // self.num_heads
+
+
+class Layer(nnx.Module):
+    """One Gemma 2 decoder layer: x + post_norm(attn(norm(x))), x + post_norm(mlp(norm(x)))."""
+
+    def __init__(self, cfg: Gemma2Config, window: int | None, rngs: nnx.Rngs):
+        d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+        std, eps = cfg.init_std, cfg.norm_eps
+        self.window, self.softcap = window, cfg.attn_softcap
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.inv_freq = tuple(float(x) for x in inv_freq(k, cfg.rope_theta))
+        self.attn_norm, self.attn_post_norm = (RMSNorm(d, eps=eps, offset=1.0) for _ in "ab")
+        self.mlp_norm, self.mlp_post_norm = (RMSNorm(d, eps=eps, offset=1.0) for _ in "ab")
+        self.wq = param(rngs, normal(std), (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
+        self.wk = param(rngs, normal(std), (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM))
+        self.wv = param(rngs, normal(std), (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM))
+        self.wo = param(rngs, normal(std), (h, k, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED))
+        self.w_gate = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
+        self.w_up = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
+        self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
+
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
+        h = self.attn_norm(x)                                             # [B, T, D]
+        q = rope(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]), positions, self.inv_freq)
+        k = rope(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]), positions, self.inv_freq)
+        v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
+        kw = dict(window=self.window, scale=self.scale, softcap=self.softcap)
+        if cache is None:
+            a = causal_attention(q, k, v, **kw)                           # [B, T, H, K]
+        else:
+            a, cache = cached_attention(q, k, v, positions, cache, **kw)
+        x = x + self.attn_post_norm(jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]))
+        h = self.mlp_norm(x)
+        gate = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]), approximate=True)
+        up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
+        return x + self.mlp_post_norm(jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])), cache
+
+
+class Pair(nnx.Module):
+    """A sliding-window layer (`local`) then a global one (`glob`): one block of the stack."""
+
+    def __init__(self, cfg: Gemma2Config, rngs: nnx.Rngs):
+        self.local = Layer(cfg, cfg.sliding_window, rngs)
+        self.glob = Layer(cfg, None, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
+        """With `cache` {"k", "v"} [B, S, G, 2K]: the local layer's half [..., :K], the global
+        layer's [..., K:]."""
+        if cache is None:
+            x, _ = self.local(x, positions)
+            return self.glob(x, positions)
+        k = cache["k"].shape[-1] // 2
+        x, first = self.local(x, positions, {n: c[..., :k] for n, c in cache.items()})
+        x, second = self.glob(x, positions, {n: c[..., k:] for n, c in cache.items()})
+        return x, {n: jnp.concatenate([first[n], second[n]], axis=-1) for n in cache}
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: Gemma2Config, rngs: nnx.Rngs):
+        self.normalizer = math.sqrt(cfg.d_model)
+        self.weight = param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
+                            (axes.VOCAB, axes.EMBED))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        del positions                       # positions enter through RoPE
+        x = self.weight[...][tokens]                                      # [B, T, D]
+        return x * jnp.asarray(self.normalizer, x.dtype)   # HF rounds sqrt(d) to the dtype
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """The tied head: h [B, T, D] -> logits float32 [B, T, V] = h @ weight^T (unscaled). A
+        method of the module owning the weight, so that ZeRO-3 gathers the weight around the
+        call."""
+        return jnp.einsum("BTD,VD->BTV", h, self.weight[...].astype(h.dtype),
+                          preferred_element_type=at_least_float32(h.dtype))
+
+
+class Gemma2(nnx.Module):
+    """Gemma 2: scaled embed -> stacked (sliding, global) pairs -> (1 + w) norm -> tied head
+    -> soft-capped logits."""
+
+    def __init__(self, cfg: Gemma2Config, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = Embed(cfg, rngs)
+        self.blocks = LayerStack(lambda r: Pair(cfg, r), cfg.num_layers, rngs)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=1.0)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> logits float32 [B, T, V] through the tied embedding, soft-capped."""
+        logits = self.embed.attend(self.norm(x))
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def init_cache(self, batch: int, max_len: int,
+                   dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
+        """A zeroed KV cache {"k", "v"} [L, B, max_len, G, 2K] (a pair's two layers side by
+        side). ValueError past max_seq_len (`ModelConfig.check_seq_len`)."""
+        c = self.config
+        c.check_seq_len(max_len, "KV cache length (max_len)")
+        return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, 2 * c.head_dim, dtype)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Logits float32 [B, T, V] of `tokens` at `positions` against and into `cache`."""
+        x, cache = self.blocks(self.embed(tokens, positions), positions, cache=cache)
+        return self.head(x), cache
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        return self.head(self._stack(tokens, positions))                  # [B, T, V]
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The final hidden states [B, T, D] after the final norm (reward and value heads)."""
+        return self.norm(self._stack(tokens, positions))
+
+    def _stack(self, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
+        self.config.check_seq_len(tokens.shape[1], "sequence length")
+        if positions is None:
+            positions = default_positions(tokens)
+        x, _ = self.blocks(self.embed(tokens, positions), positions)
+        return x
