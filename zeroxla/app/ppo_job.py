@@ -8,6 +8,8 @@
   `*ForSequenceClassification` with num_labels=1 and its tokenizer: downloaded, or written by
   `zeroxla export`), with the actor's vocabulary;
 - critic: starts from the reward model, as DeepSpeed-Chat's does;
+- LoRA (`--lora-dim`, ...): adapters on the actor and the critic, not the reference; the
+  summary's "parameters" and "memory" (per device) say what trains and what it holds;
 - reward: the reward model's score of prompt + answer at the answer's last real token, plus the
   per-token KL penalty against the reference (`zeroxla.rlhf.compute_rewards`);
 - rollouts: the Hybrid Engine generates from the actor's ZeRO-3 partitions;
@@ -43,7 +45,12 @@ from zeroxla.app.cli_args import check_batch
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.reward_job import KIND, load_reward_model
 from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record, tokenizes_alike
+from zeroxla.app.train.model import load_trained
+from zeroxla.app.train.report import parameter_counts
+from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
+from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.export import export_checkpoint
+from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf import PPOConfig, Rollout, plot_records, run_ppo, time_split, with_vocab_size
 
 PLOT_FILE = "reward_kl.png"
@@ -68,8 +75,12 @@ class PPOJobConfig:
     seed: int = 0
     out_dir: str | None = None
     progress: bool = True
+    lora: LoRAConfig = LoRAConfig()          # actor's and critic's adapters (dim 0: none)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.lora, LoRAConfig):
+            raise TypeError(f"PPOJobConfig.lora must be a LoRAConfig, got "
+                            f"{type(self.lora).__name__}")
         if not isinstance(self.ppo, PPOConfig):
             raise TypeError(f"PPOJobConfig.ppo must be a PPOConfig, got {type(self.ppo).__name__}")
         for name in ("iterations", "inference_tp_size"):
@@ -116,7 +127,8 @@ def _checkpoint_dir(option: str, run: str | Path, accepted: str) -> Path:
 
 
 def load_actor(run: str | Path) -> tuple[Any, Any]:
-    """(plain model with the trained weights, tokenizer) of a `zeroxla train` run."""
+    """(plain model with the trained weights, tokenizer) of a `zeroxla train` run; a LoRA
+    run's adapters merged into it (`load_trained`)."""
     directory = _checkpoint_dir("--actor", run, ACTOR_ACCEPTED)
     meta = checkpoint.read_metadata(directory)["metadata"]
     if meta.get("model_kind") == KIND:
@@ -124,7 +136,7 @@ def load_actor(run: str | Path) -> tuple[Any, Any]:
     if "tokenizer" not in meta:
         raise ValueError(f"--actor {run}: its checkpoint records no tokenizer; accepted: "
                          f"{ACTOR_ACCEPTED}")
-    return zeroxla.load_params(directory), tokenizer_from_record(meta["tokenizer"])
+    return load_trained(directory), tokenizer_from_record(meta["tokenizer"])
 
 
 def _check_fit(job: PPOJobConfig, actor: Any, reward_model: Any) -> None:
@@ -184,20 +196,35 @@ def prompt_rows(prompts: list[str], tokenizer: Any, length: int, path: str) -> n
     return np.stack(rows)
 
 
-def _save(out: Path, trainer: Any, tokenizer: Any, critic_config: Any) -> dict[str, str]:
-    """The actor's and critic's ZeRO checkpoints, and the actor exported to Hugging Face."""
-    record = tokenizer_record(tokenizer)
+def _save(out: Path, trainer: Any, tokenizer: Any, critic_config: Any,
+          lora: LoRAConfig) -> dict[str, str]:
+    """The actor's and critic's ZeRO checkpoints (with `lora`'s record, so that `zeroxla
+    export` merges their adapters), and the actor exported to Hugging Face, merged."""
+    record = {"tokenizer": tokenizer_record(tokenizer), LORA_KEY: as_metadata(lora)}
     actor = checkpoint.save(out / rundir.CHECKPOINT_DIR / "actor", trainer.actor_state,
-                            layout=trainer.actor_step.layout, metadata={"tokenizer": record})
+                            layout=trainer.actor_step.layout, metadata=record)
     critic = checkpoint.save(out / rundir.CHECKPOINT_DIR / "critic", trainer.critic_state,
                              layout=trainer.critic_step.layout, model_config=critic_config,
-                             metadata={"model_kind": KIND, "tokenizer": record})
+                             metadata={"model_kind": KIND, **record})
     export = out / ACTOR_EXPORT_DIR
     export_checkpoint(out / rundir.CHECKPOINT_DIR / "actor", export)
     save_tokenizer(tokenizer, export, model_max_length=trainer.actor_step.layout.model_def
                    .abstract_module().config.max_seq_len)
     return {"actor_checkpoint": str(actor), "critic_checkpoint": str(critic),
             "actor_hf": str(export)}
+
+
+def footprints(trainer: Any, rollout: Rollout) -> dict[str, dict[str, Any]]:
+    """The summary's "parameters" (total and trainable elements) and "memory" (per-device bytes,
+    `zeroxla.memory_report` of the step compiled for `rollout`) of the actor and the critic."""
+    counts, memory = {}, {}
+    for name, batch in zip(("actor", "critic"), trainer.batches(rollout)):
+        step, state = getattr(trainer, f"{name}_step"), getattr(trainer, f"{name}_state")
+        report = zeroxla.memory_report(step.compile(state, batch), state, layout=step.layout)
+        counts[name] = parameter_counts(step.layout)
+        memory[name] = {k: int(v) for k, v in report.to_dict().items()
+                        if isinstance(v, (int, float))}
+    return {"parameters": counts, "memory": memory}
 
 
 def save_rollouts(out: Path, rollouts: list[Rollout]) -> list[str]:
@@ -237,18 +264,20 @@ def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str,
                              prompt_tokens=rows, reward_model=reward_model,
                              critic_init=reward_model, inference_tp_size=job.inference_tp_size,
                              eos_id=getattr(tokenizer, "eos_id", None), seed=job.seed,
-                             on_iteration=on_iteration)
+                             on_iteration=on_iteration, lora=job.lora)
         plot_records(result.records).savefig(out / PLOT_FILE, dpi=100)
-        paths = _save(out, result.trainer, tokenizer, reward_model.base.config)
+        paths = _save(out, result.trainer, tokenizer, reward_model.base.config, job.lora)
         paths["rollouts"] = save_rollouts(out, result.rollouts)
         records = result.records
         summary = {"iterations": job.iterations, "first_reward": records[0]["reward"],
                    "last_reward": records[-1]["reward"], "last_kl": records[-1]["kl"],
                    "time_split": time_split(records), "wall_time_s": time.perf_counter() - start,
-                   "paths": paths, "ppo": dataclasses.asdict(c)}
+                   "paths": paths, "ppo": dataclasses.asdict(c),
+                   "lora": dataclasses.asdict(job.lora),
+                   **footprints(result.trainer, result.rollouts[-1])}
         (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-__all__ = ["PPOJobConfig", "check_inference_tp", "load_actor", "load_reward", "prompt_rows", "run",
-           "save_rollouts"]
+__all__ = ["PPOJobConfig", "check_inference_tp", "footprints", "load_actor", "load_reward",
+           "prompt_rows", "run", "save_rollouts"]

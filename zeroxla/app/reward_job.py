@@ -9,7 +9,9 @@ own `score` head when it is a reward model (`*ForSequenceClassification`, num_la
 downloaded, or exported by `zeroxla export`), which training continues. Each record of `--data`
 (JSON lines, or a .json array) holds `prompt`, `chosen` and `rejected`; the loss is
 `-log sigmoid(r_chosen - r_rejected)` on the scores at each answer's last real token
-(`pairwise_loss_terms`), the base's unused LM output projection is frozen. Every `eval_every`
+(`pairwise_loss_terms`), the base's unused LM output projection is frozen. With `--lora-dim`,
+the base gets LoRA adapters (`zeroxla.lora`; with `--only-optimize-lora` they and the score
+head alone train: `trainable_filter`), merged when the run is loaded. Every `eval_every`
 steps and at the end, the held-out pairs give `val_accuracy` (share with r_chosen >
 r_rejected), `val_margin` and `val_loss`.
 
@@ -39,12 +41,17 @@ import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.train.model import init_from_head, pretrained_config
+from zeroxla.app.train.model import init_from_head, pretrained_config, with_adapters
+from zeroxla.app.train.lora import add_adapters
+from zeroxla.app.train.report import parameter_counts
 from zeroxla.app.cli_args import check_batch
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.tokenizer_records import tokenizer_from_record
 from zeroxla.app.train.data import epoch_rows, split_examples, to_devices
+from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
+from zeroxla.checkpoint.adapters import as_metadata, recorded_lora
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
+from zeroxla.lora import LoRAConfig, fuse_lora_weight
 from zeroxla.models import hf as hf_io
 from zeroxla.rlhf.reward_model import (RewardModel, load_hf_reward_model, pair_metrics,
                                        pairwise_loss_terms, without_lm_head)
@@ -73,6 +80,7 @@ class RewardJobConfig:
     seed: int = 0
     out_dir: str | None = None              # None: runs/reward-<base>-<time>
     progress: bool = True
+    lora: LoRAConfig = LoRAConfig()          # the base's adapters (dim 0: none)
 
     def __post_init__(self) -> None:
         def fail(name: str, accepted: str) -> None:
@@ -93,13 +101,32 @@ class RewardJobConfig:
         if len(self.mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in self.mesh):
             fail("mesh", "(nodes, local) with both >= 1, e.g. (2, 4)")
         check_batch(self.batch_size, "--batch-size", self.mesh)
+        if not isinstance(self.lora, LoRAConfig):
+            fail("lora", "a zeroxla.lora.LoRAConfig")
 
 
-def reward_model_factory(config: Any, seed: int = 0) -> Callable[[], RewardModel]:
+def reward_model_factory(config: Any, seed: int = 0,
+                         lora: LoRAConfig = LoRAConfig()) -> Callable[[], RewardModel]:
     """A zero-arg factory of `RewardModel(base)` for a models config (for `make_step` and
-    `load_params`)."""
+    `load_params`), with `lora`'s adapters on the base when it is enabled."""
     cls = models.model_class(config)
-    return lambda: RewardModel(cls(config, rngs=nnx.Rngs(seed)))
+
+    def build() -> RewardModel:
+        rngs = nnx.Rngs(seed)
+        model = RewardModel(cls(config, rngs=rngs))
+        if lora.enabled:
+            add_adapters(model, lora, rngs)
+        return model
+    return build
+
+
+def trainable_filter(lora: LoRAConfig) -> Any:
+    """`make_step`'s trainable filter: every parameter but the unread LM head; with
+    `only_optimize_lora`, the adapters and the score head `v_head` (a fresh zero head has to
+    learn: with it frozen, no gradient would reach the adapters)."""
+    if lora.only_optimize_lora:
+        return nnx.Any(nnx.LoRAParam, nnx.PathContains(hf_io.REWARD_SCORE))
+    return without_lm_head
 
 
 def initial_values(init_from: str, config: Any, mesh: Any, *,
@@ -180,14 +207,17 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
         f"reward-{Path(job.init_from).name}", now=datetime.datetime.now())
     rundir.check_out_dir(out, resuming=None, resumable=False)
 
+    factory = reward_model_factory(config, job.seed, job.lora)
     step = zeroxla.make_step(
-        reward_model_factory(config, job.seed), mesh, loss_fn=pairwise_loss_terms,
+        factory, mesh, loss_fn=pairwise_loss_terms,
         optimizer=optax.adamw(job.lr, weight_decay=job.weight_decay),
         config=zeroxla.ZeroConfig(stage=job.zero_stage,
                                   persistence_threshold=job.persistence_threshold),
-        trainable=without_lm_head)
-    state = step.init_from(initial_values(job.init_from, config, mesh, progress=job.progress),
-                           job.seed)
+        trainable=trainable_filter(job.lora))
+    values = initial_values(job.init_from, config, mesh, progress=job.progress)
+    if job.lora.enabled:
+        values = with_adapters(values, factory, mesh)
+    state = step.init_from(values, job.seed)
     write(f"zeroxla reward: {job.init_from} + scalar head on {job.data} ({len(train['chosen'])} "
           f"train / {len(val['chosen'])} val pairs"
           + (f"; {same} with the same tokens for chosen and rejected add nothing to the loss"
@@ -200,22 +230,26 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
         path = checkpoint.save(out / rundir.CHECKPOINT_DIR, state, layout=step.layout,
                                model_config=config,
                                metadata={"model_kind": KIND, "init_from": str(job.init_from),
-                                         "tokenizer": tokenizer.record()})
+                                         "tokenizer": tokenizer.record(),
+                                         LORA_KEY: as_metadata(job.lora)})
         last = records[-1]
         summary = {"steps": job.steps, "first_val_accuracy": records[0]["val_accuracy"],
                    **{k: v for k, v in last.items() if k.startswith("val_")},
                    "final_train_loss": last["loss"], "checkpoint": str(path),
                    "pairs_without_preference": same,
+                   "parameters": parameter_counts(step.layout),
                    "wall_time_s": time.perf_counter() - start,
-                   "settings": {**dataclasses.asdict(job), "mesh": list(job.mesh)}}
+                   "settings": {**dataclasses.asdict(job), "mesh": list(job.mesh),
+                                "lora": dataclasses.asdict(job.lora)}}
         (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 def load_reward_model(run_dir: str | Path) -> tuple[RewardModel, Any]:
-    """(plain RewardModel with the trained weights, tokenizer) of a `zeroxla reward` run (its
-    directory, or its checkpoint/ directory), or of a HF reward model directory (config.json:
-    a `*ForSequenceClassification` with num_labels=1, and its tokenizer)."""
+    """(plain RewardModel with the trained weights, a LoRA run's adapters merged, tokenizer) of
+    a `zeroxla reward` run (its directory, or its checkpoint/ directory), or of a HF reward
+    model directory (config.json: a `*ForSequenceClassification` with num_labels=1, and its
+    tokenizer)."""
     run_dir = Path(run_dir)
     if (run_dir / "config.json").is_file():
         return load_hf_reward_model(run_dir), PretrainedTokenizer.from_dir(run_dir)
@@ -225,9 +259,11 @@ def load_reward_model(run_dir: str | Path) -> tuple[RewardModel, Any]:
         raise ValueError(f"{run_dir} is not a `zeroxla reward` run: its checkpoint records "
                          f"model_kind={meta['metadata'].get('model_kind')!r}, not {KIND!r}")
     config = checkpoint.model_config_from_record(meta["model_config"])
-    model = zeroxla.load_params(directory, model=reward_model_factory(config))
-    return model, tokenizer_from_record(meta["metadata"]["tokenizer"])
+    lora = recorded_lora(meta) or LoRAConfig()
+    model = zeroxla.load_params(directory, model=reward_model_factory(config, lora=lora))
+    tokenizer = tokenizer_from_record(meta["metadata"]["tokenizer"])
+    return (fuse_lora_weight(model) if lora.enabled else model), tokenizer
 
 
 __all__ = ["KIND", "RewardJobConfig", "initial_values", "load_reward_model", "reward_model_factory",
-           "run"]
+           "run", "trainable_filter"]

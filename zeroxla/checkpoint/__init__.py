@@ -10,6 +10,7 @@
     retention.py   keep_last: deleting older step checkpoints once a newer one is committed
     weights.py     load_params: a checkpoint's model and trained parameters, no optimizer
     export.py      a checkpoint's weights as Hugging Face safetensors, streamed
+    adapters.py    a LoRA model's checkpoint read merged (W + (alpha / r) A @ B) for export
     pretrained.py  load_pretrained: a Hugging Face checkpoint straight into ZeRO partitions
 """
 

@@ -17,7 +17,9 @@ LM (`GPT2LMHeadModel` / `LlamaForCausalLM`), or a reward (or value) model,
 `zeroxla.rlhf.RewardModel` as `zeroxla reward` and the PPO critic save it (`base/...` and
 `v_head` [D]), written as `GPT2ForSequenceClassification` / `LlamaForSequenceClassification`
 with `num_labels=1`: `score.weight` [1, D] is `v_head` (both bias-free), the base's unused LM
-projection is left out.
+projection is left out. A LoRA model's checkpoint (base and adapters stored apart) is written
+merged, W + (alpha / r) A @ B (`zeroxla.checkpoint.adapters`); `save_adapter` writes its adapters
+alone as a PEFT adapter.
 transformers' classifier reads its score at each row's last token that is not
 `config.pad_token_id` (`GenericForSequenceClassification.forward`); the export sets that id to
 one no real token has (`pad_token_id`, see `export_checkpoint`), so a batch without padding is
@@ -90,6 +92,48 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     return files
 
 
+def save_adapter(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None,
+                 base_model_name_or_path: str | None = None) -> list[Path]:
+    """Writes the LoRA adapters of checkpoint `step` as a PEFT adapter (`adapter_config.json`,
+    `adapter_model.safetensors`: `zeroxla.lora.export.save_peft_adapter`) that
+    `peft.PeftModel.from_pretrained` loads onto the HF export of its base; returns the files.
+    ValueError when the checkpoint holds no adapters or is not a causal LM."""
+    from flax import nnx
+
+    from zeroxla.lora import LoRAWeight, convert_linear_layer_to_lora
+    from zeroxla.lora.export import save_peft_adapter
+    from zeroxla.models import hf, model_class
+
+    arrays, config = _open(Path(checkpoint), step)
+    if not arrays.paths:
+        raise ValueError(f"export --adapter-only: checkpoint {arrays.info.path} holds no LoRA "
+                         "adapters; accepted: a checkpoint of a run with --lora-dim > 0 (export "
+                         "this one without --adapter-only)")
+    if _stored_head(arrays, config) != hf.CAUSAL_LM:
+        raise ValueError(f"export --adapter-only: checkpoint {arrays.info.path} holds a reward "
+                         "model; accepted: a causal LM's adapters (export a reward model merged)")
+
+    def adapted() -> Any:                          # shapes only: no weight is drawn
+        model = model_class(config)(config, rngs=nnx.Rngs(0))
+        convert_linear_layer_to_lora(model, arrays.lora, rngs=nnx.Rngs(0))
+        return model
+    model = nnx.eval_shape(adapted)
+    adapters = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model)
+                if isinstance(node, LoRAWeight)}
+    if tuple(sorted(adapters)) != arrays.paths:
+        raise ValueError(f"export --adapter-only: the recorded module_name "
+                         f"{arrays.lora.module_name!r} adapts {sorted(adapters)[:4]}, the "
+                         f"checkpoint stores adapters for {list(arrays.paths[:4])}")
+    for path, node in adapters.items():
+        node.lora_a.set_value(arrays.read(f"params/{path}/lora_a"))
+        node.lora_b.set_value(arrays.read(f"params/{path}/lora_b"))
+    files = save_peft_adapter(model, arrays.lora, config, out_dir,
+                              base_model_name_or_path=base_model_name_or_path)
+    for path in files:
+        path.chmod(FILE_MODE)
+    return files
+
+
 def checkpoint_head(checkpoint: str | Path, *, step: int | None = None) -> str:
     """Which model checkpoint `step` holds, by its parameters: `models.hf.CAUSAL_LM` or
     `SEQUENCE_CLASSIFICATION` (a reward model: `base/...` and `v_head`); ValueError for
@@ -98,8 +142,11 @@ def checkpoint_head(checkpoint: str | Path, *, step: int | None = None) -> str:
 
 
 def _open(path: Path, step: int | None) -> tuple[Any, Any]:
-    """(StoredArrays, the models config it records) of a checkpoint or step directory."""
+    """(StoredArrays, the models config it records) of a checkpoint or step directory; a LoRA
+    model's read merged (`zeroxla.checkpoint.adapters.MergedArrays`)."""
     from zeroxla import checkpoint as ckpt
+
+    from zeroxla.checkpoint.adapters import MergedArrays, recorded_lora
 
     root, step = _resolve(path, step)
     arrays = ckpt.StoredArrays(root, step)
@@ -107,7 +154,7 @@ def _open(path: Path, step: int | None) -> tuple[Any, Any]:
     if record is None:
         raise ValueError(f"checkpoint {arrays.info.path} records no model config; export needs "
                          "the model family and shape (save with model_config=...)")
-    return arrays, ckpt.model_config_from_record(record)
+    return MergedArrays(arrays, recorded_lora(arrays.meta)), ckpt.model_config_from_record(record)
 
 
 def _stored_head(arrays: Any, config: Any) -> str:
@@ -150,4 +197,5 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, int | None]:
     return path, step
 
 
-__all__ = ["DTYPES", "FILE_MODE", "checkpoint_head", "checkpoint_metadata", "export_checkpoint"]
+__all__ = ["DTYPES", "FILE_MODE", "checkpoint_head", "checkpoint_metadata", "export_checkpoint",
+           "save_adapter"]

@@ -163,6 +163,11 @@ class _GatheredModule:
             raise AttributeError(name)
         return lambda *args, **kwargs: self._invoke(name, args, kwargs)
 
+    def __getitem__(self, index):
+        """A module read as a weight (`module[...]`, a `zeroxla.lora.LoRAWeight`) is indexed
+        by the value its call returns: the call gathers, the indexing happens outside it."""
+        return self._invoke("__call__", (), {})[index]
+
 
 def _is_codes(x: Any) -> bool:
     """One parameter's storage that is a pytree: frozen codes, stage 2's gradient sink, or a

@@ -34,7 +34,8 @@ GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--s
          "--offload-optimizer": "cpu", "--offload-param": "none",
          "--out": "o", "--seed": "3", "--eval-every": "4", "--eval-batches": "5",
          "--save-every": "6", "--keep-last": "1", "--sample-tokens": "9", "--temperature": "0",
-         "--no-progress": None, "--resume": "r"}
+         "--no-progress": None, "--resume": "r", "--lora-dim": "8", "--lora-alpha": "16",
+         "--lora-module-name": "wq", "--only-optimize-lora": None}
 EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, batch_size=16,
                 seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), pipeline_stages=2,
                 zero_stage=2, dtype="bf16", grad_accum=2, persistence_threshold=5,
@@ -42,7 +43,8 @@ EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, bat
                 offload_optimizer="cpu", offload_param="none",
                 deepspeed_config="ds.json", out_dir="o", seed=3, eval_every=4, eval_batches=5,
                 save_every=6, keep_last=1, sample_tokens=9, temperature=0.0, progress=False,
-                resume="r")
+                resume="r", lora_dim=8, lora_alpha=16.0, lora_module_name="wq",
+                only_optimize_lora=True)
 # The tree fields those options land in, with the tree's values.
 TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
         ("data", "tokenizer"): "byte", ("schedule", "steps"): 7,
@@ -56,7 +58,9 @@ TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
         ("offload", "offload_param"): "none", ("run", "out_dir"): "o", ("run", "seed"): 3,
         ("run", "eval_every"): 4, ("run", "eval_batches"): 5, ("run", "save_every"): 6,
         ("run", "keep_last"): 1, ("run", "sample_tokens"): 9, ("run", "temperature"): 0.0,
-        ("run", "progress"): False, ("run", "resume"): "r"}
+        ("run", "progress"): False, ("run", "resume"): "r", ("lora", "dim"): 8,
+        ("lora", "alpha"): 16.0, ("lora", "module_name"): "wq",
+        ("lora", "only_optimize_lora"): True}
 
 
 def _argv(given):

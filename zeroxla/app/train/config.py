@@ -11,6 +11,7 @@
       offload   Offload   ZeRO-Offload / ZeRO-Infinity
       pipeline  Pipeline  pipeline stages (1F1B over the accumulation's micro-batches)
       run       Run       seed, evaluation, checkpoints, the closing sample, run directory
+      lora      LoRA      LoRA adapters (`zeroxla.app.train.lora`)
       deepspeed_config    the --config JSON the tree was filled from (None: none)
 
 Each section is a frozen dataclass checked in `__post_init__`; an error names the field as
@@ -38,6 +39,7 @@ from typing import Any, ClassVar
 from zeroxla import models
 from zeroxla.app.tokenizer import TOKENIZERS
 from zeroxla.app.train.defaults import API_DEFAULTS, job_default
+from zeroxla.app.train.lora import LoRA
 from zeroxla.deepspeed.keys import OPTIMIZER_NAMES, SCHEDULERS
 from zeroxla.inference.sampling import SCALAR_TYPES, TEMPERATURE_ACCEPTED, check_temperature
 from zeroxla.sharding.config import ZeroConfig
@@ -323,6 +325,7 @@ class TrainJobConfig:
     offload: Offload = Offload()
     pipeline: Pipeline = Pipeline()
     run: Run = Run()
+    lora: LoRA = LoRA()
     deepspeed_config: str | None = None
 
     def __post_init__(self) -> None:
@@ -387,7 +390,7 @@ class TrainJobConfig:
 
 # Section name -> its class, in the tree's order.
 SECTIONS: dict[str, type] = {cls.NAME: cls for cls in (Model, Data, Schedule, Sharding, ZeroPP,
-                                                       Numerics, Offload, Pipeline, Run)}
+                                                       Numerics, Offload, Pipeline, Run, LoRA)}
 
 __all__ = ["ENGINE_SECTIONS", "PER_INVOCATION", "PRETRAINED", "SECTIONS", "SECTION_OF_FIELD",
            "Data", "DeepSpeedSection", "Model", "Numerics", "Offload", "Pipeline", "Run",

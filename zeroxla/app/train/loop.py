@@ -57,8 +57,11 @@ from zeroxla.app.train.config import TrainJobConfig
 from zeroxla.app.train.end import (Progress, TrainingDiverged, TrainingInterrupted, diverged,
                                    interrupted, save_final)
 from zeroxla.app.train.prepare import TrainRun, set_up
-from zeroxla.app.train.report import TrainSummary, final_sample, write_plot, write_summary
+from zeroxla.app.train.report import (TrainSummary, final_sample, parameter_counts, write_plot,
+                                      write_summary)
 from zeroxla.app.train.resume import RECORD_KEY, job_record
+from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
+from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.retention import prune_checkpoints
 
 
@@ -118,7 +121,8 @@ def _saver(r: TrainRun) -> Callable[[Any, int], Path]:
     job, checkpoint_dir = r.job, r.out / rundir.CHECKPOINT_DIR
     primary = jax.process_index() == 0
     metadata = {"seed": job.run.seed, "model": job.model_name, RECORD_KEY: job_record(job),
-                "settings": r.settings, "tokenizer": tokenizer_record(r.data.tokenizer)}
+                "settings": r.settings, "tokenizer": tokenizer_record(r.data.tokenizer),
+                LORA_KEY: as_metadata(job.lora.config())}
     keep_last = job.run.keep_last
 
     def save(state: Any, done: int) -> Path:
@@ -223,7 +227,7 @@ def _report(r: TrainRun, state: Any, progress: Progress, start: float,
         tokens_per_s=tokens_per_step / step_time, step_time_s=step_time,
         compile_time_s=step_times[0], wall_time_s=time.perf_counter() - start,
         memory={k: int(v) for k, v in report.to_dict().items() if isinstance(v, (int, float))},
-        memory_table=report.table(),
+        memory_table=report.table(), parameters=parameter_counts(step.layout),
         samples=samples,
         paths={"run_dir": str(out), "metrics": str(out / rundir.METRICS_FILE),
                "loss_curve": str(plot_path), "summary": str(summary_path),

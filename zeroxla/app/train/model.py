@@ -11,7 +11,10 @@ import numpy as np
 from zeroxla import models
 from zeroxla.app.train.config import TrainJobConfig
 from zeroxla.app.train.data import SFTData, TextData
+from zeroxla.app.train.lora import add_adapters
 from zeroxla.checkpoint.pretrained import spread_hf_params
+from zeroxla.checkpoint.adapters import recorded_lora
+from zeroxla.lora import LoRAConfig, fuse_lora_weight
 from zeroxla.models import hf as hf_io
 
 
@@ -66,10 +69,59 @@ def model_config(job: TrainJobConfig, data: TextData | SFTData) -> Any:
 
 
 def model_factory(job: TrainJobConfig, config: Any) -> Callable[[], Any]:
+    """The job's model; with `--lora-dim`, its adapters added (`convert_linear_layer_to_lora`,
+    their A drawn after the model's own parameters from the same seed)."""
+    return adapted_factory(models.model_class(config), config, job.lora.config(), job.run.seed)
+
+
+def adapted_factory(cls: type, config: Any, lora: LoRAConfig, seed: int) -> Callable[[], Any]:
+    """`cls(config)` seeded by `seed`, with `lora`'s adapters when it is enabled."""
     from flax import nnx
 
-    cls = models.model_class(config)
-    return lambda: cls(config, rngs=nnx.Rngs(job.run.seed))
+    def build() -> Any:
+        rngs = nnx.Rngs(seed)
+        model = cls(config, rngs=rngs)
+        if lora.enabled:
+            add_adapters(model, lora, rngs)
+        return model
+    return build
+
+
+def with_adapters(values: dict[str, Any], factory: Callable[[], Any], mesh: Any) -> dict[str, Any]:
+    """Pretrained `values` ({path: array}, the plain model's paths) for the adapted model
+    `factory` builds: each adapted weight's value moved to '<path>/base', and the adapters'
+    initial values (A drawn, B zero) computed replicated on `mesh`; the base initialisers the
+    factory also runs are dead code in that program, so XLA drops them."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def adapters() -> dict[str, Any]:
+        flat = nnx.to_flat_state(nnx.state(factory(), nnx.LoRAParam))
+        return {"/".join(map(str, path)): v.get_value() for path, v in flat}
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    fresh = jax.jit(adapters, out_shardings=replicated)()
+    out = dict(values)
+    for path in {p.rsplit("/", 1)[0] for p in fresh}:
+        out[f"{path}/base"] = out.pop(path)
+    return {**out, **fresh}
+
+
+def load_trained(checkpoint: Any, step: int | None = None) -> Any:
+    """The trained model of a run's checkpoint (a directory, or one step in it; `step`: default
+    the newest) with its float32 weights (`zeroxla.load_params`), a LoRA run's adapters merged
+    (`fuse_lora_weight`): the plain model that generation and PPO's actor read."""
+    import zeroxla
+    from zeroxla.checkpoint.export import checkpoint_metadata
+
+    stored = checkpoint_metadata(checkpoint, step=step)
+    lora = recorded_lora(stored)
+    if lora is None:
+        return zeroxla.load_params(checkpoint, step=stored["step"])
+    config = zeroxla.checkpoint.model_config_from_record(stored["model_config"])
+    factory = adapted_factory(models.model_class(config), config, lora, 0)
+    return fuse_lora_weight(zeroxla.load_params(checkpoint, step=stored["step"], model=factory))
 
 
 def initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any:
@@ -78,8 +130,10 @@ def initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any
         return step.init()
     values = spread_hf_params(config, job.model.init_from, mesh, progress=job.run.progress,
                               dtype=np.dtype(step.layout.config.master_dtype))
+    if job.lora.enabled:
+        values = with_adapters(values, model_factory(job, config), mesh)
     return step.init_from(values, job.run.seed)
 
 
-__all__ = ["INIT_FROM_HEADS", "init_from_head", "initial_state", "model_config", "model_factory",
-           "pretrained_config"]
+__all__ = ["INIT_FROM_HEADS", "adapted_factory", "init_from_head", "initial_state", "load_trained",
+           "model_config", "model_factory", "pretrained_config", "with_adapters"]

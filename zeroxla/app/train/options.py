@@ -27,6 +27,7 @@ from zeroxla.app.cli_args import (mesh_shape, non_negative_float, non_negative_i
 from zeroxla.app.train.config import (PRETRAINED, SECTIONS, Data, Model, Numerics, Offload,
                                       Pipeline, Run, Schedule, Sharding, TrainJobConfig)
 from zeroxla.app.train.defaults import JSON_DEFAULTS, describe_default, job_default_of
+from zeroxla.app.train.lora import LoRA
 from zeroxla.deepspeed.overrides import Overrides
 from zeroxla.deepspeed.zero_config import KEY_OF_FIELD
 from zeroxla.inference.sampling import TEMPERATURE_RULE
@@ -138,7 +139,9 @@ OPTIONS: tuple[JobOption, ...] = (
     JobOption("--data", "data", Data, "path", "model",
               "UTF-8 text file (.gz ok), or supervised fine-tuning examples: a .jsonl of "
               "{\"prompt\", \"response\"} lines (DeepSpeed-Chat's \"chosen\" also read) or a "
-              ".json array of those objects (.gz ok), the loss on the response tokens only. "
+              ".json array of those objects (.gz ok), the loss on the response tokens only; or "
+              "{\"messages\": [{\"role\", \"content\"}, ...]} conversations, rendered with the "
+              "--init-from checkpoint's chat template, the loss on the assistant's tokens. "
               "Examples with no loss token (an empty response and no EOS token) are counted and "
               "reported; a file (or its train or validation split) in which no example has one "
               "is refused. A file not named .jsonl/.json that holds such records is refused, "
@@ -146,6 +149,22 @@ OPTIONS: tuple[JobOption, ...] = (
     JobOption("--tokenizer", "tokenizer", Data, "tokenizer", "model",
               "character-level (vocabulary from the corpus) or UTF-8 byte-level; default char "
               "(with --init-from: the checkpoint's own)", choices=("char", "byte")),
+    JobOption("--lora-dim", "lora_dim", LoRA, "dim", "model",
+              "LoRA rank r (DeepSpeed-Chat's --lora_dim): adapters W + (alpha / r) A @ B on the "
+              "weights --lora-module-name matches, B zero so step 0 is the base model; default "
+              "0: no LoRA", type=non_negative_int, metavar="R"),
+    JobOption("--lora-alpha", "lora_alpha", LoRA, "alpha", "model",
+              "LoRA alpha: the adapters are scaled by alpha / r (PEFT's lora_alpha; "
+              f"DeepSpeed-Chat's lora_scaling is alpha / r); default {_default(LoRA, 'alpha')}",
+              type=positive_float),
+    JobOption("--lora-module-name", "lora_module_name", LoRA, "module_name", "model",
+              "regular expression searched in each weight's '/'-joined path (blocks/layers/wq): "
+              "the weights that get adapters (DeepSpeed-Chat's --lora_module_name); one matching "
+              f"nothing is refused; default {_default(LoRA, 'module_name')}", metavar="REGEX"),
+    JobOption("--only-optimize-lora", "only_optimize_lora", LoRA, "only_optimize_lora",
+              "model", "train the adapters alone: the base is frozen and optimizer state exists "
+              "for the adapters only (needs --lora-dim > 0; not with --pipeline-stages)",
+              action="store_true"),
     # schedule
     JobOption("--steps", "steps", Schedule, "steps", "schedule",
               f"training steps; default {_default(Schedule, 'steps')}", type=positive_int),

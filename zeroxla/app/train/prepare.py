@@ -25,6 +25,7 @@ from zeroxla.app.train.data import SFTData, TextData, load_train_data
 from zeroxla.app.train.model import initial_state, model_config, model_factory
 from zeroxla.app.train.recipe import TrainingSetup, build_setup
 from zeroxla.app.train.report import run_settings
+from zeroxla.lora import lora_trainable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +101,13 @@ def _recorded_tokenizer(resume: rundir.ResumePoint | None) -> dict | None:
 
 def _make_step(job: TrainJobConfig, setup: TrainingSetup, config: Any, mesh: Any) -> Any:
     """The job's model under `setup`'s ZeRO config and optimizer on `mesh`; with several
-    pipeline stages, pipelined over `--grad-accum` micro-batches."""
+    pipeline stages, pipelined over `--grad-accum` micro-batches; with `--only-optimize-lora`,
+    the adapters alone trainable."""
     pipeline = (zeroxla.PipelineConfig(setup.zero.gradient_accumulation_steps)
                 if job.pipeline.stages > 1 else None)
     return zeroxla.make_step(model_factory(job, config), mesh, optimizer=setup.optimizer,
-                             config=setup.zero, pipeline=pipeline)
+                             config=setup.zero, pipeline=pipeline,
+                             trainable=lora_trainable(job.lora.config()))
 
 
 def _restore_or_init(job: TrainJobConfig, step: Any, config: Any, mesh: Any,

@@ -43,6 +43,7 @@ class TrainSummary:
     compile_time_s: float           # the first step of this invocation, compilation included
     wall_time_s: float              # this invocation
     memory: Mapping[str, int]       # per-device bytes from zeroxla.memory_report
+    parameters: Mapping[str, int]   # `parameter_counts`: total and trainable elements
     memory_table: str
     samples: str
     paths: Mapping[str, str | None]
@@ -50,7 +51,16 @@ class TrainSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "memory": dict(self.memory),
-                "paths": dict(self.paths)}
+                "parameters": dict(self.parameters), "paths": dict(self.paths)}
+
+
+def parameter_counts(layout: Any) -> dict[str, int]:
+    """{"total", "trainable"}: the model's parameter elements and those with gradients and
+    optimizer state (all of them, or the LoRA adapters alone with --only-optimize-lora), from
+    the step's plan (`step.layout`)."""
+    plan = layout.plan
+    return {"total": plan.total_numel(),
+            "trainable": sum(leaf.numel for leaf in plan.trainable_leaves)}
 
 
 def _peak_lr(schedule: Callable[[Any], Any], steps: int) -> float:
@@ -86,6 +96,10 @@ def run_settings(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFT
     }
     if job.deepspeed_config is not None:
         settings["deepspeed_config"] = job.deepspeed_config
+    if job.lora.enabled:
+        settings.update(lora_dim=job.lora.dim, lora_alpha=job.lora.alpha,
+                        lora_module_name=job.lora.module_name,
+                        only_optimize_lora=job.lora.only_optimize_lora)
     return settings
 
 
@@ -179,6 +193,8 @@ def format_summary(summary: TrainSummary) -> str:
         f"({summary.step_time_s * 1e3:.1f} ms/step, median; first step with compilation "
         f"{summary.compile_time_s:.1f} s)",
         f"wall time             {summary.wall_time_s:.1f} s",
+        f"parameters            {summary.parameters['trainable']:,} trainable of "
+        f"{summary.parameters['total']:,}",
         "per-device memory (zeroxla.memory_report):",
         "\n".join("    " + line for line in summary.memory_table.splitlines()),
         "",
@@ -194,5 +210,5 @@ def format_summary(summary: TrainSummary) -> str:
     ])
 
 
-__all__ = ["TrainSummary", "final_sample", "format_summary", "run_settings", "write_plot",
-           "write_summary"]
+__all__ = ["TrainSummary", "final_sample", "format_summary", "parameter_counts", "run_settings",
+           "write_plot", "write_summary"]
