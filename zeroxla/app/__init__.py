@@ -10,8 +10,16 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
                      recipe, data, model and run (its own guide lists its modules)
     chat_cli.py      `zeroxla reward` and `zeroxla ppo` on the command line
     chat_data.py     DeepSpeed-Chat's data: SFT examples, preference pairs, PPO prompts
+    chat_messages.py conversations (`messages`, TRL's conversational pairs) as rows and tokens
+    chat_template.py a checkpoint's chat template, rendered with Jinja2, and the assistant's
+                     tokens (the SFT loss mask)
     reward_job.py    `zeroxla reward`: DeepSpeed-Chat's step 2
     ppo_job.py       `zeroxla ppo`: DeepSpeed-Chat's step 3
+    dpo_cli.py       `zeroxla dpo` on the command line
+    dpo_job.py       `zeroxla dpo`: DPO (or IPO) of a causal LM on preference pairs
+    grpo_cli.py      `zeroxla grpo` on the command line
+    grpo_job.py      `zeroxla grpo`: the GRPO family with verifiable rewards (default: the
+                     bundled arithmetic task), checkpoints, resume, export
     char_sft.py      the SFT warm-up of the character-level PPO demo
     rundir.py        run directories: fresh names, claimed under a lock, no overwriting, what
                      --resume accepts

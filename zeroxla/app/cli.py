@@ -7,6 +7,11 @@
     zeroxla ppo --actor SFT_RUN --reward RM_RUN --prompts prompts.jsonl
                                 RLHF with PPO (DeepSpeed-Chat step 3; step 1 is
                                 `zeroxla train --init-from HF_DIR --data sft.jsonl`)
+    zeroxla dpo --init-from HF_DIR_OR_RUN [--data pairs.jsonl] --steps N
+                                Direct Preference Optimization (or IPO) on preference pairs
+    zeroxla grpo --actor SFT_RUN [--prompts ROWS_JSONL --reward-funcs module:fn ...]
+                                GRPO / Dr.GRPO / DAPO with verifiable rewards (default: the
+                                bundled arithmetic task)
     zeroxla export CKPT OUT     a checkpoint as Hugging Face safetensors + tokenizer files
     zeroxla generate CKPT --prompt TEXT
                                 continue a prompt with the Hybrid Engine (KV cache, --tp)
@@ -16,7 +21,8 @@
 Each subcommand is a pair: `_add_<name>(subparsers)` declares its options and sets `handler`, the
 function that runs it. To add one (e.g. `export`), write the pair and register it in
 `SUBCOMMANDS`. `train` lives in `zeroxla.app.train.cli`, `reward` and `ppo` in
-`zeroxla.app.chat_cli`.
+`zeroxla.app.chat_cli`, `dpo` in `zeroxla.app.dpo_cli`,
+`grpo` in `zeroxla.app.grpo_cli`.
 
 This module must not start JAX: on a CPU host the number of simulated devices is fixed when the
 backend starts, so `train` first sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` (N =
@@ -35,6 +41,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from zeroxla.app.chat_cli import add_ppo, add_reward
+from zeroxla.app.grpo_cli import add_grpo
+from zeroxla.app.dpo_cli import add_dpo
 from zeroxla.app.cli_args import (host_device_count, mesh_shape, non_negative_int,  # noqa: F401
                                   positive_float, positive_int, set_host_device_count,
                                   temperature)
@@ -70,6 +78,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
                    help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (as in DeepSpeed/HF)")
     p.add_argument("--step", type=int, default=None,
                    help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="a LoRA run's adapters alone, as a PEFT adapter (adapter_config.json, "
+                        "adapter_model.safetensors) for the --init-from checkpoint it trained "
+                        "on; without it a LoRA run is written merged, W + (alpha / r) A @ B")
     p.set_defaults(handler=_run_export)
 
 
@@ -80,10 +92,26 @@ def _size(text: str) -> int | str:
 
 def _run_export(args: argparse.Namespace) -> int:
     """Runs `zeroxla export` (`export_run`); prints its report."""
-    report = export_run(args.checkpoint, args.out, step=args.step, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size)
+    if args.adapter_only:
+        report = export_adapter(args.checkpoint, args.out, step=args.step)
+    else:
+        report = export_run(args.checkpoint, args.out, step=args.step, dtype=args.dtype,
+                            max_shard_size=args.max_shard_size)
     print(json.dumps(report, indent=2), flush=True)
     return 0
+
+
+def export_adapter(checkpoint: str, out: str, *, step: int | None = None) -> dict:
+    """`zeroxla export --adapter-only`: checkpoint `step`'s LoRA adapters as a PEFT adapter
+    (`zeroxla.checkpoint.export.save_adapter`) whose base_model_name_or_path is the run's
+    recorded --init-from (None for a preset's run). Returns a report: out, step, files, base."""
+    from zeroxla.checkpoint.export import checkpoint_metadata, save_adapter
+
+    meta = checkpoint_metadata(checkpoint, step=step)
+    base = ((meta["metadata"].get("job_config") or {}).get("model") or {}).get("init_from")
+    files = save_adapter(checkpoint, out, step=meta["step"], base_model_name_or_path=base)
+    return {"out": str(out), "step": meta["step"], "files": sorted(f.name for f in files),
+            "bytes": sum(f.stat().st_size for f in files), "base_model_name_or_path": base}
 
 
 def export_run(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "float32",
@@ -211,7 +239,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_train, add_reward, add_ppo, _add_export, _add_generate, _add_launch)
+    add_train, add_reward, add_ppo, add_dpo, add_grpo, _add_export, _add_generate, _add_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

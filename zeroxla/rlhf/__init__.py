@@ -14,11 +14,35 @@ preference pairs, then PPO with actor and critic trained under ZeRO-3 (`make_ste
     rollout.py     Rollout: one iteration's experience as numpy arrays
     trainer.py     PPOTrainer (generate_experience, train_rlhf) and run_ppo
     plot.py        plot_records: the reward and KL curves
+    dpo.py         DPOConfig, the DPO / IPO losses over per-sequence log-prob sums, their
+                   metrics (accuracy, margins) and the make_step loss_fn
+    dpo_trainer.py DPOTrainer (the policy's ZeRO step, reference sums computed once) and run_dpo
+    grpo_config.py GRPOConfig: the GRPO family's knobs (TRL's GRPOConfig names), validated
+    group_advantages.py group_advantages: group-relative (or RLOO) advantages, scaled by std
+    grpo_losses.py the clipped surrogate with clip-higher, k3 KL, grpo|dr_grpo|dapo aggregation
+    reward_funcs.py reward functions (prompts, completions, **fields) -> rewards: the built-in
+                   accuracy and format checks, weighted sums, failures named
+    arithmetic_task.py the bundled task: arithmetic word problems with `####` answers, by seed
+    task_sft.py    supervised fine-tuning on prompt/completion rows (loss on the completion)
+    rollout_correction.py the train/rollout log-prob gap (logprob_gap) and truncated
+                   importance sampling (tis_weights, TRL's vllm_importance_sampling_cap)
+    grpo.py        GRPOTrainer (generate_experience, train_grpo), run_grpo, exact_accuracy
 """
 
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.config import PPOConfig
+from zeroxla.rlhf.grpo_config import GRPOConfig
+from zeroxla.rlhf.group_advantages import group_advantages
+from zeroxla.rlhf.grpo_losses import (clip_fractions, grpo_loss, grpo_loss_parts, grpo_loss_terms,
+                                      make_grpo_loss)
+from zeroxla.rlhf.grpo import GRPORollout, GRPORun, GRPOTrainer, exact_accuracy, run_grpo
+from zeroxla.rlhf.rollout_correction import logprob_gap, tis_weights
+from zeroxla.rlhf.reward_funcs import (RewardFunctionError, RewardFunctions, accuracy_reward,
+                                       extract_answer, format_reward, load_reward_func)
+from zeroxla.rlhf.task_sft import supervised_finetune_rows
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
+from zeroxla.rlhf.dpo import DPOConfig, dpo_loss_terms, dpo_metrics, make_dpo_loss
+from zeroxla.rlhf.dpo_trainer import DPORun, DPOTrainer, run_dpo
 from zeroxla.rlhf.losses import (actor_loss_fn, answer_logprobs, answer_values, critic_loss_fn,
                                  make_actor_loss, make_critic_loss)
 from zeroxla.rlhf.plot import plot_records
@@ -30,11 +54,17 @@ from zeroxla.rlhf.reward_model import (RewardModel, end_scores, load_hf_reward_m
 from zeroxla.rlhf.rollout import Rollout, pad_answers
 from zeroxla.rlhf.trainer import PPORun, PPOTrainer, run_ppo, time_split
 
-__all__ = ["Critic", "FrozenReference", "PPOConfig", "PPORun", "PPOTrainer", "RewardModel", "Rollout",
-           "actor_loss_fn", "answer_end_scores", "answer_logprobs", "answer_values",
+__all__ = ["DPOConfig", "DPORun", "DPOTrainer", "dpo_loss_terms", "dpo_metrics", "make_dpo_loss",
+           "run_dpo",
+           "Critic", "FrozenReference", "GRPOConfig", "GRPORollout", "GRPORun",
+           "GRPOTrainer", "RewardFunctionError", "RewardFunctions", "accuracy_reward",
+           "exact_accuracy", "extract_answer", "format_reward", "load_reward_func", "run_grpo",
+           "supervised_finetune_rows", "PPOConfig", "PPORun", "PPOTrainer", "RewardModel", "Rollout",
+           "actor_loss_fn", "answer_end_scores", "clip_fractions", "answer_logprobs", "answer_values",
            "compute_rewards", "critic_from_reward_model", "critic_loss_fn", "end_scores",
-           "get_advantages_and_returns", "load_hf_reward_model", "make_actor_loss",
+           "get_advantages_and_returns", "group_advantages", "grpo_loss", "logprob_gap",
+           "grpo_loss_parts", "grpo_loss_terms", "make_grpo_loss", "load_hf_reward_model", "make_actor_loss",
            "make_critic_loss", "make_scorer",
            "pad_answers", "pair_metrics", "pair_scores", "pairwise_loss_terms", "plot_records",
-           "reward_scores", "run_ppo", "time_split", "vowel_fraction",
+           "reward_scores", "run_ppo", "time_split", "tis_weights", "vowel_fraction",
            "with_vocab_size", "without_lm_head"]

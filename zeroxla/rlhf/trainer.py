@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 import zeroxla
+from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
@@ -92,13 +93,17 @@ class PPOTrainer:
     from `reward_fn` on the answer text; at most one of them, `vowel_fraction` when neither.
     The critic starts from `critic_init` (a `RewardModel`, copied: DeepSpeed-Chat starts it
     from the step-2 reward model) or, by default, as `Critic(copy of the actor)` with a zero
-    head.
+    head. With an enabled `lora` (`zeroxla.lora.LoRAConfig`), actor and critic get adapters on
+    the weights its `module_name` matches, as DeepSpeed-Chat's step 3 applies `--actor_lora_dim`
+    and `--critic_lora_dim`; with `only_optimize_lora` they alone train (and the critic's value
+    head, which a zero-initialised critic must learn). The reference is the plain actor.
     """
 
     def __init__(self, config: PPOConfig, actor: nnx.Module, *, mesh: Any, tokenizer: Any,
                  prompt_tokens: np.ndarray, reward_fn: RewardFn | None = None,
                  reward_model: RewardModel | None = None, critic_init: RewardModel | None = None,
-                 inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0):
+                 inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0,
+                 lora: LoRAConfig | None = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
         seq_len = config.prompt_length + config.answer_length
@@ -107,6 +112,10 @@ class PPOTrainer:
                 _check_scoring_model(field, model, actor, seq_len)
         self.score = make_scorer(reward_fn, reward_model)   # (tokens, mask, texts) -> [B]
         self.config, self.tokenizer, self.seed = config, tokenizer, seed
+        # The policy is the softmax over the tokenizer's ids: the rollouts draw from it
+        # (`vocab_limit`), and the actor's, the reference's log-probs are of it.
+        self.vocab_limit = getattr(tokenizer, "vocab_size", None)
+        self.logprobs = functools.partial(answer_logprobs, vocab_limit=self.vocab_limit)
         self.eos_id = eos_id
         self.prompt_tokens = np.asarray(prompt_tokens, np.int32)
         if self.prompt_tokens.ndim == 2:
@@ -122,12 +131,21 @@ class PPOTrainer:
         self.reference = FrozenReference(actor, device=device, int8=config.reference_int8)
         critic = (Critic(nnx.clone(actor)) if critic_init is None
                   else critic_from_reward_model(critic_init))
+        trainable = critic_trainable = None
+        if lora is not None and lora.enabled:      # DeepSpeed-Chat: actor and critic, not the
+            actor = nnx.clone(actor)                # reference; the caller's actor stays plain
+            convert_linear_layer_to_lora(actor, lora, rngs=nnx.Rngs(seed))
+            convert_linear_layer_to_lora(critic, lora, rngs=nnx.Rngs(seed + 1))
+            trainable = lora_trainable(lora)
+            if trainable is not None:               # the value head trains with the adapters
+                critic_trainable = nnx.Any(trainable, nnx.PathContains("v_head"))
         self.actor_step = zeroxla.make_step(
             actor, mesh, optimizer=optax.adamw(config.actor_lr),
-            config=zeroxla.ZeroConfig(stage=3), loss_fn=make_actor_loss(config.cliprange))
+            config=zeroxla.ZeroConfig(stage=3), trainable=trainable,
+            loss_fn=make_actor_loss(config.cliprange, self.vocab_limit))
         self.critic_step = zeroxla.make_step(
             critic, mesh, optimizer=optax.adamw(config.critic_lr),
-            config=zeroxla.ZeroConfig(stage=3),
+            config=zeroxla.ZeroConfig(stage=3), trainable=critic_trainable,
             loss_fn=make_critic_loss(config.cliprange_value))
         self.actor_state = self.actor_step.init(seed)
         self.critic_state = self.critic_step.init(seed)
@@ -151,11 +169,13 @@ class PPOTrainer:
         return [self.prompt_tokens[s:s + c.prompt_length] for s in starts]
 
     def generate_sequence(self, prompts: list[np.ndarray], iteration: int) -> list[np.ndarray]:
-        """The Hybrid Engine's samples (temperature 1: the actor's own distribution)."""
+        """The Hybrid Engine's samples (temperature 1: the actor's own distribution), over the
+        ids the tokenizer decodes (`vocab_limit`: a padded vocabulary's rows are never drawn)."""
         outputs = self.engine.generate(self.actor_state, prompts,
                                        max_new_tokens=self.config.answer_length,
                                        temperature=1.0, eos_id=self.eos_id,
-                                       seed=self.seed * 100_003 + iteration)
+                                       seed=self.seed * 100_003 + iteration,
+                                       vocab_limit=self.vocab_limit)
         self.engine.release()          # the next optimizer step makes the TP copy stale anyway
         return outputs
 
@@ -172,8 +192,8 @@ class PPOTrainer:
         g = c.answer_length
         actor_graphdef, actor_params = nnx.split(zeroxla.gathered_model(self.actor_state))
         critic_graphdef, critic_params = nnx.split(zeroxla.gathered_model(self.critic_state))
-        logprobs = _forward(answer_logprobs, actor_graphdef, actor_params, tokens, g) * mask
-        ref_logprobs = self.reference(answer_logprobs, tokens, g) * mask
+        logprobs = _forward(self.logprobs, actor_graphdef, actor_params, tokens, g) * mask
+        ref_logprobs = self.reference(self.logprobs, tokens, g) * mask
         values = _forward(answer_values, critic_graphdef, critic_params, tokens, g) * mask
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))
@@ -192,10 +212,7 @@ class PPOTrainer:
     def train_rlhf(self, rollout: Rollout) -> tuple[float, float]:
         """`ppo_epochs` actor and critic steps on `rollout`; returns the mean actor and critic
         losses over the epochs."""
-        actor_batch = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
-                       "advantages": rollout.advantages, "action_mask": rollout.action_mask}
-        critic_batch = {"tokens": rollout.tokens, "old_values": rollout.values,
-                        "returns": rollout.returns, "action_mask": rollout.action_mask}
+        actor_batch, critic_batch = self.batches(rollout)
         actor_losses, critic_losses = [], []
         for _ in range(self.config.ppo_epochs):
             self.actor_state, metrics = self.actor_step(self.actor_state, actor_batch)
@@ -203,6 +220,13 @@ class PPOTrainer:
             self.critic_state, metrics = self.critic_step(self.critic_state, critic_batch)
             critic_losses.append(float(metrics["loss"]))
         return float(np.mean(actor_losses)), float(np.mean(critic_losses))
+
+    def batches(self, rollout: Rollout) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the actor step's batch, the critic step's) of `rollout`."""
+        return ({"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
+                 "advantages": rollout.advantages, "action_mask": rollout.action_mask},
+                {"tokens": rollout.tokens, "old_values": rollout.values,
+                 "returns": rollout.returns, "action_mask": rollout.action_mask})
 
     def actor_model(self) -> nnx.Module:
         """The current actor, gathered (a plain model with full weights)."""
@@ -223,7 +247,8 @@ def run_ppo(config: PPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any,
             prompt_tokens: np.ndarray, reward_fn: RewardFn | None = None,
             reward_model: RewardModel | None = None, critic_init: RewardModel | None = None,
             inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0,
-            on_iteration: Callable[[dict[str, float]], None] | None = None) -> PPORun:
+            on_iteration: Callable[[dict[str, float]], None] | None = None,
+            lora: LoRAConfig | None = None) -> PPORun:
     """`iterations` PPO iterations from `actor` (see `PPOTrainer`, which also says what
     `reward_fn`, `reward_model` and `critic_init` choose). Each record holds the
     iteration, the rollout's mean `reward` (score) and `kl`, the `actor_loss` and `critic_loss`
@@ -235,7 +260,8 @@ def run_ppo(config: PPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any,
     trainer = PPOTrainer(config, actor, mesh=mesh, tokenizer=tokenizer,
                          prompt_tokens=prompt_tokens, reward_fn=reward_fn,
                          reward_model=reward_model, critic_init=critic_init,
-                         inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed)
+                         inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed,
+                         lora=lora)
     records, rollouts = [], []
     for it in range(iterations):
         rollout, generation_s, experience_s = trainer.generate_experience(it)

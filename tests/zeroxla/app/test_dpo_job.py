@@ -1,0 +1,110 @@
+"""`zeroxla dpo` as a job, on a tiny random GPT-2 written by `transformers` and the bundled
+tiny-shakespeare pairs: from the start (policy = reference: log 2, zero margins) held-out reward
+accuracy, margin and loss reach stated values; the exported policy, read back by
+`transformers`, reproduces the run's final held-out accuracy and margin in float64 against the
+starting checkpoint; Ctrl-C saves the running step, and the run resumed from it redoes the later
+steps exactly."""
+
+import dataclasses
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from zeroxla.app import cli, dpo_job, rundir
+from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
+from zeroxla.rlhf.dpo import DPOConfig
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+STEPS, SAVE_EVERY = 30, 20
+DPO = DPOConfig(beta=0.1, learning_rate=1e-3, batch_size=16, seq_len=64)
+
+
+def quiet(line):
+    del line
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(tmp dir, HF dir, the job, its summary)."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    hf = gpt2_checkpoint(tmp / "gpt2")
+    job = dpo_job.DPOJobConfig(init_from=str(hf), dpo=DPO, steps=STEPS, eval_every=10,
+                               save_every=SAVE_EVERY, seed=0, out_dir=str(tmp / "dpo"),
+                               progress=False)
+    return tmp, hf, job, dpo_job.run(job, write=quiet)
+
+
+def test_held_out_reward_accuracy_rises_from_the_start(run):
+    tmp, _, job, summary = run
+    records = rundir.read_metrics(tmp / "dpo" / rundir.METRICS_FILE)
+    assert [r["step"] for r in records] == list(range(STEPS + 1))
+    assert all({"loss", "accuracy", "margin"} <= r.keys() for r in records[1:])
+    start = records[0]
+    # The policy starts as the reference: log 2 and zero margins, up to float32 rounding of
+    # two differently compiled forwards (the reference's and the ZeRO-3 step's).
+    np.testing.assert_allclose(start["val_loss"], np.log(2.0), rtol=1e-6)
+    assert abs(start["val_margin"]) < 1e-5
+    np.testing.assert_allclose(records[1]["loss"], np.log(2.0), rtol=1e-6)
+    print(f"DPO held-out reward accuracy {start['val_accuracy']:.3f} -> "
+          f"{summary['val_accuracy']:.3f}, margin {summary['val_margin']:.3f}, loss "
+          f"{start['val_loss']:.4f} -> {summary['val_loss']:.4f}")
+    # At the start every held-out pair is a tie broken by rounding (its accuracy, the share of
+    # margins > 0, is noise about one half): the stated margins are on the end point, the
+    # margin and the loss.
+    assert summary["val_accuracy"] >= 0.85
+    assert summary["val_margin"] >= 1.0
+    assert summary["val_loss"] < start["val_loss"] - 0.3
+
+
+def test_exported_policy_reproduces_the_held_out_figures_in_transformers(run):
+    """float64 transformers log-probs of the exported policy and of the starting checkpoint,
+    on the held-out pairs the job split off: their accuracy and margin are the run's."""
+    tmp, hf, job, summary = run
+    tokenizer, _ = dpo_job.open_policy(str(hf), DPO.seq_len)
+    _, val = dpo_job.pair_rows(job, tokenizer)
+
+    def sums(path):
+        model = transformers.GPT2LMHeadModel.from_pretrained(path).to(torch.float64).eval()
+        out = []
+        for key in ("chosen", "rejected"):
+            tokens = torch.tensor(val[key], dtype=torch.long)
+            with torch.no_grad():
+                logp = torch.log_softmax(model(tokens[:, :-1]).logits, -1)
+            token = logp.gather(-1, tokens[:, 1:, None])[..., 0].numpy()
+            out.append((token * val[f"{key}_mask"]).sum(-1))
+        return out
+
+    (pc, pr), (rc, rr) = sums(summary["policy_hf"]), sums(hf)
+    margins = DPO.beta * ((pc - rc) - (pr - rr))
+    np.testing.assert_allclose(np.mean(margins > 0), summary["val_accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(np.mean(margins), summary["val_margin"], rtol=1e-4)
+    np.testing.assert_allclose(np.mean(np.logaddexp(0, -margins)), summary["val_loss"], rtol=1e-4)
+
+
+def test_ctrl_c_saves_and_resume_redoes_the_later_steps_exactly(run, capsys):
+    """The same job stopped by SIGINT during step 10 saves step 10 and returns `stopped_by`;
+    `zeroxla dpo --resume` continues it to the same step records as the uninterrupted run."""
+    tmp, _, job, summary = run
+    out = tmp / "interrupted"
+
+    def interrupt(line):
+        if line.startswith("step    10"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    stopped = dpo_job.run(dataclasses.replace(job, out_dir=str(out)), write=interrupt)
+    assert stopped["stopped_by"] == signal.SIGINT and "policy_hf" not in stopped
+    assert sorted(p.name for p in (out / rundir.CHECKPOINT_DIR).iterdir()) == ["10"]
+    assert cli.main(["dpo", "--resume", str(out), "--no-progress"]) == 0
+    original = rundir.read_metrics(tmp / "dpo" / rundir.METRICS_FILE)
+    assert rundir.read_metrics(out / rundir.METRICS_FILE) == original
+    assert json.loads((out / rundir.SUMMARY_FILE).read_text())["val_accuracy"] == \
+        summary["val_accuracy"]
+    # Options that would change a recorded run are refused by name.
+    assert cli.main(["dpo", "--resume", str(out), "--beta", "0.5"]) == 2
+    assert "--beta cannot change them" in capsys.readouterr().err

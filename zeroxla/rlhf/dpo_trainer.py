@@ -1,0 +1,175 @@
+"""DPO training on zeroxla: the policy is a ZeRO `make_step` with the DPO `loss_fn`; the frozen
+starting model (`FrozenReference`, optionally int8) gives every pair's reference log-prob sums
+once, before the first step, and is then dropped.
+
+    DPOTrainer(config, policy, mesh=..., train=pair rows, val=pair rows)
+      .step_record(k)   one optimizer step on step k's pairs: {"step", "loss", "accuracy",
+                        "margin"} (accuracy and margin of the policy that step started from,
+                        as TRL logs them)
+      .evaluate()       {"val_loss", "val_accuracy", "val_margin"} on the held-out pairs
+    run_dpo(...)        the loop, for notebooks: records of every step and evaluation
+
+Accuracy and margin are read with forward-only programs of the same ZeRO layout
+(`make_dpo_statistic` through `eval_loss`), so no step ever gathers the whole policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import zeroxla
+from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, reference_logprobs
+from zeroxla.rlhf.reference import FrozenReference
+
+STATISTICS = ("accuracy", "margin")
+
+
+def _rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {key: value[rows] for key, value in arrays.items()}
+
+
+def epoch_order(n: int, batch_size: int, k: int, seed: int) -> np.ndarray:
+    """Step k's `batch_size` row indices of N: the rows in a fresh seeded shuffle each epoch
+    (a batch may run on into the next), so step k's pairs depend on (seed, k) alone and a
+    resumed run sees the pairs the uninterrupted one would."""
+    epoch, offset = divmod(k * batch_size, n)
+    epochs = range(epoch, epoch + -(-(offset + batch_size) // n))
+    order = np.concatenate([np.random.default_rng((seed, e)).permutation(n) for e in epochs])
+    return order[offset:offset + batch_size]
+
+
+def check_policy(policy: nnx.Module, seq_len: int) -> None:
+    """TypeError naming what `policy(tokens int32[B, T]) -> logits [B, T, V]` returned instead,
+    checked abstractly (no compute) at T = seq_len - 1, the length the loss feeds it."""
+    graphdef, state = nnx.split(policy)
+    tokens = jax.ShapeDtypeStruct((2, seq_len - 1), jnp.int32)
+    try:
+        out = jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)
+    except Exception as err:                       # the user's __call__ refused the tokens
+        raise TypeError(f"policy={type(policy).__name__} cannot be called on tokens int32[2, "
+                        f"{seq_len - 1}]: {err}; accepted: a causal LM with model(tokens "
+                        "int32[B, T]) -> logits [B, T, V]") from err
+    shape = getattr(out, "shape", None)
+    if (shape is None or len(shape) != 3 or tuple(shape[:2]) != (2, seq_len - 1)
+            or not jnp.issubdtype(out.dtype, jnp.floating)):
+        raise TypeError(f"policy={type(policy).__name__}(tokens int32[2, {seq_len - 1}]) returned "
+                        f"{type(out).__name__} {shape}; accepted: logits [B, T, V], floating")
+
+
+class DPOTrainer:
+    """The policy's ZeRO step, its state and the pairs with their reference sums.
+
+    `policy`: a plain model (`models.GPT`, `models.Llama`: `model(tokens) -> logits`), the
+    start of training and the reference. `train`, `val`: `dpo.pair_batch` rows. `zero_config`:
+    default ZeRO-3. `trainable`: `make_step`'s filter of the parameters to train (None: all).
+    To continue a run, assign a restored TrainState of `step`'s layout to `state`: the
+    reference stays `policy`, the run's starting model."""
+
+    def __init__(self, config: DPOConfig, policy: nnx.Module, *, mesh: Any,
+                 train: dict[str, np.ndarray], val: dict[str, np.ndarray],
+                 zero_config: zeroxla.ZeroConfig | None = None, seed: int = 0,
+                 trainable: Any = None):
+        if not isinstance(config, DPOConfig):
+            raise TypeError(f"config must be a DPOConfig, got {type(config).__name__}")
+        n = len(train["chosen"])
+        if n < config.batch_size:
+            raise ValueError(f"DPOConfig.batch_size={config.batch_size} exceeds the {n} training "
+                             f"pairs; accepted: batch_size <= {n}")
+        check_policy(policy, config.seq_len)
+        self.config, self.seed = config, seed
+        reference = FrozenReference(policy, device=jax.local_devices()[0],
+                                    int8=config.reference_int8)
+        self.reference_bytes = reference.nbytes
+        self.train = {**train, **reference_logprobs(reference, train)}
+        self.val = {**val, **reference_logprobs(reference, val)}
+        del reference                                     # never read again
+        zero_config = zero_config or zeroxla.ZeroConfig(stage=3)
+        self.optimizer = optax.adamw(config.learning_rate)
+
+        def step_for(loss_fn):
+            return zeroxla.make_step(policy, mesh, optimizer=self.optimizer, config=zero_config,
+                                     loss_fn=loss_fn, trainable=trainable)
+        self.step = step_for(make_dpo_loss(config.beta, config.loss_type))
+        self.statistics = {name: step_for(make_dpo_statistic(name, config.beta))
+                           for name in STATISTICS}
+        self.state = self.step.init(seed)
+
+    def _device_batch(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        sharding = self.step.layout.batch_sharding
+        return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
+                for k, v in rows.items()}
+
+    def step_record(self, k: int) -> dict[str, float]:
+        """Step k (0-based) on its `batch_size` pairs; returns the record of step k + 1."""
+        batch = self._device_batch(_rows(self.train, epoch_order(
+            len(self.train["chosen"]), self.config.batch_size, k, self.seed)))
+        stats = {name: float(s.eval_loss(self.state, batch))
+                 for name, s in self.statistics.items()}
+        self.state, metrics = self.step(self.state, batch)
+        return {"step": k + 1, "loss": float(metrics["loss"]), **stats}
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out `val_loss`, `val_accuracy`, `val_margin`: exact means over every val pair
+        (the last batch padded with rows of weight 0)."""
+        n = len(self.val["chosen"])
+        unit = self.step.layout.data_size                 # every device gets the same rows
+        size = -(-min(n, self.config.batch_size) // unit) * unit
+        sums = dict.fromkeys(("val_loss", *(f"val_{s}" for s in STATISTICS)), 0.0)
+        for start in range(0, n, size):
+            rows = np.arange(start, start + size) % n
+            piece = _rows(self.val, rows)
+            piece["weight"] = (np.arange(start, start + size) < n).astype(np.float32)
+            count = float(piece["weight"].sum())
+            batch = self._device_batch(piece)
+            sums["val_loss"] += float(self.step.eval_loss(self.state, batch)) * count
+            for name, s in self.statistics.items():
+                sums[f"val_{name}"] += float(s.eval_loss(self.state, batch)) * count
+        return {k: v / n for k, v in sums.items()}
+
+    def policy_model(self) -> nnx.Module:
+        """The current policy, gathered (a plain model with full weights)."""
+        return zeroxla.gathered_model(self.state)
+
+
+@dataclasses.dataclass
+class DPORun:
+    """What `run_dpo` returns: one record per step (evaluations merged into theirs, and a step
+    0 record of the start's evaluation), and the trainer (its `state`, `step`)."""
+
+    records: list[dict[str, float]]
+    trainer: DPOTrainer
+
+
+def run_dpo(config: DPOConfig, steps: int, policy: nnx.Module, *, mesh: Any,
+            train: dict[str, np.ndarray], val: dict[str, np.ndarray], eval_every: int = 10,
+            seed: int = 0, zero_config: zeroxla.ZeroConfig | None = None,
+            on_record: Callable[[dict[str, float]], None] | None = None) -> DPORun:
+    """`steps` DPO steps from `policy` (see `DPOTrainer`), evaluated on `val` before the
+    first step, every `eval_every` steps and after the last."""
+    for name, value in (("steps", steps), ("eval_every", eval_every)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid; accepted: an integer >= 1")
+    trainer = DPOTrainer(config, policy, mesh=mesh, train=train, val=val, seed=seed,
+                         zero_config=zero_config)
+    records = [{"step": 0, **trainer.evaluate()}]
+    if on_record is not None:
+        on_record(records[0])
+    for k in range(steps):
+        record = trainer.step_record(k)
+        if (k + 1) % eval_every == 0 or k + 1 == steps:
+            record.update(trainer.evaluate())
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+    return DPORun(records, trainer)
+
+
+__all__ = ["DPORun", "DPOTrainer", "STATISTICS", "check_policy", "epoch_order", "run_dpo"]

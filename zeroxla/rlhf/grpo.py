@@ -1,0 +1,336 @@
+"""The GRPO family's loop on zeroxla (TRL's `GRPOTrainer` shape): the actor is a ZeRO-3
+`make_step` with the GRPO `loss_fn`, rollouts come from the Hybrid Engine, the reference is
+frozen, and there is no critic: the baseline is the group of answers to the same prompt.
+
+One iteration (`GRPOTrainer.generate_experience`, then `train_grpo`):
+1. draw `prompts_per_iteration` prompt rows (`(seed, iteration)`, without replacement while
+   there are enough);
+2. sample `num_generations` answers to each with the Hybrid Engine, one `generate` call per
+   generation index with its own seed (the engine draws a prompt's tokens from the seed and
+   the prompt's ids, so equal prompts in one call would get equal answers); the TP copy is
+   released after, as in PPO; the engine also returns the log-prob it drew each token with;
+3. the answers' log-probs under the actor (the "old" policy of the ratio) and the reference,
+   one jitted forward each on gathered weights, as `PPOTrainer`; the rewards (weighted reward
+   functions on the texts, and/or a reward model's end score), group-relative advantages;
+4. `num_iterations` actor steps on the whole rollout; before each step after the first, the
+   clipped fraction of that step's ratio is measured on the gathered weights. Each record
+   holds the train/rollout log-prob gap (`rollout_correction.logprob_gap`, as `gap/*`), and
+   with `rollout_correction="tis"` every step's terms carry the truncated importance weights.
+
+The policy is the softmax over the tokenizer's ids (`vocab_limit = tokenizer.vocab_size`, as
+PPO): a padded vocabulary's rows are never drawn, and the log-probs are of that distribution.
+
+Rows are prompt-major: row b is answer `b % G` of prompt `b // G` (`group_advantages`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import zeroxla
+from zeroxla.rlhf.group_advantages import group_advantages
+from zeroxla.rlhf.grpo_config import GRPOConfig
+from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss
+from zeroxla.rlhf.losses import answer_logprobs
+from zeroxla.rlhf.reference import FrozenReference
+from zeroxla.rlhf.reward import make_scorer
+from zeroxla.rlhf.reward_funcs import RewardFunctions
+from zeroxla.rlhf.rollout import pad_answers
+from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, tis_weights
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 4))
+def _logprobs(graphdef: Any, params: Any, answer_length: int, tokens: jax.Array,
+              vocab_limit: int | None) -> jax.Array:
+    """`answer_logprobs` of a plain (gathered) model: [B, G]."""
+    return answer_logprobs(nnx.merge(graphdef, params), tokens, answer_length, vocab_limit)
+
+
+def _pad_logprobs(logprobs: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
+    """The engine's per-output log-probs -> float32 [B, T], 0 past each answer."""
+    out = np.zeros(mask.shape, np.float32)
+    for b, row in enumerate(logprobs):
+        out[b, :row.size] = row[:mask.shape[1]]
+    return out * mask
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPORollout:
+    """One iteration's experience (B = prompts * G rows; T = max_completion_length)."""
+
+    tokens: np.ndarray                   # int32[B, P + T]
+    action_mask: np.ndarray              # float32[B, T], 1 on real answer tokens (a prefix)
+    completions: tuple[str, ...]         # the answers, decoded
+    rewards: np.ndarray                  # float64[B], the weighted reward per answer
+    reward_parts: dict[str, np.ndarray]  # each reward function's (and the reward model's) [B]
+    advantages: np.ndarray               # float32[B]
+    logprobs: np.ndarray                 # float32[B, T], the actor at rollout time
+    ref_logprobs: np.ndarray             # float32[B, T], the frozen reference
+    rollout_logprobs: np.ndarray | None = None   # float32[B, T], as the engine drew them
+
+    def kl(self) -> float:
+        """Mean over real tokens of the k3 estimator of KL(actor || reference)."""
+        delta = (self.ref_logprobs - self.logprobs)[self.action_mask > 0].astype(np.float64)
+        return float(np.mean(np.exp(delta) - delta - 1.0))
+
+
+def _prompt_rows(prompts: Sequence[dict[str, Any]], tokenizer: Any, length: int) -> np.ndarray:
+    rows = []
+    for i, row in enumerate(prompts):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"prompt row {i} is {row!r:.80}; accepted: a dict with a 'prompt' "
+                             "string (other keys are passed to the reward functions)")
+        ids = np.asarray(tokenizer.encode(row["prompt"]), np.int32)
+        if ids.size < length:
+            raise ValueError(f"prompt row {i} ({row['prompt'][:30]!r}...) is {ids.size} tokens, "
+                             f"fewer than GRPOConfig.prompt_length={length}; our models take "
+                             "no attention mask, so prompts are not left-padded: lower "
+                             "prompt_length or lengthen the prompt")
+        rows.append(ids[-length:])
+    return np.stack(rows)
+
+
+class GRPOTrainer:
+    """Actor and reference of one GRPO-family run (see the module docstring).
+
+    `actor` is the initial policy (plain, e.g. `zeroxla.gathered_model` of an SFT state);
+    `prompts` are rows {"prompt": text, ...} (a prompt longer than `prompt_length` tokens keeps
+    its last ones, as DeepSpeed-Chat's prompt dataset does): every other key is handed to the
+    reward functions as a keyword (one value per answer), e.g. the bundled task's `answer`.
+    `reward_funcs` are `RewardFunctions` (or callables, weight 1 each); `reward_model` (a plain
+    `RewardModel`) adds its end score times `reward_model_weight`. `eos_id` ends an answer
+    (kept, as its last token).
+    """
+
+    def __init__(self, config: GRPOConfig, actor: nnx.Module, *, mesh: Any, tokenizer: Any,
+                 prompts: Sequence[dict[str, Any]],
+                 reward_funcs: RewardFunctions | Sequence[Callable] = (),
+                 reward_model: Any = None, reward_model_weight: float = 1.0,
+                 inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0):
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
+        if not isinstance(reward_funcs, RewardFunctions):
+            reward_funcs = RewardFunctions(tuple(reward_funcs)) if reward_funcs else None
+        if reward_funcs is None and reward_model is None:
+            raise ValueError("no reward: accepted: reward_funcs (callables (prompts, "
+                             "completions, **row_fields) -> list[float]) and/or a reward_model")
+        self.reward_funcs, self.reward_model_weight = reward_funcs, reward_model_weight
+        self.score_model = None if reward_model is None else make_scorer(reward_model=reward_model)
+        self.config, self.tokenizer, self.eos_id, self.seed = config, tokenizer, eos_id, seed
+        self.prompts = list(prompts)
+        self.prompt_ids = _prompt_rows(self.prompts, tokenizer, config.prompt_length)
+        self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
+        self.reference = FrozenReference(actor, device=jax.local_devices()[0],
+                                         int8=config.reference_int8)
+        self.actor_step = zeroxla.make_step(
+            actor, mesh, optimizer=optax.adamw(config.learning_rate),
+            config=zeroxla.ZeroConfig(stage=3),
+            loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
+                                   epsilon_high=config.clip_high, beta=config.beta,
+                                   vocab_limit=self.vocab_limit))
+        self.actor_state = self.actor_step.init(seed)
+        self.engine = zeroxla.HybridEngine(self.actor_step.layout, zeroxla.HybridEngineConfig(
+            inference_tp_size=inference_tp_size,
+            max_out_tokens=config.prompt_length + config.max_completion_length))
+
+    # ---- rollout ---------------------------------------------------------------------------
+    def sample_prompts(self, iteration: int) -> np.ndarray:
+        """Indices of this iteration's `prompts_per_iteration` prompt rows."""
+        n, k = len(self.prompts), self.config.prompts_per_iteration
+        rng = np.random.default_rng((self.seed, iteration))
+        return rng.choice(n, k, replace=n < k)
+
+    def generate(self, picked: np.ndarray, iteration: int
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """G answers per picked prompt, prompt-major (row b: prompt b // G, answer b % G),
+        and the log-probs [new] the engine drew each answer's tokens with."""
+        c = self.config
+        prompts = [self.prompt_ids[i] for i in picked]
+        per_generation = [self.engine.generate(
+            self.actor_state, prompts, max_new_tokens=c.max_completion_length, temperature=1.0,
+            eos_id=self.eos_id, seed=(self.seed * 100_003 + iteration) * 1_009 + g,
+            vocab_limit=self.vocab_limit, return_logprobs=True)
+            for g in range(c.num_generations)]
+        self.engine.release()          # the next optimizer step makes the TP copy stale anyway
+        order = [(g, p) for p in range(len(prompts)) for g in range(c.num_generations)]
+        return ([per_generation[g][0][p] for g, p in order],
+                [per_generation[g][1][p] for g, p in order])
+
+    def score(self, picked: np.ndarray, tokens: np.ndarray, mask: np.ndarray,
+              completions: tuple[str, ...]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The weighted reward per answer [B] and each source's rewards."""
+        rows = [self.prompts[i] for i in picked for _ in range(self.config.num_generations)]
+        keys = sorted({k for row in rows for k in row if k != "prompt"})
+        fields = {k: [row.get(k) for row in rows] for k in keys}
+        total, parts = np.zeros(len(rows)), {}
+        if self.reward_funcs is not None:
+            total, parts = self.reward_funcs([r["prompt"] for r in rows], completions, fields)
+        if self.score_model is not None:
+            scores = np.asarray(self.score_model(tokens, mask, completions), np.float64)
+            parts["reward_model"] = scores
+            total = total + self.reward_model_weight * scores
+        return total, parts
+
+    def generate_experience(self, iteration: int) -> tuple[GRPORollout, float, float]:
+        """One rollout; returns it with the seconds spent generating and scoring it."""
+        c = self.config
+        start = time.perf_counter()
+        picked = self.sample_prompts(iteration)
+        outputs, drawn = self.generate(picked, iteration)
+        generation_s = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens, mask = pad_answers(outputs, c.prompt_length, c.max_completion_length)
+        completions = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
+                            for b in range(len(outputs)))
+        rewards, parts = self.score(picked, tokens, mask, completions)
+        advantages = group_advantages(np.asarray(rewards, np.float32), c.num_generations,
+                                      scale_rewards=c.scale_rewards, advantage=c.advantage)
+        logprobs = self.logprobs(tokens) * mask
+        ref_logprobs = self.reference(functools.partial(answer_logprobs,
+                                                        vocab_limit=self.vocab_limit),
+                                      tokens, c.max_completion_length) * mask
+        rollout = GRPORollout(tokens=tokens, action_mask=mask, completions=completions,
+                              rewards=rewards, reward_parts=parts,
+                              advantages=np.asarray(advantages, np.float32),
+                              logprobs=np.asarray(logprobs, np.float32),
+                              ref_logprobs=np.asarray(ref_logprobs, np.float32),
+                              rollout_logprobs=_pad_logprobs(drawn, mask))
+        return rollout, generation_s, time.perf_counter() - start
+
+    def logprobs(self, tokens: np.ndarray) -> jax.Array:
+        """The current actor's answer log-probs [B, T] (gathered weights, one device)."""
+        graphdef, params = nnx.split(zeroxla.gathered_model(self.actor_state))
+        return _logprobs(graphdef, params, self.config.max_completion_length, tokens,
+                         self.vocab_limit)
+
+    # ---- training --------------------------------------------------------------------------
+    def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
+        """`num_iterations` actor steps on `rollout`; returns the mean loss and the clipped
+        fractions (mean over the steps after the first; 0 when there is one step: its ratio
+        is 1), and with `rollout_correction="tis"` the share of tokens whose importance
+        weight the cap truncates (`tis_clipped_fraction`)."""
+        c = self.config
+        batch = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
+                 "advantages": rollout.advantages, "action_mask": rollout.action_mask}
+        if c.beta:
+            batch["ref_logprobs"] = rollout.ref_logprobs
+        tis = {}
+        if c.rollout_correction == "tis":
+            batch["is_weights"] = np.asarray(tis_weights(
+                rollout.logprobs, rollout.rollout_logprobs, c.tis_cap))
+            tis = {"tis_clipped_fraction": float(tis_clipped_fraction(
+                rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask, c.tis_cap))}
+        losses, clips = [], []
+        for k in range(c.num_iterations):
+            if k:
+                clips.append({name: float(v) for name, v in clip_fractions(
+                    self.logprobs(rollout.tokens), rollout.logprobs, rollout.advantages,
+                    rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
+            self.actor_state, metrics = self.actor_step(self.actor_state, batch)
+            losses.append(float(metrics["loss"]))       # one program in flight at a time
+        keys = ("clip_low", "clip_high", "clip_fraction")
+        return {"loss": float(np.mean(losses)), **tis,
+                **{key: float(np.mean([x[key] for x in clips])) if clips else 0.0
+                   for key in keys}}
+
+    def actor_model(self) -> nnx.Module:
+        """The current actor, gathered (a plain model with full weights)."""
+        return zeroxla.gathered_model(self.actor_state)
+
+
+def iteration_record(iteration: int, rollout: GRPORollout, train: dict[str, float],
+                     times: dict[str, float]) -> dict[str, Any]:
+    """One metrics.jsonl record: rewards (mean, per source, and `accuracy` when the
+    `accuracy_reward` is one of them), KL, loss, clipped fractions, answer length, times, and
+    the train/rollout log-prob gap (`gap/max`, `gap/mean_abs`, `gap/frac_over_1e-3`)."""
+    record = {"iteration": iteration, "reward": float(np.mean(rollout.rewards)),
+              "reward_std": float(np.std(rollout.rewards)),
+              **{f"reward/{name}": float(np.mean(v)) for name, v in rollout.reward_parts.items()},
+              "kl": rollout.kl(), **train,
+              "completion_length": float(np.mean(rollout.action_mask.sum(1))), **times}
+    if rollout.rollout_logprobs is not None:
+        record.update({f"gap/{k}": float(v) for k, v in logprob_gap(
+            rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask).items()})
+    if "accuracy_reward" in rollout.reward_parts:
+        record["accuracy"] = float(np.mean(rollout.reward_parts["accuracy_reward"]))
+    return record
+
+
+@dataclasses.dataclass
+class GRPORun:
+    """What `run_grpo` returns: one record and one rollout per iteration, and the trainer."""
+
+    records: list[dict[str, Any]]
+    rollouts: list[GRPORollout]
+    trainer: GRPOTrainer
+
+
+def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any,
+             tokenizer: Any, prompts: Sequence[dict[str, Any]],
+             reward_funcs: RewardFunctions | Sequence[Callable] = (), reward_model: Any = None,
+             reward_model_weight: float = 1.0, inference_tp_size: int = 2,
+             eos_id: int | None = None, seed: int = 0, trainer: GRPOTrainer | None = None,
+             start_iteration: int = 0, should_stop: Callable[[], bool] = lambda: False,
+             on_iteration: Callable[[dict[str, Any]], None] | None = None) -> GRPORun:
+    """Iterations `start_iteration` .. `iterations - 1` of the GRPO family from `actor` (see
+    `GRPOTrainer` for the arguments; `trainer` continues an existing one, e.g. restored).
+    `should_stop()` is read before each iteration (a stop request: the run returns early).
+    Each record (`iteration_record`) holds the seconds spent in `generation_s` (Hybrid
+    Engine), `scoring_s` (log-probs, rewards, advantages) and `training_s` (ZeRO-3 steps);
+    the first iteration's include compilation."""
+    if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
+        raise ValueError(f"iterations={iterations!r} is invalid; accepted: an integer >= 1")
+    if trainer is None:
+        trainer = GRPOTrainer(config, actor, mesh=mesh, tokenizer=tokenizer, prompts=prompts,
+                              reward_funcs=reward_funcs, reward_model=reward_model,
+                              reward_model_weight=reward_model_weight,
+                              inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed)
+    records, rollouts = [], []
+    for it in range(start_iteration, iterations):
+        if should_stop():
+            break
+        rollout, generation_s, scoring_s = trainer.generate_experience(it)
+        start = time.perf_counter()
+        train = trainer.train_grpo(rollout)
+        jax.block_until_ready(trainer.actor_state)
+        record = iteration_record(it, rollout, train, {
+            "generation_s": generation_s, "scoring_s": scoring_s,
+            "training_s": time.perf_counter() - start})
+        records.append(record)
+        rollouts.append(rollout)
+        if on_iteration is not None:
+            on_iteration(record)
+    return GRPORun(records, rollouts, trainer)
+
+
+def exact_accuracy(model: nnx.Module, problems: Sequence[dict[str, Any]], tokenizer: Any,
+                   config: GRPOConfig, *, mesh: Any, eos_id: int | None,
+                   inference_tp_size: int = 1) -> float:
+    """The share of `problems` whose greedy answer states the row's `answer` (held-out
+    evaluation of a plain `model`, through a Hybrid Engine on a fresh step of it)."""
+    from zeroxla.rlhf.reward_funcs import accuracy_reward
+
+    step = zeroxla.make_step(model, mesh, optimizer=optax.sgd(0.0),
+                             config=zeroxla.ZeroConfig(stage=3))
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=inference_tp_size,
+        max_out_tokens=config.prompt_length + config.max_completion_length))
+    ids = _prompt_rows(problems, tokenizer, config.prompt_length)
+    outputs = engine.generate(step.init(0), list(ids), max_new_tokens=config.max_completion_length,
+                              temperature=0.0, eos_id=eos_id,
+                              vocab_limit=getattr(tokenizer, "vocab_size", None))
+    texts = [tokenizer.decode(row[config.prompt_length:]) for row in outputs]
+    return float(np.mean(accuracy_reward([], texts, answer=[p["answer"] for p in problems])))
+
+
+__all__ = ["GRPORollout", "GRPORun", "GRPOTrainer", "exact_accuracy",
+           "iteration_record", "run_grpo"]

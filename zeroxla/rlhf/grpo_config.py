@@ -1,0 +1,120 @@
+"""`GRPOConfig`: the knobs of the GRPO family (GRPO, Dr.GRPO, DAPO, RLOO's baseline) as one frozen
+dataclass. Field names are TRL's `GRPOConfig` where it has one:
+
+  num_generations        G answers sampled per prompt (a group); G >= 2, since a group of one
+                         has no baseline to be relative to
+  loss_type              how per-token terms become one loss: "grpo" (mean per answer, then over
+                         answers), "dr_grpo" (sum / (answers * max_completion_length), Dr.GRPO's
+                         constant normaliser), "dapo" (token-level mean over the batch: TRL's
+                         default)
+  scale_rewards          divide the centred reward by the group's std ("group"), the batch's
+                         ("batch") or not at all ("none", Dr.GRPO's choice)
+  epsilon, epsilon_high  lower and upper clip of the importance ratio, [1 - epsilon,
+                         1 + epsilon_high] (DAPO's clip-higher; epsilon_high None = epsilon)
+  beta                   weight of the k3 KL estimator against the frozen reference (0: no
+                         reference is built)
+  num_iterations         mu, policy updates per rollout batch (the clip only binds when mu > 1)
+  learning_rate          AdamW's
+  max_completion_length  answer tokens
+
+`rollout_correction` "tis" multiplies every per-token loss term by the truncated importance
+weight min(exp(train_old - rollout), `tis_cap`) between the training forward's and the rollout
+engine's log-probs of the sampled tokens (TRL's `vllm_importance_sampling_correction` and
+`vllm_importance_sampling_cap`; `zeroxla.rlhf.rollout_correction`); None: no correction (the
+gap is logged either way).
+
+`advantage` ("grpo" | "rloo") chooses the baseline: the group mean, or RLOO's leave-one-out mean
+of the other G - 1 answers (Ahmadian et al. 2024). `prompts_per_iteration` prompts make
+`prompts_per_iteration * num_generations` rows per rollout; `prompt_length` is the prompt's
+tokens (every prompt has exactly that many: our models take no attention mask). Rollouts
+sample at temperature 1, from the policy's own distribution, so the log-probs of the ratio are
+the model's (no temperature enters them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+ADVANTAGES = ("grpo", "rloo")
+ROLLOUT_CORRECTIONS = ("tis",)
+
+
+def _check(name: str, value: Any, ok: bool, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"GRPOConfig.{name}={value!r} is invalid; accepted: {accepted}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """The GRPO family's hyper-parameters (TRL's defaults where it has one, except
+    `learning_rate`, sized for the tiny models here). Every field is validated; a bad value is
+    a ValueError naming it."""
+
+    num_generations: int = 8
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    num_iterations: int = 1
+    advantage: str = "grpo"
+    learning_rate: float = 1e-3
+    prompts_per_iteration: int = 8
+    prompt_length: int = 16
+    max_completion_length: int = 16
+    # The frozen reference (beta > 0) as int8 codes, as PPOConfig.reference_int8.
+    reference_int8: bool = False
+    rollout_correction: str | None = None
+    tis_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check("num_generations", self.num_generations,
+               _is_int(self.num_generations) and self.num_generations >= 2,
+               "an integer >= 2 (group-relative advantages need at least two answers per "
+               "prompt; G = 1 has no baseline)")
+        for name, choices in (("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
+                              ("advantage", ADVANTAGES)):
+            value = getattr(self, name)
+            _check(name, value, value in choices, " | ".join(choices))
+        _check("epsilon", self.epsilon, _is_number(self.epsilon) and 0 < self.epsilon < 1,
+               "a number in (0, 1)")
+        _check("epsilon_high", self.epsilon_high, self.epsilon_high is None or (
+            _is_number(self.epsilon_high) and self.epsilon_high > 0), "None or a number > 0")
+        _check("beta", self.beta, _is_number(self.beta) and self.beta >= 0, "a number >= 0")
+        _check("learning_rate", self.learning_rate,
+               _is_number(self.learning_rate) and self.learning_rate > 0, "a number > 0")
+        for name in ("num_iterations", "prompts_per_iteration", "prompt_length",
+                     "max_completion_length"):
+            value = getattr(self, name)
+            _check(name, value, _is_int(value) and value >= 1, "an integer >= 1")
+        _check("rollout_correction", self.rollout_correction,
+               self.rollout_correction is None or self.rollout_correction in ROLLOUT_CORRECTIONS,
+               "None (no correction) | tis (truncated importance sampling)")
+        _check("tis_cap", self.tis_cap, _is_number(self.tis_cap) and self.tis_cap > 0,
+               "a number > 0 (the largest importance weight)")
+        _check("reference_int8", self.reference_int8, isinstance(self.reference_int8, bool),
+               "True or False")
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip epsilon: `epsilon_high`, or `epsilon` when it is None."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def rows_per_iteration(self) -> int:
+        """Answers per rollout: prompts_per_iteration * num_generations."""
+        return self.prompts_per_iteration * self.num_generations
+
+    def replace(self, **changes: Any) -> "GRPOConfig":
+        return dataclasses.replace(self, **changes)

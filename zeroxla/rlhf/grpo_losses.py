@@ -1,0 +1,104 @@
+"""The GRPO family's policy loss (TRL's `GRPOTrainer._compute_loss`) as pure functions over the
+answer's per-token arrays [B, G], and the `loss_fn(model, batch)` that trains the actor under
+`make_step`.
+
+Per token: the clipped surrogate with separate lower and upper clips (DAPO's clip-higher),
+`-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` with `r = exp(logprobs - old_logprobs)`
+and A the answer's group-relative advantage, plus `beta` times the k3 estimator of
+KL(policy || reference), `exp(ref - logp) - (ref - logp) - 1` (Schulman's k3: unbiased,
+non-negative). With truncated importance sampling (`rollout_correction`), each token's term is
+then multiplied by its weight `is_weights` (TRL's order: after the KL term is added). The terms
+of the real answer tokens are aggregated by `loss_type`:
+
+  grpo     mean over each answer's tokens, then mean over answers (Shao et al. 2024)
+  dr_grpo  sum over every token / (B * max_completion_length) (Dr.GRPO: no length bias)
+  dapo     sum over every token / number of real tokens in the batch (token-level)
+
+`grpo_loss_parts` returns the aggregation as `(sum, count)`, the pair `make_step` divides over
+the global batch, so each loss is exact however the batch is sharded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zeroxla.rlhf.losses import answer_logprobs
+
+
+def grpo_loss_terms(logprobs, old_logprobs, advantages, *, epsilon: float, epsilon_high: float,
+                    beta: float = 0.0, ref_logprobs=None):
+    """Per-token loss [B, G] (see the module docstring); `advantages` is [B]; `ref_logprobs`
+    [B, G] is needed when `beta` > 0."""
+    ratio = jnp.exp(logprobs - old_logprobs)                              # [B, G]
+    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    a = advantages[:, None]                                               # [B, 1]
+    terms = -jnp.minimum(ratio * a, clipped * a)
+    if beta:
+        if ref_logprobs is None:
+            raise ValueError(f"beta={beta} needs ref_logprobs; accepted: beta=0 or the "
+                             "reference's log-probs [B, G]")
+        delta = ref_logprobs - logprobs
+        terms = terms + beta * (jnp.exp(delta) - delta - 1.0)
+    return terms
+
+
+def grpo_loss_parts(terms, action_mask, loss_type: str):
+    """`(sum, count)` of the real tokens' `terms` [B, G] under `loss_type`."""
+    mask = action_mask.astype(terms.dtype)
+    masked = terms * mask                                                 # [B, G]
+    if loss_type == "grpo":
+        per_answer = jnp.sum(masked, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)  # [B]
+        return jnp.sum(per_answer), jnp.asarray(mask.shape[0], terms.dtype)
+    if loss_type == "dr_grpo":
+        return jnp.sum(masked), jnp.asarray(mask.size, terms.dtype)
+    if loss_type == "dapo":
+        return jnp.sum(masked), jnp.sum(mask)
+    raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: grpo | dr_grpo | dapo")
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, action_mask, *, loss_type: str, epsilon: float,
+              epsilon_high: float, beta: float = 0.0, ref_logprobs=None, is_weights=None):
+    """The scalar loss of one batch: `sum / count` of `grpo_loss_parts` (each term times
+    `is_weights` [B, G] when given)."""
+    terms = grpo_loss_terms(logprobs, old_logprobs, advantages, epsilon=epsilon,
+                            epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs)
+    if is_weights is not None:
+        terms = terms * is_weights
+    total, count = grpo_loss_parts(terms, action_mask, loss_type)
+    return total / count
+
+
+def clip_fractions(logprobs, old_logprobs, advantages, action_mask, *, epsilon: float,
+                   epsilon_high: float) -> dict[str, jax.Array]:
+    """The share of real tokens whose gradient the clip removes: the ratio below
+    `1 - epsilon` with A < 0 (`clip_low`), above `1 + epsilon_high` with A > 0 (`clip_high`),
+    and their sum (`clip_fraction`), as TRL logs them."""
+    ratio = jnp.exp(logprobs - old_logprobs)
+    a = advantages[:, None]
+    mask = action_mask.astype(ratio.dtype)
+    count = jnp.maximum(jnp.sum(mask), 1.0)
+    low = jnp.sum(((ratio < 1.0 - epsilon) & (a < 0)) * mask) / count
+    high = jnp.sum(((ratio > 1.0 + epsilon_high) & (a > 0)) * mask) / count
+    return {"clip_low": low, "clip_high": high, "clip_fraction": low + high}
+
+
+def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
+                   vocab_limit: int | None = None):
+    """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
+    "old_logprobs": [B, G], "advantages": [B], "action_mask": [B, G]}, when `beta` > 0
+    "ref_logprobs": [B, G], and with truncated importance sampling "is_weights": [B, G]. The
+    policy is the softmax over the ids below `vocab_limit` (`answer_logprobs`)."""
+    def grpo_actor_loss(model, batch):
+        mask = batch["action_mask"]
+        logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit)
+        terms = grpo_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"],
+                                epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+                                ref_logprobs=batch.get("ref_logprobs"))
+        if "is_weights" in batch:
+            terms = terms * batch["is_weights"]
+        return grpo_loss_parts(terms, mask, loss_type)
+    return grpo_actor_loss
+
+
+__all__ = ["clip_fractions", "grpo_loss", "grpo_loss_parts", "grpo_loss_terms", "make_grpo_loss"]
