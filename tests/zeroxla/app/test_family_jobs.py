@@ -1,0 +1,135 @@
+"""The families through the jobs: `zeroxla train --init-from` (SFT on the bundled
+tiny-shakespeare pairs, with its end-of-run sample) and `zeroxla export` on a tiny qwen2
+(tied embedding, q/k/v biases) and a tiny gemma2 (soft-capping, alternating sliding and global
+layers, tied); two `zeroxla ppo` iterations on a tiny qwen3 (q/k norms, explicit head_dim,
+untied) with a transformers `Qwen3ForSequenceClassification` as the reward model. Each
+checkpoint is written by transformers with the fixture tokenizer (no network).
+
+Reference: transformers itself, which reloads each exported actor; its logits must equal the
+trained checkpoint's, its config keep the family's model_type and tie, and its tokenizer encode
+as the source checkpoint's does.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import zeroxla
+from zeroxla.app import chat_data, cli
+from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+from zeroxla.app.tiny_checkpoints import eos_id, tokenizer_vocab_size, write_tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+SEQ = 48
+COMMON = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+              tie_word_embeddings=True)
+# family -> (transformers config class, its options)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", {}),                 # q/k/v biases are Qwen2's own
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
+                                    attn_logit_softcapping=20.0,
+                                    final_logit_softcapping=10.0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False)),
+}
+
+
+def write_checkpoint(family, directory, reward=False):
+    """A random transformers checkpoint of `family` (norm weights ~1, every other tensor std 0.1,
+    biases nonzero) with the fixture tokenizer; `reward`: its one-label sequence classifier
+    padded with EOS, as TRL saves a reward model."""
+    cls_name, options = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls_name)(
+        **{**COMMON, **options}, vocab_size=tokenizer_vocab_size(), bos_token_id=eos_id(),
+        eos_token_id=eos_id(), pad_token_id=eos_id() if reward else None,
+        **({"num_labels": 1} if reward else {}))
+    auto = (transformers.AutoModelForSequenceClassification if reward
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = p.ndim == 1 and "norm" in name
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm else 0.0))
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sft_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "sft.jsonl"
+    chat_data.write_jsonl(chat_data.shakespeare_sft(64, seed=0), path)
+    return path
+
+
+def logits(directory, x):
+    with torch.no_grad():
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        return model(torch.tensor(x, dtype=torch.long)).logits.numpy()
+
+
+def tokens():
+    return np.random.default_rng(0).integers(0, tokenizer_vocab_size(), (2, 20)).astype(np.int32)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
+def test_train_init_from_then_export_reloads_in_transformers(family, sft_file, tmp_path, capsys):
+    source = write_checkpoint(family, tmp_path / "hf")
+    out = tmp_path / "run"
+    assert cli.main(["train", "--init-from", str(source), "--data", str(sft_file),
+                     "--steps", "3", "--batch-size", "8", "--seq-len", str(SEQ), "--lr", "1e-3",
+                     "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "8",
+                     "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]              # eval records have none
+    assert len(losses) == 3 and np.all(np.isfinite(losses))
+    printed = capsys.readouterr().out
+    assert summary["samples"].strip()                      # the end-of-run sample, printed
+    assert all(line in printed for line in summary["samples"].splitlines())
+
+    export = tmp_path / "export"
+    assert cli.main(["export", str(out / "checkpoint"), str(export)]) == 0
+    written = json.loads((export / "config.json").read_text())
+    assert written["model_type"] == family and written["tie_word_embeddings"] is True
+    x = tokens()
+    exported, trained = logits(export, x), zeroxla.load_params(out / "checkpoint")(x)
+    np.testing.assert_allclose(exported, np.asarray(trained), atol=1e-4, rtol=0)
+    assert np.abs(exported - logits(source, x)).max() > 1e-3    # the export is the trained model
+
+    text = "ROMEO:\nWhat light through yonder window breaks?"
+    theirs = transformers.AutoTokenizer.from_pretrained(export)
+    ours = PretrainedTokenizer.from_dir(source)
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text).tolist()
+
+
+def test_two_ppo_iterations_on_qwen3_export_a_qwen3_actor(tmp_path, sft_file):
+    source = write_checkpoint("qwen3", tmp_path / "hf")
+    reward = write_checkpoint("qwen3", tmp_path / "rm", reward=True)
+    prompts = tmp_path / "prompts.jsonl"
+    chat_data.write_jsonl(chat_data.shakespeare_prompts(16, seed=2), prompts)
+    assert cli.main(["train", "--init-from", str(source), "--data", str(sft_file), "--steps", "1",
+                     "--batch-size", "8", "--seq-len", str(SEQ), "--eval-every", "1",
+                     "--eval-batches", "1", "--sample-tokens", "0", "--out", str(tmp_path / "sft"),
+                     "--no-progress"]) == 0
+    out = tmp_path / "ppo"
+    assert cli.main(["ppo", "--actor", str(tmp_path / "sft"), "--reward", str(reward),
+                     "--prompts", str(prompts), "--iterations", "2", "--ppo-epochs", "1",
+                     "--per-iteration-prompts", "8", "--max-prompt-seq-len", "8",
+                     "--max-answer-seq-len", "12", "--out", str(out), "--no-progress"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    written = json.loads((out / "actor_hf" / "config.json").read_text())
+    assert written["model_type"] == "qwen3" and written["tie_word_embeddings"] is False
+    x = tokens()
+    exported = logits(out / "actor_hf", x)
+    np.testing.assert_allclose(exported,
+                               np.asarray(zeroxla.load_params(out / "checkpoint" / "actor")(x)),
+                               atol=1e-4, rtol=0)
+    sft = np.asarray(zeroxla.load_params(tmp_path / "sft" / "checkpoint")(x))
+    assert np.abs(exported - sft).max() > 1e-4                  # PPO moved the actor
