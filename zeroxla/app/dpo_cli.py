@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from zeroxla.app.chat_cli import LORA_OPTIONS, add_lora_options, lora_config
 from zeroxla.app.cli_args import (mesh_shape, non_negative_int, positive_float, positive_int,
                                   set_host_device_count)
 
@@ -23,8 +24,8 @@ def add_dpo(subparsers: argparse._SubParsersAction) -> None:
                     "pairs under ZeRO, against a frozen reference (the starting model), whose "
                     "log-probs are computed once. Writes metrics.jsonl (loss, accuracy, margin "
                     "per step; held-out val_* every --eval-every steps), summary.json, "
-                    "checkpoint/ and policy_hf/ (the policy as a Hugging Face checkpoint). "
-                    "Ctrl-C saves the running step; --resume RUN continues it.")
+                    "checkpoint/ and policy_hf/ (the policy as a Hugging Face checkpoint, LoRA "
+                    "adapters merged). Ctrl-C saves the running step; --resume RUN continues it.")
     p.add_argument("--init-from", metavar="HF_DIR_OR_RUN", default=None,
                    help="a Hugging Face causal LM directory (with tokenizer) or a zeroxla train "
                         "run directory; required unless --resume")
@@ -57,6 +58,7 @@ def add_dpo(subparsers: argparse._SubParsersAction) -> None:
                    help="checkpoint every N steps (0: at the end and at Ctrl-C only)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--no-progress", action="store_true")
+    add_lora_options(p, "the policy's (not the frozen reference's)")
     p.set_defaults(handler=run_dpo, dpo_parser=p)
 
 
@@ -66,7 +68,9 @@ RESUME_KEEPS = ("resume", "steps", "no_progress", "handler", "dpo_parser", "comm
 def _check_resume_options(args: argparse.Namespace) -> None:
     """A resumed run keeps the settings it recorded: any other option given is refused by name
     (it would otherwise be silently ignored)."""
-    given = sorted(f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+    flags = {"lora_" + field: option for field, option in LORA_OPTIONS.items()}
+    given = sorted(flags.get(dest, f"--{dest.replace('_', '-')}")
+                   for dest, value in vars(args).items()
                    if dest not in RESUME_KEEPS and value != args.dpo_parser.get_default(dest))
     if given:
         raise ValueError(f"--resume continues a run with the settings it recorded; "
@@ -97,7 +101,7 @@ def run_dpo(args: argparse.Namespace) -> int:
                           seq_len=args.seq_len, reference_int8=args.reference_int8),
             mesh=args.mesh, zero_stage=args.zero_stage, eval_every=args.eval_every,
             save_every=args.save_every, seed=args.seed, out_dir=args.out,
-            progress=not args.no_progress), None
+            progress=not args.no_progress, lora=lora_config(args)), None
     set_host_device_count(job.mesh[0] * job.mesh[1])
     summary = dpo_job.run(job, resume=point)
     print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=2),

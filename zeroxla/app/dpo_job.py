@@ -15,7 +15,10 @@ held-out pairs add `val_loss`, `val_accuracy`, `val_margin`.
 The run directory holds metrics.jsonl, summary.json, checkpoint/<step>/ (every `save_every`
 steps, at the end, and at Ctrl-C or SIGTERM: the running step finishes and is saved, and the
 job exits with the signal's status) and policy_hf/, the trained policy as a Hugging Face
-checkpoint with its tokenizer. `--resume RUN` continues a run from its newest checkpoint with
+checkpoint with its tokenizer. With `--lora-dim` (`zeroxla train`'s LoRA options) the policy
+trains LoRA adapters (the reference stays the plain starting model); the checkpoint records
+them, policy_hf/ is the merged model, and summary.json's "parameters" counts what trains. A
+`zeroxla train` (or dpo) run given to --init-from is read merged. `--resume RUN` continues a run from its newest checkpoint with
 the settings it recorded (`--steps` may extend it): step k sees the same pairs either way. A
 run that fails before its first checkpoint removes what it wrote.
 """
@@ -44,7 +47,12 @@ from zeroxla.app.hf_tokenizer import PretrainedTokenizer, save_tokenizer
 from zeroxla.app.interrupt import STOP_SIGNALS, stop_requests
 from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
 from zeroxla.app.train.data import split_examples
+from zeroxla.app.train.model import check_adapters, load_trained
+from zeroxla.app.train.report import parameter_counts
+from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
+from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.export import export_checkpoint
+from zeroxla.lora import LoRAConfig
 from zeroxla.models import hf as hf_io
 from zeroxla.rlhf.dpo import DPOConfig, pair_batch
 from zeroxla.rlhf.dpo_trainer import DPOTrainer
@@ -72,6 +80,7 @@ class DPOJobConfig:
     seed: int = 0
     out_dir: str | None = None
     progress: bool = True
+    lora: LoRAConfig = LoRAConfig()          # the policy's adapters (dim 0: none)
 
     def __post_init__(self) -> None:
         def fail(name: str, accepted: str) -> None:
@@ -80,6 +89,8 @@ class DPOJobConfig:
 
         if not isinstance(self.dpo, DPOConfig):
             fail("dpo", "a zeroxla.rlhf.DPOConfig")
+        if not isinstance(self.lora, LoRAConfig):
+            fail("lora", "a zeroxla.lora.LoRAConfig")
         for name, low in (("steps", 1), ("eval_every", 1), ("save_every", 0), ("seed", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -97,15 +108,18 @@ class DPOJobConfig:
 
     @classmethod
     def from_record(cls, record: dict[str, Any], **changes: Any) -> "DPOJobConfig":
-        values = {**record, "dpo": DPOConfig(**record["dpo"]), "mesh": tuple(record["mesh"])}
+        values = {**record, "dpo": DPOConfig(**record["dpo"]), "mesh": tuple(record["mesh"]),
+                  "lora": LoRAConfig(**record.get("lora", {}))}
         return cls(**{**values, **changes})
 
 
-def open_policy(init_from: str, seq_len: int) -> tuple[Any, Callable[[], Any]]:
+def open_policy(init_from: str, seq_len: int,
+                lora: LoRAConfig = LoRAConfig()) -> tuple[Any, Callable[[], Any]]:
     """(tokenizer, load) of `--init-from`, a HF causal LM directory (any other head refused by
     name) or a `zeroxla train` run: everything that can be refused without the weights is
     checked here (the head, the tokenizer against the vocabulary, `seq_len` against the
-    positions); `load()` reads the weights into a plain model."""
+    positions, `lora`'s --lora-module-name against the weights); `load()` reads the weights
+    into a plain model (a LoRA run's adapters merged, `load_trained`)."""
     path = Path(init_from)
     if (path / "config.json").is_file():
         try:
@@ -128,11 +142,12 @@ def open_policy(init_from: str, seq_len: int) -> tuple[Any, Callable[[], Any]]:
                              f"model's with a recorded tokenizer; accepted: {INIT_ACCEPTED}")
         config = checkpoint.model_config_from_record(meta["model_config"])
         tokenizer = tokenizer_from_record(meta["metadata"]["tokenizer"])
-        load = lambda: zeroxla.load_params(directory)                     # noqa: E731
+        load = lambda: load_trained(directory)                            # noqa: E731
     limit = getattr(config, "max_seq_len", None)
     if limit is not None and seq_len > limit:
         raise ValueError(f"--seq-len {seq_len} exceeds the max_seq_len={limit} of --init-from "
                          f"{init_from}; accepted: --seq-len <= {limit}")
+    check_adapters(config, lora)
     return tokenizer, load
 
 
@@ -240,7 +255,7 @@ def run(job: DPOJobConfig, *, resume: rundir.ResumePoint | None = None,
     `stopped_by` (the signal's number)."""
     start = time.perf_counter()
     mesh = job_mesh(job.mesh)                # a --mesh larger than the devices is refused here
-    tokenizer, load = open_policy(job.init_from, job.dpo.seq_len)
+    tokenizer, load = open_policy(job.init_from, job.dpo.seq_len, job.lora)
     train, val = pair_rows(job, tokenizer)
     resuming = resume.run_dir if resume is not None else None
     out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
@@ -249,7 +264,7 @@ def run(job: DPOJobConfig, *, resume: rundir.ResumePoint | None = None,
     policy = load()
     trainer = DPOTrainer(job.dpo, policy, mesh=mesh, train=train, val=val, seed=job.seed,
                          zero_config=zeroxla.ZeroConfig(stage=job.zero_stage,
-                                                        persistence_threshold=0))
+                                                        persistence_threshold=0), lora=job.lora)
     if resume is None:
         records = [{"step": 0, **trainer.evaluate()}]
     else:
@@ -261,8 +276,10 @@ def run(job: DPOJobConfig, *, resume: rundir.ResumePoint | None = None,
     write(f"zeroxla dpo: {job.init_from} on {job.data or 'the bundled shakespeare pairs'} "
           f"({len(train['chosen'])} train / {len(val['chosen'])} held-out pairs), "
           f"{job.dpo.loss_type} loss, beta {job.dpo.beta}, ZeRO-{job.zero_stage} on a "
-          f"{job.mesh[0]}x{job.mesh[1]} mesh, steps {first + 1}..{job.steps}")
-    meta = {"job_kind": KIND, "dpo_job": job.record(), "tokenizer": tokenizer_record(tokenizer)}
+          f"{job.mesh[0]}x{job.mesh[1]} mesh, steps {first + 1}..{job.steps}"
+          + (f", LoRA rank {job.lora.dim}" if job.lora.enabled else ""))
+    meta = {"job_kind": KIND, "dpo_job": job.record(), "tokenizer": tokenizer_record(tokenizer),
+            LORA_KEY: as_metadata(job.lora)}
 
     def save() -> Path:
         path = out / rundir.CHECKPOINT_DIR / str(int(jax.device_get(trainer.state.step)))
@@ -277,7 +294,8 @@ def run(job: DPOJobConfig, *, resume: rundir.ResumePoint | None = None,
         summary = {"steps": len(records) - 1, "first_val_accuracy": records[0]["val_accuracy"],
                    **{k: v for k, v in records[-1].items() if k != "step"},
                    "checkpoint": str(path), "wall_time_s": time.perf_counter() - start,
-                   "reference_bytes": trainer.reference_bytes, "settings": job.record()}
+                   "reference_bytes": trainer.reference_bytes,
+                   "parameters": parameter_counts(trainer.step.layout), "settings": job.record()}
         if stopped is None:
             summary["policy_hf"] = export_policy(out, tokenizer, policy)
         else:

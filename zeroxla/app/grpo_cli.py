@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 
+from zeroxla.app.chat_cli import add_lora_options, lora_config
 from zeroxla.app.cli_args import (mesh_shape, non_negative_float, non_negative_int,
                                   positive_float, positive_int, set_host_device_count)
 
@@ -82,6 +83,7 @@ def add_grpo(subparsers: argparse._SubParsersAction) -> None:
                    help="the largest importance weight of --rollout-correction tis (default 2)")
     g.add_argument("--reference-int8", action="store_const", const=True, default=None,
                    help="hold the frozen reference as int8 codes (ZeRO++ MixZ++)")
+    add_lora_options(p, "the actor's (not the frozen reference's)")
     p.set_defaults(handler=run_grpo_command)
 
 
@@ -99,7 +101,7 @@ def run_grpo_command(args: argparse.Namespace) -> int:
         reward=args.reward, grpo=GRPOConfig(**given), prompt_length=args.prompt_length_option,
         iterations=args.iterations, save_every=args.save_every, resume=args.resume,
         mesh=args.mesh, inference_tp_size=args.inference_tp_size, seed=args.seed,
-        out_dir=args.out)
+        out_dir=args.out, lora=lora_config(args))
     try:
         summary = grpo_job.run(job)
     except grpo_job.GRPOInterrupted as stop:

@@ -12,7 +12,11 @@
   `--reward-weights`, plus a `--reward` model's end score (its weight the last one);
 - every `--save-every` iterations (and at the end) the actor's ZeRO checkpoint; the first
   Ctrl-C (or SIGTERM) finishes the iteration, saves, and exits 130 (143); `--resume RUN`
-  continues from the run's newest checkpoint with the same options.
+  continues from the run's newest checkpoint with the same options;
+- LoRA (`--lora-dim`, ...: `zeroxla train`'s options): adapters on the actor, not the
+  reference; the Hybrid Engine generates with base + adapters; the checkpoint records them,
+  actor_hf/ is the merged actor, and summary.json's "parameters" counts what trains. A LoRA
+  `--actor` run is read merged (`load_trained`) and gets new adapters.
 
 Writes metrics.jsonl (one record per iteration: reward, accuracy, KL, loss, clipped fractions,
 the time split), reward_kl.png, summary.json, checkpoint/ and actor_hf/ (the actor as a Hugging
@@ -39,7 +43,12 @@ from zeroxla.app.hf_tokenizer import save_tokenizer
 from zeroxla.app.interrupt import STOP_SIGNALS, stop_requests
 from zeroxla.app.ppo_job import check_inference_tp, load_actor, load_reward
 from zeroxla.app.tokenizer_records import tokenizer_record
+from zeroxla.app.train.model import check_adapters
+from zeroxla.app.train.report import parameter_counts
+from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
+from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.export import export_checkpoint
+from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf import GRPOConfig, plot_records
 from zeroxla.rlhf import arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer, exact_accuracy, run_grpo
@@ -80,11 +89,13 @@ class GRPOJobConfig:
     inference_tp_size: int = 2
     seed: int = 0
     out_dir: str | None = None
+    lora: LoRAConfig = LoRAConfig()          # the actor's adapters (dim 0: none)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.grpo, GRPOConfig):
-            raise TypeError(f"GRPOJobConfig.grpo must be a GRPOConfig, got "
-                            f"{type(self.grpo).__name__}")
+        for name, cls in (("grpo", GRPOConfig), ("lora", LoRAConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"GRPOJobConfig.{name} must be a {cls.__name__}, got "
+                                f"{type(getattr(self, name)).__name__}")
         for name in ("iterations", "inference_tp_size", "save_every", "prompt_length"):
             value = getattr(self, name)
             if value is None and name in ("save_every", "prompt_length"):
@@ -158,12 +169,18 @@ def _save(out: Path, trainer: GRPOTrainer, tokenizer: Any, iteration: int,
                            layout=trainer.actor_step.layout,
                            metadata={"tokenizer": tokenizer_record(tokenizer),
                                      "iteration": iteration, "actor": str(job.actor),
-                                     "grpo": dataclasses.asdict(trainer.config)})
+                                     "grpo": dataclasses.asdict(trainer.config),
+                                     LORA_KEY: as_metadata(job.lora)})
 
 
 def _restore(job: GRPOJobConfig, trainer: GRPOTrainer) -> tuple[int, Path]:
     """Loads `--resume`'s newest checkpoint into `trainer`; (next iteration, run directory)."""
     point = rundir.locate_resume(job.resume)
+    meta = checkpoint.read_metadata(point.checkpoint_dir, point.step)["metadata"]
+    if meta.get(LORA_KEY) != as_metadata(job.lora):
+        raise ValueError(f"--resume {job.resume} was run with LoRA {meta.get(LORA_KEY)}, not "
+                         f"{as_metadata(job.lora)}; accepted: the same --lora-dim, --lora-alpha, "
+                         "--lora-module-name and --only-optimize-lora as that run")
     restored = checkpoint.restore(point.checkpoint_dir, trainer.actor_step, step=point.step)
     meta = restored.metadata
     if meta.get("grpo") != dataclasses.asdict(trainer.config) or meta.get("actor") != str(
@@ -274,7 +291,8 @@ def _finish(job: GRPOJobConfig, out: Path, trainer: GRPOTrainer, tokenizer: Any,
             "accuracy_after": _evaluate(trainer.actor_model(), held_out, tokenizer, job,
                                         config, mesh, trainer.eos_id),
             "paths": {"checkpoint": str(out / rundir.CHECKPOINT_DIR), "actor_hf": str(export)},
-            "grpo": dataclasses.asdict(config)}
+            "parameters": parameter_counts(trainer.actor_step.layout),
+            "lora": dataclasses.asdict(job.lora), "grpo": dataclasses.asdict(config)}
 
 
 def run(job: GRPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
@@ -286,6 +304,7 @@ def run(job: GRPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str
     rows, held_out = _prompt_rows(job)
     config = job.grpo.replace(prompt_length=_prompt_length(job, rows, tokenizer))
     _check_fit(job, config, actor)
+    check_adapters(actor.config, job.lora)
     reward_funcs, model_weight = _reward_funcs(job)
     reward_model = None if job.reward is None else load_reward(job.reward, actor, tokenizer)
     eos_id = getattr(tokenizer, "eos_id", None)
@@ -299,7 +318,7 @@ def run(job: GRPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str
                                   reward_funcs=reward_funcs or (), reward_model=reward_model,
                                   reward_model_weight=model_weight,
                                   inference_tp_size=job.inference_tp_size, eos_id=eos_id,
-                                  seed=job.seed)
+                                  seed=job.seed, lora=job.lora)
             start = _restore(job, trainer)[0] if job.resume else 0
             write(f"zeroxla grpo: actor {job.actor}, {len(rows)} prompts of "
                   f"{config.prompt_length} tokens "

@@ -11,6 +11,10 @@ once, before the first step, and is then dropped.
 
 Accuracy and margin are read with forward-only programs of the same ZeRO layout
 (`make_dpo_statistic` through `eval_loss`), so no step ever gathers the whole policy.
+
+With an enabled `lora` (`zeroxla.lora.LoRAConfig`) the policy gets adapters on the weights its
+`module_name` matches (B zero: step 0 is still the reference, loss log 2); the reference is the
+plain starting model, and with `only_optimize_lora` the adapters alone train.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import optax
 from flax import nnx
 
 import zeroxla
+from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
 from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, reference_logprobs
 from zeroxla.rlhf.reference import FrozenReference
 
@@ -69,14 +74,16 @@ class DPOTrainer:
 
     `policy`: a plain model (`models.GPT`, `models.Llama`: `model(tokens) -> logits`), the
     start of training and the reference. `train`, `val`: `dpo.pair_batch` rows. `zero_config`:
-    default ZeRO-3. `trainable`: `make_step`'s filter of the parameters to train (None: all).
+    default ZeRO-3. `trainable`: `make_step`'s filter of the parameters to train (None: all;
+    with `lora.only_optimize_lora`, the adapters). `lora`: adapters on the policy (a copy; the
+    caller's `policy` stays plain), their A drawn from `seed`.
     To continue a run, assign a restored TrainState of `step`'s layout to `state`: the
     reference stays `policy`, the run's starting model."""
 
     def __init__(self, config: DPOConfig, policy: nnx.Module, *, mesh: Any,
                  train: dict[str, np.ndarray], val: dict[str, np.ndarray],
                  zero_config: zeroxla.ZeroConfig | None = None, seed: int = 0,
-                 trainable: Any = None):
+                 trainable: Any = None, lora: LoRAConfig | None = None):
         if not isinstance(config, DPOConfig):
             raise TypeError(f"config must be a DPOConfig, got {type(config).__name__}")
         n = len(train["chosen"])
@@ -91,6 +98,13 @@ class DPOTrainer:
         self.train = {**train, **reference_logprobs(reference, train)}
         self.val = {**val, **reference_logprobs(reference, val)}
         del reference                                     # never read again
+        if lora is not None and lora.enabled:
+            if trainable is not None and lora.only_optimize_lora:
+                raise ValueError("trainable and lora.only_optimize_lora both choose the "
+                                 "parameters to train; accepted: one of them")
+            policy = nnx.clone(policy)
+            convert_linear_layer_to_lora(policy, lora, rngs=nnx.Rngs(seed))
+            trainable = trainable if trainable is not None else lora_trainable(lora)
         zero_config = zero_config or zeroxla.ZeroConfig(stage=3)
         self.optimizer = optax.adamw(config.learning_rate)
 
@@ -151,14 +165,15 @@ class DPORun:
 def run_dpo(config: DPOConfig, steps: int, policy: nnx.Module, *, mesh: Any,
             train: dict[str, np.ndarray], val: dict[str, np.ndarray], eval_every: int = 10,
             seed: int = 0, zero_config: zeroxla.ZeroConfig | None = None,
+            lora: LoRAConfig | None = None,
             on_record: Callable[[dict[str, float]], None] | None = None) -> DPORun:
-    """`steps` DPO steps from `policy` (see `DPOTrainer`), evaluated on `val` before the
-    first step, every `eval_every` steps and after the last."""
+    """`steps` DPO steps from `policy` (see `DPOTrainer`; `lora`: adapters on the policy),
+    evaluated on `val` before the first step, every `eval_every` steps and after the last."""
     for name, value in (("steps", steps), ("eval_every", eval_every)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid; accepted: an integer >= 1")
     trainer = DPOTrainer(config, policy, mesh=mesh, train=train, val=val, seed=seed,
-                         zero_config=zero_config)
+                         zero_config=zero_config, lora=lora)
     records = [{"step": 0, **trainer.evaluate()}]
     if on_record is not None:
         on_record(records[0])

@@ -21,6 +21,11 @@ The policy is the softmax over the tokenizer's ids (`vocab_limit = tokenizer.voc
 PPO): a padded vocabulary's rows are never drawn, and the log-probs are of that distribution.
 
 Rows are prompt-major: row b is answer `b % G` of prompt `b // G` (`group_advantages`).
+
+With an enabled `lora` (`zeroxla.lora.LoRAConfig`) the actor trains LoRA adapters (alone with
+`only_optimize_lora`), the reference is the plain starting actor, and the Hybrid Engine
+generates with base + adapters (`zeroxla.inference.adapter_switch`: when only the adapters
+changed, only they are resharded).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import optax
 from flax import nnx
 
 import zeroxla
+from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss
@@ -108,14 +114,15 @@ class GRPOTrainer:
     reward functions as a keyword (one value per answer), e.g. the bundled task's `answer`.
     `reward_funcs` are `RewardFunctions` (or callables, weight 1 each); `reward_model` (a plain
     `RewardModel`) adds its end score times `reward_model_weight`. `eos_id` ends an answer
-    (kept, as its last token).
+    (kept, as its last token). `lora`: adapters on a copy of the actor (A drawn from `seed`).
     """
 
     def __init__(self, config: GRPOConfig, actor: nnx.Module, *, mesh: Any, tokenizer: Any,
                  prompts: Sequence[dict[str, Any]],
                  reward_funcs: RewardFunctions | Sequence[Callable] = (),
                  reward_model: Any = None, reward_model_weight: float = 1.0,
-                 inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0):
+                 inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0,
+                 lora: LoRAConfig | None = None):
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
         if not isinstance(reward_funcs, RewardFunctions):
@@ -131,9 +138,14 @@ class GRPOTrainer:
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
         self.reference = FrozenReference(actor, device=jax.local_devices()[0],
                                          int8=config.reference_int8)
+        trainable = None
+        if lora is not None and lora.enabled:       # the reference stays the plain actor
+            actor = nnx.clone(actor)
+            convert_linear_layer_to_lora(actor, lora, rngs=nnx.Rngs(seed))
+            trainable = lora_trainable(lora)
         self.actor_step = zeroxla.make_step(
             actor, mesh, optimizer=optax.adamw(config.learning_rate),
-            config=zeroxla.ZeroConfig(stage=3),
+            config=zeroxla.ZeroConfig(stage=3), trainable=trainable,
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
                                    vocab_limit=self.vocab_limit))
@@ -280,7 +292,8 @@ def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: An
              reward_model_weight: float = 1.0, inference_tp_size: int = 2,
              eos_id: int | None = None, seed: int = 0, trainer: GRPOTrainer | None = None,
              start_iteration: int = 0, should_stop: Callable[[], bool] = lambda: False,
-             on_iteration: Callable[[dict[str, Any]], None] | None = None) -> GRPORun:
+             on_iteration: Callable[[dict[str, Any]], None] | None = None,
+             lora: LoRAConfig | None = None) -> GRPORun:
     """Iterations `start_iteration` .. `iterations - 1` of the GRPO family from `actor` (see
     `GRPOTrainer` for the arguments; `trainer` continues an existing one, e.g. restored).
     `should_stop()` is read before each iteration (a stop request: the run returns early).
@@ -293,7 +306,8 @@ def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: An
         trainer = GRPOTrainer(config, actor, mesh=mesh, tokenizer=tokenizer, prompts=prompts,
                               reward_funcs=reward_funcs, reward_model=reward_model,
                               reward_model_weight=reward_model_weight,
-                              inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed)
+                              inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed,
+                              lora=lora)
     records, rollouts = [], []
     for it in range(start_iteration, iterations):
         if should_stop():

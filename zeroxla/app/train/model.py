@@ -87,6 +87,15 @@ def adapted_factory(cls: type, config: Any, lora: LoRAConfig, seed: int) -> Call
     return build
 
 
+def check_adapters(config: Any, lora: LoRAConfig) -> None:
+    """ValueError naming --lora-module-name when `lora`'s pattern adapts no weight of the
+    models `config` builds (or a shared one), found abstractly: no weight is computed."""
+    if lora.enabled:
+        from flax import nnx
+
+        nnx.eval_shape(adapted_factory(models.model_class(config), config, lora, 0))
+
+
 def with_adapters(values: dict[str, Any], factory: Callable[[], Any], mesh: Any) -> dict[str, Any]:
     """Pretrained `values` ({path: array}, the plain model's paths) for the adapted model
     `factory` builds: each adapted weight's value moved to '<path>/base', and the adapters'
@@ -135,5 +144,6 @@ def initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any
     return step.init_from(values, job.run.seed)
 
 
-__all__ = ["INIT_FROM_HEADS", "adapted_factory", "init_from_head", "initial_state", "load_trained",
-           "model_config", "model_factory", "pretrained_config", "with_adapters"]
+__all__ = ["INIT_FROM_HEADS", "adapted_factory", "check_adapters", "init_from_head",
+           "initial_state", "load_trained", "model_config", "model_factory", "pretrained_config",
+           "with_adapters"]
