@@ -123,13 +123,16 @@ def _stage3_16bit_run(dtype, offload):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16",
-                                   pytest.param("float16", marks=pytest.mark.slow)])
+                                   pytest.param("float16", marks=[pytest.mark.slow,
+                                                                  pytest.mark.fusion_emitters])])
 def test_stage3_offload_keeps_a_16bit_partition_on_the_device(dtype, tmp_path):
     """Stage 3 with the optimizer offloaded under bf16/fp16 stores each partitioned leaf as
     DeepSpeed's ZeRO-Offload does: its 16-bit partition on the device (what the gathers read),
     the float32 master partition in host memory. The gathered values are the master's 16-bit
     rounding either way, so the losses equal the non-offloaded stage-3 step's bit for bit (fp16:
-    through an overflowing step), and the float32 masters to the last bit but one: the two
+    through an overflowing step; the fp16 case is a `fusion_emitters` test: with the suite's
+    older emitters the two programs' step-3 losses part by one float32 ulp, 3.9123039 against
+    3.9123037), and the float32 masters to the last bit but one: the two
     programs store the update's result differently (one array, or master and copy), and XLA
     fuses the AdamW arithmetic differently around it (measured under fp16's overflow select: 2
     of 16 leaves differ by 7.5e-9, one ulp of their largest entries, 0.07; bf16: none). The
