@@ -36,6 +36,21 @@ def pytest_sessionfinish(session):
         shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test file, drop the programs it compiled. Each XLA:CPU executable maps its
+    code into the process; a pytest-xdist worker that runs a few hundred files keeps thousands
+    of them (jit caches, cycles awaiting the garbage collector) and reaches the kernel's limit
+    on memory maps (`vm.max_map_count`, 65,530 here: a worker was at 51,110 near the end of the
+    suite), where the next compile's mmap fails and the worker dies with a segmentation fault."""
+    yield
+    import gc
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def devices():
     assert jax.device_count() == 8, "conftest must run before jax initialises its backend"
