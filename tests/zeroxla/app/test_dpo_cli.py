@@ -7,20 +7,15 @@ import json
 import numpy as np
 import pytest
 
+from weightless import weightless_gpt2
 from zeroxla.app import chat_data, cli, dpo_job
-from zeroxla.app.tiny_checkpoints import MAX_POSITIONS, tokenizer_vocab_size, write_tokenizer
-from zeroxla.models import GPTConfig
-from zeroxla.models.hf_config import to_hf_config
+from zeroxla.app.tiny_checkpoints import MAX_POSITIONS
 from zeroxla.rlhf.dpo import DPOConfig
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    directory = write_tokenizer(tmp_path_factory.mktemp("base"))
-    config = GPTConfig(vocab_size=tokenizer_vocab_size(), max_seq_len=MAX_POSITIONS,
-                       num_layers=2, d_model=64, num_heads=4, mlp_dim=256)
-    (directory / "config.json").write_text(json.dumps(to_hf_config(config)))
-    return directory
+    return weightless_gpt2(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")
