@@ -54,10 +54,6 @@ def check_step(layout: ZeroLayout, config: PipelineConfig) -> None:
                          f"(found {list(layout.model_def.state_paths[:3])} "
                          f"{[p for p, _, _ in layout.model_def.rng_leaves[:3]]}); accepted: "
                          "parameters only (no BatchNorm statistics, no Dropout)")
-    frozen = [leaf.path for leaf in layout.plan.leaves if not leaf.trainable]
-    if frozen:      # the executor differentiates every parameter; frozen leaves are untested
-        raise ValueError(f"make_step: trainable={layout.trainable!r} freezes {frozen[:3]}, which "
-                         "is not supported with pipeline= yet; accepted: trainable=None")
     if zero.uses_zeropp:
         raise ValueError("make_step: ZeRO++ (hpz_partition_size, quantized_weights, "
                          "quantized_gradients, quantized_nontrainable_weights) is not supported "

@@ -63,15 +63,18 @@ def test_train_with_lora_exports_merged_and_as_a_peft_adapter(tmp_path, capsys):
     from zeroxla.app.tiny_checkpoints import llama_checkpoint
 
     base = llama_checkpoint(tmp_path / "llama")
-    run = _train(tmp_path, base, "--only-optimize-lora")
+    # Pipelined (2 stages x 1 node x 4 local, ZeRO-3 inside the stages; each stage holds one
+    # layer's adapters): the plain ZeRO-3 path is the PPO test's below.
+    run = _train(tmp_path, base, "--only-optimize-lora", "--pipeline-stages", "2",
+                 "--mesh", "1x4", "--grad-accum", "2")
     summary = json.loads((run / "summary.json").read_text())
     # Per layer (2): wq A [64, 8] B [8, 4 x 16]; wv A [64, 8] B [8, 2 x 16]; w_down A [128, 8]
     # B [8, 64].
     adapters = 2 * (64 * 8 + 8 * 64 + 64 * 8 + 8 * 32 + 128 * 8 + 8 * 64)
     assert summary["parameters"]["trainable"] == adapters
     assert summary["parameters"]["total"] > 20 * adapters
-    # Adam's mu and nu, float32, partitioned over the 8 devices (every adapter divides by 8),
-    # plus two int32 step counts (Adam's and the learning-rate schedule's, replicated).
+    # Adam's mu and nu, float32: per device a stage's layer (1 of 2) partitioned over its 4
+    # data devices, plus two int32 step counts (Adam's and the learning-rate schedule's).
     assert summary["memory"]["optimizer"] == 2 * 4 * adapters // 8 + 2 * 4
     assert summary["settings"]["lora_dim"] == 8 and summary["settings"]["only_optimize_lora"]
     capsys.readouterr()

@@ -204,3 +204,40 @@ def test_two_stages_match_single_device_sgd(schedule, schedule_class):
     assert expected_losses[-1] < expected_losses[0]          # it trained
     initial = flat_params(nnx.state(models.build("gpt-tiny", seed=2), nnx.Param))
     assert sum(np.abs(expected[p] - initial[p]).max() > 1e-3 for p in expected) > len(expected) // 2
+
+
+def test_frozen_tied_embedding_trains_like_single_device_with_it_masked():
+    """`trainable=` freezing GPT-2's tied wte, read by the first stage (embedding) and the last
+    (head): 2 stages x 1 node x 2 local, M = 4, 1F1B, ZeRO-0, 2 SGD steps. The reference is
+    single-device optax with wte's updates set to zero (`optax.multi_transform`): equal losses
+    and parameters, wte bitwise unchanged, and no optimizer state for it."""
+    batches = _daily_reference()[0]
+    frozen = "embed/wte"
+    model = models.build("gpt-tiny", seed=2)
+    start = flat_params(nnx.state(model, nnx.Param))
+    assert frozen in start
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda keys, _: "frozen" if "wte" in jax.tree_util.keystr(keys) else "train", params)
+
+    masked = optax.multi_transform({"train": OPTIMIZERS["sgd"](), "frozen": optax.set_to_zero()},
+                                   labels)
+    expected_losses, expected = train_single_device(model, masked, batches)
+    mesh = zeroxla.make_mesh(1, stages=2, devices=jax.devices()[:4])
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=2), mesh,
+                             optimizer=OPTIMIZERS["sgd"](), config=zeroxla.ZeroConfig(stage=0),
+                             trainable=nnx.Not(nnx.PathContains("wte")),
+                             pipeline=zeroxla.PipelineConfig(4))
+    assert [leaf.path for leaf in step.layout.plan.leaves if not leaf.trainable] == [frozen]
+    state, losses = step.init(), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    got = flat_params(zeroxla.gather_params(state))
+    np.testing.assert_array_equal(got[frozen], start[frozen])
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6,
+                                   err_msg=path)
+    assert "wte" not in str(jax.tree.structure(state.opt_state))

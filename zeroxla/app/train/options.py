@@ -163,7 +163,7 @@ OPTIONS: tuple[JobOption, ...] = (
               f"nothing is refused; default {_default(LoRA, 'module_name')}", metavar="REGEX"),
     JobOption("--only-optimize-lora", "only_optimize_lora", LoRA, "only_optimize_lora",
               "model", "train the adapters alone: the base is frozen and optimizer state exists "
-              "for the adapters only (needs --lora-dim > 0; not with --pipeline-stages)",
+              "for the adapters only (needs --lora-dim > 0)",
               action="store_true"),
     # schedule
     JobOption("--steps", "steps", Schedule, "steps", "schedule",
