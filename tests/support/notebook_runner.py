@@ -9,13 +9,17 @@ NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 CELL_TIMEOUT_S = 300
 
 
-def run_notebook(name: str) -> None:
+def run_notebook(name: str) -> str:
     """Executes notebooks/NAME.ipynb in a "python3" kernel (this interpreter, this environment;
     it inherits the test run's XLA flags and compilation cache); raises CellExecutionError,
-    naming the cell, on the first error."""
+    naming the cell, on the first error. Returns what the cells printed (their stdout streams,
+    in order), for tests that check a figure the notebook reports."""
     path = NOTEBOOK_DIR / f"{name}.ipynb"
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             allow_errors=False,
                             resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
     client.execute()
+    return "".join(output.get("text", "") for cell in notebook.cells
+                   if cell.cell_type == "code" for output in cell.get("outputs", [])
+                   if output.get("output_type") == "stream" and output.get("name") == "stdout")
