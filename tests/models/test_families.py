@@ -200,7 +200,8 @@ def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, case):
 
 # Every training path of the engine, per family: the checkpoint loaded straight into each
 # layout (ZeRO-3's with persistence_threshold 0: every leaf partitioned, quantized on the wire
-# under qwZ / qgZ) trains 2 SGD steps as the unsharded model does on one device (single-device optax on
+# under qwZ / qgZ) trains 3 steps of SGD with momentum (optimizer state for ZeRO-1 and up to
+# partition) as the unsharded model does on one device (single-device optax on
 # `hf.load_hf_model`'s model, `reference.train_single_device`). ZeRO++'s quantized weights and
 # gradients (qwZ, qgZ: int8 blocks) change the rounding, hence their looser bound; every other
 # path is exact to float32 reassociation. The pipeline cuts the model at its stack and runs the
@@ -219,6 +220,11 @@ PATHS = {   # name -> (mesh, ZeroConfig options, PipelineConfig or None, loss rt
 }
 
 
+def _momentum_sgd():
+    """SGD with momentum: optimizer state that ZeRO-1 and up partition (plain SGD has none)."""
+    return optax.sgd(0.1, momentum=0.9)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ALL)
 def test_every_engine_path_trains_like_the_unsharded_model(checkpoint, case):
@@ -226,14 +232,14 @@ def test_every_engine_path_trains_like_the_unsharded_model(checkpoint, case):
 
     directory = checkpoint(case)
     seq = tokens((16, 17), seed=5)
-    batches = [{"inputs": seq[:, :-1], "targets": seq[:, 1:]}] * 2
-    want, _ = train_single_device(hf.load_hf_model(directory)[1], optax.sgd(0.1), batches)
-    assert want[1] < want[0]
+    batches = [{"inputs": seq[:, :-1], "targets": seq[:, 1:]}] * 3
+    want, _ = train_single_device(hf.load_hf_model(directory)[1], _momentum_sgd(), batches)
+    assert want[2] < want[1] < want[0]
     for name, (shape, options, pipeline, rtol) in PATHS.items():
         nodes, local = shape
         mesh = zeroxla.make_mesh(nodes, local, stages=2 if pipeline else 1)
         step, state = zeroxla.load_pretrained(
-            directory, mesh, optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(**options),
+            directory, mesh, optimizer=_momentum_sgd(), config=zeroxla.ZeroConfig(**options),
             pipeline=zeroxla.PipelineConfig(**pipeline) if pipeline else None, progress=False)
         got = []
         for batch in batches:
