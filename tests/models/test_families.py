@@ -246,6 +246,8 @@ def test_every_engine_path_trains_like_the_unsharded_model(checkpoint, case):
             state, metrics = step(state, batch)
             got.append(float(metrics["loss"]))
         np.testing.assert_allclose(got, want, rtol=rtol, err_msg=name)
+        if options.get("quantized_weights"):       # int8 weights on the wire: not the float run
+            assert got[0] != want[0], name
 
 
 @pytest.mark.slow
