@@ -1,8 +1,10 @@
 """The families through the jobs: `zeroxla train --init-from` (SFT on the bundled
-tiny-shakespeare pairs, with its end-of-run sample) and `zeroxla export` on a tiny qwen2
-(tied embedding, q/k/v biases) and a tiny gemma2 (soft-capping, alternating sliding and global
-layers, tied); two `zeroxla ppo` iterations on a tiny qwen3 (q/k norms, explicit head_dim,
-untied) with a transformers `Qwen3ForSequenceClassification` as the reward model. Each
+tiny-shakespeare pairs, with its end-of-run sample) and `zeroxla export` on a tiny Llama 3.x
+(llama3 rope scaling, tied), mistral (a sliding window shorter than the sequence), qwen2 (tied
+embedding, q/k/v biases) and gemma2 (soft-capping, alternating sliding and global layers,
+tied); two `zeroxla ppo` iterations on a tiny qwen3 (q/k norms, explicit head_dim, untied) with
+a transformers `Qwen3ForSequenceClassification` as the reward model; `zeroxla reward
+--init-from` and its export as a `*ForSequenceClassification` for every family. Each
 checkpoint is written by transformers with the fixture tokenizer (no network).
 
 Reference: transformers itself, which reloads each exported actor; its logits must equal the
@@ -29,7 +31,11 @@ COMMON = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_att
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
               tie_word_embeddings=True)
 # family -> (transformers config class, its options)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 FAMILIES = {
+    "llama": ("LlamaConfig", dict(rope_parameters=LLAMA3)),      # Llama 3.2's shape: tied
+    "mistral": ("MistralConfig", dict(sliding_window=5)),
     "qwen2": ("Qwen2Config", {}),                 # q/k/v biases are Qwen2's own
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
                                     attn_logit_softcapping=20.0,
@@ -77,7 +83,7 @@ def tokens():
     return np.random.default_rng(0).integers(0, tokenizer_vocab_size(), (2, 20)).astype(np.int32)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
+@pytest.mark.parametrize("family", ["gemma2", "llama", "mistral", "qwen2"])   # qwen3: PPO's
 def test_train_init_from_then_export_reloads_in_transformers(family, sft_file, tmp_path, capsys):
     source = write_checkpoint(family, tmp_path / "hf")
     out = tmp_path / "run"
@@ -97,6 +103,8 @@ def test_train_init_from_then_export_reloads_in_transformers(family, sft_file, t
     assert cli.main(["export", str(out / "checkpoint"), str(export)]) == 0
     written = json.loads((export / "config.json").read_text())
     assert written["model_type"] == family and written["tie_word_embeddings"] is True
+    if family == "llama":
+        assert written["rope_parameters"]["rope_type"] == "llama3"
     x = tokens()
     exported, trained = logits(export, x), zeroxla.load_params(out / "checkpoint")(x)
     np.testing.assert_allclose(exported, np.asarray(trained), atol=1e-4, rtol=0)
@@ -133,3 +141,34 @@ def test_two_ppo_iterations_on_qwen3_export_a_qwen3_actor(tmp_path, sft_file):
                                atol=1e-4, rtol=0)
     sft = np.asarray(zeroxla.load_params(tmp_path / "sft" / "checkpoint")(x))
     assert np.abs(exported - sft).max() > 1e-4                  # PPO moved the actor
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_reward_job_exports_a_classifier_that_transformers_scores_alike(family, tmp_path,
+                                                                      capsys):
+    """`zeroxla reward --init-from` the family's causal checkpoint, 2 steps, then `zeroxla
+    export`: a one-label `*ForSequenceClassification` of the family whose score, pooled by
+    transformers at each row's last token, equals our trained reward model's there."""
+    from zeroxla.app import reward_job
+
+    source = write_checkpoint(family, tmp_path / "hf")
+    pairs = tmp_path / "pairs.jsonl"
+    chat_data.write_jsonl(chat_data.shakespeare_pairs(64, seed=1), pairs)
+    out = tmp_path / "rm"
+    assert cli.main(["reward", "--init-from", str(source), "--data", str(pairs), "--steps", "2",
+                     "--batch-size", "8", "--seq-len", str(SEQ), "--eval-every", "2",
+                     "--out", str(out), "--no-progress"]) == 0
+    export = tmp_path / "export"
+    assert cli.main(["export", str(out / "checkpoint"), str(export)]) == 0
+    capsys.readouterr()
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == family and len(config["id2label"]) == 1
+    assert config["architectures"] == [FAMILIES[family][0].replace(
+        "Config", "ForSequenceClassification")]
+    x = tokens()                                    # ids of the tokenizer: none is the pad id
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(export).eval()
+    with torch.no_grad():
+        pooled = theirs(torch.tensor(x, dtype=torch.long)).logits.numpy()[:, 0]
+    ours, _ = reward_job.load_reward_model(out)
+    np.testing.assert_allclose(pooled, np.asarray(ours(x))[:, -1], atol=1e-4, rtol=0)
+    assert np.abs(pooled).max() > 1e-3                      # the trained head is not zero
