@@ -229,6 +229,7 @@ def _momentum_sgd():
 @pytest.mark.parametrize("case", ALL)
 def test_every_engine_path_trains_like_the_unsharded_model(checkpoint, case):
     from reference import train_single_device
+    from runs import run_steps
 
     directory = checkpoint(case)
     seq = tokens((16, 17), seed=5)
@@ -241,10 +242,7 @@ def test_every_engine_path_trains_like_the_unsharded_model(checkpoint, case):
         step, state = zeroxla.load_pretrained(
             directory, mesh, optimizer=_momentum_sgd(), config=zeroxla.ZeroConfig(**options),
             pipeline=zeroxla.PipelineConfig(**pipeline) if pipeline else None, progress=False)
-        got = []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            got.append(float(metrics["loss"]))
+        got = run_steps(step, state, batches)[1]
         np.testing.assert_allclose(got, want, rtol=rtol, err_msg=name)
         if options.get("quantized_weights"):       # int8 weights on the wire: not the float run
             assert got[0] != want[0], name

@@ -44,6 +44,7 @@ from flax import nnx
 import zeroxla
 from zeroxla import models
 from reference import flat_params, token_batches, train_single_device
+from runs import run_steps
 
 STEPS, BATCH, SEQ = 3, 32, 8
 THRESHOLD = 500          # biases and norms replicated, matrices partitioned (and padded) at stage 3
@@ -71,11 +72,7 @@ def _pipelined_run(model_name, num_layers, optimizer, stages, pipeline, zero_sta
         config=zeroxla.ZeroConfig(stage=zero_stage, persistence_threshold=THRESHOLD,
                                   remat=remat),
         pipeline=pipeline)
-    state = step.init()
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), batches)
     return step, losses, flat_params(zeroxla.gather_params(state))
 
 
@@ -191,10 +188,7 @@ def test_two_stages_match_single_device_sgd(schedule, schedule_class):
                              pipeline=zeroxla.PipelineConfig(4, schedule=schedule))
     assert step.pipeline.table.schedule == schedule_class
     assert step.pipeline.split.num_layers == (1, 1) and step.pipeline.num_buffers == 2
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), batches)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     got = flat_params(zeroxla.gather_params(state))
     assert got.keys() == expected.keys()
@@ -230,10 +224,7 @@ def test_frozen_tied_embedding_trains_like_single_device_with_it_masked():
                              trainable=nnx.Not(nnx.PathContains("wte")),
                              pipeline=zeroxla.PipelineConfig(4))
     assert [leaf.path for leaf in step.layout.plan.leaves if not leaf.trainable] == [frozen]
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, step.init(), batches)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     got = flat_params(zeroxla.gather_params(state))
     np.testing.assert_array_equal(got[frozen], start[frozen])
