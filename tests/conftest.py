@@ -1,11 +1,13 @@
 """Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape), compiled
 with the suite's codegen flags, through one compilation cache shared by the run's processes
-(tests/support/xla_flags.py says what each changes and what not)."""
+(tests/support/xla_flags.py says what each changes and what not), with the garbage collector's
+test settings (tests/support/gc_policy.py)."""
 
 import os
 import shutil
 
 import ci_legs  # tests/support, on sys.path through pyproject's `pythonpath`
+import gc_policy
 import tiers
 import xla_flags
 
@@ -28,6 +30,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ[xla_flags.CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+gc_policy.use_test_thresholds()
+
+
+def pytest_collection_finish(session):
+    """What collection imported lives as long as the process: out of the collector's walks."""
+    gc_policy.freeze_imported()
 
 
 def pytest_sessionfinish(session):
