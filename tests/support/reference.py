@@ -47,6 +47,18 @@ def train_single_device(model, optimizer, batches, *, clip=0.0, loss_fn=cross_en
     return losses, flat_params(params)
 
 
+def masked_optimizer(optimizer, trained):
+    """`optimizer` on the parameters whose `flat_params` path is in `trained`, zero updates on
+    the rest (`optax.multi_transform` with `set_to_zero`): frozen parameters, in plain optax."""
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda keys, _: "train" if "/".join(
+                str(k.key) for k in keys if isinstance(k, jax.tree_util.DictKey)) in trained
+            else "frozen", params)
+
+    return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
 def flat_params(state):
     """An nnx.State of parameters as {"path/to/leaf": host numpy array}."""
     return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}

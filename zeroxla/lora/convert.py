@@ -45,9 +45,9 @@ def _stacked_dims(param: nnx.Param) -> int:
 
 def _is_linear_weight(param: nnx.Param) -> bool:
     """A projection's weight: rank >= 2 per layer and, where the model names its per-layer
-    logical axes, one of them the model dim `embed` (wq [D, H, K], wo [H, K, D], w_up [D, F]); a per-head bias
-    (GPT's bq [H, K]) has rank 2 but no `embed` and is not a linear layer's weight, as PEFT and
-    DeepSpeed-Chat adapt only the weights of linear layers."""
+    logical axes, one of them the model dim `embed` (wq [D, H, K], wo [H, K, D], w_up [D, F]);
+    a per-head bias (GPT's bq [H, K]) has rank 2 but no `embed` and is not a linear layer's
+    weight, as PEFT and DeepSpeed-Chat adapt only the weights of linear layers."""
     stacked = _stacked_dims(param)
     if param.get_value().ndim - stacked < 2:
         return False

@@ -24,7 +24,7 @@ from flax import nnx
 from zeroxla import models
 import zeroxla
 from zeroxla.pallas_kernels import quantize
-from reference import flat_params, token_batches, train_single_device
+from reference import flat_params, masked_optimizer, token_batches, train_single_device
 from runs import device_bytes
 from zeroxla.analysis.comm_report import comm_report, phase_of
 from zeroxla.sharding.mesh import MeshAxes
@@ -143,13 +143,8 @@ def _reference(model_name, trainable_name, bits=0):
         for leaf in _quantized_leaves(step):
             _set_param(model, leaf.path, _dequantized_codes(leaf, stored_before[leaf.path]))
 
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda keys, _: "train" if _path(keys) in trained else "frozen", params)
-
-    masked = optax.multi_transform({"train": _optimizer(), "frozen": optax.set_to_zero()},
-                                   labels)
-    return train_single_device(model, masked, _batches(model_name))
+    return train_single_device(model, masked_optimizer(_optimizer(), trained),
+                               _batches(model_name))
 
 
 def _set_param(model, path, value):
@@ -178,11 +173,6 @@ def _dequantized_codes(leaf, stored):
     size = int(np.prod(block))
     padded = np.concatenate([values[d, :size].reshape(block) for d in range(8)], axis=dim)
     return np.take(padded, np.arange(shape[dim]), axis=dim)
-
-
-def _path(keys) -> str:
-    """A jax key path into an nnx.State -> the engine's 'up/base' path."""
-    return "/".join(str(k.key) for k in keys if isinstance(k, jax.tree_util.DictKey))
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
-from reference import flat_params, token_batches, train_single_device
+from reference import flat_params, masked_optimizer, token_batches, train_single_device
 from runs import run_steps
 from zeroxla.lora import (LoRAConfig, LoRAWeight, convert_linear_layer_to_lora, fuse_lora_weight,
                           lora_parameter_count, lora_trainable)
@@ -207,15 +207,8 @@ def _reference(name, bits=0):
     start = flat_params(nnx.state(model, nnx.Param))
     trained = set(flat_params(nnx.state(model, nnx.LoRAParam)))
 
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda keys, _: "train" if "/".join(str(k.key) for k in keys
-                                          if isinstance(k, jax.tree_util.DictKey)) in trained
-            else "frozen", params)
-
-    masked = optax.multi_transform({"train": _optimizer(), "frozen": optax.set_to_zero()},
-                                   labels)
-    return (*train_single_device(model, masked, _batches(vocab)), start)
+    return (*train_single_device(model, masked_optimizer(_optimizer(), trained), _batches(vocab)),
+            start)
 
 
 @pytest.mark.slow
