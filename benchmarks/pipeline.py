@@ -18,8 +18,8 @@ One process, one model, AdamW float32, ZeRO-3 (persistence threshold 1000) every
 Printed: median step time and its ratios to `zero-3` and to `1f1b`; the schedule's bubble
 fraction from its table (ZB-H1's is (S - 1) / (3M + S - 1), counting F, B and W one step each;
 1F1B's (S - 1) / (M + S - 1)); the collective-permute bytes a data replica's stages send per
-step (from `compiled.as_text()` with loop trip counts: each permute op is one stage pair's
-send) and, beside them, what the table's sends imply (one [mb, T, D] activation per
+step (from `compiled.as_text()` with loop trip counts and how often each step's send branch
+runs: each permute op is one stage pair's send) and, beside them, what the table's sends imply (one [mb, T, D] activation per
 SendActivation / SendGrad: the two agree); the layer all-gather bytes
 per device per step of the stage's blocks, counted from the schedule (micro_batch: a forward
 gather and a backward re-gather per micro-batch, with the default `remat="none"`, ZB-H1's
@@ -48,6 +48,7 @@ import optax  # noqa: E402
 
 import zeroxla  # noqa: E402
 from zeroxla import models  # noqa: E402
+from zeroxla.analysis.comm_report import report_from_collectives  # noqa: E402
 from zeroxla.analysis.hlo import collectives  # noqa: E402
 
 SEQ = {"gpt-tiny": 64, "gpt-small": 128, "llama-tiny": 64, "llama-small": 128}
@@ -92,11 +93,14 @@ def _time(step, batch, steps: int) -> tuple[float, list[float], object]:
     return statistics.median(times), losses, compiled
 
 
-def _permute_bytes(compiled) -> int:
+def _permute_bytes(step, compiled) -> int:
     """Bytes one data replica's stages send per step in collective-permutes (each op: one
-    stage pair's send of its operand, times the trip counts of the loops around it)."""
-    return sum(c.operand_bytes * c.multiplier for c in collectives(compiled)
-               if c.kind == "collective-permute")
+    stage pair's send of its operand, as often as the step's send branch holding it runs:
+    the loop's trip count times the branch's share, `comm_report`'s `executions`)."""
+    report = report_from_collectives(collectives(compiled), step.layout.mesh,
+                                     step.pipeline.branch_executions())
+    return int(sum(e.collective.operand_bytes * e.executions for e in report.entries
+                   if e.collective.kind == "collective-permute"))
 
 
 def _stage_block_bytes(step) -> int:
@@ -153,7 +157,7 @@ def main(argv=None) -> None:
             activation = 4 * mb * SEQ[args.model] * d_model            # [mb, T, D] float32
             needed = sends * activation                               # per data replica
             gathers = 2 * m if gather == "micro_batch" else 1       # forward, backward (B)
-            extra = (f"{table.bubble_fraction:>8.3f}{_permute_bytes(compiled) / 2**20:>12.2f}"
+            extra = (f"{table.bubble_fraction:>8.3f}{_permute_bytes(step, compiled) / 2**20:>12.2f}"
                      f"{needed / 2**20:>8.2f}{gathers * _stage_block_bytes(step) / 2**20:>13.2f}")
         versus = f"{seconds / base:>9.2f}" if base else f"{'-':>9}"
         print(f"{label:<14}{1e3 * seconds:>9.1f}{versus}{ratio}{extra}"

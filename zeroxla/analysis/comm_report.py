@@ -15,12 +15,9 @@ Convention (the one ZeRO / ZeRO++ papers use for communication volume):
 - A collective inside loops counts once per iteration (`Collective.multiplier`).
 - A collective inside a branch that only some steps of a loop take counts as often as the
   branch runs, when the step says how often (`branch_executions()`, the pipeline executor's:
-  every stage runs M forwards and M backwards per step, while the compiled loops around its
-  `pipeline_forward` / `pipeline_backward` branches run more often than that). This is exact
-  when every compiled copy of a branch holds the same collectives (the default remat "none");
-  under remat "full" with ZeRO-3 per-micro-batch gathers XLA merges some recompute gathers in
-  some copies only, and the count is their average. Other branches of `lax.cond` /
-  `lax.switch` count as if taken (an upper bound).
+  every stage runs M forwards and M backwards per step, and each pattern of sends as often as
+  the schedule has it, inside one loop over the schedule's T steps). Other branches of
+  `lax.cond` / `lax.switch` count as if taken (an upper bound).
 - Bytes are per device: averaged over the mesh's devices, and for the busiest device (max).
 - The phase is the innermost of the engine's `jax.named_scope` names ("zero_fwd_gather",
   "zero_bwd_gather", "zero_grad_reduce", "zero_param_update") found in the collective's

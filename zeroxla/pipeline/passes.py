@@ -133,9 +133,9 @@ class StagePasses:
                 ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
         """This stage's work in one step. `row` holds the step's [S] op / micro-batch /
         buffer; `work` (static) maps each op to the stages that may run it in this step:
-        only those branches are built (no backward in a forward-only step, no embedding
-        where the first stage runs no forward, ...), which keeps the unrolled steps cheap
-        to compile. The carry goes into the branches read-only; each returns a `StepUpdate`
+        only those branches are built (no idle branch where no stage idles, no embedding
+        where the first stage runs no forward, ...). The carry goes into the branches
+        read-only; each returns a `StepUpdate`
         that `apply` writes in after the switch. Returns (carry, forward output or zeros,
         input gradient or zeros)."""
         op, m, buf = (jnp.maximum(row[k][self.stage], 0)
@@ -150,17 +150,18 @@ class StagePasses:
             return self.apply(c, branches[ops[0]](c, at), buf)
         slots = set().union(*(self._writes(o) for o in ops))
         # Which way the stash leaves the switch is XLA's buffer sharing, measured
-        # (tests/zeroxla/pipeline/test_compiled.py): beside idling, a write inside the branch
-        # shares the idle branch's buffers; where two ops share a step (1F1B's F and B), XLA
-        # copies whatever a branch returns whole, so those return one buffer's value.
+        # (tests/zeroxla/pipeline/test_compiled.py, benchmarks/pipeline.py): beside idling, a
+        # write inside the branch shares the idle branch's buffers (the one-op phases,
+        # `table.phases`); where two ops share a step (1F1B's F and B), XLA copies whatever a
+        # branch returns whole, so those return one buffer's value.
         whole = len([o for o in ops if o != IDLE]) == 1
 
         def branch(o: int) -> Callable[[dict[str, Any]], tuple[StepUpdate, dict[str, Any]]]:
             def run(c: dict[str, Any]) -> tuple[StepUpdate, dict[str, Any]]:
                 update = branches[o](c, at)
                 # The gradient sums are added to in the branch and leave it whole (a path the
-                # op adds nothing to passes through): summed after the switch, XLA fuses the
-                # adds of consecutive steps into one and keeps every step's addend alive.
+                # op adds nothing to passes through): summed after the switch, every op would
+                # return a gradient-sized addend, zeros where it adds none.
                 return (self._complete(update, slots, c, buf, whole),
                         add_gradients(c["grads"], update.grads))
             return run
@@ -169,6 +170,15 @@ class StagePasses:
         update, grads = lax.switch(index, [branch(o) for o in ops], c)
         if whole:
             c, update = {**c, **update.slots}, dataclasses.replace(update, slots={})
+        else:
+            # Each entry written in place where this step's op fills it: a cond beside the
+            # identity (one buffer written, the stash's buffer shared), not a write of every
+            # step (which would read and write back a buffer where the op fills none).
+            for name, value in update.slots.items():
+                fills = jnp.asarray([name in self._writes(o) for o in sorted(branches)])[op]
+                c[name] = lax.cond(fills, lambda s, v: write_buffer(s, v, buf),
+                                   lambda s, v: s, c[name], value)
+            update = dataclasses.replace(update, slots={})
         return self.apply({**c, "grads": grads}, update, buf)
 
     def _writes(self, op: int) -> set[str]:
@@ -184,8 +194,7 @@ class StagePasses:
         """`update` in the one structure every branch of a step's switch returns, less its
         gradients (the branch adds them itself), with zeros for an unsent result and, for
         each of `slots`, the stash entry written at `buf` (whole) or the buffer's new value
-        (not whole; the current one where this op writes none, so writing it back changes
-        nothing)."""
+        (not whole; zeros where this op writes none: `compute` writes only where it does)."""
         if not set(update.slots) <= slots:
             raise AssertionError(f"an op wrote {sorted(update.slots)}, declared {sorted(slots)}")
 
@@ -194,7 +203,7 @@ class StagePasses:
                 return (write_buffer(c[name], update.slots[name], buf) if name in update.slots
                         else c[name])
             return (update.slots[name] if name in update.slots
-                    else jax.tree.map(lambda b: b[buf], c[name]))
+                    else jax.tree.map(lambda b: jnp.zeros(b.shape[1:], b.dtype), c[name]))
         return StepUpdate(
             slots={name: filled(name) for name in sorted(slots)},
             total=f32(update.total), count=f32(update.count),

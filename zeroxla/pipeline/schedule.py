@@ -169,12 +169,6 @@ class PipeSchedule(abc.ABC):
         """Buffers this stage allocates: at least the micro-batches it has in flight."""
         return self.micro_batches
 
-    def steady_period(self) -> int:
-        """Steps after which the schedule's steady state repeats (1F1B alternates forward and
-        backward steps: 2); the executor compiles loops of up to this many unrolled steps
-        (`table.send_segments`)."""
-        return 2
-
     def buffer_id(self, micro_batch_id: int) -> int:
         """The buffer holding `micro_batch_id`: buffers are reused cyclically."""
         return micro_batch_id % self.num_pipe_buffers()

@@ -7,9 +7,9 @@ fills, the gradients it adds, the results it sends. A branch that returned the s
 themselves would make XLA copy each through the conditional where two ops share the step
 (1F1B's F and B; a conditional's outputs then do not share its operands' buffers): two whole
 stashes at every step boundary and a whole stash's copy per step. gpt-small, 4 stages
-(`benchmarks/pipeline.py`), compiled temporaries with whole stashes returned: 107.6 MiB for
-1F1B, 127-140 MiB for ZB-H1, growing with M; with one buffer returned: 72.1 and 82.6-82.9 MiB,
-flat in M.
+(`benchmarks/pipeline.py`), compiled temporaries with one buffer returned: 71.3 MiB for 1F1B
+and 80.3 MiB for ZB-H1, flat in M; with whole stashes returned they measured 107.6 and
+127-140 MiB, growing with M.
 """
 
 from __future__ import annotations

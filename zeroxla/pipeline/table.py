@@ -17,10 +17,7 @@ Within a step the table means, for every stage at once:
   4. where `optimizer_step` is 1, the batch's gradients are reduced and applied.
 
 `step_sends` gives, per step, the stage pairs that send at its end (each one of DeepSpeed's
-SendActivation / SendGrad instructions), and `segments` / `send_segments` cut the steps into
-runs that repeat one pattern of sends with period up to the schedule's `steady_period` (1F1B,
-GPipe: 2; ZB-H1: 3S), so an executor can compile each run as one loop whose permutes are
-static.
+SendActivation / SendGrad instructions); an executor compiles one branch per distinct pattern.
 """
 
 from __future__ import annotations
@@ -93,7 +90,6 @@ class ScheduleTable:
     send_grad: Grid                       # [T][S] buffer whose input gradient goes to stage - 1
     optimizer_step: Grid                  # [T][S] 1 after the batch's last step (ReduceTiedGrads,
     #                                       ReduceGrads, OptimizerStep), else 0
-    steady_period: int = 2                # the schedule's `steady_period()`
 
     @property
     def num_steps(self) -> int:
@@ -171,7 +167,6 @@ def schedule_table(schedule_class: type[PipeSchedule], micro_batches: int, stage
     return ScheduleTable(
         schedule=schedule_class.__name__, micro_batches=micro_batches, stages=stages,
         num_pipe_buffers=tuple(s.num_pipe_buffers() for s in schedules),
-        steady_period=schedules[0].steady_period(),
         **{name: tuple(tuple(row) for row in grid) for name, grid in grids.items()})
 
 
@@ -188,7 +183,7 @@ def bubble_fraction(schedule_class: type[PipeSchedule], micro_batches: int, stag
 
 
 # ----------------------------------------------------------------------------------------------
-# What crosses between stages at the end of each step, and runs of steps that repeat it.
+# What crosses between stages at the end of each step.
 
 @dataclasses.dataclass(frozen=True)
 class StepSends:
@@ -215,59 +210,37 @@ def step_sends(table: ScheduleTable) -> tuple[StepSends, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
-    """Steps [start, stop) as `repeats` repetitions of a `period`-step pattern."""
+class Phase:
+    """Steps [start, stop) that an executor compiles as one loop, and the ops they hold
+    (IDLE included where some stage idles in them)."""
 
     start: int
-    period: int
-    repeats: int
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.period * self.repeats
+    stop: int
+    ops: frozenset[int]
 
 
-def segments(pattern: tuple[Any, ...], max_period: int = 2) -> tuple[Segment, ...]:
-    """Cuts the steps of `pattern` ([T] comparable items, one per step) into consecutive
-    segments, each a run of one item (period 1) or of a repeating sequence of up to `max_period`
-    items, covering [0, T) in order.
+def phases(table: ScheduleTable) -> tuple[Phase, ...]:
+    """The steps cut into at most three consecutive phases: the leading steps whose stages all
+    run one and the same op or idle (1F1B's and ZB-H1's warm-up forwards, GPipe's forward
+    half), the trailing such steps (1F1B's cool-down backwards, ZB-H1's last weight pass,
+    GPipe's backward half), and everything between (1F1B's steady state, most of ZB-H1).
 
-    An executor compiles `period` step bodies per segment and loops over `repeats`, so this
-    minimises the total of the periods (then the number of segments): 1F1B's steady state
-    alternates forward and backward steps (period 2), GPipe's phases are period 1, warm-up and
-    cool-down steps become short segments of their own.
-    """
-    if not isinstance(max_period, int) or max_period < 1:
-        raise ValueError(f"segments: max_period={max_period!r} is invalid; accepted: an "
-                         "integer >= 1")
-    pattern = tuple(pattern)
-    n = len(pattern)
+    An executor compiles each op once per phase that holds it. In a one-op phase the op can
+    write its stash buffer inside its branch, which XLA runs in place beside the idle branch;
+    where ops mix it cannot (`zeroxla.pipeline.passes`), so the split keeps the one-op ends
+    out of the mixed loop."""
+    busy = [frozenset(row) - {IDLE} for row in table.op]              # [T]
 
-    def repeats_from(start: int, period: int) -> int:        # longest run of the first period
-        unit = pattern[start:start + period]
-        count = 0
-        while (start + (count + 1) * period <= n
-               and pattern[start + count * period:start + (count + 1) * period] == unit):
-            count += 1
-        return count
-
-    # best[i]: (compiled step bodies, segments) for steps [i, n), and the first segment.
-    best: list[tuple[tuple[int, int], Segment | None]] = [((0, 0), None)] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        options = []
-        for period in range(1, max_period + 1):
-            for repeats in range(1, repeats_from(i, period) + 1):
-                (bodies, count), _ = best[i + period * repeats]
-                options.append(((bodies + period, count + 1), Segment(i, period, repeats)))
-        best[i] = min(options, key=lambda option: option[0])
-    found, i = [], 0
-    while i < n:
-        found.append(best[i][1])
-        i = found[-1].stop
-    return tuple(found)
-
-
-def send_segments(table: ScheduleTable) -> tuple[Segment, ...]:
-    """`segments` of the table's per-step sends (`step_sends`), with periods up to the
-    schedule's steady state's (`ScheduleTable.steady_period`)."""
-    return segments(step_sends(table), max_period=table.steady_period)
+    def one_op_run(order: list[int]) -> int:
+        n = 0
+        while (n < len(order) and len(busy[order[n]]) <= 1
+               and busy[order[n]] == busy[order[0]]):
+            n += 1
+        return n
+    T = len(busy)
+    head = one_op_run(list(range(T)))
+    tail = one_op_run(list(range(T - 1, head - 1, -1)))
+    bounds = [b for b in (0, head, T - tail, T) if 0 <= b <= T]
+    bounds = sorted(set(bounds))
+    return tuple(Phase(start, stop, frozenset(op for row in table.op[start:stop] for op in row))
+                 for start, stop in zip(bounds, bounds[1:]))

@@ -96,8 +96,5 @@ class ZBH1Schedule(PipeSchedule):
             peak = max(peak, in_flight)
         return peak
 
-    def steady_period(self) -> int:
-        return block_period(self.stages)
-
     def instructions_at(self, step_id: int) -> list[PipeInstruction]:
         return self._exchange_in_parity(step_id)          # TrainSchedule's order

@@ -4,10 +4,11 @@
   flight. From 4 to 16 micro-batches (fixed micro-batch size, 4 stages) GPipe's temporaries grow
   (it stashes every micro-batch) and 1F1B's stay flat (at most S - stage in flight); ZB-H1's
   stay flat too (at most min(S, M) from F to W), above 1F1B's by W's stash.
-* Collective-permutes (`compiled.as_text()`, with loop trip counts): one execution per DeepSpeed
+* Collective-permutes (`compiled.as_text()`, with loop trip counts, through `comm_report`, which
+  counts each send branch as often as the table takes it): one execution per DeepSpeed
   SendActivation / SendGrad instruction of the schedule, counted from every stage's stream:
   each permute moves one micro-batch activation [mb, T, D] between ONE stage pair (in every data
-  replica), and summed over the loop trips, each stage pair carries exactly as many activations
+  replica), and summed over the steps, each stage pair carries exactly as many activations
   (gradients) as the sending stage's stream has SendActivation (SendGrad) instructions.
 """
 
@@ -22,7 +23,6 @@ import pytest
 import zeroxla
 from zeroxla import models
 from zeroxla.analysis.comm_report import comm_report
-from zeroxla.analysis.hlo import collectives
 from zeroxla.pipeline import SendActivation, SendGrad
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
@@ -38,9 +38,12 @@ def _compiled(schedule, micro_batches, stages=STAGES):
     step = zeroxla.make_step(models.build("gpt-tiny", num_layers=LAYERS), mesh,
                              optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=0),
                              pipeline=zeroxla.PipelineConfig(micro_batches, schedule=schedule))
+    return step, step.compile(jax.eval_shape(step.init), _batch(step, micro_batches))
+
+
+def _batch(step, micro_batches):
     batch_size = MICRO_BATCH * micro_batches * step.layout.data_size
-    batch = {k: jnp.zeros((batch_size, SEQ), jnp.int32) for k in ("inputs", "targets")}
-    return step, step.compile(jax.eval_shape(step.init), batch)
+    return {k: jnp.zeros((batch_size, SEQ), jnp.int32) for k in ("inputs", "targets")}
 
 
 def _temp_bytes(schedule, micro_batches, stages=STAGES):
@@ -88,25 +91,31 @@ def _sends_in_streams(schedule, micro_batches, instruction, stages):
     ("1f1b", 4, STAGES), ("1f1b", 16, STAGES), ("gpipe", 16, STAGES), ("zb-h1", 16, 2)])
 def test_collective_permutes_are_what_the_table_implies(schedule, micro_batches, stages):
     step, compiled = _compiled(schedule, micro_batches, stages)
-    permutes = [c for c in collectives(compiled) if c.kind == "collective-permute"]
+    report = comm_report(step, jax.eval_shape(step.init), _batch(step, micro_batches))
+    permutes = [e for e in report.entries if e.collective.kind == "collective-permute"]
     grid = np.asarray(step.layout.mesh.devices).reshape(stages, -1)          # [stage, data replica]
     position = {d: i for i, d in enumerate(step.layout.mesh.devices.flat)}
     stage_of = {position[d]: s for s in range(stages) for d in grid[s]}
     activation = MICRO_BATCH * SEQ * D_MODEL * 4                      # [mb, T, D] float32
+    # One loop per phase of the table; each step's sends are one branch of a switch in it.
+    phase_lengths = {p.stop - p.start for p in step.pipeline.phases}
+    assert {e.collective.multiplier for e in permutes} <= phase_lengths
 
     # Each permute moves one activation between one stage pair, in every data replica.
     runs, sent_bytes = {}, {}                                         # (stage, hop) -> total
-    for c in permutes:
+    for e in permutes:
+        c = e.collective
         source, target = c.device_pairs[0]
         s, hop = stage_of[source], stage_of[target] - stage_of[source]
         assert hop in (1, -1), c.device_pairs
         assert sorted(c.device_pairs) == sorted(
             (position[a], position[b]) for a, b in zip(grid[s], grid[s + hop])), c.device_pairs
         assert c.operand_bytes == activation
-        runs[s, hop] = runs.get((s, hop), 0) + c.multiplier
-        sent_bytes[s, hop] = sent_bytes.get((s, hop), 0) + c.multiplier * c.operand_bytes
+        runs[s, hop] = runs.get((s, hop), 0) + e.executions
+        sent_bytes[s, hop] = sent_bytes.get((s, hop), 0) + e.executions * c.operand_bytes
 
-    # Summed over loop trips: one run per Send instruction of the sending stage's stream.
+    # Summed over the steps that take each branch: one run per Send instruction of the sending
+    # stage's stream.
     for hop, instruction in ((1, SendActivation), (-1, SendGrad)):
         expected = {s: n for s, n in _sends_in_streams(schedule, micro_batches, instruction,
                                                        stages).items() if n}
@@ -119,10 +128,9 @@ def test_collective_permutes_are_what_the_table_implies(schedule, micro_batches,
 def test_comm_report_counts_the_stage_gathers_once_per_micro_batch():
     """ZeRO-3 inside 2 stages, gathering per micro-batch, default remat "none": each device
     gathers its stage's layers M times in forward, re-gathers them M times in backward and
-    reduce-scatters their gradients M times, whatever the loops around the pipeline's branches
-    say (`branch_executions`: each branch is compiled into 8 steps' code here, not 4).
-    (Under remat "full" XLA merges some of the recompute's gathers in some compiled steps and
-    not in others, so the report's per-step count is an average over them, not exact.)"""
+    reduce-scatters their gradients M times, whatever the loop around the pipeline's branches
+    says (`branch_executions`: the forward is compiled into loops of 8 steps in all here, the
+    backward of 8, not 4)."""
     stages, m, layers = 2, 4, 4
     step = zeroxla.make_step(
         models.build("gpt-tiny", num_layers=layers), zeroxla.make_mesh(1, stages=stages),
@@ -133,7 +141,8 @@ def test_comm_report_counts_the_stage_gathers_once_per_micro_batch():
              for k in ("inputs", "targets")}
     report = comm_report(step, jax.eval_shape(step.init), batch)
     compiled_runs = step.pipeline.branch_executions()
-    assert all(compiled > m for compiled, _ in compiled_runs.values())   # the loops over-run
+    for scope in ("pipeline_forward", "pipeline_backward"):              # the loops over-run
+        assert compiled_runs[scope][0] > m, compiled_runs
     # One stage's blocks gathered whole, float32: max_layers layers of every stacked leaf.
     stage_blocks = step.pipeline.split.max_layers * sum(
         4 * leaf.padded_numel for leaf in step.layout.plan.leaves if leaf.stacked
