@@ -289,7 +289,7 @@ class PipelineExecutor:
 
     def _run_schedule(self, passes: StagePasses, kept_shapes: list[Any],
                       stash_shapes: list[Any]) -> dict[str, Any]:
-        """The table's T steps on this stage, one `lax.scan` over them. Returns the last carry:
+        """The table's T steps on this stage, one `lax.scan` per phase. Returns the last carry:
         the float32 gradient sums "grads" and the loss sum "total" over "count" tokens.
         `stash_shapes`: what ZB-H1's B stashes for W per buffer (remat "none" / a policy)."""
         act, zeros_act, axis = passes.act, passes.zeros_act, self.layout.axes.stage
