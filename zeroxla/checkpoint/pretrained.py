@@ -13,13 +13,17 @@ once, so a model that fits no single device can be fine-tuned. The same here, in
    converted with the name map of `models.hf`; each converted piece (a whole parameter, or one
    layer's slice of a stacked `[L, ...]` parameter) goes straight onto the mesh, spread over all
    its devices along its largest evenly dividing dim, and its host copy is dropped; a stacked
-   parameter's layers are then stacked on the devices;
+   parameter's layers are then stacked on the devices. On a pipeline's mesh the pieces are
+   spread over the devices of one stage (each stage holding a copy) and the stacked layers
+   split over the stages, so each device keeps its stage's layers (`layer_axis`);
 3. `ZeroStep.init_from` lays the spread parameters out in their ZeRO storage (partitions, padding,
    codes, compute copies) and creates the optimizer state, as `init` does for a fresh model.
 
 Host memory: one HF tensor and the pieces converted from it (a transpose may copy) at a time.
 Device memory: the spread parameters (1/N of the model per device, N devices, plus parameters too
-small to divide) and then the state being built from them.
+small to divide; on a pipeline's mesh of S stages the embedding, head and norms take S/N, as
+they are stored, and a stacked parameter's layer slices S/N until they are stacked, or for
+good where S does not divide the layers) and then the state being built from them.
 
 In a multi-process run each process reads only the part its own devices hold where our piece is
 the stored tensor as it is (embeddings, norms, GPT-2's Conv1D weights: `owned_index`, read
@@ -46,21 +50,42 @@ from zeroxla.sharding.config import ZeroConfig
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.step import ZeroStep
 from zeroxla.make import make_step
+from zeroxla.sharding.mesh import STAGE_AXIS
 from zeroxla.models import hf as hf_io
 from zeroxla.models import model_class
 
 
+def spread_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a loaded piece is spread over: all of them, less a pipeline's `stage`
+    axis (a stacked leaf's layers go over it when they are stacked, `layer_axis`; the
+    embedding, head and norms are stored replicated over the stages)."""
+    return tuple(a for a in mesh.axis_names if a != STAGE_AXIS)
+
+
+def layer_axis(mesh: Mesh, stage_layers: tuple[int, ...] | None) -> str | None:
+    """The mesh axis a stacked leaf's layer dim is split over when loaded: a pipeline's
+    `stage` axis where its stages hold equally many layers (`stage_layers`, the pipeline
+    split's `num_layers`: stage s then holds layers [s L / S, (s + 1) L / S), where the
+    pipeline stores them), else None (every stage holds every layer's spread slice until
+    `init_from` keeps its own: moving layers between stages there would gather them)."""
+    stages = dict(mesh.shape).get(STAGE_AXIS, 1)
+    uniform = (stage_layers is not None and len(stage_layers) == stages
+               and len(set(stage_layers)) == 1)
+    return STAGE_AXIS if stages > 1 and uniform else None
+
+
 def spread_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
-    """The layout a loaded piece of `shape` takes on `mesh`: its largest dim that all the mesh's
-    devices divide evenly, split over all of them (every mesh axis); replicated when none does
-    (biases and norms smaller than the mesh)."""
-    n = mesh.devices.size
+    """The layout a loaded piece of `shape` takes on `mesh`: its largest dim that the devices
+    of `spread_axes` divide evenly, split over them; replicated when none does (biases and
+    norms smaller than the mesh)."""
+    axes = spread_axes(mesh)
+    n = int(np.prod([dict(mesh.shape)[a] for a in axes]))
     dims = sorted((d for d, size in enumerate(shape) if size % n == 0 and size >= n),
                   key=lambda d: -shape[d])
     if not dims:
         return P()
     spec = [None] * len(shape)
-    spec[dims[0]] = tuple(mesh.axis_names)
+    spec[dims[0]] = axes
     return P(*spec)
 
 
@@ -110,22 +135,25 @@ def place(piece: np.ndarray, mesh: Mesh, dtype: Any, *, shape: tuple[int, ...] |
 
 
 @functools.lru_cache(maxsize=64)
-def _stacker(mesh: Mesh, spec: P, count: int) -> Callable[..., jax.Array]:
-    """`count` layer slices -> their stack [count, ...], spread like each slice (no data moves
-    between devices: slice and stack have the same device split)."""
+def _stacker(mesh: Mesh, spec: P, count: int, axis: str | None) -> Callable[..., jax.Array]:
+    """`count` layer slices -> their stack [count, ...], spread like each slice, the layer dim
+    over `axis` (no data moves between devices: each keeps its slices of its layers)."""
     return jax.jit(lambda *layers: jnp.stack(layers),
-                   out_shardings=NamedSharding(mesh, P(None, *spec)))
+                   out_shardings=NamedSharding(mesh, P(axis, *spec)))
 
 
 def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
                      dtype: Any = np.float32, progress: bool = True,
-                     head: str = hf_io.CAUSAL_LM) -> dict[str, jax.Array]:
+                     head: str = hf_io.CAUSAL_LM,
+                     stage_layers: tuple[int, ...] | None = None) -> dict[str, jax.Array]:
     """`{our path: array}` of a HF checkpoint's parameters, each spread over `mesh` (see the
     module docstring), converted to `dtype`. `config` is the models config `config.json` gives;
     `head` says which model the paths are those of (`models.hf`: a causal LM's, or a reward
     model's `base/...` and `v_head` for a sequence classifier). Parameters the checkpoint has
     no tensor for (`models.hf.unmapped_params`: a reward model's unused LM projection) are
-    zeros, created on the devices."""
+    zeros, created on the devices. On a pipeline's mesh, `stage_layers` (the pipeline split's
+    blocks per stage, `step.pipeline.split.num_layers`) lets the stacked leaves be split over
+    the stages as loaded (`layer_axis`)."""
     hf = hf_io.read_hf_config(path)
     abstract = hf_io.param_shapes(config, head)
     values = {name: _zeros(abstract[name], mesh, dtype)
@@ -146,7 +174,8 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
                 layers.setdefault(name, []).append(array)
                 if len(layers[name]) == config.num_layers:
                     slices = layers.pop(name)
-                    values[name] = _stacker(mesh, slices[0].sharding.spec, len(slices))(*slices)
+                    values[name] = _stacker(mesh, slices[0].sharding.spec, len(slices),
+                                            layer_axis(mesh, stage_layers))(*slices)
             del piece                     # the host copy goes as soon as the devices have it
             bar.update()
     return values
@@ -181,9 +210,16 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh, *, optimizer: Any = Non
     step = make_step(lambda: cls(model_config, rngs=nnx.Rngs(0)), mesh, optimizer=optimizer,
                      config=config, loss_fn=loss_fn, trainable=trainable, pipeline=pipeline)
     values = spread_hf_params(model_config, path, mesh,
-                              dtype=np.dtype(step.layout.config.master_dtype), progress=progress)
+                              dtype=np.dtype(step.layout.config.master_dtype), progress=progress,
+                              stage_layers=stage_layers(step))
     return step, step.init_from(values, seed)
 
 
-__all__ = ["device_part", "load_pretrained", "owned_index", "place", "spread_hf_params",
-           "spread_spec"]
+def stage_layers(step: ZeroStep) -> tuple[int, ...] | None:
+    """The blocks each pipeline stage of `step` holds (None without a pipeline), for
+    `spread_hf_params`."""
+    return None if step.pipeline is None else tuple(step.pipeline.split.num_layers)
+
+
+__all__ = ["device_part", "layer_axis", "load_pretrained", "owned_index", "place",
+           "spread_axes", "spread_hf_params", "spread_spec", "stage_layers"]

@@ -12,6 +12,7 @@ import tracemalloc
 
 import numpy as np
 import optax
+from flax import nnx
 import pytest
 from jax.sharding import NamedSharding
 
@@ -19,7 +20,7 @@ import zeroxla
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint, llama_checkpoint
 from runs import device_bytes
 from zeroxla.checkpoint.pretrained import (device_part, owned_index, place, spread_hf_params,
-                                           spread_spec)
+                                           spread_spec, stage_layers)
 from zeroxla.models import hf
 
 torch = pytest.importorskip("torch")
@@ -164,6 +165,50 @@ def test_a_directory_without_config_is_refused(tmp_path):
     mesh = zeroxla.make_mesh(nodes=2, local=4)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         zeroxla.load_pretrained(tmp_path, mesh, progress=False)
+
+
+def _init_temp_bytes(step, values):
+    """Temporaries of the program `init_from` runs on `values` (`memory_analysis()`)."""
+    return step._jitted_init.lower(values, {}, step._seed(0)).compile().memory_analysis(
+        ).temp_size_in_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_layers,split", [(4, (2, 2)), (3, (2, 1))], ids=["even", "uneven"])
+def test_a_pipelined_load_builds_its_state_without_gathering_a_stacked_leaf(
+        tmp_path, capfd, num_layers, split):
+    """On a 2-stage x 4 mesh the loaded pieces are spread over one stage's 4 devices and, where
+    the stages hold equally many layers, the stacked leaves split over the stages as loaded
+    (each device 1/8 of each), so `init_from` lays them out without moving layers between
+    stages. Its compiled program then needs no more temporaries than the unpipelined load's on
+    2 x 4, and XLA's partitioner never falls back to replicating a leaf whole ("Involuntary
+    full rematerialization", which it logs when it cannot reshard: what spreading every piece
+    over all 8 devices made it do for every stacked leaf)."""
+    directory = llama_checkpoint(tmp_path, num_layers=num_layers)
+    config = hf.from_hf_config(hf.read_hf_config(directory))
+
+    def load(mesh, pipeline):
+        step = zeroxla.make_step(
+            lambda: zeroxla.models.model_class(config)(config, rngs=nnx.Rngs(0)), mesh,
+            optimizer=optax.adamw(1e-3), config=zeroxla.ZeroConfig(stage=3),
+            pipeline=pipeline)
+        return step, spread_hf_params(config, directory, mesh, progress=False,
+                                      stage_layers=stage_layers(step))
+
+    plain_step, plain_values = load(zeroxla.make_mesh(2, 4), None)
+    step, values = load(zeroxla.make_mesh(1, 4, stages=2), zeroxla.PipelineConfig(2))
+    assert stage_layers(step) == split
+    for path, value in values.items():
+        spec = value.sharding.spec
+        if step.layout.plan[path].stacked:
+            assert (spec[0] == "stage") == (split[0] == split[1]), (path, spec)
+            if split[0] == split[1]:
+                assert {s.data.nbytes for s in value.addressable_shards} == {value.nbytes // 8}
+        assert "stage" not in (spec[1:] if spec else ())          # a stage's devices only
+    capfd.readouterr()
+    temp = _init_temp_bytes(step, values)
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+    assert temp <= _init_temp_bytes(plain_step, plain_values)
 
 
 # ---- several processes: each reads only what its devices hold -----------------------------------

@@ -12,7 +12,7 @@ from zeroxla import models
 from zeroxla.app.train.config import TrainJobConfig
 from zeroxla.app.train.data import SFTData, TextData
 from zeroxla.app.train.lora import add_adapters
-from zeroxla.checkpoint.pretrained import spread_hf_params
+from zeroxla.checkpoint.pretrained import spread_hf_params, stage_layers
 from zeroxla.checkpoint.adapters import recorded_lora
 from zeroxla.lora import LoRAConfig, fuse_lora_weight
 from zeroxla.models import hf as hf_io
@@ -138,7 +138,8 @@ def initial_state(job: TrainJobConfig, step: Any, config: Any, mesh: Any) -> Any
     if job.model.init_from is None:
         return step.init()
     values = spread_hf_params(config, job.model.init_from, mesh, progress=job.run.progress,
-                              dtype=np.dtype(step.layout.config.master_dtype))
+                              dtype=np.dtype(step.layout.config.master_dtype),
+                              stage_layers=stage_layers(step))
     if job.lora.enabled:
         values = with_adapters(values, model_factory(job, config), mesh)
     return step.init_from(values, job.run.seed)
