@@ -16,7 +16,7 @@ Convention (the one ZeRO / ZeRO++ papers use for communication volume):
 - A collective inside a branch that only some steps of a loop take counts as often as the
   branch runs, when the step says how often (`branch_executions()`, the pipeline executor's:
   every stage runs M forwards and M backwards per step, and each pattern of sends as often as
-  the schedule has it, inside one loop over the schedule's T steps). Other branches of
+  the schedule has it, inside the loops over the schedule's steps). Other branches of
   `lax.cond` / `lax.switch` count as if taken (an upper bound).
 - Bytes are per device: averaged over the mesh's devices, and for the busiest device (max).
 - The phase is the innermost of the engine's `jax.named_scope` names ("zero_fwd_gather",

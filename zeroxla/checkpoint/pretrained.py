@@ -47,10 +47,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from zeroxla.sharding.config import ZeroConfig
+from zeroxla.sharding.mesh import STAGE_AXIS
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.step import ZeroStep
 from zeroxla.make import make_step
-from zeroxla.sharding.mesh import STAGE_AXIS
 from zeroxla.models import hf as hf_io
 from zeroxla.models import model_class
 

@@ -8,7 +8,7 @@
                    pass B and the weight-gradient pass W, W deferred into 1F1B's bubbles
     table.py       all stages' streams lowered to one [step][stage] table for a lax.scan
                    executor (schedule_table), the bubble fraction, the stage pairs that send
-                   at each step (step_sends)
+                   at each step (step_sends) and the phases compiled as one loop each
     timeline.py    the table as text or as a matplotlib picture
     config.py      PipelineConfig: micro-batches, schedule, partition method, ZeRO-3 gathers
     checks.py      what the executor needs of a schedule table and of the step
@@ -25,7 +25,7 @@
                    gradients, its sends), written in after the switch (imports JAX)
     weight_pass.py ZB-H1's W weight-only where the blocks' vjp splits (engine.weight_split),
                    decided once per trace, or the warned fallback (imports JAX)
-    executor.py    the table run as one lax.scan over its steps, one ppermute per send, inside
+    executor.py    the table run as one lax.scan per phase, one ppermute per send, inside
                    the ZeRO step; built on the step's ZeroLayout by `zeroxla.make.make_step`
                    (imports JAX; loaded by zeroxla.make, not by this package)
 

@@ -25,13 +25,12 @@ forward, backward and weight-gradient pass run under `FORWARD_SCOPE` / `BACKWARD
 (`jax.named_scope`), so the HLO names which collectives belong to a schedule op, and
 `branch_executions` says how often each branch runs.
 
-Each op is compiled once per phase holding it, whatever S and M: the program grows with
-neither (the phases' switches hold only the ops some stage runs there); the sends' switches
-have one small branch per distinct pattern (fewer than 4S whatever M: 11 for 1F1B on 4 stages).
-gpt-tiny on 4 stages, 1F1B at M = 8, AdamW, on this project's 2-core CPU machine: 1.7 MB of
-HLO text, 0.9 s to lower and 4.2 s to compile, where unrolling each step of the schedule's
-repeating patterns took 6.2 MB, 3.2 s and 9.1 s (ZB-H1 at M = 16: 1.5 MB, 0.9 s, 3.8 s
-against 16.2 MB, 9.8 s, 18.5 s).
+Each op is compiled once per phase holding it, whatever S and M (the phases' switches hold
+only the ops some stage runs there); the sends' switches have one small branch per distinct
+pattern (fewer than 4S whatever M: 11 for 1F1B on 4 stages), so the program does not grow
+with M. gpt-tiny on 4 stages, AdamW, on the 2-core development machine: 1F1B at M = 8 is
+1.7 MB of HLO text, 0.9 s to lower and 4.2 s to compile; ZB-H1 at M = 16 1.5 MB, 0.9 s and
+3.8 s.
 
 Forward on stage s (`zeroxla.pipeline.passes`): x = the model's computation up to its stack on
 the first stage (its own `__call__` and loss, cut at `blocks`: `zeroxla.pipeline.stages`), else
@@ -313,18 +312,19 @@ class PipelineExecutor:
                 if k in ("op", "micro_batch", "buffer")}                       # [T, S] each
         sends = step_sends(self.table)                                         # [T]
         for phase in self.phases:
-            # One lax.scan per phase; its steps' sends switch over the patterns it holds.
-            used = tuple(dict.fromkeys(sends[phase.start:phase.stop]))
+            # One lax.scan per phase; its steps' sends switch over the patterns it holds,
+            # keyed by their index in the table's (`send_scope`).
+            steps = sends[phase.start:phase.stop]
+            used = {self.send_patterns.index(p): p for p in dict.fromkeys(steps)}
+            branch_of = {p: i for i, p in enumerate(used.values())}       # switch index
             xs = {"row": {k: jnp.asarray(v[phase.start:phase.stop]) for k, v in rows.items()},
-                  "pattern": jnp.asarray([used.index(x) for x in sends[phase.start:phase.stop]],
-                                         jnp.int32)}                      # [P, S], [P]
+                  "pattern": jnp.asarray([branch_of[p] for p in steps], jnp.int32)}  # [P, S], [P]
 
             def tick(c, x, work=self._work(phase), used=used):
                 c, act_out, grad_out = passes.compute(c, x["row"], work)
                 # What this step computed is the neighbour's input in the next step.
-                act_in, grad_in = _exchange(
-                    act_out, grad_out, x["pattern"],
-                    {self.send_patterns.index(p): p for p in used}, axis, zeros_act)
+                act_in, grad_in = _exchange(act_out, grad_out, x["pattern"], used, axis,
+                                            zeros_act)
                 return {**c, "act": act_in, "grad": grad_in}, None
             carry, _ = lax.scan(tick, carry, xs)
         return carry

@@ -135,9 +135,8 @@ class StagePasses:
         buffer; `work` (static) maps each op to the stages that may run it in this step:
         only those branches are built (no idle branch where no stage idles, no embedding
         where the first stage runs no forward, ...). The carry goes into the branches
-        read-only; each returns a `StepUpdate`
-        that `apply` writes in after the switch. Returns (carry, forward output or zeros,
-        input gradient or zeros)."""
+        read-only; each returns a `StepUpdate`, written in after the switch. Returns (carry,
+        forward output or zeros, input gradient or zeros)."""
         op, m, buf = (jnp.maximum(row[k][self.stage], 0)
                       for k in ("op", "micro_batch", "buffer"))
         micro = jax.tree.map(lambda a: a[m], self.micro_batches)

@@ -18,6 +18,8 @@ Within a step the table means, for every stage at once:
 
 `step_sends` gives, per step, the stage pairs that send at its end (each one of DeepSpeed's
 SendActivation / SendGrad instructions); an executor compiles one branch per distinct pattern.
+`phases` cuts the steps into at most three runs (one-op warm-up, mixed middle, one-op
+cool-down) that an executor compiles as one loop each.
 """
 
 from __future__ import annotations
@@ -240,7 +242,6 @@ def phases(table: ScheduleTable) -> tuple[Phase, ...]:
     T = len(busy)
     head = one_op_run(list(range(T)))
     tail = one_op_run(list(range(T - 1, head - 1, -1)))
-    bounds = [b for b in (0, head, T - tail, T) if 0 <= b <= T]
-    bounds = sorted(set(bounds))
+    bounds = sorted({0, head, T - tail, T})
     return tuple(Phase(start, stop, frozenset(op for row in table.op[start:stop] for op in row))
                  for start, stop in zip(bounds, bounds[1:]))
