@@ -23,9 +23,27 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 def rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     """RoPE fields from `rope_parameters` (transformers 5.x) or `rope_scaling` + `rope_theta`
-    (4.x); a rope_type other than ROPE_TYPES is refused by name."""
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = dict(hf.get(key) or {})
+    (4.x); a rope_type other than ROPE_TYPES is refused by name.
+
+    Both present: transformers (4.x and 5.x, `convert_rope_params_to_dict`) reads `rope_scaling`
+    alone, its rope_theta from the top-level key (else 10000), while other readers take
+    `rope_parameters`; they load only when both give the same RoPE, else both are named."""
+    scaling, parameters = hf.get("rope_scaling"), hf.get("rope_parameters")
+    if scaling and parameters:
+        read, other = _rope_of("rope_scaling", scaling, hf), _rope_of("rope_parameters",
+                                                                        parameters, hf)
+        require(read == other, "rope_scaling", scaling,
+                f"it disagrees with rope_parameters={parameters!r} (transformers reads "
+                f"rope_scaling, with rope_theta={read['rope_theta']}, and ignores rope_parameters;"
+                " others read rope_parameters); delete the stale one")
+        return read
+    return _rope_of("rope_scaling" if scaling else "rope_parameters", scaling or parameters, hf)
+
+
+def _rope_of(key: str, rope: Mapping[str, Any] | None, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE fields config.json's `key` (holding `rope`) says, as transformers reads it:
+    rope_theta and partial_rotary_factor from inside it, else from the top level."""
+    rope = dict(rope or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     require(rope_type in ROPE_TYPES, f"{key}.rope_type", rope_type,
             f"accepted: {', '.join(ROPE_TYPES)}")
@@ -62,11 +80,22 @@ def llama_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def no_sliding_layers(hf: Mapping[str, Any]) -> None:
-    """Refuses Qwen's sliding-window layers (`use_sliding_window`, `layer_types`): not built."""
-    use = hf.get("use_sliding_window", False)
-    require(not use, "use_sliding_window", use, "Qwen's sliding-window layers are not built")
+    """Refuses Qwen's sliding-window layers, not built. Which layers slide is transformers' rule
+    (`Qwen2Config.__post_init__`, Qwen3's alike): `layer_types` when given, else layer i when
+    `use_sliding_window`, `sliding_window` is not null and i >= `max_window_layers` (default
+    28); so `max_window_layers` >= `num_hidden_layers` slides none and loads."""
     kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
     require(not kinds, "layer_types", hf.get("layer_types"), "only full_attention layers")
+    use, window = hf.get("use_sliding_window", False), hf.get("sliding_window", 4096)
+    n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
+    if hf.get("layer_types") or not use or window is None or first >= n:
+        return
+    which = (f"layer {first} of {n} slides" if first == n - 1
+             else f"layers {first}-{n - 1} of {n} slide")
+    require(False, "use_sliding_window", use,
+            f"with sliding_window={window} and max_window_layers={first}, {which} (transformers:"
+            " layer i slides when i >= max_window_layers); Qwen's sliding-window layers are not "
+            "built")
 
 
 def llama_hf(config: LlamaConfig) -> dict[str, Any]:

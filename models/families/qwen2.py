@@ -1,6 +1,7 @@
 """Qwen2 and Qwen2.5 (`model_type: qwen2`, `Qwen2ForCausalLM`): Llama with q/k/v biases (no output
 bias), GQA, tied embeddings in the small sizes. Sliding-window layers (`use_sliding_window`,
-off in every released Qwen2.5) are refused."""
+off in every released Qwen2.5; on with `max_window_layers` >= the layer count, none slides and
+it loads) are refused (`no_sliding_layers`)."""
 
 from __future__ import annotations
 

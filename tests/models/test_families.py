@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import zeroxla
+from family_checkpoints import save_random
 from zeroxla import models
 from zeroxla.models import hf
 
@@ -63,13 +64,7 @@ def write_checkpoint(case, directory):
     cls_name, options = CASES[case]
     torch.manual_seed(0)
     config = getattr(transformers, cls_name)(**{**COMMON, **options})
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            norm = p.ndim == 1 and "norm" in name
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm else 0.0))
-    model.save_pretrained(directory)
-    return directory
+    return save_random(transformers.AutoModelForCausalLM.from_config(config), directory)
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +309,9 @@ REFUSED = [
      "rope_scaling.rope_type='dynamic'"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),
+    # layer 1 of 2 slides: transformers' rule, with layer_types left to it (test_family_config_keys)
+    ("qwen2", {"max_window_layers": 1, "layer_types": None, "use_sliding_window": True},
+     "use_sliding_window=True"),
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("llama", {"model_type": "gemma3"}, "model_type='gemma3'.*gemma2, gpt2, llama, mistral"),
     ("gemma2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),

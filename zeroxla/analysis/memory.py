@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from zeroxla import models
 from zeroxla.engine.layout import ZeroLayout
+from zeroxla.engine.layout_argument import layout_argument
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.model_def import ModelDef
@@ -124,6 +125,8 @@ def memory_report(compiled: Any, state: Any, *, layout: ZeroLayout) -> MemoryRep
     if not callable(getattr(compiled, "memory_analysis", None)):
         raise TypeError(f"memory_report: compiled is a {type(compiled).__name__}; accepted: a "
                         "jax.stages.Compiled (step.compile(state, batch))")
+    layout = layout_argument(layout, "memory_report(..., layout=step)",   # a ZeroStep warns
+                             "memory_report(..., layout=step.layout)")
     if not isinstance(layout, ZeroLayout):
         raise TypeError(f"memory_report: layout is a {type(layout).__name__}; accepted: the "
                         "ZeroLayout of the step (step.layout)")

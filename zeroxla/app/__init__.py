@@ -10,6 +10,8 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
                      recipe, data, model and run (its own guide lists its modules)
     chat_cli.py      `zeroxla reward` and `zeroxla ppo` on the command line
     chat_data.py     DeepSpeed-Chat's data: SFT examples, preference pairs, PPO prompts
+    learnable.py     pairs whose answers are the same tokens and rows with no loss token:
+                     counted, reported, refused when nothing is left
     chat_messages.py conversations (`messages`, TRL's conversational pairs) as rows and tokens
     chat_template.py a checkpoint's chat template, rendered with Jinja2, and the assistant's
                      tokens (the SFT loss mask)

@@ -68,7 +68,8 @@ def add_reward(subparsers: argparse._SubParsersAction) -> None:
                     "margin), summary.json and checkpoint/ (read by zeroxla ppo --reward; "
                     "zeroxla export writes it as a *ForSequenceClassification). " + NO_RESUME)
     p.add_argument("--init-from", required=True, metavar="HF_DIR",
-                   help="a Hugging Face checkpoint directory (GPT-2 or Llama, with tokenizer): "
+                   help="a Hugging Face checkpoint directory of a family in docs/models.md (with "
+                        "tokenizer): "
                         "a causal LM, or a reward model (*ForSequenceClassification, "
                         "num_labels=1)")
     p.add_argument("--data", required=True, metavar="PAIRS_JSONL",

@@ -6,6 +6,7 @@ The data flow, one way:
     sft_arrays / pair_arrays / prompt_arrays               examples -> numpy arrays for the step
     rows_without_loss / pairs_without_preference,
     check_learnable                                        nothing to learn: counted, or refused
+                                                           (`learnable.py`, re-exported here)
     shakespeare_sft / _pairs / _prompts, write_jsonl       offline examples from tiny-shakespeare
 
 Files: JSON lines (`.jsonl`), or a JSON array of the same objects (`.json`), optionally gzipped
@@ -58,6 +59,7 @@ import numpy as np
 from zeroxla.app import chat_messages
 from zeroxla.app.chat_messages import ChatExample, ChatPairExample
 from zeroxla.app.data import ChatDataError, load_text, read_records
+from zeroxla.app.learnable import check_learnable, pairs_without_preference, rows_without_loss
 from zeroxla.app.tokenizer import Tokenizer
 
 
@@ -84,9 +86,11 @@ class PairExample:
 
 
 def _where(example: Any, index: int) -> str:
-    """'file:line (example i)', or 'example i' for an example not read from a file."""
+    """'file:line' of an example read from a file, else 'example i' (its index in the list
+    given). A file's example is named by its line alone: the jobs shuffle the examples into
+    splits before tokenizing them, so an index would not name its place in the file."""
     if example.path is not None and example.line is not None:
-        return f"{example.path}:{example.line} (example {index})"
+        return f"{example.path}:{example.line}"
     return f"example {index}"
 
 
@@ -255,39 +259,6 @@ def prompt_arrays(prompts: Sequence[str], tokenizer: Tokenizer, prompt_length: i
         mask[i, prompt_length - len(tokens):] = True
         lengths[i] = len(tokens)
     return {"prompts": ids, "prompt_mask": mask, "lengths": lengths}
-
-
-def rows_without_loss(arrays: dict[str, np.ndarray]) -> int:
-    """How many SFT rows (`sft_arrays`) have no loss token: an empty response with no eos."""
-    return int(np.sum(~arrays["loss_mask"].any(axis=-1)))
-
-
-def pairs_without_preference(arrays: dict[str, np.ndarray]) -> int:
-    """How many pairs (`pair_arrays`) have the same tokens for chosen and rejected: one score
-    for both, so the pairwise loss is log 2 whatever the model and its gradient zero."""
-    same = (np.all(arrays["chosen"] == arrays["rejected"], axis=-1)
-            & (arrays["chosen_end"] == arrays["rejected_end"]))
-    return int(same.sum())
-
-
-def check_learnable(source: str, counts: dict[str, tuple[int, int]], lacking: str,
-                    accepted: str) -> int:
-    """Refuses data with nothing to learn. `counts` maps each split ("training", "validation")
-    to (its examples, how many of them have `lacking`, e.g. "no loss token"). A ChatDataError
-    names `source` when every example of the file, or of one split, has it; otherwise returns
-    how many do in all (for the job to report)."""
-    total = sum(n for n, _ in counts.values())
-    lack = sum(k for _, k in counts.values())
-    if lack == total:
-        raise ChatDataError(f"{source}: every one of its {total} examples has {lacking}, so "
-                            f"training would learn nothing; accepted: {accepted}")
-    for split, (n, k) in counts.items():
-        if k == n:
-            raise ChatDataError(
-                f"{source}: every one of the {n} examples of its {split} split has {lacking} "
-                f"(the seeded shuffle into splits put none of the file's {total - lack} others "
-                f"there); accepted: {accepted}, enough for both splits, or another --seed")
-    return lack
 
 
 # ----------------------------------------------------------------------------- writing files

@@ -4,6 +4,10 @@ was trained to read it, and which of its tokens are the assistant's (the SFT los
     template = ChatTemplate.of(tokenizer)        # chat_template.jinja, else tokenizer_config.json's
     ids, mask = template.tokens_of(messages)     # int32[L], bool[L]: True on assistant tokens
 
+A template that does not parse (a Jinja syntax error, an unknown filter) is refused when it is
+read (`ChatTemplate.of`), one that fails while rendering (a TypeError, an undefined attribute)
+when it renders: a `ChatTemplateError` naming the file it came from and the template's line.
+
 The template is `chat_template.jinja` when the checkpoint has one (transformers 5 saves it so, and
 reads it first), else `tokenizer_config.json`'s `chat_template` (a string, or a list of {name,
 template} of which "default" is used). A tokenizer without one is refused, naming
@@ -38,6 +42,7 @@ import datetime
 import functools
 import json
 import re
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,7 +59,13 @@ Span = tuple[int, int]                    # [start, end) characters of the rende
 
 
 class ChatTemplateError(ValueError):
-    """A tokenizer with no chat template, or a template whose turns cannot be told apart."""
+    """A tokenizer with no chat template, a template that does not parse or fails while
+    rendering, or one whose turns cannot be told apart."""
+
+
+class _Refusal(Exception):
+    """What a template's `raise_exception(message)` raises: the template refusing the
+    conversation on purpose (transformers raises a jinja2 TemplateError)."""
 
 
 def _token(value: Any) -> str | None:
@@ -66,10 +77,11 @@ def _token(value: Any) -> str | None:
     return None
 
 
-def _find_template(files: Mapping[str, str], source: str) -> str:
-    """The template text of the tokenizer files `files` (name -> text), by transformers' rule."""
+def _find_template(files: Mapping[str, str], source: str) -> tuple[str, str]:
+    """(the template text of the tokenizer files `files` (name -> text), by transformers' rule;
+    the file it came from: `source/chat_template.jinja` or `source/tokenizer_config.json`)."""
     if CHAT_TEMPLATE_FILE in files:
-        return files[CHAT_TEMPLATE_FILE]
+        return files[CHAT_TEMPLATE_FILE], f"{source}/{CHAT_TEMPLATE_FILE}"
     config = json.loads(files.get(CONFIG_FILE, "{}"))
     template = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(template, list):
@@ -81,7 +93,7 @@ def _find_template(files: Mapping[str, str], source: str) -> str:
             f"{CHAT_TEMPLATE_FILE} nor a \"chat_template\" in {CONFIG_FILE}), so `messages` "
             "data cannot be rendered; accepted: a checkpoint whose tokenizer has a chat "
             "template, or {\"prompt\", \"response\"} rows")
-    return template
+    return template, f"{source}/{CONFIG_FILE}"
 
 
 def _template_tokens(files: Mapping[str, str]) -> dict[str, str]:
@@ -126,7 +138,7 @@ def _compile(template: str) -> Any:
             return text
 
     def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
+        raise _Refusal(message)
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
@@ -151,15 +163,44 @@ class ChatTemplate:
     special_tokens: tuple[tuple[str, str], ...]    # (name, token): template variables
     tokenizer: Any = dataclasses.field(repr=False, compare=False)
     source: str = ""
+    file: str = ""                  # where the template was read: ...chat_template.jinja or
+                                    # ...tokenizer_config.json (its "chat_template")
 
     @classmethod
     def of(cls, tokenizer: Any) -> "ChatTemplate":
-        """The template of `tokenizer`'s files; ChatTemplateError naming `chat_template` when
-        it has none (a character or byte tokenizer never has one)."""
+        """The template of `tokenizer`'s files, parsed; ChatTemplateError naming
+        `chat_template` when it has none (a character or byte tokenizer never has one), or
+        naming its file and line when it does not parse."""
         files = dict(getattr(tokenizer, "files", ()) or ())
         source = getattr(tokenizer, "source", "") or type(tokenizer).__name__
-        template = _find_template(files, source)
-        return cls(template, tuple(sorted(_template_tokens(files).items())), tokenizer, source)
+        template, file = _find_template(files, source)
+        out = cls(template, tuple(sorted(_template_tokens(files).items())), tokenizer, source,
+                  file)
+        out.parsed()
+        return out
+
+    def parsed(self) -> Any:
+        """The parsed template (`_compile`); ChatTemplateError naming the file and line of a
+        syntax error or an unknown filter."""
+        import jinja2
+
+        try:
+            return _compile(self.template)
+        except jinja2.exceptions.TemplateSyntaxError as err:     # unknown filters included
+            raise ChatTemplateError(
+                f"{self._line(err.lineno)}: the chat template does not parse: "
+                f"{(err.message or '').rstrip('.')}; accepted: a Jinja template that "
+                "transformers' apply_chat_template renders") from None
+
+    def _line(self, line: int | None) -> str:
+        """Where line `line` of the template is: `file:line` for chat_template.jinja, the
+        template's line within tokenizer_config.json's "chat_template" string otherwise."""
+        file = self.file or f"the chat template of {self.source or 'a tokenizer'}"
+        if line is None:
+            return file
+        if file.endswith(CHAT_TEMPLATE_FILE):
+            return f"{file}:{line}"
+        return f"{file} (\"chat_template\", line {line} of the template)"
 
     @property
     def has_generation_blocks(self) -> bool:
@@ -168,9 +209,7 @@ class ChatTemplate:
     def _render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
                 track: bool = False) -> tuple[str, list[Span]]:
         """(text, spans of its `{% generation %}` blocks when `track`)."""
-        import jinja2
-
-        compiled = _compile(self.template)
+        compiled = self.parsed()
         blocks: list[str] = []
         spans: list[Span] = []
         compiled.environment.tracked = (blocks, spans) if track else None
@@ -180,9 +219,16 @@ class ChatTemplate:
                                            add_generation_prompt=add_generation_prompt,
                                            **dict(self.special_tokens)):
                 blocks.append(block)
-        except jinja2.exceptions.TemplateError as err:      # raise_exception(...) included
+        except _Refusal as err:                               # raise_exception(...)
             raise ChatTemplateError(f"the chat template of {self.source} refused the "
                                     f"conversation: {err}") from None
+        except Exception as err:        # the template's own error: TypeError, undefined, ...
+            lines = [f.lineno for f in traceback.extract_tb(err.__traceback__)
+                     if f.filename == "<template>"]
+            raise ChatTemplateError(
+                f"{self._line(lines[-1] if lines else None)}: the chat template failed while "
+                f"rendering the conversation: {type(err).__name__}: {str(err).rstrip('.')}; "
+                "accepted: a template that renders {\"role\", \"content\"} messages") from None
         finally:
             compiled.environment.tracked = None
         return "".join(blocks), spans

@@ -61,13 +61,14 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
     """Declares `zeroxla export` and sets its handler to `run_export`."""
     p = subparsers.add_parser(
         "export", help="write a checkpoint's weights as Hugging Face safetensors",
-        description="Consolidate a zeroxla checkpoint into Hugging Face safetensors (GPT-2 or "
-                    "Llama names, config.json), one tensor at a time: host memory stays at "
+        description="Consolidate a zeroxla checkpoint into Hugging Face safetensors (its "
+                    "family's transformers names and config.json: GPT-2, Llama 3.x, Qwen2, "
+                    "Qwen3, Mistral, Gemma 2), one tensor at a time: host memory stays at "
                     "about one shard, whatever the model size (DeepSpeed's zero_to_fp32 "
-                    "without its RAM problem). A language model becomes GPT2LMHeadModel / "
-                    "LlamaForCausalLM; a reward model (zeroxla reward, a PPO critic) "
-                    "GPT2ForSequenceClassification / LlamaForSequenceClassification with "
-                    "num_labels=1 and a pad token transformers scores by.",
+                    "without its RAM problem). A language model becomes its family's "
+                    "*ForCausalLM (GPT2LMHeadModel for GPT-2); a reward model (zeroxla reward, "
+                    "a PPO critic) its *ForSequenceClassification with num_labels=1 and a pad "
+                    "token transformers scores by.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="checkpoint directory given to zeroxla.save, or one step inside it")
@@ -80,8 +81,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
                    help="checkpoint step (default: the newest complete one)")
     p.add_argument("--adapter-only", action="store_true",
                    help="a LoRA run's adapters alone, as a PEFT adapter (adapter_config.json, "
-                        "adapter_model.safetensors) for the --init-from checkpoint it trained "
-                        "on; without it a LoRA run is written merged, W + (alpha / r) A @ B")
+                        "adapter_model.safetensors) for the base they trained on (train's and "
+                        "dpo's --init-from, grpo's --actor checkpoint step), of a run with "
+                        "--only-optimize-lora (else its base trained too: refused); without it "
+                        "a LoRA run is written merged, W + (alpha / r) A @ B")
     p.set_defaults(handler=_run_export)
 
 
@@ -103,12 +106,15 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def export_adapter(checkpoint: str, out: str, *, step: int | None = None) -> dict:
     """`zeroxla export --adapter-only`: checkpoint `step`'s LoRA adapters as a PEFT adapter
-    (`zeroxla.checkpoint.export.save_adapter`) whose base_model_name_or_path is the run's
-    recorded --init-from (None for a preset's run). Returns a report: out, step, files, base."""
+    (`zeroxla.checkpoint.export.save_adapter`) whose base_model_name_or_path is the weights the
+    run's adapters apply to (`recorded_base`: train's and dpo's --init-from, a zeroxla run's
+    checkpoint step for grpo's --actor; None for a preset's run). Returns a report: out, step,
+    files, base."""
+    from zeroxla.app.train.lora import recorded_base
     from zeroxla.checkpoint.export import checkpoint_metadata, save_adapter
 
     meta = checkpoint_metadata(checkpoint, step=step)
-    base = ((meta["metadata"].get("job_config") or {}).get("model") or {}).get("init_from")
+    base = recorded_base(meta)
     files = save_adapter(checkpoint, out, step=meta["step"], base_model_name_or_path=base)
     return {"out": str(out), "step": meta["step"], "files": sorted(f.name for f in files),
             "bytes": sum(f.stat().st_size for f in files), "base_model_name_or_path": base}

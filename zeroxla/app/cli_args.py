@@ -62,6 +62,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def finite_float(text: str) -> float:
+    """A finite number of either sign (not nan, not inf), e.g. a reward weight."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not abs(value) < float("inf"):             # refuses nan too
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a finite number")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (not nan, not inf)."""
     try:
@@ -139,6 +150,6 @@ def set_host_device_count(count: int, environ: dict | None = None) -> bool:
     return True
 
 
-__all__ = ["check_batch", "host_device_count", "mesh_shape", "non_negative_float",
+__all__ = ["check_batch", "finite_float", "host_device_count", "mesh_shape", "non_negative_float",
            "non_negative_int", "positive_float", "positive_int", "set_host_device_count",
            "temperature", "unit_interval"]

@@ -34,7 +34,9 @@ def add_dpo(subparsers: argparse._SubParsersAction) -> None:
                         "lines (strings, or TRL's lists of messages, rendered with the "
                         "checkpoint's chat template) or a .json array of them (.gz ok); "
                         "default: the bundled tiny-shakespeare pairs (true next line vs. its "
-                        "letters scrambled)")
+                        "letters scrambled). Pairs whose chosen and rejected are the same tokens "
+                        "teach nothing: they are counted and reported, and a file (or its train "
+                        "or validation split) of only such pairs is refused")
     p.add_argument("--steps", type=positive_int, default=None, help="default 100")
     p.add_argument("--resume", default=None, metavar="RUN",
                    help="continue this zeroxla dpo run (its directory, checkpoint/ or one step) "

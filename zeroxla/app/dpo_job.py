@@ -45,8 +45,10 @@ from zeroxla.app.cli_args import check_batch
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer, save_tokenizer
 from zeroxla.app.interrupt import STOP_SIGNALS, stop_requests
+from zeroxla.app.learnable import same_pairs, same_pairs_note
 from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
 from zeroxla.app.train.data import split_examples
+from zeroxla.app.train.lora import BASE_KEY, adapters_base
 from zeroxla.app.train.model import check_adapters, load_trained
 from zeroxla.app.train.report import parameter_counts
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
@@ -151,9 +153,10 @@ def open_policy(init_from: str, seq_len: int,
     return tokenizer, load
 
 
-def pair_rows(job: DPOJobConfig, tokenizer: Any) -> tuple[dict, dict]:
-    """(train, val) `dpo.pair_batch` rows of `--data` (or the bundled pairs), refused when a
-    split holds only pairs with the same chosen and rejected tokens (nothing to learn).
+def pair_rows(job: DPOJobConfig, tokenizer: Any) -> tuple[dict, dict, int]:
+    """(train, val) `dpo.pair_batch` rows of `--data` (or the bundled pairs) and how many pairs
+    have the same chosen and rejected tokens: kept and counted as `zeroxla reward` does
+    (`learnable.same_pairs`), refused when they are all of the file or of a split.
 
     Each row's sum runs over the tokens after the longest prefix the chosen and rejected rows
     share: the prompt, and any first answer tokens both answers begin with. A shared token has
@@ -163,17 +166,17 @@ def pair_rows(job: DPOJobConfig, tokenizer: Any) -> tuple[dict, dict]:
     examples = (chat_data.read_pair_jsonl(job.data) if job.data is not None
                 else chat_data.shakespeare_pairs(BUNDLED_PAIRS, seed=job.seed))
     source = f"--data {job.data}" if job.data else "the bundled shakespeare pairs"
-    parts, same = [], {}
-    for name, part in zip(("training", "validation"),
-                          split_examples(examples, job.val_fraction, job.seed)):
-        arrays = chat_data.pair_arrays(part, tokenizer, job.dpo.seq_len,
-                                       eos_id=getattr(tokenizer, "eos_id", None))
+    splits = {name: chat_data.pair_arrays(part, tokenizer, job.dpo.seq_len,
+                                          eos_id=getattr(tokenizer, "eos_id", None))
+              for name, part in zip(("training", "validation"),
+                                    split_examples(examples, job.val_fraction, job.seed))}
+    same = same_pairs(source, splits, "one log-ratio for both: the DPO loss is constant with a "
+                                      "zero gradient")
+    parts = []
+    for arrays in splits.values():
         shared = np.argmax(arrays["chosen"] != arrays["rejected"], axis=1)      # [N]
         parts.append(pair_batch(arrays, {"chosen": shared, "rejected": shared}))
-        same[name] = (len(part), chat_data.pairs_without_preference(arrays))
-    chat_data.check_learnable(source, same, "the same tokens for \"chosen\" and \"rejected\" "
-                              "(the DPO loss is constant)", "pairs whose answers differ")
-    return parts[0], parts[1]
+    return parts[0], parts[1], same
 
 
 @contextlib.contextmanager
@@ -256,7 +259,7 @@ def run(job: DPOJobConfig, *, resume: rundir.ResumePoint | None = None,
     start = time.perf_counter()
     mesh = job_mesh(job.mesh)                # a --mesh larger than the devices is refused here
     tokenizer, load = open_policy(job.init_from, job.dpo.seq_len, job.lora)
-    train, val = pair_rows(job, tokenizer)
+    train, val, same = pair_rows(job, tokenizer)
     resuming = resume.run_dir if resume is not None else None
     out = Path(job.out_dir) if job.out_dir else rundir.default_run_dir(
         "dpo", now=datetime.datetime.now())
@@ -274,12 +277,13 @@ def run(job: DPOJobConfig, *, resume: rundir.ResumePoint | None = None,
                    if r["step"] <= restored.checkpoint_step]
     first = int(jax.device_get(trainer.state.step))
     write(f"zeroxla dpo: {job.init_from} on {job.data or 'the bundled shakespeare pairs'} "
-          f"({len(train['chosen'])} train / {len(val['chosen'])} held-out pairs), "
+          f"({len(train['chosen'])} train / {len(val['chosen'])} held-out pairs"
+          f"{same_pairs_note(same)}), "
           f"{job.dpo.loss_type} loss, beta {job.dpo.beta}, ZeRO-{job.zero_stage} on a "
           f"{job.mesh[0]}x{job.mesh[1]} mesh, steps {first + 1}..{job.steps}"
           + (f", LoRA rank {job.lora.dim}" if job.lora.enabled else ""))
     meta = {"job_kind": KIND, "dpo_job": job.record(), "tokenizer": tokenizer_record(tokenizer),
-            LORA_KEY: as_metadata(job.lora)}
+            LORA_KEY: as_metadata(job.lora), BASE_KEY: adapters_base(job.init_from)}
 
     def save() -> Path:
         path = out / rundir.CHECKPOINT_DIR / str(int(jax.device_get(trainer.state.step)))
@@ -295,6 +299,7 @@ def run(job: DPOJobConfig, *, resume: rundir.ResumePoint | None = None,
                    **{k: v for k, v in records[-1].items() if k != "step"},
                    "checkpoint": str(path), "wall_time_s": time.perf_counter() - start,
                    "reference_bytes": trainer.reference_bytes,
+                   "pairs_without_preference": same,
                    "parameters": parameter_counts(trainer.step.layout), "settings": job.record()}
         if stopped is None:
             summary["policy_hf"] = export_policy(out, tokenizer, policy)

@@ -1,22 +1,51 @@
 """`zeroxla grpo` on the command line: `add_grpo(subparsers)` declares the options (TRL's
-`GRPOConfig` names, dashed) and sets the handler, which sets the simulated device count before
-importing anything that uses JAX (see `zeroxla.app.cli`)."""
+`GRPOConfig` names, dashed; `HYPER_PARAMETERS`, one row per GRPOConfig field) and sets the
+handler, which sets the simulated device count before anything starts a JAX backend (see
+`zeroxla.app.cli`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
 from zeroxla.app.chat_cli import add_lora_options, lora_config
-from zeroxla.app.cli_args import (mesh_shape, non_negative_float, non_negative_int,
+from zeroxla.app.cli_args import (finite_float, mesh_shape, non_negative_float, non_negative_int,
                                   positive_float, positive_int, set_host_device_count)
+from zeroxla.app.train.options import JobOption
+from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS, SCALE_REWARDS,
+                                      GRPOConfig, GRPOConfigError)
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")        # zeroxla.rlhf.grpo_config (no JAX import here)
-SCALE_REWARDS = ("group", "batch", "none")
-ADVANTAGES = ("grpo", "rloo")
-ROLLOUT_CORRECTIONS = ("tis",)
+# The GRPOConfig options, one row each (`zeroxla train`'s `JobOption`: the row knows the field it
+# sets, so an error about a field names the option the user typed). Each defaults to None: not
+# given, GRPOConfig's default.
+HYPER_PARAMETERS: tuple[JobOption, ...] = tuple(
+    JobOption(flag, dest, GRPOConfig, dest, "grpo", help, **kwargs)
+    for flag, dest, help, kwargs in (
+        ("--num-generations", "num_generations", "G, answers per prompt (>= 2)",
+         dict(type=positive_int)),
+        ("--loss-type", "loss_type", None, dict(choices=LOSS_TYPES)),
+        ("--scale-rewards", "scale_rewards", None, dict(choices=SCALE_REWARDS)),
+        ("--advantage", "advantage", "the baseline: the group mean (grpo) or leave-one-out "
+         "(rloo)", dict(choices=ADVANTAGES)),
+        ("--epsilon", "epsilon", "lower clip of the importance ratio, in (0, 1)",
+         dict(type=positive_float)),
+        ("--epsilon-high", "epsilon_high", "upper clip (DAPO's clip-higher); default: "
+         "--epsilon", dict(type=positive_float)),
+        ("--beta", "beta", "weight of the k3 KL to the frozen reference (default 0)",
+         dict(type=non_negative_float)),
+        ("--num-iterations", "num_iterations", "policy updates per rollout batch (mu)",
+         dict(type=positive_int)),
+        ("--learning-rate", "learning_rate", None, dict(type=positive_float)),
+        ("--per-iteration-prompts", "prompts_per_iteration", None, dict(type=positive_int)),
+        ("--max-completion-length", "max_completion_length", None, dict(type=positive_int)),
+        ("--rollout-correction", "rollout_correction", "tis: truncated importance sampling of "
+         "the train/rollout log-prob gap (TRL's vllm_importance_sampling_correction)",
+         dict(choices=ROLLOUT_CORRECTIONS)),
+        ("--tis-cap", "tis_cap", "the largest importance weight of --rollout-correction tis "
+         "(default 2)", dict(type=positive_float, metavar="C")),
+        ("--reference-int8", "reference_int8", "hold the frozen reference as int8 codes "
+         "(ZeRO++ MixZ++)", dict(action="store_true"))))
 
 
 def add_grpo(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +68,7 @@ def add_grpo(subparsers: argparse._SubParsersAction) -> None:
                    help="accuracy | format | module:function, each (prompts, completions, "
                         "**row_fields) -> list[float]; default with the bundled task: accuracy "
                         "format")
-    p.add_argument("--reward-weights", nargs="+", type=float, default=None, metavar="W",
+    p.add_argument("--reward-weights", nargs="+", type=finite_float, default=None, metavar="W",
                    help="one weight per --reward-funcs entry, then one for --reward (default 1)")
     p.add_argument("--reward", default=None, metavar="RM_RUN",
                    help="a zeroxla reward run or HF reward model: its end score is a reward")
@@ -56,33 +85,12 @@ def add_grpo(subparsers: argparse._SubParsersAction) -> None:
                    help="tensor-parallel devices of the Hybrid Engine's rollouts")
     p.add_argument("--seed", type=non_negative_int, default=0)
     g = p.add_argument_group("GRPO hyper-parameters (TRL's GRPOConfig names and defaults)")
-    g.add_argument("--num-generations", type=positive_int, default=None)
-    g.add_argument("--loss-type", choices=LOSS_TYPES, default=None)
-    g.add_argument("--scale-rewards", choices=SCALE_REWARDS, default=None)
-    g.add_argument("--advantage", choices=ADVANTAGES, default=None,
-                   help="the baseline: the group mean (grpo) or leave-one-out (rloo)")
-    g.add_argument("--epsilon", type=positive_float, default=None)
-    g.add_argument("--epsilon-high", type=positive_float, default=None,
-                   help="upper clip (DAPO's clip-higher); default: --epsilon")
-    g.add_argument("--beta", type=non_negative_float, default=None,
-                   help="weight of the k3 KL to the frozen reference (default 0)")
-    g.add_argument("--num-iterations", type=positive_int, default=None,
-                   help="policy updates per rollout batch (mu)")
-    g.add_argument("--learning-rate", type=positive_float, default=None)
-    g.add_argument("--per-iteration-prompts", dest="prompts_per_iteration", type=positive_int,
-                   default=None)
-    g.add_argument("--max-completion-length", type=positive_int, default=None)
+    for option in HYPER_PARAMETERS:
+        option.add_to(g)
     g.add_argument("--max-prompt-seq-len", dest="prompt_length_option", type=positive_int,
                    metavar="N",
-                   default=None, help="prompt tokens kept (the last ones); default: the "
-                   "shortest prompt's")
-    g.add_argument("--rollout-correction", choices=ROLLOUT_CORRECTIONS, default=None,
-                   help="tis: truncated importance sampling of the train/rollout log-prob gap "
-                   "(TRL's vllm_importance_sampling_correction)")
-    g.add_argument("--tis-cap", type=positive_float, default=None, metavar="C",
-                   help="the largest importance weight of --rollout-correction tis (default 2)")
-    g.add_argument("--reference-int8", action="store_const", const=True, default=None,
-                   help="hold the frozen reference as int8 codes (ZeRO++ MixZ++)")
+                   default=None, help="most prompt tokens (a longer prompt keeps its last "
+                   "N, counted in the log and summary.json); default: the longest prompt's")
     add_lora_options(p, "the actor's (not the frozen reference's)")
     p.set_defaults(handler=run_grpo_command)
 
@@ -91,26 +99,39 @@ def run_grpo_command(args: argparse.Namespace) -> int:
     set_host_device_count(args.mesh[0] * args.mesh[1])
     from zeroxla.app import grpo_job
     from zeroxla.app.interrupt import exit_status, signal_name
-    from zeroxla.rlhf import GRPOConfig
 
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)
-             if getattr(args, f.name, None) is not None}
     job = grpo_job.GRPOJobConfig(
         actor=args.actor, prompts=args.prompts, reward_funcs=tuple(args.reward_funcs),
         reward_weights=None if args.reward_weights is None else tuple(args.reward_weights),
-        reward=args.reward, grpo=GRPOConfig(**given), prompt_length=args.prompt_length_option,
+        reward=args.reward, grpo=grpo_config(args), prompt_length=args.prompt_length_option,
         iterations=args.iterations, save_every=args.save_every, resume=args.resume,
         mesh=args.mesh, inference_tp_size=args.inference_tp_size, seed=args.seed,
         out_dir=args.out, lora=lora_config(args))
     try:
         summary = grpo_job.run(job)
     except grpo_job.GRPOInterrupted as stop:
-        print(f"zeroxla grpo: interrupted ({signal_name(stop.signum)}) after iteration "
-              f"{stop.iteration}; saved a checkpoint\nresume with: zeroxla grpo --resume "
-              f"{stop.run_dir} (and the same options)", file=sys.stderr, flush=True)
+        print(f"zeroxla grpo: interrupted ({signal_name(stop.signum)}) {stop.where}; saved a "
+              f"checkpoint\nresume with: zeroxla grpo --resume {stop.run_dir} (and the same "
+              "options)", file=sys.stderr, flush=True)
         return exit_status(stop.signum)
+    except grpo_job.GRPOFinished as finished:
+        print(f"zeroxla grpo: {finished}", file=sys.stderr, flush=True)
+        return 0
     print(json.dumps({k: v for k, v in summary.items() if k != "grpo"}, indent=2), flush=True)
     return 0
 
 
-__all__ = ["add_grpo", "run_grpo_command"]
+def grpo_config(args: argparse.Namespace) -> GRPOConfig:
+    """The GRPOConfig of the given `HYPER_PARAMETERS` (GRPOConfig's defaults for the others); a
+    bad value is a ValueError naming the option as typed ("--num-generations 1"), not the field."""
+    by_field = {o.field: o for o in HYPER_PARAMETERS}
+    given = {o.field: getattr(args, o.dest) for o in HYPER_PARAMETERS
+             if getattr(args, o.dest) is not None}
+    try:
+        return GRPOConfig(**given)
+    except GRPOConfigError as err:
+        raise ValueError(f"{by_field[err.field].flag} {err.value} is invalid; accepted: "
+                         f"{err.accepted}") from None
+
+
+__all__ = ["HYPER_PARAMETERS", "add_grpo", "grpo_config", "run_grpo_command"]

@@ -43,6 +43,7 @@ from zeroxla.app.hf_tokenizer import save_tokenizer
 from zeroxla.app.interrupt import STOP_SIGNALS, stop_requests
 from zeroxla.app.ppo_job import check_inference_tp, load_actor, load_reward
 from zeroxla.app.tokenizer_records import tokenizer_record
+from zeroxla.app.train.lora import BASE_KEY, adapters_base
 from zeroxla.app.train.model import check_adapters
 from zeroxla.app.train.report import parameter_counts
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
@@ -52,6 +53,7 @@ from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf import GRPOConfig, plot_records
 from zeroxla.rlhf import arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer, exact_accuracy, run_grpo
+from zeroxla.rlhf.grpo_prompts import longest_prompt, truncation_report
 from zeroxla.rlhf.reward_funcs import RewardFunctions, load_reward_func
 
 PLOT_FILE = "reward_kl.png"
@@ -65,15 +67,31 @@ class GRPOInterrupted(Exception):
     """A stop signal ended the run after `iteration` iterations; a checkpoint was saved."""
 
     def __init__(self, signum: int, iteration: int, run_dir: Path):
-        super().__init__(f"interrupted after iteration {iteration}; saved a checkpoint in "
-                         f"{run_dir / rundir.CHECKPOINT_DIR}")
         self.signum, self.iteration, self.run_dir = signum, iteration, run_dir
+        super().__init__(f"interrupted {self.where}; saved a checkpoint in "
+                         f"{run_dir / rundir.CHECKPOINT_DIR}")
+
+    @property
+    def where(self) -> str:
+        """'after iteration N', N 0-based as metrics.jsonl counts; 'before iteration 0'."""
+        return f"after iteration {self.iteration - 1}" if self.iteration else "before iteration 0"
+
+
+class GRPOFinished(Exception):
+    """`--resume` of a run that has run every one of `--iterations`: nothing is left to do."""
+
+    def __init__(self, run_dir: Path, done: int, iterations: int):
+        super().__init__(f"nothing left to do: --resume {run_dir} has run its last iteration, "
+                         f"{done - 1}, of --iterations {iterations}; accepted: a larger "
+                         "--iterations to continue it")
+        self.run_dir, self.done = run_dir, done
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOJobConfig:
     """Everything `zeroxla grpo` needs; `grpo` holds the algorithm's hyper-parameters, whose
-    `prompt_length` is replaced by the shortest prompt's tokens unless `prompt_length` is set."""
+    `prompt_length` is replaced by the longest prompt's tokens unless `prompt_length` is set
+    (a prompt longer than it keeps its last tokens, counted: `grpo_prompts.truncation_report`)."""
 
     actor: str
     prompts: str | None = None               # None: the bundled arithmetic task
@@ -132,16 +150,17 @@ def _prompt_rows(job: GRPOJobConfig) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def _prompt_length(job: GRPOJobConfig, rows: list[dict[str, Any]], tokenizer: Any) -> int:
-    """--max-prompt-seq-len, else the shortest prompt's tokens; the bundled task first checks
-    that the actor's tokenizer writes every character of it."""
+    """--max-prompt-seq-len, else the longest prompt's tokens (of `rows`: the prompts and the
+    held-out problems; shorter prompts are right-padded, exactly: `rlhf.grpo_prompts`); the
+    bundled task first checks that the actor's tokenizer writes every character of it."""
     if job.prompts is None:
         unknown = [ch for ch in task.ALPHABET if not _encodes(tokenizer, ch)]
         if unknown:
             raise ValueError(f"--actor {job.actor}: its tokenizer cannot write the bundled task "
                              f"(characters {''.join(unknown)!r}); accepted: an actor SFT'd on "
                              "the task (zeroxla.rlhf.task_sft), or give --prompts")
-    shortest = min(len(tokenizer.encode(r["prompt"])) for r in rows)
-    return job.prompt_length or shortest
+    # at least 1: prompts of no token are then refused by row (`grpo_prompts.prompt_rows`)
+    return job.prompt_length or max(longest_prompt(rows, tokenizer), 1)
 
 
 def _encodes(tokenizer: Any, text: str) -> bool:
@@ -170,7 +189,8 @@ def _save(out: Path, trainer: GRPOTrainer, tokenizer: Any, iteration: int,
                            metadata={"tokenizer": tokenizer_record(tokenizer),
                                      "iteration": iteration, "actor": str(job.actor),
                                      "grpo": dataclasses.asdict(trainer.config),
-                                     LORA_KEY: as_metadata(job.lora)})
+                                     LORA_KEY: as_metadata(job.lora),
+                                     BASE_KEY: adapters_base(job.actor)})
 
 
 def _restore(job: GRPOJobConfig, trainer: GRPOTrainer) -> tuple[int, Path]:
@@ -189,6 +209,19 @@ def _restore(job: GRPOJobConfig, trainer: GRPOTrainer) -> tuple[int, Path]:
                          f"({meta.get('actor')}); accepted: the same options as that run")
     trainer.actor_state = restored.state
     return int(meta["iteration"]), point.run_dir or Path(job.resume)
+
+
+def _check_left(job: GRPOJobConfig) -> None:
+    """`GRPOFinished` when `--resume` names a finished run (its summary.json written) whose
+    newest checkpoint has run `--iterations` (its "iteration" is the next one to run)."""
+    if job.resume is None:
+        return
+    point = rundir.locate_resume(job.resume)
+    done = checkpoint.read_metadata(point.checkpoint_dir, point.step)["metadata"].get("iteration")
+    run_dir = point.run_dir or Path(job.resume)
+    if isinstance(done, int) and done >= job.iterations and (
+            run_dir / rundir.SUMMARY_FILE).is_file():
+        raise GRPOFinished(run_dir, done, job.iterations)
 
 
 def _out_dir(job: GRPOJobConfig) -> Path:
@@ -228,8 +261,10 @@ def _check_fit(job: GRPOJobConfig, config: GRPOConfig, actor: Any) -> None:
     """Prompt + answer tokens fit the actor's positions, and --inference-tp-size its heads."""
     need = config.prompt_length + config.max_completion_length
     limit = getattr(getattr(actor, "config", None), "max_seq_len", None)
+    given = ("--max-prompt-seq-len" if job.prompt_length else
+             "the longest prompt's; --max-prompt-seq-len cuts longer ones")
     if limit is not None and need > limit:
-        raise ValueError(f"prompt tokens {config.prompt_length} (--max-prompt-seq-len) + "
+        raise ValueError(f"prompt tokens {config.prompt_length} ({given}) + "
                          f"--max-completion-length {config.max_completion_length} = {need} "
                          f"exceed the max_seq_len={limit} of --actor {job.actor}; accepted: a "
                          f"sum <= {limit}")
@@ -270,7 +305,7 @@ def _train(job: GRPOJobConfig, out: Path, trainer: GRPOTrainer, tokenizer: Any, 
                           should_stop=lambda: stop.requested, on_iteration=on_iteration)
         records += result.records
         done = start + len(result.records)
-        if done not in saved:
+        if done not in saved and (done > start or not job.resume):   # else: the one restored
             _save(out, trainer, tokenizer, done, job)
         return records, (stop.signum if done < job.iterations else None)
 
@@ -297,15 +332,17 @@ def _finish(job: GRPOJobConfig, out: Path, trainer: GRPOTrainer, tokenizer: Any,
 
 def run(job: GRPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs the GRPO job as `job` says; returns the summary (also in summary.json). A fresh run
-    that fails removes what it wrote; a stop signal saves and raises `GRPOInterrupted`."""
+    that fails removes what it wrote; a stop signal saves and raises `GRPOInterrupted`;
+    `--resume` of a finished run raises `GRPOFinished` before it writes anything."""
     start_time = time.perf_counter()
+    _check_left(job)
+    reward_funcs, model_weight = _reward_funcs(job)         # a user's module fails here, first
     mesh = job_mesh(job.mesh)
     actor, tokenizer = load_actor(job.actor)
     rows, held_out = _prompt_rows(job)
-    config = job.grpo.replace(prompt_length=_prompt_length(job, rows, tokenizer))
+    config = job.grpo.replace(prompt_length=_prompt_length(job, rows + held_out, tokenizer))
     _check_fit(job, config, actor)
     check_adapters(actor.config, job.lora)
-    reward_funcs, model_weight = _reward_funcs(job)
     reward_model = None if job.reward is None else load_reward(job.reward, actor, tokenizer)
     eos_id = getattr(tokenizer, "eos_id", None)
     eos_id = _newline(tokenizer) if eos_id is None and job.prompts is None else eos_id
@@ -320,7 +357,10 @@ def run(job: GRPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str
                                   inference_tp_size=job.inference_tp_size, eos_id=eos_id,
                                   seed=job.seed, lora=job.lora)
             start = _restore(job, trainer)[0] if job.resume else 0
-            write(f"zeroxla grpo: actor {job.actor}, {len(rows)} prompts of "
+            truncation, cut_line = truncation_report(trainer.prompts, held_out, tokenizer)
+            if cut_line:
+                write(cut_line)
+            write(f"zeroxla grpo: actor {job.actor}, {len(rows)} prompts of up to "
                   f"{config.prompt_length} tokens "
                   f"({'the bundled arithmetic task' if job.prompts is None else job.prompts}), "
                   f"iterations {start}..{job.iterations - 1} of {config.prompts_per_iteration} "
@@ -330,6 +370,7 @@ def run(job: GRPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str
             records, signum = _train(job, out, trainer, tokenizer, start, write)
             if signum is None:
                 summary = _finish(job, out, trainer, tokenizer, records, mesh, held_out, before)
+                summary["prompt_truncation"] = truncation
                 summary["wall_time_s"] = time.perf_counter() - start_time
                 (out / rundir.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if signum is not None:          # outside the block: the saved checkpoint stays
@@ -339,4 +380,4 @@ def run(job: GRPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str
         held.release()
 
 
-__all__ = ["GRPOInterrupted", "GRPOJobConfig", "run"]
+__all__ = ["GRPOFinished", "GRPOInterrupted", "GRPOJobConfig", "run"]

@@ -51,7 +51,8 @@ from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
 from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.export import export_checkpoint
 from zeroxla.lora import LoRAConfig
-from zeroxla.rlhf import PPOConfig, Rollout, plot_records, run_ppo, time_split, with_vocab_size
+from zeroxla.rlhf import (PPOConfig, PPORun, Rollout, plot_records, run_ppo, time_split,
+                          with_vocab_size)
 
 PLOT_FILE = "reward_kl.png"
 ACTOR_EXPORT_DIR = "actor_hf"
@@ -234,9 +235,13 @@ def save_rollouts(out: Path, rollouts: list[Rollout]) -> list[str]:
             for i in sorted({0, len(rollouts) - 1})]
 
 
-def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str, Any]:
+def run(job: PPOJobConfig, *, write: Callable[[str], None] = print,
+        train: Callable[..., PPORun] = run_ppo) -> dict[str, Any]:
     """Runs PPO as `job` says; returns the summary (also in summary.json). A run that fails,
-    or is interrupted, removes what it wrote to its directory (`zeroxla ppo` has no --resume)."""
+    or is interrupted, removes what it wrote to its directory (`zeroxla ppo` has no --resume).
+
+    `train` runs the iterations (`zeroxla.rlhf.run_ppo`'s signature): the one place the loaded
+    actor, reward model and critic start are handed on, so a test can see what they are."""
     start = time.perf_counter()
     mesh = job_mesh(job.mesh)                # a --mesh larger than the devices is refused here
     actor, tokenizer = load_actor(job.actor)
@@ -260,11 +265,11 @@ def run(job: PPOJobConfig, *, write: Callable[[str], None] = print) -> dict[str,
                       f"KL {record['kl']:.4f}  actor loss {record['actor_loss']:.4f}  critic "
                       f"loss {record['critic_loss']:.4f}")
 
-            result = run_ppo(c, job.iterations, actor, mesh=mesh, tokenizer=tokenizer,
-                             prompt_tokens=rows, reward_model=reward_model,
-                             critic_init=reward_model, inference_tp_size=job.inference_tp_size,
-                             eos_id=getattr(tokenizer, "eos_id", None), seed=job.seed,
-                             on_iteration=on_iteration, lora=job.lora)
+            result = train(c, job.iterations, actor, mesh=mesh, tokenizer=tokenizer,
+                           prompt_tokens=rows, reward_model=reward_model,
+                           critic_init=reward_model, inference_tp_size=job.inference_tp_size,
+                           eos_id=getattr(tokenizer, "eos_id", None), seed=job.seed,
+                           on_iteration=on_iteration, lora=job.lora)
         plot_records(result.records).savefig(out / PLOT_FILE, dpi=100)
         paths = _save(out, result.trainer, tokenizer, reward_model.base.config, job.lora)
         paths["rollouts"] = save_rollouts(out, result.rollouts)

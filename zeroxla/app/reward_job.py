@@ -41,6 +41,7 @@ import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.app import chat_data, rundir
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+from zeroxla.app.learnable import same_pairs, same_pairs_note
 from zeroxla.app.train.model import init_from_head, pretrained_config, with_adapters
 from zeroxla.app.train.lora import add_adapters
 from zeroxla.app.train.report import parameter_counts
@@ -63,7 +64,7 @@ KIND = "zeroxla.rlhf.RewardModel"      # the checkpoint metadata's "model_kind"
 class RewardJobConfig:
     """Everything `zeroxla reward` needs; each field is validated."""
 
-    init_from: str                          # a HF causal LM or reward model (GPT-2 or Llama)
+    init_from: str                          # a HF causal LM or reward model (docs/models.md)
     data: str                               # a .jsonl of {"prompt", "chosen", "rejected"}
     steps: int = 200
     batch_size: int = 16                    # pairs per step (global)
@@ -152,13 +153,8 @@ def _pairs(job: RewardJobConfig, tokenizer: PretrainedTokenizer) -> tuple[dict, 
                          f"pairs of {job.data}; accepted: --batch-size <= {len(train)}")
     arrays = [chat_data.pair_arrays(part, tokenizer, job.seq_len, eos_id=tokenizer.eos_id)
               for part in (train, val)]
-    same = chat_data.check_learnable(
-        f"--data {job.data}",
-        {"training": (len(train), chat_data.pairs_without_preference(arrays[0])),
-         "validation": (len(val), chat_data.pairs_without_preference(arrays[1]))},
-        "the same tokens for \"chosen\" and \"rejected\" (one score for both: the "
-        "pairwise loss is log 2 with a zero gradient)",
-        "pairs whose \"chosen\" and \"rejected\" differ")
+    same = same_pairs(f"--data {job.data}", {"training": arrays[0], "validation": arrays[1]},
+                      "one score for both: the pairwise loss is log 2 with a zero gradient")
     return arrays[0], arrays[1], same
 
 
@@ -220,8 +216,7 @@ def run(job: RewardJobConfig, *, write: Callable[[str], None] = print) -> dict[s
     state = step.init_from(values, job.seed)
     write(f"zeroxla reward: {job.init_from} + scalar head on {job.data} ({len(train['chosen'])} "
           f"train / {len(val['chosen'])} val pairs"
-          + (f"; {same} with the same tokens for chosen and rejected add nothing to the loss"
-             if same else "")
+          + same_pairs_note(same)
           + f"), ZeRO-{job.zero_stage} on a {job.mesh[0]}x{job.mesh[1]} mesh, batch "
           f"{job.batch_size} pairs x {job.seq_len}")
 

@@ -151,6 +151,23 @@ def check_tp(tp: int, model_fields: Mapping[str, Any], devices: int | None) -> N
                          f"accepted: {accepted}")
 
 
+def check_generate_lengths(prompt: str, prompt_tokens: int, max_new_tokens: int,
+                           config: Any) -> None:
+    """ValueError naming the option at fault unless `zeroxla generate`'s --prompt (of
+    `prompt_tokens` tokens) and --max-new-tokens fit the model `config`'s max_seq_len: an
+    empty prompt and one longer than the model's positions blame --prompt, whatever the new
+    tokens; a prompt that fits leaves room for max_seq_len - prompt_tokens new tokens."""
+    if prompt_tokens == 0:
+        what = "is empty" if not prompt else f"{prompt!r} encodes to no tokens"
+        raise ValueError(f"--prompt {what}: there is nothing to continue; accepted: a --prompt "
+                         "of at least one token")
+    config.check_seq_len(prompt_tokens, "--prompt's token count",
+                         accepted=f"a --prompt of at most {config.max_seq_len} tokens")
+    config.check_seq_len(prompt_tokens + max_new_tokens, f"--prompt ({prompt_tokens} tokens) + "
+                         f"--max-new-tokens {max_new_tokens} =", accepted=f"--max-new-tokens "
+                         f"<= {config.max_seq_len - prompt_tokens} for this prompt")
+
+
 def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int,
                              temperature: float, top_k: int | None, tp: int,
                              seed: int = 0, step: int | None = None,
@@ -178,9 +195,7 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
     if config is None:
         raise ValueError(f"checkpoint {checkpoint!r} records no model config; accepted: a "
                          "checkpoint written by `zeroxla train`")
-    config.check_seq_len(ids.size + max_new_tokens, f"--prompt ({ids.size} tokens) + "
-                         f"--max-new-tokens {max_new_tokens} =", accepted=f"--max-new-tokens "
-                         f"<= {max(0, config.max_seq_len - ids.size)} for this prompt")
+    check_generate_lengths(prompt, ids.size, max_new_tokens, config)
     # weights only (no optimizer state)
     step_fn = local_zero3_step(load_trained(checkpoint, step=meta["step"]))
     text, _ = sample_with_engine(step_fn, step_fn.init(), tokenizer, ids,

@@ -97,7 +97,9 @@ def save_adapter(checkpoint: str | Path, out_dir: str | Path, *, step: int | Non
     """Writes the LoRA adapters of checkpoint `step` as a PEFT adapter (`adapter_config.json`,
     `adapter_model.safetensors`: `zeroxla.lora.export.save_peft_adapter`) that
     `peft.PeftModel.from_pretrained` loads onto the HF export of its base; returns the files.
-    ValueError when the checkpoint holds no adapters or is not a causal LM."""
+    ValueError when the checkpoint holds no adapters, is not a causal LM, or is of a run whose
+    base trained with the adapters (not `only_optimize_lora`: only the merged export is the
+    trained model)."""
     from flax import nnx
 
     from zeroxla.lora import LoRAWeight, convert_linear_layer_to_lora
@@ -112,6 +114,15 @@ def save_adapter(checkpoint: str | Path, out_dir: str | Path, *, step: int | Non
     if _stored_head(arrays, config) != hf.CAUSAL_LM:
         raise ValueError(f"export --adapter-only: checkpoint {arrays.info.path} holds a reward "
                          "model; accepted: a causal LM's adapters (export a reward model merged)")
+    if not arrays.lora.only_optimize_lora:
+        # Its base moved with the adapters: PEFT's base + adapters would be the untrained base
+        # plus a delta, as far from the trained model as the base itself.
+        raise ValueError(f"export --adapter-only: checkpoint {arrays.info.path} is of a LoRA run "
+                         "whose base weights trained too (recorded only_optimize_lora=False: "
+                         "run without --only-optimize-lora), so its adapters on the base would "
+                         "not give the trained model; accepted: that checkpoint exported merged "
+                         "(zeroxla export without --adapter-only), or --adapter-only of a run "
+                         "with --only-optimize-lora")
 
     def adapted() -> Any:                          # shapes only: no weight is drawn
         model = model_class(config)(config, rngs=nnx.Rngs(0))

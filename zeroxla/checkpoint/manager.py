@@ -60,6 +60,7 @@ from zeroxla.checkpoint.target import check_compatible, target_step
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.engine.layout import ZeroLayout
+from zeroxla.engine.layout_argument import layout_argument
 from zeroxla.engine.logical import LogicalLayout, logical_sharding, named_leaves
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.state import TrainState
@@ -146,6 +147,8 @@ class Checkpointer:
         RNG keys, ...), returned by `restore`. `model_config` defaults to the model's own
         `config` attribute.
         """
+        layout = layout_argument(layout, "save(..., layout=step)",    # a ZeroStep warns
+                                 "save(..., layout=step.layout)")
         if not isinstance(layout, ZeroLayout):
             raise TypeError(f"save(layout=...) takes the ZeroLayout of the step that produced "
                             f"the state (step.layout); got {type(layout).__name__}")
@@ -218,6 +221,8 @@ def save(directory: str | Path, state: TrainState, *, layout: ZeroLayout,
     """Saves `state` as checkpoint number `state.step` under `directory` and waits until it has
     committed; returns its path. See `Checkpointer.save` (and `Checkpointer` for periodic or
     asynchronous saves); `keep` keeps only the newest `keep` checkpoints."""
+    layout = layout_argument(layout, "save(..., layout=step)",        # a ZeroStep warns
+                             "save(..., layout=step.layout)")
     with Checkpointer(directory, keep=keep) as checkpointer:
         return checkpointer.save(state, layout=layout, metadata=metadata,
                                  model_config=model_config)

@@ -130,8 +130,42 @@ def place(piece: np.ndarray, mesh: Mesh, dtype: Any, *, shape: tuple[int, ...] |
     piece = np.asarray(piece, dtype)
     shape = piece.shape if shape is None else tuple(shape)
     sharding = NamedSharding(mesh, spread_spec(shape, mesh))
+    blocks = _device_blocks(piece, sharding.addressable_devices_indices_map(shape).values(),
+                            shape, index)
     return jax.make_array_from_callback(
-        shape, sharding, lambda device_index: device_part(piece, device_index, shape, index))
+        shape, sharding, lambda device_index: blocks[_bounds(device_index, shape)])
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """`index` as (start, stop) per dim of `shape` (hashable, None resolved)."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _show(bounds: tuple[tuple[int, int], ...]) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in bounds) + "]"
+
+
+def _device_blocks(piece: np.ndarray, device_indices: Any, shape: tuple[int, ...],
+                   index: tuple[slice, ...] | None) -> dict[tuple, np.ndarray]:
+    """{device slice's bounds: its block of `piece`} (`device_part`, views: no copy) for each
+    of `device_indices`; ValueError naming the span of the devices' slices that the part
+    `index` does not hold (a part read for other devices, e.g. the first node's rows given to
+    a process of the second), and the part, before any device receives anything."""
+    blocks, outside = {}, []
+    for device_index in device_indices:
+        try:
+            blocks[_bounds(device_index, shape)] = device_part(piece, device_index, shape, index)
+        except ValueError:
+            outside.append(_bounds(device_index, shape))
+    if outside:
+        span = tuple((min(b[d][0] for b in outside), max(b[d][1] for b in outside))
+                     for d in range(len(shape)))
+        part = _bounds(index or (slice(None),) * len(shape), shape)
+        raise ValueError(f"place: the slice {_show(span)} of a {list(shape)} array that this "
+                         f"process's devices hold lies outside the part {_show(part)} read for "
+                         f"them ({list(piece.shape)}); accepted: the part owned_index(shape, "
+                         "mesh) names for this process's devices, or the whole array")
+    return blocks
 
 
 @functools.lru_cache(maxsize=64)

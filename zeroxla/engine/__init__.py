@@ -28,6 +28,7 @@
     offload.py     ZeRO-Offload / ZeRO-Infinity: optimizer state, masters and stage-3 partitions in host memory
     host_update.py ZeRO-Offload's update in host memory (compute_on), or why it runs on the device
     logical.py     the state's mesh-independent form (checkpoints)
+    layout_argument.py a ZeroStep given where a layout is expected: its layout, deprecated
 
 The plan it runs (mesh, ZeroConfig, rules, leaf plans) is `zeroxla.sharding`; collectives live
 in `zeroxla.collectives`, kernels in `zeroxla.pallas_kernels`, what differs between JAX

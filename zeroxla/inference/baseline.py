@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.layout import ZeroLayout
+from zeroxla.engine.layout_argument import layout_argument
 from zeroxla.engine.state import TrainState, gather_params
 from zeroxla.engine.wrap import local_model
 from zeroxla.inference.checks import check_decodable, check_layout, check_state
@@ -33,9 +34,11 @@ class Zero3Generator:
     """`generate(state, prompts, ...)` as `HybridEngine.generate`, re-gathering per token:
     `Zero3Generator(step.layout, max_out_tokens)`. Each device computes on the training step's
     own model copy (`engine.wrap.local_model`) from the stored parameters' compute inputs
-    (`ShardingPlan.compute_inputs`)."""
+    (`ShardingPlan.compute_inputs`). `Zero3Generator(step, ...)` still works and warns."""
 
     def __init__(self, layout: ZeroLayout, max_out_tokens: int = 512):
+        layout = layout_argument(layout, "Zero3Generator(step, ...)",
+                                 "Zero3Generator(step.layout, ...)")
         check_layout(layout, "Zero3Generator")
         if layout.config.stage != 3 or layout.axes.num_stages > 1:
             raise ValueError(f"Zero3Generator needs a ZeRO stage 3 step without pipeline "
@@ -130,9 +133,11 @@ class SingleDeviceGenerator:
     the state's parameter arrays are the same ones), the same decode loop, KV cache and
     sampling keys, no collectives. The engine's tokens/s against this is the price (or the
     gain) of splitting the model over devices. `SingleDeviceGenerator(step.layout,
-    max_out_tokens)`."""
+    max_out_tokens)`; `SingleDeviceGenerator(step, ...)` still works and warns."""
 
     def __init__(self, layout: ZeroLayout, max_out_tokens: int = 512):
+        layout = layout_argument(layout, "SingleDeviceGenerator(step, ...)",
+                                 "SingleDeviceGenerator(step.layout, ...)")
         check_layout(layout, "SingleDeviceGenerator")
         self.model_def, self.plan = layout.model_def, layout.plan
         self.max_out_tokens = max_out_tokens

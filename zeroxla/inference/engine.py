@@ -36,6 +36,7 @@ import numpy as np
 from zeroxla.engine.offload import on_device
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.layout import ZeroLayout
+from zeroxla.engine.layout_argument import layout_argument
 from zeroxla.inference.adapter_switch import frozen_paths, keep, trainable_reshard, unchanged
 from zeroxla.inference.checks import check_decodable, check_layout, check_state
 from zeroxla.inference.config import HybridEngineConfig
@@ -56,9 +57,12 @@ class HybridEngine:
 
     Construction refuses, by name, a layout that is not a `ZeroLayout`, a tensor-parallel size
     the devices or heads do not allow, and a model without the KV-cache protocol
-    (`zeroxla.inference.checks`)."""
+    (`zeroxla.inference.checks`). The older form `HybridEngine(step, config)` still works and
+    warns (`zeroxla.engine.layout_argument`)."""
 
     def __init__(self, zero_layout: ZeroLayout, config: HybridEngineConfig | None = None):
+        zero_layout = layout_argument(zero_layout, "HybridEngine(step, ...)",
+                                      "HybridEngine(step.layout, ...)")
         check_layout(zero_layout)            # the training layout; `self.layout` is inference's
         self.config = config = config if config is not None else HybridEngineConfig()
         if not isinstance(config, HybridEngineConfig):

@@ -39,6 +39,13 @@ class LoRAConfig:
         if self.only_optimize_lora and not self.dim:
             raise ValueError("LoRAConfig.only_optimize_lora=True needs dim > 0 (there are no "
                              "adapters to train with dim=0)")
+        # Without adapters a pattern or a scaling would be ignored and every weight would train:
+        # a full fine-tune where LoRA was asked for.
+        for name in ("module_name", "alpha"):
+            if not self.dim and getattr(self, name) != getattr(LoRAConfig, name):
+                raise ValueError(f"LoRAConfig.{name}={getattr(self, name)!r} needs dim > 0 (with "
+                                 "dim=0 no weight gets adapters and every weight trains: a full "
+                                 "fine-tune)")
 
     @property
     def enabled(self) -> bool:

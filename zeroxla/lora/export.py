@@ -11,7 +11,9 @@ lora_A [r, in], lora_B [out, r]. Ours adds (alpha / r) * A @ B to W [*IN, *OUT] 
 that map only moves entries, so it is read off once per weight from W's entry indices: HF entry
 [o, i] holds our entry (in_index, out_index), and lora_A / lora_B are A's rows / B's columns in
 that order. A weight whose HF tensor is not one `nn.Linear` [out, in] of ours alone (GPT-2's
-Conv1D [in, out], its fused c_attn) is refused by name.
+Conv1D [in, out], its fused c_attn) is refused by name, and so is an embedding table (our
+weight indexed by token or position, an `nn.Embedding` [num_embeddings, embedding_dim] in
+transformers), whose PEFT adapter is another pair, `lora_embedding_A` / `lora_embedding_B`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from safetensors.numpy import save_file
 from zeroxla.lora.adapter import LoRAWeight
 from zeroxla.lora.config import LoRAConfig
 from zeroxla.lora.convert import fuse_lora_weight
-from zeroxla.models import hf
+from zeroxla.models import axes, hf
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."          # PeftModel's prefix before the transformers names
+# The input dim of a table the model indexes instead of contracting: transformers' nn.Embedding.
+EMBEDDING_AXES = (axes.VOCAB, axes.POSITION)
 
 
 def save_merged(model: nnx.Module, config: Any, out_dir: str | Path, **kwargs) -> list[Path]:
@@ -60,6 +64,22 @@ def _order(rule: hf.Rule, shape: tuple[int, ...], split: int) -> tuple[np.ndarra
     return ins[0], outs[:, 0]
 
 
+def _check_not_embedding(path: str, rule: hf.Rule, adapter: LoRAWeight) -> None:
+    """ValueError naming the table when the adapted weight is an embedding (its input dim the
+    vocabulary or the positions): PEFT adapts an nn.Embedding with lora_embedding_A [r,
+    num_embeddings] and lora_embedding_B [embedding_dim, r], not the nn.Linear pair."""
+    names = adapter.base.get_metadata().get("logical_axes") or ()
+    stacked = 1 if rule.per_layer else 0
+    if len(names) > stacked and names[stacked] in EMBEDDING_AXES:
+        raise ValueError(f"PEFT export of the adapter on {path!r}: HF tensor {rule.hf} is an "
+                         "embedding table (transformers' nn.Embedding [num_embeddings, "
+                         "embedding_dim]), whose PEFT adapter is lora_embedding_A / "
+                         "lora_embedding_B, which this export does not write; accepted: "
+                         "adapters on weights each mapped to one nn.Linear (Llama's projections "
+                         "and lm_head): leave the embedding out of --lora-module-name, or export "
+                         "the merged model")
+
+
 def peft_tensors(model: nnx.Module, config: Any) -> dict[str, np.ndarray]:
     """PEFT's `adapter_model.safetensors` entries of `model`'s adapters, float32."""
     rules = {r.ours[0]: r for r in hf.hf_name_map(config) if len(r.ours) == 1}
@@ -73,6 +93,7 @@ def peft_tensors(model: nnx.Module, config: Any) -> dict[str, np.ndarray]:
             raise ValueError(f"PEFT export of the adapter on {path!r}: {config.family} stores two "
                              f"HF layers per block ({rule.hf!r}), which the adapter export does "
                              "not split; export the merged model instead")
+        _check_not_embedding(path, rule, adapter)
         a = np.asarray(adapter.lora_a[...], np.float32)                # [*L, *IN, r]
         b = np.asarray(adapter.lora_b[...], np.float32)                # [*L, r, *OUT]
         layers = range(a.shape[0]) if rule.per_layer else [None]

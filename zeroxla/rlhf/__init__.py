@@ -1,6 +1,8 @@
-"""RLHF shaped like DeepSpeed-Chat's steps 2 and 3, on zeroxla: a reward model trained on
-preference pairs, then PPO with actor and critic trained under ZeRO-3 (`make_step` with PPO
-`loss_fn`s), a frozen reference, generation by the Hybrid Engine.
+"""Post-training on zeroxla: DeepSpeed-Chat's steps 2 and 3 (a reward model trained on
+preference pairs, then PPO with actor and critic trained under ZeRO-3), DPO / IPO on
+preference pairs, and the GRPO family (GRPO, Dr.GRPO, DAPO, RLOO's baseline) on verifiable
+rewards; each a `make_step` with its own `loss_fn`, a frozen reference, generation by the
+Hybrid Engine.
 
     config.py      PPOConfig: DeepSpeed-Chat's hyper-parameters, validated
     advantages.py  compute_rewards (KL penalty + clipped score), get_advantages_and_returns (GAE)
@@ -24,6 +26,8 @@ preference pairs, then PPO with actor and critic trained under ZeRO-3 (`make_ste
                    accuracy and format checks, weighted sums, failures named
     arithmetic_task.py the bundled task: arithmetic word problems with `####` answers, by seed
     task_sft.py    supervised fine-tuning on prompt/completion rows (loss on the completion)
+    grpo_prompts.py prompts tokenized up to the cap (a longer one keeps its last tokens, the
+                   cut counted) and the text the reward functions see
     rollout_correction.py the train/rollout log-prob gap (logprob_gap) and truncated
                    importance sampling (tis_weights, TRL's vllm_importance_sampling_cap)
     grpo.py        GRPOTrainer (generate_experience, train_grpo), run_grpo, exact_accuracy

@@ -21,6 +21,9 @@ The policy is the softmax over the tokenizer's ids (`vocab_limit = tokenizer.voc
 PPO): a padded vocabulary's rows are never drawn, and the log-probs are of that distribution.
 
 Rows are prompt-major: row b is answer `b % G` of prompt `b // G` (`group_advantages`).
+Prompts keep their own lengths, up to `prompt_length` (a longer one keeps its last tokens,
+counted in `GRPOTrainer.prompts`, and the reward functions get the kept text): each row is its
+prompt, its answer, then zeros (`grpo_prompts`), exact without an attention mask.
 
 With an enabled `lora` (`zeroxla.lora.LoRAConfig`) the actor trains LoRA adapters (alone with
 `only_optimize_lora`), the reference is the plain starting actor, and the Hybrid Engine
@@ -45,8 +48,8 @@ import zeroxla
 from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
-from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss
-from zeroxla.rlhf.losses import answer_logprobs
+from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
+from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.reference import FrozenReference
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.reward_funcs import RewardFunctions
@@ -55,10 +58,18 @@ from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, t
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 4))
-def _logprobs(graphdef: Any, params: Any, answer_length: int, tokens: jax.Array,
+def _logprobs(graphdef: Any, params: Any, answer_length: int, rows: tuple[jax.Array, jax.Array],
               vocab_limit: int | None) -> jax.Array:
-    """`answer_logprobs` of a plain (gathered) model: [B, G]."""
-    return answer_logprobs(nnx.merge(graphdef, params), tokens, answer_length, vocab_limit)
+    """`ragged_answer_logprobs` of a plain (gathered) model on `rows` = (tokens int32[B, P+G],
+    prompt_lengths int32[B]): [B, G]."""
+    return ragged_answer_logprobs(nnx.merge(graphdef, params), *rows, answer_length,
+                                  vocab_limit)
+
+
+def _reference_logprobs(model: nnx.Module, rows: tuple[jax.Array, jax.Array],
+                        answer_length: int, vocab_limit: int | None) -> jax.Array:
+    """The `FrozenReference` function: `ragged_answer_logprobs` on (tokens, prompt_lengths)."""
+    return ragged_answer_logprobs(model, *rows, answer_length, vocab_limit)
 
 
 def _pad_logprobs(logprobs: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
@@ -73,7 +84,7 @@ def _pad_logprobs(logprobs: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarra
 class GRPORollout:
     """One iteration's experience (B = prompts * G rows; T = max_completion_length)."""
 
-    tokens: np.ndarray                   # int32[B, P + T]
+    tokens: np.ndarray                   # int32[B, P + T]: prompt, answer, zeros
     action_mask: np.ndarray              # float32[B, T], 1 on real answer tokens (a prefix)
     completions: tuple[str, ...]         # the answers, decoded
     rewards: np.ndarray                  # float64[B], the weighted reward per answer
@@ -82,6 +93,15 @@ class GRPORollout:
     logprobs: np.ndarray                 # float32[B, T], the actor at rollout time
     ref_logprobs: np.ndarray             # float32[B, T], the frozen reference
     rollout_logprobs: np.ndarray | None = None   # float32[B, T], as the engine drew them
+    prompt_lengths: np.ndarray | None = None     # int32[B], row b's answer starts there;
+                                                 # None: every prompt fills the P columns
+
+    def answer_starts(self) -> np.ndarray:
+        """int32[B]: the column of each row's first answer token (its prompt's length)."""
+        if self.prompt_lengths is not None:
+            return np.asarray(self.prompt_lengths, np.int32)
+        width = self.tokens.shape[1] - self.action_mask.shape[1]
+        return np.full(self.tokens.shape[:1], width, np.int32)
 
     def kl(self) -> float:
         """Mean over real tokens of the k3 estimator of KL(actor || reference)."""
@@ -89,32 +109,18 @@ class GRPORollout:
         return float(np.mean(np.exp(delta) - delta - 1.0))
 
 
-def _prompt_rows(prompts: Sequence[dict[str, Any]], tokenizer: Any, length: int) -> np.ndarray:
-    rows = []
-    for i, row in enumerate(prompts):
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"prompt row {i} is {row!r:.80}; accepted: a dict with a 'prompt' "
-                             "string (other keys are passed to the reward functions)")
-        ids = np.asarray(tokenizer.encode(row["prompt"]), np.int32)
-        if ids.size < length:
-            raise ValueError(f"prompt row {i} ({row['prompt'][:30]!r}...) is {ids.size} tokens, "
-                             f"fewer than GRPOConfig.prompt_length={length}; our models take "
-                             "no attention mask, so prompts are not left-padded: lower "
-                             "prompt_length or lengthen the prompt")
-        rows.append(ids[-length:])
-    return np.stack(rows)
-
-
 class GRPOTrainer:
     """Actor and reference of one GRPO-family run (see the module docstring).
 
     `actor` is the initial policy (plain, e.g. `zeroxla.gathered_model` of an SFT state);
-    `prompts` are rows {"prompt": text, ...} (a prompt longer than `prompt_length` tokens keeps
-    its last ones, as DeepSpeed-Chat's prompt dataset does): every other key is handed to the
+    `prompts` are rows {"prompt": text, ...} of 1 to `prompt_length` tokens (a longer prompt
+    keeps its last ones, as TRL's `max_prompt_length` and DeepSpeed-Chat's prompt dataset do;
+    `self.prompts` counts them and holds the kept text): every other key is handed to the
     reward functions as a keyword (one value per answer), e.g. the bundled task's `answer`.
     `reward_funcs` are `RewardFunctions` (or callables, weight 1 each); `reward_model` (a plain
     `RewardModel`) adds its end score times `reward_model_weight`. `eos_id` ends an answer
     (kept, as its last token). `lora`: adapters on a copy of the actor (A drawn from `seed`).
+    `optimizer`: the actor's (None: AdamW at `config.learning_rate`).
     """
 
     def __init__(self, config: GRPOConfig, actor: nnx.Module, *, mesh: Any, tokenizer: Any,
@@ -122,7 +128,8 @@ class GRPOTrainer:
                  reward_funcs: RewardFunctions | Sequence[Callable] = (),
                  reward_model: Any = None, reward_model_weight: float = 1.0,
                  inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None,
+                 optimizer: optax.GradientTransformation | None = None):
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
         if not isinstance(reward_funcs, RewardFunctions):
@@ -133,9 +140,10 @@ class GRPOTrainer:
         self.reward_funcs, self.reward_model_weight = reward_funcs, reward_model_weight
         self.score_model = None if reward_model is None else make_scorer(reward_model=reward_model)
         self.config, self.tokenizer, self.eos_id, self.seed = config, tokenizer, eos_id, seed
-        self.prompts = list(prompts)
-        self.prompt_ids = _prompt_rows(self.prompts, tokenizer, config.prompt_length)
+        self.prompts: PromptRows = prompt_rows(prompts, tokenizer, config.prompt_length)
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
+        self._reference_fn = functools.partial(_reference_logprobs,
+                                               vocab_limit=self.vocab_limit)
         self.reference = FrozenReference(actor, device=jax.local_devices()[0],
                                          int8=config.reference_int8)
         trainable = None
@@ -144,7 +152,8 @@ class GRPOTrainer:
             convert_linear_layer_to_lora(actor, lora, rngs=nnx.Rngs(seed))
             trainable = lora_trainable(lora)
         self.actor_step = zeroxla.make_step(
-            actor, mesh, optimizer=optax.adamw(config.learning_rate),
+            actor, mesh, optimizer=(optax.adamw(config.learning_rate) if optimizer is None
+                                    else optimizer),
             config=zeroxla.ZeroConfig(stage=3), trainable=trainable,
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
@@ -157,7 +166,7 @@ class GRPOTrainer:
     # ---- rollout ---------------------------------------------------------------------------
     def sample_prompts(self, iteration: int) -> np.ndarray:
         """Indices of this iteration's `prompts_per_iteration` prompt rows."""
-        n, k = len(self.prompts), self.config.prompts_per_iteration
+        n, k = len(self.prompts.ids), self.config.prompts_per_iteration
         rng = np.random.default_rng((self.seed, iteration))
         return rng.choice(n, k, replace=n < k)
 
@@ -166,7 +175,7 @@ class GRPOTrainer:
         """G answers per picked prompt, prompt-major (row b: prompt b // G, answer b % G),
         and the log-probs [new] the engine drew each answer's tokens with."""
         c = self.config
-        prompts = [self.prompt_ids[i] for i in picked]
+        prompts = [self.prompts.ids[i] for i in picked]
         per_generation = [self.engine.generate(
             self.actor_state, prompts, max_new_tokens=c.max_completion_length, temperature=1.0,
             eos_id=self.eos_id, seed=(self.seed * 100_003 + iteration) * 1_009 + g,
@@ -179,14 +188,17 @@ class GRPOTrainer:
 
     def score(self, picked: np.ndarray, tokens: np.ndarray, mask: np.ndarray,
               completions: tuple[str, ...]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The weighted reward per answer [B] and each source's rewards."""
-        rows = [self.prompts[i] for i in picked for _ in range(self.config.num_generations)]
+        """The weighted reward per answer [B] and each source's rewards; `mask` [B, P + T] is 1
+        on each row's prompt and answer tokens (a prefix)."""
+        rows = [self.prompts.rows[i] for i in picked for _ in range(self.config.num_generations)]
         keys = sorted({k for row in rows for k in row if k != "prompt"})
         fields = {k: [row.get(k) for row in rows] for k in keys}
         total, parts = np.zeros(len(rows)), {}
         if self.reward_funcs is not None:
             total, parts = self.reward_funcs([r["prompt"] for r in rows], completions, fields)
         if self.score_model is not None:
+            # a whole-row mask: the scorer's end, prompt columns + ones - 1, is then each
+            # row's last real token (`reward.answer_end_scores`)
             scores = np.asarray(self.score_model(tokens, mask, completions), np.float64)
             parts["reward_model"] = scores
             total = total + self.reward_model_weight * scores
@@ -200,29 +212,32 @@ class GRPOTrainer:
         outputs, drawn = self.generate(picked, iteration)
         generation_s = time.perf_counter() - start
         start = time.perf_counter()
-        tokens, mask = pad_answers(outputs, c.prompt_length, c.max_completion_length)
-        completions = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
-                            for b in range(len(outputs)))
-        rewards, parts = self.score(picked, tokens, mask, completions)
-        advantages = group_advantages(np.asarray(rewards, np.float32), c.num_generations,
+        starts = np.asarray([self.prompts.ids[i].size for i in picked
+                             for _ in range(c.num_generations)], np.int32)           # [B]
+        tokens, mask = pad_answers(outputs, c.prompt_length, c.max_completion_length, starts)
+        completions = tuple(self.tokenizer.decode(row[start:row.size])
+                            for row, start in zip(outputs, starts))
+        real = np.arange(tokens.shape[1]) < np.asarray([row.size for row in outputs])[:, None]
+        rewards, parts = self.score(picked, tokens, real.astype(np.float32), completions)
+        advantages = group_advantages(rewards, c.num_generations,
                                       scale_rewards=c.scale_rewards, advantage=c.advantage)
-        logprobs = self.logprobs(tokens) * mask
-        ref_logprobs = self.reference(functools.partial(answer_logprobs,
-                                                        vocab_limit=self.vocab_limit),
-                                      tokens, c.max_completion_length) * mask
+        logprobs = self.logprobs(tokens, starts) * mask
+        ref_logprobs = self.reference(self._reference_fn, (tokens, starts),
+                                      c.max_completion_length) * mask
         rollout = GRPORollout(tokens=tokens, action_mask=mask, completions=completions,
                               rewards=rewards, reward_parts=parts,
                               advantages=np.asarray(advantages, np.float32),
                               logprobs=np.asarray(logprobs, np.float32),
                               ref_logprobs=np.asarray(ref_logprobs, np.float32),
-                              rollout_logprobs=_pad_logprobs(drawn, mask))
+                              rollout_logprobs=_pad_logprobs(drawn, mask), prompt_lengths=starts)
         return rollout, generation_s, time.perf_counter() - start
 
-    def logprobs(self, tokens: np.ndarray) -> jax.Array:
-        """The current actor's answer log-probs [B, T] (gathered weights, one device)."""
+    def logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray) -> jax.Array:
+        """The current actor's answer log-probs [B, T] of right-padded `tokens` [B, P + T]
+        whose row b's answer starts at `prompt_lengths[b]` (gathered weights, one device)."""
         graphdef, params = nnx.split(zeroxla.gathered_model(self.actor_state))
-        return _logprobs(graphdef, params, self.config.max_completion_length, tokens,
-                         self.vocab_limit)
+        return _logprobs(graphdef, params, self.config.max_completion_length,
+                         (tokens, np.asarray(prompt_lengths, np.int32)), self.vocab_limit)
 
     # ---- training --------------------------------------------------------------------------
     def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
@@ -231,8 +246,10 @@ class GRPOTrainer:
         is 1), and with `rollout_correction="tis"` the share of tokens whose importance
         weight the cap truncates (`tis_clipped_fraction`)."""
         c = self.config
-        batch = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
-                 "advantages": rollout.advantages, "action_mask": rollout.action_mask}
+        starts = rollout.answer_starts()
+        batch = {"tokens": rollout.tokens, "prompt_lengths": starts,
+                 "old_logprobs": rollout.logprobs, "advantages": rollout.advantages,
+                 "action_mask": rollout.action_mask}
         if c.beta:
             batch["ref_logprobs"] = rollout.ref_logprobs
         tis = {}
@@ -245,7 +262,7 @@ class GRPOTrainer:
         for k in range(c.num_iterations):
             if k:
                 clips.append({name: float(v) for name, v in clip_fractions(
-                    self.logprobs(rollout.tokens), rollout.logprobs, rollout.advantages,
+                    self.logprobs(rollout.tokens, starts), rollout.logprobs, rollout.advantages,
                     rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
             self.actor_state, metrics = self.actor_step(self.actor_state, batch)
             losses.append(float(metrics["loss"]))       # one program in flight at a time
@@ -338,11 +355,11 @@ def exact_accuracy(model: nnx.Module, problems: Sequence[dict[str, Any]], tokeni
     engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
         inference_tp_size=inference_tp_size,
         max_out_tokens=config.prompt_length + config.max_completion_length))
-    ids = _prompt_rows(problems, tokenizer, config.prompt_length)
+    ids = prompt_rows(problems, tokenizer, config.prompt_length).ids
     outputs = engine.generate(step.init(0), list(ids), max_new_tokens=config.max_completion_length,
                               temperature=0.0, eos_id=eos_id,
                               vocab_limit=getattr(tokenizer, "vocab_size", None))
-    texts = [tokenizer.decode(row[config.prompt_length:]) for row in outputs]
+    texts = [tokenizer.decode(row[prompt.size:]) for row, prompt in zip(outputs, ids)]
     return float(np.mean(accuracy_reward([], texts, answer=[p["answer"] for p in problems])))
 
 

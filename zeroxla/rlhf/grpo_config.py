@@ -25,8 +25,9 @@ gap is logged either way).
 
 `advantage` ("grpo" | "rloo") chooses the baseline: the group mean, or RLOO's leave-one-out mean
 of the other G - 1 answers (Ahmadian et al. 2024). `prompts_per_iteration` prompts make
-`prompts_per_iteration * num_generations` rows per rollout; `prompt_length` is the prompt's
-tokens (every prompt has exactly that many: our models take no attention mask). Rollouts
+`prompts_per_iteration * num_generations` rows per rollout; `prompt_length` is the most prompt
+tokens (shorter prompts are right-padded, exactly; a longer one keeps its last tokens:
+`zeroxla.rlhf.grpo_prompts`). Rollouts
 sample at temperature 1, from the policy's own distribution, so the log-probs of the ratio are
 the model's (no temperature enters them).
 """
@@ -42,9 +43,18 @@ ADVANTAGES = ("grpo", "rloo")
 ROLLOUT_CORRECTIONS = ("tis",)
 
 
+class GRPOConfigError(ValueError):
+    """A bad GRPOConfig value: its `field`, `value` and what is `accepted` (the message names
+    the field; `zeroxla grpo` names the option instead)."""
+
+    def __init__(self, field: str, value: Any, accepted: str):
+        super().__init__(f"GRPOConfig.{field}={value!r} is invalid; accepted: {accepted}")
+        self.field, self.value, self.accepted = field, value, accepted
+
+
 def _check(name: str, value: Any, ok: bool, accepted: str) -> None:
     if not ok:
-        raise ValueError(f"GRPOConfig.{name}={value!r} is invalid; accepted: {accepted}")
+        raise GRPOConfigError(name, value, accepted)
 
 
 def _is_number(value: Any) -> bool:

@@ -16,6 +16,9 @@ of the real answer tokens are aggregated by `loss_type`:
 
 `grpo_loss_parts` returns the aggregation as `(sum, count)`, the pair `make_step` divides over
 the global batch, so each loss is exact however the batch is sharded.
+
+Prompts of different lengths are right-padded (`grpo_prompts`): row b's answer starts at its
+own prompt length, and `ragged_answer_logprobs` reads each row's answer from there.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroxla.rlhf.losses import answer_logprobs
+from zeroxla.engine.loss import token_logprobs
+from zeroxla.inference.sampling import valid_ids
 
 
 def grpo_loss_terms(logprobs, old_logprobs, advantages, *, epsilon: float, epsilon_high: float,
@@ -83,15 +87,36 @@ def clip_fractions(logprobs, old_logprobs, advantages, action_mask, *, epsilon: 
     return {"clip_low": low, "clip_high": high, "clip_fraction": low + high}
 
 
+def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
+                           vocab_limit: int | None = None):
+    """log pi(answer token t | its row before it) [B, G] for right-padded rows: `tokens`
+    int32[B, P + G] holds row b's prompt at 0 .. L_b - 1 (`prompt_lengths` int[B], 1 <= L_b
+    <= P) and its answer from L_b: the logits at L_b - 1 + t against the token at L_b + t.
+    Causal attention sees only the row's earlier (real) tokens, at their true positions, so
+    each row's log-probs are those of its prompt and answer alone. With `vocab_limit`, pi is
+    the softmax over the ids below it (`zeroxla.rlhf.losses.answer_logprobs`)."""
+    logits = model(tokens[:, :-1])                                        # [B, P+G-1, V]
+    at = prompt_lengths[:, None] - 1 + jnp.arange(answer_length)          # [B, G]
+    logits = jnp.take_along_axis(logits, at[:, :, None], axis=1)          # [B, G, V]
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(valid_ids(logits.shape, vocab_limit), logits, -jnp.inf)
+    return token_logprobs(logits, jnp.take_along_axis(tokens, at + 1, axis=1))   # [B, G]
+
+
 def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
                    vocab_limit: int | None = None):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
-    "old_logprobs": [B, G], "advantages": [B], "action_mask": [B, G]}, when `beta` > 0
-    "ref_logprobs": [B, G], and with truncated importance sampling "is_weights": [B, G]. The
-    policy is the softmax over the ids below `vocab_limit` (`answer_logprobs`)."""
+    "old_logprobs": [B, G], "advantages": [B], "action_mask": [B, G]}, "prompt_lengths"
+    int32[B] for prompts shorter than P (right-padded; absent: every prompt is P tokens),
+    when `beta` > 0 "ref_logprobs": [B, G], and with truncated importance sampling
+    "is_weights": [B, G]. The policy is the softmax over the ids below `vocab_limit`
+    (`ragged_answer_logprobs`)."""
     def grpo_actor_loss(model, batch):
-        mask = batch["action_mask"]
-        logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit)
+        mask, tokens = batch["action_mask"], batch["tokens"]
+        lengths = batch.get("prompt_lengths")
+        if lengths is None:
+            lengths = jnp.full(tokens.shape[:1], tokens.shape[1] - mask.shape[1], jnp.int32)
+        logprobs = ragged_answer_logprobs(model, tokens, lengths, mask.shape[1], vocab_limit)
         terms = grpo_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"],
                                 epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
                                 ref_logprobs=batch.get("ref_logprobs"))
@@ -101,4 +126,5 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
     return grpo_actor_loss
 
 
-__all__ = ["clip_fractions", "grpo_loss", "grpo_loss_parts", "grpo_loss_terms", "make_grpo_loss"]
+__all__ = ["clip_fractions", "grpo_loss", "grpo_loss_parts", "grpo_loss_terms", "make_grpo_loss",
+           "ragged_answer_logprobs"]

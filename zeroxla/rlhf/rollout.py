@@ -62,15 +62,22 @@ class Rollout:
         return float(np.sum((self.logprobs - self.ref_logprobs) * mask) / np.sum(mask))
 
 
-def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int,
-                answer_length: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int, answer_length: int,
+                prompt_lengths: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The Hybrid Engine's rows (prompt + up to G new tokens, cut after EOS) -> tokens
-    int32[B, P + G] (zero-padded) and action_mask float32[B, G]."""
+    int32[B, P + G] (zero-padded) and action_mask float32[B, G]. Every prompt is P tokens,
+    or with `prompt_lengths` [B] row b's is that many (<= P): its answer follows at once and
+    the row is right-padded (`zeroxla.rlhf.grpo_prompts`)."""
     tokens = np.zeros((len(outputs), prompt_length + answer_length), np.int32)
     mask = np.zeros((len(outputs), answer_length), np.float32)
-    for b, row in enumerate(outputs):
+    starts = [prompt_length] * len(outputs) if prompt_lengths is None else prompt_lengths
+    for b, (row, start) in enumerate(zip(outputs, starts, strict=True)):
+        if not 0 < start <= prompt_length or row.size - start > answer_length:
+            raise ValueError(f"row {b}: a prompt of {start} and an answer of {row.size - start}"
+                             f" tokens; accepted: 1 to {prompt_length} and at most "
+                             f"{answer_length}")
         tokens[b, :row.size] = row
-        mask[b, :row.size - prompt_length] = 1.0
+        mask[b, :row.size - start] = 1.0
     if not np.all(mask[:, 0]):
         raise ValueError("a generated answer is empty; every row needs at least one new token")
     return tokens, mask

@@ -107,13 +107,18 @@ def test_memory_report_reads_the_compiled_step():
     assert report.secondary_partition == 0                           # no hpZ
     assert "training state" in report.table()
     assert report.to_dict()["training_state"] == report.training_state
-    # the step in place of its compiled program, or of its layout, is refused by name
+    # the step in place of its compiled program is refused by name; in place of its layout it
+    # is read as its layout, with a DeprecationWarning (`zeroxla.engine.layout_argument`)
     with pytest.raises(TypeError, match=r"compiled is a ZeroStep; accepted: a "
                                         r"jax\.stages\.Compiled \(step\.compile\(state, batch\)\)"):
         zeroxla.memory_report(step, state, layout=step.layout)
-    with pytest.raises(TypeError, match=r"layout is a ZeroStep; accepted: the ZeroLayout of "
+    with pytest.warns(DeprecationWarning, match=r"memory_report\(\.\.\., layout=step\) is "
+                                                r"deprecated; call memory_report\(\.\.\., "
+                                                r"layout=step\.layout\)"):
+        assert zeroxla.memory_report(step.compile(state, batch), state, layout=step) == report
+    with pytest.raises(TypeError, match=r"layout is a GPT; accepted: the ZeroLayout of "
                                         r"the step \(step\.layout\)"):
-        zeroxla.memory_report(step.compile(state, batch), state, layout=step)
+        zeroxla.memory_report(step.compile(state, batch), state, layout=model)
 
 
 def test_factory_init_never_holds_the_whole_model():

@@ -82,7 +82,7 @@ def test_too_long_examples_name_file_line_and_token_count(tmp_path):
                        json.dumps({"prompt": "abcab", "response": "cab"}))
     examples = read_sft_jsonl(path)
     sft_arrays(examples[:1], TOK, 3, eos_id=EOS)                # 4 tokens fit seq_len + 1
-    message = re.escape(str(path)) + r":3 \(example 1\): prompt\+response is 9 tokens .* seq_len=7"
+    message = re.escape(str(path)) + r":3: prompt\+response is 9 tokens .* seq_len=7"
     with pytest.raises(ChatDataError, match=message):
         sft_arrays(examples, TOK, 7, eos_id=EOS)
     with pytest.raises(ChatDataError, match=r"example 0: prompt\+rejected is 4 tokens .* "

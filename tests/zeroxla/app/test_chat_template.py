@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from chat_checkpoints import CHATML_GENERATION, CHATML_PLAIN, write_chat_tokenizer
-from zeroxla.app import chat_data
+from weightless import weightless_gpt2
+from zeroxla.app import chat_data, cli
 from zeroxla.app.chat_messages import ChatExample, ChatPairExample
 from zeroxla.app.chat_template import ChatTemplate, ChatTemplateError
 from zeroxla.app.data import ChatDataError
@@ -160,7 +161,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
     with pytest.raises(ChatTemplateError, match=r"renders message 1 \(assistant\) differently"):
         template.tokens_of(MESSAGES[1:])
     example = ChatExample(tuple((m["role"], m["content"]) for m in MESSAGES[1:]), "d.jsonl", 3)
-    with pytest.raises(ChatDataError, match=r"d.jsonl:3 \(example 0\): the chat template .* "
+    with pytest.raises(ChatDataError, match=r"d.jsonl:3: the chat template .* "
                        "renders message 1"):
         chat_data.sft_arrays([example], template.tokenizer, 128)
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
@@ -168,6 +169,37 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
     refusing = ChatTemplate.of(PretrainedTokenizer.from_dir(tmp_path / "tok"))
     with pytest.raises(ChatTemplateError, match="refused the conversation: Conversation roles"):
         refusing.tokens_of(MESSAGES)
+
+
+@pytest.mark.parametrize("template, template_file, where, message", [
+    ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", False,
+     'tokenizer_config.json ("chat_template", line 2 of the template)',
+     "the chat template does not parse: unexpected '}'"),
+    ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", True, "chat_template.jinja:2",
+     "the chat template does not parse: unexpected '}'"),
+    ("{% for m in messages %}\n{{ m.content }}\n{{ m.role | shout }}\n{% endfor %}", True,
+     "chat_template.jinja:3", "the chat template does not parse: No filter named 'shout'"),
+    ("{% for m in messages %}\n{{ m.content + 1 }}\n{% endfor %}", False,
+     'tokenizer_config.json ("chat_template", line 2 of the template)',
+     "the chat template failed while rendering the conversation: TypeError: can only "
+     'concatenate str (not "int") to str'),
+], ids=["syntax-config", "syntax-jinja", "unknown-filter", "type-error"])
+def test_a_broken_template_is_refused_naming_its_file_and_line(tmp_path, capsys, template,
+                                                               template_file, where, message):
+    """`zeroxla train` on `messages` rows with a checkpoint whose template does not parse or
+    fails while rendering: exit 2, one line naming the file the template came from and the
+    template's line, no run directory (the refusal comes before the weights are read)."""
+    base = weightless_gpt2(tmp_path / "base")
+    write_chat_tokenizer(base, template, template_file=template_file)
+    data = write_rows(tmp_path / "d.jsonl", *[{"messages": MESSAGES}] * 20)
+    out = tmp_path / "run"
+    assert cli.main(["train", "--init-from", str(base), "--data", str(data), "--out", str(out),
+                     "--steps", "1", "--batch-size", "8", "--seq-len", "128",
+                     "--no-progress"]) == 2
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert f"{base}/{where}: {message}" in err, err
+    assert err.startswith("zeroxla train: error: ") and "Traceback" not in err
 
 
 def test_the_template_travels_with_the_tokenizer_record_and_export(tmp_path):

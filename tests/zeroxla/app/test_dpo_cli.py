@@ -2,6 +2,7 @@
 value and what is accepted, and no run directory. The pretrained base is a config.json and
 tokenizer with no weights: every refusal comes before the weights would be read."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -55,6 +56,56 @@ def test_refused_before_any_compute(argv, message, base, files, tmp_path, capsys
     assert message in err, err
 
 
+def test_a_pair_too_long_is_named_by_its_line_in_the_file(base, tmp_path, capsys):
+    """The job shuffles the pairs into its splits before tokenizing them: the refusal names
+    the pair's line in the file, and no index of the shuffled order beside it."""
+    pairs = chat_data.shakespeare_pairs(20, seed=1)
+    pairs[12] = chat_data.PairExample(pairs[12].prompt, "so long " * 40, pairs[12].rejected)
+    data = chat_data.write_jsonl(pairs, tmp_path / "pairs.jsonl")
+    out = tmp_path / "run"
+    assert cli.main(["dpo", "--init-from", str(base), "--data", str(data), "--out", str(out),
+                     "--no-progress"]) == 2
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert f"{data}:13: prompt+chosen is " in err and "(example" not in err, err
+
+
+def test_pairs_without_preference_are_kept_and_counted_as_reward_does(base, files, tmp_path):
+    """Pairs whose chosen and rejected are the same text (so the same tokens) stay in the
+    splits and are counted, by `zeroxla reward`'s rule: the same count as its `_pairs`, and
+    the same refusal when they are all of the file."""
+    from zeroxla.app import reward_job
+    from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+
+    pairs = chat_data.shakespeare_pairs(20, seed=1)
+    for i in (3, 7, 11):
+        pairs[i] = chat_data.PairExample(pairs[i].prompt, pairs[i].chosen, pairs[i].chosen)
+    data = str(chat_data.write_jsonl(pairs, tmp_path / "pairs.jsonl"))
+    tokenizer = PretrainedTokenizer.from_dir(base)
+    job = dpo_job.DPOJobConfig(init_from=str(base), data=data, dpo=DPOConfig(batch_size=8))
+    train, val, same = dpo_job.pair_rows(job, tokenizer)
+    assert same == 3
+    assert len(train["chosen"]) + len(val["chosen"]) == 20                 # kept, not skipped
+    identical = sum(int(np.all(rows["chosen"] == rows["rejected"], axis=1).sum())
+                    for rows in (train, val))
+    assert identical == 3
+    reward = reward_job.RewardJobConfig(init_from=str(base), data=data, batch_size=8)
+    assert reward_job._pairs(reward, tokenizer)[2] == same
+    refusals = []
+    for run in (lambda: dpo_job.pair_rows(dataclasses.replace(job, data=str(files["SAME"])),
+                                          tokenizer),
+                lambda: reward_job._pairs(dataclasses.replace(reward, data=str(files["SAME"])),
+                                          tokenizer)):
+        with pytest.raises(chat_data.ChatDataError) as refused:
+            run()
+        refusals.append(str(refused.value))
+    for message in refusals:
+        assert message.startswith(f"--data {files['SAME']}: every one of its 20 examples has "
+                                  "the same tokens for \"chosen\" and \"rejected\" (")
+        assert message.endswith("training would learn nothing; accepted: pairs whose "
+                                "\"chosen\" and \"rejected\" differ"), message
+
+
 @pytest.mark.parametrize("field, value", [("steps", 0), ("zero_stage", 4), ("val_fraction", 1.0),
                                           ("save_every", -1), ("mesh", (2,))])
 def test_job_config_refuses_bad_values_by_name(field, value):
@@ -64,28 +115,41 @@ def test_job_config_refuses_bad_values_by_name(field, value):
 
 def test_conversational_pairs_are_summed_after_their_shared_prefix(tmp_path):
     """TRL's conversational pairs (lists of messages, rendered by the checkpoint's chat
-    template) through `pair_rows`: each row's summed tokens start where chosen and rejected
-    first differ, after the whole rendered prompt (and the first token both answers share),
-    and run on to the row's end-of-turn token."""
+    template) through `pair_rows`: each row's summed tokens are transformers' assistant tokens
+    of its conversation (`assistant_masks`), then the rest of the rendered turn to the row's
+    end. The two answers differ at their first token, so a sum that starts one token early
+    or late is caught (a shared first token would cancel in every DPO quantity)."""
     from chat_checkpoints import write_chat_tokenizer
     from zeroxla.app.hf_tokenizer import PretrainedTokenizer
 
+    transformers = pytest.importorskip("transformers")
     directory = write_chat_tokenizer(tmp_path / "chat")
-    rows = [{"prompt": [{"role": "user", "content": f"Who speaks {i}?"}],
-             "chosen": [{"role": "assistant", "content": "The king."}],
-             "rejected": [{"role": "assistant", "content": "Teh gink."}]} for i in range(10)]
+    answers = {"chosen": "The king.", "rejected": "Gone, my lord."}
+    prompts = [[{"role": "user", "content": f"Who speaks {i}?"}] for i in range(10)]
+    rows = [{"prompt": prompt, **{key: [{"role": "assistant", "content": answer}]
+                                  for key, answer in answers.items()}} for prompt in prompts]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    reference = {key: [hf.apply_chat_template(prompt + [{"role": "assistant", "content": answer}],
+                                              return_dict=True, return_assistant_tokens_mask=True)
+                       for prompt in prompts] for key, answer in answers.items()}
     tokenizer = PretrainedTokenizer.from_dir(directory)
     job = dpo_job.DPOJobConfig(init_from="x", data=str(data), dpo=DPOConfig(batch_size=8),
                                val_fraction=0.2)
-    train, _ = dpo_job.pair_rows(job, tokenizer)
+    train, _, _ = dpo_job.pair_rows(job, tokenizer)
     for b in range(len(train["chosen"])):
-        chosen, rejected = train["chosen"][b], train["rejected"][b]
-        first = int(np.argmax(chosen != rejected))
-        # The whole prompt, and here the answers' shared first token "T", come first.
-        assert tokenizer.decode(chosen[:first]).endswith("<|im_start|>assistant\nT")
-        for key, row in (("chosen", chosen), ("rejected", rejected)):
+        first_tokens = []
+        for key in ("chosen", "rejected"):
+            row = train[key][b]
+            match = [out for out in reference[key]
+                     if np.array_equal(row[:len(out["input_ids"])], out["input_ids"])]
+            assert len(match) == 1
+            ids, assistant = match[0]["input_ids"], np.asarray(match[0]["assistant_masks"], bool)
+            start = int(np.argmax(assistant))                 # the answer's first token
+            assert assistant.any()
+            first_tokens.append(ids[start])
             summed = np.flatnonzero(train[f"{key}_mask"][b]) + 1     # target positions
-            assert summed[0] == first and np.all(np.diff(summed) == 1)
-            assert "<|im_end|>" in tokenizer.decode(row[summed])
+            np.testing.assert_array_equal(summed, np.arange(start, len(ids)))
+            assert tokenizer.decode(row[summed]).startswith(answers[key] + "<|im_end|>")
+        assert first_tokens[0] != first_tokens[1]          # the fixture's point

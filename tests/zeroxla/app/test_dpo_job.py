@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 
-from zeroxla.app import cli, dpo_job, rundir
+from zeroxla.app import chat_data, cli, dpo_job, rundir
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
 from zeroxla.rlhf.dpo import DPOConfig
 
@@ -67,7 +67,7 @@ def test_exported_policy_reproduces_the_held_out_figures_in_transformers(run):
     on the held-out pairs the job split off: their accuracy and margin are the run's."""
     tmp, hf, job, summary = run
     tokenizer, _ = dpo_job.open_policy(str(hf), DPO.seq_len)
-    _, val = dpo_job.pair_rows(job, tokenizer)
+    _, val, _ = dpo_job.pair_rows(job, tokenizer)
 
     def sums(path):
         model = transformers.GPT2LMHeadModel.from_pretrained(path).to(torch.float64).eval()
@@ -108,3 +108,26 @@ def test_ctrl_c_saves_and_resume_redoes_the_later_steps_exactly(run, capsys):
     # Options that would change a recorded run are refused by name.
     assert cli.main(["dpo", "--resume", str(out), "--beta", "0.5"]) == 2
     assert "--beta cannot change them" in capsys.readouterr().err
+
+
+def test_pairs_without_preference_are_reported_in_rewards_words(run, tmp_path):
+    """The start line counts the pairs whose chosen and rejected are the same tokens in the
+    words `zeroxla reward` uses; the job (stopped at that line) leaves no directory."""
+    tmp, hf, job, _ = run
+    pairs = chat_data.shakespeare_pairs(20, seed=1)
+    for i in (3, 7):
+        pairs[i] = chat_data.PairExample(pairs[i].prompt, pairs[i].chosen, pairs[i].chosen)
+    data = chat_data.write_jsonl(pairs, tmp_path / "pairs.jsonl")
+    lines = []
+
+    def stop_at_start(line):
+        lines.append(line)
+        raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        dpo_job.run(dataclasses.replace(job, data=str(data), out_dir=str(out)),
+                    write=stop_at_start)
+    assert "(18 train / 2 held-out pairs; 2 with the same tokens for chosen and rejected add " \
+           "nothing to the loss)" in lines[0], lines
+    assert not out.exists()

@@ -7,9 +7,12 @@ a transformers `Qwen3ForSequenceClassification` as the reward model; `zeroxla re
 --init-from` and its export as a `*ForSequenceClassification` for every family. Each
 checkpoint is written by transformers with the fixture tokenizer (no network).
 
-Reference: transformers itself, which reloads each exported actor; its logits must equal the
-trained checkpoint's, its config keep the family's model_type and tie, and its tokenizer encode
-as the source checkpoint's does.
+Reference: transformers itself. Its loss of the source checkpoint on the job's first batch
+(rebuilt by the job's own reader) is the first training loss of every `zeroxla train`; its loss
+of the reloaded export on the validation batch is the job's last validation loss, and its
+pairwise loss of an exported reward model on the validation pairs the reward job's; the
+export's logits equal the trained checkpoint's, its config keeps the family's model_type and
+tie, and its tokenizer encodes as the source checkpoint's does.
 """
 
 import json
@@ -20,7 +23,10 @@ import pytest
 import zeroxla
 from zeroxla.app import chat_data, cli
 from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+from zeroxla.app.train.config import Data, Run
+from zeroxla.app.train.data import VALIDATION_SEED, epoch_rows, load_train_data, split_examples
 from zeroxla.app.tiny_checkpoints import eos_id, tokenizer_vocab_size, write_tokenizer
+from family_checkpoints import save_random
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -45,9 +51,9 @@ FAMILIES = {
 
 
 def write_checkpoint(family, directory, reward=False):
-    """A random transformers checkpoint of `family` (norm weights ~1, every other tensor std 0.1,
-    biases nonzero) with the fixture tokenizer; `reward`: its one-label sequence classifier
-    padded with EOS, as TRL saves a reward model."""
+    """A random transformers checkpoint of `family` (`family_checkpoints.save_random`) with the
+    fixture tokenizer; `reward`: its one-label sequence classifier padded with EOS, as TRL saves
+    a reward model."""
     cls_name, options = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, cls_name)(
@@ -56,12 +62,7 @@ def write_checkpoint(family, directory, reward=False):
         **({"num_labels": 1} if reward else {}))
     auto = (transformers.AutoModelForSequenceClassification if reward
             else transformers.AutoModelForCausalLM)
-    model = auto.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            norm = p.ndim == 1 and "norm" in name
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm else 0.0))
-    model.save_pretrained(directory)
+    save_random(auto.from_config(config), directory)
     write_tokenizer(directory)
     return directory
 
@@ -83,6 +84,26 @@ def tokens():
     return np.random.default_rng(0).integers(0, tokenizer_vocab_size(), (2, 20)).astype(np.int32)
 
 
+def job_rows(source, sft_file, batch_size=8):
+    """The rows `zeroxla train --init-from source --data sft_file` trains on first and
+    validates on (its defaults: `Data.val_fraction`, `Run.seed`), from the job's own reader."""
+    data = load_train_data(str(sft_file), tokenizer="pretrained", init_from=str(source),
+                           batch_size=batch_size, seq_len=SEQ, val_fraction=Data.val_fraction,
+                           seed=Run.seed)
+    return (epoch_rows(data.train, batch_size, 0, data.seed),
+            epoch_rows(data.val, batch_size, 0, VALIDATION_SEED))
+
+
+def transformers_loss(directory, rows):
+    """transformers' SFT loss of checkpoint `directory` on `rows`: -log p(target) from its
+    logits, in float64, averaged over the loss_mask tokens of all rows."""
+    z = logits(directory, rows["inputs"]).astype(np.float64)               # [B, T, V]
+    top = z.max(-1, keepdims=True)
+    logp = z - top - np.log(np.exp(z - top).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, rows["targets"][..., None].astype(np.int64), -1)[..., 0]
+    return float((nll * rows["loss_mask"]).sum() / rows["loss_mask"].sum())
+
+
 @pytest.mark.parametrize("family", ["gemma2", "llama", "mistral", "qwen2"])   # qwen3: PPO's
 def test_train_init_from_then_export_reloads_in_transformers(family, sft_file, tmp_path, capsys):
     source = write_checkpoint(family, tmp_path / "hf")
@@ -95,6 +116,9 @@ def test_train_init_from_then_export_reloads_in_transformers(family, sft_file, t
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]              # eval records have none
     assert len(losses) == 3 and np.all(np.isfinite(losses))
+    first_batch, val_batch = job_rows(source, sft_file)
+    assert first_batch["loss_mask"].sum() > 0 and val_batch["loss_mask"].sum() > 0
+    np.testing.assert_allclose(losses[0], transformers_loss(source, first_batch), rtol=1e-5)
     printed = capsys.readouterr().out
     assert summary["samples"].strip()                      # the end-of-run sample, printed
     assert all(line in printed for line in summary["samples"].splitlines())
@@ -109,6 +133,8 @@ def test_train_init_from_then_export_reloads_in_transformers(family, sft_file, t
     exported, trained = logits(export, x), zeroxla.load_params(out / "checkpoint")(x)
     np.testing.assert_allclose(exported, np.asarray(trained), atol=1e-4, rtol=0)
     assert np.abs(exported - logits(source, x)).max() > 1e-3    # the export is the trained model
+    val_losses = [r["val_loss"] for r in records if "val_loss" in r]
+    np.testing.assert_allclose(val_losses[-1], transformers_loss(export, val_batch), rtol=1e-5)
 
     text = "ROMEO:\nWhat light through yonder window breaks?"
     theirs = transformers.AutoTokenizer.from_pretrained(export)
@@ -125,6 +151,9 @@ def test_two_ppo_iterations_on_qwen3_export_a_qwen3_actor(tmp_path, sft_file):
                      "--batch-size", "8", "--seq-len", str(SEQ), "--eval-every", "1",
                      "--eval-batches", "1", "--sample-tokens", "0", "--out", str(tmp_path / "sft"),
                      "--no-progress"]) == 0
+    sft_records = (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+    np.testing.assert_allclose(json.loads(sft_records[0])["loss"],
+                               transformers_loss(source, job_rows(source, sft_file)[0]), rtol=1e-5)
     out = tmp_path / "ppo"
     assert cli.main(["ppo", "--actor", str(tmp_path / "sft"), "--reward", str(reward),
                      "--prompts", str(prompts), "--iterations", "2", "--ppo-epochs", "1",
@@ -148,7 +177,9 @@ def test_reward_job_exports_a_classifier_that_transformers_scores_alike(family, 
                                                                       capsys):
     """`zeroxla reward --init-from` the family's causal checkpoint, 2 steps, then `zeroxla
     export`: a one-label `*ForSequenceClassification` of the family whose score, pooled by
-    transformers at each row's last token, equals our trained reward model's there."""
+    transformers at each row's last token, equals our trained reward model's there, and whose
+    pairwise loss on the validation pairs, from transformers' scores at each answer's last
+    token, is the job's last `val_loss`."""
     from zeroxla.app import reward_job
 
     source = write_checkpoint(family, tmp_path / "hf")
@@ -172,3 +203,17 @@ def test_reward_job_exports_a_classifier_that_transformers_scores_alike(family, 
     ours, _ = reward_job.load_reward_model(out)
     np.testing.assert_allclose(pooled, np.asarray(ours(x))[:, -1], atol=1e-4, rtol=0)
     assert np.abs(pooled).max() > 1e-3                      # the trained head is not zero
+
+    job = reward_job.RewardJobConfig                         # the job's defaults
+    tok = PretrainedTokenizer.from_dir(source)
+    val = chat_data.pair_arrays(split_examples(chat_data.read_pair_jsonl(pairs), job.val_fraction,
+                                               job.seed)[1], tok, SEQ, eos_id=tok.eos_id)
+
+    def scores(key):                                        # [N] at each answer's last token
+        with torch.no_grad():
+            hidden = theirs.base_model(torch.tensor(val[key], dtype=torch.long)).last_hidden_state
+            s = theirs.score(hidden).numpy()[..., 0].astype(np.float64)
+        return s[np.arange(len(s)), val[f"{key}_end"]]
+    want = np.mean(np.logaddexp(0.0, scores("rejected") - scores("chosen")))   # -log sigmoid
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(records[-1]["val_loss"], want, rtol=1e-5)

@@ -1,10 +1,13 @@
 """`zeroxla grpo`'s options (zeroxla/app/grpo_cli.py) reach GRPOConfig under TRL's names, and
 bad combinations are refused before anything runs, naming the option."""
 
+import json
+import signal
+
 import pytest
 
 from zeroxla.app import grpo_job
-from zeroxla.app.cli import build_parser
+from zeroxla.app.cli import build_parser, main
 from zeroxla.rlhf import GRPOConfig
 
 
@@ -58,3 +61,98 @@ def test_rollout_correction_options_reach_the_config(monkeypatch):
         GRPOConfig(rollout_correction="is")
     with pytest.raises(ValueError, match="GRPOConfig.tis_cap=0 is invalid"):
         GRPOConfig(tis_cap=0)
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "1e999", "x"])
+def test_reward_weights_must_be_finite(weight, capsys):
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["grpo", "--actor", "runs/sft", "--reward-weights", "1",
+                                   weight])
+    assert refused.value.code == 2
+    assert f"argument --reward-weights: {weight!r} is invalid; accepted: a finite number" in (
+        capsys.readouterr().err)
+
+
+def test_reward_weights_may_be_zero_or_negative():
+    args = build_parser().parse_args(["grpo", "--actor", "runs/sft", "--reward-weights", "0",
+                                      "-0.5", "2e3"])
+    assert args.reward_weights == [0.0, -0.5, 2000.0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-generations", "1"], "--num-generations 1 is invalid; accepted: an integer >= 2"),
+    (["--epsilon", "1.5"], "--epsilon 1.5 is invalid; accepted: a number in (0, 1)"),
+    (["--epsilon-high", "0.3", "--tis-cap", "1", "--per-iteration-prompts", "2",
+      "--num-generations", "1"], "--num-generations 1 is invalid")])
+def test_cli_errors_name_the_option_not_the_config_field(argv, message, capsys):
+    assert main(["grpo", "--actor", "runs/sft", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "GRPOConfig" not in err, err
+
+
+def test_a_reward_module_that_fails_to_import_stops_before_anything_is_written(
+        tmp_path, monkeypatch, capsys):
+    (tmp_path / "zx_cli_bad_reward.py").write_text("def score(p, c):\n    return [1.0\n")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n")
+    monkeypatch.chdir(tmp_path)                  # the module is found in the working directory
+    out = tmp_path / "run"
+    assert main(["grpo", "--actor", str(tmp_path / "sft"), "--prompts", "rows.jsonl",
+                 "--reward-funcs", "zx_cli_bad_reward:score", "--out", str(out)]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "--reward-funcs zx_cli_bad_reward:score" in first, first
+    assert f"{tmp_path / 'zx_cli_bad_reward.py'}:2: SyntaxError" in first, first
+    assert not out.exists()
+
+
+def test_interrupt_message_counts_iterations_as_metrics_jsonl(tmp_path, monkeypatch, capsys):
+    """GRPOInterrupted(signum, 2) follows two finished iterations, logged in metrics.jsonl as
+    iterations 0 and 1 (test_grpo.py::test_grpo_job_records_stops_resumes_and_exports): the
+    message names 1, the log's last."""
+    logged = [0, 1]
+
+    def interrupted(job):
+        raise grpo_job.GRPOInterrupted(signal.SIGINT, len(logged), tmp_path)
+
+    monkeypatch.setattr(grpo_job, "run", interrupted)
+    assert main(["grpo", "--actor", "runs/sft"]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted (Ctrl-C) after iteration {logged[-1]}; saved a checkpoint" in err, err
+    assert f"after iteration {logged[-1]};" in str(interrupted_error(tmp_path, len(logged)))
+    assert "before iteration 0" in str(interrupted_error(tmp_path, 0))
+
+
+def interrupted_error(run_dir, done):
+    return grpo_job.GRPOInterrupted(signal.SIGINT, done, run_dir)
+
+
+def finished_run(path, iterations):
+    """A run directory as a finished `zeroxla grpo --iterations N` leaves it: the checkpoint
+    (of a one-layer model, cheap to save; its metadata's "iteration" is the next one, N),
+    metrics.jsonl's records 0 .. N - 1 and summary.json."""
+    import optax
+    from flax import nnx
+
+    import zeroxla
+    from zeroxla import checkpoint
+
+    step = zeroxla.make_step(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=0))
+    checkpoint.save(path / "checkpoint", step.init(0), layout=step.layout,
+                    metadata={"iteration": iterations})
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i}) + "\n"
+                                                for i in range(iterations)))
+    (path / "summary.json").write_text("{}\n")
+    return path
+
+
+def test_resume_of_a_finished_run_has_nothing_left_to_do(tmp_path, capsys):
+    run = finished_run(tmp_path / "grpo", 3)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["iteration"]
+    files = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    assert main(["grpo", "--actor", str(tmp_path / "sft"), "--resume", str(run),
+                 "--iterations", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"zeroxla grpo: nothing left to do: --resume {run} has run its last iteration, {last}, "
+        "of --iterations 3; accepted: a larger --iterations to continue it"], captured.err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == files

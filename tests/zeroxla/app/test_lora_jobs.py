@@ -26,9 +26,29 @@ def test_lora_options_fill_the_tree_and_refusals_name_the_option():
     with pytest.raises(ValueError, match=r"TrainJobConfig\.lora\.only_optimize_lora=True needs "
                                          r"dim > 0"):
         resolve_job({"only_optimize_lora": True})
+    with pytest.raises(ValueError, match=r"TrainJobConfig\.lora\.module_name='wq' needs dim > 0"):
+        resolve_job({"lora_module_name": "wq"})
     with pytest.raises(ValueError, match=r"TrainJobConfig\.lora\.module_name='\(' is not a "
                                          "regular expression"):
         resolve_job({"lora_dim": 4, "lora_module_name": "("})
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("train", ["--init-from", "BASE"]),
+    ("reward", ["--init-from", "BASE", "--data", "pairs.jsonl"]),
+    ("ppo", ["--actor", "runs/sft", "--reward", "runs/rm", "--prompts", "prompts.jsonl"]),
+    ("dpo", ["--init-from", "BASE"]), ("grpo", ["--actor", "runs/sft"])])
+def test_lora_module_name_without_dim_is_refused_on_every_job(command, argv, tmp_path, capsys):
+    """Without --lora-dim no weight would get adapters and the whole model would train: the
+    option is refused as --only-optimize-lora is, before anything is read or written."""
+    out = tmp_path / "run"
+    assert cli.main([command, *argv, "--lora-module-name", "wq", "--out", str(out)]) == 2
+    assert not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    prefix = "TrainJobConfig.lora." if command == "train" else "--lora-module-name: LoRAConfig."
+    assert err[0] == (f"zeroxla {command}: error: {prefix}module_name='wq' needs dim > 0 (with "
+                      "dim=0 no weight gets adapters and every weight trains: a full "
+                      "fine-tune)"), err
 
 
 def _train(tmp_path, base, *extra):

@@ -4,7 +4,9 @@ option; on a tiny Llama written by transformers, two DPO steps and then two GRPO
 (its actor the DPO run, read merged) with `--lora-dim 4 --only-optimize-lora` count as trainable
 exactly the adapters' elements, computed here from the checkpoint's config.json, leave every
 base weight of their final checkpoint bitwise the starting model's, and export the merged
-model (transformers' logits equal our merged load of the run)."""
+model (transformers' logits equal our merged load of the run) and, `--adapter-only`, a PEFT
+adapter naming the base it trained on (DPO's --init-from, GRPO's actor checkpoint step) that
+peft turns into the trained model (1e-4)."""
 
 import dataclasses
 import json
@@ -173,6 +175,40 @@ def test_dpo_with_lora_trains_the_adapters_alone_and_exports_merged(dpo_run):
     np.testing.assert_allclose(logits(exported), ours, rtol=1e-4, atol=1e-4)
     assert np.abs(logits(hf_base) - ours).max() > 1e-3       # the adapters moved the policy
 
+    # --adapter-only names the --init-from the adapters apply to; peft on it is the policy.
+    peft = pytest.importorskip("peft")
+    adapter = out / "adapter"
+    assert cli.main(["export", str(out / "checkpoint"), str(adapter), "--adapter-only"]) == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.absolute())
+    adapted = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]),
+        adapter).eval()
+    np.testing.assert_allclose(logits(adapted), ours, rtol=1e-4, atol=1e-4)
+
+
+def _adapter_on_the_actor_is_the_trained_actor(actor_run, out, tmp_path):
+    """GRPO's --adapter-only names the --actor run's checkpoint step the adapters were trained
+    on (the DPO run, read merged); that step exported, plus the adapter in peft, gives the
+    trained actor's logits (its merged actor_hf/, 1e-4)."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    adapter = tmp_path / "grpo_adapter"
+    assert cli.main(["export", str(out / "checkpoint"), str(adapter), "--adapter-only"]) == 0
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    steps = [p.name for p in (actor_run / "checkpoint").iterdir() if p.name.isdigit()]
+    assert base == str((actor_run / "checkpoint" / max(steps, key=int)).absolute())
+    assert cli.main(["export", base, str(tmp_path / "actor_base")]) == 0
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(0, 500, (2, 11)))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    adapted = peft.PeftModel.from_pretrained(load(tmp_path / "actor_base"), adapter).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(adapted(tokens).logits.numpy(),
+                                   load(out / "actor_hf").eval()(tokens).logits.numpy(),
+                                   rtol=1e-4, atol=1e-4)
+
 
 def distinct_chars(prompts, completions, **_):
     """A reward that varies across random answers: distinct characters / 8."""
@@ -204,6 +240,7 @@ def test_grpo_with_lora_on_a_lora_actor_trains_the_adapters_alone(dpo_run, tmp_p
     start, _ = load_actor(actor_run)
     assert_base_unchanged(stored_params(out / "checkpoint"), start)
     assert (out / "actor_hf" / "config.json").is_file()
+    _adapter_on_the_actor_is_the_trained_actor(actor_run, out, tmp_path)
     # Resuming with other LoRA settings is refused before the checkpoint is read into a step.
     job = grpo_job.GRPOJobConfig(actor=str(actor_run), resume=str(out), reward_funcs=("x:y",),
                                  prompts=str(prompts))

@@ -5,6 +5,7 @@ summary.json), and a --tp the model's heads do not allow (listing the sizes they
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -136,3 +137,37 @@ def test_temperature_help_states_the_float32_rule(command, capsys):
     with pytest.raises(SystemExit):
         cli.main([*command, "--help"])
     assert " ".join(TEMPERATURE_RULE.split()) in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A GPT-tiny checkpoint (max_seq_len 128) recording a character tokenizer of its 65 ids
+    (on one device: the refusals come before its weights are read)."""
+    mesh = zeroxla.make_mesh(1, 1, devices=jax.devices()[:1])
+    step = zeroxla.make_step(GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), mesh,
+                             optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=0))
+    checkpoint = tmp_path_factory.mktemp("generate") / "checkpoint"
+    chars = "".join(map(chr, range(65, 130)))
+    zeroxla.save(checkpoint, step.init(), layout=step.layout,
+                 metadata={"tokenizer": {"kind": "char", "chars": chars}})
+    return checkpoint
+
+
+@pytest.mark.parametrize("prompt, new, message", [
+    ("A" * 200, "0", "--prompt's token count 200 exceeds GPTConfig.max_seq_len=128 "),
+    ("A" * 200, "5", "--prompt's token count 200 exceeds GPTConfig.max_seq_len=128 "),
+    ("", "4", "--prompt is empty: there is nothing to continue; accepted: a --prompt of at "
+              "least one token"),
+], ids=["too-long-no-new-tokens", "too-long", "empty"])
+def test_generate_blames_the_prompt_for_its_length(tiny_checkpoint, prompt, new, message,
+                                                    capsys):
+    """A prompt longer than the model's 128 positions, or empty, is the prompt's fault
+    (before: "--max-new-tokens <= 0" for the first; an internal function's name for the
+    empty one): exit 2, naming --prompt, its token count and the model's max_seq_len."""
+    assert cli.main(["generate", str(tiny_checkpoint), "--prompt", prompt,
+                     "--max-new-tokens", new]) == 2
+    err = capsys.readouterr().err
+    assert f"zeroxla generate: error: {message}" in err, err
+    assert "--max-new-tokens" not in err and "sample_with_engine" not in err
+    if prompt:
+        assert "accepted: a --prompt of at most 128 tokens" in err

@@ -119,16 +119,24 @@ def test_restore_onto_a_mesh_without_optimizer_is_refused(run, target):
 
 
 def test_save_takes_the_layout_of_the_step_that_made_the_state(run, tmp_path):
-    """`save(layout=)` refuses the step itself and the layout of another step (ZeRO-1 on 4
-    devices: another plan), naming what to pass, before anything is written."""
+    """`save(layout=)` refuses what is not a layout and the layout of another step (ZeRO-1 on 4
+    devices: another plan), naming what to pass, before anything is written; the step itself is
+    read as its layout, with a DeprecationWarning (`zeroxla.engine.layout_argument`)."""
     with pytest.raises(TypeError, match=r"save\(layout=\.\.\.\) takes the ZeroLayout of the step "
-                                        r"that produced the state \(step\.layout\); got ZeroStep"):
-        checkpoint.save(tmp_path, run["state"], layout=run["step"])
+                                        r"that produced the state \(step\.layout\); got "
+                                        r"ShardingPlan"):
+        checkpoint.save(tmp_path, run["state"], layout=run["step"].layout.plan)
     other = make_run(make_mesh(1, 4, devices=jax.devices()[:4]), ZeroConfig(stage=1))
     with pytest.raises(ValueError, match=r"save: state is not a TrainState of this layout \(its "
                                          r"plan differs from layout\.plan\)"):
         checkpoint.save(tmp_path, run["state"], layout=other.layout)
     assert not list(tmp_path.iterdir())
+    with pytest.warns(DeprecationWarning, match=r"save\(\.\.\., layout=step\) is deprecated; "
+                                                r"call save\(\.\.\., layout=step\.layout\)"):
+        checkpoint.save(tmp_path / "by_step", run["state"], layout=run["step"])
+    restored = checkpoint.restore(tmp_path / "by_step", run["step"])
+    assert jax.tree.all(jax.tree.map(np.array_equal, _params(restored.state),
+                                     _params(run["state"])))
 
 
 def test_killed_save_leaves_previous_checkpoint_restorable(run, tmp_path):

@@ -224,15 +224,20 @@ def test_owned_index_is_the_rows_of_the_given_devices():
     assert owned_index((3,), mesh, first) is None                    # replicated: read whole
 
 
-@pytest.mark.parametrize("shape,part_index", [
-    ((512, 64), (slice(256, 512), slice(None))), ((5, 64), (slice(None), slice(32, 64)))],
+@pytest.mark.parametrize("shape,part_index,first_half,second_half", [
+    ((512, 64), (slice(256, 512), slice(None)), "[0:256, 0:64]", "[256:512, 0:64]"),
+    ((5, 64), (slice(None), slice(32, 64)), "[0:5, 0:32]", "[0:5, 32:64]")],
     ids=["rows", "columns"])
-def test_a_part_read_at_an_offset_gives_each_device_its_block(shape, part_index):
+def test_a_part_read_at_an_offset_gives_each_device_its_block(shape, part_index, first_half,
+                                                              second_half):
     """What the second of two processes does, in one: it reads only the part `owned_index`
     names for the second node's devices (rows 256..511 of a [512, 64] table; columns 32..63 of
     a [5, 64] piece, spread on its only dim that 8 divides), and each of those devices gets its
     block of the full tensor (numpy's slice of it), the part's offset taken off. A block the
-    part does not hold (a first-node device's) is refused, by `place` too, never cut short."""
+    part does not hold (a first-node device's) is refused, by `place` too, never cut short:
+    `place` (one process, all 8 devices) names exactly the first node's half, the slice the
+    part lacks once its offset is taken off (a placement that ignored the offset would cut the
+    first node's blocks from the part and refuse the second node's instead)."""
     mesh = zeroxla.make_mesh(nodes=2, local=4)
     full = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     second = list(mesh.devices[1])
@@ -245,8 +250,10 @@ def test_a_part_read_at_an_offset_gives_each_device_its_block(shape, part_index)
                                       full[blocks[device]], err_msg=str(device))
     with pytest.raises(ValueError, match=r"lies outside the part"):
         device_part(part, blocks[mesh.devices[0][0]], shape, index)
-    with pytest.raises(ValueError, match=r"lies outside the part"):
+    with pytest.raises(ValueError, match=r"lies outside the part") as refused:
         place(part, mesh, np.float32, shape=shape, index=index)   # one process: all 8 devices
+    assert (f"the slice {first_half} of a {list(shape)} array that this process's devices hold "
+            f"lies outside the part {second_half} read for them") in str(refused.value)
     np.testing.assert_array_equal(np.asarray(place(full, mesh, np.float32)), full)
 
 

@@ -142,8 +142,10 @@ def test_state_of_another_step(gpt):
 
 
 def test_layout_that_is_not_a_zero_layout(gpt):
-    """A model, or the step itself, in place of the step's layout is refused, naming the fix."""
-    for wrong, name in ((GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), "GPT"), (gpt, "ZeroStep")):
+    """A model, or the step's plan, in place of the step's layout is refused, naming the fix (the
+    step itself is read as its layout, with a DeprecationWarning: test_step_in_place_of_layout)."""
+    for wrong, name in ((GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), "GPT"),
+                        (gpt.layout.plan, "ShardingPlan")):
         with pytest.raises(ValueError, match=rf"HybridEngine: layout is a {name}; accepted: the "
                                              r"ZeroLayout of the training step \(step\.layout, "
                                              r"for a step zeroxla\.make_step returns\)"):

@@ -125,6 +125,12 @@ def test_refusals_name_the_field():
         LoRAConfig(dim=-1)
     with pytest.raises(ValueError, match="only_optimize_lora"):
         LoRAConfig(only_optimize_lora=True)
+    # A pattern or a scaling without adapters would be ignored: every weight would train.
+    with pytest.raises(ValueError, match=r"^LoRAConfig\.module_name='wq' needs dim > 0 .*full "
+                                         r"fine-tune"):
+        LoRAConfig(module_name="wq")
+    with pytest.raises(ValueError, match=r"^LoRAConfig\.alpha=16\.0 needs dim > 0"):
+        LoRAConfig(alpha=16.0)
     with pytest.raises(ValueError, match="not a regular expression"):
         LoRAConfig(dim=2, module_name="(")
     with pytest.raises(ValueError, match="matches none .*up/kernel"):

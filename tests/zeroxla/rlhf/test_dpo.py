@@ -14,7 +14,7 @@ from flax import nnx
 import zeroxla
 from zeroxla import models, rlhf
 from zeroxla.rlhf import dpo
-from reference import flat_params, train_single_device
+from reference import flat_params, int8_rounded, train_single_device
 
 VOCAB = 65
 
@@ -178,9 +178,12 @@ def test_config_refuses_bad_values_by_name(field, value):
 @pytest.mark.parametrize("int8", [False, True])
 def test_reference_sums_of_the_frozen_reference(int8):
     """`reference_logprobs` in padded calls of 4 rows, from a `FrozenReference` (float or int8
-    codes), against the plain model's sums: equal in float; within int8 rounding (and not
-    equal) from codes."""
+    codes), against the plain model's sums: equal in float; from codes, equal (to float32
+    summation, as in float) to the sums of the model whose weights are rounded to int8 in
+    float64 numpy (`int8_rounded`: each weight moved by at most half its group's step), and
+    not equal to the float model's."""
     from zeroxla.rlhf import FrozenReference
+    from zeroxla.rlhf.reference import GROUP_SIZE
 
     model = models.build("gpt-tiny", seed=0)
     batch, _, _ = random_pairs(6, 16, seed=6)
@@ -189,6 +192,9 @@ def test_reference_sums_of_the_frozen_reference(int8):
     chosen, rejected = dpo.sequence_logprobs(model, batch)
     expected = np.stack([chosen, rejected])
     if int8:
+        rounded = np.stack(dpo.sequence_logprobs(int8_rounded(model, GROUP_SIZE), batch))
+        np.testing.assert_allclose(np.stack([got["ref_chosen"], got["ref_rejected"]]), rounded,
+                                   rtol=1e-5)
         np.testing.assert_allclose(np.stack([got["ref_chosen"], got["ref_rejected"]]), expected,
                                    rtol=2e-2)
         assert not np.allclose(got["ref_chosen"], chosen, rtol=1e-6)

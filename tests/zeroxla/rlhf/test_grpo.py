@@ -1,7 +1,8 @@
 """The GRPO loop (zeroxla/rlhf/grpo.py) end to end on the bundled arithmetic task: the reward
 reaches the update (permuting a reward function's outputs across samples changes the trained
-weights, while the same rewards reproduce them bit for bit), and `zeroxla grpo`'s job writes its
-records, stops with a checkpoint, resumes and exports."""
+weights, while the same rewards reproduce them bit for bit; with SGD, each update equals the
+float64 reference's for its rewards, test_grpo_update_reference.py), and `zeroxla grpo`'s job
+writes its records, stops with a checkpoint, resumes and exports."""
 
 import contextlib
 import dataclasses
@@ -19,11 +20,15 @@ from zeroxla.app.tokenizer import CharTokenizer
 from zeroxla.app.tokenizer_records import tokenizer_record
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer
+from test_grpo_update_reference import assert_update, reference_update
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
 EOS = int(TOKENIZER.encode(task.END)[0])
 CONFIG = GRPOConfig(num_generations=4, prompts_per_iteration=4, prompt_length=8,
                     max_completion_length=6, num_iterations=2, beta=0.04, learning_rate=1e-2)
+
+
+SGD_LR = 0.2
 
 
 def tiny_actor():
@@ -65,6 +70,23 @@ def test_permuted_rewards_change_the_update():
         np.testing.assert_array_equal(a, c)           # same rewards: the same update, exactly
         differ |= not np.allclose(a, b, rtol=0, atol=1e-6)
     assert differ, "permuting the rewards across samples left the update unchanged"
+
+    # The amount: SGD's two steps (num_iterations=2, the second where the ratio moved) from the
+    # same start equal the float64 reference's update for the rewards each run was given.
+    sgd = GRPOTrainer(CONFIG, tiny_actor(), mesh=zeroxla.make_mesh(2, 4), tokenizer=TOKENIZER,
+                      prompts=task.split_problems(32, 0)[0], reward_funcs=[distinct_chars],
+                      eos_id=EOS, seed=0, optimizer=optax.sgd(SGD_LR))
+    start = zeroxla.gathered_model(sgd.actor_step.init(0))
+    expected = {}
+    for name, fn in (("first", distinct_chars), ("permuted", reversed_distinct_chars)):
+        rollout, _ = trained_params(sgd, fn)
+        np.testing.assert_array_equal(rollout.tokens, first.tokens)
+        expected[name] = reference_update(start, rollout, rollout.rewards, CONFIG, SGD_LR,
+                                          steps=CONFIG.num_iterations)[1]
+        assert_update(start, zeroxla.gathered_model(sgd.actor_state), expected[name])
+    gap = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(expected["first"]),
+                                                  jax.tree.leaves(expected["permuted"])))
+    assert gap > 1e-3          # the two rewards' updates differ far beyond the tolerance
 
 
 def save_actor_run(path):

@@ -5,9 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from numpy_quant import dequantize_groups64, quantize64, unpad_groups
+from reference import int8_rounded
 from zeroxla import models, rlhf
 from zeroxla.rlhf.losses import answer_logprobs
 from zeroxla.rlhf.reference import GROUP_SIZE, FrozenReference
@@ -16,14 +15,7 @@ from zeroxla.rlhf.reference import GROUP_SIZE, FrozenReference
 def numpy_rounded(model):
     """A copy of `model` whose floating parameters of >= one group hold their int8 round trip,
     computed in float64 numpy."""
-    copy = nnx.clone(model)
-    for _, var in nnx.to_flat_state(nnx.state(copy, nnx.Param)):
-        x = np.asarray(var.get_value())
-        if x.size >= GROUP_SIZE:
-            q = quantize64(x, bits=8, group_size=GROUP_SIZE)
-            back = unpad_groups(dequantize_groups64(q.codes, q.steps), x.shape, 0)
-            var.set_value(jnp.asarray(back, jnp.float32))
-    return copy
+    return int8_rounded(model, GROUP_SIZE)
 
 
 def test_int8_reference_equals_the_dequantized_model_and_holds_a_quarter_of_the_bytes():

@@ -7,7 +7,8 @@ the simulated device count first (`cli`), so import the modules you need.
     the job's settings
     config.py          TrainJobConfig and its sections (model, data, schedule, sharding, zeropp,
                        numerics, offload, pipeline, run, lora), each checked; the tree's ZeroConfig
-    lora.py            the lora section (DeepSpeed-Chat's --lora_dim, ...) as a LoRAConfig
+    lora.py            the lora section (DeepSpeed-Chat's --lora_dim, ...) as a LoRAConfig;
+                       the base a run's adapters apply to (export --adapter-only)
     defaults.py        where the defaults come from: ZeroConfig's, and JOB_DEFAULTS, the few the
                        job sets otherwise and why (read by config, --help and docs)
     defaults_table.py  the API's, the CLI's and a DeepSpeed JSON's defaults side by side

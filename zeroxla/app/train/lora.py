@@ -7,12 +7,20 @@ checks.
 records the section with the rest of the tree (`zeroxla.app.train.resume`: `--resume` rebuilds
 the adapted model), and its metadata holds the LoRAConfig too
 (`zeroxla.checkpoint.adapters.METADATA_KEY`: `zeroxla export` merges or exports the adapters).
+
+Where a job's adapters apply (`adapters_base`, `recorded_base`): the weights it started from.
+`zeroxla train` records its `--init-from` (a Hugging Face directory) in its tree; `zeroxla dpo`
+and `zeroxla grpo` record `BASE_KEY` in their checkpoints' metadata: their `--init-from`, or,
+started from a zeroxla run (GRPO's SFT `--actor` always), that run's checkpoint step they read
+merged. `zeroxla export --adapter-only` names it as the PEFT adapter's
+`base_model_name_or_path`: base + adapters is the trained model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 from zeroxla.lora.config import LoRAConfig
@@ -56,4 +64,33 @@ def add_adapters(model: Any, lora: LoRAConfig, rngs: Any) -> None:
         raise
 
 
-__all__ = ["LoRA", "add_adapters"]
+BASE_KEY = "adapters_base"      # checkpoint metadata: the weights the adapters apply to
+
+
+def adapters_base(source: str | Path) -> str:
+    """The absolute path of the weights a job that starts from `source` (its --init-from or
+    --actor) puts its adapters on: a Hugging Face directory (holding config.json) itself; a
+    zeroxla run or checkpoint directory, its newest complete step `<checkpoint>/<step>`, which
+    the job reads merged (`load_trained`) and `zeroxla export` writes as a HF model."""
+    from zeroxla import checkpoint
+    from zeroxla.app import rundir
+
+    path = Path(source).absolute()
+    if (path / "config.json").is_file():
+        return str(path)
+    directory = rundir.checkpoint_dir_of(path)
+    step = checkpoint.latest_step(directory) if directory.is_dir() else None
+    return str(path if step is None else directory / str(step))
+
+
+def recorded_base(meta: dict[str, Any]) -> str | None:
+    """The base a checkpoint's adapters apply to (`checkpoint.read_metadata`'s JSON): the
+    recorded `BASE_KEY` (dpo, grpo), else a `zeroxla train` run's --init-from; None for a
+    preset's run."""
+    metadata = meta.get("metadata") or {}
+    if metadata.get(BASE_KEY) is not None:
+        return metadata[BASE_KEY]
+    return ((metadata.get("job_config") or {}).get("model") or {}).get("init_from")
+
+
+__all__ = ["BASE_KEY", "LoRA", "adapters_base", "add_adapters", "recorded_base"]

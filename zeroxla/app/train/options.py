@@ -133,7 +133,8 @@ OPTIONS: tuple[JobOption, ...] = (
               "models/ preset (gpt-tiny, gpt-small, llama-tiny, ...); default "
               f"{_default(Model, 'preset')}"),
     JobOption("--init-from", "init_from", Model, "init_from", "model",
-              "start from a pretrained Hugging Face checkpoint (GPT-2 or Llama: config.json, "
+              "start from a pretrained Hugging Face checkpoint of a family in docs/models.md (GPT-2, "
+              "Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 2: config.json, "
               "safetensors, tokenizer.json), loaded straight into its ZeRO partitions; its model "
               "and tokenizer replace --model/--tokenizer", metavar="HF_DIR"),
     JobOption("--data", "data", Data, "path", "model",

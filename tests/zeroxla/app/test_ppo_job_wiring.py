@@ -1,0 +1,105 @@
+"""What `zeroxla ppo` hands its trainer: the actor of `--actor`'s checkpoint and the reward model
+of `--reward`'s, the critic starting from that reward model (DeepSpeed-Chat's step 3).
+
+The runs are written here, tiny and untrained, so the test takes seconds: a GPT-tiny actor and a
+reward model whose base and head are drawn with seeds no factory default uses, so that a job
+building a fresh reward model, the reward run's initial one or any model but the saved one
+hands on other weights. The reference is the models this test saved, read from memory, not
+through the job's loading code. The PPO iterations themselves are checked against numpy in
+tests/zeroxla/rlhf/test_ppo.py; the whole job, slowly, in test_chat_jobs.py.
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from zeroxla import checkpoint, models
+from zeroxla.app import data, ppo_job, reward_job
+from zeroxla.app.tokenizer_records import tokenizer_record
+from zeroxla.rlhf import PPOConfig, RewardModel, pairwise_loss_terms, without_lm_head
+
+PPO = PPOConfig(prompts_per_iteration=8, prompt_length=8, answer_length=8)
+
+
+class Handed(Exception):
+    """Raised by the recording trainer: the job stops before any PPO compute."""
+
+
+def flat_params(model):
+    """{path: float64 array} of `model`'s parameters."""
+    return {"/".join(map(str, path)): np.asarray(v.get_value(), np.float64)
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def save_run(directory, factory, config, metadata, **step_options):
+    """Saves `factory()`'s model as a ZeRO-3 checkpoint (step 0) under `directory`, as the job
+    that trains it would; returns the model it saved, gathered."""
+    step = zeroxla.make_step(factory, zeroxla.make_mesh(nodes=2, local=4),
+                             optimizer=optax.sgd(1e-3), config=zeroxla.ZeroConfig(stage=3),
+                             **step_options)
+    state = step.init(0)
+    checkpoint.save(directory, state, layout=step.layout, model_config=config,
+                    metadata=metadata)
+    return zeroxla.gathered_model(state)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(tmp dir, SFT run dir, reward run dir, saved actor, saved reward model)."""
+    tmp = tmp_path_factory.mktemp("ppo_wiring")
+    tokenizer = data.load_corpus().tokenizer
+    config = models.PRESETS["gpt-tiny"][1]().replace(vocab_size=tokenizer.vocab_size)
+    record = {"tokenizer": tokenizer_record(tokenizer)}
+
+    def trained_reward_model():          # seeds and a head no default draws
+        model = RewardModel(models.GPT(config, rngs=nnx.Rngs(11)))
+        head = np.random.default_rng(12).standard_normal(model.v_head[...].shape)
+        model.v_head[...] = jnp.asarray(head, jnp.float32)
+        return model
+
+    actor = save_run(tmp / "sft" / "checkpoint",
+                     lambda: models.GPT(config, rngs=nnx.Rngs(5)), config, record)
+    reward = save_run(tmp / "rm" / "checkpoint", trained_reward_model, config,
+                      {"model_kind": reward_job.KIND, **record},
+                      loss_fn=pairwise_loss_terms, trainable=without_lm_head)
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"ROMEO:\nBut soft, what light {c}"})
+                               + "\n" for c in "abcdefgh"))
+    return tmp, tmp / "sft", tmp / "rm", actor, reward
+
+
+def test_ppo_job_hands_the_trainer_the_saved_reward_model_and_actor(runs):
+    tmp, sft_run, rm_run, actor, reward = runs
+    handed = {}
+
+    def recording_trainer(config, iterations, actor, **kwargs):
+        handed.update(kwargs, config=config, iterations=iterations, actor=actor)
+        raise Handed
+
+    out = tmp / "ppo"
+    with pytest.raises(Handed):
+        ppo_job.run(ppo_job.PPOJobConfig(actor=str(sft_run), reward=str(rm_run),
+                                         prompts=str(tmp / "prompts.jsonl"), ppo=PPO,
+                                         iterations=2, out_dir=str(out), progress=False),
+                    write=lambda line: None, train=recording_trainer)
+    assert not out.exists()                      # a failed run leaves nothing behind
+    assert handed["config"] == PPO and handed["iterations"] == 2
+    want_reward, want_actor = flat_params(reward), flat_params(actor)
+    assert np.abs(want_reward["v_head"]).max() > 0.1
+    for name, model, want in (("reward_model", handed["reward_model"], want_reward),
+                              ("critic_init", handed["critic_init"], want_reward),
+                              ("actor", handed["actor"], want_actor)):
+        got = flat_params(model)
+        assert sorted(got) == sorted(want), name
+        for path in want:
+            np.testing.assert_array_equal(got[path], want[path], err_msg=f"{name}: {path}")
+    prompts = [json.loads(line)["prompt"] for line in
+               (tmp / "prompts.jsonl").read_text().splitlines()]
+    tokenizer = data.load_corpus().tokenizer
+    np.testing.assert_array_equal(handed["prompt_tokens"],
+                                  [tokenizer.encode(p)[-PPO.prompt_length:] for p in prompts])
