@@ -17,8 +17,8 @@ Runs, all on one 2-node x 4-local mesh, the same model, batch and AdamW, measure
 * `zero-3j`: ZeRO-3 gathering each layer just in time (`prefetch=False`, DeepSpeed's
   `stage3_prefetch_bucket_size: 0`). A prefetched gather overlaps compute where collectives run
   asynchronously (GPU, TPU); XLA:CPU's are synchronous copies, so here prefetching only costs
-  the loop a copy of the carried layer (gpt-small: `zero-3` within 1% of `zero-3j` in three
-  runs of 2026-11-25), and GSPMD FSDP, the baseline, does not prefetch on CPU either.
+  the loop a copy of the carried layer (docs/benchmarks.md compares the two), and GSPMD FSDP,
+  the baseline, does not prefetch on CPU either.
 
 For each: the median step time (the runs' steps interleaved, one of each per round, the order
 rotated every round) and its ratio to a baseline's as the median of the rounds' paired ratios, the

@@ -3,6 +3,8 @@
 - `axes.py`: the logical axis names; `layers.py`: shared building blocks (norms, attention,
   RoPE, the `LayerStack`); `rope.py`: RoPE frequencies, plain and scaled; `config.py`: what
   every model config shares.
+- `blockwise_attention.py`: memory-linear causal attention (FlashAttention-2's blocks and
+  backward in plain JAX, with segment ids for packed sequences); equals `layers.causal_attention`.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
   (Gemma 2): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table

@@ -1,0 +1,265 @@
+"""Memory-linear causal attention: FlashAttention-2's blockwise algorithm in plain JAX.
+
+`blockwise_attention` computes what `layers.causal_attention` computes (grouped-query heads,
+sliding window, scale, Gemma 2 soft-capping) plus packed sequences (`segment_ids`), without ever
+holding a [T, S] score tensor: the compiled program's temporaries grow linearly in T, not as T².
+
+Forward (FlashAttention-2, Dao 2023, Algorithm 1): a `lax.scan` over query blocks; per query
+block a loop over only the key/value blocks the causal mask and the sliding window leave visible,
+with an online softmax (running max `m`, running sum `l`). It keeps the output and one logsumexp
+per query row. Backward (Algorithm 2), a `jax.custom_vjp`: a scan over key/value blocks, per
+block a loop over the query blocks that can see it, recomputing the scores from q, k and the
+saved logsumexp: P = exp(S - lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P (dP - D) with D = rowsum(dO O),
+times the soft-cap's derivative 1 - tanh², then dQ = dS K and dK = dSᵀ Q (summed over the query
+heads of a group, for GQA).
+
+Lengths that are not a multiple of a block are padded to one inside; the padded keys lie after
+every real query, so the causal mask hides them, and the padded queries' rows are cut away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import layers
+
+# Segment id of padding in `segment_ids` (MaxText's convention): such a query attends to no key,
+# its output is zeros and no gradient flows through it. Real sequences are numbered from 1.
+PAD_SEGMENT = 0
+
+# Block sizes. The per-step temporaries are a few [B, H, q_block, kv_block] float32 blocks
+# (16 MiB each for 16 heads at 512 x 512), independent of T; larger blocks mean fewer loop trips
+# (each costs a little on CPU) but more work wasted on the diagonal blocks the causal mask half
+# hides. Rabe & Staats use 1024-query / 4096-key chunks, FlashAttention-2 128 x 128 tiles.
+Q_BLOCK = 512
+KV_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The static half of one call (hashable: `custom_vjp`'s non-differentiable argument).
+    `q_block` / `kv_block` are the block sizes actually used (at most T)."""
+
+    window: int | None
+    scale: float | None
+    softcap: float | None
+    q_block: int
+    kv_block: int
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+                        scale: float | None = None, softcap: float | None = None,
+                        segment_ids: jax.Array | None = None, q_block: int = Q_BLOCK,
+                        kv_block: int = KV_BLOCK) -> jax.Array:
+    """Causal softmax attention with grouped-query heads, computed block by block.
+
+    q [B, T, H, K], k and v [B, T, G, K] with H a multiple of G -> [B, T, H, K] in v's dtype,
+    equal to `layers.causal_attention(q, k, v, window=, scale=, softcap=)` (sliding `window`:
+    `layers.visible_keys`; `scale` (a Python float, default 1/sqrt(K)) and `softcap`:
+    `layers.attention_scores`). Scores and softmax in float32 (float64 for float64 input).
+
+    `segment_ids` int [B, T] packs several sequences in a row: a query attends only to keys of
+    its own segment (on top of the causal mask and window). Segment `PAD_SEGMENT` (0) is
+    padding: its queries attend to nothing, give zeros and pass no gradient.
+
+    `q_block` / `kv_block`: the block sizes (clipped to T); T need not be a multiple of them.
+    """
+    _check(q, k, v, window, segment_ids, q_block, kv_block)
+    b, t, h, d = q.shape
+    g = k.shape[2]
+    bq, bk = min(q_block, t), min(kv_block, t)
+    tq, tk = _round_up(t, bq), _round_up(t, bk)
+    plan = _Plan(window, scale, softcap, bq, bk)
+    qg = _pad_time(q.reshape(b, t, g, h // g, d), tq)                     # [B, Tq, G, R, K]
+    kp, vp = _pad_time(k, tk), _pad_time(v, tk)                           # [B, Tk, G, K]
+    segments = None
+    if segment_ids is not None:                                           # [B, max(Tq, Tk)]
+        segments = _pad_time(segment_ids.astype(jnp.int32), max(tq, tk), PAD_SEGMENT)
+    out = _attention(qg, kp, vp, segments, plan)                          # [B, Tq, G, R, K]
+    return out[:, :t].reshape(b, t, h, d)
+
+
+def _check(q, k, v, window, segment_ids, q_block, kv_block) -> None:
+    """ValueError naming the argument, its value and the fix, for shapes the function does not
+    take."""
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q {q.shape} must be [B, T, H, K] and k {k.shape} [B, T, G, K]")
+    b, t, h, d = q.shape
+    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d:
+        raise ValueError(f"k {k.shape} and v {v.shape} must both be [B, T, G, K] with q's "
+                         f"B, T, K (q {q.shape})")
+    if h % k.shape[2]:
+        raise ValueError(f"q's {h} heads are not a multiple of k's {k.shape[2]} heads; GQA "
+                         "needs H = G * R")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: use a window of at least 1 token, or None")
+    for name, size in (("q_block", q_block), ("kv_block", kv_block)):
+        if size < 1:
+            raise ValueError(f"{name}={size}: a block holds at least 1 token")
+    if segment_ids is not None and (segment_ids.shape != (b, t)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids {segment_ids.shape} {segment_ids.dtype} must be int "
+                         f"[B, T] = {(b, t)}")
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _pad_time(x: jax.Array, length: int, value: int = 0) -> jax.Array:
+    """`x` padded along dim 1 (time) to `length` with `value`."""
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, length - x.shape[1])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, segments, plan):
+    """q [B, Tq, G, R, K], k and v [B, Tk, G, K], segments int [B, >= max(Tq, Tk)] or None
+    (Tq, Tk multiples of the plan's blocks) -> out [B, Tq, G, R, K]."""
+    return _forward(q, k, v, segments, plan)[0]
+
+
+def _attention_fwd(q, k, v, segments, plan):
+    out, lse = _forward(q, k, v, segments, plan)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _attention_bwd(plan, residuals, d_out):
+    q, k, v, segments, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, segments, out, lse, d_out, plan)
+    return dq, dk, dv, None      # segment ids are integers: no cotangent
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _visible(plan: _Plan, q_start, k_start, segments) -> jax.Array:
+    """Which keys of the block at `k_start` the queries of the block at `q_start` attend:
+    bool [B or 1, 1, 1, bq, bk] (broadcasts against scores [B, G, R, bq, bk])."""
+    q_pos = q_start + jnp.arange(plan.q_block)                            # [bq]
+    k_pos = k_start + jnp.arange(plan.kv_block)                           # [bk]
+    visible = layers.visible_keys(q_pos[:, None], k_pos[None, :], plan.window)[None]
+    if segments is not None:
+        seg_q = lax.dynamic_slice_in_dim(segments, q_start, plan.q_block, 1)   # [B, bq]
+        seg_k = lax.dynamic_slice_in_dim(segments, k_start, plan.kv_block, 1)  # [B, bk]
+        visible = (visible & (seg_q[:, :, None] == seg_k[:, None, :])
+                   & (seg_q != PAD_SEGMENT)[:, :, None])                # [B, bq, bk]
+    return visible[:, None, None]
+
+
+def _kv_range(plan: _Plan, i, num_kv_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """The key/value blocks [lo, hi) query block `i` can see: up to its last query (causal)
+    and, with a window, from its first query's first visible key (first query - window + 1)."""
+    bq, bk = plan.q_block, plan.kv_block
+    hi = jnp.minimum(num_kv_blocks, ((i + 1) * bq - 1) // bk + 1)
+    lo = 0 if plan.window is None else jnp.maximum(0, (i * bq - plan.window + 1) // bk)
+    return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+
+
+def _query_range(plan: _Plan, j, num_q_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """The query blocks [lo, hi) that can see key/value block `j`: from its first key on
+    (causal) and, with a window, up to its last key + window - 1."""
+    bq, bk = plan.q_block, plan.kv_block
+    lo = (j * bk) // bq
+    hi = num_q_blocks
+    if plan.window is not None:
+        hi = jnp.minimum(num_q_blocks, ((j + 1) * bk + plan.window - 2) // bq + 1)
+    return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+
+
+def _forward(q, k, v, segments, plan: _Plan) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Tq, G, R, K] in v's dtype, lse [B, G, R, Tq]): the online softmax over the
+    visible key/value blocks of each query block. A row that sees no key (padding) gets
+    out 0 and lse +inf, so the backward's exp(s - lse) is 0 there."""
+    b, tq, g, r, d = q.shape
+    bq, bk = plan.q_block, plan.kv_block
+    acc_dtype = layers.at_least_float32(q.dtype)
+    lowest = jnp.finfo(acc_dtype).min
+
+    def query_block(_, i):
+        q_blk = lax.dynamic_slice_in_dim(q, i * bq, bq, 1)                # [B, bq, G, R, K]
+
+        def kv_step(j, carry):
+            m, l, acc = carry                      # [B, G, R, bq] x2, [B, G, R, bq, K]
+            k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, 1)            # [B, bk, G, K]
+            v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
+            s = layers.attention_scores(q_blk, k_blk, plan.scale, plan.softcap)  # [B,G,R,bq,bk]
+            visible = _visible(plan, i * bq, j * bk, segments)
+            s = jnp.where(visible, s, lowest)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)             # rescales what was summed under the old max
+            l = alpha * l + p.sum(-1)
+            pv = jnp.einsum("BGRQS,BSGK->BGRQK", p.astype(v.dtype), v_blk,
+                            preferred_element_type=acc_dtype)
+            return m_new, l, alpha[..., None] * acc + pv
+
+        init = (jnp.full((b, g, r, bq), lowest, acc_dtype), jnp.zeros((b, g, r, bq), acc_dtype),
+                jnp.zeros((b, g, r, bq, d), acc_dtype))
+        m, l, acc = lax.fori_loop(*_kv_range(plan, i, k.shape[1] // bk), kv_step, init)
+        seen = l > 0
+        l_safe = jnp.where(seen, l, 1.0)
+        out = jnp.einsum("BGRQK->BQGRK", acc / l_safe[..., None]).astype(v.dtype)
+        lse = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
+        return None, (out, lse)
+
+    _, (out, lse) = lax.scan(query_block, None, jnp.arange(tq // bq, dtype=jnp.int32))
+    out = jnp.moveaxis(out, 0, 1).reshape(b, tq, g, r, d)                # [nq, B, bq, ...] ->
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, g, r, tq)                    # [nq, B, G, R, bq] ->
+    return out, lse
+
+
+def _backward(q, k, v, segments, out, lse, d_out, plan: _Plan):
+    """(dq, dk, dv) in the inputs' dtypes: FlashAttention-2's backward, one scan over key/value
+    blocks (each accumulating its own dk, dv) and, per block, a loop over the query blocks that
+    see it (adding into dq, carried whole: [B, Tq, G, R, K], linear in T)."""
+    b, tq, g, r, d = q.shape
+    tk = k.shape[1]
+    bq, bk = plan.q_block, plan.kv_block
+    acc_dtype = layers.at_least_float32(q.dtype)
+    scale = 1.0 / math.sqrt(d) if plan.scale is None else plan.scale
+    delta = jnp.einsum("BQGRK,BQGRK->BGRQ", d_out.astype(acc_dtype),
+                       out.astype(acc_dtype))                             # D: [B, G, R, Tq]
+
+    def kv_block(dq, j):
+        k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, 1)                # [B, bk, G, K]
+        v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
+
+        def q_step(i, carry):
+            dq, dk, dv = carry                     # [B, Tq, G, R, K], [B, bk, G, K] x2
+            q_blk = lax.dynamic_slice_in_dim(q, i * bq, bq, 1)            # [B, bq, G, R, K]
+            do_blk = lax.dynamic_slice_in_dim(d_out, i * bq, bq, 1)
+            lse_blk = lax.dynamic_slice_in_dim(lse, i * bq, bq, 3)        # [B, G, R, bq]
+            delta_blk = lax.dynamic_slice_in_dim(delta, i * bq, bq, 3)
+            s = layers.attention_scores(q_blk, k_blk, plan.scale, plan.softcap)  # [B,G,R,bq,bk]
+            p = jnp.where(_visible(plan, i * bq, j * bk, segments),
+                          jnp.exp(s - lse_blk[..., None]), 0.0)
+            dv = dv + jnp.einsum("BGRQS,BQGRK->BSGK", p, do_blk.astype(acc_dtype))
+            dp = jnp.einsum("BQGRK,BSGK->BGRQS", do_blk.astype(acc_dtype),
+                            v_blk.astype(acc_dtype))
+            ds = p * (dp - delta_blk[..., None])
+            if plan.softcap is not None:           # d/dx c tanh(x / c) = 1 - tanh²
+                ds = ds * (1.0 - jnp.square(s / plan.softcap))
+            ds = ds * scale
+            dq_blk = jnp.einsum("BGRQS,BSGK->BQGRK", ds, k_blk.astype(acc_dtype))
+            dq = lax.dynamic_update_slice_in_dim(
+                dq, lax.dynamic_slice_in_dim(dq, i * bq, bq, 1) + dq_blk, i * bq, 1)
+            dk = dk + jnp.einsum("BGRQS,BQGRK->BSGK", ds, q_blk.astype(acc_dtype))
+            return dq, dk, dv
+
+        zeros = jnp.zeros((b, bk, g, d), acc_dtype)
+        dq, dk, dv = lax.fori_loop(*_query_range(plan, j, tq // bq), q_step, (dq, zeros, zeros))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = lax.scan(kv_block, jnp.zeros(q.shape, acc_dtype),
+                            jnp.arange(tk // bk, dtype=jnp.int32))
+    dk = jnp.moveaxis(dk, 0, 1).reshape(b, tk, g, d)                      # [nk, B, bk, G, K] ->
+    dv = jnp.moveaxis(dv, 0, 1).reshape(b, tk, g, d)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
