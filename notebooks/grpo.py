@@ -77,7 +77,7 @@ sft_rows = [dict(p, completion=p["completion"] if i % 2 else p["answer"] + task.
 actor = models.build("gpt-tiny", vocab_size=tokenizer.vocab_size, max_seq_len=64)
 sft, _ = supervised_finetune_rows(actor, sft_rows, tokenizer, mesh=mesh, prompt_length=width,
                                   completion_length=8, steps=200, batch_size=32, lr=3e-3)
-config = GRPOConfig(num_generations=8, prompts_per_iteration=8, prompt_length=width,
+config = GRPOConfig(num_generations=8, prompts_per_iteration=16, prompt_length=width,
                     max_completion_length=8, num_iterations=2, learning_rate=1e-3,
                     rollout_correction="tis", tis_cap=2.0)
 before = exact_accuracy(sft, held_out, tokenizer, config, mesh=mesh, eos_id=eos)
@@ -86,7 +86,7 @@ print(f"held-out exact-answer accuracy after SFT: {before:.3f}")
 # %% [markdown]
 # ## GRPO
 #
-# Twelve iterations on the other 400 training problems: 8 prompts x 8 answers each, two policy
+# Twelve iterations on the other 400 training problems: 16 prompts x 8 answers each, two policy
 # updates per rollout (`num_iterations`, where the clip binds), the rollouts generated
 # tensor-parallel over 2 devices. Each record holds the rollout's mean reward, the clipped
 # fraction of the ratio, and the gap between the log-probs the engine drew each token with and
