@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 from zeroxla import models
+from bitrot import flip_data_bytes
 from checkpoint_worker import BATCHES, SAVE_AT, make_run, optimizer, train
 from reference import flat_params
 from zeroxla import checkpoint
@@ -195,22 +196,13 @@ def test_restore_with_other_optimizer_is_refused(run):
         checkpoint.restore(run["directory"], target)
 
 
-def _flip_bytes(path: Path, count=4):
-    data = bytearray(path.read_bytes())
-    for i in range(count):
-        data[len(data) // 2 + 7 * i] ^= 0x5A
-    path.write_bytes(bytes(data))
-
-
 def test_corrupted_array_file_raises(run, tmp_path):
-    """Flipped bytes in a data file either fail to decode (tensorstore's zstd check) or decode
-    into wrong values that only the per-array checksum catches; which one depends on where the
-    flip lands in the file orbax wrote. Either way the restore raises CorruptCheckpointError."""
+    """Flipped bytes in the data files either fail to decode (tensorstore's zstd check) or decode
+    into wrong values that only the per-array checksum catches; which one depends on where a
+    flip lands in the files orbax wrote. Either way the restore raises CorruptCheckpointError."""
     directory = tmp_path / "ck"
     shutil.copytree(run["directory"], directory)
-    data_files = [p for p in (directory / str(SAVE_AT) / "state").rglob("*")
-                  if p.is_file() and p.parent.name == "d"]
-    _flip_bytes(max(data_files, key=lambda p: p.stat().st_size))
+    assert flip_data_bytes(directory / str(SAVE_AT) / "state")
     with pytest.raises(checkpoint.CorruptCheckpointError, match="fails its checksum|cannot be read"):
         checkpoint.restore(directory, run["step"])
 
