@@ -42,7 +42,7 @@ import optax
 from zeroxla import models
 import zeroxla
 from zeroxla.app import data
-from zeroxla.app.hf_tokenizer import save_hf_tokenizer
+from zeroxla.app.tokenizers.pretrained import save_hf_tokenizer
 
 corpus = data.load_corpus()
 plan = data.BatchPlan(len(corpus.train), batch_size=32, seq_len=64, seed=0)

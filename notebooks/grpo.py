@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt
 
 import zeroxla
 from zeroxla import models
-from zeroxla.app.tokenizer import CharTokenizer
+from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import exact_accuracy, run_grpo
 from zeroxla.rlhf.reward_funcs import accuracy_reward

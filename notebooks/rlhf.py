@@ -52,9 +52,12 @@ import transformers
 
 import zeroxla
 from zeroxla import rlhf
-from zeroxla.app import chat_data, ppo_job, reward_job
-from zeroxla.app.train import loop
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app import chat_data
+from zeroxla.app.jobs import loading, reward
+from zeroxla.app.jobs.train import job as train_job
+from zeroxla.app.jobs.train.resolve import resolve_job
+from zeroxla.app.run import runner
+from zeroxla.app.run.job import RunSettings
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
 
 mesh = zeroxla.make_mesh(nodes=2, local=4)
@@ -106,16 +109,17 @@ for name in ("sft", "pairs", "prompts"):
 # %% [markdown]
 # ## Step 1: supervised fine-tuning
 #
-# `loop.run(resolve_job({...}))` is `zeroxla train` in Python (the options by name, resolved into
+# `train_job.run(resolve_job({...}))` is `zeroxla train` in Python (the options by name, resolved into
 # the job's config tree as the command line is): the checkpoint is loaded into ZeRO-3
 # partitions, the pairs are tokenized with the checkpoint's own tokenizer, and the loss is the
 # mean cross-entropy over response tokens only.
 
 # %%
-sft = loop.run(resolve_job(dict(init_from=str(base), data=str(work / "sft.jsonl"), steps=60,
-                                batch_size=32, seq_len=48, lr=3e-3, warmup_steps=5,
-                                eval_every=30, eval_batches=2, sample_tokens=0,
-                                out_dir=str(work / "sft"), progress=False)))
+sft = train_job.run(resolve_job(dict(init_from=str(base), data=str(work / "sft.jsonl"),
+                                     steps=60, batch_size=32, seq_len=48, lr=3e-3,
+                                     warmup_steps=5, eval_every=30, eval_batches=2,
+                                     sample_tokens=0, out_dir=str(work / "sft"),
+                                     progress=False)))
 print(f"SFT: response loss {sft.final_train_loss:.3f} (train), {sft.final_val_loss:.3f} "
       "(held-out pairs)")
 
@@ -126,9 +130,9 @@ print(f"SFT: response loss {sft.final_train_loss:.3f} (train), {sft.final_val_lo
 # each answer's last token. A zero head ties every pair, so validation accuracy starts at 0.
 
 # %%
-rm = reward_job.run(reward_job.RewardJobConfig(
-    init_from=str(base), data=str(work / "pairs.jsonl"), steps=100, seq_len=64, eval_every=50,
-    out_dir=str(work / "rm"), progress=False))
+rm = runner.run(reward.RewardJob(reward.RewardJobConfig(
+    init_from=str(base), data=str(work / "pairs.jsonl"), steps=100, seq_len=64,
+    run=RunSettings(eval_every=50, out_dir=str(work / "rm"), progress=False))))
 print(f"reward model: validation accuracy {rm['first_val_accuracy']:.2f} -> "
       f"{rm['val_accuracy']:.2f}, margin {rm['val_margin']:.2f}")
 assert rm["val_accuracy"] > 0.75
@@ -142,12 +146,12 @@ assert rm["val_accuracy"] > 0.75
 # loop and also writes checkpoints and the export.
 
 # %%
-actor, tokenizer = ppo_job.load_actor(work / "sft")
-reward_model, _ = reward_job.load_reward_model(work / "rm")
+actor, tokenizer = loading.load_actor(work / "sft")
+reward_model, _ = loading.load_reward_model(work / "rm")
 config = rlhf.PPOConfig(kl_ctl=0.02, ppo_epochs=2, actor_lr=3e-3, critic_lr=1e-3,
                         prompts_per_iteration=64, prompt_length=12, answer_length=16)
-prompts = ppo_job.prompt_rows(chat_data.read_prompt_jsonl(work / "prompts.jsonl"), tokenizer,
-                              config.prompt_length, "prompts.jsonl")
+prompts = chat_data.prompt_rows(chat_data.read_prompt_jsonl(work / "prompts.jsonl"), tokenizer,
+                                config.prompt_length, "prompts.jsonl")
 run = rlhf.run_ppo(config, 12, actor, mesh=mesh, tokenizer=tokenizer, prompt_tokens=prompts,
                    reward_model=reward_model, critic_init=reward_model,
                    eos_id=tokenizer.eos_id, seed=0,

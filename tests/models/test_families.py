@@ -338,7 +338,7 @@ def test_options_not_built_are_refused_by_key_before_any_tensor(tmp_path, family
 @pytest.mark.parametrize("architecture", ["Qwen2ForTokenClassification",
                                           "MistralForSequenceClassification"])
 def test_train_init_from_refuses_a_classifier_by_its_architectures(tmp_path, architecture):
-    from zeroxla.app.train.model import init_from_head
+    from zeroxla.app.jobs.loading import init_from_head
 
     config = models.Qwen2Config(vocab_size=VOCAB, d_model=48, num_heads=4, num_kv_heads=2)
     (tmp_path / "config.json").write_text(json.dumps(

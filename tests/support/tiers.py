@@ -26,6 +26,8 @@ PROGRAM_BUILDERS = frozenset({
 UNIT_FILES = (
     "tests/test_ci_legs.py",
     "tests/test_tiers.py",
+    "tests/zeroxla/app/run/test_app_layout.py",
+    "tests/zeroxla/app/run/test_option_tables.py",
     "tests/zeroxla/app/test_cli_args.py",
     "tests/zeroxla/app/test_interrupt.py",
     "tests/zeroxla/app/test_train_defaults.py",

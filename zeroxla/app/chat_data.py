@@ -4,6 +4,7 @@ The data flow, one way:
 
     read_sft_jsonl / read_pair_jsonl / read_prompt_jsonl   JSON files -> examples (checked first)
     sft_arrays / pair_arrays / prompt_arrays               examples -> numpy arrays for the step
+    prompt_rows                                            PPO's prompts: each one's last tokens
     rows_without_loss / pairs_without_preference,
     check_learnable                                        nothing to learn: counted, or refused
                                                            (`learnable.py`, re-exported here)
@@ -60,7 +61,7 @@ from zeroxla.app import chat_messages
 from zeroxla.app.chat_messages import ChatExample, ChatPairExample
 from zeroxla.app.data import ChatDataError, load_text, read_records
 from zeroxla.app.learnable import check_learnable, pairs_without_preference, rows_without_loss
-from zeroxla.app.tokenizer import Tokenizer
+from zeroxla.app.tokenizers.basic import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +262,24 @@ def prompt_arrays(prompts: Sequence[str], tokenizer: Tokenizer, prompt_length: i
     return {"prompts": ids, "prompt_mask": mask, "lengths": lengths}
 
 
+def prompt_rows(prompts: Sequence[str], tokenizer: Tokenizer, length: int,
+                path: str) -> np.ndarray:
+    """int32[N, length]: each prompt's last `length` tokens, as DeepSpeed-Chat's prompt dataset
+    keeps them (`zeroxla ppo`'s rollouts). The models take no attention mask, so a shorter
+    prompt cannot be left-padded without changing what the actor sees: a ChatDataError names
+    it (its number in `path`) and --max-prompt-seq-len."""
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(tokenizer.encode(prompt), np.int32)
+        if len(ids) < length:
+            raise ChatDataError(
+                f"{path}: prompt {i + 1} ({prompt[:30]!r}...) is {len(ids)} tokens, fewer than "
+                f"--max-prompt-seq-len {length}; our models take no attention mask, so prompts "
+                "are not left-padded: lower --max-prompt-seq-len or lengthen the prompt")
+        rows.append(ids[-length:])
+    return np.stack(rows)
+
+
 # ----------------------------------------------------------------------------- writing files
 
 def _record(example: SFTExample | PairExample | str) -> dict[str, str]:
@@ -364,6 +383,7 @@ def shakespeare_pairs(n: int, seed: int = 0) -> list[PairExample]:
 
 
 __all__ = ["ChatDataError", "MAX_EXAMPLE_CHARS", "PairExample", "SFTExample", "check_learnable",
-           "pair_arrays", "pairs_without_preference", "prompt_arrays", "read_pair_jsonl",
-           "read_prompt_jsonl", "read_sft_jsonl", "rows_without_loss", "shakespeare_pairs",
-           "shakespeare_prompts", "shakespeare_sft", "sft_arrays", "write_jsonl"]
+           "pair_arrays", "pairs_without_preference", "prompt_arrays", "prompt_rows",
+           "read_pair_jsonl", "read_prompt_jsonl", "read_sft_jsonl", "rows_without_loss",
+           "shakespeare_pairs", "shakespeare_prompts", "shakespeare_sft", "sft_arrays",
+           "write_jsonl"]

@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from zeroxla.app.hf_tokenizer import (CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_MAP_FILE,
-                                      TOKENIZER_CONFIG_FILE as CONFIG_FILE)
+from zeroxla.app.tokenizers.pretrained import (CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_MAP_FILE,
+                                               TOKENIZER_CONFIG_FILE as CONFIG_FILE)
 
 # The special tokens a template sees as variables (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",

@@ -18,14 +18,14 @@
     zeroxla launch --nproc N -- COMMAND
                                 N local processes of COMMAND as one distributed JAX job
 
-Each subcommand is a pair: `_add_<name>(subparsers)` declares its options and sets `handler`, the
-function that runs it. To add one (e.g. `export`), write the pair and register it in
-`SUBCOMMANDS`. `train` lives in `zeroxla.app.train.cli`, `reward` and `ppo` in
-`zeroxla.app.chat_cli`, `dpo` in `zeroxla.app.dpo_cli`,
-`grpo` in `zeroxla.app.grpo_cli`.
+A job (`train`, `reward`, `ppo`, `dpo`, `grpo`) is its `JobSpec` (`zeroxla.app.jobs.*`; train's
+in `zeroxla.app.jobs.train.cli`): `add_job` declares its options from its rows and sets the one
+handler every job has (`zeroxla.app.run.command`). The other subcommands are pairs:
+`_add_<name>(subparsers)` declares its options and sets `handler`, the function that runs it.
+Either is registered in `SUBCOMMANDS`.
 
 This module must not start JAX: on a CPU host the number of simulated devices is fixed when the
-backend starts, so `train` first sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` (N =
+backend starts, so a job first sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` (N =
 the mesh size; only if the user has not set a count) and only then imports the modules that use
 JAX. XLA reads the flag when the first backend is created, not at `import jax`. In a
 multi-process run (`zeroxla.app.distributed`) the count is this process's share of the mesh, and
@@ -35,20 +35,20 @@ multi-process run (`zeroxla.app.distributed`) the count is this process's share 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from zeroxla.app.chat_cli import add_ppo, add_reward
-from zeroxla.app.grpo_cli import add_grpo
-from zeroxla.app.dpo_cli import add_dpo
 from zeroxla.app.cli_args import (host_device_count, mesh_shape, non_negative_int,  # noqa: F401
                                   positive_float, positive_int, set_host_device_count,
                                   temperature)
 from zeroxla.app.interrupt import exit_status, signal_name, terminate_raises
+from zeroxla.app.jobs import dpo, grpo, ppo, reward
+from zeroxla.app.jobs.train import cli as train
 from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG
-from zeroxla.app.train.cli import add_train
+from zeroxla.app.run.command import add_job
 from zeroxla.inference.sampling import TEMPERATURE_RULE
 
 EXPORT_DTYPES = ("float32", "bfloat16")     # zeroxla.checkpoint.export.DTYPES
@@ -110,7 +110,7 @@ def export_adapter(checkpoint: str, out: str, *, step: int | None = None) -> dic
     run's adapters apply to (`recorded_base`: train's and dpo's --init-from, a zeroxla run's
     checkpoint step for grpo's --actor; None for a preset's run). Returns a report: out, step,
     files, base."""
-    from zeroxla.app.train.lora import recorded_base
+    from zeroxla.app.jobs.loading import recorded_base
     from zeroxla.checkpoint.export import checkpoint_metadata, save_adapter
 
     meta = checkpoint_metadata(checkpoint, step=step)
@@ -130,9 +130,9 @@ def export_run(checkpoint: str, out: str, *, step: int | None = None, dtype: str
     tokenizer, and a reward model's pad_token_id."""
     from pathlib import Path
 
-    from zeroxla.app.hf_tokenizer import (PAD_TOKEN, add_pad_token, reward_pad_id,
-                                          save_tokenizer)
-    from zeroxla.app.tokenizer_records import tokenizer_from_record
+    from zeroxla.app.tokenizers.pretrained import (PAD_TOKEN, add_pad_token, reward_pad_id,
+                                                   save_tokenizer)
+    from zeroxla.app.tokenizers.records import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_head, checkpoint_metadata, export_checkpoint
     from zeroxla.models.hf import SEQUENCE_CLASSIFICATION
 
@@ -193,7 +193,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     """Runs `zeroxla generate`: prints the prompt and its continuation."""
     devices = host_device_count()             # the user's count; None: we simulate --tp devices
     set_host_device_count(args.tp)            # before JAX starts (module docstring)
-    from zeroxla.app.sampling import generate_from_checkpoint
+    from zeroxla.app.jobs.generate import generate_from_checkpoint
 
     print(generate_from_checkpoint(args.checkpoint, args.prompt,
                                    max_new_tokens=args.max_new_tokens,
@@ -245,7 +245,9 @@ def _run_launch(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_train, add_reward, add_ppo, add_dpo, add_grpo, _add_export, _add_generate, _add_launch)
+    *(functools.partial(add_job, spec=spec)
+      for spec in (train.SPEC, reward.SPEC, ppo.SPEC, dpo.SPEC, grpo.SPEC)),
+    _add_export, _add_generate, _add_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,8 @@ The data flow, one way:
     split_tokens(ids, frac)    -> train, val    (the last `frac` of the stream is validation)
     BatchPlan(...).windows(k)  -> which windows of the stream form global batch k
     device_batch(...)          -> {"inputs", "targets"} as global jax.Arrays on the mesh
+    split_examples / epoch_rows / to_devices   a job's examples: the validation split, step
+                               k's rows in a seeded per-epoch shuffle, a host batch on the mesh
 
 A token stream is cut into windows of `seq_len + 1` tokens at stride `seq_len` (inputs are a
 window's first `seq_len` tokens, targets the last `seq_len`). Every epoch visits each window once
@@ -46,7 +48,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer, make_tokenizer
+from zeroxla.app.tokenizers.basic import ByteTokenizer, CharTokenizer, make_tokenizer
 
 # The bundled corpus (Karpathy's tiny-shakespeare, 1,115,394 characters), shipped gzipped inside
 # the package so that `zeroxla train` runs offline.
@@ -314,7 +316,41 @@ def device_batches(tokens: np.ndarray, plan: BatchPlan, sharding: jax.sharding.S
         step += 1
 
 
+
+
+# ---- rows of examples: splits, epochs, devices ----------------------------------------------
+
+def to_devices(arrays: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict:
+    """A host batch (every row, on every process) as global arrays laid out by `sharding`: each
+    device receives only its rows."""
+    return {key: jax.make_array_from_callback(value.shape, sharding, lambda i, v=value: v[i])
+            for key, value in arrays.items()}
+
+
+def epoch_rows(arrays: dict[str, np.ndarray], batch_size: int, k: int,
+               seed: int) -> dict[str, np.ndarray]:
+    """Step k's `batch_size` rows of `arrays` (each [N, ...]): the examples are visited in a
+    fresh seeded shuffle each epoch, and a batch may run on into the next epoch."""
+    n = len(next(iter(arrays.values())))
+    epoch, offset = divmod(k * batch_size, n)
+    epochs = range(epoch, epoch + -(-(offset + batch_size) // n))
+    order = np.concatenate([np.random.default_rng((seed, e)).permutation(n) for e in epochs])
+    rows = order[offset:offset + batch_size]
+    return {key: value[rows] for key, value in arrays.items()}
+
+
+def split_examples(examples: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """A seeded shuffle, then the last `val_fraction` (at least one) for validation."""
+    order = np.random.default_rng(seed).permutation(len(examples))
+    n_val = max(1, int(round(len(examples) * val_fraction)))
+    if len(examples) - n_val < 1:
+        raise ChatDataError(f"{len(examples)} example(s) leave none for training "
+                             f"after a validation split of {n_val}; add examples")
+    shuffled = [examples[i] for i in order]
+    return shuffled[:-n_val], shuffled[-n_val:]
+
+
 __all__ = ["ACCEPTED_JSON", "BUNDLED_CORPUS", "BatchPlan", "ByteTokenizer", "ChatDataError",
            "CharTokenizer", "Corpus", "JSON_ARRAY", "JSON_LINES", "device_batch", "device_batches",
-           "host_batch", "json_suffix", "load_corpus", "load_text", "read_records",
-           "split_tokens"]
+           "epoch_rows", "host_batch", "json_suffix", "load_corpus", "load_text", "read_records",
+           "split_examples", "split_tokens", "to_devices"]

@@ -15,7 +15,7 @@ be installed from the main thread; elsewhere the block installs nothing and `sto
 stays false.
 
 Outside such a block, `terminate_raises()` makes SIGTERM raise `Terminated` (Python's default is
-to die at once), so a command's cleanups (`finally`, `rundir.removed_on_failure`) run for it as
+to die at once), so a command's cleanups (`finally`, `rundir.removed_unless_saved`) run for it as
 they do for Ctrl-C, and the command exits with the shell's status for the signal.
 """
 

@@ -1,4 +1,5 @@
-"""Text from a trained language model: the train job's end-of-run sample and `zeroxla generate`.
+"""Text from a trained language model: the train job's end-of-run sample and `zeroxla generate`
+(`zeroxla.app.jobs.generate`).
 
 Both run the Hybrid Engine (`zeroxla.HybridEngine`): the ZeRO-3 partitions are resharded once,
 then a compiled decode loop extends the prompt with a KV cache, one forward of one token per new
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zeroxla.app.tokenizer import Tokenizer
+from zeroxla.app.tokenizers.basic import Tokenizer
 from zeroxla.inference.sampling import Sampling, check_sampling, next_token
 
 
@@ -168,37 +169,3 @@ def check_generate_lengths(prompt: str, prompt_tokens: int, max_new_tokens: int,
                          f"<= {config.max_seq_len - prompt_tokens} for this prompt")
 
 
-def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int,
-                             temperature: float, top_k: int | None, tp: int,
-                             seed: int = 0, step: int | None = None,
-                             devices: int | None = None) -> str:
-    """`zeroxla generate`: the checkpoint's weights on this process's devices (ZeRO-3,
-    one node), continued from `prompt` by the Hybrid Engine with `tp`-way tensor parallelism
-    and a KV cache; returns prompt + continuation as text. The tokenizer is the one the
-    checkpoint records (`zeroxla train` records it). `devices`: the device count the user
-    fixed (None: the command simulates `tp` devices), for `check_tp`. A LoRA run's adapters
-    are merged (`load_trained`)."""
-    from zeroxla.app.tokenizer_records import tokenizer_from_record
-    from zeroxla.app.train.model import load_trained
-    from zeroxla.checkpoint.export import checkpoint_metadata
-    from zeroxla.checkpoint.model_record import model_config_from_record
-
-    meta = checkpoint_metadata(checkpoint, step=step)
-    check_tp(tp, (meta.get("model_config") or {}).get("fields", {}), devices)
-    record = meta["metadata"].get("tokenizer")
-    if record is None:
-        raise ValueError(f"checkpoint {checkpoint!r} records no tokenizer; accepted: a "
-                         "checkpoint written by `zeroxla train`")
-    tokenizer = tokenizer_from_record(record)
-    ids = np.asarray(tokenizer.encode(prompt), np.int32)
-    config = model_config_from_record(meta.get("model_config"))
-    if config is None:
-        raise ValueError(f"checkpoint {checkpoint!r} records no model config; accepted: a "
-                         "checkpoint written by `zeroxla train`")
-    check_generate_lengths(prompt, ids.size, max_new_tokens, config)
-    # weights only (no optimizer state)
-    step_fn = local_zero3_step(load_trained(checkpoint, step=meta["step"]))
-    text, _ = sample_with_engine(step_fn, step_fn.init(), tokenizer, ids,
-                                 num_tokens=max_new_tokens, max_len=ids.size + max_new_tokens,
-                                 temperature=temperature, top_k=top_k, seed=seed, tp=tp)
-    return text

@@ -26,7 +26,7 @@ one no real token has (`pad_token_id`, see `export_checkpoint`), so a batch with
 scored at its true last token, where ours is.
 
 The `zeroxla export` subcommand is declared in `zeroxla.app.cli`; it also writes the tokenizer a
-`zeroxla train` checkpoint records (`zeroxla.app.hf_tokenizer`), so that
+`zeroxla train` checkpoint records (`zeroxla.app.tokenizers.pretrained`), so that
 `transformers.AutoTokenizer.from_pretrained(OUT)` loads next to the model. Every file written is
 mode 0644.
 """

@@ -2,11 +2,14 @@
 preference pairs, then PPO with actor and critic trained under ZeRO-3), DPO / IPO on
 preference pairs, and the GRPO family (GRPO, Dr.GRPO, DAPO, RLOO's baseline) on verifiable
 rewards; each a `make_step` with its own `loss_fn`, a frozen reference, generation by the
-Hybrid Engine.
+Hybrid Engine. Each algorithm's trainer, config and losses carry its prefix (ppo_, grpo, dpo);
+the roles they share are built once (roles.py).
 
-    config.py      PPOConfig: DeepSpeed-Chat's hyper-parameters, validated
+    roles.py       build_roles: the roles PPO, GRPO and DPO share (frozen reference, policy
+                   with LoRA adapters, its ZeRO step, the Hybrid Engine); adapted, POLICY_ZERO
+    ppo_config.py  PPOConfig: DeepSpeed-Chat's hyper-parameters, validated
     advantages.py  compute_rewards (KL penalty + clipped score), get_advantages_and_returns (GAE)
-    losses.py      actor_loss_fn / critic_loss_fn (clipped), the make_step loss_fns
+    ppo_losses.py  actor_loss_fn / critic_loss_fn (clipped), the make_step loss_fns
     reward_model.py RewardModel (base.hidden + a [D] value head), end_scores, the pairwise
                    loss_fn (pairwise_loss_terms) and validation (pair_metrics): step 2;
                    load_hf_reward_model (a HF *ForSequenceClassification, num_labels=1)
@@ -14,7 +17,7 @@ Hybrid Engine.
     reward.py      an answer's score: a RewardModel's end score or a program (vowel fraction)
     reference.py   FrozenReference: the frozen reference, optionally int8 codes (MixZ++)
     rollout.py     Rollout: one iteration's experience as numpy arrays
-    trainer.py     PPOTrainer (generate_experience, train_rlhf) and run_ppo
+    ppo_trainer.py PPOTrainer (generate_experience, train_rlhf) and run_ppo
     plot.py        plot_records: the reward and KL curves
     dpo.py         DPOConfig, the DPO / IPO losses over per-sequence log-prob sums, their
                    metrics (accuracy, margins) and the make_step loss_fn
@@ -34,7 +37,7 @@ Hybrid Engine.
 """
 
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
-from zeroxla.rlhf.config import PPOConfig
+from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_losses import (clip_fractions, grpo_loss, grpo_loss_parts, grpo_loss_terms,
@@ -47,8 +50,8 @@ from zeroxla.rlhf.task_sft import supervised_finetune_rows
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
 from zeroxla.rlhf.dpo import DPOConfig, dpo_loss_terms, dpo_metrics, make_dpo_loss
 from zeroxla.rlhf.dpo_trainer import DPORun, DPOTrainer, run_dpo
-from zeroxla.rlhf.losses import (actor_loss_fn, answer_logprobs, answer_values, critic_loss_fn,
-                                 make_actor_loss, make_critic_loss)
+from zeroxla.rlhf.ppo_losses import (actor_loss_fn, answer_logprobs, answer_values,
+                                     critic_loss_fn, make_actor_loss, make_critic_loss)
 from zeroxla.rlhf.plot import plot_records
 from zeroxla.rlhf.reference import FrozenReference
 from zeroxla.rlhf.reward import answer_end_scores, make_scorer, reward_scores, vowel_fraction
@@ -56,7 +59,7 @@ from zeroxla.rlhf.reward_model import (RewardModel, end_scores, load_hf_reward_m
                                        pair_scores, pairwise_loss_terms, with_vocab_size,
                                        without_lm_head)
 from zeroxla.rlhf.rollout import Rollout, pad_answers
-from zeroxla.rlhf.trainer import PPORun, PPOTrainer, run_ppo, time_split
+from zeroxla.rlhf.ppo_trainer import PPORun, PPOTrainer, run_ppo, time_split
 
 __all__ = ["DPOConfig", "DPORun", "DPOTrainer", "dpo_loss_terms", "dpo_metrics", "make_dpo_loss",
            "run_dpo",

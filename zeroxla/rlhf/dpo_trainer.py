@@ -30,9 +30,9 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
+from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, reference_logprobs
-from zeroxla.rlhf.reference import FrozenReference
+from zeroxla.rlhf.roles import build_roles, frozen_reference
 
 STATISTICS = ("accuracy", "margin")
 
@@ -92,29 +92,19 @@ class DPOTrainer:
                              f"pairs; accepted: batch_size <= {n}")
         check_policy(policy, config.seq_len)
         self.config, self.seed = config, seed
-        reference = FrozenReference(policy, device=jax.local_devices()[0],
-                                    int8=config.reference_int8)
+        reference = frozen_reference(policy, config.reference_int8)
         self.reference_bytes = reference.nbytes
         self.train = {**train, **reference_logprobs(reference, train)}
         self.val = {**val, **reference_logprobs(reference, val)}
-        del reference                                     # never read again
-        if lora is not None and lora.enabled:
-            if trainable is not None and lora.only_optimize_lora:
-                raise ValueError("trainable and lora.only_optimize_lora both choose the "
-                                 "parameters to train; accepted: one of them")
-            policy = nnx.clone(policy)
-            convert_linear_layer_to_lora(policy, lora, rngs=nnx.Rngs(seed))
-            trainable = trainable if trainable is not None else lora_trainable(lora)
-        zero_config = zero_config or zeroxla.ZeroConfig(stage=3)
+        del reference                       # never read again, dropped before the policy's state
         self.optimizer = optax.adamw(config.learning_rate)
-
-        def step_for(loss_fn):
-            return zeroxla.make_step(policy, mesh, optimizer=self.optimizer, config=zero_config,
-                                     loss_fn=loss_fn, trainable=trainable)
-        self.step = step_for(make_dpo_loss(config.beta, config.loss_type))
-        self.statistics = {name: step_for(make_dpo_statistic(name, config.beta))
-                           for name in STATISTICS}
-        self.state = self.step.init(seed)
+        roles = build_roles(policy, mesh, optimizer=self.optimizer, seed=seed, lora=lora,
+                            reference_int8=None, trainable=trainable,
+                            zero_config=zero_config or zeroxla.ZeroConfig(stage=3),
+                            loss_fn=make_dpo_loss(config.beta, config.loss_type),
+                            eval_loss_fns={name: make_dpo_statistic(name, config.beta)
+                                           for name in STATISTICS})
+        self.step, self.statistics, self.state = roles.step, roles.eval_steps, roles.state
 
     def _device_batch(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         sharding = self.step.layout.batch_sharding

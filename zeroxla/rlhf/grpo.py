@@ -2,7 +2,7 @@
 `make_step` with the GRPO `loss_fn`, rollouts come from the Hybrid Engine, the reference is
 frozen, and there is no critic: the baseline is the group of answers to the same prompt.
 
-One iteration (`GRPOTrainer.generate_experience`, then `train_grpo`):
+One iteration (`GRPOTrainer.iteration`: `generate_experience`, then `train_grpo`):
 1. draw `prompts_per_iteration` prompt rows (`(seed, iteration)`, without replacement while
    there are enough);
 2. sample `num_generations` answers to each with the Hybrid Engine, one `generate` call per
@@ -16,6 +16,8 @@ One iteration (`GRPOTrainer.generate_experience`, then `train_grpo`):
    clipped fraction of that step's ratio is measured on the gathered weights. Each record
    holds the train/rollout log-prob gap (`rollout_correction.logprob_gap`, as `gap/*`), and
    with `rollout_correction="tis"` every step's terms carry the truncated importance weights.
+   A step whose gradients are not finite skips its update (`check_grad_overflow`): the actor
+   keeps its last finite parameters, and the non-finite loss is in the record.
 
 The policy is the softmax over the tokenizer's ids (`vocab_limit = tokenizer.vocab_size`, as
 PPO): a padded vocabulary's rows are never drawn, and the log-probs are of that distribution.
@@ -45,13 +47,13 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
+from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
 from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
-from zeroxla.rlhf.reference import FrozenReference
 from zeroxla.rlhf.reward import make_scorer
+from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
 from zeroxla.rlhf.rollout import pad_answers
 from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, tis_weights
@@ -144,24 +146,18 @@ class GRPOTrainer:
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
         self._reference_fn = functools.partial(_reference_logprobs,
                                                vocab_limit=self.vocab_limit)
-        self.reference = FrozenReference(actor, device=jax.local_devices()[0],
-                                         int8=config.reference_int8)
-        trainable = None
-        if lora is not None and lora.enabled:       # the reference stays the plain actor
-            actor = nnx.clone(actor)
-            convert_linear_layer_to_lora(actor, lora, rngs=nnx.Rngs(seed))
-            trainable = lora_trainable(lora)
-        self.actor_step = zeroxla.make_step(
-            actor, mesh, optimizer=(optax.adamw(config.learning_rate) if optimizer is None
-                                    else optimizer),
-            config=zeroxla.ZeroConfig(stage=3), trainable=trainable,
+        optimizer = optax.adamw(config.learning_rate) if optimizer is None else optimizer
+        roles = build_roles(                         # the reference stays the plain actor
+            actor, mesh, optimizer=optimizer, seed=seed, lora=lora,
+            reference_int8=config.reference_int8,
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
-                                   vocab_limit=self.vocab_limit))
-        self.actor_state = self.actor_step.init(seed)
-        self.engine = zeroxla.HybridEngine(self.actor_step.layout, zeroxla.HybridEngineConfig(
-            inference_tp_size=inference_tp_size,
-            max_out_tokens=config.prompt_length + config.max_completion_length))
+                                   vocab_limit=self.vocab_limit),
+            hybrid_engine=zeroxla.HybridEngineConfig(
+                inference_tp_size=inference_tp_size,
+                max_out_tokens=config.prompt_length + config.max_completion_length))
+        self.reference, self.actor_step, self.engine = roles.reference, roles.step, roles.engine
+        self.actor_state = roles.state
 
     # ---- rollout ---------------------------------------------------------------------------
     def sample_prompts(self, iteration: int) -> np.ndarray:
@@ -271,6 +267,25 @@ class GRPOTrainer:
                 **{key: float(np.mean([x[key] for x in clips])) if clips else 0.0
                    for key in keys}}
 
+    def iteration(self, it: int) -> tuple[dict[str, Any], GRPORollout]:
+        """Iteration `it` (0-based): one rollout, then its `num_iterations` actor steps;
+        its record (`iteration_record`) and rollout."""
+        rollout, generation_s, scoring_s = self.generate_experience(it)
+        start = time.perf_counter()
+        train = self.train_grpo(rollout)
+        jax.block_until_ready(self.actor_state)
+        return iteration_record(it, rollout, train, {
+            "generation_s": generation_s, "scoring_s": scoring_s,
+            "training_s": time.perf_counter() - start}), rollout
+
+    def accuracy(self, problems: Sequence[dict[str, Any]]) -> float:
+        """`greedy_accuracy` of the current actor on `problems` (held-out, each with its
+        `answer`), generated by the trainer's own Hybrid Engine."""
+        accuracy = greedy_accuracy(self.engine, self.actor_state, problems, self.tokenizer,
+                                   self.config, self.eos_id)
+        self.engine.release()
+        return accuracy
+
     def actor_model(self) -> nnx.Module:
         """The current actor, gathered (a plain model with full weights)."""
         return zeroxla.gathered_model(self.actor_state)
@@ -329,13 +344,7 @@ def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: An
     for it in range(start_iteration, iterations):
         if should_stop():
             break
-        rollout, generation_s, scoring_s = trainer.generate_experience(it)
-        start = time.perf_counter()
-        train = trainer.train_grpo(rollout)
-        jax.block_until_ready(trainer.actor_state)
-        record = iteration_record(it, rollout, train, {
-            "generation_s": generation_s, "scoring_s": scoring_s,
-            "training_s": time.perf_counter() - start})
+        record, rollout = trainer.iteration(it)
         records.append(record)
         rollouts.append(rollout)
         if on_iteration is not None:
@@ -343,25 +352,32 @@ def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: An
     return GRPORun(records, rollouts, trainer)
 
 
-def exact_accuracy(model: nnx.Module, problems: Sequence[dict[str, Any]], tokenizer: Any,
-                   config: GRPOConfig, *, mesh: Any, eos_id: int | None,
-                   inference_tp_size: int = 1) -> float:
-    """The share of `problems` whose greedy answer states the row's `answer` (held-out
-    evaluation of a plain `model`, through a Hybrid Engine on a fresh step of it)."""
+def greedy_accuracy(engine: Any, state: Any, problems: Sequence[dict[str, Any]],
+                    tokenizer: Any, config: GRPOConfig, eos_id: int | None) -> float:
+    """The share of `problems` whose greedy answer (the Hybrid Engine `engine` generating from
+    the training state `state`) states the row's `answer`."""
     from zeroxla.rlhf.reward_funcs import accuracy_reward
 
-    step = zeroxla.make_step(model, mesh, optimizer=optax.sgd(0.0),
-                             config=zeroxla.ZeroConfig(stage=3))
-    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
-        inference_tp_size=inference_tp_size,
-        max_out_tokens=config.prompt_length + config.max_completion_length))
     ids = prompt_rows(problems, tokenizer, config.prompt_length).ids
-    outputs = engine.generate(step.init(0), list(ids), max_new_tokens=config.max_completion_length,
+    outputs = engine.generate(state, list(ids), max_new_tokens=config.max_completion_length,
                               temperature=0.0, eos_id=eos_id,
                               vocab_limit=getattr(tokenizer, "vocab_size", None))
     texts = [tokenizer.decode(row[prompt.size:]) for row, prompt in zip(outputs, ids)]
     return float(np.mean(accuracy_reward([], texts, answer=[p["answer"] for p in problems])))
 
 
-__all__ = ["GRPORollout", "GRPORun", "GRPOTrainer", "exact_accuracy",
+def exact_accuracy(model: nnx.Module, problems: Sequence[dict[str, Any]], tokenizer: Any,
+                   config: GRPOConfig, *, mesh: Any, eos_id: int | None,
+                   inference_tp_size: int = 1) -> float:
+    """`greedy_accuracy` of a plain `model` (held-out evaluation, through a Hybrid Engine on a
+    fresh step of it)."""
+    step = zeroxla.make_step(model, mesh, optimizer=optax.sgd(0.0),
+                             config=zeroxla.ZeroConfig(stage=3))
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=inference_tp_size,
+        max_out_tokens=config.prompt_length + config.max_completion_length))
+    return greedy_accuracy(engine, step.init(0), problems, tokenizer, config, eos_id)
+
+
+__all__ = ["GRPORollout", "GRPORun", "GRPOTrainer", "exact_accuracy", "greedy_accuracy",
            "iteration_record", "run_grpo"]

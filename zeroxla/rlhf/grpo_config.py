@@ -30,12 +30,18 @@ tokens (shorter prompts are right-padded, exactly; a longer one keeps its last t
 `zeroxla.rlhf.grpo_prompts`). Rollouts
 sample at temperature 1, from the policy's own distribution, so the log-probs of the ratio are
 the model's (no temperature enters them).
+
+The rewards a job names beside the config (`zeroxla grpo`'s `--reward-funcs`, `--reward-weights`
+and a `--reward` model): checked (`check_reward_sources`) and loaded (`reward_sources`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
+
+from zeroxla.rlhf.reward_funcs import RewardFunctions, load_reward_func
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -128,3 +134,30 @@ class GRPOConfig:
 
     def replace(self, **changes: Any) -> "GRPOConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_reward_sources(names: Sequence[str], weights: Sequence[float] | None, *,
+                         prompts: bool, with_model: bool) -> None:
+    """ValueError naming the options unless a job given `prompts` has a reward (`names` or a
+    reward model) and `weights` holds one weight per source (the functions, then the model)."""
+    if prompts and not names and not with_model:
+        raise ValueError("--prompts without --reward-funcs or --reward: no reward; accepted: "
+                         "at least one of them")
+    sources = len(names) + with_model
+    if weights is not None and len(weights) != sources:
+        raise ValueError(f"--reward-weights has {len(weights)} values for {sources} reward "
+                         "sources (--reward-funcs, then --reward); accepted: one weight per "
+                         "source")
+
+
+def reward_sources(names: Sequence[str], weights: Sequence[float] | None, with_model: bool
+                   ) -> tuple[RewardFunctions | None, float]:
+    """The reward functions `names` (`load_reward_func`: built in, or `module:function`, whose
+    module is imported here, so one that fails is named before anything else runs) with their
+    weights, and the reward model's weight: `weights` holds one per function, then one for the
+    reward model when `with_model` (None: 1.0 each)."""
+    model_weight = weights[-1] if weights and with_model else 1.0
+    if not names:
+        return None, model_weight
+    funcs = tuple(load_reward_func(name) for name in names)
+    return RewardFunctions(funcs, tuple(weights[:len(funcs)]) if weights else None), model_weight

@@ -94,7 +94,7 @@ def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
     <= P) and its answer from L_b: the logits at L_b - 1 + t against the token at L_b + t.
     Causal attention sees only the row's earlier (real) tokens, at their true positions, so
     each row's log-probs are those of its prompt and answer alone. With `vocab_limit`, pi is
-    the softmax over the ids below it (`zeroxla.rlhf.losses.answer_logprobs`)."""
+    the softmax over the ids below it (`zeroxla.rlhf.ppo_losses.answer_logprobs`)."""
     logits = model(tokens[:, :-1])                                        # [B, P+G-1, V]
     at = prompt_lengths[:, None] - 1 + jnp.arange(answer_length)          # [B, G]
     logits = jnp.take_along_axis(logits, at[:, :, None], axis=1)          # [B, G, V]

@@ -13,15 +13,25 @@ A prompt longer than the cap (`GRPOConfig.prompt_length`, the job's `--max-promp
 keeps its last tokens (TRL's `max_prompt_length`, DeepSpeed-Chat's prompt dataset);
 `PromptRows` counts the prompts cut and the tokens lost, and its rows carry the decoded kept
 tokens as their "prompt", so the reward functions see the text the model saw.
+
+Where `zeroxla grpo`'s prompts come from: a file's records (`file_rows`), or the bundled
+arithmetic task (`task_rows`: its training and held-out problems, `TASK_REWARDS`); the cap
+(`prompt_cap`) and whether prompt and answer fit the model (`check_fit`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from zeroxla.rlhf import arithmetic_task as task
+
+TASK_SPLIT = dict(n_train=2000, n_test=200, seed=0)     # the bundled task's problems
+TASK_DIGITS = 2
+TASK_REWARDS = ("accuracy", "format")                    # its reward functions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,4 +94,64 @@ def longest_prompt(prompts: Sequence[dict[str, Any]], tokenizer: Any) -> int:
     return max((len(tokenizer.encode(row["prompt"])) for row in prompts), default=0)
 
 
-__all__ = ["PromptRows", "longest_prompt", "prompt_rows", "truncation_report"]
+def prompt_cap(prompts: Sequence[dict[str, Any]], tokenizer: Any, given: int | None) -> int:
+    """The cap on prompt tokens: `given` (--max-prompt-seq-len), else the longest prompt's, so
+    every prompt is kept whole; at least 1 (a prompt of no token is then refused by row,
+    `prompt_rows`)."""
+    return given or max(longest_prompt(prompts, tokenizer), 1)
+
+
+def check_fit(prompt_length: int, completion_length: int, max_seq_len: int | None, *,
+              capped: bool, model: str) -> None:
+    """ValueError naming the options unless prompt + answer tokens fit the model's positions
+    (`capped`: the cap was --max-prompt-seq-len, not the longest prompt)."""
+    need = prompt_length + completion_length
+    if max_seq_len is None or need <= max_seq_len:
+        return
+    given = ("--max-prompt-seq-len" if capped else
+             "the longest prompt's; --max-prompt-seq-len cuts longer ones")
+    raise ValueError(f"prompt tokens {prompt_length} ({given}) + --max-completion-length "
+                     f"{completion_length} = {need} exceed the max_seq_len={max_seq_len} of "
+                     f"{model}; accepted: a sum <= {max_seq_len}")
+
+
+def file_rows(records: Iterable[tuple[int, dict[str, Any]]], source: str, tokenizer: Any
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
+    """(the rows of a prompts file's (line, object) records, no held-out problems, the
+    tokenizer's `eos_id`) as `task_rows` returns them; ValueError naming the line of a record
+    without a "prompt" string."""
+    rows = []
+    for line, record in records:
+        if not isinstance(record.get("prompt"), str):
+            raise ValueError(f"{source}:{line}: no \"prompt\" string; accepted: objects with a "
+                             "\"prompt\" (other keys go to the reward functions)")
+        rows.append(record)
+    return rows, [], getattr(tokenizer, "eos_id", None)
+
+
+def task_rows(tokenizer: Any, model: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                                   int | None]:
+    """(training problems, held-out problems, the id that ends an answer) of the bundled task:
+    the tokenizer's `eos_id`, else its newline when that is one token. ValueError naming
+    `model` when its tokenizer cannot write every character of the task."""
+    unknown = "".join(ch for ch in task.ALPHABET if _token_ids(tokenizer, ch) is None)
+    if unknown:
+        raise ValueError(f"{model}: its tokenizer cannot write the bundled task (characters "
+                         f"{unknown!r}); accepted: an actor SFT'd on the task "
+                         "(zeroxla.rlhf.task_sft), or give --prompts")
+    eos_id = getattr(tokenizer, "eos_id", None)
+    if eos_id is None:
+        ids = _token_ids(tokenizer, task.END)
+        eos_id = int(ids[0]) if ids is not None and len(ids) == 1 else None
+    return (*task.split_problems(**TASK_SPLIT, digits=TASK_DIGITS), eos_id)
+
+
+def _token_ids(tokenizer: Any, text: str) -> Sequence[int] | None:
+    try:
+        return tokenizer.encode(text)
+    except ValueError:
+        return None
+
+
+__all__ = ["PromptRows", "TASK_REWARDS", "check_fit", "file_rows", "longest_prompt",
+           "prompt_cap", "prompt_rows", "task_rows", "truncation_report"]

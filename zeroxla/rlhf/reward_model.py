@@ -70,6 +70,15 @@ def without_lm_head(path: tuple, variable: Any) -> bool:
     return tuple(path[-3:]) != ("base", "head", "weight")
 
 
+def reward_trainable(only_optimize_lora: bool = False) -> Any:
+    """`make_step`'s trainable filter of a reward model (`zeroxla reward`): `without_lm_head`;
+    with `only_optimize_lora`, the LoRA adapters and the score head `v_head` alone (a fresh zero
+    head has to learn: with it frozen, no gradient would reach the adapters)."""
+    if only_optimize_lora:
+        return nnx.Any(nnx.LoRAParam, nnx.PathContains(hf_io.REWARD_SCORE))
+    return without_lm_head
+
+
 def end_scores(values: jax.Array, ends: jax.Array) -> jax.Array:
     """`values[b, ends[b]]`: float[B] from values [B, T] and ends int32[B], the index of each
     row's last real (non-pad) token (DeepSpeed-Chat's `chosen_end_scores`, `value[c_ind - 1]`).

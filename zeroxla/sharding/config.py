@@ -27,6 +27,7 @@ QUANTIZATION_BITS = (4, 8)
 # ZeRO-Offload's targets (DeepSpeed's `offload_optimizer.device` / `offload_param.device`):
 # "cpu" is host memory (JAX's `pinned_host` or `unpinned_host` memory kind); "nvme" is not built.
 OFFLOAD_DEVICES = ("none", "cpu")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _fail(field: str, value: Any, accepted: str) -> None:
@@ -141,7 +142,7 @@ class ZeroConfig:
             if not check(getattr(self, field)):
                 _fail(field, getattr(self, field), f"{accepted} (got a "
                       f"{type(getattr(self, field)).__name__})")
-        if self.stage not in (0, 1, 2, 3):
+        if self.stage not in ZERO_STAGES:
             _fail("stage", self.stage, "0, 1, 2 or 3")
         if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
             _fail("persistence_threshold", self.persistence_threshold, "an integer >= 0")

@@ -9,16 +9,19 @@ MOMENT: step      during step 2 (the step then finishes)
         save      inside the final checkpoint's save
         report    inside the report, after the final save (the end-of-run sample)
 COUNT: how many signals (2: the second one must stop the job at once).
-The wrappers below (on `zeroxla.app.train.loop`'s names) are the test's only instrument; the
-job's code is run unchanged.
+The wrappers below (on the train job's and the runner's names) are the test's only instrument;
+the job's code is run unchanged.
 """
 
 import os
 import signal
 import sys
 
+import zeroxla.checkpoint
 from zeroxla.app import cli
-from zeroxla.app.train import loop
+from zeroxla.app.run import runner
+from zeroxla.app.run.resume import RECORD_KEY
+from zeroxla.app.jobs.train import job
 
 
 def _send(signum, count):
@@ -28,39 +31,40 @@ def _send(signum, count):
 
 def _instrument(moment, signum, count, steps):
     if moment == "step":
-        real_step = loop._step
+        real_advance = job.TrainJob.advance
 
-        def step(r, state, k, progress):
-            if k == 1:
+        def advance(self, done):
+            if done == 1:
                 _send(signum, count)
-            return real_step(r, state, k, progress)
+            return real_advance(self, done)
 
-        loop._step = step
+        job.TrainJob.advance = advance
     elif moment == "logged":
-        real_save_final = loop.save_final
+        real_save = runner._Run.save
 
-        def save_final(state, progress, save):
-            _send(signum, count)
-            return real_save_final(state, progress, save)
-
-        loop.save_final = save_final
-    elif moment == "save":
-        real_save = loop.save_checkpoint
-
-        def save_checkpoint(step, state, directory, *, metadata):
-            if metadata["data_position"] == steps:
+        def save(self):
+            if self.done == steps and self.saved_at != steps:
                 _send(signum, count)
-            return real_save(step, state, directory, metadata=metadata)
+            return real_save(self)
 
-        loop.save_checkpoint = save_checkpoint
+        runner._Run.save = save
+    elif moment == "save":
+        real_checkpoint_save = zeroxla.checkpoint.save
+
+        def checkpoint_save(directory, state, **kwargs):
+            if kwargs["metadata"][RECORD_KEY]["done"] == steps:
+                _send(signum, count)
+            return real_checkpoint_save(directory, state, **kwargs)
+
+        zeroxla.checkpoint.save = checkpoint_save
     elif moment == "report":
-        real_sample = loop.final_sample
+        real_sample = job.final_sample
 
         def final_sample(*args, **kwargs):
             _send(signum, count)
             return real_sample(*args, **kwargs)
 
-        loop.final_sample = final_sample
+        job.final_sample = final_sample
     else:
         raise SystemExit(f"unknown moment {moment!r}")
 

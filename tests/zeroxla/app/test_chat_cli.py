@@ -11,7 +11,11 @@ import types
 import pytest
 
 from weightless import weightless_gpt2
-from zeroxla.app import chat_data, cli, ppo_job, reward_job
+from zeroxla.app import chat_data, cli
+from zeroxla.app.jobs import loading
+from zeroxla.app.jobs import ppo as ppo_job
+from zeroxla.app.jobs import reward as reward_job
+from zeroxla.app.run.job import ShardingSettings
 from zeroxla.rlhf import PPOConfig
 
 
@@ -125,37 +129,38 @@ def test_bad_hyper_parameters_name_their_option(argv, message, capsys):
 def test_actor_and_reward_runs_are_checked_by_name(base, tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"--actor {tmp_path / 'none'}: no such "
                                                    "directory; accepted: a `zeroxla train` run")):
-        ppo_job.load_actor(tmp_path / "none")
+        loading.load_actor(tmp_path / "none")
     # A Hugging Face directory is step 1's input, not its output.
     with pytest.raises(ValueError, match=re.escape(f"--actor {base} holds no complete zeroxla "
                                                    "checkpoint; accepted: a `zeroxla train` run "
                                                    "directory (step 1, SFT: zeroxla train "
                                                    "--init-from HF_DIR --data sft.jsonl)")):
-        ppo_job.load_actor(base)
+        loading.load_actor(base)
 
 
 def test_inference_tp_must_divide_the_devices_and_the_heads():
     gpt = types.SimpleNamespace(num_heads=4)
     llama = types.SimpleNamespace(num_heads=6, num_kv_heads=2)
-    ppo_job.check_inference_tp(2, (2, 4), gpt, "--actor a")
-    ppo_job.check_inference_tp(2, (2, 4), llama, "--actor b")
+    loading.check_inference_tp(2, (2, 4), gpt, "--actor a")
+    loading.check_inference_tp(2, (2, 4), llama, "--actor b")
     with pytest.raises(ValueError, match=re.escape(
             "--inference-tp-size 2 does not fit the 3 devices of --mesh 3x1 and the 4 attention "
             "heads of --actor a; accepted: 1")):
-        ppo_job.check_inference_tp(2, (3, 1), gpt, "--actor a")
+        loading.check_inference_tp(2, (3, 1), gpt, "--actor a")
     with pytest.raises(ValueError, match=r"--inference-tp-size 3 .* 8 devices .*; accepted: 1, 2, 4$"):
-        ppo_job.check_inference_tp(3, (2, 4), gpt, "--actor a")
+        loading.check_inference_tp(3, (2, 4), gpt, "--actor a")
     # 6 heads: 4 does not divide them although it divides the 8 devices.
     with pytest.raises(ValueError, match=r"the 6 attention heads \(2 KV heads\) of --actor b; "
                                          r"accepted: 1, 2$"):
-        ppo_job.check_inference_tp(4, (2, 4), llama, "--actor b")
+        loading.check_inference_tp(4, (2, 4), llama, "--actor b")
 
 
 def test_job_configs_check_the_batch_against_the_mesh():
     with pytest.raises(ValueError, match=r"--batch-size 16 .* --mesh 2x3; use 12"):
-        reward_job.RewardJobConfig(init_from="b", data="d", mesh=(2, 3))
+        reward_job.RewardJobConfig(init_from="b", data="d", sharding=ShardingSettings((2, 3)))
     with pytest.raises(ValueError, match=r"--per-iteration-prompts 12 .* --mesh 1x8; use 8"):
         ppo_job.PPOJobConfig(actor="a", reward="r", prompts="p",
-                             ppo=PPOConfig(prompts_per_iteration=12), mesh=(1, 8))
+                             ppo=PPOConfig(prompts_per_iteration=12),
+                             sharding=ShardingSettings((1, 8)))
     with pytest.raises(ValueError, match=r"PPOJobConfig.inference_tp_size=0 is invalid"):
         ppo_job.PPOJobConfig(actor="a", reward="r", prompts="p", inference_tp_size=0)

@@ -12,9 +12,9 @@ from zeroxla.app import tiny_checkpoints as hf_checkpoints
 from zeroxla.app.chat_data import MAX_EXAMPLE_CHARS, ChatDataError, PairExample, SFTExample, \
     pair_arrays, prompt_arrays, read_pair_jsonl, read_prompt_jsonl, read_sft_jsonl, \
     shakespeare_pairs, shakespeare_prompts, shakespeare_sft, sft_arrays, write_jsonl
-from zeroxla.app.hf_tokenizer import PretrainedTokenizer, save_tokenizer
-from zeroxla.app.tokenizer import CharTokenizer
-from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
+from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer, save_tokenizer
+from zeroxla.app.tokenizers.basic import CharTokenizer
+from zeroxla.app.tokenizers.records import tokenizer_from_record, tokenizer_record
 
 # ids: $ 0 (our eos), : 1, a 2, b 3, c 4, _ 5 (our pad)
 TOK = CharTokenizer("$:abc_")

@@ -19,9 +19,9 @@ from zeroxla.app import chat_data, cli
 from zeroxla.app.chat_messages import ChatExample, ChatPairExample
 from zeroxla.app.chat_template import ChatTemplate, ChatTemplateError
 from zeroxla.app.data import ChatDataError
-from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.tokenizer import CharTokenizer
-from zeroxla.app.tokenizer_records import tokenizer_from_record
+from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
+from zeroxla.app.tokenizers.basic import CharTokenizer
+from zeroxla.app.tokenizers.records import tokenizer_from_record
 
 MESSAGES = [{"role": "system", "content": "Answer in verse."},
             {"role": "user", "content": "Who's there?"},

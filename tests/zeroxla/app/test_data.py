@@ -16,7 +16,7 @@ from zeroxla.app.chat_data import read_pair_jsonl, read_prompt_jsonl, read_sft_j
 from zeroxla.app.data import BatchPlan, device_batch, host_batch, load_corpus, load_text, split_tokens
 from zeroxla.app.data import ChatDataError, json_suffix, read_records
 from zeroxla.sharding.mesh import DATA_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh
-from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer, make_tokenizer
+from zeroxla.app.tokenizers.basic import ByteTokenizer, CharTokenizer, make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from weightless import weightless_gpt2
-from zeroxla.app import chat_data, cli, dpo_job
+from zeroxla.app import chat_data, cli
+from zeroxla.app.jobs import dpo as dpo_job
+from zeroxla.app.run.job import RunSettings, ShardingSettings
 from zeroxla.app.tiny_checkpoints import MAX_POSITIONS
 from zeroxla.rlhf.dpo import DPOConfig
 
@@ -39,15 +41,17 @@ def files(tmp_path_factory):
      "every one of its 20 examples has the same tokens for \"chosen\" and \"rejected\""),
     (["--init-from", "BASE", "--data", "BROKEN"], "broken.jsonl:2: missing field 'chosen'"),
     (["--init-from", "BASE", "--resume", "NOWHERE"], "--resume NOWHERE: no such directory"),
-    (["--resume", "NOWHERE", "--out", "elsewhere"], "--out cannot change them"),
+    (["--resume", "BASE"], "holds no checkpoints"),
 ], ids=["no-init", "batch", "seq-len", "init-from", "no-preference", "file-line", "resume",
-        "resume-out"])
+        "resume-no-checkpoint"])
 def test_refused_before_any_compute(argv, message, base, files, tmp_path, capsys):
     swap = {"BASE": str(base), **{k: str(v) for k, v in files.items()}}
     argv = [swap.get(a, a) for a in argv]
     out = tmp_path / "run"
-    if "--resume" in argv:                 # a resumed run writes into its own directory
-        argv = [a for a in argv if a not in ("--init-from", str(base))]
+    if "--resume" in argv:        # a resumed run writes into its own directory, from its model
+        if "--init-from" in argv:
+            at = argv.index("--init-from")
+            del argv[at:at + 2]
     else:
         argv += ["--out", str(out)]
     assert cli.main(["dpo", *argv, "--no-progress"]) == 2
@@ -74,8 +78,8 @@ def test_pairs_without_preference_are_kept_and_counted_as_reward_does(base, file
     """Pairs whose chosen and rejected are the same text (so the same tokens) stay in the
     splits and are counted, by `zeroxla reward`'s rule: the same count as its `_pairs`, and
     the same refusal when they are all of the file."""
-    from zeroxla.app import reward_job
-    from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+    from zeroxla.app.jobs import reward as reward_job
+    from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
 
     pairs = chat_data.shakespeare_pairs(20, seed=1)
     for i in (3, 7, 11):
@@ -90,12 +94,12 @@ def test_pairs_without_preference_are_kept_and_counted_as_reward_does(base, file
                     for rows in (train, val))
     assert identical == 3
     reward = reward_job.RewardJobConfig(init_from=str(base), data=data, batch_size=8)
-    assert reward_job._pairs(reward, tokenizer)[2] == same
+    assert reward_job.pair_rows(reward, tokenizer)[2] == same
     refusals = []
     for run in (lambda: dpo_job.pair_rows(dataclasses.replace(job, data=str(files["SAME"])),
                                           tokenizer),
-                lambda: reward_job._pairs(dataclasses.replace(reward, data=str(files["SAME"])),
-                                          tokenizer)):
+                lambda: reward_job.pair_rows(dataclasses.replace(reward, data=str(files["SAME"])),
+                                             tokenizer)):
         with pytest.raises(chat_data.ChatDataError) as refused:
             run()
         refusals.append(str(refused.value))
@@ -106,11 +110,16 @@ def test_pairs_without_preference_are_kept_and_counted_as_reward_does(base, file
                                 "\"chosen\" and \"rejected\" differ"), message
 
 
-@pytest.mark.parametrize("field, value", [("steps", 0), ("zero_stage", 4), ("val_fraction", 1.0),
-                                          ("save_every", -1), ("mesh", (2,))])
-def test_job_config_refuses_bad_values_by_name(field, value):
-    with pytest.raises(ValueError, match=rf"DPOJobConfig\.{field}="):
-        dpo_job.DPOJobConfig(init_from="x", dpo=DPOConfig(batch_size=8), **{field: value})
+@pytest.mark.parametrize("owner, field, value", [
+    (dpo_job.DPOJobConfig, "steps", 0), (ShardingSettings, "stage", 4),
+    (dpo_job.DPOJobConfig, "val_fraction", 1.0), (RunSettings, "save_every", -1),
+    (ShardingSettings, "mesh", (2,))])
+def test_job_config_refuses_bad_values_by_name(owner, field, value):
+    with pytest.raises(ValueError, match=rf"{owner.__name__}\.{field}="):
+        if owner is dpo_job.DPOJobConfig:
+            dpo_job.DPOJobConfig(init_from="x", dpo=DPOConfig(batch_size=8), **{field: value})
+        else:
+            owner(**{field: value})
 
 
 def test_conversational_pairs_are_summed_after_their_shared_prefix(tmp_path):
@@ -120,7 +129,7 @@ def test_conversational_pairs_are_summed_after_their_shared_prefix(tmp_path):
     end. The two answers differ at their first token, so a sum that starts one token early
     or late is caught (a shared first token would cancel in every DPO quantity)."""
     from chat_checkpoints import write_chat_tokenizer
-    from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+    from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
 
     transformers = pytest.importorskip("transformers")
     directory = write_chat_tokenizer(tmp_path / "chat")

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 import zeroxla
+from zeroxla.app.jobs import loading
 from zeroxla.app import chat_data, cli
-from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.train.config import Data, Run
-from zeroxla.app.train.data import VALIDATION_SEED, epoch_rows, load_train_data, split_examples
+from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
+from zeroxla.app.jobs.train.config import Data, Run
+from zeroxla.app.data import epoch_rows, split_examples
+from zeroxla.app.jobs.train.data import VALIDATION_SEED, load_train_data
 from zeroxla.app.tiny_checkpoints import eos_id, tokenizer_vocab_size, write_tokenizer
 from family_checkpoints import save_random
 
@@ -180,7 +182,7 @@ def test_reward_job_exports_a_classifier_that_transformers_scores_alike(family, 
     transformers at each row's last token, equals our trained reward model's there, and whose
     pairwise loss on the validation pairs, from transformers' scores at each answer's last
     token, is the job's last `val_loss`."""
-    from zeroxla.app import reward_job
+    from zeroxla.app.jobs import reward as reward_job
 
     source = write_checkpoint(family, tmp_path / "hf")
     pairs = tmp_path / "pairs.jsonl"
@@ -200,14 +202,14 @@ def test_reward_job_exports_a_classifier_that_transformers_scores_alike(family, 
     theirs = transformers.AutoModelForSequenceClassification.from_pretrained(export).eval()
     with torch.no_grad():
         pooled = theirs(torch.tensor(x, dtype=torch.long)).logits.numpy()[:, 0]
-    ours, _ = reward_job.load_reward_model(out)
+    ours, _ = loading.load_reward_model(out)
     np.testing.assert_allclose(pooled, np.asarray(ours(x))[:, -1], atol=1e-4, rtol=0)
     assert np.abs(pooled).max() > 1e-3                      # the trained head is not zero
 
     job = reward_job.RewardJobConfig                         # the job's defaults
     tok = PretrainedTokenizer.from_dir(source)
     val = chat_data.pair_arrays(split_examples(chat_data.read_pair_jsonl(pairs), job.val_fraction,
-                                               job.seed)[1], tok, SEQ, eos_id=tok.eos_id)
+                                               job.run.seed)[1], tok, SEQ, eos_id=tok.eos_id)
 
     def scores(key):                                        # [N] at each answer's last token
         with torch.no_grad():

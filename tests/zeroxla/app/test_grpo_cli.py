@@ -1,33 +1,42 @@
-"""`zeroxla grpo`'s options (zeroxla/app/grpo_cli.py) reach GRPOConfig under TRL's names, and
-bad combinations are refused before anything runs, naming the option."""
+"""`zeroxla grpo`'s options (the rows of zeroxla/app/jobs/grpo.py) reach GRPOConfig under TRL's
+names, and bad combinations are refused before anything runs, naming the option."""
 
+import dataclasses
 import json
+import os
 import signal
 
+import optax
 import pytest
+from flax import nnx
 
-from zeroxla.app import grpo_job
+import zeroxla
 from zeroxla.app.cli import build_parser, main
+from zeroxla.app.jobs import grpo as grpo_job
+from zeroxla.app.run import command, runner
+from zeroxla.app.run.job import RunSettings
 from zeroxla.rlhf import GRPOConfig
 
 
-def test_options_reach_the_config(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(grpo_job, "run", lambda job: seen.setdefault("job", job) and {})
-    args = build_parser().parse_args([
-        "grpo", "--actor", "runs/sft", "--loss-type", "dr_grpo", "--scale-rewards", "none",
+def resolved(argv):
+    """The job tree `zeroxla grpo ARGV` runs (the command line read, nothing run)."""
+    args = build_parser().parse_args(["grpo", *argv])
+    return command.resolve(grpo_job.SPEC, grpo_job.OPTIONS.given(args))[0]
+
+
+def test_options_reach_the_config():
+    job = resolved([
+        "--actor", "runs/sft", "--loss-type", "dr_grpo", "--scale-rewards", "none",
         "--epsilon", "0.1", "--epsilon-high", "0.3", "--beta", "0.04", "--num-iterations", "2",
         "--advantage", "rloo", "--num-generations", "4", "--per-iteration-prompts", "2",
         "--max-completion-length", "12", "--reward-funcs", "accuracy", "format",
         "--reward-weights", "1", "0.5", "--iterations", "3", "--save-every", "2"])
-    assert args.handler(args) == 0
-    job = seen["job"]
     assert job.grpo == GRPOConfig(loss_type="dr_grpo", scale_rewards="none", epsilon=0.1,
                                   epsilon_high=0.3, beta=0.04, num_iterations=2,
                                   advantage="rloo", num_generations=4, prompts_per_iteration=2,
                                   max_completion_length=12)
     assert job.reward_funcs == ("accuracy", "format") and job.reward_weights == (1.0, 0.5)
-    assert (job.iterations, job.save_every, job.prompts) == (3, 2, None)
+    assert (job.iterations, job.run.save_every, job.prompts) == (3, 2, None)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -50,13 +59,10 @@ def test_config_names_the_bad_field(fields, message):
         GRPOConfig(**fields)
 
 
-def test_rollout_correction_options_reach_the_config(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(grpo_job, "run", lambda job: seen.setdefault("job", job) and {})
-    args = build_parser().parse_args(["grpo", "--actor", "runs/sft", "--rollout-correction",
-                                      "tis", "--tis-cap", "3", "--reward-funcs", "accuracy"])
-    assert args.handler(args) == 0
-    assert seen["job"].grpo == GRPOConfig(rollout_correction="tis", tis_cap=3.0)
+def test_rollout_correction_options_reach_the_config():
+    job = resolved(["--actor", "runs/sft", "--rollout-correction", "tis", "--tis-cap", "3",
+                    "--reward-funcs", "accuracy"])
+    assert job.grpo == GRPOConfig(rollout_correction="tis", tis_cap=3.0)
     with pytest.raises(ValueError, match="GRPOConfig.rollout_correction='is' is invalid"):
         GRPOConfig(rollout_correction="is")
     with pytest.raises(ValueError, match="GRPOConfig.tis_cap=0 is invalid"):
@@ -104,55 +110,103 @@ def test_a_reward_module_that_fails_to_import_stops_before_anything_is_written(
     assert not out.exists()
 
 
-def test_interrupt_message_counts_iterations_as_metrics_jsonl(tmp_path, monkeypatch, capsys):
-    """GRPOInterrupted(signum, 2) follows two finished iterations, logged in metrics.jsonl as
-    iterations 0 and 1 (test_grpo.py::test_grpo_job_records_stops_resumes_and_exports): the
-    message names 1, the log's last."""
-    logged = [0, 1]
+class Counting(grpo_job.GRPOJob):
+    """`zeroxla grpo`'s job as the runner counts and saves it (its NAME, UNIT, COUNTER, lines,
+    recorded tree) on a one-layer model, with no actor, rollouts or rewards: a run takes a
+    second. `signal_at`: SIGINT to ourselves during that iteration (0-based)."""
 
-    def interrupted(job):
-        raise grpo_job.GRPOInterrupted(signal.SIGINT, len(logged), tmp_path)
+    state = None
+    EXPORT_DIR = None
+    signal_at = None
 
-    monkeypatch.setattr(grpo_job, "run", interrupted)
-    assert main(["grpo", "--actor", "runs/sft"]) == 130
+    def __init__(self, config):
+        self.config, self.total, self.tokenizer = config, config.iterations, None
+        self.step = zeroxla.make_step(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+                                      zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1),
+                                      config=zeroxla.ZeroConfig(stage=0))
+        self.state = self.step.init(0)
+
+    def describe(self, first):
+        if self.signal_at == -1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return f"iterations {first}..{self.total - 1}"
+
+    def advance(self, done):
+        if done == self.signal_at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return {"reward": 0.0, "kl": 0.0, "loss": 0.0, "clip_fraction": 0.0}
+
+    def evaluate(self):
+        return {}
+
+    def checkpoint_metadata(self, out, part):
+        return {}
+
+    def draw(self, out, records):
+        pass
+
+    def finish(self, out, records, before):
+        return {}
+
+
+def command_line(argv):
+    """`zeroxla grpo ARGV` as the command runs it, with `Counting` for the job."""
+    args = build_parser().parse_args(["grpo", *argv])
+    return command.run_command(dataclasses.replace(grpo_job.SPEC, job=Counting), args)
+
+
+def metrics_iterations(out):
+    return [json.loads(line)["iteration"] for line in
+            (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_interrupt_saves_the_iterations_done_and_says_how_to_resume(tmp_path, monkeypatch,
+                                                                       capsys):
+    """SIGINT during the second of three iterations: it finishes, is saved, and the command
+    exits 130 naming the checkpoint and the --resume that continues it."""
+    monkeypatch.setattr(Counting, "signal_at", 1)
+    out = tmp_path / "grpo"
+    assert command_line(["--actor", "sft", "--iterations", "3", "--out", str(out),
+                         "--no-progress"]) == 130
     err = capsys.readouterr().err
-    assert f"interrupted (Ctrl-C) after iteration {logged[-1]}; saved a checkpoint" in err, err
-    assert f"after iteration {logged[-1]};" in str(interrupted_error(tmp_path, len(logged)))
-    assert "before iteration 0" in str(interrupted_error(tmp_path, 0))
+    assert err.startswith("zeroxla grpo: interrupted (Ctrl-C) after iteration "), err
+    assert f"; saved checkpoint {out / 'checkpoint'}/" in err, err
+    assert err.endswith(f"\nresume with: zeroxla grpo --resume {out}\n"), err
+    assert metrics_iterations(out) == [0, 1]
+    assert not (out / "summary.json").exists()
 
 
-def interrupted_error(run_dir, done):
-    return grpo_job.GRPOInterrupted(signal.SIGINT, done, run_dir)
-
-
-def finished_run(path, iterations):
-    """A run directory as a finished `zeroxla grpo --iterations N` leaves it: the checkpoint
-    (of a one-layer model, cheap to save; its metadata's "iteration" is the next one, N),
-    metrics.jsonl's records 0 .. N - 1 and summary.json."""
-    import optax
-    from flax import nnx
-
-    import zeroxla
-    from zeroxla import checkpoint
-
-    step = zeroxla.make_step(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), zeroxla.make_mesh(2, 4),
-                             optimizer=optax.sgd(0.1), config=zeroxla.ZeroConfig(stage=0))
-    checkpoint.save(path / "checkpoint", step.init(0), layout=step.layout,
-                    metadata={"iteration": iterations})
-    (path / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i}) + "\n"
-                                                for i in range(iterations)))
-    (path / "summary.json").write_text("{}\n")
-    return path
+def test_interrupt_message_counts_iterations_as_metrics_jsonl(tmp_path, monkeypatch):
+    """Two finished iterations are logged in metrics.jsonl as iterations 0 and 1: the message
+    names 1, the log's last; an interrupt before any iteration, "before iteration 0"."""
+    monkeypatch.setattr(Counting, "signal_at", 1)
+    tree = grpo_job.GRPOJobConfig(actor="sft", iterations=3, run=RunSettings(
+        out_dir=str(tmp_path / "two"), progress=False))
+    with pytest.raises(runner.RunInterrupted) as stopped:
+        runner.run(Counting(tree), write=lambda line: None)
+    logged = metrics_iterations(tmp_path / "two")
+    assert logged == [0, 1]
+    assert f"after iteration {logged[-1]};" in str(stopped.value), stopped.value
+    monkeypatch.setattr(Counting, "signal_at", -1)
+    tree = dataclasses.replace(tree, run=RunSettings(out_dir=str(tmp_path / "none"),
+                                                     progress=False))
+    with pytest.raises(runner.RunInterrupted) as stopped:
+        runner.run(Counting(tree), write=lambda line: None)
+    assert "before iteration 0" in str(stopped.value), stopped.value
 
 
 def test_resume_of_a_finished_run_has_nothing_left_to_do(tmp_path, capsys):
-    run = finished_run(tmp_path / "grpo", 3)
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["iteration"]
+    """A finished `zeroxla grpo --iterations 3` run (its checkpoint, metrics.jsonl 0 .. 2 and
+    summary.json) resumed with --iterations 3: one line, exit 0, nothing written."""
+    run = tmp_path / "grpo"
+    assert command_line(["--actor", "sft", "--iterations", "3", "--out", str(run),
+                         "--no-progress"]) == 0
+    assert metrics_iterations(run) == [0, 1, 2]
+    capsys.readouterr()
     files = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
-    assert main(["grpo", "--actor", str(tmp_path / "sft"), "--resume", str(run),
-                 "--iterations", "3"]) == 0
+    assert command_line(["--resume", str(run), "--iterations", "3"]) == 0
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        f"zeroxla grpo: nothing left to do: --resume {run} has run its last iteration, {last}, "
-        "of --iterations 3; accepted: a larger --iterations to continue it"], captured.err
+        f"zeroxla grpo: nothing left to do: --resume {run} has run iteration 3 of 3; accepted: "
+        "more iterations to continue it"], captured.err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == files

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from hf_golden import FAMILIES, golden
-from zeroxla.app.hf_tokenizer import PretrainedTokenizer, bytes_to_unicode, save_hf_tokenizer
-from zeroxla.app.tokenizer import ByteTokenizer, CharTokenizer
-from zeroxla.app.tokenizer_records import tokenizer_from_record, tokenizer_record
+from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer, bytes_to_unicode, save_hf_tokenizer
+from zeroxla.app.tokenizers.basic import ByteTokenizer, CharTokenizer
+from zeroxla.app.tokenizers.records import tokenizer_from_record, tokenizer_record
 
 TEXT = ("First Citizen:\nBefore we proceed,  hear me speak.\r\n"
         "\tÜber allen Gipfeln — ist Ruh 😀 ")

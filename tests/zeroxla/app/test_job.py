@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from zeroxla.app import cli
-from zeroxla.app.train import config
-from zeroxla.app.train.recipe import build_setup
-from zeroxla.app.train.resolve import resolve_job
-from zeroxla.app.train.resume import (FLAT_RECORD_KEY, RECORD_KEY, describe_resume,
-                                      job_from_record, job_record, saved_job)
+from zeroxla.app.jobs.train import config
+from zeroxla.app.jobs.train.recipe import build_setup
+from zeroxla.app.jobs.train.resolve import resolve_job
+from zeroxla.app.jobs.train.resume import (FLAT_RECORD_KEY, RECORD_KEY, describe_resume,
+                                           job_from_record, job_record, saved_job)
 from zeroxla.deepspeed.config import DeepSpeedConfigWarning
 from zeroxla.sharding.config import ZeroConfig
 

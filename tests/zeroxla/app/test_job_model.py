@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from zeroxla.app import chat_data, cli, reward_job
+from zeroxla.app.jobs import loading
+from zeroxla.app import chat_data, cli
 from zeroxla.app.tiny_checkpoints import write_tokenizer
 from zeroxla.models import hf
 
@@ -78,4 +79,4 @@ def test_ppo_reward_takes_a_sequence_classifier_only(tmp_path):
                                ("GPT2ForTokenClassification", "is a token-classification")):
         directory = weightless(tmp_path / architecture, architecture)
         with pytest.raises(ValueError, match=re.escape(f"{architecture} {what}")):
-            reward_job.load_reward_model(directory)
+            loading.load_reward_model(directory)

@@ -12,7 +12,8 @@ import pytest
 import xla_flags
 from commands import cpu_env, zeroxla_command
 
-from zeroxla.app import distributed, launch, rundir
+from zeroxla.app import distributed, launch
+from zeroxla.app.run import rundir
 
 
 zeroxla = zeroxla_command

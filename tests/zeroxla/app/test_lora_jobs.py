@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from zeroxla.app.jobs import loading
 from zeroxla.app import cli
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.lora import LoRAConfig, LoRAWeight, convert_linear_layer_to_lora
 
 MODULES = r"blocks/layers/(wq|wv|w_down)"
@@ -45,7 +46,9 @@ def test_lora_module_name_without_dim_is_refused_on_every_job(command, argv, tmp
     assert cli.main([command, *argv, "--lora-module-name", "wq", "--out", str(out)]) == 2
     assert not out.exists()
     err = capsys.readouterr().err.strip().splitlines()
-    prefix = "TrainJobConfig.lora." if command == "train" else "--lora-module-name: LoRAConfig."
+    # The other jobs' rows (`runs.options.LORA_OPTIONS`) name the option as typed.
+    prefix = ("TrainJobConfig.lora." if command == "train"
+              else "--lora-module-name wq: LoRAConfig.")
     assert err[0] == (f"zeroxla {command}: error: {prefix}module_name='wq' needs dim > 0 (with "
                       "dim=0 no weight gets adapters and every weight trains: a full "
                       "fine-tune)"), err
@@ -122,7 +125,7 @@ def test_train_with_lora_exports_merged_and_as_a_peft_adapter(tmp_path, capsys):
     np.testing.assert_allclose(logits(adapted), ours, rtol=1e-4, atol=1e-4)
 
     # `zeroxla generate` reads the run merged: greedy, its tokens are the merged export's.
-    from zeroxla.app.hf_tokenizer import PretrainedTokenizer
+    from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
 
     tokenizer = PretrainedTokenizer.from_dir(base)
     prompt = "ROMEO: What"
@@ -147,7 +150,7 @@ def test_train_with_lora_exports_merged_and_as_a_peft_adapter(tmp_path, capsys):
 
 
 def test_module_name_matching_nothing_is_refused_naming_the_option():
-    from zeroxla.app.train.model import adapted_factory
+    from zeroxla.app.jobs.loading import adapted_factory
     from zeroxla.models import Llama, LlamaConfig
 
     build = adapted_factory(Llama, LlamaConfig.tiny(), LoRAConfig(4, module_name="blocks/nope"), 0)
@@ -159,31 +162,51 @@ def test_module_name_matching_nothing_is_refused_naming_the_option():
     assert not any(isinstance(n, LoRAWeight) for _, n in nnx.iter_graph(plain))
 
 
-def test_reward_and_ppo_options_name_the_option_when_refused():
-    import argparse
+@pytest.mark.parametrize("job", ["reward", "ppo"])
+def test_reward_and_ppo_options_name_the_option_when_refused(job):
+    """The shared LoRA rows (`runs.options.LORA_OPTIONS`, dest "only_optimize_lora") of each
+    job's table: none given is no LoRA; a refused value names the option."""
+    from zeroxla.app.cli import build_parser
+    from zeroxla.app.jobs import ppo, reward
 
-    from zeroxla.app.chat_cli import lora_config
+    spec = {"reward": reward.SPEC, "ppo": ppo.SPEC}[job]
+    required = {"reward": ["--init-from", "b", "--data", "d"],
+                "ppo": ["--actor", "a", "--reward", "r", "--prompts", "p"]}[job]
+    table = spec.table
 
-    given = dict(lora_dim=None, lora_alpha=None, lora_module_name=None)
-    assert lora_config(argparse.Namespace(**given, lora_only_optimize_lora=None)) == LoRAConfig()
+    def tree(*argv):
+        given = table.given(build_parser().parse_args([job, *required, *argv]))
+        return table.build(given, **{f: given[f] for f in spec.required})
+
+    assert tree().lora == LoRAConfig()
+    assert tree("--lora-dim", "4", "--only-optimize-lora").lora == LoRAConfig(
+        4, only_optimize_lora=True)
     with pytest.raises(ValueError, match=r"^--only-optimize-lora: LoRAConfig\.only_optimize_lora="
                                          r"True needs dim > 0"):
-        lora_config(argparse.Namespace(**given, lora_only_optimize_lora=True))
+        tree("--only-optimize-lora")
 
 
 def test_a_resumed_run_gets_its_lora_section_back():
-    from zeroxla.app.train.resume import job_from_record, job_record, saved_job
+    from zeroxla.app.jobs.train.resume import job_from_record, job_record, saved_job
 
     job = resolve_job({"lora_dim": 4, "lora_alpha": 8.0, "only_optimize_lora": True})
     record = json.loads(json.dumps(job_record(job)))         # as a checkpoint stores it
     assert job_from_record(record).lora == job.lora
     assert saved_job({"job_config": record}, {"steps": 9}).lora == job.lora
+    # --resume with other adapters cannot continue the checkpoint's state: refused by name.
+    from zeroxla.app.jobs.train.cli import make_tree
+
+    tree, _ = make_tree({"resume": "RUN", "steps": 9}, {"job_config": record})
+    assert tree.lora == job.lora and tree.schedule.steps == 9
+    with pytest.raises(ValueError, match=r"--resume RUN continues the run as it was built; "
+                                         r"--lora-dim 4 -> 8 cannot change"):
+        make_tree({"resume": "RUN", "lora_dim": 8}, {"job_config": record})
 
 
 @pytest.mark.slow
 def test_ppo_with_lora_on_a_tiny_llama_reports_trainable_count_and_memory(tmp_path, capsys):
     pytest.importorskip("transformers")
-    from zeroxla.app import chat_data, ppo_job
+    from zeroxla.app import chat_data
     from zeroxla.app.tiny_checkpoints import llama_checkpoint
 
     base = llama_checkpoint(tmp_path / "llama")
@@ -195,7 +218,7 @@ def test_ppo_with_lora_on_a_tiny_llama_reports_trainable_count_and_memory(tmp_pa
                      "--lora-dim", "4", "--lora-module-name", "wq", "--lr", "0.1",
                      "--warmup-steps", "0", "--out", str(tmp_path / "sft"),
                      "--no-progress"]) == 0
-    actor, _ = ppo_job.load_actor(tmp_path / "sft")
+    actor, _ = loading.load_actor(tmp_path / "sft")
     tokens = np.random.default_rng(0).integers(0, 500, (2, 11))
     assert not any(isinstance(n, LoRAWeight) for _, n in nnx.iter_graph(actor))
     np.testing.assert_allclose(np.asarray(actor(jnp.asarray(tokens, jnp.int32))),

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zeroxla.app import chat_data, cli, dpo_job, grpo_job
+from zeroxla.app import chat_data, cli
+from zeroxla.app.jobs import dpo as dpo_job
+from zeroxla.app.jobs import grpo as grpo_job
+from zeroxla.app.jobs import loading
+from zeroxla.app.run import command
+from zeroxla.app.run.resume import tree_from_record, tree_record
 from zeroxla.app.cli import build_parser
 from zeroxla.app.tiny_checkpoints import MAX_POSITIONS, tokenizer_vocab_size, write_tokenizer
 from zeroxla.lora import LoRAConfig, LoRAWeight
@@ -27,20 +32,14 @@ LORA = ["--lora-dim", "4", "--lora-alpha", "8", "--lora-module-name", "wq|wv",
         "--only-optimize-lora"]
 
 
-@pytest.mark.parametrize("command, module", [("dpo", dpo_job), ("grpo", grpo_job)])
-def test_lora_options_reach_the_job(command, module, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(module, "run", lambda job, **_: seen.setdefault("job", job) and {})
-    args = build_parser().parse_args([command, "--init-from" if command == "dpo" else "--actor",
-                                      "runs/sft", *LORA])
-    assert args.handler(args) == 0
-    assert seen["job"].lora == LoRAConfig(dim=4, alpha=8.0, module_name="wq|wv",
-                                          only_optimize_lora=True)
-    seen.clear()
-    args = build_parser().parse_args([command, "--init-from" if command == "dpo" else "--actor",
-                                      "runs/sft"])
-    assert args.handler(args) == 0
-    assert seen["job"].lora == LoRAConfig()
+@pytest.mark.parametrize("job, start", [(dpo_job, "--init-from"), (grpo_job, "--actor")],
+                         ids=["dpo", "grpo"])
+def test_lora_options_reach_the_tree(job, start):
+    for argv, lora in ((LORA, LoRAConfig(dim=4, alpha=8.0, module_name="wq|wv",
+                                         only_optimize_lora=True)), ([], LoRAConfig())):
+        args = build_parser().parse_args([job.SPEC.name, start, "runs/sft", *argv])
+        tree, _, _ = command.resolve(job.SPEC, job.OPTIONS.given(args))
+        assert tree.lora == lora
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +58,9 @@ def gpt_base(tmp_path_factory):
     ("dpo", ["--init-from", "BASE", "--lora-dim", "4", "--lora-module-name", "blocks/nope"],
      "--lora-module-name 'blocks/nope': LoRAConfig.module_name='blocks/nope' matches none of "
      "the linear weights"),
-    ("dpo", ["--resume", "NOWHERE", "--lora-dim", "4", "--only-optimize-lora"],
-     "--lora-dim, --only-optimize-lora cannot change them"),
     ("grpo", ["--actor", "NOWHERE", "--only-optimize-lora"],
      "--only-optimize-lora: LoRAConfig.only_optimize_lora=True needs dim > 0"),
-], ids=["dpo-only-without-dim", "dpo-module-name", "dpo-resume", "grpo-only-without-dim"])
+], ids=["dpo-only-without-dim", "dpo-module-name", "grpo-only-without-dim"])
 def test_lora_refusals_name_the_option(command, argv, message, gpt_base, tmp_path, capsys):
     argv = [str(gpt_base) if a == "BASE" else a for a in argv]
     out = tmp_path / "run"
@@ -78,12 +75,13 @@ def test_lora_refusals_name_the_option(command, argv, message, gpt_base, tmp_pat
 def test_dpo_job_record_keeps_the_lora_settings():
     job = dpo_job.DPOJobConfig(init_from="x", dpo=DPOConfig(batch_size=8),
                                lora=LoRAConfig(4, 8.0, "wq", True))
-    record = json.loads(json.dumps(job.record()))            # as the checkpoint stores it
-    assert dpo_job.DPOJobConfig.from_record(record) == job
+    record = json.loads(json.dumps(tree_record(job)))        # as the checkpoint stores it
+    assert tree_from_record(dpo_job.DPOJobConfig, record) == job
     with pytest.raises(ValueError, match=r"DPOJobConfig\.lora=4 is invalid; accepted: a "
-                                         r"zeroxla\.lora\.LoRAConfig"):
+                                         r"LoRAConfig"):
         dpo_job.DPOJobConfig(init_from="x", dpo=DPOConfig(batch_size=8), lora=4)
-    with pytest.raises(TypeError, match=r"GRPOJobConfig\.lora must be a LoRAConfig"):
+    with pytest.raises(ValueError, match=r"GRPOJobConfig\.lora=\{'dim': 4\} is invalid; "
+                                         r"accepted: a LoRAConfig"):
         grpo_job.GRPOJobConfig(actor="x", lora={"dim": 4})
 
 
@@ -143,6 +141,15 @@ def dpo_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_dpo_resume_refuses_other_adapters_naming_the_option(dpo_run, capsys):
+    """The checkpoint's state holds rank-4 adapters: another rank cannot continue it."""
+    _, out, _ = dpo_run
+    assert cli.main(["dpo", "--resume", str(out), "--lora-dim", "8", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora-dim 4 -> 8 cannot change" in err, err
+
+
+@pytest.mark.slow
 def test_dpo_with_lora_trains_the_adapters_alone_and_exports_merged(dpo_run):
     torch = pytest.importorskip("torch")
     import jax.numpy as jnp
@@ -161,7 +168,7 @@ def test_dpo_with_lora_trains_the_adapters_alone_and_exports_merged(dpo_run):
 
     # --init-from this run reads it merged (the policy DPO or GRPO would start from); the
     # exported policy_hf/ (merged in float64 numpy) gives its logits in transformers.
-    _, load = dpo_job.open_policy(str(out), 64)
+    _, load = loading.open_policy(str(out), 64)
     merged = load()
     assert not any(isinstance(n, LoRAWeight) for _, n in nnx.iter_graph(merged))
     tokens = np.random.default_rng(0).integers(0, 500, (2, 11))
@@ -217,7 +224,7 @@ def distinct_chars(prompts, completions, **_):
 
 @pytest.mark.slow
 def test_grpo_with_lora_on_a_lora_actor_trains_the_adapters_alone(dpo_run, tmp_path, capsys):
-    from zeroxla.app.ppo_job import load_actor
+    from zeroxla.app.jobs.loading import load_actor
 
     base, actor_run, _ = dpo_run
     prompts = chat_data.write_jsonl(chat_data.shakespeare_prompts(16, seed=2),
@@ -241,9 +248,8 @@ def test_grpo_with_lora_on_a_lora_actor_trains_the_adapters_alone(dpo_run, tmp_p
     assert_base_unchanged(stored_params(out / "checkpoint"), start)
     assert (out / "actor_hf" / "config.json").is_file()
     _adapter_on_the_actor_is_the_trained_actor(actor_run, out, tmp_path)
-    # Resuming with other LoRA settings is refused before the checkpoint is read into a step.
-    job = grpo_job.GRPOJobConfig(actor=str(actor_run), resume=str(out), reward_funcs=("x:y",),
-                                 prompts=str(prompts))
-    with pytest.raises(ValueError, match=r"was run with LoRA .*'dim': 4.*; accepted: the same "
-                                         r"--lora-dim, --lora-alpha"):
-        grpo_job._restore(job, trainer=None)
+    # Resuming with other LoRA settings is refused, naming the option, before any model is
+    # read (the checkpoint's state holds rank-4 adapters).
+    assert cli.main(["grpo", "--resume", str(out), "--lora-dim", "8", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora-dim 4 -> 8 cannot change" in err, err

@@ -17,10 +17,15 @@ import pytest
 import zeroxla
 from chat_checkpoints import TOKENIZER_SIZE, padded_gpt2_checkpoint
 from flax import nnx
-from zeroxla.app import chat_data, ppo_job, reward_job
-from zeroxla.app.sampling import generate_from_checkpoint, local_zero3_step
-from zeroxla.app.train import loop
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app import chat_data
+from zeroxla.app.jobs import ppo as ppo_job
+from zeroxla.app.jobs import reward as reward_job
+from zeroxla.app.run import runner
+from zeroxla.app.run.job import RunSettings
+from zeroxla.app.jobs.generate import generate_from_checkpoint
+from zeroxla.app.sampling import local_zero3_step
+from zeroxla.app.jobs.train import job as train_job
+from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.inference import HybridEngineConfig
 from zeroxla.inference.engine import HybridEngine
 from zeroxla.rlhf import PPOConfig
@@ -79,7 +84,7 @@ def test_padded_vocabulary_sft_generate_and_ppo_emit_only_tokenizer_ids(tmp_path
     pairs = write_rows(chat_pairs(64, seed=1), tmp_path / "pairs.jsonl")
     chat_data.write_jsonl(chat_data.shakespeare_prompts(32, seed=2), tmp_path / "prompts.jsonl")
 
-    summary = loop.run(resolve_job(dict(
+    summary = train_job.run(resolve_job(dict(
         init_from=str(hf), data=str(sft), steps=4, batch_size=8, seq_len=112, lr=1e-3,
         warmup_steps=1, eval_every=4, eval_batches=1, sample_tokens=24, temperature=1.0,
         out_dir=str(tmp_path / "sft"), progress=False)), write=quiet)
@@ -89,14 +94,15 @@ def test_padded_vocabulary_sft_generate_and_ppo_emit_only_tokenizer_ids(tmp_path
         generate_from_checkpoint(checkpoint, "Who goes there?", max_new_tokens=24,
                                  temperature=temperature, top_k=None, tp=2)
     assert len(emitted) == 3
-    reward_job.run(reward_job.RewardJobConfig(
-        init_from=str(hf), data=str(pairs), steps=2, batch_size=8, seq_len=112, eval_every=2,
-        out_dir=str(tmp_path / "rm"), progress=False), write=quiet)
+    runner.run(reward_job.RewardJob(reward_job.RewardJobConfig(
+        init_from=str(hf), data=str(pairs), steps=2, batch_size=8, seq_len=112,
+        run=RunSettings(eval_every=2, out_dir=str(tmp_path / "rm"), progress=False))),
+        write=quiet)
     ppo = PPOConfig(ppo_epochs=1, prompts_per_iteration=8, prompt_length=8, answer_length=12)
-    ppo_job.run(ppo_job.PPOJobConfig(
+    runner.run(ppo_job.PPOJob(ppo_job.PPOJobConfig(
         actor=str(tmp_path / "sft"), reward=str(tmp_path / "rm"),
         prompts=str(tmp_path / "prompts.jsonl"), ppo=ppo, iterations=2,
-        out_dir=str(tmp_path / "ppo"), progress=False), write=quiet)
+        run=RunSettings(out_dir=str(tmp_path / "ppo"), progress=False))), write=quiet)
     assert len(emitted) == 3 + 2 * ppo.prompts_per_iteration
 
     ids = new_ids(emitted)

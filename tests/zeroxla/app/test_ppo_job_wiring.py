@@ -18,16 +18,15 @@ import pytest
 from flax import nnx
 
 import zeroxla
+from zeroxla.app.jobs import loading
 from zeroxla import checkpoint, models
-from zeroxla.app import data, ppo_job, reward_job
-from zeroxla.app.tokenizer_records import tokenizer_record
+from zeroxla.app import data
+from zeroxla.app.jobs import ppo as ppo_job
+from zeroxla.app.run.job import RunSettings
+from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.rlhf import PPOConfig, RewardModel, pairwise_loss_terms, without_lm_head
 
 PPO = PPOConfig(prompts_per_iteration=8, prompt_length=8, answer_length=8)
-
-
-class Handed(Exception):
-    """Raised by the recording trainer: the job stops before any PPO compute."""
 
 
 def flat_params(model):
@@ -65,7 +64,7 @@ def runs(tmp_path_factory):
     actor = save_run(tmp / "sft" / "checkpoint",
                      lambda: models.GPT(config, rngs=nnx.Rngs(5)), config, record)
     reward = save_run(tmp / "rm" / "checkpoint", trained_reward_model, config,
-                      {"model_kind": reward_job.KIND, **record},
+                      {"model_kind": loading.REWARD_KIND, **record},
                       loss_fn=pairwise_loss_terms, trainable=without_lm_head)
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"ROMEO:\nBut soft, what light {c}"})
@@ -73,22 +72,23 @@ def runs(tmp_path_factory):
     return tmp, tmp / "sft", tmp / "rm", actor, reward
 
 
-def test_ppo_job_hands_the_trainer_the_saved_reward_model_and_actor(runs):
+def test_ppo_job_hands_the_trainer_the_saved_reward_model_and_actor(runs, monkeypatch):
+    """The job built (everything loaded, nothing computed: the runner drives the iterations)
+    with a recording trainer in place of `PPOTrainer`."""
     tmp, sft_run, rm_run, actor, reward = runs
     handed = {}
 
-    def recording_trainer(config, iterations, actor, **kwargs):
-        handed.update(kwargs, config=config, iterations=iterations, actor=actor)
-        raise Handed
+    def recording_trainer(config, actor, **kwargs):
+        handed.update(kwargs, config=config, actor=actor)
+        return object()
 
+    monkeypatch.setattr(ppo_job, "PPOTrainer", recording_trainer)
     out = tmp / "ppo"
-    with pytest.raises(Handed):
-        ppo_job.run(ppo_job.PPOJobConfig(actor=str(sft_run), reward=str(rm_run),
-                                         prompts=str(tmp / "prompts.jsonl"), ppo=PPO,
-                                         iterations=2, out_dir=str(out), progress=False),
-                    write=lambda line: None, train=recording_trainer)
-    assert not out.exists()                      # a failed run leaves nothing behind
-    assert handed["config"] == PPO and handed["iterations"] == 2
+    job = ppo_job.PPOJob(ppo_job.PPOJobConfig(
+        actor=str(sft_run), reward=str(rm_run), prompts=str(tmp / "prompts.jsonl"), ppo=PPO,
+        iterations=2, run=RunSettings(seed=3, out_dir=str(out), progress=False)))
+    assert not out.exists()                      # building the job makes no directory
+    assert handed["config"] == PPO and job.total == 2 and handed["seed"] == 3
     want_reward, want_actor = flat_params(reward), flat_params(actor)
     assert np.abs(want_reward["v_head"]).max() > 0.1
     for name, model, want in (("reward_model", handed["reward_model"], want_reward),

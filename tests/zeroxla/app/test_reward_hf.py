@@ -18,12 +18,14 @@ from flax import nnx
 
 import zeroxla
 from zeroxla import checkpoint
-from zeroxla.app import cli, ppo_job, reward_job
-from zeroxla.app.hf_tokenizer import PAD_TOKEN, PretrainedTokenizer, reward_pad_id
-from zeroxla.app.train.model import pretrained_config
+from zeroxla.app import cli
+from zeroxla.app.jobs import loading
+from zeroxla.app.jobs import reward as reward_job
+from zeroxla.app.tokenizers.pretrained import PAD_TOKEN, PretrainedTokenizer, reward_pad_id
+from zeroxla.app.jobs.loading import pretrained_config
 from zeroxla.app.tiny_checkpoints import eos_id, gpt2_checkpoint, llama_checkpoint
-from zeroxla.app.tokenizer import CharTokenizer
-from zeroxla.app.tokenizer_records import tokenizes_alike
+from zeroxla.app.tokenizers.basic import CharTokenizer
+from zeroxla.app.tokenizers.records import tokenizes_alike
 from zeroxla.rlhf import pairwise_loss_terms, without_lm_head
 
 torch = pytest.importorskip("torch")
@@ -68,7 +70,7 @@ def initial_reward_model(init_from, mesh_shape=(2, 4)):
     tokenizer = PretrainedTokenizer.from_dir(init_from)
     config = pretrained_config(str(init_from), tokenizer, SEQ_LEN, command="zeroxla reward")
     mesh = zeroxla.make_mesh(*mesh_shape)
-    step = zeroxla.make_step(reward_job.reward_model_factory(config), mesh,
+    step = zeroxla.make_step(loading.reward_model_factory(config), mesh,
                              optimizer=optax.adamw(1e-3), loss_fn=pairwise_loss_terms,
                              config=zeroxla.ZeroConfig(stage=3), trainable=without_lm_head)
     state = step.init_from(reward_job.initial_values(str(init_from), config, mesh,
@@ -86,7 +88,7 @@ def reward_run(request, tmp_path_factory):
     step, state, config, tokenizer = initial_reward_model(hf_dir)
     directory = checkpoint.save(tmp / "rm" / "checkpoint", state, layout=step.layout,
                                 model_config=config,
-                                metadata={"model_kind": reward_job.KIND,
+                                metadata={"model_kind": loading.REWARD_KIND,
                                           "tokenizer": tokenizer.record()})
     return family, hf_dir, directory, zeroxla.gathered_model(state), tokenizer
 
@@ -169,15 +171,15 @@ def test_ppo_reward_accepts_the_run_and_the_export(reward_run, exported):
     out, _ = exported
     actor = ours.base                                  # a causal LM over the same 512 ids
     tokens = random_tokens(SHAPE, seed=4)
-    from_run = ppo_job.load_reward(directory.parent, actor, tokenizer)
-    from_export = ppo_job.load_reward(out, actor, tokenizer)
+    from_run = loading.load_reward(directory.parent, actor, tokenizer)
+    from_export = loading.load_reward(out, actor, tokenizer)
     assert from_export.base.config.vocab_size == VOCAB
     np.testing.assert_allclose(values(from_export, tokens), their_scores(out, tokens),
                                atol=ATOL, rtol=0)
     np.testing.assert_array_equal(values(from_run, tokens), values(ours, tokens))
     assert tokenizes_alike(tokenizer, PretrainedTokenizer.from_dir(out))
     with pytest.raises(ValueError, match="tokenizes text differently from --actor's tokenizer"):
-        ppo_job.load_reward(out, actor, CharTokenizer("abc"))
+        loading.load_reward(out, actor, CharTokenizer("abc"))
 
 
 def test_reward_pad_id_is_an_id_no_real_token_has(tmp_path):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from zeroxla.app import cli, rundir
+from zeroxla.app import cli
+from zeroxla.app.run import rundir
 
 NOW = datetime.datetime(2025, 6, 14, 9, 30, 12)
 
@@ -86,7 +87,7 @@ def test_a_failed_job_removes_what_it_wrote_and_nothing_else(tmp_path, failure):
     # A directory the job created, with parents: all of it goes.
     out = tmp_path / "runs" / "rm"
     with pytest.raises(type(failure)):
-        with rundir.removed_on_failure(out):
+        with rundir.removed_unless_saved(out):
             out.mkdir(parents=True)
             (out / rundir.METRICS_FILE).write_text("{}\n")
             raise failure
@@ -96,14 +97,14 @@ def test_a_failed_job_removes_what_it_wrote_and_nothing_else(tmp_path, failure):
     given.mkdir()
     (given / "notes.txt").write_text("mine")
     with pytest.raises(type(failure)):
-        with rundir.removed_on_failure(given):
+        with rundir.removed_unless_saved(given):
             (given / rundir.METRICS_FILE).write_text("{}\n")
             (given / rundir.CHECKPOINT_DIR / "1").mkdir(parents=True)
             raise failure
     assert sorted(os.listdir(given)) == ["notes.txt"]
     rundir.check_out_dir(given, resumable=False)         # the same --out is accepted again
     # A job that succeeds keeps everything.
-    with rundir.removed_on_failure(out):
+    with rundir.removed_unless_saved(out):
         out.mkdir(parents=True)
         (out / rundir.SUMMARY_FILE).write_text("{}")
     assert os.listdir(out) == [rundir.SUMMARY_FILE]

@@ -15,7 +15,7 @@ from flax import nnx
 import zeroxla
 from zeroxla import models
 from zeroxla.app import cli
-from zeroxla.app.train import config
+from zeroxla.app.jobs.train import config
 from zeroxla.app.sampling import check_tp, sample_tokens
 from zeroxla.models import GPT, GPTConfig
 

@@ -13,9 +13,10 @@ import pytest
 import zeroxla
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint, llama_checkpoint
 from zeroxla.app import chat_data, cli
-from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.train import config, loop
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
+from zeroxla.app.jobs.train import config
+from zeroxla.app.jobs.train import job as train_job
+from zeroxla.app.jobs.train.resolve import resolve_job
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -69,7 +70,7 @@ def test_sft_job_lowers_the_response_loss_and_exports_to_transformers(gpt2_dir, 
     job = resolve_job(dict(init_from=str(gpt2_dir), data=str(sft_file), steps=30,
                            batch_size=16, seq_len=SEQ, lr=3e-3, warmup_steps=5, eval_every=30,
                            eval_batches=2, sample_tokens=8, out_dir=str(out), progress=False))
-    summary = loop.run(job, write=lambda line: None)
+    summary = train_job.run(job, write=lambda line: None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = records[0]["loss"]
     print(f"SFT response loss: step 1 {first:.3f} -> held-out {summary.final_val_loss:.3f}")
@@ -102,7 +103,7 @@ def test_a_tokenizer_that_does_not_match_the_checkpoint_is_refused(gpt2_dir, sft
     job = resolve_job(dict(init_from=str(bad), data=str(sft_file), steps=1, seq_len=SEQ,
                            out_dir=str(tmp_path / "run"), progress=False))
     with pytest.raises(ValueError, match="512 ids but .*vocab_size=300"):
-        loop.run(job, write=lambda line: None)
+        train_job.run(job, write=lambda line: None)
     assert not (tmp_path / "run").exists()            # refused before anything was written
 
 
@@ -114,7 +115,7 @@ def test_a_response_that_does_not_fit_is_refused_with_its_line(gpt2_dir, tmp_pat
                            out_dir=str(tmp_path / "run"), progress=False))
     job = dataclasses.replace(job, data=dataclasses.replace(job.data, val_fraction=0.5))
     with pytest.raises(chat_data.ChatDataError, match=r"sft.jsonl:2.*seq_len=48"):
-        loop.run(job, write=lambda line: None)
+        train_job.run(job, write=lambda line: None)
 
 
 def test_tokenizer_and_model_options_conflict_with_init_from(gpt2_dir, capsys):

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from zeroxla import checkpoint
-from zeroxla.app import cli, rundir
-from zeroxla.app.train import loop
-from zeroxla.app.train.resolve import resolve_job
-from zeroxla.app.train.resume import FLAT_RECORD_KEY, RECORD_KEY
+from zeroxla.app import cli
+from zeroxla.app.run import rundir
+from zeroxla.app.jobs.train import job as train_job
+from zeroxla.app.jobs.train.resolve import resolve_job
+from zeroxla.app.jobs.train.resume import FLAT_RECORD_KEY, RECORD_KEY
 from zeroxla.checkpoint.integrity import digest
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
@@ -50,7 +51,7 @@ def test_save_every_and_keep_last(tmp_path):
         if "saved checkpoint" in line:
             seen[int(line.split(":")[0].split()[-1])] = committed(run_dir / "checkpoint")
 
-    summary = loop.run(resolve_job({"steps": 7, "save_every": 2, "keep_last": 2,
+    summary = train_job.run(resolve_job({"steps": 7, "save_every": 2, "keep_last": 2,
                                     "out_dir": str(run_dir), **SMALL}), write=write)
     # Each save commits before older steps go: the newest two committed ones are always there.
     assert seen == {2: [2], 4: [2, 4], 6: [4, 6]}
@@ -68,7 +69,7 @@ def test_save_every_and_keep_last(tmp_path):
     # Every checkpoint records the job's tree, the settings and the tokenizer (for --resume,
     # export).
     meta = checkpoint.read_metadata(run_dir / "checkpoint")["metadata"]
-    assert meta["data_position"] == 7 and meta["settings"] == settings
+    assert meta["run_record"]["done"] == 7 and meta["settings"] == settings
     assert meta[RECORD_KEY]["run"]["save_every"] == 2 and meta["tokenizer"]["kind"] == "char"
 
 

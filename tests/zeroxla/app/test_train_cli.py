@@ -14,13 +14,13 @@ import xla_flags
 
 from zeroxla import models
 from zeroxla.app import cli
-from zeroxla.app.train import config, report
-from zeroxla.app.train.recipe import build_setup
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app.jobs.train import config, report
+from zeroxla.app.jobs.train.recipe import build_setup
+from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.deepspeed.config import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.app.sampling import sample_text, sample_tokens
-from zeroxla.app.tokenizer import CharTokenizer
+from zeroxla.app.tokenizers.basic import CharTokenizer
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
 
@@ -234,7 +234,7 @@ def test_train_command_end_to_end(tmp_path):
                           "--mesh", "1x4", "--zero-stage", "1", "--out", str(out),
                           "--resume", str(out / "checkpoint")], tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout and "at step 20" in result.stdout
+    assert "resumed from" in result.stdout and "after step 20" in result.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 27))
     assert (out / "checkpoint" / "26").is_dir()

@@ -11,7 +11,7 @@ import pytest
 
 from zeroxla.app import cli
 from zeroxla.app.chat_data import ChatDataError, SFTExample
-from zeroxla.app.train.data import SFTData, TextData, load_train_data, read_data
+from zeroxla.app.jobs.train.data import SFTData, TextData, load_train_data, read_data
 
 RECORDS = [{"prompt": f"Q{i}: ", "response": f"answer {i}."} for i in range(20)]
 

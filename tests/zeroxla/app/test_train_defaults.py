@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from zeroxla.app import cli
-from zeroxla.app.train import config
-from zeroxla.app.train.defaults import API_DEFAULTS, JOB_DEFAULTS, job_default
-from zeroxla.app.train.defaults_table import OPTION_OF_FIELD, defaults_table, format_table
-from zeroxla.app.train.options import OPTION_NAMES, OPTIONS, json_default_text
+from zeroxla.app.jobs.train import config
+from zeroxla.app.jobs.train.defaults import API_DEFAULTS, JOB_DEFAULTS, job_default
+from zeroxla.app.jobs.train.defaults_table import OPTION_OF_FIELD, defaults_table, format_table
+from zeroxla.app.jobs.train.options import OPTION_NAMES, OPTIONS, json_default_text
 from zeroxla.deepspeed.config import load_deepspeed_config
 from zeroxla.deepspeed.zero_config import KEY_OF_FIELD
 

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from zeroxla.app import cli
-from zeroxla.app.train import config
-from zeroxla.app.train.options import (OPTION_NAMES, OPTIONS, deepspeed_overrides,
-                                       given_options, section_changes)
+from zeroxla.app.jobs.train import config
+from zeroxla.app.jobs.train.options import (OPTION_NAMES, OPTIONS, deepspeed_overrides,
+                                            given_options, section_changes)
 from zeroxla.deepspeed.overrides import Overrides
 from zeroxla.sharding.config import ZeroConfig
 
@@ -27,7 +27,7 @@ NOT_OPTIONS = {("schedule", "min_lr_ratio"), ("schedule", "weight_decay"),
 # One command line that gives every option (flag -> text; --init-from apart, as it brings its
 # own tokenizer), and the options it means.
 GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--steps": "7",
-         "--batch-size": "16", "--seq-len": "64", "--lr": "0.001", "--warmup-steps": "2",
+         "--batch-size": "16", "--seq-len": "64", "--learning-rate": "0.001", "--warmup-steps": "2",
          "--mesh": "1x8", "--pipeline-stages": "2", "--zero-stage": "2", "--dtype": "bf16",
          "--grad-accum": "2", "--persistence-threshold": "5", "--gradient-clipping": "0.5",
          "--no-check-grad-overflow": None, "--config": "ds.json",
@@ -70,7 +70,7 @@ def _argv(given):
 def test_every_tree_field_is_one_option_or_not_an_option():
     fields = {(name, f.name) for name, cls in config.SECTIONS.items()
               for f in dataclasses.fields(cls)}
-    targets = [(o.section.NAME, o.field) for o in OPTIONS if o.section is not None]
+    targets = [(o.section, o.field) for o in OPTIONS if o.section is not None]
     assert len(targets) == len(set(targets))
     assert set(targets) == fields - NOT_OPTIONS
     assert not NOT_OPTIONS - fields
@@ -78,6 +78,15 @@ def test_every_tree_field_is_one_option_or_not_an_option():
         (None, "deepspeed_config")]
     flags = {o.flag for o in OPTIONS} | {"--no-check-grad-overflow"}
     assert set(GIVEN) | {"--init-from", "--check-grad-overflow"} == flags
+
+
+def test_lr_is_the_learning_rate_options_other_spelling():
+    """One option, two spellings: `--lr` (this command's older one) sets what `--learning-rate`
+    sets, and messages name `--learning-rate`."""
+    for flag in ("--lr", "--learning-rate"):
+        given = given_options(cli.build_parser().parse_args(["train", flag, "0.002"]))
+        assert given == {"lr": 0.002}
+    assert OPTION_NAMES["lr"] == "--learning-rate"
 
 
 def test_a_command_line_giving_every_option_is_that_job():

@@ -13,11 +13,11 @@ from flax import nnx
 
 import zeroxla
 from zeroxla import models
-from zeroxla.app.train import loop
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app.jobs.train import job as train_job
+from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.app.sampling import sample_with_engine
-from zeroxla.app.tokenizer import CharTokenizer
-from zeroxla.app.tokenizer_records import tokenizer_from_record
+from zeroxla.app.tokenizers.basic import CharTokenizer
+from zeroxla.app.tokenizers.records import tokenizer_from_record
 from zeroxla.checkpoint.export import checkpoint_metadata
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
@@ -44,7 +44,7 @@ def run_job(tmp_path, **changes):
     """(job, summary, lines written) of an in-process `zeroxla train`."""
     lines = []
     job = resolve_job({"out_dir": str(tmp_path / "run"), **SMALL, **changes})
-    summary = loop.run(job, write=lines.append)
+    summary = train_job.run(job, write=lines.append)
     return job, summary, lines
 
 

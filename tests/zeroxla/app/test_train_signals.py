@@ -22,7 +22,7 @@ from commands import zeroxla_command
 from flax import nnx
 
 from zeroxla import checkpoint
-from zeroxla.app import rundir
+from zeroxla.app.run import rundir
 
 pytestmark = pytest.mark.slow        # each compiles and runs a job in a new process
 
@@ -122,7 +122,7 @@ def test_a_diverging_run_exits_1_naming_the_step_and_keeps_the_last_finite_state
     if "holds the parameters" in errors[0]:
         assert _complete(out) == [step]
         meta = checkpoint.read_metadata(out / "checkpoint")
-        assert meta["metadata"]["data_position"] == step
+        assert meta["metadata"]["run_record"]["done"] == step
         params = nnx.state(checkpoint.load_params(out / "checkpoint"), nnx.Param)
         assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(params))
     else:                                                # it says why it cannot
@@ -175,5 +175,5 @@ def test_resume_tokenizes_with_the_runs_own_vocabulary(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "vocab 9" in resumed.stdout                   # the run's 9 characters, not 5
     meta = checkpoint.read_metadata(out / "checkpoint")["metadata"]
-    assert meta["data_position"] == 4 and meta["tokenizer"] == recorded
+    assert meta["run_record"]["done"] == 4 and meta["tokenizer"] == recorded
     assert json.loads((out / rundir.SUMMARY_FILE).read_text())["steps"] == 4

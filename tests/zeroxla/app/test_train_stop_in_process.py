@@ -13,10 +13,12 @@ import signal
 import pytest
 
 from zeroxla import checkpoint
-from zeroxla.app import rundir
-from zeroxla.app.train import loop, prepare
-from zeroxla.app.train.resolve import resolve_job
-from zeroxla.app.train.resume import saved_job
+from zeroxla.app.run import rundir
+from zeroxla.app.run import runner
+from zeroxla.app.run.resume import RECORD_KEY
+from zeroxla.app.jobs.train import job as train_job
+from zeroxla.app.jobs.train.resolve import resolve_job
+from zeroxla.app.jobs.train.resume import saved_job
 
 # One device, no partitioning: the cheapest step to compile (the saves do not depend on it).
 TINY = {"batch_size": 8, "seq_len": 16, "eval_batches": 1, "sample_tokens": 0,
@@ -32,24 +34,25 @@ def test_ctrl_c_saves_the_last_finished_step_where_resume_reads_it(tmp_path):
         if line.startswith("step") and int(line.split(":")[0].split()[-1]) == STOP_AFTER:
             os.kill(os.getpid(), signal.SIGINT)
 
-    with pytest.raises(loop.TrainingInterrupted) as stopped:
-        loop.run(resolve_job({"steps": 5, "eval_every": STOP_AFTER, "out_dir": str(out),
+    with pytest.raises(runner.RunInterrupted) as stopped:
+        train_job.run(resolve_job({"steps": 5, "eval_every": STOP_AFTER, "out_dir": str(out),
                               **TINY}), write=write)
     assert signal.getsignal(signal.SIGINT) is before                   # handler restored
     finished = [r["step"] for r in rundir.read_metrics(out / rundir.METRICS_FILE) if "loss" in r]
     assert finished == list(range(1, STOP_AFTER + 1))
-    assert stopped.value.step == STOP_AFTER and stopped.value.signum == signal.SIGINT
-    assert stopped.value.checkpoint_path == (out / "checkpoint" / str(STOP_AFTER)).absolute()
+    assert stopped.value.done == STOP_AFTER and stopped.value.signum == signal.SIGINT
+    assert stopped.value.path == (out / "checkpoint" / str(STOP_AFTER)).absolute()
     assert [c.step for c in checkpoint.list_checkpoints(out / "checkpoint")
             if c.complete] == [STOP_AFTER]
     metadata = checkpoint.read_metadata(out / "checkpoint")["metadata"]
-    assert metadata["data_position"] == STOP_AFTER
+    assert metadata[RECORD_KEY]["done"] == STOP_AFTER
 
     # What `zeroxla train --resume RUN --steps 5` reads: the job, the state and where the data
-    # continues (set up only: no step runs).
+    # continues: the run goes on from step 3 and logs it.
     lines = []
-    run, state = prepare.set_up(saved_job(metadata, {"resume": str(out), "steps": 5}),
-                                lines.append)
-    assert run.first_step == STOP_AFTER and int(state.step) == STOP_AFTER
-    assert (f"resumed from {(out / 'checkpoint' / str(STOP_AFTER)).absolute()} at step "
+    job = saved_job(metadata, {"resume": str(out), "steps": 5})
+    summary = train_job.run(job, write=lines.append)
+    assert (f"resumed from {(out / 'checkpoint' / str(STOP_AFTER)).absolute()} after step "
             f"{STOP_AFTER}") in lines
+    finished = [r["step"] for r in rundir.read_metrics(out / rundir.METRICS_FILE) if "loss" in r]
+    assert finished == [1, 2, 3, 4, 5] and summary.resumed_from_step == STOP_AFTER

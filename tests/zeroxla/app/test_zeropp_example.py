@@ -16,8 +16,8 @@ import pytest
 import zeroxla
 from reference import token_batches
 from zeroxla import models
-from zeroxla.app.train.recipe import build_setup
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app.jobs.train.recipe import build_setup
+from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.collectives.zero import FWD_GATHER, GRAD_REDUCE
 from zeroxla.deepspeed.config import DeepSpeedConfigWarning
 

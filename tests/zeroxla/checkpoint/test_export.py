@@ -125,13 +125,13 @@ def test_export_of_corrupted_checkpoint_raises(llama, tmp_path):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """gpt-tiny trained 3 steps by `zeroxla train`'s job (character tokenizer)."""
-    from zeroxla.app.train import loop
-    from zeroxla.app.train.resolve import resolve_job
+    from zeroxla.app.jobs.train import job as train_job
+    from zeroxla.app.jobs.train.resolve import resolve_job
 
     job = resolve_job(dict(steps=3, batch_size=8, seq_len=32, eval_batches=1, sample_tokens=0,
                            progress=False,
                            out_dir=str(tmp_path_factory.mktemp("train") / "run")))
-    loop.run(job, write=lambda line: None)
+    train_job.run(job, write=lambda line: None)
     return job
 
 
@@ -141,7 +141,7 @@ def test_trained_run_exports_a_model_and_tokenizer_transformers_loads(trained_ru
     torch = pytest.importorskip("torch")
     import zeroxla
     from zeroxla.app.data import load_corpus
-    from zeroxla.app.train.recipe import build_setup
+    from zeroxla.app.jobs.train.recipe import build_setup
 
     run_checkpoint = f"{trained_run.run.out_dir}/checkpoint"
     out = tmp_path / "hf"
@@ -182,7 +182,7 @@ def test_load_params_of_a_cli_checkpoint_equals_the_restored_state(trained_run):
     """`zeroxla.load_params` needs no optimizer and no mesh; its model computes the logits of the
     full restore (with the job's optimizer) gathered into a plain model."""
     import zeroxla
-    from zeroxla.app.train.recipe import build_setup
+    from zeroxla.app.jobs.train.recipe import build_setup
 
     directory = f"{trained_run.run.out_dir}/checkpoint"
     loaded = zeroxla.load_params(directory)

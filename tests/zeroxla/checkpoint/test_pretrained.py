@@ -286,7 +286,8 @@ def test_two_processes_load_and_train_as_one(checkpoints, tmp_path):
     import subprocess
 
     from commands import cpu_env, zeroxla_command
-    from zeroxla.app import chat_data, cli, rundir
+    from zeroxla.app import chat_data, cli
+    from zeroxla.app.run import rundir
 
     data = tmp_path / "sft.jsonl"
     chat_data.write_jsonl(chat_data.shakespeare_sft(64, seed=0), data)

@@ -17,8 +17,8 @@ import pytest
 import zeroxla
 from hf_golden import ATOL, FAMILIES, golden, safetensors_of
 from zeroxla.app import cli
-from zeroxla.app.hf_tokenizer import PretrainedTokenizer
-from zeroxla.app.tokenizer_records import tokenizer_record
+from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
+from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.models import hf
 
 EXPORT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}

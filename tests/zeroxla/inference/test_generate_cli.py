@@ -13,14 +13,14 @@ def test_generate_continues_a_trained_checkpoint(tmp_path, capsys):
     import numpy as np
 
     import zeroxla
-    from zeroxla.app.train import loop
-    from zeroxla.app.train.resolve import resolve_job
-    from zeroxla.app.tokenizer_records import tokenizer_from_record
+    from zeroxla.app.jobs.train import job as train_job
+    from zeroxla.app.jobs.train.resolve import resolve_job
+    from zeroxla.app.tokenizers.records import tokenizer_from_record
     from zeroxla.checkpoint.export import checkpoint_metadata
 
     job = resolve_job(dict(steps=2, batch_size=8, seq_len=32, eval_batches=1,
                            sample_tokens=0, progress=False, out_dir=str(tmp_path / "run")))
-    loop.run(job, write=lambda line: None)
+    train_job.run(job, write=lambda line: None)
     checkpoint = f"{job.run.out_dir}/checkpoint"
     assert cli.main(["generate", checkpoint, "--prompt", "ROMEO:", "--max-new-tokens", "12",
                      "--temperature", "0", "--tp", "2"]) == 0

@@ -11,8 +11,9 @@ import pytest
 
 import zeroxla
 from zeroxla import models
-from zeroxla.app.sampling import generate_from_checkpoint, sample_tokens, sample_with_engine
-from zeroxla.app.tokenizer import CharTokenizer
+from zeroxla.app.jobs.generate import generate_from_checkpoint
+from zeroxla.app.sampling import sample_tokens, sample_with_engine
+from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.inference import (HybridEngine, HybridEngineConfig, SingleDeviceGenerator,
                                Zero3Generator)
 

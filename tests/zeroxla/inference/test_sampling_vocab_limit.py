@@ -91,7 +91,7 @@ def test_the_jobs_sampler_refuses_a_tokenizer_larger_than_the_model():
     from types import SimpleNamespace
 
     from zeroxla.app.sampling import sample_with_engine
-    from zeroxla.app.tokenizer import ByteTokenizer
+    from zeroxla.app.tokenizers.basic import ByteTokenizer
 
     step = SimpleNamespace(layout=SimpleNamespace(vocab_size=200))     # no compute is reached
     with pytest.raises(ValueError, match=r"the tokenizer has 256 ids but the model's vocab_size "

@@ -15,7 +15,7 @@ from flax import nnx
 
 from zeroxla import checkpoint
 from zeroxla.app import cli
-from zeroxla.app.train.lora import BASE_KEY, adapters_base, recorded_base
+from zeroxla.app.jobs.loading import BASE_KEY, adapters_base, recorded_base
 from zeroxla.checkpoint.adapters import METADATA_KEY, as_metadata
 from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora
 from zeroxla.lora.export import save_peft_adapter

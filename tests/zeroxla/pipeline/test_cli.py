@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from zeroxla.app import cli
-from zeroxla.app.train import config, loop
-from zeroxla.app.train.resolve import resolve_job
+from zeroxla.app.jobs.train import config
+from zeroxla.app.jobs.train import job as train_job
+from zeroxla.app.jobs.train.resolve import resolve_job
 
 
 def test_flag_reaches_the_job():
@@ -25,7 +26,7 @@ def test_flag_reaches_the_job():
 def _train_losses(tmp_path, name, **options):
     """Per-step training losses (metrics.jsonl) and settings of a short `zeroxla train` job."""
     out = tmp_path / name
-    loop.run(resolve_job(dict(mesh=(1, 4), grad_accum=2, steps=3, batch_size=16, seq_len=32,
+    train_job.run(resolve_job(dict(mesh=(1, 4), grad_accum=2, steps=3, batch_size=16, seq_len=32,
                               eval_every=3, eval_batches=1, sample_tokens=0, progress=False,
                               out_dir=str(out), **options)), write=lambda line: None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -4,20 +4,20 @@ weights, while the same rewards reproduce them bit for bit; with SGD, each updat
 float64 reference's for its rewards, test_grpo_update_reference.py), and `zeroxla grpo`'s job
 writes its records, stops with a checkpoint, resumes and exports."""
 
-import contextlib
-import dataclasses
 import json
+import os
 import signal
 
 import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import zeroxla
 from zeroxla import checkpoint, models
-from zeroxla.app.tokenizer import CharTokenizer
-from zeroxla.app.tokenizer_records import tokenizer_record
+from zeroxla.app.tokenizers.basic import CharTokenizer
+from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer
 from test_grpo_update_reference import assert_update, reference_update
@@ -97,32 +97,35 @@ def save_actor_run(path):
     return path
 
 
+def quiet(line):
+    del line
+
+
 @pytest.mark.slow
-def test_grpo_job_records_stops_resumes_and_exports(tmp_path, monkeypatch):
-    """A stop request after the second of three iterations saves and raises GRPOInterrupted;
+def test_grpo_job_records_stops_resumes_and_exports(tmp_path):
+    """SIGINT after the second of three iterations saves it and raises RunInterrupted;
     --resume runs the third, appends its record, exports the actor."""
-    from zeroxla.app import grpo_job
-    from zeroxla.app.interrupt import StopRequest
+    from zeroxla.app import cli
+    from zeroxla.app.jobs import grpo as grpo_job
+    from zeroxla.app.run import runner
+    from zeroxla.app.run.job import RunSettings
 
-    stop = StopRequest()
-    monkeypatch.setattr(grpo_job, "stop_requests", lambda *signals: contextlib.nullcontext(stop))
-
-    def write(line):                     # the request comes while iteration 1 is logged
-        if line.startswith("iteration   1"):
-            stop.requested, stop.signum = True, signal.SIGINT
+    def write(line):                     # the request comes as iteration 1 (the 2nd) is saved
+        if line.startswith("iteration 1: saved checkpoint"):
+            os.kill(os.getpid(), signal.SIGINT)
 
     actor, out = save_actor_run(tmp_path / "sft"), tmp_path / "grpo"
     job = grpo_job.GRPOJobConfig(actor=str(actor), grpo=CONFIG, prompt_length=24, iterations=3,
-                                 save_every=1, out_dir=str(out))
-    with pytest.raises(grpo_job.GRPOInterrupted) as stopped:
-        grpo_job.run(job, write=write)
-    assert (stopped.value.signum, stopped.value.iteration) == (signal.SIGINT, 2)
+                                 run=RunSettings(save_every=1, out_dir=str(out),
+                                                 progress=False))
+    with pytest.raises(runner.RunInterrupted) as stopped:
+        runner.run(grpo_job.GRPOJob(job), write=write)
+    assert (stopped.value.signum, stopped.value.done) == (signal.SIGINT, 2)
     assert checkpoint.latest_step(out / "checkpoint") == 2 * CONFIG.num_iterations
     assert not (out / "summary.json").exists()
 
-    stop.requested = False
-    summary = grpo_job.run(dataclasses.replace(job, out_dir=None, resume=str(out)),
-                           write=lambda line: None)
+    assert cli.main(["grpo", "--resume", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2]
     for key in ("reward", "accuracy", "kl", "clip_fraction", "generation_s", "scoring_s",
@@ -131,3 +134,90 @@ def test_grpo_job_records_stops_resumes_and_exports(tmp_path, monkeypatch):
     assert summary["accuracy_before"] is None and 0 <= summary["accuracy_after"] <= 1
     assert (out / "actor_hf" / "config.json").is_file()
     assert checkpoint.latest_step(out / "checkpoint") == 3 * CONFIG.num_iterations
+
+
+REWARD_CALLS = []
+
+
+def fails_at_the_third_call(prompts, completions, **_):
+    """`distinct_chars`, until its third call (iteration 2) raises."""
+    REWARD_CALLS.append(len(completions))
+    if len(REWARD_CALLS) == 3:
+        raise ConnectionError("the reward service went away")
+    return distinct_chars(prompts, completions)
+
+
+def grpo_command(actor, prompts, out, *argv):
+    """`zeroxla grpo` of `actor` on the `prompts` file, CONFIG's settings."""
+    from zeroxla.app import cli
+
+    return cli.main(["grpo", "--actor", str(actor), "--prompts", str(prompts),
+                     "--num-generations", "4", "--per-iteration-prompts", "4",
+                     "--max-completion-length", "6", "--num-iterations", "2", "--beta", "0.04",
+                     "--max-prompt-seq-len", "24", "--out", str(out), "--no-progress", *argv])
+
+
+def prompts_file(path):
+    path.write_text("".join(json.dumps(row) + "\n" for row in task.split_problems(32, 0)[0]))
+    return path
+
+
+@pytest.mark.slow
+def test_a_failure_after_a_checkpoint_keeps_it_and_resume_says_what_changed(tmp_path, capsys):
+    """A reward function that raises at iteration 2 of a --save-every 1 run: exit 2 naming it,
+    the checkpoints of iterations 0 and 1 and their records kept. --resume takes another
+    --seed and --reward-funcs and names them in its first line; a --prompts file edited since
+    and another --actor are refused by name."""
+    from zeroxla.app.jobs import grpo as grpo_job
+    from zeroxla.app.run import command
+
+    actor, out = save_actor_run(tmp_path / "sft"), tmp_path / "grpo"
+    prompts = prompts_file(tmp_path / "prompts.jsonl")
+    REWARD_CALLS.clear()
+    assert grpo_command(actor, prompts, out, "--reward-funcs", "accuracy",
+                        f"{__name__}:fails_at_the_third_call", "--iterations", "3",
+                        "--save-every", "1") == 2
+    err = capsys.readouterr().err
+    assert "reward function fails_at_the_third_call raised ConnectionError: the reward " \
+           "service went away" in err, err
+    assert sorted(int(p.name) for p in (out / "checkpoint").iterdir()) == [
+        CONFIG.num_iterations, 2 * CONFIG.num_iterations]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1]
+
+    funcs = ("accuracy", f"{__name__}:distinct_chars")
+    tree, _, lines = command.resolve(grpo_job.SPEC, {"resume": str(out), "seed": 1,
+                                                      "reward_funcs": funcs})
+    assert (tree.run.seed, tree.reward_funcs) == (1, funcs)
+    assert "--seed 0 -> 1" in lines[0], lines
+    assert (f"--reward-funcs ['accuracy', '{__name__}:fails_at_the_third_call'] -> "
+            f"['accuracy', '{__name__}:distinct_chars']") in lines[0], lines
+    with pytest.raises(ValueError, match="--actor .* cannot change"):
+        command.resolve(grpo_job.SPEC, {"resume": str(out), "actor": str(tmp_path)})
+    with open(prompts, "a") as f:
+        f.write(json.dumps({"prompt": "1 + 1 =", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=f"--prompts {prompts} changed since the run read it"):
+        command.resolve(grpo_job.SPEC, {"resume": str(out)})
+
+
+@pytest.mark.slow
+def test_a_diverging_run_exits_1_without_export_or_nan(tmp_path, capsys):
+    """--learning-rate 1e6: the loss is no longer finite in the first iteration; the run stops
+    (exit 1) naming it, keeps the last finite parameters (the update was skipped), exports
+    nothing and writes no NaN."""
+    actor, out = save_actor_run(tmp_path / "sft"), tmp_path / "grpo"
+    prompts = prompts_file(tmp_path / "prompts.jsonl")
+    assert grpo_command(actor, prompts, out, "--reward-funcs", "accuracy",
+                        f"{__name__}:distinct_chars", "--iterations", "2",
+                        "--learning-rate", "1e6") == 1
+    err = capsys.readouterr().err
+    assert "(not finite), so training stopped" in err and "nothing was exported" in err, err
+    assert not (out / "actor_hf").exists() and not (out / "summary.json").exists()
+
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}")
+
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)
+    kept = zeroxla.load_params(out / "checkpoint")
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(kept)))

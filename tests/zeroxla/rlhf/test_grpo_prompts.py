@@ -9,12 +9,12 @@ import pytest
 
 import zeroxla
 from zeroxla import models
-from zeroxla.app import grpo_job
-from zeroxla.app.tokenizer import CharTokenizer
+from zeroxla.app.jobs import grpo as grpo_job
+from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer
 from zeroxla.rlhf.grpo_losses import ragged_answer_logprobs
-from zeroxla.rlhf.grpo_prompts import prompt_rows, truncation_report
+from zeroxla.rlhf.grpo_prompts import prompt_cap, prompt_rows, truncation_report
 from zeroxla.rlhf.rollout import pad_answers
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
@@ -24,7 +24,7 @@ ROWS = [{"prompt": t, "answer": str(i)} for i, t in enumerate(TEXTS)]
 
 def test_the_default_cap_keeps_every_prompt_whole():
     job = grpo_job.GRPOJobConfig(actor="sft", prompts="rows.jsonl", reward_funcs=("accuracy",))
-    length = grpo_job._prompt_length(job, ROWS, TOKENIZER)
+    length = prompt_cap(ROWS, TOKENIZER, job.prompt_length)     # no --max-prompt-seq-len
     assert length == max(len(t) for t in TEXTS)            # one token per character
     kept = prompt_rows(ROWS, TOKENIZER, length)
     assert (kept.truncated, kept.tokens_lost) == (0, 0)

@@ -19,7 +19,7 @@ import pytest
 
 import zeroxla
 from zeroxla import models
-from zeroxla.app.tokenizer import CharTokenizer
+from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer, iteration_record
 

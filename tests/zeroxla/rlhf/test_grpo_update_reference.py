@@ -33,7 +33,7 @@ from flax import nnx
 import zeroxla
 from test_grpo_losses import np_advantages
 from zeroxla import models
-from zeroxla.app.tokenizer import CharTokenizer
+from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo import GRPORollout, GRPOTrainer

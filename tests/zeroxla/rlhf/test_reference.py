@@ -8,7 +8,7 @@ import pytest
 
 from reference import int8_rounded
 from zeroxla import models, rlhf
-from zeroxla.rlhf.losses import answer_logprobs
+from zeroxla.rlhf.ppo_losses import answer_logprobs
 from zeroxla.rlhf.reference import GROUP_SIZE, FrozenReference
 
 

@@ -1,0 +1,258 @@
+"""Every job's options as one kind of row, and the rows every job shares, declared once.
+
+A row (`Option`) knows its flag, the field of the job's config tree it sets (`section`, the
+tree's attribute holding a section dataclass, or None for the tree's own field; `field`), its
+parser and its help. An `OptionTable` of a job's rows over its tree type generates everything
+that names an option: the argparse declarations grouped by theme (`add_to`, so `--help` is the
+rows), the options a command line gives (`given`: every option defaults to None, "not given",
+so a resumed run can tell what the command line changes), the tree with them applied (`apply`:
+each section `dataclasses.replace`d, an error naming the option) and the names in messages.
+
+The rows shared by every job (`RUN_OPTIONS`: seed, cadence, --out, --resume, --no-progress;
+`SHARDING_OPTIONS`: --mesh, --zero-stage; `LORA_OPTIONS`) live here; a job's own rows live beside
+its code. A help text's `{default}` is the tree's default for the field and `{unit}` the job's
+unit ("step", "iteration"). Nothing here uses JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from zeroxla.app.cli_args import mesh_shape, non_negative_int, positive_float, positive_int
+from zeroxla.sharding.config import ZERO_STAGES
+
+_MISSING = dataclasses.MISSING
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One command-line option of a job.
+
+    flag / dest: "--zero-stage" is argparse's `zero_stage` (the name in messages and records).
+    section / field: the tree field it sets ("sharding", "stage"; section None: a field of the
+    tree itself). to_tree turns the option's value into the field's ("fp16" -> "float16").
+    deepspeed: the `zeroxla.deepspeed.overrides.Overrides` field it is beside a DeepSpeed JSON
+    (`zeroxla train --config`; None: not a DeepSpeed setting). action: "store_true" /
+    "store_false" for a switch, BooleanOptionalAction for an on/off pair. aliases: other
+    spellings argparse also accepts (an older or DeepSpeed-Chat name: "--lr" of
+    "--learning-rate"); messages name `flag`. fixed: a resumed run
+    cannot change it (the checkpoint's state or the frozen reference was built from it: the
+    model it starts from, its adapters); `--resume` refuses another value, naming the option.
+    """
+
+    flag: str
+    dest: str
+    section: str | None
+    field: str
+    theme: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    choices: tuple[Any, ...] | None = None
+    metavar: str | None = None
+    to_tree: Callable[[Any], Any] | None = None
+    deepspeed: str | None = None
+    action: Any = None
+    nargs: str | None = None
+    fixed: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def target(self) -> str:
+        """The dotted tree field: "sharding.stage", or "steps" for the tree's own field."""
+        return self.field if self.section is None else f"{self.section}.{self.field}"
+
+    def tree_value(self, value: Any) -> Any:
+        return value if self.to_tree is None else self.to_tree(value)
+
+
+def _field_default(cls: type, name: str) -> Any:
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if field.default is not _MISSING:
+        return field.default
+    if field.default_factory is not _MISSING:
+        return field.default_factory()
+    return _MISSING
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return f"{value[0]}x{value[1]}"                  # a mesh
+    return "none" if value is None else str(value)
+
+
+class OptionTable:
+    """A job's rows over its tree type `tree`; `themes` orders and titles the --help groups."""
+
+    def __init__(self, name: str, tree: type, rows: Iterable[Option],
+                 themes: Mapping[str, str], unit: str = "step"):
+        self.name, self.tree, self.rows, self.themes = name, tree, tuple(rows), dict(themes)
+        self.unit = unit
+        hints = typing.get_type_hints(tree)
+        fields = {f.name for f in dataclasses.fields(tree)}
+        self.by_dest: dict[str, Option] = {}
+        for row in self.rows:
+            owner = tree if row.section is None else _section_type(tree, row.section, hints)
+            if row.section is not None and row.section not in fields or owner is None or (
+                    row.field not in {f.name for f in dataclasses.fields(owner)}):
+                raise ValueError(f"option {row.flag}: {tree.__name__} has no field "
+                                 f"{row.target!r}")
+            if row.theme not in self.themes:
+                raise ValueError(f"option {row.flag}: theme {row.theme!r} is not one of "
+                                 f"{', '.join(self.themes)}")
+            if row.dest in self.by_dest:
+                raise ValueError(f"options {self.by_dest[row.dest].flag} and {row.flag} share "
+                                 f"the dest {row.dest!r}")
+            self.by_dest[row.dest] = row
+        self.names = {row.dest: row.flag for row in self.rows}
+        self.by_target = {row.target: row.flag for row in self.rows}
+        self.fixed = frozenset(row.target for row in self.rows if row.fixed)
+
+    def row(self, target: str) -> Option:
+        """The row that sets the dotted tree field `target`."""
+        return next(row for row in self.rows if row.target == target)
+
+    def default(self, row: Option) -> Any:
+        """The tree's default of `row`'s field (dataclasses.MISSING where it has none)."""
+        if row.section is None:
+            return _field_default(self.tree, row.field)
+        section = _field_default(self.tree, row.section)
+        return _MISSING if section is _MISSING else getattr(section, row.field)
+
+    def help(self, row: Option) -> str:
+        default = self.default(row)
+        shown = "no default" if default is _MISSING else _show(default)
+        return row.help.replace("{default}", shown).replace("{unit}", self.unit)
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        """Declares every row, grouped by theme in `--help`; every one defaults to None."""
+        for theme, title in self.themes.items():
+            group = parser.add_argument_group(title)
+            for row in self.rows:
+                if row.theme != theme:
+                    continue
+                kwargs: dict[str, Any] = {"dest": row.dest, "default": None,
+                                          "help": self.help(row)}
+                if row.action is not None:
+                    kwargs["action"] = row.action
+                else:
+                    kwargs.update(type=row.type, choices=row.choices, metavar=row.metavar,
+                                  nargs=row.nargs)
+                group.add_argument(row.flag, *row.aliases, **kwargs)
+
+    def given(self, args: argparse.Namespace) -> dict[str, Any]:
+        """The options the command line gives (dest -> value; those left out not listed)."""
+        return {row.dest: getattr(args, row.dest) for row in self.rows
+                if getattr(args, row.dest, None) is not None}
+
+    def apply(self, tree: Any, given: Mapping[str, Any]) -> Any:
+        """`tree` with the `given` options set (sections replaced and checked, then the tree);
+        a field's refusal names the option as typed."""
+        unknown = sorted(set(given) - set(self.by_dest))
+        if unknown:
+            raise ValueError(f"unknown zeroxla {self.name} option(s) {', '.join(unknown)}; "
+                             f"accepted: {', '.join(sorted(self.by_dest))}")
+        sections: dict[str, dict[str, Any]] = {}
+        root: dict[str, Any] = {}
+        for dest, value in given.items():
+            row = self.by_dest[dest]
+            target = root if row.section is None else sections.setdefault(row.section, {})
+            target[row.field] = row.tree_value(value)
+        for name, changes in sections.items():
+            try:
+                root[name] = dataclasses.replace(getattr(tree, name), **changes)
+            except (ValueError, TypeError) as err:
+                raise ValueError(self._named(err, name, changes)) from None
+        return dataclasses.replace(tree, **root)
+
+    def build(self, given: Mapping[str, Any], **required: Any) -> Any:
+        """A fresh tree: the defaults, the `required` fields the tree has no default for, and
+        the `given` options over them."""
+        return self.apply(self.tree(**required), given)
+
+    def _named(self, err: Exception, section: str, changes: Mapping[str, Any]) -> str:
+        """A section's refusal in the option's words: an error that carries its `field`,
+        `value` and `accepted` (GRPOConfigError) as "FLAG VALUE is invalid; accepted: ...",
+        another prefixed with the option as written."""
+        text = str(err)
+        flag = self.by_target.get(f"{section}.{getattr(err, 'field', '')}")
+        if flag and hasattr(err, "value") and hasattr(err, "accepted"):
+            return f"{flag} {err.value} is invalid; accepted: {err.accepted}"
+        for field, value in changes.items():
+            flag = self.by_target.get(f"{section}.{field}")
+            if flag and f".{field}=" in text:
+                written = flag if isinstance(value, bool) else f"{flag} {_show(value)}"
+                return f"{written}: {text}"
+        return text
+
+
+def _section_type(tree: type, name: str, hints: Mapping[str, Any]) -> type | None:
+    hint = hints.get(name)
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def _positive_or_none(text: str) -> int | None:
+    return None if text.lower() in ("none", "end") else positive_int(text)
+
+
+# ------------------------------------------------------------------------------------------------
+# The rows every job shares (section "run": `runs.job.RunSettings`'s fields; "sharding": a
+# section with `mesh` and `stage`; "lora": `zeroxla.lora.LoRAConfig`'s fields).
+
+RUN_OPTIONS: tuple[Option, ...] = (
+    Option("--out", "out_dir", "run", "out_dir", "run",
+           "run directory; default: a fresh runs/<job>-<YYYYmmdd-HHMMSS> (the resumed run's own "
+           "directory with --resume). A directory that holds another run is refused",
+           metavar="DIR"),
+    Option("--seed", "seed", "run", "seed", "run",
+           "model init, data order and sampling; default {default}", type=non_negative_int),
+    Option("--eval-every", "eval_every", "run", "eval_every", "run",
+           "evaluate every N {unit}s (and at the end); default {default}",
+           type=_positive_or_none, metavar="N"),
+    Option("--save-every", "save_every", "run", "save_every", "run",
+           "save a checkpoint every N {unit}s (DeepSpeed's checkpoint interval); the final "
+           "{unit} is always saved; default {default} (0: only the final one)",
+           type=non_negative_int, metavar="N"),
+    Option("--keep-last", "keep_last", "run", "keep_last", "run",
+           "keep only the newest K checkpoints, deleting older ones after a newer one is "
+           "committed (torchtitan's keep_latest_k); default {default} (0: keep all)",
+           type=non_negative_int, metavar="K"),
+    Option("--no-progress", "progress", "run", "progress", "run", "no progress bar",
+           action="store_false"),
+    Option("--resume", "resume", "run", "resume", "run",
+           "continue a run: its directory, its checkpoint/ or one step in it (the newest "
+           "complete checkpoint by default). The run's recorded settings come back; options "
+           "given here change them, and the first line says which; a data file edited since "
+           "is refused", metavar="DIR"),
+)
+
+SHARDING_OPTIONS: tuple[Option, ...] = (
+    Option("--mesh", "mesh", "sharding", "mesh", "parallel",
+           "device mesh (nodes x local devices); on CPU the devices are simulated; default "
+           "{default}", type=mesh_shape, metavar="NODESxLOCAL"),
+    Option("--zero-stage", "zero_stage", "sharding", "stage", "parallel",
+           "ZeRO stage; default {default}", type=int, choices=ZERO_STAGES, deepspeed="stage"),
+)
+
+LORA_OPTIONS: tuple[Option, ...] = (
+    Option("--lora-dim", "lora_dim", "lora", "dim", "lora",
+           "LoRA rank r (DeepSpeed-Chat's --lora_dim): adapters W + (alpha / r) A @ B on the "
+           "weights --lora-module-name matches, B zero so step 0 is the base model; default "
+           "{default}: no LoRA", type=non_negative_int, metavar="R", fixed=True),
+    Option("--lora-alpha", "lora_alpha", "lora", "alpha", "lora",
+           "LoRA alpha: the adapters are scaled by alpha / r (PEFT's lora_alpha; "
+           "DeepSpeed-Chat's lora_scaling is alpha / r); default {default}",
+           type=positive_float, fixed=True),
+    Option("--lora-module-name", "lora_module_name", "lora", "module_name", "lora",
+           "regular expression searched in each weight's '/'-joined path (blocks/layers/wq): "
+           "the weights that get adapters (DeepSpeed-Chat's --lora_module_name); one matching "
+           "nothing is refused; default {default}", metavar="REGEX", fixed=True),
+    Option("--only-optimize-lora", "only_optimize_lora", "lora", "only_optimize_lora", "lora",
+           "train the adapters alone: the base is frozen and optimizer state exists for the "
+           "adapters only (needs --lora-dim > 0)", action="store_true", fixed=True),
+)
+
+__all__ = ["LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS", "SHARDING_OPTIONS"]
