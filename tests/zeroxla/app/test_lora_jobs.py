@@ -46,7 +46,7 @@ def test_lora_module_name_without_dim_is_refused_on_every_job(command, argv, tmp
     assert cli.main([command, *argv, "--lora-module-name", "wq", "--out", str(out)]) == 2
     assert not out.exists()
     err = capsys.readouterr().err.strip().splitlines()
-    # The other jobs' rows (`runs.options.LORA_OPTIONS`) name the option as typed.
+    # The other jobs' rows (`run.options.LORA_OPTIONS`) name the option as typed.
     prefix = ("TrainJobConfig.lora." if command == "train"
               else "--lora-module-name wq: LoRAConfig.")
     assert err[0] == (f"zeroxla {command}: error: {prefix}module_name='wq' needs dim > 0 (with "
@@ -164,7 +164,7 @@ def test_module_name_matching_nothing_is_refused_naming_the_option():
 
 @pytest.mark.parametrize("job", ["reward", "ppo"])
 def test_reward_and_ppo_options_name_the_option_when_refused(job):
-    """The shared LoRA rows (`runs.options.LORA_OPTIONS`, dest "only_optimize_lora") of each
+    """The shared LoRA rows (`run.options.LORA_OPTIONS`, dest "only_optimize_lora") of each
     job's table: none given is no LoRA; a refused value names the option."""
     from zeroxla.app.cli import build_parser
     from zeroxla.app.jobs import ppo, reward

@@ -3,7 +3,7 @@
     add_job(subparsers, DPO_SPEC)       # `zeroxla dpo`, its --help generated from the rows
 
 The handler reads the options, makes the job's tree (a fresh one from the defaults, or with
-`--resume` the run's recorded tree with the given options over it: `runs.resume`), sets the
+`--resume` the run's recorded tree with the given options over it: `run.resume`), sets the
 simulated device count (and starts `jax.distributed` in a multi-process run) before anything
 starts a JAX backend, builds the job (everything that can fail on an option, a file or a model
 fails here, before any directory exists) and runs it under the runner. Exit status: 0, 1 after

@@ -199,7 +199,7 @@ def _positive_or_none(text: str) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The rows every job shares (section "run": `runs.job.RunSettings`'s fields; "sharding": a
+# The rows every job shares (section "run": `run.job.RunSettings`'s fields; "sharding": a
 # section with `mesh` and `stage`; "lora": `zeroxla.lora.LoRAConfig`'s fields).
 
 RUN_OPTIONS: tuple[Option, ...] = (

@@ -11,7 +11,7 @@ What it owns, the same for every job (`zeroxla.app.run.job.Job` is what the job 
 - the loop: `advance` per step (or iteration), `evaluate` every `run.eval_every` and at the
   end, metrics.jsonl one record per unit (a resumed run keeps the records up to its
   checkpoint and redoes the rest), the progress bar, a checkpoint every `run.save_every` and at
-  the end (the newest `run.keep_last` kept), each recording the job (`runs.resume`).
+  the end (the newest `run.keep_last` kept), each recording the job (`run.resume`).
 - stop signals: the first SIGINT or SIGTERM finishes the running unit, saves it and raises
   `RunInterrupted` (the command exits 130 or 143); a second stops at once.
 - divergence: a non-finite loss, or parameters that are no longer finite when a checkpoint is
@@ -242,6 +242,7 @@ def run(job: Job, *, resume: rundir.ResumePoint | None = None,
     settings = job.config.run
     resuming = resume.run_dir if resume is not None else None
     out = _out_dir(job, resume)
+    write(f"zeroxla {job.NAME}: run directory {out}")
     done, restored_path = _restore(job, resume) if resume is not None else (0, None)
     if resume is not None:
         if done >= job.total and (out / rundir.SUMMARY_FILE).is_file():
