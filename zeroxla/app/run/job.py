@@ -63,6 +63,13 @@ class RunSettings:
 
 
 PER_INVOCATION = ("out_dir", "resume", "progress")
+MESH_ACCEPTED = "(nodes, local) with both integers >= 1, e.g. (2, 4)"
+
+
+def is_mesh(value: Any) -> bool:
+    """Whether `value` is a (nodes, local) mesh shape: two integers >= 1."""
+    return (isinstance(value, tuple) and len(value) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value))
 
 
 def check_sections(tree: Any) -> None:
@@ -85,11 +92,8 @@ class ShardingSettings:
     stage: int = 3
 
     def __post_init__(self) -> None:
-        mesh = self.mesh
-        if (not isinstance(mesh, tuple) or len(mesh) != 2
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                           for n in mesh)):
-            _fail(self, "mesh", "(nodes, local) with both integers >= 1, e.g. (2, 4)")
+        if not is_mesh(self.mesh):
+            _fail(self, "mesh", MESH_ACCEPTED)
         if self.stage not in ZERO_STAGES or isinstance(self.stage, bool):
             _fail(self, "stage", ", ".join(map(str, ZERO_STAGES)))
 
@@ -168,4 +172,5 @@ class Job(Protocol):
         summary.json's keys ("settings" defaults to the tree's record)."""
 
 
-__all__ = ["Job", "PER_INVOCATION", "RunSettings", "ShardingSettings", "check_sections"]
+__all__ = ["Job", "MESH_ACCEPTED", "PER_INVOCATION", "RunSettings", "ShardingSettings",
+           "check_sections", "is_mesh"]

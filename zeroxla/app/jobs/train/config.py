@@ -40,7 +40,7 @@ from zeroxla import models
 from zeroxla.app.tokenizers.basic import TOKENIZERS
 from zeroxla.app.jobs.train.defaults import API_DEFAULTS, job_default
 from zeroxla.app.jobs.train.lora import LoRA
-from zeroxla.app.run.job import RunSettings
+from zeroxla.app.run.job import MESH_ACCEPTED, RunSettings, is_mesh
 from zeroxla.deepspeed.keys import OPTIMIZER_NAMES, SCHEDULERS
 from zeroxla.inference.sampling import SCALAR_TYPES, TEMPERATURE_ACCEPTED, check_temperature
 from zeroxla.sharding.config import ZeroConfig
@@ -182,11 +182,8 @@ class Sharding:
     remat: str = job_default("remat")
 
     def __post_init__(self) -> None:
-        mesh = self.mesh
-        if (not isinstance(mesh, tuple) or len(mesh) != 2
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                           for n in mesh)):
-            _fail(self, "mesh", "(nodes, local) with both integers >= 1, e.g. (2, 4)")
+        if not is_mesh(self.mesh):
+            _fail(self, "mesh", MESH_ACCEPTED)
         _check_as_zero_config(self)
 
 
