@@ -2,15 +2,25 @@
 
 - `axes.py`: the logical axis names; `layers.py`: shared building blocks (norms, attention,
   RoPE, the `LayerStack`); `rope.py`: RoPE frequencies, plain and scaled; `config.py`: what
-  every model config shares.
+  every model config shares (sizes, the length rule, the attention and tiled-MLP options).
 - `blockwise_attention.py`: memory-linear causal attention (FlashAttention-2's blocks and
   backward in plain JAX, with segment ids for packed sequences); equals `layers.causal_attention`.
+- `attention.py`: the one attention every family calls (`ModelConfig.attention`): naive,
+  blockwise or cuDNN's fused attention, "auto" choosing per platform, refusals by name; and the
+  KV-cached decode (the cache read block by block, `layers.cached_attention`).
+- `tiled_mlp.py`: a block's MLP over chunks of the sequence (ALST's TiledMLP,
+  `ModelConfig.mlp_chunk`), its [B, T, F] intermediate one chunk at a time.
+- `chunked_logits.py`: the head's log-probs and entropies per chunk of the sequence in a scan
+  (fused linear + cross-entropy), its [B, T, V] logits never whole; each family's
+  `token_logprobs(tokens, labels)` runs it.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
   (Gemma 2): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table
   (`families.REGISTRY`; docs/models.md).
 - `hf.py`, `hf_config.py`, `hf_rules.py`, `safetensors_io.py`: Hugging Face names, configs and
   files.
+- `presets.py`: real shapes (Llama 3.x, Qwen2.5, Qwen3) as their config.json gives them, for
+  the planner (`zeroxla plan`).
 """
 
 from .gpt import GPT, GPTConfig

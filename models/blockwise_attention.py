@@ -29,9 +29,9 @@ from jax import lax
 
 from . import layers
 
-# Segment id of padding in `segment_ids` (MaxText's convention): such a query attends to no key,
-# its output is zeros and no gradient flows through it. Real sequences are numbered from 1.
-PAD_SEGMENT = 0
+# Segment id of padding in `segment_ids` (`layers.PAD_SEGMENT`, MaxText's convention): such a
+# query attends to no key, its output is zeros and no gradient flows through it.
+PAD_SEGMENT = layers.PAD_SEGMENT
 
 # Block sizes. The per-step temporaries are a few [B, H, q_block, kv_block] float32 blocks
 # (16 MiB each for 16 heads at 512 x 512), independent of T; larger blocks mean fewer loop trips

@@ -1,23 +1,36 @@
-"""What every model config shares: positive sizes, head_dim, the maximum length rule, and
-`replace`."""
+"""What every model config shares: positive sizes, head_dim, the maximum length rule, how the
+blocks compute (the attention implementation, the tiled MLP), and `replace`."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
+
+from .attention import check_implementation
 
 
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Mixin for the frozen model-config dataclasses (`GPTConfig`, `LlamaConfig`).
+    """Base of the frozen model-config dataclasses (`GPTConfig`, `LlamaConfig`, ...).
 
     Subclasses list their size fields in `POSITIVE_FIELDS`; `check_sizes` names the first one that
     is not a positive integer, and that the heads divide d_model (unless the config gives an
-    `explicit_head_dim`, as Qwen3 and Gemma 2 do).
+    `explicit_head_dim`, as Qwen3 and Gemma 2 do), and checks the two execution fields below.
+
+    Execution fields (keyword-only; they change how the blocks compute, never what):
+    attention   `models.attention` implementation of the training / prefill path: "auto" (per
+                platform: cuDNN on a CUDA GPU where it applies, else blockwise), "blockwise",
+                "cudnn", or "naive" (the [T, T] reference); "naive" also decodes naively.
+    mlp_chunk   tokens per chunk of the tiled MLP (`models.tiled_mlp`, ALST's TiledMLP), or
+                None: the MLP over the whole sequence at once.
     """
 
-    POSITIVE_FIELDS: tuple[str, ...] = ()
+    attention: str = dataclasses.field(default="auto", kw_only=True)
+    mlp_chunk: int | None = dataclasses.field(default=None, kw_only=True)
+
+    POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = ()
     # Why the family stops at max_seq_len (its subclass says), shown in `check_seq_len`'s error.
-    MAX_SEQ_LEN_REASON: str = "the positions the model is built for"
+    MAX_SEQ_LEN_REASON: ClassVar[str] = "the positions the model is built for"
 
     def check_sizes(self) -> None:
         name = type(self).__name__
@@ -28,6 +41,11 @@ class ModelConfig:
         if getattr(self, "explicit_head_dim", None) is None and self.d_model % self.num_heads:
             raise ValueError(f"{name}.d_model={self.d_model} is not divisible by "
                              f"num_heads={self.num_heads}")
+        check_implementation(self.attention, f"{name}.attention")
+        if self.mlp_chunk is not None and (not isinstance(self.mlp_chunk, int)
+                                           or self.mlp_chunk < 1):
+            raise ValueError(f"{name}.mlp_chunk={self.mlp_chunk!r} is invalid; accepted: None "
+                             "or an integer >= 1 (tokens per chunk of the tiled MLP)")
 
     def check_seq_len(self, length: int, what: str, accepted: str | None = None) -> None:
         """The maximum length rule, one for every family and every path (the forward, a KV

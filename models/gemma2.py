@@ -20,10 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import axes
+from .chunked_logits import LOGITS_CHUNK, chunked_token_logprobs, tied_projection
 from .config import ModelConfig
-from .layers import (LayerStack, RMSNorm, at_least_float32, cached_attention, causal_attention,
-                     default_positions, init_kv_cache, normal, param, rope)
+from .attention import attention, cached_attention
+from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
+                     rope)
 from .rope import inv_freq
+from .tiled_mlp import tiled_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Layer(nnx.Module):
         d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
         std, eps = cfg.init_std, cfg.norm_eps
         self.window, self.softcap = window, cfg.attn_softcap
+        self.implementation, self.mlp_chunk = cfg.attention, cfg.mlp_chunk    # static
         self.scale = cfg.query_pre_attn_scalar ** -0.5
         self.inv_freq = tuple(float(x) for x in inv_freq(k, cfg.rope_theta))
         self.attn_norm, self.attn_post_norm = (RMSNorm(d, eps=eps, offset=1.0) for _ in "ab")
@@ -88,22 +92,30 @@ class Layer(nnx.Module):
         self.w_up = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
+        """x [B, T, D] -> (x, cache): attention (`attention.attention`, within each segment
+        of `segment_ids` when given; against `cache` by `attention.cached_attention`), then
+        the MLP (in chunks of `mlp_chunk` tokens when set, `tiled_mlp`)."""
         h = self.attn_norm(x)                                             # [B, T, D]
         q = rope(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]), positions, self.inv_freq)
         k = rope(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]), positions, self.inv_freq)
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
-        kw = dict(window=self.window, scale=self.scale, softcap=self.softcap)
+        kw = dict(window=self.window, scale=self.scale, softcap=self.softcap,
+                  segment_ids=segment_ids, implementation=self.implementation)
         if cache is None:
-            a = causal_attention(q, k, v, **kw)                           # [B, T, H, K]
+            a = attention(q, k, v, **kw)                                  # [B, T, H, K]
         else:
             a, cache = cached_attention(q, k, v, positions, cache, **kw)
         x = x + self.attn_post_norm(jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]))
-        h = self.mlp_norm(x)
+        mlp = tiled_mlp(self._mlp, self.mlp_norm(x), self.mlp_chunk)            # [B, T, D]
+        return x + self.mlp_post_norm(mlp), cache
+
+    def _mlp(self, h: jax.Array) -> jax.Array:
+        """GeGLU: h [B, T, D] -> [B, T, D] through the [B, T, F] gate and up projections."""
         gate = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]), approximate=True)
         up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
-        return x + self.mlp_post_norm(jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])), cache
+        return jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
 
 
 class Pair(nnx.Module):
@@ -113,22 +125,30 @@ class Pair(nnx.Module):
         self.local = Layer(cfg, cfg.sliding_window, rngs)
         self.glob = Layer(cfg, None, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """With `cache` {"k", "v"} [B, S, G, 2K]: the local layer's half [..., :K], the global
-        layer's [..., K:]."""
+        layer's [..., K:]. `segment_ids` (a packed batch) reach both layers."""
         if cache is None:
-            x, _ = self.local(x, positions)
-            return self.glob(x, positions)
+            x, _ = self.local(x, positions, segment_ids)
+            return self.glob(x, positions, segment_ids)
         k = cache["k"].shape[-1] // 2
-        x, first = self.local(x, positions, {n: c[..., :k] for n, c in cache.items()})
-        x, second = self.glob(x, positions, {n: c[..., k:] for n, c in cache.items()})
+        x, first = self.local(x, positions, segment_ids,
+                              {n: c[..., :k] for n, c in cache.items()})
+        x, second = self.glob(x, positions, segment_ids,
+                              {n: c[..., k:] for n, c in cache.items()})
         return x, {n: jnp.concatenate([first[n], second[n]], axis=-1) for n in cache}
 
 
 class Embed(nnx.Module):
+    """The sqrt(d)-scaled token embedding; `attend` / `attend_logprobs` are the tied head
+    (`attend_logprobs` soft-caps with `final_softcap`, as `Gemma2.head` does). `logits_chunk`:
+    tokens per chunk of the chunked head (static)."""
+
     def __init__(self, cfg: Gemma2Config, rngs: nnx.Rngs):
         self.normalizer = math.sqrt(cfg.d_model)
+        self.final_softcap = cfg.final_softcap
+        self.logits_chunk = LOGITS_CHUNK
         self.weight = param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                             (axes.VOCAB, axes.EMBED))
 
@@ -141,8 +161,16 @@ class Embed(nnx.Module):
         """The tied head: h [B, T, D] -> logits float32 [B, T, V] = h @ weight^T (unscaled). A
         method of the module owning the weight, so that ZeRO-3 gathers the weight around the
         call."""
-        return jnp.einsum("BTD,VD->BTV", h, self.weight[...].astype(h.dtype),
-                          preferred_element_type=at_least_float32(h.dtype))
+        return tied_projection(self.weight[...].astype(h.dtype), h)
+
+    def attend_logprobs(self, h: jax.Array, labels: jax.Array,
+                        vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """The soft-capped tied head's log-probs of `labels` int [B, T] from h [B, T, D] (after
+        the final norm) -> float32 [B, T], `logits_chunk` tokens at a time, each chunk's logits
+        soft-capped (`models.chunked_logits`): one method, so ZeRO-3 gathers the weight once."""
+        return chunked_token_logprobs(h, labels, self.weight[...].astype(h.dtype), tied_projection,
+                                      softcap=self.final_softcap, vocab_limit=vocab_limit,
+                                      chunk=self.logits_chunk)
 
 
 class Gemma2(nnx.Module):
@@ -175,16 +203,23 @@ class Gemma2(nnx.Module):
         x, cache = self.blocks(self.embed(tokens, positions), positions, cache=cache)
         return self.head(x), cache
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        return self.head(self._stack(tokens, positions))                  # [B, T, V]
+    def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
+                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """log p(labels | tokens) float32 [B, T] for tokens, labels int [B, T] under the
+        soft-capped head, the logits never whole (`models.chunked_logits`). Equals
+        `token_logprobs(model(tokens), labels)` (`zeroxla.engine.loss`)."""
+        h = self.hidden(tokens, positions, segment_ids)                    # [B, T, D]
+        return self.embed.attend_logprobs(h, labels, vocab_limit)
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits float32 [B, T, V] of tokens int [B, T] at `positions` (default 0..T-1); a
+        packed batch gives `segment_ids` int [B, T] and its own positions
+        (`layers.stack_args`)."""
+        return self.head(forward_stack(self, tokens, positions, segment_ids))    # [B, T, V]
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
         """The final hidden states [B, T, D] after the final norm (reward and value heads)."""
-        return self.norm(self._stack(tokens, positions))
-
-    def _stack(self, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
-        self.config.check_seq_len(tokens.shape[1], "sequence length")
-        if positions is None:
-            positions = default_positions(tokens)
-        x, _ = self.blocks(self.embed(tokens, positions), positions)
-        return x
+        return self.norm(forward_stack(self, tokens, positions, segment_ids))

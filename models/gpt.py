@@ -3,9 +3,12 @@
 Contract shared by all models here (what the engine, the pipeline and generation drive):
 
     model.embed(tokens int32[B, T], positions int32[B, T]) -> x [B, T, D]
-    model.blocks(x, positions, cache=None) -> (x, cache)      one `LayerStack`
+    model.blocks(x, positions, cache=None) -> (x, cache)      one `LayerStack` (a packed
+                                                              batch: x, positions, segment_ids)
     model.head(x) -> logits float32[B, T, V]
-    model(tokens, positions=None) -> logits                   the three in a row
+    model(tokens, positions=None, segment_ids=None) -> logits the three in a row
+    model.token_logprobs(tokens, labels) -> float32[B, T]     the head's log-softmax at labels,
+                                                              chunked (`chunked_logits`)
     model.init_cache(batch, max_len) -> cache                 {"k", "v"} [L, B, S, G, K]
     model.decode(tokens, positions, cache) -> (logits, cache) the three, with a KV cache
 
@@ -22,9 +25,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import axes
+from .chunked_logits import LOGITS_CHUNK, chunked_token_logprobs, tied_projection
 from .config import ModelConfig
-from .layers import (LayerNorm, LayerStack, at_least_float32, cached_attention, causal_attention,
-                     decode, default_positions, init_kv_cache, normal, param)
+from .attention import attention, cached_attention
+from .layers import (LayerNorm, LayerStack, decode, default_positions, forward_stack,
+                     init_kv_cache, normal, param)
+from .tiled_mlp import tiled_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +82,11 @@ class GPTConfig(ModelConfig):
 
 
 class Embed(nnx.Module):
-    """Token and learned position embeddings; `attend` is the tied output head."""
+    """Token and learned position embeddings; `attend` / `attend_logprobs` are the tied output
+    head. `logits_chunk`: tokens per chunk of the chunked head (static)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.logits_chunk = LOGITS_CHUNK
         self.wte = param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                          (axes.VOCAB, axes.EMBED))
         self.wpe = param(rngs, normal(0.01), (cfg.max_seq_len, cfg.d_model),
@@ -90,8 +98,15 @@ class Embed(nnx.Module):
         return self.wte[...][tokens] + self.wpe[...][positions]         # [B, T, D]
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("BTD,VD->BTV", x, self.wte[...].astype(x.dtype),
-                          preferred_element_type=at_least_float32(x.dtype))
+        return tied_projection(self.wte[...].astype(x.dtype), x)
+
+    def attend_logprobs(self, h: jax.Array, labels: jax.Array,
+                        vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """The tied head's log-probs of `labels` int [B, T] from h [B, T, D] (after `ln_f`)
+        -> float32 [B, T], `logits_chunk` tokens at a time (`models.chunked_logits`): one
+        method, so ZeRO-3 gathers `wte` once for every chunk."""
+        return chunked_token_logprobs(h, labels, self.wte[...].astype(h.dtype), tied_projection,
+                                      vocab_limit=vocab_limit, chunk=self.logits_chunk)
 
 
 class Block(nnx.Module):
@@ -100,6 +115,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d, h, k, f = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
         proj_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)   # GPT-2 §2.3 residual scaling
+        self.implementation, self.mlp_chunk = cfg.attention, cfg.mlp_chunk    # static
         self.ln1 = LayerNorm(d)
         self.wq = param(rngs, normal(cfg.init_std), (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
         self.wk = param(rngs, normal(cfg.init_std), (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
@@ -115,24 +131,31 @@ class Block(nnx.Module):
         self.w_proj = param(rngs, normal(proj_std), (f, d), (axes.MLP, axes.EMBED))
         self.b_proj = param(rngs, nnx.initializers.zeros, (d,), (axes.EMBED,))
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """x [B, T, D] -> (x, cache). With `cache` (this layer's {"k", "v"} [B, S, H, K]) the
-        tokens are written at `positions` and attend to the cache (`cached_attention`);
-        without, plain causal attention (positions enter in `Embed` only)."""
+        tokens are written at `positions` and attend to the cache
+        (`attention.cached_attention`); without, causal attention (`attention.attention`,
+        within each segment of `segment_ids` int [B, T] when given; positions enter in `Embed`
+        only). The MLP runs in chunks of `mlp_chunk` tokens when set (`tiled_mlp`)."""
         h = self.ln1(x)                                                   # [B, T, D]
         q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self.bq[...]
         k = jnp.einsum("BTD,DHK->BTHK", h, self.wk[...]) + self.bk[...]
         v = jnp.einsum("BTD,DHK->BTHK", h, self.wv[...]) + self.bv[...]
         if cache is None:
-            a = causal_attention(q, k, v)                                 # [B, T, H, K]
+            a = attention(q, k, v, segment_ids=segment_ids,
+                          implementation=self.implementation)             # [B, T, H, K]
         else:
-            a, cache = cached_attention(q, k, v, positions, cache)
+            a, cache = cached_attention(q, k, v, positions, cache, segment_ids=segment_ids,
+                                        implementation=self.implementation)
         x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self.bo[...]
-        h = self.ln2(x)
+        return x + tiled_mlp(self._mlp, self.ln2(x), self.mlp_chunk), cache
+
+    def _mlp(self, h: jax.Array) -> jax.Array:
+        """GELU MLP: h [B, T, D] -> [B, T, D] through the [B, T, F] hidden layer."""
         h = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_fc[...]) + self.b_fc[...],
                         approximate=True)
-        return x + jnp.einsum("BTF,FD->BTD", h, self.w_proj[...]) + self.b_proj[...], cache
+        return jnp.einsum("BTF,FD->BTD", h, self.w_proj[...]) + self.b_proj[...]
 
 
 class GPT(nnx.Module):
@@ -163,19 +186,24 @@ class GPT(nnx.Module):
         `cache` (see `models.layers.decode`)."""
         return decode(self, tokens, positions, cache)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        self.config.check_seq_len(tokens.shape[1], "sequence length")
-        if positions is None:
-            positions = default_positions(tokens)
-        x = self.embed(tokens, positions)
-        x, _ = self.blocks(x, positions)
-        return self.head(x)                                               # [B, T, V]
+    def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
+                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """log p(labels | tokens) float32 [B, T] for tokens, labels int [B, T], the logits
+        never whole (`models.chunked_logits`). Equals `token_logprobs(model(tokens), labels)`
+        (`zeroxla.engine.loss`)."""
+        h = self.hidden(tokens, positions, segment_ids)                    # [B, T, D]
+        return self.embed.attend_logprobs(h, labels, vocab_limit)
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits float32 [B, T, V] of tokens int [B, T] at `positions` (default 0..T-1); a
+        packed batch gives `segment_ids` int [B, T] and its own positions
+        (`layers.stack_args`)."""
+        return self.head(forward_stack(self, tokens, positions, segment_ids))    # [B, T, V]
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after `ln_f`, before the head): HF's
         `GPT2Model(...).last_hidden_state`, which reward and value heads read."""
-        self.config.check_seq_len(tokens.shape[1], "sequence length")
-        if positions is None:
-            positions = default_positions(tokens)
-        x, _ = self.blocks(self.embed(tokens, positions), positions)
-        return self.ln_f(x)
+        return self.ln_f(forward_stack(self, tokens, positions, segment_ids))

@@ -133,6 +133,33 @@ def default_positions(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
+def stack_args(tokens: jax.Array, positions: jax.Array | None,
+               segment_ids: jax.Array | None) -> tuple[jax.Array, ...]:
+    """What a family passes its `LayerStack` after x: (positions,), or (positions, segment_ids)
+    for a packed batch. Segment ids are passed only when given, so the engine and the
+    pipelines see the stack arguments they always saw. positions default to 0..T-1; a packed
+    batch must give its own (each segment's restart at 0): ValueError otherwise."""
+    if segment_ids is None:
+        return (default_positions(tokens) if positions is None else positions,)
+    if positions is None:
+        raise ValueError("segment_ids given without positions: a packed row's sequences each "
+                         "start at position 0; pass positions [B, T] with the segment ids")
+    if segment_ids.shape != tokens.shape:
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {tokens.shape}")
+    return positions, segment_ids
+
+
+def forward_stack(model: Any, tokens: jax.Array, positions: jax.Array | None,
+                  segment_ids: jax.Array | None) -> jax.Array:
+    """The output [B, T, D] of `model.blocks` (before the final norm) for tokens int [B, T], by
+    the `embed` / `blocks` protocol: the family's length rule, then embed and the stack with
+    `stack_args`."""
+    model.config.check_seq_len(tokens.shape[1], "sequence length")
+    args = stack_args(tokens, positions, segment_ids)          # (positions[, segment_ids])
+    x, _ = model.blocks(model.embed(tokens, args[0]), *args)
+    return x
+
+
 def visible_keys(query_pos: jax.Array, key_pos: jax.Array, window: int | None) -> jax.Array:
     """Which keys a query attends: key position <= query position and, with a sliding `window`
     (Mistral's `sliding_window`), key position > query position - window (the query and the
@@ -153,23 +180,36 @@ def attention_scores(q: jax.Array, k: jax.Array, scale: float | None,
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
+# Segment id of padding in `segment_ids` (MaxText's convention): such a query attends to no key,
+# its output is zeros and no gradient flows through it. Real sequences are numbered from 1.
+PAD_SEGMENT = 0
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
-                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                     scale: float | None = None, softcap: float | None = None,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention with grouped-query heads (and a sliding `window`, see
-    `visible_keys`; `scale` and `softcap`, see `attention_scores`).
+    `visible_keys`; `scale` and `softcap`, see `attention_scores`): the naive reference, which
+    holds the whole [B, G, R, T, T] score tensor.
 
     q [B, T, H, K], k and v [B, T, G, K] with H a multiple of G -> [B, T, H, K]. Scores and
-    softmax in float32 (float64 for float64 input).
+    softmax in float32 (float64 for float64 input). `segment_ids` int [B, T] (packed
+    sequences): a query sees only keys of its own segment; `PAD_SEGMENT` rows give zeros.
     """
     b, t, h, d = q.shape
     g = k.shape[2]
     q = q.reshape(b, t, g, h // g, d)
     scores = attention_scores(q, k, scale, softcap)
-    mask = visible_keys(jnp.arange(t)[:, None], jnp.arange(t)[None, :], window)   # [T, S]
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    mask = visible_keys(jnp.arange(t)[:, None], jnp.arange(t)[None, :], window)[None]  # [1,T,S]
+    if segment_ids is not None:
+        real = segment_ids != PAD_SEGMENT                                    # [B, T]
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :]) & real[:, :, None]
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, v)
-    return out.reshape(b, t, h, d)
+    out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, v).reshape(b, t, h, d)
+    if segment_ids is not None:          # a padding row saw no key: zeros, not a uniform mix
+        out = out * real[:, :, None, None].astype(out.dtype)
+    return out
 
 
 # A KV cache is `{"k": [L, B, S, G, K], "v": [L, B, S, G, K]}`; these name its dims, as
@@ -187,11 +227,76 @@ def init_kv_cache(num_layers: int, batch: int, max_len: int, kv_heads: int, head
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
+# Cache slots one step of `cached_attention` reads at a time: its temporaries are a few
+# [B, H, T, CACHE_BLOCK] float32 blocks, however long the cache.
+CACHE_BLOCK = 512
+
+
+def write_cache(k: jax.Array, v: jax.Array, positions: jax.Array,
+                cache: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`cache` {"k", "v"} [B, S, G, K] with token (b, t)'s k, v [B, T, G, K] written to slot
+    positions[b, t]."""
+    write = jax.vmap(lambda c, new, pos: c.at[pos].set(new.astype(c.dtype)))
+    return {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
+
+
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                      cache: dict[str, jax.Array], *, window: int | None = None,
-                     scale: float | None = None, softcap: float | None = None
-                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Attention of new tokens against one layer's KV cache, after writing their keys/values.
+                     scale: float | None = None, softcap: float | None = None,
+                     block: int = CACHE_BLOCK) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Attention of new tokens against one layer's KV cache, after writing their keys/values;
+    equal to `cached_attention_naive` (which says what is attended) but reading the cache
+    `block` slots at a time with an online softmax (flash-decoding's split over S), so no
+    [B, H, T, S] score tensor exists, and visiting only the blocks up to the largest position
+    (and, with a window, from the smallest position's first visible slot).
+
+    q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T]; cache {"k", "v"} [B, S, G, K].
+    Returns (out [B, T, H, K], updated cache).
+    """
+    b, t, h, d = q.shape
+    g = k.shape[2]
+    cache = write_cache(k, v, positions, cache)
+    s = cache["k"].shape[1]
+    bk = min(block, s)
+    qg = q.reshape(b, t, g, h // g, d)
+    acc_dtype = at_least_float32(q.dtype)
+    lowest = jnp.finfo(acc_dtype).min
+    hi = jnp.minimum(-(-s // bk), jnp.max(positions) // bk + 1)
+    lo = 0 if window is None else jnp.maximum(0, (jnp.min(positions) - window + 1) // bk)
+
+    def kv_step(j, carry):
+        m, l, acc = carry                         # [B, G, R, T] x2, [B, G, R, T, K]
+        # The last block may overlap the one before it (S not a multiple of bk): its slots
+        # below j * bk were already summed and are masked here.
+        start = jnp.minimum(j * bk, s - bk)
+        k_blk = jax.lax.dynamic_slice_in_dim(cache["k"], start, bk, 1).astype(q.dtype)
+        v_blk = jax.lax.dynamic_slice_in_dim(cache["v"], start, bk, 1).astype(v.dtype)
+        slot = start + jnp.arange(bk)                                          # [bk]
+        visible = (visible_keys(positions[:, :, None], slot[None, None, :], window)
+                   & (slot >= j * bk))[:, None, None]                         # [B, 1, 1, T, bk]
+        scores = jnp.where(visible, attention_scores(qg, k_blk, scale, softcap), lowest)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)              # rescales what was summed under the old max
+        pv = jnp.einsum("BGRTS,BSGK->BGRTK", p.astype(v.dtype), v_blk,
+                        preferred_element_type=acc_dtype)
+        return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+    shape = (b, g, h // g, t)
+    init = (jnp.full(shape, lowest, acc_dtype), jnp.zeros(shape, acc_dtype),
+            jnp.zeros(shape + (d,), acc_dtype))
+    _, l, acc = jax.lax.fori_loop(lo, hi, kv_step, init)
+    out = acc / l[..., None]            # every token sees its own slot: l > 0
+    out = jnp.einsum("BGRTK->BTGRK", out).astype(v.dtype)
+    return out.reshape(b, t, h, d), cache
+
+
+def cached_attention_naive(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                           cache: dict[str, jax.Array], *, window: int | None = None,
+                           scale: float | None = None, softcap: float | None = None
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Attention of new tokens against one layer's KV cache, after writing their keys/values:
+    the reference, holding the whole [B, G, R, T, S] score tensor.
 
     q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T] (each row its own); cache {"k", "v"}
     [B, S, G, K]. Token (b, t) is written to slot positions[b, t] and attends to the slots
@@ -204,8 +309,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     """
     b, t, h, d = q.shape
     g = k.shape[2]
-    write = jax.vmap(lambda c, new, pos: c.at[pos].set(new.astype(c.dtype)))
-    cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
+    cache = write_cache(k, v, positions, cache)
     s = cache["k"].shape[1]
     q = q.reshape(b, t, g, h // g, d)
     scores = attention_scores(q, cache["k"].astype(q.dtype), scale, softcap)

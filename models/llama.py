@@ -15,9 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import axes
+from .chunked_logits import (LOGITS_CHUNK, chunked_token_logprobs, tied_projection,
+                             untied_projection)
 from .config import ModelConfig
-from .layers import (LayerStack, RMSNorm, at_least_float32, cached_attention, causal_attention,
-                     default_positions, init_kv_cache, normal, param, rope)
+from .attention import attention, cached_attention
+from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
+                     rope)
+from .tiled_mlp import tiled_mlp
 from .rope import ROPE_TYPES, inv_freq
 
 
@@ -124,6 +128,7 @@ class Block(nnx.Module):
         # [K/2] as Python floats (exact float32 values): static, hashable module data.
         self.inv_freq = tuple(float(f) for f in cfg.rope_inv_freq())
         self.window = cfg.sliding_window
+        self.implementation, self.mlp_chunk = cfg.attention, cfg.mlp_chunk    # static
         self.attn_norm = RMSNorm(d, eps=cfg.norm_eps)
         self.wq = param(rngs, normal(std), (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
         self.wk = param(rngs, normal(std), (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM))
@@ -152,11 +157,13 @@ class Block(nnx.Module):
         bias = getattr(self, name, None)
         return 0.0 if bias is None else bias[...]
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """x [B, T, D] -> (x, cache). With `cache` (this layer's {"k", "v"} [B, S, G, K]) the
         tokens' keys/values are written at `positions` and attended there
-        (`cached_attention`); without, plain causal attention."""
+        (`attention.cached_attention`); without, causal attention (`attention.attention`,
+        within each segment of `segment_ids` int [B, T] when given). The MLP runs in chunks of
+        `mlp_chunk` tokens when set (`tiled_mlp`)."""
         h = self.attn_norm(x)                                             # [B, T, D]
         q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self._bias("bq")
         k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
@@ -165,19 +172,28 @@ class Block(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq)
         if cache is None:
-            a = causal_attention(q, k, v, window=self.window)             # [B, T, H, K]
+            a = attention(q, k, v, window=self.window, segment_ids=segment_ids,
+                          implementation=self.implementation)             # [B, T, H, K]
         else:
-            a, cache = cached_attention(q, k, v, positions, cache, window=self.window)
+            a, cache = cached_attention(q, k, v, positions, cache, window=self.window,
+                                        segment_ids=segment_ids,
+                                        implementation=self.implementation)
         x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self._bias("bo")
-        h = self.mlp_norm(x)
+        return x + tiled_mlp(self._mlp, self.mlp_norm(x), self.mlp_chunk), cache
+
+    def _mlp(self, h: jax.Array) -> jax.Array:
+        """SwiGLU: h [B, T, D] -> [B, T, D] through the [B, T, F] gate and up projections."""
         gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]) + self._bias("b_gate"))
         up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...]) + self._bias("b_up")
-        return (x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
-                + self._bias("b_down"), cache)
+        return jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]) + self._bias("b_down")
 
 
 class TokenEmbed(nnx.Module):
+    """The token embedding; `attend` / `attend_logprobs` are the tied head. `logits_chunk`:
+    tokens per chunk of the chunked head (static)."""
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.logits_chunk = LOGITS_CHUNK
         self.weight = param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                             (axes.VOCAB, axes.EMBED))
 
@@ -188,8 +204,15 @@ class TokenEmbed(nnx.Module):
     def attend(self, h: jax.Array) -> jax.Array:
         """The tied head: h [B, T, D] -> logits float32 [B, T, V] = h @ weight^T. A method of
         the module owning the weight, so that ZeRO-3 gathers the weight around the call."""
-        return jnp.einsum("BTD,VD->BTV", h, self.weight[...].astype(h.dtype),
-                          preferred_element_type=at_least_float32(h.dtype))
+        return tied_projection(self.weight[...].astype(h.dtype), h)
+
+    def attend_logprobs(self, h: jax.Array, labels: jax.Array,
+                        vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """The tied head's log-probs of `labels` int [B, T] from h [B, T, D] -> float32
+        [B, T], `logits_chunk` tokens at a time (`models.chunked_logits`): one method, so
+        ZeRO-3 gathers the weight once for every chunk."""
+        return chunked_token_logprobs(h, labels, self.weight[...].astype(h.dtype), tied_projection,
+                                      vocab_limit=vocab_limit, chunk=self.logits_chunk)
 
 
 class Head(nnx.Module):
@@ -198,6 +221,7 @@ class Head(nnx.Module):
     whose `attend` projects."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.logits_chunk = LOGITS_CHUNK     # tokens per chunk of `logprobs` (static)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if not cfg.tie_word_embeddings:
             self.weight = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
@@ -209,8 +233,16 @@ class Head(nnx.Module):
         h = self.norm(x)
         if embed is not None:
             return embed.attend(h)
-        return jnp.einsum("BTD,DV->BTV", h, self.weight[...].astype(x.dtype),
-                          preferred_element_type=at_least_float32(x.dtype))
+        return untied_projection(self.weight[...].astype(x.dtype), h)
+
+    def logprobs(self, h: jax.Array, labels: jax.Array,
+                 vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """The untied projection's log-probs of `labels` int [B, T] from the normed hidden
+        states h [B, T, D] -> float32 [B, T], `logits_chunk` tokens at a time
+        (`models.chunked_logits`)."""
+        return chunked_token_logprobs(h, labels, self.weight[...].astype(h.dtype),
+                                      untied_projection, vocab_limit=vocab_limit,
+                                      chunk=self.logits_chunk)
 
 
 class Llama(nnx.Module):
@@ -243,19 +275,26 @@ class Llama(nnx.Module):
         the embedding when tied."""
         return self.head(x, self.embed if self.config.tie_word_embeddings else None)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        self.config.check_seq_len(tokens.shape[1], "sequence length")
-        if positions is None:
-            positions = default_positions(tokens)
-        x = self.embed(tokens, positions)
-        x, _ = self.blocks(x, positions)
-        return self.logits(x)                                             # [B, T, V]
+    def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
+                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """log p(labels | tokens) float32 [B, T] for tokens, labels int [B, T]: the head's
+        log-softmax at each label, the logits never whole (`models.chunked_logits`). Equals
+        `token_logprobs(model(tokens), labels)` (`zeroxla.engine.loss`)."""
+        h = self.hidden(tokens, positions, segment_ids)                    # [B, T, D]
+        if self.config.tie_word_embeddings:
+            return self.embed.attend_logprobs(h, labels, vocab_limit)
+        return self.head.logprobs(h, labels, vocab_limit)
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits float32 [B, T, V] of tokens int [B, T] at `positions` (default 0..T-1); a
+        packed batch gives `segment_ids` int [B, T] and its own positions
+        (`layers.stack_args`)."""
+        return self.logits(forward_stack(self, tokens, positions, segment_ids))  # [B, T, V]
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after the final RMSNorm, before the projection):
         HF's `LlamaModel(...).last_hidden_state`, which reward and value heads read."""
-        self.config.check_seq_len(tokens.shape[1], "sequence length")
-        if positions is None:
-            positions = default_positions(tokens)
-        x, _ = self.blocks(self.embed(tokens, positions), positions)
-        return self.head.norm(x)
+        return self.head.norm(forward_stack(self, tokens, positions, segment_ids))

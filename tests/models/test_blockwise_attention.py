@@ -133,6 +133,33 @@ def test_segment_ids(window):
     assert max(errors.values()) < FLOAT32_TOL, errors
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_naive_segment_mask_equals_the_reference(window):
+    """`layers.causal_attention`'s own segment mask (the "naive" implementation of a packed
+    batch) against the reference written here, forward and dq / dk / dv."""
+    segment_ids = _segment_ids()
+    q, k, v, cot = _inputs(11, 2, 48, 4, 2, 16)
+    options = {"window": window, "softcap": 5.0}
+    errors = _max_errors(
+        lambda q, k, v: layers.causal_attention(q, k, v, segment_ids=segment_ids, **options),
+        lambda q, k, v: _segment_reference(q, k, v, segment_ids, **options), q, k, v, cot)
+    assert max(errors.values()) < FLOAT32_TOL, errors
+
+
+def test_segment_ids_with_every_option_and_an_odd_length_equal_naive():
+    """Blockwise against the naive segment mask: GQA, window, soft-cap and scale, T = 45 (no
+    multiple of the blocks), the padding tail cut to 5."""
+    segment_ids = _segment_ids()[:, :45]
+    q, k, v, cot = _inputs(12, 2, 45, 4, 2, 16, q_gain=3.0)
+    options = {"window": 9, "softcap": 4.0, "scale": 0.3}
+    errors = _max_errors(
+        lambda q, k, v: blockwise_attention(q, k, v, segment_ids=segment_ids, q_block=16,
+                                            kv_block=8, **options),
+        lambda q, k, v: layers.causal_attention(q, k, v, segment_ids=segment_ids, **options),
+        q, k, v, cot)
+    assert max(errors.values()) < FLOAT32_TOL, errors
+
+
 def test_padding_segment_gives_zeros_and_no_gradient():
     segment_ids = _segment_ids()
     q, k, v, cot = _inputs(8, 2, 48, 4, 2, 16)

@@ -6,4 +6,7 @@
     trip_counts.py     how many times each computation runs (while-loop trip counts)
     comm_report.py     bytes each device sends per step, by collective kind and ZeRO phase
     memory.py          per-device memory of a live state and a compiled step; predictions
+    abstract_step.py   the step traced and compiled on abstract arrays (nothing allocated)
+    host_residuals.py  bytes remat "offload" keeps in host memory, from the traced program
+    planner.py         what fits a device: per-device figures by part, the largest T (`zeroxla plan`)
 """

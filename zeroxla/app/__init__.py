@@ -19,6 +19,8 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
     chat_data.py     DeepSpeed-Chat's data: SFT examples, preference pairs, PPO prompts
     learnable.py     pairs whose answers are the same tokens and rows with no loss token:
                      counted, reported, refused when nothing is left
+    packing.py       packed rows: whole examples per row with segment ids and positions
+                     (first-fit decreasing), the padded rows' loss in fewer rows
     chat_messages.py conversations (`messages`, TRL's conversational pairs) as rows and tokens
     chat_template.py a checkpoint's chat template, rendered with Jinja2, and the assistant's
                      tokens (the SFT loss mask)

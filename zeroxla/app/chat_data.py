@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from zeroxla.app import chat_messages
+from zeroxla.app import chat_messages, packing
 from zeroxla.app.chat_messages import ChatExample, ChatPairExample
 from zeroxla.app.data import ChatDataError, load_text, read_records
 from zeroxla.app.learnable import check_learnable, pairs_without_preference, rows_without_loss
@@ -181,21 +181,25 @@ def _sft_tokens(example: SFTExample | ChatExample, index: int, tokenizer: Tokeni
 
 
 def sft_arrays(examples: Sequence[SFTExample | ChatExample], tokenizer: Tokenizer,
-               seq_len: int, *, eos_id: int | None = None,
-               pad_id: int | None = None) -> dict[str, np.ndarray]:
+               seq_len: int, *, eos_id: int | None = None, pad_id: int | None = None,
+               packed: bool = False) -> dict[str, np.ndarray]:
     """SFT batch arrays for `examples`: {"inputs", "targets"} int32[N, seq_len] and
     "loss_mask" float32[N, seq_len], 1 exactly where the target is a response token (or the
     appended `eos_id`), or an assistant token of a conversation, 0 on prompt and padding.
     Padding uses `pad_id` (default: the tokenizer's pad id, else 0). Each prompt+response(+eos),
-    or rendered conversation, must fit seq_len + 1 tokens."""
+    or rendered conversation, must fit seq_len + 1 tokens. `packed`: several examples per row,
+    with "positions" and "segment_ids" (`zeroxla.app.packing.pack`), R <= N rows."""
     pad = _pad_id(tokenizer, pad_id, "seq_len", seq_len)
     template = chat_messages.template_for(examples, tokenizer)
+    sequences = [_sft_tokens(example, i, tokenizer, template, eos_id, seq_len)  # ([L], [L])
+                 for i, example in enumerate(examples)]
+    if packed:
+        return packing.pack(sequences, seq_len, pad)
     n = len(examples)
     inputs = np.full((n, seq_len), pad, np.int32)          # [N, T]
     targets = np.full((n, seq_len), pad, np.int32)         # [N, T]
     loss_mask = np.zeros((n, seq_len), np.float32)         # [N, T]
-    for i, example in enumerate(examples):
-        seq, learned = _sft_tokens(example, i, tokenizer, template, eos_id, seq_len)  # [L]
+    for i, (seq, learned) in enumerate(sequences):
         inputs[i, :len(seq) - 1] = seq[:-1]
         targets[i, :len(seq) - 1] = seq[1:]
         loss_mask[i, :len(seq) - 1] = learned[1:]          # targets[t] = seq[t + 1]

@@ -15,6 +15,8 @@
     zeroxla export CKPT OUT     a checkpoint as Hugging Face safetensors + tokenizer files
     zeroxla generate CKPT --prompt TEXT
                                 continue a prompt with the Hybrid Engine (KV cache, --tp)
+    zeroxla plan --model HF_DIR_OR_PRESET [--seq-len T | --max-seq-len]
+                                what fits a device, by compile only (`zeroxla.app.jobs.plan`)
     zeroxla launch --nproc N -- COMMAND
                                 N local processes of COMMAND as one distributed JAX job
 
@@ -46,6 +48,7 @@ from zeroxla.app.cli_args import (host_device_count, mesh_shape, non_negative_in
                                   temperature)
 from zeroxla.app.interrupt import exit_status, signal_name, terminate_raises
 from zeroxla.app.jobs import dpo, grpo, ppo, reward
+from zeroxla.app.jobs.plan import add_plan
 from zeroxla.app.jobs.train import cli as train
 from zeroxla.app.launch import DEFAULT_GRACE_S, DEVICE_COUNT_FLAG
 from zeroxla.app.run.command import add_job
@@ -247,7 +250,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     *(functools.partial(add_job, spec=spec)
       for spec in (train.SPEC, reward.SPEC, ppo.SPEC, dpo.SPEC, grpo.SPEC)),
-    _add_export, _add_generate, _add_launch)
+    _add_export, _add_generate, add_plan, _add_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -129,17 +129,17 @@ def gpt2_checkpoint(out_dir: str | os.PathLike, *, sharded: bool = False, num_la
 
 
 def llama_checkpoint(out_dir: str | os.PathLike, *, sharded: bool = False, num_layers: int = 2,
-                     reward: bool = False) -> Path:
+                     reward: bool = False, max_positions: int = MAX_POSITIONS) -> Path:
     """A random LlamaForCausalLM (hidden 64, 2 layers, 4 query / 2 key-value heads,
-    intermediate 128, 128 positions, untied head) with the fixture tokenizer, saved in
-    `out_dir`; returns the directory. With `reward`, a LlamaForSequenceClassification reward
-    model of the same shape."""
+    intermediate 128, `max_positions` positions (128), untied head) with the fixture tokenizer,
+    saved in `out_dir`; returns the directory. With `reward`, a LlamaForSequenceClassification
+    reward model of the same shape."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     config = LlamaConfig(vocab_size=tokenizer_vocab_size(), hidden_size=64,
                          intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
+                         num_key_value_heads=2, max_position_embeddings=max_positions,
                          tie_word_embeddings=False, bos_token_id=eos_id(),
                          eos_token_id=eos_id(), **_reward_fields(reward))
     torch.manual_seed(SEED)

@@ -40,10 +40,25 @@ def check_batch(batch: Any, *, next_token: bool, data_size: int, accumulation: i
     return dict(batch)
 
 
+# A packed batch's keys (`zeroxla.app.packing`): each token's position in its own sequence and
+# its sequence's number in the row (0: padding), both int [B, T]; the model gets both.
+PACKED_KEYS = ("positions", "segment_ids")
+
+
 def _check_token_batch(batch: Mapping[str, Any], vocab_size: Callable[[], int]) -> None:
-    if not set(BATCH_KEYS) <= set(batch) or set(batch) - {*BATCH_KEYS, MASK_KEY}:
+    optional = (MASK_KEY, *PACKED_KEYS)
+    if not set(BATCH_KEYS) <= set(batch) or set(batch) - {*BATCH_KEYS, *optional}:
         raise ValueError(f"batch must have the keys {list(BATCH_KEYS)} (and optionally "
-                         f"{MASK_KEY!r}), got {sorted(batch)}")
+                         f"{', '.join(map(repr, optional))}), got {sorted(batch)}")
+    for key in (k for k in PACKED_KEYS if k in batch):
+        value = batch[key]
+        dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"batch[{key!r}] has dtype {dtype}; expected int32[B, T]")
+        host = not isinstance(value, (jax.Array, jax.ShapeDtypeStruct))
+        if host and np.size(value) and int(np.min(value)) < 0:
+            raise ValueError(f"batch[{key!r}] has values below 0; accepted: positions from 0, "
+                             "segment ids from 1 (0 marks padding)")
     for key in BATCH_KEYS:
         shape = np.shape(batch[key])
         dtype = batch[key].dtype if hasattr(batch[key], "dtype") else np.asarray(batch[key]).dtype
@@ -52,9 +67,9 @@ def _check_token_batch(batch: Mapping[str, Any], vocab_size: Callable[[], int]) 
         if not jnp.issubdtype(dtype, jnp.integer):
             raise ValueError(f"batch[{key!r}] has dtype {dtype}; expected int32[B, T]")
     for key in BATCH_KEYS:
-        if not isinstance(batch[key], jax.Array):          # host data: checked before sending
+        if not isinstance(batch[key], (jax.Array, jax.ShapeDtypeStruct)):  # host data: checked
             _check_token_range(key, np.asarray(batch[key]), vocab_size())
-    for key in (k for k in (*BATCH_KEYS[1:], MASK_KEY) if k in batch):
+    for key in (k for k in (*BATCH_KEYS[1:], *optional) if k in batch):
         if np.shape(batch[key]) != np.shape(batch["inputs"]):
             raise ValueError(f"batch['inputs'] {np.shape(batch['inputs'])} and "
                              f"batch[{key!r}] {np.shape(batch[key])} differ in shape")

@@ -7,11 +7,16 @@ loss averages exactly over the global batch, whatever each device's share of mas
 mean of per-device means would not).
 
 The default loss is next-token cross-entropy; `batch["loss_mask"]` (optional, [B, T], bool or
-float weights) masks tokens out of it.
+float weights) masks tokens out of it, and `batch["positions"]` / `batch["segment_ids"]`
+(optional, int [B, T]: a packed batch's per-sequence positions and sequence ids) go to the
+model. A model with the chunked log-prob protocol (`model.token_logprobs(tokens, labels, *,
+positions, segment_ids, vocab_limit)`, every family in `models`) computes the loss without its
+whole [B, T, V] logits (`models.chunked_logits`); any other model is called for its logits.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +29,10 @@ Batch = Mapping[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], Any]
 BATCH_KEYS = ("inputs", "targets")
 MASK_KEY = "loss_mask"
+POSITIONS_KEY, SEGMENT_IDS_KEY = "positions", "segment_ids"
+# What the chunked protocol bypasses: a subclass overriding one of these below the class that
+# defines `token_logprobs` is called for its logits instead (its own forward is the truth).
+_FORWARD_METHODS = ("__call__", "hidden", "head", "logits", "token_logprobs")
 
 
 def token_logprobs(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -34,20 +43,85 @@ def token_logprobs(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
 
 
-def token_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """`(sum, count)` of the cross-entropy of `logits` [B, T, V] against `batch["targets"]`
-    [B, T], weighted by `batch["loss_mask"]` when present."""
-    nll = -token_logprobs(logits, batch["targets"])                                   # [B, T]
+def has_chunked_logprobs(model: Any) -> bool:
+    """Whether `model` computes its log-probs chunked (`model.token_logprobs`, the models'
+    protocol) with nothing in its forward overridden past the class that defines it. Read
+    from the class: a ZeRO-3 stand-in (`engine.wrap`) answers any attribute."""
+    cls = type(model)
+    owner = next((c for c in cls.__mro__ if "token_logprobs" in vars(c)), None)
+    if owner is None or not callable(vars(owner)["token_logprobs"]):
+        return False
+    below = cls.__mro__[:cls.__mro__.index(owner)]
+    return not any(name in vars(c) for c in below for name in _FORWARD_METHODS)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    """Whether `fn` accepts the keyword argument `name` (by name, or through **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True                           # not introspectable: the call itself decides
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | None,
+                   segment_ids: jax.Array | None) -> dict[str, jax.Array]:
+    """The given `positions` / `segment_ids` as keyword arguments of `forward` (named `what`);
+    ValueError naming the key when `forward` takes no such argument: a packed batch is never
+    run as one sequence."""
+    options = {k: v for k, v in ((POSITIONS_KEY, positions), (SEGMENT_IDS_KEY, segment_ids))
+               if v is not None}
+    for name in options:
+        if not _takes(forward, name):
+            raise ValueError(f"batch[{name!r}] is given but {type(model).__name__}.{what} takes "
+                             f"no {name} argument; accepted: a batch without {name!r}, or a "
+                             f"model whose {what} accepts {name}=")
+    return options
+
+
+def model_token_logprobs(model: Any, tokens: jax.Array, labels: jax.Array, *,
+                         positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None,
+                         vocab_limit: int | None = None) -> jax.Array:
+    """log p(labels | tokens) [B, T] under `model` for tokens, labels int [B, T], with the
+    softmax over the ids below `vocab_limit` when given (a vocabulary padded past its
+    tokenizer's). Chunked through `model.token_logprobs` when the model has the protocol
+    (`has_chunked_logprobs`: its [B, T, V] logits never exist whole), else `token_logprobs`
+    of `model(tokens)`. `positions` / `segment_ids` (int [B, T]) go to the model; one it cannot
+    take is refused by name (`_stack_options`)."""
+    if has_chunked_logprobs(model):
+        return model.token_logprobs(tokens, labels, positions=positions,
+                                    segment_ids=segment_ids, vocab_limit=vocab_limit)
+    options = _stack_options(model, model.__call__, "__call__", positions, segment_ids)
+    logits = model(tokens, **options)                                             # [B, T, V]
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    return token_logprobs(logits, labels)
+
+
+def masked_nll_terms(nll: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """`(sum, count)` of the per-token losses `nll` [B, T], weighted by `batch["loss_mask"]`
+    when present."""
     if MASK_KEY in batch:
         weights = batch[MASK_KEY].astype(jnp.float32)
         return jnp.sum(nll * weights), jnp.sum(weights)
     return jnp.sum(nll), jnp.float32(nll.size)
 
 
+def token_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """`(sum, count)` of the cross-entropy of `logits` [B, T, V] against `batch["targets"]`
+    [B, T], weighted by `batch["loss_mask"]` when present."""
+    return masked_nll_terms(-token_logprobs(logits, batch["targets"]), batch)
+
+
 def next_token_loss_terms(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """`(sum, count)` of next-token cross-entropy of `model(batch["inputs"])`: the step's
-    default loss."""
-    return token_cross_entropy(model(batch["inputs"]), batch)
+    """`(sum, count)` of next-token cross-entropy of `model` on `batch["inputs"]` against
+    `batch["targets"]` (`model_token_logprobs`: chunked where the model can, with the batch's
+    positions and segment ids): the step's default loss."""
+    logp = model_token_logprobs(model, batch["inputs"], batch["targets"],
+                                positions=batch.get(POSITIONS_KEY),
+                                segment_ids=batch.get(SEGMENT_IDS_KEY))          # [B, T]
+    return masked_nll_terms(-logp, batch)
 
 
 def next_token_loss(model: nnx.Module, batch: Batch) -> jax.Array:

@@ -13,6 +13,14 @@ What else the unit keeps from forward to backward is the *activation policy*
 * a `jax.checkpoint_policies` name (`"dots_saveable"`, ...): forward runs the unit under
   `jax.checkpoint(policy=...)` inside `jax.vjp`, keeping what the policy saves (and the unit's
   inputs); backward recomputes the rest. The gathered parameters are, again, never kept.
+* `"offload"` (DeepSpeed ALST's checkpoint offload): what "full" keeps - the unit's float inputs,
+  a layer's input carry - kept in host memory (the `pinned_host` memory kind) instead of device
+  memory, and everything else recomputed, as "full" does. The inputs are named
+  (`checkpoint_name(x, OFFLOADED_INPUT)`) and the unit runs under `jax.checkpoint` with
+  `save_and_offload_only_these_names`, so JAX itself moves them out after forward and back in
+  for backward. Same FLOPs and the same values as "full"; device memory no longer grows with
+  the number of layers times the sequence. Refused, by name, on a platform whose devices have no
+  `pinned_host` memory (`check_offload_platform`).
 
 A residual *derived* from a parameter (a transposed or converted weight) is an ordinary
 residual and is kept: the models here use their parameters as they come (gathered in the
@@ -27,11 +35,56 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from zeroxla.engine.cotangent_layout import pull_permuted
 from zeroxla.sharding.leaf_plan import LeafPlan
 
-FULL, NONE = "full", "none"     # the other accepted values: `config.REMAT_POLICIES`
+FULL, NONE, OFFLOAD = "full", "none", "offload"   # the others: `config.REMAT_POLICIES`
+HOST_KIND = "pinned_host"              # where "offload" keeps a unit's inputs
+OFFLOADED_INPUT = "zeroxla_offloaded_input"   # the checkpoint name of those inputs
+
+
+def host_memory_kinds(device: Any) -> tuple[str, ...]:
+    """The memory kinds `device` addresses ("device", "pinned_host", ...); () if it says none."""
+    try:
+        return tuple(m.kind for m in device.addressable_memories())
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return ()
+
+
+def check_offload_platform(devices: Any = None) -> None:
+    """Refuses remat "offload" where a device has no `pinned_host` memory kind, by name."""
+    for device in (jax.devices() if devices is None else devices):
+        kinds = host_memory_kinds(device)
+        if HOST_KIND not in kinds:
+            raise ValueError(
+                f"ZeroConfig.remat={OFFLOAD!r} needs the {HOST_KIND!r} memory kind, which "
+                f"{device.platform} device {device.id} does not have (its memory kinds: "
+                f"{', '.join(kinds) or 'none reported'}); accepted here: 'full' (the same "
+                "recompute, inputs kept in device memory), 'none' or a checkpoint policy")
+
+
+def _offload_policy() -> Any:
+    """The `jax.checkpoint` policy of remat "offload": save nothing on the device, offload the
+    named unit inputs to host memory (jax 0.10 and 0.12 spell it alike)."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[OFFLOADED_INPUT],
+        offload_src="device", offload_dst=HOST_KIND)
+
+
+def _checkpointed(fn: Callable, policy: str) -> Callable:
+    """`fn(params, float_inputs)` under `jax.checkpoint` with remat `policy`'s saving rule."""
+    if policy != OFFLOAD:
+        return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy))
+    check_offload_platform()
+
+    def named_inputs(params, float_inputs):
+        # Every use of an input goes through its named copy: the copy is what JAX offloads,
+        # and backward's recompute reads it, not the device-resident original.
+        return fn(params, [checkpoint_name(x, OFFLOADED_INPUT)
+                           for x in float_inputs])
+    return jax.checkpoint(named_inputs, policy=_offload_policy())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,8 +133,7 @@ def _linearized(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inp
         return fn(merged, rebuild(float_inputs))
 
     if policy is not None:
-        of_differentiable = jax.checkpoint(of_differentiable,
-                                           policy=getattr(jax.checkpoint_policies, policy))
+        of_differentiable = _checkpointed(of_differentiable, policy)
     out, vjp = jax.vjp(of_differentiable, [full[i] for i in trainable], floats)
     return out, vjp, trainable
 
@@ -136,8 +188,9 @@ class VjpLayout:
 
 def linearize_keeping(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any,
                       policy: str) -> tuple[Any, list[Any], VjpLayout]:
-    """Forward of a unit under remat `policy` ("none" or a checkpoint policy): `(out, kept,
-    layout)`, `kept` the residual arrays to carry to backward (never a gathered parameter)."""
+    """Forward of a unit under remat `policy` ("none", "offload" or a checkpoint policy): `(out,
+    kept, layout)`, `kept` the residual arrays to carry to backward (never a gathered parameter;
+    under "offload", the unit's float inputs in host memory)."""
     out, pullback, trainable = _linearized(fn, leaves, full, inputs,
                                            None if policy == NONE else policy)
     residuals, treedef = jax.tree.flatten(pullback)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zeroxla.engine.loss import token_logprobs
+from zeroxla.engine.loss import model_token_logprobs
 
 LOSS_TYPES = ("sigmoid", "ipo")
 DPOBatch = dict[str, jax.Array]
@@ -129,9 +129,9 @@ def dpo_metrics(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *,
 
 # ---- log-prob sums of a model -------------------------------------------------------------------
 def token_logprob_rows(model: nnx.Module, tokens: jax.Array) -> jax.Array:
-    """log p(token t+1 | tokens <= t) [B, T-1] for `tokens` int32[B, T]."""
-    logits = model(tokens[:, :-1])                                               # [B, T-1, V]
-    return token_logprobs(logits, tokens[:, 1:])                                 # [B, T-1]
+    """log p(token t+1 | tokens <= t) [B, T-1] for `tokens` int32[B, T] (chunked where the
+    model is: `model_token_logprobs`)."""
+    return model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:])            # [B, T-1]
 
 
 def sequence_logprobs(model: nnx.Module, batch: DPOBatch) -> tuple[jax.Array, jax.Array]:

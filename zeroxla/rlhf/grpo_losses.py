@@ -26,8 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroxla.engine.loss import token_logprobs
-from zeroxla.inference.sampling import valid_ids
+from zeroxla.engine.loss import model_token_logprobs
 
 
 def grpo_loss_terms(logprobs, old_logprobs, advantages, *, epsilon: float, epsilon_high: float,
@@ -94,13 +93,12 @@ def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
     <= P) and its answer from L_b: the logits at L_b - 1 + t against the token at L_b + t.
     Causal attention sees only the row's earlier (real) tokens, at their true positions, so
     each row's log-probs are those of its prompt and answer alone. With `vocab_limit`, pi is
-    the softmax over the ids below it (`zeroxla.rlhf.ppo_losses.answer_logprobs`)."""
-    logits = model(tokens[:, :-1])                                        # [B, P+G-1, V]
+    the softmax over the ids below it (`zeroxla.rlhf.ppo_losses.answer_logprobs`); the logits
+    never exist whole where the model is chunked (`model_token_logprobs`)."""
+    logprobs = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
+                                    vocab_limit=vocab_limit)               # [B, P+G-1]
     at = prompt_lengths[:, None] - 1 + jnp.arange(answer_length)          # [B, G]
-    logits = jnp.take_along_axis(logits, at[:, :, None], axis=1)          # [B, G, V]
-    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-        logits = jnp.where(valid_ids(logits.shape, vocab_limit), logits, -jnp.inf)
-    return token_logprobs(logits, jnp.take_along_axis(tokens, at + 1, axis=1))   # [B, G]
+    return jnp.take_along_axis(logprobs, at, axis=1)                      # [B, G]
 
 
 def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeroxla.engine.loss import token_logprobs
-from zeroxla.inference.sampling import valid_ids
+from zeroxla.engine.loss import model_token_logprobs
 
 
 def actor_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -57,11 +56,11 @@ def answer_logprobs(model: nnx.Module, tokens: jax.Array, answer_length: int,
     """log pi(answer token t | everything before it) [B, G] for `tokens` int32[B, P + G]: the
     logits at positions P-1 .. P+G-2 against the tokens at P .. P+G-1. With `vocab_limit` (a
     model vocabulary padded past its tokenizer's), pi is the softmax over the ids below it,
-    the distribution the rollouts draw from (`zeroxla.inference.Sampling.vocab_limit`)."""
-    logits = model(tokens[:, :-1])[:, -answer_length:]                    # [B, G, V]
-    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-        logits = jnp.where(valid_ids(logits.shape, vocab_limit), logits, -jnp.inf)
-    return token_logprobs(logits, tokens[:, -answer_length:])             # [B, G]
+    the distribution the rollouts draw from (`zeroxla.inference.Sampling.vocab_limit`). The
+    logits never exist whole where the model is chunked (`model_token_logprobs`)."""
+    logprobs = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
+                                    vocab_limit=vocab_limit)               # [B, P+G-1]
+    return logprobs[:, -answer_length:]                                   # [B, G]
 
 
 def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> jax.Array:

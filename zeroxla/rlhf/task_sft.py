@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.engine.loss import token_logprobs
+from zeroxla.engine.loss import model_token_logprobs
 
 
 def sft_arrays(rows: Sequence[dict[str, str]], tokenizer: Any, prompt_length: int,
@@ -41,9 +41,8 @@ def sft_arrays(rows: Sequence[dict[str, str]], tokenizer: Any, prompt_length: in
 
 def completion_loss(model: nnx.Module, batch: dict[str, jax.Array]):
     """`(sum, count)` of the completion tokens' negative log-likelihood."""
-    mask = batch["mask"]                                                   # [B, C]
-    logits = model(batch["tokens"][:, :-1])[:, -mask.shape[1]:]            # [B, C, V]
-    logp = token_logprobs(logits, batch["tokens"][:, -mask.shape[1]:])    # [B, C]
+    mask, tokens = batch["mask"], batch["tokens"]                          # [B, C], [B, P+C]
+    logp = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:])[:, -mask.shape[1]:]
     return -jnp.sum(logp * mask), jnp.sum(mask)
 
 

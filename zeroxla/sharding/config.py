@@ -22,7 +22,7 @@ import jax.numpy as jnp
 # optimizer state float64 as well: a numerical-verification mode in which a ZeRO run and a
 # single-device run differ by float64 round-off, not float32's (see `master_dtype`).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
 QUANTIZATION_BITS = (4, 8)
 # ZeRO-Offload's targets (DeepSpeed's `offload_optimizer.device` / `offload_param.device`):
 # "cpu" is host memory (JAX's `pinned_host` or `unpinned_host` memory kind); "nvme" is not built.
@@ -88,7 +88,8 @@ class ZeroConfig:
     # (`zeroxla.engine.remat`): "none" keeps its activations and re-gathers only its weights
     # (DeepSpeed's default, no recompute); "full" keeps only its inputs and recomputes it in
     # backward (about a third more FLOPs, the least activation memory); "dots_saveable" /
-    # "dots_with_no_batch_dims_saveable" keep what that `jax.checkpoint` policy saves. The
+    # "dots_with_no_batch_dims_saveable" keep what that `jax.checkpoint` policy saves;
+    # "offload" keeps what "full" keeps in host memory (`pinned_host`) instead. The
     # gathered weights are never kept. Stages 0-1 run the model under plain autodiff ("none").
     remat: str = "none"
     # Forward/backward run in this dtype; master weights and optimizer state stay float32.

@@ -127,3 +127,60 @@ def test_tokenizer_and_model_options_conflict_with_init_from(gpt2_dir, capsys):
                               data=config.Data(tokenizer="byte"))
     assert cli.main(["train", "--init-from", str(gpt2_dir), "--model", "gpt-tiny"]) == 2
     assert "--model gpt-tiny with --init-from" in capsys.readouterr().err
+
+
+LONG = 4096                  # rows of 4K tokens: the blockwise attention's and chunked head's
+
+
+def _long_examples(tokenizer) -> list:
+    """4 examples with responses of 2.0K-2.6K tokens and 4 with 0.3K-1.4K, of tiny-shakespeare
+    lines: each long one shares its row with a short one when packed."""
+    lines = [e.response for e in chat_data.shakespeare_sft(400, seed=2)]
+    rng = np.random.default_rng(5)
+    out = []
+    for i, (low, high) in enumerate([(2000, 2600)] * 4 + [(300, 1400)] * 4):
+        want, response = int(rng.integers(low, high)), ""
+        while len(tokenizer.encode(response)) < want:
+            response += lines[int(rng.integers(len(lines)))] + "\n"
+        out.append(chat_data.SFTExample(f"Speak, {i}.", response))
+    return out
+
+
+@pytest.mark.slow
+def test_long_packed_sft_equals_transformers_and_trains_end_to_end(tmp_path):
+    """Responses of up to 2.6K tokens, packed into 4,096-token rows: the ZeRO-3 step's loss on
+    the packed rows equals transformers' masked cross-entropy of the examples one by one
+    (float64 numpy), and `zeroxla train` on them runs end to end."""
+    directory = llama_checkpoint(tmp_path / "hf", max_positions=LONG)
+    tokenizer = PretrainedTokenizer.from_dir(directory)
+    examples = _long_examples(tokenizer)
+    packed = chat_data.sft_arrays(examples, tokenizer, LONG, eos_id=tokenizer.eos_id,
+                                  packed=True)
+    rows = len(packed["inputs"])
+    assert rows == 4                               # 8 examples, one row per device
+    batch = packed
+    mesh = zeroxla.make_mesh(nodes=2, local=2)
+    step, state = zeroxla.load_pretrained(directory, mesh, config=zeroxla.ZeroConfig(stage=3),
+                                          progress=False)
+    _, metrics = step(state, batch)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    total = count = 0.0
+    for example in examples:                       # one example per forward: no packing at all
+        row = chat_data.sft_arrays([example], tokenizer, LONG, eos_id=tokenizer.eos_id)
+        k = int(np.flatnonzero(row["loss_mask"][0]).max()) + 1
+        with torch.no_grad():
+            logits = reference(torch.tensor(row["inputs"][:, :k], dtype=torch.long)).logits
+        mask = row["loss_mask"][:, :k]
+        total += masked_cross_entropy(logits.numpy(), row["targets"][:, :k], mask) * mask.sum()
+        count += mask.sum()
+    np.testing.assert_allclose(float(metrics["loss"]), total / count, rtol=1e-5)
+
+    data = tmp_path / "long.jsonl"
+    chat_data.write_jsonl(examples, data)
+    job = resolve_job(dict(init_from=str(directory), data=str(data), steps=1, batch_size=4,
+                           mesh=(2, 2), seq_len=LONG, lr=1e-3, warmup_steps=1, eval_batches=1,
+                           sample_tokens=0, out_dir=str(tmp_path / "run"), progress=False))
+    lines = []
+    summary = train_job.run(job, write=lines.append)
+    assert any("packed into" in line for line in lines), lines
+    assert np.isfinite(summary.final_train_loss) and np.isfinite(summary.final_val_loss)

@@ -11,4 +11,5 @@ runner drives (`zeroxla.app.run`). No job imports another.
     grpo.py      `zeroxla grpo`: the GRPO family with verifiable rewards (default: the
                  bundled arithmetic task)
     generate.py  `zeroxla generate`: a trained run continued from a prompt (no run directory)
+    plan.py      `zeroxla plan`: what fits a device, by compile only (no run directory)
 """

@@ -86,13 +86,15 @@ class Data:
     """What it trains on. path: a UTF-8 text file, or {"prompt", "response"} pairs in a .jsonl
     or .json (supervised fine-tuning, the loss on the responses only); None: the bundled
     tiny-shakespeare. tokenizer: "char", "byte", or "pretrained" (with model.init_from: the
-    checkpoint's own)."""
+    checkpoint's own). packing: SFT examples packed into the training rows with segment ids
+    (exact: the loss is the padded rows'; text windows hold no padding and are never packed)."""
 
     NAME: ClassVar[str] = "data"
     path: str | None = None
     tokenizer: str = "char"
     seq_len: int = 128
     val_fraction: float = 0.1
+    packing: bool = True           # SFT: whole examples packed into rows (`zeroxla.app.packing`)
 
     def __post_init__(self) -> None:
         _check_paths(self, ("path",))

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zeroxla.app import chat_data, chat_messages
+from zeroxla.app import chat_data, chat_messages, packing
 from zeroxla.app.data import (ACCEPTED_JSON, BatchPlan, device_batch, epoch_rows, json_suffix,
                               load_text, split_examples, split_tokens, to_devices)
 from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
@@ -96,6 +96,7 @@ class SFTData:
     seed: int
     rows_without_loss: int = 0     # examples of either split with no loss token
     conversations: bool = False    # `messages` rows among the examples (the loss: assistant's)
+    padded_rows: int | None = None  # packed: the rows the training examples padded would take
 
     @property
     def vocab_size(self) -> int:
@@ -109,8 +110,17 @@ class SFTData:
                  if self.rows_without_loss else "")
         kinds, learned = (("SFT examples (conversations)", "assistant")
                           if self.conversations else ("prompt-response pairs", "response"))
+        packed = ""
+        if self.padded_rows is not None:
+            n_train = self.padded_rows
+            packed = (f", packed into {len(self.train['inputs']):,} rows (padded: {n_train:,}; "
+                      f"{self._filled():.0%} of the packed rows' tokens are examples')")
         return (f"{n_train:,} train / {n_val:,} val {kinds}, {answer:,} {learned} tokens in "
-                f"train{empty}")
+                f"train{empty}{packed}")
+
+    def _filled(self) -> float:
+        segments = self.train["segment_ids"]
+        return float(np.mean(segments != packing.PAD_SEGMENT))
 
     def _rows(self, split: str, k: int, seed: int) -> dict[str, np.ndarray]:
         return epoch_rows(self.train if split == "train" else self.val, self.batch_size, k, seed)
@@ -162,8 +172,10 @@ def read_data(data: str | None) -> str | list[chat_data.SFTExample]:
 
 
 def _sft_data(examples: list[chat_data.SFTExample], tok: Any, source: str, batch_size: int,
-              seq_len: int, val_fraction: float, seed: int) -> SFTData:
-    """The examples split and tokenized; a file or split with no loss token is refused."""
+              seq_len: int, val_fraction: float, seed: int, packed: bool) -> SFTData:
+    """The examples split and tokenized (the training split `packed` into rows when asked;
+    validation stays padded, so its loss is the same figure either way); a file or split with
+    no loss token is refused."""
     train_examples, val_examples = split_examples(examples, val_fraction, seed)
     eos = getattr(tok, "eos_id", None)
     train, val = (chat_data.sft_arrays(part, tok, seq_len, eos_id=eos)
@@ -176,8 +188,12 @@ def _sft_data(examples: list[chat_data.SFTExample], tok: Any, source: str, batch
          "validation": (len(val_examples), chat_data.rows_without_loss(val))},
         f"no loss token ({why})", 'examples with a non-empty "response"')
     chat = any(isinstance(e, chat_messages.ChatExample) for e in examples)
+    padded_rows = None
+    if packed:
+        padded_rows = len(train["inputs"])
+        train = chat_data.sft_arrays(train_examples, tok, seq_len, eos_id=eos, packed=True)
     return SFTData(tok, train, val, source, batch_size, seed, rows_without_loss=empty,
-                   conversations=chat)
+                   conversations=chat, padded_rows=padded_rows)
 
 
 def _recorded_tokenizer(recorded: dict, tokenizer: str, text: str, source: str) -> Any:
@@ -202,11 +218,12 @@ def _recorded_tokenizer(recorded: dict, tokenizer: str, text: str, source: str) 
 
 def load_train_data(data: str | None, *, tokenizer: str, init_from: str | None,
                     batch_size: int, seq_len: int, val_fraction: float,
-                    seed: int, recorded: dict | None = None) -> TextData | SFTData:
+                    seed: int, recorded: dict | None = None,
+                    packing: bool = False) -> TextData | SFTData:
     """The job's data (see the module docstring). `tokenizer` is "char", "byte", or
     "pretrained" with `init_from` (the checkpoint's own); `recorded`, a resumed run's tokenizer
     record, is used instead once checked against both (`_recorded_tokenizer`). Every error comes
-    before any compute."""
+    before any compute. `packing`: SFT training rows packed (`zeroxla.app.packing`)."""
     if (tokenizer == PRETRAINED) != (init_from is not None):
         raise ValueError(f"tokenizer {tokenizer!r} with init_from={init_from!r}: a pretrained "
                          "model's vocabulary is its own tokenizer's ('pretrained'), and only a "
@@ -226,7 +243,7 @@ def load_train_data(data: str | None, *, tokenizer: str, init_from: str | None,
     if isinstance(content, str):
         train, val = split_tokens(tok.encode(text), val_fraction)
         return TextData(tok, train, val, source, batch_size, seq_len, seed)
-    return _sft_data(content, tok, source, batch_size, seq_len, val_fraction, seed)
+    return _sft_data(content, tok, source, batch_size, seq_len, val_fraction, seed, packing)
 
 
 __all__ = ["SFTData", "TextData", "load_train_data", "read_data"]

@@ -61,7 +61,7 @@ class TrainJob:
             config.data.path, tokenizer=config.data.tokenizer, init_from=config.model.init_from,
             batch_size=config.schedule.batch_size, seq_len=config.data.seq_len,
             val_fraction=config.data.val_fraction, seed=config.run.seed,
-            recorded=recorded_tokenizer(resume))
+            recorded=recorded_tokenizer(resume), packing=config.data.packing)
         self.tokenizer = self.data.tokenizer
         model = model_config(config, self.data)
         self.mesh = distributed.job_mesh(config.sharding.mesh, config.pipeline.stages)

@@ -108,6 +108,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("--tokenizer", "tokenizer", "data", "tokenizer", "model",
               "character-level (vocabulary from the corpus) or UTF-8 byte-level; default char "
               "(with --init-from: the checkpoint's own)", choices=TOKENIZERS),
+    Option("--packing", "packing", "data", "packing", "model",
+           "supervised fine-tuning: pack whole examples into each --seq-len row, told apart by "
+           "segment ids (attention stays within an example, positions restart; the loss equals "
+           "the padded rows', TRL's packing / verl's use_remove_padding), so --batch-size counts "
+           "rows of --seq-len tokens, not examples; validation rows stay padded; --no-packing: "
+           "one example per row; text data is never padded; default on",
+           action=argparse.BooleanOptionalAction),
     # schedule
     Option("--steps", "steps", "schedule", "steps", "schedule",
               f"training steps; default {_default(Schedule, 'steps')}", type=positive_int),

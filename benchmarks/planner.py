@@ -1,0 +1,65 @@
+"""`zeroxla plan`'s figures for docs/benchmarks.md: per-device peaks of real shapes, by compile
+only (nothing allocated, nothing runs), ZeRO-3, bf16, 8 simulated CPU devices of 80 GiB.
+
+    python benchmarks/planner.py table                  # Qwen2.5-0.5B, Llama-3.2-1B at 8K, 32K
+    python benchmarks/planner.py search --model Llama-3.1-8B --remat full \\
+        --field attention=auto --field mlp_chunk=4096   # the largest T for one setting
+
+Each compile prints its seconds: the search compiles about 2 log2(T / 1024) times. Figures are
+XLA:CPU's (`zeroxla.analysis.planner`: remat "offload"'s device figure is derived there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import zeroxla  # noqa: E402
+from zeroxla.analysis.planner import largest_fitting, plan_memory  # noqa: E402
+from zeroxla.models import presets  # noqa: E402
+
+GiB = 2**30
+DEVICE = 80 * GiB
+
+
+def _value(text: str):
+    return None if text == "None" else int(text) if text.isdigit() else text
+
+
+def _figures(name, seq_len, remat, fields):
+    start = time.perf_counter()
+    f = plan_memory(presets.config(name), zeroxla.make_mesh(1, 8), seq_len=seq_len,
+                    device_memory=DEVICE, remat=remat, fields=fields)
+    print(f"  {name} T={seq_len} {f.setting}: peak {f.peak / GiB:.2f} GiB (state "
+          f"{f.device_state / GiB:.2f}, temporaries {f.temporaries / GiB:.2f}, host "
+          f"{f.host_residuals / GiB:.2f}{', derived' if f.derived else ''}), fits "
+          f"{'yes' if f.fits else 'no'}, compile {time.perf_counter() - start:.0f} s",
+          flush=True)
+    return f
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=("table", "search"))
+    parser.add_argument("--model", default="Llama-3.1-8B", choices=presets.NAMES)
+    parser.add_argument("--remat", default="full")
+    parser.add_argument("--field", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--limit", type=int, default=1 << 20)
+    args = parser.parse_args()
+    fields = {k: _value(v) for k, v in (f.split("=", 1) for f in args.field)}
+    if args.what == "table":
+        for name in ("Qwen2.5-0.5B", "Llama-3.2-1B"):
+            for seq_len in (8192, 32768):
+                _figures(name, seq_len, args.remat, fields)
+        return
+    best = largest_fitting(lambda t: _figures(args.model, t, args.remat, fields).fits,
+                           granularity=1024, limit=args.limit)
+    print(f"{args.model} remat={args.remat} {fields}: largest T = {best}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

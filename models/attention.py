@@ -1,0 +1,141 @@
+"""The one attention every family calls: which implementation runs, per platform, and its
+refusals.
+
+Implementations of causal grouped-query attention (all equal to `layers.causal_attention`):
+
+- "naive": `layers.causal_attention`, the reference; holds the [B, H, T, T] scores.
+- "blockwise": `blockwise_attention` (FlashAttention-2 in plain JAX), memory-linear in T; runs
+  on every platform and takes every option (window, scale, soft-cap, segment ids).
+- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash
+  attention on NVIDIA GPUs, where its constraints hold (`cudnn_refusals`).
+- "auto": cudnn on a CUDA GPU where its constraints hold, else blockwise (MaxText likewise picks
+  a fused kernel per platform and falls back to its own).
+
+An explicit choice whose constraints do not hold raises ValueError naming which: never a silent
+fallback. Decode against a KV cache (`cached_attention`) is blockwise over the cache
+(`layers.cached_attention`) for every choice but "naive".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import layers
+from .blockwise_attention import blockwise_attention
+
+IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn")
+
+# What cuDNN's fused attention takes (jax's `check_is_flash_attention`): 16-bit q, k, v of one
+# dtype, a head dim that is a multiple of 8 and at most 256 from compute capability 9.0
+# (Hopper) on, 128 before (and when lowering with no GPU attached).
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+CUDNN_HEAD_DIM_MULTIPLE = 8
+CUDNN_HEAD_DIM_MAX = {True: 256, False: 128}          # keyed by "Hopper or later"
+
+
+def check_implementation(implementation: str, owner: str = "attention") -> None:
+    """ValueError naming `owner`'s implementation, its value and the accepted ones."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{owner}={implementation!r} is not an attention implementation; "
+                         f"accepted: {', '.join(IMPLEMENTATIONS)}")
+
+
+def _cuda_device() -> Any | None:
+    """The first local CUDA GPU, or None (a CPU or TPU host, or a ROCm GPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    device = jax.local_devices()[0]
+    version = getattr(getattr(device, "client", None), "platform_version", "")
+    return device if "cuda" in str(version).lower() else None
+
+
+def cudnn_head_dim_max() -> int:
+    """The largest head dim cuDNN's flash attention takes on this host's GPU (128 without
+    one: what cuDNN itself assumes when lowering for CUDA on a CPU)."""
+    device = _cuda_device()
+    capability = getattr(device, "compute_capability", "0.0") if device is not None else "0.0"
+    major, minor = (int(x) for x in str(capability).split(".")[:2])
+    return CUDNN_HEAD_DIM_MAX[(major, minor) >= (9, 0)]
+
+
+def cudnn_refusals(q: Any, k: Any, v: Any, *, softcap: float | None = None,
+                   segment_ids: Any = None) -> list[str]:
+    """Why cuDNN's fused attention cannot run this call (empty when it can): each reason names
+    the argument, its value and what cuDNN accepts."""
+    reasons = []
+    if q.dtype not in CUDNN_DTYPES or not q.dtype == k.dtype == v.dtype:
+        reasons.append(f"dtype q {q.dtype}, k {k.dtype}, v {v.dtype} (cuDNN takes bfloat16 or "
+                       "float16, all three alike)")
+    head_dim, limit = q.shape[-1], cudnn_head_dim_max()
+    if head_dim % CUDNN_HEAD_DIM_MULTIPLE or head_dim > limit:
+        reasons.append(f"head_dim={head_dim} (cuDNN takes a multiple of "
+                       f"{CUDNN_HEAD_DIM_MULTIPLE} up to {limit} on this device)")
+    if softcap is not None:
+        reasons.append(f"softcap={softcap} (cuDNN's fused attention has no soft-capping)")
+    if segment_ids is not None:
+        reasons.append("segment_ids given (jax.nn.dot_product_attention takes no segment ids)")
+    return reasons
+
+
+def choose(q: Any, k: Any, v: Any, *, softcap: float | None = None, segment_ids: Any = None,
+           implementation: str = "auto") -> str:
+    """The implementation that runs: `implementation` itself when explicit (ValueError naming
+    each unmet constraint of an explicit "cudnn"), else per platform (module docstring)."""
+    check_implementation(implementation)
+    reasons = cudnn_refusals(q, k, v, softcap=softcap, segment_ids=segment_ids)
+    if implementation == "cudnn" and reasons:
+        raise ValueError(f"attention implementation='cudnn' cannot run this call: "
+                         f"{'; '.join(reasons)}; accepted: 'blockwise' or 'naive' for it, or "
+                         "'auto' (blockwise where cuDNN cannot)")
+    if implementation != "auto":
+        return implementation
+    return "cudnn" if _cuda_device() is not None and not reasons else "blockwise"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+              scale: float | None = None, softcap: float | None = None,
+              segment_ids: jax.Array | None = None, implementation: str = "auto") -> jax.Array:
+    """Causal softmax attention: q [B, T, H, K], k and v [B, T, G, K] (H a multiple of G) ->
+    [B, T, H, K], by `implementation` (module docstring). Sliding `window`, `scale` (default
+    1/sqrt(K)) and Gemma 2's `softcap`: `layers.causal_attention`; `segment_ids` int [B, T]
+    packs sequences in a row, each attending within itself (0: padding, output zeros)."""
+    if segment_ids is not None and (segment_ids.shape != q.shape[:2]
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids {segment_ids.shape} {segment_ids.dtype} must be int "
+                         f"[B, T] = {q.shape[:2]}")
+    route = choose(q, k, v, softcap=softcap, segment_ids=segment_ids,
+                   implementation=implementation)
+    if route == "naive":
+        return layers.causal_attention(q, k, v, window=window, scale=scale, softcap=softcap,
+                                       segment_ids=segment_ids)
+    if route == "blockwise":
+        return blockwise_attention(q, k, v, window=window, scale=scale, softcap=softcap,
+                                   segment_ids=segment_ids)
+    # cuDNN's sliding window (pos - L, pos] is ours; jax's (left, 0) passes L = left + 1.
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0))
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                     cache: dict[str, jax.Array], *, window: int | None = None,
+                     scale: float | None = None, softcap: float | None = None,
+                     segment_ids: jax.Array | None = None,
+                     implementation: str = "auto") -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Attention of new tokens against one layer's KV cache (`layers.cached_attention`): the
+    naive reference for "naive", read block by block (flash-decoding) otherwise. A cache holds
+    one sequence per row: `segment_ids` (packing) are refused."""
+    check_implementation(implementation)
+    if segment_ids is not None:
+        raise ValueError("segment_ids given with a KV cache: a cache row holds one sequence; "
+                         "decode packed sequences as separate rows (segment_ids=None)")
+    attend = (layers.cached_attention_naive if implementation == "naive"
+              else layers.cached_attention)
+    return attend(q, k, v, positions, cache, window=window, scale=scale, softcap=softcap)
+
+
+__all__ = ["IMPLEMENTATIONS", "attention", "cached_attention", "check_implementation", "choose",
+           "cudnn_refusals"]

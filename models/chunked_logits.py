@@ -1,0 +1,145 @@
+"""Token log-probs (and entropies) of a linear head whose logits never exist whole.
+
+A head's logits are [B, T, V] float32: 20 GB at T = 32K with Qwen's 151,936-token vocabulary.
+The loss needs only two numbers per token, log-sum-exp and the target's logit, so the
+projection, the log-softmax and the target's pick run per chunk of the sequence inside a
+`lax.scan` (the fused linear + cross-entropy of Liger and of DeepSpeed ALST's tiled loss): the
+largest logits buffer is one chunk's [B, C, V]. The scan's body is a `jax.checkpoint`, so
+backward recomputes each chunk's logits instead of storing them; the gradients of the head's
+weight (accumulated over the chunks) and of the hidden states are those of the whole-logits
+computation.
+
+The caller is a method of the module owning the projection's weight (`TokenEmbed`, `Head`, ...):
+under ZeRO-3 that weight is gathered once around the method's call, and every chunk reads it.
+
+    tied_projection / untied_projection                          a head's `project`
+    chunked_token_logprobs(h, labels, weight, project, ...)      -> logprobs [B, T]
+    chunked_token_entropy(h, weight, project, ...)               -> entropy [B, T]
+    token_logprobs_reference / token_entropy_reference           the same from whole logits
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .layers import at_least_float32
+
+# Tokens per chunk: one chunk's logits are [B, LOGITS_CHUNK, V] (B = 1, V = 151,936: 622 MB in
+# float32), small beside the whole [B, T, V] at long T and large enough that the per-chunk
+# overhead of the loop is negligible.
+LOGITS_CHUNK = 1024
+
+# project(weight, h [B, C, D]) -> logits [B, C, V], float32 at least.
+Project = Callable[[Any, jax.Array], jax.Array]
+
+
+def tied_projection(weight: jax.Array, h: jax.Array) -> jax.Array:
+    """h [B, T, D] @ weight[V, D]^T (an embedding read as the head) -> logits [B, T, V] in
+    float32 at least (float64 for float64 h)."""
+    return jnp.einsum("BTD,VD->BTV", h, weight, preferred_element_type=at_least_float32(h.dtype))
+
+
+def untied_projection(weight: jax.Array, h: jax.Array) -> jax.Array:
+    """h [B, T, D] @ weight[D, V] -> logits [B, T, V] in float32 at least."""
+    return jnp.einsum("BTD,DV->BTV", h, weight, preferred_element_type=at_least_float32(h.dtype))
+
+
+def head_logits(weight: Any, h: jax.Array, project: Project, *, softcap: float | None = None,
+                vocab_limit: Any = None) -> jax.Array:
+    """logits [B, C, V] of h [B, C, D] in float32 at least (float64 stays float64), soft-capped
+    (`softcap * tanh(logits / softcap)`, Gemma 2's final_logit_softcapping) when `softcap` is
+    set, and -inf at every id >= `vocab_limit` (an int, possibly traced) when it is given: the
+    softmax over the ids a tokenizer can decode (`zeroxla.inference.Sampling.vocab_limit`)."""
+    logits = project(weight, h)
+    logits = logits.astype(at_least_float32(logits.dtype))
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    if vocab_limit is not None:
+        ids = jnp.arange(logits.shape[-1])
+        logits = jnp.where(ids < vocab_limit, logits, -jnp.inf)
+    return logits
+
+
+def _logprobs_of(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """log softmax(logits) [..., V] at `labels` [...]: `jax.nn.log_softmax`'s arithmetic (shift
+    by the stopped max, subtract the shifted log-sum-exp) on the target alone."""
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    return jnp.take_along_axis(shifted, labels[..., None], axis=-1)[..., 0] - lse
+
+
+def _entropy_of(logits: jax.Array) -> jax.Array:
+    """-sum p log p over the last dim of `logits` [..., V], as log-sum-exp - E_p[logit]: ids
+    masked to -inf (p = 0) add nothing, and their gradient is 0, not NaN (0 * -inf)."""
+    finite = jnp.where(jnp.isneginf(logits), 0.0, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(probs * finite, axis=-1)
+
+
+def _over_chunks(per_chunk: Callable[[Any, jax.Array, jax.Array], jax.Array], weight: Any,
+                 h: jax.Array, labels: jax.Array, chunk: int) -> jax.Array:
+    """per_chunk(weight, h [B, C, D], labels [B, C]) -> [B, C], run over the sequence in chunks
+    of `chunk` tokens (the last one padded: exact for any T) -> [B, T]."""
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} is invalid; accepted: an integer >= 1 (tokens per "
+                         "chunk of the head's logits)")
+    b, t, d = h.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+    if pad:           # padded tokens: zero hidden states, label 0; dropped below, no gradient
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        labels = jnp.pad(labels, ((0, 0), (0, pad)))
+    hs = h.reshape(b, n, c, d).swapaxes(0, 1)                              # [N, B, C, D]
+    ls = labels.reshape(b, n, c).swapaxes(0, 1)                            # [N, B, C]
+    body = jax.checkpoint(per_chunk, prevent_cse=False)    # backward recomputes the logits
+
+    def step(carry, xs):
+        return carry, body(weight, *xs)
+
+    _, out = jax.lax.scan(step, None, (hs, ls))                           # [N, B, C]
+    return out.swapaxes(0, 1).reshape(b, n * c)[:, :t]                    # [B, T]
+
+
+def chunked_token_logprobs(h: jax.Array, labels: jax.Array, weight: Any, project: Project, *,
+                           softcap: float | None = None, vocab_limit: Any = None,
+                           chunk: int = LOGITS_CHUNK) -> jax.Array:
+    """log softmax(head(h))[labels]: h [B, T, D] (the final hidden states, normed), labels
+    int [B, T], `weight` the head's parameters as `project` reads them -> [B, T] float32
+    (float64 for float64 h), computed `chunk` tokens at a time (module docstring). Equals
+    `token_logprobs_reference`."""
+    def per_chunk(w, h_c, labels_c):
+        logits = head_logits(w, h_c, project, softcap=softcap, vocab_limit=vocab_limit)
+        return _logprobs_of(logits, labels_c)                              # [B, C]
+    return _over_chunks(per_chunk, weight, h, labels, chunk)
+
+
+def chunked_token_entropy(h: jax.Array, weight: Any, project: Project, *,
+                          softcap: float | None = None, vocab_limit: Any = None,
+                          chunk: int = LOGITS_CHUNK) -> jax.Array:
+    """The entropy of each token's next-token distribution softmax(head(h)) -> [B, T], `chunk`
+    tokens at a time (as `chunked_token_logprobs`). Equals `token_entropy_reference`."""
+    def per_chunk(w, h_c, labels_c):
+        del labels_c
+        return _entropy_of(head_logits(w, h_c, project, softcap=softcap,
+                                       vocab_limit=vocab_limit))
+    labels = jnp.zeros(h.shape[:2], jnp.int32)
+    return _over_chunks(per_chunk, weight, h, labels, chunk)
+
+
+def token_logprobs_reference(h: jax.Array, labels: jax.Array, weight: Any, project: Project, *,
+                             softcap: float | None = None, vocab_limit: Any = None) -> jax.Array:
+    """`chunked_token_logprobs` from the whole logits [B, T, V] (`jax.nn.log_softmax`)."""
+    logits = head_logits(weight, h, project, softcap=softcap, vocab_limit=vocab_limit)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+def token_entropy_reference(h: jax.Array, weight: Any, project: Project, *,
+                            softcap: float | None = None, vocab_limit: Any = None) -> jax.Array:
+    """`chunked_token_entropy` from the whole logits [B, T, V]."""
+    return _entropy_of(head_logits(weight, h, project, softcap=softcap, vocab_limit=vocab_limit))

@@ -1,0 +1,81 @@
+"""Real model shapes, as their Hugging Face `config.json`s say, for planning (`zeroxla plan`).
+
+Each preset is the keys of the published `config.json` that fix the model's shape (sizes, heads,
+RoPE, biases, tied head, sliding-window switches), read through the family's own mapping
+(`hf_config.from_hf_config`), so a preset is exactly the config loading that checkpoint gives.
+Values from huggingface.co/<repo>/blob/main/config.json of the repositories named:
+
+    Llama-3.2-1B   meta-llama/Llama-3.2-1B     Llama-3.1-8B  meta-llama/Llama-3.1-8B
+    Qwen2.5-0.5B   Qwen/Qwen2.5-0.5B           Qwen2.5-1.5B  Qwen/Qwen2.5-1.5B
+    Qwen2.5-7B     Qwen/Qwen2.5-7B             Qwen3-0.6B    Qwen/Qwen3-0.6B
+    Qwen3-8B       Qwen/Qwen3-8B
+
+No weights: `config(name)` is a config dataclass, `models.abstract_model(config)` its shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+          "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+          "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False}
+_QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
+          "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+          "use_sliding_window": False}
+_QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu",
+          "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+          "rope_theta": 1000000.0, "head_dim": 128, "attention_bias": False,
+          "use_sliding_window": False, "sliding_window": None}
+
+# name -> the shape keys of its config.json
+HF_CONFIGS: Mapping[str, Mapping[str, Any]] = {
+    "Llama-3.2-1B": {**_LLAMA, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+                     "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}},
+    "Llama-3.1-8B": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "tie_word_embeddings": False,
+                     "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}},
+    "Qwen2.5-0.5B": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                     "max_window_layers": 24, "sliding_window": 32768,
+                     "tie_word_embeddings": True},
+    "Qwen2.5-1.5B": {**_QWEN2, "hidden_size": 1536, "intermediate_size": 8960,
+                     "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "max_position_embeddings": 131072,
+                     "max_window_layers": 21, "sliding_window": 131072,
+                     "tie_word_embeddings": True},
+    "Qwen2.5-7B": {**_QWEN2, "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                   "max_window_layers": 28, "sliding_window": 131072, "vocab_size": 152064,
+                   "tie_word_embeddings": False},
+    "Qwen3-0.6B": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "max_window_layers": 28,
+                   "tie_word_embeddings": True},
+    "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "max_window_layers": 36, "tie_word_embeddings": False},
+}
+
+NAMES = tuple(HF_CONFIGS)
+
+
+def config(name: str) -> Any:
+    """The model config of preset `name` (its family's config dataclass); a ValueError lists
+    the presets."""
+    from .hf_config import from_hf_config
+
+    if name not in HF_CONFIGS:
+        raise ValueError(f"unknown preset {name!r}; accepted: {', '.join(NAMES)}")
+    return from_hf_config(HF_CONFIGS[name])
+
+
+__all__ = ["HF_CONFIGS", "NAMES", "config"]

@@ -1,0 +1,88 @@
+"""The tiled MLP (`models.tiled_mlp`, ALST's TiledMLP): the MLP over chunks of the sequence
+equals the MLP over the whole sequence, forward and gradients (of the input and of the weights)
+within 1e-6 in float32 (relative to each array's largest value where
+that is over 1), for a chunk that does not divide T; a model with `mlp_chunk` set gives
+its plain logits and gradients; and the compiled gradient holds no [T, F] buffer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from zeroxla.analysis import hlo_text
+from zeroxla.models import Llama, LlamaConfig
+from zeroxla.models.tiled_mlp import tiled_mlp
+
+TOL = 1e-6
+
+
+def _swiglu(w_gate, w_up, w_down, h):                 # h [B, T, D] -> [B, T, D]
+    gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, w_gate))
+    return jnp.einsum("BTF,FD->BTD", gate * jnp.einsum("BTD,DF->BTF", h, w_up), w_down)
+
+
+def _weights(d, f, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32)
+                 for shape in ((d, f), (d, f), (f, d)))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 13, 100, None])
+def test_equals_the_whole_mlp_forward_and_gradients(chunk):
+    weights = _weights(8, 24)
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.standard_normal((2, 13, 8)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((2, 13, 8)), jnp.float32)
+
+    def run(mlp):
+        out, vjp = jax.vjp(mlp, h, *weights)
+        return (out, *vjp(cotangent))
+
+    tiled = jax.jit(lambda: run(lambda h, *w: tiled_mlp(lambda x: _swiglu(*w, x), h, chunk)))()
+    whole = jax.jit(lambda: run(lambda h, *w: _swiglu(*w, h)))()
+    for got, want in zip(tiled, whole):
+        assert got.shape == want.shape
+        scale = max(1.0, float(jnp.max(jnp.abs(want))))      # the weights' gradients sum T terms
+        assert float(jnp.max(jnp.abs(got - want))) / scale < TOL
+
+
+def test_refuses_an_empty_chunk():
+    with pytest.raises(ValueError, match="mlp_chunk=0"):
+        tiled_mlp(lambda x: x, jnp.zeros((1, 4, 2)), 0)
+    with pytest.raises(ValueError, match=r"LlamaConfig.mlp_chunk=0 is invalid"):
+        LlamaConfig(mlp_chunk=0)
+
+
+def test_a_model_with_mlp_chunk_gives_its_plain_logits_and_gradients():
+    config = LlamaConfig(init_std=0.2, num_layers=1)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 65, (2, 13)), jnp.int32)
+    cotangent = jnp.asarray(rng.standard_normal((2, 13, 65)), jnp.float32)
+
+    def logits_and_grads(cfg):
+        model = Llama(cfg, rngs=nnx.Rngs(0))
+        loss = lambda m: (jnp.sum(m(tokens) * cotangent), m(tokens))
+        return nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+
+    plain, tiled = logits_and_grads(config), logits_and_grads(config.replace(mlp_chunk=5))
+    for got, want in zip(jax.tree.leaves(tiled), jax.tree.leaves(plain)):
+        assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(1.0, float(jnp.max(jnp.abs(want))))
+
+
+def test_the_compiled_gradient_holds_no_t_by_f_buffer():
+    """T = 4096 tokens, F = 1024: the whole MLP's gradient holds [T, F] intermediates; the tiled
+    one (chunks of 256) only [256, F] ones."""
+    t, d, f = 4096, 64, 1024
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((1, t, d), (d, f), (d, f), (f, d))]
+
+    def largest(mlp):
+        loss = lambda h, *w: mlp(h, *w).sum()
+        program = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*shapes).compile()
+        module = hlo_text.parse_module(program.as_text())
+        return max(array.num_elements for computation in module.computations.values()
+                   for instruction in computation.instructions
+                   for array in hlo_text.parse_shape(instruction.shape))
+
+    assert largest(lambda h, *w: _swiglu(*w, h)) >= t * f
+    assert largest(lambda h, *w: tiled_mlp(lambda x: _swiglu(*w, x), h, 256)) < t * f

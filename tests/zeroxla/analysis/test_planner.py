@@ -1,0 +1,77 @@
+"""The planner (`zeroxla.analysis.planner`): its figures are the compiled step's, its search
+finds the largest length that fits, and remat "offload"'s host bytes are the inputs it keeps."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zeroxla
+from zeroxla import models
+from zeroxla.analysis.memory import memory_report
+from zeroxla.analysis.planner import largest_fitting, plan_memory, sweep_settings
+
+SEQ = 64
+
+
+def _config():
+    return models.LlamaConfig.tiny().replace(max_seq_len=SEQ)
+
+
+@pytest.mark.parametrize("threshold", [0, 1023, 1024, 5000, 9 * 1024, 123_456, 1 << 20])
+def test_largest_fitting_is_the_largest_multiple_that_fits(threshold):
+    calls = []
+
+    def fits(t):
+        calls.append(t)
+        return t <= threshold
+    found = largest_fitting(fits, granularity=1024, limit=1 << 20)
+    expected = max(t for t in range(0, (1 << 20) + 1, 1024) if t <= threshold)
+    assert found == expected
+    assert all(t % 1024 == 0 for t in calls)
+    assert len(calls) <= 2 * 11                  # doubling, then bisection
+
+
+def test_largest_fitting_refuses_a_granularity_above_the_limit():
+    with pytest.raises(ValueError, match="granularity=4096, limit=1024"):
+        largest_fitting(lambda t: True, granularity=4096, limit=1024)
+
+
+def test_the_figures_are_the_step_compiled_the_normal_way():
+    """An independent path: the model built for real, `step.init()`, a host batch, and
+    `memory_report` of `step.compile`: the same bytes, part by part."""
+    mesh = zeroxla.make_mesh(2, 4)
+    figures = plan_memory(_config(), mesh, seq_len=SEQ, device_memory=2**30, stage=3,
+                          dtype="bfloat16", remat="full")
+    step = zeroxla.make_step(models.Llama(_config(), rngs=nnx.Rngs(0)), mesh,
+                             config=zeroxla.ZeroConfig(stage=3, compute_dtype="bfloat16",
+                                                       remat="full"))
+    state = step.init()
+    tokens = np.zeros((8, SEQ), np.int32)
+    compiled = step.compile(state, {"inputs": tokens, "targets": tokens})
+    report = memory_report(compiled, state, layout=step.layout)
+    assert (figures.temporaries, figures.arguments, figures.outputs, figures.aliased) == (
+        report.temporaries, report.arguments, report.outputs, report.aliased)
+    assert figures.peak == report.peak_estimate
+    assert figures.state["master"] + figures.state["compute_copy"] == report.params
+    assert figures.state["optimizer"] == report.optimizer
+    assert figures.state["other"] == 4 + report.loss_scale        # the int32 step counter
+    assert figures.fits and not figures.derived and figures.host_residuals == 0
+
+
+def test_offload_host_bytes_are_each_layers_input():
+    """remat "offload" keeps each layer's input carry [B_local, T, D] (bf16) in host memory:
+    L x B_local x T x D x 2 bytes, counted apart from the device figure (derived on CPU)."""
+    cfg = _config()
+    mesh = zeroxla.make_mesh(2, 4)
+    figures = plan_memory(cfg, mesh, seq_len=SEQ, device_memory=2**30, remat="offload")
+    carry = cfg.num_layers * 1 * SEQ * cfg.d_model * jnp.dtype(jnp.bfloat16).itemsize
+    assert figures.host_residuals == carry
+    assert figures.derived                      # XLA:CPU: one memory
+
+
+def test_settings_sweep_the_fields_the_config_has():
+    settings, missing = sweep_settings(_config(), ("full",))
+    fields = {f for s in settings for f, _ in s.fields}
+    assert missing == [f for f in ("attention", "mlp_chunk") if f not in fields]
+    assert len({s.label for s in settings}) == len(settings)

@@ -1,0 +1,231 @@
+"""What fits: a ZeRO step's per-device memory for a model shape, by compile only (`zeroxla plan`).
+
+    figures = plan_memory(models.presets.config("Llama-3.1-8B"), make_mesh(1, 8),
+                          seq_len=32768, device_memory=80 * 2**30, remat="full")
+    print(figures.table())
+    largest_fitting(lambda t: plan_memory(..., seq_len=t).fits)      # binary search over T
+
+Each figure is the compiled step's (`abstract_step.compile_abstract`: the step `make_step`
+builds, traced on abstract arrays, nothing allocated), per device:
+
+    state          from the state's shapes and shardings: float32 masters, 16-bit compute
+                   copies, optimizer state (`abstract_step.state_bytes`)
+    arguments      XLA's `memory_analysis()`: the state and the batch as the program takes them
+    temporaries    XLA's temp buffers: activations, gathered layers, gradients, logits
+    outputs        the new state and metrics; `aliased` of them reuse the donated state
+    peak           arguments + temporaries + outputs - aliased (`MemoryReport.peak_estimate`)
+
+Host memory is never counted in the device figure; it is printed apart: state ZeRO-Offload keeps
+in a host memory kind, and the residuals remat "offload" moves there (`host_residuals`). Where
+the platform places values in host memory inside a program (GPU, TPU: XLA reports them as
+`host_temp_size_in_bytes`), the compiled figures already leave them out. XLA:CPU has one memory:
+it compiles a host placement inside a program as nothing (jax lowers it to no op there), so its
+temporaries still hold them; on CPU the device figure is the compiled one less the host
+residuals counted from the program, and says so (`derived`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from zeroxla import models
+from zeroxla.analysis.abstract_step import abstract_state, state_bytes, trace_abstract
+from zeroxla.analysis.host_residuals import host_residual_bytes
+from zeroxla.make import make_step
+from zeroxla.sharding.config import ZeroConfig
+
+GiB = 2**30
+# Platforms whose XLA keeps a host placement made inside a program (jax lowers device_put to a
+# memory kind only for these; `jax._src.dispatch`).
+PLACING_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
+REMAT_SWEEP = ("none", "full", "offload")       # the activation policies `--max-seq-len` tries
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFigures:
+    """Per-device bytes of one compiled step (see the module docstring)."""
+
+    seq_len: int
+    sequences_per_device: int
+    setting: str                 # e.g. "remat=full"
+    state: Mapping[str, int]     # `abstract_step.state_bytes`
+    arguments: int
+    temporaries: int             # device temporaries (less host residuals where `derived`)
+    outputs: int
+    aliased: int
+    host_residuals: int          # remat "offload": activations kept in host memory
+    derived: bool                # the host residuals were subtracted from XLA:CPU's figure
+    device_memory: int
+
+    @property
+    def device_state(self) -> int:
+        return sum(v for k, v in self.state.items() if not k.startswith("host_"))
+
+    @property
+    def host_state(self) -> int:
+        return sum(v for k, v in self.state.items() if k.startswith("host_"))
+
+    @property
+    def peak(self) -> int:
+        """Device bytes at the step's peak: live arguments + temporaries + non-aliased outputs."""
+        return self.arguments + self.temporaries + self.outputs - self.aliased
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.device_memory
+
+    def table(self) -> str:
+        """The figures as a readable table, GiB per device."""
+        s = self.state
+        rows = [("float32 master weights", s["master"]),
+                ("16-bit compute copies", s["compute_copy"]),
+                ("optimizer state", s["optimizer"]),
+                ("state (between steps)", self.device_state),
+                ("batch and other arguments", self.arguments - self.device_state),
+                ("activations and temporaries" + (" (derived)" if self.derived else ""),
+                 self.temporaries),
+                ("outputs not aliased", self.outputs - self.aliased),
+                ("peak", self.peak), ("device memory", self.device_memory)]
+        lines = [f"{self.setting}, T={self.seq_len}, {self.sequences_per_device} sequence(s) "
+                 "per device: per-device GiB"]
+        lines += [f"  {name:<38}{value / GiB:>10.3f}" for name, value in rows]
+        lines.append(f"  {'fits':<38}{'yes' if self.fits else 'no':>10}")
+        if self.host_state or self.host_residuals:
+            lines.append("  host memory, not in the device figure:")
+            lines.append(f"    {'state (ZeRO-Offload)':<36}{self.host_state / GiB:>10.3f}")
+            lines.append(f"    {'activations (remat offload)':<36}"
+                         f"{self.host_residuals / GiB:>10.3f}")
+        if self.derived:
+            lines.append("  (derived: XLA:CPU keeps host placements in its one memory; the "
+                         "activations above are its temporaries less the host residuals)")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings: what the sweep varies, as far as the model config has the field.
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One activation setting: a remat policy and model-config fields to override."""
+
+    remat: str
+    fields: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return ", ".join([f"remat={self.remat}", *(f"{k}={v}" for k, v in self.fields)])
+
+
+# Model-config fields the sweep varies when the config has them (models/ adds them): the field,
+# and its values besides the config's own. "attention": the naive path beside the default;
+# "mlp_chunk": tiled MLP (ALST's TiledMLP) off and on.
+SWEPT_FIELDS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("attention", ("naive",)),
+    ("mlp_chunk", (None, 4096)),
+)
+
+
+def config_fields(model_config: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(model_config)}
+
+
+def sweep_settings(model_config: Any, remats: tuple[str, ...] = REMAT_SWEEP
+                   ) -> tuple[list[Setting], list[str]]:
+    """(the settings `--max-seq-len` tries, the swept fields this config does not have)."""
+    have = config_fields(model_config)
+    options: list[list[tuple[str, Any]]] = [[]]
+    missing = []
+    for field, values in SWEPT_FIELDS:
+        if field not in have:
+            missing.append(field)
+            continue
+        own = getattr(model_config, field)
+        choices = list(dict.fromkeys((own, *values)))
+        options = [[*o, (field, v)] for o in options for v in choices]
+    return [Setting(r, tuple(o)) for r in remats for o in options], missing
+
+
+# ----------------------------------------------------------------------------------------------
+def model_factory(model_config: Any) -> Callable[[], nnx.Module]:
+    """A zero-argument factory of the config's model: `make_step` evaluates it abstractly."""
+    cls = models.model_class(model_config)
+    return lambda: cls(model_config, rngs=nnx.Rngs(0))
+
+
+def at_length(model_config: Any, seq_len: int) -> Any:
+    """The config with max_seq_len at least `seq_len`: memory does not depend on it, and a
+    shape is planned past the positions a checkpoint was trained for all the same."""
+    return (model_config if seq_len <= model_config.max_seq_len
+            else model_config.replace(max_seq_len=seq_len))
+
+
+def plan_memory(model_config: Any, mesh: Mesh, *, seq_len: int, device_memory: int,
+                stage: int = 3, dtype: str = "bfloat16", remat: str = "full",
+                fields: Mapping[str, Any] | None = None, sequences_per_device: int = 1,
+                zero: Mapping[str, Any] | None = None) -> PlanFigures:
+    """The compiled step's per-device figures for `seq_len` tokens per sequence,
+    `sequences_per_device` sequences on each data-parallel device (`fields`: model-config
+    overrides; `zero`: further `ZeroConfig` fields)."""
+    config = at_length(model_config, seq_len)
+    if fields:
+        unknown = sorted(set(fields) - config_fields(config))
+        if unknown:
+            raise ValueError(f"{type(config).__name__} has no field {unknown[0]!r}; accepted: "
+                             f"{', '.join(sorted(config_fields(config)))}")
+        config = config.replace(**fields)
+    zero_config = ZeroConfig(stage=stage, compute_dtype=dtype, remat=remat, **dict(zero or {}))
+    step = make_step(model_factory(config), mesh, config=zero_config)
+    traced = trace_abstract(step, sequences_per_device * step.layout.data_size, seq_len)
+    compiled = traced.lower().compile()
+    analysis = compiled.memory_analysis()
+    host = host_residual_bytes(traced)
+    platform = mesh.devices.flat[0].platform
+    derived = bool(host) and platform not in PLACING_PLATFORMS
+    temporaries = int(analysis.temp_size_in_bytes) - (host if derived else 0)
+    setting = Setting(remat, tuple((fields or {}).items())).label
+    return PlanFigures(seq_len=seq_len, sequences_per_device=sequences_per_device,
+                       setting=setting, state=state_bytes(abstract_state(step)),
+                       arguments=int(analysis.argument_size_in_bytes), temporaries=temporaries,
+                       outputs=int(analysis.output_size_in_bytes),
+                       aliased=int(analysis.alias_size_in_bytes),
+                       host_residuals=host if derived else
+                       int(getattr(analysis, "host_temp_size_in_bytes", 0) or host),
+                       derived=derived, device_memory=device_memory)
+
+
+def largest_fitting(fits: Callable[[int], bool], *, granularity: int = 1024,
+                    limit: int = 1 << 21) -> int:
+    """The largest multiple of `granularity` up to `limit` for which `fits` holds, for a `fits`
+    that holds up to some length and not beyond (memory grows with T); 0 when even
+    `granularity` does not fit. Doubles from `granularity` until a length does not fit, then
+    bisects: about 2 log2(answer / granularity) calls."""
+    if granularity < 1 or limit < granularity:
+        raise ValueError(f"largest_fitting: granularity={granularity}, limit={limit}; accepted: "
+                         "1 <= granularity <= limit")
+    top = limit // granularity                  # in units of granularity
+    if not fits(granularity):
+        return 0
+    lo = 1                                      # fits
+    while lo < top:
+        probe = min(2 * lo, top)
+        if not fits(probe * granularity):
+            hi = probe                          # does not fit
+            break
+        lo = probe
+    else:
+        return lo * granularity
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * granularity):
+            lo = mid
+        else:
+            hi = mid
+    return lo * granularity
+
+
+__all__ = ["PlanFigures", "REMAT_SWEEP", "SWEPT_FIELDS", "Setting", "largest_fitting",
+           "model_factory", "plan_memory", "sweep_settings"]
