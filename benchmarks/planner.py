@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--remat", default="full")
     parser.add_argument("--field", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--limit", type=int, default=1 << 20)
+    parser.add_argument("--granularity", type=int, default=1024,
+                        help="search: answers are multiples of it")
     args = parser.parse_args()
     fields = {k: _value(v) for k, v in (f.split("=", 1) for f in args.field)}
     if args.what == "table":
@@ -57,7 +59,7 @@ def main() -> None:
                 _figures(name, seq_len, args.remat, fields)
         return
     best = largest_fitting(lambda t: _figures(args.model, t, args.remat, fields).fits,
-                           granularity=1024, limit=args.limit)
+                           granularity=args.granularity, limit=args.limit)
     print(f"{args.model} remat={args.remat} {fields}: largest T = {best}", flush=True)
 
 

@@ -158,16 +158,13 @@ def test_stage2_keeps_only_a_partition_of_the_gradients(dtype, batch_size, seq_l
     the peak) and at the benchmark's 32 x 128 batch (activations dominate; `benchmarks/zero.py`).
 
     float32: the peak saves at least 0.8 of the 7/8 of the float32 gradient bytes stage 2 no
-    longer holds. Measured (MiB, ZeRO-1 / ZeRO-2, jax 0.10 and 0.12): 8 x 32 40.19 / 26.84 and
-    40.19 / 26.28 (saved 1.23 and 1.28 of the 7/8); 32 x 128 133.53 / 123.48 and 125.53 / 115.48
-    (0.93 on both; jax 0.12's GELU backward keeps one array of its input's shape fewer).
+    longer holds.
 
     bfloat16 (float32 master partitions, bf16 compute copies): what ZeRO-1 holds depends on the
-    compiler, so the bound is what ZeRO-2 must save against the least ZeRO-1 can hold: the
-    16-bit gradients, less ZeRO-2's float32 partition and one layer's float32 gradient in
-    flight before its reduce-scatter. Measured: 8 x 32 31.53 / 20.00 (jax 0.10, whose ZeRO-1
-    keeps a float32 image of the stacked gradients) and 22.74 / 19.29 (jax 0.12, which keeps
-    them in bf16); 32 x 128 130.59 / 86.04 and 82.38 / 77.64; the bound is 0.8 x 1.62 MiB."""
+    compiler (jax 0.10's ZeRO-1 keeps a float32 image of the stacked gradients, jax 0.12's
+    keeps them in bf16), so the bound is what ZeRO-2 must save against the least ZeRO-1 can
+    hold: the 16-bit gradients, less ZeRO-2's float32 partition and one layer's float32
+    gradient in flight before its reduce-scatter (0.8 x 1.62 MiB here)."""
     stage1, step = _step_peak(1, batch_size, seq_len, dtype)
     stage2, _ = _step_peak(2, batch_size, seq_len, dtype)
     params = step.layout.plan.total_numel()
