@@ -35,7 +35,7 @@ GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--s
          "--out": "o", "--seed": "3", "--eval-every": "4", "--eval-batches": "5",
          "--save-every": "6", "--keep-last": "1", "--sample-tokens": "9", "--temperature": "0",
          "--no-progress": None, "--resume": "r", "--lora-dim": "8", "--lora-alpha": "16",
-         "--lora-module-name": "wq", "--only-optimize-lora": None}
+         "--lora-module-name": "wq", "--only-optimize-lora": None, "--no-packing": None}
 EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, batch_size=16,
                 seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), pipeline_stages=2,
                 zero_stage=2, dtype="bf16", grad_accum=2, persistence_threshold=5,
@@ -44,7 +44,7 @@ EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, bat
                 deepspeed_config="ds.json", out_dir="o", seed=3, eval_every=4, eval_batches=5,
                 save_every=6, keep_last=1, sample_tokens=9, temperature=0.0, progress=False,
                 resume="r", lora_dim=8, lora_alpha=16.0, lora_module_name="wq",
-                only_optimize_lora=True)
+                only_optimize_lora=True, packing=False)
 # The tree fields those options land in, with the tree's values.
 TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
         ("data", "tokenizer"): "byte", ("schedule", "steps"): 7,
@@ -60,7 +60,7 @@ TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
         ("run", "keep_last"): 1, ("run", "sample_tokens"): 9, ("run", "temperature"): 0.0,
         ("run", "progress"): False, ("run", "resume"): "r", ("lora", "dim"): 8,
         ("lora", "alpha"): 16.0, ("lora", "module_name"): "wq",
-        ("lora", "only_optimize_lora"): True}
+        ("lora", "only_optimize_lora"): True, ("data", "packing"): False}
 
 
 def _argv(given):
@@ -76,8 +76,8 @@ def test_every_tree_field_is_one_option_or_not_an_option():
     assert not NOT_OPTIONS - fields
     assert [(o.section, o.field) for o in OPTIONS if o.section is None] == [
         (None, "deepspeed_config")]
-    flags = {o.flag for o in OPTIONS} | {"--no-check-grad-overflow"}
-    assert set(GIVEN) | {"--init-from", "--check-grad-overflow"} == flags
+    flags = {o.flag for o in OPTIONS} | {"--no-check-grad-overflow", "--no-packing"}
+    assert set(GIVEN) | {"--init-from", "--check-grad-overflow", "--packing"} == flags
 
 
 def test_lr_is_the_learning_rate_options_other_spelling():
