@@ -4,10 +4,10 @@ A head's logits are [B, T, V] float32: 20 GB at T = 32K with Qwen's 151,936-toke
 The loss needs only two numbers per token, log-sum-exp and the target's logit, so the
 projection, the log-softmax and the target's pick run per chunk of the sequence inside a
 `lax.scan` (the fused linear + cross-entropy of Liger and of DeepSpeed ALST's tiled loss): the
-largest logits buffer is one chunk's [B, C, V]. The scan's body is a `jax.checkpoint`, so
+largest logits buffer is one chunk's [B, C, V]. A custom VJP keeps only the inputs, so
 backward recomputes each chunk's logits instead of storing them; the gradients of the head's
-weight (accumulated over the chunks) and of the hidden states are those of the whole-logits
-computation.
+weight (accumulated over the chunks in float32) and of the hidden states are those of the
+whole-logits computation.
 
 The caller is a method of the module owning the projection's weight (`TokenEmbed`, `Head`, ...):
 under ZeRO-3 that weight is gathered once around the method's call, and every chunk reads it.
@@ -20,6 +20,7 @@ under ZeRO-3 that weight is gathered once around the method's call, and every ch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -80,10 +81,59 @@ def _entropy_of(logits: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(probs * finite, axis=-1)
 
 
-def _over_chunks(per_chunk: Callable[[Any, jax.Array, jax.Array], jax.Array], weight: Any,
-                 h: jax.Array, labels: jax.Array, chunk: int) -> jax.Array:
-    """per_chunk(weight, h [B, C, D], labels [B, C]) -> [B, C], run over the sequence in chunks
-    of `chunk` tokens (the last one padded: exact for any T) -> [B, T]."""
+_KINDS = ("logprobs", "entropy")
+
+
+def _per_chunk(kind: str, project: Project, softcap: float | None, weight: Any, h: jax.Array,
+               labels: jax.Array, vocab_limit: Any) -> jax.Array:
+    """One chunk: h [B, C, D] (labels [B, C]) -> the chunk's log-probs or entropies [B, C]."""
+    logits = head_logits(weight, h, project, softcap=softcap, vocab_limit=vocab_limit)
+    return _logprobs_of(logits, labels) if kind == "logprobs" else _entropy_of(logits)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked(kind: str, project: Project, softcap: float | None, weight: Any, hs: jax.Array,
+             labels: jax.Array, vocab_limit: Any) -> jax.Array:
+    """hs [N, B, C, D], labels [N, B, C] -> [N, B, C], one chunk at a time (`lax.map`).
+
+    A custom VJP, FlashAttention's rule applied to the head: forward keeps only its inputs
+    (`weight` as given, so a ZeRO-3 unit recognises its gathered parameter and does not save
+    it, `zeroxla.engine.remat.linearize_keeping`), and backward recomputes each chunk's logits
+    and pulls the chunk's cotangent through them, the weight's gradient summed over the chunks
+    in float32 at least (a bf16 head's gradient is rounded once, as the whole-logits einsum
+    rounds it)."""
+    return jax.lax.map(lambda xs: _per_chunk(kind, project, softcap, weight, *xs, vocab_limit),
+                       (hs, labels))
+
+
+def _chunked_fwd(kind, project, softcap, weight, hs, labels, vocab_limit):
+    out = _chunked(kind, project, softcap, weight, hs, labels, vocab_limit)
+    return out, (weight, hs, labels, vocab_limit)
+
+
+def _chunked_bwd(kind, project, softcap, residuals, g):
+    weight, hs, labels, vocab_limit = residuals
+
+    def step(d_weight, xs):                                   # d_weight: float32 at least
+        h_c, labels_c, g_c = xs
+        _, pull = jax.vjp(lambda w, h: _per_chunk(kind, project, softcap, w, h, labels_c,
+                                                  vocab_limit), weight, h_c)
+        dw_c, dh_c = pull(g_c)
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), d_weight, dw_c), dh_c
+
+    zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, at_least_float32(w.dtype)), weight)
+    d_weight, d_hs = jax.lax.scan(step, zeros, (hs, labels, g))
+    d_weight = jax.tree.map(lambda d, w: d.astype(w.dtype), d_weight, weight)
+    return d_weight, d_hs, None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _over_chunks(kind: str, project: Project, softcap: float | None, weight: Any, h: jax.Array,
+                 labels: jax.Array, vocab_limit: Any, chunk: int) -> jax.Array:
+    """The chunk function `kind` of `_per_chunk` over h [B, T, D] / labels [B, T] in chunks of
+    `chunk` tokens (the last one padded: exact for any T) -> [B, T]."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} is invalid; accepted: an integer >= 1 (tokens per "
                          "chunk of the head's logits)")
@@ -96,12 +146,7 @@ def _over_chunks(per_chunk: Callable[[Any, jax.Array, jax.Array], jax.Array], we
         labels = jnp.pad(labels, ((0, 0), (0, pad)))
     hs = h.reshape(b, n, c, d).swapaxes(0, 1)                              # [N, B, C, D]
     ls = labels.reshape(b, n, c).swapaxes(0, 1)                            # [N, B, C]
-    body = jax.checkpoint(per_chunk, prevent_cse=False)    # backward recomputes the logits
-
-    def step(carry, xs):
-        return carry, body(weight, *xs)
-
-    _, out = jax.lax.scan(step, None, (hs, ls))                           # [N, B, C]
+    out = _chunked(kind, project, softcap, weight, hs, ls, vocab_limit)   # [N, B, C]
     return out.swapaxes(0, 1).reshape(b, n * c)[:, :t]                    # [B, T]
 
 
@@ -112,10 +157,7 @@ def chunked_token_logprobs(h: jax.Array, labels: jax.Array, weight: Any, project
     int [B, T], `weight` the head's parameters as `project` reads them -> [B, T] float32
     (float64 for float64 h), computed `chunk` tokens at a time (module docstring). Equals
     `token_logprobs_reference`."""
-    def per_chunk(w, h_c, labels_c):
-        logits = head_logits(w, h_c, project, softcap=softcap, vocab_limit=vocab_limit)
-        return _logprobs_of(logits, labels_c)                              # [B, C]
-    return _over_chunks(per_chunk, weight, h, labels, chunk)
+    return _over_chunks("logprobs", project, softcap, weight, h, labels, vocab_limit, chunk)
 
 
 def chunked_token_entropy(h: jax.Array, weight: Any, project: Project, *,
@@ -123,12 +165,8 @@ def chunked_token_entropy(h: jax.Array, weight: Any, project: Project, *,
                           chunk: int = LOGITS_CHUNK) -> jax.Array:
     """The entropy of each token's next-token distribution softmax(head(h)) -> [B, T], `chunk`
     tokens at a time (as `chunked_token_logprobs`). Equals `token_entropy_reference`."""
-    def per_chunk(w, h_c, labels_c):
-        del labels_c
-        return _entropy_of(head_logits(w, h_c, project, softcap=softcap,
-                                       vocab_limit=vocab_limit))
     labels = jnp.zeros(h.shape[:2], jnp.int32)
-    return _over_chunks(per_chunk, weight, h, labels, chunk)
+    return _over_chunks("entropy", project, softcap, weight, h, labels, vocab_limit, chunk)
 
 
 def token_logprobs_reference(h: jax.Array, labels: jax.Array, weight: Any, project: Project, *,

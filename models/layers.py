@@ -278,8 +278,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         m_new = jnp.maximum(m, scores.max(-1))
         p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)              # rescales what was summed under the old max
-        pv = jnp.einsum("BGRTS,BSGK->BGRTK", p.astype(v.dtype), v_blk,
-                        preferred_element_type=acc_dtype)
+        pv = jnp.einsum("BGRTS,BSGK->BGRTK", p, v_blk.astype(acc_dtype),   # unnormalised p:
+                        preferred_element_type=acc_dtype)              # float32, as training
         return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
     shape = (b, g, h // g, t)

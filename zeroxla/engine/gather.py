@@ -71,7 +71,9 @@ def _after(x: Any, dependency: Any) -> Any:
     and is what GPU and TPU programs get. XLA's CPU pipeline drops barriers before CSE, so on CPU
     only (chosen per platform when the program is lowered) the dependency is made real instead:
     a NaN in the cotangent (which already makes this step's gradients NaN) poisons the
-    re-gathered shard.
+    re-gathered shard, and so does a NaN in the shards themselves: a cotangent XLA can compute
+    at compile time (a log-prob head's under an unmasked mean is -1 / tokens everywhere) would
+    let it fold the test away and merge the gathers, the parameters it cannot.
     """
     if not [leaf for leaf in jax.tree.leaves(dependency) if is_float(leaf) and leaf.size]:
         return x
@@ -84,10 +86,12 @@ def _barrier_with(x: Any, dependency: Any) -> Any:
 
 
 def _poisoned_by(x: Any, dependency: Any) -> Any:
-    """XLA:CPU's stand-in for the barrier: `x` made data-dependent on `dependency`."""
-    probes = [leaf for leaf in jax.tree.leaves(dependency) if is_float(leaf) and leaf.size]
-    first = probes[0].reshape(-1)[0]
-    poisoned = first != first                        # NaN test XLA cannot constant-fold
+    """XLA:CPU's stand-in for the barrier: `x` made data-dependent on `dependency` (and on
+    itself, so that a constant `dependency` still leaves a test XLA cannot fold)."""
+    probes = [leaf for leaf in jax.tree.leaves((dependency, x))
+              if is_float(leaf) and leaf.size]
+    firsts = jnp.stack([p.reshape(-1)[0].astype(jnp.float32) for p in probes])
+    poisoned = jnp.any(firsts != firsts)             # a NaN test of data: not constant-folded
 
     def tie(leaf):
         if leaf is None:

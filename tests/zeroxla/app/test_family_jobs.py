@@ -8,7 +8,8 @@ a transformers `Qwen3ForSequenceClassification` as the reward model; `zeroxla re
 checkpoint is written by transformers with the fixture tokenizer (no network).
 
 Reference: transformers itself. Its loss of the source checkpoint on the job's first batch
-(rebuilt by the job's own reader) is the first training loss of every `zeroxla train`; its loss
+(rebuilt by the job's own reader, packed as train packs SFT rows by default: each packed example
+given to transformers alone) is the first training loss of every `zeroxla train`; its loss
 of the reloaded export on the validation batch is the job's last validation loss, and its
 pairwise loss of an exported reward model on the validation pairs the reward job's; the
 export's logits equal the trained checkpoint's, its config keeps the family's model_type and
@@ -23,6 +24,7 @@ import pytest
 import zeroxla
 from zeroxla.app.jobs import loading
 from zeroxla.app import chat_data, cli
+from zeroxla.app.packing import PAD_SEGMENT
 from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
 from zeroxla.app.jobs.train.config import Data, Run
 from zeroxla.app.data import epoch_rows, split_examples
@@ -35,6 +37,9 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 SEQ = 48
+SFT_SEQ = 2 * SEQ     # train's rows: room for several of the ~30-token SFT examples, so the
+                      # packed rows (train's default) hold more than one and attention must
+                      # keep each to itself
 COMMON = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
               tie_word_embeddings=True)
@@ -76,9 +81,14 @@ def sft_file(tmp_path_factory):
     return path
 
 
-def logits(directory, x):
+def causal_lm(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def logits(directory, x, model=None):
+    """transformers' logits [B, T, V] of `x` [B, T] (`model`: `directory`'s, already loaded)."""
     with torch.no_grad():
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        model = causal_lm(directory) if model is None else model
         return model(torch.tensor(x, dtype=torch.long)).logits.numpy()
 
 
@@ -88,22 +98,40 @@ def tokens():
 
 def job_rows(source, sft_file, batch_size=8):
     """The rows `zeroxla train --init-from source --data sft_file` trains on first and
-    validates on (its defaults: `Data.val_fraction`, `Run.seed`), from the job's own reader."""
+    validates on (its defaults: `Data.val_fraction`, `Run.seed`, `Data.packing`: training rows
+    packed with segment ids, validation rows padded), from the job's own reader."""
     data = load_train_data(str(sft_file), tokenizer="pretrained", init_from=str(source),
-                           batch_size=batch_size, seq_len=SEQ, val_fraction=Data.val_fraction,
-                           seed=Run.seed)
+                           batch_size=batch_size, seq_len=SFT_SEQ, val_fraction=Data.val_fraction,
+                           seed=Run.seed, packing=Data.packing)
     return (epoch_rows(data.train, batch_size, 0, data.seed),
             epoch_rows(data.val, batch_size, 0, VALIDATION_SEED))
 
 
+def sequences(rows):
+    """(inputs, targets, loss_mask), each [L], of every sequence in `rows`: a padded row whole;
+    a packed row's examples (`segment_ids`, 0: padding) one by one, each from position 0."""
+    keys = ("inputs", "targets", "loss_mask")
+    for r in range(len(rows["inputs"])):
+        if "segment_ids" not in rows:
+            yield tuple(rows[key][r] for key in keys)
+            continue
+        ids = rows["segment_ids"][r]
+        for segment in np.unique(ids[ids != PAD_SEGMENT]):
+            yield tuple(rows[key][r, ids == segment] for key in keys)
+
+
 def transformers_loss(directory, rows):
     """transformers' SFT loss of checkpoint `directory` on `rows`: -log p(target) from its
-    logits, in float64, averaged over the loss_mask tokens of all rows."""
-    z = logits(directory, rows["inputs"]).astype(np.float64)               # [B, T, V]
-    top = z.max(-1, keepdims=True)
-    logp = z - top - np.log(np.exp(z - top).sum(-1, keepdims=True))
-    nll = -np.take_along_axis(logp, rows["targets"][..., None].astype(np.int64), -1)[..., 0]
-    return float((nll * rows["loss_mask"]).sum() / rows["loss_mask"].sum())
+    logits, in float64, averaged over the loss_mask tokens of all rows. Each sequence
+    (`sequences`: a packed example alone, so it attends to itself only) is its own forward."""
+    model, total, count = causal_lm(directory), 0.0, 0.0
+    for inputs, targets, mask in sequences(rows):
+        z = logits(directory, inputs[None], model)[0].astype(np.float64)   # [L, V]
+        top = z.max(-1, keepdims=True)
+        logp = z - top - np.log(np.exp(z - top).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(logp, targets[:, None].astype(np.int64), -1)[:, 0]
+        total, count = total + float((nll * mask).sum()), count + float(mask.sum())
+    return total / count
 
 
 @pytest.mark.parametrize("family", ["gemma2", "llama", "mistral", "qwen2"])   # qwen3: PPO's
@@ -111,15 +139,16 @@ def test_train_init_from_then_export_reloads_in_transformers(family, sft_file, t
     source = write_checkpoint(family, tmp_path / "hf")
     out = tmp_path / "run"
     assert cli.main(["train", "--init-from", str(source), "--data", str(sft_file),
-                     "--steps", "3", "--batch-size", "8", "--seq-len", str(SEQ), "--lr", "1e-3",
-                     "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "8",
-                     "--out", str(out), "--no-progress"]) == 0
+                     "--steps", "3", "--batch-size", "8", "--seq-len", str(SFT_SEQ),
+                     "--lr", "1e-3", "--eval-every", "3", "--eval-batches", "1",
+                     "--sample-tokens", "8", "--out", str(out), "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]              # eval records have none
     assert len(losses) == 3 and np.all(np.isfinite(losses))
     first_batch, val_batch = job_rows(source, sft_file)
     assert first_batch["loss_mask"].sum() > 0 and val_batch["loss_mask"].sum() > 0
+    assert (first_batch["segment_ids"].max(-1) > 1).any()     # train packs: rows of examples
     np.testing.assert_allclose(losses[0], transformers_loss(source, first_batch), rtol=1e-5)
     printed = capsys.readouterr().out
     assert summary["samples"].strip()                      # the end-of-run sample, printed
@@ -150,7 +179,7 @@ def test_two_ppo_iterations_on_qwen3_export_a_qwen3_actor(tmp_path, sft_file):
     prompts = tmp_path / "prompts.jsonl"
     chat_data.write_jsonl(chat_data.shakespeare_prompts(16, seed=2), prompts)
     assert cli.main(["train", "--init-from", str(source), "--data", str(sft_file), "--steps", "1",
-                     "--batch-size", "8", "--seq-len", str(SEQ), "--eval-every", "1",
+                     "--batch-size", "8", "--seq-len", str(SFT_SEQ), "--eval-every", "1",
                      "--eval-batches", "1", "--sample-tokens", "0", "--out", str(tmp_path / "sft"),
                      "--no-progress"]) == 0
     sft_records = (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()

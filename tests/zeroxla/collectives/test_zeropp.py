@@ -229,8 +229,13 @@ def test_trains_like_single_device_with_the_same_rounding(name, text_batches):
     config = zeroxla.ZeroConfig(stage=3, persistence_threshold=500,
                                 weight_quantization_group_size=GROUP_SIZE,
                                 gradient_quantization_group_size=GROUP_SIZE, **features)
-    step = zeroxla.make_step(models.build("llama-tiny"), zeroxla.make_mesh(2, 4),
-                             optimizer=optax.adamw(LR), config=config)
+    # attention="naive" on both sides: a tie's flip is amplified by Adam, so which last-bit
+    # trajectory the run follows depends on every op's arithmetic; under the suite's codegen
+    # flags the blockwise path's trajectory (same on both sides) flips a tie at step 8
+    # (1.3e-4, 2.5e-4 at step 9; 1.7e-5 at step 6, as naive's). The blockwise path equals the
+    # naive one to 2e-6 (tests/models/test_attention.py); this test is about ZeRO++'s rounding.
+    step = zeroxla.make_step(models.build("llama-tiny", attention="naive"),
+                             zeroxla.make_mesh(2, 4), optimizer=optax.adamw(LR), config=config)
     if features.get("quantized_gradients"):
         gradient = [row[3] for row in step.describe_collectives()]
         assert "qgZ int4 two-hop all-to-all" in gradient
@@ -241,7 +246,7 @@ def test_trains_like_single_device_with_the_same_rounding(name, text_batches):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     expected, _ = train_zeropp_reference(
-        models.build("llama-tiny"), optax.adamw(LR), text_batches,
+        models.build("llama-tiny", attention="naive"), optax.adamw(LR), text_batches,
         partitioned_layout(step.layout.plan),
         nodes=2, local=4, weight_group_size=GROUP_SIZE, **rounding)
     print(f"{name}: max |loss / reference - 1| = "

@@ -13,12 +13,15 @@ starts, as `zeroxla train` does); elsewhere the mesh must match the devices pres
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from zeroxla.app.cli_args import host_device_count, mesh_shape, positive_int, set_host_device_count
+from zeroxla.app.run.options import Option, OptionTable
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLAN_STAGES = (2, 3)          # remat policies apply to stages 2-3 (`ZeroConfig.remat`)
@@ -49,43 +52,89 @@ def remat_list(text: str) -> tuple[str, ...]:
     return names
 
 
+DEVICE_MEMORY = "80GiB"       # --device-memory's default, as written
+MODEL_ACCEPTED = ("a preset of real shapes (models.presets: Llama-3.2-1B, Llama-3.1-8B, "
+                  "Qwen2.5-0.5B, ...) or a Hugging Face directory with config.json (no weights "
+                  "are read)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """What `zeroxla plan` compiles and searches: `model`'s step on a `mesh` of devices of
+    `device_memory` bytes; one `seq_len`, or with `max_seq_len` the largest T per setting.
+    `remat`: the `ZeroConfig.remat` policies (None: full with seq_len, none,full,offload with
+    max_seq_len)."""
+
+    model: str
+    mesh: tuple[int, int] = (1, 8)
+    device_memory: int = memory_size(DEVICE_MEMORY)
+    seq_len: int = 4096
+    max_seq_len: bool = False
+    stage: int = 3
+    dtype: str = "bf16"
+    remat: tuple[str, ...] | None = None
+    sequences_per_device: int = 1
+    granularity: int = 1024
+    search_limit: int = 1 << 20
+
+
+OPTIONS = OptionTable("plan", PlanSettings, (
+    Option("--model", "model", None, "model", "model",
+           f"{MODEL_ACCEPTED}; required", metavar="HF_DIR_OR_PRESET"),
+    Option("--mesh", "mesh", None, "mesh", "model",
+           "data-parallel devices as nodes x devices per node; default {default}",
+           type=mesh_shape, metavar="NODESxLOCAL"),
+    Option("--device-memory", "device_memory", None, "device_memory", "model",
+           f"memory of one device: {SIZE_ACCEPTED}; default {DEVICE_MEMORY}",
+           type=memory_size, metavar="SIZE"),
+    Option("--seq-len", "seq_len", None, "seq_len", "length",
+           "tokens per sequence; default {default}", type=positive_int, metavar="T",
+           exclusive="length"),
+    Option("--max-seq-len", "max_seq_len", None, "max_seq_len", "length",
+           "search the largest T that fits, for each --remat policy (and each model setting "
+           "the config has: attention, mlp_chunk)", action="store_true", exclusive="length"),
+    Option("--stage", "stage", None, "stage", "step", "ZeRO stage; default {default}",
+           type=int, choices=PLAN_STAGES),
+    Option("--dtype", "dtype", None, "dtype", "step", "compute dtype; default {default}",
+           choices=tuple(DTYPES)),
+    Option("--remat", "remat", None, "remat", "step",
+           "activation policies (ZeroConfig.remat); default: full with --seq-len, "
+           "none,full,offload with --max-seq-len", type=remat_list,
+           metavar="POLICY[,POLICY...]"),
+    Option("--sequences-per-device", "sequences_per_device", None, "sequences_per_device",
+           "step", "sequences each data-parallel device holds in one micro-batch; default "
+           "{default}", type=positive_int, metavar="N"),
+    Option("--granularity", "granularity", None, "granularity", "search",
+           "--max-seq-len: the search's step (answers are multiples of it); default {default}",
+           type=positive_int, metavar="T"),
+    Option("--search-limit", "search_limit", None, "search_limit", "search",
+           "--max-seq-len: the longest T tried; default {default}", type=positive_int,
+           metavar="T")),
+    {"model": "the model and the devices", "length": "the sequence length",
+     "step": "the step compiled", "search": "the --max-seq-len search"})
+
+
+HELP = "what fits a device: per-device memory of the ZeRO step, by compile only"
+DESCRIPTION = ("Compile the ZeRO training step for a model's shape on abstract arrays (nothing "
+               "allocated) and print the per-device peak by part (state, activations and "
+               "temporaries, arguments) against --device-memory; with --max-seq-len, the "
+               "largest sequence length that fits per activation setting. Host memory "
+               "(ZeRO-Offload state, remat offload's activations) is printed apart, never "
+               "counted in the device figure.")
+
+
 def add_plan(subparsers: argparse._SubParsersAction) -> None:
-    """Declares `zeroxla plan` and sets its handler to `run_plan`."""
-    p = subparsers.add_parser(
-        "plan", help="what fits a device: per-device memory of the ZeRO step, by compile only",
-        description="Compile the ZeRO training step for a model's shape on abstract arrays "
-                    "(nothing allocated) and print the per-device peak by part (state, "
-                    "activations and temporaries, arguments) against --device-memory; with "
-                    "--max-seq-len, the largest sequence length that fits per activation "
-                    "setting. Host memory (ZeRO-Offload state, remat offload's activations) "
-                    "is printed apart, never counted in the device figure.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, metavar="HF_DIR_OR_PRESET",
-                   help="a preset of real shapes (models.presets: Llama-3.2-1B, "
-                        "Llama-3.1-8B, Qwen2.5-0.5B, ...) or a Hugging Face directory with "
-                        "config.json (no weights are read)")
-    p.add_argument("--mesh", type=mesh_shape, default=(1, 8), metavar="NODESxLOCAL",
-                   help="data-parallel devices as nodes x devices per node")
-    p.add_argument("--device-memory", type=memory_size, default=memory_size("80GiB"),
-                   metavar="SIZE", help=f"memory of one device: {SIZE_ACCEPTED}")
-    lengths = p.add_mutually_exclusive_group()
-    lengths.add_argument("--seq-len", type=positive_int, default=4096, metavar="T",
-                         help="tokens per sequence")
-    lengths.add_argument("--max-seq-len", action="store_true",
-                         help="search the largest T that fits, for each --remat policy (and "
-                              "each model setting the config has: attention, mlp_chunk)")
-    p.add_argument("--stage", type=int, choices=PLAN_STAGES, default=3, help="ZeRO stage")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="compute dtype")
-    p.add_argument("--remat", type=remat_list, default=None, metavar="POLICY[,POLICY...]",
-                   help="activation policies (ZeroConfig.remat); default: full with --seq-len, "
-                        "none,full,offload with --max-seq-len")
-    p.add_argument("--sequences-per-device", type=positive_int, default=1, metavar="N",
-                   help="sequences each data-parallel device holds in one micro-batch")
-    p.add_argument("--granularity", type=positive_int, default=1024, metavar="T",
-                   help="--max-seq-len: the search's step (answers are multiples of it)")
-    p.add_argument("--search-limit", type=positive_int, default=1 << 20, metavar="T",
-                   help="--max-seq-len: the longest T tried")
-    p.set_defaults(handler=run_plan)
+    """Declares `zeroxla plan` from its rows (`OPTIONS`) and sets its handler to `run_plan`."""
+    parser = subparsers.add_parser("plan", help=HELP, description=DESCRIPTION)
+    OPTIONS.add_to(parser)
+    parser.set_defaults(handler=run_plan)
+
+
+def plan_settings(given: Mapping[str, Any]) -> PlanSettings:
+    """The given options (`OptionTable.given`) over the defaults; --model is required."""
+    if given.get("model") is None:
+        raise ValueError(f"--model is required; accepted: {MODEL_ACCEPTED}")
+    return OPTIONS.build(given, model=given["model"])
 
 
 def model_config(model: str) -> Any:
@@ -118,45 +167,46 @@ def _mesh(nodes: int, local: int, simulated: bool) -> Any:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Runs `zeroxla plan`; prints the figures."""
-    nodes, local = args.mesh
+    plan = plan_settings(OPTIONS.given(args))
+    nodes, local = plan.mesh
     user_count = host_device_count()
     set_host_device_count(nodes * local)       # before JAX starts (cli module docstring)
-    config = model_config(args.model)
+    config = model_config(plan.model)
     mesh = _mesh(nodes, local, simulated=user_count is not None)
-    dtype = DTYPES[args.dtype]
-    if args.max_seq_len:
-        print(max_seq_len_report(config, mesh, args, dtype), flush=True)
+    dtype = DTYPES[plan.dtype]
+    if plan.max_seq_len:
+        print(max_seq_len_report(config, mesh, plan, dtype), flush=True)
         return 0
     from zeroxla.analysis.planner import plan_memory
 
-    for remat in args.remat or ("full",):
-        figures = plan_memory(config, mesh, seq_len=args.seq_len,
-                              device_memory=args.device_memory, stage=args.stage, dtype=dtype,
-                              remat=remat, sequences_per_device=args.sequences_per_device)
-        print(f"{args.model}, ZeRO-{args.stage}, {args.dtype}, mesh {nodes}x{local}: "
+    for remat in plan.remat or ("full",):
+        figures = plan_memory(config, mesh, seq_len=plan.seq_len,
+                              device_memory=plan.device_memory, stage=plan.stage, dtype=dtype,
+                              remat=remat, sequences_per_device=plan.sequences_per_device)
+        print(f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, mesh {nodes}x{local}: "
               f"{figures.table()}", flush=True)
     return 0
 
 
-def max_seq_len_report(config: Any, mesh: Any, args: argparse.Namespace, dtype: str) -> str:
+def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str) -> str:
     """The largest T per setting (`planner.sweep_settings`), one line each, by compile only."""
     from zeroxla.analysis.planner import largest_fitting, plan_memory, sweep_settings
 
-    settings, missing = sweep_settings(config, args.remat or ("none", "full", "offload"))
-    lines = [f"{args.model}, ZeRO-{args.stage}, {args.dtype}, mesh {args.mesh[0]}x"
-             f"{args.mesh[1]}, {args.device_memory / 2**30:.1f} GiB per device, "
-             f"{args.sequences_per_device} sequence(s) per device: largest T that fits"]
+    settings, missing = sweep_settings(config, plan.remat or ("none", "full", "offload"))
+    lines = [f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, mesh {plan.mesh[0]}x"
+             f"{plan.mesh[1]}, {plan.device_memory / 2**30:.1f} GiB per device, "
+             f"{plan.sequences_per_device} sequence(s) per device: largest T that fits"]
     for setting in settings:
         peaks: dict[int, Any] = {}
 
         def fits(t: int, setting=setting, peaks=peaks) -> bool:
-            figures = plan_memory(config, mesh, seq_len=t, device_memory=args.device_memory,
-                                  stage=args.stage, dtype=dtype, remat=setting.remat,
+            figures = plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
+                                  stage=plan.stage, dtype=dtype, remat=setting.remat,
                                   fields=dict(setting.fields),
-                                  sequences_per_device=args.sequences_per_device)
+                                  sequences_per_device=plan.sequences_per_device)
             peaks[t] = figures
             return figures.fits
-        best = largest_fitting(fits, granularity=args.granularity, limit=args.search_limit)
+        best = largest_fitting(fits, granularity=plan.granularity, limit=plan.search_limit)
         note = ""
         if best:
             f = peaks[best]
@@ -165,10 +215,11 @@ def max_seq_len_report(config: Any, mesh: Any, args: argparse.Namespace, dtype: 
                        if f.host_residuals else "")
                     + (", derived" if f.derived else "") + ")")
         lines.append(f"  {setting.label:<40} T = {best}{note}"
-                     + (f" (limit {args.search_limit})" if best == args.search_limit else ""))
+                     + (f" (limit {plan.search_limit})" if best == plan.search_limit else ""))
     for field in missing:
         lines.append(f"  not swept: {type(config).__name__} has no field {field!r} (not built)")
     return "\n".join(lines)
 
 
-__all__ = ["add_plan", "memory_size", "model_config", "remat_list", "run_plan"]
+__all__ = ["OPTIONS", "PlanSettings", "add_plan", "memory_size", "model_config", "plan_settings",
+           "remat_list", "run_plan"]

@@ -42,6 +42,8 @@ class Option:
     "--learning-rate"); messages name `flag`. fixed: a resumed run
     cannot change it (the checkpoint's state or the frozen reference was built from it: the
     model it starts from, its adapters); `--resume` refuses another value, naming the option.
+    exclusive: the rows of one name (all of one theme) are a mutually exclusive group: argparse
+    refuses a command line that gives two of them ("--seq-len" or "--max-seq-len").
     """
 
     flag: str
@@ -59,6 +61,7 @@ class Option:
     nargs: str | None = None
     fixed: bool = False
     aliases: tuple[str, ...] = ()
+    exclusive: str | None = None
 
     @property
     def target(self) -> str:
@@ -103,6 +106,11 @@ class OptionTable:
             if row.theme not in self.themes:
                 raise ValueError(f"option {row.flag}: theme {row.theme!r} is not one of "
                                  f"{', '.join(self.themes)}")
+            if row.exclusive is not None and any(
+                    other.exclusive == row.exclusive and other.theme != row.theme
+                    for other in self.rows):
+                raise ValueError(f"option {row.flag}: the rows of exclusive group "
+                                 f"{row.exclusive!r} are not all of theme {row.theme!r}")
             if row.dest in self.by_dest:
                 raise ValueError(f"options {self.by_dest[row.dest].flag} and {row.flag} share "
                                  f"the dest {row.dest!r}")
@@ -128,9 +136,11 @@ class OptionTable:
         return row.help.replace("{default}", shown).replace("{unit}", self.unit)
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
-        """Declares every row, grouped by theme in `--help`; every one defaults to None."""
+        """Declares every row, grouped by theme in `--help` (an exclusive group's rows in one
+        mutually exclusive group); every one defaults to None."""
         for theme, title in self.themes.items():
             group = parser.add_argument_group(title)
+            exclusive: dict[str, Any] = {}
             for row in self.rows:
                 if row.theme != theme:
                     continue
@@ -141,7 +151,10 @@ class OptionTable:
                 else:
                     kwargs.update(type=row.type, choices=row.choices, metavar=row.metavar,
                                   nargs=row.nargs)
-                group.add_argument(row.flag, *row.aliases, **kwargs)
+                if row.exclusive is not None and row.exclusive not in exclusive:
+                    exclusive[row.exclusive] = group.add_mutually_exclusive_group()
+                target = group if row.exclusive is None else exclusive[row.exclusive]
+                target.add_argument(row.flag, *row.aliases, **kwargs)
 
     def given(self, args: argparse.Namespace) -> dict[str, Any]:
         """The options the command line gives (dest -> value; those left out not listed)."""
