@@ -11,7 +11,9 @@ import pytest
 import zeroxla
 from reference import token_batches
 from zeroxla import models
+from zeroxla.compat.lowering import lower_for_cuda
 from zeroxla.engine.remat import check_offload_platform
+from test_param_offload import _typed_placements
 
 
 def test_offload_trains_like_full():
@@ -42,3 +44,23 @@ def test_a_device_without_host_memory_is_refused_by_name():
     with pytest.raises(ValueError, match=r"ZeroConfig.remat='offload' needs the 'pinned_host'.*"
                                          r"fake device 3.*accepted here: 'full'"):
         check_offload_platform([device])
+
+
+def test_the_gpu_program_keeps_layer_inputs_in_host_memory():
+    """On the CUDA lowering (XLA:CPU ignores memory kinds), remat "offload" moves each kept
+    layer input [B / devices, T, D] to `pinned_host` after forward and back to the device for
+    backward, and moves nothing else; "full" moves nothing to the host."""
+    batch = token_batches(1, 16, 16, vocab=65)[0]
+    placed = {}
+    for remat in ("full", "offload"):
+        step = zeroxla.make_step(models.build("llama-tiny", seed=1, num_layers=4),
+                                 zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.5),
+                                 config=zeroxla.ZeroConfig(stage=3, persistence_threshold=500,
+                                                           remat=remat))
+        text = lower_for_cuda(step._jitted, step.init(), batch).as_text()
+        placed[remat] = _typed_placements(text)
+    carry = ("pinned_host", (16 // 8, 16, 60), "f32")          # local rows, T, d_model
+    assert [p for p in placed["full"] if p[0] == "pinned_host"] == []
+    to_host = [p for p in placed["offload"] if p[0] == "pinned_host"]
+    assert to_host and set(to_host) == {carry}
+    assert placed["offload"].count(("device",) + carry[1:]) == len(to_host)    # and back
