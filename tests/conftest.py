@@ -12,10 +12,14 @@ import tiers
 import xla_flags
 
 _FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
-os.environ["XLA_FLAGS"] = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
-                                                        older_emitters=not _FUSION_EMITTERS) +
-                           f" {xla_flags.DEVICE_COUNT_FLAG}=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's codegen flags on the CPU only: a GPU plugin's XLA exits on the CPU-only ones it does
+# not define ("Unknown flag in XLA_FLAGS: --xla_cpu_use_fusion_emitters=false", jax-cuda13
+# 0.11.2), so `JAX_PLATFORMS=cuda pytest tests/pallas_kernels` runs on a GPU machine.
+_CODEGEN = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
+                                         older_emitters=not _FUSION_EMITTERS)
+            if os.environ["JAX_PLATFORMS"] == "cpu" else os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = f"{_CODEGEN} {xla_flags.DEVICE_COUNT_FLAG}=8".strip()
 # Set before pytest-xdist starts its workers, so they and every process a test starts share it.
 _CREATED_CACHE = xla_flags.use_compilation_cache(os.environ)
 
