@@ -45,9 +45,11 @@ def _zero3_peak(mesh, batch, **config) -> int:
 @pytest.mark.slow
 def test_zero3_peak_at_most_fsdp():
     """Measured (3 layers, 32 x 64 tokens, the suite's XLA flags, blockwise attention and the
-    chunked head in both): FSDP 42.68 MiB, ZeRO-3 42.05 MiB (0.985x) with prefetch, 37.68 MiB
-    (0.883x) gathering just in time. gpt-small in
-    `benchmarks/zero.py`: docs/benchmarks.md."""
+    chunked head in both): FSDP 42.68 MiB, ZeRO-3 39.81 MiB (0.933x) with prefetch, 37.55 MiB
+    (0.880x) gathering just in time. With the head's whole logits (and, before its custom VJP,
+    its checkpointed scan) the prefetch peak was in the layer loop, one gathered layer (3 MiB)
+    above just-in-time's; the custom-VJP head lowered it by 2.2 MiB, and 2.26 MiB separate the
+    two now. gpt-small in `benchmarks/zero.py`: docs/benchmarks.md."""
     mesh = zeroxla.make_mesh(2, 4)
     batch = _batch()
     fsdp = peak_bytes(jit_train_step(models.build("gpt-small", **CONFIG), "fsdp", mesh,
@@ -57,5 +59,6 @@ def test_zero3_peak_at_most_fsdp():
     print(f"peak MiB: fsdp {fsdp / 2**20:.2f}, zero-3 {prefetch / 2**20:.2f} "
           f"({prefetch / fsdp:.3f}x), without prefetch {just_in_time / 2**20:.2f}")
     assert prefetch <= fsdp
-    # Prefetch holds one more gathered layer (3 MiB here: 786,432 float32 parameters).
-    assert just_in_time <= prefetch - 3 * 2**20
+    # Prefetch holds at most one more gathered layer (3 MiB here: 786,432 float32 parameters),
+    # and gathering just in time saves memory.
+    assert prefetch - 3 * 2**20 <= just_in_time < prefetch
