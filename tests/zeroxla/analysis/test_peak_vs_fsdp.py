@@ -46,10 +46,9 @@ def _zero3_peak(mesh, batch, **config) -> int:
 def test_zero3_peak_at_most_fsdp():
     """Measured (3 layers, 32 x 64 tokens, the suite's XLA flags, blockwise attention and the
     chunked head in both): FSDP 42.68 MiB, ZeRO-3 39.81 MiB (0.933x) with prefetch, 37.55 MiB
-    (0.880x) gathering just in time. With the head's whole logits (and, before its custom VJP,
-    its checkpointed scan) the prefetch peak was in the layer loop, one gathered layer (3 MiB)
-    above just-in-time's; the custom-VJP head lowered it by 2.2 MiB, and 2.26 MiB separate the
-    two now. gpt-small in `benchmarks/zero.py`: docs/benchmarks.md."""
+    (0.880x) gathering just in time: 2.26 MiB apart, less than the one gathered layer (3 MiB)
+    prefetch holds in the layer loop, because neither peak is in the loop (the head's chunked
+    backward keeps only its inputs). gpt-small in `benchmarks/zero.py`: docs/benchmarks.md."""
     mesh = zeroxla.make_mesh(2, 4)
     batch = _batch()
     fsdp = peak_bytes(jit_train_step(models.build("gpt-small", **CONFIG), "fsdp", mesh,
