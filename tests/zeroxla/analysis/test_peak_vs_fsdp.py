@@ -47,8 +47,8 @@ def test_zero3_peak_at_most_fsdp():
     """Measured (3 layers, 32 x 64 tokens, the suite's XLA flags, blockwise attention and the
     chunked head in both): FSDP 42.68 MiB, ZeRO-3 39.81 MiB (0.933x) with prefetch, 37.55 MiB
     (0.880x) gathering just in time: 2.26 MiB apart, less than the one gathered layer (3 MiB)
-    prefetch holds in the layer loop, because neither peak is in the loop (the head's chunked
-    backward keeps only its inputs). gpt-small in `benchmarks/zero.py`: docs/benchmarks.md."""
+    prefetch holds in the layer loop: prefetch's peak is not where all of its extra layer is
+    live (where it is was not located). gpt-small in `benchmarks/zero.py`: docs/benchmarks.md."""
     mesh = zeroxla.make_mesh(2, 4)
     batch = _batch()
     fsdp = peak_bytes(jit_train_step(models.build("gpt-small", **CONFIG), "fsdp", mesh,
