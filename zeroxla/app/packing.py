@@ -23,34 +23,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from zeroxla.engine.bin_packing import first_fit_decreasing
+
 # Segment id of padding (the attention's convention, `models.blockwise_attention.PAD_SEGMENT`).
 PAD_SEGMENT = 0
 PACKED_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
-
-
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into bins of at most `capacity` (first-fit decreasing:
-    at most 11/9 OPT + 1 bins). Ties keep the input order, so the packing is deterministic.
-    ValueError for a length over `capacity`."""
-    over = [(i, n) for i, n in enumerate(lengths) if n > capacity]
-    if over:
-        i, n = over[0]
-        raise ValueError(f"sequence {i} has {n} tokens but a packed row holds {capacity} "
-                         f"(seq_len); {len(over)} sequence(s) do not fit: raise seq_len")
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = lengths[i]
-        if n == 0:
-            continue                       # nothing to predict: it occupies no slot
-        at = next((b for b, r in enumerate(room) if r >= n), None)
-        if at is None:
-            bins.append([i])
-            room.append(capacity - n)
-        else:
-            bins[at].append(i)
-            room[at] -= n
-    return bins
 
 
 def pack(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,

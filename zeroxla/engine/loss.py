@@ -64,6 +64,13 @@ def _takes(fn: Any, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
+def takes_packed_batches(model: Any) -> bool:
+    """Whether `model` can run a packed batch: its chunked `token_logprobs` (the models'
+    protocol takes `positions` and `segment_ids`) or a `__call__` accepting both."""
+    return has_chunked_logprobs(model) or all(
+        _takes(model.__call__, name) for name in (POSITIONS_KEY, SEGMENT_IDS_KEY))
+
+
 def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | None,
                    segment_ids: jax.Array | None) -> dict[str, jax.Array]:
     """The given `positions` / `segment_ids` as keyword arguments of `forward` (named `what`);

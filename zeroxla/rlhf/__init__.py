@@ -21,6 +21,8 @@ the roles they share are built once (roles.py).
     plot.py        plot_records: the reward and KL curves
     dpo.py         DPOConfig, the DPO / IPO losses over per-sequence log-prob sums, their
                    metrics (accuracy, margins) and the make_step loss_fn
+    packed_pairs.py DPO's pairs packed into rows with segment ids (a pair's two sequences on
+                   one data replica; the sums are segment sums over its pair numbers)
     dpo_trainer.py DPOTrainer (the policy's ZeRO step, reference sums computed once) and run_dpo
     grpo_config.py GRPOConfig: the GRPO family's knobs (TRL's GRPOConfig names), validated
     group_advantages.py group_advantages: group-relative (or RLOO) advantages, scaled by std
@@ -33,6 +35,8 @@ the roles they share are built once (roles.py).
                    cut counted) and the text the reward functions see
     rollout_correction.py the train/rollout log-prob gap (logprob_gap) and truncated
                    importance sampling (tis_weights, TRL's vllm_importance_sampling_cap)
+    packed_rollout.py a rollout as a packed batch (sequences whole in rows with segment ids,
+                   rows balanced over the data replicas): the padded loss without the padding
     grpo.py        GRPOTrainer (generate_experience, train_grpo), run_grpo, exact_accuracy
 """
 

@@ -54,6 +54,9 @@ class DPOConfig:
     seq_len: int = 64
     # The frozen reference as int8 codes (`zeroxla.rlhf.reference`, ZeRO++'s MixZ++).
     reference_int8: bool = False
+    # Training pairs packed into rows with segment ids (`zeroxla.rlhf.packed_pairs`): the same
+    # loss without the padding; the policy must take positions= and segment_ids=.
+    packing: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, accepted: str) -> None:
@@ -71,8 +74,9 @@ class DPOConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 2:
                 fail(name, "an integer >= 2")
-        if not isinstance(self.reference_int8, bool):
-            fail("reference_int8", "True or False")
+        for name in ("reference_int8", "packing"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "True or False")
 
     def replace(self, **changes: Any) -> "DPOConfig":
         return dataclasses.replace(self, **changes)
@@ -144,6 +148,28 @@ def sequence_logprobs(model: nnx.Module, batch: DPOBatch) -> tuple[jax.Array, ja
     return sums[:b], sums[b:]
 
 
+def pair_values(model: nnx.Module, batch: DPOBatch) -> tuple[jax.Array, ...]:
+    """(chosen, rejected, ref_chosen, ref_rejected, weight), one value per pair [N], of padded
+    pair rows (`sequence_logprobs`, the others read from the batch) or of a packed batch
+    (`packed_pairs.pack_pairs`: its "segment_ids"): there each token's log-prob times its
+    side's mask, and the pair values each on one slot, are summed per pair over the "pair"
+    numbers of this device's rows; N is then the device's slots (pair numbers past its pairs
+    have weight 0)."""
+    if "segment_ids" not in batch:
+        return (*sequence_logprobs(model, batch), batch["ref_chosen"], batch["ref_rejected"],
+                batch["weight"])
+    logprobs = model_token_logprobs(model, batch["inputs"], batch["targets"],
+                                    positions=batch["positions"],
+                                    segment_ids=batch["segment_ids"])             # [R, S]
+    pair = batch["pair"].reshape(-1)                                              # [R * S]
+
+    def per_pair(values):
+        return jax.ops.segment_sum(values.reshape(-1), pair, num_segments=pair.size)
+    return (per_pair(logprobs * batch["chosen_mask"]), per_pair(logprobs * batch["rejected_mask"]),
+            per_pair(batch["ref_chosen"]), per_pair(batch["ref_rejected"]),
+            per_pair(batch["weight"]))
+
+
 def reference_answer_logprobs(model: nnx.Module, tokens: jax.Array,
                               answer_length: int) -> jax.Array:
     """`token_logprob_rows` in the `FrozenReference` calling form (`answer_length` = T - 1)."""
@@ -173,16 +199,17 @@ def reference_logprobs(reference: Any, batch: dict[str, np.ndarray],
 # ---- make_step loss_fns -------------------------------------------------------------------------
 def make_dpo_loss(beta: float, loss_type: str = "sigmoid"):
     """`loss_fn(policy, batch) -> (sum of the pairs' losses, pairs)` for `make_step`, so the
-    step's loss is the exact mean over the global batch of `DPOBatch` rows."""
+    step's loss is the exact mean over the global batch of `DPOBatch` rows (padded, or packed:
+    `pair_values`)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: "
                          + " or ".join(repr(t) for t in LOSS_TYPES))
 
     def dpo_loss(model, batch):
-        chosen, rejected = sequence_logprobs(model, batch)
-        terms = dpo_loss_terms(chosen, rejected, batch["ref_chosen"], batch["ref_rejected"],
-                               beta=beta, loss_type=loss_type)                   # [B]
-        return jnp.sum(terms * batch["weight"]), jnp.sum(batch["weight"])
+        chosen, rejected, ref_chosen, ref_rejected, weight = pair_values(model, batch)
+        terms = dpo_loss_terms(chosen, rejected, ref_chosen, ref_rejected, beta=beta,
+                               loss_type=loss_type)                              # [B]
+        return jnp.sum(terms * weight), jnp.sum(weight)
     return dpo_loss
 
 
@@ -194,13 +221,14 @@ def make_dpo_statistic(name: str, beta: float):
         raise ValueError(f"name={name!r} is invalid; accepted: 'accuracy' or 'margin'")
 
     def statistic(model, batch):
-        chosen, rejected = dpo_rewards(*sequence_logprobs(model, batch), batch["ref_chosen"],
-                                       batch["ref_rejected"], beta=beta)
+        *sums, weight = pair_values(model, batch)
+        chosen, rejected = dpo_rewards(*sums, beta=beta)
         value = (chosen > rejected).astype(jnp.float32) if name == "accuracy" else chosen - rejected
-        return jnp.sum(value * batch["weight"]), jnp.sum(batch["weight"])
+        return jnp.sum(value * weight), jnp.sum(weight)
     return statistic
 
 
 __all__ = ["DPOBatch", "DPOConfig", "LOSS_TYPES", "dpo_loss_terms", "dpo_metrics", "dpo_rewards",
-           "make_dpo_loss", "make_dpo_statistic", "pair_batch", "reference_answer_logprobs",
-           "reference_logprobs", "sequence_logprobs", "token_logprob_rows"]
+           "make_dpo_loss", "make_dpo_statistic", "pair_batch", "pair_values",
+           "reference_answer_logprobs", "reference_logprobs", "sequence_logprobs",
+           "token_logprob_rows"]

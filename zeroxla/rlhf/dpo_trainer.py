@@ -30,8 +30,10 @@ import optax
 from flax import nnx
 
 import zeroxla
+from zeroxla.engine.loss import takes_packed_batches
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, reference_logprobs
+from zeroxla.rlhf.packed_pairs import pack_pairs
 from zeroxla.rlhf.roles import build_roles, frozen_reference
 
 STATISTICS = ("accuracy", "margin")
@@ -91,6 +93,11 @@ class DPOTrainer:
             raise ValueError(f"DPOConfig.batch_size={config.batch_size} exceeds the {n} training "
                              f"pairs; accepted: batch_size <= {n}")
         check_policy(policy, config.seq_len)
+        if config.packing and not takes_packed_batches(policy):
+            raise ValueError(f"DPOConfig.packing=True but {type(policy).__name__} takes no "
+                             "positions= and segment_ids= (a packed row holds several "
+                             "sequences); accepted: packing=False, or a policy whose __call__ "
+                             "(or token_logprobs) takes them, as every family in models does")
         self.config, self.seed = config, seed
         reference = frozen_reference(policy, config.reference_int8)
         self.reference_bytes = reference.nbytes
@@ -112,9 +119,14 @@ class DPOTrainer:
                 for k, v in rows.items()}
 
     def step_record(self, k: int) -> dict[str, float]:
-        """Step k (0-based) on its `batch_size` pairs; returns the record of step k + 1."""
-        batch = self._device_batch(_rows(self.train, epoch_order(
-            len(self.train["chosen"]), self.config.batch_size, k, self.seed)))
+        """Step k (0-based) on its `batch_size` pairs (packed with `config.packing`); returns
+        the record of step k + 1."""
+        rows = _rows(self.train, epoch_order(len(self.train["chosen"]), self.config.batch_size,
+                                             k, self.seed))
+        if self.config.packing:        # the same loss without the padding (`packed_pairs`)
+            rows, _ = pack_pairs(rows, row_len=self.config.seq_len - 1,
+                                 data_size=self.step.layout.data_size)
+        batch = self._device_batch(rows)
         stats = {name: float(s.eval_loss(self.state, batch))
                  for name, s in self.statistics.items()}
         self.state, metrics = self.step(self.state, batch)

@@ -12,7 +12,9 @@ One iteration (`GRPOTrainer.iteration`: `generate_experience`, then `train_grpo`
 3. the answers' log-probs under the actor (the "old" policy of the ratio) and the reference,
    one jitted forward each on gathered weights, as `PPOTrainer`; the rewards (weighted reward
    functions on the texts, and/or a reward model's end score), group-relative advantages;
-4. `num_iterations` actor steps on the whole rollout; before each step after the first, the
+4. `num_iterations` actor steps on the whole rollout (with `packing`, packed into rows with
+   segment ids and balanced over the data replicas: `packed_rollout`, the same loss without
+   the padding); before each step after the first, the
    clipped fraction of that step's ratio is measured on the gathered weights. Each record
    holds the train/rollout log-prob gap (`rollout_correction.logprob_gap`, as `gap/*`), and
    with `rollout_correction="tis"` every step's terms carry the truncated importance weights.
@@ -48,10 +50,12 @@ from flax import nnx
 
 import zeroxla
 from zeroxla.lora import LoRAConfig
+from zeroxla.engine.loss import takes_packed_batches
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
 from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
+from zeroxla.rlhf.packed_rollout import pack_rollout
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
@@ -139,6 +143,11 @@ class GRPOTrainer:
         if reward_funcs is None and reward_model is None:
             raise ValueError("no reward: accepted: reward_funcs (callables (prompts, "
                              "completions, **row_fields) -> list[float]) and/or a reward_model")
+        if config.packing and not takes_packed_batches(actor):
+            raise ValueError(f"GRPOConfig.packing=True but {type(actor).__name__} takes no "
+                             "positions= and segment_ids= (a packed row holds several "
+                             "sequences); accepted: packing=False, or an actor whose __call__ "
+                             "(or token_logprobs) takes them, as every family in models does")
         self.reward_funcs, self.reward_model_weight = reward_funcs, reward_model_weight
         self.score_model = None if reward_model is None else make_scorer(reward_model=reward_model)
         self.config, self.tokenizer, self.eos_id, self.seed = config, tokenizer, eos_id, seed
@@ -239,8 +248,9 @@ class GRPOTrainer:
     def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
         """`num_iterations` actor steps on `rollout`; returns the mean loss and the clipped
         fractions (mean over the steps after the first; 0 when there is one step: its ratio
-        is 1), and with `rollout_correction="tis"` the share of tokens whose importance
-        weight the cap truncates (`tis_clipped_fraction`)."""
+        is 1), with `rollout_correction="tis"` the share of tokens whose importance
+        weight the cap truncates (`tis_clipped_fraction`), and with `packing` the packed
+        batch's `packing/rows`, `packing/fill` and `packing/replica_imbalance`."""
         c = self.config
         starts = rollout.answer_starts()
         batch = {"tokens": rollout.tokens, "prompt_lengths": starts,
@@ -254,6 +264,11 @@ class GRPOTrainer:
                 rollout.logprobs, rollout.rollout_logprobs, c.tis_cap))
             tis = {"tis_clipped_fraction": float(tis_clipped_fraction(
                 rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask, c.tis_cap))}
+        packed = {}
+        if c.packing:          # the same loss, without the padding (`packed_rollout`)
+            batch, stats = pack_rollout(batch, loss_type=c.loss_type, row_len=c.row_len,
+                                        data_size=self.actor_step.layout.data_size)
+            packed = {f"packing/{k}": v for k, v in stats.items()}
         losses, clips = [], []
         for k in range(c.num_iterations):
             if k:
@@ -263,7 +278,7 @@ class GRPOTrainer:
             self.actor_state, metrics = self.actor_step(self.actor_state, batch)
             losses.append(float(metrics["loss"]))       # one program in flight at a time
         keys = ("clip_low", "clip_high", "clip_fraction")
-        return {"loss": float(np.mean(losses)), **tis,
+        return {"loss": float(np.mean(losses)), **tis, **packed,
                 **{key: float(np.mean([x[key] for x in clips])) if clips else 0.0
                    for key in keys}}
 

@@ -31,6 +31,13 @@ tokens (shorter prompts are right-padded, exactly; a longer one keeps its last t
 sample at temperature 1, from the policy's own distribution, so the log-probs of the ratio are
 the model's (no temperature enters them).
 
+`packing` (on by default) trains on the rollout packed: each answer's sequence (prompt and
+answer) placed whole into rows of `packed_row_len` tokens (None: the longest sequence's,
+`prompt_length + max_completion_length - 1`) with segment ids, the rows balanced over the data
+replicas (`zeroxla.rlhf.packed_rollout`, verl's `use_remove_padding` + `balance_batch`): the
+same loss as the padded rows, without their padding. The actor must take `positions` and
+`segment_ids` (every family in `models` does); off: one right-padded row per answer.
+
 The rewards a job names beside the config (`zeroxla grpo`'s `--reward-funcs`, `--reward-weights`
 and a `--reward` model): checked (`check_reward_sources`) and loaded (`reward_sources`).
 """
@@ -93,6 +100,8 @@ class GRPOConfig:
     reference_int8: bool = False
     rollout_correction: str | None = None
     tis_cap: float = 2.0
+    packing: bool = True
+    packed_row_len: int | None = None
 
     def __post_init__(self) -> None:
         _check("num_generations", self.num_generations,
@@ -121,11 +130,23 @@ class GRPOConfig:
                "a number > 0 (the largest importance weight)")
         _check("reference_int8", self.reference_int8, isinstance(self.reference_int8, bool),
                "True or False")
+        _check("packing", self.packing, isinstance(self.packing, bool), "True or False")
+        _check("packed_row_len", self.packed_row_len, self.packed_row_len is None or (
+            _is_int(self.packed_row_len)
+            and self.packed_row_len >= self.prompt_length + self.max_completion_length - 1),
+            f"None or an integer >= prompt_length + max_completion_length - 1 = "
+            f"{self.prompt_length + self.max_completion_length - 1} (the longest sequence "
+            "stays whole in one row)")
 
     @property
     def clip_high(self) -> float:
         """The upper clip epsilon: `epsilon_high`, or `epsilon` when it is None."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def row_len(self) -> int:
+        """Tokens per packed row: `packed_row_len`, or the longest sequence's slots."""
+        return self.packed_row_len or self.prompt_length + self.max_completion_length - 1
 
     @property
     def rows_per_iteration(self) -> int:

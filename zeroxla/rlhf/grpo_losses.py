@@ -31,11 +31,11 @@ from zeroxla.engine.loss import model_token_logprobs
 
 def grpo_loss_terms(logprobs, old_logprobs, advantages, *, epsilon: float, epsilon_high: float,
                     beta: float = 0.0, ref_logprobs=None):
-    """Per-token loss [B, G] (see the module docstring); `advantages` is [B]; `ref_logprobs`
-    [B, G] is needed when `beta` > 0."""
+    """Per-token loss [B, G] (see the module docstring); `advantages` is [B] (one per answer)
+    or [B, G] (per token: a packed batch's); `ref_logprobs` [B, G] is needed when `beta` > 0."""
     ratio = jnp.exp(logprobs - old_logprobs)                              # [B, G]
     clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    a = advantages[:, None]                                               # [B, 1]
+    a = advantages if advantages.ndim == ratio.ndim else advantages[:, None]      # [B, 1|G]
     terms = -jnp.minimum(ratio * a, clipped * a)
     if beta:
         if ref_logprobs is None:
@@ -101,6 +101,30 @@ def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
     return jnp.take_along_axis(logprobs, at, axis=1)                      # [B, G]
 
 
+def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta: float,
+                      vocab_limit: int | None):
+    """`(sum, count)` of a packed rollout (`zeroxla.rlhf.packed_rollout.pack_rollout`: every
+    array [R, S], the per-answer values already per token): the terms of the answer slots
+    times `loss_weight`, over the sum of `loss_count`. Slots that are not an answer token
+    compute their terms from neutral values (ratio 1, no KL), so no overflow there can reach
+    the gradient through the mask."""
+    mask = batch["action_mask"]
+    answer = mask > 0
+    logprobs = model_token_logprobs(model, batch["inputs"], batch["targets"],
+                                    positions=batch["positions"],
+                                    segment_ids=batch["segment_ids"],
+                                    vocab_limit=vocab_limit)              # [R, S]
+    old = batch["old_logprobs"]
+    ref = batch.get("ref_logprobs")
+    terms = grpo_loss_terms(jnp.where(answer, logprobs, old), old, batch["advantages"],
+                            epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+                            ref_logprobs=None if ref is None else jnp.where(answer, ref, old))
+    if "is_weights" in batch:
+        terms = terms * batch["is_weights"]
+    return (jnp.sum(jnp.where(answer, terms * mask * batch["loss_weight"], 0.0)),
+            jnp.sum(batch["loss_count"]))
+
+
 def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
                    vocab_limit: int | None = None):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
@@ -108,8 +132,12 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
     int32[B] for prompts shorter than P (right-padded; absent: every prompt is P tokens),
     when `beta` > 0 "ref_logprobs": [B, G], and with truncated importance sampling
     "is_weights": [B, G]. The policy is the softmax over the ids below `vocab_limit`
-    (`ragged_answer_logprobs`)."""
+    (`ragged_answer_logprobs`). A packed rollout (its "segment_ids": `packed_rollout`) is
+    aggregated by its own per-token weights (`packed_loss_parts`), the same loss."""
     def grpo_actor_loss(model, batch):
+        if "segment_ids" in batch:
+            return packed_loss_parts(model, batch, epsilon=epsilon, epsilon_high=epsilon_high,
+                                     beta=beta, vocab_limit=vocab_limit)
         mask, tokens = batch["action_mask"], batch["tokens"]
         lengths = batch.get("prompt_lengths")
         if lengths is None:
@@ -125,4 +153,4 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
 
 
 __all__ = ["clip_fractions", "grpo_loss", "grpo_loss_parts", "grpo_loss_terms", "make_grpo_loss",
-           "ragged_answer_logprobs"]
+           "packed_loss_parts", "ragged_answer_logprobs"]

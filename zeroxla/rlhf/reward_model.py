@@ -104,8 +104,13 @@ class RewardModel(nnx.Module):
         d = base.config.d_model
         self.v_head = nnx.Param(jnp.zeros((d,), jnp.float32), logical_axes=(axes.EMBED,))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.base.hidden(tokens)                                      # [B, T, D]
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Values [B, T]; a packed batch gives each token's `positions` and `segment_ids`
+        (int [B, T]), passed to `base.hidden` (refused by name if it takes none)."""
+        options = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids))
+                   if v is not None}
+        x = self.base.hidden(tokens, **options)                           # [B, T, D]
         # float32 whatever the base computes in: a score is a sum over D products.
         return jnp.einsum("BTD,D->BT", x.astype(jnp.float32),
                           self.v_head[...].astype(jnp.float32))           # [B, T]
@@ -176,9 +181,28 @@ def pairwise_loss_terms(model: RewardModel, batch: PairBatch) -> tuple[jax.Array
 
     `batch`: {"chosen", "rejected": int32[B, T], "chosen_end", "rejected_end": int32[B]} (the
     index of each answer's last real token). `log_sigmoid` keeps it finite for any margin."""
+    if "segment_ids" in batch:
+        return packed_pairwise_loss_terms(model, batch)
     r_chosen, r_rejected = pair_scores(model, batch)
     losses = -jax.nn.log_sigmoid(r_chosen - r_rejected)                  # [B]
     return jnp.sum(losses), jnp.float32(losses.shape[0])
+
+
+def packed_pairwise_loss_terms(model: RewardModel, batch: PairBatch
+                               ) -> tuple[jax.Array, jax.Array]:
+    """`pairwise_loss_terms` of packed pairs (`zeroxla.rlhf.packed_pairs.pack_scored_pairs`):
+    each sequence's end score is its value on the slot its "chosen_end" / "rejected_end" marks,
+    summed per pair number ("pair") of this device's rows; pair numbers past its pairs have
+    no end marked and count for nothing."""
+    values = model(batch["inputs"], positions=batch["positions"],
+                   segment_ids=batch["segment_ids"])                      # [R, S]
+    pair = batch["pair"].reshape(-1)                                      # [R * S]
+
+    def per_pair(x):
+        return jax.ops.segment_sum(x.reshape(-1), pair, num_segments=pair.size)
+    present = per_pair(batch["chosen_end"])                               # 1 per real pair
+    margin = per_pair(values * batch["chosen_end"]) - per_pair(values * batch["rejected_end"])
+    return jnp.sum(-jax.nn.log_sigmoid(margin) * present), jnp.sum(present)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -17,6 +17,7 @@ stays the plain starting model) and policy_hf/ is the merged model. The run itse
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
@@ -96,6 +97,12 @@ OPTIONS = OptionTable("dpo", DPOJobConfig, (
            "{default}", type=positive_int),
     Option("--reference-int8", "reference_int8", "dpo", "reference_int8", "dpo",
            "hold the frozen reference as int8 codes (ZeRO++ MixZ++)", action="store_true"),
+    Option("--packing", "packing", "dpo", "packing", "dpo",
+           "train on the step's pairs packed: each chosen and rejected sequence placed whole "
+           "into rows of --seq-len - 1 tokens with segment ids, a pair's two on one data "
+           "replica, the replicas balanced by tokens (the padded rows' loss without their "
+           "padding: TRL's padding_free); held-out pairs stay padded; --no-packing: two padded "
+           "rows per pair; default on", action=argparse.BooleanOptionalAction),
     *SHARDING_OPTIONS, *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the policy and the pairs", "dpo": "DPO hyper-parameters (TRL's DPOConfig names)",
      "parallel": "parallelism", "run": "the run",

@@ -11,6 +11,7 @@ adapters go on the actor, not the frozen reference. The run is the runner's (`ap
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
@@ -104,7 +105,15 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
     ("--tis-cap", "tis_cap", "the largest importance weight of --rollout-correction tis",
      dict(type=positive_float, metavar="C")),
     ("--reference-int8", "reference_int8", "hold the frozen reference as int8 codes (ZeRO++ "
-     "MixZ++)", dict(action="store_true"))))
+     "MixZ++)", dict(action="store_true")),
+    ("--packing", "packing", "train on the rollout packed: each answer with its prompt placed "
+     "whole into rows of --packed-row-len tokens, told apart by segment ids, the rows balanced "
+     "over the data replicas (the padded rows' loss without their padding: verl's "
+     "use_remove_padding + balance_batch); --no-packing: one right-padded row per answer; "
+     "default on", dict(action=argparse.BooleanOptionalAction)),
+    ("--packed-row-len", "packed_row_len", "tokens per packed row, at least the longest "
+     "sequence's (none: --max-prompt-seq-len + --max-completion-length - 1)",
+     dict(type=positive_int, metavar="T"))))
 
 OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--actor", "actor", "job", "a zeroxla run (or checkpoint) recording its tokenizer: the "

@@ -18,6 +18,7 @@ it as a `*ForSequenceClassification`. The run itself is the runner's (`zeroxla.a
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from pathlib import Path
@@ -45,6 +46,7 @@ from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
 from zeroxla.lora import LoRAConfig
 from zeroxla.models import hf as hf_io
+from zeroxla.rlhf.packed_pairs import pack_scored_pairs
 from zeroxla.rlhf.reward_model import pair_metrics, pairwise_loss_terms, reward_trainable
 
 
@@ -66,9 +68,14 @@ class RewardJobConfig:
     sharding: ShardingSettings = ShardingSettings()
     run: RunSettings = RunSettings(eval_every=50)
     lora: LoRAConfig = LoRAConfig()          # the base's adapters (dim 0: none)
+    # Each step's pairs packed into rows with segment ids (`zeroxla.rlhf.packed_pairs`).
+    packing: bool = True
 
     def __post_init__(self) -> None:
         check_sections(self)
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"RewardJobConfig.packing={self.packing!r} is invalid; accepted: "
+                             "True or False")
         checks = [(name, isinstance(getattr(self, name), int) and not isinstance(
             getattr(self, name), bool) and getattr(self, name) >= low, f"an integer >= {low}")
                   for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1),
@@ -105,6 +112,12 @@ OPTIONS = OptionTable("reward", RewardJobConfig, (
            "AdamW's; default {default}", type=positive_float, aliases=("--lr",)),
     Option("--weight-decay", "weight_decay", None, "weight_decay", "optimizer",
            "AdamW's; default {default}", type=non_negative_float),
+    Option("--packing", "packing", None, "packing", "optimizer",
+           "train on the step's pairs packed: each chosen and rejected sequence placed whole "
+           "into rows of --seq-len tokens with segment ids, a pair's two on one data replica, "
+           "the replicas balanced by tokens (the padded rows' loss without their padding); "
+           "validation stays padded; --no-packing: two padded rows per pair; default on",
+           action=argparse.BooleanOptionalAction),
     *SHARDING_OPTIONS, *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the base and the pairs", "optimizer": "training", "parallel": "parallelism",
      "run": "the run", "lora": "LoRA: adapters on the reward model's base weights"})
@@ -189,8 +202,11 @@ class RewardJob:
 
     def advance(self, done: int) -> dict[str, float]:
         c = self.config
-        batch = to_devices(epoch_rows(self.train, c.batch_size, done, c.run.seed),
-                           self.step.layout.batch_sharding)
+        rows = epoch_rows(self.train, c.batch_size, done, c.run.seed)
+        if c.packing:                  # the same loss without the padding (`packed_pairs`)
+            rows, _ = pack_scored_pairs(rows, row_len=c.seq_len,
+                                        data_size=self.step.layout.data_size)
+        batch = to_devices(rows, self.step.layout.batch_sharding)
         self.state, metrics = self.step(self.state, batch)
         return {"loss": float(metrics["loss"])}
 

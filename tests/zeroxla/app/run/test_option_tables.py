@@ -27,7 +27,7 @@ WITH = {"only_optimize_lora": ["--lora-dim", "4"], "lora_alpha": ["--lora-dim", 
         "lora_module_name": ["--lora-dim", "4"], ("grpo", "prompts"): ["--reward-funcs", "x"]}
 # Values the tree's checks accept alone, for options whose parser takes any text.
 TEXT = {"mesh": "1x8", "model": "llama-tiny", "temperature": "0.5", "dtype": "bf16",
-        "reward_funcs": "accuracy", "offload_param": "cpu"}
+        "reward_funcs": "accuracy", "offload_param": "cpu", "packed_row_len": "64"}
 
 
 def _parser(spec: JobSpec) -> argparse.ArgumentParser:

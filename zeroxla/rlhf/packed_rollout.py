@@ -1,0 +1,127 @@
+"""A GRPO rollout as a packed training batch: whole sequences per row with segment ids, the rows
+balanced over the data replicas, instead of one right-padded row per answer (verl's
+`use_remove_padding` with `balance_batch`).
+
+A rollout's padded rows are `[prompt | answer | zeros]`, each `prompt_length +
+max_completion_length` wide, so a batch of short answers spends most of its forward and
+backward on padding. Packed, each answer's sequence (its prompt and its answer, `L_b + A_b`
+tokens) takes `L_b + A_b - 1` slots of a row (inputs its tokens but the last, targets its
+tokens but the first, positions from 0), several per row (`zeroxla.engine.bin_packing`):
+
+    slot        s0 s1 s2 s3 s4 s5 | s6 s7 s8 ...     prompt p0 p1 p2, answer a0 a1 a2 a3
+    inputs      p0 p1 p2 a0 a1 a2 | ...
+    targets     p1 p2 a0 a1 a2 a3 | ...
+    action_mask  0  0  1  1  1  1 | ...              1 where the target is an answer token
+
+(slot L_b - 1 + t predicts answer token t). Every per-token array of the padded
+batch (old log-probs, the reference's, the importance weights) moves to its answer token's
+slot, and the per-answer values become per-token ones, so the loss is a plain sum over slots:
+
+    advantages   the answer's advantage on each of its slots
+    loss_weight  grpo: 1 / A_b on the answer's slots (its mean), dr_grpo and dapo: 1
+    loss_count   on the sequence's last slot: grpo 1 (an answer), dr_grpo max_completion_length,
+                 dapo A_b (its tokens)
+
+so `sum(terms * action_mask * loss_weight) / sum(loss_count)` is `grpo_losses.grpo_loss_parts`'
+aggregation of the padded batch, term for term (`make_grpo_loss` takes either layout).
+Attention stays within a segment (each sequence sees only its own prompt and answer, at its
+own positions), so each slot's log-prob is the padded row's.
+
+The global batch is `[data_size * rows_per_replica, row_len]`, replica-major (the step's batch
+sharding gives replica r the r-th block of rows); `rows_per_replica` is the next power of two
+of what the fullest replica needs (at most the padded batch's rows per replica), so a run
+compiles the step for a few shapes only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zeroxla.engine.bin_packing import balance_rows, first_fit_decreasing, rows_per_replica
+
+PAD_SEGMENT = 0                     # the attention's padding id (`models.blockwise_attention`)
+# Per-token arrays of the padded batch, [B, G] each, moved to their answer token's slot.
+ANSWER_TOKEN_KEYS = ("old_logprobs", "ref_logprobs", "is_weights")
+LOSS_COUNTS = ("grpo", "dr_grpo", "dapo")
+
+
+def answer_lengths(action_mask: np.ndarray) -> np.ndarray:
+    """A_b int[B]: each answer's tokens; ValueError unless every row's mask is a prefix of
+    ones (the padded rollout's layout: its answer, then nothing)."""
+    mask = np.asarray(action_mask) > 0
+    lengths = mask.sum(axis=1)
+    prefix = np.arange(mask.shape[1])[None, :] < lengths[:, None]
+    if not np.array_equal(mask, prefix):
+        rows = np.flatnonzero((mask != prefix).any(axis=1))
+        raise ValueError(f"action_mask rows {rows[:5].tolist()} are not a prefix of ones; a "
+                         "packed rollout needs each answer's tokens first, then padding")
+    return lengths.astype(np.int64)
+
+
+def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
+                 data_size: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The packed form of GRPO's padded training batch `batch` ({"tokens" int32[B, P+G],
+    "prompt_lengths" int[B], "action_mask" [B, G] (a prefix per row), "advantages" [B],
+    "old_logprobs" [B, G], optionally "ref_logprobs", "is_weights" [B, G]}), and its packing
+    statistics.
+
+    Returns ({"inputs", "targets", "positions", "segment_ids"} int32[R, row_len], "action_mask",
+    "advantages", "loss_weight", "loss_count" and the given `ANSWER_TOKEN_KEYS` float32[R,
+    row_len]; R = data_size * rows_per_replica), {"rows", "fill" (share of slots holding a
+    token), "replica_imbalance" (most over fewest tokens a replica holds)}. ValueError when a
+    sequence does not fit `row_len` or `loss_type` is unknown."""
+    if loss_type not in LOSS_COUNTS:
+        raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: "
+                         + " | ".join(LOSS_COUNTS))
+    tokens = np.asarray(batch["tokens"])
+    b = tokens.shape[0]
+    answer_width = np.shape(batch["action_mask"])[1]
+    starts = np.asarray(batch["prompt_lengths"], np.int64)                      # L_b [B]
+    answers = answer_lengths(batch["action_mask"])                              # A_b [B]
+    slots = starts + answers - 1                                                # [B]
+    if np.any(slots < 1):
+        raise ValueError(f"rows {np.flatnonzero(slots < 1)[:5].tolist()} have fewer than two "
+                         "tokens (prompt + answer): nothing to predict")
+    try:
+        rows = first_fit_decreasing(slots.tolist(), row_len)
+    except ValueError as err:
+        raise ValueError(f"GRPOConfig.packed_row_len={row_len}: {err}; accepted: at least "
+                         f"the longest sequence's {int(slots.max())} slots") from err
+    per_replica = rows_per_replica(-(-len(rows) // data_size), -(-b // data_size))
+    row_tokens = [int(sum(slots[i] for i in row)) for row in rows]
+    placed = balance_rows(row_tokens, data_size, per_replica)
+    shape = (data_size * per_replica, row_len)
+    out = {key: np.zeros(shape, np.int32)
+           for key in ("inputs", "targets", "positions", "segment_ids")}
+    floats = ("action_mask", "advantages", "loss_weight", "loss_count",
+              *(k for k in ANSWER_TOKEN_KEYS if k in batch))
+    out.update({key: np.zeros(shape, np.float32) for key in floats})
+    count = {"grpo": lambda a: 1.0, "dr_grpo": lambda a: float(answer_width),
+             "dapo": lambda a: float(a)}[loss_type]
+    for replica, members in enumerate(placed):
+        for k, row_index in enumerate(members):
+            row, start = replica * per_replica + k, 0
+            for segment, i in enumerate(rows[row_index], start=1):
+                n, p, a = int(slots[i]), int(starts[i]), int(answers[i])
+                at = slice(start, start + n)
+                out["inputs"][row, at] = tokens[i, :n]
+                out["targets"][row, at] = tokens[i, 1:n + 1]
+                out["positions"][row, at] = np.arange(n)
+                out["segment_ids"][row, at] = segment
+                answer = slice(start + p - 1, start + p - 1 + a)              # its A_b slots
+                out["action_mask"][row, answer] = 1.0
+                out["advantages"][row, answer] = batch["advantages"][i]
+                out["loss_weight"][row, answer] = (1.0 / max(a, 1) if loss_type == "grpo"
+                                                   else 1.0)
+                out["loss_count"][row, start + n - 1] = count(a)
+                for key in ANSWER_TOKEN_KEYS:
+                    if key in batch:
+                        out[key][row, answer] = np.asarray(batch[key])[i, :a]
+                start += n
+    loads = [sum(row_tokens[r] for r in members) for members in placed]
+    stats = {"rows": float(len(rows)), "fill": float(slots.sum() / (shape[0] * row_len)),
+             "replica_imbalance": float(max(loads) / max(min(loads), 1))}
+    return out, stats
+
+
+__all__ = ["ANSWER_TOKEN_KEYS", "answer_lengths", "pack_rollout"]
