@@ -1,4 +1,4 @@
-"""A GRPO rollout as a packed training batch: whole sequences per row with segment ids, the rows
+"""A GRPO (or PPO) rollout as a packed training batch: whole sequences per row with segment ids, the rows
 balanced over the data replicas, instead of one right-padded row per answer (verl's
 `use_remove_padding` with `balance_batch`).
 
@@ -40,8 +40,10 @@ import numpy as np
 from zeroxla.engine.bin_packing import balance_rows, first_fit_decreasing, rows_per_replica
 
 PAD_SEGMENT = 0                     # the attention's padding id (`models.blockwise_attention`)
-# Per-token arrays of the padded batch, [B, G] each, moved to their answer token's slot.
-ANSWER_TOKEN_KEYS = ("old_logprobs", "ref_logprobs", "is_weights")
+# Per-token arrays of the padded batch, [B, G] each, moved to their answer token's slot (GRPO's
+# log-probs and importance weights; PPO's per-token advantages, its critic's values and returns).
+ANSWER_TOKEN_KEYS = ("old_logprobs", "ref_logprobs", "is_weights", "advantages", "old_values",
+                     "returns")
 LOSS_COUNTS = ("grpo", "dr_grpo", "dapo")
 
 
@@ -60,14 +62,15 @@ def answer_lengths(action_mask: np.ndarray) -> np.ndarray:
 
 def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
                  data_size: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """The packed form of GRPO's padded training batch `batch` ({"tokens" int32[B, P+G],
-    "prompt_lengths" int[B], "action_mask" [B, G] (a prefix per row), "advantages" [B],
-    "old_logprobs" [B, G], optionally "ref_logprobs", "is_weights" [B, G]}), and its packing
-    statistics.
+    """The packed form of a padded training batch `batch` ({"tokens" int32[B, P+G],
+    "prompt_lengths" int[B] (absent: every prompt is P tokens, PPO's left-padded prompts, pads
+    kept as the padded forward sees them), "action_mask" [B, G] (a prefix per row), and the
+    `ANSWER_TOKEN_KEYS` it has, [B, G]; "advantages" [B] (GRPO: one per answer) or [B, G]
+    (PPO)}), and its packing statistics.
 
     Returns ({"inputs", "targets", "positions", "segment_ids"} int32[R, row_len], "action_mask",
-    "advantages", "loss_weight", "loss_count" and the given `ANSWER_TOKEN_KEYS` float32[R,
-    row_len]; R = data_size * rows_per_replica), {"rows", "fill" (share of slots holding a
+    "loss_weight", "loss_count" and the given `ANSWER_TOKEN_KEYS` float32[R, row_len]; R =
+    data_size * rows_per_replica), {"rows", "fill" (share of slots holding a
     token), "replica_imbalance" (most over fewest tokens a replica holds)}. ValueError when a
     sequence does not fit `row_len` or `loss_type` is unknown."""
     if loss_type not in LOSS_COUNTS:
@@ -76,7 +79,8 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     tokens = np.asarray(batch["tokens"])
     b = tokens.shape[0]
     answer_width = np.shape(batch["action_mask"])[1]
-    starts = np.asarray(batch["prompt_lengths"], np.int64)                      # L_b [B]
+    starts = (np.asarray(batch["prompt_lengths"], np.int64) if "prompt_lengths" in batch
+              else np.full(b, tokens.shape[1] - answer_width, np.int64))        # L_b [B]
     answers = answer_lengths(batch["action_mask"])                              # A_b [B]
     slots = starts + answers - 1                                                # [B]
     if np.any(slots < 1):
@@ -93,8 +97,9 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     shape = (data_size * per_replica, row_len)
     out = {key: np.zeros(shape, np.int32)
            for key in ("inputs", "targets", "positions", "segment_ids")}
-    floats = ("action_mask", "advantages", "loss_weight", "loss_count",
+    floats = ("action_mask", "loss_weight", "loss_count",
               *(k for k in ANSWER_TOKEN_KEYS if k in batch))
+    per_answer = {k for k in ("advantages",) if k in batch and np.ndim(batch[k]) == 1}
     out.update({key: np.zeros(shape, np.float32) for key in floats})
     count = {"grpo": lambda a: 1.0, "dr_grpo": lambda a: float(answer_width),
              "dapo": lambda a: float(a)}[loss_type]
@@ -110,12 +115,13 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
                 out["segment_ids"][row, at] = segment
                 answer = slice(start + p - 1, start + p - 1 + a)              # its A_b slots
                 out["action_mask"][row, answer] = 1.0
-                out["advantages"][row, answer] = batch["advantages"][i]
                 out["loss_weight"][row, answer] = (1.0 / max(a, 1) if loss_type == "grpo"
                                                    else 1.0)
                 out["loss_count"][row, start + n - 1] = count(a)
                 for key in ANSWER_TOKEN_KEYS:
-                    if key in batch:
+                    if key in per_answer:                 # one value per answer: each slot
+                        out[key][row, answer] = batch[key][i]
+                    elif key in batch:
                         out[key][row, answer] = np.asarray(batch[key])[i, :a]
                 start += n
     loads = [sum(row_tokens[r] for r in members) for members in placed]

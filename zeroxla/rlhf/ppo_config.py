@@ -54,6 +54,9 @@ class PPOConfig:
     # The frozen reference as int8 codes (ZeRO++'s MixZ++: quantized non-trainable weights;
     # `zeroxla.rlhf.reference`): about 1/4 of its float32 bytes, log-probs within int8 rounding.
     reference_int8: bool = False
+    # Actor and critic train on the rollout packed into rows with segment ids, balanced over the
+    # data replicas (`zeroxla.rlhf.packed_rollout`): the same token means without the padding.
+    packing: bool = True
 
     def __post_init__(self) -> None:
         for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value"):
@@ -66,8 +69,9 @@ class PPOConfig:
         for name in ("actor_lr", "critic_lr"):
             value = getattr(self, name)
             _check(name, value, _is_number(value) and value > 0, "a number > 0")
-        _check("reference_int8", self.reference_int8, isinstance(self.reference_int8, bool),
-               "True or False")
+        for name in ("reference_int8", "packing"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), bool),
+                   "True or False")
         for name in ("ppo_epochs", "prompts_per_iteration", "prompt_length", "answer_length"):
             value = getattr(self, name)
             _check(name, value, _is_int(value) and value >= 1, "an integer >= 1")

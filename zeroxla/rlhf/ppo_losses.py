@@ -69,6 +69,23 @@ def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> 
     return critic(tokens[:, :-1])[:, -answer_length:].astype(jnp.float32)
 
 
+def packed_logprobs(model: nnx.Module, batch: dict[str, jax.Array],
+                    vocab_limit: int | None = None) -> jax.Array:
+    """The log-prob of each slot's target [R, S] on a packed rollout
+    (`zeroxla.rlhf.packed_rollout`): a slot whose target is answer token t holds
+    `answer_logprobs`' value at t."""
+    return model_token_logprobs(model, batch["inputs"], batch["targets"],
+                                positions=batch["positions"], segment_ids=batch["segment_ids"],
+                                vocab_limit=vocab_limit)                  # [R, S]
+
+
+def packed_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """The critic's value of each slot's state [R, S] on a packed rollout: a slot whose target
+    is answer token t holds `answer_values`' value at t."""
+    return critic(batch["inputs"], positions=batch["positions"],
+                  segment_ids=batch["segment_ids"]).astype(jnp.float32)   # [R, S]
+
+
 # ---- make_step loss_fns -------------------------------------------------------------------------
 def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
@@ -76,6 +93,12 @@ def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     `vocab_limit` (`answer_logprobs`)."""
     def actor_loss(model, batch):
         mask = batch["action_mask"]
+        if "segment_ids" in batch:         # packed (`packed_rollout`): the same token mean
+            logprobs = jnp.where(mask > 0, packed_logprobs(model, batch, vocab_limit),
+                                 batch["old_logprobs"])                   # [R, S]
+            terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                     cliprange=cliprange)
+            return jnp.sum(terms * mask), jnp.sum(batch["loss_count"])
         logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit)
         terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                  cliprange=cliprange)
@@ -88,6 +111,11 @@ def make_critic_loss(cliprange_value: float):
     "old_values", "returns", "action_mask": [B, G]}."""
     def critic_loss(model, batch):
         mask = batch["action_mask"]
+        if "segment_ids" in batch:         # packed: each answer slot holds its state's value
+            values = packed_values(model, batch)                          # [R, S]
+            terms = critic_loss_terms(values, batch["old_values"], batch["returns"],
+                                      cliprange_value=cliprange_value)
+            return jnp.sum(jnp.where(mask > 0, terms, 0.0)), jnp.sum(batch["loss_count"])
         values = answer_values(model, batch["tokens"], mask.shape[1])
         terms = critic_loss_terms(values, batch["old_values"], batch["returns"],
                                   cliprange_value=cliprange_value)

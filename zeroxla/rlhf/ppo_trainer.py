@@ -34,10 +34,12 @@ import optax
 from flax import nnx
 
 import zeroxla
+from zeroxla.engine.loss import takes_packed_batches
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
+from zeroxla.rlhf.packed_rollout import pack_rollout
 from zeroxla.rlhf.ppo_losses import (answer_logprobs, answer_values, make_actor_loss,
                                      make_critic_loss)
 from zeroxla.rlhf.reward import RewardFn, make_scorer
@@ -108,6 +110,11 @@ class PPOTrainer:
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
         seq_len = config.prompt_length + config.answer_length
+        if config.packing and not takes_packed_batches(actor):
+            raise ValueError(f"PPOConfig.packing=True but {type(actor).__name__} takes no "
+                             "positions= and segment_ids= (a packed row holds several "
+                             "sequences); accepted: packing=False, or an actor whose __call__ "
+                             "(or token_logprobs) takes them, as every family in models does")
         for field, model in (("reward_model", reward_model), ("critic_init", critic_init)):
             if model is not None:
                 _check_scoring_model(field, model, actor, seq_len)
@@ -230,11 +237,19 @@ class PPOTrainer:
         return record, rollout
 
     def batches(self, rollout: Rollout) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(the actor step's batch, the critic step's) of `rollout`."""
-        return ({"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
-                 "advantages": rollout.advantages, "action_mask": rollout.action_mask},
-                {"tokens": rollout.tokens, "old_values": rollout.values,
-                 "returns": rollout.returns, "action_mask": rollout.action_mask})
+        """(the actor step's batch, the critic step's) of `rollout`: with `config.packing`
+        packed (`packed_rollout`; a prompt's left padding stays in its sequence, as the padded
+        forward sees it), the token means of both losses unchanged."""
+        actor = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
+                 "advantages": rollout.advantages, "action_mask": rollout.action_mask}
+        critic = {"tokens": rollout.tokens, "old_values": rollout.values,
+                  "returns": rollout.returns, "action_mask": rollout.action_mask}
+        if not self.config.packing:
+            return actor, critic
+        row_len = rollout.tokens.shape[1] - 1
+        return tuple(pack_rollout(batch, loss_type="dapo", row_len=row_len,
+                                  data_size=step.layout.data_size)[0]
+                     for batch, step in ((actor, self.actor_step), (critic, self.critic_step)))
 
     def memory(self, rollout: Rollout) -> dict[str, dict[str, int]]:
         """Per-device bytes (`zeroxla.memory_report`) of the actor's and the critic's steps

@@ -164,3 +164,36 @@ def test_balance_rows_is_within_lpt_bound_of_the_best_split(seed):
                for owner in itertools.product(range(replicas), repeat=len(tokens))
                if all(owner.count(r) <= per for r in range(replicas)))
     assert heaviest <= 4 / 3 * best + max(tokens)     # LPT with a row cap
+
+
+def ppo_rollout(rows, seed):
+    """A padded PPO batch as `PPOTrainer.batches` builds it: prompts LEFT-padded to P (the pads
+    stay in the sequence), answers of 1..G tokens, per-token advantages, values and returns."""
+    rng = np.random.default_rng(seed)
+    batch = rollout(rows, seed)
+    tokens = np.zeros_like(batch["tokens"])
+    answers = batch["action_mask"].sum(1).astype(int)
+    for b in range(rows):
+        n = batch["prompt_lengths"][b]
+        tokens[b, P - n:P] = rng.integers(1, V, n)
+        tokens[b, P:P + answers[b]] = rng.integers(1, V, answers[b])
+    mask = batch["action_mask"]
+    return {"tokens": tokens, "action_mask": mask, "old_logprobs": batch["old_logprobs"],
+            "advantages": rng.normal(size=mask.shape).astype(np.float32) * mask,
+            "old_values": rng.normal(size=mask.shape).astype(np.float32) * mask,
+            "returns": rng.normal(size=mask.shape).astype(np.float32) * mask}
+
+
+def test_ppo_actor_and_critic_losses_packed_equal_the_padded():
+    from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
+    from zeroxla.rlhf.reward_model import RewardModel
+    padded, row_len = ppo_rollout(10, seed=21), 2 * (P + G - 1)
+    assert pack_rollout(padded, loss_type="dapo", row_len=row_len, data_size=1)[1]["rows"] < 10
+    actor = {k: padded[k] for k in ("tokens", "action_mask", "old_logprobs", "advantages")}
+    assert_same_mean_and_grads(llama(), make_actor_loss(0.2), actor, pack_rollout(
+        actor, loss_type="dapo", row_len=row_len, data_size=1)[0])
+    critic = RewardModel(gpt())
+    critic.v_head[...] = jax.random.normal(jax.random.key(1), critic.v_head[...].shape)
+    values = {k: padded[k] for k in ("tokens", "action_mask", "old_values", "returns")}
+    assert_same_mean_and_grads(critic, make_critic_loss(0.2), values, pack_rollout(
+        values, loss_type="dapo", row_len=row_len, data_size=1)[0])

@@ -71,12 +71,14 @@ class EpochRecorder:
     [B, P+G-1] -> outputs (actor logits [B, P+G-1, V] / critic values [B, P+G-1]); after it,
     keeps the loss the step reports."""
 
-    def __init__(self, step):
-        self.step, self.outputs, self.losses = step, [], []
+    def __init__(self, step, tokens):
+        self.step, self.tokens, self.outputs, self.losses = step, tokens, [], []
+        self.layout = step.layout          # the trainer packs its batches by the step's layout
 
     def __call__(self, state, batch):
-        model = zeroxla.gathered_model(state)
-        self.outputs.append(np.asarray(model(jax.numpy.asarray(batch["tokens"][:, :-1]))))
+        model = zeroxla.gathered_model(state)        # on the rollout's padded rows (the step
+        self.outputs.append(np.asarray(model(        # itself trains on them packed)
+            jax.numpy.asarray(self.tokens[:, :-1]))))
         state, metrics = self.step(state, batch)
         self.losses.append(float(metrics["loss"]))
         return state, metrics
@@ -93,7 +95,8 @@ def ppo(corpus):
 
     def recorded(trainer, rollout):
         steps = trainer.actor_step, trainer.critic_step
-        trainer.actor_step, trainer.critic_step = map(EpochRecorder, steps)
+        trainer.actor_step, trainer.critic_step = (EpochRecorder(step, rollout.tokens)
+                                                   for step in steps)
         try:
             losses = train_rlhf(trainer, rollout)
             epochs.append((trainer.actor_step, trainer.critic_step, losses))
