@@ -13,6 +13,10 @@ saved logsumexp: P = exp(S - lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P (dP - D) w
 times the soft-cap's derivative 1 - tanh², then dQ = dS K and dK = dSᵀ Q (summed over the query
 heads of a group, for GQA).
 
+Both read 16-bit q, k, v and dO blocks through their bits and write their stacked outputs into
+buffers made inside the layer loop (`layers.as_bits`, `layers.scan_stacked`): XLA:CPU would
+otherwise hold float32 images of them, and zero buffers hoisted out of the layer loop.
+
 Lengths that are not a multiple of a block are padded to one inside; the padded keys lie after
 every real query, so the causal mask hides them, and the padded queries' rows are cut away.
 """
@@ -108,6 +112,12 @@ def _check(q, k, v, window, segment_ids, q_block, kv_block) -> None:
                          f"[B, T] = {(b, t)}")
 
 
+def _block(bits: jax.Array, start, size: int, axis: int, dtype) -> jax.Array:
+    """The `size` entries from `start` along `axis` of an array read through its bits
+    (`layers.as_bits`), as `dtype`."""
+    return layers.from_bits(lax.dynamic_slice_in_dim(bits, start, size, axis), dtype)
+
+
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
@@ -182,14 +192,15 @@ def _forward(q, k, v, segments, plan: _Plan) -> tuple[jax.Array, jax.Array]:
     bq, bk = plan.q_block, plan.kv_block
     acc_dtype = layers.at_least_float32(q.dtype)
     lowest = jnp.finfo(acc_dtype).min
+    q_bits, k_bits, v_bits = layers.as_bits(q), layers.as_bits(k), layers.as_bits(v)
 
     def query_block(_, i):
-        q_blk = lax.dynamic_slice_in_dim(q, i * bq, bq, 1)                # [B, bq, G, R, K]
+        q_blk = _block(q_bits, i * bq, bq, 1, q.dtype)                    # [B, bq, G, R, K]
 
         def kv_step(j, carry):
             m, l, acc = carry                      # [B, G, R, bq] x2, [B, G, R, bq, K]
-            k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, 1)            # [B, bk, G, K]
-            v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
+            k_blk = _block(k_bits, j * bk, bk, 1, k.dtype)                # [B, bk, G, K]
+            v_blk = _block(v_bits, j * bk, bk, 1, v.dtype)
             s = layers.attention_scores(q_blk, k_blk, plan.scale, plan.softcap)  # [B,G,R,bq,bk]
             visible = _visible(plan, i * bq, j * bk, segments)
             s = jnp.where(visible, s, lowest)
@@ -213,7 +224,7 @@ def _forward(q, k, v, segments, plan: _Plan) -> tuple[jax.Array, jax.Array]:
         lse = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
         return None, (out, lse)
 
-    _, (out, lse) = lax.scan(query_block, None, jnp.arange(tq // bq, dtype=jnp.int32))
+    _, (out, lse) = layers.scan_stacked(query_block, None, tq // bq, after=q_bits)
     out = jnp.moveaxis(out, 0, 1).reshape(b, tq, g, r, d)                # [nq, B, bq, ...] ->
     lse = jnp.moveaxis(lse, 0, 3).reshape(b, g, r, tq)                    # [nq, B, G, R, bq] ->
     return out, lse
@@ -230,15 +241,17 @@ def _backward(q, k, v, segments, out, lse, d_out, plan: _Plan):
     scale = 1.0 / math.sqrt(d) if plan.scale is None else plan.scale
     delta = jnp.einsum("BQGRK,BQGRK->BGRQ", d_out.astype(acc_dtype),
                        out.astype(acc_dtype))                             # D: [B, G, R, Tq]
+    q_bits, k_bits, v_bits = layers.as_bits(q), layers.as_bits(k), layers.as_bits(v)
+    do_bits = layers.as_bits(d_out)
 
     def kv_block(dq, j):
-        k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, 1)                # [B, bk, G, K]
-        v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
+        k_blk = _block(k_bits, j * bk, bk, 1, k.dtype)                    # [B, bk, G, K]
+        v_blk = _block(v_bits, j * bk, bk, 1, v.dtype)
 
         def q_step(i, carry):
             dq, dk, dv = carry                     # [B, Tq, G, R, K], [B, bk, G, K] x2
-            q_blk = lax.dynamic_slice_in_dim(q, i * bq, bq, 1)            # [B, bq, G, R, K]
-            do_blk = lax.dynamic_slice_in_dim(d_out, i * bq, bq, 1)
+            q_blk = _block(q_bits, i * bq, bq, 1, q.dtype)                # [B, bq, G, R, K]
+            do_blk = _block(do_bits, i * bq, bq, 1, d_out.dtype)
             lse_blk = lax.dynamic_slice_in_dim(lse, i * bq, bq, 3)        # [B, G, R, bq]
             delta_blk = lax.dynamic_slice_in_dim(delta, i * bq, bq, 3)
             s = layers.attention_scores(q_blk, k_blk, plan.scale, plan.softcap)  # [B,G,R,bq,bk]
@@ -259,10 +272,12 @@ def _backward(q, k, v, segments, out, lse, d_out, plan: _Plan):
 
         zeros = jnp.zeros((b, bk, g, d), acc_dtype)
         dq, dk, dv = lax.fori_loop(*_query_range(plan, j, tq // bq), q_step, (dq, zeros, zeros))
-        return dq, (dk, dv)
+        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
-    dq, (dk, dv) = lax.scan(kv_block, jnp.zeros(q.shape, acc_dtype),
-                            jnp.arange(tk // bk, dtype=jnp.int32))
+    # dq is summed over every key/value block: float32, whole, made after d_out exists (a
+    # zeros made in the layer loop is otherwise hoisted out of it, `layers.fresh_zeros`).
+    dq, (dk, dv) = layers.scan_stacked(kv_block, layers.fresh_zeros(q.shape, acc_dtype, do_bits),
+                                       tk // bk, after=do_bits)
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, tk, g, d)                      # [nk, B, bk, G, K] ->
     dv = jnp.moveaxis(dv, 0, 1).reshape(b, tk, g, d)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk, dv

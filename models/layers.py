@@ -94,6 +94,49 @@ def at_least_float32(dtype: Any) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+# Loops here read and write 16-bit float arrays block by block through their raw bits: XLA:CPU
+# has no 16-bit float dynamic-slice or dynamic-update-slice; its float normalization converts the
+# whole operand to float32 in the loop, and loop-invariant code motion hoists that convert, so a
+# float32 image (twice the bytes) lives through the loop. uint16 ones are native; other backends
+# reinterpret the bits in place. A loop's output buffers are made by `fresh_zeros`.
+def as_bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array as its uint16 bits (for slicing in a loop); other arrays as they are."""
+    is_16bit = jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if is_16bit else x
+
+
+def from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    """`as_bits`' inverse: `x` read as `dtype` when that is a 16-bit float."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def fresh_zeros(shape: tuple[int, ...], dtype: Any, after: jax.Array) -> jax.Array:
+    """Zeros that XLA cannot make before `after` exists. A broadcast zero is loop-invariant: made
+    inside the layer loop (a scan's output buffer, an accumulator), XLA hoists it out and keeps it,
+    with a copy for each iteration's in-place writes, through the whole loop. p - p is 0 for a
+    finite p and XLA does not fold it (inf - inf is NaN); an optimization barrier, it drops."""
+    p = after.reshape(-1)[0].astype(jnp.float32)
+    zero = jnp.where(jnp.isfinite(p), p - p, 0.0)
+    return jnp.broadcast_to(zero.astype(dtype), shape)
+
+
+def scan_stacked(body: Callable, carry: Any, n: int, after: jax.Array) -> tuple[Any, Any]:
+    """`lax.scan(body, carry, arange(n))`, its per-step outputs written into `fresh_zeros`
+    buffers (16-bit floats as bits): `(carry, ys)`, ys stacked on a leading [n] dim."""
+    shapes = jax.eval_shape(lambda c: body(c, jnp.int32(0))[1], carry)
+    bufs = jax.tree.map(lambda a: fresh_zeros((n, *a.shape), as_bits(
+        jnp.zeros((), a.dtype)).dtype, after), shapes)
+
+    def step(state, i):
+        c, ys = state
+        c, y = body(c, i)
+        return (c, jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
+            b, as_bits(v), i, 0), ys, y)), None
+
+    (carry, bufs), _ = jax.lax.scan(step, (carry, bufs), jnp.arange(n))
+    return carry, jax.tree.map(lambda b, a: from_bits(b, a.dtype), bufs, shapes)
+
+
 class LayerNorm(nnx.Module):
     """LayerNorm over the last dim, computed in float32 (GPT-2), or float64 for float64 input."""
 

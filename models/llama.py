@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .attention import attention, cached_attention
 from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
                      rope)
-from .tiled_mlp import tiled_mlp
+from .tiled_mlp import tiled_map
 from .rope import ROPE_TYPES, inv_freq
 
 
@@ -162,15 +162,14 @@ class Block(nnx.Module):
         """x [B, T, D] -> (x, cache). With `cache` (this layer's {"k", "v"} [B, S, G, K]) the
         tokens' keys/values are written at `positions` and attended there
         (`attention.cached_attention`); without, causal attention (`attention.attention`,
-        within each segment of `segment_ids` int [B, T] when given). The MLP runs in chunks of
-        `mlp_chunk` tokens when set (`tiled_mlp`)."""
-        h = self.attn_norm(x)                                             # [B, T, D]
-        q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self._bias("bq")
-        k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
-        v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...]) + self._bias("bv")
-        if getattr(self, "q_norm", None) is not None:                     # Qwen3: before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq)
+        within each segment of `segment_ids` int [B, T] when given). The per-token parts run in
+        chunks of `mlp_chunk` tokens when set (`tiled_mlp.tiled_map`)."""
+        # With `mlp_chunk`, every per-token part of the block runs chunk by chunk (`tiled_map`):
+        # the norms, projections and RoPE as well as the MLP, so that only attention and the
+        # [B, T, .] inputs and outputs of each part exist whole (ALST tiles the MLP alone; the
+        # norms' float32 intermediates and their gradients were, after it, what a long
+        # sequence's layer held most of).
+        q, k, v = tiled_map(self._qkv, (x, positions), self.mlp_chunk)
         if cache is None:
             a = attention(q, k, v, window=self.window, segment_ids=segment_ids,
                           implementation=self.implementation)             # [B, T, H, K]
@@ -178,8 +177,22 @@ class Block(nnx.Module):
             a, cache = cached_attention(q, k, v, positions, cache, window=self.window,
                                         segment_ids=segment_ids,
                                         implementation=self.implementation)
+        return tiled_map(self._out_and_mlp, (x, a), self.mlp_chunk), cache
+
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """x [B, T, D], positions [B, T] -> q [B, T, H, K], k and v [B, T, G, K], RoPE'd."""
+        h = self.attn_norm(x)                                             # [B, T, D]
+        q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self._bias("bq")
+        k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
+        v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...]) + self._bias("bv")
+        if getattr(self, "q_norm", None) is not None:                     # Qwen3: before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq), v
+
+    def _out_and_mlp(self, x: jax.Array, a: jax.Array) -> jax.Array:
+        """x [B, T, D], attention's a [B, T, H, K] -> the block's output [B, T, D]."""
         x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self._bias("bo")
-        return x + tiled_mlp(self._mlp, self.mlp_norm(x), self.mlp_chunk), cache
+        return x + self._mlp(self.mlp_norm(x))
 
     def _mlp(self, h: jax.Array) -> jax.Array:
         """SwiGLU: h [B, T, D] -> [B, T, D] through the [B, T, F] gate and up projections."""
@@ -296,5 +309,7 @@ class Llama(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after the final RMSNorm, before the projection):
-        HF's `LlamaModel(...).last_hidden_state`, which reward and value heads read."""
-        return self.head.norm(forward_stack(self, tokens, positions, segment_ids))
+        HF's `LlamaModel(...).last_hidden_state`, which reward and value heads read. The norm
+        runs in chunks of `mlp_chunk` tokens when set (`tiled_map`), as the blocks' do."""
+        x = forward_stack(self, tokens, positions, segment_ids)           # [B, T, D]
+        return tiled_map(self.head.norm, (x,), self.config.mlp_chunk)

@@ -21,7 +21,8 @@ the platform places values in host memory inside a program (GPU, TPU: XLA report
 `host_temp_size_in_bytes`), the compiled figures already leave them out. XLA:CPU has one memory:
 it compiles a host placement inside a program as nothing (jax lowers it to no op there), so its
 temporaries still hold them; on CPU the device figure is the compiled one less the host
-residuals counted from the program, and says so (`derived`).
+residuals counted from the program, plus one layer's of them (backward brings the layer it
+differentiates back to the device, which XLA:CPU does as nothing), and says so (`derived`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from jax.sharding import Mesh
 
 from zeroxla import models
 from zeroxla.analysis.abstract_step import abstract_state, state_bytes, trace_abstract
-from zeroxla.analysis.host_residuals import host_residual_bytes
+from zeroxla.analysis.host_residuals import host_residual_bytes, host_residual_layer_bytes
 from zeroxla.make import make_step
 from zeroxla.sharding.config import ZeroConfig
 
@@ -102,7 +103,8 @@ class PlanFigures:
                          f"{self.host_residuals / GiB:>10.3f}")
         if self.derived:
             lines.append("  (derived: XLA:CPU keeps host placements in its one memory; the "
-                         "activations above are its temporaries less the host residuals)")
+                         "activations above are its temporaries less the host residuals, but "
+                         "one layer's, back on the device for its backward)")
         return "\n".join(lines)
 
 
@@ -185,7 +187,8 @@ def plan_memory(model_config: Any, mesh: Mesh, *, seq_len: int, device_memory: i
     host = host_residual_bytes(traced)
     platform = mesh.devices.flat[0].platform
     derived = bool(host) and platform not in PLACING_PLATFORMS
-    temporaries = int(analysis.temp_size_in_bytes) - (host if derived else 0)
+    temporaries = int(analysis.temp_size_in_bytes) - (
+        host - host_residual_layer_bytes(traced) if derived else 0)
     setting = Setting(remat, tuple((fields or {}).items())).label
     return PlanFigures(seq_len=seq_len, sequences_per_device=sequences_per_device,
                        setting=setting, state=state_bytes(abstract_state(step)),

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zeroxla.collectives.wire import is_16bit_float
 from zeroxla.collectives.zero import ZeroCollectives
 from zeroxla.engine.invariant_residuals import HoistedResiduals, hoist_invariant
 from zeroxla.engine.layer_loop import Peeled, layer_loop
@@ -100,6 +101,22 @@ def _poisoned_by(x: Any, dependency: Any) -> Any:
             return jnp.where(poisoned, jnp.zeros_like(leaf), leaf)
         return jnp.where(poisoned, jnp.nan, leaf).astype(leaf.dtype)
     return jax.tree.map(tie, x)
+
+
+def _as_bits(x: Any) -> Any:
+    """A 16-bit float carry kept for remat "full"'s backward as its uint16 bits: the layer loop
+    stacks the kept carries and reads them back layer by layer through their bits
+    (`layer_loop._Stacked`: XLA:CPU has no 16-bit float dynamic-slice); kept as bits from the
+    start, the [L, B, T, D] stack is never bitcast whole, which XLA:CPU does as a copy held
+    beside it at the turn from forward to backward. Elsewhere a bitcast is free."""
+    return lax.bitcast_convert_type(x, jnp.uint16) if is_16bit_float(x.dtype) else x
+
+
+def _from_bits_like(kept: Any, cotangent_leaf: Any) -> Any:
+    """`_as_bits`' inverse: a 16-bit float carry's cotangent has its dtype."""
+    if kept.dtype == jnp.uint16 and is_16bit_float(cotangent_leaf.dtype):
+        return lax.bitcast_convert_type(kept, cotangent_leaf.dtype)
+    return kept
 
 
 def check_live(numel: int, max_live: int | None, what: str) -> None:
@@ -270,7 +287,7 @@ class GatheredStack:
         def step(c, full, x_i, _):
             if self.remat == FULL:
                 c_out, y = self.fn(full, c, consts, x_i)
-                return c_out, y, c                       # keep each layer's input carry
+                return c_out, y, jax.tree.map(_as_bits, c)   # keep each layer's input carry
             (c_out, y), kept, layout = linearize_keeping(self._layer, self.leaves, full,
                                                          (c, consts, x_i), self.remat)
             layouts.append(layout)
@@ -315,8 +332,9 @@ class GatheredStack:
             g_c, g_k = state
             x_i, g_y = per_layer
             if r.layout is None:                          # remat "full": recompute the layer
+                c_i = jax.tree.map(_from_bits_like, kept_i, g_c)
                 g_full, (g_c_in, g_k_i, g_x_i) = vjp(self._layer, self.leaves, full,
-                                                     (kept_i, r.consts, x_i), (g_c, g_y),
+                                                     (c_i, r.consts, x_i), (g_c, g_y),
                                                      permuted=self.comm.permuted_gradients)
             else:
                 g_full, (g_c_in, g_k_i, g_x_i) = r.layout.cotangents(

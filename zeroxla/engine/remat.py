@@ -35,8 +35,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from zeroxla.collectives.wire import is_16bit_float
 from zeroxla.engine.cotangent_layout import pull_permuted
 from zeroxla.sharding.leaf_plan import LeafPlan
 
@@ -163,6 +165,17 @@ def vjp(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any], inputs: Any
 
 # ----------------------------------------------------------------------------------------------
 # remat "none" and checkpoint policies: the vjp's residuals, less the gathered parameters.
+def _from_bits(kept: list[Any], dtypes: tuple[Any, ...]) -> list[Any]:
+    """The kept residuals as their own dtypes: `linearize_keeping` keeps each 16-bit float one as
+    its uint16 bits. The layer loop stacks them and reads them back layer by layer through
+    their bits (`layer_loop._Stacked`: XLA:CPU has no 16-bit float dynamic-slice); kept as bits
+    from the start, the stack is never bitcast whole, which XLA:CPU does as a copy: at the turn
+    from forward to backward the stack of every layer's residuals (remat "offload": the host
+    stack) was held twice, and that moment was the step's peak (Llama-3.1-8B, T=64K)."""
+    return [lax.bitcast_convert_type(r, dtype) if r.dtype != dtype else r
+            for r, dtype in zip(kept, dtypes)] if dtypes else kept
+
+
 @dataclasses.dataclass(frozen=True)
 class VjpLayout:
     """The static part of a kept vjp: its pytree structure, which residual slots are gathered
@@ -174,11 +187,12 @@ class VjpLayout:
     trainable: tuple[int, ...]
     inputs_treedef: Any
     inputs_floats: tuple[bool, ...]
+    kept_dtypes: tuple[Any, ...] = ()     # the kept residuals' own dtypes (`_as_bits`)
 
     def cotangents(self, kept: list[Any], full: list[Any], cotangent: Any,
                    permuted: bool = False) -> tuple[list[Any], Any]:
         """`vjp`'s result from the kept residuals and the re-gathered parameters `full`."""
-        it = iter(kept)
+        it = iter(_from_bits(kept, self.kept_dtypes))
         residuals = [full[slot] if slot is not None else next(it) for slot in self.slots]
         pullback = jax.tree.unflatten(self.treedef, residuals)
         g_trainable, g_floats = _pull(pullback, cotangent, permuted)
@@ -199,7 +213,10 @@ def linearize_keeping(fn: Callable, leaves: tuple[LeafPlan, ...], full: list[Any
     kept = [r for r, slot in zip(residuals, slots) if slot is None]
     input_leaves, inputs_treedef = jax.tree.flatten(inputs)
     layout = VjpLayout(treedef, slots, tuple(trainable), inputs_treedef,
-                       tuple(is_float(leaf) for leaf in input_leaves))
+                       tuple(is_float(leaf) for leaf in input_leaves),
+                       tuple(jnp.dtype(r.dtype) for r in kept))
+    kept = [lax.bitcast_convert_type(r, jnp.uint16) if is_16bit_float(r.dtype) else r
+            for r in kept]
     return out, kept, layout
 
 

@@ -9,7 +9,11 @@ from flax import nnx
 import zeroxla
 from zeroxla import models
 from zeroxla.analysis.memory import memory_report
-from zeroxla.analysis.planner import largest_fitting, plan_memory, sweep_settings
+from zeroxla.analysis.abstract_step import trace_abstract
+from zeroxla.analysis.host_residuals import host_residual_bytes, host_residual_layer_bytes
+from zeroxla.analysis.planner import largest_fitting, model_factory, plan_memory, sweep_settings
+from zeroxla.make import make_step
+from zeroxla.sharding.config import ZeroConfig
 
 SEQ = 64
 
@@ -68,6 +72,18 @@ def test_offload_host_bytes_are_each_layers_input():
     carry = cfg.num_layers * 1 * SEQ * cfg.d_model * jnp.dtype(jnp.bfloat16).itemsize
     assert figures.host_residuals == carry
     assert figures.derived                      # XLA:CPU: one memory
+
+
+def test_one_layers_host_residuals_count_on_the_device():
+    """Backward brings the layer it differentiates back to the device (XLA:CPU does it as
+    nothing): one layer's input carry, which the derived device figure adds back."""
+    cfg = _config()
+    step = make_step(model_factory(cfg), zeroxla.make_mesh(2, 4),
+                     config=ZeroConfig(stage=3, compute_dtype="bfloat16", remat="offload"))
+    traced = trace_abstract(step, step.layout.data_size, SEQ)
+    layer = 1 * SEQ * cfg.d_model * jnp.dtype(jnp.bfloat16).itemsize
+    assert host_residual_layer_bytes(traced) == layer
+    assert host_residual_bytes(traced) == cfg.num_layers * layer
 
 
 def test_settings_sweep_the_fields_the_config_has():

@@ -7,6 +7,8 @@ XLA's cost analysis counts a `while` body once, whatever its trip count; a one-l
 no loop that runs more than once, so every op is counted exactly once in both programs.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from reference import token_batches
 from runs import run_steps
 from zeroxla import models
 from zeroxla.engine.loss import next_token_loss
+from zeroxla.engine.remat import linearize_keeping
 
 # Compiles many steps: in the full suite, not in the daily `-m "not slow"` subset.
 pytestmark = pytest.mark.slow
@@ -136,3 +139,28 @@ def test_bad_policy_is_named():
         zeroxla.ZeroConfig(remat="some")
     with pytest.raises(ValueError, match=r"ZeroConfig.remat='full'.*stage"):
         zeroxla.ZeroConfig(stage=1, remat="full")
+
+
+@pytest.mark.parametrize("policy", ["none", "dots_saveable"])
+def test_16bit_residuals_are_kept_as_their_bits_and_give_the_plain_vjp(policy):
+    """`remat.linearize_keeping` keeps each bf16 residual as its uint16 bits (the layer loop
+    stacks and reads them as such: XLA:CPU bitcast a whole bf16 stack as a copy); the
+    cotangents from them equal `jax.vjp`'s exactly."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((8, 8)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
+    fn = lambda full, inputs: jnp.tanh(inputs["x"] @ full[0]) @ full[0]
+    leaves = (types.SimpleNamespace(trainable=True),)
+
+    def kept_and_cotangents(w, x, g):
+        _, kept, layout = linearize_keeping(fn, leaves, [w], {"x": x}, policy)
+        return kept, layout.cotangents(kept, [w], g)
+
+    kept, (g_full, g_inputs) = jax.jit(kept_and_cotangents)(w, x, g)
+    assert kept and all(k.dtype != jnp.bfloat16 for k in kept)
+    want_w, want_x = jax.jit(lambda w, x, g: jax.vjp(lambda w, x: fn([w], {"x": x}), w, x)[1](g))(
+        w, x, g)
+    np.testing.assert_array_equal(np.asarray(g_full[0], np.float32), np.asarray(want_w, np.float32))
+    np.testing.assert_array_equal(np.asarray(g_inputs["x"], np.float32),
+                                  np.asarray(want_x, np.float32))
