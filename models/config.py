@@ -21,8 +21,9 @@ class ModelConfig:
     attention   `models.attention` implementation of the training / prefill path: "auto" (per
                 platform: cuDNN on a CUDA GPU where it applies, else blockwise), "blockwise",
                 "cudnn", or "naive" (the [T, T] reference); "naive" also decodes naively.
-    mlp_chunk   tokens per chunk of the tiled MLP (`models.tiled_mlp`, ALST's TiledMLP), or
-                None: the MLP over the whole sequence at once.
+    mlp_chunk   tokens per chunk of the blocks' per-token work (`models.tiled_mlp`, ALST's
+                TiledMLP: the MLP; Llama's family also tiles its norms, projections and RoPE),
+                or None: over the whole sequence at once.
     """
 
     attention: str = dataclasses.field(default="auto", kw_only=True)

@@ -17,7 +17,6 @@ stays the plain starting model) and policy_hf/ is the merged model. The run itse
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,7 +32,7 @@ from zeroxla.app.learnable import same_pairs, same_pairs_note
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable)
+                                     OptionTable, packing_option)
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.app.data import split_examples
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
@@ -97,12 +96,8 @@ OPTIONS = OptionTable("dpo", DPOJobConfig, (
            "{default}", type=positive_int),
     Option("--reference-int8", "reference_int8", "dpo", "reference_int8", "dpo",
            "hold the frozen reference as int8 codes (ZeRO++ MixZ++)", action="store_true"),
-    Option("--packing", "packing", "dpo", "packing", "dpo",
-           "train on the step's pairs packed: each chosen and rejected sequence placed whole "
-           "into rows of --seq-len - 1 tokens with segment ids, a pair's two on one data "
-           "replica, the replicas balanced by tokens (the padded rows' loss without their "
-           "padding: TRL's padding_free); held-out pairs stay padded; --no-packing: two padded "
-           "rows per pair; default on", action=argparse.BooleanOptionalAction),
+    packing_option("dpo", "dpo", "each step's pairs (a pair on one replica; held-out pairs "
+                   "stay padded)"),
     *SHARDING_OPTIONS, *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the policy and the pairs", "dpo": "DPO hyper-parameters (TRL's DPOConfig names)",
      "parallel": "parallelism", "run": "the run",

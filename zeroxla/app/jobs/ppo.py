@@ -19,7 +19,6 @@ iteration it ran (`zeroxla.rlhf.Rollout.load`: tokens, scores, the critic's valu
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -35,7 +34,7 @@ from zeroxla.app.jobs.loading import REWARD_KIND, check_inference_tp, load_actor
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable)
+                                     OptionTable, packing_option)
 from zeroxla.app.run.rundir import part_dir
 from zeroxla.app.run.runner import finite
 from zeroxla.app.tokenizers.records import tokenizer_record
@@ -110,12 +109,7 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
     _ppo("--lam", "lam", "GAE's lambda", unit_interval),
     Option("--reference-int8", "reference_int8", "ppo", "reference_int8", "ppo",
            "hold the frozen reference as int8 codes (ZeRO++ MixZ++)", action="store_true"),
-    Option("--packing", "packing", "ppo", "packing", "ppo",
-           "actor and critic train on the rollout packed: each prompt (its left padding kept) "
-           "and answer placed whole into rows with segment ids, balanced over the data "
-           "replicas (the padded rows' token means without the answers' padding); "
-           "--no-packing: one padded row per answer; default on",
-           action=argparse.BooleanOptionalAction),
+    packing_option("ppo", "ppo", "the rollout (a prompt's left padding kept)"),
     *(row for row in SHARDING_OPTIONS if row.flag == "--mesh"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the runs and the prompts", "ppo": "PPO hyper-parameters (DeepSpeed-Chat's names "
      "and defaults where it has them)", "parallel": "parallelism", "run": "the run", "lora":

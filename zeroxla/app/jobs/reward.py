@@ -18,7 +18,6 @@ it as a `*ForSequenceClassification`. The run itself is the runner's (`zeroxla.a
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from pathlib import Path
@@ -40,7 +39,7 @@ from zeroxla.app.learnable import same_pairs, same_pairs_note
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable)
+                                     OptionTable, packing_option)
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
 from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
@@ -68,21 +67,18 @@ class RewardJobConfig:
     sharding: ShardingSettings = ShardingSettings()
     run: RunSettings = RunSettings(eval_every=50)
     lora: LoRAConfig = LoRAConfig()          # the base's adapters (dim 0: none)
-    # Each step's pairs packed into rows with segment ids (`zeroxla.rlhf.packed_pairs`).
-    packing: bool = True
+    packing: bool = True                     # each step's pairs packed (`rlhf.packed_pairs`)
 
     def __post_init__(self) -> None:
         check_sections(self)
-        if not isinstance(self.packing, bool):
-            raise ValueError(f"RewardJobConfig.packing={self.packing!r} is invalid; accepted: "
-                             "True or False")
         checks = [(name, isinstance(getattr(self, name), int) and not isinstance(
             getattr(self, name), bool) and getattr(self, name) >= low, f"an integer >= {low}")
                   for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1),
                                     ("persistence_threshold", 0))]
         checks += [("learning_rate", 0 < self.learning_rate < math.inf, "a finite positive number"),
                    ("weight_decay", 0 <= self.weight_decay < math.inf, "a finite number >= 0"),
-                   ("val_fraction", 0 < self.val_fraction < 1, "a number in (0, 1)")]
+                   ("val_fraction", 0 < self.val_fraction < 1, "a number in (0, 1)"),
+                   ("packing", isinstance(self.packing, bool), "True or False")]
         for name, ok, accepted in checks:
             if not ok:
                 raise ValueError(f"RewardJobConfig.{name}={getattr(self, name)!r} is invalid; "
@@ -112,12 +108,7 @@ OPTIONS = OptionTable("reward", RewardJobConfig, (
            "AdamW's; default {default}", type=positive_float, aliases=("--lr",)),
     Option("--weight-decay", "weight_decay", None, "weight_decay", "optimizer",
            "AdamW's; default {default}", type=non_negative_float),
-    Option("--packing", "packing", None, "packing", "optimizer",
-           "train on the step's pairs packed: each chosen and rejected sequence placed whole "
-           "into rows of --seq-len tokens with segment ids, a pair's two on one data replica, "
-           "the replicas balanced by tokens (the padded rows' loss without their padding); "
-           "validation stays padded; --no-packing: two padded rows per pair; default on",
-           action=argparse.BooleanOptionalAction),
+    packing_option(None, "optimizer", "each step's pairs (a pair on one replica)"),
     *SHARDING_OPTIONS, *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the base and the pairs", "optimizer": "training", "parallel": "parallelism",
      "run": "the run", "lora": "LoRA: adapters on the reward model's base weights"})
@@ -172,9 +163,8 @@ class RewardJob:
                                               command="zeroxla reward")
         self.train, self.val, self.same = pair_rows(c, self.tokenizer)
         factory = reward_model_factory(self.model_config, c.run.seed, c.lora)
-        zero = zeroxla.ZeroConfig(stage=c.sharding.stage,
-                                  persistence_threshold=c.persistence_threshold,
-                                  check_grad_overflow=True)
+        zero = zeroxla.ZeroConfig(stage=c.sharding.stage, check_grad_overflow=True,
+                                  persistence_threshold=c.persistence_threshold)
         self.step = zeroxla.make_step(
             factory, mesh, loss_fn=pairwise_loss_terms, config=zero,
             optimizer=optax.adamw(c.learning_rate, weight_decay=c.weight_decay),
@@ -201,13 +191,11 @@ class RewardJob:
                 + (f", LoRA rank {c.lora.dim}" if c.lora.enabled else ""))
 
     def advance(self, done: int) -> dict[str, float]:
-        c = self.config
+        c, layout = self.config, self.step.layout
         rows = epoch_rows(self.train, c.batch_size, done, c.run.seed)
         if c.packing:                  # the same loss without the padding (`packed_pairs`)
-            rows, _ = pack_scored_pairs(rows, row_len=c.seq_len,
-                                        data_size=self.step.layout.data_size)
-        batch = to_devices(rows, self.step.layout.batch_sharding)
-        self.state, metrics = self.step(self.state, batch)
+            rows = pack_scored_pairs(rows, row_len=c.seq_len, data_size=layout.data_size)[0]
+        self.state, metrics = self.step(self.state, to_devices(rows, layout.batch_sharding))
         return {"loss": float(metrics["loss"])}
 
     def evaluate(self) -> dict[str, float]:

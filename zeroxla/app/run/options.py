@@ -268,4 +268,17 @@ LORA_OPTIONS: tuple[Option, ...] = (
            "adapters only (needs --lora-dim > 0)", action="store_true", fixed=True),
 )
 
-__all__ = ["LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS", "SHARDING_OPTIONS"]
+
+
+def packing_option(section: str | None, theme: str, what: str) -> Option:
+    """The `--[no-]packing` row of the RL jobs (`zeroxla.rlhf.packed_rollout`, `packed_pairs`):
+    `what` is packed into rows with segment ids, on by default (every packing is exact)."""
+    return Option("--packing", "packing", section, "packing", theme,
+                  f"train on {what} packed: each sequence whole in rows with segment ids, the "
+                  "rows balanced over the data replicas (the padded rows' loss without their "
+                  "padding; docs/rl.md); --no-packing: padded rows; default on",
+                  action=argparse.BooleanOptionalAction)
+
+
+__all__ = ["LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS", "SHARDING_OPTIONS",
+           "packing_option"]
