@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zeroxla.engine.bin_packing import first_fit_decreasing
+from zeroxla.engine.bin_packing import first_fit_decreasing, place_sequence
 
 # Segment id of padding (the attention's convention, `models.blockwise_attention.PAD_SEGMENT`).
 PAD_SEGMENT = 0
@@ -51,12 +51,8 @@ def pack(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
         for segment, i in enumerate(members, start=1):
             tokens, learned = sequences[i]
             n = lengths[i]
-            at = slice(start, start + n)
-            out["inputs"][row, at] = tokens[:-1]
-            out["targets"][row, at] = tokens[1:]
+            at = place_sequence(out, row, start, tokens, n, segment)
             out["loss_mask"][row, at] = np.asarray(learned[1:], np.float32)
-            out["positions"][row, at] = np.arange(n)
-            out["segment_ids"][row, at] = segment
             start += n
     return out
 

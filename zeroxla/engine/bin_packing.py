@@ -10,6 +10,7 @@ choices make one:
                            the replica holding the fewest tokens so far (LPT scheduling), every
                            replica the same number of rows, so no device waits on a longer one
                            (verl's `balance_batch`)
+    place_sequence         one sequence's inputs, targets, positions and segment id in its row
 
 Both are deterministic (ties keep the input order), so a resumed run packs as the
 uninterrupted one did.
@@ -18,6 +19,8 @@ uninterrupted one did.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -74,4 +77,19 @@ def rows_per_replica(needed: int, padded: int) -> int:
     return min(1 << max(needed - 1, 0).bit_length(), max(padded, needed))
 
 
-__all__ = ["balance_rows", "first_fit_decreasing", "rows_per_replica"]
+def place_sequence(out: dict[str, np.ndarray], row: int, start: int, tokens: np.ndarray,
+                   n: int, segment: int) -> slice:
+    """Writes one sequence into the `n` slots of `row` from `start` of a packed batch `out`:
+    "inputs" its tokens[:n], "targets" tokens[1:n + 1] (those there are: a sequence read for
+    its hidden states, not its next tokens, has one fewer), "positions" 0..n-1 and its
+    "segment_ids" `segment`. Returns the slots' slice."""
+    at = slice(start, start + n)
+    following = np.asarray(tokens[1:n + 1])
+    out["inputs"][row, at] = tokens[:n]
+    out["targets"][row, start:start + following.size] = following
+    out["positions"][row, at] = np.arange(n)
+    out["segment_ids"][row, at] = segment
+    return at
+
+
+__all__ = ["balance_rows", "first_fit_decreasing", "place_sequence", "rows_per_replica"]

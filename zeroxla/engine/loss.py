@@ -71,6 +71,16 @@ def takes_packed_batches(model: Any) -> bool:
         _takes(model.__call__, name) for name in (POSITIONS_KEY, SEGMENT_IDS_KEY))
 
 
+def check_packable(model: Any, flag: str, role: str) -> None:
+    """ValueError naming `flag` (e.g. "GRPOConfig.packing") unless `model` (the job's `role`:
+    "actor", "policy") can run a packed batch (`takes_packed_batches`)."""
+    if not takes_packed_batches(model):
+        raise ValueError(f"{flag}=True but {type(model).__name__} takes no positions= and "
+                         "segment_ids= (a packed row holds several sequences); accepted: "
+                         f"{flag.rsplit('.', 1)[-1]}=False, or a {role} whose __call__ (or "
+                         "token_logprobs) takes them, as every family in models does")
+
+
 def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | None,
                    segment_ids: jax.Array | None) -> dict[str, jax.Array]:
     """The given `positions` / `segment_ids` as keyword arguments of `forward` (named `what`);

@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.engine.loss import takes_packed_batches
+from zeroxla.engine.loss import check_packable
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, reference_logprobs
 from zeroxla.rlhf.packed_pairs import pack_pairs
@@ -93,11 +93,8 @@ class DPOTrainer:
             raise ValueError(f"DPOConfig.batch_size={config.batch_size} exceeds the {n} training "
                              f"pairs; accepted: batch_size <= {n}")
         check_policy(policy, config.seq_len)
-        if config.packing and not takes_packed_batches(policy):
-            raise ValueError(f"DPOConfig.packing=True but {type(policy).__name__} takes no "
-                             "positions= and segment_ids= (a packed row holds several "
-                             "sequences); accepted: packing=False, or a policy whose __call__ "
-                             "(or token_logprobs) takes them, as every family in models does")
+        if config.packing:
+            check_packable(policy, "DPOConfig.packing", "policy")
         self.config, self.seed = config, seed
         reference = frozen_reference(policy, config.reference_int8)
         self.reference_bytes = reference.nbytes

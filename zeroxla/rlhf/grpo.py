@@ -50,7 +50,7 @@ from flax import nnx
 
 import zeroxla
 from zeroxla.lora import LoRAConfig
-from zeroxla.engine.loss import takes_packed_batches
+from zeroxla.engine.loss import check_packable
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
@@ -143,11 +143,8 @@ class GRPOTrainer:
         if reward_funcs is None and reward_model is None:
             raise ValueError("no reward: accepted: reward_funcs (callables (prompts, "
                              "completions, **row_fields) -> list[float]) and/or a reward_model")
-        if config.packing and not takes_packed_batches(actor):
-            raise ValueError(f"GRPOConfig.packing=True but {type(actor).__name__} takes no "
-                             "positions= and segment_ids= (a packed row holds several "
-                             "sequences); accepted: packing=False, or an actor whose __call__ "
-                             "(or token_logprobs) takes them, as every family in models does")
+        if config.packing:
+            check_packable(actor, "GRPOConfig.packing", "actor")
         self.reward_funcs, self.reward_model_weight = reward_funcs, reward_model_weight
         self.score_model = None if reward_model is None else make_scorer(reward_model=reward_model)
         self.config, self.tokenizer, self.eos_id, self.seed = config, tokenizer, eos_id, seed

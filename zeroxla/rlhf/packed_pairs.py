@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from zeroxla.engine.bin_packing import balance_rows, first_fit_decreasing, rows_per_replica
+from zeroxla.engine.bin_packing import (balance_rows, first_fit_decreasing, place_sequence,
+                                        rows_per_replica)
 
 SIDES = ("chosen", "rejected")
 PAIR_VALUES = ("ref_chosen", "ref_rejected", "weight")
@@ -73,7 +74,7 @@ def place_pairs(slots: dict[str, np.ndarray], row_len: int, data_size: int
 
 def _fill(batch, slots, row_len, data_size, floats, write):
     """The packed arrays: tokens, positions, segment ids and pair numbers of every sequence
-    (`place_pairs`), then `write(out, row, at, i, side, start)` for each one's own values."""
+    (`place_pairs`), then `write(out, row, at, i, side)` for each one's own values."""
     owners, rows, per_replica, stats = place_pairs(slots, row_len, data_size)
     shape = (data_size * per_replica, row_len)
     out = {key: np.zeros(shape, np.int32)
@@ -85,13 +86,7 @@ def _fill(batch, slots, row_len, data_size, floats, write):
             row, start = replica * per_replica + r, 0
             for segment, (i, side) in enumerate(members, start=1):
                 m = int(slots[side][i])
-                at = slice(start, start + m)
-                tokens = np.asarray(batch[side][i])
-                out["inputs"][row, at] = tokens[:m]
-                following = tokens[1:m + 1]        # a reward model's sequence: one short
-                out["targets"][row, start:start + following.size] = following
-                out["positions"][row, at] = np.arange(m)
-                out["segment_ids"][row, at] = segment
+                at = place_sequence(out, row, start, np.asarray(batch[side][i]), m, segment)
                 out["pair"][row, at] = local[i]
                 write(out, row, at, i, side)
                 start += m

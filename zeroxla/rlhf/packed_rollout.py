@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from zeroxla.engine.bin_packing import balance_rows, first_fit_decreasing, rows_per_replica
+from zeroxla.engine.bin_packing import (balance_rows, first_fit_decreasing, place_sequence,
+                                        rows_per_replica)
 
 PAD_SEGMENT = 0                     # the attention's padding id (`models.blockwise_attention`)
 # Per-token arrays of the padded batch, [B, G] each, moved to their answer token's slot (GRPO's
@@ -108,11 +109,7 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
             row, start = replica * per_replica + k, 0
             for segment, i in enumerate(rows[row_index], start=1):
                 n, p, a = int(slots[i]), int(starts[i]), int(answers[i])
-                at = slice(start, start + n)
-                out["inputs"][row, at] = tokens[i, :n]
-                out["targets"][row, at] = tokens[i, 1:n + 1]
-                out["positions"][row, at] = np.arange(n)
-                out["segment_ids"][row, at] = segment
+                place_sequence(out, row, start, tokens[i], n, segment)
                 answer = slice(start + p - 1, start + p - 1 + a)              # its A_b slots
                 out["action_mask"][row, answer] = 1.0
                 out["loss_weight"][row, answer] = (1.0 / max(a, 1) if loss_type == "grpo"

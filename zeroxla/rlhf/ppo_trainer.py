@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.engine.loss import takes_packed_batches
+from zeroxla.engine.loss import check_packable
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
@@ -110,11 +110,8 @@ class PPOTrainer:
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
         seq_len = config.prompt_length + config.answer_length
-        if config.packing and not takes_packed_batches(actor):
-            raise ValueError(f"PPOConfig.packing=True but {type(actor).__name__} takes no "
-                             "positions= and segment_ids= (a packed row holds several "
-                             "sequences); accepted: packing=False, or an actor whose __call__ "
-                             "(or token_logprobs) takes them, as every family in models does")
+        if config.packing:
+            check_packable(actor, "PPOConfig.packing", "actor")
         for field, model in (("reward_model", reward_model), ("critic_init", critic_init)):
             if model is not None:
                 _check_scoring_model(field, model, actor, seq_len)
