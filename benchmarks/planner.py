@@ -4,6 +4,8 @@ only (nothing allocated, nothing runs), ZeRO-3, bf16, 8 simulated CPU devices of
     python benchmarks/planner.py table                  # Qwen2.5-0.5B, Llama-3.2-1B at 8K, 32K
     python benchmarks/planner.py search --model Llama-3.1-8B --remat full \\
         --field attention=auto --field mlp_chunk=4096   # the largest T for one setting
+    python benchmarks/planner.py search ... --sequence-parallel-size 8 \\
+        [--sequence-parallel-strategy allgather]      # one sequence over the 8 devices
 
 Each compile prints its seconds: the search compiles about 2 log2(T / 1024) times. Figures are
 XLA:CPU's (`zeroxla.analysis.planner`: remat "offload"'s device figure is derived there).
@@ -30,10 +32,11 @@ def _value(text: str):
     return None if text == "None" else int(text) if text.isdigit() else text
 
 
-def _figures(name, seq_len, remat, fields):
+def _figures(name, seq_len, remat, fields, sequence=1, strategy="ulysses"):
     start = time.perf_counter()
-    f = plan_memory(presets.config(name), zeroxla.make_mesh(1, 8), seq_len=seq_len,
-                    device_memory=DEVICE, remat=remat, fields=fields)
+    f = plan_memory(presets.config(name), zeroxla.make_mesh(1, 8 // sequence, sequence=sequence),
+                    seq_len=seq_len, device_memory=DEVICE, remat=remat, fields=fields,
+                    zero={"sequence_parallel_strategy": strategy})
     print(f"  {name} T={seq_len} {f.setting}: peak {f.peak / GiB:.2f} GiB (state "
           f"{f.device_state / GiB:.2f}, temporaries {f.temporaries / GiB:.2f}, host "
           f"{f.host_residuals / GiB:.2f}{', derived' if f.derived else ''}), fits "
@@ -51,6 +54,10 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=1 << 20)
     parser.add_argument("--granularity", type=int, default=1024,
                         help="search: answers are multiples of it")
+    parser.add_argument("--sequence-parallel-size", type=int, default=1, choices=(1, 2, 4, 8),
+                        help="each sequence split over this many of the 8 devices")
+    parser.add_argument("--sequence-parallel-strategy", default="ulysses",
+                        choices=("ulysses", "allgather"))
     args = parser.parse_args()
     fields = {k: _value(v) for k, v in (f.split("=", 1) for f in args.field)}
     if args.what == "table":
@@ -58,9 +65,11 @@ def main() -> None:
             for seq_len in (8192, 32768):
                 _figures(name, seq_len, args.remat, fields)
         return
-    best = largest_fitting(lambda t: _figures(args.model, t, args.remat, fields).fits,
+    sp, how = args.sequence_parallel_size, args.sequence_parallel_strategy
+    best = largest_fitting(lambda t: _figures(args.model, t, args.remat, fields, sp, how).fits,
                            granularity=args.granularity, limit=args.limit)
-    print(f"{args.model} remat={args.remat} {fields}: largest T = {best}", flush=True)
+    print(f"{args.model} remat={args.remat} {fields} sequence parallel {sp} ({how}): largest "
+          f"T = {best}", flush=True)
 
 
 if __name__ == "__main__":

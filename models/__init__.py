@@ -8,6 +8,8 @@
 - `attention.py`: the one attention every family calls (`ModelConfig.attention`): naive,
   blockwise or cuDNN's fused attention, "auto" choosing per platform, refusals by name; and the
   KV-cached decode (the cache read block by block, `layers.cached_attention`).
+- `sequence_parallel.py`: DeepSpeed-Ulysses (`SequenceParallel`, the all-to-alls that swap a
+  sequence split for a head split around attention, KV heads repeated as DeepSpeed does).
 - `tiled_mlp.py`: a block's MLP over chunks of the sequence (ALST's TiledMLP,
   `ModelConfig.mlp_chunk`), its [B, T, F] intermediate one chunk at a time.
 - `chunked_logits.py`: the head's log-probs and entropies per chunk of the sequence in a scan

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from . import layers
 from .blockwise_attention import blockwise_attention
+from .sequence_parallel import SequenceParallel, allgather_attention, ulysses_attention
 
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn")
 
@@ -97,11 +98,28 @@ def choose(q: Any, k: Any, v: Any, *, softcap: float | None = None, segment_ids:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
               scale: float | None = None, softcap: float | None = None,
-              segment_ids: jax.Array | None = None, implementation: str = "auto") -> jax.Array:
+              segment_ids: jax.Array | None = None, implementation: str = "auto",
+              sequence: SequenceParallel | None = None) -> jax.Array:
     """Causal softmax attention: q [B, T, H, K], k and v [B, T, G, K] (H a multiple of G) ->
     [B, T, H, K], by `implementation` (module docstring). Sliding `window`, `scale` (default
     1/sqrt(K)) and Gemma 2's `softcap`: `layers.causal_attention`; `segment_ids` int [B, T]
-    packs sequences in a row, each attending within itself (0: padding, output zeros)."""
+    packs sequences in a row, each attending within itself (0: padding, output zeros).
+
+    `sequence` (sequence parallelism): q, k, v and segment_ids hold this device's T/P tokens of
+    each sequence; the attention of the whole sequences is computed by DeepSpeed-Ulysses or
+    all-gather context parallelism (`sequence_parallel`, its `strategy`) and this device's
+    slice of it returned. Context parallelism runs the blockwise attention only."""
+    if sequence is not None and sequence.size > 1 and sequence.strategy == "allgather":
+        check_implementation(implementation)
+        if implementation not in ("auto", "blockwise"):
+            raise ValueError(f"attention implementation={implementation!r} under all-gather "
+                             "context parallelism: its query chunks at an offset run the "
+                             "blockwise attention only; accepted: 'auto' or 'blockwise'")
+        return allgather_attention(q, k, v, sequence, segment_ids, window=window, scale=scale,
+                                   softcap=softcap)
+    if sequence is not None and sequence.size > 1:
+        return ulysses_attention(attention, q, k, v, sequence, segment_ids, window=window,
+                                 scale=scale, softcap=softcap, implementation=implementation)
     if segment_ids is not None and (segment_ids.shape != q.shape[:2]
                                     or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
         raise ValueError(f"segment_ids {segment_ids.shape} {segment_ids.dtype} must be int "

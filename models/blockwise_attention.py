@@ -75,18 +75,38 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int
     `q_block` / `kv_block`: the block sizes (clipped to T); T need not be a multiple of them.
     """
     _check(q, k, v, window, segment_ids, q_block, kv_block)
-    b, t, h, d = q.shape
-    g = k.shape[2]
-    bq, bk = min(q_block, t), min(kv_block, t)
-    tq, tk = _round_up(t, bq), _round_up(t, bk)
+    return blockwise_attention_at(q, k, v, 0, window=window, scale=scale, softcap=softcap,
+                                  q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                  q_block=q_block, kv_block=kv_block)
+
+
+def blockwise_attention_at(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: jax.Array | int,
+                           *, window: int | None = None, scale: float | None = None,
+                           softcap: float | None = None, q_segment_ids: jax.Array | None = None,
+                           kv_segment_ids: jax.Array | None = None, q_block: int = Q_BLOCK,
+                           kv_block: int = KV_BLOCK) -> jax.Array:
+    """`blockwise_attention` of queries q [B, Tq, H, K] at positions q_offset .. q_offset + Tq - 1
+    (`q_offset` an int or a traced int32 scalar, with q_offset + Tq <= Tk) against keys and
+    values k, v [B, Tk, G, K] at 0 .. Tk - 1 -> [B, Tq, H, K]: one chunk of a sequence's queries
+    against the whole sequence's keys (context parallelism). Only the key blocks the chunk's
+    causal mask and window leave visible are visited. `q_segment_ids` [B, Tq] and
+    `kv_segment_ids` [B, Tk] are given together or not at all."""
+    b, tq, h, d = q.shape
+    t_k, g = k.shape[1], k.shape[2]
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids are given together or not at all")
+    bq, bk = min(q_block, tq), min(kv_block, t_k)
+    tq_pad, tk_pad = _round_up(tq, bq), _round_up(t_k, bk)
     plan = _Plan(window, scale, softcap, bq, bk)
-    qg = _pad_time(q.reshape(b, t, g, h // g, d), tq)                     # [B, Tq, G, R, K]
-    kp, vp = _pad_time(k, tk), _pad_time(v, tk)                           # [B, Tk, G, K]
+    qg = _pad_time(q.reshape(b, tq, g, h // g, d), tq_pad)                # [B, Tq, G, R, K]
+    kp, vp = _pad_time(k, tk_pad), _pad_time(v, tk_pad)                   # [B, Tk, G, K]
     segments = None
-    if segment_ids is not None:                                           # [B, max(Tq, Tk)]
-        segments = _pad_time(segment_ids.astype(jnp.int32), max(tq, tk), PAD_SEGMENT)
-    out = _attention(qg, kp, vp, segments, plan)                          # [B, Tq, G, R, K]
-    return out[:, :t].reshape(b, t, h, d)
+    if q_segment_ids is not None:                                         # [B, Tq], [B, Tk]
+        segments = (_pad_time(q_segment_ids.astype(jnp.int32), tq_pad, PAD_SEGMENT),
+                    _pad_time(kv_segment_ids.astype(jnp.int32), tk_pad, PAD_SEGMENT))
+    offset = jnp.asarray(q_offset, jnp.int32)
+    out = _attention(qg, kp, vp, segments, offset, plan)                  # [B, Tq, G, R, K]
+    return out[:, :tq].reshape(b, tq, h, d)
 
 
 def _check(q, k, v, window, segment_ids, q_block, kv_block) -> None:
@@ -129,62 +149,76 @@ def _pad_time(x: jax.Array, length: int, value: int = 0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, segments, plan):
-    """q [B, Tq, G, R, K], k and v [B, Tk, G, K], segments int [B, >= max(Tq, Tk)] or None
-    (Tq, Tk multiples of the plan's blocks) -> out [B, Tq, G, R, K]."""
-    return _forward(q, k, v, segments, plan)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, segments, offset, plan):
+    """q [B, Tq, G, R, K] at positions offset + (0 .. Tq - 1), k and v [B, Tk, G, K] (Tq, Tk
+    multiples of the plan's blocks), segments (q's [B, Tq], k's [B, Tk]) or None -> out
+    [B, Tq, G, R, K]."""
+    return _forward(q, k, v, segments, offset, plan)[0]
 
 
-def _attention_fwd(q, k, v, segments, plan):
-    out, lse = _forward(q, k, v, segments, plan)
-    return out, (q, k, v, segments, out, lse)
+def _attention_fwd(q, k, v, segments, offset, plan):
+    out, lse = _forward(q, k, v, segments, offset, plan)
+    return out, (q, k, v, segments, offset, out, lse)
 
 
 def _attention_bwd(plan, residuals, d_out):
-    q, k, v, segments, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, segments, out, lse, d_out, plan)
-    return dq, dk, dv, None      # segment ids are integers: no cotangent
+    q, k, v, segments, offset, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, segments, offset, out, lse, d_out, plan)
+    return dq, dk, dv, None, None      # segment ids and the offset are integers: no cotangent
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _visible(plan: _Plan, q_start, k_start, segments) -> jax.Array:
-    """Which keys of the block at `k_start` the queries of the block at `q_start` attend:
-    bool [B or 1, 1, 1, bq, bk] (broadcasts against scores [B, G, R, bq, bk])."""
-    q_pos = q_start + jnp.arange(plan.q_block)                            # [bq]
+def _visible(plan: _Plan, q_start, k_start, segments, offset) -> jax.Array:
+    """Which keys of the block at `k_start` the queries of the block at `q_start` (positions
+    offset + q_start ..) attend: bool [B or 1, 1, 1, bq, bk] (broadcasts against scores
+    [B, G, R, bq, bk])."""
+    q_pos = offset + q_start + jnp.arange(plan.q_block)                   # [bq]
     k_pos = k_start + jnp.arange(plan.kv_block)                           # [bk]
     visible = layers.visible_keys(q_pos[:, None], k_pos[None, :], plan.window)[None]
     if segments is not None:
-        seg_q = lax.dynamic_slice_in_dim(segments, q_start, plan.q_block, 1)   # [B, bq]
-        seg_k = lax.dynamic_slice_in_dim(segments, k_start, plan.kv_block, 1)  # [B, bk]
+        seg_q = lax.dynamic_slice_in_dim(segments[0], q_start, plan.q_block, 1)   # [B, bq]
+        seg_k = lax.dynamic_slice_in_dim(segments[1], k_start, plan.kv_block, 1)  # [B, bk]
         visible = (visible & (seg_q[:, :, None] == seg_k[:, None, :])
                    & (seg_q != PAD_SEGMENT)[:, :, None])                # [B, bq, bk]
     return visible[:, None, None]
 
 
-def _kv_range(plan: _Plan, i, num_kv_blocks: int) -> tuple[jax.Array, jax.Array]:
+def _kv_range(plan: _Plan, i, num_kv_blocks: int, offset) -> tuple[jax.Array, jax.Array]:
     """The key/value blocks [lo, hi) query block `i` can see: up to its last query (causal)
     and, with a window, from its first query's first visible key (first query - window + 1)."""
     bq, bk = plan.q_block, plan.kv_block
-    hi = jnp.minimum(num_kv_blocks, ((i + 1) * bq - 1) // bk + 1)
-    lo = 0 if plan.window is None else jnp.maximum(0, (i * bq - plan.window + 1) // bk)
+    first = offset + i * bq                                               # its first position
+    hi = jnp.minimum(num_kv_blocks, (first + bq - 1) // bk + 1)
+    lo = 0 if plan.window is None else jnp.maximum(0, (first - plan.window + 1) // bk)
     return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
 
 
-def _query_range(plan: _Plan, j, num_q_blocks: int) -> tuple[jax.Array, jax.Array]:
+def _query_range(plan: _Plan, j, num_q_blocks: int, offset) -> tuple[jax.Array, jax.Array]:
     """The query blocks [lo, hi) that can see key/value block `j`: from its first key on
     (causal) and, with a window, up to its last key + window - 1."""
     bq, bk = plan.q_block, plan.kv_block
-    lo = (j * bk) // bq
+    lo = jnp.clip((j * bk - offset) // bq, 0, num_q_blocks)
     hi = num_q_blocks
     if plan.window is not None:
-        hi = jnp.minimum(num_q_blocks, ((j + 1) * bk + plan.window - 2) // bq + 1)
+        hi = jnp.clip(((j + 1) * bk + plan.window - 2 - offset) // bq + 1, 0, num_q_blocks)
     return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
 
 
-def _forward(q, k, v, segments, plan: _Plan) -> tuple[jax.Array, jax.Array]:
+def blocks_visited(q_len: int, kv_len: int, q_offset: int, *, window: int | None = None,
+                   q_block: int = Q_BLOCK, kv_block: int = KV_BLOCK) -> int:
+    """How many (query block, key block) pairs the forward of `blockwise_attention_at` visits
+    for these lengths: the loop bounds it runs (`_kv_range`), counted (load balance)."""
+    bq, bk = min(q_block, q_len), min(kv_block, kv_len)
+    plan = _Plan(window, None, None, bq, bk)
+    nk = _round_up(kv_len, bk) // bk
+    return sum(int(hi) - int(lo) for lo, hi in (
+        _kv_range(plan, i, nk, q_offset) for i in range(_round_up(q_len, bq) // bq)))
+
+
+def _forward(q, k, v, segments, offset, plan: _Plan) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, G, R, K] in v's dtype, lse [B, G, R, Tq]): the online softmax over the
     visible key/value blocks of each query block. A row that sees no key (padding) gets
     out 0 and lse +inf, so the backward's exp(s - lse) is 0 there."""
@@ -202,7 +236,7 @@ def _forward(q, k, v, segments, plan: _Plan) -> tuple[jax.Array, jax.Array]:
             k_blk = _block(k_bits, j * bk, bk, 1, k.dtype)                # [B, bk, G, K]
             v_blk = _block(v_bits, j * bk, bk, 1, v.dtype)
             s = layers.attention_scores(q_blk, k_blk, plan.scale, plan.softcap)  # [B,G,R,bq,bk]
-            visible = _visible(plan, i * bq, j * bk, segments)
+            visible = _visible(plan, i * bq, j * bk, segments, offset)
             s = jnp.where(visible, s, lowest)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
@@ -217,7 +251,7 @@ def _forward(q, k, v, segments, plan: _Plan) -> tuple[jax.Array, jax.Array]:
 
         init = (jnp.full((b, g, r, bq), lowest, acc_dtype), jnp.zeros((b, g, r, bq), acc_dtype),
                 jnp.zeros((b, g, r, bq, d), acc_dtype))
-        m, l, acc = lax.fori_loop(*_kv_range(plan, i, k.shape[1] // bk), kv_step, init)
+        m, l, acc = lax.fori_loop(*_kv_range(plan, i, k.shape[1] // bk, offset), kv_step, init)
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
         out = jnp.einsum("BGRQK->BQGRK", acc / l_safe[..., None]).astype(v.dtype)
@@ -230,7 +264,7 @@ def _forward(q, k, v, segments, plan: _Plan) -> tuple[jax.Array, jax.Array]:
     return out, lse
 
 
-def _backward(q, k, v, segments, out, lse, d_out, plan: _Plan):
+def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan):
     """(dq, dk, dv) in the inputs' dtypes: FlashAttention-2's backward, one scan over key/value
     blocks (each accumulating its own dk, dv) and, per block, a loop over the query blocks that
     see it (adding into dq, carried whole: [B, Tq, G, R, K], linear in T)."""
@@ -255,7 +289,7 @@ def _backward(q, k, v, segments, out, lse, d_out, plan: _Plan):
             lse_blk = lax.dynamic_slice_in_dim(lse, i * bq, bq, 3)        # [B, G, R, bq]
             delta_blk = lax.dynamic_slice_in_dim(delta, i * bq, bq, 3)
             s = layers.attention_scores(q_blk, k_blk, plan.scale, plan.softcap)  # [B,G,R,bq,bk]
-            p = jnp.where(_visible(plan, i * bq, j * bk, segments),
+            p = jnp.where(_visible(plan, i * bq, j * bk, segments, offset),
                           jnp.exp(s - lse_blk[..., None]), 0.0)
             dv = dv + jnp.einsum("BGRQS,BQGRK->BSGK", p, do_blk.astype(acc_dtype))
             dp = jnp.einsum("BQGRK,BSGK->BGRQS", do_blk.astype(acc_dtype),
@@ -271,7 +305,8 @@ def _backward(q, k, v, segments, out, lse, d_out, plan: _Plan):
             return dq, dk, dv
 
         zeros = jnp.zeros((b, bk, g, d), acc_dtype)
-        dq, dk, dv = lax.fori_loop(*_query_range(plan, j, tq // bq), q_step, (dq, zeros, zeros))
+        dq, dk, dv = lax.fori_loop(*_query_range(plan, j, tq // bq, offset), q_step,
+                                   (dq, zeros, zeros))
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     # dq is summed over every key/value block: float32, whole, made after d_out exists (a

@@ -23,6 +23,7 @@ from . import axes
 from .chunked_logits import LOGITS_CHUNK, chunked_token_logprobs, tied_projection
 from .config import ModelConfig
 from .attention import attention, cached_attention
+from .sequence_parallel import SequenceParallel
 from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
                      rope)
 from .rope import inv_freq
@@ -93,6 +94,7 @@ class Layer(nnx.Module):
         self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """x [B, T, D] -> (x, cache): attention (`attention.attention`, within each segment
         of `segment_ids` when given; against `cache` by `attention.cached_attention`), then
@@ -103,8 +105,11 @@ class Layer(nnx.Module):
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
         kw = dict(window=self.window, scale=self.scale, softcap=self.softcap,
                   segment_ids=segment_ids, implementation=self.implementation)
+        if cache is not None and sequence is not None:
+            raise ValueError("a KV cache under sequence parallelism: decoding runs on whole "
+                             "sequences (the Hybrid Engine's inference mesh); sequence=None")
         if cache is None:
-            a = attention(q, k, v, **kw)                                  # [B, T, H, K]
+            a = attention(q, k, v, **kw, sequence=sequence)               # [B, T, H, K]
         else:
             a, cache = cached_attention(q, k, v, positions, cache, **kw)
         x = x + self.attn_post_norm(jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]))
@@ -126,16 +131,17 @@ class Pair(nnx.Module):
         self.glob = Layer(cfg, None, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """With `cache` {"k", "v"} [B, S, G, 2K]: the local layer's half [..., :K], the global
-        layer's [..., K:]. `segment_ids` (a packed batch) reach both layers."""
+        layer's [..., K:]. `segment_ids` (a packed batch) and `sequence` reach both layers."""
         if cache is None:
-            x, _ = self.local(x, positions, segment_ids)
-            return self.glob(x, positions, segment_ids)
+            x, _ = self.local(x, positions, segment_ids, sequence)
+            return self.glob(x, positions, segment_ids, sequence)
         k = cache["k"].shape[-1] // 2
-        x, first = self.local(x, positions, segment_ids,
+        x, first = self.local(x, positions, segment_ids, sequence,
                               {n: c[..., :k] for n, c in cache.items()})
-        x, second = self.glob(x, positions, segment_ids,
+        x, second = self.glob(x, positions, segment_ids, sequence,
                               {n: c[..., k:] for n, c in cache.items()})
         return x, {n: jnp.concatenate([first[n], second[n]], axis=-1) for n in cache}
 
@@ -205,21 +211,24 @@ class Gemma2(nnx.Module):
 
     def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
                        positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                       vocab_limit: jax.Array | int | None = None) -> jax.Array:
+                       vocab_limit: jax.Array | int | None = None,
+                       sequence: SequenceParallel | None = None) -> jax.Array:
         """log p(labels | tokens) float32 [B, T] for tokens, labels int [B, T] under the
         soft-capped head, the logits never whole (`models.chunked_logits`). Equals
         `token_logprobs(model(tokens), labels)` (`zeroxla.engine.loss`)."""
-        h = self.hidden(tokens, positions, segment_ids)                    # [B, T, D]
+        h = self.hidden(tokens, positions, segment_ids, sequence)                    # [B, T, D]
         return self.embed.attend_logprobs(h, labels, vocab_limit)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None) -> jax.Array:
         """Logits float32 [B, T, V] of tokens int [B, T] at `positions` (default 0..T-1); a
         packed batch gives `segment_ids` int [B, T] and its own positions
         (`layers.stack_args`)."""
-        return self.head(forward_stack(self, tokens, positions, segment_ids))    # [B, T, V]
+        return self.head(forward_stack(self, tokens, positions, segment_ids, sequence))    # [B, T, V]
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               sequence: SequenceParallel | None = None) -> jax.Array:
         """The final hidden states [B, T, D] after the final norm (reward and value heads)."""
-        return self.norm(forward_stack(self, tokens, positions, segment_ids))
+        return self.norm(forward_stack(self, tokens, positions, segment_ids, sequence))

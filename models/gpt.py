@@ -28,6 +28,7 @@ from . import axes
 from .chunked_logits import LOGITS_CHUNK, chunked_token_logprobs, tied_projection
 from .config import ModelConfig
 from .attention import attention, cached_attention
+from .sequence_parallel import SequenceParallel
 from .layers import (LayerNorm, LayerStack, decode, default_positions, forward_stack,
                      init_kv_cache, normal, param)
 from .tiled_mlp import tiled_mlp
@@ -132,6 +133,7 @@ class Block(nnx.Module):
         self.b_proj = param(rngs, nnx.initializers.zeros, (d,), (axes.EMBED,))
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """x [B, T, D] -> (x, cache). With `cache` (this layer's {"k", "v"} [B, S, H, K]) the
         tokens are written at `positions` and attend to the cache
@@ -142,9 +144,13 @@ class Block(nnx.Module):
         q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self.bq[...]
         k = jnp.einsum("BTD,DHK->BTHK", h, self.wk[...]) + self.bk[...]
         v = jnp.einsum("BTD,DHK->BTHK", h, self.wv[...]) + self.bv[...]
+        if cache is not None and sequence is not None:
+            raise ValueError("a KV cache under sequence parallelism: decoding runs on whole "
+                             "sequences (the Hybrid Engine's inference mesh); sequence=None")
         if cache is None:
             a = attention(q, k, v, segment_ids=segment_ids,
-                          implementation=self.implementation)             # [B, T, H, K]
+                          implementation=self.implementation,
+                          sequence=sequence)                              # [B, T, H, K]
         else:
             a, cache = cached_attention(q, k, v, positions, cache, segment_ids=segment_ids,
                                         implementation=self.implementation)
@@ -188,22 +194,25 @@ class GPT(nnx.Module):
 
     def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
                        positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                       vocab_limit: jax.Array | int | None = None) -> jax.Array:
+                       vocab_limit: jax.Array | int | None = None,
+                       sequence: SequenceParallel | None = None) -> jax.Array:
         """log p(labels | tokens) float32 [B, T] for tokens, labels int [B, T], the logits
         never whole (`models.chunked_logits`). Equals `token_logprobs(model(tokens), labels)`
         (`zeroxla.engine.loss`)."""
-        h = self.hidden(tokens, positions, segment_ids)                    # [B, T, D]
+        h = self.hidden(tokens, positions, segment_ids, sequence)                    # [B, T, D]
         return self.embed.attend_logprobs(h, labels, vocab_limit)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None) -> jax.Array:
         """Logits float32 [B, T, V] of tokens int [B, T] at `positions` (default 0..T-1); a
         packed batch gives `segment_ids` int [B, T] and its own positions
         (`layers.stack_args`)."""
-        return self.head(forward_stack(self, tokens, positions, segment_ids))    # [B, T, V]
+        return self.head(forward_stack(self, tokens, positions, segment_ids, sequence))    # [B, T, V]
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               sequence: SequenceParallel | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after `ln_f`, before the head): HF's
         `GPT2Model(...).last_hidden_state`, which reward and value heads read."""
-        return self.ln_f(forward_stack(self, tokens, positions, segment_ids))
+        return self.ln_f(forward_stack(self, tokens, positions, segment_ids, sequence))

@@ -177,28 +177,32 @@ def default_positions(tokens: jax.Array) -> jax.Array:
 
 
 def stack_args(tokens: jax.Array, positions: jax.Array | None,
-               segment_ids: jax.Array | None) -> tuple[jax.Array, ...]:
-    """What a family passes its `LayerStack` after x: (positions,), or (positions, segment_ids)
-    for a packed batch. Segment ids are passed only when given, so the engine and the
-    pipelines see the stack arguments they always saw. positions default to 0..T-1; a packed
-    batch must give its own (each segment's restart at 0): ValueError otherwise."""
-    if segment_ids is None:
-        return (default_positions(tokens) if positions is None else positions,)
+               segment_ids: jax.Array | None, sequence: Any = None) -> tuple[Any, ...]:
+    """What a family passes its `LayerStack` after x: (positions,), (positions, segment_ids)
+    for a packed batch, (positions, segment_ids or None, sequence) under sequence parallelism
+    (`SequenceParallel`). positions default to 0..T-1 (this device's slice of them under
+    sequence parallelism); a packed batch must give its own: ValueError otherwise."""
+    if segment_ids is not None:
+        if positions is None:
+            raise ValueError("segment_ids given without positions: a packed row's sequences "
+                             "each start at 0; pass positions [B, T] with the segment ids")
+        if segment_ids.shape != tokens.shape:
+            raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {tokens.shape}")
     if positions is None:
-        raise ValueError("segment_ids given without positions: a packed row's sequences each "
-                         "start at position 0; pass positions [B, T] with the segment ids")
-    if segment_ids.shape != tokens.shape:
-        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {tokens.shape}")
-    return positions, segment_ids
+        positions = sequence.positions(tokens) if sequence else default_positions(tokens)
+    if sequence is not None:
+        return positions, segment_ids, sequence
+    return (positions,) if segment_ids is None else (positions, segment_ids)
 
 
 def forward_stack(model: Any, tokens: jax.Array, positions: jax.Array | None,
-                  segment_ids: jax.Array | None) -> jax.Array:
+                  segment_ids: jax.Array | None, sequence: Any = None) -> jax.Array:
     """The output [B, T, D] of `model.blocks` (before the final norm) for tokens int [B, T], by
-    the `embed` / `blocks` protocol: the family's length rule, then embed and the stack with
-    `stack_args`."""
-    model.config.check_seq_len(tokens.shape[1], "sequence length")
-    args = stack_args(tokens, positions, segment_ids)          # (positions[, segment_ids])
+    the `embed` / `blocks` protocol: the length rule, then embed and the stack (`stack_args`).
+    Under sequence parallelism `tokens` are this device's [B, T/P]; the rule sees the whole T."""
+    parts = 1 if sequence is None else sequence.size
+    model.config.check_seq_len(tokens.shape[1] * parts, "sequence length")
+    args = stack_args(tokens, positions, segment_ids, sequence)
     x, _ = model.blocks(model.embed(tokens, args[0]), *args)
     return x
 

@@ -19,6 +19,7 @@ from .chunked_logits import (LOGITS_CHUNK, chunked_token_logprobs, tied_projecti
                              untied_projection)
 from .config import ModelConfig
 from .attention import attention, cached_attention
+from .sequence_parallel import SequenceParallel
 from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
                      rope)
 from .tiled_mlp import tiled_map
@@ -158,6 +159,7 @@ class Block(nnx.Module):
         return 0.0 if bias is None else bias[...]
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """x [B, T, D] -> (x, cache). With `cache` (this layer's {"k", "v"} [B, S, G, K]) the
         tokens' keys/values are written at `positions` and attended there
@@ -170,9 +172,13 @@ class Block(nnx.Module):
         # norms' float32 intermediates and their gradients were, after it, what a long
         # sequence's layer held most of).
         q, k, v = tiled_map(self._qkv, (x, positions), self.mlp_chunk)
+        if cache is not None and sequence is not None:
+            raise ValueError("a KV cache under sequence parallelism: decoding runs on whole "
+                             "sequences (the Hybrid Engine's inference mesh); sequence=None")
         if cache is None:
             a = attention(q, k, v, window=self.window, segment_ids=segment_ids,
-                          implementation=self.implementation)             # [B, T, H, K]
+                          implementation=self.implementation,
+                          sequence=sequence)                              # [B, T, H, K]
         else:
             a, cache = cached_attention(q, k, v, positions, cache, window=self.window,
                                         segment_ids=segment_ids,
@@ -290,26 +296,29 @@ class Llama(nnx.Module):
 
     def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
                        positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                       vocab_limit: jax.Array | int | None = None) -> jax.Array:
+                       vocab_limit: jax.Array | int | None = None,
+                       sequence: SequenceParallel | None = None) -> jax.Array:
         """log p(labels | tokens) float32 [B, T] for tokens, labels int [B, T]: the head's
         log-softmax at each label, the logits never whole (`models.chunked_logits`). Equals
         `token_logprobs(model(tokens), labels)` (`zeroxla.engine.loss`)."""
-        h = self.hidden(tokens, positions, segment_ids)                    # [B, T, D]
+        h = self.hidden(tokens, positions, segment_ids, sequence)                    # [B, T, D]
         if self.config.tie_word_embeddings:
             return self.embed.attend_logprobs(h, labels, vocab_limit)
         return self.head.logprobs(h, labels, vocab_limit)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None) -> jax.Array:
         """Logits float32 [B, T, V] of tokens int [B, T] at `positions` (default 0..T-1); a
         packed batch gives `segment_ids` int [B, T] and its own positions
         (`layers.stack_args`)."""
-        return self.logits(forward_stack(self, tokens, positions, segment_ids))  # [B, T, V]
+        return self.logits(forward_stack(self, tokens, positions, segment_ids, sequence))  # [B, T, V]
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               sequence: SequenceParallel | None = None) -> jax.Array:
         """The final hidden states [B, T, D] (after the final RMSNorm, before the projection):
         HF's `LlamaModel(...).last_hidden_state`, which reward and value heads read. The norm
         runs in chunks of `mlp_chunk` tokens when set (`tiled_map`), as the blocks' do."""
-        x = forward_stack(self, tokens, positions, segment_ids)           # [B, T, D]
+        x = forward_stack(self, tokens, positions, segment_ids, sequence)           # [B, T, D]
         return tiled_map(self.head.norm, (x,), self.config.mlp_chunk)

@@ -9,6 +9,7 @@ T * T elements."""
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -206,23 +207,57 @@ def test_refuses_shapes_it_does_not_take():
         blockwise_attention(q, k, v, window=0)
 
 
+@pytest.mark.parametrize("offset", [0, 24])
 @pytest.mark.parametrize("t,q_block,kv_block,window",
                          [(64, 16, 16, None), (37, 16, 8, None), (37, 8, 16, 11),
                           (64, 16, 16, 5), (64, 16, 32, 20), (100, 32, 16, 40)])
-def test_loops_visit_exactly_the_blocks_with_a_visible_key(t, q_block, kv_block, window):
+def test_loops_visit_exactly_the_blocks_with_a_visible_key(t, q_block, kv_block, window, offset):
     """The forward's key/value range per query block and the backward's query range per
-    key/value block are the blocks of the padded [Tq, Tk] mask that hold a visible entry."""
+    key/value block are the blocks of the padded [Tq, Tk] mask that hold a visible entry; with
+    the queries a chunk at `offset` (context parallelism) as well."""
     plan = blockwise._Plan(window, None, None, q_block, kv_block)
-    nq, nk = -(-t // q_block), -(-t // kv_block)
-    pos_q, pos_k = np.arange(nq * q_block), np.arange(nk * kv_block)
+    nq, nk = -(-(t - offset) // q_block), -(-t // kv_block)
+    pos_q, pos_k = offset + np.arange(nq * q_block), np.arange(nk * kv_block)
     mask = np.asarray(layers.visible_keys(pos_q[:, None], pos_k[None, :], window))
     any_visible = mask.reshape(nq, q_block, nk, kv_block).any(axis=(1, 3))     # [nq, nk]
     for i in range(nq):
-        lo, hi = (int(x) for x in blockwise._kv_range(plan, i, nk))
+        lo, hi = (int(x) for x in blockwise._kv_range(plan, i, nk, offset))
         assert list(range(lo, hi)) == list(np.flatnonzero(any_visible[i])), i
     for j in range(nk):
-        lo, hi = (int(x) for x in blockwise._query_range(plan, j, nq))
+        lo, hi = (int(x) for x in blockwise._query_range(plan, j, nq, offset))
         assert list(range(lo, hi)) == list(np.flatnonzero(any_visible[:, j])), j
+
+
+@pytest.mark.parametrize("window,packed", [(None, False), (7, True)])
+def test_a_chunk_of_queries_at_an_offset_equals_those_rows_of_the_whole(window, packed):
+    """`blockwise_attention_at`: the queries of positions [s, s + c) against all keys give the
+    rows [s, s + c) of the naive attention of the whole sequence, and their gradients; with the
+    offset traced (context parallelism reads it from the device's place)."""
+    rng = np.random.default_rng(5)
+    t, s, c = 40, 16, 12
+    q = jnp.asarray(rng.standard_normal((2, t, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, t, 2, 8)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.repeat([[1] * 22 + [2] * 15 + [0] * 3], 2, 0), jnp.int32)
+    segments = seg if packed else None
+    cot = jnp.asarray(rng.standard_normal((2, c, 4, 8)), jnp.float32)
+
+    def chunk(q, k, v, offset):
+        out = blockwise.blockwise_attention_at(
+            lax.dynamic_slice_in_dim(q, offset, c, 1), k, v, offset, window=window,
+            q_segment_ids=None if segments is None else segments[:, s:s + c],
+            kv_segment_ids=segments, q_block=8, kv_block=8)
+        return jnp.sum(out * cot), out
+
+    def whole(q, k, v):
+        out = layers.causal_attention(q, k, v, window=window, segment_ids=segments)[:, s:s + c]
+        return jnp.sum(out * cot), out
+
+    (_, got), got_grads = jax.jit(jax.value_and_grad(chunk, (0, 1, 2), has_aux=True))(
+        q, k, v, jnp.int32(s))
+    (_, want), want_grads = jax.value_and_grad(whole, (0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=2e-6)
 
 
 # ---- memory, read from the compiled gradient -----------------------------------------------

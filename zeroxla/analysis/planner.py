@@ -93,7 +93,7 @@ class PlanFigures:
                 ("outputs not aliased", self.outputs - self.aliased),
                 ("peak", self.peak), ("device memory", self.device_memory)]
         lines = [f"{self.setting}, T={self.seq_len}, {self.sequences_per_device} sequence(s) "
-                 "per device: per-device GiB"]
+                 "per data replica: per-device GiB"]
         lines += [f"  {name:<38}{value / GiB:>10.3f}" for name, value in rows]
         lines.append(f"  {'fits':<38}{'yes' if self.fits else 'no':>10}")
         if self.host_state or self.host_residuals:

@@ -3,8 +3,12 @@
 
 Nothing here starts JAX: the CLI sets the device count before a JAX backend exists.
 `check_batch` refuses, before any compute, a global batch that `--mesh NODESxLOCAL`'s
-data-parallel devices (and the micro-batches) do not divide, which would otherwise fail inside
-JAX's sharding with a message about array axes. The temperature check is the engine's own
+data replicas (and the micro-batches) do not divide, which would otherwise fail inside JAX's
+sharding with a message about array axes. Under `--sequence-parallel-size P` (DeepSpeed-Ulysses)
+`--mesh` still names every device: each node's LOCAL devices are LOCAL/P data replicas x P
+sequence devices (DeepSpeed's dp = world / sp), so P must divide LOCAL
+(`zeroxla.app.distributed.check_sequence_parallel`), the batch's rows divide over NODES x LOCAL/P replicas, and every
+sequence's length over P (`check_sequence_length`). The temperature check is the engine's own
 (`zeroxla.inference.sampling.check_temperature`, plain Python), so the option accepts exactly
 what `HybridEngine.generate` does.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from zeroxla.app.distributed import SEQUENCE_OPTION
 from zeroxla.app.launch import DEVICE_COUNT_FLAG
 from zeroxla.inference.sampling import TEMPERATURE_ACCEPTED, check_temperature
 
@@ -109,19 +114,43 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_batch(batch: int, option: str, mesh: tuple[int, int], accum: int = 1) -> None:
+def check_sequence_length(length: int, option: str, sequence: int,
+                          given_as: str | None = None) -> None:
+    """ValueError unless `length` (the value of `option`, e.g. "--seq-len") is a multiple of
+    `sequence` (--sequence-parallel-size, or as `given_as` says: "sequence_parallel_size=4 in
+    ds.json"): each sequence device holds length / P tokens."""
+    if sequence <= 1 or length % sequence == 0:
+        return
+    lower, upper = length // sequence * sequence, -(-length // sequence) * sequence
+    use = " or ".join(str(n) for n in (lower, upper) if n > 0)
+    given_as = given_as or f"{SEQUENCE_OPTION} {sequence}"
+    raise ValueError(f"{option} {length} is not a multiple of {given_as} "
+                     f"(each of the {sequence} sequence devices holds 1/{sequence} of every "
+                     f"sequence); use {use} (accepted: a multiple of {sequence})")
+
+
+def check_batch(batch: int, option: str, mesh: tuple[int, int], accum: int = 1,
+                sequence: int = 1) -> None:
     """ValueError unless `batch` (the value of `option`, e.g. "--batch-size") is a multiple of
-    the mesh's data-parallel devices times `accum` micro-batches (--grad-accum)."""
-    unit = mesh[0] * mesh[1] * accum
+    the mesh's data replicas times `accum` micro-batches (--grad-accum). The replicas are the
+    NODES x LOCAL devices of --mesh, or NODES x LOCAL / P under --sequence-parallel-size P
+    (`sequence`, which `distributed.check_sequence_parallel` has checked)."""
+    replicas = mesh[0] * (mesh[1] // sequence)
+    unit = replicas * accum
     if batch % unit == 0:
         return
     per_step = f" x --grad-accum {accum}" if accum > 1 else ""
     lower = max(unit, batch // unit * unit)
-    meshes = (f", or a --mesh whose NODES x LOCAL is one of "
+    devices, product = "NODES x LOCAL", ""
+    if sequence > 1:
+        devices = f"NODES x LOCAL / {sequence}"
+        product = f" with {SEQUENCE_OPTION} {sequence} ({mesh[0]} x {mesh[1]}/{sequence})"
+    meshes = (f", or a --mesh whose {devices} is one of "
               f"{', '.join(map(str, _divisors(batch // accum)))}" if batch % accum == 0 else "")
+    what = "data-parallel devices" if sequence == 1 else "data replicas"
     raise ValueError(
-        f"{option} {batch} is not a multiple of the {mesh[0] * mesh[1]} data-parallel devices "
-        f"of --mesh {mesh[0]}x{mesh[1]}{per_step}; use {lower} (accepted: a multiple of "
+        f"{option} {batch} is not a multiple of the {replicas} {what} of --mesh "
+        f"{mesh[0]}x{mesh[1]}{product}{per_step}; use {lower} (accepted: a multiple of "
         f"{unit}{meshes})")
 
 
@@ -150,6 +179,6 @@ def set_host_device_count(count: int, environ: dict | None = None) -> bool:
     return True
 
 
-__all__ = ["check_batch", "finite_float", "host_device_count", "mesh_shape", "non_negative_float",
+__all__ = ["check_batch", "check_sequence_length", "finite_float", "host_device_count", "mesh_shape", "non_negative_float",
            "non_negative_int", "positive_float", "positive_int", "set_host_device_count",
            "temperature", "unit_interval"]

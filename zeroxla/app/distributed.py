@@ -12,8 +12,9 @@ A process learns that it is one of N from its environment, read *before* JAX sta
 sets ZEROXLA_DISTRIBUTED=auto. `initialize(env)` then starts JAX's distributed runtime before any
 other JAX use (XLA fixes the process topology when the first backend starts), with gloo as the
 CPU collectives (XLA:CPU has no cross-process collectives without it). `job_mesh` builds a job's
-`--mesh` on the devices of all processes (`mesh_devices`: ordered by process, refused by name when
-there are too few), for `zeroxla train`, `reward` and `ppo` alike.
+`--mesh` (and `--sequence-parallel-size`) on the devices of all processes (`mesh_devices`: ordered
+by process, refused by name when there are too few), for `zeroxla train`, `dpo`, `grpo`, `reward`
+and `ppo` alike.
 
 This module imports JAX only inside the functions that need it: `zeroxla launch` and the option
 checks of `zeroxla train` run without it.
@@ -31,6 +32,7 @@ PROCESS_ID_ENV = "ZEROXLA_PROCESS_ID"
 AUTO_ENV = "ZEROXLA_DISTRIBUTED"
 ENV_VARS = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, AUTO_ENV)
 CPU_COLLECTIVES = "gloo"
+SEQUENCE_OPTION = "--sequence-parallel-size"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,15 +137,39 @@ def mesh_devices(devices: Sequence[Any], count: int) -> list[Any]:
     return ordered[:count]
 
 
-def job_mesh(mesh: tuple[int, int], stages: int = 1) -> Any:
+def check_sequence_parallel(mesh: tuple[int, int], sequence: int) -> None:
+    """ValueError unless `sequence` (--sequence-parallel-size) is an integer >= 1 dividing the
+    LOCAL devices of `mesh` (--mesh NODESxLOCAL): each node's LOCAL devices become LOCAL/P data
+    replicas x P sequence devices, a sequence's all-to-alls inside one node."""
+    nodes, local = mesh
+    accepted = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+    if not isinstance(sequence, int) or isinstance(sequence, bool) or sequence < 1:
+        raise ValueError(f"{SEQUENCE_OPTION} {sequence!r} is invalid; accepted: one of "
+                         f"{accepted} (the divisors of the LOCAL {local} of --mesh "
+                         f"{nodes}x{local})")
+    if local % sequence:
+        raise ValueError(f"{SEQUENCE_OPTION} {sequence} does not divide the {local} local "
+                         f"devices of --mesh {nodes}x{local} (each node's LOCAL devices are "
+                         f"LOCAL/P data replicas x P sequence devices); accepted: "
+                         f"{SEQUENCE_OPTION} one of {accepted}, or a --mesh whose LOCAL is a "
+                         f"multiple of {sequence}")
+
+
+def job_mesh(mesh: tuple[int, int], stages: int = 1, sequence: int = 1) -> Any:
     """The `jax.sharding.Mesh` of `--mesh` (with `stages` pipeline stages in front) on the
-    first `stages x nodes x local` devices; ValueError naming --mesh when there are fewer."""
+    first `stages x nodes x local` devices; ValueError naming --mesh when there are fewer.
+
+    `--mesh NODESxLOCAL` names every device; `sequence` (--sequence-parallel-size P, which
+    must divide LOCAL: `check_sequence_parallel`) splits each node's LOCAL devices
+    into LOCAL/P data replicas x P sequence devices: `make_mesh(nodes, local // P,
+    sequence=P)`, the sequence devices of a replica consecutive inside one host."""
     import jax
 
     from zeroxla.sharding.mesh import make_mesh
 
     nodes, local = mesh
-    return make_mesh(nodes, local, stages=stages,
+    check_sequence_parallel(mesh, sequence)
+    return make_mesh(nodes, local // sequence, stages=stages, sequence=sequence,
                      devices=mesh_devices(jax.devices(), stages * nodes * local))
 
 
@@ -171,5 +197,6 @@ def any_process(flag: bool) -> bool:
 
 
 __all__ = ["AUTO_ENV", "COORDINATOR_ENV", "CPU_COLLECTIVES", "DistributedEnv", "ENV_VARS",
-           "NUM_PROCESSES_ENV", "PROCESS_ID_ENV", "any_process", "broadcast_text",
-           "from_environ", "initialize", "job_mesh", "mesh_devices"]
+           "NUM_PROCESSES_ENV", "PROCESS_ID_ENV", "SEQUENCE_OPTION", "any_process",
+           "broadcast_text", "check_sequence_parallel", "from_environ", "initialize", "job_mesh",
+           "mesh_devices"]

@@ -119,7 +119,8 @@ def _pad_to_devices(flat_grad: jax.Array, devices: int) -> jax.Array:
 def quantized_reduce_scatter(flat_grad: jax.Array, *, bits: int = QGZ_BITS,
                              group_size: int = QGZ_GROUP_SIZE, symmetric: bool = True,
                              min_size: int | None = None, impl: str = "auto",
-                             node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS) -> jax.Array:
+                             node_axis: str = NODE_AXIS,
+                             local_axis: str | Sequence[str] = LOCAL_AXIS) -> jax.Array:
     """qgZ: reduce-scatter the gradient with int4 codes and a hierarchical two-hop all-to-all.
 
     flat_grad: this device's full gradient [M] (zero-padded here to a multiple of the P data
@@ -141,7 +142,8 @@ def quantized_reduce_scatter(flat_grad: jax.Array, *, bits: int = QGZ_BITS,
     flat = _pad_to_devices(flat_grad, nodes * local)
     if not uses_quantized_reduce_scatter(flat.size, devices=nodes * local, group_size=group_size,
                                          min_size=min_size):
-        return lax.psum_scatter(flat, (node_axis, local_axis), scatter_dimension=0, tiled=True)
+        both = (node_axis, *((local_axis,) if isinstance(local_axis, str) else local_axis))
+        return lax.psum_scatter(flat, both, scatter_dimension=0, tiled=True)
     group_size = qgz_group_size(flat.size // (nodes * local), group_size)
     q = swizzled_quantize(flat, bits=bits, group_size=group_size, nodes=nodes,
                           devices_per_node=local, symmetric=symmetric, impl=impl)

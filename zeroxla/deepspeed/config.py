@@ -1,6 +1,6 @@
 """DeepSpeed's JSON config, read into zeroxla: the loader.
 
-`load_deepspeed_config(path_or_dict, data_parallel_size=..., mesh_local_size=...)` returns a frozen
+`load_deepspeed_config(path_or_dict, world_size=..., mesh_local_size=...)` returns a frozen
 `DeepSpeedConfig`: `.zero` (a `ZeroConfig`), the batch sizes after DeepSpeed's batch arithmetic,
 `.learning_rate` (an optax schedule that reproduces DeepSpeed's `lr_schedules.py` step for step,
 built by `zeroxla.deepspeed.lr_schedules`) and `.optimizer` (the optax transformation for the
@@ -49,7 +49,7 @@ from zeroxla.deepspeed.lr_schedules import Schedule
 from zeroxla.deepspeed.optimizers import optimizer_and_schedule
 from zeroxla.deepspeed.overrides import BATCH_KEYS, Overrides, apply_overrides
 from zeroxla.deepspeed.zero_config import (build_zero_config, check_mesh_local_size,
-                                           keys_of_field, zero_fields)
+                                           data_parallel_world, keys_of_field, zero_fields)
 from zeroxla.inference.config import HybridEngineConfig, hybrid_engine_config_from_section
 from zeroxla.sharding.config import ZeroConfig
 
@@ -283,17 +283,25 @@ def _read_scheduler(top: Mapping[str, Any], src: str, ignored: list[str]
 
 def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
                           data_parallel_size: int | None = None,
+                          world_size: int | None = None,
                           mesh_local_size: int | None = None,
                           name: str | None = None,
                           overrides: Overrides = Overrides(),
                           default_train_batch_size: int | None = None) -> DeepSpeedConfig:
     """Reads a DeepSpeed JSON config (a path or a dict) into a `DeepSpeedConfig`.
 
-    `data_parallel_size` is DeepSpeed's world size for the batch arithmetic (the mesh's
-    nodes x local); it defaults to `jax.device_count()` and is only needed when the JSON sets a
-    batch size. `mesh_local_size` is the number of devices per node of the mesh the config will
-    run on (its "local" axis): when given, a `zero_hpz_partition_size` that does not divide it is
-    clamped to it, with a `DeepSpeedConfigWarning` naming the key, the given and the used value.
+    `data_parallel_size` is the data-parallel size of the batch arithmetic (train_batch_size =
+    micro x accumulation x dp: the mesh's data replicas), as given. Or give `world_size`, the
+    devices the config runs on (the mesh's nodes x local, sequence devices included): the dp is
+    then world_size / sequence_parallel_size (the JSON's key or the override; 1 without), as
+    DeepSpeed's config divides its world size by it (DeepSpeed-Ulysses' dp = world / sp).
+    Without either, the world is `jax.device_count()`; either is only needed when the JSON sets
+    a batch size. `mesh_local_size` is the number of devices per node of the mesh the config will
+    run on (its "local" axis, sequence devices included): when given, a
+    `zero_hpz_partition_size` that does not divide it is clamped to it, with a
+    `DeepSpeedConfigWarning` naming the key, the given and the used value, and a
+    sequence_parallel_size that does not divide it is an error (a sequence's devices lie inside
+    a node).
     Raises `DeepSpeedConfigError` for unknown keys (naming the closest valid one), wrong types or
     ranges (naming the accepted values), keys that do not fit together (ZeRO++ without stage 3,
     fp16 with bf16) and inconsistent batch sizes; warns with `DeepSpeedConfigWarning` for each
@@ -328,6 +336,10 @@ def load_deepspeed_config(source: str | os.PathLike | Mapping[str, Any], *,
     if ("train_batch_size" not in batch and "train_micro_batch_size_per_gpu" not in batch
             and default_train_batch_size is not None):
         batch["train_batch_size"] = default_train_batch_size
+    data_parallel_size = data_parallel_world(
+        fields, batch, overrides.written("sequence_parallel_size")
+        if overrides.sequence_parallel_size is not None else None, src, data_parallel_size,
+        world_size, mesh_local_size)
     train, micro, accum, dp = _batch_sizes(batch, data_parallel_size, src)
     fields["gradient_accumulation_steps"] = accum
     zero = build_zero_config(fields, mesh_local_size=mesh_local_size, source=src)

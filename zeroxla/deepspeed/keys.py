@@ -67,6 +67,8 @@ TOP_LEVEL = section(
         "train_micro_batch_size_per_gpu": Key(integer(1), "micro_batch_size"),
         "gradient_accumulation_steps": Key(integer(1), "zero.gradient_accumulation_steps"),
         "gradient_clipping": Key(number(0), "zero.gradient_clipping"),
+        "sequence_parallel_size": Key(integer(1), "zero.sequence_parallel_size",  # Ulysses
+                                      note="the mesh's 'sequence' axis; dp = world / sp"),
         "optimizer": Key(any_value(), "optimizer"),
         "scheduler": Key(any_value(), "learning_rate"),
         "fp16": Key(any_value(), "fp16"),
@@ -89,7 +91,8 @@ TOP_LEVEL = section(
         "log_level": _MONITOR,
         "communication_data_type": ("collectives move the compute dtype (or int8/int4 blocks "
                                     "under zero_quantized_weights/zero_quantized_gradients)"),
-        "seq_parallel_communication_data_type": _NOT_HERE + " (sequence parallelism)",
+        "seq_parallel_communication_data_type": ("sequence parallelism's all-to-alls move the "
+                                                 "compute dtype (the fp16/bf16 sections)"),
         "prescale_gradients": "gradients are averaged in one reduction; there is no pre-scaling",
         "gradient_predivide_factor": "gradients are averaged in one reduction; there is no "
                                      "pre-division",

@@ -11,7 +11,9 @@ re-derives the micro-batch size as DeepSpeed would. A value the JSON also sets, 
 an error naming both (the option as written and the JSON key), never a silent choice of one.
 
 `Overrides` has one typed field per setting a job can give beside a JSON: the `ZeroConfig` field
-of the same name, or the global batch (`train_batch_size`); None is "not given". `given_as` says
+of the same name, or the global batch (`train_batch_size`); None is "not given".
+`--sequence-parallel-size 2` is `Overrides(sequence_parallel_size=2)`: it also sets the batch
+arithmetic's dp (world / sp) when the loader is given the world size. `given_as` says
 how the user wrote each one (`{"stage": "--zero-stage 3"}`), for messages.
 """
 
@@ -47,6 +49,7 @@ class Overrides:
     check_grad_overflow: bool | None = None
     offload_optimizer: str | None = None
     offload_param: str | None = None
+    sequence_parallel_size: int | None = None
     train_batch_size: int | None = None
     given_as: Mapping[str, str] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))

@@ -12,7 +12,10 @@ mesh, is checked here, so that every error names the JSON key a DeepSpeed user w
     `DeepSpeedConfigWarning`. The ZeRO++ tutorial's value, 16, assumes 16 GPUs per node; on a mesh
     of 4 local devices it becomes 4;
   * the offload keys (`offload_optimizer`, `offload_param`, their old boolean spellings and
-    pin_memory) against each other and the stage (`zeroxla.deepspeed.offload`).
+    pin_memory) against each other and the stage (`zeroxla.deepspeed.offload`);
+  * sequence_parallel_size (DeepSpeed-Ulysses) divides the mesh's devices per node and the world,
+    and the batch arithmetic's dp is world / sequence_parallel_size, as DeepSpeed's config
+    divides its world by it (`data_parallel_world`).
 `ZeroConfig.__post_init__` checks the result again; after the checks here it does not fail, and if
 it ever does, the error still names the JSON key.
 """
@@ -24,6 +27,8 @@ import types
 import warnings
 from collections.abc import Mapping
 from typing import Any
+
+import jax
 
 from zeroxla.deepspeed.checks import DeepSpeedConfigError, DeepSpeedConfigWarning
 from zeroxla.deepspeed.keys import BF16, FP16, MAPPED_SECTIONS, TOP_LEVEL, ZERO
@@ -106,6 +111,44 @@ def check_mesh_local_size(mesh_local_size: Any) -> None:
         raise DeepSpeedConfigError(f"mesh_local_size={mesh_local_size!r} is invalid; accepted: "
                                    "None or an integer >= 1 (the devices per node of the mesh, "
                                    "its 'local' axis)")
+
+
+def _check_sequence_degree(sequence: int, devices: int | None, what: str, given_as: str) -> None:
+    """Raises unless the sequence-parallel degree divides the `devices` (None: not known)."""
+    if devices is None:
+        return
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise DeepSpeedConfigError(f"world_size={devices!r} is invalid; accepted: an integer >= 1 "
+                                   "(the devices the config runs on)")
+    if devices % sequence:
+        divisors = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+        raise DeepSpeedConfigError(f"{given_as} does not divide the {devices} {what}; accepted: "
+                                   f"one of {divisors}")
+
+
+def data_parallel_world(fields: Mapping[str, Any], batch: Mapping[str, Any],
+                        given_as: str | None, source: str, data_parallel_size: int | None,
+                        world_size: int | None, mesh_local_size: int | None) -> int | None:
+    """The batch arithmetic's dp: `data_parallel_size` as given, else the world (`world_size`,
+    or every device when the `batch` keys need one) over the sequence-parallel degree of the
+    ZeroConfig `fields`, as DeepSpeed's config divides its world by `sequence_parallel_size`.
+    Raises, naming the key (or the option as `given_as` writes it), for a degree that does not
+    divide a node's devices or the world."""
+    sequence = fields.get("sequence_parallel_size", 1)
+    given_as = given_as or f"sequence_parallel_size={sequence} in {source}"
+    _check_sequence_degree(sequence, mesh_local_size, "devices per node of the mesh", given_as)
+    if data_parallel_size is not None:
+        if world_size is not None:
+            raise DeepSpeedConfigError(f"data_parallel_size={data_parallel_size!r} and "
+                                       f"world_size={world_size!r} are both given; accepted: "
+                                       "one of them")
+        return data_parallel_size
+    if world_size is None and not {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(
+            batch):
+        return None
+    world = jax.device_count() if world_size is None else world_size
+    _check_sequence_degree(sequence, world, "devices (the world size)", given_as)
+    return world // sequence
 
 
 def _check_zeropp_stage(fields: Mapping[str, Any], source: str) -> None:

@@ -42,6 +42,8 @@ from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.offload import host_shardings
 from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
 from zeroxla.engine.randomness import takes_rngs
+from zeroxla.engine.sequence import batch_spec, check_sequence_parallel, sequence_parallel
+from zeroxla.models.sequence_parallel import SequenceParallel
 from zeroxla.engine.state import TrainState
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.mesh import MeshAxes, check_mesh
@@ -103,8 +105,15 @@ class ZeroLayout:
 
     @property
     def data_size(self) -> int:
-        """Devices the batch is split over (the data axes' size)."""
-        return self.axes.data_size
+        """Rows of the batch are split over this many devices (the data replicas; the ZeRO
+        group is `axes.data_size`, the sequence devices with them)."""
+        return self.axes.replicas
+
+    @property
+    def sequence(self) -> SequenceParallel | None:
+        """How each sequence is split under sequence parallelism (None without it): what the
+        step passes the model and a loss_fn declaring `sequence`."""
+        return sequence_parallel(self.axes, self.config.sequence_parallel_strategy)
 
     @property
     def loss_takes_rngs(self) -> bool:
@@ -147,7 +156,7 @@ def zero_layout(source: ModelSource, mesh: Mesh, *,
     config = config if config is not None else ZeroConfig()                    # 2
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"make_step: config must be a ZeroConfig, got {type(config).__name__}")
-    config.validate_for_mesh(axes.local_size, axes.data_size)
+    config.validate_for_mesh(axes.local_size, axes.data_size, axes.sequence_size)
     model_def = source.model_def
     plan = plan_for(model_def, config, axes, frozen=source.frozen)             # 3
     comm = (ZeroPPCollectives.from_config(config, axes) if config.uses_zeropp  # 4
@@ -157,6 +166,7 @@ def zero_layout(source: ModelSource, mesh: Mesh, *,
     sharded_optimizer = ShardedOptimizer(optimizer, plan, model_def)          # 5
     sharded_optimizer.check()        # refuses, by name, transformations it cannot run exactly
     loss_fn = loss_fn if loss_fn is not None else next_token_loss
+    check_sequence_parallel(axes, loss_fn)
     # Random numbers drawn anywhere (model-held RNG streams, a loss_fn taking `rngs`): the
     # state then carries the run's seed (`TrainState.rng`).
     uses_rng = bool(model_def.rng_leaves) or takes_rngs(loss_fn)
@@ -165,7 +175,7 @@ def zero_layout(source: ModelSource, mesh: Mesh, *,
         comm=comm, optimizer=optimizer, sharded_optimizer=sharded_optimizer,
         state_shardings=_state_shardings(mesh, config, plan, model_def, sharded_optimizer,
                                          uses_rng),
-        batch_sharding=NamedSharding(mesh, P(axes.data)), loss_fn=loss_fn,
+        batch_sharding=NamedSharding(mesh, batch_spec(axes)), loss_fn=loss_fn,
         trainable=trainable, uses_rng=uses_rng)
 
 

@@ -51,7 +51,8 @@ def logical_sharding(mesh: Mesh, shape: Sequence[int], stacked: bool = False,
     rest = sorted((d for d in range(len(shape)) if d != prefer and not (stacked and d == 0)),
                   key=lambda d: -shape[d])
     order = ([prefer] if prefer is not None else []) + rest + ([0] if stacked else [])
-    for names in (axes.data, (axes.local,), (axes.node,)):
+    local = axes.local if isinstance(axes.local, tuple) else (axes.local,)
+    for names in (axes.data, local, (axes.node,)):
         n = math.prod(axes.size(a) for a in names)
         if n == 1:
             break

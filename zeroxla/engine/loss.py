@@ -30,6 +30,7 @@ LossFn = Callable[[nnx.Module, Batch], Any]
 BATCH_KEYS = ("inputs", "targets")
 MASK_KEY = "loss_mask"
 POSITIONS_KEY, SEGMENT_IDS_KEY = "positions", "segment_ids"
+SEQUENCE_KEY = "sequence"          # a `SequenceParallel` (sequence parallelism), not a batch key
 # What the chunked protocol bypasses: a subclass overriding one of these below the class that
 # defines `token_logprobs` is called for its logits instead (its own forward is the truth).
 _FORWARD_METHODS = ("__call__", "hidden", "head", "logits", "token_logprobs")
@@ -82,13 +83,20 @@ def check_packable(model: Any, flag: str, role: str) -> None:
 
 
 def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | None,
-                   segment_ids: jax.Array | None) -> dict[str, jax.Array]:
-    """The given `positions` / `segment_ids` as keyword arguments of `forward` (named `what`);
-    ValueError naming the key when `forward` takes no such argument: a packed batch is never
-    run as one sequence."""
-    options = {k: v for k, v in ((POSITIONS_KEY, positions), (SEGMENT_IDS_KEY, segment_ids))
-               if v is not None}
+                   segment_ids: jax.Array | None, sequence: Any = None) -> dict[str, Any]:
+    """The given `positions` / `segment_ids` / `sequence` as keyword arguments of `forward`
+    (named `what`); ValueError naming the key when `forward` takes no such argument: a packed
+    batch is never run as one sequence, nor a sequence's slice as a whole one."""
+    options = {k: v for k, v in ((POSITIONS_KEY, positions), (SEGMENT_IDS_KEY, segment_ids),
+                                 (SEQUENCE_KEY, sequence)) if v is not None}
     for name in options:
+        if name == SEQUENCE_KEY and not _takes(forward, name):
+            raise ValueError(
+                f"sequence parallelism splits each sequence over {sequence.size} devices but "
+                f"{type(model).__name__}.{what} takes no sequence= argument, so its attention "
+                "would see only a slice of each sequence; accepted: a model whose "
+                f"{what} takes sequence= (a `SequenceParallel`, as every family in models "
+                "does), or a mesh without a sequence axis")
         if not _takes(forward, name):
             raise ValueError(f"batch[{name!r}] is given but {type(model).__name__}.{what} takes "
                              f"no {name} argument; accepted: a batch without {name!r}, or a "
@@ -99,17 +107,22 @@ def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | N
 def model_token_logprobs(model: Any, tokens: jax.Array, labels: jax.Array, *,
                          positions: jax.Array | None = None,
                          segment_ids: jax.Array | None = None,
-                         vocab_limit: int | None = None) -> jax.Array:
+                         vocab_limit: int | None = None, sequence: Any = None) -> jax.Array:
     """log p(labels | tokens) [B, T] under `model` for tokens, labels int [B, T], with the
     softmax over the ids below `vocab_limit` when given (a vocabulary padded past its
     tokenizer's). Chunked through `model.token_logprobs` when the model has the protocol
     (`has_chunked_logprobs`: its [B, T, V] logits never exist whole), else `token_logprobs`
     of `model(tokens)`. `positions` / `segment_ids` (int [B, T]) go to the model; one it cannot
-    take is refused by name (`_stack_options`)."""
+    take is refused by name (`_stack_options`). `sequence` (a `SequenceParallel`): tokens and
+    labels are this device's slice of each sequence; the model computes attention over the
+    whole sequences (one that takes no `sequence=` is refused)."""
     if has_chunked_logprobs(model):
+        extra = _stack_options(model, model.token_logprobs, "token_logprobs", None, None,
+                               sequence)
         return model.token_logprobs(tokens, labels, positions=positions,
-                                    segment_ids=segment_ids, vocab_limit=vocab_limit)
-    options = _stack_options(model, model.__call__, "__call__", positions, segment_ids)
+                                    segment_ids=segment_ids, vocab_limit=vocab_limit, **extra)
+    options = _stack_options(model, model.__call__, "__call__", positions, segment_ids,
+                             sequence)
     logits = model(tokens, **options)                                             # [B, T, V]
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
@@ -131,13 +144,16 @@ def token_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax
     return masked_nll_terms(-token_logprobs(logits, batch["targets"]), batch)
 
 
-def next_token_loss_terms(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def next_token_loss_terms(model: nnx.Module, batch: Batch,
+                          sequence: Any = None) -> tuple[jax.Array, jax.Array]:
     """`(sum, count)` of next-token cross-entropy of `model` on `batch["inputs"]` against
     `batch["targets"]` (`model_token_logprobs`: chunked where the model can, with the batch's
-    positions and segment ids): the step's default loss."""
+    positions and segment ids, and `sequence` under sequence parallelism): the step's default
+    loss."""
     logp = model_token_logprobs(model, batch["inputs"], batch["targets"],
                                 positions=batch.get(POSITIONS_KEY),
-                                segment_ids=batch.get(SEGMENT_IDS_KEY))          # [B, T]
+                                segment_ids=batch.get(SEGMENT_IDS_KEY),
+                                sequence=sequence)                               # [B, T]
     return masked_nll_terms(-logp, batch)
 
 

@@ -64,6 +64,7 @@ from zeroxla.engine.randomness import (
     seed_key_data,
     step_key,
 )
+from zeroxla.engine.sequence import batch_spec, check_sequence_batch, in_sequence_layout
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.stored import logical_to_storage
 from zeroxla.engine.update import gradient_spec
@@ -91,11 +92,11 @@ class ZeroStep:
         # (`zeroxla.pipeline.executor`); each stage stores only its layers (`layout.plan`),
         # evaluation runs the unpipelined model on the layers gathered over the stages.
         self.pipeline = gradient_pass
-        mesh, data, plan = layout.mesh, layout.axes.data, layout.plan
+        mesh, plan = layout.mesh, layout.plan
         self._gradients = jax.shard_map(
             self._local_gradients if gradient_pass is None else gradient_pass.local_gradients,
             mesh=mesh,
-            in_specs=(plan.compute_input_specs(), P(data), P(), P(), P()),
+            in_specs=(plan.compute_input_specs(), batch_spec(layout.axes), P(), P(), P()),
             out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
                              for leaf in plan.trainable_leaves}, P()),
             check_vma=False)
@@ -107,13 +108,13 @@ class ZeroStep:
         self._compiled: dict[Any, Any] = {}       # `compile`'s cache, by argument signature
         local_eval = jax.shard_map(
             self._local_eval, mesh=mesh,
-            in_specs=(layout.model_plan.compute_input_specs(), P(), P(data)),
+            in_specs=(layout.model_plan.compute_input_specs(), P(), batch_spec(layout.axes)),
             out_specs=P(), check_vma=False)
         self._jitted_eval = jax.jit(
             lambda params, model_state, batch: local_eval(
                 {leaf.path: leaf.stage_unpad(leaf.compute_input(params[leaf.path]))
                  for leaf in plan.leaves},
-                model_state, batch))
+                model_state, in_sequence_layout(batch, layout.sequence)))
 
     # ------------------------------------------------------------------------------------------
     # Public surface.
@@ -215,9 +216,12 @@ class ZeroStep:
         if self.pipeline is not None and accumulation is None:
             self.pipeline.check_batch(batch)         # names PipelineConfig.micro_batches
             k = self.pipeline.config.micro_batches
-        return check_batch(batch, next_token=layout.loss_fn is next_token_loss,
-                           data_size=layout.data_size, accumulation=k,
-                           vocab_size=lambda: layout.vocab_size)
+        checked = check_batch(batch, next_token=layout.loss_fn is next_token_loss,
+                              data_size=layout.data_size, accumulation=k,
+                              vocab_size=lambda: layout.vocab_size)
+        if layout.sequence is not None:
+            check_sequence_batch(checked, layout.sequence)
+        return checked
 
     # ------------------------------------------------------------------------------------------
     # The gradient pass: inside shard_map, everything below sees one device's local arrays.
@@ -226,14 +230,13 @@ class ZeroStep:
         """`(sum, count, is_sum)`: the loss of `batch` as a sum and a count; `is_sum` is False
         for a loss_fn that returned a scalar mean (its count is 1). A loss_fn declaring `rngs`
         gets `nnx.Rngs` seeded from `key`."""
-        loss_fn = self.layout.loss_fn
+        loss_fn, sequence = self.layout.loss_fn, self.layout.sequence
         if loss_fn is next_token_loss:
-            return (*next_token_loss_terms(model, batch), True)
+            return (*next_token_loss_terms(model, batch, sequence), True)
+        options: dict[str, Any] = {} if sequence is None else {"sequence": sequence}
         if self.layout.loss_takes_rngs:
-            rngs = nnx.Rngs(jax.random.fold_in(key, CALL_STREAM))
-            value = loss_fn(model, batch, rngs=rngs)
-        else:
-            value = loss_fn(model, batch)
+            options["rngs"] = nnx.Rngs(jax.random.fold_in(key, CALL_STREAM))
+        value = loss_fn(model, batch, **options)
         return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)))
 
     def _local_gradients(self, params: dict[str, Any], batch: Batch, scale: jax.Array,
@@ -318,6 +321,7 @@ class ZeroStep:
         scale = state.loss_scale.scale if uses_loss_scaling else jnp.float32(1)
         key_data = (None if state.rng is None else
                     jax.random.key_data(step_key(state.rng, state.step)))
+        batch = in_sequence_layout(batch, self.layout.sequence)     # allgather: zigzag chunks
         loss, grads, model_state = self._gradients(self.layout.plan.compute_inputs(state.params),
                                                    batch, scale, state.model_state, key_data)
         return apply_gradients(self.layout, state, loss, grads, model_state, scale,

@@ -263,8 +263,11 @@ class GRPOTrainer:
                 rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask, c.tis_cap))}
         packed = {}
         if c.packing:          # the same loss, without the padding (`packed_rollout`)
-            batch, stats = pack_rollout(batch, loss_type=c.loss_type, row_len=c.row_len,
-                                        data_size=self.actor_step.layout.data_size)
+            layout = self.actor_step.layout      # rows a multiple of the sequence devices
+            parts = 1 if layout.sequence is None else layout.sequence.size
+            batch, stats = pack_rollout(batch, loss_type=c.loss_type,
+                                        row_len=-(-c.row_len // parts) * parts,
+                                        data_size=layout.data_size)
             packed = {f"packing/{k}": v for k, v in stats.items()}
         losses, clips = [], []
         for k in range(c.num_iterations):

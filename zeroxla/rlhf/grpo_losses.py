@@ -102,18 +102,20 @@ def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
 
 
 def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta: float,
-                      vocab_limit: int | None):
+                      vocab_limit: int | None, sequence=None):
     """`(sum, count)` of a packed rollout (`zeroxla.rlhf.packed_rollout.pack_rollout`: every
     array [R, S], the per-answer values already per token): the terms of the answer slots
     times `loss_weight`, over the sum of `loss_count`. Slots that are not an answer token
     compute their terms from neutral values (ratio 1, no KL), so no overflow there can reach
-    the gradient through the mask."""
+    the gradient through the mask. Every term is per token, so under sequence parallelism
+    (`sequence`: the arrays are this device's [R, S/P] slice) the step's sums over the
+    devices are the whole batch's."""
     mask = batch["action_mask"]
     answer = mask > 0
     logprobs = model_token_logprobs(model, batch["inputs"], batch["targets"],
                                     positions=batch["positions"],
                                     segment_ids=batch["segment_ids"],
-                                    vocab_limit=vocab_limit)              # [R, S]
+                                    vocab_limit=vocab_limit, sequence=sequence)   # [R, S]
     old = batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     terms = grpo_loss_terms(jnp.where(answer, logprobs, old), old, batch["advantages"],
@@ -133,11 +135,19 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
     when `beta` > 0 "ref_logprobs": [B, G], and with truncated importance sampling
     "is_weights": [B, G]. The policy is the softmax over the ids below `vocab_limit`
     (`ragged_answer_logprobs`). A packed rollout (its "segment_ids": `packed_rollout`) is
-    aggregated by its own per-token weights (`packed_loss_parts`), the same loss."""
-    def grpo_actor_loss(model, batch):
+    aggregated by its own per-token weights (`packed_loss_parts`), the same loss; only it runs
+    under sequence parallelism (the step passes `sequence`; a padded rollout's per-answer
+    arrays cannot be split along the sequence, and is refused naming `GRPOConfig.packing`)."""
+    def grpo_actor_loss(model, batch, *, sequence=None):
         if "segment_ids" in batch:
             return packed_loss_parts(model, batch, epsilon=epsilon, epsilon_high=epsilon_high,
-                                     beta=beta, vocab_limit=vocab_limit)
+                                     beta=beta, vocab_limit=vocab_limit, sequence=sequence)
+        if sequence is not None:
+            raise ValueError(f"a padded GRPO batch under sequence parallelism (size "
+                             f"{sequence.size}): its per-answer arrays [B, G] and [B] do not "
+                             "split along the sequence; accepted: GRPOConfig.packing=True (the "
+                             "default: every array per token), or a mesh without a sequence "
+                             "axis")
         mask, tokens = batch["action_mask"], batch["tokens"]
         lengths = batch.get("prompt_lengths")
         if lengths is None:

@@ -27,6 +27,9 @@ QUANTIZATION_BITS = (4, 8)
 # ZeRO-Offload's targets (DeepSpeed's `offload_optimizer.device` / `offload_param.device`):
 # "cpu" is host memory (JAX's `pinned_host` or `unpinned_host` memory kind); "nvme" is not built.
 OFFLOAD_DEVICES = ("none", "cpu")
+# How attention sees whole sequences under sequence parallelism (`models.sequence_parallel`):
+# DeepSpeed-Ulysses' head all-to-alls, or all-gather context parallelism (any head count).
+SEQUENCE_PARALLEL_STRATEGIES = ("ulysses", "allgather")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -137,7 +140,23 @@ class ZeroConfig:
     # is False. Offloaded parameter partitions are always pinned (`param_offload_memory_kind`).
     offload_pin_memory: bool = False
 
+    # Sequence parallelism (DeepSpeed-Ulysses, `models.sequence_parallel`): the mesh's
+    # "sequence" axis splits every sequence over its devices (`make_mesh(sequence=P)`), and ZeRO
+    # partitions over data x sequence. None: whatever the mesh has; a number (DeepSpeed's
+    # `sequence_parallel_size`) must equal the mesh's sequence axis (`validate_for_mesh`).
+    sequence_parallel_size: int | None = None
+    # "ulysses" (heads split over the sequence devices: the head count must divide by them) or
+    # "allgather" (keys and values all-gathered, zigzag chunks for causal balance: any heads).
+    sequence_parallel_strategy: str = "ulysses"
+
     def __post_init__(self) -> None:
+        if self.sequence_parallel_strategy not in SEQUENCE_PARALLEL_STRATEGIES:
+            _fail("sequence_parallel_strategy", self.sequence_parallel_strategy,
+                  ", ".join(SEQUENCE_PARALLEL_STRATEGIES))
+        size = self.sequence_parallel_size
+        if size is not None and (not _is_int(size) or size < 1):
+            _fail("sequence_parallel_size", size, "None (the mesh's 'sequence' axis) or a "
+                  "positive integer equal to it")
         for field, kind in _KINDS.items():
             check, accepted = _CHECKS[kind]
             if not check(getattr(self, field)):
@@ -250,8 +269,15 @@ class ZeroConfig:
         loss scaling, else when `check_grad_overflow` asks for it."""
         return self.uses_loss_scaling or self.check_grad_overflow
 
-    def validate_for_mesh(self, local_devices: int, data_devices: int) -> None:
-        """Checks the fields that depend on the mesh: `local_devices` per node, `data_devices` total."""
+    def validate_for_mesh(self, local_devices: int, data_devices: int,
+                          sequence_devices: int = 1) -> None:
+        """Checks the fields that depend on the mesh: `local_devices` per node (sequence
+        devices included), `data_devices` total, `sequence_devices` on the sequence axis."""
+        size = self.sequence_parallel_size
+        if size is not None and size != sequence_devices:
+            _fail("sequence_parallel_size", size, f"{sequence_devices}, the mesh's 'sequence' "
+                  f"axis (build the mesh with zeroxla.make_mesh(..., sequence={size}), or leave "
+                  "sequence_parallel_size=None to follow the mesh)")
         if self.hpz_partition_size > 1 and local_devices % self.hpz_partition_size:
             divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
             _fail("hpz_partition_size", self.hpz_partition_size,

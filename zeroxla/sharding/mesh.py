@@ -1,16 +1,22 @@
 """The device mesh and the role of each of its axes.
 
-A zeroxla mesh has up to four axes, outermost first:
+A zeroxla mesh has up to five axes, outermost first:
 
-    stage   pipeline stages (1F1B / GPipe); omitted when there is one stage
-    node    data parallel across hosts: the slow network (hpZ and qgZ keep traffic off it)
-    local   data parallel inside a host: the fast links
-    tensor  tensor parallel (Megatron column/row splits); omitted when there is one
+    stage     pipeline stages (1F1B / GPipe); omitted when there is one stage
+    node      data parallel across hosts: the slow network (hpZ and qgZ keep traffic off it)
+    local     data parallel inside a host: the fast links
+    sequence  sequence parallel inside a host (DeepSpeed-Ulysses): each sequence split over
+              these devices; omitted when there is one
+    tensor    tensor parallel (Megatron column/row splits); omitted when there is one
 
-ZeRO partitions parameters, gradients and optimizer state over the data axes `("node",
-"local")`, whatever else the mesh has; every collective takes its axis names from `MeshAxes`,
-never from constants of its own. Axes of size 1 may be present or absent: `MeshAxes` answers the
-same either way.
+ZeRO partitions parameters, gradients and optimizer state over the data axes, whatever else the
+mesh has: `("node", "local")`, and "sequence" with them when the mesh has it (DeepSpeed's DP x SP
+group: every device of it computes gradients of its own tokens). The batch is split over
+`("node", "local")` only (`MeshAxes.batch`), its sequence dim over "sequence". Inside a node the
+sequence devices count as local devices (`MeshAxes.local` is `("local", "sequence")`), so hpZ
+and qgZ's intra-node hops run over them too. Every collective takes its axis names from
+`MeshAxes`, never from constants of its own. Axes of size 1 may be present or absent:
+`MeshAxes` answers the same either way.
 
 Device order: the devices of one host (one `jax.process_index()`) are contiguous, so with one
 process per host each `local` (x `tensor`) row is one host and `node` crosses hosts.
@@ -29,8 +35,9 @@ from jax.sharding import AxisType, Mesh
 STAGE_AXIS = "stage"
 NODE_AXIS = "node"
 LOCAL_AXIS = "local"
+SEQUENCE_AXIS = "sequence"
 TENSOR_AXIS = "tensor"
-AXIS_ORDER = (STAGE_AXIS, NODE_AXIS, LOCAL_AXIS, TENSOR_AXIS)
+AXIS_ORDER = (STAGE_AXIS, NODE_AXIS, LOCAL_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
 DATA_AXES = (NODE_AXIS, LOCAL_AXIS)
 
 
@@ -51,9 +58,9 @@ class MeshAxes:
                 or not set(DATA_AXES) <= set(names)):
             raise ValueError(
                 f"mesh axes {names} are not supported; zeroxla needs the axes "
-                f"('node', 'local'), optionally with 'stage' first and 'tensor' last, in the "
-                f"order {AXIS_ORDER} (build it with zeroxla.make_mesh(nodes, local, stages=, "
-                "tensor=))")
+                f"('node', 'local'), optionally with 'stage' first, 'sequence' and 'tensor' "
+                f"after them, in the order {AXIS_ORDER} (build it with zeroxla.make_mesh(nodes, "
+                "local, stages=, sequence=, tensor=))")
         return cls(names, tuple(int(mesh.shape[n]) for n in names))
 
     def size(self, axis: str) -> int:
@@ -66,7 +73,13 @@ class MeshAxes:
 
     @property
     def data(self) -> tuple[str, ...]:
-        """The data-parallel axes ZeRO partitions over: ("node", "local")."""
+        """The axes ZeRO partitions over and reduces gradients over: ("node", "local"), then
+        "sequence" when the mesh has it (DeepSpeed's DP x SP group)."""
+        return DATA_AXES + ((SEQUENCE_AXIS,) if SEQUENCE_AXIS in self.names else ())
+
+    @property
+    def batch(self) -> tuple[str, ...]:
+        """The axes the batch dim is split over: ("node", "local") (the data replicas)."""
         return DATA_AXES
 
     @property
@@ -74,8 +87,15 @@ class MeshAxes:
         return NODE_AXIS
 
     @property
-    def local(self) -> str:
-        return LOCAL_AXIS
+    def local(self) -> str | tuple[str, ...]:
+        """The intra-node data axes: "local", or ("local", "sequence") when the mesh has a
+        sequence axis (its devices are a node's too: hpZ and qgZ's local hops cover them)."""
+        return (LOCAL_AXIS, SEQUENCE_AXIS) if SEQUENCE_AXIS in self.names else LOCAL_AXIS
+
+    @property
+    def sequence(self) -> str | None:
+        """The sequence-parallel axis, or None when the mesh has none."""
+        return self.present(SEQUENCE_AXIS)
 
     @property
     def stage(self) -> str | None:
@@ -87,8 +107,18 @@ class MeshAxes:
 
     @property
     def data_size(self) -> int:
-        """Devices in one data-parallel group: the ZeRO partition count N."""
+        """Devices in one ZeRO group (data x sequence): the partition count N."""
+        return self.size(NODE_AXIS) * self.size(LOCAL_AXIS) * self.size(SEQUENCE_AXIS)
+
+    @property
+    def replicas(self) -> int:
+        """Data replicas: the batch's rows are split over this many devices."""
         return self.size(NODE_AXIS) * self.size(LOCAL_AXIS)
+
+    @property
+    def sequence_size(self) -> int:
+        """The sequence-parallel degree P (1 without a sequence axis)."""
+        return self.size(SEQUENCE_AXIS)
 
     @property
     def num_stages(self) -> int:
@@ -100,14 +130,15 @@ class MeshAxes:
 
     @property
     def local_size(self) -> int:
-        return self.size(LOCAL_AXIS)
+        """Data devices inside one node (local x sequence)."""
+        return self.size(LOCAL_AXIS) * self.size(SEQUENCE_AXIS)
 
     @property
     def node_size(self) -> int:
         return self.size(NODE_AXIS)
 
     def describe(self) -> str:
-        """'stage 2 x node 1 x local 4' (size-1 stage/tensor axes left out)."""
+        """'stage 2 x node 1 x local 4' (size-1 stage/sequence/tensor axes left out)."""
         return " x ".join(f"{n} {s}" for n, s in zip(self.names, self.sizes)
                           if s > 1 or n in DATA_AXES)
 
@@ -122,36 +153,40 @@ def _check_factor(name: str, value: object, count: int) -> None:
                          f"use one of {_divisors(count)}")
 
 
-def make_mesh(nodes: int = 1, local: int | None = None, *, stages: int = 1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh of shape `[stages, nodes, local, tensor]` with Auto axis types.
+def make_mesh(nodes: int = 1, local: int | None = None, *, stages: int = 1, sequence: int = 1,
+              tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh of shape `[stages, nodes, local, sequence, tensor]` with Auto axis types.
 
-    The axes are ("node", "local"), with "stage" in front when `stages > 1` and "tensor" at the
-    end when `tensor > 1`. `local` defaults to the devices left per node. Devices are ordered by
-    (process index, id), so the `local` x `tensor` devices of one node are one host's when each
-    host runs one process. Raises a ValueError naming the argument when the sizes do not match
-    the devices.
+    The axes are ("node", "local"), with "stage" in front when `stages > 1`, "sequence" after
+    "local" when `sequence > 1` (sequence parallelism: DeepSpeed's `sequence_parallel_size`)
+    and "tensor" at the end when `tensor > 1`. `local` defaults to the devices left per node.
+    Devices are ordered by (process index, id), so the `local` x `sequence` x `tensor` devices
+    of one node are one host's when each host runs one process (a sequence group's all-to-alls
+    stay on a host's fast links). Raises a ValueError naming the argument when the sizes do not
+    match the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
-    for name, value in (("stages", stages), ("tensor", tensor), ("nodes", nodes)):
+    for name, value in (("stages", stages), ("sequence", sequence), ("tensor", tensor),
+                        ("nodes", nodes)):
         _check_factor(name, value, count)
-    if count % (stages * tensor * nodes):
-        raise ValueError(f"make_mesh: stages={stages} x nodes={nodes} x tensor={tensor} = "
-                         f"{stages * nodes * tensor} does not divide the {count} devices")
+    fixed = stages * tensor * nodes * sequence
+    if count % fixed:
+        raise ValueError(f"make_mesh: stages={stages} x nodes={nodes} x sequence={sequence} x "
+                         f"tensor={tensor} = {fixed} does not divide the {count} devices")
     if local is None:
-        local = count // (stages * nodes * tensor)
+        local = count // fixed
     if (not isinstance(local, int) or isinstance(local, bool) or local < 1
-            or stages * nodes * local * tensor != count):
-        product = stages * nodes * tensor * local if isinstance(local, int) else "?"
+            or fixed * local != count):
+        product = fixed * local if isinstance(local, int) else "?"
         factors = " x ".join(f"{name}={value!r}" for name, value in (
-            ("stages", stages), ("nodes", nodes), ("local", local), ("tensor", tensor))
-            if name in ("nodes", "local") or value != 1)
+            ("stages", stages), ("nodes", nodes), ("local", local), ("sequence", sequence),
+            ("tensor", tensor)) if name in ("nodes", "local") or value != 1)
         raise ValueError(f"make_mesh: {factors} = {product} devices, but {count} are "
-                         f"available; use local={count // (stages * nodes * tensor)} (or pass "
-                         "devices=)")
+                         f"available; use local={count // fixed} (or pass devices=)")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    shape = {STAGE_AXIS: stages, NODE_AXIS: nodes, LOCAL_AXIS: local, TENSOR_AXIS: tensor}
+    shape = {STAGE_AXIS: stages, NODE_AXIS: nodes, LOCAL_AXIS: local, SEQUENCE_AXIS: sequence,
+             TENSOR_AXIS: tensor}
     names = tuple(n for n in AXIS_ORDER if n in DATA_AXES or shape[n] > 1)
     grid = np.asarray(ordered, dtype=object).reshape([shape[n] for n in names])
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
@@ -169,10 +204,11 @@ def check_mesh(mesh: Mesh) -> MeshAxes:
 
 def host_groups(mesh: Mesh) -> list[set[int]]:
     """The process indices in each node of the mesh (one set per (stage, node) index, over its
-    `local` x `tensor` devices). A mesh whose nodes are hosts has one process in each set."""
+    `local` x `sequence` x `tensor` devices). A mesh whose nodes are hosts has one process in each set."""
     axes = MeshAxes.of(mesh)
     grid = np.asarray(mesh.devices)
-    inner = [axes.names.index(n) for n in (LOCAL_AXIS, TENSOR_AXIS) if n in axes.names]
+    inner = [axes.names.index(n) for n in (LOCAL_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
+             if n in axes.names]
     outer = [i for i in range(grid.ndim) if i not in inner]
     rows = np.transpose(grid, outer + inner).reshape(-1, math.prod(grid.shape[i] for i in inner))
     return [{d.process_index for d in row} for row in rows]

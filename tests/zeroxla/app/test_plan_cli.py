@@ -48,3 +48,16 @@ def test_sizes_and_policies_parse_as_documented():
     assert remat_list("none,full,offload") == ("none", "full", "offload")
     with pytest.raises(argparse.ArgumentTypeError, match="accepted: one or more of none, full"):
         remat_list("full,fast")
+
+
+def test_a_sequence_parallel_size_that_does_not_divide_local_is_named(capsys):
+    argv = ["plan", "--model", "Qwen2.5-0.5B", "--mesh", "1x8", "--sequence-parallel-size", "3"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--sequence-parallel-size 3 does not divide the 8 local devices" in err
+    assert "one of 1, 2, 4, 8" in err
+
+
+def test_an_unknown_sequence_parallel_strategy_is_named(capsys):
+    err = _refused(["--model", "Qwen2.5-0.5B", "--sequence-parallel-strategy", "ring"], capsys)
+    assert "--sequence-parallel-strategy" in err and "'ulysses', 'allgather'" in err

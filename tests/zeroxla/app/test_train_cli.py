@@ -116,9 +116,10 @@ def test_configuration_errors_exit_2_naming_the_option(argv, message, tmp_path, 
 def test_default_recipe_is_zero3_partitioning_every_leaf():
     job = resolve_job({})
     setup = build_setup(job)
-    # check_grad_overflow: the job keeps its last finite step if a run diverges (train/end.py).
+    # check_grad_overflow: the job keeps its last finite step if a run diverges (train/end.py);
+    # sequence_parallel_size 1: the job's mesh has no sequence axis (ZeroConfig's None follows).
     assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0,
-                                    check_grad_overflow=True)
+                                    check_grad_overflow=True, sequence_parallel_size=1)
     assert job.schedule.batch_size == 32                      # the documented default
     assert float(setup.learning_rate(0)) == 0.0
     assert float(setup.learning_rate(job.schedule.warmup_steps)) == pytest.approx(1e-2)
@@ -129,7 +130,8 @@ def test_deepspeed_recipe_comes_from_the_json():
         EXAMPLES, "ds_zero3_adamw_warmupdecay.json")})
     setup = build_setup(job)
     assert setup.zero == ZeroConfig(stage=3, persistence_threshold=0, gradient_clipping=1.0,
-                                    check_grad_overflow=True)     # the job's, the JSON sets none
+                                    check_grad_overflow=True,    # the job's, the JSON sets none
+                                    sequence_parallel_size=1)
     assert job.schedule.batch_size == 32
     assert float(setup.learning_rate(51)) == pytest.approx(0.003)
 

@@ -82,5 +82,6 @@ def test_the_job_default_table_is_what_the_tree_uses():
             row = next((d for d in JOB_DEFAULTS if d.field == field.name), None)
             expected = row.value if row is not None else API_DEFAULTS[field.name]
             assert field.default == expected == job_default(field.name), field.name
+    # sequence_parallel_size: 1 (the job builds its mesh), ZeroConfig's None follows the mesh.
     assert {d.field for d in JOB_DEFAULTS} == {"persistence_threshold", "gradient_clipping",
-                                               "check_grad_overflow"}
+                                               "check_grad_overflow", "sequence_parallel_size"}

@@ -18,7 +18,8 @@ from zeroxla.sharding.config import ZeroConfig
 NOT_OPTIONS = {("schedule", "min_lr_ratio"), ("schedule", "weight_decay"),
                ("schedule", "optimizer"), ("schedule", "scheduler"), ("data", "val_fraction"),
                ("sharding", "prefetch"), ("sharding", "max_live_parameters"),
-               ("sharding", "remat"), ("numerics", "loss_scale"),
+               ("sharding", "remat"), ("sharding", "sequence_parallel_strategy"),
+               ("numerics", "loss_scale"),
                ("numerics", "initial_scale_power"), ("numerics", "loss_scale_window"),
                ("numerics", "hysteresis"), ("numerics", "min_loss_scale"),
                ("offload", "offload_pin_memory")} | {
@@ -28,7 +29,7 @@ NOT_OPTIONS = {("schedule", "min_lr_ratio"), ("schedule", "weight_decay"),
 # own tokenizer), and the options it means.
 GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--steps": "7",
          "--batch-size": "16", "--seq-len": "64", "--learning-rate": "0.001", "--warmup-steps": "2",
-         "--mesh": "1x8", "--pipeline-stages": "2", "--zero-stage": "2", "--dtype": "bf16",
+         "--mesh": "1x8", "--sequence-parallel-size": "2", "--pipeline-stages": "2", "--zero-stage": "2", "--dtype": "bf16",
          "--grad-accum": "2", "--persistence-threshold": "5", "--gradient-clipping": "0.5",
          "--no-check-grad-overflow": None, "--config": "ds.json",
          "--offload-optimizer": "cpu", "--offload-param": "none",
@@ -37,7 +38,8 @@ GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--s
          "--no-progress": None, "--resume": "r", "--lora-dim": "8", "--lora-alpha": "16",
          "--lora-module-name": "wq", "--only-optimize-lora": None, "--no-packing": None}
 EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, batch_size=16,
-                seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), pipeline_stages=2,
+                seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), sequence_parallel_size=2,
+                pipeline_stages=2,
                 zero_stage=2, dtype="bf16", grad_accum=2, persistence_threshold=5,
                 gradient_clipping=0.5, check_grad_overflow=False,
                 offload_optimizer="cpu", offload_param="none",
@@ -50,6 +52,7 @@ TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
         ("data", "tokenizer"): "byte", ("schedule", "steps"): 7,
         ("schedule", "batch_size"): 16, ("data", "seq_len"): 64, ("schedule", "lr"): 1e-3,
         ("schedule", "warmup_steps"): 2, ("sharding", "mesh"): (1, 8),
+        ("sharding", "sequence_parallel_size"): 2,
         ("pipeline", "stages"): 2, ("sharding", "stage"): 2,
         ("numerics", "compute_dtype"): "bfloat16",
         ("sharding", "gradient_accumulation_steps"): 2,
@@ -118,14 +121,16 @@ def test_deepspeed_overrides_are_the_deepspeed_settings_given():
     assert overrides == Overrides(
         train_batch_size=16, stage=2, compute_dtype="bfloat16", gradient_accumulation_steps=2,
         persistence_threshold=5, gradient_clipping=0.5, check_grad_overflow=False,
-        offload_optimizer="cpu", offload_param="none", given_as=overrides.given_as)
+        offload_optimizer="cpu", offload_param="none", sequence_parallel_size=2,
+        given_as=overrides.given_as)
     assert dict(overrides.given_as) == {
         "train_batch_size": "--batch-size 16", "stage": "--zero-stage 2",
         "compute_dtype": "--dtype bf16", "gradient_accumulation_steps": "--grad-accum 2",
         "persistence_threshold": "--persistence-threshold 5",
         "gradient_clipping": "--gradient-clipping 0.5",
         "check_grad_overflow": "--no-check-grad-overflow",
-        "offload_optimizer": "--offload-optimizer cpu", "offload_param": "--offload-param none"}
+        "offload_optimizer": "--offload-optimizer cpu", "offload_param": "--offload-param none",
+        "sequence_parallel_size": "--sequence-parallel-size 2"}
     assert deepspeed_overrides({"check_grad_overflow": True}).written(
         "check_grad_overflow") == "--check-grad-overflow"
     assert deepspeed_overrides({}) == Overrides()

@@ -199,6 +199,7 @@ ZERO_CASES = [
     zero_case("gradient_accumulation_steps", 4, "gradient_accumulation_steps", 4,
               extra={"train_batch_size": 64}),
     zero_case("gradient_clipping", 1.5, "gradient_clipping", 1.5),
+    zero_case("sequence_parallel_size", 2, "sequence_parallel_size", 2),
     zero_case("fp16.enabled", True, "compute_dtype", "float16"),
     zero_case("fp16.loss_scale", 128, "loss_scale", 128.0),
     zero_case("fp16.initial_scale_power", 12, "initial_scale_power", 12),

@@ -45,7 +45,7 @@ def test_the_zero_keys_cover_the_fields_the_loader_sets():
         "gradient_clipping", "check_grad_overflow", "gradient_accumulation_steps",
         "hpz_partition_size",
         "quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
-        "offload_optimizer", "offload_param", "offload_pin_memory"}
+        "offload_optimizer", "offload_param", "offload_pin_memory", "sequence_parallel_size"}
     assert "zero_optimization.zero_hpz_partition_size" in ZERO_KEYS
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 import zeroxla
 from zeroxla.app import chat_data
-from zeroxla.app.cli_args import check_batch, positive_float, positive_int
+from zeroxla.app.cli_args import positive_float, positive_int
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.jobs.loading import BASE_KEY, adapters_base, open_policy
 from zeroxla.app.learnable import same_pairs, same_pairs_note
@@ -65,7 +65,9 @@ class DPOJobConfig:
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"DPOJobConfig.val_fraction={self.val_fraction!r} is invalid; "
                              "accepted: a number in (0, 1)")
-        check_batch(self.dpo.batch_size, "--batch-size", self.sharding.mesh)
+        # (no --seq-len check: the model reads seq_len - 1 tokens of a pair, and DPO's loss
+        # is not sequence-parallel yet: make_step refuses it by name under P > 1)
+        self.sharding.check_batch(self.dpo.batch_size, "--batch-size")
 
 
 OPTIONS = OptionTable("dpo", DPOJobConfig, (
@@ -145,11 +147,13 @@ class DPOJob:
 
     def __init__(self, config: DPOJobConfig):
         self.config = config
-        mesh = job_mesh(config.sharding.mesh)     # a --mesh larger than the devices: refused
+        # a --mesh larger than the devices: refused
+        mesh = job_mesh(config.sharding.mesh, sequence=config.sharding.sequence_parallel_size)
         self.tokenizer, load = open_policy(config.init_from, config.dpo.seq_len, config.lora)
         train, val, self.same = pair_rows(config, self.tokenizer)
         zero = zeroxla.ZeroConfig(stage=config.sharding.stage, persistence_threshold=0,
-                                  check_grad_overflow=True)
+                                  check_grad_overflow=True,
+                                  sequence_parallel_size=config.sharding.sequence_parallel_size)
         self.trainer = DPOTrainer(config.dpo, load(), mesh=mesh, train=train, val=val,
                                   seed=config.run.seed, zero_config=zero, lora=config.lora)
         self.step = self.trainer.step
@@ -174,8 +178,7 @@ class DPOJob:
         return (f"zeroxla dpo: {c.init_from} on {c.data or 'the bundled shakespeare pairs'} "
                 f"({n} train / {len(self.trainer.val['chosen'])} held-out pairs"
                 f"{same_pairs_note(self.same)}), {c.dpo.loss_type} loss, beta {c.dpo.beta}, "
-                f"ZeRO-{c.sharding.stage} on a {c.sharding.mesh[0]}x{c.sharding.mesh[1]} mesh, "
-                f"steps {first + 1}..{c.steps}"
+                f"{c.sharding.describe()}, steps {first + 1}..{c.steps}"
                 + (f", LoRA rank {c.lora.dim}" if c.lora.enabled else ""))
 
     def advance(self, done: int) -> dict[str, float]:

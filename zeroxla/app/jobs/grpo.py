@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zeroxla.app.cli_args import (check_batch, finite_float, non_negative_float, positive_float,
+from zeroxla.app.cli_args import (finite_float, non_negative_float, positive_float,
                                   positive_int)
 from zeroxla.app.data import read_records
 from zeroxla.app.distributed import job_mesh
@@ -67,8 +67,8 @@ class GRPOJobConfig:
         check_reward_sources(self.reward_names, self.reward_weights,
                              prompts=self.prompts is not None, with_model=self.reward is not None)
         # Each rollout (prompts x generations rows) is one global batch of the actor's step.
-        check_batch(self.grpo.rows_per_iteration, "--per-iteration-prompts x --num-generations",
-                    self.sharding.mesh)
+        self.sharding.check_batch(self.grpo.rows_per_iteration,
+                                  "--per-iteration-prompts x --num-generations")
 
     @property
     def reward_names(self) -> tuple[str, ...]:
@@ -136,8 +136,8 @@ OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--max-prompt-seq-len", "prompt_length", "grpo", "most prompt tokens (a longer prompt "
          "keeps its last N, counted in the log and summary.json); default: the longest "
          "prompt's", type=positive_int, metavar="N"),
-    # the actor's step is ZeRO-3 (the Hybrid Engine reads its partitions): --mesh alone
-    *(row for row in SHARDING_OPTIONS if row.flag == "--mesh"), *RUN_OPTIONS, *LORA_OPTIONS),
+    # the actor's step is ZeRO-3 (the Hybrid Engine reads its partitions): no --zero-stage
+    *(row for row in SHARDING_OPTIONS if row.flag != "--zero-stage"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the actor, the prompts and the rewards", "parallel": "parallelism",
      "grpo": "GRPO hyper-parameters (TRL's GRPOConfig names and defaults)", "run": "the run",
      "lora": "LoRA: adapters on the actor's (not the frozen reference's) weights"},
@@ -160,7 +160,7 @@ class GRPOJob:
         self.config = c = config
         self.total = c.iterations
         funcs, weight = reward_sources(c.reward_names, c.reward_weights, c.reward is not None)
-        mesh = job_mesh(c.sharding.mesh)          # a --mesh larger than the devices: refused
+        mesh = job_mesh(c.sharding.mesh, sequence=c.sharding.sequence_parallel_size)
         actor, self.tokenizer = load_actor(c.actor)
         model, model_config = f"--actor {c.actor}", getattr(actor, "config", None)
         rows, self.held_out, eos_id = (

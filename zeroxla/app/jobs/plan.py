@@ -22,6 +22,7 @@ from typing import Any
 
 from zeroxla.app.cli_args import host_device_count, mesh_shape, positive_int, set_host_device_count
 from zeroxla.app.run.options import Option, OptionTable
+from zeroxla.sharding.config import SEQUENCE_PARALLEL_STRATEGIES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLAN_STAGES = (2, 3)          # remat policies apply to stages 2-3 (`ZeroConfig.remat`)
@@ -76,6 +77,16 @@ class PlanSettings:
     sequences_per_device: int = 1
     granularity: int = 1024
     search_limit: int = 1 << 20
+    sequence_parallel_size: int = 1
+    sequence_parallel_strategy: str = "ulysses"
+
+    zero = property(lambda self: {"sequence_parallel_strategy": self.sequence_parallel_strategy})
+
+    @property
+    def mesh_label(self) -> str:
+        sp = self.sequence_parallel_size
+        return (f"mesh {self.mesh[0]}x{self.mesh[1]}" + (
+            f" (sequence parallel {sp}, {self.sequence_parallel_strategy})" if sp > 1 else ""))
 
 
 OPTIONS = OptionTable("plan", PlanSettings, (
@@ -102,8 +113,16 @@ OPTIONS = OptionTable("plan", PlanSettings, (
            "none,full,offload with --max-seq-len", type=remat_list,
            metavar="POLICY[,POLICY...]"),
     Option("--sequences-per-device", "sequences_per_device", None, "sequences_per_device",
-           "step", "sequences each data-parallel device holds in one micro-batch; default "
-           "{default}", type=positive_int, metavar="N"),
+           "step", "sequences each data replica holds in one micro-batch; default {default}",
+           type=positive_int, metavar="N"),
+    Option("--sequence-parallel-size", "sequence_parallel_size", None,
+           "sequence_parallel_size", "step", "each sequence split over P devices of a node "
+           "(--mesh's LOCAL is LOCAL/P data replicas x P sequence devices); default {default}",
+           type=positive_int, metavar="P"),
+    Option("--sequence-parallel-strategy", "sequence_parallel_strategy", None,
+           "sequence_parallel_strategy", "step", "attention under sequence parallelism: "
+           "ulysses (heads split; they must divide by P) or allgather (context parallelism, "
+           "any head count); default {default}", choices=SEQUENCE_PARALLEL_STRATEGIES),
     Option("--granularity", "granularity", None, "granularity", "search",
            "--max-seq-len: the search's step (answers are multiples of it); default {default}",
            type=positive_int, metavar="T"),
@@ -151,18 +170,20 @@ def model_config(model: str) -> Any:
                      f"accepted presets: {', '.join(presets.NAMES)}")
 
 
-def _mesh(nodes: int, local: int, simulated: bool) -> Any:
+def _mesh(nodes: int, local: int, simulated: bool, sequence: int = 1) -> Any:
     import jax
 
+    from zeroxla.app.distributed import check_sequence_parallel
     from zeroxla.sharding.mesh import make_mesh
 
+    check_sequence_parallel((nodes, local), sequence)
     count = len(jax.devices())
     if nodes * local != count:
         how = ("XLA_FLAGS sets the host device count to " if simulated else "this host has ")
         raise ValueError(f"--mesh {nodes}x{local} needs {nodes * local} devices; {how}{count}"
                          "; accepted: a --mesh of that many devices (on a CPU host, unset "
                          "--xla_force_host_platform_device_count to simulate any mesh)")
-    return make_mesh(nodes, local)
+    return make_mesh(nodes, local // sequence, sequence=sequence)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -172,7 +193,8 @@ def run_plan(args: argparse.Namespace) -> int:
     user_count = host_device_count()
     set_host_device_count(nodes * local)       # before JAX starts (cli module docstring)
     config = model_config(plan.model)
-    mesh = _mesh(nodes, local, simulated=user_count is not None)
+    mesh = _mesh(nodes, local, simulated=user_count is not None,
+                 sequence=plan.sequence_parallel_size)
     dtype = DTYPES[plan.dtype]
     if plan.max_seq_len:
         print(max_seq_len_report(config, mesh, plan, dtype), flush=True)
@@ -182,8 +204,9 @@ def run_plan(args: argparse.Namespace) -> int:
     for remat in plan.remat or ("full",):
         figures = plan_memory(config, mesh, seq_len=plan.seq_len,
                               device_memory=plan.device_memory, stage=plan.stage, dtype=dtype,
-                              remat=remat, sequences_per_device=plan.sequences_per_device)
-        print(f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, mesh {nodes}x{local}: "
+                              remat=remat, sequences_per_device=plan.sequences_per_device,
+                              zero=plan.zero)
+        print(f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, {plan.mesh_label}: "
               f"{figures.table()}", flush=True)
     return 0
 
@@ -193,9 +216,9 @@ def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str) -
     from zeroxla.analysis.planner import largest_fitting, plan_memory, sweep_settings
 
     settings, missing = sweep_settings(config, plan.remat or ("none", "full", "offload"))
-    lines = [f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, mesh {plan.mesh[0]}x"
-             f"{plan.mesh[1]}, {plan.device_memory / 2**30:.1f} GiB per device, "
-             f"{plan.sequences_per_device} sequence(s) per device: largest T that fits"]
+    lines = [f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, {plan.mesh_label}, "
+             f"{plan.device_memory / 2**30:.1f} GiB per device, "
+             f"{plan.sequences_per_device} sequence(s) per data replica: largest T that fits"]
     for setting in settings:
         peaks: dict[int, Any] = {}
 
@@ -203,7 +226,8 @@ def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str) -
             figures = plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
                                   stage=plan.stage, dtype=dtype, remat=setting.remat,
                                   fields=dict(setting.fields),
-                                  sequences_per_device=plan.sequences_per_device)
+                                  sequences_per_device=plan.sequences_per_device,
+                                  zero=plan.zero)
             peaks[t] = figures
             return figures.fits
         best = largest_fitting(fits, granularity=plan.granularity, limit=plan.search_limit)

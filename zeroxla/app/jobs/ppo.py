@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import jax
 
 from zeroxla.app import chat_data
-from zeroxla.app.cli_args import (check_batch, non_negative_float, positive_float, positive_int,
+from zeroxla.app.cli_args import (non_negative_float, positive_float, positive_int,
                                   unit_interval)
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.jobs.loading import REWARD_KIND, check_inference_tp, load_actor, load_reward
@@ -70,7 +70,7 @@ class PPOJobConfig:
                 raise ValueError(f"PPOJobConfig.{name}={value!r} is invalid; accepted: an "
                                  "integer >= 1")
         # Each rollout is one global batch of the actor's and critic's steps.
-        check_batch(self.ppo.prompts_per_iteration, "--per-iteration-prompts", self.sharding.mesh)
+        self.sharding.check_batch(self.ppo.prompts_per_iteration, "--per-iteration-prompts")
 
 
 def _ppo(flag: str, field: str, help: str, kind: Any) -> Option:
@@ -100,7 +100,7 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
     _ppo("--max-prompt-seq-len", "prompt_length", "prompt tokens (the last ones)", positive_int),
     _ppo("--max-answer-seq-len", "answer_length", "generated tokens", positive_int),
     _ppo("--per-iteration-prompts", "prompts_per_iteration",
-         "prompts per iteration (a multiple of the mesh's devices)", positive_int),
+         "prompts per iteration (a multiple of the mesh's data replicas)", positive_int),
     _ppo("--kl-ctl", "kl_ctl", "the per-token KL penalty's weight", non_negative_float),
     _ppo("--clip-reward-value", "clip_reward_value", "the score's clip", positive_float),
     _ppo("--cliprange", "cliprange", "the policy ratio's clip", positive_float),
@@ -110,7 +110,7 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
     Option("--reference-int8", "reference_int8", "ppo", "reference_int8", "ppo",
            "hold the frozen reference as int8 codes (ZeRO++ MixZ++)", action="store_true"),
     packing_option("ppo", "ppo", "the rollout (a prompt's left padding kept)"),
-    *(row for row in SHARDING_OPTIONS if row.flag == "--mesh"), *RUN_OPTIONS, *LORA_OPTIONS),
+    *(row for row in SHARDING_OPTIONS if row.flag != "--zero-stage"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the runs and the prompts", "ppo": "PPO hyper-parameters (DeepSpeed-Chat's names "
      "and defaults where it has them)", "parallel": "parallelism", "run": "the run", "lora":
      "LoRA: adapters on the actor's and the critic's (not the frozen reference's) weights"},
@@ -156,7 +156,7 @@ class PPOJob:
 
     def __init__(self, config: PPOJobConfig):
         self.config = c = config
-        mesh = job_mesh(c.sharding.mesh)     # a --mesh larger than the devices: refused
+        mesh = job_mesh(c.sharding.mesh, sequence=c.sharding.sequence_parallel_size)
         actor, self.tokenizer = load_actor(c.actor)
         reward_model = load_reward(c.reward, actor, self.tokenizer)
         _check_fit(c, actor, reward_model)

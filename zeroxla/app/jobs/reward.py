@@ -29,7 +29,7 @@ from flax import nnx
 
 import zeroxla
 from zeroxla.app import chat_data
-from zeroxla.app.cli_args import check_batch, non_negative_float, positive_float, positive_int
+from zeroxla.app.cli_args import non_negative_float, positive_float, positive_int
 from zeroxla.app.data import epoch_rows, split_examples, to_devices
 from zeroxla.app.distributed import job_mesh
 from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
@@ -83,7 +83,7 @@ class RewardJobConfig:
             if not ok:
                 raise ValueError(f"RewardJobConfig.{name}={getattr(self, name)!r} is invalid; "
                                  f"accepted: {accepted}")
-        check_batch(self.batch_size, "--batch-size", self.sharding.mesh)
+        self.sharding.check_batch(self.batch_size, "--batch-size", self.seq_len)
 
 
 OPTIONS = OptionTable("reward", RewardJobConfig, (
@@ -157,14 +157,15 @@ class RewardJob:
     def __init__(self, config: RewardJobConfig):
         self.config = c = config
         self.label = f"reward-{Path(c.init_from).name}"     # runs/reward-<base>-<time>
-        mesh = job_mesh(c.sharding.mesh)     # a --mesh larger than the devices: refused
+        mesh = job_mesh(c.sharding.mesh, sequence=c.sharding.sequence_parallel_size)
         self.tokenizer = PretrainedTokenizer.from_dir(c.init_from)
         self.model_config = pretrained_config(c.init_from, self.tokenizer, c.seq_len,
                                               command="zeroxla reward")
         self.train, self.val, self.same = pair_rows(c, self.tokenizer)
         factory = reward_model_factory(self.model_config, c.run.seed, c.lora)
         zero = zeroxla.ZeroConfig(stage=c.sharding.stage, check_grad_overflow=True,
-                                  persistence_threshold=c.persistence_threshold)
+                                  persistence_threshold=c.persistence_threshold,
+                                  sequence_parallel_size=c.sharding.sequence_parallel_size)
         self.step = zeroxla.make_step(
             factory, mesh, loss_fn=pairwise_loss_terms, config=zero,
             optimizer=optax.adamw(c.learning_rate, weight_decay=c.weight_decay),
@@ -185,9 +186,8 @@ class RewardJob:
         c = self.config
         return (f"zeroxla reward: {c.init_from} + scalar head on {c.data} "
                 f"({len(self.train['chosen'])} train / {len(self.val['chosen'])} val pairs"
-                f"{same_pairs_note(self.same)}), ZeRO-{c.sharding.stage} on a "
-                f"{c.sharding.mesh[0]}x{c.sharding.mesh[1]} mesh, batch {c.batch_size} pairs x "
-                f"{c.seq_len}, steps {first + 1}..{c.steps}"
+                f"{same_pairs_note(self.same)}), {c.sharding.describe()}, batch "
+                f"{c.batch_size} pairs x {c.seq_len}, steps {first + 1}..{c.steps}"
                 + (f", LoRA rank {c.lora.dim}" if c.lora.enabled else ""))
 
     def advance(self, done: int) -> dict[str, float]:

@@ -19,6 +19,8 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from zeroxla.app.cli_args import check_batch, check_sequence_length
+from zeroxla.app.distributed import check_sequence_parallel
 from zeroxla.sharding.config import ZERO_STAGES
 
 
@@ -84,18 +86,38 @@ def check_sections(tree: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingSettings:
-    """The sharding section of a post-training job's tree: the (nodes, local) mesh and the ZeRO
-    stage (`zeroxla train`'s `Sharding` has these two fields and more)."""
+    """The sharding section of a post-training job's tree: the (nodes, local) mesh, the ZeRO
+    stage and the sequence-parallel degree P, which splits each node's `local` devices into
+    local/P data replicas x P sequence devices (`zeroxla train`'s `Sharding` has these three
+    fields and more)."""
 
     NAME: ClassVar[str] = "sharding"
     mesh: tuple[int, int] = (2, 4)
     stage: int = 3
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not is_mesh(self.mesh):
             _fail(self, "mesh", MESH_ACCEPTED)
         if self.stage not in ZERO_STAGES or isinstance(self.stage, bool):
             _fail(self, "stage", ", ".join(map(str, ZERO_STAGES)))
+        # In the options' words (--mesh, --sequence-parallel-size): this section is theirs.
+        check_sequence_parallel(self.mesh, self.sequence_parallel_size)
+
+    def check_batch(self, batch: int, option: str, seq_len: int | None = None) -> None:
+        """Before any device work, ValueError naming the options unless `batch` rows (the value
+        of `option`) divide over the data replicas (nodes x local / P) and, when given, each
+        row's `seq_len` tokens (--seq-len) over the P sequence devices."""
+        check_batch(batch, option, self.mesh, sequence=self.sequence_parallel_size)
+        if seq_len is not None:
+            check_sequence_length(seq_len, "--seq-len", self.sequence_parallel_size)
+
+    def describe(self) -> str:
+        """'ZeRO-3 on a 2x4 mesh' (', sequences split over 2 devices' under P = 2)."""
+        nodes, local = self.mesh
+        split = self.sequence_parallel_size
+        return (f"ZeRO-{self.stage} on a {nodes}x{local} mesh"
+                + (f", sequences split over {split} devices" if split > 1 else ""))
 
 
 class Job(Protocol):

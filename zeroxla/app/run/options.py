@@ -9,9 +9,9 @@ so a resumed run can tell what the command line changes), the tree with them app
 each section `dataclasses.replace`d, an error naming the option) and the names in messages.
 
 The rows shared by every job (`RUN_OPTIONS`: seed, cadence, --out, --resume, --no-progress;
-`SHARDING_OPTIONS`: --mesh, --zero-stage; `LORA_OPTIONS`) live here; a job's own rows live beside
-its code. A help text's `{default}` is the tree's default for the field and `{unit}` the job's
-unit ("step", "iteration"). Nothing here uses JAX.
+`SHARDING_OPTIONS`: --mesh, --zero-stage, --sequence-parallel-size; `LORA_OPTIONS`) live here;
+a job's own rows live beside its code. A help text's `{default}` is the tree's default for the
+field and `{unit}` the job's unit ("step", "iteration"). Nothing here uses JAX.
 """
 
 from __future__ import annotations
@@ -213,7 +213,8 @@ def _positive_or_none(text: str) -> int | None:
 
 # ------------------------------------------------------------------------------------------------
 # The rows every job shares (section "run": `run.job.RunSettings`'s fields; "sharding": a
-# section with `mesh` and `stage`; "lora": `zeroxla.lora.LoRAConfig`'s fields).
+# section with `mesh`, `stage` and `sequence_parallel_size`; "lora": `zeroxla.lora.LoRAConfig`'s
+# fields).
 
 RUN_OPTIONS: tuple[Option, ...] = (
     Option("--out", "out_dir", "run", "out_dir", "run",
@@ -248,6 +249,14 @@ SHARDING_OPTIONS: tuple[Option, ...] = (
            "{default}", type=mesh_shape, metavar="NODESxLOCAL"),
     Option("--zero-stage", "zero_stage", "sharding", "stage", "parallel",
            "ZeRO stage; default {default}", type=int, choices=ZERO_STAGES, deepspeed="stage"),
+    Option("--sequence-parallel-size", "sequence_parallel_size", "sharding",
+           "sequence_parallel_size", "parallel",
+           "sequence parallelism (DeepSpeed-Ulysses' sequence_parallel_size): --mesh still names "
+           "every device, and each node's LOCAL devices become LOCAL/P data replicas x P "
+           "sequence devices, every sequence split P ways (P divides LOCAL; the sequence length "
+           "is a multiple of P; the global batch's rows divide over NODES x LOCAL/P replicas: "
+           "DeepSpeed's dp = world / sp); ZeRO partitions over all of them; default {default}",
+           type=positive_int, metavar="P", deepspeed="sequence_parallel_size"),
 )
 
 LORA_OPTIONS: tuple[Option, ...] = (

@@ -172,7 +172,7 @@ def _check_as_zero_config(section: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class Sharding:
     """The mesh (nodes, local devices per node) and how ZeRO partitions over it (ZeroConfig's
-    fields of these names)."""
+    fields of these names); sequence_parallel_size P: local/P replicas x P sequence devices."""
 
     NAME: ClassVar[str] = "sharding"
     mesh: tuple[int, int] = (2, 4)
@@ -182,11 +182,17 @@ class Sharding:
     prefetch: bool = job_default("prefetch")
     max_live_parameters: int = job_default("max_live_parameters")
     remat: str = job_default("remat")
+    sequence_parallel_size: int = job_default("sequence_parallel_size")
+    sequence_parallel_strategy: str = job_default("sequence_parallel_strategy")
 
     def __post_init__(self) -> None:
         if not is_mesh(self.mesh):
             _fail(self, "mesh", MESH_ACCEPTED)
         _check_as_zero_config(self)
+        if self.sequence_parallel_size is None or self.mesh[1] % self.sequence_parallel_size:
+            _fail(self, "sequence_parallel_size", f"a divisor of the local devices mesh[1]="
+                  f"{self.mesh[1]}: " + ", ".join(str(d) for d in range(1, self.mesh[1] + 1)
+                                                  if self.mesh[1] % d == 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,12 +333,16 @@ class TrainJobConfig:
         if self.deepspeed_config is not None and not isinstance(self.deepspeed_config, str):
             raise ValueError(f"TrainJobConfig.deepspeed_config={self.deepspeed_config!r} is "
                              "invalid; accepted: None or the JSON's path")
-        zero = self.zero_config()
+        zero, (nodes, local) = self.zero_config(), self.sharding.mesh
+        sequence = self.sharding.sequence_parallel_size
         try:
-            zero.validate_for_mesh(self.sharding.mesh[1], self.data_parallel_size)
+            zero.validate_for_mesh(local, nodes * local, sequence)
         except ValueError as err:
             raise ValueError(renamed(err)) from None
         self._check_batch()
+        if self.data.seq_len % sequence:
+            raise ValueError(f"TrainJobConfig.data.seq_len={self.data.seq_len} is invalid; "
+                             f"accepted: a multiple of sharding.sequence_parallel_size={sequence}")
         if (self.model.init_from is None) != (self.data.tokenizer != PRETRAINED):
             accepted = (f"{PRETRAINED!r} (a pretrained model's vocabulary is its own "
                         "tokenizer's)" if self.model.init_from is not None
@@ -343,13 +353,14 @@ class TrainJobConfig:
 
     def _check_batch(self) -> None:
         batch, accum = self.schedule.batch_size, self.sharding.gradient_accumulation_steps
-        unit = self.data_parallel_size * accum
+        unit, sp = self.data_parallel_size * accum, self.sharding.sequence_parallel_size
         if batch % unit:
-            nodes, local = self.sharding.mesh
+            what, over = (("data replicas", f" / sharding.sequence_parallel_size={sp}")
+                          if sp > 1 else ("data-parallel devices", ""))
             raise ValueError(
                 f"TrainJobConfig.schedule.batch_size={batch} is invalid; accepted: a multiple "
-                f"of the {nodes * local} data-parallel devices of sharding.mesh ({nodes}, "
-                f"{local}) x sharding.gradient_accumulation_steps={accum}, e.g. "
+                f"of the {self.data_parallel_size} {what} of sharding.mesh {self.sharding.mesh}"
+                f"{over} x sharding.gradient_accumulation_steps={accum}, e.g. "
                 f"{max(unit, batch // unit * unit)}")
 
     def zero_config(self) -> ZeroConfig:
@@ -369,7 +380,9 @@ class TrainJobConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.sharding.mesh[0] * self.sharding.mesh[1]
+        """The data replicas the batch's rows divide over (DeepSpeed's dp = world / sp)."""
+        nodes, local = self.sharding.mesh
+        return nodes * local // self.sharding.sequence_parallel_size
 
     @property
     def micro_batch_size(self) -> int:

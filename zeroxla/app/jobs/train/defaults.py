@@ -65,6 +65,12 @@ JOB_DEFAULTS: tuple[JobDefault, ...] = (
         "ZeroConfig keeps DeepSpeed's default, off, under which a non-finite gradient reaches "
         "the optimizer as in plain optax",
         with_config=True),
+    JobDefault(
+        "sequence_parallel_size", 1,
+        "the job builds its mesh from --mesh and this value, so it is always a number: 1, no "
+        "sequence axis (DeepSpeed's default too); ZeroConfig's None follows whatever mesh an API "
+        "user builds",
+        with_config=True),
 )
 _BY_FIELD = {d.field: d for d in JOB_DEFAULTS}
 

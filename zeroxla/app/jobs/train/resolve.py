@@ -15,8 +15,12 @@ resumed run's recorded tree; `given` the options a command line gives (argparse 
   3. the tree is built once, so it is checked as a whole (`TrainJobConfig.__post_init__`).
 
 A batch the mesh does not divide is refused naming the options (`--batch-size`, `--mesh`,
-`--grad-accum`), and `--lr` beside a JSON optimizer or scheduler (which set the learning rate)
-is refused, not ignored. No device is used.
+`--grad-accum`, `--sequence-parallel-size`), so are a `--sequence-parallel-size` that does not
+divide the mesh's LOCAL devices and a `--seq-len` it does not divide, and `--lr` beside a JSON
+optimizer or scheduler (which set the learning rate) is refused, not ignored. A JSON's batch
+arithmetic runs over DeepSpeed's dp = world / sp: the mesh's NODES x LOCAL devices over the
+sequence-parallel degree (the option's, else the JSON's `sequence_parallel_size`). No device is
+used.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from zeroxla.app.cli_args import check_batch
+from zeroxla.app.cli_args import check_batch, check_sequence_length
+from zeroxla.app.distributed import check_sequence_parallel
 from zeroxla.app.jobs.train.config import DeepSpeedSection, TrainJobConfig, engine_sections
 from zeroxla.app.jobs.train.defaults import JOB_DEFAULTS
 from zeroxla.app.jobs.train.options import deepspeed_overrides, section_changes
@@ -41,7 +46,8 @@ def _filled(job: TrainJobConfig, sections: dict[str, Any], source: Any,
     schedule = sections.get("schedule", job.schedule)
     nodes, local = sharding.mesh
     overrides = deepspeed_overrides(given)
-    ds = ds_config.load_deepspeed_config(source, data_parallel_size=nodes * local,
+    # DeepSpeed's dp world for the batch arithmetic: world_size / sequence_parallel_size.
+    ds = ds_config.load_deepspeed_config(source, world_size=nodes * local,
                                          mesh_local_size=local, overrides=overrides,
                                          default_train_batch_size=schedule.batch_size)
     if ds.hybrid_engine is not None:
@@ -67,15 +73,28 @@ def resolve_job(given: Mapping[str, Any],
     """The tree of `given` options over `base`, a --config JSON among them read into it (see the
     module docstring). Raises ValueError (a DeepSpeedConfigError for the JSON) naming what is
     wrong; DeepSpeed keys without effect warn (`DeepSpeedConfigWarning`)."""
+    # In the options' words before the sections check it in the tree's.
+    check_sequence_parallel(given.get("mesh", base.sharding.mesh),
+                            given.get("sequence_parallel_size",
+                                      base.sharding.sequence_parallel_size))
     sections = section_changes(base, given)
     source = given.get("deepspeed_config")
     if source is not None:
         sections = _filled(base, sections, source, given)
-    else:
-        sharding = sections.get("sharding", base.sharding)
+    sharding = sections.get("sharding", base.sharding)
+    sequence = sharding.sequence_parallel_size
+    from_json = source is not None and "sequence_parallel_size" not in given and sequence > 1
+    check_sequence_length(sections.get("data", base.data).seq_len, "--seq-len", sequence,
+                          f"sequence_parallel_size={sequence} in {sections.get('deepspeed_config')}"
+                          if from_json else None)
+    if source is None:
         check_batch(sections.get("schedule", base.schedule).batch_size, "--batch-size",
-                    sharding.mesh, sharding.gradient_accumulation_steps)
+                    sharding.mesh, sharding.gradient_accumulation_steps, sequence)
     job = dataclasses.replace(base, **sections)
+    if sequence > 1 and job.pipeline.stages > 1:
+        raise ValueError(f"--sequence-parallel-size {sequence} with --pipeline-stages "
+                         f"{job.pipeline.stages}: pipeline parallelism with sequence parallelism "
+                         "is not built; accepted: one of them (the other 1)")
     if "lr" in given and (job.schedule.optimizer is not None
                           or job.schedule.scheduler is not None):
         raise ValueError(f"--lr {given['lr']} conflicts with the optimizer/scheduler sections of "
