@@ -29,20 +29,22 @@ TINY = ["--steps", "2", "--batch-size", "4", "--seq-len", "16", "--eval-batches"
         "--sample-tokens", "0", "--no-progress", "--mesh", "1x4"]
 
 
-def _losses(tmp_path, name, sequence):
+def _losses(tmp_path, name, sequence, *extra):
     out = tmp_path / name
     assert cli.main(["train", *TINY, "--sequence-parallel-size", str(sequence),
-                     "--out", str(out)]) == 0
+                     "--out", str(out), *extra]) == 0
     records = rundir.read_metrics(out / rundir.METRICS_FILE)
     return ([r["loss"] for r in records if "loss" in r],
             json.loads((out / "summary.json").read_text()))
 
 
-@pytest.mark.slow            # two in-process runs, ~20 s (measured: P = 2 equal to the bit)
-def test_train_at_two_sequence_devices_is_train_without_them(tmp_path):
-    # Same --mesh 1x4 and global batch 4: 4 replicas of whole rows, or 2 replicas x 2 halves.
+@pytest.mark.slow            # two in-process runs, ~20 s each (P = 2 equal to the bit)
+@pytest.mark.parametrize("strategy", ["ulysses", "allgather"])
+def test_train_at_two_sequence_devices_is_train_without_them(tmp_path, strategy):
+    # Same --mesh 1x4 and global batch 4: 4 replicas of whole rows, or 2 replicas x 2 halves
+    # (allgather: 2 zigzag chunks of 4 tokens each).
     want, _ = _losses(tmp_path, "plain", 1)
-    got, summary = _losses(tmp_path, "sp2", 2)
+    got, summary = _losses(tmp_path, "sp2", 2, "--sequence-parallel-strategy", strategy)
     assert len(want) == len(got) == 2
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     settings = summary["settings"]

@@ -5,7 +5,7 @@
       data      Data      the file, its tokenizer, the sequence length, the validation split
       schedule  Schedule  steps, global batch, the default recipe (lr, warmup, cosine, decay),
                           or a --config JSON's optimizer and scheduler sections
-      sharding  Sharding  mesh, ZeRO stage, persistence threshold, accumulation, prefetch, remat
+      sharding  Sharding  mesh, ZeRO stage, persistence, accumulation, prefetch, remat, SP
       zeropp    ZeroPP    ZeRO++: hpZ, qwZ, qgZ
       numerics  Numerics  compute dtype, fp16 loss scaling, clipping, check_grad_overflow
       offload   Offload   ZeRO-Offload / ZeRO-Infinity
@@ -21,9 +21,8 @@ checked by ZeroConfig's own checks; `TrainJobConfig.zero_config()` is the one pl
 becomes the engine's ZeroConfig, and `engine_sections` the way back (a DeepSpeed JSON's). Their
 defaults are ZeroConfig's, except where `zeroxla.app.jobs.train.defaults.JOB_DEFAULTS` says why not.
 
-A value in the tree is the value the job uses: nothing waits to be decided. None means absent,
-where a setting can be: no Hugging Face checkpoint, no data file (the bundled corpus), no
---config, no run directory (a fresh one), not resuming. `zeroxla.app.jobs.train.resolve` makes a
+A value in the tree is the value the job uses: nothing waits to be decided. None means absent:
+no Hugging Face checkpoint, no data file (the bundled corpus), no --config, no run directory. `zeroxla.app.jobs.train.resolve` makes a
 tree from options, a --config JSON and a resumed run's record. Nothing here uses a device.
 """
 
@@ -171,8 +170,8 @@ def _check_as_zero_config(section: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
-    """The mesh (nodes, local devices per node) and how ZeRO partitions over it (ZeroConfig's
-    fields of these names); sequence_parallel_size P: local/P replicas x P sequence devices."""
+    """The mesh (nodes, local devices per node; P = sequence_parallel_size of them a sequence's)
+    and how ZeRO partitions over it (ZeroConfig's fields of these names)."""
 
     NAME: ClassVar[str] = "sharding"
     mesh: tuple[int, int] = (2, 4)
@@ -340,9 +339,10 @@ class TrainJobConfig:
         except ValueError as err:
             raise ValueError(renamed(err)) from None
         self._check_batch()
-        if self.data.seq_len % sequence:
+        how = self.sharding.sequence_parallel_strategy          # allgather: 2P zigzag chunks
+        if self.data.seq_len % (chunks := sequence * (2 if how == "allgather" else 1)):
             raise ValueError(f"TrainJobConfig.data.seq_len={self.data.seq_len} is invalid; "
-                             f"accepted: a multiple of sharding.sequence_parallel_size={sequence}")
+                             f"accepted: a multiple of {chunks} ({how}, P = {sequence})")
         if (self.model.init_from is None) != (self.data.tokenizer != PRETRAINED):
             accepted = (f"{PRETRAINED!r} (a pretrained model's vocabulary is its own "
                         "tokenizer's)" if self.model.init_from is not None

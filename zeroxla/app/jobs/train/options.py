@@ -35,7 +35,7 @@ from zeroxla.app.jobs.train.defaults import JSON_DEFAULTS, describe_default, job
 from zeroxla.deepspeed.overrides import Overrides
 from zeroxla.deepspeed.zero_config import KEY_OF_FIELD
 from zeroxla.inference.sampling import TEMPERATURE_RULE
-from zeroxla.sharding.config import OFFLOAD_DEVICES
+from zeroxla.sharding.config import OFFLOAD_DEVICES, SEQUENCE_PARALLEL_STRATEGIES
 
 # --dtype: the compute dtype (ZeroConfig.compute_dtype); master weights stay float32.
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -178,6 +178,12 @@ OPTIONS: tuple[Option, ...] = (
               "all-gather and drops it after, and runs the update on the host; needs --zero-stage "
               "3, not with --pipeline-stages; default none, or from --config",
               choices=OFFLOAD_DEVICES, deepspeed="offload_param"),
+    Option("--sequence-parallel-strategy", "sequence_parallel_strategy", "sharding",
+              "sequence_parallel_strategy", "parallel",
+              "attention under --sequence-parallel-size > 1: ulysses (DeepSpeed-Ulysses: the "
+              "heads are split, so P divides them) or allgather (context parallelism: any head "
+              "count, --seq-len a multiple of 2P); default ulysses",
+              choices=SEQUENCE_PARALLEL_STRATEGIES),
     Option("--config", "deepspeed_config", None, "deepspeed_config", "parallel",
               _config_help(), metavar="DS_CONFIG.json"),
     # the run
