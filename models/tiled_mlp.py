@@ -116,8 +116,18 @@ def _over_chunks_bwd(fn, residuals, g):
         d_chunks[k] = d
     d_consts: list[Any] = [None] * len(consts)
     for k, a in zip(diff_consts, acc):
-        d_consts[k] = a.astype(consts[k].dtype)
+        d_consts[k] = _in_space_of(a.astype(consts[k].dtype), consts[k])
     return tuple(d_chunks), tuple(d_consts)
+
+
+def _in_space_of(cotangent: jax.Array, primal: Any) -> jax.Array:
+    """`cotangent` in the memory space of `primal`: a custom VJP's cotangent must have its
+    primal's type, and a closed-over value may live in host memory (a ZeRO-Infinity partition
+    that a gathered call `fn` reads, fetched to the device inside it)."""
+    space = jax.typeof(primal).memory_space
+    if space == jax.typeof(cotangent).memory_space:
+        return cotangent
+    return jax.device_put(cotangent, space)
 
 
 _over_chunks.defvjp(_over_chunks_fwd, _over_chunks_bwd)

@@ -281,16 +281,14 @@ COMPOSED = {   # ZeroConfig fields beside stage 3 (persistence 0), and whether L
 @pytest.mark.parametrize("name", sorted(COMPOSED))
 def test_sequence_parallelism_composes_with(name):
     # The same ZeroConfig on the same 4 data replicas, with and without a sequence axis of 2:
-    # the same update (the MLP tiled as well, mlp_chunk of 4 tokens on 16-token slices, but
-    # with offload_param, whose tiled MLP fails with or without a sequence axis: see the note).
+    # the same update (the block tiled as well: mlp_chunk of 4 tokens on 16-token slices).
     from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
     lora_config = LoRAConfig(dim=4, only_optimize_lora=True)
     cls, cfg = FAMILIES["llama"]
     lora = name == "lora"
 
     def build():
-        model = cls(cfg.replace(mlp_chunk=None if name == "offload-param" else 4),
-                    rngs=nnx.Rngs(0))
+        model = cls(cfg.replace(mlp_chunk=4), rngs=nnx.Rngs(0))
         if lora:
             convert_linear_layer_to_lora(model, lora_config, rngs=nnx.Rngs(1))
         return model
