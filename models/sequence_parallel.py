@@ -122,7 +122,7 @@ def kv_repeats(heads: int, kv_heads: int, degree: int) -> int:
     return heads // kv_heads
 
 
-def check_heads(heads: int, kv_heads: int, degree: int) -> None:
+def check_heads(heads: int, degree: int) -> None:
     """ValueError unless Ulysses can split `heads` query heads over `degree` devices."""
     if heads % degree:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
@@ -131,7 +131,6 @@ def check_heads(heads: int, kv_heads: int, degree: int) -> None:
             f"heads: DeepSpeed-Ulysses splits the heads over the sequence devices; accepted "
             f"sizes for this model: {divisors}, or sequence_parallel_strategy='allgather' "
             "(context parallelism, any head count)")
-    del kv_heads
 
 
 def ulysses_attention(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array,
@@ -141,7 +140,7 @@ def ulysses_attention(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
     device's slice: q [B, T/P, H, K], k and v [B, T/P, G, K], segment_ids int [B, T/P] ->
     [B, T/P, H, K] (module docstring)."""
     p, h, g = sequence.size, q.shape[2], k.shape[2]
-    check_heads(h, g, p)
+    check_heads(h, p)
     m = kv_repeats(h, g, p)
     if m > 1:
         k, v = jnp.repeat(k, m, axis=2), jnp.repeat(v, m, axis=2)          # [B, T/P, G*m, K]

@@ -65,6 +65,15 @@ def _takes(fn: Any, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
+def declares(fn: Any, name: str) -> bool:
+    """Whether `fn` declares a parameter `name` itself (not through **kwargs, which could drop
+    it): what the step passes only to a loss_fn that asks (`rngs`, `sequence`)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def takes_packed_batches(model: Any) -> bool:
     """Whether `model` can run a packed batch: its chunked `token_logprobs` (the models'
     protocol takes `positions` and `segment_ids`) or a `__call__` accepting both."""

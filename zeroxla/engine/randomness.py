@@ -21,11 +21,12 @@ The model sees the key two ways, as Flax users pass randomness:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 
 import jax
 from jax import lax
+
+from zeroxla.engine.loss import declares
 
 CALL_STREAM = 0x7A3C  # folded into the piece key for the `rngs` a loss function receives
 
@@ -55,7 +56,4 @@ def micro_batch_key(key: jax.Array, index: int | jax.Array) -> jax.Array:
 
 def takes_rngs(loss_fn: Callable) -> bool:
     """Whether `loss_fn` declares an `rngs` parameter (the step then passes one)."""
-    try:
-        return "rngs" in inspect.signature(loss_fn).parameters
-    except (TypeError, ValueError):
-        return False
+    return declares(loss_fn, "rngs")

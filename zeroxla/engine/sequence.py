@@ -3,10 +3,11 @@ what is refused.
 
 With a "sequence" mesh axis of P devices (`make_mesh(sequence=P)`) every batch array [B, T, ...]
 is split over the data replicas along B and over the sequence devices along T
-(`batch_spec`): each device holds T / P consecutive tokens of its rows, labels already shifted
-(the batch's `targets` are next tokens of the unsplit sequence). The model gets a
-`SequenceParallel` (`models.sequence_parallel`) and computes attention over whole sequences
-by DeepSpeed-Ulysses; every other part of it is per token. The loss is a sum and a count over
+(`batch_spec`): each device holds T / P tokens of its rows (consecutive under "ulysses"; two
+zigzag chunks under "allgather", the batch reordered first: `in_sequence_layout`), labels
+already shifted (the batch's `targets` are next tokens of the unsplit sequence). The model gets
+a `SequenceParallel` (`models.sequence_parallel`) and computes attention over whole sequences
+by its strategy; every other part of it is per token. The loss is a sum and a count over
 each device's own tokens, summed over data x sequence: packed and masked batches average
 exactly over the global batch's real tokens, however they fall on the shards. Gradients are
 reduced over data x sequence (ZeRO's group, `MeshAxes.data`).
@@ -18,7 +19,6 @@ it is refused, by name, before anything is traced.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zeroxla.engine.loss import next_token_loss
+from zeroxla.engine.loss import declares, next_token_loss
 from zeroxla.models.sequence_parallel import SequenceParallel, zigzag_order
 from zeroxla.sharding.mesh import MeshAxes
 
@@ -69,10 +69,7 @@ def in_sequence_layout(batch: dict[str, Any], sequence: SequenceParallel | None
 def takes_sequence(fn: Callable) -> bool:
     """Whether `fn` declares a `sequence` parameter (the step then passes its
     `SequenceParallel`)."""
-    try:
-        return SEQUENCE_KEYWORD in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+    return declares(fn, SEQUENCE_KEYWORD)
 
 
 def check_sequence_parallel(axes: MeshAxes, loss_fn: Callable) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroxla.models.sequence_parallel import STRATEGIES
+
 # "float64" (needs `jax_enable_x64`) makes master weights, gradients, their reductions and the
 # optimizer state float64 as well: a numerical-verification mode in which a ZeRO run and a
 # single-device run differ by float64 round-off, not float32's (see `master_dtype`).
@@ -27,9 +29,9 @@ QUANTIZATION_BITS = (4, 8)
 # ZeRO-Offload's targets (DeepSpeed's `offload_optimizer.device` / `offload_param.device`):
 # "cpu" is host memory (JAX's `pinned_host` or `unpinned_host` memory kind); "nvme" is not built.
 OFFLOAD_DEVICES = ("none", "cpu")
-# How attention sees whole sequences under sequence parallelism (`models.sequence_parallel`):
-# DeepSpeed-Ulysses' head all-to-alls, or all-gather context parallelism (any head count).
-SEQUENCE_PARALLEL_STRATEGIES = ("ulysses", "allgather")
+# How attention sees whole sequences under sequence parallelism: DeepSpeed-Ulysses' head
+# all-to-alls, or all-gather context parallelism (any head count); the models' own list.
+SEQUENCE_PARALLEL_STRATEGIES = STRATEGIES
 ZERO_STAGES = (0, 1, 2, 3)
 
 
