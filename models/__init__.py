@@ -6,8 +6,11 @@
 - `blockwise_attention.py`: memory-linear causal attention (FlashAttention-2's blocks and
   backward in plain JAX, with segment ids for packed sequences); equals `layers.causal_attention`.
 - `attention.py`: the one attention every family calls (`ModelConfig.attention`): naive,
-  blockwise or cuDNN's fused attention, "auto" choosing per platform, refusals by name; and the
-  KV-cached decode (the cache read block by block, `layers.cached_attention`).
+  blockwise, cuDNN's fused attention or the Pallas flash kernel, "auto" choosing per platform,
+  refusals by name; and the KV-cached decode (the cache read block by block,
+  `layers.cached_attention`).
+- `pallas_attention.py`: jax's Pallas (Triton) flash attention kernel behind our contract (GQA,
+  padding rows zeroed, refusals by name): the GPU's route for packed rows.
 - `sequence_parallel.py`: DeepSpeed-Ulysses (`SequenceParallel`, the all-to-alls that swap a
   sequence split for a head split around attention, KV heads repeated as DeepSpeed does).
 - `tiled_mlp.py`: a block's MLP over chunks of the sequence (ALST's TiledMLP,

@@ -8,8 +8,13 @@ Implementations of causal grouped-query attention (all equal to `layers.causal_a
   on every platform and takes every option (window, scale, soft-cap, segment ids).
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash
   attention on NVIDIA GPUs, where its constraints hold (`cudnn_refusals`).
-- "auto": cudnn on a CUDA GPU where its constraints hold, else blockwise (MaxText likewise picks
-  a fused kernel per platform and falls back to its own).
+- "pallas": jax's Pallas (Triton) flash attention kernel (`pallas_attention`), compiled on a GPU
+  and interpreted elsewhere, where its constraints hold (`pallas_refusals`); takes segment ids
+  and float32, which cuDNN's route does not.
+- "auto": on a CUDA GPU cudnn where its constraints hold, else pallas where its hold and q, k,
+  v are 16-bit (the Triton kernel's float32 dots may run in TF32: float32 stays blockwise);
+  blockwise elsewhere (MaxText likewise picks a fused kernel per platform and falls back to
+  its own).
 
 An explicit choice whose constraints do not hold raises ValueError naming which: never a silent
 fallback. Decode against a KV cache (`cached_attention`) is blockwise over the cache
@@ -25,9 +30,10 @@ import jax.numpy as jnp
 
 from . import layers
 from .blockwise_attention import blockwise_attention
+from .pallas_attention import pallas_attention, pallas_refusals
 from .sequence_parallel import SequenceParallel, allgather_attention, ulysses_attention
 
-IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn")
+IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn", "pallas")
 
 # What cuDNN's fused attention takes (jax's `check_is_flash_attention`): 16-bit q, k, v of one
 # dtype, a head dim that is a multiple of 8 and at most 256 from compute capability 9.0
@@ -81,19 +87,25 @@ def cudnn_refusals(q: Any, k: Any, v: Any, *, softcap: float | None = None,
     return reasons
 
 
-def choose(q: Any, k: Any, v: Any, *, softcap: float | None = None, segment_ids: Any = None,
-           implementation: str = "auto") -> str:
+def choose(q: Any, k: Any, v: Any, *, window: int | None = None, softcap: float | None = None,
+           segment_ids: Any = None, implementation: str = "auto") -> str:
     """The implementation that runs: `implementation` itself when explicit (ValueError naming
-    each unmet constraint of an explicit "cudnn"), else per platform (module docstring)."""
+    each unmet constraint of an explicit "cudnn" or "pallas"), else per platform (module
+    docstring)."""
     check_implementation(implementation)
-    reasons = cudnn_refusals(q, k, v, softcap=softcap, segment_ids=segment_ids)
-    if implementation == "cudnn" and reasons:
-        raise ValueError(f"attention implementation='cudnn' cannot run this call: "
-                         f"{'; '.join(reasons)}; accepted: 'blockwise' or 'naive' for it, or "
-                         "'auto' (blockwise where cuDNN cannot)")
+    reasons = {"cudnn": cudnn_refusals(q, k, v, softcap=softcap, segment_ids=segment_ids),
+               "pallas": pallas_refusals(q, k, v, window=window, softcap=softcap)}
+    if implementation in reasons and reasons[implementation]:
+        raise ValueError(f"attention implementation={implementation!r} cannot run this call: "
+                         f"{'; '.join(reasons[implementation])}; accepted: 'blockwise' or "
+                         "'naive' for it, or 'auto' (blockwise where no fused kernel can)")
     if implementation != "auto":
         return implementation
-    return "cudnn" if _cuda_device() is not None and not reasons else "blockwise"
+    if q.dtype not in CUDNN_DTYPES:                  # float32: TF32 in the Triton kernel
+        reasons["pallas"].append(f"dtype {q.dtype} under 'auto'")
+    if _cuda_device() is None:
+        return "blockwise"
+    return next((route for route in ("cudnn", "pallas") if not reasons[route]), "blockwise")
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
@@ -124,7 +136,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = 
                                     or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
         raise ValueError(f"segment_ids {segment_ids.shape} {segment_ids.dtype} must be int "
                          f"[B, T] = {q.shape[:2]}")
-    route = choose(q, k, v, softcap=softcap, segment_ids=segment_ids,
+    route = choose(q, k, v, window=window, softcap=softcap, segment_ids=segment_ids,
                    implementation=implementation)
     if route == "naive":
         return layers.causal_attention(q, k, v, window=window, scale=scale, softcap=softcap,
@@ -132,6 +144,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = 
     if route == "blockwise":
         return blockwise_attention(q, k, v, window=window, scale=scale, softcap=softcap,
                                    segment_ids=segment_ids)
+    if route == "pallas":
+        return pallas_attention(q, k, v, scale=scale, segment_ids=segment_ids)
     # cuDNN's sliding window (pos - L, pos] is ours; jax's (left, 0) passes L = left + 1.
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, implementation="cudnn",
@@ -156,4 +170,4 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
 
 
 __all__ = ["IMPLEMENTATIONS", "attention", "cached_attention", "check_implementation", "choose",
-           "cudnn_refusals"]
+           "cudnn_refusals", "pallas_refusals"]

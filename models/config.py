@@ -19,8 +19,9 @@ class ModelConfig:
 
     Execution fields (keyword-only; they change how the blocks compute, never what):
     attention   `models.attention` implementation of the training / prefill path: "auto" (per
-                platform: cuDNN on a CUDA GPU where it applies, else blockwise), "blockwise",
-                "cudnn", or "naive" (the [T, T] reference); "naive" also decodes naively.
+                platform: on a CUDA GPU cuDNN where it applies, else Pallas where it applies,
+                else blockwise), "blockwise", "cudnn", "pallas", or "naive" (the [T, T]
+                reference); "naive" also decodes naively.
     mlp_chunk   tokens per chunk of the blocks' per-token work (`models.tiled_mlp`, ALST's
                 TiledMLP: the MLP; Llama's family also tiles its norms, projections and RoPE),
                 or None: over the whole sequence at once.

@@ -7,13 +7,17 @@ dim 128 -> causal GQA attention -> output projection; bfloat16 arrays, B = 1. Ti
 and gradient of sum(layer(x) * cotangent) with respect to x and the four weights, jitted,
 median of --repeats runs after 2 warm-ups. Routes:
 
-* `naive`, `blockwise`, `cudnn`: `models.attention.attention(..., implementation=...)`, the
-  dispatch every family calls (`ModelConfig.attention`; "auto" picks cudnn on a CUDA GPU where
-  it applies, else blockwise);
+* `naive`, `blockwise`, `cudnn`, `pallas`: `models.attention.attention(..., implementation=...)`,
+  the dispatch every family calls (`ModelConfig.attention`; "auto" picks cudnn on a CUDA GPU
+  where it applies, else pallas where it applies, else blockwise);
 * `jax_cudnn`, `jax_xla`: `jax.nn.dot_product_attention(is_causal=True, implementation=...)`
   called directly (k and v with their 8 heads: it takes GQA);
 * `pallas_mha`: `jax.experimental.pallas.ops.gpu.attention.mha` (Triton flash attention; k and
   v repeated to 16 heads, as it takes no GQA).
+
+`--packed`: every row packs sequences of 64..T/4 tokens (random lengths, seed 0) and ends in
+64 padding tokens (segment ids, id 0 padding), so only the routes that take segment ids run
+(naive, blockwise, pallas).
 
 Each route's loss and gradients are compared with the naive route's (largest difference
 relative to the largest naive value, over the loss and the five gradients): a fast route that
@@ -45,10 +49,16 @@ def pallas_mha(q, k, v):
     return pallas_attention.mha(q, k, v, None, sm_scale=1.0 / np.sqrt(q.shape[-1]), causal=True)
 
 
+def ours(implementation):
+    return lambda q, k, v, seg=None: dispatch.attention(q, k, v, segment_ids=seg,
+                                                        implementation=implementation)
+
+
 ROUTES = {
-    "naive": lambda q, k, v: dispatch.attention(q, k, v, implementation="naive"),
-    "blockwise": lambda q, k, v: dispatch.attention(q, k, v, implementation="blockwise"),
-    "cudnn": lambda q, k, v: dispatch.attention(q, k, v, implementation="cudnn"),
+    "naive": ours("naive"),
+    "blockwise": ours("blockwise"),
+    "cudnn": ours("cudnn"),
+    "pallas": ours("pallas"),
     "jax_cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                               implementation="cudnn"),
     "jax_xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -57,9 +67,14 @@ ROUTES = {
 }
 
 
-def skip_reason(route: str) -> str | None:
+PACKED_ROUTES = ("naive", "blockwise", "pallas")
+
+
+def skip_reason(route: str, packed: bool = False) -> str | None:
     """Why `route` cannot run on this platform (None: it can)."""
     q = jax.ShapeDtypeStruct((1, 128, HEADS, HEAD_DIM), DTYPE)
+    if packed and route not in PACKED_ROUTES:
+        return "takes no segment ids"
     if route in ("cudnn", "jax_cudnn"):
         reasons = dispatch.cudnn_refusals(q, q, q)
         if jax.default_backend() != "gpu":
@@ -70,18 +85,31 @@ def skip_reason(route: str) -> str | None:
     return None
 
 
-def layer(attend, x, wq, wk, wv, wo):
+def layer(attend, x, wq, wk, wv, wo, seg):
     q = jnp.einsum("BTD,DHK->BTHK", x, wq)
     k = jnp.einsum("BTD,DGK->BTGK", x, wk)
     v = jnp.einsum("BTD,DGK->BTGK", x, wv)
-    return jnp.einsum("BTHK,HKD->BTD", attend(q, k, v), wo)
+    out = attend(q, k, v) if seg is None else attend(q, k, v, seg)
+    return jnp.einsum("BTHK,HKD->BTD", out, wo)
 
 
-def value_and_grads(attend):
+def value_and_grads(attend, seg=None):
     def loss(x, wq, wk, wv, wo, cotangent):
-        out = layer(attend, x, wq, wk, wv, wo).astype(jnp.float32)
+        out = layer(attend, x, wq, wk, wv, wo, seg).astype(jnp.float32)
         return jnp.sum(out * cotangent.astype(jnp.float32))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def packed_segments(t: int) -> jax.Array:
+    """[1, T] int32: sequences of 64..T/4 tokens, ids 1, 2, ..., then 64 padding tokens (0)."""
+    rng = np.random.default_rng(0)
+    ids, next_id = np.zeros(t, np.int32), 1
+    start = 0
+    while start < t - 64:
+        length = min(int(rng.integers(64, max(65, t // 4))), t - 64 - start)
+        ids[start:start + length] = next_id
+        start, next_id = start + length, next_id + 1
+    return jnp.asarray(ids[None])
 
 
 def inputs(t: int) -> list[jax.Array]:
@@ -107,32 +135,36 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--routes", nargs="+", choices=sorted(ROUTES), default=list(ROUTES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--packed", action="store_true",
+                        help="packed rows with segment ids (module docstring)")
     parser.add_argument("--tiny", action="store_true", help=common.TINY_HELP)
     args = parser.parse_args()
     if args.tiny:
         args.lengths, args.repeats = [256], 2
     print(f"{jax.devices()[0]}, Qwen3-0.6B attention layer (d_model {D_MODEL}, {HEADS} q heads, "
-          f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}), bf16, B=1, forward + backward", flush=True)
+          f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}), bf16, B=1, forward + backward"
+          f"{', packed rows' if args.packed else ''}", flush=True)
     for route in args.routes:
-        reason = skip_reason(route)
+        reason = skip_reason(route, args.packed)
         if reason:
             print(f"skipped {route}: {reason}")
-            common.record(SECTION, route=route, skipped=reason)
-    runnable = [r for r in args.routes if not skip_reason(r)]
+            common.record(SECTION, route=route, packed=args.packed, skipped=reason)
+    runnable = [r for r in args.routes if not skip_reason(r, args.packed)]
     for t in args.lengths:
         xs = inputs(t)
+        seg = packed_segments(t) if args.packed else None
         reference = common.guarded(SECTION, f"naive T={t}",
                                    lambda: jax.block_until_ready(
-                                       value_and_grads(ROUTES["naive"])(*xs)))
+                                       value_and_grads(ROUTES["naive"], seg)(*xs)))
         for route in runnable:
             def measure(route=route, xs=xs, reference=reference):
-                fn = value_and_grads(ROUTES[route])
+                fn = value_and_grads(ROUTES[route], seg)
                 result = jax.block_until_ready(fn(*xs))
                 gap = None if reference is None else largest_gap(result, reference)
                 del result
                 seconds = common.median_seconds(lambda: fn(*xs), warmup=2,
                                                 repeats=args.repeats)
-                common.record(SECTION, route=route, seq=t, seconds=seconds,
+                common.record(SECTION, route=route, seq=t, packed=args.packed, seconds=seconds,
                               ms=round(seconds * 1e3, 3), max_rel_gap_vs_naive=gap)
             common.guarded(SECTION, f"{route} T={t}", measure)
 

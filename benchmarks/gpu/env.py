@@ -20,6 +20,8 @@ def main() -> None:
     for name, heads, head_dim in (("gpt2", 12, 64), ("qwen3", 16, 128)):
         q = jax.ShapeDtypeStruct((1, 1024, heads, head_dim), jax.numpy.bfloat16)
         facts[f"auto_route_{name}_bf16"] = dispatch.choose(q, q, q)
+        segments = jax.ShapeDtypeStruct((1, 1024), jax.numpy.int32)
+        facts[f"auto_route_{name}_bf16_packed"] = dispatch.choose(q, q, q, segment_ids=segments)
     common.record("env", **facts)
 
 

@@ -78,18 +78,30 @@ kernel_tests() {
   return "$rc"
 }
 
-export -f env_facts kernel_tests
+pallas_route_tests() {
+  # The Pallas flash attention route against float64 softmax attention and a family's naive
+  # route, compiled (not interpreted) on the GPU.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -P -m pytest -q -p no:cacheprovider --tb=short \
+    -k "outputs or family" tests/models/test_pallas_attention.py 2>&1 | tee "$OUT/pallas_route_tests.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+export -f env_facts kernel_tests pallas_route_tests
 export PY G TINY
 echo "run_all: budget ${BUDGET} s, OUT=$OUT, JAX_PLATFORMS=$JAX_PLATFORMS, stage $STAGE"
 section env 60 bash -c env_facts
 section kernel_tests 120 bash -c kernel_tests
-section kernel_throughput 75 $PY $G/kernels.py $TINY
 section train_bf16_T1024 240 $PY $G/train_step.py $TINY --dtype bf16 --seq 1024 --batch 16 \
   --variants plain zero0 zero3 --timeout-each 100
+section attention_routes 100 $PY $G/attention_routes.py $TINY
+section attention_routes_packed 80 $PY $G/attention_routes.py $TINY --packed
+section train_offload_T1024 150 $PY $G/train_step.py $TINY --dtype bf16 --seq 1024 --batch 16 \
+  --variants zero3_offload zero3_infinity --timeout-each 70
+section pallas_route_tests 60 bash -c pallas_route_tests
+section kernel_throughput 75 $PY $G/kernels.py $TINY
 section generation 75 $PY $G/generation.py $TINY
 section train_fp16_T1024 150 $PY $G/train_step.py $TINY --dtype fp16 --seq 1024 --batch 16 \
   --variants zero0 plain --timeout-each 90
-section attention_routes 100 $PY $G/attention_routes.py $TINY
 section train_bf16_T8192 150 $PY $G/train_step.py $TINY --dtype bf16 --seq 8192 --batch 2 \
   --variants zero3 plain --timeout-each 90
 echo

@@ -19,6 +19,9 @@ float32 master weights and Adam state, compute in --dtype (bf16 or fp16).
   log-softmax): the [B, T, V] tensor a user's first loss builds.
 * `zero0` / `zero3`: `zeroxla.make_step(model, make_mesh(1, 1), optimizer=...,
   config=ZeroConfig(stage=0|3, compute_dtype=..., loss_scale=1024 under fp16))`.
+* `zero3_offload`: stage 3 with ZeRO-Offload (`offload_optimizer="cpu"`, pinned): master
+  weights and Adam state in the GPU's pinned host memory, the update on the host
+  (`compute_on("device_host")`); `zero3_infinity`: that and `offload_param="cpu"`.
 
 Data: 4 fixed batches of random tokens, targets = inputs + 1 (mod V), on the device before the
 first step; step i takes batch i mod 4. Reported per variant: the losses of steps 1..5, the
@@ -41,7 +44,13 @@ import time
 import common
 
 SECTION = "train_step"
-VARIANTS = ("plain", "plain_logits", "zero0", "zero3")
+VARIANTS = ("plain", "plain_logits", "zero0", "zero3", "zero3_offload", "zero3_infinity")
+ZERO_VARIANTS = {
+    "zero0": dict(stage=0), "zero3": dict(stage=3),
+    "zero3_offload": dict(stage=3, offload_optimizer="cpu", offload_pin_memory=True),
+    "zero3_infinity": dict(stage=3, offload_optimizer="cpu", offload_param="cpu",
+                           offload_pin_memory=True),
+}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FP16_LOSS_SCALE = 1024.0
 WARMUP, FIRST_LOSSES, BATCHES = 2, 5, 4
@@ -152,13 +161,13 @@ def run_variant(args) -> dict:
             params, opt_state, loss = compiled(params, opt_state, data[i % BATCHES])
             return loss
     else:
-        stage = int(args.variant[-1])
         extra = {"loss_scale": FP16_LOSS_SCALE} if args.dtype == "fp16" else {}
+        extra.update(ZERO_VARIANTS[args.variant])
         # A factory: the state is created directly in its layout (DeepSpeed's zero.Init), the
         # same values as the plain variant's eager model (same seed).
         step = zeroxla.make_step(lambda: models.GPT(config, rngs=nnx.Rngs(0)),
                                  zeroxla.make_mesh(1, 1), optimizer=optimizer,
-                                 config=zeroxla.ZeroConfig(stage=stage, compute_dtype=dtype_name,
+                                 config=zeroxla.ZeroConfig(compute_dtype=dtype_name,
                                                            **extra))
         state = step.init()
         lowered = step.lower(state, data[0])

@@ -12,8 +12,9 @@ the project's ranges admit).
 
     versions.py  the installed JAX's (major, minor), read by the modules here alone
     memory.py    a computation in host memory inside a jit (`host_computation`): jax.experimental
-                 `compute_on` is a context manager around a `jax.jit` call up to 0.11, a function
-                 transformation with `out_memory_spaces` on 0.12 (`engine.host_update`)
+                 `compute_on` is a context manager around a `jax.jit` call up to 0.11.0, a function
+                 transformation with `out_memory_spaces` from 0.11.1 (a patch release: chosen by
+                 `compute_on`'s signature, not the version; `engine.host_update`)
     jaxpr.py     the jaxpr facts the weight split, the cotangent layout and the invariant
                  residuals read: call primitives and their jaxprs, a scan's consts / carries
                  (counted by parameters on 0.10, flat trees from 0.11), re-emitting an equation
@@ -46,7 +47,8 @@ BRANCHES: tuple[Branch, ...] = (
            "XLA:CPU has only the MLIR fusion emitters (the flag would abort the process); "
            "`fusion_emitters` tests run in-process",
            "every test (both legs start)"),
-    Branch("zeroxla/compat/memory.py (host_computation)", (0, 12),
+    # The newer side from jax 0.11.1 (a patch release), read from compute_on's signature.
+    Branch("zeroxla/compat/memory.py (host_computation)", (0, 11),
            "`with compute_on('device_host'): jax.jit(fn)(*args)`: the context manager makes the "
            "jit call the host computation, results typed by JAX's rules (host-typed operands "
            "give host-typed results)",
