@@ -12,10 +12,17 @@ What our contract adds to the kernel's (`pallas_refusals` lists what it does not
 - segment id 0 is padding whose output is zeros (the kernel lets padding attend to padding):
   those rows are zeroed, which also zeroes every gradient through them;
 - the scale defaults to 1/sqrt(K), as every other route.
+
+jax 0.11 and 0.12 mark the kernel's module deprecated (its successor is tokamax's
+`dot_product_attention`, a separate package); where a jax no longer has it, the route is
+refused by name (`pallas_refusals`) and "auto" takes the blockwise route.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -24,6 +31,18 @@ import jax.numpy as jnp
 # The kernel's default blocks: 128 query / key rows forward, 32 in the backward kernels; the
 # sequence must split into whole blocks of both.
 FORWARD_BLOCK, BACKWARD_BLOCK = 128, 32
+KERNEL_MODULE = "jax.experimental.pallas.ops.gpu.attention"
+
+
+def _kernel() -> ModuleType | None:
+    """jax's flash attention module, or None where this jax has none (its deprecation notice,
+    which names its successor, is not repeated at every trace)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return importlib.import_module(KERNEL_MODULE)
+    except ImportError:
+        return None
 
 
 def pallas_refusals(q: Any, k: Any, v: Any, *, window: int | None = None,
@@ -31,6 +50,9 @@ def pallas_refusals(q: Any, k: Any, v: Any, *, window: int | None = None,
     """Why the Pallas flash kernel cannot run this call (empty when it can): each reason names
     the argument, its value and what the kernel accepts."""
     reasons = []
+    if _kernel() is None:
+        reasons.append(f"{KERNEL_MODULE} is not in jax {jax.__version__} (tokamax's "
+                       "dot_product_attention is its successor)")
     t, head_dim = q.shape[1], q.shape[-1]
     if t % min(FORWARD_BLOCK, t) or t % BACKWARD_BLOCK:
         reasons.append(f"sequence length T={t} (the Pallas kernel takes a multiple of "
@@ -52,8 +74,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float |
     """Causal attention q [B, T, H, K], k and v [B, T, G, K] -> [B, T, H, K] by the Pallas
     flash kernel; `pallas_refusals` must be empty. `interpret` None: compiled on a GPU,
     interpreted elsewhere (False lowers the Triton kernel for CUDA from a CPU host)."""
-    from jax.experimental.pallas.ops.gpu import attention as flash
-
+    flash = _kernel()
     groups = q.shape[2] // k.shape[2]
     if groups > 1:                                    # [B, T, G, K] -> [B, T, H, K]
         k, v = (jnp.repeat(a, groups, axis=2) for a in (k, v))

@@ -141,3 +141,15 @@ def test_auto_stays_blockwise_off_gpus_where_pallas_would_take_the_call():
     assert jax.default_backend() == "cpu"
     q = jnp.zeros((1, 128, 2, 64), jnp.float32)
     assert choose(q, q, q, segment_ids=jnp.ones((1, 128), jnp.int32)) == "blockwise"
+
+
+def test_a_jax_without_the_kernel_refuses_the_route_by_name(monkeypatch):
+    """jax 0.11 and 0.12 deprecate the kernel's module; once a jax drops it, an explicit
+    "pallas" names the module and its successor, and "auto" would not pick it."""
+    from zeroxla.models import pallas_attention as module
+
+    monkeypatch.setattr(module, "_kernel", lambda: None)
+    q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"jax.experimental.pallas.ops.gpu.attention is not in "
+                                         r"jax .*tokamax"):
+        attention(q, q, q, implementation="pallas")
