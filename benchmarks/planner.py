@@ -5,7 +5,7 @@ only (nothing allocated, nothing runs), ZeRO-3, bf16, 8 simulated CPU devices of
     python benchmarks/planner.py search --model Llama-3.1-8B --remat full \\
         --field attention=auto --field mlp_chunk=4096   # the largest T for one setting
     python benchmarks/planner.py search ... --sequence-parallel-size 8 \\
-        [--sequence-parallel-strategy allgather]      # one sequence over the 8 devices
+        [--sequence-parallel-strategy allgather|ring] # one sequence over the 8 devices
 
 Each compile prints its seconds: the search compiles about 2 log2(T / 1024) times. Figures are
 XLA:CPU's (`zeroxla.analysis.planner`: remat "offload"'s device figure is derived there).
@@ -23,6 +23,7 @@ if "XLA_FLAGS" not in os.environ:
 import zeroxla  # noqa: E402
 from zeroxla.analysis.planner import largest_fitting, plan_memory  # noqa: E402
 from zeroxla.models import presets  # noqa: E402
+from zeroxla.models.sequence_parallel import STRATEGIES  # noqa: E402
 
 GiB = 2**30
 DEVICE = 80 * GiB
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--sequence-parallel-size", type=int, default=1, choices=(1, 2, 4, 8),
                         help="each sequence split over this many of the 8 devices")
     parser.add_argument("--sequence-parallel-strategy", default="ulysses",
-                        choices=("ulysses", "allgather"))
+                        choices=STRATEGIES)
     args = parser.parse_args()
     fields = {k: _value(v) for k, v in (f.split("=", 1) for f in args.field)}
     if args.what == "table":

@@ -12,7 +12,10 @@
 - `pallas_attention.py`: jax's Pallas (Triton) flash attention kernel behind our contract (GQA,
   padding rows zeroed, refusals by name): the GPU's route for packed rows.
 - `sequence_parallel.py`: DeepSpeed-Ulysses (`SequenceParallel`, the all-to-alls that swap a
-  sequence split for a head split around attention, KV heads repeated as DeepSpeed does).
+  sequence split for a head split around attention, KV heads repeated as DeepSpeed does) and
+  all-gather context parallelism (the zigzag split).
+- `ring_attention.py`: ring attention, the keys and values passed around the sequence devices
+  (forward and a custom backward), 1/P of them held.
 - `tiled_mlp.py`: a block's MLP over chunks of the sequence (ALST's TiledMLP,
   `ModelConfig.mlp_chunk`), its [B, T, F] intermediate one chunk at a time.
 - `chunked_logits.py`: the head's log-probs and entropies per chunk of the sequence in a scan

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from . import layers
 from .blockwise_attention import blockwise_attention
 from .pallas_attention import pallas_attention, pallas_refusals
+from .ring_attention import ring_attention
 from .sequence_parallel import SequenceParallel, allgather_attention, ulysses_attention
 
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn", "pallas")
@@ -119,14 +120,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = 
 
     `sequence` (sequence parallelism): q, k, v and segment_ids hold this device's T/P tokens of
     each sequence; the attention of the whole sequences is computed by DeepSpeed-Ulysses or
-    all-gather context parallelism (`sequence_parallel`, its `strategy`) and this device's
-    slice of it returned. Context parallelism runs the blockwise attention only."""
-    if sequence is not None and sequence.size > 1 and sequence.strategy == "allgather":
+    all-gather context parallelism or ring attention (`sequence_parallel`, its `strategy`)
+    and this device's slice of it returned. Context parallelism (allgather, ring) runs the
+    blockwise attention only."""
+    if sequence is not None and sequence.size > 1 and sequence.zigzag:
         check_implementation(implementation)
         if implementation not in ("auto", "blockwise"):
-            raise ValueError(f"attention implementation={implementation!r} under all-gather "
-                             "context parallelism: its query chunks at an offset run the "
-                             "blockwise attention only; accepted: 'auto' or 'blockwise'")
+            raise ValueError(f"attention implementation={implementation!r} under "
+                             f"{sequence.strategy!r} context parallelism: its query chunks at "
+                             "an offset run the blockwise attention only; accepted: 'auto' or "
+                             "'blockwise'")
+        if sequence.strategy == "ring":
+            return ring_attention(q, k, v, sequence.axis, sequence.size, segment_ids,
+                                  window=window, scale=scale, softcap=softcap)
         return allgather_attention(q, k, v, sequence, segment_ids, window=window, scale=scale,
                                    softcap=softcap)
     if sequence is not None and sequence.size > 1:

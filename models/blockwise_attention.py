@@ -218,10 +218,13 @@ def blocks_visited(q_len: int, kv_len: int, q_offset: int, *, window: int | None
         _kv_range(plan, i, nk, q_offset) for i in range(_round_up(q_len, bq) // bq)))
 
 
-def _forward(q, k, v, segments, offset, plan: _Plan) -> tuple[jax.Array, jax.Array]:
+def _forward(q, k, v, segments, offset, plan: _Plan,
+             cast: bool = True) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, G, R, K] in v's dtype, lse [B, G, R, Tq]): the online softmax over the
     visible key/value blocks of each query block. A row that sees no key (padding) gets
-    out 0 and lse +inf, so the backward's exp(s - lse) is 0 there."""
+    out 0 and lse +inf, so the backward's exp(s - lse) is 0 there. `offset`: the queries'
+    first position less the keys' (causal mask and window see relative positions only);
+    `cast` False: out in the accumulation dtype (float32 or float64)."""
     b, tq, g, r, d = q.shape
     bq, bk = plan.q_block, plan.kv_block
     acc_dtype = layers.at_least_float32(q.dtype)
@@ -254,7 +257,8 @@ def _forward(q, k, v, segments, offset, plan: _Plan) -> tuple[jax.Array, jax.Arr
         m, l, acc = lax.fori_loop(*_kv_range(plan, i, k.shape[1] // bk, offset), kv_step, init)
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
-        out = jnp.einsum("BGRQK->BQGRK", acc / l_safe[..., None]).astype(v.dtype)
+        out = jnp.einsum("BGRQK->BQGRK", acc / l_safe[..., None])
+        out = out.astype(v.dtype) if cast else out
         lse = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
         return None, (out, lse)
 
@@ -264,10 +268,16 @@ def _forward(q, k, v, segments, offset, plan: _Plan) -> tuple[jax.Array, jax.Arr
     return out, lse
 
 
-def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan):
+def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan, cast: bool = True):
     """(dq, dk, dv) in the inputs' dtypes: FlashAttention-2's backward, one scan over key/value
     blocks (each accumulating its own dk, dv) and, per block, a loop over the query blocks that
-    see it (adding into dq, carried whole: [B, Tq, G, R, K], linear in T)."""
+    see it (adding into dq, carried whole: [B, Tq, G, R, K], linear in T). `cast` False: in
+    the float32 (float64) accumulation dtype, for a caller that sums several (the ring).
+
+    `offset` is the queries' first position less the keys' first position (negative for keys
+    after the queries' start), `out` and `lse` the rows' whole attention and logsumexp: with
+    keys that are one part of what the rows attend (ring attention), these are that part's
+    exact gradients, P = exp(S - lse) being the rows' true softmax over it."""
     b, tq, g, r, d = q.shape
     tk = k.shape[1]
     bq, bk = plan.q_block, plan.kv_block
@@ -307,7 +317,7 @@ def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan):
         zeros = jnp.zeros((b, bk, g, d), acc_dtype)
         dq, dk, dv = lax.fori_loop(*_query_range(plan, j, tq // bq, offset), q_step,
                                    (dq, zeros, zeros))
-        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+        return dq, ((dk.astype(k.dtype), dv.astype(v.dtype)) if cast else (dk, dv))
 
     # dq is summed over every key/value block: float32, whole, made after d_out exists (a
     # zeros made in the layer loop is otherwise hoisted out of it, `layers.fresh_zeros`).
@@ -315,4 +325,4 @@ def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan):
                                        tk // bk, after=do_bits)
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, tk, g, d)                      # [nk, B, bk, G, K] ->
     dv = jnp.moveaxis(dv, 0, 1).reshape(b, tk, g, d)
-    return dq.astype(q.dtype), dk, dv
+    return (dq.astype(q.dtype) if cast else dq), dk, dv

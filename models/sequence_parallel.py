@@ -1,5 +1,6 @@
-"""Sequence parallelism for the families' attention: DeepSpeed-Ulysses (Jacobs et al. 2023)
-and all-gather context parallelism (Llama 3's, for head counts Ulysses cannot split).
+"""Sequence parallelism for the families' attention: DeepSpeed-Ulysses (Jacobs et al. 2023),
+all-gather context parallelism (Llama 3's) and ring attention (`ring_attention`), the last two
+for any head count.
 
 Under sequence parallelism each device of a sequence group holds T / P tokens of every
 sequence (the mesh's "sequence" axis, `zeroxla.make_mesh(sequence=P)`). Everything but
@@ -31,6 +32,13 @@ device). `allgather_attention` all-gathers the keys and values over the sequence
 blockwise attention of each local query chunk at its offset against them
 (`blockwise_attention_at`, which visits only the key blocks left of the chunk's end). Backward,
 the all-gather's transpose reduce-scatters the keys' and values' gradients.
+
+strategy "ring" (any head count): the same zigzag split; the keys and values are passed around
+the sequence devices one device's chunks at a time (`lax.ppermute`) instead of gathered, so a
+device never holds more than T / P of them (`models.ring_attention`: its bytes, forward and
+backward). All-gather moves the same bytes forward in one collective and holds the whole T of
+keys and values for the layer; the ring holds 1/P of it and overlaps each hop with a step's
+attention.
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ from jax import lax
 
 from .blockwise_attention import blockwise_attention_at
 
-STRATEGIES = ("ulysses", "allgather")
+STRATEGIES = ("ulysses", "allgather", "ring")
+ZIGZAG_STRATEGIES = ("allgather", "ring")          # 2P chunks, device r holds r and 2P - 1 - r
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,19 +80,25 @@ class SequenceParallel:
 
     def index(self) -> jax.Array:
         """This device's place r in the sequence group: it holds tokens [r T/P, (r + 1) T/P)
-        under "ulysses", chunks r and 2P - 1 - r under "allgather" (`chunk_starts`)."""
+        under "ulysses", chunks r and 2P - 1 - r under "allgather" and "ring"
+        (`chunk_starts`)."""
         return lax.axis_index(self.axis)
 
     @property
+    def zigzag(self) -> bool:
+        """Whether the tokens are split in zigzag chunks (allgather, ring), not in P runs."""
+        return self.strategy in ZIGZAG_STRATEGIES
+
+    @property
     def chunks(self) -> int:
-        """Chunks the sequence is cut into: P (ulysses), 2P (allgather's zigzag)."""
-        return self.size * (2 if self.strategy == "allgather" else 1)
+        """Chunks the sequence is cut into: P (ulysses), 2P (the zigzag of allgather, ring)."""
+        return self.size * (2 if self.zigzag else 1)
 
     def positions(self, tokens: jax.Array) -> jax.Array:
         """The default positions [B, T/P] of this device's tokens: 0..T-1 of the whole
-        sequence, sliced as the tokens are (one run, or allgather's two chunks)."""
+        sequence, sliced as the tokens are (one run, or the zigzag's two chunks)."""
         b, t = tokens.shape[:2]
-        if self.strategy == "ulysses":
+        if not self.zigzag:
             starts = [self.index() * t]
         else:
             c = t // 2
@@ -92,7 +107,7 @@ class SequenceParallel:
         return jnp.broadcast_to(jnp.concatenate(parts), (b, t))
 
     def chunk_starts(self) -> tuple[jax.Array, jax.Array]:
-        """allgather: the chunk numbers (r, 2P - 1 - r) this device holds."""
+        """allgather, ring: the chunk numbers (r, 2P - 1 - r) this device holds."""
         r = self.index()
         return r, 2 * self.size - 1 - r
 
@@ -197,6 +212,6 @@ def all_to_all_elements(tokens: int, heads: int, kv_heads: int, head_dim: int,
     return math.prod((tokens // degree, 2 * heads + 2 * kv, head_dim)) * (degree - 1) // degree
 
 
-__all__ = ["STRATEGIES", "SequenceParallel", "all_to_all_elements", "allgather_attention",
+__all__ = ["STRATEGIES", "ZIGZAG_STRATEGIES", "SequenceParallel", "all_to_all_elements", "allgather_attention",
            "allgather_elements", "check_heads", "kv_repeats", "ulysses_attention",
            "zigzag_order"]

@@ -98,6 +98,10 @@ section attention_routes_packed 80 $PY $G/attention_routes.py $TINY --packed
 section train_offload_T1024 150 $PY $G/train_step.py $TINY --dtype bf16 --seq 1024 --batch 16 \
   --variants zero3_offload zero3_infinity --timeout-each 70
 section pallas_route_tests 60 bash -c pallas_route_tests
+section train_packed_T8192 120 $PY $G/train_step.py $TINY --dtype bf16 --seq 8192 --batch 2 \
+  --packed --variants plain zero3 --timeout-each 55
+section train_packed_T8192_blockwise 70 $PY $G/train_step.py $TINY --dtype bf16 --seq 8192 \
+  --batch 2 --packed --attention blockwise --variants zero3 --timeout-each 65
 section kernel_throughput 75 $PY $G/kernels.py $TINY
 section generation 75 $PY $G/generation.py $TINY
 section train_fp16_T1024 150 $PY $G/train_step.py $TINY --dtype fp16 --seq 1024 --batch 16 \

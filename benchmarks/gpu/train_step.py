@@ -24,7 +24,10 @@ float32 master weights and Adam state, compute in --dtype (bf16 or fp16).
   (`compute_on("device_host")`); `zero3_infinity`: that and `offload_param="cpu"`.
 
 Data: 4 fixed batches of random tokens, targets = inputs + 1 (mod V), on the device before the
-first step; step i takes batch i mod 4. Reported per variant: the losses of steps 1..5, the
+first step; step i takes batch i mod 4. `--packed`: every row packs sequences of 64..T/4 tokens
+(segment ids, positions restarting per sequence) and ends in 64 padding tokens out of the loss
+(`loss_mask`), in the plain step's loss as in zeroxla's: cuDNN's route takes no segment ids, so
+"auto" attention is the Pallas flash kernel on a CUDA GPU (16-bit), blockwise elsewhere. Reported per variant: the losses of steps 1..5, the
 first step's seconds (compile included), tokens/s from the median of --steps timed steps after
 2 warm-ups, MFU = (6 N + 12 L d T) x tokens/s / peak, with N the parameters less the position
 table (nanoGPT's `estimate_mfu`), L layers, d model width, T sequence length, peak 989e12 (H100
@@ -77,7 +80,7 @@ def flops_per_token(config, seq: int) -> tuple[float, int]:
     return 6.0 * n + 12.0 * config.num_layers * config.d_model * seq, n
 
 
-def batches(batch: int, seq: int, vocab: int):
+def batches(batch: int, seq: int, vocab: int, packed: bool = False):
     import jax
     import numpy as np
 
@@ -85,8 +88,29 @@ def batches(batch: int, seq: int, vocab: int):
     out = []
     for _ in range(BATCHES):
         inputs = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
-        out.append(jax.device_put({"inputs": inputs, "targets": (inputs + 1) % vocab}))
+        arrays = {"inputs": inputs, "targets": (inputs + 1) % vocab}
+        if packed:
+            arrays.update(packed_rows(rng, batch, seq))
+        out.append(jax.device_put(arrays))
     return out
+
+
+def packed_rows(rng, batch: int, seq: int) -> dict:
+    """segment_ids, positions, loss_mask [B, T]: sequences of 64..T/4 tokens, then 64 padding
+    tokens (segment 0, out of the loss)."""
+    import numpy as np
+
+    pad = min(64, seq // 4)
+    segments, positions = np.zeros((batch, seq), np.int32), np.zeros((batch, seq), np.int32)
+    for row in range(batch):
+        start, next_id = 0, 1
+        while start < seq - pad:
+            length = min(int(rng.integers(pad, max(pad + 1, seq // 4))), seq - pad - start)
+            segments[row, start:start + length] = next_id
+            positions[row, start:start + length] = np.arange(length)
+            start, next_id = start + length, next_id + 1
+    return {"segment_ids": segments, "positions": positions,
+            "loss_mask": (segments > 0).astype(np.float32)}
 
 
 def plain_step(model, optimizer, dtype, whole_logits: bool):
@@ -103,13 +127,15 @@ def plain_step(model, optimizer, dtype, whole_logits: bool):
         compute = jax.tree.map(
             lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, p)
         m = nnx.merge(graphdef, compute, rest)
+        packing = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
         if whole_logits:
-            logits = m(batch["inputs"]).astype(jnp.float32)
+            logits = m(batch["inputs"], **packing).astype(jnp.float32)
             logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1),
                                        batch["targets"][..., None], axis=-1)[..., 0]
         else:
-            logp = m.token_logprobs(batch["inputs"], batch["targets"])
-        return -jnp.mean(logp) * scale
+            logp = m.token_logprobs(batch["inputs"], batch["targets"], **packing)
+        mask = batch.get("loss_mask", jnp.ones_like(logp))
+        return -jnp.sum(logp * mask) / jnp.sum(mask) * scale
 
     def step(p, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(p, batch)
@@ -143,8 +169,9 @@ def run_variant(args) -> dict:
     per_token, n_params = flops_per_token(config, args.seq)
     head_dim = config.d_model // config.num_heads
     q = jax.ShapeDtypeStruct((args.batch, args.seq, config.num_heads, head_dim), dtype)
-    route = attention_dispatch.choose(q, q, q, implementation=args.attention)
-    data = batches(args.batch, args.seq, config.vocab_size)
+    segments = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32) if args.packed else None
+    route = attention_dispatch.choose(q, q, q, segment_ids=segments, implementation=args.attention)
+    data = batches(args.batch, args.seq, config.vocab_size, args.packed)
     optimizer = optax.adamw(3e-4)
     losses, times, markers, compiled = [], [], None, None
 
@@ -192,6 +219,7 @@ def run_variant(args) -> dict:
     seconds = sorted(times[WARMUP:])[len(times[WARMUP:]) // 2]
     tokens_per_s = args.batch * args.seq / seconds
     row = dict(variant=args.variant, dtype=args.dtype, seq=args.seq, batch=args.batch,
+               packed=args.packed,
                attention=args.attention, attention_route=route, params=n_params,
                compile_s=round(compile_s, 2), step_s=seconds, tokens_per_s=round(tokens_per_s),
                flops_per_token=per_token, peak_flops=args.peak_flops,
@@ -215,7 +243,8 @@ def child(args) -> None:
 
 
 def tag(args, variant: str) -> str:
-    return f"{variant}_{args.dtype}_T{args.seq}_B{args.batch}{'_tiny' if args.tiny else ''}"
+    return (f"{variant}_{args.dtype}_T{args.seq}_B{args.batch}{'_packed' if args.packed else ''}"
+            f"{'_tiny' if args.tiny else ''}")
 
 
 def parent(args) -> None:
@@ -275,7 +304,7 @@ def forwarded(args) -> list[str]:
     out = ["--dtype", args.dtype, "--seq", str(args.seq), "--batch", str(args.batch),
            "--steps", str(args.steps), "--attention", args.attention,
            "--peak-flops", str(args.peak_flops)]
-    return out + (["--tiny"] if args.tiny else [])
+    return out + (["--tiny"] if args.tiny else []) + (["--packed"] if args.packed else [])
 
 
 def main() -> None:
@@ -288,7 +317,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10, help="timed steps after 2 warm-ups")
     parser.add_argument("--attention", default="auto",
-                        help="models' attention implementation: auto, naive, blockwise, cudnn")
+                        help="models' attention implementation: auto, naive, blockwise, cudnn, "
+                             "pallas")
+    parser.add_argument("--packed", action="store_true",
+                        help="packed rows with segment ids (module docstring)")
     parser.add_argument("--peak-flops", type=float, default=common.H100_PEAK_FLOPS)
     parser.add_argument("--timeout-each", type=float, default=150.0)
     parser.add_argument("--tiny", action="store_true", help=common.TINY_HELP)

@@ -147,8 +147,9 @@ class ZeroConfig:
     # partitions over data x sequence. None: whatever the mesh has; a number (DeepSpeed's
     # `sequence_parallel_size`) must equal the mesh's sequence axis (`validate_for_mesh`).
     sequence_parallel_size: int | None = None
-    # "ulysses" (heads split over the sequence devices: the head count must divide by them) or
-    # "allgather" (keys and values all-gathered, zigzag chunks for causal balance: any heads).
+    # "ulysses" (heads split over the sequence devices: the head count must divide by them),
+    # "allgather" (keys and values all-gathered, zigzag chunks for causal balance: any heads)
+    # or "ring" (the same split, keys and values passed around the devices: 1/P of them held).
     sequence_parallel_strategy: str = "ulysses"
 
     def __post_init__(self) -> None:

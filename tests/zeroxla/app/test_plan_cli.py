@@ -59,5 +59,5 @@ def test_a_sequence_parallel_size_that_does_not_divide_local_is_named(capsys):
 
 
 def test_an_unknown_sequence_parallel_strategy_is_named(capsys):
-    err = _refused(["--model", "Qwen2.5-0.5B", "--sequence-parallel-strategy", "ring"], capsys)
-    assert "--sequence-parallel-strategy" in err and "'ulysses', 'allgather'" in err
+    err = _refused(["--model", "Qwen2.5-0.5B", "--sequence-parallel-strategy", "star"], capsys)
+    assert "--sequence-parallel-strategy" in err and "'ulysses', 'allgather', 'ring'" in err

@@ -39,10 +39,10 @@ def _losses(tmp_path, name, sequence, *extra):
 
 
 @pytest.mark.slow            # two in-process runs, ~20 s each (P = 2 equal to the bit)
-@pytest.mark.parametrize("strategy", ["ulysses", "allgather"])
+@pytest.mark.parametrize("strategy", ["ulysses", "allgather", "ring"])
 def test_train_at_two_sequence_devices_is_train_without_them(tmp_path, strategy):
     # Same --mesh 1x4 and global batch 4: 4 replicas of whole rows, or 2 replicas x 2 halves
-    # (allgather: 2 zigzag chunks of 4 tokens each).
+    # (allgather, ring: 2 zigzag chunks of 4 tokens each).
     want, _ = _losses(tmp_path, "plain", 1)
     got, summary = _losses(tmp_path, "sp2", 2, "--sequence-parallel-strategy", strategy)
     assert len(want) == len(got) == 2

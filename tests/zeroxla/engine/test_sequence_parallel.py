@@ -27,6 +27,7 @@ from zeroxla.analysis.hlo import collectives
 from zeroxla.models import GPT, GPTConfig, Gemma2, Gemma2Config, Llama, LlamaConfig, Qwen3Config
 from zeroxla.models.families import MistralConfig, Qwen2Config
 from zeroxla.models.blockwise_attention import blocks_visited
+from zeroxla.models.ring_attention import ring_elements
 from zeroxla.models.sequence_parallel import (all_to_all_elements, allgather_elements,
                                               kv_repeats, zigzag_order)
 
@@ -215,11 +216,18 @@ ALLGATHER = zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
                                sequence_parallel_strategy="allgather")
 
 
-@pytest.mark.parametrize("family,degree,packed", [("qwen2.5-0.5b-heads", 8, True),
-                                                  ("mistral", 4, False), ("gemma2", 2, True)])
-def test_allgather_context_parallelism_trains_as_on_one_device(family, degree, packed):
-    # Any head count (14 at P = 8), sliding windows, soft-caps, packed rows across the chunks.
-    _assert_same_step(family, degree, packed=packed, config=ALLGATHER)
+RING = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, sequence_parallel_strategy="ring")
+
+
+@pytest.mark.parametrize("family,degree,packed,config", [
+    ("qwen2.5-0.5b-heads", 8, True, ALLGATHER), ("mistral", 4, False, ALLGATHER),
+    ("qwen2.5-0.5b-heads", 8, True, RING), ("gemma2", 2, True, RING), ("llama", 4, False, RING)],
+    ids=["allgather-0.5b-8", "allgather-mistral-4", "ring-0.5b-8", "ring-gemma2-2",
+         "ring-llama-4"])
+def test_context_parallelism_trains_as_on_one_device(family, degree, packed, config):
+    # Any head count (14 at P = 8), sliding windows, soft-caps, packed rows across the chunks;
+    # the keys and values all-gathered, or passed around the ring.
+    _assert_same_step(family, degree, packed=packed, config=config)
 
 
 def test_the_zigzag_split_balances_the_attention_blocks_of_every_device():
@@ -258,10 +266,34 @@ def test_allgather_moves_the_keys_and_values_once_per_layer_each_way():
     assert not [c for c in found if c.kind == "all-to-all"]
 
 
-@pytest.mark.parametrize("strategy,all_to_all", [("ulysses", True), ("allgather", False)])
+def test_the_ring_passes_keys_values_and_their_gradients_as_the_ring_formula_says():
+    # Forward: k and v, P - 1 hops; backward: k and v P - 1 hops the other way, dk and dv
+    # (float32) P hops; segment ids (int32) travel with k and v. Nothing else is permuted, and
+    # no [B, T/P, ...] activation is all-gathered.
+    family, degree = "qwen2.5-0.5b-heads", 4
+    cls, cfg = FAMILIES[family]
+    mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=degree)
+    step = zeroxla.make_step(_factory(family), mesh, optimizer=optax.sgd(1.0), config=RING)
+    local_rows = B // (MESHES[degree][0] * MESHES[degree][1])
+    for packed in (False, True):
+        found = collectives(step.compile(step.init(), _batch(packed=packed)).as_text())
+        sent = sum(c.operand_bytes * c.multiplier for c in found
+                   if c.kind == "collective-permute")
+        hops = ring_elements(T, cfg.num_kv_heads, cfg.d_model // cfg.num_heads, degree)
+        want = sum(hops.values()) * local_rows * 4 * cfg.num_layers
+        if packed:   # segment ids [rows, T/P] int32 with each hop of k and v, each layer
+            want += cfg.num_layers * 2 * (degree - 1) * local_rows * (T // degree) * 4
+        assert sent == want, (packed, sent, want)
+        assert not [c for c in found if c.kind == "all-gather"
+                    and any(s.dims[:2] == (local_rows, T // degree) for s in c.operands)]
+
+
+@pytest.mark.parametrize("strategy,all_to_all", [("ulysses", True), ("allgather", False),
+                                                 ("ring", False)])
 def test_a_bf16_step_lowers_for_cuda_with_its_sequence_collectives(strategy, all_to_all):
     # What a GPU would compile (nothing runs): the bf16 step under each strategy lowers; Ulysses
-    # exchanges heads by all-to-all, context parallelism all-gathers (as ZeRO-3's weights are).
+    # exchanges heads by all-to-all, context parallelism all-gathers (as ZeRO-3's weights are)
+    # or passes keys and values around the ring (collective permutes).
     from zeroxla.compat.lowering import lower_for_cuda
     config = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, compute_dtype="bfloat16",
                                 sequence_parallel_strategy=strategy)
@@ -270,6 +302,7 @@ def test_a_bf16_step_lowers_for_cuda_with_its_sequence_collectives(strategy, all
     batch = step._check_batch(_batch())
     text = lower_for_cuda(step._jitted, step.init(), batch).as_text()
     assert ("stablehlo.all_to_all" in text) == all_to_all and "stablehlo.all_gather" in text
+    assert ("stablehlo.collective_permute" in text) == (strategy == "ring")
 
 
 COMPOSED = {   # ZeroConfig fields beside stage 3 (persistence 0), and whether LoRA adapts it

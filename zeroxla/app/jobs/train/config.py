@@ -22,8 +22,8 @@ becomes the engine's ZeroConfig, and `engine_sections` the way back (a DeepSpeed
 defaults are ZeroConfig's, except where `zeroxla.app.jobs.train.defaults.JOB_DEFAULTS` says why not.
 
 A value in the tree is the value the job uses: nothing waits to be decided. None means absent:
-no Hugging Face checkpoint, no data file (the bundled corpus), no --config, no run directory. `zeroxla.app.jobs.train.resolve` makes a
-tree from options, a --config JSON and a resumed run's record. Nothing here uses a device.
+no Hugging Face checkpoint, no data file (the bundled corpus), no --config, no run directory.
+`.resolve` builds the tree from options, a --config JSON, a resumed run's record; no device.
 """
 
 from __future__ import annotations
@@ -333,14 +333,14 @@ class TrainJobConfig:
             raise ValueError(f"TrainJobConfig.deepspeed_config={self.deepspeed_config!r} is "
                              "invalid; accepted: None or the JSON's path")
         zero, (nodes, local) = self.zero_config(), self.sharding.mesh
-        sequence = self.sharding.sequence_parallel_size
+        sequence, how = zero.sequence_parallel_size, zero.sequence_parallel_strategy
         try:
             zero.validate_for_mesh(local, nodes * local, sequence)
         except ValueError as err:
             raise ValueError(renamed(err)) from None
         self._check_batch()
-        how = self.sharding.sequence_parallel_strategy          # allgather: 2P zigzag chunks
-        if self.data.seq_len % (chunks := sequence * (2 if how == "allgather" else 1)):
+        if self.data.seq_len % (chunks := models.sequence_parallel.SequenceParallel(
+                "sequence", sequence, how).chunks):                 # zigzag: 2P chunks
             raise ValueError(f"TrainJobConfig.data.seq_len={self.data.seq_len} is invalid; "
                              f"accepted: a multiple of {chunks} ({how}, P = {sequence})")
         if (self.model.init_from is None) != (self.data.tokenizer != PRETRAINED):

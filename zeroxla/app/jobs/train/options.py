@@ -181,8 +181,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--sequence-parallel-strategy", "sequence_parallel_strategy", "sharding",
               "sequence_parallel_strategy", "parallel",
               "attention under --sequence-parallel-size > 1: ulysses (DeepSpeed-Ulysses: the "
-              "heads are split, so P divides them) or allgather (context parallelism: any head "
-              "count, --seq-len a multiple of 2P); default ulysses",
+              "heads are split, so P divides them), allgather or ring (context parallelism: any "
+              "head count, --seq-len a multiple of 2P; ring holds 1/P of the keys and values); "
+              "default ulysses",
               choices=SEQUENCE_PARALLEL_STRATEGIES),
     Option("--config", "deepspeed_config", None, "deepspeed_config", "parallel",
               _config_help(), metavar="DS_CONFIG.json"),
