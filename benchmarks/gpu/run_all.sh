@@ -102,6 +102,8 @@ section train_packed_T8192 120 $PY $G/train_step.py $TINY --dtype bf16 --seq 819
   --packed --variants plain zero3 --timeout-each 55
 section train_packed_T8192_blockwise 70 $PY $G/train_step.py $TINY --dtype bf16 --seq 8192 \
   --batch 2 --packed --attention blockwise --variants zero3 --timeout-each 65
+section stage3_overhead_T1024 200 $PY $G/train_step.py $TINY --dtype bf16 --seq 1024 \
+  --batch 16 --variants plain zero3 zero3_no_prefetch zero3_persistent --timeout-each 50
 section kernel_throughput 75 $PY $G/kernels.py $TINY
 section generation 75 $PY $G/generation.py $TINY
 section train_fp16_T1024 150 $PY $G/train_step.py $TINY --dtype fp16 --seq 1024 --batch 16 \

@@ -22,6 +22,8 @@ float32 master weights and Adam state, compute in --dtype (bf16 or fp16).
 * `zero3_offload`: stage 3 with ZeRO-Offload (`offload_optimizer="cpu"`, pinned): master
   weights and Adam state in the GPU's pinned host memory, the update on the host
   (`compute_on("device_host")`); `zero3_infinity`: that and `offload_param="cpu"`.
+* `zero3_no_prefetch` (`prefetch=False`), `zero3_persistent` (every leaf persistent): where
+  stage 3's overhead on one device comes from.
 
 Data: 4 fixed batches of random tokens, targets = inputs + 1 (mod V), on the device before the
 first step; step i takes batch i mod 4. `--packed`: every row packs sequences of 64..T/4 tokens
@@ -47,12 +49,17 @@ import time
 import common
 
 SECTION = "train_step"
-VARIANTS = ("plain", "plain_logits", "zero0", "zero3", "zero3_offload", "zero3_infinity")
+VARIANTS = ("plain", "plain_logits", "zero0", "zero3", "zero3_offload", "zero3_infinity",
+            "zero3_no_prefetch", "zero3_persistent")
 ZERO_VARIANTS = {
     "zero0": dict(stage=0), "zero3": dict(stage=3),
     "zero3_offload": dict(stage=3, offload_optimizer="cpu", offload_pin_memory=True),
     "zero3_infinity": dict(stage=3, offload_optimizer="cpu", offload_param="cpu",
                            offload_pin_memory=True),
+    # Where stage 3's one-device overhead comes from: without the next layer's prefetch, and
+    # with every leaf persistent (nothing gathered per layer).
+    "zero3_no_prefetch": dict(stage=3, prefetch=False),
+    "zero3_persistent": dict(stage=3, persistence_threshold=2**40),
 }
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FP16_LOSS_SCALE = 1024.0
