@@ -94,19 +94,20 @@ def choose(q: Any, k: Any, v: Any, *, window: int | None = None, softcap: float 
     each unmet constraint of an explicit "cudnn" or "pallas"), else per platform (module
     docstring)."""
     check_implementation(implementation)
-    reasons = {"cudnn": cudnn_refusals(q, k, v, softcap=softcap, segment_ids=segment_ids),
-               "pallas": pallas_refusals(q, k, v, window=window, softcap=softcap)}
-    if implementation in reasons and reasons[implementation]:
+    refusals = {"cudnn": lambda: cudnn_refusals(q, k, v, softcap=softcap, segment_ids=segment_ids),
+                "pallas": lambda: pallas_refusals(q, k, v, window=window, softcap=softcap)}
+    if implementation in refusals and (reasons := refusals[implementation]()):
         raise ValueError(f"attention implementation={implementation!r} cannot run this call: "
-                         f"{'; '.join(reasons[implementation])}; accepted: 'blockwise' or "
-                         "'naive' for it, or 'auto' (blockwise where no fused kernel can)")
+                         f"{'; '.join(reasons)}; accepted: 'blockwise' or 'naive' for it, or "
+                         "'auto' (blockwise where no fused kernel can)")
     if implementation != "auto":
         return implementation
-    if q.dtype not in CUDNN_DTYPES:                  # float32: TF32 in the Triton kernel
-        reasons["pallas"].append(f"dtype {q.dtype} under 'auto'")
     if _cuda_device() is None:
         return "blockwise"
-    return next((route for route in ("cudnn", "pallas") if not reasons[route]), "blockwise")
+    if not refusals["cudnn"]():
+        return "cudnn"
+    # float32 stays blockwise: the Triton kernel's float32 dots may run in TF32.
+    return "pallas" if q.dtype in CUDNN_DTYPES and not refusals["pallas"]() else "blockwise"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
@@ -131,8 +132,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = 
                              "an offset run the blockwise attention only; accepted: 'auto' or "
                              "'blockwise'")
         if sequence.strategy == "ring":
-            return ring_attention(q, k, v, sequence.axis, sequence.size, segment_ids,
-                                  window=window, scale=scale, softcap=softcap)
+            return ring_attention(q, k, v, sequence, segment_ids, window=window, scale=scale,
+                                  softcap=softcap)
         return allgather_attention(q, k, v, sequence, segment_ids, window=window, scale=scale,
                                    softcap=softcap)
     if sequence is not None and sequence.size > 1:

@@ -40,31 +40,31 @@ from jax import lax
 
 from . import layers
 from .blockwise_attention import KV_BLOCK, PAD_SEGMENT, Q_BLOCK, _backward, _forward, _Plan
+from .sequence_parallel import SequenceParallel
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """The static half of one call: the sequence axis and its size, the real chunk length c
-    and the blockwise plan (blocks of at most c)."""
+    """The static half of one call: the sequence devices, the real chunk length c and the
+    blockwise plan (blocks of at most c)."""
 
-    axis: str
-    size: int
+    sequence: SequenceParallel
     chunk: int
     plan: _Plan
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, size: int,
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, sequence: SequenceParallel,
                    segment_ids: jax.Array | None = None, *, window: int | None = None,
                    scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """The whole sequences' causal attention at this device's two zigzag chunks, inside a
-    `shard_map` over `axis` (of `size` devices): q [B, 2c, H, K], k and v [B, 2c, G, K],
+    `shard_map` over `sequence.axis`: q [B, 2c, H, K], k and v [B, 2c, G, K],
     segment_ids int [B, 2c] (this device's chunks r and 2P - 1 - r, in that order) ->
     [B, 2c, H, K] (module docstring)."""
     b, t_local, h, d = q.shape
     g, c = k.shape[2], t_local // 2
     block = min(Q_BLOCK, KV_BLOCK, c)
     padded = -(-c // block) * block
-    ring = _Ring(axis, size, c, _Plan(window, scale, softcap, block, block))
+    ring = _Ring(sequence, c, _Plan(window, scale, softcap, block, block))
     if segment_ids is None and padded != c:
         segment_ids = jnp.ones((b, t_local), jnp.int32)
     segments = None if segment_ids is None else _chunks(segment_ids.astype(jnp.int32), padded,
@@ -88,14 +88,16 @@ def _held_chunks(ring: _Ring, step, way: int) -> jax.Array:
     """int32 [2]: the chunk numbers of the keys and values a device holds at `step` of a pass
     that sends to device r + `way` (1: forward, -1: backward): those of device
     (r - way x step) mod P."""
-    source = (lax.axis_index(ring.axis) - way * step) % ring.size
-    return jnp.stack([source, 2 * ring.size - 1 - source]).astype(jnp.int32)
+    sequence = ring.sequence
+    source = (sequence.index() - way * step) % sequence.size
+    return jnp.stack(sequence.chunk_starts(source)).astype(jnp.int32)
 
 
 def _pass_on(ring: _Ring, way: int, xs):
     """Each array of the tuple `xs` (None kept) sent to device r + `way` (mod P)."""
-    perm = [(i, (i + way) % ring.size) for i in range(ring.size)]
-    return tuple(None if x is None else lax.ppermute(x, ring.axis, perm) for x in xs)
+    size = ring.sequence.size
+    perm = [(i, (i + way) % size) for i in range(size)]
+    return tuple(None if x is None else lax.ppermute(x, ring.sequence.axis, perm) for x in xs)
 
 
 def _chunk(x: jax.Array | None, index) -> jax.Array | None:
@@ -108,26 +110,19 @@ def _add_chunk(x: jax.Array, index, part: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(x, _chunk(x, index) + part, index, 1)
 
 
-def _over_steps(ring: _Ring, way: int, compute, carry, held, send_after):
-    """`compute(carry, held, step)` for step 0 .. P - 1, the held arrays passed to device
+def _over_steps(ring: _Ring, way: int, compute, carry, held):
+    """`(carry, held) = compute(carry, held, step)` for step 0 .. P - 1, the `held` tuple
+    (keys, values, segment ids; the backward's dk, dv travelling with them) passed to device
     r + `way` between steps (P - 1 hops): one step's pairs, then a `lax.scan` whose every
     iteration is a hop and a step, so that one step's blocks are live at a time (an unrolled
-    ring lets XLA run every step's blocks at once: 10x the temporaries). `send_after` names the
-    carry entries that travel with the held arrays (the backward's dk, dv): their last hop,
-    which brings them home, is the caller's."""
-    carry = compute(carry, held, 0)
+    ring lets XLA run every step's blocks at once: 10x the temporaries)."""
+    state = compute(carry, held, 0)
 
     def hop_and_step(state, step):
         carry, held = state
-        travelling = _pass_on(ring, way, tuple(carry[i] for i in send_after) + held)
-        carry = list(carry)
-        for i, x in zip(send_after, travelling):
-            carry[i] = x
-        held = travelling[len(send_after):]
-        return (compute(tuple(carry), held, step), held), None
+        return compute(carry, _pass_on(ring, way, held), step), None
 
-    (carry, _), _ = lax.scan(hop_and_step, (carry, held), jnp.arange(1, ring.size))
-    return carry
+    return lax.scan(hop_and_step, state, jnp.arange(1, ring.sequence.size))[0]
 
 
 def _each_pair(ring: _Ring, way: int, step, visit, carry):
@@ -168,9 +163,9 @@ def _ring_forward(qc, kc, vc, segments, ring: _Ring):
                                         jnp.where(jnp.isfinite(part_lse), part_lse, -jnp.inf))
             return (lax.dynamic_update_index_in_dim(out, merged, a, 1),
                     lax.dynamic_update_index_in_dim(lse, merged_lse, a, 1))
-        return _each_pair(ring, 1, step, visit, carry)
+        return _each_pair(ring, 1, step, visit, carry), held
 
-    out, lse = _over_steps(ring, 1, compute, (out, lse), (kc, vc, segments), ())
+    (out, lse), _ = _over_steps(ring, 1, compute, (out, lse), (kc, vc, segments))
     return out.astype(vc.dtype), jnp.where(jnp.isfinite(lse), lse, jnp.inf)
 
 
@@ -196,8 +191,8 @@ def _ring_bwd(ring, residuals, d_out):
     dq = layers.fresh_zeros(qc.shape, acc_dtype, d_out)
     dk, dv = (layers.fresh_zeros(x.shape, acc_dtype, d_out) for x in (kc, vc))
 
-    def compute(carry, held, step):
-        k_held, v_held, seg_held = held
+    def compute(dq, held, step):
+        k_held, v_held, seg_held, dk, dv = held
 
         def visit(carry, a, bb, offset):
             dq, dk, dv = carry
@@ -206,10 +201,11 @@ def _ring_bwd(ring, residuals, d_out):
                 _chunk(qc, a), _chunk(k_held, bb), _chunk(v_held, bb), pair, offset,
                 _chunk(out, a), _chunk(lse, a), _chunk(d_out, a), ring.plan, cast=False)
             return _add_chunk(dq, a, dq_ab), _add_chunk(dk, bb, dk_ab), _add_chunk(dv, bb, dv_ab)
-        return _each_pair(ring, -1, step, visit, carry)
+        dq, dk, dv = _each_pair(ring, -1, step, visit, (dq, dk, dv))
+        return dq, (k_held, v_held, seg_held, dk, dv)
 
     # The backward's hops go the other way (module docstring), dk and dv with their k and v.
-    dq, dk, dv = _over_steps(ring, -1, compute, (dq, dk, dv), (kc, vc, segments), (1, 2))
+    dq, (*_, dk, dv) = _over_steps(ring, -1, compute, dq, (kc, vc, segments, dk, dv))
     dk, dv = _pass_on(ring, -1, (dk, dv))                    # the last hop brings them home
     return dq.astype(qc.dtype), dk.astype(kc.dtype), dv.astype(vc.dtype), None
 

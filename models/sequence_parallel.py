@@ -106,9 +106,10 @@ class SequenceParallel:
         parts = [start + jnp.arange(t // len(starts), dtype=jnp.int32) for start in starts]
         return jnp.broadcast_to(jnp.concatenate(parts), (b, t))
 
-    def chunk_starts(self) -> tuple[jax.Array, jax.Array]:
-        """allgather, ring: the chunk numbers (r, 2P - 1 - r) this device holds."""
-        r = self.index()
+    def chunk_starts(self, device: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """allgather, ring: the chunk numbers (r, 2P - 1 - r) device r holds (default: this
+        device)."""
+        r = self.index() if device is None else device
         return r, 2 * self.size - 1 - r
 
     def gather(self, x: jax.Array) -> jax.Array:
@@ -212,6 +213,6 @@ def all_to_all_elements(tokens: int, heads: int, kv_heads: int, head_dim: int,
     return math.prod((tokens // degree, 2 * heads + 2 * kv, head_dim)) * (degree - 1) // degree
 
 
-__all__ = ["STRATEGIES", "ZIGZAG_STRATEGIES", "SequenceParallel", "all_to_all_elements", "allgather_attention",
-           "allgather_elements", "check_heads", "kv_repeats", "ulysses_attention",
-           "zigzag_order"]
+__all__ = ["STRATEGIES", "ZIGZAG_STRATEGIES", "SequenceParallel", "all_to_all_elements",
+           "allgather_attention", "allgather_elements", "check_heads", "kv_repeats",
+           "ulysses_attention", "zigzag_order"]

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from zeroxla.models.layers import causal_attention
 from zeroxla.models.ring_attention import ring_attention
-from zeroxla.models.sequence_parallel import zigzag_order
+from zeroxla.models.sequence_parallel import SequenceParallel, zigzag_order
 
 DEGREE, CHUNK = 2, 520            # chunks of 520 tokens: a 512 block and a padded second one
 T = 2 * DEGREE * CHUNK
@@ -49,7 +49,8 @@ def test_ring_equals_the_whole_sequences_attention(options):
     spec = P(None, "sequence")
 
     def ring(q, k, v, seg):
-        return ring_attention(q, k, v, "sequence", DEGREE, seg, **options)
+        return ring_attention(q, k, v, SequenceParallel("sequence", DEGREE, "ring"), seg,
+                              **options)
 
     sharded = jax.shard_map(ring, mesh=mesh, in_specs=(spec, spec, spec,
                                                         None if segments is None else spec),

@@ -30,10 +30,9 @@ measured the same for `optax.clip_by_global_norm`, `MultiSteps`, `apply_if_finit
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
-
-import inspect
 
 import jax
 from jax.experimental.compute_on import compute_on
