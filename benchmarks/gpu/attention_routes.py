@@ -100,18 +100,6 @@ def value_and_grads(attend, seg=None):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def packed_segments(t: int) -> jax.Array:
-    """[1, T] int32: sequences of 64..T/4 tokens, ids 1, 2, ..., then 64 padding tokens (0)."""
-    rng = np.random.default_rng(0)
-    ids, next_id = np.zeros(t, np.int32), 1
-    start = 0
-    while start < t - 64:
-        length = min(int(rng.integers(64, max(65, t // 4))), t - 64 - start)
-        ids[start:start + length] = next_id
-        start, next_id = start + length, next_id + 1
-    return jnp.asarray(ids[None])
-
-
 def inputs(t: int) -> list[jax.Array]:
     rng = np.random.default_rng(0)
     shapes = [(1, t, D_MODEL), (D_MODEL, HEADS, HEAD_DIM), (D_MODEL, KV_HEADS, HEAD_DIM),
@@ -152,7 +140,8 @@ def main() -> None:
     runnable = [r for r in args.routes if not skip_reason(r, args.packed)]
     for t in args.lengths:
         xs = inputs(t)
-        seg = packed_segments(t) if args.packed else None
+        seg = (jnp.asarray(common.packed_rows(np.random.default_rng(0), 1, t)["segment_ids"])
+               if args.packed else None)
         reference = common.guarded(SECTION, f"naive T={t}",
                                    lambda: jax.block_until_ready(
                                        value_and_grads(ROUTES["naive"], seg)(*xs)))

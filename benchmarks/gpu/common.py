@@ -53,6 +53,24 @@ def _plain(value: Any) -> Any:
         return repr(value)
 
 
+def packed_rows(rng, batch: int, seq: int) -> dict:
+    """segment_ids, positions, loss_mask [B, T]: sequences of 64..T/4 tokens, then 64 padding
+    tokens (segment 0, out of the loss)."""
+    import numpy as np
+
+    pad = min(64, seq // 4)
+    segments, positions = np.zeros((batch, seq), np.int32), np.zeros((batch, seq), np.int32)
+    for row in range(batch):
+        start, next_id = 0, 1
+        while start < seq - pad:
+            length = min(int(rng.integers(pad, max(pad + 1, seq // 4))), seq - pad - start)
+            segments[row, start:start + length] = next_id
+            positions[row, start:start + length] = np.arange(length)
+            start, next_id = start + length, next_id + 1
+    return {"segment_ids": segments, "positions": positions,
+            "loss_mask": (segments > 0).astype(np.float32)}
+
+
 def guarded(section: str, part: str, fn: Callable[[], Any]) -> Any:
     """`fn()`, or None after printing its traceback and recording the error under `part`."""
     try:

@@ -97,27 +97,9 @@ def batches(batch: int, seq: int, vocab: int, packed: bool = False):
         inputs = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
         arrays = {"inputs": inputs, "targets": (inputs + 1) % vocab}
         if packed:
-            arrays.update(packed_rows(rng, batch, seq))
+            arrays.update(common.packed_rows(rng, batch, seq))
         out.append(jax.device_put(arrays))
     return out
-
-
-def packed_rows(rng, batch: int, seq: int) -> dict:
-    """segment_ids, positions, loss_mask [B, T]: sequences of 64..T/4 tokens, then 64 padding
-    tokens (segment 0, out of the loss)."""
-    import numpy as np
-
-    pad = min(64, seq // 4)
-    segments, positions = np.zeros((batch, seq), np.int32), np.zeros((batch, seq), np.int32)
-    for row in range(batch):
-        start, next_id = 0, 1
-        while start < seq - pad:
-            length = min(int(rng.integers(pad, max(pad + 1, seq // 4))), seq - pad - start)
-            segments[row, start:start + length] = next_id
-            positions[row, start:start + length] = np.arange(length)
-            start, next_id = start + length, next_id + 1
-    return {"segment_ids": segments, "positions": positions,
-            "loss_mask": (segments > 0).astype(np.float32)}
 
 
 def plain_step(model, optimizer, dtype, whole_logits: bool):

@@ -1,5 +1,5 @@
 """The Pallas flash attention route (`models.pallas_attention`, jax's Triton kernel behind our
-contract), interpreted on this CPU: outputs and q/k/v gradients against a float64 numpy
+contract), interpreted on this CPU: outputs and q/k/v gradients against a float64
 softmax attention (GQA, a non-default scale, packed rows with padding whose output is zeros);
 a family trained through it equals its naive route; it lowers for CUDA to Triton kernels
 forward and backward; what the kernel does not take is refused by name, and "auto" keeps
@@ -21,23 +21,28 @@ from zeroxla.models.pallas_attention import pallas_attention
 pytest.importorskip("jax._src.lib.triton", reason="jaxlib without Triton bindings")
 
 
-def reference(q, k, v, scale, segment_ids):
-    """float64 numpy causal GQA attention; segment 0 rows output zeros."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    b, t, h, d = q.shape
-    k, v = (np.repeat(a, h // a.shape[2], axis=2) for a in (k, v))
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    mask = np.tril(np.ones((t, t), bool))[None, None]
-    if segment_ids is not None:
-        seg = np.asarray(segment_ids)
-        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-    scores = np.where(mask, scores, -np.inf)
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    out = np.einsum("bhqk,bkhd->bqhd", weights, v)
-    if segment_ids is not None:
-        out = np.where((np.asarray(segment_ids) != 0)[:, :, None, None], out, 0.0)
-    return out
+def float64_reference(q, k, v, cot, scale, segment_ids):
+    """(out, [d/dq, d/dk, d/dv] of sum(out * cot)) as numpy float64: causal GQA softmax
+    attention written out (segment 0 rows output zeros), differentiated by jax with x64 on for
+    this computation only."""
+    with jax.enable_x64(True):
+        qq, kk, vv, cc = (jnp.asarray(np.asarray(a), jnp.float64) for a in (q, k, v, cot))
+
+        def attend(q, k, v):
+            h, t = q.shape[2], q.shape[1]
+            k, v = (jnp.repeat(a, h // a.shape[2], axis=2) for a in (k, v))
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+            mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+            if segment_ids is not None:
+                seg = jnp.asarray(np.asarray(segment_ids))
+                mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
+            out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf)), v)
+            if segment_ids is not None:
+                out = jnp.where((seg != 0)[:, :, None, None], out, 0.0)
+            return out
+
+        out, pullback = jax.vjp(attend, qq, kk, vv)
+        return np.asarray(out), [np.asarray(x) for x in pullback(cc)]
 
 
 def packed_segments(t):
@@ -59,35 +64,12 @@ def test_outputs_and_gradients_equal_float64_softmax_attention(packed):
         return jnp.sum(out * cot), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    want = reference(q, k, v, scale, segments)
+    want, want_grads = float64_reference(q, k, v, cot, scale, segments)
     assert np.max(np.abs(np.asarray(out) - want)) < 2e-5 * np.max(np.abs(want))
-    for got, want in zip(grads, float64_grads(q, k, v, cot, scale, segments)):
+    for got, want in zip(grads, want_grads):
         assert np.max(np.abs(np.asarray(got) - want)) < 1e-4 * max(1.0, np.max(np.abs(want)))
     if packed:                                   # padding's output is zeros
         assert np.all(np.asarray(out)[0, -11:] == 0)
-
-
-def float64_grads(q, k, v, cot, scale, segments):
-    """Gradients of sum(out * cot) in float64 through jax's own autodiff of the reference's
-    formula (x64 on for this computation only)."""
-    with jax.enable_x64(True):
-        qq, kk, vv, cc = (jnp.asarray(np.asarray(a), jnp.float64) for a in (q, k, v, cot))
-        h = qq.shape[2]
-
-        def f(q, k, v):
-            k, v = (jnp.repeat(a, h // a.shape[2], axis=2) for a in (k, v))
-            t = q.shape[1]
-            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-            mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
-            if segments is not None:
-                seg = jnp.asarray(np.asarray(segments))
-                mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-            out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf)), v)
-            if segments is not None:
-                out = jnp.where((seg != 0)[:, :, None, None], out, 0.0)
-            return jnp.sum(out * cc)
-
-        return [np.asarray(x) for x in jax.grad(f, argnums=(0, 1, 2))(qq, kk, vv)]
 
 
 def test_a_family_through_the_pallas_route_equals_its_naive_route():
