@@ -221,9 +221,10 @@ RING = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, sequence_parallel_st
 
 @pytest.mark.parametrize("family,degree,packed,config", [
     ("qwen2.5-0.5b-heads", 8, True, ALLGATHER), ("mistral", 4, False, ALLGATHER),
-    ("qwen2.5-0.5b-heads", 8, True, RING), ("gemma2", 2, True, RING), ("llama", 4, False, RING)],
+    ("qwen2.5-0.5b-heads", 8, True, RING), ("gemma2", 2, True, RING), ("llama", 4, False, RING),
+    ("gpt", 2, True, RING), ("qwen3", 4, False, RING), ("mistral", 4, True, RING)],
     ids=["allgather-0.5b-8", "allgather-mistral-4", "ring-0.5b-8", "ring-gemma2-2",
-         "ring-llama-4"])
+         "ring-llama-4", "ring-gpt-2", "ring-qwen3-4", "ring-mistral-4"])
 def test_context_parallelism_trains_as_on_one_device(family, degree, packed, config):
     # Any head count (14 at P = 8), sliding windows, soft-caps, packed rows across the chunks;
     # the keys and values all-gathered, or passed around the ring.
