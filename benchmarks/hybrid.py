@@ -12,7 +12,8 @@ two optimizer steps taken), then greedy generation of the same prompts by:
 * `single-device`: `SingleDeviceGenerator`, the gathered float32 model on one device, same
   decode loop and KV cache, no collectives (the limit on this machine);
 * `hybrid tp=T`: `HybridEngine` with `inference_tp_size=T`: one reshard, then
-  tensor-parallel decoding, 8/T prompt shards data-parallel.
+  tensor-parallel decoding, 8/T prompt shards data-parallel, through the static decode loop
+  (`batching="static"`) the baselines run too (continuous batching: `rollout.py`).
 
 Columns: tokens/s (median of 3 timed runs after a warm-up, reshard excluded; pinned params),
 the speed-up over the re-gather baseline and the ratio to the single-device decode, bytes each
@@ -70,7 +71,8 @@ def timed(generate, runs=3):
 def hybrid_row(step, state, prompts, tp, max_out, new_tokens, base_out):
     """(table row, floor row) of `HybridEngine` at `inference_tp_size=tp`."""
     engine = HybridEngine(step.layout,
-                          HybridEngineConfig(inference_tp_size=tp, max_out_tokens=max_out))
+                          HybridEngineConfig(inference_tp_size=tp, max_out_tokens=max_out,
+                                             batching="static"))
     reshard = engine.reshard_program(state)
     jax.block_until_ready(reshard(engine.reshard_inputs(state)))  # compile outside the time
     engine.generate(state, prompts, 1)                            # reshard + pin

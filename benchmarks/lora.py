@@ -72,7 +72,8 @@ def main() -> None:
         tokens = rng.integers(0, vocab, (8, 33)).astype(np.int32)
         state, _ = step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
     engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=args.tp,
-                                                          max_out_tokens=128))
+                                                          max_out_tokens=128,
+                                                          batching="static"))
     program = engine.reshard_program(state)
     moved = comm_report(program, mesh=engine.mesh).traffic()
     account = reshard_account(step.layout.plan, engine.layout)
@@ -95,7 +96,7 @@ def main() -> None:
     fused = fuse_lora_weight(zeroxla.gathered_model(state))
     fused_step = zeroxla.make_step(fused, mesh, optimizer=optax.adam(1e-2), config=config)
     fused_engine = HybridEngine(fused_step.layout, HybridEngineConfig(
-        inference_tp_size=args.tp, max_out_tokens=128))
+        inference_tp_size=args.tp, max_out_tokens=128, batching="static"))
     fused_tps, fused_outs = tokens_per_second(fused_engine, fused_step.init(), prompts,
                                               args.new_tokens)
     same = all(np.array_equal(a, b) for a, b in zip(lora_outs, fused_outs))

@@ -11,6 +11,9 @@
   `layers.cached_attention`).
 - `pallas_attention.py`: jax's Pallas (Triton) flash attention kernel behind our contract (GQA,
   padding rows zeroed, refusals by name): the GPU's route for packed rows.
+- `paged_attention.py`: attention against a paged KV cache (`PagedKV`: page pools, each token
+  its sequence's page table; vLLM's PagedAttention), what a continuous-batching engine decodes
+  with through the same `cached_attention`.
 - `sequence_parallel.py`: DeepSpeed-Ulysses (`SequenceParallel`, the all-to-alls that swap a
   sequence split for a head split around attention, KV heads repeated as DeepSpeed does) and
   all-gather context parallelism (the zigzag split).

@@ -18,7 +18,8 @@ Implementations of causal grouped-query attention (all equal to `layers.causal_a
 
 An explicit choice whose constraints do not hold raises ValueError naming which: never a silent
 fallback. Decode against a KV cache (`cached_attention`) is blockwise over the cache
-(`layers.cached_attention`) for every choice but "naive".
+(`layers.cached_attention`) for every choice but "naive"; against a paged cache it is
+`paged_attention` for every choice.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 from . import layers
 from .blockwise_attention import blockwise_attention
 from .pallas_attention import pallas_attention, pallas_refusals
+from .paged_attention import is_paged, paged_attention
 from .ring_attention import ring_attention
 from .sequence_parallel import SequenceParallel, allgather_attention, ulysses_attention
 
@@ -165,12 +167,16 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
                      segment_ids: jax.Array | None = None,
                      implementation: str = "auto") -> tuple[jax.Array, dict[str, jax.Array]]:
     """Attention of new tokens against one layer's KV cache (`layers.cached_attention`): the
-    naive reference for "naive", read block by block (flash-decoding) otherwise. A cache holds
-    one sequence per row: `segment_ids` (packing) are refused."""
+    naive reference for "naive", read block by block (flash-decoding) otherwise; a `PagedKV`
+    (`paged_attention`) is read page by page whatever the choice. A cache holds one sequence
+    per row: `segment_ids` (packing) are refused."""
     check_implementation(implementation)
     if segment_ids is not None:
         raise ValueError("segment_ids given with a KV cache: a cache row holds one sequence; "
                          "decode packed sequences as separate rows (segment_ids=None)")
+    if is_paged(cache):                 # a continuous-batching engine's pages
+        return paged_attention(q, k, v, positions, cache, window=window, scale=scale,
+                               softcap=softcap)
     attend = (layers.cached_attention_naive if implementation == "naive"
               else layers.cached_attention)
     return attend(q, k, v, positions, cache, window=window, scale=scale, softcap=softcap)

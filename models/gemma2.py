@@ -23,6 +23,7 @@ from . import axes
 from .chunked_logits import LOGITS_CHUNK, chunked_token_logprobs, tied_projection
 from .config import ModelConfig
 from .attention import attention, cached_attention
+from .paged_attention import is_paged
 from .sequence_parallel import SequenceParallel
 from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
                      rope)
@@ -138,6 +139,13 @@ class Pair(nnx.Module):
         if cache is None:
             x, _ = self.local(x, positions, segment_ids, sequence)
             return self.glob(x, positions, segment_ids, sequence)
+        if is_paged(cache):                  # pools [D, G, NP, P, 2K]: the same halves
+            k = cache.k.shape[-1] // 2
+            half = lambda part: cache.replace(k=cache.k[..., part], v=cache.v[..., part])  # noqa
+            x, first = self.local(x, positions, segment_ids, sequence, half(slice(None, k)))
+            x, second = self.glob(x, positions, segment_ids, sequence, half(slice(k, None)))
+            return x, cache.replace(k=jnp.concatenate([first.k, second.k], axis=-1),
+                                    v=jnp.concatenate([first.v, second.v], axis=-1))
         k = cache["k"].shape[-1] // 2
         x, first = self.local(x, positions, segment_ids, sequence,
                               {n: c[..., :k] for n, c in cache.items()})

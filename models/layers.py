@@ -61,8 +61,11 @@ def call_block(block: nnx.Module, x: Any, args: tuple, cache: Any) -> tuple[Any,
 def scan_layers(blocks: nnx.Module, x: Any, *args: Any, cache: Any = None) -> tuple[Any, Any]:
     """Applies a stacked block module layer after layer (`lax.scan`): `x` is carried from layer
     to layer, `args` (e.g. token positions) are seen by every layer, and `cache` (a pytree with a
-    leading [L] dim, or None) is sliced per layer. Returns `(x, cache)`."""
+    leading [L] dim, or None) is sliced per layer (a cache with its own `scan_layers`, the paged
+    one, is carried whole). Returns `(x, cache)`."""
     graphdef, state = nnx.split(blocks)
+    if hasattr(cache, "scan_layers"):
+        return cache.scan_layers(graphdef, state, x, args)
 
     def body(h, per_layer):
         layer_state, cache_i = per_layer
@@ -266,16 +269,13 @@ KV_CACHE_AXES = (axes.LAYERS, axes.BATCH, axes.CACHE_LENGTH, axes.KV_HEADS, axes
 
 def init_kv_cache(num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
                   dtype: Any = jnp.float32) -> dict[str, jax.Array]:
-    """A zeroed KV cache: `{"k", "v"}`, each [L, B, max_len, G, K] (dims named `KV_CACHE_AXES`).
-
-    Slot s of a row holds the key/value of that row's token at position s, so rows of
-    different lengths share one cache (see `cached_attention`)."""
+    """A zeroed KV cache: `{"k", "v"}`, each [L, B, max_len, G, K] (dims named `KV_CACHE_AXES`):
+    slot s of a row holds its token at position s, so rows of different lengths share it."""
     shape = (num_layers, batch, max_len, kv_heads, head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-# Cache slots one step of `cached_attention` reads at a time: its temporaries are a few
-# [B, H, T, CACHE_BLOCK] float32 blocks, however long the cache.
+# Cache slots one step of `cached_attention` reads at a time (temporaries [B, H, T, 512] float32).
 CACHE_BLOCK = 512
 
 

@@ -80,13 +80,16 @@ for k in range(40):
 #
 # `HybridEngineConfig` carries DeepSpeed's `hybrid_engine` keys: `inference_tp_size` (the
 # tensor-parallel degree of generation; the other 8 / tp ways split the prompts) and
-# `max_out_tokens` (prompt + generated tokens, the KV cache's length). The layout lists each
-# parameter's inference shape and spec: attention heads and MLP columns over `tensor`.
+# `max_out_tokens` (prompt + generated tokens, the KV cache's length). `batching="static"` keeps
+# the padded batch's decode loop, the one the re-gather baseline below runs too (by default the
+# engine batches continuously over a paged KV cache: docs/hybrid_engine.md). The layout lists
+# each parameter's inference shape and spec: attention heads and MLP columns over `tensor`.
 
 # %%
 MAX_OUT = 64                                 # longest prompt (28) + 32 new tokens fit
 engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(inference_tp_size=2,
-                                                                      max_out_tokens=MAX_OUT))
+                                                                      max_out_tokens=MAX_OUT,
+                                                                      batching="static"))
 print(engine.layout.describe())
 
 # %% [markdown]

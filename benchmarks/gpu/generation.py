@@ -76,7 +76,8 @@ def main() -> None:
 
     def hybrid():
         engine = HybridEngine(step.layout, HybridEngineConfig(inference_tp_size=1,
-                                                              max_out_tokens=max_out))
+                                                              max_out_tokens=max_out,
+                                                              batching="static"))
         engine.generate(state, prompts, 1)                        # reshard, pin, compile
         engine.release()
         start = time.perf_counter()

@@ -9,7 +9,13 @@
                  receiving only its own slice
     adapter_switch.py  the switch when only trainable leaves (LoRA adapters) changed: the
                  frozen base checked bitwise unchanged, the trainable leaves alone resharded
-    decode.py    the decode loop (prefill + while_loop) and prompt packing
+    decode.py    the static decode loop (prefill + while_loop) and prompt packing
+    continuous.py  continuous batching: one compiled step over a paged KV cache, run until
+                 every request is done (the default where the model takes a paged cache)
+    scheduler.py which tokens of which sequences a step runs (decode first, prompt chunks,
+                 admission, forks of a group's prompt, preemption)
+    pages.py     the host page pool: free list, reference counts, copy-on-write
+    row_sampling.py  the sampling knobs as per-row arrays (one program for mixed rows)
     sampling.py  greedy / temperature / top-k / top-p as pure functions, drawing only the
                  tokenizer's ids of a padded vocabulary (`vocab_limit`); the knobs checked
                  (any Python or NumPy scalar in range) and the temperatures float32 cannot carry

@@ -9,7 +9,8 @@ and `models.layers.decode`):
     init_cache(batch, max_len) -> {"k": [L, batch, S, G, K], "v": the same}   S >= max_len
     decode(tokens int32 [B, T], positions int32 [B, T], cache) -> (logits [B, T, V], cache)
 
-`check_decodable` verifies it on abstract values (shapes only, nothing computed).
+`check_decodable` verifies it on abstract values (shapes only, nothing computed), and
+`paged_refusal` whether the model's decode also takes a paged cache (continuous batching).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroxla.models.paged_attention import PagedKV
 from zeroxla.sharding.model_def import ModelDef
 from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.engine.layout import ZeroLayout
@@ -43,6 +45,19 @@ def _shapes(tree: Any) -> Any:
     """`tree` with each array as (shape, dtype), for messages and comparisons."""
     return jax.tree.map(lambda x: (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", x))),
                         tree)
+
+
+def decode_shapes(model_def: ModelDef, cache: Any, tokens: int) -> Any:
+    """What the model's `decode(tokens [1, T], positions [1, T], cache)` returns, traced on
+    shapes alone (`jax.eval_shape`); whatever it raises propagates."""
+
+    def probe(values, model_state, cache):
+        model = model_def.module(values, model_state)
+        model.eval()
+        ids = jnp.zeros((1, tokens), jnp.int32)
+        return model.decode(ids, ids, cache)
+
+    return jax.eval_shape(probe, *model_def.abstract_values(), cache)
 
 
 def check_decodable(model_def: ModelDef, max_out_tokens: int,
@@ -72,14 +87,8 @@ def check_decodable(model_def: ModelDef, max_out_tokens: int,
         raise ValueError(f"HybridEngine cannot decode {name}: {name}.init_cache(1, "
                          f"{max_out_tokens}) returned {_shapes(cache)}; accepted: {PROTOCOL}")
 
-    def probe(values, model_state, cache):
-        model = model_def.module(values, model_state)
-        model.eval()
-        tokens = jnp.zeros((1, 1), jnp.int32)
-        return model.decode(tokens, tokens, cache)
-
     try:
-        out = jax.eval_shape(probe, *model_def.abstract_values(), cache)
+        out = decode_shapes(model_def, cache, 1)
     except Exception as err:
         raise ValueError(f"HybridEngine cannot decode {name}: {name}.decode(tokens [1, 1], "
                          f"positions [1, 1], cache) raised {type(err).__name__}: {err}; "
@@ -93,6 +102,36 @@ def check_decodable(model_def: ModelDef, max_out_tokens: int,
                          f"[1, 1, {vocab_size}] (the vocabulary of {name}.__call__) and a cache "
                          f"of the shapes init_cache gave ({PROTOCOL})")
     return shapes[0]
+
+
+PAGED = ("a model whose layers attend through zeroxla.models.attention.cached_attention (every "
+         "family here, and an embed / blocks / head model using models.layers' blocks) decodes "
+         "a PagedKV cache unchanged")
+
+
+def paged_refusal(model_def: ModelDef, kv_shape: tuple[int, ...], page_size: int,
+                  vocab_size: int) -> str | None:
+    """Why `model_def`'s model cannot decode a paged KV cache (`models.paged_attention`), or
+    None when it can: its `decode(tokens [1, 2], positions [1, 2], PagedKV)` is traced on
+    shapes alone and must return logits [1, 2, V] and a `PagedKV` of the shapes it was given.
+    `kv_shape`: the dense cache's [L, 1, S, G, K] (`check_decodable`)."""
+    layers, _, _, kv_heads, head_dim = kv_shape
+    pool = jax.ShapeDtypeStruct((layers, 1, kv_heads, 2, page_size, head_dim), jnp.float32)
+    cache = PagedKV(pool, pool, jax.ShapeDtypeStruct((1, 2, 1), jnp.int32),
+                    jax.ShapeDtypeStruct((), jnp.int32))
+    name = type(model_def.abstract_module()).__name__
+
+    try:
+        out = decode_shapes(model_def, cache, 2)
+    except Exception as err:                         # the model's own cache handling
+        return (f"{name}.decode(tokens, positions, PagedKV) raised {type(err).__name__}: "
+                f"{str(err)[:200]}")
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], PagedKV)
+            and getattr(out[0], "shape", None) == (1, 2, vocab_size)
+            and _shapes(out[1]) == _shapes(cache)):
+        return (f"{name}.decode(tokens, positions, PagedKV) returned {_shapes(out)}; accepted: "
+                f"logits [1, 2, {vocab_size}] and the PagedKV it was given, updated")
+    return None
 
 
 def _describe(plan: ShardingPlan) -> str:
@@ -129,4 +168,5 @@ def check_state(state: Any, plan: ShardingPlan, model_def: ModelDef) -> None:
                     "given); use the state the step returned")
 
 
-__all__ = ["PROTOCOL", "check_decodable", "check_layout", "check_state"]
+__all__ = ["PAGED", "PROTOCOL", "check_decodable", "check_layout", "check_state",
+           "paged_refusal"]

@@ -75,20 +75,38 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     return (buffer, n, cache, logprobs) if with_logprobs else (buffer, n, cache)
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+
+
+def row_max_new(max_new_tokens: Any, rows: int, per_row: bool = False) -> list[int]:
+    """`max_new_tokens` (an integer >= 0, or with `per_row` one per prompt) as one integer per
+    prompt; ValueError naming the field otherwise."""
+    if per_row and isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        values = list(max_new_tokens)
+        if len(values) != rows or not all(_count(v) for v in values):
+            raise ValueError(f"max_new_tokens has {len(values)} entries "
+                             f"{[v for v in values if not _count(v)][:3] or ''}; accepted: an "
+                             f"integer >= 0, or one per prompt ({rows})")
+        return [int(v) for v in values]
+    if not _count(max_new_tokens):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer "
+                         ">= 0" + (", or a list of one per prompt" if per_row else ""))
+    return [int(max_new_tokens)] * rows
+
+
 def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: int,
-                  vocab_size: int) -> list[np.ndarray]:
+                  vocab_size: int, per_row: bool = False) -> list[np.ndarray]:
     """The prompts as 1-D int32 arrays; ValueError naming the field for an empty list, an empty
     or non-1-D prompt, a token outside [0, vocab_size), a negative or non-integer
-    `max_new_tokens`, or a prompt (plus its new tokens) longer than `max_out_tokens`."""
-    if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
-            or max_new_tokens < 0):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer "
-                         ">= 0")
+    `max_new_tokens` (with `per_row`, a list of one per prompt is accepted: `row_max_new`), or
+    a prompt (plus its new tokens) longer than `max_out_tokens`."""
     if isinstance(prompts, (np.ndarray, jax.Array)) or not len(prompts):
         raise ValueError("prompts must be a non-empty list of 1-D int arrays; got "
                          f"{type(prompts).__name__}" + ("" if len(prompts) else " of length 0"))
+    news = row_max_new(max_new_tokens, len(prompts), per_row)
     rows = []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, new) in enumerate(zip(prompts, news)):
         row = np.asarray(prompt)
         if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
             raise ValueError(f"prompts[{i}] has shape {row.shape} and dtype {row.dtype}; "
@@ -97,10 +115,10 @@ def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: i
             bad = int(row.min() if row.min() < 0 else row.max())
             raise ValueError(f"prompts[{i}] holds token {bad}; accepted: ids in "
                              f"[0, {vocab_size})")
-        if row.size + max_new_tokens > max_out_tokens:
+        if row.size + new > max_out_tokens:
             raise ValueError(
-                f"prompts[{i}] has {row.size} tokens and max_new_tokens={max_new_tokens}: "
-                f"{row.size + max_new_tokens} > HybridEngineConfig.max_out_tokens="
+                f"prompts[{i}] has {row.size} tokens and max_new_tokens={new}: "
+                f"{row.size + new} > HybridEngineConfig.max_out_tokens="
                 f"{max_out_tokens}; accepted: prompt length + max_new_tokens <= max_out_tokens")
         rows.append(row.astype(np.int32))
     return rows
@@ -108,7 +126,7 @@ def check_prompts(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: i
 
 def check_request(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: int,
                   vocab_size: int, *, temperature: Any, top_k: Any, top_p: Any, eos_id: Any,
-                  seed: Any, vocab_limit: Any = None
+                  seed: Any, vocab_limit: Any = None, per_row: bool = False
                   ) -> tuple[list[np.ndarray], Sampling, jax.Array]:
     """A `generate` call's arguments, each checked and named in its error, in the order every
     generator checks them: (the prompts as int32 rows, the sampling knobs, the seed's key).
@@ -117,7 +135,8 @@ def check_request(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: i
                         check_vocab_limit(vocab_limit, vocab_size))
     key = seed_key(seed)
     check_eos_id(eos_id, vocab_size)
-    return check_prompts(prompts, max_new_tokens, max_out_tokens, vocab_size), sampling, key
+    return (check_prompts(prompts, max_new_tokens, max_out_tokens, vocab_size, per_row),
+            sampling, key)
 
 
 def check_eos_id(eos_id: Any, vocab_size: int) -> None:

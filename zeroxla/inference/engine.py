@@ -14,9 +14,14 @@ Per generation (data flow):
    compiled program takes the training state's partitioned storage (`state.params`, split over
    the data axes) to the tensor-parallel inference layout (`layout.py`); the training state is
    only read, never donated.
-2. decode: one compiled program per (batch bucket, prompt bucket, sampling): prefill, then a
-   `lax.while_loop` over new tokens (`decode.py`), under GSPMD with the parameters' tensor
-   layout and the rows split over the data groups; the KV cache is donated in and out.
+2. decode, `batching="continuous"` (the default where the model takes a paged cache): one
+   compiled step over a paged KV cache, run until every row is done; finished rows free their
+   slot and pages for queued prompts, a group's prompt (`generate_group`) is prefilled once
+   and its pages shared by its answers (`continuous.py`, `scheduler.py`, `pages.py`).
+   `batching="static"`: one compiled program per (batch bucket, prompt bucket, sampling):
+   prefill, then a `lax.while_loop` over new tokens until the last row ends (`decode.py`).
+   Both run under GSPMD with the parameters' tensor layout and the rows split over the data
+   groups; the KV cache or page pools are donated in and out.
 3. the host cuts each row after its prompt + new tokens (and after EOS).
 
 Row b's draws use keys folded from the seed, a hash of row b's prompt and the decode step
@@ -38,13 +43,15 @@ from zeroxla.engine.state import TrainState
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.layout_argument import layout_argument
 from zeroxla.inference.adapter_switch import frozen_paths, keep, trainable_reshard, unchanged
-from zeroxla.inference.checks import check_decodable, check_layout, check_state
+from zeroxla.inference.checks import (PAGED, check_decodable, check_layout, check_state,
+                                      paged_refusal)
 from zeroxla.inference.config import HybridEngineConfig
-from zeroxla.inference.decode import (bucket, check_request, decode_loop, pack, unpack,
-                                      unpack_logprobs)
+from zeroxla.inference.continuous import BatchShape, ContinuousBatcher, by_seed, make_requests
+from zeroxla.inference.decode import (bucket, check_request, decode_loop, pack, row_max_new,
+                                      unpack, unpack_logprobs)
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
 from zeroxla.inference.reshard import reshard_function, storage_view
-from zeroxla.inference.sampling import Sampling
+from zeroxla.inference.sampling import Sampling, seed_key
 
 
 def _leaves(state: TrainState) -> list[Any]:
@@ -81,11 +88,24 @@ class HybridEngine:
         self._cache_shape = check_decodable(self.model_def, config.max_out_tokens,
                                             self.vocab_size)         # [L, 1, S, G, K]
         self._kv_heads = self._cache_shape[3] * self.layout.kv_repeat
+        # "continuous" or "static" (`config.batching`; "auto" picks continuous when the model
+        # decodes a paged cache) and, when static was chosen for "auto", why
+        refusal = (None if config.batching == "static" else
+                   paged_refusal(self.model_def, self._cache_shape, config.kv_block_size,
+                                 self.vocab_size))
+        if refusal is not None and config.batching == "continuous":
+            raise ValueError(f"HybridEngineConfig.batching='continuous' needs a paged KV cache: "
+                             f"{refusal}; {PAGED}. Accepted for this model: batching='static' "
+                             "(or 'auto')")
+        self.batching = "static" if config.batching == "static" or refusal else "continuous"
+        self.batching_reason = refusal
         self._reshard = None                 # compiled reshard program
         self._programs: dict[tuple, Any] = {}
         self._params: dict[str, jax.Array] | None = None
         self._source: list[weakref.ref] = []
         self._caches: dict[int, dict[str, jax.Array]] = {}
+        self._batchers: dict[str, ContinuousBatcher] = {}      # per key implementation
+        self.stats: dict[str, Any] = {}      # the last continuous generation's (`continuous`)
         self.reshards = 0                    # how many times the parameters were resharded
         # Only the trainable leaves changed since the last switch: those alone are resharded
         # (`adapter_switch`); `_kept` is the frozen storage the pinned copy was built from.
@@ -193,7 +213,8 @@ class HybridEngine:
                  seed: int | jax.Array = 0, vocab_limit: int | None = None,
                  return_logprobs: bool = False
                  ) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
-        """Continues each prompt (1-D int array) by up to `max_new_tokens` tokens.
+        """Continues each prompt (1-D int array) by up to `max_new_tokens` tokens (an integer,
+        or a list of one per prompt: each row ends at its own count or at EOS).
 
         Returns one int32 array per prompt: the prompt and its new tokens, cut after the first
         `eos_id`. `temperature` 0 is greedy (below 2**-126 too; above 3.4e38 the draw is
@@ -216,22 +237,101 @@ class HybridEngine:
         greedy), computed inside the decode program, as an inference engine (vLLM) reports
         them: what the train/rollout log-prob gap of RL is measured against.
         """
-        rows, sampling, key = check_request(
-            prompts, max_new_tokens, self.config.max_out_tokens, self.vocab_size,
-            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed,
-            vocab_limit=vocab_limit)
+        return self._generate(state, prompts, [seed], max_new_tokens, return_logprobs,
+                              dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                   eos_id=eos_id, vocab_limit=vocab_limit), single=True)
+
+    def generate_group(self, state: TrainState, prompts: Sequence[Any],
+                       seeds: Sequence[int | jax.Array], max_new_tokens: int = 32,
+                       temperature: float = 0.0, top_k: int | None = None,
+                       top_p: float | None = None, eos_id: int | None = None,
+                       vocab_limit: int | None = None, return_logprobs: bool = False) -> Any:
+        """`[self.generate(state, prompts, seed=s, ...) for s in seeds]` (and the log-probs
+        likewise, as a second list), with each prompt prefilled once for its
+        len(seeds) answers under continuous batching (a GRPO group: the answers read the
+        prompt's KV pages, each copying only the page it first writes into while others
+        still read it)."""
+        if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence) or not seeds:
+            raise ValueError(f"seeds={seeds!r} is invalid; accepted: a non-empty list of seeds "
+                             "(integers or typed keys), one per answer of each prompt")
+        return self._generate(state, prompts, list(seeds), max_new_tokens, return_logprobs,
+                              dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                   eos_id=eos_id, vocab_limit=vocab_limit), single=False)
+
+    def _generate(self, state: TrainState, prompts: Sequence[Any], seeds: list[Any],
+                  max_new_tokens: Any, return_logprobs: Any, knobs: dict[str, Any],
+                  single: bool) -> Any:
+        rows, sampling, _ = check_request(prompts, max_new_tokens, self.config.max_out_tokens,
+                                          self.vocab_size, seed=seeds[0], per_row=True,
+                                          **knobs)
+        news = row_max_new(max_new_tokens, len(rows), per_row=True)
+        keys = [seed_key(seed) for seed in seeds]
+        if len({str(jax.random.key_impl(key)) for key in keys}) > 1:
+            raise ValueError("seeds mix PRNG implementations; accepted: seeds of one kind "
+                             "(integers, or typed keys of one implementation)")
         if not isinstance(return_logprobs, (bool, np.bool_)):
             raise ValueError(f"return_logprobs={return_logprobs!r} is invalid; accepted: True "
                              "or False")
         check_state(state, self.plan, self.model_def)
-        if max_new_tokens == 0:
-            outputs = [row.copy() for row in rows]
-            return (outputs, [np.zeros((0,), np.float32) for _ in rows]) if return_logprobs \
-                else outputs
+        eos_id = knobs["eos_id"]
+        if max(news) == 0:
+            outputs = [[row.copy() for row in rows] for _ in keys]
+            drawn = [[np.zeros((0,), np.float32) for _ in rows] for _ in keys]
+        elif self.batching == "continuous":
+            outputs, drawn = self._serve(state, rows, keys, news, sampling, eos_id)
+        else:
+            outputs, drawn = zip(*(self._static(state, rows, key, news, sampling, eos_id,
+                                                bool(return_logprobs)) for key in keys))
+        if not self.config.pin_parameters:
+            self._free_params()
+        if single:
+            outputs, drawn = outputs[0], drawn[0]
+        return (list(outputs), list(drawn)) if return_logprobs else list(outputs)
+
+    def _serve(self, state: TrainState, rows: list[np.ndarray], keys: list[jax.Array],
+               news: list[int], sampling: Sampling, eos_id: int | None) -> tuple[list, list]:
+        """Continuous batching (`continuous.ContinuousBatcher`): one request per prompt with
+        one answer per key; outputs [key][prompt]."""
+        params = self.inference_params(state)
+        batcher = self.batcher(keys[0])
+        if len(keys) > batcher.shape.slots:
+            raise ValueError(f"{len(keys)} answers per prompt but max_ragged_sequence_count="
+                             f"{batcher.shape.slots}: a group's answers decode side by side; "
+                             "accepted: at most max_ragged_sequence_count seeds")
+        model_state = jax.device_put(state.model_state, self.layout.replicated())
+        total = len(rows) * len(keys)
+        outputs, drawn = batcher.run(params, model_state,
+                                     make_requests(rows, keys, news, sampling, self.vocab_size),
+                                     eos_id, total)
+        if self.config.release_inference_cache:
+            batcher.release()
+        self.stats = dict(batcher.stats)
+        return by_seed(rows, news, outputs, drawn, len(keys))
+
+    def batcher(self, key: jax.Array) -> ContinuousBatcher:
+        """The continuous-batching step of keys like `key` (built once per key kind)."""
+        impl = str(jax.random.key_impl(key))
+        if impl not in self._batchers:
+            c, layers, _, _, kv, head_dim = (self.config,) + tuple(self._cache_shape)
+            shape = BatchShape(groups=self.layout.data_size, tokens=c.max_ragged_batch_size,
+                               slots=c.max_ragged_sequence_count, pages=c.pool_pages,
+                               page_size=c.kv_block_size, max_pages=c.pages_per_sequence)
+            pool_shape = (layers, shape.groups, self._kv_heads, shape.pages, shape.page_size,
+                          head_dim)
+            self._batchers[impl] = ContinuousBatcher(self.model_def, self.layout, shape,
+                                                     pool_shape, self.vocab_size, key)
+        return self._batchers[impl]
+
+    def _static(self, state: TrainState, rows: list[np.ndarray], key: jax.Array,
+                news: list[int], sampling: Sampling, eos_id: int | None,
+                with_logprobs: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One padded batch through the decode loop (`batching="static"`), decoding until
+        every row has its most new tokens or EOS, each row cut to its own."""
+        max_new_tokens = max(news)
         params = self.inference_params(state)
         batch = bucket(len(rows), multiple=self.layout.data_size)
         prompt = bucket(max(row.size for row in rows), limit=self.config.max_out_tokens)
-        program, cache_sharding = self._program(batch, prompt, sampling, bool(return_logprobs))
+        program, cache_sharding = self._program(batch, prompt, sampling, with_logprobs)
         # Host inputs are placed on the inference mesh explicitly: with several processes jit
         # refuses numpy arguments that carry a non-replicated sharding.
         rows_sharding, rep = self.layout.batch_sharding(1), self.layout.replicated()
@@ -249,12 +349,11 @@ class HybridEngine:
             jax.tree.map(lambda x: x.delete(), cache)
         else:
             self._caches[batch] = cache
-        if not self.config.pin_parameters:
-            self._free_params()
-        outputs = unpack(rows, buffer, steps, eos_id)
-        if return_logprobs:
-            return outputs, unpack_logprobs(rows, outputs, np.asarray(logprobs[0]))
-        return outputs
+        outputs = [out[:row.size + new]
+                   for out, row, new in zip(unpack(rows, buffer, steps, eos_id), rows, news)]
+        drawn = (unpack_logprobs(rows, outputs, np.asarray(logprobs[0])) if with_logprobs
+                 else [None] * len(rows))
+        return outputs, drawn
 
     def token_program(self, state: TrainState, batch: int) -> Any:
         """One compiled decode step (T = 1) of `batch` rows in the tensor-parallel layout:
@@ -275,8 +374,10 @@ class HybridEngine:
     # ---- release ---------------------------------------------------------------------------
     def kept_arrays(self) -> tuple[dict[str, jax.Array], list[dict[str, jax.Array]]]:
         """What the engine holds between calls (and `release` frees): the pinned inference
-        parameters (`{}` when none) and the kept KV caches, e.g. to count their bytes."""
-        return dict(self._params or {}), list(self._caches.values())
+        parameters (`{}` when none) and the kept KV caches (the static batches' and the
+        continuous batcher's page pools), e.g. to count their bytes."""
+        pools = [b._pools for b in self._batchers.values() if b._pools is not None]
+        return dict(self._params or {}), list(self._caches.values()) + pools
 
     def _free_params(self) -> None:
         if self._params is not None:
@@ -293,3 +394,5 @@ class HybridEngine:
         for cache in self._caches.values():
             jax.tree.map(lambda x: x.delete(), cache)
         self._caches = {}
+        for batcher in self._batchers.values():
+            batcher.release()

@@ -51,6 +51,7 @@ from flax import nnx
 import zeroxla
 from zeroxla.lora import LoRAConfig
 from zeroxla.engine.loss import check_packable
+from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
@@ -59,7 +60,7 @@ from zeroxla.rlhf.packed_rollout import pack_rollout
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
-from zeroxla.rlhf.rollout import pad_answers
+from zeroxla.rlhf.rollout import generation_stats, pad_answers
 from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, tis_weights
 
 
@@ -159,9 +160,11 @@ class GRPOTrainer:
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
                                    vocab_limit=self.vocab_limit),
-            hybrid_engine=zeroxla.HybridEngineConfig(
+            hybrid_engine=zeroxla.HybridEngineConfig(      # every answer decodes at once
                 inference_tp_size=inference_tp_size,
-                max_out_tokens=config.prompt_length + config.max_completion_length))
+                max_out_tokens=config.prompt_length + config.max_completion_length,
+                **rollout_batching(config.prompts_per_iteration, config.num_generations,
+                                   mesh.devices.size // inference_tp_size, config.prompt_length)))
         self.reference, self.actor_step, self.engine = roles.reference, roles.step, roles.engine
         self.actor_state = roles.state
 
@@ -178,15 +181,14 @@ class GRPOTrainer:
         and the log-probs [new] the engine drew each answer's tokens with."""
         c = self.config
         prompts = [self.prompts.ids[i] for i in picked]
-        per_generation = [self.engine.generate(
-            self.actor_state, prompts, max_new_tokens=c.max_completion_length, temperature=1.0,
-            eos_id=self.eos_id, seed=(self.seed * 100_003 + iteration) * 1_009 + g,
+        outputs, drawn = self.engine.generate_group(      # each prompt prefilled once
+            self.actor_state, prompts, [(self.seed * 100_003 + iteration) * 1_009 + g
+                                        for g in range(c.num_generations)],
+            max_new_tokens=c.max_completion_length, temperature=1.0, eos_id=self.eos_id,
             vocab_limit=self.vocab_limit, return_logprobs=True)
-            for g in range(c.num_generations)]
         self.engine.release()          # the next optimizer step makes the TP copy stale anyway
         order = [(g, p) for p in range(len(prompts)) for g in range(c.num_generations)]
-        return ([per_generation[g][0][p] for g, p in order],
-                [per_generation[g][1][p] for g, p in order])
+        return [outputs[g][p] for g, p in order], [drawn[g][p] for g, p in order]
 
     def score(self, picked: np.ndarray, tokens: np.ndarray, mask: np.ndarray,
               completions: tuple[str, ...]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -291,7 +293,7 @@ class GRPOTrainer:
         jax.block_until_ready(self.actor_state)
         return iteration_record(it, rollout, train, {
             "generation_s": generation_s, "scoring_s": scoring_s,
-            "training_s": time.perf_counter() - start}), rollout
+            "training_s": time.perf_counter() - start, **generation_stats(self.engine)}), rollout
 
     def accuracy(self, problems: Sequence[dict[str, Any]]) -> float:
         """`greedy_accuracy` of the current actor on `problems` (held-out, each with its
@@ -345,8 +347,8 @@ def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: An
     `GRPOTrainer` for the arguments; `trainer` continues an existing one, e.g. restored).
     `should_stop()` is read before each iteration (a stop request: the run returns early).
     Each record (`iteration_record`) holds the seconds spent in `generation_s` (Hybrid
-    Engine), `scoring_s` (log-probs, rewards, advantages) and `training_s` (ZeRO-3 steps);
-    the first iteration's include compilation."""
+    Engine), `scoring_s` and `training_s` (the first's including compilation), and the
+    engine's tokens/s, prefill and KV pages (`rollout.generation_stats`)."""
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
         raise ValueError(f"iterations={iterations!r} is invalid; accepted: an integer >= 1")
     if trainer is None:

@@ -36,6 +36,7 @@ from flax import nnx
 import zeroxla
 from zeroxla.engine.loss import check_packable
 from zeroxla.lora import LoRAConfig
+from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
@@ -45,7 +46,7 @@ from zeroxla.rlhf.ppo_losses import (answer_logprobs, answer_values, make_actor_
 from zeroxla.rlhf.reward import RewardFn, make_scorer
 from zeroxla.rlhf.reward_model import RewardModel
 from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles
-from zeroxla.rlhf.rollout import Rollout, pad_answers
+from zeroxla.rlhf.rollout import Rollout, generation_stats, pad_answers
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 4))
@@ -136,7 +137,13 @@ class PPOTrainer:
                             loss_fn=make_actor_loss(config.cliprange, self.vocab_limit),
                             seed=seed, lora=lora, reference_int8=config.reference_int8,
                             hybrid_engine=zeroxla.HybridEngineConfig(
-                                inference_tp_size=inference_tp_size, max_out_tokens=seq_len))
+                                inference_tp_size=inference_tp_size, max_out_tokens=seq_len,
+                                # without EOS every answer has answer_length tokens: no row
+                                # ends early to refill, the padded batch's loop is as full
+                                batching="auto" if eos_id is not None else "static",
+                                **rollout_batching(config.prompts_per_iteration, 1,
+                                                   mesh.devices.size // inference_tp_size,
+                                                   config.prompt_length)))
         self.reference, self.actor_step, self.engine = roles.reference, roles.step, roles.engine
         self.actor_state = roles.state
         critic, critic_trainable = adapted(
@@ -230,7 +237,7 @@ class PPOTrainer:
         record = dict(iteration=it, reward=float(np.mean(rollout.scores)), kl=rollout.kl(),
                       actor_loss=actor_loss, critic_loss=critic_loss,
                       generation_s=generation_s, experience_s=experience_s,
-                      training_s=time.perf_counter() - start)
+                      training_s=time.perf_counter() - start, **generation_stats(self.engine))
         return record, rollout
 
     def batches(self, rollout: Rollout) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -81,3 +81,20 @@ def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int, answer_length
     if not np.all(mask[:, 0]):
         raise ValueError("a generated answer is empty; every row needs at least one new token")
     return tokens, mask
+
+
+def generation_stats(engine: object) -> dict[str, float]:
+    """What the Hybrid Engine's last generation did, for an iteration's record, when it ran
+    continuous batching (`HybridEngine.stats`; {} under static batching): new tokens per second
+    of the engine's loop (`generation/tokens_per_s`), its steps, the prompt tokens it prefilled
+    (a GRPO group's prompt once), the KV pages in use per data group (mean over the steps and
+    peak) and the preemptions."""
+    stats = getattr(engine, "stats", None) or {}
+    if not stats:
+        return {}
+    return {"generation/tokens_per_s": stats["generated_tokens"] / max(stats["seconds"], 1e-9),
+            "generation/steps": float(stats["steps"]),
+            "generation/prefill_tokens": float(stats["prefill_tokens"]),
+            "generation/kv_pages_mean": float(stats["mean_pages_in_use"]),
+            "generation/kv_pages_peak": float(stats["peak_pages_in_use"]),
+            "generation/preemptions": float(stats["preemptions"])}

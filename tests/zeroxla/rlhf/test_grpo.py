@@ -129,7 +129,9 @@ def test_grpo_job_records_stops_resumes_and_exports(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2]
     for key in ("reward", "accuracy", "kl", "clip_fraction", "generation_s", "scoring_s",
-                "training_s", "reward/accuracy_reward", "reward/format_reward"):
+                "training_s", "reward/accuracy_reward", "reward/format_reward",
+                "generation/tokens_per_s", "generation/kv_pages_mean",
+                "generation/prefill_tokens"):      # the rollout engine's (continuous batching)
         assert all(np.isfinite(r[key]) for r in records), key
     assert summary["accuracy_before"] is None and 0 <= summary["accuracy_after"] <= 1
     assert (out / "actor_hf" / "config.json").is_file()

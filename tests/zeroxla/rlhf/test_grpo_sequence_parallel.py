@@ -17,8 +17,10 @@ from zeroxla.rlhf.grpo import GRPOTrainer
 from zeroxla.rlhf.grpo_losses import make_grpo_loss
 
 # Differ by construction: the packed rows are rounded up to a multiple of the 2 sequence devices;
-# wall-clock timings.
-LAYOUT_KEYS = ("packing/fill",)
+# the rollout engine's steps and KV pages per data group (the 8-device mesh serves rollouts with
+# twice the groups); wall-clock timings.
+LAYOUT_KEYS = ("packing/fill", "generation/steps", "generation/kv_pages_mean",
+               "generation/kv_pages_peak", "generation/tokens_per_s")
 
 
 def _compared(key):

@@ -1,0 +1,210 @@
+"""Continuous batching over a paged KV cache (`HybridEngineConfig(batching="continuous")`)
+against the static decode loop of the same engine (`batching="static"`, itself checked against
+the unsharded model in test_hybrid_engine.py): the same tokens for every family template at
+tp 1, 2 and 4, greedy and sampled (temperature, top-k, top-p, a vocabulary limit), with prompts
+crossing pages, prompt chunks split over steps, queued prompts refilling freed slots and
+sequences preempted when the pool runs out; a GRPO group's prompt prefilled once; one compiled
+step for any prompts; and what the engine refuses by name."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from zeroxla.models import (GPT, GPTConfig, Gemma2, Gemma2Config, Llama, LlamaConfig,
+                            MistralConfig, Qwen2Config, Qwen3Config)
+
+FAMILIES = {   # 8 query heads; KV heads 2 or 4 (tp 4 repeats 2 KV heads)
+    "gpt": lambda: GPT(GPTConfig(init_std=0.2, d_model=64, num_heads=8), rngs=nnx.Rngs(0)),
+    "llama": lambda: Llama(LlamaConfig(init_std=0.2, d_model=64, num_heads=8, num_kv_heads=2),
+                           rngs=nnx.Rngs(1)),
+    "qwen2": lambda: Llama(Qwen2Config(init_std=0.2, d_model=64, num_heads=8, num_kv_heads=4),
+                           rngs=nnx.Rngs(2)),
+    "qwen3": lambda: Llama(Qwen3Config(init_std=0.2, d_model=64, num_heads=8, num_kv_heads=4),
+                           rngs=nnx.Rngs(3)),
+    "mistral": lambda: Llama(MistralConfig(init_std=0.2, d_model=64, num_heads=8,
+                                           num_kv_heads=2, sliding_window=5), rngs=nnx.Rngs(4)),
+    "gemma2": lambda: Gemma2(Gemma2Config(init_std=0.2, num_heads=8, num_kv_heads=2,
+                                          sliding_window=5, attn_softcap=2.0),
+                             rngs=nnx.Rngs(5)),
+}
+# pages of 4 slots, 12 token places, 4 slots per data group: prompts cross pages, long ones
+# are prefilled over several steps, and 7 prompts queue for the slots
+SMALL = dict(kv_block_size=4, max_ragged_batch_size=12, max_ragged_sequence_count=4,
+             max_out_tokens=32)
+
+
+def _step(family):
+    return zeroxla.make_step(FAMILIES[family](), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.0), config=zeroxla.ZeroConfig(stage=3))
+
+
+def _prompts(vocab, lengths=(1, 3, 9, 14, 5, 17, 2), seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+
+
+def _engines(step, tp, **config):
+    make = lambda batching, extra: zeroxla.HybridEngine(             # noqa: E731
+        step.layout, zeroxla.HybridEngineConfig(inference_tp_size=tp, batching=batching,
+                                                **{**SMALL, **extra}))
+    return make("static", {}), make("continuous", config)
+
+
+def _assert_same(static, continuous, state, prompts, **kw):
+    want = static.generate(state, prompts, **kw)
+    got = continuous.generate(state, prompts, **kw)
+    if kw.get("return_logprobs"):
+        (want, want_lp), (got, got_lp) = want, got
+        for a, b in zip(want_lp, got_lp):
+            np.testing.assert_allclose(b, a, atol=1e-5)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(want, got)):
+        np.testing.assert_array_equal(b, a, err_msg=f"prompt {i}")
+    return got
+
+
+def _matrix():
+    fast = {("llama", 2), ("gemma2", 1)}
+    return [pytest.param(f, tp, marks=() if (f, tp) in fast else pytest.mark.slow)
+            for f in FAMILIES for tp in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("family,tp", _matrix())
+def test_greedy_equals_the_static_engine(family, tp):
+    step = _step(family)
+    state = step.init()
+    static, continuous = _engines(step, tp)
+    assert continuous.batching == "continuous"
+    vocab = step.layout.vocab_size
+    out = _assert_same(static, continuous, state, _prompts(vocab), max_new_tokens=12)
+    assert all(o.size == p.size + 12 for o, p in zip(out, _prompts(vocab)))
+    # EOS: the most common first new token, so that some rows end early and free their slot
+    eos = int(np.bincount([o[p.size] for o, p in zip(out, _prompts(vocab))]).argmax())
+    _assert_same(static, continuous, state, _prompts(vocab, seed=1), max_new_tokens=10,
+                 eos_id=eos)
+    assert continuous.stats["generated_tokens"] > 0
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0.7, top_k=5),
+                                   dict(temperature=1.3, top_p=0.8, vocab_limit=60),
+                                   dict(temperature=1.0)], ids=["top-k", "top-p-limit", "t1"])
+def test_sampled_tokens_and_logprobs_equal_the_static_engine(knobs):
+    step = _step("llama")
+    static, continuous = _engines(step, 2)
+    _assert_same(static, continuous, step.init(), _prompts(step.layout.vocab_size),
+                 max_new_tokens=9, seed=11, return_logprobs=True, **knobs)
+
+
+def test_rows_end_at_their_own_max_new_tokens():
+    step = _step("gpt")
+    static, continuous = _engines(step, 1)
+    prompts = _prompts(step.layout.vocab_size)
+    news = [0, 5, 1, 12, 3, 7, 2]
+    out = _assert_same(static, continuous, step.init(), prompts, max_new_tokens=news)
+    assert [o.size - p.size for o, p in zip(out, prompts)] == news
+    with pytest.raises(ValueError, match=r"max_new_tokens has 2 entries.*one per prompt \(7\)"):
+        continuous.generate(step.init(), prompts, max_new_tokens=[1, 2])
+
+
+def test_a_full_pool_preempts_and_recomputes_with_the_same_tokens():
+    step = _step("llama")
+    # 9 pages of 4 slots (null page included): two 32-token sequences cannot both fit
+    static, continuous = _engines(step, 4, kv_blocks=9)
+    _assert_same(static, continuous, step.init(), _prompts(step.layout.vocab_size),
+                 max_new_tokens=15)
+    assert continuous.stats["preemptions"] > 0
+    assert continuous.stats["peak_pages_in_use"] <= 8
+
+
+def test_a_group_prefills_its_prompt_once_and_answers_as_separate_calls():
+    step = _step("qwen3")
+    _, continuous = _engines(step, 2)
+    state, prompts, seeds = step.init(), _prompts(step.layout.vocab_size)[:4], [3, 4, 5]
+    grouped, drawn = continuous.generate_group(state, prompts, seeds, max_new_tokens=6,
+                                               temperature=1.0, return_logprobs=True)
+    assert continuous.stats["prefill_tokens"] == sum(p.size for p in prompts)
+    for seed, outs, logps in zip(seeds, grouped, drawn):
+        alone, alone_lp = continuous.generate(state, prompts, max_new_tokens=6,
+                                              temperature=1.0, seed=seed, return_logprobs=True)
+        assert continuous.stats["prefill_tokens"] == sum(p.size for p in prompts)
+        for a, b, la, lb in zip(alone, outs, alone_lp, logps):
+            np.testing.assert_array_equal(b, a)
+            np.testing.assert_allclose(lb, la, atol=1e-6)
+    assert len({tuple(o[0]) for o in grouped}) > 1          # the seeds drew differently
+
+
+def test_one_executable_serves_any_prompts():
+    step = _step("gpt")
+    _, continuous = _engines(step, 2)
+    state = step.init()
+    continuous.generate(state, _prompts(step.layout.vocab_size), max_new_tokens=4)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *_, **__: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    for seed, lengths in ((2, (20, 1)), (3, (4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4))):
+        continuous.generate(state, _prompts(step.layout.vocab_size, lengths, seed),
+                            max_new_tokens=[3] * len(lengths), temperature=0.5, top_k=3,
+                            seed=seed)
+    assert compiles == []
+
+
+def test_the_step_lowers_for_cuda():
+    from zeroxla.compat.lowering import lower_for_cuda
+
+    step = _step("llama")
+    _, continuous = _engines(step, 2)
+    state = step.init()
+    batcher = continuous.batcher(jax.random.key(0))
+    text = lower_for_cuda(batcher.program, continuous.inference_params(state),
+                          state.model_state, batcher.pools(),
+                          *batcher.example_inputs()).as_text()
+    assert "stablehlo.gather" in text and "stablehlo.scatter" in text
+
+
+class OwnCacheGPT(GPT):
+    """A user model with its own cache handling: it reads the dense cache's "k" itself."""
+
+    def decode(self, tokens, positions, cache):
+        assert cache["k"].ndim == 5
+        return super().decode(tokens, positions, cache)
+
+
+def test_a_model_that_cannot_take_pages_is_refused_or_decoded_static():
+    model = OwnCacheGPT(GPTConfig.tiny(), rngs=nnx.Rngs(0))
+    step = zeroxla.make_step(model, zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.0),
+                             config=zeroxla.ZeroConfig(stage=3))
+    with pytest.raises(ValueError, match=r"batching='continuous' needs a paged KV cache: "
+                                         r"OwnCacheGPT.decode\(tokens, positions, PagedKV\) "
+                                         r"raised TypeError.*batching='static'"):
+        zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(batching="continuous",
+                                                                    max_out_tokens=64))
+    auto = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(max_out_tokens=64))
+    assert auto.batching == "static" and "OwnCacheGPT.decode" in auto.batching_reason
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(batching="paged"), r"batching='paged' is invalid; accepted: 'auto', 'continuous'"),
+    (dict(max_ragged_sequence_count=9, max_ragged_batch_size=8),
+     r"max_ragged_sequence_count=9 > max_ragged_batch_size=8"),
+    (dict(kv_blocks=4, kv_block_size=16, max_out_tokens=64),
+     r"kv_blocks=4 is too few; accepted: at least 5"),
+    (dict(kv_block_size=0), r"kv_block_size=0 is invalid"),
+])
+def test_bad_rollout_settings_name_the_field(config, match):
+    with pytest.raises(ValueError, match=match):
+        zeroxla.HybridEngineConfig(**config)
+
+
+def test_more_answers_than_slots_and_bad_seeds_are_refused():
+    step = _step("gpt")
+    _, continuous = _engines(step, 1)
+    prompts = _prompts(step.layout.vocab_size)[:2]
+    with pytest.raises(ValueError, match=r"5 answers per prompt but "
+                                         r"max_ragged_sequence_count=4"):
+        continuous.generate_group(step.init(), prompts, [1, 2, 3, 4, 5], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"seeds=\[\] is invalid"):
+        continuous.generate_group(step.init(), prompts, [], max_new_tokens=4)
