@@ -316,18 +316,19 @@ def live_tokens(group: GroupScheduler) -> int:
 
 
 def make_requests(rows: list[np.ndarray], keys: list[jax.Array], news: list[int],
-                  sampling: Any, vocab_size: int) -> list[Request]:
+                  samplings: list[Any], vocab_size: int) -> list[Request]:
     """One request per prompt asking for new tokens (`news[p]` > 0), with one answer per
     seed key: answer g of prompt p is output g * len(rows) + p, drawn with the row key of
-    (key g, prompt p) (`sampling.row_keys`, as the static decode loop folds it)."""
+    (key g, prompt p) (`sampling.row_keys`, as the static decode loop folds it) and the
+    prompt's own knobs `samplings[p]`."""
     key_data = [np.asarray(jax.random.key_data(key)) for key in keys]
-    entries = tuple(np.asarray(x)[0].item() for x in dataclasses.astuple(
-        RowSampling.of([sampling], vocab_size)))
+    entries = {s: tuple(np.asarray(x)[0].item() for x in dataclasses.astuple(
+        RowSampling.of([s], vocab_size))) for s in dict.fromkeys(samplings)}
     n = len(rows)
     return [Request(prompt=row, outputs=[g * n + p for g in range(len(keys))],
-                    keys=key_data, max_new=new, sampling=sampling, row=entries,
+                    keys=key_data, max_new=new, sampling=sampling, row=entries[sampling],
                     prompt_hash=host_prompt_hash(row))
-            for p, (row, new) in enumerate(zip(rows, news)) if new > 0]
+            for p, (row, new, sampling) in enumerate(zip(rows, news, samplings)) if new > 0]
 
 
 def host_prompt_hash(row: np.ndarray) -> np.uint32:

@@ -139,6 +139,44 @@ def check_request(prompts: Sequence[Any], max_new_tokens: Any, max_out_tokens: i
             sampling, key)
 
 
+KNOBS = {"temperature": 0.0, "top_k": None, "top_p": None}     # the per-row knobs, defaults
+
+
+def row_samplings(knobs: dict[str, Any], rows: int, vocab_size: int) -> list[Sampling] | None:
+    """One `Sampling` per prompt when a knob of `KNOBS` is a list (one entry per prompt, the
+    scalar knobs shared), None when all are scalars; ValueError naming the knob, or the prompt
+    whose knobs are refused."""
+    lists = [k for k in KNOBS if isinstance(knobs[k], (list, tuple))]
+    if not lists:
+        return None
+    for k in lists:
+        if len(knobs[k]) != rows:
+            raise ValueError(f"{k} has {len(knobs[k])} entries; accepted: a scalar, or one per "
+                             f"prompt ({rows})")
+    out = []
+    for i in range(rows):
+        row = {k: knobs[k][i] if k in lists else knobs[k] for k in KNOBS}
+        try:
+            out.append(Sampling(**row, vocab_limit=check_vocab_limit(knobs["vocab_limit"],
+                                                                     vocab_size)))
+        except ValueError as err:
+            raise ValueError(f"prompt {i}: {err}") from None
+    return out
+
+
+def by_sampling(samplings: list[Sampling], run: Callable[[list[int], Sampling], tuple]
+                ) -> tuple[list, list]:
+    """`run(indices, sampling) -> (outputs, log-probs)` once per distinct `Sampling` of the
+    prompts, merged back in prompt order (a row's tokens depend on its own prompt, seed and
+    knobs only, so a subset decodes as in the whole call)."""
+    outputs, drawn = [None] * len(samplings), [None] * len(samplings)
+    for sampling in dict.fromkeys(samplings):
+        index = [i for i, s in enumerate(samplings) if s == sampling]
+        for i, out, logp in zip(index, *run(index, sampling)):
+            outputs[i], drawn[i] = out, logp
+    return outputs, drawn
+
+
 def check_eos_id(eos_id: Any, vocab_size: int) -> None:
     """ValueError naming `eos_id` unless it is None or a token id in [0, vocab_size)."""
     if eos_id is not None and not (isinstance(eos_id, (int, np.integer))

@@ -47,8 +47,9 @@ from zeroxla.inference.checks import (PAGED, check_decodable, check_layout, chec
                                       paged_refusal)
 from zeroxla.inference.config import HybridEngineConfig
 from zeroxla.inference.continuous import BatchShape, ContinuousBatcher, by_seed, make_requests
-from zeroxla.inference.decode import (bucket, check_request, decode_loop, pack, row_max_new,
-                                      unpack, unpack_logprobs)
+from zeroxla.inference.decode import (KNOBS, bucket, by_sampling, check_request, decode_loop,
+                                      pack, row_max_new, row_samplings, unpack,
+                                      unpack_logprobs)
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
 from zeroxla.inference.reshard import reshard_function, storage_view
 from zeroxla.inference.sampling import Sampling, seed_key
@@ -218,25 +219,22 @@ class HybridEngine:
 
         Returns one int32 array per prompt: the prompt and its new tokens, cut after the first
         `eos_id`. `temperature` 0 is greedy (below 2**-126 too; above 3.4e38 the draw is
-        uniform over the kept tokens: `sampling`); `top_k` / `top_p` restrict the draw;
-        any Python or NumPy scalar in range is accepted for each knob; `seed` (an
+        uniform over the kept tokens: `sampling`); `top_k` / `top_p` restrict the draw; each
+        knob is any Python or NumPy scalar in range, or a list of one per prompt; `seed` (an
         int or a typed key, `jax.random.key(...)`) fixes every draw. A prompt's tokens depend
-        only on the prompt, the seed and the knobs, not on the other prompts of the call or
+        only on the prompt, the seed and its knobs, not on the other prompts of the call or
         its place among them: each row draws with keys folded from the seed, a hash of its own
         token ids and the decode step (`zeroxla.inference.sampling`), so equal prompts in one
         call get equal continuations. `vocab_limit` (the tokenizer's vocabulary size, when the
-        model's embedding is padded past it): no id >= it is ever drawn, greedy included
-        (`Sampling.vocab_limit`); None: any id of the model. `state` must be a live state of
-        the engine's step (not
-        one already given to `step(state, batch)`, which donates it). The training state is
-        only read. Every argument is checked, naming it, before anything runs.
+        model's embedding is padded past it): no id >= it is ever drawn, greedy included;
+        None: any id of the model. `state` must be a live state of the engine's step (not one
+        given to `step(state, batch)`, which donates it), only read. Every argument is checked,
+        naming it, before anything runs.
 
         `return_logprobs=True` returns `(outputs, logprobs)`: logprobs[i] float32 [new tokens
-        of output i], the log-probability each token was drawn with (temperature-scaled,
-        vocabulary-limited, top-k / top-p filtered: `sampling.sampled_logprobs`; 0 when
-        greedy), computed inside the decode program, as an inference engine (vLLM) reports
-        them: what the train/rollout log-prob gap of RL is measured against.
-        """
+        of output i], the log-probability each token was drawn with (as filtered and scaled:
+        `sampling.sampled_logprobs`; 0 when greedy), computed inside the decode program, as
+        vLLM reports them: what RL's train/rollout log-prob gap is measured against."""
         return self._generate(state, prompts, [seed], max_new_tokens, return_logprobs,
                               dict(temperature=temperature, top_k=top_k, top_p=top_p,
                                    eos_id=eos_id, vocab_limit=vocab_limit), single=True)
@@ -261,9 +259,11 @@ class HybridEngine:
     def _generate(self, state: TrainState, prompts: Sequence[Any], seeds: list[Any],
                   max_new_tokens: Any, return_logprobs: Any, knobs: dict[str, Any],
                   single: bool) -> Any:
+        scalars = {k: v for k, v in knobs.items() if not isinstance(v, (list, tuple))}
         rows, sampling, _ = check_request(prompts, max_new_tokens, self.config.max_out_tokens,
                                           self.vocab_size, seed=seeds[0], per_row=True,
-                                          **knobs)
+                                          **{**KNOBS, **scalars})    # lists: row_samplings
+        samplings = row_samplings(knobs, len(rows), self.vocab_size) or [sampling] * len(rows)
         news = row_max_new(max_new_tokens, len(rows), per_row=True)
         keys = [seed_key(seed) for seed in seeds]
         if len({str(jax.random.key_impl(key)) for key in keys}) > 1:
@@ -278,10 +278,11 @@ class HybridEngine:
             outputs = [[row.copy() for row in rows] for _ in keys]
             drawn = [[np.zeros((0,), np.float32) for _ in rows] for _ in keys]
         elif self.batching == "continuous":
-            outputs, drawn = self._serve(state, rows, keys, news, sampling, eos_id)
-        else:
-            outputs, drawn = zip(*(self._static(state, rows, key, news, sampling, eos_id,
-                                                bool(return_logprobs)) for key in keys))
+            outputs, drawn = self._serve(state, rows, keys, news, samplings, eos_id)
+        else:                    # one padded batch per seed and distinct knobs
+            outputs, drawn = zip(*(by_sampling(samplings, lambda index, sampling: self._static(
+                state, [rows[i] for i in index], key, [news[i] for i in index], sampling,
+                eos_id, bool(return_logprobs))) for key in keys))
         if not self.config.pin_parameters:
             self._free_params()
         if single:
@@ -289,7 +290,8 @@ class HybridEngine:
         return (list(outputs), list(drawn)) if return_logprobs else list(outputs)
 
     def _serve(self, state: TrainState, rows: list[np.ndarray], keys: list[jax.Array],
-               news: list[int], sampling: Sampling, eos_id: int | None) -> tuple[list, list]:
+               news: list[int], samplings: list[Sampling],
+               eos_id: int | None) -> tuple[list, list]:
         """Continuous batching (`continuous.ContinuousBatcher`): one request per prompt with
         one answer per key; outputs [key][prompt]."""
         params = self.inference_params(state)
@@ -301,7 +303,8 @@ class HybridEngine:
         model_state = jax.device_put(state.model_state, self.layout.replicated())
         total = len(rows) * len(keys)
         outputs, drawn = batcher.run(params, model_state,
-                                     make_requests(rows, keys, news, sampling, self.vocab_size),
+                                     make_requests(rows, keys, news, samplings,
+                                                   self.vocab_size),
                                      eos_id, total)
         if self.config.release_inference_cache:
             batcher.release()
@@ -380,9 +383,7 @@ class HybridEngine:
         return dict(self._params or {}), list(self._caches.values()) + pools
 
     def _free_params(self) -> None:
-        if self._params is not None:
-            for x in self._params.values():
-                x.delete()
+        jax.tree.map(lambda x: x.delete(), self._params or {})
         if self._kept is not None:
             jax.tree.map(lambda x: x.delete(), self._kept)
         self._params, self._source, self._kept = None, [], None
