@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -142,8 +142,8 @@ def step_function(model_def: Any, key_impl: Any, shape: BatchShape,
                                      PagedKV(k, v, arrays.token_pages))        # [D, N, V]
         last = jnp.take_along_axis(logits, arrays.sample_at[..., None], axis=1)  # [D, S, V]
         d, s, vocab = last.shape
-        keys = jax.random.wrap_key_data(arrays.key_data.reshape((d * s,) + key_shape_of(
-            arrays.key_data)), impl=key_impl)                      # the seeds' keys
+        keys = jax.random.wrap_key_data(arrays.key_data.reshape((d * s,) + key_shape),
+                                        impl=key_impl)             # the seeds' keys
         keys = jax.vmap(jax.random.fold_in)(keys, arrays.prompt_hash.reshape(-1))  # row keys
         keys = jax.vmap(jax.random.fold_in)(keys, arrays.step.reshape(-1))
         flat = jax.tree.map(lambda x: x.reshape(d * s), rows)
@@ -152,10 +152,6 @@ def step_function(model_def: Any, key_impl: Any, shape: BatchShape,
         return {"k": cache.k, "v": cache.v}, drawn.reshape(2, d, s)    # one fetch a step
 
     return step
-
-
-def key_shape_of(key_data: Any) -> tuple[int, ...]:
-    return tuple(key_data.shape[2:])
 
 
 class ContinuousBatcher:
@@ -209,7 +205,7 @@ class ContinuousBatcher:
         return self.program.lower(params, model_state, self.pools(),
                                   *self.example_inputs()).compile()
 
-    def run(self, params: Any, model_state: Any, requests: Seq[Request], eos_id: int | None,
+    def run(self, params: Any, model_state: Any, requests: Sequence[Request], eos_id: int | None,
             total: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Serves `requests` until each answer is done; returns `total` outputs (prompt then
         new tokens, cut after EOS) and their drawn log-probs, in `Request.outputs` order."""
