@@ -212,6 +212,7 @@ def test_more_answers_than_slots_and_bad_seeds_are_refused():
         continuous.generate_group(step.init(), prompts, [], max_new_tokens=4)
 
 
+@pytest.mark.slow          # the static side compiles a batch per distinct knob set
 def test_each_prompt_may_carry_its_own_knobs():
     """Per-prompt temperature / top-k in one call: the continuous step draws every row with
     its own knobs (`row_sampling`), the static engine decodes one padded batch per distinct
