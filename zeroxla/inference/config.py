@@ -96,7 +96,7 @@ class HybridEngineConfig:
                 "sequence per token place (every decoding sequence feeds one token a step)")
         if self.kv_blocks is not None:
             _positive_int("kv_blocks", self.kv_blocks)
-            need = 1 + -(-self.max_out_tokens // self.kv_block_size)
+            need = 1 + self.pages_per_sequence
             if self.kv_blocks < need:
                 raise ValueError(
                     f"HybridEngineConfig.kv_blocks={self.kv_blocks} is too few; accepted: at "

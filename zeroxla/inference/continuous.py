@@ -77,11 +77,13 @@ class StepArrays:
 
     @staticmethod
     def empty(shape: BatchShape, key_shape: tuple[int, ...]) -> "StepArrays":
-        d, n, s = shape.groups, shape.tokens, shape.slots
-        zeros = lambda *dims: np.zeros(dims, np.int32)          # noqa: E731
-        return StepArrays(zeros(d, n), zeros(d, n), zeros(d, n, shape.max_pages), zeros(d, s),
-                          zeros(d, s), zeros(d, s), np.zeros((d, s) + key_shape, np.uint32),
-                          np.zeros((d, s), np.uint32), zeros(d, s))
+        """Every place a filler (token 0 at position 0 on the null page), no copy, no draw."""
+        return StepArrays(**{
+            name: np.zeros((shape.groups,) + dims, np.uint32 if name in UINT32 else np.int32)
+            for name, dims in _field_shapes(shape, key_shape).items()})
+
+
+UINT32 = ("key_data", "prompt_hash")          # the StepArrays fields that are uint32
 
 
 def _field_shapes(shape: BatchShape, key_shape: tuple[int, ...]) -> dict[str, tuple]:
@@ -90,6 +92,12 @@ def _field_shapes(shape: BatchShape, key_shape: tuple[int, ...]) -> dict[str, tu
     return {"tokens": (n,), "positions": (n,), "token_pages": (n, shape.max_pages),
             "copy_src": (s,), "copy_dst": (s,), "sample_at": (s,), "key_data": (s,) + key_shape,
             "prompt_hash": (s,), "step": (s,)}
+
+
+def filler_rows(shape: BatchShape, vocab_size: int) -> RowSampling:
+    """Host sampling rows [D, S] of greedy fillers, filled in place as slots sample."""
+    rows = RowSampling.of([None] * (shape.groups * shape.slots), vocab_size)
+    return jax.tree.map(lambda x: x.reshape(shape.groups, shape.slots), rows)
 
 
 ROW_INTS, ROW_FLOATS = ("greedy", "uniform", "top_k", "vocab_limit"), ("a", "b", "top_p")
@@ -114,8 +122,7 @@ def unpack(ints: jax.Array, floats: jax.Array, shape: BatchShape,
     for name, dims in _field_shapes(shape, key_shape).items():
         size = int(np.prod(dims))
         x = ints[:, at:at + size].reshape((d,) + dims)
-        fields[name] = (jax.lax.bitcast_convert_type(x, jnp.uint32)
-                        if name in ("key_data", "prompt_hash") else x)
+        fields[name] = jax.lax.bitcast_convert_type(x, jnp.uint32) if name in UINT32 else x
         at += size
     s = shape.slots
     row = {name: ints[:, at + i * s:at + (i + 1) * s] for i, name in enumerate(ROW_INTS)}
@@ -188,6 +195,11 @@ class ContinuousBatcher:
                                                  "v": self.pool_sharding})()
         return self._pools
 
+    @property
+    def held(self) -> dict[str, jax.Array] | None:
+        """The page pools while allocated (None after `release`)."""
+        return self._pools
+
     def release(self) -> None:
         if self._pools is not None:
             jax.tree.map(lambda x: x.delete(), self._pools)
@@ -196,9 +208,8 @@ class ContinuousBatcher:
     def example_inputs(self) -> tuple[np.ndarray, np.ndarray]:
         """The packed host inputs of an empty step (every place a filler): with the
         parameters, model state and `pools()`, the arguments of `program`, e.g. to lower it."""
-        rows = RowSampling.of([None] * (self.shape.groups * self.shape.slots), self.vocab_size)
-        rows = jax.tree.map(lambda x: x.reshape(self.shape.groups, self.shape.slots), rows)
-        return pack(StepArrays.empty(self.shape, self.key_shape), rows)
+        return pack(StepArrays.empty(self.shape, self.key_shape),
+                    filler_rows(self.shape, self.vocab_size))
 
     def compiled(self, params: Any, model_state: Any) -> Any:
         """The step's executable (for `cost_analysis`, `memory_analysis`, its HLO)."""
@@ -215,14 +226,13 @@ class ContinuousBatcher:
         queue = deque(requests)
         outputs: list[Any] = [None] * total
         logprobs: list[Any] = [None] * total
-        rows = RowSampling.of([None] * (shape.groups * shape.slots), self.vocab_size)
-        rows = jax.tree.map(lambda x: x.reshape(shape.groups, shape.slots).copy(), rows)
+        rows = filler_rows(shape, self.vocab_size)
         steps = fed = prefill = generated = pages_sum = live_sum = 0
         pools = self.pools()
         while queue or any(g.running for g in groups):
             arrays = StepArrays.empty(shape, self.key_shape)
             plans = []
-            for d, group in sorted(enumerate(groups), key=lambda x: -len(x[1].free_slots)):
+            for group in sorted(groups, key=lambda g: -len(g.free_slots)):   # emptiest first
                 group.admit(queue)
             for d, group in enumerate(groups):
                 planned, copies = group.plan()
@@ -233,14 +243,12 @@ class ContinuousBatcher:
                     arrays.copy_src[d, i], arrays.copy_dst[d, i] = src, dst
                 for plan in planned:
                     seq, a, b = plan.seq, plan.start, plan.start + plan.count
-                    arrays.tokens[d, a:b] = seq.tokens[seq.cached:seq.cached + plan.count]
-                    arrays.positions[d, a:b] = np.arange(seq.cached, seq.cached + plan.count)
+                    last = plan.first + plan.count
+                    arrays.tokens[d, a:b] = seq.tokens[plan.first:last]
+                    arrays.positions[d, a:b] = np.arange(plan.first, last)
                     arrays.token_pages[d, a:b, :len(seq.table)] = seq.table
                     fed += plan.count
-                    prefill += plan.count if seq.cached < seq.prompt_size else 0
-                    seq.cached += plan.count
-                    if plan.samples and seq.answer == -1:
-                        plan.samples = group.fork(seq)
+                    prefill += plan.count if plan.first < seq.prompt_size else 0
                     for sampler in plan.samples:
                         self._fill_slot(arrays, rows, d, sampler, b - 1)
                 sort_places(arrays, d)
@@ -322,7 +330,7 @@ def make_requests(rows: list[np.ndarray], keys: list[jax.Array], news: list[int]
         RowSampling.of([s], vocab_size))) for s in dict.fromkeys(samplings)}
     n = len(rows)
     return [Request(prompt=row, outputs=[g * n + p for g in range(len(keys))],
-                    keys=key_data, max_new=new, sampling=sampling, row=entries[sampling],
+                    keys=key_data, max_new=new, row=entries[sampling],
                     prompt_hash=host_prompt_hash(row))
             for p, (row, new, sampling) in enumerate(zip(rows, news, samplings)) if new > 0]
 
@@ -349,5 +357,6 @@ def by_seed(rows: list[np.ndarray], news: list[int], outputs: list, drawn: list,
             [drawn[g * n:(g + 1) * n] for g in range(seeds)])
 
 
-__all__ = ["BatchShape", "ContinuousBatcher", "StepArrays", "by_seed", "host_prompt_hash",
+__all__ = ["BatchShape", "ContinuousBatcher", "StepArrays", "by_seed", "filler_rows",
+           "host_prompt_hash",
            "live_tokens", "make_requests", "sort_places", "step_function"]

@@ -379,7 +379,7 @@ class HybridEngine:
         """What the engine holds between calls (and `release` frees): the pinned inference
         parameters (`{}` when none) and the kept KV caches (the static batches' and the
         continuous batcher's page pools), e.g. to count their bytes."""
-        pools = [b._pools for b in self._batchers.values() if b._pools is not None]
+        pools = [b.held for b in self._batchers.values() if b.held is not None]
         return dict(self._params or {}), list(self._caches.values()) + pools
 
     def _free_params(self) -> None:

@@ -39,7 +39,6 @@ class Request:
     outputs: list[int]                      # where each answer goes
     keys: list[np.ndarray]                  # each answer's seed key data
     max_new: int
-    sampling: Any                           # a `Sampling`
     row: tuple = ()                         # its `RowSampling` entries, in field order
     prompt_hash: Any = 0                    # uint32 `sampling.prompt_hash` of the prompt
 
@@ -67,10 +66,12 @@ class Sequence:
 
 @dataclasses.dataclass
 class Planned:
-    """One scheduled chunk: `count` tokens of `seq` from `seq.cached`, at places
-    [start, start + count) of the step; `samples`: the sequences sampling at its last place."""
+    """One scheduled chunk: `count` tokens of `seq` from position `first`, at places
+    [start, start + count) of the step; `samples`: the sequences sampling at its last place
+    (a group's prompt already forked into its answers)."""
 
     seq: Sequence
+    first: int
     start: int
     count: int
     samples: list[Sequence]
@@ -129,7 +130,8 @@ class GroupScheduler:
 
     def plan(self) -> tuple[list[Planned], list[tuple[int, int]]]:
         """The next step's chunks (decode tokens first, then prompt chunks, oldest first) and
-        the page copies to run before it."""
+        the page copies to run before it; each planned sequence's `cached` counts its chunk,
+        and a group's prompt whose last token is planned forks into its answers (`fork`)."""
         plans, copies, used, planned = [], [], 0, set()
         by_age = sorted(self.running, key=lambda s: s.order)
         decoding = [s for s in by_age if len(s.tokens) - s.cached == 1]
@@ -139,19 +141,22 @@ class GroupScheduler:
             count = min(left, self.tokens - used)
             if count == 0 or not self._writable(seq, count, copies, planned):
                 continue
-            plans.append(Planned(seq, used, count, [seq] if count == left else []))
-            planned.add(id(seq))
+            samples = [] if count < left else self.fork(seq) if seq.answer == -1 else [seq]
+            plans.append(Planned(seq, seq.cached, used, count, samples))
+            seq.cached += count
+            planned.update(id(s) for s in [seq] + samples)
             used += count
         return plans, copies
 
     def fork(self, seq: Sequence) -> list[Sequence]:
-        """The shared prompt `seq` becomes its group's G answers (`seq` is the first)."""
+        """The shared prompt `seq`, its pages written up to its last token, becomes its group's
+        G answers (`seq` is the first), each reading its pages."""
         children = [seq]
         seq.answer = 0
         for i, slot in enumerate(seq.reserved[1:], start=1):
             child = Sequence(tokens=list(seq.tokens), prompt_size=seq.prompt_size,
                              request=seq.request, answer=i, slot=slot, order=seq.order,
-                             cached=seq.cached, table=self.pool.fork(seq.table))
+                             cached=len(seq.tokens), table=self.pool.fork(seq.table))
             children.append(child)
             self.running.append(child)
         return children

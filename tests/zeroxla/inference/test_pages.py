@@ -50,7 +50,7 @@ def test_a_write_that_does_not_fit_changes_nothing():
 
 def _request(n, answers=1, max_new=4):
     return Request(prompt=np.arange(n, dtype=np.int32), outputs=list(range(answers)),
-                   keys=[None] * answers, max_new=max_new, sampling=None)
+                   keys=[None] * answers, max_new=max_new)
 
 
 def test_decode_tokens_first_then_prompt_chunks_oldest_first():
@@ -61,8 +61,7 @@ def test_decode_tokens_first_then_prompt_chunks_oldest_first():
     plans, copies = group.plan()
     assert [(p.start, p.count, bool(p.samples)) for p in plans] == [(0, 5, True), (5, 1, False)]
     assert copies == []
-    for plan in plans:
-        plan.seq.cached += plan.count
+    assert [p.seq.cached for p in plans] == [5, 1]               # the chunks counted in
     plans[0].seq.tokens.append(7)                                # sampled: now decoding
     plans, _ = group.plan()
     assert [(p.seq.prompt_size, p.count) for p in plans] == [(5, 1), (9, 5)]
