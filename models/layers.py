@@ -220,12 +220,12 @@ def visible_keys(query_pos: jax.Array, key_pos: jax.Array, window: int | None) -
     return visible
 
 
-def attention_scores(q: jax.Array, k: jax.Array, scale: float | None,
-                     softcap: float | None) -> jax.Array:
-    """q [B, T, G, R, K] . k [B, S, G, K] -> scores [B, G, R, T, S] in float32 (float64 for
-    float64 input), times `scale` (default 1/sqrt(K)), soft-capped to (-softcap, softcap) as
-    Gemma 2 does (`softcap * tanh(scores / softcap)`) when `softcap` is set."""
-    scores = jnp.einsum("BTGRK,BSGK->BGRTS", q, k, preferred_element_type=at_least_float32(q.dtype))
+def attention_scores(q: jax.Array, k: jax.Array, scale: float | None, softcap: float | None,
+                     spec: str = "BTGRK,BSGK->BGRTS") -> jax.Array:
+    """q [B, T, G, R, K] . k [B, S, G, K] -> scores [B, G, R, T, S] (another layout by `spec`) in
+    float32 (float64 for float64 input), times `scale` (default 1/sqrt(K)), soft-capped to
+    (-softcap, softcap) as Gemma 2 does (`softcap * tanh(scores / softcap)`) when set."""
+    scores = jnp.einsum(spec, q, k, preferred_element_type=at_least_float32(q.dtype))
     scores = scores / jnp.sqrt(q.shape[-1]) if scale is None else scores * scale
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import at_least_float32, call_block, visible_keys
+from .layers import at_least_float32, attention_scores, call_block, visible_keys
 
 NULL_PAGE = 0
 
@@ -109,10 +109,8 @@ def _chunk_attention(q, pos, pages, pool_k, pool_v, *, window, scale, softcap, p
         v_blk = pool_v[:, ids].reshape(g, c, bk, kd).astype(dtype)
         slot = j * bk + jnp.arange(bk)
         visible = visible_keys(pos[:, None], slot[None, :], window)[None, :, None]  # [1,C,1,bk]
-        scores = jnp.einsum("GCRK,GCSK->GCRS", qg, k_blk, preferred_element_type=acc)
-        scores = scores / jnp.sqrt(kd) if scale is None else scores * scale
-        scores = scores if softcap is None else softcap * jnp.tanh(scores / softcap)
-        scores = jnp.where(visible, scores, lowest)
+        scores = jnp.where(visible, attention_scores(qg, k_blk, scale, softcap,
+                                                     spec="GCRK,GCSK->GCRS"), lowest)
         m_new = jnp.maximum(mx, scores.max(-1))
         w = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
         alpha = jnp.exp(mx - m_new)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.inference.sampling import FLOAT32_MAX, NEG_INF, Sampling
+from zeroxla.inference.sampling import FLOAT32_MAX, NEG_INF, Sampling, top_p_keep
 
 
 @flax.struct.dataclass
@@ -72,17 +72,6 @@ def _top_k_keep(logits: jax.Array, k: jax.Array) -> jax.Array:
     return (logits >= kth) | (k == 0)[:, None]
 
 
-def _top_p_keep(logits: jax.Array, scaled: jax.Array, p: jax.Array) -> jax.Array:
-    """bool [R, V]: `sampling.top_p_keep` with row r's p (1: every token)."""
-    neg_sorted, sorted_scaled = jax.lax.sort((-logits, scaled), num_keys=1)
-    probs = jax.nn.softmax(sorted_scaled, axis=-1)
-    before = jnp.cumsum(probs, axis=-1)[:, :-1]
-    before = jnp.concatenate([jnp.zeros_like(probs[:, :1]), before], axis=-1)
-    kept = jnp.sum(before < p[:, None], axis=-1, keepdims=True)
-    cutoff = -jnp.take_along_axis(neg_sorted, kept - 1, axis=-1)
-    return (logits >= cutoff) | (p >= 1)[:, None]
-
-
 def row_log_weights(logits: jax.Array, rows: RowSampling) -> jax.Array:
     """float32 [R, V]: each row's `sampling.log_weights` under its own knobs (the sorts that
     top-k and top-p need run only when some row uses them)."""
@@ -97,7 +86,7 @@ def row_log_weights(logits: jax.Array, rows: RowSampling) -> jax.Array:
     scaled = jnp.where(keep, scaled, NEG_INF)
     scaled = jax.lax.cond(
         jnp.any(rows.top_p < 1),
-        lambda: jnp.where(_top_p_keep(logits, scaled, rows.top_p), scaled, NEG_INF),
+        lambda: jnp.where(top_p_keep(logits, scaled, rows.top_p[:, None]), scaled, NEG_INF),
         lambda: scaled)
     return jnp.where(rows.greedy[:, None], greedy, scaled)
 

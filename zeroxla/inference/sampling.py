@@ -201,13 +201,20 @@ def top_k_keep(logits: jax.Array, k: int) -> jax.Array:
     return logits >= kth
 
 
-def top_p_keep(logits: jax.Array, scaled: jax.Array, p: float) -> jax.Array:
+def top_p_keep(logits: jax.Array, scaled: jax.Array, p: float | jax.Array) -> jax.Array:
     """bool [B, V]: each row's nucleus (Holtzman et al. 2020 §3.1), the most likely tokens in
     order up to and including the first whose cumulative probability reaches p, and every
     token tied with it. `scaled` [B, V] (`scaled_logits`, -inf where an earlier filter
-    dropped the token) gives the probabilities; the order and the ties are the logits' own."""
+    dropped the token) gives the probabilities; the order and the ties are the logits' own.
+    `p`: a number, or float32 [B, 1], one per row (`row_sampling`; rows of p >= 1 keep all)."""
+    if isinstance(p, jax.Array):
+        return _nucleus(logits, scaled, p) | (p >= 1)
     if p >= 1:
         return jnp.ones(logits.shape, bool)
+    return _nucleus(logits, scaled, p)
+
+
+def _nucleus(logits: jax.Array, scaled: jax.Array, p: float | jax.Array) -> jax.Array:
     neg_sorted, sorted_scaled = jax.lax.sort((-logits, scaled), num_keys=1)   # [B, V] desc
     probs = jax.nn.softmax(sorted_scaled, axis=-1)
     before = jnp.cumsum(probs, axis=-1)[:, :-1]       # mass of the more likely tokens
