@@ -24,6 +24,10 @@
 - `chunked_logits.py`: the head's log-probs and entropies per chunk of the sequence in a scan
   (fused linear + cross-entropy), its [B, T, V] logits never whole; each family's
   `token_logprobs(tokens, labels)` runs it.
+- `moe.py`: the Mixture-of-Experts MLP (float32 top-k router, router statistics of the
+  auxiliary loss); `grouped_matmul.py`: its dropless expert compute over tiles of expert-sorted
+  tokens (custom VJP), `ragged_dot` where native; `moe_llama.py`: Llama with MoE blocks, the
+  module of the MoE families.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
   (Gemma 2): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table
@@ -37,7 +41,8 @@
 from .gpt import GPT, GPTConfig
 from .layers import LayerStack, scan_layers
 from .llama import Llama, LlamaConfig
-from .families import REGISTRY, Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config
+from .families import (REGISTRY, Gemma2Config, MistralConfig, MixtralConfig, OlmoeConfig,
+                       Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 from .gemma2 import Gemma2
 
 # preset name -> (model class, config factory), from the families' presets.
@@ -78,4 +83,6 @@ def build(name: str, *, seed: int = 0, **overrides):
     return cls(config, rngs=nnx.Rngs(seed))
 
 
-__all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "MistralConfig", "Qwen2Config", "Qwen3Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "MistralConfig",
+           "MixtralConfig", "OlmoeConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "Qwen2Config",
+           "Qwen3Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]

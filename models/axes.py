@@ -15,3 +15,5 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 BATCH = "batch"                 # the rows of a batch (dim 1 of a KV cache)
 CACHE_LENGTH = "cache_length"   # a KV cache's slot dim (one slot per position)
+EXPERTS = "experts"             # a Mixture-of-Experts layer's expert dim (`models.moe`)
+EXPERT_MLP = "expert_mlp"       # an expert's inner dim (tensor-parallel generation keeps it whole)

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -78,17 +79,35 @@ class Rule:
     ours: tuple[str, ...]
     to_hf: Callable[..., np.ndarray]
     from_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    # E for a per-expert rule (`{e}` in `hf`): its HF side is the E tensors stacked [E, ...].
+    experts: int = 0
 
     @property
     def per_layer(self) -> bool:
         return is_per_layer(self.hf)
 
-    def name(self, layer: int | None) -> str:
+    def name(self, layer: int | None, expert: int | None = None) -> str:
         """The HF tensor name of stacked `layer` (None for a global rule): `{i}` is the layer,
         `{pair[0]}` / `{pair[1]}` the HF layers 2i and 2i + 1 of a block that holds two
-        (Gemma 2's sliding and global pair)."""
-        return self.hf if layer is None else self.hf.format(i=layer,
-                                                             pair=(2 * layer, 2 * layer + 1))
+        (Gemma 2's sliding and global pair), `{e}` the expert."""
+        return self.hf if layer is None else self.hf.format(
+            i=layer, pair=(2 * layer, 2 * layer + 1), e=expert)
+
+    def read(self, get_tensor: Callable[[str], np.ndarray], layer: int | None) -> np.ndarray:
+        """The HF side of `layer`: one tensor, or a per-expert rule's E tensors stacked."""
+        if not self.experts:
+            return np.asarray(get_tensor(self.name(layer)))
+        return np.stack([np.asarray(get_tensor(self.name(layer, e)))
+                         for e in range(self.experts)])
+
+    def named(self, layer: int | None, hf: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, tensor) of the HF side `hf` of `layer` (a per-expert rule's, one per
+        expert)."""
+        if not self.experts:
+            yield self.name(layer), np.ascontiguousarray(hf)
+            return
+        for e in range(self.experts):
+            yield self.name(layer, e), np.ascontiguousarray(hf[e])
 
 
 def is_per_layer(hf_name: str) -> bool:
@@ -159,7 +178,8 @@ def hf_name_map(config: Config, head: str = CAUSAL_LM) -> tuple[Rule, ...]:
     _head_params(config, head)                        # refuses an unknown head
     table = family(config.family).tensor_map(config)
     base = _abstract_params(config)
-    rules = tuple(Rule(hf, tuple(_resolve(p, is_per_layer(hf), base) for p in ours), *fns)
+    rules = tuple(Rule(hf, tuple(_resolve(p, is_per_layer(hf), base) for p in ours), *fns,
+                       experts=config.num_experts if "{e}" in hf else 0)
                   for hf, ours, fns in table)
     covered = sorted(p for r in rules for p in r.ours)
     if covered != sorted(base):
@@ -212,8 +232,7 @@ def to_hf_tensors(config: Config, params: Mapping[str, Any] | ParamGetter,
     for i in range(config.num_layers):
         for r in rules:
             if r.per_layer:
-                yield (r.name(i),
-                       np.ascontiguousarray(r.to_hf(*(get(p, i) for p in r.ours))))
+                yield from r.named(i, r.to_hf(*(get(p, i) for p in r.ours)))
 
 
 def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
@@ -233,7 +252,7 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
     expected = _head_params(config, head)
     for r in hf_name_map(config, head):
         stored_as_is = (select is not None and r.from_hf is as_is_inv and len(r.ours) == 1
-                        and hasattr(get_tensor, "shape"))
+                        and hasattr(get_tensor, "shape") and not r.experts)
         for i in range(config.num_layers) if r.per_layer else (None,):
             name = r.name(i)
             path = r.ours[0]
@@ -245,7 +264,7 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
                 if index is not None:
                     yield path, i, np.asarray(get_tensor(name, index)), index
                     continue
-            tensor = np.asarray(get_tensor(name))
+            tensor = r.read(get_tensor, i)
             try:
                 parts = r.from_hf(tensor)
             except ValueError as e:
@@ -301,13 +320,27 @@ def model_from_params(config: Config, params: Mapping[str, Any], *,
 
 # ----------------------------------------------------------------------------- loading and saving
 
+# A per-expert tensor name (transformers' saved layout) and the fused one holding it (its
+# in-memory layout: gate_up_proj [E, 2F, D], gate rows first; down_proj [E, D, F]).
+_EXPERT_NAME = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_FUSED = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+          "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
+          "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+_MIXTRAL_LEGACY = ".block_sparse_moe."
+
+
 class NameFallbacks:
     """`reader` with the name fallbacks real checkpoints need: GPT-2 saved from `GPT2Model` (the
-    hub's openai-community/gpt2) has no `transformer.` prefix. Called and `shape`d as the reader
-    is (`SafetensorsReader`)."""
+    hub's openai-community/gpt2) has no `transformer.` prefix; an MoE checkpoint written with
+    fused experts (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F],
+    Mixtral's router under `mlp.gate`) answers the per-expert names, the last fused tensor
+    read kept for the next expert. Called and `shape`d as the reader is
+    (`SafetensorsReader`)."""
 
     def __init__(self, reader: Callable[..., np.ndarray], hf: Mapping[str, Any]):
         self.reader = reader
+        self._fused: tuple[str, np.ndarray] | None = None
 
     def _resolve(self, fn: Callable[[str], Any], name: str) -> Any:
         try:
@@ -315,11 +348,35 @@ class NameFallbacks:
         except KeyError:
             if name.startswith("transformer."):
                 return fn(name.removeprefix("transformer."))
+            if _MIXTRAL_LEGACY in name and ".experts." not in name:
+                return fn(name.replace(_MIXTRAL_LEGACY, ".mlp."))
             raise
 
+    def _fused_expert(self, name: str) -> np.ndarray:
+        """The per-expert tensor `name` cut from its fused tensor; KeyError when `name` is no
+        expert's."""
+        match = _EXPERT_NAME.match(name)
+        if match is None:
+            raise KeyError(name)
+        layer, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        fused_name, half = _FUSED[proj]
+        fused_name = f"{layer}.mlp.experts.{fused_name}"
+        if self._fused is None or self._fused[0] != fused_name:
+            self._fused = (fused_name, np.asarray(self.reader(fused_name)))
+        tensor = self._fused[1][expert]
+        if half is None:
+            return tensor
+        f = tensor.shape[0] // 2
+        return tensor[half * f:(half + 1) * f]
+
     def __call__(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        return self._resolve(lambda n: self.reader(n) if index is None else self.reader(n, index),
-                             name)
+        try:
+            return self._resolve(lambda n: self.reader(n) if index is None
+                                 else self.reader(n, index), name)
+        except KeyError:
+            if index is not None or _EXPERT_NAME.match(name) is None:
+                raise
+            return self._fused_expert(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._resolve(self.reader.shape, name)

@@ -124,7 +124,7 @@ class Block(nnx.Module):
     """x + attn(norm(x)), then x + swiglu(norm(x))."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+        d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         std, zeros = cfg.init_std, nnx.initializers.zeros
         # [K/2] as Python floats (exact float32 values): static, hashable module data.
         self.inv_freq = tuple(float(f) for f in cfg.rope_inv_freq())
@@ -145,6 +145,11 @@ class Block(nnx.Module):
             self.q_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM)
             self.k_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM)
         self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
+        self.init_mlp(cfg, rngs)
+
+    def init_mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+        """The dense SwiGLU's parameters (an MoE block has experts instead, `models.moe`)."""
+        d, f, std, zeros = cfg.d_model, cfg.mlp_dim, cfg.init_std, nnx.initializers.zeros
         self.w_gate = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_up = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
@@ -171,6 +176,13 @@ class Block(nnx.Module):
         # [B, T, .] inputs and outputs of each part exist whole (ALST tiles the MLP alone; the
         # norms' float32 intermediates and their gradients were, after it, what a long
         # sequence's layer held most of).
+        a, cache = self.attend(x, positions, segment_ids, sequence, cache)
+        return tiled_map(self._out_and_mlp, (x, a), self.mlp_chunk), cache
+
+    def attend(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+               sequence: SequenceParallel | None,
+               cache: dict[str, jax.Array] | None) -> tuple[jax.Array, dict | None]:
+        """The attention half: x [B, T, D] -> (the heads' outputs [B, T, H, K], cache)."""
         q, k, v = tiled_map(self._qkv, (x, positions), self.mlp_chunk)
         if cache is not None and sequence is not None:
             raise ValueError("a KV cache under sequence parallelism: decoding runs on whole "
@@ -183,7 +195,7 @@ class Block(nnx.Module):
             a, cache = cached_attention(q, k, v, positions, cache, window=self.window,
                                         segment_ids=segment_ids,
                                         implementation=self.implementation)
-        return tiled_map(self._out_and_mlp, (x, a), self.mlp_chunk), cache
+        return a, cache
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [B, T, D], positions [B, T] -> q [B, T, H, K], k and v [B, T, G, K], RoPE'd."""
@@ -191,14 +203,24 @@ class Block(nnx.Module):
         q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self._bias("bq")
         k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...]) + self._bias("bv")
-        if getattr(self, "q_norm", None) is not None:                     # Qwen3: before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.qk_normed(q, k)
         return rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq), v
+
+    def qk_normed(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q [B, T, H, K], k [B, T, G, K] per-head RMSNormed when the config says (Qwen3:
+        before RoPE), else as they are."""
+        if getattr(self, "q_norm", None) is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def _out_and_mlp(self, x: jax.Array, a: jax.Array) -> jax.Array:
         """x [B, T, D], attention's a [B, T, H, K] -> the block's output [B, T, D]."""
-        x = x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self._bias("bo")
+        x = self.attention_out(x, a)
         return x + self._mlp(self.mlp_norm(x))
+
+    def attention_out(self, x: jax.Array, a: jax.Array) -> jax.Array:
+        """The residual after attention: x [B, T, D] + the output projection of a [B, T, H, K]."""
+        return x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self._bias("bo")
 
     def _mlp(self, h: jax.Array) -> jax.Array:
         """SwiGLU: h [B, T, D] -> [B, T, D] through the [B, T, F] gate and up projections."""
@@ -267,10 +289,12 @@ class Head(nnx.Module):
 class Llama(nnx.Module):
     """Llama: embed -> stacked blocks -> norm -> head."""
 
+    BLOCK = Block          # the layer class (`models.moe_llama.MoeBlock` for MoE families)
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = TokenEmbed(cfg, rngs)
-        self.blocks = LayerStack(lambda r: Block(cfg, r), cfg.num_layers, rngs)
+        self.blocks = LayerStack(lambda r: self.BLOCK(cfg, r), cfg.num_layers, rngs)
         self.head = Head(cfg, rngs)
 
     def init_cache(self, batch: int, max_len: int,

@@ -12,30 +12,43 @@ add one.
 - `qwen3`: Qwen3 dense: Llama + per-head q/k RMSNorm, explicit head_dim.
 - `mistral`: Mistral: Llama + sliding-window attention.
 - `gemma2`: Gemma 2 (`models.gemma2`): (sliding, global) layer pairs, soft-capping, (1 + w) norms.
+- `moe`: what the Mixture-of-Experts families share (router and expert keys and tensors).
+- `qwen3_moe`, `qwen2_moe` (a shared expert), `mixtral`, `olmoe` (q/k norms over the whole
+  projection): `models.moe_llama`.
 """
 
 from __future__ import annotations
 
-from . import gemma2, gpt2, llama, mistral, qwen2, qwen3
+from . import gemma2, gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .gemma2 import Gemma2Config
 from .mistral import MistralConfig
+from .mixtral import MixtralConfig
+from .moe import UNSUPPORTED_MOE
+from .olmoe import OlmoeConfig
 from .qwen2 import Qwen2Config
+from .qwen2_moe import Qwen2MoeConfig
 from .qwen3 import Qwen3Config
+from .qwen3_moe import Qwen3MoeConfig
 from .spec import CAUSAL_LM, SEQUENCE_CLASSIFICATION, Family, require
 
 REGISTRY: dict[str, Family] = {spec.name: spec for spec in
                                (gpt2.SPEC, llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC,
-                                gemma2.SPEC)}
+                                gemma2.SPEC, qwen3_moe.SPEC, qwen2_moe.SPEC, mixtral.SPEC,
+                                olmoe.SPEC)}
 
 
 def family(name: str | None) -> Family:
     """The registered family `name` (config.json's model_type, a config's `family`); a
     ValueError naming it and the families built otherwise."""
+    if name in UNSUPPORTED_MOE:
+        raise ValueError(f"config.json model_type={name!r} is not supported: "
+                         f"{UNSUPPORTED_MOE[name]}; zeroxla builds {', '.join(sorted(REGISTRY))}")
     if name not in REGISTRY:
         raise ValueError(f"config.json model_type={name!r} is not supported; zeroxla builds "
                          f"{', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
 
 
-__all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "MistralConfig", "Qwen2Config", "Qwen3Config", "REGISTRY",
+__all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "MistralConfig", "MixtralConfig", "OlmoeConfig",
+           "Qwen2Config", "Qwen2MoeConfig", "Qwen3Config", "Qwen3MoeConfig", "REGISTRY",
            "SEQUENCE_CLASSIFICATION", "family", "require"]

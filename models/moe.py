@@ -1,0 +1,122 @@
+"""The Mixture-of-Experts MLP: a float32 top-k router, dropless SwiGLU experts
+(`grouped_matmul`), an optional shared expert (Qwen2-MoE), and the router statistics the
+auxiliary load-balancing loss is made of.
+
+Routing as transformers 5.23 computes it (`Qwen3MoeTopKRouter`, `MixtralTopKRouter`,
+`OlmoeTopKRouter`, `Qwen2MoeTopKRouter`): probabilities = softmax(h @ router) in float32, the
+k largest (`lax.top_k`: equal probabilities go to the lower expert index), renormalised to sum 1
+when `norm_topk_prob`. A token's output is the routing-weighted sum of its k experts' outputs.
+
+The auxiliary loss (Switch Transformer eqs. 4-6, transformers' `load_balancing_loss_func`) is
+E x sum_e f_e P_e over every layer's rows at once: f_e = top-k assignments to e / rows, P_e = the
+mean probability of e. Both are sums over tokens, so each layer adds its `RouterStats` (counts,
+probability sums, rows) to the ones the stack carries (`Routed`), and `aux_loss` forms the
+product once at the end; the training step sums the statistics over the data devices first
+(one device's loss, whatever the split: `zeroxla.engine.router_aux`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import axes
+from .grouped_matmul import expert_ffn
+from .layers import normal, param
+
+
+class RouterStats(NamedTuple):
+    """Router statistics summed over tokens (and layers), in the router's dtype (float32, or
+    float64 in a float64 run): counts [E] (top-k assignments per expert), prob_sum [E] (router
+    probabilities per expert), rows [] (tokens routed, once per layer)."""
+
+    counts: jax.Array
+    prob_sum: jax.Array
+    rows: jax.Array
+
+    @classmethod
+    def zeros(cls, num_experts: int, dtype=jnp.float32) -> "RouterStats":
+        """No tokens yet, in `dtype` (float32, float64 in a float64 run)."""
+        return cls(jnp.zeros(num_experts, dtype), jnp.zeros(num_experts, dtype),
+                   jnp.zeros((), dtype))
+
+    def __add__(self, other: "RouterStats") -> "RouterStats":       # type: ignore[override]
+        return RouterStats(*(a + b for a, b in zip(self, other)))
+
+
+class Routed(NamedTuple):
+    """What a stack of MoE blocks carries in training: the hidden states [B, T, D] and the
+    router statistics of the layers so far."""
+
+    hidden: jax.Array
+    stats: RouterStats
+
+
+def aux_loss(stats: RouterStats) -> jax.Array:
+    """transformers' `load_balancing_loss_func` of the statistics: E x sum_e (counts_e / rows) x
+    (prob_sum_e / rows) (0 when no row was routed)."""
+    rows = jnp.maximum(stats.rows, 1e-9)
+    return stats.counts.shape[0] * jnp.sum((stats.counts / rows) * (stats.prob_sum / rows))
+
+
+def route(h: jax.Array, router: jax.Array, top_k: int,
+          norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [N, D], router [D, E] -> (weights float32 [N, k], experts int32 [N, k], probabilities
+    float32 [N, E]); float32 whatever h's dtype (a float64 run stays float64)."""
+    dtype = jnp.promote_types(h.dtype, jnp.float32)
+    probs = jax.nn.softmax(jnp.dot(h.astype(dtype), router.astype(dtype)), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)                            # [N, k]
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32), probs
+
+
+class MoeMLP(nnx.Module):
+    """E SwiGLU experts behind a top-k router, plus a sigmoid-gated shared SwiGLU expert when
+    `shared_expert_mlp_dim` > 0 (Qwen2-MoE). Parameters: router [D, E]; w_gate / w_up
+    [E, D, F], w_down [E, F, D] (F = expert_mlp_dim; named `experts`, `expert_mlp`: tensor-
+    parallel generation leaves them whole); shared_gate / shared_up [D, S], shared_down [S, D],
+    shared_expert_gate [D]."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, e, f, s = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_expert_mlp_dim
+        init = normal(cfg.init_std)
+        self.top_k, self.norm_topk_prob = cfg.experts_per_token, cfg.norm_topk_prob   # static
+        self.tile, self.implementation = cfg.expert_tile, cfg.expert_implementation
+        self.router = param(rngs, init, (d, e), (axes.EMBED, axes.EXPERTS))
+        self.w_gate = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
+        self.w_up = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
+        self.w_down = param(rngs, init, (e, f, d), (axes.EXPERTS, axes.EXPERT_MLP, axes.EMBED))
+        if s:
+            self.shared_gate = param(rngs, init, (d, s), (axes.EMBED, axes.MLP))
+            self.shared_up = param(rngs, init, (d, s), (axes.EMBED, axes.MLP))
+            self.shared_down = param(rngs, init, (s, d), (axes.MLP, axes.EMBED))
+            self.shared_expert_gate = param(rngs, init, (d,), (axes.EMBED,))
+
+    def __call__(self, h: jax.Array, mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """h [B, T, D] -> (output [B, T, D], this layer's `RouterStats` over the tokens `mask`
+        [B, T] (1: a real token; None: all) keeps, the chosen experts int32 [B, T, k])."""
+        b, t, d = h.shape
+        x = h.reshape(b * t, d)                                               # [N, D]
+        weights, experts, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob)
+        k = self.top_k
+        tokens = jnp.repeat(x, k, axis=0)                                     # [N*k, D]
+        y, _, _ = expert_ffn(tokens, experts.reshape(-1), self.w_gate[...].astype(h.dtype),
+                             self.w_up[...].astype(h.dtype), self.w_down[...].astype(h.dtype),
+                             tile=self.tile, implementation=self.implementation)
+        y = y.reshape(b * t, k, d) * weights.astype(h.dtype)[..., None]
+        out = jnp.sum(y, axis=1)                                              # [N, D]
+        if getattr(self, "shared_gate", None) is not None:
+            gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(h.dtype))   # [N]
+            inner = jax.nn.silu(x @ self.shared_gate[...]) * (x @ self.shared_up[...])
+            out = out + gate[:, None] * (inner @ self.shared_down[...])
+        m = jnp.ones((b * t,), probs.dtype) if mask is None else mask.reshape(b * t)
+        m = jax.lax.stop_gradient(m.astype(probs.dtype))
+        counts = jnp.zeros(probs.shape[1], probs.dtype).at[experts.reshape(-1)].add(
+            jnp.repeat(m, k))
+        stats = RouterStats(counts, jnp.sum(probs * m[:, None], axis=0), jnp.sum(m))
+        return out.reshape(b, t, d), stats, experts.reshape(b, t, k)

@@ -1,0 +1,184 @@
+"""Llama with Mixture-of-Experts MLPs: the module of the MoE families (`models.families`:
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE), each option a `MoeLlamaConfig` field.
+
+Every layer is sparse (an MoE MLP, `models.moe`); the attention is Llama's with the family's
+options (biases, per-head q/k norms, OLMoE's norms over the whole q and k projections, a
+sliding window). In training the stack carries `moe.Routed` (hidden states and router
+statistics) and `routed_token_logprobs` returns the statistics beside the log-probs, which the
+step turns into the auxiliary loss; inference paths (`__call__`, `decode`) carry plain hidden
+states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import axes
+from .grouped_matmul import TILE, check_expert_implementation
+from .layers import at_least_float32, stack_args
+from .llama import Block, Llama, LlamaConfig
+from .moe import MoeMLP, Routed, RouterStats
+from .sequence_parallel import SequenceParallel
+from .tiled_mlp import tiled_map
+
+QK_NORM_SCOPES = ("head", "projection")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeLlamaConfig(LlamaConfig):
+    """A Llama config whose MLPs are Mixture-of-Experts layers.
+
+    num_experts            E experts per layer (HF `num_experts`, Mixtral's `num_local_experts`)
+    experts_per_token      k experts per token (`num_experts_per_tok`)
+    expert_mlp_dim         an expert's inner size (`moe_intermediate_size`; Mixtral's and
+                           OLMoE's `intermediate_size`)
+    norm_topk_prob         renormalise the k routing weights to sum 1 (Mixtral: always)
+    shared_expert_mlp_dim  a sigmoid-gated shared SwiGLU expert of this size, 0: none (Qwen2-MoE)
+    router_aux_loss_coef   weight of the auxiliary load-balancing loss in the training loss
+    output_router_logits   whether training adds it (transformers adds it only then)
+    qk_norm_scope          "head" (Qwen3-MoE: RMSNorm per head) or "projection" (OLMoE: over the
+                           whole q and k projections), when `qk_norm`
+    expert_tile            rows per tile of the grouped matmul (`models.grouped_matmul`)
+    expert_implementation  "auto", "tiled" or "ragged_dot" (`grouped_matmul.expert_ffn`)
+    """
+
+    num_experts: int = 8
+    experts_per_token: int = 2
+    expert_mlp_dim: int = 32
+    norm_topk_prob: bool = True
+    shared_expert_mlp_dim: int = 0
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = True
+    qk_norm_scope: str = "head"
+    expert_tile: int = TILE
+    expert_implementation: str = "auto"
+    family: str = dataclasses.field(default="moe_llama", init=False)
+
+    POSITIVE_FIELDS = LlamaConfig.POSITIVE_FIELDS + ("num_experts", "experts_per_token",
+                                                     "expert_mlp_dim", "expert_tile")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = type(self).__name__
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"{name}.experts_per_token={self.experts_per_token} exceeds "
+                             f"num_experts={self.num_experts}; accepted: 1..{self.num_experts}")
+        if not isinstance(self.shared_expert_mlp_dim, int) or self.shared_expert_mlp_dim < 0:
+            raise ValueError(f"{name}.shared_expert_mlp_dim={self.shared_expert_mlp_dim!r} is "
+                             "invalid; accepted: 0 (none) or an integer >= 1")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"{name}.router_aux_loss_coef={self.router_aux_loss_coef!r} is "
+                             "invalid; accepted: a number >= 0")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"{name}.qk_norm_scope={self.qk_norm_scope!r} is invalid; "
+                             f"accepted: {', '.join(QK_NORM_SCOPES)}")
+        check_expert_implementation(self.expert_implementation, f"{name}.expert_implementation")
+
+    @property
+    def aux_loss_weight(self) -> float:
+        """What the training loss adds times the auxiliary loss: router_aux_loss_coef when
+        output_router_logits (transformers' rule), else 0."""
+        return float(self.router_aux_loss_coef) if self.output_router_logits else 0.0
+
+
+class ProjectionRMSNorm(nnx.Module):
+    """RMSNorm over a whole projection [.., H, K] at once (OLMoE's q_norm / k_norm over
+    hidden_size), its scale [H, K]; float32 (float64 for float64 input)."""
+
+    def __init__(self, heads: int, head_dim: int, *, eps: float, head_axis: str):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((heads, head_dim), jnp.float32),
+                               logical_axes=(head_axis, axes.HEAD_DIM))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        acc = at_least_float32(x.dtype)
+        h = x.astype(acc)
+        h = h * jax.lax.rsqrt(jnp.square(h).mean((-2, -1), keepdims=True) + self.eps)
+        return (h * self.scale[...].astype(acc)).astype(x.dtype)
+
+
+def token_mask(segment_ids: jax.Array | None) -> jax.Array | None:
+    """The tokens the router statistics count: a packed batch's non-padding ones (segment id >
+    0), else all (None): transformers' `attention_mask`."""
+    return None if segment_ids is None else segment_ids > 0
+
+
+class MoeBlock(Block):
+    """x + attn(norm(x)), then x + moe(norm(x)). Called with a `Routed` carry it returns one,
+    this layer's router statistics added; with plain hidden states, plain hidden states."""
+
+    def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
+        super().__init__(cfg.replace(qk_norm=cfg.qk_norm and cfg.qk_norm_scope == "head"), rngs)
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":
+            self.q_norm = ProjectionRMSNorm(cfg.num_heads, cfg.head_dim, eps=cfg.norm_eps,
+                                            head_axis=axes.HEADS)
+            self.k_norm = ProjectionRMSNorm(cfg.num_kv_heads, cfg.head_dim, eps=cfg.norm_eps,
+                                            head_axis=axes.KV_HEADS)
+
+    def init_mlp(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs) -> None:
+        self.moe = MoeMLP(cfg, rngs)
+
+    def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None, cache: dict | None = None):
+        """x [B, T, D] or `Routed` -> (the same kind, cache); the MoE runs over all the tokens
+        at once (`mlp_chunk` tiles the attention's per-token parts only)."""
+        routed = isinstance(x, Routed)
+        h = x.hidden if routed else x
+        a, cache = self.attend(h, positions, segment_ids, sequence, cache)
+        h = tiled_map(self.attention_out, (h, a), self.mlp_chunk)
+        y, stats, _ = self.moe(self.mlp_norm(h), token_mask(segment_ids))
+        h = h + y
+        return (Routed(h, x.stats + stats) if routed else h), cache
+
+    def router_choices(self, x: jax.Array, positions: jax.Array,
+                       segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(the block's output [B, T, D], the experts it routed each token to int32
+        [B, T, k])."""
+        a, _ = self.attend(x, positions, segment_ids, None, None)
+        h = self.attention_out(x, a)
+        y, _, experts = self.moe(self.mlp_norm(h), token_mask(segment_ids))
+        return h + y, experts
+
+
+class MoeLlama(Llama):
+    """Llama with MoE blocks; `routed_token_logprobs` adds the router statistics (the
+    auxiliary loss's terms) to the chunked log-probs."""
+
+    BLOCK = MoeBlock
+
+    def routed_token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
+                              positions: jax.Array | None = None,
+                              segment_ids: jax.Array | None = None,
+                              vocab_limit: jax.Array | int | None = None,
+                              sequence: SequenceParallel | None = None
+                              ) -> tuple[jax.Array, RouterStats]:
+        """(`token_logprobs(...)` float32 [B, T], the `RouterStats` of every layer over these
+        tokens)."""
+        c = self.config
+        parts = 1 if sequence is None else sequence.size
+        c.check_seq_len(tokens.shape[1] * parts, "sequence length")
+        args = stack_args(tokens, positions, segment_ids, sequence)
+        x = self.embed(tokens, args[0])
+        zeros = RouterStats.zeros(c.num_experts, at_least_float32(x.dtype))
+        out, _ = self.blocks(Routed(x, zeros), *args)
+        h = tiled_map(self.head.norm, (out.hidden,), c.mlp_chunk)
+        if c.tie_word_embeddings:
+            return self.embed.attend_logprobs(h, labels, vocab_limit), out.stats
+        return self.head.logprobs(h, labels, vocab_limit), out.stats
+
+    def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None
+                       ) -> jax.Array:
+        """The experts each layer routes each token to in a full forward: int32 [L, B, T, k]
+        (what routing parity with the rollout is checked against)."""
+        args = stack_args(tokens, positions, None)
+        graphdef, state = nnx.split(self.blocks.layers)
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state).router_choices(h, args[0])
+
+        _, experts = jax.lax.scan(body, self.embed(tokens, args[0]), state)
+        return experts
