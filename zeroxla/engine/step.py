@@ -54,7 +54,7 @@ from zeroxla.engine.loss import (
     next_token_loss_terms,
     normalizer,
 )
-from zeroxla.engine import offload
+from zeroxla.engine import offload, router_aux
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.optimizer import default_optimizer
 from zeroxla.engine.randomness import (
@@ -226,18 +226,24 @@ class ZeroStep:
     # ------------------------------------------------------------------------------------------
     # The gradient pass: inside shard_map, everything below sees one device's local arrays.
     def _terms(self, model: Any, batch: Batch,
-               key: jax.Array | None) -> tuple[jax.Array, jax.Array, bool]:
-        """`(sum, count, is_sum)`: the loss of `batch` as a sum and a count; `is_sum` is False
-        for a loss_fn that returned a scalar mean (its count is 1). A loss_fn declaring `rngs`
-        gets `nnx.Rngs` seeded from `key`."""
+               key: jax.Array | None) -> tuple[jax.Array, jax.Array, bool, Any]:
+        """`(sum, count, is_sum, router_stats)`: the loss of `batch` as a sum and a count;
+        `is_sum` is False for a loss_fn that returned a scalar mean (its count is 1);
+        `router_stats`, an MoE model's `(RouterStats, weight)` when its auxiliary loss is
+        weighed (`engine.router_aux`), else None. A loss_fn declaring `rngs` gets `nnx.Rngs` seeded
+        from `key`."""
         loss_fn, sequence = self.layout.loss_fn, self.layout.sequence
+        router_aux.check_loss_fn(model, loss_fn is next_token_loss)
         if loss_fn is next_token_loss:
-            return (*next_token_loss_terms(model, batch, sequence), True)
+            if router_aux.is_routed(model):
+                total, count, stats = router_aux.routed_loss_terms(model, batch, sequence)
+                return total, count, True, (stats, router_aux.aux_weight(model))
+            return (*next_token_loss_terms(model, batch, sequence), True, None)
         options: dict[str, Any] = {} if sequence is None else {"sequence": sequence}
         if self.layout.loss_takes_rngs:
             options["rngs"] = nnx.Rngs(jax.random.fold_in(key, CALL_STREAM))
         value = loss_fn(model, batch, **options)
-        return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)))
+        return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)), None)
 
     def _local_gradients(self, params: dict[str, Any], batch: Batch, scale: jax.Array,
                          model_state: dict[str, jax.Array], key_data: jax.Array | None
@@ -273,46 +279,72 @@ class ZeroStep:
         once = reduced_once(layout.comm, plan, lambda uses: forward(
             wrt, jax.tree.map(lambda a: a[0], micro_batches), model_state, 0, uses=uses)[0])
 
+        # An MoE model's auxiliary loss (`engine.router_aux`): each micro-batch's, averaged.
+        # Scaled by the step's count here, it comes out of the final division as itself.
+        step_count = lax.psum(router_aux.loss_count(batch), data)
+        no_router = (jnp.float32(0), jnp.zeros((0,), jnp.float32))
+        weights: list[float] = []        # the auxiliary loss's weight, seen while tracing
+
         def objective(p, micro, ms, index):
-            total, count, is_sum, read_state = forward(p, micro, ms, index, once)
+            total, count, is_sum, stats, read_state = forward(p, micro, ms, index, once)
             c0 = normalizer(micro) if is_sum else 1.0
             sizes.append(c0)
-            return total * (scale / c0), (total, count, read_state())
+            value, router = total * (scale / c0), no_router
+            if stats is not None:
+                stats, weight = stats
+                weights.append(weight)
+                local, aux, load = router_aux.aux_terms(stats, data)
+                value = value + local * (weight * scale * step_count / (c0 * k))
+                router = (aux / k, load / k)
+            return value, (total, count, router, read_state())
 
         grad_fn = jax.grad(objective, has_aux=True)
         if k == 1:
-            grads, (total, count, model_state) = grad_fn(wrt, batch, model_state, 0)
+            grads, (total, count, router, model_state) = grad_fn(wrt, batch, model_state, 0)
             grads = jax.tree.map(lambda g: g.astype(master), grads)
         else:
             def accumulate(carry, piece):
                 # The model state (batch statistics) flows from micro-batch to micro-batch.
                 micro, index = piece
-                total_sum, count_sum, grad_sum, ms = carry
-                g, (total, count, ms) = grad_fn(wrt, micro, ms, index)
+                total_sum, count_sum, router_sum, grad_sum, ms = carry
+                g, (total, count, router, ms) = grad_fn(wrt, micro, ms, index)
                 return (total_sum + total, count_sum + count,
+                        jax.tree.map(jnp.add, router_sum, router),
                         jax.tree.map(lambda s, gi: s + gi.astype(master), grad_sum, g),
                         ms), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, master), wrt)   # partitions
-            (total, count, grads, model_state), _ = lax.scan(
-                accumulate, (jnp.float32(0), jnp.float32(0), zeros, model_state),
+            router0 = jax.eval_shape(lambda: grad_fn(wrt, jax.tree.map(
+                lambda a: a[0], micro_batches), model_state, 0)[1][2])
+            (total, count, router, grads, model_state), _ = lax.scan(
+                accumulate, (jnp.float32(0), jnp.float32(0),
+                             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), router0),
+                             zeros, model_state),
                 (micro_batches, jnp.arange(k)))
         grads = reduce_gradients(grads, plan, config.stage, layout.axes, config.dtype)
         total = lax.psum(total, data)
         count = lax.psum(count, data)
         count = jnp.where(count > 0, count, 1.0)
         factor = sizes[0] / count
-        return total / count, jax.tree.map(lambda g: g * factor, grads), model_state
+        losses = {"loss": total / count}
+        if weights:
+            losses = {"loss": total / count + weights[0] * router[0],
+                      router_aux.AUX_METRIC: router[0], router_aux.LOAD_METRIC: router[1]}
+        return losses, jax.tree.map(lambda g: g * factor, grads), model_state
 
     def _local_eval(self, params: dict[str, Any], model_state: dict[str, jax.Array],
                     batch: Batch) -> jax.Array:
         key = jax.random.key(0) if self.layout.uses_rng else None   # evaluation draws nothing
         model, _ = local_model(self.layout, params, model_state, key, training=False)
-        total, count, _ = self._terms(model, batch, key)
+        total, count, _, router = self._terms(model, batch, key)
         data = self.layout.axes.data
         total = lax.psum(total, data)
         count = lax.psum(count, data)
-        return total / jnp.where(count > 0, count, 1.0)
+        loss = total / jnp.where(count > 0, count, 1.0)
+        if router is None:
+            return loss
+        stats, weight = router
+        return loss + weight * router_aux.aux_terms(stats, data)[1]
 
     # ------------------------------------------------------------------------------------------
     # The step: the gradient pass, then the update on global arrays (`engine.apply`).
@@ -324,8 +356,11 @@ class ZeroStep:
         batch = in_sequence_layout(batch, self.layout.sequence)     # allgather: zigzag chunks
         loss, grads, model_state = self._gradients(self.layout.plan.compute_inputs(state.params),
                                                    batch, scale, state.model_state, key_data)
-        return apply_gradients(self.layout, state, loss, grads, model_state, scale,
-                               on_host=self.update_placement.on_host)
+        extra = dict(loss) if isinstance(loss, dict) else {"loss": loss}
+        state, metrics = apply_gradients(self.layout, state, extra.pop("loss"), grads,
+                                         model_state, scale,
+                                         on_host=self.update_placement.on_host)
+        return state, {**metrics, **extra}
 
 
 __all__ = ["ZeroStep", "default_optimizer", "frozen_paths", "next_token_loss"]

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from zeroxla.engine.loss import loss_terms, next_token_loss, next_token_loss_terms
+from zeroxla.engine.router_aux import is_routed
 from zeroxla.models.layers import LayerStack
 
 STACK_ATTRIBUTE = "blocks"
@@ -209,6 +210,14 @@ class StagedLoss:
         """The cut of the model's own `model(tokens)` on a probe batch: a model the pipeline
         cannot split is refused by `make_step`, before anything is compiled."""
         values = self.model_def.abstract_values()[0]
+        model = self._model(values)
+        if is_routed(model):
+            c = model.config
+            raise ValueError(
+                f"pipeline parallelism with {type(c).__name__}'s auxiliary load-balancing loss "
+                f"(router_aux_loss_coef={c.router_aux_loss_coef}, output_router_logits=True) is "
+                "not built: the stages would drop it; accepted: output_router_logits=False, or "
+                "no pipeline (stages=1)")
         return check_stages(next_token_loss_terms, self._model, values, self.PROBE)
 
     def check(self, micro: dict[str, jax.ShapeDtypeStruct]) -> None:

@@ -1,0 +1,122 @@
+"""An MoE model (Qwen3-MoE's family, auxiliary loss weighed) trains under ZeRO exactly as the
+same model trained on one device with plain optax, its loss written out here: next-token
+cross-entropy plus router_aux_loss_coef x transformers' load-balancing loss over the batch's
+tokens (per micro-batch, averaged, with gradient accumulation)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from zeroxla import models
+from reference import flat_params, token_batches, train_single_device
+
+COEF = 0.05
+CONFIG = models.Qwen3MoeConfig(vocab_size=64, max_seq_len=32, d_model=32, num_heads=4,
+                               num_kv_heads=2, explicit_head_dim=8, num_layers=2, mlp_dim=48,
+                               num_experts=8, experts_per_token=2, expert_mlp_dim=16,
+                               router_aux_loss_coef=COEF, output_router_logits=True,
+                               expert_tile=4)
+BATCHES = token_batches(3, 16, 16, 64, seed=3)
+TOL = 1e-6
+
+
+def model():
+    return models.REGISTRY["qwen3_moe"].model_class(CONFIG, rngs=nnx.Rngs(0))
+
+
+def micro_batch(batch, i, k, devices=8):
+    """Micro-batch i of k as data parallelism forms it (DeepSpeed's: each of the `devices` data
+    ranks' i-th piece of its own rows)."""
+    def rows(a):
+        per_device = a.reshape(devices, k, -1, *a.shape[1:])            # [N, k, B/(N k), ...]
+        return per_device[:, i].reshape(-1, *a.shape[1:])
+    return jax.tree.map(rows, batch)
+
+
+def written_out_loss(micro_batches, devices=8):
+    """Cross-entropy over the batch plus COEF x the mean over its `micro_batches` pieces
+    (`micro_batch`) of E x sum_e (assignments_e / rows) x (mean probability_e)
+    (transformers' load_balancing_loss_func), from the model's router statistics."""
+    def loss(m, batch):
+        ce, aux = [], []
+        for piece in (micro_batch(batch, i, micro_batches, devices)
+                      for i in range(micro_batches)):
+            logp, stats = m.routed_token_logprobs(piece["inputs"], piece["targets"])
+            ce.append(-logp)
+            rows = stats.rows
+            aux.append(CONFIG.num_experts * jnp.sum(stats.counts / rows * stats.prob_sum / rows))
+        return jnp.mean(jnp.concatenate(ce)) + COEF * jnp.mean(jnp.stack(aux))
+    return loss
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("case", [
+    dict(stage=3), dict(stage=2), dict(stage=3, hpz_partition_size=4),
+    dict(stage=3, gradient_accumulation_steps=2), dict(stage=3, sequence=2)],
+    ids=["zero3", "zero2", "zero3-hpz", "zero3-accumulation", "zero3-sp2"])
+def test_moe_trains_like_one_device(optimizer, case):
+    case = dict(case)
+    sequence = case.pop("sequence", 1)
+    k = case.get("gradient_accumulation_steps", 1)
+    # Adam's eps 1e-5, not 1e-8: an entry whose gradient is near zero (a sum of terms that
+    # cancel, ~1e-9, known only to a few percent in float32 whatever the summation order) moves
+    # by lr x g / (|g| + eps), which amplifies that round-off up to a lr-sized step (with 1e-8)
+    # in one run and not the other. The gradients themselves agree to 1e-8
+    # (`test_moe_gradients_equal_one_device`).
+    opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(3e-3, eps=1e-5)
+    mesh = zeroxla.make_mesh(2, 4 // sequence, sequence=sequence)
+    replicas = 8 // sequence
+    want_losses, want = train_single_device(model(), opt, BATCHES,
+                                            loss_fn=written_out_loss(k, replicas))
+    step = zeroxla.make_step(model(), mesh, optimizer=opt, config=zeroxla.ZeroConfig(**case))
+    state = step.init()
+    losses = []
+    for batch in BATCHES:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        assert metrics["router/load"].shape == (CONFIG.num_experts,)
+        np.testing.assert_allclose(float(jnp.sum(metrics["router/load"])), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_moe_gradients_equal_one_device(accumulation):
+    """One SGD step of learning rate 1: the update is the gradient."""
+    initial = flat_params(nnx.state(model(), nnx.Param))
+    sgd = optax.sgd(1.0)
+    _, want = train_single_device(model(), sgd, BATCHES[:1],
+                                  loss_fn=written_out_loss(accumulation))
+    step = zeroxla.make_step(model(), zeroxla.make_mesh(2, 4), optimizer=sgd,
+                             config=zeroxla.ZeroConfig(
+                                 stage=3, gradient_accumulation_steps=accumulation))
+    state, _ = step(step.init(), BATCHES[0])
+    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+    for path in want:
+        np.testing.assert_allclose(initial[path] - got[path], initial[path] - want[path],
+                                   rtol=0, atol=1e-7, err_msg=path)
+
+
+def test_a_custom_loss_fn_that_would_drop_the_aux_loss_is_refused():
+    step = zeroxla.make_step(model(), zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1),
+                             loss_fn=lambda m, b: jnp.mean(m(b["inputs"])))
+    with pytest.raises(ValueError, match="auxiliary load-balancing loss.*custom loss_fn"):
+        step(step.init(), BATCHES[0])
+
+
+def test_without_output_router_logits_no_aux_loss_is_added():
+    config = CONFIG.replace(output_router_logits=False)
+    m = models.REGISTRY["qwen3_moe"].model_class(config, rngs=nnx.Rngs(0))
+    step = zeroxla.make_step(m, zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1))
+    _, metrics = step(step.init(), BATCHES[0])
+    assert "router/aux_loss" not in metrics
+    logits = m(jnp.asarray(BATCHES[0]["inputs"]))
+    logp = jax.nn.log_softmax(logits)
+    ce = -jnp.mean(jnp.take_along_axis(logp, BATCHES[0]["targets"][..., None], -1))
+    np.testing.assert_allclose(float(metrics["loss"]), float(ce), rtol=0, atol=1e-6)
