@@ -8,7 +8,7 @@ Values from huggingface.co/<repo>/blob/main/config.json of the repositories name
     Llama-3.2-1B   meta-llama/Llama-3.2-1B     Llama-3.1-8B  meta-llama/Llama-3.1-8B
     Qwen2.5-0.5B   Qwen/Qwen2.5-0.5B           Qwen2.5-1.5B  Qwen/Qwen2.5-1.5B
     Qwen2.5-7B     Qwen/Qwen2.5-7B             Qwen3-0.6B    Qwen/Qwen3-0.6B
-    Qwen3-8B       Qwen/Qwen3-8B
+    Qwen3-8B       Qwen/Qwen3-8B               Qwen3-30B-A3B Qwen/Qwen3-30B-A3B
 
 No weights: `config(name)` is a config dataclass, `models.abstract_model(config)` its shapes.
 """
@@ -63,6 +63,15 @@ HF_CONFIGS: Mapping[str, Mapping[str, Any]] = {
     "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
                  "max_window_layers": 36, "tie_word_embeddings": False},
+    "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe",
+                      "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "max_window_layers": 48, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "router_aux_loss_coef": 0.001, "output_router_logits": False,
+                      "tie_word_embeddings": False},
 }
 
 NAMES = tuple(HF_CONFIGS)

@@ -25,14 +25,6 @@ class Qwen3MoeConfig(MoeLlamaConfig):
     def tiny(cls) -> "Qwen3MoeConfig":
         return cls(explicit_head_dim=16)
 
-    @classmethod
-    def qwen3_30b_a3b(cls) -> "Qwen3MoeConfig":
-        """Qwen3-30B-A3B's config.json shape (48 layers, 128 experts, top-8)."""
-        return cls(vocab_size=151936, max_seq_len=40960, d_model=2048, num_heads=32,
-                   num_kv_heads=4, explicit_head_dim=128, num_layers=48, mlp_dim=6144,
-                   num_experts=128, experts_per_token=8, expert_mlp_dim=768,
-                   rope_theta=1000000.0, norm_eps=1e-6, output_router_logits=False)
-
 
 def from_hf(hf: Mapping[str, Any]) -> Qwen3MoeConfig:
     no_sliding_layers(hf)
@@ -50,5 +42,4 @@ def to_hf(config: Qwen3MoeConfig) -> dict[str, Any]:
 
 
 SPEC = Family("qwen3_moe", Qwen3MoeConfig, MoeLlama, architectures("Qwen3Moe"), from_hf, to_hf,
-              tensor_map, {"qwen3-moe-tiny": Qwen3MoeConfig.tiny,
-                           "qwen3-30b-a3b": Qwen3MoeConfig.qwen3_30b_a3b})
+              tensor_map, {"qwen3-moe-tiny": Qwen3MoeConfig.tiny})

@@ -8,7 +8,8 @@
 The weights adapted are the `nnx.Param` attributes of modules (an `nnx.Linear`'s `kernel`, a
 Llama block's `wq`) of rank >= 2 per layer, with the `embed` axis where the model names its
 axes (so not GPT's per-head biases), whose path matches `LoRAConfig.module_name`; a
-`LayerStack`'s weights carry a leading `layers` dim and get per-layer adapters.
+`LayerStack`'s weights carry a leading `layers` dim and get per-layer adapters, an MoE layer's
+experts (`experts` dim) one adapter each.
 """
 
 from __future__ import annotations
@@ -39,8 +40,14 @@ def _weights(model: nnx.Module) -> list[tuple[str, nnx.Module, str, nnx.Param]]:
 
 
 def _stacked_dims(param: nnx.Param) -> int:
+    """The leading dims that hold one weight each: a stack's `layers`, then an MoE layer's
+    `experts` (each expert its own adapter, as PEFT adapts each expert's linear layers)."""
     names = param.get_metadata().get("logical_axes") or ()
-    return 1 if names and names[0] == axes.LAYERS else 0
+    count = 0
+    for expected in (axes.LAYERS, axes.EXPERTS):
+        if len(names) > count and names[count] == expected:
+            count += 1
+    return count
 
 
 def _is_linear_weight(param: nnx.Param) -> bool:

@@ -89,6 +89,11 @@ def peft_tensors(model: nnx.Module, config: Any) -> dict[str, np.ndarray]:
             raise ValueError(f"PEFT export: {path} has no HF tensor of its own in the "
                              f"{config.family} name map (models/hf.py)")
         rule = rules[path]
+        if rule.experts:
+            raise ValueError(f"PEFT export of the adapter on {path!r}: {config.family}'s "
+                             f"experts are one tensor per expert ({rule.hf!r}), an adapter per "
+                             "expert the PEFT export does not write; export the merged model "
+                             "(save_merged) instead")
         if "{pair[" in rule.hf:
             raise ValueError(f"PEFT export of the adapter on {path!r}: {config.family} stores two "
                              f"HF layers per block ({rule.hf!r}), which the adapter export does "

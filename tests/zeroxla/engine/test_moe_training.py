@@ -56,8 +56,10 @@ def written_out_loss(micro_batches, devices=8):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("case", [
     dict(stage=3), dict(stage=2), dict(stage=3, hpz_partition_size=4),
-    dict(stage=3, gradient_accumulation_steps=2), dict(stage=3, sequence=2)],
-    ids=["zero3", "zero2", "zero3-hpz", "zero3-accumulation", "zero3-sp2"])
+    dict(stage=3, gradient_accumulation_steps=2), dict(stage=3, sequence=2),
+    dict(stage=3, remat="full"), dict(stage=3, offload_optimizer="cpu")],
+    ids=["zero3", "zero2", "zero3-hpz", "zero3-accumulation", "zero3-sp2", "zero3-remat",
+         "zero3-offload"])
 def test_moe_trains_like_one_device(optimizer, case):
     case = dict(case)
     sequence = case.pop("sequence", 1)
@@ -101,6 +103,63 @@ def test_moe_gradients_equal_one_device(accumulation):
     for path in want:
         np.testing.assert_allclose(initial[path] - got[path], initial[path] - want[path],
                                    rtol=0, atol=1e-7, err_msg=path)
+
+
+def test_lora_on_the_experts_trains_like_one_device():
+    """Adapters on the attention's wq and on every expert's gate and down projections (one per
+    expert), the base frozen: ZeRO-3 equals plain optax on the same adapted model."""
+    from reference import masked_optimizer
+    from zeroxla import lora
+
+    config = lora.LoRAConfig(dim=4, module_name=r"wq|w_gate|w_down", only_optimize_lora=True)
+
+    def adapted():
+        m = model()
+        lora.convert_linear_layer_to_lora(m, config, rngs=nnx.Rngs(1))
+        return m
+
+    trained = {p for p in flat_params(nnx.state(adapted(), nnx.LoRAParam))}
+    assert "blocks/layers/moe/w_gate/lora_a" in trained
+    opt = optax.sgd(0.5)
+    want_losses, want = train_single_device(adapted(), masked_optimizer(opt, trained), BATCHES,
+                                            loss_fn=written_out_loss(1))
+    step = zeroxla.make_step(adapted(), zeroxla.make_mesh(2, 4), optimizer=opt,
+                             trainable=lora.lora_trainable(config),
+                             config=zeroxla.ZeroConfig(stage=3))
+    state, losses = step.init(), []
+    for batch in BATCHES:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+    for path in trained:
+        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+
+
+def test_every_token_routed_to_the_same_experts_trains_like_one_device():
+    """Adversarial routing: a zero router ties every expert, so every token goes to experts 0
+    and 1 (ties to the lower index) and six experts get no token; the same ZeRO-3 program
+    runs and equals one device."""
+    def skewed():
+        m = model()
+        m.blocks.layers.moe.router.set_value(jnp.zeros_like(m.blocks.layers.moe.router[...]))
+        return m
+
+    opt = optax.sgd(0.1)
+    want_losses, want = train_single_device(skewed(), opt, BATCHES, loss_fn=written_out_loss(1))
+    step = zeroxla.make_step(skewed(), zeroxla.make_mesh(2, 4), optimizer=opt,
+                             config=zeroxla.ZeroConfig(stage=3))
+    state, losses = step.init(), []
+    for batch in BATCHES:
+        state, metrics = step(state, batch)
+        if not losses:
+            np.testing.assert_array_equal(np.asarray(metrics["router/load"]),
+                                          [0.5, 0.5, 0, 0, 0, 0, 0, 0])
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
 
 
 def test_a_custom_loss_fn_that_would_drop_the_aux_loss_is_refused():
