@@ -11,8 +11,11 @@ gradient flows through a count), and differentiates its own share
 whose sum over the devices is the loss and whose gradients, summed by the gradient reduction,
 are the loss's. Gradient accumulation computes it per micro-batch (over every device's part of
 that micro-batch) and averages the micro-batches, as transformers' Trainer does with the same
-`gradient_accumulation_steps`. The next-token loss is the one that adds it: a model whose
-config sets a weight (`MoeLlamaConfig.aux_loss_weight`) with any other loss_fn is refused.
+`gradient_accumulation_steps`. The default next-token loss has the statistics; a loss_fn
+returns them as a third value, `(sum, count, stats)` (`token_logprobs` gives them beside the
+log-probs; the RL losses do); a model whose config weighs the loss
+(`MoeLlamaConfig.aux_loss_weight`) under a loss_fn that returns none is refused. Statistics
+returned are logged (`router/aux_loss`, `router/load`) whatever the weight.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeroxla.engine.loss import MASK_KEY, POSITIONS_KEY, SEGMENT_IDS_KEY, Batch, masked_nll_terms
+from zeroxla.engine.loss import (MASK_KEY, POSITIONS_KEY, SEGMENT_IDS_KEY, Batch,
+                                 masked_nll_terms, model_token_logprobs)
+from zeroxla.models.moe import RouterStats
 
 AUX_METRIC, LOAD_METRIC = "router/aux_loss", "router/load"
 
@@ -33,24 +38,57 @@ def aux_weight(model: Any) -> float:
     return float(getattr(getattr(model, "config", None), "aux_loss_weight", 0.0) or 0.0)
 
 
-def is_routed(model: Any) -> bool:
-    """Whether `model` reports router statistics (`routed_token_logprobs`, `models.moe_llama`)
-    and its config weighs them into the training loss. Read from the class and the config: a
-    ZeRO-3 stand-in (`engine.wrap`) answers any attribute."""
-    return (callable(getattr(type(model), "routed_token_logprobs", None))
-            and aux_weight(model) > 0)
+def has_router(model: Any) -> bool:
+    """Whether `model` reports router statistics (`routed_token_logprobs`, `models.moe_llama`).
+    Read from the class: a ZeRO-3 stand-in (`engine.wrap`) answers any attribute."""
+    return callable(getattr(type(model), "routed_token_logprobs", None))
 
 
-def check_loss_fn(model: Any, default_loss: bool) -> None:
-    """ValueError when `model` weighs an auxiliary loss that a custom loss_fn would drop."""
-    if is_routed(model) and not default_loss:
+def token_logprobs(model: Any, tokens: jax.Array, labels: jax.Array, **options: Any):
+    """`(loss.model_token_logprobs(model, tokens, labels, **options), RouterStats or None)`:
+    the statistics where the model has a router. What a loss_fn calls to return them as its
+    third value (`(sum, count, stats)`), so the step adds the auxiliary loss and logs the
+    per-expert load (the RL losses do)."""
+    if not has_router(model):
+        return model_token_logprobs(model, tokens, labels, **options), None
+    return model.routed_token_logprobs(tokens, labels, **options)
+
+
+def split_stats(value: Any) -> tuple[Any, Any]:
+    """A loss_fn's value without its router statistics, and them (None when it returned
+    none): `(sum, count, stats)` -> `((sum, count), stats)`."""
+    if isinstance(value, (tuple, list)) and len(value) == 3 and isinstance(value[2],
+                                                                          RouterStats):
+        return tuple(value[:2]), value[2]
+    return value, None
+
+
+def check_stats(model: Any, stats: Any) -> None:
+    """ValueError when `model` weighs an auxiliary loss but its loss_fn returned no router
+    statistics: training would silently drop it."""
+    if stats is None and has_router(model) and aux_weight(model) > 0:
         c = model.config
         raise ValueError(
             f"{type(c).__name__} weighs the router's auxiliary load-balancing loss "
             f"(router_aux_loss_coef={c.router_aux_loss_coef}, output_router_logits="
-            f"{c.output_router_logits}) but a custom loss_fn never sees it, so training would "
-            "silently drop it; accepted: the default next-token loss, or a config with "
+            f"{c.output_router_logits}) but the loss_fn returned no router statistics, so "
+            "training would silently drop it; accepted: the default next-token loss, a loss_fn "
+            "returning (sum, count, stats) with stats from "
+            "zeroxla.engine.router_aux.token_logprobs, or a config with "
             "output_router_logits=False (transformers' rule: no auxiliary loss)")
+
+
+def check_accumulation(default_loss: bool, micro_batches: int, weight: float) -> None:
+    """ValueError for a loss_fn of its own returning statistics under gradient accumulation:
+    its loss's count over the whole step, which scales each micro-batch's share of the
+    auxiliary loss, is known only after the last micro-batch."""
+    if not default_loss and micro_batches > 1 and weight > 0:
+        raise ValueError(
+            f"gradient_accumulation_steps={micro_batches} with a loss_fn of its own returning "
+            "router statistics: each micro-batch's share of the auxiliary loss is scaled by "
+            "the loss's count over the whole step, known only after the last micro-batch; "
+            "accepted: gradient_accumulation_steps=1, the default next-token loss, or "
+            "output_router_logits=False")
 
 
 def routed_loss_terms(model: Any, batch: Batch, sequence: Any = None):
@@ -81,3 +119,12 @@ def aux_terms(stats, data_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, 
     total = lax.psum(lax.stop_gradient(local), data_axes)
     load = counts / jnp.maximum(jnp.sum(counts), 1e-9)
     return local.astype(jnp.float32), total.astype(jnp.float32), load.astype(jnp.float32)
+
+
+def router_record(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The router's entries of a step's metrics as a metrics.jsonl record's: `router/aux_loss`
+    a float, `router/load` a list of each expert's share (none for a dense model)."""
+    if LOAD_METRIC not in metrics:
+        return {}
+    return {AUX_METRIC: float(metrics[AUX_METRIC]),
+            LOAD_METRIC: [round(float(x), 6) for x in metrics[LOAD_METRIC]]}

@@ -233,17 +233,19 @@ class ZeroStep:
         weighed (`engine.router_aux`), else None. A loss_fn declaring `rngs` gets `nnx.Rngs` seeded
         from `key`."""
         loss_fn, sequence = self.layout.loss_fn, self.layout.sequence
-        router_aux.check_loss_fn(model, loss_fn is next_token_loss)
+        weight = router_aux.aux_weight(model)
         if loss_fn is next_token_loss:
-            if router_aux.is_routed(model):
+            if router_aux.has_router(model):
                 total, count, stats = router_aux.routed_loss_terms(model, batch, sequence)
-                return total, count, True, (stats, router_aux.aux_weight(model))
+                return total, count, True, (stats, weight)
             return (*next_token_loss_terms(model, batch, sequence), True, None)
         options: dict[str, Any] = {} if sequence is None else {"sequence": sequence}
         if self.layout.loss_takes_rngs:
             options["rngs"] = nnx.Rngs(jax.random.fold_in(key, CALL_STREAM))
-        value = loss_fn(model, batch, **options)
-        return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)), None)
+        value, stats = router_aux.split_stats(loss_fn(model, batch, **options))
+        router_aux.check_stats(model, stats)
+        return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)),
+                None if stats is None else (stats, weight))
 
     def _local_gradients(self, params: dict[str, Any], batch: Batch, scale: jax.Array,
                          model_state: dict[str, jax.Array], key_data: jax.Array | None
@@ -281,7 +283,8 @@ class ZeroStep:
 
         # An MoE model's auxiliary loss (`engine.router_aux`): each micro-batch's, averaged.
         # Scaled by the step's count here, it comes out of the final division as itself.
-        step_count = lax.psum(router_aux.loss_count(batch), data)
+        default_loss = layout.loss_fn is next_token_loss
+        step_count = lax.psum(router_aux.loss_count(batch), data) if default_loss else None
         no_router = (jnp.float32(0), jnp.zeros((0,), jnp.float32))
         weights: list[float] = []        # the auxiliary loss's weight, seen while tracing
 
@@ -294,7 +297,9 @@ class ZeroStep:
                 stats, weight = stats
                 weights.append(weight)
                 local, aux, load = router_aux.aux_terms(stats, data)
-                value = value + local * (weight * scale * step_count / (c0 * k))
+                router_aux.check_accumulation(default_loss, k, weight)
+                whole = step_count if k > 1 else lax.psum(lax.stop_gradient(count), data)
+                value = value + local * (weight * scale * whole / (c0 * k))
                 router = (aux / k, load / k)
             return value, (total, count, router, read_state())
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from zeroxla.engine.loss import loss_terms, next_token_loss, next_token_loss_terms
-from zeroxla.engine.router_aux import is_routed
+from zeroxla.engine.router_aux import aux_weight, has_router
 from zeroxla.models.layers import LayerStack
 
 STACK_ATTRIBUTE = "blocks"
@@ -211,7 +211,7 @@ class StagedLoss:
         cannot split is refused by `make_step`, before anything is compiled."""
         values = self.model_def.abstract_values()[0]
         model = self._model(values)
-        if is_routed(model):
+        if has_router(model) and aux_weight(model) > 0:
             c = model.config
             raise ValueError(
                 f"pipeline parallelism with {type(c).__name__}'s auxiliary load-balancing loss "

@@ -14,8 +14,8 @@ One iteration (`GRPOTrainer.iteration`: `generate_experience`, then `train_grpo`
    functions on the texts, and/or a reward model's end score), group-relative advantages;
 4. `num_iterations` actor steps on the whole rollout (with `packing`, packed into rows with
    segment ids and balanced over the data replicas: `packed_rollout`, the same loss without
-   the padding); before each step after the first, the
-   clipped fraction of that step's ratio is measured on the gathered weights. Each record
+   the padding); before each step after the first, the clipped fraction of that step's
+   ratio is measured on the gathered weights (an MoE actor's router load: `router/*`). Each record
    holds the train/rollout log-prob gap (`rollout_correction.logprob_gap`, as `gap/*`), and
    with `rollout_correction="tis"` every step's terms carry the truncated importance weights.
    A step whose gradients are not finite skips its update (`check_grad_overflow`): the actor
@@ -51,6 +51,7 @@ from flax import nnx
 import zeroxla
 from zeroxla.lora import LoRAConfig
 from zeroxla.engine.loss import check_packable
+from zeroxla.engine.router_aux import router_record
 from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
@@ -279,10 +280,9 @@ class GRPOTrainer:
                     rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
             self.actor_state, metrics = self.actor_step(self.actor_state, batch)
             losses.append(float(metrics["loss"]))       # one program in flight at a time
-        keys = ("clip_low", "clip_high", "clip_fraction")
-        return {"loss": float(np.mean(losses)), **tis, **packed,
+        return {"loss": float(np.mean(losses)), **tis, **packed, **router_record(metrics),
                 **{key: float(np.mean([x[key] for x in clips])) if clips else 0.0
-                   for key in keys}}
+                   for key in ("clip_low", "clip_high", "clip_fraction")}}
 
     def iteration(self, it: int) -> tuple[dict[str, Any], GRPORollout]:
         """Iteration `it` (0-based): one rollout, then its `num_iterations` actor steps;

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroxla.engine.loss import model_token_logprobs
+from zeroxla.engine import router_aux
 
 
 def grpo_loss_terms(logprobs, old_logprobs, advantages, *, epsilon: float, epsilon_high: float,
@@ -95,10 +95,17 @@ def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
     each row's log-probs are those of its prompt and answer alone. With `vocab_limit`, pi is
     the softmax over the ids below it (`zeroxla.rlhf.ppo_losses.answer_logprobs`); the logits
     never exist whole where the model is chunked (`model_token_logprobs`)."""
-    logprobs = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
-                                    vocab_limit=vocab_limit)               # [B, P+G-1]
+    return _ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length,
+                                   vocab_limit)[0]
+
+
+def _ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length, vocab_limit):
+    """`ragged_answer_logprobs` and an MoE actor's router statistics over every position of
+    the rows (None for a dense one)."""
+    logprobs, stats = router_aux.token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
+                                                vocab_limit=vocab_limit)  # [B, P+G-1]
     at = prompt_lengths[:, None] - 1 + jnp.arange(answer_length)          # [B, G]
-    return jnp.take_along_axis(logprobs, at, axis=1)                      # [B, G]
+    return jnp.take_along_axis(logprobs, at, axis=1), stats               # [B, G]
 
 
 def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta: float,
@@ -112,10 +119,9 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
     devices are the whole batch's."""
     mask = batch["action_mask"]
     answer = mask > 0
-    logprobs = model_token_logprobs(model, batch["inputs"], batch["targets"],
-                                    positions=batch["positions"],
-                                    segment_ids=batch["segment_ids"],
-                                    vocab_limit=vocab_limit, sequence=sequence)   # [R, S]
+    logprobs, stats = router_aux.token_logprobs(
+        model, batch["inputs"], batch["targets"], positions=batch["positions"],
+        segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence)  # [R, S]
     old = batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     terms = grpo_loss_terms(jnp.where(answer, logprobs, old), old, batch["advantages"],
@@ -123,8 +129,14 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
                             ref_logprobs=None if ref is None else jnp.where(answer, ref, old))
     if "is_weights" in batch:
         terms = terms * batch["is_weights"]
-    return (jnp.sum(jnp.where(answer, terms * mask * batch["loss_weight"], 0.0)),
-            jnp.sum(batch["loss_count"]))
+    return with_stats((jnp.sum(jnp.where(answer, terms * mask * batch["loss_weight"], 0.0)),
+                       jnp.sum(batch["loss_count"])), stats)
+
+
+def with_stats(parts, stats):
+    """`(sum, count)`, with an MoE actor's router statistics as a third value (the step adds
+    its auxiliary loss and logs the per-expert load: `zeroxla.engine.router_aux`)."""
+    return parts if stats is None else (*parts, stats)
 
 
 def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
@@ -152,13 +164,14 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
         lengths = batch.get("prompt_lengths")
         if lengths is None:
             lengths = jnp.full(tokens.shape[:1], tokens.shape[1] - mask.shape[1], jnp.int32)
-        logprobs = ragged_answer_logprobs(model, tokens, lengths, mask.shape[1], vocab_limit)
+        logprobs, stats = _ragged_answer_logprobs(model, tokens, lengths, mask.shape[1],
+                                                  vocab_limit)
         terms = grpo_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"],
                                 epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
                                 ref_logprobs=batch.get("ref_logprobs"))
         if "is_weights" in batch:
             terms = terms * batch["is_weights"]
-        return grpo_loss_parts(terms, mask, loss_type)
+        return with_stats(grpo_loss_parts(terms, mask, loss_type), stats)
     return grpo_actor_loss
 
 
