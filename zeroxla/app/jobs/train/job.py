@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 import zeroxla
+from zeroxla.engine.router_aux import router_record
 from zeroxla.app import distributed
 from zeroxla.app.run import rundir
 from zeroxla.app.run import runner
@@ -100,7 +101,8 @@ class TrainJob:
         batch = self.data.train_batch(done, self.step.layout.batch_sharding)
         start = time.perf_counter()
         self.state, metrics = self.step(self.state, batch)
-        values = {name: float(v) for name, v in metrics.items()}     # waits for the step
+        values = {name: float(v) for name, v in metrics.items()      # waits for the step
+                  if np.ndim(v) == 0} | router_record(metrics)      # an MoE's per-expert load
         seconds = time.perf_counter() - start
         self.step_times.append(seconds)
         return {**values, "lr": float(self.setup.learning_rate(done)),
