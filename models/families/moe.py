@@ -6,7 +6,7 @@ Checkpoints: transformers 5.23 writes (`save_pretrained`) one tensor per expert 
 `mlp.experts.{e}.gate_proj.weight` [F, D] (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`),
 and holds them in memory fused, `mlp.experts.gate_up_proj` [E, 2F, D] and `down_proj`
 [E, D, F]; the rows here name the per-expert tensors, and the loader reads a checkpoint written
-fused through `models.hf.NameFallbacks`. DeepSeek (grouped routing, multi-head latent
+fused through `models.hf_names.NameFallbacks`. DeepSeek (grouped routing, multi-head latent
 attention) and gpt-oss (attention sinks, clamped SwiGLU) are other model_types, refused by name
 (`families.family`).
 """

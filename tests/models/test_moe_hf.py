@@ -143,3 +143,19 @@ def test_config_round_trip(family):
     spec = models.REGISTRY[family]
     config = spec.config_class()
     assert hf.from_hf_config(hf.to_hf_config(config)) == config
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_load_pretrained_streams_experts_into_zero3_partitions(transformers, tmp_path, layout):
+    """`zeroxla.load_pretrained` (tensor by tensor into the ZeRO-3 partitions) gives the model
+    `load_hf_model` gives, from either expert layout."""
+    import zeroxla
+
+    model = random_hf_model(transformers, "qwen2_moe")
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path) if layout == "per_expert" else write_fused(model, path)
+    _, want = hf.load_hf_model(path)
+    _, state = zeroxla.load_pretrained(path, zeroxla.make_mesh(2, 4), progress=False)
+    got = hf.param_dict(zeroxla.gathered_model(state))
+    for name, value in hf.param_dict(want).items():
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)

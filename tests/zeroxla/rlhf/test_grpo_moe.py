@@ -11,7 +11,7 @@ import zeroxla
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
-from zeroxla.rlhf.grpo import GRPOTrainer, iteration_record
+from zeroxla.rlhf.grpo import GRPOTrainer
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
 EOS = int(TOKENIZER.encode(task.END)[0])
