@@ -12,6 +12,7 @@ states.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,9 +108,19 @@ def token_mask(segment_ids: jax.Array | None) -> jax.Array | None:
     return None if segment_ids is None else segment_ids > 0
 
 
+class Chosen(NamedTuple):
+    """A stack's carry that records routing: the hidden states [B, T, D], the experts of the
+    layers so far int32 [L, B, T, k] (layer `layer` next)."""
+
+    hidden: jax.Array
+    experts: jax.Array
+    layer: jax.Array
+
+
 class MoeBlock(Block):
     """x + attn(norm(x)), then x + moe(norm(x)). Called with a `Routed` carry it returns one,
-    this layer's router statistics added; with plain hidden states, plain hidden states."""
+    this layer's router statistics added; with a `Chosen` one, this layer's experts recorded;
+    with plain hidden states, plain hidden states."""
 
     def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
         super().__init__(cfg.replace(qk_norm=cfg.qk_norm and cfg.qk_norm_scope == "head"), rngs)
@@ -124,24 +135,19 @@ class MoeBlock(Block):
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None, cache: dict | None = None):
-        """x [B, T, D] or `Routed` -> (the same kind, cache); the MoE runs over all the tokens
-        at once (`mlp_chunk` tiles the attention's per-token parts only)."""
-        routed = isinstance(x, Routed)
-        h = x.hidden if routed else x
+        """x [B, T, D], `Routed` or `Chosen` -> (the same kind, cache); the MoE runs over all
+        the tokens at once (`mlp_chunk` tiles the attention's per-token parts only)."""
+        h = x if isinstance(x, jax.Array) else x.hidden
         a, cache = self.attend(h, positions, segment_ids, sequence, cache)
         h = tiled_map(self.attention_out, (h, a), self.mlp_chunk)
-        y, stats, _ = self.moe(self.mlp_norm(h), token_mask(segment_ids))
+        y, stats, experts = self.moe(self.mlp_norm(h), token_mask(segment_ids))
         h = h + y
-        return (Routed(h, x.stats + stats) if routed else h), cache
-
-    def router_choices(self, x: jax.Array, positions: jax.Array,
-                       segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """(the block's output [B, T, D], the experts it routed each token to int32
-        [B, T, k])."""
-        a, _ = self.attend(x, positions, segment_ids, None, None)
-        h = self.attention_out(x, a)
-        y, _, experts = self.moe(self.mlp_norm(h), token_mask(segment_ids))
-        return h + y, experts
+        if isinstance(x, Routed):
+            return Routed(h, x.stats + stats), cache
+        if isinstance(x, Chosen):
+            return Chosen(h, jax.lax.dynamic_update_index_in_dim(x.experts, experts, x.layer, 0),
+                          x.layer + 1), cache
+        return h, cache
 
 
 class MoeLlama(Llama):
@@ -170,15 +176,16 @@ class MoeLlama(Llama):
             return self.embed.attend_logprobs(h, labels, vocab_limit), out.stats
         return self.head.logprobs(h, labels, vocab_limit), out.stats
 
-    def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None
-                       ) -> jax.Array:
-        """The experts each layer routes each token to in a full forward: int32 [L, B, T, k]
-        (what routing parity with the rollout is checked against)."""
+    def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None,
+                       cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """(the experts every layer routes each token to, int32 [L, B, T, k], the cache): a
+        full forward, or with `cache` the KV-cached decode (`decode`'s path) of `tokens` at
+        `positions`: what routing parity between a rollout and training compares."""
+        c = self.config
         args = stack_args(tokens, positions, None)
-        graphdef, state = nnx.split(self.blocks.layers)
-
-        def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state).router_choices(h, args[0])
-
-        _, experts = jax.lax.scan(body, self.embed(tokens, args[0]), state)
-        return experts
+        b, t = tokens.shape
+        chosen = Chosen(self.embed(tokens, args[0]),
+                        jnp.zeros((c.num_layers, b, t, c.experts_per_token), jnp.int32),
+                        jnp.int32(0))
+        out, cache = self.blocks(chosen, *args, cache=cache)
+        return out.experts, cache
