@@ -32,8 +32,8 @@
   (Gemma 2): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table
   (`families.REGISTRY`; docs/models.md).
-- `hf.py`, `hf_config.py`, `hf_rules.py`, `safetensors_io.py`: Hugging Face names, configs and
-  files.
+- `hf.py`, `hf_config.py`, `hf_rules.py`, `hf_names.py`, `safetensors_io.py`: Hugging Face
+  names, configs, checkpoints' name fallbacks and files.
 - `presets.py`: real shapes (Llama 3.x, Qwen2.5, Qwen3) as their config.json gives them, for
   the planner (`zeroxla plan`).
 """

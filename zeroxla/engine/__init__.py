@@ -7,6 +7,7 @@
     step.py        ZeroStep: the step as one pure function, compiled once
     apply.py       the update half: clipping, the optax update, fp16 overflow skip
     loss.py        losses as (sum, count)
+    router_aux.py  an MoE model's auxiliary load-balancing loss as one device computes it
     batch_checks.py the batch validated before sending
     bin_packing.py sequences into packed rows, rows balanced over data replicas
     sequence.py    sequence parallelism in the step: the batch's split, refusals

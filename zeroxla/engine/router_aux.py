@@ -28,6 +28,7 @@ from jax import lax
 
 from zeroxla.engine.loss import (MASK_KEY, POSITIONS_KEY, SEGMENT_IDS_KEY, Batch,
                                  masked_nll_terms, model_token_logprobs)
+from zeroxla.models.axes import EXPERTS
 from zeroxla.models.moe import RouterStats
 
 AUX_METRIC, LOAD_METRIC = "router/aux_loss", "router/load"
@@ -89,6 +90,35 @@ def check_accumulation(default_loss: bool, micro_batches: int, weight: float) ->
             "the loss's count over the whole step, known only after the last micro-batch; "
             "accepted: gradient_accumulation_steps=1, the default next-token loss, or "
             "output_router_logits=False")
+
+
+def no_metrics(model_def: Any) -> tuple[jax.Array, jax.Array]:
+    """What a micro-batch logs of the router when it returned no statistics: (0, zeros [E]),
+    E the model's expert count (its first dim named `experts`; 0 for a dense model), so that
+    gradient accumulation's carry has one shape."""
+    names, shapes = model_def.axes_dict(), model_def.shape_dict()
+    experts = next((shapes[p][names[p].index(EXPERTS)] for p in shapes
+                    if names.get(p) and EXPERTS in names[p]), 0)
+    return jnp.float32(0), jnp.zeros((experts,), jnp.float32)
+
+
+def objective_term(stats, weight: float, data_axes: tuple[str, ...], default_loss: bool,
+                   micro_batches: int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """(this device's differentiable share of weight x the auxiliary loss, per micro-batch;
+    what it logs: (the loss, the per-expert load), each over the micro-batch count) from its
+    `stats`. The step multiplies the share by its count over the whole step (`loss_count`)."""
+    check_accumulation(default_loss, micro_batches, weight)
+    local, aux, load = aux_terms(stats, data_axes)
+    return local * (weight / micro_batches), (aux / micro_batches, load / micro_batches)
+
+
+def losses(loss: jax.Array, weights: list[float], logged) -> dict[str, jax.Array]:
+    """The step's loss metrics: the loss (plus weight x the auxiliary loss, and the router's
+    metrics, when the loss returned router statistics: `weights` holds their weight)."""
+    if not weights:
+        return {"loss": loss}
+    return {"loss": loss + weights[0] * logged[0], AUX_METRIC: logged[0],
+            LOAD_METRIC: logged[1]}
 
 
 def routed_loss_terms(model: Any, batch: Batch, sequence: Any = None):

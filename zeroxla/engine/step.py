@@ -281,27 +281,24 @@ class ZeroStep:
         once = reduced_once(layout.comm, plan, lambda uses: forward(
             wrt, jax.tree.map(lambda a: a[0], micro_batches), model_state, 0, uses=uses)[0])
 
-        # An MoE model's auxiliary loss (`engine.router_aux`): each micro-batch's, averaged.
-        # Scaled by the step's count here, it comes out of the final division as itself.
+        # An MoE model's auxiliary loss (`engine.router_aux`): each micro-batch's, averaged,
+        # scaled by the step's count so that it comes out of the final division as itself.
         default_loss = layout.loss_fn is next_token_loss
         step_count = lax.psum(router_aux.loss_count(batch), data) if default_loss else None
-        no_router = (jnp.float32(0), jnp.zeros((0,), jnp.float32))
+        no_router = router_aux.no_metrics(self.source.model_def)
         weights: list[float] = []        # the auxiliary loss's weight, seen while tracing
 
         def objective(p, micro, ms, index):
-            total, count, is_sum, stats, read_state = forward(p, micro, ms, index, once)
+            total, count, is_sum, router, read_state = forward(p, micro, ms, index, once)
             c0 = normalizer(micro) if is_sum else 1.0
             sizes.append(c0)
-            value, router = total * (scale / c0), no_router
-            if stats is not None:
-                stats, weight = stats
-                weights.append(weight)
-                local, aux, load = router_aux.aux_terms(stats, data)
-                router_aux.check_accumulation(default_loss, k, weight)
+            value, logged = total * (scale / c0), no_router
+            if router is not None:
+                weights.append(router[1])
                 whole = step_count if k > 1 else lax.psum(lax.stop_gradient(count), data)
-                value = value + local * (weight * scale * whole / (c0 * k))
-                router = (aux / k, load / k)
-            return value, (total, count, router, read_state())
+                term, logged = router_aux.objective_term(*router, data, default_loss, k)
+                value = value + term * (scale * whole / c0)
+            return value, (total, count, logged, read_state())
 
         grad_fn = jax.grad(objective, has_aux=True)
         if k == 1:
@@ -319,22 +316,15 @@ class ZeroStep:
                         ms), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, master), wrt)   # partitions
-            router0 = jax.eval_shape(lambda: grad_fn(wrt, jax.tree.map(
-                lambda a: a[0], micro_batches), model_state, 0)[1][2])
             (total, count, router, grads, model_state), _ = lax.scan(
-                accumulate, (jnp.float32(0), jnp.float32(0),
-                             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), router0),
-                             zeros, model_state),
+                accumulate, (jnp.float32(0), jnp.float32(0), no_router, zeros, model_state),
                 (micro_batches, jnp.arange(k)))
         grads = reduce_gradients(grads, plan, config.stage, layout.axes, config.dtype)
         total = lax.psum(total, data)
         count = lax.psum(count, data)
         count = jnp.where(count > 0, count, 1.0)
         factor = sizes[0] / count
-        losses = {"loss": total / count}
-        if weights:
-            losses = {"loss": total / count + weights[0] * router[0],
-                      router_aux.AUX_METRIC: router[0], router_aux.LOAD_METRIC: router[1]}
+        losses = router_aux.losses(total / count, weights, router)
         return losses, jax.tree.map(lambda g: g * factor, grads), model_state
 
     def _local_eval(self, params: dict[str, Any], model_state: dict[str, jax.Array],

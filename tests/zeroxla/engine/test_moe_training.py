@@ -53,15 +53,21 @@ def written_out_loss(micro_batches, devices=8):
     return loss
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("case", [
-    dict(stage=3), dict(stage=2), dict(stage=3, hpz_partition_size=4),
-    dict(stage=3, gradient_accumulation_steps=2), dict(stage=3, sequence=2),
-    dict(stage=3, remat="full"), dict(stage=3, offload_optimizer="cpu")],
-    ids=["zero3", "zero2", "zero3-hpz", "zero3-accumulation", "zero3-sp2", "zero3-remat",
-         "zero3-offload"])
-def test_moe_trains_like_one_device(optimizer, case):
-    case = dict(case)
+CASES = {"zero3": dict(stage=3), "zero2": dict(stage=2),
+         "zero3-hpz": dict(stage=3, hpz_partition_size=4),
+         "zero3-accumulation": dict(stage=3, gradient_accumulation_steps=2),
+         "zero3-sp2": dict(stage=3, sequence=2), "zero3-remat": dict(stage=3, remat="full"),
+         "zero3-offload": dict(stage=3, offload_optimizer="cpu")}
+DAILY = {("zero3", "sgd"), ("zero3", "adamw"), ("zero3-accumulation", "sgd"),
+         ("zero3-sp2", "sgd")}          # the rest run in the full suite (slow)
+
+
+@pytest.mark.parametrize("name,optimizer", [
+    pytest.param(name, opt, id=f"{name}-{opt}",
+                 marks=() if (name, opt) in DAILY else pytest.mark.slow)
+    for name in CASES for opt in ("sgd", "adamw")])
+def test_moe_trains_like_one_device(name, optimizer):
+    case = dict(CASES[name])
     sequence = case.pop("sequence", 1)
     k = case.get("gradient_accumulation_steps", 1)
     # Adam's eps 1e-5, not 1e-8: an entry whose gradient is near zero (a sum of terms that
@@ -88,7 +94,7 @@ def test_moe_trains_like_one_device(optimizer, case):
         np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_moe_gradients_equal_one_device(accumulation):
     """One SGD step of learning rate 1: the update is the gradient."""
     initial = flat_params(nnx.state(model(), nnx.Param))
@@ -105,6 +111,7 @@ def test_moe_gradients_equal_one_device(accumulation):
                                    rtol=0, atol=1e-7, err_msg=path)
 
 
+@pytest.mark.slow
 def test_lora_on_the_experts_trains_like_one_device():
     """Adapters on the attention's wq and on every expert's gate and down projections (one per
     expert), the base frozen: ZeRO-3 equals plain optax on the same adapted model."""

@@ -39,8 +39,9 @@ def trained(family):
     return step, state
 
 
-@pytest.mark.parametrize("family,tp", [("qwen3_moe", 1), ("qwen2_moe", 2), ("mixtral", 1),
-                                       ("olmoe", 2)])
+@pytest.mark.parametrize("family,tp", [
+    ("qwen3_moe", 1), pytest.param("qwen2_moe", 2, marks=pytest.mark.slow),
+    pytest.param("mixtral", 1, marks=pytest.mark.slow), ("olmoe", 2)])
 def test_moe_greedy_generation_equals_the_unsharded_model(family, tp):
     step, state = trained(family)
     engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
@@ -54,6 +55,7 @@ def test_moe_greedy_generation_equals_the_unsharded_model(family, tp):
     assert len({tuple(o[p.size:]) for o, p in zip(out, prompts)}) > 1, "degenerate model"
 
 
+@pytest.mark.slow
 def test_routing_parity_between_the_cached_decode_and_the_training_forward():
     """Over 4,096 generated tokens (32 answers of 128, greedy on the Hybrid Engine after ZeRO-3
     steps), the KV-cached decode path (prompt prefilled, then one token a step, as a rollout)

@@ -32,7 +32,7 @@ def actor():
     return models.REGISTRY["qwen3_moe"].model_class(config, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("packing", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_grpo_on_an_moe_actor_logs_the_gap_and_the_expert_load(packing):
     config = GRPOConfig(num_generations=4, prompts_per_iteration=4, prompt_length=8,
                         max_completion_length=6, learning_rate=1e-2, packing=packing)
