@@ -27,7 +27,9 @@ from .safetensors_io import _np_dtype
 Config = GPTConfig | LlamaConfig | Gemma2Config
 
 # head -> family -> the transformers class that config.json's `architectures` names.
-ARCHITECTURES = {head: {name: spec.architectures[head] for name, spec in REGISTRY.items()}
+# A family transformers has no class of a head for (OLMoE's sequence classifier) is absent there.
+ARCHITECTURES = {head: {name: spec.architectures[head] for name, spec in REGISTRY.items()
+                        if head in spec.architectures}
                  for head in (CAUSAL_LM, SEQUENCE_CLASSIFICATION)}
 # (class-name suffix, head kind), first match wins; the kinds after the first two are refused.
 _HEAD_SUFFIXES = (("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
@@ -54,6 +56,9 @@ def to_hf_config(config: Config, *, dtype: Any = "float32", head: str = CAUSAL_L
     dtype_name = np.dtype(_np_dtype(dtype)).name
     hf = family(config.family).to_hf(config)
     hf["torch_dtype"] = hf["dtype"] = dtype_name     # 4.x and 5.x spellings
+    if config.family not in ARCHITECTURES[head]:
+        raise ValueError(f"transformers has no {HEAD_NAMES[head]} class of {config.family}; "
+                         f"accepted families: {', '.join(sorted(ARCHITECTURES[head]))}")
     hf["architectures"] = [ARCHITECTURES[head][config.family]]
     if head == SEQUENCE_CLASSIFICATION:            # num_labels=1, as transformers spells it
         hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})

@@ -9,9 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..moe_llama import MoeLlama, MoeLlamaConfig
-from .llama import architectures
 from .moe import moe_fields, moe_hf, tensor_map
-from .spec import Family, require
+from .spec import CAUSAL_LM, Family, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,5 +50,6 @@ def to_hf(config: OlmoeConfig) -> dict[str, Any]:
     return {**hf, "attention_bias": config.o_bias, "clip_qkv": None}
 
 
-SPEC = Family("olmoe", OlmoeConfig, MoeLlama, architectures("Olmoe"), from_hf, to_hf,
+# transformers 5.23 has no OlmoeForSequenceClassification: a causal LM only.
+SPEC = Family("olmoe", OlmoeConfig, MoeLlama, {CAUSAL_LM: "OlmoeForCausalLM"}, from_hf, to_hf,
               tensor_map, {"olmoe-tiny": OlmoeConfig})

@@ -217,3 +217,17 @@ def test_without_output_router_logits_no_aux_loss_is_added():
     logp = jax.nn.log_softmax(logits)
     ce = -jnp.mean(jnp.take_along_axis(logp, BATCHES[0]["targets"][..., None], -1))
     np.testing.assert_allclose(float(metrics["loss"]), float(ce), rtol=1e-6)
+
+
+def test_the_bf16_moe_step_lowers_for_cuda_with_its_tiles():
+    """What a GPU would run (lowered for CUDA on this host, nothing runs): the bf16 ZeRO-3 step
+    of the MoE model, its experts through the tiled grouped matmul ("auto" picks it off TPU):
+    a while loop over tiles whose body holds the conditional that skips empty tiles, and no
+    ragged dot."""
+    from zeroxla.compat.lowering import lower_for_cuda
+
+    step = zeroxla.make_step(model(), zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1),
+                             config=zeroxla.ZeroConfig(stage=3, compute_dtype="bfloat16"))
+    text = lower_for_cuda(step._jitted, step.init(), BATCHES[0]).as_text()
+    assert "stablehlo.while" in text and "stablehlo.case" in text
+    assert "ragged" not in text
