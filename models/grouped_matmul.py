@@ -150,14 +150,16 @@ def resolve(implementation: str) -> str:
 def expert_ffn(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                w_down: jax.Array, *, tile: int = TILE,
                implementation: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each assignment's SwiGLU expert: x [A, D] (assignment a's token), experts int [A] ->
-    (y [A, D] = down_e(silu(gate_e x) * up_e x) with e = experts[a], group_sizes int [E],
-    tiles_used int []), weights w_gate / w_up [E, D, F], w_down [E, F, D]. "tiled" runs
-    `grouped_matmul` over the padded sorted rows; "ragged_dot" runs `lax.ragged_dot` on the
-    sorted rows (its tiles_used is what the tiled layout would run, for the FLOP count)."""
-    num_experts = w_gate.shape[0]
-    plan = plan_tiles(experts, num_experts, tile)
-    sorted_x = x[plan.order]                                                  # [A, D]
+    """Each assignment's SwiGLU expert: tokens x [N, D], experts int [N, k] (token n's k
+    experts) -> (y [N, k, D], y[n, j] = down_e(silu(gate_e x_n) * up_e x_n) with e =
+    experts[n, j]; group_sizes int [E]; tiles_used int []), weights w_gate / w_up [E, D, F],
+    w_down [E, F, D]. The sorted rows gather their tokens directly (no [N k, D] copy of the
+    tokens first). "tiled" runs `grouped_matmul` over the padded sorted rows; "ragged_dot" runs
+    `lax.ragged_dot` on the sorted rows (its tiles_used is what the tiled layout would run, for
+    the FLOP count)."""
+    num_experts, (n, k) = w_gate.shape[0], experts.shape
+    plan = plan_tiles(experts.reshape(n * k), num_experts, tile)
+    sorted_x = x[plan.order // k]                                             # [A, D]
     if resolve(implementation) == "ragged_dot":
         def mm(a, w):
             return lax.ragged_dot(a, w, plan.group_sizes)
@@ -172,4 +174,4 @@ def expert_ffn(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)                    # [M, F]
         y_sorted = mm(h, w_down)[plan.rows]                                   # [A, D]
     y = jnp.zeros_like(y_sorted).at[plan.order].set(y_sorted)                 # [A, D]
-    return y, plan.group_sizes, plan.tiles_used
+    return y.reshape(n, k, -1), plan.group_sizes, plan.tiles_used

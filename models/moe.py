@@ -103,13 +103,10 @@ class MoeMLP(nnx.Module):
         b, t, d = h.shape
         x = h.reshape(b * t, d)                                               # [N, D]
         weights, experts, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob)
-        k = self.top_k
-        tokens = jnp.repeat(x, k, axis=0)                                     # [N*k, D]
-        y, _, _ = expert_ffn(tokens, experts.reshape(-1), self.w_gate[...].astype(h.dtype),
+        y, _, _ = expert_ffn(x, experts, self.w_gate[...].astype(h.dtype),
                              self.w_up[...].astype(h.dtype), self.w_down[...].astype(h.dtype),
-                             tile=self.tile, implementation=self.implementation)
-        y = y.reshape(b * t, k, d) * weights.astype(h.dtype)[..., None]
-        out = jnp.sum(y, axis=1)                                              # [N, D]
+                             tile=self.tile, implementation=self.implementation)  # [N, k, D]
+        out = jnp.sum(y * weights.astype(h.dtype)[..., None], axis=1)         # [N, D]
         if getattr(self, "shared_gate", None) is not None:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(h.dtype))   # [N]
             inner = jax.nn.silu(x @ self.shared_gate[...]) * (x @ self.shared_up[...])
@@ -117,6 +114,6 @@ class MoeMLP(nnx.Module):
         m = jnp.ones((b * t,), probs.dtype) if mask is None else mask.reshape(b * t)
         m = jax.lax.stop_gradient(m.astype(probs.dtype))
         counts = jnp.zeros(probs.shape[1], probs.dtype).at[experts.reshape(-1)].add(
-            jnp.repeat(m, k))
+            jnp.repeat(m, self.top_k))
         stats = RouterStats(counts, jnp.sum(probs * m[:, None], axis=0), jnp.sum(m))
-        return out.reshape(b, t, d), stats, experts.reshape(b, t, k)
+        return out.reshape(b, t, d), stats, experts.reshape(b, t, self.top_k)
