@@ -5,8 +5,9 @@ Every layer is sparse (an MoE MLP, `models.moe`); the attention is Llama's with 
 options (biases, per-head q/k norms, OLMoE's norms over the whole q and k projections, a
 sliding window). In training the stack carries `moe.Routed` (hidden states and router
 statistics) and `routed_token_logprobs` returns the statistics beside the log-probs, which the
-step turns into the auxiliary loss; inference paths (`__call__`, `decode`) carry plain hidden
-states.
+step turns into the auxiliary loss; `router_choices` carries `Chosen` (the experts of each
+layer) through a full forward or the KV-cached decode; inference paths (`__call__`, `decode`)
+carry plain hidden states.
 """
 
 from __future__ import annotations
