@@ -279,3 +279,36 @@ def test_a_loss_without_router_statistics_on_an_moe_policy():
     got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
     for path in want:
         np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+
+
+@pytest.mark.slow
+def test_the_pipeline_refuses_a_weighed_aux_loss_and_trains_an_moe_without_it():
+    """Pipeline stages would drop the auxiliary loss: refused by name when it is weighed; with
+    `output_router_logits=False` the MoE model trains in a 2-stage 1F1B pipeline, ZeRO-3
+    inside, as plain optax on one device does."""
+    mesh = zeroxla.make_mesh(2, 2, stages=2)
+    with pytest.raises(ValueError, match="pipeline parallelism with .*auxiliary"):
+        zeroxla.make_step(model(), mesh, optimizer=optax.sgd(0.1),
+                          pipeline=zeroxla.PipelineConfig(4))
+
+    def quiet():
+        return models.REGISTRY["qwen3_moe"].model_class(
+            CONFIG.replace(output_router_logits=False), rngs=nnx.Rngs(0))
+
+    def cross_entropy(m, batch):
+        logp = jax.nn.log_softmax(m(batch["inputs"]), -1)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], -1))
+
+    want_losses, want = train_single_device(quiet(), optax.sgd(0.1), BATCHES,
+                                            loss_fn=cross_entropy)
+    step = zeroxla.make_step(quiet(), mesh, optimizer=optax.sgd(0.1),
+                             pipeline=zeroxla.PipelineConfig(4),
+                             config=zeroxla.ZeroConfig(stage=3))
+    state, losses = step.init(), []
+    for batch in BATCHES:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
