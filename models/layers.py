@@ -199,15 +199,15 @@ def stack_args(tokens: jax.Array, positions: jax.Array | None,
 
 
 def forward_stack(model: Any, tokens: jax.Array, positions: jax.Array | None,
-                  segment_ids: jax.Array | None, sequence: Any = None) -> jax.Array:
-    """The output [B, T, D] of `model.blocks` (before the final norm) for tokens int [B, T], by
-    the `embed` / `blocks` protocol: the length rule, then embed and the stack (`stack_args`).
-    Under sequence parallelism `tokens` are this device's [B, T/P]; the rule sees the whole T."""
+                  segment_ids: jax.Array | None, sequence: Any = None, carry: Any = None) -> Any:
+    """`model.blocks`' output [B, T, D] (before the final norm; with `carry`, the last carry of
+    the stack run on `carry(x)`, an MoE's `Routed`) for tokens int [B, T]: the length rule, embed,
+    the stack (`stack_args`). Under sequence parallelism `tokens` are this device's [B, T/P]."""
     parts = 1 if sequence is None else sequence.size
     model.config.check_seq_len(tokens.shape[1] * parts, "sequence length")
     args = stack_args(tokens, positions, segment_ids, sequence)
-    x, _ = model.blocks(model.embed(tokens, args[0]), *args)
-    return x
+    x = model.embed(tokens, args[0])
+    return model.blocks(x if carry is None else carry(x), *args)[0]
 
 
 def visible_keys(query_pos: jax.Array, key_pos: jax.Array, window: int | None) -> jax.Array:

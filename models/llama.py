@@ -326,6 +326,12 @@ class Llama(nnx.Module):
         log-softmax at each label, the logits never whole (`models.chunked_logits`). Equals
         `token_logprobs(model(tokens), labels)` (`zeroxla.engine.loss`)."""
         h = self.hidden(tokens, positions, segment_ids, sequence)                    # [B, T, D]
+        return self.head_logprobs(h, labels, vocab_limit)
+
+    def head_logprobs(self, h: jax.Array, labels: jax.Array,
+                      vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """The chunked head's log-probs of `labels` int [B, T] from the normed hidden states
+        h [B, T, D] -> float32 [B, T], through the embedding when tied."""
         if self.config.tie_word_embeddings:
             return self.embed.attend_logprobs(h, labels, vocab_limit)
         return self.head.logprobs(h, labels, vocab_limit)
@@ -344,5 +350,9 @@ class Llama(nnx.Module):
         """The final hidden states [B, T, D] (after the final RMSNorm, before the projection):
         HF's `LlamaModel(...).last_hidden_state`, which reward and value heads read. The norm
         runs in chunks of `mlp_chunk` tokens when set (`tiled_map`), as the blocks' do."""
-        x = forward_stack(self, tokens, positions, segment_ids, sequence)           # [B, T, D]
+        return self.final_norm(forward_stack(self, tokens, positions, segment_ids, sequence))
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        """The final RMSNorm of the stack's output x [B, T, D], in chunks of `mlp_chunk` tokens
+        when set."""
         return tiled_map(self.head.norm, (x,), self.config.mlp_chunk)

@@ -21,7 +21,7 @@ from flax import nnx
 
 from . import axes
 from .grouped_matmul import TILE, check_expert_implementation
-from .layers import at_least_float32, stack_args
+from .layers import at_least_float32, forward_stack, stack_args
 from .llama import Block, Llama, LlamaConfig
 from .moe import MoeMLP, Routed, RouterStats
 from .sequence_parallel import SequenceParallel
@@ -165,17 +165,10 @@ class MoeLlama(Llama):
                               ) -> tuple[jax.Array, RouterStats]:
         """(`token_logprobs(...)` float32 [B, T], the `RouterStats` of every layer over these
         tokens)."""
-        c = self.config
-        parts = 1 if sequence is None else sequence.size
-        c.check_seq_len(tokens.shape[1] * parts, "sequence length")
-        args = stack_args(tokens, positions, segment_ids, sequence)
-        x = self.embed(tokens, args[0])
-        zeros = RouterStats.zeros(c.num_experts, at_least_float32(x.dtype))
-        out, _ = self.blocks(Routed(x, zeros), *args)
-        h = tiled_map(self.head.norm, (out.hidden,), c.mlp_chunk)
-        if c.tie_word_embeddings:
-            return self.embed.attend_logprobs(h, labels, vocab_limit), out.stats
-        return self.head.logprobs(h, labels, vocab_limit), out.stats
+        experts = self.config.num_experts
+        out = forward_stack(self, tokens, positions, segment_ids, sequence, carry=lambda x: Routed(
+            x, RouterStats.zeros(experts, at_least_float32(x.dtype))))
+        return self.head_logprobs(self.final_norm(out.hidden), labels, vocab_limit), out.stats
 
     def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None,
                        cache: dict | None = None) -> tuple[jax.Array, dict | None]:
