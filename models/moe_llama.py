@@ -13,7 +13,7 @@ carry plain hidden states.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +62,18 @@ class MoeLlamaConfig(LlamaConfig):
 
     POSITIVE_FIELDS = LlamaConfig.POSITIVE_FIELDS + ("num_experts", "experts_per_token",
                                                      "expert_mlp_dim", "expert_tile")
+    # A family with no dense MLP whose config.json has one intermediate_size, the experts'
+    # (Mixtral, OLMoE): mlp_dim must equal expert_mlp_dim.
+    ONE_INTERMEDIATE_SIZE: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         name = type(self).__name__
+        if self.ONE_INTERMEDIATE_SIZE and self.mlp_dim != self.expert_mlp_dim:
+            raise ValueError(f"{name}.mlp_dim={self.mlp_dim} != expert_mlp_dim="
+                             f"{self.expert_mlp_dim}: the family has no dense MLP, and its "
+                             "config.json's intermediate_size is the experts' size; accepted: "
+                             "equal values")
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"{name}.experts_per_token={self.experts_per_token} exceeds "
                              f"num_experts={self.num_experts}; accepted: 1..{self.num_experts}")

@@ -22,16 +22,8 @@ class MixtralConfig(MoeLlamaConfig):
     """An MoE Llama config with Mixtral's always-normalised top-k weights."""
 
     family: str = dataclasses.field(default="mixtral", init=False)
-
-    mlp_dim: int = 32        # config.json's one intermediate_size: the experts' (expert_mlp_dim)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mlp_dim != self.expert_mlp_dim:
-            raise ValueError(f"MixtralConfig.mlp_dim={self.mlp_dim} != expert_mlp_dim="
-                             f"{self.expert_mlp_dim}: the family has no dense MLP, and its "
-                             "config.json's intermediate_size is the experts' size; accepted: "
-                             "equal values")
+    mlp_dim: int = 32        # config.json's one intermediate_size: the experts'
+    ONE_INTERMEDIATE_SIZE = True
 
 
 def from_hf(hf: Mapping[str, Any]) -> MixtralConfig:

@@ -159,3 +159,9 @@ def test_load_pretrained_streams_experts_into_zero3_partitions(transformers, tmp
     got = hf.param_dict(zeroxla.gathered_model(state))
     for name, value in hf.param_dict(want).items():
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)
+
+
+@pytest.mark.parametrize("config_class", [models.MixtralConfig, models.OlmoeConfig])
+def test_one_intermediate_size_families_refuse_a_dense_size_of_their_own(config_class):
+    with pytest.raises(ValueError, match=r"mlp_dim=10 != expert_mlp_dim=32"):
+        config_class(mlp_dim=10)
