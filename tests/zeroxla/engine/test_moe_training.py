@@ -53,6 +53,22 @@ def written_out_loss(micro_batches, devices=8):
     return loss
 
 
+def assert_trains_like(step, batches, want_losses, want, paths=None, check=None):
+    """Runs `step` over `batches` from its init: its losses within rtol TOL of the single-device
+    run's `want_losses`, its parameters (`paths`, default all of `want`) within atol TOL;
+    `check(i, metrics)` sees each step's metrics."""
+    state, losses = step.init(), []
+    for i, batch in enumerate(batches):
+        state, metrics = step(state, batch)
+        if check is not None:
+            check(i, metrics)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+    for path in want if paths is None else paths:
+        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+
+
 CASES = {"zero3": dict(stage=3), "zero2": dict(stage=2),
          "zero3-hpz": dict(stage=3, hpz_partition_size=4),
          "zero3-accumulation": dict(stage=3, gradient_accumulation_steps=2),
@@ -81,17 +97,12 @@ def test_moe_trains_like_one_device(name, optimizer):
     want_losses, want = train_single_device(model(), opt, BATCHES,
                                             loss_fn=written_out_loss(k, replicas))
     step = zeroxla.make_step(model(), mesh, optimizer=opt, config=zeroxla.ZeroConfig(**case))
-    state = step.init()
-    losses = []
-    for batch in BATCHES:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+
+    def load_shares(_, metrics):
         assert metrics["router/load"].shape == (CONFIG.num_experts,)
         np.testing.assert_allclose(float(jnp.sum(metrics["router/load"])), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
-    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+
+    assert_trains_like(step, BATCHES, want_losses, want, check=load_shares)
 
 
 @pytest.mark.parametrize("accumulation", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -133,14 +144,7 @@ def test_lora_on_the_experts_trains_like_one_device():
     step = zeroxla.make_step(adapted(), zeroxla.make_mesh(2, 4), optimizer=opt,
                              trainable=lora.lora_trainable(config),
                              config=zeroxla.ZeroConfig(stage=3))
-    state, losses = step.init(), []
-    for batch in BATCHES:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
-    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
-    for path in trained:
-        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+    assert_trains_like(step, BATCHES, want_losses, want, paths=trained)
 
 
 def test_every_token_routed_to_the_same_experts_trains_like_one_device():
@@ -156,17 +160,13 @@ def test_every_token_routed_to_the_same_experts_trains_like_one_device():
     want_losses, want = train_single_device(skewed(), opt, BATCHES, loss_fn=written_out_loss(1))
     step = zeroxla.make_step(skewed(), zeroxla.make_mesh(2, 4), optimizer=opt,
                              config=zeroxla.ZeroConfig(stage=3))
-    state, losses = step.init(), []
-    for batch in BATCHES:
-        state, metrics = step(state, batch)
-        if not losses:
+
+    def two_experts_first(i, metrics):
+        if i == 0:
             np.testing.assert_array_equal(np.asarray(metrics["router/load"]),
                                           [0.5, 0.5, 0, 0, 0, 0, 0, 0])
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
-    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+
+    assert_trains_like(step, BATCHES, want_losses, want, check=two_experts_first)
 
 
 def test_a_custom_loss_fn_that_would_drop_the_aux_loss_is_refused():
@@ -195,14 +195,7 @@ def test_a_custom_loss_fn_returning_the_statistics_trains_like_one_device():
     want_losses, want = train_single_device(model(), opt, BATCHES, loss_fn=reference_loss)
     step = zeroxla.make_step(model(), zeroxla.make_mesh(2, 4), optimizer=opt,
                              loss_fn=half_loss, config=zeroxla.ZeroConfig(stage=3))
-    state, losses = step.init(), []
-    for batch in BATCHES:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
-    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+    assert_trains_like(step, BATCHES, want_losses, want)
 
 
 def test_without_output_router_logits_no_aux_loss_is_added():
@@ -271,14 +264,7 @@ def test_a_loss_without_router_statistics_on_an_moe_policy():
                                             loss_fn=written_out)
     step = zeroxla.make_step(quiet(), mesh, optimizer=optax.sgd(0.5),
                              config=zeroxla.ZeroConfig(stage=3), loss_fn=dpo.make_dpo_loss(0.5))
-    state, losses = step.init(), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
-    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+    assert_trains_like(step, batches, want_losses, want)
 
 
 @pytest.mark.slow
@@ -304,11 +290,4 @@ def test_the_pipeline_refuses_a_weighed_aux_loss_and_trains_an_moe_without_it():
     step = zeroxla.make_step(quiet(), mesh, optimizer=optax.sgd(0.1),
                              pipeline=zeroxla.PipelineConfig(4),
                              config=zeroxla.ZeroConfig(stage=3))
-    state, losses = step.init(), []
-    for batch in BATCHES:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
-    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
+    assert_trains_like(step, BATCHES, want_losses, want)
