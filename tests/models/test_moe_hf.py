@@ -16,8 +16,8 @@ TOKENS = np.random.default_rng(0).integers(0, 61, size=(2, 12)).astype(np.int32)
 ATOL = 1e-4
 
 
-def hf_config(transformers, family):
-    common = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+def hf_config(transformers, family, **extra):
+    common = dict(**extra,vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5,
                   rope_theta=5000.0, router_aux_loss_coef=0.02, output_router_logits=True)
     if family == "qwen3_moe":      # 16 experts, top-4, normalised, explicit head_dim
@@ -46,10 +46,11 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
-def random_hf_model(transformers, family):
+def random_hf_model(transformers, family, **extra):
     import torch
 
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(transformers, family))
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(transformers, family, **extra))
     with torch.no_grad():
         for name, p in model.named_parameters():
             norm_weight = "norm" in name and name.endswith("weight")
@@ -165,3 +166,16 @@ def test_load_pretrained_streams_experts_into_zero3_partitions(transformers, tmp
 def test_one_intermediate_size_families_refuse_a_dense_size_of_their_own(config_class):
     with pytest.raises(ValueError, match=r"mlp_dim=10 != expert_mlp_dim=32"):
         config_class(mlp_dim=10)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_attention_bias_gives_transformers_logits(transformers, tmp_path, family):
+    """`attention_bias: true` (q/k/v/o biases in Qwen3-MoE's and OLMoE's attention)."""
+    model = random_hf_model(transformers, family, attention_bias=True)
+    model.save_pretrained(tmp_path)
+    config, ours_model = hf.load_hf_model(tmp_path)
+    assert config.qkv_bias and config.o_bias
+    want_logits, want_aux = hf_outputs(model)
+    logits, aux = ours(ours_model)
+    np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=0)
+    assert abs(aux - want_aux) <= 1e-6
