@@ -26,8 +26,9 @@
   `token_logprobs(tokens, labels)` runs it.
 - `moe.py`: the Mixture-of-Experts MLP (float32 top-k router, router statistics of the
   auxiliary loss); `grouped_matmul.py`: its dropless expert compute over tiles of expert-sorted
-  tokens (custom VJP), `ragged_dot` where native; `moe_llama.py`: Llama with MoE blocks, the
-  module of the MoE families.
+  tokens (custom VJP), `ragged_dot` where native; `expert_parallel.py`: the layer's experts
+  split over the mesh's expert axis (tokens all-gathered, outputs reduce-scattered);
+  `moe_llama.py`: Llama with MoE blocks, the module of the MoE families.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
   (Gemma 2): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table

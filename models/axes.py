@@ -16,4 +16,5 @@ MLP = "mlp"
 BATCH = "batch"                 # the rows of a batch (dim 1 of a KV cache)
 CACHE_LENGTH = "cache_length"   # a KV cache's slot dim (one slot per position)
 EXPERTS = "experts"             # a Mixture-of-Experts layer's expert dim (`models.moe`)
+ROUTER = "router"               # the router's output dim: one score per expert, never split
 EXPERT_MLP = "expert_mlp"       # an expert's inner dim (tensor-parallel generation keeps it whole)

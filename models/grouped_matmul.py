@@ -63,8 +63,12 @@ class TilePlan(NamedTuple):
     group_sizes: jax.Array
 
 
-def plan_tiles(experts: jax.Array, num_experts: int, tile: int = TILE) -> TilePlan:
-    """The tile plan of `experts` int [A] (each assignment's expert, in [0, E))."""
+def plan_tiles(experts: jax.Array, num_experts: int, tile: int = TILE, *,
+               skip_last: bool = False) -> TilePlan:
+    """The tile plan of `experts` int [A] (each assignment's expert, in [0, E)). `skip_last`:
+    expert E - 1 is a group that runs nothing (expert parallelism's assignments to another
+    device's experts, `expert_parallel`): sorted last, its tiles are past `tiles_used`, and
+    `tile_expert` stays below E - 1 (the weights hold E - 1 experts)."""
     a = experts.shape[0]
     sizes = jnp.zeros(num_experts, jnp.int32).at[experts].add(1)            # [E]
     tiles_per = -(-sizes // tile)                                             # [E]
@@ -77,9 +81,11 @@ def plan_tiles(experts: jax.Array, num_experts: int, tile: int = TILE) -> TilePl
     n_tiles = max_tiles(a, num_experts, tile)
     tile_end = jnp.cumsum(tiles_per)                                          # [E]
     tile_expert = jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right")
+    real = num_experts - 1 if skip_last else num_experts
+    used = tile_end[real - 1] if real > 0 else jnp.zeros((), tile_end.dtype)
     return TilePlan(order, rows.astype(jnp.int32),
-                    jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32),
-                    tile_end[-1].astype(jnp.int32), sizes)
+                    jnp.minimum(tile_expert, max(real, 1) - 1).astype(jnp.int32),
+                    used.astype(jnp.int32), sizes[:real])
 
 
 def _tiles(x: jax.Array, tile: int) -> jax.Array:
@@ -148,17 +154,20 @@ def resolve(implementation: str) -> str:
 
 
 def expert_ffn(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-               w_down: jax.Array, *, tile: int = TILE,
-               implementation: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+               w_down: jax.Array, *, tile: int = TILE, implementation: str = "auto",
+               skip_foreign: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each assignment's SwiGLU expert: tokens x [N, D], experts int [N, k] (token n's k
     experts) -> (y [N, k, D], y[n, j] = down_e(silu(gate_e x_n) * up_e x_n) with e =
     experts[n, j]; group_sizes int [E]; tiles_used int []), weights w_gate / w_up [E, D, F],
     w_down [E, F, D]. The sorted rows gather their tokens directly (no [N k, D] copy of the
     tokens first). "tiled" runs `grouped_matmul` over the padded sorted rows; "ragged_dot" runs
     `lax.ragged_dot` on the sorted rows (its tiles_used is what the tiled layout would run, for
-    the FLOP count)."""
+    the FLOP count). `skip_foreign`: an expert id E (one past the weights' experts) marks an
+    assignment to no expert here (another device's, under expert parallelism): its y is zero
+    and it runs nothing."""
     num_experts, (n, k) = w_gate.shape[0], experts.shape
-    plan = plan_tiles(experts.reshape(n * k), num_experts, tile)
+    plan = plan_tiles(experts.reshape(n * k), num_experts + skip_foreign, tile,
+                      skip_last=skip_foreign)
     sorted_x = x[plan.order // k]                                             # [A, D]
     if resolve(implementation) == "ragged_dot":
         def mm(a, w):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import axes
+from .expert_parallel import ExpertParallel, expert_parallel_ffn
 from .grouped_matmul import expert_ffn
 from .layers import normal, param
 
@@ -76,7 +77,8 @@ def route(h: jax.Array, router: jax.Array, top_k: int,
 
 class MoeMLP(nnx.Module):
     """E SwiGLU experts behind a top-k router, plus a sigmoid-gated shared SwiGLU expert when
-    `shared_expert_mlp_dim` > 0 (Qwen2-MoE). Parameters: router [D, E]; w_gate / w_up
+    `shared_expert_mlp_dim` > 0 (Qwen2-MoE). Parameters: router [D, E] (its E named `router`:
+    whole on every device, which routes over all experts); w_gate / w_up
     [E, D, F], w_down [E, F, D] (F = expert_mlp_dim; named `experts`, `expert_mlp`: tensor-
     parallel generation leaves them whole); shared_gate / shared_up [D, S], shared_down [S, D],
     shared_expert_gate [D]."""
@@ -86,7 +88,10 @@ class MoeMLP(nnx.Module):
         init = normal(cfg.init_std)
         self.top_k, self.norm_topk_prob = cfg.experts_per_token, cfg.norm_topk_prob   # static
         self.tile, self.implementation = cfg.expert_tile, cfg.expert_implementation
-        self.router = param(rngs, init, (d, e), (axes.EMBED, axes.EXPERTS))
+        # Set by the ZeRO step on its copy under a mesh with an "expert" axis: the expert
+        # leaves then hold this device's E / EP experts (`models.expert_parallel`).
+        self.expert_parallel: ExpertParallel | None = None
+        self.router = param(rngs, init, (d, e), (axes.EMBED, axes.ROUTER))
         self.w_gate = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
         self.w_up = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
         self.w_down = param(rngs, init, (e, f, d), (axes.EXPERTS, axes.EXPERT_MLP, axes.EMBED))
@@ -103,10 +108,7 @@ class MoeMLP(nnx.Module):
         b, t, d = h.shape
         x = h.reshape(b * t, d)                                               # [N, D]
         weights, experts, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob)
-        y, _, _ = expert_ffn(x, experts, self.w_gate[...].astype(h.dtype),
-                             self.w_up[...].astype(h.dtype), self.w_down[...].astype(h.dtype),
-                             tile=self.tile, implementation=self.implementation)  # [N, k, D]
-        out = jnp.sum(y * weights.astype(h.dtype)[..., None], axis=1)         # [N, D]
+        out = self._experts(x, experts, weights.astype(h.dtype))             # [N, D]
         if getattr(self, "shared_gate", None) is not None:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(h.dtype))   # [N]
             inner = jax.nn.silu(x @ self.shared_gate[...]) * (x @ self.shared_up[...])
@@ -117,3 +119,14 @@ class MoeMLP(nnx.Module):
             jnp.repeat(m, self.top_k))
         stats = RouterStats(counts, jnp.sum(probs * m[:, None], axis=0), jnp.sum(m))
         return out.reshape(b, t, d), stats, experts.reshape(b, t, self.top_k)
+
+    def _experts(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+        """x [N, D], experts [N, k], weights [N, k] -> the weighted sum of each token's k
+        experts [N, D]: all E here, or E / EP here and the rest on the expert axis."""
+        w = [getattr(self, name)[...].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")]
+        if self.expert_parallel is not None:
+            return expert_parallel_ffn(x, experts, weights, *w, self.expert_parallel,
+                                       tile=self.tile, implementation=self.implementation)
+        y, _, _ = expert_ffn(x, experts, *w, tile=self.tile,
+                             implementation=self.implementation)              # [N, k, D]
+        return jnp.sum(y * weights[..., None], axis=1)

@@ -56,6 +56,29 @@ def test_expert_ffn_equals_float64(routing, implementation):
     assert int(tiles) == want_tiles <= max_tiles(A, E, 4)
 
 
+@pytest.mark.parametrize("implementation", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_foreign_assignments_run_nothing_and_give_zero(routing, implementation):
+    """Expert parallelism's view: the weights hold experts 4..7 only (as 0..3); an assignment
+    to experts 0..3 is foreign (id 4 = one past the local experts): its output is zero, the
+    rest equal float64, and the tiles run are the local groups' alone."""
+    experts = ROUTINGS[routing]
+    local = np.where(experts >= 4, experts - 4, 4)
+    x = np.random.default_rng(3).standard_normal((A, D))
+    wg, wu, wd = (w[4:] for w in weights())
+    y, sizes, tiles = expert_ffn(jnp.asarray(x, jnp.float32),
+                                 jnp.asarray(local.reshape(-1, 1), jnp.int32),
+                                 *(jnp.asarray(w, jnp.float32) for w in (wg, wu, wd)), tile=4,
+                                 implementation=implementation, skip_foreign=True)
+    mine = experts >= 4
+    want = np.zeros((A, D))
+    want[mine] = reference(x[mine], local[mine], wg, wu, wd)
+    np.testing.assert_allclose(np.asarray(y)[:, 0], want, atol=2e-5)
+    counts = np.bincount(local[mine], minlength=4)
+    np.testing.assert_array_equal(np.asarray(sizes), counts)
+    assert int(tiles) == sum(-(-n // 4) for n in counts)
+
+
 @pytest.mark.parametrize("routing", ["random", "all_to_one", "half_the_experts_empty"])
 def test_gradients_equal_the_dense_expansion(routing):
     """The custom VJP against autodiff of a plain per-assignment gather of the weights."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from zeroxla.engine.logical import abstract_storage_state
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.step import ZeroStep
-from zeroxla.sharding.leaf_plan import MasterWithCopy
+from zeroxla.sharding.stored_forms import MasterWithCopy
 
 
 def abstract_state(step: ZeroStep) -> TrainState:

@@ -34,7 +34,8 @@ from zeroxla.analysis.hlo_text import (KINDS, ArrayShape, Computation, HloModule
                                        Instruction, collective_kind, parse_module, parse_shape)
 from zeroxla.analysis.replica_groups import (flattened_groups, flattened_pairs, group_mode,
                                              iota_array, parse_replica_groups)
-from zeroxla.analysis.trip_counts import UnknownTripCountError, execution_counts, trip_count
+from zeroxla.analysis.trip_counts import (UnknownTripCountError, branch_collectives,
+                                          execution_counts, trip_count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,5 +179,6 @@ def _async_computations(module: HloModule) -> set[str]:
 
 
 __all__ = ["KINDS", "ArrayShape", "Collective", "Computation", "HloModule", "HloParseError",
-           "Instruction", "UnknownTripCountError", "collectives", "execution_counts",
+           "Instruction", "UnknownTripCountError", "branch_collectives", "collectives",
+           "execution_counts",
            "iota_array", "parse_module", "parse_replica_groups", "parse_shape", "trip_count"]

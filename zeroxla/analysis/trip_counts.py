@@ -75,6 +75,22 @@ def _callers_first(module: HloModule) -> list[str]:
     return order[::-1]
 
 
+def branch_collectives(module: HloModule) -> tuple[str, ...]:
+    """The `conditional`s reachable from ENTRY whose branches hold a collective (directly or
+    through calls), by instruction name. A collective there runs on the devices whose data
+    take that branch only: with data-dependent predicates (an MoE layer's skipped tiles) the
+    devices could disagree on it and hang. Empty: every device runs the program's collectives
+    whatever its data."""
+    holds = _contains_collective(module)
+    found = []
+    for name in _callers_first(module):
+        for instr in module.computations[name].instructions:
+            if instr.opcode == "conditional" and any(holds.get(callee, False)
+                                                     for _, callee in _calls(instr)):
+                found.append(instr.name)
+    return tuple(found)
+
+
 def _contains_collective(module: HloModule) -> dict[str, bool]:
     """Whether each computation, or anything it calls, holds a collective."""
     memo: dict[str, bool] = {}

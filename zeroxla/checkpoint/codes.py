@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.stored_forms import StoredCodes
 
 CODES_PREFIX = "frozen_codes/"
 FIELDS = ("data", "scales")

@@ -13,6 +13,7 @@ metadata, so `comm_report` can say which phase it belongs to.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -86,19 +87,19 @@ class ZeroCollectives:
                 return reduce_scatter_permuted(
                     Permuted(grad.natural.astype(self.compute_dtype), grad.permutation),
                     leaf.unit_shard_dim, leaf.shard_padding,
-                    lambda x, d: reduce_scatter_dim(x, self.axes.data, d))
+                    lambda x, d: reduce_scatter_dim(x, leaf.data_axes, d))
             padded = leaf.unit_pad(grad.astype(self.compute_dtype))      # unit_padded_shape
-            return reduce_scatter_dim(padded, self.axes.data, leaf.unit_shard_dim)  # shard f32
+            return reduce_scatter_dim(padded, leaf.data_axes, leaf.unit_shard_dim)  # shard f32
 
     def describe(self, leaf: LeafPlan) -> tuple[str, str, str]:
         """(forward gather, backward gather, gradient reduction) of a partitioned leaf, in words."""
         dtype = jnp.dtype(self.compute_dtype).name
-        over = "+".join(self.axes.data)
+        over = "+".join(leaf.data_axes)
         return (f"all-gather {dtype} over {over}", f"all-gather {dtype} over {over}",
                 f"reduce-scatter {dtype} over {over}" if leaf.trainable else "none (frozen)")
 
     def _gather(self, shard: jax.Array, leaf: LeafPlan) -> jax.Array:
-        full = all_gather_dim(shard.astype(self.compute_dtype), self.axes.data,
+        full = all_gather_dim(shard.astype(self.compute_dtype), leaf.data_axes,
                               leaf.unit_shard_dim)                        # unit_padded_shape
         return leaf.unit_unpad(full)                                      # unit shape
 
@@ -157,7 +158,7 @@ class Zero2Collectives(ZeroCollectives):
 
     def describe(self, leaf: LeafPlan) -> tuple[str, str, str]:
         dtype = jnp.dtype(self.compute_dtype).name
-        over = "+".join(self.axes.data)
+        over = "+".join(leaf.data_axes)
         return ("none (replicated)", "none (replicated)",
                 f"reduce-scatter {dtype} over {over}, per unit in backward")
 
@@ -171,11 +172,11 @@ def scatter_full_gradient(grad: jax.Array, leaf: LeafPlan, axes: MeshAxes) -> ja
     """A full local gradient -> this device's reduced shard (`psum_scatter`), in one piece
     (the pipeline executor's stage 2; the step's stage 2 scatters per unit, `Zero2Collectives`)."""
     with jax.named_scope(GRAD_REDUCE):
-        return lax.psum_scatter(leaf.pad(grad), axes.data, scatter_dimension=leaf.shard_dim,
+        return lax.psum_scatter(leaf.pad(grad), leaf.data_axes, scatter_dimension=leaf.shard_dim,
                                 tiled=True)
 
 
-def all_reduce(tree: Any, axes: MeshAxes, wire_dtype: Any = jnp.float32) -> Any:
+def all_reduce(tree: Any, axes: MeshAxes | tuple[str, ...], wire_dtype: Any = jnp.float32) -> Any:
     """Sum over the data devices (stage 0-1 gradients, persistent parameters' gradients).
 
     With a 16-bit `wire_dtype` (bf16/fp16 compute) each leaf travels in 16 bits, as DeepSpeed's
@@ -183,21 +184,23 @@ def all_reduce(tree: Any, axes: MeshAxes, wire_dtype: Any = jnp.float32) -> Any:
     all-reduce's two halves, the same bytes as a 16-bit all-reduce), each in the wire format
     `zeroxla.collectives.wire` chooses per backend, and both carrying values divided by the
     device count (DeepSpeed's pre-division), so that a loss-scaled fp16 sum never leaves fp16's
-    range where its terms do not. Returns float32 (the master dtype)."""
+    range where its terms do not. Returns float32 (the master dtype). `axes`: the mesh's roles
+    (its data axes), or the axis names themselves (an expert leaf's expert-data group)."""
+    names = axes.data if isinstance(axes, MeshAxes) else tuple(axes)
     with jax.named_scope(GRAD_REDUCE):
         if not is_16bit_float(wire_dtype):
-            return lax.psum(tree, axes.data)
-        return jax.tree.map(lambda g: _all_reduce_16bit(g, axes, wire_dtype), tree)
+            return lax.psum(tree, names)
+        return jax.tree.map(lambda g: _all_reduce_16bit(g, names, wire_dtype), tree)
 
 
-def _all_reduce_16bit(g: jax.Array, axes: MeshAxes, wire_dtype: Any) -> jax.Array:
+def _all_reduce_16bit(g: jax.Array, names: tuple[str, ...], wire_dtype: Any) -> jax.Array:
     """One leaf's sum over the data devices, sent in `wire_dtype`: [size] padded to a multiple
     of N, reduce-scattered (pre-divided by N, summed in float32 where the backend allows,
     `reduce_scatter_flat`), then the mean rounded to 16 bits, all-gathered and multiplied by N
     in float32."""
-    n = axes.data_size
+    n = math.prod(lax.axis_size(a) for a in names)                # the group's devices
     flat = g.reshape(-1)
     flat = jnp.pad(flat, (0, -flat.size % n)).astype(wire_dtype)                # [N * c]
-    part = reduce_scatter_flat(flat, axes.data)                                 # f32 sum [c]
-    mean = all_gather_flat((part / n).astype(wire_dtype), axes.data)            # [N * c]
+    part = reduce_scatter_flat(flat, names)                                     # f32 sum [c]
+    mean = all_gather_flat((part / n).astype(wire_dtype), names)                # [N * c]
     return (mean.astype(jnp.float32) * n)[:g.size].astype(g.dtype).reshape(g.shape)

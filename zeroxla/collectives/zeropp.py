@@ -16,6 +16,11 @@
   at init, `LeafPlan.params_quantized`, a `StoredCodes`), so its forward and backward gathers
   move those codes (`gather_quantized`) and never quantize again.
 
+Under expert parallelism an expert leaf (`LeafPlan.expert_split`) takes the plain ZeRO-3
+collectives over its expert-data group: exact, and never crossing the expert axis, while
+every dense leaf takes ZeRO++'s (DeepSpeed's ZeRO++ likewise leaves the expert parameters'
+partitions to their own expert-data groups). `describe` says which leaf takes which.
+
 The quantized collectives work on flat vectors: a unit's shards become rows `[N, chunk]` (row d
 is device d's shard, `unit_rows`) and back (`rows_to_unit`).
 """
@@ -41,7 +46,8 @@ from zeroxla.collectives.wire import all_gather_dim
 from zeroxla.collectives.zero import BWD_GATHER, FWD_GATHER, GRAD_REDUCE, ZeroCollectives
 from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.mesh import MeshAxes
-from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.stored_forms import StoredCodes
 from zeroxla.pallas_kernels import QuantizedArray
 
 
@@ -86,16 +92,16 @@ class ZeroPPCollectives(ZeroCollectives):
                    gradient_group_size=config.gradient_quantization_group_size)
 
     def forward_gather(self, shard: Any, leaf: LeafPlan) -> tuple[jax.Array, Any]:
-        if not leaf.params_partitioned:
-            return shard.astype(self.compute_dtype), None
+        if not leaf.params_partitioned or leaf.expert_split:
+            return super().forward_gather(shard, leaf)
         with jax.named_scope(FWD_GATHER):
             padded = self._gather_padded(shard, leaf, quantize=self.quantized_weights)
         secondary = self._secondary_partition(padded, leaf) if self.hpz else None
         return leaf.unit_unpad(padded), secondary
 
     def backward_gather(self, shard: Any, saved: Any, leaf: LeafPlan) -> jax.Array:
-        if not leaf.params_partitioned:
-            return shard.astype(self.compute_dtype)
+        if not leaf.params_partitioned or leaf.expert_split:
+            return super().backward_gather(shard, saved, leaf)
         with jax.named_scope(BWD_GATHER):
             if self.hpz:                                                   # intra-node only
                 padded = all_gather_dim(saved, self.axes.local, leaf.unit_shard_dim,
@@ -123,7 +129,7 @@ class ZeroPPCollectives(ZeroCollectives):
                               leaf.unit_shard_dim)
 
     def reduce_scatter(self, grad: jax.Array | Permuted, leaf: LeafPlan) -> jax.Array:
-        if not (self.quantized_gradients and leaf.params_partitioned):
+        if not (self.quantized_gradients and leaf.params_partitioned) or leaf.expert_split:
             return super().reduce_scatter(grad, leaf)
         grad = as_array(grad)                       # qgZ's rows are in the weight's order
         with jax.named_scope(GRAD_REDUCE):
@@ -135,6 +141,8 @@ class ZeroPPCollectives(ZeroCollectives):
 
     def describe(self, leaf: LeafPlan) -> tuple[str, str, str]:
         forward, backward, gradient = super().describe(leaf)
+        if leaf.expert_split:
+            return forward, backward, gradient
         over = "+".join(self.axes.data)
         if leaf.params_quantized:
             forward = backward = (f"stored int{leaf.storage_bits} codes all-gather over "
@@ -154,6 +162,7 @@ class ZeroPPCollectives(ZeroCollectives):
         """Whether qgZ quantizes this leaf's gradient (else it falls back to psum_scatter)."""
         padded_numel = leaf.padded_numel
         return (self.quantized_gradients and leaf.params_partitioned and leaf.trainable
+                and not leaf.expert_split
                 and uses_quantized_reduce_scatter(padded_numel, devices=leaf.data_size,
                                                   group_size=self.gradient_group_size))
 

@@ -11,6 +11,8 @@
     batch_checks.py the batch validated before sending
     bin_packing.py sequences into packed rows, rows balanced over data replicas
     sequence.py    sequence parallelism in the step: the batch's split, refusals
+    experts.py     expert parallelism in the step: the MoE layers told their expert axis,
+                   refusals
     randomness.py  one seed -> a key per step, data device and micro-batch (dropout)
     model_state.py non-parameter Variables (BatchNorm statistics): replicated, cross-replica
     wrap.py        the model copy inside the step: gather units follow the module tree

@@ -83,14 +83,15 @@ def reduce_gradients(grads: dict[str, jax.Array], plan: ShardingPlan, stage: int
     divided by the device count, so that fp16's range holds the loss-scaled sum
     (`collectives.zero.all_reduce`); under float32 / float64 they are that dtype's `psum`."""
     wire_dtype = compute_dtype        # 16 bits under bf16/fp16; else a plain psum
-    if stage <= 1:
-        return collectives.all_reduce(grads, axes, wire_dtype)
-    out, replicated = {}, {}
+    out: dict[str, jax.Array] = {}
+    groups: dict[tuple[str, ...], dict[str, jax.Array]] = {}   # by the leaves' data axes
     for leaf in plan.trainable_leaves:
         g = grads[leaf.path]
-        if leaf.params_partitioned or (stage == 2 and leaf.optimizer_partitioned):
+        if stage >= 2 and (leaf.params_partitioned
+                           or (stage == 2 and leaf.optimizer_partitioned)):
             out[leaf.path] = g                       # reduce-scattered in backward
-        else:
-            replicated[leaf.path] = g
-    out.update(collectives.all_reduce(replicated, axes, wire_dtype))
+        else:        # an expert leaf sums over its expert-data group only
+            groups.setdefault(leaf.data_axes or axes.data, {})[leaf.path] = g
+    for names, replicated in groups.items():
+        out.update(collectives.all_reduce(replicated, names, wire_dtype))
     return out

@@ -58,7 +58,8 @@ from zeroxla.engine.logical import abstract_storage_state
 from zeroxla.engine.optimizer import optax_transformation
 from zeroxla.engine.update import (all_gather_update, constrain, optimizer_input, stored_update,
                                    with_rounding)
-from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.stored_forms import MasterWithCopy
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.collectives.zero import Zero2Collectives, ZeroCollectives
 from zeroxla.collectives.zeropp import ZeroPPCollectives
+from zeroxla.engine.experts import check_expert_parallel
 from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss import LossFn, next_token_loss
 from zeroxla.engine.loss_scale import init_loss_scale
@@ -159,6 +160,7 @@ def zero_layout(source: ModelSource, mesh: Mesh, *,
     config.validate_for_mesh(axes.local_size, axes.data_size, axes.sequence_size)
     model_def = source.model_def
     plan = plan_for(model_def, config, axes, frozen=source.frozen)             # 3
+    check_expert_parallel(model_def, plan, config, axes)
     comm = (ZeroPPCollectives.from_config(config, axes) if config.uses_zeropp  # 4
             else Zero2Collectives(axes, config.dtype) if config.stage == 2
             else ZeroCollectives(axes, config.dtype))

@@ -76,7 +76,7 @@ from jax.sharding import NamedSharding
 
 from zeroxla.collectives.zero import sink_zeros
 from zeroxla.sharding.config import ZeroConfig
-from zeroxla.sharding.leaf_plan import MasterWithCopy
+from zeroxla.sharding.stored_forms import MasterWithCopy
 from zeroxla.sharding.plan import ShardingPlan
 
 DEVICE_KIND = "device"

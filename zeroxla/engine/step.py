@@ -20,7 +20,7 @@ One `jax.jit` holds two parts:
    move no bytes; statistics over a whole tensor (norms, factored moments) get XLA's reductions. At
    stages 1-2 (and for stage 3's persistent leaves) the updated partitions are all-gathered back
    into the replicated parameters; under bf16/fp16 the float32 master stays a partition and its
-   16-bit rounding is gathered into the 16-bit copy compute reads (`leaf_plan.MasterWithCopy`).
+   16-bit rounding is gathered into the 16-bit copy compute reads (`stored_forms.MasterWithCopy`).
 
 `trainable` (an nnx filter) chooses the parameters to train; the others are frozen: the loss is
 differentiated only with respect to the trainable ones, and frozen leaves have no gradient, no

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from zeroxla.pallas_kernels import QuantizedArray, dequantize, quantize
-from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy, StoredCodes
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.stored_forms import MasterWithCopy, StoredCodes
 
 
 def quantize_partitioned(leaf: LeafPlan, x: jax.Array) -> StoredCodes:

@@ -23,7 +23,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.collectives.wire import all_gather_dim
-from zeroxla.sharding.leaf_plan import LeafPlan, MasterWithCopy
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.stored_forms import MasterWithCopy
 from zeroxla.sharding.mesh import MeshAxes
 
 
@@ -109,6 +110,6 @@ def all_gather_update(padded: jax.Array, leaf: LeafPlan, mesh: Mesh,
     Explicit, in its own `shard_map`, so it is one tiled all-gather over the data axes (and
     `comm_report` attributes it to the update)."""
     gather = jax.shard_map(
-        lambda x: all_gather_dim(x, axes.data, leaf.shard_dim), mesh=mesh,
+        lambda x: all_gather_dim(x, leaf.data_axes, leaf.shard_dim), mesh=mesh,
         in_specs=leaf.optimizer_spec, out_specs=leaf.compute_input_spec, check_vma=False)
     return leaf.data_unpad(gather(padded))   # param_spec: P(), or split over the stages

@@ -43,10 +43,12 @@ from jax import lax
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
 from zeroxla.engine.offload import PartitionSink
+from zeroxla.engine.experts import expert_parallel, place_experts
 from zeroxla.engine.gather import GatheredStack, check_live, gathered_call, gathered_value
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
-from zeroxla.sharding.leaf_plan import LeafPlan, StoredCodes
+from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.stored_forms import StoredCodes
 from zeroxla.sharding.model_def import direct_variables, has_descendant_params, variable_paths
 from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.models.layers import LayerStack, call_block
@@ -309,6 +311,7 @@ def local_model(layout: ZeroLayout, params: dict[str, Any], model_state: dict[st
         model.eval()
     variables = model_state_variables(model)
     cross_replica_batch_norm(model, data)
+    place_experts(model, expert_parallel(layout.axes))
     if config.stage == 3 or (config.stage == 2 and training):
         # Stage 2 gathers nothing, so there is nothing to prefetch.
         prefetch = config.prefetch and config.stage == 3

@@ -7,6 +7,8 @@
     layout.py    the tensor-parallel layout from logical axis names (rules table)
     reshard.py   ZeRO-3 storage -> the tensor-parallel layout in one program, each device
                  receiving only its own slice
+    expert_reshard.py  a state trained with expert parallelism -> the same layout, through
+                 the parameters' logical values
     adapter_switch.py  the switch when only trainable leaves (LoRA adapters) changed: the
                  frozen base checked bitwise unchanged, the trainable leaves alone resharded
     decode.py    the static decode loop (prefill + while_loop) and prompt packing

@@ -12,8 +12,8 @@ Per generation (data flow):
    (`checks.py`).
 1. reshard (once while the parameters are pinned and no optimizer step has run since): one
    compiled program takes the training state's partitioned storage (`state.params`, split over
-   the data axes) to the tensor-parallel inference layout (`layout.py`); the training state is
-   only read, never donated.
+   the data axes) to the tensor-parallel inference layout (`layout.py`; trained with expert
+   parallelism: through the logical values, `expert_reshard.py`); the state is only read.
 2. decode, `batching="continuous"` (the default where the model takes a paged cache): one
    compiled step over a paged KV cache, run until every row is done; finished rows free their
    slot and pages for queued prompts, a group's prompt (`generate_group`) is prefilled once
@@ -46,6 +46,7 @@ from zeroxla.inference.adapter_switch import frozen_paths, keep, trainable_resha
 from zeroxla.inference.checks import (PAGED, check_decodable, check_layout, check_state,
                                       paged_refusal)
 from zeroxla.inference.config import HybridEngineConfig
+from zeroxla.inference.expert_reshard import expert_reshard
 from zeroxla.inference.continuous import BatchShape, ContinuousBatcher, by_seed, make_requests
 from zeroxla.inference.decode import (KNOBS, bucket, by_sampling, check_request, decode_loop,
                                       pack, row_max_new, row_samplings, unpack,
@@ -61,12 +62,10 @@ def _leaves(state: TrainState) -> list[Any]:
 
 class HybridEngine:
     """Generation from the training states of a step whose `ZeroLayout` it is given (see the
-    module docstring): `HybridEngine(step.layout, config)`.
-
-    Construction refuses, by name, a layout that is not a `ZeroLayout`, a tensor-parallel size
-    the devices or heads do not allow, and a model without the KV-cache protocol
-    (`zeroxla.inference.checks`). The older form `HybridEngine(step, config)` still works and
-    warns (`zeroxla.engine.layout_argument`)."""
+    module docstring): `HybridEngine(step.layout, config)`. Construction refuses, by name, a
+    layout that is not a `ZeroLayout`, a tensor-parallel size the devices or heads do not
+    allow, and a model without the KV-cache protocol (`zeroxla.inference.checks`). The older
+    form `HybridEngine(step, config)` still works and warns (`engine.layout_argument`)."""
 
     def __init__(self, zero_layout: ZeroLayout, config: HybridEngineConfig | None = None):
         zero_layout = layout_argument(zero_layout, "HybridEngine(step, ...)",
@@ -110,7 +109,8 @@ class HybridEngine:
         self.reshards = 0                    # how many times the parameters were resharded
         # Only the trainable leaves changed since the last switch: those alone are resharded
         # (`adapter_switch`); `_kept` is the frozen storage the pinned copy was built from.
-        self._frozen = frozen_paths(self.plan)
+        self._expert_reshard = expert_reshard(zero_layout, self.layout)   # None: no EP
+        self._frozen = frozen_paths(self.plan) if self._expert_reshard is None else ()
         self._kept: dict[str, Any] | None = None
         self._trainable_reshard = None
         self.trainable_reshards = 0          # how many of `reshards` moved trainable leaves only
@@ -152,7 +152,8 @@ class HybridEngine:
             self.trainable_reshards += 1
         else:
             self._free_params()
-            self._params = self.reshard_program(state)(self.reshard_inputs(state))
+            self._params = (self._expert_reshard(on_device(state.params)) if self._expert_reshard
+                            else self.reshard_program(state)(self.reshard_inputs(state)))
             if self._frozen and self.config.pin_parameters:
                 self._kept = keep(self._frozen_storage(state))
         self._source = [weakref.ref(leaf) for leaf in _leaves(state)]

@@ -1,6 +1,6 @@
 """One parameter's layout (`LeafPlan`): its storage and compute shapes and specs, and the
-pure layout conversions between them (padding, stage slots, per-device shards); the stored forms
-that are pytrees (`MasterWithCopy`, the 16-bit compute copy; `StoredCodes`, frozen codes).
+pure layout conversions between them (padding, stage slots, expert blocks, per-device shards);
+the stored forms that are pytrees are `stored_forms`' (`MasterWithCopy`, `StoredCodes`).
 `zeroxla.sharding.plan` decides these for a whole model (`make_plan`) and prints the table
 (`ShardingPlan.describe`); the module docstring there says what each layout means and why. The
 plan only names bit widths and group sizes: quantizing and dequantizing stored codes is the step
@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zeroxla.sharding.stored_forms import MasterWithCopy, StoredCodes
+
 
 LAYERS_AXIS = "layers"
 
@@ -27,39 +29,6 @@ def pad_along(x: jax.Array, dim: int, pad: int) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[dim] = (0, pad)
     return jnp.pad(x, widths)
-
-
-@dataclasses.dataclass(frozen=True)
-class MasterWithCopy:
-    """Under 16-bit compute, the storage of a replicated leaf whose optimizer state is
-    partitioned (stages 1-2; stage 3's persistent leaves), DeepSpeed's bf16/fp16 optimizers':
-    `master`, the float32 master weights, partitioned (global `padded_shape`, sharded like the
-    optimizer state), and `compute`, their rounding to the compute dtype, replicated over the
-    data axes. Only `master` is updated by the optimizer and saved in checkpoints; `compute` is
-    re-gathered from it in 16 bits after every update and rebuilt from it on restore, so it is
-    always `master` cast to the compute dtype."""
-
-    master: Any
-    compute: Any
-
-
-jax.tree_util.register_dataclass(MasterWithCopy, ["master", "compute"], [])
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredCodes:
-    """The storage of a frozen partitioned leaf under ZeRO++'s quantized_nontrainable_weights
-    (`LeafPlan.params_quantized`): block-quantized codes of each device's shard, quantized once
-    at init. Global: `data` [L?, N*G, group_size * bits / 8] int8 and `scales` [L?, N*G]
-    float32 (the dequantization step of each group); one device holds its own G groups. The
-    bits, group size and what the codes stand for are the `LeafPlan`'s (`storage_bits`,
-    `storage_group_size`, `chunk`)."""
-
-    data: Any
-    scales: Any
-
-
-jax.tree_util.register_dataclass(StoredCodes, ["data", "scales"], [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +70,12 @@ class LeafPlan:
     stage_axis: str | None = None
     stage_slots: tuple[int, ...] = ()
     stage_count: int = 1
+    # Expert parallelism: an MoE leaf's `experts` dim (of `shape`) split over `expert_axis`
+    # into `expert_size` blocks of E / EP experts; `data_axes` are then its expert-data group.
+    # Everything "unit" below is one device's block: E / EP experts. None: not split.
+    expert_dim: int | None = None
+    expert_axis: str | None = None
+    expert_size: int = 1
 
     # ---- shapes ------------------------------------------------------------------------------
     @property
@@ -147,9 +122,23 @@ class LeafPlan:
         return math.prod(self.padded_shape) - self.numel
 
     @property
+    def expert_split(self) -> bool:
+        """The leaf's experts are split over the expert axis (`expert_dim`)."""
+        return self.expert_dim is not None
+
+    def _local(self, unit: tuple[int, ...]) -> tuple[int, ...]:
+        """A unit shape with its expert dim cut to this device's E / EP experts."""
+        if not self.expert_split:
+            return unit
+        shape = list(unit)
+        shape[self.expert_dim - (1 if self.stacked else 0)] //= self.expert_size
+        return tuple(shape)
+
+    @property
     def unit_shape(self) -> tuple[int, ...]:
-        """Shape of what one layer (or one call) uses: the parameter without its layer dim."""
-        return self.shape[1:] if self.stacked else self.shape
+        """Shape of what one layer (or one call) uses on one device: the parameter without its
+        layer dim (with E / EP experts under expert parallelism)."""
+        return self._local(self.shape[1:] if self.stacked else self.shape)
 
     @property
     def unit_shard_dim(self) -> int:
@@ -158,7 +147,7 @@ class LeafPlan:
 
     @property
     def unit_padded_shape(self) -> tuple[int, ...]:
-        return self.padded_shape[1:] if self.stacked else self.padded_shape
+        return self._local(self.padded_shape[1:] if self.stacked else self.padded_shape)
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -183,10 +172,16 @@ class LeafPlan:
 
     # ---- specs -------------------------------------------------------------------------------
     def _stage_spec(self) -> P:
-        """Unpartitioned over the data axes: replicated, or split over the stages."""
-        if not self.stage_split:
+        """Unpartitioned over the data axes: replicated, or split over the stages and / or
+        the expert axis."""
+        if not self.stage_split and not self.expert_split:
             return P()
-        return P(self.stage_axis, *([None] * (len(self.shape) - 1)))
+        entries: list[Any] = [None] * len(self.shape)
+        if self.stage_split:
+            entries[0] = self.stage_axis
+        if self.expert_split:
+            entries[self.expert_dim] = self.expert_axis
+        return P(*entries)
 
     def _data_spec(self) -> P:
         entries: list[Any] = list(self._stage_spec()) or [None] * len(self.shape)

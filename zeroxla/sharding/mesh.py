@@ -1,18 +1,24 @@
 """The device mesh and the role of each of its axes.
 
-A zeroxla mesh has up to five axes, outermost first:
+A zeroxla mesh has up to six axes, outermost first:
 
     stage     pipeline stages (1F1B / GPipe); omitted when there is one stage
     node      data parallel across hosts: the slow network (hpZ and qgZ keep traffic off it)
     local     data parallel inside a host: the fast links
+    expert    expert parallel (DeepSpeed-MoE's `ep_size`): data parallel for every dense
+              parameter, and each Mixture-of-Experts layer's experts split over it (E / EP per
+              device); omitted when there is one
     sequence  sequence parallel inside a host (DeepSpeed-Ulysses): each sequence split over
               these devices; omitted when there is one
     tensor    tensor parallel (Megatron column/row splits); omitted when there is one
 
 ZeRO partitions parameters, gradients and optimizer state over the data axes, whatever else the
-mesh has: `("node", "local")`, and "sequence" with them when the mesh has it (DeepSpeed's DP x SP
-group: every device of it computes gradients of its own tokens). The batch is split over
-`("node", "local")` only (`MeshAxes.batch`), its sequence dim over "sequence". Inside a node the
+mesh has: `("node", "local")`, then "expert" and "sequence" when the mesh has them (DeepSpeed's
+DP x EP x SP group: every device of it computes gradients of its own tokens). An expert leaf
+(a dim named `experts`) is split over "expert" and ZeRO-partitioned over the other data axes,
+its expert-data group (`MeshAxes.expert_data`), where its gradients are reduced. The batch is
+split over `("node", "local")` and "expert" (`MeshAxes.batch`), its sequence dim over
+"sequence". Inside a node the
 sequence devices count as local devices (`MeshAxes.local` is `("local", "sequence")`), so hpZ
 and qgZ's intra-node hops run over them too. Every collective takes its axis names from
 `MeshAxes`, never from constants of its own. Axes of size 1 may be present or absent:
@@ -35,9 +41,10 @@ from jax.sharding import AxisType, Mesh
 STAGE_AXIS = "stage"
 NODE_AXIS = "node"
 LOCAL_AXIS = "local"
+EXPERT_AXIS = "expert"
 SEQUENCE_AXIS = "sequence"
 TENSOR_AXIS = "tensor"
-AXIS_ORDER = (STAGE_AXIS, NODE_AXIS, LOCAL_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
+AXIS_ORDER = (STAGE_AXIS, NODE_AXIS, LOCAL_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
 DATA_AXES = (NODE_AXIS, LOCAL_AXIS)
 
 
@@ -58,9 +65,9 @@ class MeshAxes:
                 or not set(DATA_AXES) <= set(names)):
             raise ValueError(
                 f"mesh axes {names} are not supported; zeroxla needs the axes "
-                f"('node', 'local'), optionally with 'stage' first, 'sequence' and 'tensor' "
-                f"after them, in the order {AXIS_ORDER} (build it with zeroxla.make_mesh(nodes, "
-                "local, stages=, sequence=, tensor=))")
+                f"('node', 'local'), optionally with 'stage' first, 'expert', 'sequence' and "
+                f"'tensor' after them, in the order {AXIS_ORDER} (build it with "
+                "zeroxla.make_mesh(nodes, local, stages=, expert=, sequence=, tensor=))")
         return cls(names, tuple(int(mesh.shape[n]) for n in names))
 
     def size(self, axis: str) -> int:
@@ -74,13 +81,30 @@ class MeshAxes:
     @property
     def data(self) -> tuple[str, ...]:
         """The axes ZeRO partitions over and reduces gradients over: ("node", "local"), then
-        "sequence" when the mesh has it (DeepSpeed's DP x SP group)."""
-        return DATA_AXES + ((SEQUENCE_AXIS,) if SEQUENCE_AXIS in self.names else ())
+        "expert" and "sequence" when the mesh has them (DeepSpeed's DP x EP x SP group)."""
+        return self.batch + ((SEQUENCE_AXIS,) if SEQUENCE_AXIS in self.names else ())
 
     @property
     def batch(self) -> tuple[str, ...]:
-        """The axes the batch dim is split over: ("node", "local") (the data replicas)."""
-        return DATA_AXES
+        """The axes the batch dim is split over (the data replicas): ("node", "local"), and
+        "expert" when the mesh has it (expert-parallel devices hold rows of their own)."""
+        return DATA_AXES + ((EXPERT_AXIS,) if EXPERT_AXIS in self.names else ())
+
+    @property
+    def expert(self) -> str | None:
+        """The expert-parallel axis, or None when the mesh has none."""
+        return self.present(EXPERT_AXIS)
+
+    @property
+    def expert_size(self) -> int:
+        """The expert-parallel degree EP (1 without an expert axis)."""
+        return self.size(EXPERT_AXIS)
+
+    @property
+    def expert_data(self) -> tuple[str, ...]:
+        """An expert leaf's ZeRO group: the data axes but "expert" (DeepSpeed's expert-data
+        parallel group): where its partition lies and its gradients are reduced."""
+        return tuple(a for a in self.data if a != EXPERT_AXIS)
 
     @property
     def node(self) -> str:
@@ -88,9 +112,10 @@ class MeshAxes:
 
     @property
     def local(self) -> str | tuple[str, ...]:
-        """The intra-node data axes: "local", or ("local", "sequence") when the mesh has a
-        sequence axis (its devices are a node's too: hpZ and qgZ's local hops cover them)."""
-        return (LOCAL_AXIS, SEQUENCE_AXIS) if SEQUENCE_AXIS in self.names else LOCAL_AXIS
+        """The intra-node data axes: "local", or ("local", "expert", "sequence") where the mesh
+        has those (their devices are a node's too: hpZ and qgZ's local hops cover them)."""
+        inner = tuple(a for a in (LOCAL_AXIS, EXPERT_AXIS, SEQUENCE_AXIS) if a in self.names)
+        return inner if len(inner) > 1 else LOCAL_AXIS
 
     @property
     def sequence(self) -> str | None:
@@ -107,13 +132,13 @@ class MeshAxes:
 
     @property
     def data_size(self) -> int:
-        """Devices in one ZeRO group (data x sequence): the partition count N."""
-        return self.size(NODE_AXIS) * self.size(LOCAL_AXIS) * self.size(SEQUENCE_AXIS)
+        """Devices in one ZeRO group (data x expert x sequence): the partition count N."""
+        return self.replicas * self.size(SEQUENCE_AXIS)
 
     @property
     def replicas(self) -> int:
         """Data replicas: the batch's rows are split over this many devices."""
-        return self.size(NODE_AXIS) * self.size(LOCAL_AXIS)
+        return self.size(NODE_AXIS) * self.size(LOCAL_AXIS) * self.size(EXPERT_AXIS)
 
     @property
     def sequence_size(self) -> int:
@@ -130,15 +155,15 @@ class MeshAxes:
 
     @property
     def local_size(self) -> int:
-        """Data devices inside one node (local x sequence)."""
-        return self.size(LOCAL_AXIS) * self.size(SEQUENCE_AXIS)
+        """Data devices inside one node (local x expert x sequence)."""
+        return self.size(LOCAL_AXIS) * self.size(EXPERT_AXIS) * self.size(SEQUENCE_AXIS)
 
     @property
     def node_size(self) -> int:
         return self.size(NODE_AXIS)
 
     def describe(self) -> str:
-        """'stage 2 x node 1 x local 4' (size-1 stage/sequence/tensor axes left out)."""
+        """'stage 2 x node 1 x local 4' (size-1 stage/expert/sequence/tensor axes left out)."""
         return " x ".join(f"{n} {s}" for n, s in zip(self.names, self.sizes)
                           if s > 1 or n in DATA_AXES)
 
@@ -153,40 +178,44 @@ def _check_factor(name: str, value: object, count: int) -> None:
                          f"use one of {_divisors(count)}")
 
 
-def make_mesh(nodes: int = 1, local: int | None = None, *, stages: int = 1, sequence: int = 1,
-              tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh of shape `[stages, nodes, local, sequence, tensor]` with Auto axis types.
+def make_mesh(nodes: int = 1, local: int | None = None, *, stages: int = 1, expert: int = 1,
+              sequence: int = 1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh of shape `[stages, nodes, local, expert, sequence, tensor]` with Auto axis types.
 
-    The axes are ("node", "local"), with "stage" in front when `stages > 1`, "sequence" after
-    "local" when `sequence > 1` (sequence parallelism: DeepSpeed's `sequence_parallel_size`)
+    The axes are ("node", "local"), with "stage" in front when `stages > 1`, "expert" after
+    "local" when `expert > 1` (expert parallelism: DeepSpeed-MoE's `ep_size`; contiguous
+    devices of a node, as DeepSpeed's expert-parallel groups are consecutive ranks), "sequence"
+    after them when `sequence > 1` (sequence parallelism: DeepSpeed's `sequence_parallel_size`)
     and "tensor" at the end when `tensor > 1`. `local` defaults to the devices left per node.
-    Devices are ordered by (process index, id), so the `local` x `sequence` x `tensor` devices
-    of one node are one host's when each host runs one process (a sequence group's all-to-alls
-    stay on a host's fast links). Raises a ValueError naming the argument when the sizes do not
+    Devices are ordered by (process index, id), so the `local` x `expert` x `sequence` x
+    `tensor` devices of one node are one host's when each host runs one process (a sequence
+    group's all-to-alls and an expert group's gathers stay on a host's fast links). Raises a ValueError naming the argument when the sizes do not
     match the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
-    for name, value in (("stages", stages), ("sequence", sequence), ("tensor", tensor),
-                        ("nodes", nodes)):
+    for name, value in (("stages", stages), ("expert", expert), ("sequence", sequence),
+                        ("tensor", tensor), ("nodes", nodes)):
         _check_factor(name, value, count)
-    fixed = stages * tensor * nodes * sequence
+    fixed = stages * tensor * nodes * expert * sequence
     if count % fixed:
-        raise ValueError(f"make_mesh: stages={stages} x nodes={nodes} x sequence={sequence} x "
-                         f"tensor={tensor} = {fixed} does not divide the {count} devices")
+        raise ValueError(f"make_mesh: stages={stages} x nodes={nodes} x expert={expert} x "
+                         f"sequence={sequence} x tensor={tensor} = {fixed} does not divide the "
+                         f"{count} devices")
     if local is None:
         local = count // fixed
     if (not isinstance(local, int) or isinstance(local, bool) or local < 1
             or fixed * local != count):
         product = fixed * local if isinstance(local, int) else "?"
         factors = " x ".join(f"{name}={value!r}" for name, value in (
-            ("stages", stages), ("nodes", nodes), ("local", local), ("sequence", sequence),
-            ("tensor", tensor)) if name in ("nodes", "local") or value != 1)
+            ("stages", stages), ("nodes", nodes), ("local", local), ("expert", expert),
+            ("sequence", sequence), ("tensor", tensor)) if name in ("nodes", "local") or value != 1)
         raise ValueError(f"make_mesh: {factors} = {product} devices, but {count} are "
                          f"available; use local={count // fixed} (or pass devices=)")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    shape = {STAGE_AXIS: stages, NODE_AXIS: nodes, LOCAL_AXIS: local, SEQUENCE_AXIS: sequence,
-             TENSOR_AXIS: tensor}
+    shape = {STAGE_AXIS: stages, NODE_AXIS: nodes, LOCAL_AXIS: local, EXPERT_AXIS: expert,
+             SEQUENCE_AXIS: sequence, TENSOR_AXIS: tensor}
     names = tuple(n for n in AXIS_ORDER if n in DATA_AXES or shape[n] > 1)
     grid = np.asarray(ordered, dtype=object).reshape([shape[n] for n in names])
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
@@ -207,7 +236,7 @@ def host_groups(mesh: Mesh) -> list[set[int]]:
     `local` x `sequence` x `tensor` devices). A mesh whose nodes are hosts has one process in each set."""
     axes = MeshAxes.of(mesh)
     grid = np.asarray(mesh.devices)
-    inner = [axes.names.index(n) for n in (LOCAL_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
+    inner = [axes.names.index(n) for n in (LOCAL_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
              if n in axes.names]
     outer = [i for i in range(grid.ndim) if i not in inner]
     rows = np.transpose(grid, outer + inner).reshape(-1, math.prod(grid.shape[i] for i in inner))

@@ -23,7 +23,7 @@ optimizer sees the parameter, so it never leaks into results.
 Frozen (non-trainable) leaves have no gradient, optimizer state or update; at stage 3 they are
 still partitioned and gathered for compute. With ZeRO++'s `quantized_nontrainable_weights` a
 frozen partitioned leaf is stored as block-quantized codes of each device's shard (a
-`leaf_plan.StoredCodes`, quantized once at init by the step layer, `zeroxla.engine.stored`, and
+`stored_forms.StoredCodes`, quantized once at init by the step layer, `zeroxla.engine.stored`, and
 never again): per device, `[L?, G, group_size * bits / 8]` int8 codes and `[L?, G]` float32
 scales, G = chunk / group_size, chunk = the elements of one layer's shard. Its groups are cut
 on the logical tensor, not on the shards (`frozen_code_groups`): runs of `group_size` elements
@@ -36,7 +36,7 @@ Under a 16-bit compute dtype at stages 1-2, and for stage 3's persistent leaves,
 optimizer state is partitioned while its parameter is replicated is stored as DeepSpeed's
 bf16/fp16 optimizers store it: the float32 master is this device's
 partition (padded, laid out like the optimizer state) and the state also holds a replicated
-copy in the compute dtype, the one forward and backward read (`leaf_plan.MasterWithCopy`,
+copy in the compute dtype, the one forward and backward read (`stored_forms.MasterWithCopy`,
 `LeafPlan.compute_copy_dtype`). The update casts the new float32 partition to 16 bits and
 all-gathers that: the all-gather after the optimizer moves half the float32 bytes, and the
 master is never rounded.
@@ -52,7 +52,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeroxla.sharding.leaf_plan import LAYERS_AXIS, LeafPlan, StoredCodes
+from zeroxla.sharding.leaf_plan import LAYERS_AXIS, LeafPlan
+from zeroxla.sharding.stored_forms import StoredCodes
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.rules import TRAINING_COMPUTE_RULES, ZERO_STORAGE_RULES, AxisRules
 
@@ -250,6 +251,7 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
             group, code_dims = frozen_code_groups(
                 shape, storage_rules.data_dims(names, len(shape)), bits=frozen_storage_bits,
                 group_size=frozen_group_size)
+        assignment = None
         if not shape:           # a scalar: nothing to split; always replicated
             assignment_dim, padded = 0, 1
             partitioned, optimizer_partitioned = False, False
@@ -261,6 +263,7 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
             if stacked and assignment.data_dim == 0:
                 raise ValueError(f"storage rules {storage_rules.name!r} give the layer dim of "
                                  f"{path!r} to the data axes; map 'layers' to None or 'stage'")
+            _check_expert_split(path, shape, assignment, axes)
             assignment_dim = assignment.data_dim if assignment.data_dim is not None else 0
             padded = assignment.padded_shape[assignment_dim]
             optimizer_partitioned = stage >= 1 and trainable and assignment.data_dim is not None
@@ -274,7 +277,7 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
             # As in DeepSpeed, persistent parameters still have their optimizer state (and fp32
             # update) partitioned: only their compute copy stays whole on every device.
             optimizer_partitioned=optimizer_partitioned,
-            data_size=axes.data_size, data_axes=axes.data, shard_dim=assignment_dim,
+            shard_dim=assignment_dim, **_data_group(assignment, axes),
             padded_size=padded if shape else 1, compute_spec=compute, trainable=trainable,
             master_dtype=master_dtype,
             compute_copy_dtype=_compute_copy_dtype(stage, compute_dtype, partitioned,
@@ -287,6 +290,29 @@ def make_plan(shapes: Mapping[str, tuple[int, ...]],
         leaves.append(leaf)
     return ShardingPlan(tuple(leaves), stage, axes.data_size, persistence_threshold,
                         axes.describe(), storage_rules, compute_rules)
+
+
+def _check_expert_split(path: str, shape: tuple[int, ...], assignment: Any,
+                        axes: MeshAxes) -> None:
+    """ValueError when the expert axis does not divide a leaf's experts (DeepSpeed-MoE needs
+    `ep_size` to divide `num_experts` too): naming the leaf, E, EP and the degrees accepted."""
+    for dim, role in assignment.unsplit:
+        if role == "expert":
+            accepted = [d for d in range(1, shape[dim] + 1) if shape[dim] % d == 0]
+            raise ValueError(
+                f"parameter {path!r} has {shape[dim]} experts (dim {dim}), which the mesh's "
+                f"'expert' axis of {axes.expert_size} does not divide: each device holds E / "
+                f"EP whole experts; accepted: make_mesh(..., expert=) one of {accepted}")
+
+
+def _data_group(assignment: Any, axes: MeshAxes) -> dict[str, Any]:
+    """A leaf's data axes and their size (its expert-data group when its experts are split
+    over the expert axis), with the expert split's fields."""
+    if assignment is None or assignment.expert_dim is None:
+        return dict(data_size=axes.data_size, data_axes=axes.data)
+    return dict(data_size=axes.data_size // axes.expert_size, data_axes=axes.expert_data,
+                expert_dim=assignment.expert_dim, expert_axis=axes.expert,
+                expert_size=axes.expert_size)
 
 
 def plan_for(model_def: Any, config: Any, axes: MeshAxes, *,

@@ -37,6 +37,11 @@ How a role becomes a spec entry (`AxisRules.spec`):
 * "stage", "tensor": the first dim with that role whose size the axis size divides; a dim it
   does not divide stays unsharded (`AxisRules.spec` reports it, and callers that need the split,
   e.g. tensor-parallel generation, refuse it by name).
+* "expert": a Mixture-of-Experts leaf's expert dim (`experts`) on a mesh with an "expert" axis:
+  split over it like "stage" (the plan refuses an expert degree that does not divide the
+  experts), and the leaf's data partition then lies over the other data axes only (its
+  expert-data group, `MeshAxes.expert_data`). On a mesh without an expert axis the dim is a
+  "data" dim like any other, so an unsplit model's layout is what it always was.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroxla.sharding.mesh import MeshAxes
 
-ROLES = ("stage", "data", "tensor")
+ROLES = ("stage", "expert", "data", "tensor")
 ANY = "*"
 
 
@@ -61,6 +66,8 @@ class DimAssignment:
     data_dim: int | None
     padded_shape: tuple[int, ...]
     unsplit: tuple[tuple[int, str], ...] = ()      # (dim, role) a role could not split
+    data_axes: tuple[str, ...] = ()                # the axes `data_dim` is split over
+    expert_dim: int | None = None                  # the dim split over the expert axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +109,13 @@ class AxisRules:
         """
         names = tuple(logical_axes) if logical_axes else (None,) * len(shape)
         roles = [self.role_of(n) for n in names]
+        if axes.expert is None:        # no expert axis: an expert dim is a data dim
+            roles = ["data" if r == "expert" else r for r in roles]
         entries: list[object] = [None] * len(shape)
         padded = list(shape)
         unsplit = []
-        for role, axis in (("stage", axes.stage), ("tensor", axes.tensor)):
+        for role, axis in (("stage", axes.stage), ("expert", axes.expert),
+                           ("tensor", axes.tensor)):
             dims = [d for d, r in enumerate(roles) if r == role]
             if axis is None or not dims:
                 continue
@@ -115,8 +125,11 @@ class AxisRules:
                 entries[fitting[0]] = axis
             else:
                 unsplit.append((dims[0], role))
+        expert_dim = next((d for d, e in enumerate(entries)
+                           if e is not None and e == axes.expert), None)
+        data_axes = axes.data if expert_dim is None else axes.expert_data
+        n = axes.data_size // (1 if expert_dim is None else axes.expert_size)
         data_dim = None
-        n = axes.data_size
         candidates = [d for d, r in enumerate(roles) if r == "data" and entries[d] is None
                       and (data_dims is None or d in data_dims)]
         if partition_data and candidates:
@@ -128,8 +141,9 @@ class AxisRules:
                 data_dim = min(candidates, key=lambda d: (-(-shape[d] // n) * n - shape[d])
                                / shape[d])
             padded[data_dim] = -(-shape[data_dim] // n) * n
-            entries[data_dim] = axes.data
-        return DimAssignment(P(*entries), data_dim, tuple(padded), tuple(unsplit))
+            entries[data_dim] = data_axes
+        return DimAssignment(P(*entries), data_dim, tuple(padded), tuple(unsplit), data_axes,
+                             expert_dim)
 
     def describe(self) -> str:
         """'layers -> stage, * -> data'."""
@@ -138,9 +152,10 @@ class AxisRules:
 
 # The dims Megatron tensor parallelism splits (`TENSOR_PARALLEL_RULES`' "tensor" names).
 TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp", "vocab")
-ZERO_STORAGE_RULES = AxisRules("zero storage", (("layers", None), (ANY, "data")),
+ZERO_STORAGE_RULES = AxisRules("zero storage",
+                               (("layers", None), ("experts", "expert"), (ANY, "data")),
                                data_first=TENSOR_PARALLEL_NAMES)
 PIPELINE_STORAGE_RULES = AxisRules("pipeline storage", (("layers", "stage"), (ANY, "data")))
-TRAINING_COMPUTE_RULES = AxisRules("training compute", ((ANY, None),))
+TRAINING_COMPUTE_RULES = AxisRules("training compute", (("experts", "expert"), (ANY, None)))
 TENSOR_PARALLEL_RULES = AxisRules("tensor-parallel compute", (
     ("layers", None), *((name, "tensor") for name in TENSOR_PARALLEL_NAMES), (ANY, None)))

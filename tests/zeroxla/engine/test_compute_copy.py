@@ -10,7 +10,7 @@ import pytest
 import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.engine.stored import storage_to_logical
-from zeroxla.sharding.leaf_plan import MasterWithCopy
+from zeroxla.sharding.stored_forms import MasterWithCopy
 from runs import run_steps
 from reference import token_batches
 

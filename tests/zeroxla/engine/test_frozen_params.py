@@ -31,7 +31,7 @@ from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.plan import make_plan
 from zeroxla.engine.step import frozen_paths
 from zeroxla.engine.stored import dequantize_partitioned, logical_to_storage, storage_to_logical
-from zeroxla.sharding.leaf_plan import StoredCodes
+from zeroxla.sharding.stored_forms import StoredCodes
 
 VOCAB, D, HIDDEN, RANK = 64, 256, 512, 8
 STEPS, BATCH, SEQ = 5, 16, 8

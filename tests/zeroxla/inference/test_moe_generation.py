@@ -1,6 +1,7 @@
-"""MoE models on the Hybrid Engine: after ZeRO-3 training steps, each MoE family decodes with
-continuous batching over the paged KV cache (its experts whole on every inference device) the
-same greedy tokens as the unsharded model's full forward, at tp 1 and 2."""
+"""MoE models on the Hybrid Engine: after ZeRO-3 training steps (with and without expert
+parallelism), each MoE family decodes with continuous batching over the paged KV cache (its
+experts whole on every inference device) the same greedy tokens as the unsharded model's full
+forward, at tp 1 and 2."""
 
 import numpy as np
 import optax
@@ -25,11 +26,12 @@ SMALL = dict(kv_block_size=4, max_ragged_batch_size=12, max_ragged_sequence_coun
              max_out_tokens=32)
 
 
-def trained(family):
+def trained(family, expert=1):
     config = CONFIGS[family]()
     model = models.REGISTRY[family].model_class(config, rngs=nnx.Rngs(0))
-    step = zeroxla.make_step(model, zeroxla.make_mesh(2, 4), optimizer=optax.adam(1e-2),
-                             config=zeroxla.ZeroConfig(stage=3))
+    step = zeroxla.make_step(model, zeroxla.make_mesh(2, 4 // expert, expert=expert),
+                             optimizer=optax.adam(1e-2),
+                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
     state = step.init()
     rng = np.random.default_rng(1)
     for _ in range(2):
@@ -39,11 +41,14 @@ def trained(family):
     return step, state
 
 
-@pytest.mark.parametrize("family,tp", [
-    ("qwen3_moe", 1), pytest.param("qwen2_moe", 2, marks=pytest.mark.slow),
-    pytest.param("mixtral", 1, marks=pytest.mark.slow), ("olmoe", 2)])
-def test_moe_greedy_generation_equals_the_unsharded_model(family, tp):
-    step, state = trained(family)
+@pytest.mark.parametrize("family,tp,expert", [
+    ("qwen3_moe", 1, 1), pytest.param("qwen2_moe", 2, 1, marks=pytest.mark.slow),
+    pytest.param("mixtral", 1, 1, marks=pytest.mark.slow), ("olmoe", 2, 1),
+    ("qwen3_moe", 2, 2), pytest.param("qwen2_moe", 1, 4, marks=pytest.mark.slow)])
+def test_moe_greedy_generation_equals_the_unsharded_model(family, tp, expert):
+    """`expert` > 1: trained with the experts split over an expert axis, generated with them
+    placed for inference (whole on every device)."""
+    step, state = trained(family, expert)
     engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
         inference_tp_size=tp, **SMALL))
     assert engine.batching == "continuous"

@@ -1,0 +1,63 @@
+"""Expert parallelism for the Mixture-of-Experts MLP (`moe.MoeMLP`): each device of the mesh's
+"expert" axis holds E / EP experts and runs them for the tokens of its whole expert group.
+
+DeepSpeed-MoE dispatches with an all-to-all whose sizes follow the routing (or a capacity that
+drops tokens). Here the dispatch is an all-gather and the combine a reduce-scatter (the
+"ring of experts"), so every shape is static and every device runs the same collectives
+whatever the routing, with nothing dropped:
+
+    x [N, D], experts [N, k], weights [N, k]     this device's tokens, routed over all E
+      --all-gather over "expert"-->  [EP N, D], [EP N, k], [EP N, k]
+    the E / EP local experts on the assignments that name them (`expert_ffn`'s tiles; the
+      assignments to other devices' experts are one skipped group: they run nothing)
+    y [EP N, D] = sum_k weight x expert output (zero where the expert is another device's)
+      --reduce-scatter (sum) over "expert"-->  [N, D]: every token's k experts, summed
+
+Each device's local experts see every token of the group that chose them, so the gradient of an
+expert's weights on its device is the sum over the group's tokens; the engine then reduces it
+over the expert-data group only (the data devices holding the same experts). Backward the
+all-gather's transpose is a reduce-scatter and the reduce-scatter's an all-gather: the tokens'
+gradients come home summed over the experts that used them.
+
+Bytes per layer and device: the all-gather and the reduce-scatter each move (EP - 1) / EP of
+EP x N x D activations, against an all-to-all's (EP - 1) / EP of N x k x D at perfect balance:
+the static shapes cost EP / k times the all-to-all's bytes, and no capacity factor is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .grouped_matmul import expert_ffn
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """The expert axis an MoE layer runs under: its mesh axis name and size EP. The ZeRO step
+    sets it on every MoE layer of the copy it runs inside `shard_map` (`MoeMLP.expert_parallel`;
+    None everywhere else: the layer then holds all E experts)."""
+
+    axis: str
+    size: int
+
+
+def expert_parallel_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array,
+                        w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                        ep: ExpertParallel, *, tile: int, implementation: str) -> jax.Array:
+    """x [N, D], experts int [N, k] (global ids in [0, E)), weights [N, k], this device's
+    experts w_gate / w_up [E / EP, D, F], w_down [E / EP, F, D] -> the routed experts' weighted
+    sum [N, D] for this device's tokens (module docstring). Runs inside `shard_map` over `ep.axis`."""
+    local = w_gate.shape[0]                                                   # E / EP
+    xs = lax.all_gather(x, ep.axis, tiled=True)                               # [EP N, D]
+    es = lax.all_gather(experts, ep.axis, tiled=True)                         # [EP N, k]
+    ws = lax.all_gather(weights, ep.axis, tiled=True)                         # [EP N, k]
+    ids = es - lax.axis_index(ep.axis) * local
+    ids = jnp.where((ids >= 0) & (ids < local), ids, local)                   # local: skipped
+    y, _, _ = expert_ffn(xs, ids, w_gate, w_up, w_down, tile=tile,
+                         implementation=implementation, skip_foreign=True)    # [EP N, k, D]
+    out = jnp.sum(y * ws.astype(y.dtype)[..., None], axis=1)                  # [EP N, D]
+    return lax.psum_scatter(out, ep.axis, scatter_dimension=0, tiled=True)    # [N, D]
