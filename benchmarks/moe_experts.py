@@ -3,6 +3,7 @@ tiled grouped matmul (`models.grouped_matmul`) against the ideal and against `ra
 CPU lowering, measured in the same run.
 
     python benchmarks/moe_experts.py [--tokens 4096] [--tiles 32,64,128] [--time]
+                                     [--expert-parallel 8]
 
 The layer: d_model 2048, 128 experts of inner size 768, top-8 (Qwen3-30B-A3B's config.json),
 float32, one device. Tokens are routed by a random router over random hidden states, plus two
@@ -15,7 +16,11 @@ adversarial routings (every token's k experts the same 8; half the experts never
   compiled program's `cost_analysis()` (compiled, never run: it expands to a dense product
   over every expert).
 
-`--time` also runs the tiled forward (median of 3 after a warm-up). The last line is
+`--time` also runs the tiled forward (median of 3 after a warm-up). `--expert-parallel EP`:
+the same count under expert parallelism (`models.expert_parallel`), EP devices of `--tokens`
+tokens each, routed alike: device d runs experts [d E / EP, (d + 1) E / EP) on each source
+device's tokens in turn (one tile plan per chunk, other devices' assignments skipped), summed
+over the devices and against the busiest one's fair share (ideal / EP). The last line is
 `tiled / ideal FLOPs (tile 64, random routing): R`.
 """
 
@@ -29,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.models.grouped_matmul import expert_ffn
+from zeroxla.models.grouped_matmul import expert_ffn, plan_tiles
 from zeroxla.models.moe import route
 
 D, E, F, K = 2048, 128, 768, 8
@@ -45,11 +50,27 @@ def routings(tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
             "half the experts empty": np.asarray(experts) % (E // 2) * 2}
 
 
+def expert_parallel_tiles(experts: np.ndarray, ep: int, tile: int) -> np.ndarray:
+    """Tiles run by each of `ep` devices ([ep]) on `experts` int [ep x tokens, K] (source device
+    c's tokens are rows [c tokens, (c + 1) tokens)), as `expert_parallel_ffn` plans them."""
+    local = E // ep
+    chunks = jnp.asarray(experts.reshape(ep, -1), jnp.int32)           # [EP sources, tokens K]
+
+    @jax.jit
+    def used(chunk, first):
+        ids = jnp.where((chunk >= first) & (chunk < first + local), chunk - first, local)
+        return plan_tiles(ids, local + 1, tile, skip_last=True).tiles_used
+
+    return np.asarray([sum(int(used(chunks[c], d * local)) for c in range(ep))
+                       for d in range(ep)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--tiles", default="32,64,128")
     parser.add_argument("--time", action="store_true")
+    parser.add_argument("--expert-parallel", type=int, default=0, metavar="EP")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     tiles = [int(t) for t in args.tiles.split(",")]
@@ -92,6 +113,14 @@ def main() -> None:
             print(line)
             if name == "random" and tile == 64:
                 result = executed / ideal
+    ep = args.expert_parallel
+    for name, experts in (routings(args.tokens * ep, np.random.default_rng(2)).items()
+                          if ep else ()):
+        for tile in tiles:
+            per_device = expert_parallel_tiles(experts, ep, tile) * tile * 6 * D * F
+            print(f"EP {ep} {name:<25} tile {tile:>4}: executed {per_device.sum() / 1e9:7.1f} "
+                  f"G = {per_device.sum() / (ep * ideal):.3f}x ideal over the {ep} devices, "
+                  f"busiest {per_device.max() / ideal:.3f}x its fair share")
     print(f"tiled / ideal FLOPs (tile 64, random routing): {result:.3f}")
 
 

@@ -6,6 +6,8 @@ only (nothing allocated, nothing runs), ZeRO-3, bf16, 8 simulated CPU devices of
         --field attention=auto --field mlp_chunk=4096   # the largest T for one setting
     python benchmarks/planner.py search ... --sequence-parallel-size 8 \\
         [--sequence-parallel-strategy allgather|ring] # one sequence over the 8 devices
+    python benchmarks/planner.py search --model Qwen3-30B-A3B --expert-parallel-size 8
+                                                      # the MoE's experts split 8 ways
 
 Each compile prints its seconds: the search compiles about 2 log2(T / 1024) times. Figures are
 XLA:CPU's (`zeroxla.analysis.planner`: remat "offload"'s device figure is derived there).
@@ -33,9 +35,10 @@ def _value(text: str):
     return None if text == "None" else int(text) if text.isdigit() else text
 
 
-def _figures(name, seq_len, remat, fields, sequence=1, strategy="ulysses"):
+def _figures(name, seq_len, remat, fields, sequence=1, strategy="ulysses", expert=1):
     start = time.perf_counter()
-    f = plan_memory(presets.config(name), zeroxla.make_mesh(1, 8 // sequence, sequence=sequence),
+    mesh = zeroxla.make_mesh(1, 8 // (sequence * expert), expert=expert, sequence=sequence)
+    f = plan_memory(presets.config(name), mesh,
                     seq_len=seq_len, device_memory=DEVICE, remat=remat, fields=fields,
                     zero={"sequence_parallel_strategy": strategy})
     print(f"  {name} T={seq_len} {f.setting}: peak {f.peak / GiB:.2f} GiB (state "
@@ -59,6 +62,8 @@ def main() -> None:
                         help="each sequence split over this many of the 8 devices")
     parser.add_argument("--sequence-parallel-strategy", default="ulysses",
                         choices=STRATEGIES)
+    parser.add_argument("--expert-parallel-size", type=int, default=1, choices=(1, 2, 4, 8),
+                        help="an MoE model's experts split over this many of the 8 devices")
     args = parser.parse_args()
     fields = {k: _value(v) for k, v in (f.split("=", 1) for f in args.field)}
     if args.what == "table":
@@ -66,11 +71,13 @@ def main() -> None:
             for seq_len in (8192, 32768):
                 _figures(name, seq_len, args.remat, fields)
         return
-    sp, how = args.sequence_parallel_size, args.sequence_parallel_strategy
-    best = largest_fitting(lambda t: _figures(args.model, t, args.remat, fields, sp, how).fits,
-                           granularity=args.granularity, limit=args.limit)
-    print(f"{args.model} remat={args.remat} {fields} sequence parallel {sp} ({how}): largest "
-          f"T = {best}", flush=True)
+    sp, how, ep = (args.sequence_parallel_size, args.sequence_parallel_strategy,
+                   args.expert_parallel_size)
+    best = largest_fitting(
+        lambda t: _figures(args.model, t, args.remat, fields, sp, how, ep).fits,
+        granularity=args.granularity, limit=args.limit)
+    print(f"{args.model} remat={args.remat} {fields} sequence parallel {sp} ({how}), expert "
+          f"parallel {ep}: largest T = {best}", flush=True)
 
 
 if __name__ == "__main__":

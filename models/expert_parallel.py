@@ -7,11 +7,18 @@ drops tokens). Here the dispatch is an all-gather and the combine a reduce-scatt
 whatever the routing, with nothing dropped:
 
     x [N, D], experts [N, k], weights [N, k]     this device's tokens, routed over all E
-      --all-gather over "expert"-->  [EP N, D], [EP N, k], [EP N, k]
-    the E / EP local experts on the assignments that name them (`expert_ffn`'s tiles; the
+      --all-gather over "expert"-->  [EP, N, D], [EP, N, k], [EP, N, k]
+    for each of the EP source devices' N tokens (`lax.map`, each chunk rematerialized):
+      the E / EP local experts on the assignments that name them (`expert_ffn`'s tiles; the
       assignments to other devices' experts are one skipped group: they run nothing)
-    y [EP N, D] = sum_k weight x expert output (zero where the expert is another device's)
-      --reduce-scatter (sum) over "expert"-->  [N, D]: every token's k experts, summed
+      y [N, D] = sum_k weight x expert output (zero where the expert is another device's)
+    y [EP, N, D] --reduce-scatter (sum) over "expert"-->  [N, D]: every token's k experts
+
+One chunk at a time, the tile buffers are those of N tokens, as without expert parallelism:
+a static buffer for the group's EP N k assignments at once would cost EP times the activation
+memory (dropless means a device's buffer must hold every assignment of its input, since all of
+them may name its experts), and each chunk's backward recomputes its forward (`jax.checkpoint`)
+so only one chunk's intermediates are ever live.
 
 Each device's local experts see every token of the group that chose them, so the gradient of an
 expert's weights on its device is the sum over the group's tokens; the engine then reduces it
@@ -52,12 +59,18 @@ def expert_parallel_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array,
     experts w_gate / w_up [E / EP, D, F], w_down [E / EP, F, D] -> the routed experts' weighted
     sum [N, D] for this device's tokens (module docstring). Runs inside `shard_map` over `ep.axis`."""
     local = w_gate.shape[0]                                                   # E / EP
-    xs = lax.all_gather(x, ep.axis, tiled=True)                               # [EP N, D]
-    es = lax.all_gather(experts, ep.axis, tiled=True)                         # [EP N, k]
-    ws = lax.all_gather(weights, ep.axis, tiled=True)                         # [EP N, k]
-    ids = es - lax.axis_index(ep.axis) * local
-    ids = jnp.where((ids >= 0) & (ids < local), ids, local)                   # local: skipped
-    y, _, _ = expert_ffn(xs, ids, w_gate, w_up, w_down, tile=tile,
-                         implementation=implementation, skip_foreign=True)    # [EP N, k, D]
-    out = jnp.sum(y * ws.astype(y.dtype)[..., None], axis=1)                  # [EP N, D]
-    return lax.psum_scatter(out, ep.axis, scatter_dimension=0, tiled=True)    # [N, D]
+    xs = lax.all_gather(x, ep.axis)                                           # [EP, N, D]
+    es = lax.all_gather(experts, ep.axis)                                     # [EP, N, k]
+    ws = lax.all_gather(weights, ep.axis)                                     # [EP, N, k]
+    first = lax.axis_index(ep.axis) * local
+
+    @jax.checkpoint
+    def chunk(piece):
+        xc, ec, wc = piece                                        # [N, D], [N, k], [N, k]
+        ids = jnp.where((ec >= first) & (ec < first + local), ec - first, local)  # E/EP: skip
+        y, _, _ = expert_ffn(xc, ids, w_gate, w_up, w_down, tile=tile,
+                             implementation=implementation, skip_foreign=True)    # [N, k, D]
+        return jnp.sum(y * wc.astype(y.dtype)[..., None], axis=1)             # [N, D]
+
+    out = lax.map(chunk, (xs, es, ws))                                        # [EP, N, D]
+    return lax.psum_scatter(out, ep.axis, scatter_dimension=0)                # [N, D]

@@ -33,6 +33,7 @@ AUTO_ENV = "ZEROXLA_DISTRIBUTED"
 ENV_VARS = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, AUTO_ENV)
 CPU_COLLECTIVES = "gloo"
 SEQUENCE_OPTION = "--sequence-parallel-size"
+EXPERT_OPTION = "--expert-parallel-size"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,21 +156,43 @@ def check_sequence_parallel(mesh: tuple[int, int], sequence: int) -> None:
                          f"multiple of {sequence}")
 
 
-def job_mesh(mesh: tuple[int, int], stages: int = 1, sequence: int = 1) -> Any:
+def check_expert_parallel(mesh: tuple[int, int], sequence: int, expert: int) -> None:
+    """ValueError unless `expert` (--expert-parallel-size EP) is an integer >= 1 dividing the
+    LOCAL / P data replicas of each node of `mesh` (--mesh NODESxLOCAL, P =
+    --sequence-parallel-size): an MoE layer's experts are split over EP consecutive replicas
+    of one node, whose token exchange stays inside it."""
+    nodes, local = mesh
+    replicas = local // sequence
+    accepted = ", ".join(str(d) for d in range(1, replicas + 1) if replicas % d == 0)
+    if (not isinstance(expert, int) or isinstance(expert, bool) or expert < 1
+            or replicas % expert):
+        over = f" / {SEQUENCE_OPTION} {sequence}" if sequence > 1 else ""
+        raise ValueError(f"{EXPERT_OPTION} {expert!r} does not divide the {replicas} data "
+                         f"replicas per node (the LOCAL {local} of --mesh {nodes}x{local}{over}); "
+                         f"accepted: one of {accepted}")
+
+
+def job_mesh(mesh: tuple[int, int], stages: int = 1, sequence: int = 1,
+             expert: int = 1) -> Any:
     """The `jax.sharding.Mesh` of `--mesh` (with `stages` pipeline stages in front) on the
     first `stages x nodes x local` devices; ValueError naming --mesh when there are fewer.
 
     `--mesh NODESxLOCAL` names every device; `sequence` (--sequence-parallel-size P, which
     must divide LOCAL: `check_sequence_parallel`) splits each node's LOCAL devices
     into LOCAL/P data replicas x P sequence devices: `make_mesh(nodes, local // P,
-    sequence=P)`, the sequence devices of a replica consecutive inside one host."""
+    sequence=P)`, the sequence devices of a replica consecutive inside one host. `expert`
+    (--expert-parallel-size EP, dividing LOCAL/P: `check_expert_parallel`) makes EP
+    consecutive replicas of a node an expert group: `make_mesh(nodes, local // (P EP),
+    expert=EP, sequence=P)`."""
     import jax
 
     from zeroxla.sharding.mesh import make_mesh
 
     nodes, local = mesh
     check_sequence_parallel(mesh, sequence)
-    return make_mesh(nodes, local // sequence, stages=stages, sequence=sequence,
+    check_expert_parallel(mesh, sequence, expert)
+    return make_mesh(nodes, local // (sequence * expert), stages=stages, expert=expert,
+                     sequence=sequence,
                      devices=mesh_devices(jax.devices(), stages * nodes * local))
 
 
@@ -197,6 +220,6 @@ def any_process(flag: bool) -> bool:
 
 
 __all__ = ["AUTO_ENV", "COORDINATOR_ENV", "CPU_COLLECTIVES", "DistributedEnv", "ENV_VARS",
-           "NUM_PROCESSES_ENV", "PROCESS_ID_ENV", "SEQUENCE_OPTION", "any_process",
-           "broadcast_text", "check_sequence_parallel", "from_environ", "initialize", "job_mesh",
+           "NUM_PROCESSES_ENV", "PROCESS_ID_ENV", "SEQUENCE_OPTION", "EXPERT_OPTION",
+           "any_process", "broadcast_text", "check_expert_parallel", "check_sequence_parallel", "from_environ", "initialize", "job_mesh",
            "mesh_devices"]

@@ -208,9 +208,11 @@ def test_offload_options_reach_the_zero_config(tmp_path):
 
 def test_the_tree_is_the_zero_config_it_holds():
     """Every ZeroConfig field lives in exactly one engine-facing section, under its own name,
-    and the tree's ZeroConfig is those fields: one mapping, no copy."""
+    and the tree's ZeroConfig is those fields: one mapping, no copy. The mesh's own fields
+    (its shape, its expert axis) are the sharding section's beside them."""
+    mesh_fields = ("mesh", "expert_parallel_size")
     names = [name for cls in config.ENGINE_SECTIONS
-             for name in (f.name for f in dataclasses.fields(cls)) if name != "mesh"]
+             for name in (f.name for f in dataclasses.fields(cls)) if name not in mesh_fields]
     assert sorted(names) == sorted(f.name for f in dataclasses.fields(ZeroConfig))
     job = config.TrainJobConfig(sharding=config.Sharding(stage=2, persistence_threshold=7),
                                 numerics=config.Numerics(compute_dtype="bfloat16"))
@@ -218,7 +220,7 @@ def test_the_tree_is_the_zero_config_it_holds():
     for cls in config.ENGINE_SECTIONS:
         section = getattr(job, cls.NAME)
         for field in dataclasses.fields(cls):
-            if field.name != "mesh":
+            if field.name not in mesh_fields:
                 assert getattr(zero, field.name) == getattr(section, field.name)
     assert config.engine_sections(zero, (2, 4)) == {cls.NAME: getattr(job, cls.NAME)
                                                     for cls in config.ENGINE_SECTIONS}

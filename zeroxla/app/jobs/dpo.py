@@ -26,7 +26,6 @@ import numpy as np
 import zeroxla
 from zeroxla.app import chat_data
 from zeroxla.app.cli_args import positive_float, positive_int
-from zeroxla.app.distributed import job_mesh
 from zeroxla.app.jobs.loading import BASE_KEY, adapters_base, open_policy
 from zeroxla.app.learnable import same_pairs, same_pairs_note
 from zeroxla.app.run.command import JobSpec
@@ -148,7 +147,7 @@ class DPOJob:
     def __init__(self, config: DPOJobConfig):
         self.config = config
         # a --mesh larger than the devices: refused
-        mesh = job_mesh(config.sharding.mesh, sequence=config.sharding.sequence_parallel_size)
+        mesh = config.sharding.job_mesh()
         self.tokenizer, load = open_policy(config.init_from, config.dpo.seq_len, config.lora)
         train, val, self.same = pair_rows(config, self.tokenizer)
         zero = zeroxla.ZeroConfig(stage=config.sharding.stage, persistence_threshold=0,

@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 from zeroxla.app.cli_args import (finite_float, non_negative_float, positive_float,
                                   positive_int)
 from zeroxla.app.data import read_records
-from zeroxla.app.distributed import job_mesh
 from zeroxla.app.jobs.loading import (BASE_KEY, adapters_base, check_adapters,
                                       check_inference_tp, load_actor, load_reward)
 from zeroxla.app.run.command import JobSpec
@@ -160,7 +159,7 @@ class GRPOJob:
         self.config = c = config
         self.total = c.iterations
         funcs, weight = reward_sources(c.reward_names, c.reward_weights, c.reward is not None)
-        mesh = job_mesh(c.sharding.mesh, sequence=c.sharding.sequence_parallel_size)
+        mesh = c.sharding.job_mesh()
         actor, self.tokenizer = load_actor(c.actor)
         model, model_config = f"--actor {c.actor}", getattr(actor, "config", None)
         rows, self.held_out, eos_id = (

@@ -29,7 +29,6 @@ import jax
 from zeroxla.app import chat_data
 from zeroxla.app.cli_args import (non_negative_float, positive_float, positive_int,
                                   unit_interval)
-from zeroxla.app.distributed import job_mesh
 from zeroxla.app.jobs.loading import REWARD_KIND, check_inference_tp, load_actor, load_reward
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
@@ -156,7 +155,7 @@ class PPOJob:
 
     def __init__(self, config: PPOJobConfig):
         self.config = c = config
-        mesh = job_mesh(c.sharding.mesh, sequence=c.sharding.sequence_parallel_size)
+        mesh = c.sharding.job_mesh()
         actor, self.tokenizer = load_actor(c.actor)
         reward_model = load_reward(c.reward, actor, self.tokenizer)
         _check_fit(c, actor, reward_model)

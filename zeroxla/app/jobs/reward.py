@@ -31,7 +31,6 @@ import zeroxla
 from zeroxla.app import chat_data
 from zeroxla.app.cli_args import non_negative_float, positive_float, positive_int
 from zeroxla.app.data import epoch_rows, split_examples, to_devices
-from zeroxla.app.distributed import job_mesh
 from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
 from zeroxla.app.jobs.loading import (REWARD_KIND, init_from_head, pretrained_config,
                                       reward_model_factory, with_adapters)
@@ -157,7 +156,7 @@ class RewardJob:
     def __init__(self, config: RewardJobConfig):
         self.config = c = config
         self.label = f"reward-{Path(c.init_from).name}"     # runs/reward-<base>-<time>
-        mesh = job_mesh(c.sharding.mesh, sequence=c.sharding.sequence_parallel_size)
+        mesh = c.sharding.job_mesh()
         self.tokenizer = PretrainedTokenizer.from_dir(c.init_from)
         self.model_config = pretrained_config(c.init_from, self.tokenizer, c.seq_len,
                                               command="zeroxla reward")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from zeroxla.app.cli_args import check_batch, check_sequence_length
-from zeroxla.app.distributed import check_sequence_parallel
+from zeroxla.app.distributed import check_expert_parallel, check_sequence_parallel, job_mesh
 from zeroxla.sharding.config import ZERO_STAGES
 
 
@@ -95,6 +95,7 @@ class ShardingSettings:
     mesh: tuple[int, int] = (2, 4)
     stage: int = 3
     sequence_parallel_size: int = 1
+    expert_parallel_size: int = 1          # EP consecutive replicas of a node: an expert group
 
     def __post_init__(self) -> None:
         if not is_mesh(self.mesh):
@@ -103,6 +104,7 @@ class ShardingSettings:
             _fail(self, "stage", ", ".join(map(str, ZERO_STAGES)))
         # In the options' words (--mesh, --sequence-parallel-size): this section is theirs.
         check_sequence_parallel(self.mesh, self.sequence_parallel_size)
+        check_expert_parallel(self.mesh, self.sequence_parallel_size, self.expert_parallel_size)
 
     def check_batch(self, batch: int, option: str, seq_len: int | None = None) -> None:
         """Before any device work, ValueError naming the options unless `batch` rows (the value
@@ -115,9 +117,15 @@ class ShardingSettings:
     def describe(self) -> str:
         """'ZeRO-3 on a 2x4 mesh' (', sequences split over 2 devices' under P = 2)."""
         nodes, local = self.mesh
-        split = self.sequence_parallel_size
+        split, experts = self.sequence_parallel_size, self.expert_parallel_size
         return (f"ZeRO-{self.stage} on a {nodes}x{local} mesh"
-                + (f", sequences split over {split} devices" if split > 1 else ""))
+                + (f", sequences split over {split} devices" if split > 1 else "")
+                + (f", experts split over {experts} devices" if experts > 1 else ""))
+
+    def job_mesh(self) -> Any:
+        """The section's `jax.sharding.Mesh` (`distributed.job_mesh`)."""
+        return job_mesh(self.mesh, sequence=self.sequence_parallel_size,
+                        expert=self.expert_parallel_size)
 
 
 class Job(Protocol):

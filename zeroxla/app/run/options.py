@@ -213,7 +213,7 @@ def _positive_or_none(text: str) -> int | None:
 
 # ------------------------------------------------------------------------------------------------
 # The rows every job shares (section "run": `run.job.RunSettings`'s fields; "sharding": a
-# section with `mesh`, `stage` and `sequence_parallel_size`; "lora": `zeroxla.lora.LoRAConfig`'s
+# section with `mesh`, `stage`, `sequence_parallel_size` and `expert_parallel_size`; "lora": `zeroxla.lora.LoRAConfig`'s
 # fields).
 
 RUN_OPTIONS: tuple[Option, ...] = (
@@ -257,6 +257,13 @@ SHARDING_OPTIONS: tuple[Option, ...] = (
            "is a multiple of P; the global batch's rows divide over NODES x LOCAL/P replicas: "
            "DeepSpeed's dp = world / sp); ZeRO partitions over all of them; default {default}",
            type=positive_int, metavar="P", deepspeed="sequence_parallel_size"),
+    Option("--expert-parallel-size", "expert_parallel_size", "sharding",
+           "expert_parallel_size", "parallel",
+           "expert parallelism (DeepSpeed-MoE's ep_size): EP consecutive data replicas of a "
+           "node form an expert group, over which every Mixture-of-Experts layer's experts are "
+           "split (E / EP each; EP divides the experts and LOCAL / P); the batch, dense "
+           "parameters and ZeRO are data parallel over them as before; default {default}",
+           type=positive_int, metavar="EP"),
 )
 
 LORA_OPTIONS: tuple[Option, ...] = (

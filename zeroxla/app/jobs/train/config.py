@@ -5,7 +5,7 @@
       data      Data      the file, its tokenizer, the sequence length, the validation split
       schedule  Schedule  steps, global batch, the default recipe (lr, warmup, cosine, decay),
                           or a --config JSON's optimizer and scheduler sections
-      sharding  Sharding  mesh, ZeRO stage, persistence, accumulation, prefetch, remat, SP
+      sharding  Sharding  mesh, ZeRO stage, persistence, accumulation, prefetch, remat, SP, EP
       zeropp    ZeroPP    ZeRO++: hpZ, qwZ, qgZ
       numerics  Numerics  compute dtype, fp16 loss scaling, clipping, check_grad_overflow
       offload   Offload   ZeRO-Offload / ZeRO-Infinity
@@ -16,8 +16,8 @@
 
 Each section is a frozen dataclass checked in `__post_init__`; an error names the field as
 `TrainJobConfig.<section>.<field>`, its value and what is accepted. The fields of `sharding`
-(but `mesh`), `zeropp`, `numerics` and `offload` are the `ZeroConfig` fields of the same name,
-checked by ZeroConfig's own checks; `TrainJobConfig.zero_config()` is the one place the tree
+(but the mesh's: `mesh`, `expert_parallel_size`), `zeropp`, `numerics` and `offload` are the
+`ZeroConfig` fields of the same name, checked by ZeroConfig's own checks; `TrainJobConfig.zero_config()` is the one place the tree
 becomes the engine's ZeroConfig, and `engine_sections` the way back (a DeepSpeed JSON's). Their
 defaults are ZeroConfig's, except where `zeroxla.app.jobs.train.defaults.JOB_DEFAULTS` says why not.
 
@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from zeroxla import models
+from zeroxla.app.distributed import check_expert_parallel
 from zeroxla.app.tokenizers.basic import TOKENIZERS
 from zeroxla.app.jobs.train.defaults import API_DEFAULTS, job_default
 from zeroxla.app.jobs.train.lora import LoRA
@@ -170,8 +171,9 @@ def _check_as_zero_config(section: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
-    """The mesh (nodes, local devices per node; P = sequence_parallel_size of them a sequence's)
-    and how ZeRO partitions over it (ZeroConfig's fields of these names)."""
+    """The mesh (nodes, local devices per node; P = sequence_parallel_size of them a sequence's,
+    EP = expert_parallel_size replicas an expert group, checked in the options' words) and how
+    ZeRO partitions over it (ZeroConfig's fields of these names)."""
 
     NAME: ClassVar[str] = "sharding"
     mesh: tuple[int, int] = (2, 4)
@@ -183,15 +185,17 @@ class Sharding:
     remat: str = job_default("remat")
     sequence_parallel_size: int = job_default("sequence_parallel_size")
     sequence_parallel_strategy: str = job_default("sequence_parallel_strategy")
+    expert_parallel_size: int = 1       # not a ZeroConfig field: the mesh's expert axis
 
     def __post_init__(self) -> None:
         if not is_mesh(self.mesh):
             _fail(self, "mesh", MESH_ACCEPTED)
         _check_as_zero_config(self)
-        if self.sequence_parallel_size is None or self.mesh[1] % self.sequence_parallel_size:
+        local = self.mesh[1]
+        if self.sequence_parallel_size is None or local % self.sequence_parallel_size:
             _fail(self, "sequence_parallel_size", f"a divisor of the local devices mesh[1]="
-                  f"{self.mesh[1]}: " + ", ".join(str(d) for d in range(1, self.mesh[1] + 1)
-                                                  if self.mesh[1] % d == 0))
+                  f"{local}: " + ", ".join(str(d) for d in range(1, local + 1) if local % d == 0))
+        check_expert_parallel(self.mesh, self.sequence_parallel_size, self.expert_parallel_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +212,7 @@ class ZeroPP:
     weight_quantization_group_size: int = job_default("weight_quantization_group_size")
     gradient_quantization_group_size: int = job_default("gradient_quantization_group_size")
 
-    def __post_init__(self) -> None:
-        _check_as_zero_config(self)
+    __post_init__ = _check_as_zero_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +246,7 @@ class Offload:
     offload_param: str = job_default("offload_param")
     offload_pin_memory: bool = job_default("offload_pin_memory")
 
-    def __post_init__(self) -> None:
-        _check_as_zero_config(self)
+    __post_init__ = _check_as_zero_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,8 +265,7 @@ class Pipeline:
 class Run(RunSettings):
     """The run: every job's run section (`zeroxla.app.run.job.RunSettings`: seed, evaluation
     and checkpoint cadence, where it writes, --resume) with train's evaluation batches and the
-    closing sample; train evaluates every 100 steps by default.
-    """
+    closing sample; train evaluates every 100 steps by default."""
 
     NAME: ClassVar[str] = "run"
     eval_every: int = 100
@@ -366,10 +367,9 @@ class TrainJobConfig:
     def zero_config(self) -> ZeroConfig:
         """The engine's ZeroConfig: the fields of the sharding, zeropp, numerics and offload
         sections. Raises naming the tree's field where they do not fit together."""
-        fields = {name: getattr(getattr(self, section), name)
-                  for name, section in SECTION_OF_FIELD.items()}
         try:
-            return ZeroConfig(**fields)
+            return ZeroConfig(**{name: getattr(getattr(self, section), name)
+                                 for name, section in SECTION_OF_FIELD.items()})
         except ValueError as err:
             raise ValueError(renamed(err)) from None
 

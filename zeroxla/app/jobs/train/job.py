@@ -66,7 +66,8 @@ class TrainJob:
         self.tokenizer = self.data.tokenizer
         model = model_config(config, self.data)
         self.mesh = distributed.job_mesh(config.sharding.mesh, config.pipeline.stages,
-                                         config.sharding.sequence_parallel_size)
+                                         config.sharding.sequence_parallel_size,
+                                         config.sharding.expert_parallel_size)
         self.step = make_train_step(config, self.setup, model, self.mesh)
         self.val_batches = self.data.eval_batches("val", config.run.eval_batches,
                                                   self.step.layout.batch_sharding)

@@ -58,6 +58,8 @@ def describe_run(job: TrainJobConfig, setup: TrainingSetup, data: TextData | SFT
             f"on a {nodes}x{local} mesh of {mesh.devices.flat[0].platform} devices"
             + (f", sequences split over {job.sharding.sequence_parallel_size} of them"
                if job.sharding.sequence_parallel_size > 1 else "")
+            + (f", experts split over {job.sharding.expert_parallel_size} of them"
+               if job.sharding.expert_parallel_size > 1 else "")
             + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
             + f", batch {job.schedule.batch_size} x {job.data.seq_len} tokens"
             + (f" in {zero.gradient_accumulation_steps} micro-batches"
