@@ -282,22 +282,36 @@ def test_a_user_expert_layer_without_expert_parallel_is_refused_by_path():
     zeroxla.make_step(UserMoe(), zeroxla.make_mesh(2, 4), optimizer=SGD)   # no expert axis: fine
 
 
+def _gather_groups(text):
+    """{(group, operand type, result type)} of the StableHLO text's all-gathers, each group as
+    the mesh axes it spans: jax 0.12 names them; jax 0.10 prints device ids, read here for the
+    2 x 1 x 4 mesh (devices 0-3 and 4-7: "expert"; {i, i + 4}: "node", "local")."""
+    import re
+
+    by_ids = {"[[0, 1, 2, 3], [4, 5, 6, 7]]": ("expert",),
+              "[[0, 4], [1, 5], [2, 6], [3, 7]]": ("node", "local"),
+              "[[0, 1, 2, 3, 4, 5, 6, 7]]": ("node", "local", "expert")}
+    found = set()
+    for groups, operand, result in re.findall(
+            r'"stablehlo.all_gather".*?replica_groups = (.*?), use_global_device_ids\}> : '
+            r'\(tensor<(.*?)>\) -> tensor<(.*?)>', text):
+        names = tuple(re.findall(r'name = "(\w+)"', groups))
+        found.add((names or by_ids[groups.removeprefix("dense<").split(">")[0]], operand,
+                   result))
+    return found
+
+
 def test_the_bf16_expert_parallel_step_lowers_for_cuda():
     """What a GPU would run (lowered for CUDA on this host): at EP = 4 on 2 x 1 x 4 the tokens
     [N, D] travel in bf16 over the expert groups (devices 0-3, 4-7: consecutive, as
     DeepSpeed's expert-parallel ranks) and each layer's expert weights are gathered in bf16
     over the expert-data groups (devices {i, i + 4})."""
-    import re
-
     from zeroxla.compat.lowering import lower_for_cuda
 
     step = ep_step(ep_mesh(4), SGD, compute_dtype="bfloat16")
-    text = lower_for_cuda(step._jitted, step.init(), BATCHES[0]).as_text()
-    gathers = re.findall(r'"stablehlo.all_gather".*?replica_groups = dense<(.*?)>.*?'
-                         r'\(tensor<(.*?)>\) -> tensor<(.*?)>', text)
-    tokens = [g for g in gathers if g[0] == "[[0, 1, 2, 3], [4, 5, 6, 7]]"]
-    assert ("[[0, 1, 2, 3], [4, 5, 6, 7]]", "1x32x32xbf16", "4x32x32xbf16") in tokens
-    experts = {(g[1], g[2]) for g in gathers if g[0] == "[[0, 4], [1, 5], [2, 6], [3, 7]]"}
+    gathers = _gather_groups(lower_for_cuda(step._jitted, step.init(), BATCHES[0]).as_text())
+    assert (("expert",), "1x32x32xbf16", "4x32x32xbf16") in gathers       # the tokens
+    experts = {(g[1], g[2]) for g in gathers if g[0] == ("node", "local")}
     assert experts == {("2x16x16xbf16", "2x32x16xbf16"), ("2x8x32xbf16", "2x16x32xbf16")}
     _, metrics = step(step.init(), BATCHES[0])
     assert np.isfinite(float(metrics["loss"]))
