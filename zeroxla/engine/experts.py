@@ -12,7 +12,7 @@ The layer that owns such a leaf must know it holds E / EP experts: the step sets
 declares that attribute (`models.moe.MoeMLP`), as it sets BatchNorm's `axis_name`. A leaf named
 `experts` under no such module (a user's own MoE layer) would compute with a slice of its
 experts as if it were all of them: refused by name before anything is traced
-(`check_expert_parallel`), as are the features not built with expert parallelism (offload, the
+(`check_expert_parallel`), as are the features not built with expert parallelism (the
 pipeline, frozen leaves stored as codes).
 """
 
@@ -59,9 +59,6 @@ def _refused_features(config: ZeroConfig, axes: MeshAxes) -> list[tuple[str, Any
     if config.quantized_nontrainable_weights:
         refused.append(("ZeroConfig.quantized_nontrainable_weights", True,
                         "False (hpZ, qwZ and qgZ do run with expert parallelism)"))
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(config, name) != "none":
-            refused.append((f"ZeroConfig.{name}", getattr(config, name), '"none"'))
     if axes.num_stages > 1:
         refused.append(("the mesh's 'stage' axis", axes.num_stages, "stages=1"))
     return refused
@@ -70,10 +67,10 @@ def _refused_features(config: ZeroConfig, axes: MeshAxes) -> list[tuple[str, Any
 def check_expert_parallel(model_def: ModelDef, plan: ShardingPlan, config: ZeroConfig,
                           axes: MeshAxes) -> None:
     """ValueError, naming the field or parameter, for what expert parallelism does not run
-    exactly: frozen leaves stored as codes, offload or the pipeline with it (not built), and a
-    leaf split over the expert axis whose module does not declare `expert_parallel`. ZeRO++'s
-    hpZ, qwZ and qgZ run: on the dense leaves (expert leaves take the plain collectives,
-    `collectives.zeropp`)."""
+    exactly: frozen leaves stored as codes or the pipeline with it (not built), and a leaf split
+    over the expert axis whose module does not declare `expert_parallel`. ZeRO++'s hpZ, qwZ
+    and qgZ run on the dense leaves (expert leaves take the plain collectives,
+    `collectives.zeropp`); offload keeps each leaf's layout, expert split included."""
     if expert_parallel(axes) is None:
         return
     for field, value, accepted in _refused_features(config, axes):

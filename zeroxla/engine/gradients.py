@@ -78,7 +78,8 @@ def reduced_once(comm: ZeroCollectives, plan: ShardingPlan,
 def reduce_gradients(grads: dict[str, jax.Array], plan: ShardingPlan, stage: int,
                      axes: MeshAxes, compute_dtype: Any) -> dict[str, jax.Array]:
     """Sums the trainable leaves' gradients over the data devices (those reduce-scattered in
-    backward already are). Under bf16 and fp16 compute the all-reduces travel in the compute
+    backward already are), each over its own `data_axes` (an expert leaf's expert-data group:
+    the devices holding the same experts). Under bf16 and fp16 compute the all-reduces travel in the compute
     dtype (DeepSpeed's communication in the training dtype), each device sending its gradient
     divided by the device count, so that fp16's range holds the loss-scaled sum
     (`collectives.zero.all_reduce`); under float32 / float64 they are that dtype's `psum`."""

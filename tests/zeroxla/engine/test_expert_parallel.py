@@ -45,9 +45,11 @@ CASES = {  # name: (EP, sequence, ZeroConfig fields)
     "ep2-accumulation": (2, 1, {"gradient_accumulation_steps": 2}),
     "ep4-remat": (4, 1, {"remat": "full"}),
     "ep2-hpz": (2, 1, {"hpz_partition_size": 2}),      # hpZ on the dense leaves: exact
+    "ep2-offload-optimizer": (2, 1, {"offload_optimizer": "cpu"}),
+    "ep4-offload-param": (4, 1, {"offload_param": "cpu"}),
 }
 DAILY = {("ep2-zero3", "sgd"), ("ep4-zero3", "adamw"), ("ep8-zero3", "sgd"),
-         ("ep2-sp2", "sgd"), ("ep2-hpz", "adamw")}
+         ("ep2-sp2", "sgd"), ("ep2-hpz", "adamw"), ("ep2-offload-optimizer", "adamw")}
 
 
 @pytest.mark.parametrize("name,optimizer", [
@@ -256,11 +258,14 @@ def test_expert_degree_that_does_not_divide_the_experts_is_refused():
                           ep_mesh(4), optimizer=SGD, config=zeroxla.ZeroConfig(stage=3))
 
 
-@pytest.mark.parametrize("field,value", [("quantized_nontrainable_weights", True),
-                                         ("offload_optimizer", "cpu"), ("offload_param", "cpu")])
+@pytest.mark.parametrize("field,value", [("quantized_nontrainable_weights", True)])
 def test_features_not_built_with_expert_parallelism_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=rf"ZeroConfig.{field}=.*'expert' axis of 2"):
         ep_step(ep_mesh(2), SGD, **{field: value})
+    with pytest.raises(ValueError, match=r"the mesh's 'stage' axis=2 with the mesh's 'expert' "
+                                         r"axis of 2: not built"):
+        zeroxla.make_step(model(), zeroxla.make_mesh(1, 2, stages=2, expert=2), optimizer=SGD,
+                          pipeline=zeroxla.PipelineConfig(micro_batches=2))
 
 
 class UserMoe(nnx.Module):
@@ -315,3 +320,33 @@ def test_the_bf16_expert_parallel_step_lowers_for_cuda():
     assert experts == {("2x16x16xbf16", "2x32x16xbf16"), ("2x8x32xbf16", "2x16x32xbf16")}
     _, metrics = step(step.init(), BATCHES[0])
     assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.slow
+def test_a_reward_model_on_an_moe_base_under_expert_parallelism_trains_like_one_device():
+    """DeepSpeed-Chat's step 2 on an MoE base (auxiliary loss off: the pairwise loss returns
+    no router statistics): three SGD steps at EP = 2 equal the same pairwise loss applied with
+    plain optax on one device."""
+    from zeroxla import rlhf
+    from zeroxla.rlhf.reward_model import pairwise_loss_terms
+
+    config = CONFIG.replace(output_router_logits=False)
+
+    def scorer():
+        base = models.REGISTRY["qwen3_moe"].model_class(config, rngs=nnx.Rngs(0))
+        return rlhf.RewardModel(base)
+
+    rng = np.random.default_rng(5)
+    batches = [{"chosen": rng.integers(0, 64, (8, 12)).astype(np.int32),
+                "rejected": rng.integers(0, 64, (8, 12)).astype(np.int32),
+                "chosen_end": rng.integers(4, 12, 8).astype(np.int32),
+                "rejected_end": rng.integers(4, 12, 8).astype(np.int32)} for _ in range(3)]
+
+    def mean_loss(m, batch):
+        total, count = pairwise_loss_terms(m, batch)
+        return total / count
+    want_losses, want = train_single_device(scorer(), SGD, batches, loss_fn=mean_loss)
+    step = zeroxla.make_step(scorer(), ep_mesh(2), optimizer=SGD, loss_fn=pairwise_loss_terms,
+                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    assert step.layout.plan["base/blocks/layers/moe/w_up"].expert_split
+    assert_trains_like(step, batches, want_losses, want)

@@ -4,6 +4,7 @@ log-prob gap and the per-expert load (each expert's share of the assignments, su
 padded and packed rollouts alike. (That a loss_fn returning router statistics trains as one
 device does: tests/zeroxla/engine/test_moe_training.py.)"""
 
+import jax
 import numpy as np
 import pytest
 
@@ -54,3 +55,30 @@ def test_grpo_on_an_moe_actor_logs_the_gap_and_the_expert_load(packing, mesh):
     load = np.asarray(record["router/load"])
     assert load.shape == (8,) and abs(load.sum() - 1) < 1e-5
     assert np.isfinite(record["router/aux_loss"]) and record["router/aux_loss"] > 0
+
+
+@pytest.mark.slow
+def test_ppo_on_an_moe_actor_under_expert_parallelism():
+    """PPO's actor an MoE model with its experts split over an expert axis of 2 (the critic
+    starts from the dense reward model, as DeepSpeed-Chat's does: the expert axis is a data
+    axis to it), auxiliary loss off (PPO's loss returns no router statistics: with it weighed,
+    the trainer is refused by name): one iteration's rollout and update complete with finite
+    losses."""
+    from zeroxla import rlhf
+    from zeroxla.app import data
+
+    corpus = data.load_corpus()
+    config = actor().config.replace(vocab_size=corpus.tokenizer.vocab_size,
+                                    output_router_logits=False)
+    from flax import nnx
+    policy = models.REGISTRY["qwen3_moe"].model_class(config, rngs=nnx.Rngs(3))
+    ppo = rlhf.PPOConfig(prompts_per_iteration=8, prompt_length=8, answer_length=6,
+                         ppo_epochs=1)
+    trainer = rlhf.PPOTrainer(ppo, policy, mesh=zeroxla.make_mesh(2, 2, expert=2),
+                              tokenizer=corpus.tokenizer, prompt_tokens=corpus.val,
+                              reward_model=rlhf.RewardModel(models.build("gpt-tiny", seed=7)),
+                              seed=0)
+    assert trainer.actor_step.layout.plan["blocks/layers/moe/w_up"].expert_split
+    rollout, _, _ = trainer.generate_experience(0)
+    record = trainer.train_rlhf(rollout)
+    assert all(np.isfinite(v) for v in jax.tree.leaves(record) if np.ndim(v) == 0)
