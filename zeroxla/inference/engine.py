@@ -110,7 +110,7 @@ class HybridEngine:
         # Only the trainable leaves changed since the last switch: those alone are resharded
         # (`adapter_switch`); `_kept` is the frozen storage the pinned copy was built from.
         self._expert_reshard = expert_reshard(zero_layout, self.layout)   # None: no EP
-        self._frozen = frozen_paths(self.plan) if self._expert_reshard is None else ()
+        self._frozen = frozen_paths(self.plan)
         self._kept: dict[str, Any] | None = None
         self._trainable_reshard = None
         self.trainable_reshards = 0          # how many of `reshards` moved trainable leaves only
@@ -164,15 +164,15 @@ class HybridEngine:
         return on_device({path: state.params[path] for path in self._frozen})
 
     def _trainable_inputs(self, state: TrainState) -> dict[str, Any]:
-        inputs = self.reshard_inputs(state)
+        inputs = on_device(state.params) if self._expert_reshard else self.reshard_inputs(state)
         return {leaf.path: inputs[leaf.path] for leaf in self.plan.trainable_leaves}
 
     def trainable_reshard_program(self) -> Any:
-        """The jitted switch of the trainable leaves alone, used when the frozen ones are
-        bitwise those of the pinned copy (`adapter_switch`); lower it on the trainable leaves
-        of `reshard_inputs(state)` to inspect its collectives."""
+        """The trainable leaves' switch (frozen ones bitwise the pinned copy's, `adapter_switch`);
+        its input: those leaves of `reshard_inputs(state)` (of `state.params` under EP)."""
         if self._trainable_reshard is None:
-            self._trainable_reshard = trainable_reshard(self.plan, self.layout)
+            self._trainable_reshard = (self._expert_reshard.trainable() if self._expert_reshard
+                                       else trainable_reshard(self.plan, self.layout))
         return self._trainable_reshard
 
     # ---- decode ----------------------------------------------------------------------------

@@ -8,12 +8,13 @@ general route instead: its logical value, spread over the training mesh
 (`engine.logical.logical_sharding`), then `jax.device_put` into the tensor-parallel layout,
 XLA moving the bytes. Inference places the experts as it always does (whole on every device:
 tensor-parallel generation leaves `experts` unsplit), so the decode is the one an unsplit
-training run's engine compiles.
+training run's engine compiles. When only the trainable leaves changed (LoRA adapters over a
+frozen base found bitwise unchanged, `adapter_switch`), `trainable()` reshards those alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -24,23 +25,37 @@ from zeroxla.engine.logical import logical_sharding
 from zeroxla.inference.layout import TensorParallelLayout
 
 
-def expert_reshard(zero_layout: ZeroLayout, layout: TensorParallelLayout
-                   ) -> Callable[[dict[str, Any]], dict[str, jax.Array]] | None:
-    """`state.params` -> {path: float32 array in `layout`} for a layout with an expert axis
-    of more than one device; None otherwise (the byte-floor reshard applies)."""
-    if zero_layout.axes.expert_size == 1:
-        return None
-    plan, mesh = zero_layout.plan, zero_layout.mesh
-    spread = {leaf.path: logical_sharding(mesh, leaf.shape, leaf.stacked, leaf.shard_dim)
-              for leaf in plan.leaves}
-    logical = jax.jit(lambda params: {
-        leaf.path: leaf.unpad(leaf.compute_input(params[leaf.path])).astype(jnp.float32)
-        for leaf in plan.leaves}, out_shardings=spread)
-    targets = layout.param_shardings()
+class ExpertReshard:
+    """`reshard(params)`: `state.params` (or the `paths` of it) -> {path: float32 array in the
+    tensor-parallel layout}, through the logical values (module docstring)."""
 
-    def reshard(params: dict[str, Any]) -> dict[str, jax.Array]:
-        return jax.device_put(logical(params), targets)
-    return reshard
+    def __init__(self, zero_layout: ZeroLayout, layout: TensorParallelLayout,
+                 paths: Collection[str] | None = None):
+        self._zero_layout, self._layout = zero_layout, layout
+        mesh = zero_layout.mesh
+        leaves = [leaf for leaf in zero_layout.plan.leaves if paths is None or leaf.path in paths]
+        spread = {leaf.path: logical_sharding(mesh, leaf.shape, leaf.stacked, leaf.shard_dim)
+                  for leaf in leaves}
+        self._logical = jax.jit(lambda params: {
+            leaf.path: leaf.unpad(leaf.compute_input(params[leaf.path])).astype(jnp.float32)
+            for leaf in leaves}, out_shardings=spread)
+        targets = layout.param_shardings()
+        self._targets = {leaf.path: targets[leaf.path] for leaf in leaves}
+
+    def __call__(self, params: dict[str, Any]) -> dict[str, jax.Array]:
+        return jax.device_put(self._logical(params), self._targets)
+
+    def trainable(self) -> "ExpertReshard":
+        """The same reshard of the trainable leaves alone (the adapter-only switch)."""
+        paths = [leaf.path for leaf in self._zero_layout.plan.trainable_leaves]
+        return ExpertReshard(self._zero_layout, self._layout, paths)
+
+
+def expert_reshard(zero_layout: ZeroLayout, layout: TensorParallelLayout
+                   ) -> ExpertReshard | None:
+    """The reshard of a layout with an expert axis of more than one device; None otherwise
+    (the byte-floor reshard applies)."""
+    return ExpertReshard(zero_layout, layout) if zero_layout.axes.expert_size > 1 else None
 
 
 __all__ = ["expert_reshard"]

@@ -109,3 +109,34 @@ def test_routing_parity_between_the_rollout_decode_and_the_training_forward():
     mismatches, compared = _routing_mismatches(1)
     assert compared == 2 * 32 * 128
     assert mismatches == 0
+
+
+@pytest.mark.slow
+def test_adapter_only_switch_after_expert_parallel_lora_steps():
+    """LoRA on the attention and on every expert of an MoE model trained at EP = 2, the base
+    frozen: after adapter-only steps the engine reshards the adapters alone (the frozen base
+    found bitwise unchanged) and decodes the fused unsharded model's greedy tokens."""
+    from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, fuse_lora_weight
+    from zeroxla.lora import lora_trainable
+
+    lora = LoRAConfig(dim=4, alpha=8.0, module_name=r"wq|w_gate|w_down",
+                      only_optimize_lora=True)
+    model = models.REGISTRY["qwen3_moe"].model_class(CONFIGS["qwen3_moe"](), rngs=nnx.Rngs(0))
+    convert_linear_layer_to_lora(model, lora, rngs=nnx.Rngs(2))
+    step = zeroxla.make_step(model, zeroxla.make_mesh(2, 2, expert=2),
+                             optimizer=optax.adam(3e-2), trainable=lora_trainable(lora),
+                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=2, **SMALL))
+    prompts = [np.random.default_rng(n).integers(0, 61, n).astype(np.int32) for n in (2, 7, 11)]
+    state = step.init()
+    engine.generate(state, prompts, max_new_tokens=8)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        t = rng.integers(0, 61, (8, 17)).astype(np.int32)
+        state, _ = step(state, {"inputs": t[:, :-1], "targets": t[:, 1:]})
+    out = engine.generate(state, prompts, max_new_tokens=8)
+    assert (engine.reshards, engine.trainable_reshards) == (2, 1)
+    fused = fuse_lora_weight(step.gathered_model(state))
+    for got, want in zip(out, greedy_reference(fused, prompts, 8)):
+        np.testing.assert_array_equal(got, want)
