@@ -57,7 +57,8 @@ def expert_parallel_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array,
                         ep: ExpertParallel, *, tile: int, implementation: str) -> jax.Array:
     """x [N, D], experts int [N, k] (global ids in [0, E)), weights [N, k], this device's
     experts w_gate / w_up [E / EP, D, F], w_down [E / EP, F, D] -> the routed experts' weighted
-    sum [N, D] for this device's tokens (module docstring). Runs inside `shard_map` over `ep.axis`."""
+    sum [N, D] for this device's tokens (module docstring). Runs inside `shard_map` over
+    `ep.axis`."""
     local = w_gate.shape[0]                                                   # E / EP
     xs = lax.all_gather(x, ep.axis)                                           # [EP, N, D]
     es = lax.all_gather(experts, ep.axis)                                     # [EP, N, k]

@@ -221,5 +221,5 @@ def any_process(flag: bool) -> bool:
 
 __all__ = ["AUTO_ENV", "COORDINATOR_ENV", "CPU_COLLECTIVES", "DistributedEnv", "ENV_VARS",
            "NUM_PROCESSES_ENV", "PROCESS_ID_ENV", "SEQUENCE_OPTION", "EXPERT_OPTION",
-           "any_process", "broadcast_text", "check_expert_parallel", "check_sequence_parallel", "from_environ", "initialize", "job_mesh",
-           "mesh_devices"]
+           "any_process", "broadcast_text", "check_expert_parallel", "check_sequence_parallel",
+           "from_environ", "initialize", "job_mesh", "mesh_devices"]

@@ -79,9 +79,9 @@ def reduce_gradients(grads: dict[str, jax.Array], plan: ShardingPlan, stage: int
                      axes: MeshAxes, compute_dtype: Any) -> dict[str, jax.Array]:
     """Sums the trainable leaves' gradients over the data devices (those reduce-scattered in
     backward already are), each over its own `data_axes` (an expert leaf's expert-data group:
-    the devices holding the same experts). Under bf16 and fp16 compute the all-reduces travel in the compute
-    dtype (DeepSpeed's communication in the training dtype), each device sending its gradient
-    divided by the device count, so that fp16's range holds the loss-scaled sum
+    the devices holding the same experts). Under bf16 and fp16 compute the all-reduces travel
+    in the compute dtype (DeepSpeed's communication in the training dtype), each device sending
+    its gradient divided by the device count, so that fp16's range holds the loss-scaled sum
     (`collectives.zero.all_reduce`); under float32 / float64 they are that dtype's `psum`."""
     wire_dtype = compute_dtype        # 16 bits under bf16/fp16; else a plain psum
     out: dict[str, jax.Array] = {}

@@ -190,8 +190,8 @@ def make_mesh(nodes: int = 1, local: int | None = None, *, stages: int = 1, expe
     and "tensor" at the end when `tensor > 1`. `local` defaults to the devices left per node.
     Devices are ordered by (process index, id), so the `local` x `expert` x `sequence` x
     `tensor` devices of one node are one host's when each host runs one process (a sequence
-    group's all-to-alls and an expert group's gathers stay on a host's fast links). Raises a ValueError naming the argument when the sizes do not
-    match the devices.
+    group's all-to-alls and an expert group's gathers stay on a host's fast links). Raises a
+    ValueError naming the argument when the sizes do not match the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
@@ -233,7 +233,8 @@ def check_mesh(mesh: Mesh) -> MeshAxes:
 
 def host_groups(mesh: Mesh) -> list[set[int]]:
     """The process indices in each node of the mesh (one set per (stage, node) index, over its
-    `local` x `sequence` x `tensor` devices). A mesh whose nodes are hosts has one process in each set."""
+    `local` x `expert` x `sequence` x `tensor` devices). A mesh whose nodes are hosts has one
+    process in each set."""
     axes = MeshAxes.of(mesh)
     grid = np.asarray(mesh.devices)
     inner = [axes.names.index(n) for n in (LOCAL_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)

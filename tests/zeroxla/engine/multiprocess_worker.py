@@ -65,19 +65,13 @@ def train_moe_ep(devices):
     3 SGD steps: (losses, [(kind, group size, operand bytes, runs)] of the compiled step)."""
     import numpy as np
     import optax
-    import jax.numpy as jnp
 
     import zeroxla
     from zeroxla.analysis.hlo import collectives
-    from test_moe_training import model
-
-    def zero_router():
-        m = model()
-        m.blocks.layers.moe.router.set_value(jnp.zeros_like(m.blocks.layers.moe.router[...]))
-        return m
+    from test_moe_training import zero_router_model
 
     mesh = zeroxla.make_mesh(1, 1, expert=8, devices=devices)
-    step = zeroxla.make_step(zero_router, mesh, optimizer=optax.sgd(0.1),
+    step = zeroxla.make_step(zero_router_model, mesh, optimizer=optax.sgd(0.1),
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
     state, losses = step.init(), []
     for k in range(STEPS):

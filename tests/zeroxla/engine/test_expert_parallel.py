@@ -20,8 +20,8 @@ from zeroxla import checkpoint, models
 from zeroxla.analysis.hlo import branch_collectives, collectives, parse_module
 from zeroxla.models.expert_parallel import ExpertParallel, expert_parallel_ffn
 from reference import flat_params, train_single_device
-from test_moe_training import (BATCHES, CONFIG, TOL, assert_trains_like, model,
-                               written_out_loss)
+from test_moe_training import (BATCHES, CONFIG, LORA, TOL, assert_trains_like, lora_model,
+                               model, written_out_loss, zero_router_model)
 
 SGD, ADAMW = optax.sgd(0.1), optax.adamw(3e-3, eps=1e-5)   # eps: see test_moe_training
 
@@ -190,14 +190,10 @@ def test_zero_router_sends_every_token_to_one_devices_experts_and_trains_like_on
     (the lower index) for every token: at EP = 4, device 0's experts, the other devices' six
     experts idle. One SGD step of learning rate 1 (the update is the gradient) equals one
     device's."""
-    def zero_router():
-        m = model()
-        m.blocks.layers.moe.router.set_value(jnp.zeros_like(m.blocks.layers.moe.router[...]))
-        return m
     sgd = optax.sgd(1.0)
-    _, want = train_single_device(zero_router(), sgd, BATCHES[:1],
+    _, want = train_single_device(zero_router_model(), sgd, BATCHES[:1],
                                   loss_fn=written_out_loss(1, 8))
-    step = zeroxla.make_step(zero_router(), ep_mesh(4), optimizer=sgd,
+    step = zeroxla.make_step(zero_router_model(), ep_mesh(4), optimizer=sgd,
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
     state, metrics = step(step.init(), BATCHES[0])
     np.testing.assert_allclose(np.asarray(metrics["router/load"])[:2], [0.5, 0.5], rtol=1e-6)
@@ -214,19 +210,12 @@ def test_lora_on_experts_under_expert_parallelism_trains_like_one_device():
     from reference import masked_optimizer
     from zeroxla import lora
 
-    config = lora.LoRAConfig(dim=4, module_name=r"wq|w_gate|w_down", only_optimize_lora=True)
-
-    def adapted():
-        m = model()
-        lora.convert_linear_layer_to_lora(m, config, rngs=nnx.Rngs(1))
-        return m
-
-    trained = {p for p in flat_params(nnx.state(adapted(), nnx.LoRAParam))}
+    trained = {p for p in flat_params(nnx.state(lora_model(), nnx.LoRAParam))}
     opt = optax.sgd(0.5)
-    want_losses, want = train_single_device(adapted(), masked_optimizer(opt, trained), BATCHES,
-                                            loss_fn=written_out_loss(1))
-    step = zeroxla.make_step(adapted(), ep_mesh(2), optimizer=opt,
-                             trainable=lora.lora_trainable(config),
+    want_losses, want = train_single_device(lora_model(), masked_optimizer(opt, trained),
+                                            BATCHES, loss_fn=written_out_loss(1))
+    step = zeroxla.make_step(lora_model(), ep_mesh(2), optimizer=opt,
+                             trainable=lora.lora_trainable(LORA),
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
     assert step.layout.plan["blocks/layers/moe/w_gate/lora_a"].expert_split
     assert_trains_like(step, BATCHES, want_losses, want, paths=trained)

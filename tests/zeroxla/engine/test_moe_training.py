@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
-from zeroxla import models
+from zeroxla import lora, models
 from reference import flat_params, token_batches, train_single_device
 
 COEF = 0.05
@@ -26,6 +26,26 @@ TOL = 1e-6
 
 def model():
     return models.REGISTRY["qwen3_moe"].model_class(CONFIG, rngs=nnx.Rngs(0))
+
+
+def zero_router_model():
+    """`model()` with a zero router: every expert equally probable, so top-2 picks experts 0
+    and 1 (ties to the lower index) for every token and the other six get none."""
+    m = model()
+    m.blocks.layers.moe.router.set_value(jnp.zeros_like(m.blocks.layers.moe.router[...]))
+    return m
+
+
+# LoRA adapters on the attention's wq and on every expert's gate and down projections (one per
+# expert), the base frozen.
+LORA = lora.LoRAConfig(dim=4, module_name=r"wq|w_gate|w_down", only_optimize_lora=True)
+
+
+def lora_model():
+    """`model()` with `LORA`'s adapters."""
+    m = model()
+    lora.convert_linear_layer_to_lora(m, LORA, rngs=nnx.Rngs(1))
+    return m
 
 
 def micro_batch(batch, i, k, devices=8):
@@ -127,22 +147,14 @@ def test_lora_on_the_experts_trains_like_one_device():
     """Adapters on the attention's wq and on every expert's gate and down projections (one per
     expert), the base frozen: ZeRO-3 equals plain optax on the same adapted model."""
     from reference import masked_optimizer
-    from zeroxla import lora
 
-    config = lora.LoRAConfig(dim=4, module_name=r"wq|w_gate|w_down", only_optimize_lora=True)
-
-    def adapted():
-        m = model()
-        lora.convert_linear_layer_to_lora(m, config, rngs=nnx.Rngs(1))
-        return m
-
-    trained = {p for p in flat_params(nnx.state(adapted(), nnx.LoRAParam))}
+    trained = {p for p in flat_params(nnx.state(lora_model(), nnx.LoRAParam))}
     assert "blocks/layers/moe/w_gate/lora_a" in trained
     opt = optax.sgd(0.5)
-    want_losses, want = train_single_device(adapted(), masked_optimizer(opt, trained), BATCHES,
-                                            loss_fn=written_out_loss(1))
-    step = zeroxla.make_step(adapted(), zeroxla.make_mesh(2, 4), optimizer=opt,
-                             trainable=lora.lora_trainable(config),
+    want_losses, want = train_single_device(lora_model(), masked_optimizer(opt, trained),
+                                            BATCHES, loss_fn=written_out_loss(1))
+    step = zeroxla.make_step(lora_model(), zeroxla.make_mesh(2, 4), optimizer=opt,
+                             trainable=lora.lora_trainable(LORA),
                              config=zeroxla.ZeroConfig(stage=3))
     assert_trains_like(step, BATCHES, want_losses, want, paths=trained)
 
@@ -151,14 +163,10 @@ def test_every_token_routed_to_the_same_experts_trains_like_one_device():
     """Adversarial routing: a zero router ties every expert, so every token goes to experts 0
     and 1 (ties to the lower index) and six experts get no token; the same ZeRO-3 program
     runs and equals one device."""
-    def skewed():
-        m = model()
-        m.blocks.layers.moe.router.set_value(jnp.zeros_like(m.blocks.layers.moe.router[...]))
-        return m
-
     opt = optax.sgd(0.1)
-    want_losses, want = train_single_device(skewed(), opt, BATCHES, loss_fn=written_out_loss(1))
-    step = zeroxla.make_step(skewed(), zeroxla.make_mesh(2, 4), optimizer=opt,
+    want_losses, want = train_single_device(zero_router_model(), opt, BATCHES,
+                                            loss_fn=written_out_loss(1))
+    step = zeroxla.make_step(zero_router_model(), zeroxla.make_mesh(2, 4), optimizer=opt,
                              config=zeroxla.ZeroConfig(stage=3))
 
     def two_experts_first(i, metrics):

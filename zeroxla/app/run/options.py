@@ -213,8 +213,8 @@ def _positive_or_none(text: str) -> int | None:
 
 # ------------------------------------------------------------------------------------------------
 # The rows every job shares (section "run": `run.job.RunSettings`'s fields; "sharding": a
-# section with `mesh`, `stage`, `sequence_parallel_size` and `expert_parallel_size`; "lora": `zeroxla.lora.LoRAConfig`'s
-# fields).
+# section with `mesh`, `stage`, `sequence_parallel_size` and `expert_parallel_size`; "lora":
+# `zeroxla.lora.LoRAConfig`'s fields).
 
 RUN_OPTIONS: tuple[Option, ...] = (
     Option("--out", "out_dir", "run", "out_dir", "run",
