@@ -15,12 +15,11 @@
       deepspeed_config    the --config JSON the tree was filled from (None: none)
 
 Each section is a frozen dataclass checked in `__post_init__`; an error names the field as
-`TrainJobConfig.<section>.<field>`, its value and what is accepted. The fields of `sharding`
-(but the mesh's: `mesh`, `expert_parallel_size`), `zeropp`, `numerics` and `offload` are the
-`ZeroConfig` fields of the same name, checked by ZeroConfig's own checks;
-`TrainJobConfig.zero_config()` is the one place the tree becomes the engine's ZeroConfig, and
-`engine_sections` the way back (a DeepSpeed JSON's). Their defaults are ZeroConfig's, except
-where `zeroxla.app.jobs.train.defaults.JOB_DEFAULTS` says why not.
+`TrainJobConfig.<section>.<field>`, its value and what is accepted. The fields of `sharding` (but
+the mesh's: `mesh`, `expert_parallel_size`), `zeropp`, `numerics` and `offload` are ZeroConfig's
+fields of the same name, checked by ZeroConfig's own checks; `TrainJobConfig.zero_config()` is
+the one place the tree becomes the engine's ZeroConfig, and `engine_sections` the way back (a
+DeepSpeed JSON's). Defaults are ZeroConfig's, except where `defaults.JOB_DEFAULTS` says why not.
 
 A value in the tree is the value the job uses: nothing waits to be decided. None means absent:
 no Hugging Face checkpoint, no data file (the bundled corpus), no --config, no run directory.
