@@ -14,6 +14,23 @@ import numpy as np
 from zeroxla.engine.loss import BATCH_KEYS, MASK_KEY
 
 
+def check_accumulation(requested: Any, *, pipelined: bool) -> int | None:
+    """A step call's own micro-batch count (`ZeroStep.__call__(gradient_accumulation_steps=)`),
+    checked: an integer >= 1, or None (the config's). A pipelined step's count is its
+    schedule's (`PipelineConfig.micro_batches`), fixed when it is built."""
+    if requested is None:
+        return None
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        raise ValueError(f"gradient_accumulation_steps={requested!r} is invalid; "
+                         "accepted: an integer >= 1, or None (ZeroConfig's)")
+    if pipelined:
+        raise ValueError(
+            f"gradient_accumulation_steps={requested} per call with pipeline=: the schedule's "
+            "micro-batches are PipelineConfig.micro_batches, fixed when the step is built; "
+            "accepted: None")
+    return requested
+
+
 def check_batch(batch: Any, *, next_token: bool, data_size: int, accumulation: int,
                 vocab_size: Callable[[], int]) -> dict[str, Any]:
     """The validated global batch as a dict.

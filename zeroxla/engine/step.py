@@ -34,6 +34,7 @@ gradients are the mean over the global batch's (unmasked) tokens.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -43,7 +44,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.apply import apply_gradients
-from zeroxla.engine.batch_checks import check_batch
+from zeroxla.engine.batch_checks import check_accumulation, check_batch
 from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
 from zeroxla.engine.host_update import update_placement
 from zeroxla.engine.layout import ModelSource, ZeroLayout
@@ -93,17 +94,12 @@ class ZeroStep:
         # evaluation runs the unpipelined model on the layers gathered over the stages.
         self.pipeline = gradient_pass
         mesh, plan = layout.mesh, layout.plan
-        self._gradients = jax.shard_map(
-            self._local_gradients if gradient_pass is None else gradient_pass.local_gradients,
-            mesh=mesh,
-            in_specs=(plan.compute_input_specs(), batch_spec(layout.axes), P(), P(), P()),
-            out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
-                             for leaf in plan.trainable_leaves}, P()),
-            check_vma=False)
         replicated = NamedSharding(mesh, P())
+        # The micro-batch count is static (argument 2): a call that names its own
+        # (`gradient_accumulation_steps=`, e.g. an RL token budget's) compiles for it.
         self._jitted = jax.jit(self._step, in_shardings=(layout.state_shardings, None),
                                out_shardings=(layout.state_shardings, replicated),
-                               donate_argnums=0)
+                               static_argnums=2, donate_argnums=0)
         self._jitted_init = jax.jit(self._init_state, out_shardings=layout.state_shardings)
         self._compiled: dict[Any, Any] = {}       # `compile`'s cache, by argument signature
         local_eval = jax.shard_map(
@@ -143,24 +139,45 @@ class ZeroStep:
         key_data = seed_key_data(seed)
         return key_data if self.layout.uses_rng else None
 
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on the global `batch`; `state` is donated."""
-        return self._jitted(state, self._check_batch(batch))
+    def __call__(self, state: TrainState, batch: Batch, *,
+                 gradient_accumulation_steps: int | None = None
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step on the global `batch`; `state` is donated.
+        `gradient_accumulation_steps`: the micro-batches each device's rows are cut into for
+        this call (None: `ZeroConfig.gradient_accumulation_steps`); each distinct count
+        compiles once. The update is the same for any count: the mean over the whole batch."""
+        k = self._accumulation(gradient_accumulation_steps)
+        return self._jitted(state, self._check_batch(batch, k), k)
 
-    def lower(self, state: TrainState, batch: Batch) -> Any:
+    def trace(self, state: TrainState, batch: Batch, *,
+              gradient_accumulation_steps: int | None = None) -> Any:
+        """`jax.stages.Traced` of the step (`.lower(lowering_platforms=...)`: e.g. the program
+        a GPU would run, `zeroxla.compat.lowering.lower_for_cuda(step, state, batch)`)."""
+        k = self._accumulation(gradient_accumulation_steps)
+        return self._jitted.trace(state, self._check_batch(batch, k), k)
+
+    def lower(self, state: TrainState, batch: Batch, *,
+              gradient_accumulation_steps: int | None = None) -> Any:
         """`jax.stages.Lowered` of the step, for `.compile()`, `.as_text()`, memory analysis."""
-        return self._jitted.lower(state, self._check_batch(batch))
+        return self.trace(state, batch,
+                          gradient_accumulation_steps=gradient_accumulation_steps).lower()
 
-    def compile(self, state: TrainState, batch: Batch) -> Any:
+    def compile(self, state: TrainState, batch: Batch, *,
+                gradient_accumulation_steps: int | None = None) -> Any:
         """`jax.stages.Compiled` of the step for these argument shapes, compiled once and kept
         (`memory_report` and `comm_report` read it; `state` may be abstract)."""
         def signature(x):
             return (tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
-        key = (jax.tree.structure((state, batch)),
+        k = self._accumulation(gradient_accumulation_steps)
+        key = (jax.tree.structure((state, batch)), k,
                tuple(signature(x) for x in jax.tree.leaves((state, batch))))
         if key not in self._compiled:
-            self._compiled[key] = self.lower(state, batch).compile()
+            self._compiled[key] = self.lower(state, batch,
+                                             gradient_accumulation_steps=k).compile()
         return self._compiled[key]
+
+    def _accumulation(self, requested: int | None) -> int | None:
+        return check_accumulation(requested, pipelined=self.pipeline is not None)
 
     def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
         """Mean loss over the global batch, no update, with the model in evaluation mode
@@ -247,8 +264,27 @@ class ZeroStep:
         return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)),
                 None if stats is None else (stats, weight))
 
+    def _gradients(self, accumulation: int | None) -> Any:
+        """The gradient pass over the mesh (`shard_map`) with `accumulation` micro-batches
+        (None: the config's), or the pipeline executor's."""
+        layout = self.layout
+        plan = layout.plan
+        if self.pipeline is not None:
+            local = self.pipeline.local_gradients
+        else:
+            local = functools.partial(self._local_gradients, accumulation=(
+                layout.config.gradient_accumulation_steps if accumulation is None
+                else accumulation))
+        return jax.shard_map(
+            local, mesh=layout.mesh,
+            in_specs=(plan.compute_input_specs(), batch_spec(layout.axes), P(), P(), P()),
+            out_specs=(P(), {leaf.path: self._gradient_spec(leaf)
+                             for leaf in plan.trainable_leaves}, P()),
+            check_vma=False)
+
     def _local_gradients(self, params: dict[str, Any], batch: Batch, scale: jax.Array,
-                         model_state: dict[str, jax.Array], key_data: jax.Array | None
+                         model_state: dict[str, jax.Array], key_data: jax.Array | None,
+                         accumulation: int = 1
                          ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
         """The global mean loss and its gradients (times `scale`) of the trainable leaves,
         reduced over the data devices (partitioned where `update.gradient_padded`).
@@ -259,7 +295,7 @@ class ZeroStep:
         """
         layout = self.layout
         config, plan, data = layout.config, layout.plan, layout.axes.data
-        k = config.gradient_accumulation_steps
+        k = accumulation
         master = config.master_dtype       # gradients are summed in the master dtype
         trainable = {leaf.path: params[leaf.path] for leaf in plan.trainable_leaves}
         frozen = {p: v for p, v in params.items() if p not in trainable}
@@ -343,14 +379,16 @@ class ZeroStep:
 
     # ------------------------------------------------------------------------------------------
     # The step: the gradient pass, then the update on global arrays (`engine.apply`).
-    def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+    def _step(self, state: TrainState, batch: Batch,
+              accumulation: int | None) -> tuple[TrainState, dict[str, Any]]:
         uses_loss_scaling = self.layout.config.uses_loss_scaling
         scale = state.loss_scale.scale if uses_loss_scaling else jnp.float32(1)
         key_data = (None if state.rng is None else
                     jax.random.key_data(step_key(state.rng, state.step)))
         batch = in_sequence_layout(batch, self.layout.sequence)     # allgather: zigzag chunks
-        loss, grads, model_state = self._gradients(self.layout.plan.compute_inputs(state.params),
-                                                   batch, scale, state.model_state, key_data)
+        loss, grads, model_state = self._gradients(accumulation)(
+            self.layout.plan.compute_inputs(state.params), batch, scale, state.model_state,
+            key_data)
         extra = dict(loss) if isinstance(loss, dict) else {"loss": loss}
         state, metrics = apply_gradients(self.layout, state, extra.pop("loss"), grads,
                                          model_state, scale,

@@ -57,7 +57,7 @@ from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
 from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
-from zeroxla.rlhf.packed_rollout import pack_rollout
+from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
@@ -101,8 +101,7 @@ class GRPORollout:
     logprobs: np.ndarray                 # float32[B, T], the actor at rollout time
     ref_logprobs: np.ndarray             # float32[B, T], the frozen reference
     rollout_logprobs: np.ndarray | None = None   # float32[B, T], as the engine drew them
-    prompt_lengths: np.ndarray | None = None     # int32[B], row b's answer starts there;
-                                                 # None: every prompt fills the P columns
+    prompt_lengths: np.ndarray | None = None     # int32[B], answer starts (None: P each)
 
     def answer_starts(self) -> np.ndarray:
         """int32[B]: the column of each row's first answer token (its prompt's length)."""
@@ -168,6 +167,8 @@ class GRPOTrainer:
                                    mesh.devices.size // inference_tp_size, config.prompt_length)))
         self.reference, self.actor_step, self.engine = roles.reference, roles.step, roles.engine
         self.actor_state = roles.state
+        check_token_budget(config.ppo_max_token_len_per_gpu, config.row_len, roles.step.layout,
+                           "GRPOConfig")
 
     # ---- rollout ---------------------------------------------------------------------------
     def sample_prompts(self, iteration: int) -> np.ndarray:
@@ -250,7 +251,7 @@ class GRPOTrainer:
         fractions (mean over the steps after the first; 0 when there is one step: its ratio
         is 1), with `rollout_correction="tis"` the share of tokens whose importance
         weight the cap truncates (`tis_clipped_fraction`), and with `packing` the packed
-        batch's `packing/rows`, `packing/fill` and `packing/replica_imbalance`."""
+        batch's `packing/rows`, `fill`, `replica_imbalance` (and `micro_batches`)."""
         c = self.config
         starts = rollout.answer_starts()
         batch = {"tokens": rollout.tokens, "prompt_lengths": starts,
@@ -264,13 +265,11 @@ class GRPOTrainer:
                 rollout.logprobs, rollout.rollout_logprobs, c.tis_cap))
             tis = {"tis_clipped_fraction": float(tis_clipped_fraction(
                 rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask, c.tis_cap))}
-        packed = {}
+        packed, micro = {}, None
         if c.packing:          # the same loss, without the padding (`packed_rollout`)
-            layout = self.actor_step.layout      # rows a multiple of the sequence devices
-            parts = 1 if layout.sequence is None else layout.sequence.size
-            batch, stats = pack_rollout(batch, loss_type=c.loss_type,
-                                        row_len=-(-c.row_len // parts) * parts,
-                                        data_size=layout.data_size)
+            batch, stats, micro = pack_for_step(
+                batch, self.actor_step.layout, loss_type=c.loss_type, row_len=c.row_len,
+                token_budget=c.ppo_max_token_len_per_gpu, owner="GRPOConfig")
             packed = {f"packing/{k}": v for k, v in stats.items()}
         losses, clips = [], []
         for k in range(c.num_iterations):
@@ -278,7 +277,8 @@ class GRPOTrainer:
                 clips.append({name: float(v) for name, v in clip_fractions(
                     self.logprobs(rollout.tokens, starts), rollout.logprobs, rollout.advantages,
                     rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
-            self.actor_state, metrics = self.actor_step(self.actor_state, batch)
+            self.actor_state, metrics = self.actor_step(self.actor_state, batch,
+                                                        gradient_accumulation_steps=micro)
             losses.append(float(metrics["loss"]))       # one program in flight at a time
         return {"loss": float(np.mean(losses)), **tis, **packed, **router_record(metrics),
                 **{key: float(np.mean([x[key] for x in clips])) if clips else 0.0

@@ -37,6 +37,10 @@ answer) placed whole into rows of `packed_row_len` tokens (None: the longest seq
 replicas (`zeroxla.rlhf.packed_rollout`, verl's `use_remove_padding` + `balance_batch`): the
 same loss as the padded rows, without their padding. The actor must take `positions` and
 `segment_ids` (every family in `models` does); off: one right-padded row per answer.
+`ppo_max_token_len_per_gpu` (verl's name, its `use_dynamic_bsz`; needs `packing`, replaces
+`packed_row_len`) is a token budget: rows of that many tokens per device, each data replica's
+rows its micro-batches, their gradients accumulated into one update (the same mean), so an
+actor step's activations are one row's however long the rollout's answers.
 
 The rewards a job names beside the config (`zeroxla grpo`'s `--reward-funcs`, `--reward-weights`
 and a `--reward` model): checked (`check_reward_sources`) and loaded (`reward_sources`).
@@ -102,6 +106,7 @@ class GRPOConfig:
     tis_cap: float = 2.0
     packing: bool = True
     packed_row_len: int | None = None
+    ppo_max_token_len_per_gpu: int | None = None
 
     def __post_init__(self) -> None:
         _check("num_generations", self.num_generations,
@@ -137,6 +142,11 @@ class GRPOConfig:
             f"None or an integer >= prompt_length + max_completion_length - 1 = "
             f"{self.prompt_length + self.max_completion_length - 1} (the longest sequence "
             "stays whole in one row)")
+        budget = self.ppo_max_token_len_per_gpu
+        _check("ppo_max_token_len_per_gpu", budget, budget is None or (
+            _is_int(budget) and budget >= 1 and self.packing and self.packed_row_len is None),
+            "None or an integer >= 1 with packing=True and packed_row_len=None (the budget "
+            "is the packed rows' length per device)")
 
     @property
     def clip_high(self) -> float:

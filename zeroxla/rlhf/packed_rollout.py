@@ -31,9 +31,17 @@ The global batch is `[data_size * rows_per_replica, row_len]`, replica-major (th
 sharding gives replica r the r-th block of rows); `rows_per_replica` is the next power of two
 of what the fullest replica needs (at most the padded batch's rows per replica), so a run
 compiles the step for a few shapes only.
+
+A token budget (`pack_for_step`'s `token_budget`: verl's `ppo_max_token_len_per_gpu` with
+`use_dynamic_bsz`) makes each row hold at most that many tokens per device (a row spans the
+sequence devices) and each replica's rows its micro-batches: the step accumulates their
+gradients (`ZeroStep(..., gradient_accumulation_steps=rows_per_replica)`), so its activations
+are one row's whatever the rollout's size, and the update is the same mean over every token.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -61,8 +69,46 @@ def answer_lengths(action_mask: np.ndarray) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
+def pack_for_step(batch: dict[str, np.ndarray], layout: Any, *, loss_type: str, row_len: int,
+                  token_budget: int | None, owner: str
+                  ) -> tuple[dict[str, np.ndarray], dict[str, float], int | None]:
+    """`batch` packed for the step of `layout` (a `ZeroLayout`): rows of `row_len` tokens
+    (rounded up to a multiple of the sequence devices), or with `token_budget` of
+    `token_budget` tokens per sequence device, each replica's rows then its micro-batches.
+    Returns (the packed batch, its statistics (with a budget, "micro_batches"), the step
+    call's `gradient_accumulation_steps`: None without a budget). `owner` (e.g. "GRPOConfig")
+    names the setting in errors."""
+    parts = 1 if layout.sequence is None else layout.sequence.size
+    if token_budget is None:
+        length, named = -(-row_len // parts) * parts, f"{owner}.packed_row_len={row_len}"
+    else:
+        length = token_budget * parts
+        named = f"{owner}.ppo_max_token_len_per_gpu={token_budget}" + (
+            f" (rows of {token_budget} tokens x {parts} sequence devices)" if parts > 1 else "")
+    packed, stats = pack_rollout(batch, loss_type=loss_type, row_len=length,
+                                 data_size=layout.data_size, named=named)
+    if token_budget is None:
+        return packed, stats, None
+    micro = packed["inputs"].shape[0] // layout.data_size          # rows per replica
+    return packed, {**stats, "micro_batches": float(micro)}, micro
+
+
+def check_token_budget(token_budget: int | None, longest: int, layout: Any, owner: str) -> None:
+    """ValueError naming `{owner}.ppo_max_token_len_per_gpu` unless a row of the budget (times
+    the sequence devices of `layout`) holds the longest sequence's `longest` slots whole;
+    checked when a trainer is built, before any rollout is generated."""
+    parts = 1 if layout.sequence is None else layout.sequence.size
+    if token_budget is not None and token_budget * parts < longest:
+        raise ValueError(
+            f"{owner}.ppo_max_token_len_per_gpu={token_budget} is invalid: a row holds "
+            f"{token_budget} x {parts} sequence device(s) = {token_budget * parts} tokens, "
+            f"and the longest sequence (prompt + answer - 1) takes {longest}; accepted: at "
+            f"least {-(-longest // parts)}")
+
+
 def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
-                 data_size: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+                 data_size: int, named: str | None = None
+                 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The packed form of a padded training batch `batch` ({"tokens" int32[B, P+G],
     "prompt_lengths" int[B] (absent: every prompt is P tokens, PPO's left-padded prompts, pads
     kept as the padded forward sees them), "action_mask" [B, G] (a prefix per row), and the
@@ -73,7 +119,8 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     "loss_weight", "loss_count" and the given `ANSWER_TOKEN_KEYS` float32[R, row_len]; R =
     data_size * rows_per_replica), {"rows", "fill" (share of slots holding a
     token), "replica_imbalance" (most over fewest tokens a replica holds)}. ValueError when a
-    sequence does not fit `row_len` or `loss_type` is unknown."""
+    sequence does not fit `row_len` (naming `named`, the setting that chose it) or
+    `loss_type` is unknown."""
     if loss_type not in LOSS_COUNTS:
         raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: "
                          + " | ".join(LOSS_COUNTS))
@@ -90,8 +137,8 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     try:
         rows = first_fit_decreasing(slots.tolist(), row_len)
     except ValueError as err:
-        raise ValueError(f"GRPOConfig.packed_row_len={row_len}: {err}; accepted: at least "
-                         f"the longest sequence's {int(slots.max())} slots") from err
+        raise ValueError(f"{named or f'row_len={row_len}'}: {err}; accepted: rows of at "
+                         f"least the longest sequence's {int(slots.max())} slots") from err
     per_replica = rows_per_replica(-(-len(rows) // data_size), -(-b // data_size))
     row_tokens = [int(sum(slots[i] for i in row)) for row in rows]
     placed = balance_rows(row_tokens, data_size, per_replica)
@@ -127,4 +174,5 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     return out, stats
 
 
-__all__ = ["ANSWER_TOKEN_KEYS", "answer_lengths", "pack_rollout"]
+__all__ = ["ANSWER_TOKEN_KEYS", "answer_lengths", "check_token_budget", "pack_for_step",
+           "pack_rollout"]

@@ -57,6 +57,9 @@ class PPOConfig:
     # Actor and critic train on the rollout packed into rows with segment ids, balanced over the
     # data replicas (`zeroxla.rlhf.packed_rollout`): the same token means without the padding.
     packing: bool = True
+    # verl's token budget (`use_dynamic_bsz`): packed rows of this many tokens per device, each
+    # replica's rows its micro-batches, gradients accumulated (`packed_rollout.pack_for_step`).
+    ppo_max_token_len_per_gpu: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value"):
@@ -75,6 +78,10 @@ class PPOConfig:
         for name in ("ppo_epochs", "prompts_per_iteration", "prompt_length", "answer_length"):
             value = getattr(self, name)
             _check(name, value, _is_int(value) and value >= 1, "an integer >= 1")
+        budget = self.ppo_max_token_len_per_gpu
+        _check("ppo_max_token_len_per_gpu", budget, budget is None or (
+            _is_int(budget) and budget >= 1 and self.packing),
+            "None or an integer >= 1 with packing=True (the packed rows' length per device)")
 
     @classmethod
     def vowels_demo(cls) -> "PPOConfig":

@@ -40,7 +40,7 @@ from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
-from zeroxla.rlhf.packed_rollout import pack_rollout
+from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.ppo_losses import (answer_logprobs, answer_values, make_actor_loss,
                                      make_critic_loss)
 from zeroxla.rlhf.reward import RewardFn, make_scorer
@@ -155,6 +155,9 @@ class PPOTrainer:
             critic, mesh, optimizer=optax.adamw(config.critic_lr), config=POLICY_ZERO,
             trainable=critic_trainable, loss_fn=make_critic_loss(config.cliprange_value))
         self.critic_state = self.critic_step.init(seed)
+        check_token_budget(config.ppo_max_token_len_per_gpu,
+                           config.prompt_length + config.answer_length - 1,
+                           self.actor_step.layout, "PPOConfig")
 
     # ---- rollout ---------------------------------------------------------------------------
     def sample_prompts(self, iteration: int) -> list[np.ndarray]:
@@ -215,12 +218,14 @@ class PPOTrainer:
     def train_rlhf(self, rollout: Rollout) -> tuple[float, float]:
         """`ppo_epochs` actor and critic steps on `rollout`; returns the mean actor and critic
         losses over the epochs."""
-        actor_batch, critic_batch = self.batches(rollout)
+        (actor_batch, actor_k), (critic_batch, critic_k) = self.batches(rollout)
         actor_losses, critic_losses = [], []
         for _ in range(self.config.ppo_epochs):
-            self.actor_state, metrics = self.actor_step(self.actor_state, actor_batch)
+            self.actor_state, metrics = self.actor_step(self.actor_state, actor_batch,
+                                                        gradient_accumulation_steps=actor_k)
             actor_losses.append(float(metrics["loss"]))     # one program in flight at a time
-            self.critic_state, metrics = self.critic_step(self.critic_state, critic_batch)
+            self.critic_state, metrics = self.critic_step(self.critic_state, critic_batch,
+                                                          gradient_accumulation_steps=critic_k)
             critic_losses.append(float(metrics["loss"]))
         return float(np.mean(actor_losses)), float(np.mean(critic_losses))
 
@@ -240,28 +245,30 @@ class PPOTrainer:
                       training_s=time.perf_counter() - start, **generation_stats(self.engine))
         return record, rollout
 
-    def batches(self, rollout: Rollout) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(the actor step's batch, the critic step's) of `rollout`: with `config.packing`
-        packed (`packed_rollout`; a prompt's left padding stays in its sequence, as the padded
-        forward sees it), the token means of both losses unchanged."""
+    def batches(self, rollout: Rollout) -> tuple[tuple[dict[str, Any], int | None], ...]:
+        """((the actor step's batch, its `gradient_accumulation_steps`), the critic step's) of
+        `rollout`: with `config.packing` packed (`packed_rollout`; a prompt's left padding
+        stays in its sequence, as the padded forward sees it), the token means of both losses
+        unchanged; with `ppo_max_token_len_per_gpu` in micro-batches of that budget."""
         actor = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
                  "advantages": rollout.advantages, "action_mask": rollout.action_mask}
         critic = {"tokens": rollout.tokens, "old_values": rollout.values,
                   "returns": rollout.returns, "action_mask": rollout.action_mask}
         if not self.config.packing:
-            return actor, critic
-        row_len = rollout.tokens.shape[1] - 1
-        return tuple(pack_rollout(batch, loss_type="dapo", row_len=row_len,
-                                  data_size=step.layout.data_size)[0]
+            return (actor, None), (critic, None)
+        return tuple(pack_for_step(batch, step.layout, loss_type="dapo",
+                                   row_len=rollout.tokens.shape[1] - 1, owner="PPOConfig",
+                                   token_budget=self.config.ppo_max_token_len_per_gpu)[::2]
                      for batch, step in ((actor, self.actor_step), (critic, self.critic_step)))
 
     def memory(self, rollout: Rollout) -> dict[str, dict[str, int]]:
         """Per-device bytes (`zeroxla.memory_report`) of the actor's and the critic's steps
         compiled for `rollout`'s batches: {"actor": {...}, "critic": {...}}."""
         memory = {}
-        for name, batch in zip(("actor", "critic"), self.batches(rollout)):
+        for name, (batch, k) in zip(("actor", "critic"), self.batches(rollout)):
             step, state = getattr(self, f"{name}_step"), getattr(self, f"{name}_state")
-            report = zeroxla.memory_report(step.compile(state, batch), state, layout=step.layout)
+            compiled = step.compile(state, batch, gradient_accumulation_steps=k)
+            report = zeroxla.memory_report(compiled, state, layout=step.layout)
             memory[name] = {k: int(v) for k, v in report.to_dict().items()
                             if isinstance(v, (int, float))}
         return memory

@@ -57,8 +57,8 @@ def _lower(**config):
     state = step.init()
     tokens = np.zeros((16, 32), np.int32)
     batch = {"inputs": tokens, "targets": tokens}
-    return {"cpu": _ops(step._jitted.trace(state, batch).lower(lowering_platforms=("cpu",))),
-            "cuda": _ops(lower_for_cuda(step._jitted, state, batch))}
+    return {"cpu": _ops(step.trace(state, batch).lower(lowering_platforms=("cpu",))),
+            "cuda": _ops(lower_for_cuda(step, state, batch))}
 
 
 @pytest.fixture(scope="module")

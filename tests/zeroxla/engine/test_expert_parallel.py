@@ -303,7 +303,7 @@ def test_the_bf16_expert_parallel_step_lowers_for_cuda():
     from zeroxla.compat.lowering import lower_for_cuda
 
     step = ep_step(ep_mesh(4), SGD, compute_dtype="bfloat16")
-    gathers = _gather_groups(lower_for_cuda(step._jitted, step.init(), BATCHES[0]).as_text())
+    gathers = _gather_groups(lower_for_cuda(step, step.init(), BATCHES[0]).as_text())
     assert (("expert",), "1x32x32xbf16", "4x32x32xbf16") in gathers       # the tokens
     experts = {(g[1], g[2]) for g in gathers if g[0] == ("node", "local")}
     assert experts == {("2x16x16xbf16", "2x32x16xbf16"), ("2x8x32xbf16", "2x16x32xbf16")}

@@ -58,3 +58,31 @@ def test_masked_loss_and_gradients_are_the_global_masked_mean(stage, accumulatio
     got = flat_params(zeroxla.gather_params(state))
     for path in expected:
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def test_a_calls_own_micro_batch_count_is_the_same_global_masked_mean():
+    """`step(state, batch, gradient_accumulation_steps=k)` (an RL token budget's micro-batches,
+    counted per call): each k compiles its own program, every one lands on the reference."""
+    batch = _masked_batch(seed=7)
+    expected_loss, expected = _reference(batch)
+    step = zeroxla.make_step(models.build("gpt-tiny", seed=4), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(LR), config=zeroxla.ZeroConfig(stage=3))
+    for k in (2, 1):
+        state, metrics = step(step.init(), batch, gradient_accumulation_steps=k)
+        np.testing.assert_allclose(float(metrics["loss"]), expected_loss, rtol=1e-5)
+        got = flat_params(zeroxla.gather_params(state))
+        for path in expected:
+            np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6,
+                                       err_msg=f"k={k} {path}")
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=rf"gradient_accumulation_steps={bad!r} is invalid"):
+            step(step.init(), batch, gradient_accumulation_steps=bad)
+    with pytest.raises(ValueError, match="multiples of 24"):
+        step(step.init(), batch, gradient_accumulation_steps=3)
+
+
+def test_a_pipelined_steps_micro_batches_are_not_changed_per_call():
+    from zeroxla.engine.batch_checks import check_accumulation
+    assert check_accumulation(None, pipelined=True) is None
+    with pytest.raises(ValueError, match="PipelineConfig.micro_batches"):
+        check_accumulation(2, pipelined=True)

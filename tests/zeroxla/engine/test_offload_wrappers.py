@@ -205,7 +205,7 @@ def test_the_gpu_program_updates_on_the_device_between_transfers(name):
         warnings.simplefilter("ignore")
         step = _make_step(WRAPPERS[name][0](), "both-3")
     state = jax.eval_shape(step.init)
-    text = lower_for_cuda(step._jitted, state, _batches()[0]).as_text()
+    text = lower_for_cuda(step, state, _batches()[0]).as_text()
     assert "_xla_compute_type" not in text
     placements = _placements(text)
     partitioned = [leaf for leaf in step.layout.plan.leaves if leaf.params_partitioned]

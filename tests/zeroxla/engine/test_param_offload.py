@@ -110,7 +110,7 @@ def _placements(text: str) -> list[tuple[str, tuple[int, ...]]]:
 def _gpu_program(step, state) -> str:
     """The step lowered for a GPU (XLA:CPU ignores memory kinds, so its program cannot show
     where things live)."""
-    return lower_for_cuda(step._jitted, state, reference()[0][0]).as_text()
+    return lower_for_cuda(step, state, reference()[0][0]).as_text()
 
 
 def test_the_gpu_program_fetches_one_layer_partition_at_a_time():

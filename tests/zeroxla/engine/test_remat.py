@@ -1,7 +1,7 @@
 """The activation policy (`ZeroConfig.remat`): what a gathered unit keeps for backward.
 
 FLOPs come from `compiled.cost_analysis()` and temporaries from `memory_analysis()` of the
-gradient pass (`ZeroStep._gradients`, the shard_map'd forward + backward + reductions, per
+gradient pass (`ZeroStep._gradients(None)`, the shard_map'd forward + backward + reductions, per
 device), compared with a plain `jax.grad` of the same model on one device's share of the batch.
 XLA's cost analysis counts a `while` body once, whatever its trip count; a one-layer model has
 no loop that runs more than once, so every op is counted exactly once in both programs.
@@ -49,7 +49,7 @@ def _gradient_pass(cfg, batch, remat, stage=3):
                                                        remat=remat))
     state = step.init()
     args = (state.params, step._check_batch(batch), jnp.float32(1), state.model_state, None)
-    return jax.jit(step._gradients).lower(*args).compile()
+    return jax.jit(step._gradients(None)).lower(*args).compile()
 
 
 @pytest.fixture(scope="module")

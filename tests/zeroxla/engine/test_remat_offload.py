@@ -57,7 +57,7 @@ def test_the_gpu_program_keeps_layer_inputs_in_host_memory():
                                  zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.5),
                                  config=zeroxla.ZeroConfig(stage=3, persistence_threshold=500,
                                                            remat=remat))
-        text = lower_for_cuda(step._jitted, step.init(), batch).as_text()
+        text = lower_for_cuda(step, step.init(), batch).as_text()
         placed[remat] = _typed_placements(text)
     carry = ("pinned_host", (16 // 8, 16, 60), "f32")          # local rows, T, d_model
     assert [p for p in placed["full"] if p[0] == "pinned_host"] == []

@@ -301,7 +301,7 @@ def test_a_bf16_step_lowers_for_cuda_with_its_sequence_collectives(strategy, all
     step = zeroxla.make_step(_factory("llama"), zeroxla.make_mesh(2, 1, sequence=4),
                              config=config)
     batch = step._check_batch(_batch())
-    text = lower_for_cuda(step._jitted, step.init(), batch).as_text()
+    text = lower_for_cuda(step, step.init(), batch).as_text()
     assert ("stablehlo.all_to_all" in text) == all_to_all and "stablehlo.all_gather" in text
     assert ("stablehlo.collective_permute" in text) == (strategy == "ring")
 

@@ -163,3 +163,28 @@ def assert_update(before, after, expected):
                                    rtol=1e-3, atol=2e-7, err_msg=jax.tree_util.keystr(path))
         moved = max(moved, np.abs(want - first).max())
     assert moved > 1e-3                       # the update is far above the tolerance
+
+
+def test_a_token_budget_update_matches_the_float64_reference():
+    """With `ppo_max_token_len_per_gpu` (verl's token budget) the packed rows are the budget
+    long and each of the 2 data replicas' rows is a micro-batch: the update is still the
+    reference's single step on the whole rollout."""
+    longest = CONFIG.prompt_length + CONFIG.max_completion_length - 1          # 19 slots
+    config = CONFIG.replace(ppo_max_token_len_per_gpu=longest)
+    mesh = zeroxla.make_mesh(1, 2, devices=jax.devices()[:2])
+    trainer = GRPOTrainer(config, tiny_actor(), mesh=mesh, tokenizer=TOKENIZER,
+                          prompts=PROMPTS, reward_funcs=[no_reward], inference_tp_size=1,
+                          optimizer=optax.sgd(LR))
+    rollout = fixed_rollout(trainer, np.random.default_rng(1))
+    before = zeroxla.gathered_model(trainer.actor_state)
+    losses, expected = reference_update(before, rollout, rollout.rewards, config, LR)
+
+    train = trainer.train_grpo(rollout)
+    assert train["packing/micro_batches"] >= 2                 # accumulated, not one pass
+    assert train["loss"] == pytest.approx(losses[0], rel=1e-5)
+    assert_update(before, zeroxla.gathered_model(trainer.actor_state), expected)
+    with pytest.raises(ValueError, match=r"ppo_max_token_len_per_gpu=18 is invalid.*at least "
+                                         r"19"):
+        GRPOTrainer(config.replace(ppo_max_token_len_per_gpu=longest - 1), tiny_actor(),
+                    mesh=mesh, tokenizer=TOKENIZER, prompts=PROMPTS, reward_funcs=[no_reward],
+                    inference_tp_size=1)

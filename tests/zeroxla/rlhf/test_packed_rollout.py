@@ -19,7 +19,7 @@ from zeroxla import models
 from zeroxla.engine.bin_packing import balance_rows
 from zeroxla.rlhf import GRPOConfig
 from zeroxla.rlhf.grpo_losses import make_grpo_loss
-from zeroxla.rlhf.packed_rollout import pack_rollout
+from zeroxla.rlhf.packed_rollout import pack_for_step, pack_rollout
 
 V, P, G = 48, 7, 9                    # vocabulary, prompt columns, answer columns
 EPS, EPS_HIGH, BETA = 0.2, 0.28, 0.05
@@ -105,17 +105,21 @@ def test_a_zero3_step_on_the_packed_rollout_lands_where_the_padded_one_does():
     packed, stats = pack_rollout(padded, loss_type="grpo", row_len=P + G - 1, data_size=8)
     assert packed["inputs"].shape[0] % 8 == 0 and stats["replica_imbalance"] >= 1
     loss_fn = make_grpo_loss(loss_type="grpo", epsilon=EPS, epsilon_high=EPS_HIGH, beta=BETA)
-    assert_same_zero3_step(llama(), loss_fn, padded, packed)
+    assert_same_zero3_step(zero3_step(llama(), loss_fn), padded, packed)
 
 
-def assert_same_zero3_step(model, loss_fn, padded, packed):
-    """One SGD step of `model` under ZeRO-3 on 2 x 4 devices from the same start: the packed
-    batch's loss and new parameters equal the padded batch's."""
-    step = zeroxla.make_step(model, zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.5),
+def zero3_step(model, loss_fn):
+    return zeroxla.make_step(model, zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.5),
                              loss_fn=loss_fn, config=zeroxla.ZeroConfig(stage=3))
+
+
+def assert_same_zero3_step(step, padded, packed, accumulation=None):
+    """One SGD step (`zero3_step`: ZeRO-3 on 2 x 4 devices) from the same start: the packed
+    batch's loss and new parameters (in `accumulation` micro-batches per call) equal the
+    padded batch's."""
     results = []
-    for batch in (padded, packed):
-        state, metrics = step(step.init(0), batch)
+    for batch, k in ((padded, None), (packed, accumulation)):
+        state, metrics = step(step.init(0), batch, gradient_accumulation_steps=k)
         results.append((float(metrics["loss"]), zeroxla.gathered_model(state)))
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(nnx.state(results[1][1], nnx.Param)),
@@ -124,11 +128,15 @@ def assert_same_zero3_step(model, loss_fn, padded, packed):
 
 
 def test_a_sequence_longer_than_the_row_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"packed_row_len=8.*longest sequence"):
+    with pytest.raises(ValueError, match=r"^row_len=8.*longest sequence"):
         pack_rollout(rollout(4, seed=0) | {"prompt_lengths": np.full(4, P, np.int32)},
                      loss_type="grpo", row_len=8, data_size=1)
     with pytest.raises(ValueError, match=r"packed_row_len=5 is invalid.*>= .* = 22"):
         GRPOConfig(prompt_length=8, max_completion_length=15, packed_row_len=5)
+    for bad in (dict(packing=False), dict(packed_row_len=64), dict(ppo_max_token_len_per_gpu=0)):
+        with pytest.raises(ValueError, match=r"ppo_max_token_len_per_gpu=\d+ is invalid.*"
+                                             r"packing=True and packed_row_len=None"):
+            GRPOConfig(**{"ppo_max_token_len_per_gpu": 64, **bad})
 
 
 def test_an_actor_without_segment_ids_is_refused_when_packing():
@@ -197,3 +205,43 @@ def test_ppo_actor_and_critic_losses_packed_equal_the_padded():
     values = {k: padded[k] for k in ("tokens", "action_mask", "old_values", "returns")}
     assert_same_mean_and_grads(critic, make_critic_loss(0.2), values, pack_rollout(
         values, loss_type="dapo", row_len=row_len, data_size=1)[0])
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_ppo_token_budget_micro_batches_land_where_the_padded_step_does(role):
+    """`PPOConfig.ppo_max_token_len_per_gpu` (verl's token budget): rows of the longest
+    sequence's slots, each replica's rows accumulated as micro-batches, one update equal to the
+    padded batch's, for the actor's loss (a per-token mean) and the critic's."""
+    from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
+    from zeroxla.rlhf.reward_model import RewardModel
+    padded = ppo_rollout(32, seed=23)
+    if role == "actor":
+        keys, model, loss_fn = ("old_logprobs", "advantages"), llama(), make_actor_loss(0.2)
+    else:
+        keys, model, loss_fn = ("old_values", "returns"), RewardModel(gpt()), make_critic_loss(0.2)
+    batch = {k: padded[k] for k in ("tokens", "action_mask", *keys)}
+    step = zero3_step(model, loss_fn)
+    packed, stats, k = pack_for_step(batch, step.layout, loss_type="dapo", row_len=P + G - 1,
+                                     token_budget=P + G - 1, owner="PPOConfig")
+    assert packed["inputs"].shape == (8 * k, P + G - 1) and k >= 2
+    assert stats["micro_batches"] == k
+    assert_same_zero3_step(step, batch, packed, accumulation=k)
+
+
+def test_a_token_budget_keeps_the_steps_temporaries_flat_as_the_rollout_grows():
+    """From the compiled programs (`memory_analysis`, per device): with a token budget of the
+    longest sequence the temporaries of a 4x larger rollout stay within 5% (one row's
+    activations, whatever the micro-batch count), where one micro-batch of every row grows
+    with the rows."""
+    step = zero3_step(gpt(), make_grpo_loss(loss_type="dapo", epsilon=EPS, epsilon_high=EPS_HIGH))
+    state = step.init(0)
+    temps = {}
+    for rows in (16, 64):
+        padded = rollout(rows, seed=rows)
+        for budget in (None, P + G - 1):
+            packed, _, k = pack_for_step(padded, step.layout, loss_type="dapo", row_len=P + G - 1,
+                                         token_budget=budget, owner="GRPOConfig")
+            compiled = step.compile(state, packed, gradient_accumulation_steps=k)
+            temps[rows, budget] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps[64, None] > 2 * temps[16, None]
+    assert temps[64, P + G - 1] <= 1.05 * temps[16, P + G - 1]

@@ -75,11 +75,11 @@ class EpochRecorder:
         self.step, self.tokens, self.outputs, self.losses = step, tokens, [], []
         self.layout = step.layout          # the trainer packs its batches by the step's layout
 
-    def __call__(self, state, batch):
+    def __call__(self, state, batch, **options):
         model = zeroxla.gathered_model(state)        # on the rollout's padded rows (the step
         self.outputs.append(np.asarray(model(        # itself trains on them packed)
             jax.numpy.asarray(self.tokens[:, :-1]))))
-        state, metrics = self.step(state, batch)
+        state, metrics = self.step(state, batch, **options)
         self.losses.append(float(metrics["loss"]))
         return state, metrics
 
@@ -322,10 +322,12 @@ def test_vowel_fraction_on_hand_written_strings(text, expected):
     ("kl_ctl", -0.1), ("kl_ctl", "0.1"), ("clip_reward_value", 0), ("cliprange", -1),
     ("cliprange_value", None), ("gamma", 1.5), ("lam", -0.1), ("ppo_epochs", 0),
     ("ppo_epochs", 1.0), ("actor_lr", 0.0), ("critic_lr", -1e-3), ("prompts_per_iteration", 0),
-    ("prompt_length", True), ("answer_length", 0)])
+    ("prompt_length", True), ("answer_length", 0), ("ppo_max_token_len_per_gpu", 0)])
 def test_ppo_config_refuses_bad_values_by_name(field, value):
     with pytest.raises(ValueError, match=rf"PPOConfig\.{field}=.*accepted"):
         rlhf.PPOConfig(**{field: value})
+    with pytest.raises(ValueError, match=r"ppo_max_token_len_per_gpu=64 .*packing=True"):
+        rlhf.PPOConfig(packing=False, ppo_max_token_len_per_gpu=64)
 
 
 def test_run_ppo_refuses_bad_iterations():

@@ -24,7 +24,7 @@ from zeroxla.app.jobs.loading import (BASE_KEY, adapters_base, check_adapters,
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable)
+                                     OptionTable, token_budget_option)
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY, as_metadata
 from zeroxla.lora import LoRAConfig
@@ -131,7 +131,7 @@ OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--iterations", "iterations", "job", "default {default}", type=positive_int),
     _row("--inference-tp-size", "inference_tp_size", "parallel", "tensor-parallel devices of the "
          "Hybrid Engine's rollouts; default {default}", type=positive_int),
-    *GRPO_ROWS,
+    *GRPO_ROWS, token_budget_option("grpo", "grpo"),
     _row("--max-prompt-seq-len", "prompt_length", "grpo", "most prompt tokens (a longer prompt "
          "keeps its last N, counted in the log and summary.json); default: the longest "
          "prompt's", type=positive_int, metavar="N"),

@@ -33,7 +33,7 @@ from zeroxla.app.jobs.loading import REWARD_KIND, check_inference_tp, load_actor
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable, packing_option)
+                                     OptionTable, packing_option, token_budget_option)
 from zeroxla.app.run.rundir import part_dir
 from zeroxla.app.run.runner import finite
 from zeroxla.app.tokenizers.records import tokenizer_record
@@ -109,6 +109,7 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
     Option("--reference-int8", "reference_int8", "ppo", "reference_int8", "ppo",
            "hold the frozen reference as int8 codes (ZeRO++ MixZ++)", action="store_true"),
     packing_option("ppo", "ppo", "the rollout (a prompt's left padding kept)"),
+    token_budget_option("ppo", "ppo"),
     *(row for row in SHARDING_OPTIONS if row.flag != "--zero-stage"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the runs and the prompts", "ppo": "PPO hyper-parameters (DeepSpeed-Chat's names "
      "and defaults where it has them)", "parallel": "parallelism", "run": "the run", "lora":

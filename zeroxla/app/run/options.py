@@ -296,5 +296,17 @@ def packing_option(section: str | None, theme: str, what: str) -> Option:
                   action=argparse.BooleanOptionalAction)
 
 
+def token_budget_option(section: str, theme: str) -> Option:
+    """The `--ppo-max-token-len-per-gpu` row of the RL jobs (verl's name and meaning, its
+    `use_dynamic_bsz`): packed rows of N tokens per device, each replica's rows micro-batches."""
+    return Option("--ppo-max-token-len-per-gpu", "ppo_max_token_len_per_gpu", section,
+                  "ppo_max_token_len_per_gpu", theme,
+                  "a token budget per device (verl's): with --packing, rows of N tokens per "
+                  "device, each data replica's rows its micro-batches, their gradients "
+                  "accumulated into one update (the same mean); at least the longest sequence "
+                  "over the sequence devices; default none: one micro-batch of every row",
+                  type=positive_int, metavar="N")
+
+
 __all__ = ["LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS", "SHARDING_OPTIONS",
-           "packing_option"]
+           "packing_option", "token_budget_option"]
