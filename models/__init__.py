@@ -19,6 +19,8 @@
   all-gather context parallelism (the zigzag split).
 - `ring_attention.py`: ring attention, the keys and values passed around the sequence devices
   (forward and a custom backward), 1/P of them held.
+- `usp_attention.py`: USP, Ulysses' all-to-alls inside groups of consecutive sequence devices
+  (as far as the heads divide) and a ring across the groups.
 - `tiled_mlp.py`: a block's MLP over chunks of the sequence (ALST's TiledMLP,
   `ModelConfig.mlp_chunk`), its [B, T, F] intermediate one chunk at a time.
 - `chunked_logits.py`: the head's log-probs and entropies per chunk of the sequence in a scan

@@ -35,6 +35,7 @@ from .pallas_attention import pallas_attention, pallas_refusals
 from .paged_attention import is_paged, paged_attention
 from .ring_attention import ring_attention
 from .sequence_parallel import SequenceParallel, allgather_attention, ulysses_attention
+from .usp_attention import usp_attention
 
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn", "pallas")
 
@@ -122,10 +123,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = 
     packs sequences in a row, each attending within itself (0: padding, output zeros).
 
     `sequence` (sequence parallelism): q, k, v and segment_ids hold this device's T/P tokens of
-    each sequence; the attention of the whole sequences is computed by DeepSpeed-Ulysses or
-    all-gather context parallelism or ring attention (`sequence_parallel`, its `strategy`)
-    and this device's slice of it returned. Context parallelism (allgather, ring) runs the
-    blockwise attention only."""
+    each sequence; the attention of the whole sequences is computed by DeepSpeed-Ulysses,
+    all-gather context parallelism, ring attention or USP (Ulysses x ring) (`sequence_parallel`,
+    its `strategy`) and this device's slice of it returned. Context parallelism (allgather,
+    ring, usp) runs the blockwise attention only."""
     if sequence is not None and sequence.size > 1 and sequence.zigzag:
         check_implementation(implementation)
         if implementation not in ("auto", "blockwise"):
@@ -136,6 +137,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = 
         if sequence.strategy == "ring":
             return ring_attention(q, k, v, sequence, segment_ids, window=window, scale=scale,
                                   softcap=softcap)
+        if sequence.strategy == "usp":
+            return usp_attention(attention, q, k, v, sequence, segment_ids, window=window,
+                                 scale=scale, softcap=softcap, implementation=implementation)
         return allgather_attention(q, k, v, sequence, segment_ids, window=window, scale=scale,
                                    softcap=softcap)
     if sequence is not None and sequence.size > 1:

@@ -45,26 +45,40 @@ from .sequence_parallel import SequenceParallel
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """The static half of one call: the sequence devices, the real chunk length c and the
-    blockwise plan (blocks of at most c)."""
+    """The static half of one call: the sequence devices, the real chunk length c, the
+    blockwise plan (blocks of at most c) and the `stride`: the ring links every stride-th
+    sequence device (USP, `models.usp_attention`: the devices of one Ulysses group are
+    consecutive; device d is at ring position d // stride of a ring of P / stride)."""
 
     sequence: SequenceParallel
     chunk: int
     plan: _Plan
+    stride: int = 1
+
+    @property
+    def size(self) -> int:
+        """Devices in the ring."""
+        return self.sequence.size // self.stride
+
+    def position(self) -> jax.Array:
+        """This device's place j in its ring: it holds chunks j and 2R - 1 - j."""
+        return self.sequence.index() // self.stride
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, sequence: SequenceParallel,
                    segment_ids: jax.Array | None = None, *, window: int | None = None,
-                   scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                   scale: float | None = None, softcap: float | None = None,
+                   stride: int = 1) -> jax.Array:
     """The whole sequences' causal attention at this device's two zigzag chunks, inside a
     `shard_map` over `sequence.axis`: q [B, 2c, H, K], k and v [B, 2c, G, K],
     segment_ids int [B, 2c] (this device's chunks r and 2P - 1 - r, in that order) ->
-    [B, 2c, H, K] (module docstring)."""
+    [B, 2c, H, K] (module docstring). `stride` > 1: a ring of every stride-th device (USP),
+    whose position j holds chunks j and 2R - 1 - j of 2R."""
     b, t_local, h, d = q.shape
     g, c = k.shape[2], t_local // 2
     block = min(Q_BLOCK, KV_BLOCK, c)
     padded = -(-c // block) * block
-    ring = _Ring(sequence, c, _Plan(window, scale, softcap, block, block))
+    ring = _Ring(sequence, c, _Plan(window, scale, softcap, block, block), stride)
     if segment_ids is None and padded != c:
         segment_ids = jnp.ones((b, t_local), jnp.int32)
     segments = None if segment_ids is None else _chunks(segment_ids.astype(jnp.int32), padded,
@@ -87,16 +101,17 @@ def _chunks(x: jax.Array, padded: int, value: int = 0) -> jax.Array:
 def _held_chunks(ring: _Ring, step, way: int) -> jax.Array:
     """int32 [2]: the chunk numbers of the keys and values a device holds at `step` of a pass
     that sends to device r + `way` (1: forward, -1: backward): those of device
-    (r - way x step) mod P."""
-    sequence = ring.sequence
-    source = (sequence.index() - way * step) % sequence.size
-    return jnp.stack(sequence.chunk_starts(source)).astype(jnp.int32)
+    (r - way x step) mod P (ring positions: `_Ring.position`, of `_Ring.size`)."""
+    source = (ring.position() - way * step) % ring.size
+    return jnp.stack([source, 2 * ring.size - 1 - source]).astype(jnp.int32)
 
 
 def _pass_on(ring: _Ring, way: int, xs):
-    """Each array of the tuple `xs` (None kept) sent to device r + `way` (mod P)."""
-    size = ring.sequence.size
-    perm = [(i, (i + way) % size) for i in range(size)]
+    """Each array of the tuple `xs` (None kept) sent to ring position r + `way` (mod R): the
+    device `stride` x that further along the sequence axis (mod P)."""
+    size, stride = ring.size, ring.stride
+    perm = [(j * stride + i, (j + way) % size * stride + i)
+            for j in range(size) for i in range(stride)]
     return tuple(None if x is None else lax.ppermute(x, ring.sequence.axis, perm) for x in xs)
 
 
@@ -122,7 +137,7 @@ def _over_steps(ring: _Ring, way: int, compute, carry, held):
         carry, held = state
         return compute(carry, _pass_on(ring, way, held), step), None
 
-    return lax.scan(hop_and_step, state, jnp.arange(1, ring.sequence.size))[0]
+    return lax.scan(hop_and_step, state, jnp.arange(1, ring.size))[0]
 
 
 def _each_pair(ring: _Ring, way: int, step, visit, carry):

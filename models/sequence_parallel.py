@@ -39,6 +39,10 @@ device never holds more than T / P of them (`models.ring_attention`: its bytes, 
 backward). All-gather moves the same bytes forward in one collective and holds the whole T of
 keys and values for the layer; the ring holds 1/P of it and overlaps each hop with a step's
 attention.
+
+strategy "usp" (any head count): the same split; Ulysses inside groups of U consecutive devices
+(U the largest divisor of P that divides the heads), ring attention across the P / U groups
+(`models.usp_attention`): heads split as far as they allow, the ring for the rest.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ from jax import lax
 
 from .blockwise_attention import blockwise_attention_at
 
-STRATEGIES = ("ulysses", "allgather", "ring")
-ZIGZAG_STRATEGIES = ("allgather", "ring")          # 2P chunks, device r holds r and 2P - 1 - r
+STRATEGIES = ("ulysses", "allgather", "ring", "usp")
+ZIGZAG_STRATEGIES = ("allgather", "ring", "usp")   # 2P chunks, device r holds r and 2P - 1 - r
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +95,8 @@ class SequenceParallel:
 
     @property
     def chunks(self) -> int:
-        """Chunks the sequence is cut into: P (ulysses), 2P (the zigzag of allgather, ring)."""
+        """Chunks the sequence is cut into: P (ulysses), 2P (the zigzag of allgather, ring,
+        usp)."""
         return self.size * (2 if self.zigzag else 1)
 
     def positions(self, tokens: jax.Array) -> jax.Array:
@@ -145,8 +150,9 @@ def check_heads(heads: int, degree: int) -> None:
         raise ValueError(
             f"sequence parallel size {degree} does not divide the model's {heads} attention "
             f"heads: DeepSpeed-Ulysses splits the heads over the sequence devices; accepted "
-            f"sizes for this model: {divisors}, or sequence_parallel_strategy='allgather' "
-            "(context parallelism, any head count)")
+            f"sizes for this model: {divisors}, or sequence_parallel_strategy='usp' (Ulysses "
+            "as far as the heads divide, a ring for the rest), 'ring' or 'allgather' (context "
+            "parallelism): any head count")
 
 
 def ulysses_attention(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array,

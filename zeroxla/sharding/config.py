@@ -149,7 +149,8 @@ class ZeroConfig:
     sequence_parallel_size: int | None = None
     # "ulysses" (heads split over the sequence devices: the head count must divide by them),
     # "allgather" (keys and values all-gathered, zigzag chunks for causal balance: any heads)
-    # or "ring" (the same split, keys and values passed around the devices: 1/P of them held).
+    # or "ring" (the same split, keys and values passed around the devices: 1/P of them held)
+    # or "usp" (the same split: Ulysses in groups as far as the heads divide, a ring across).
     sequence_parallel_strategy: str = "ulysses"
 
     def __post_init__(self) -> None:

@@ -122,7 +122,8 @@ OPTIONS = OptionTable("plan", PlanSettings, (
     Option("--sequence-parallel-strategy", "sequence_parallel_strategy", None,
            "sequence_parallel_strategy", "step", "attention under sequence parallelism: "
            "ulysses (heads split; they must divide by P), allgather or ring (context "
-           "parallelism, any head count); default {default}", choices=SEQUENCE_PARALLEL_STRATEGIES),
+           "parallelism, any head count), usp (Ulysses x ring); default {default}",
+           choices=SEQUENCE_PARALLEL_STRATEGIES),
     Option("--granularity", "granularity", None, "granularity", "search",
            "--max-seq-len: the search's step (answers are multiples of it); default {default}",
            type=positive_int, metavar="T"),

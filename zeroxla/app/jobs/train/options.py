@@ -182,8 +182,9 @@ OPTIONS: tuple[Option, ...] = (
               "sequence_parallel_strategy", "parallel",
               "attention under --sequence-parallel-size > 1: ulysses (DeepSpeed-Ulysses: the "
               "heads are split, so P divides them), allgather or ring (context parallelism: any "
-              "head count, --seq-len a multiple of 2P; ring holds 1/P of the keys and values); "
-              "default ulysses",
+              "head count, --seq-len a multiple of 2P; ring holds 1/P of the keys and values), "
+              "usp (Ulysses in groups as far as the heads divide, a ring across them; --seq-len "
+              "a multiple of 2P); default ulysses",
               choices=SEQUENCE_PARALLEL_STRATEGIES),
     Option("--config", "deepspeed_config", None, "deepspeed_config", "parallel",
               _config_help(), metavar="DS_CONFIG.json"),
