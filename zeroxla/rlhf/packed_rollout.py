@@ -73,18 +73,19 @@ def pack_for_step(batch: dict[str, np.ndarray], layout: Any, *, loss_type: str, 
                   token_budget: int | None, owner: str
                   ) -> tuple[dict[str, np.ndarray], dict[str, float], int | None]:
     """`batch` packed for the step of `layout` (a `ZeroLayout`): rows of `row_len` tokens
-    (rounded up to a multiple of the sequence devices), or with `token_budget` of
-    `token_budget` tokens per sequence device, each replica's rows then its micro-batches.
+    (rounded up to a multiple of the chunks sequence parallelism cuts a row into), or with
+    `token_budget` of at most `token_budget` tokens per sequence device (`_budget_row`), each
+    replica's rows then its micro-batches.
     Returns (the packed batch, its statistics (with a budget, "micro_batches"), the step
     call's `gradient_accumulation_steps`: None without a budget). `owner` (e.g. "GRPOConfig")
     names the setting in errors."""
-    parts = 1 if layout.sequence is None else layout.sequence.size
-    if token_budget is None:
-        length, named = -(-row_len // parts) * parts, f"{owner}.packed_row_len={row_len}"
+    chunks = 1 if layout.sequence is None else layout.sequence.chunks
+    if token_budget is None:         # a multiple of the chunks the sequence is cut into
+        length, named = -(-row_len // chunks) * chunks, f"{owner}.packed_row_len={row_len}"
     else:
-        length = token_budget * parts
+        length = _budget_row(token_budget, layout)
         named = f"{owner}.ppo_max_token_len_per_gpu={token_budget}" + (
-            f" (rows of {token_budget} tokens x {parts} sequence devices)" if parts > 1 else "")
+            f" (rows of {length} tokens over the sequence devices)" if chunks > 1 else "")
     packed, stats = pack_rollout(batch, loss_type=loss_type, row_len=length,
                                  data_size=layout.data_size, named=named)
     if token_budget is None:
@@ -98,12 +99,23 @@ def check_token_budget(token_budget: int | None, longest: int, layout: Any, owne
     the sequence devices of `layout`) holds the longest sequence's `longest` slots whole;
     checked when a trainer is built, before any rollout is generated."""
     parts = 1 if layout.sequence is None else layout.sequence.size
-    if token_budget is not None and token_budget * parts < longest:
+    if token_budget is not None and _budget_row(token_budget, layout) < longest:
+        chunks = 1 if layout.sequence is None else layout.sequence.chunks
         raise ValueError(
             f"{owner}.ppo_max_token_len_per_gpu={token_budget} is invalid: a row holds "
-            f"{token_budget} x {parts} sequence device(s) = {token_budget * parts} tokens, "
-            f"and the longest sequence (prompt + answer - 1) takes {longest}; accepted: at "
-            f"least {-(-longest // parts)}")
+            f"{_budget_row(token_budget, layout)} tokens ({token_budget} x {parts} sequence "
+            f"device(s), a multiple of {chunks}), and the longest sequence (prompt + answer - "
+            f"1) takes {longest}; accepted: at least {-(-longest // chunks) * chunks // parts}")
+
+
+def _budget_row(token_budget: int, layout: Any) -> int:
+    """The row length of a token budget: budget x the sequence devices, rounded down to a
+    multiple of the chunks the sequence is cut into (2P for the zigzag strategies), so that no
+    device holds more than the budget."""
+    if layout.sequence is None:
+        return token_budget
+    chunks = layout.sequence.chunks
+    return token_budget * layout.sequence.size // chunks * chunks
 
 
 def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,

@@ -9,6 +9,8 @@ every real answer token of the global batch, not per device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -70,35 +72,48 @@ def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> 
 
 
 def packed_logprobs(model: nnx.Module, batch: dict[str, jax.Array],
-                    vocab_limit: int | None = None) -> jax.Array:
+                    vocab_limit: int | None = None, sequence: Any = None) -> jax.Array:
     """The log-prob of each slot's target [R, S] on a packed rollout
     (`zeroxla.rlhf.packed_rollout`): a slot whose target is answer token t holds
-    `answer_logprobs`' value at t."""
+    `answer_logprobs`' value at t. `sequence`: the arrays are this device's [R, S/P] slice."""
     return model_token_logprobs(model, batch["inputs"], batch["targets"],
                                 positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                vocab_limit=vocab_limit)                  # [R, S]
+                                vocab_limit=vocab_limit, sequence=sequence)   # [R, S]
 
 
-def packed_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+def packed_values(critic: nnx.Module, batch: dict[str, jax.Array],
+                  sequence: Any = None) -> jax.Array:
     """The critic's value of each slot's state [R, S] on a packed rollout: a slot whose target
     is answer token t holds `answer_values`' value at t."""
+    options = {} if sequence is None else {"sequence": sequence}
     return critic(batch["inputs"], positions=batch["positions"],
-                  segment_ids=batch["segment_ids"]).astype(jnp.float32)   # [R, S]
+                  segment_ids=batch["segment_ids"], **options).astype(jnp.float32)   # [R, S]
+
+
+def _padded_under_sequence(sequence: Any) -> None:
+    """ValueError for a padded PPO batch under sequence parallelism."""
+    if sequence is not None:
+        raise ValueError(f"a padded PPO batch under sequence parallelism (size {sequence.size}):"
+                         " its answer columns [B, G] do not split along the sequence; accepted: "
+                         "PPOConfig.packing=True (the default: every array per token), or a "
+                         "mesh without a sequence axis")
 
 
 # ---- make_step loss_fns -------------------------------------------------------------------------
 def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
     "old_logprobs", "advantages", "action_mask": [B, G]}; the policy over the ids below
-    `vocab_limit` (`answer_logprobs`)."""
-    def actor_loss(model, batch):
+    `vocab_limit` (`answer_logprobs`). A packed batch (`packed_rollout`) runs under sequence
+    parallelism too (every term per token; the step passes `sequence`)."""
+    def actor_loss(model, batch, *, sequence=None):
         mask = batch["action_mask"]
         if "segment_ids" in batch:         # packed (`packed_rollout`): the same token mean
-            logprobs = jnp.where(mask > 0, packed_logprobs(model, batch, vocab_limit),
+            logprobs = jnp.where(mask > 0, packed_logprobs(model, batch, vocab_limit, sequence),
                                  batch["old_logprobs"])                   # [R, S]
             terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                      cliprange=cliprange)
             return jnp.sum(terms * mask), jnp.sum(batch["loss_count"])
+        _padded_under_sequence(sequence)
         logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit)
         terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                  cliprange=cliprange)
@@ -108,14 +123,15 @@ def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
 
 def make_critic_loss(cliprange_value: float):
     """`loss_fn(critic, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
-    "old_values", "returns", "action_mask": [B, G]}."""
-    def critic_loss(model, batch):
+    "old_values", "returns", "action_mask": [B, G]}; packed, under sequence parallelism too."""
+    def critic_loss(model, batch, *, sequence=None):
         mask = batch["action_mask"]
         if "segment_ids" in batch:         # packed: each answer slot holds its state's value
-            values = packed_values(model, batch)                          # [R, S]
+            values = packed_values(model, batch, sequence)                # [R, S]
             terms = critic_loss_terms(values, batch["old_values"], batch["returns"],
                                       cliprange_value=cliprange_value)
             return jnp.sum(jnp.where(mask > 0, terms, 0.0)), jnp.sum(batch["loss_count"])
+        _padded_under_sequence(sequence)
         values = answer_values(model, batch["tokens"], mask.shape[1])
         terms = critic_loss_terms(values, batch["old_values"], batch["returns"],
                                   cliprange_value=cliprange_value)

@@ -105,11 +105,13 @@ class RewardModel(nnx.Module):
         self.v_head = nnx.Param(jnp.zeros((d,), jnp.float32), logical_axes=(axes.EMBED,))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, sequence: Any = None) -> jax.Array:
         """Values [B, T]; a packed batch gives each token's `positions` and `segment_ids`
-        (int [B, T]), passed to `base.hidden` (refused by name if it takes none)."""
-        options = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids))
-                   if v is not None}
+        (int [B, T]), passed to `base.hidden` (refused by name if it takes none). `sequence`
+        (a `SequenceParallel`): the tokens are this device's slice of each sequence, and
+        `base.hidden` computes attention over the whole sequences."""
+        options = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids),
+                                     ("sequence", sequence)) if v is not None}
         x = self.base.hidden(tokens, **options)                           # [B, T, D]
         # float32 whatever the base computes in: a score is a sum over D products.
         return jnp.einsum("BTD,D->BT", x.astype(jnp.float32),

@@ -245,3 +245,42 @@ def test_a_token_budget_keeps_the_steps_temporaries_flat_as_the_rollout_grows():
             temps[rows, budget] = compiled.memory_analysis().temp_size_in_bytes
     assert temps[64, None] > 2 * temps[16, None]
     assert temps[64, P + G - 1] <= 1.05 * temps[16, P + G - 1]
+
+
+@pytest.mark.parametrize("role,strategy", [("actor", "ulysses"), ("critic", "ring"),
+                                           ("actor", "usp")])
+def test_ppo_losses_under_sequence_parallelism_land_where_the_padded_step_does(role, strategy):
+    """PPO's actor and critic losses on a packed rollout whose rows are split over 2 sequence
+    devices (2 x 2 data replicas): one update equal to the padded batch's without sequence
+    parallelism (2 x 4 replicas); a padded batch under it is refused naming the option."""
+    from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
+    from zeroxla.rlhf.reward_model import RewardModel
+    padded = ppo_rollout(16, seed=29)
+    if role == "actor":
+        keys, build, loss_fn = ("old_logprobs", "advantages"), llama, make_actor_loss(0.2)
+    else:
+        keys, loss_fn = ("old_values", "returns"), make_critic_loss(0.2)
+
+        def build():
+            critic = RewardModel(gpt())
+            critic.v_head[...] = jax.random.normal(jax.random.key(3), critic.v_head[...].shape)
+            return critic
+    batch = {k: padded[k] for k in ("tokens", "action_mask", *keys)}
+    sp = zeroxla.make_step(build(), zeroxla.make_mesh(2, 2, sequence=2),
+                           optimizer=optax.sgd(0.5), loss_fn=loss_fn,
+                           config=zeroxla.ZeroConfig(stage=3, sequence_parallel_strategy=strategy))
+    packed, _, _ = pack_for_step(batch, sp.layout, loss_type="dapo", row_len=P + G - 1,
+                                 token_budget=None, owner="PPOConfig")
+    plain = zero3_step(build(), loss_fn)
+    (want_state, want), (got_state, got) = (step(step.init(0), b)
+                                            for step, b in ((plain, batch), (sp, packed)))
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    # The update (SGD: lr x the gradient) within float32's reordering of the sums over tokens
+    # and devices, 5e-6 of the largest (as tests/zeroxla/engine/test_sequence_parallel.py).
+    start, want, got = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(
+        nnx.state(zeroxla.gathered_model(state), nnx.Param))])
+        for state in (plain.init(0), want_state, got_state))
+    assert np.abs((got - start) - (want - start)).max() <= 5e-6 * np.abs(want - start).max()
+    from zeroxla.models.sequence_parallel import SequenceParallel
+    with pytest.raises(ValueError, match="PPOConfig.packing=True"):
+        loss_fn(build(), batch, sequence=SequenceParallel("sequence", 2))
