@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from zeroxla.engine.loss import model_token_logprobs
+from zeroxla.rlhf.packed_pairs import pair_sums, refuse_padded_pairs
 
 LOSS_TYPES = ("sigmoid", "ipo")
 DPOBatch = dict[str, jax.Array]
@@ -148,26 +149,26 @@ def sequence_logprobs(model: nnx.Module, batch: DPOBatch) -> tuple[jax.Array, ja
     return sums[:b], sums[b:]
 
 
-def pair_values(model: nnx.Module, batch: DPOBatch) -> tuple[jax.Array, ...]:
+def pair_values(model: nnx.Module, batch: DPOBatch,
+                sequence: Any = None) -> tuple[jax.Array, ...]:
     """(chosen, rejected, ref_chosen, ref_rejected, weight), one value per pair [N], of padded
     pair rows (`sequence_logprobs`, the others read from the batch) or of a packed batch
     (`packed_pairs.pack_pairs`: its "segment_ids"): there each token's log-prob times its
     side's mask, and the pair values each on one slot, are summed per pair over the "pair"
-    numbers of this device's rows; N is then the device's slots (pair numbers past its pairs
-    have weight 0)."""
+    numbers of this replica's rows (`packed_pairs.pair_sums`, over the sequence devices too
+    under `sequence`); N is then the replica's slots (pair numbers past its pairs have
+    weight 0)."""
     if "segment_ids" not in batch:
+        refuse_padded_pairs(sequence, "DPOConfig.packing=True")
         return (*sequence_logprobs(model, batch), batch["ref_chosen"], batch["ref_rejected"],
                 batch["weight"])
     logprobs = model_token_logprobs(model, batch["inputs"], batch["targets"],
                                     positions=batch["positions"],
-                                    segment_ids=batch["segment_ids"])             # [R, S]
-    pair = batch["pair"].reshape(-1)                                              # [R * S]
-
-    def per_pair(values):
-        return jax.ops.segment_sum(values.reshape(-1), pair, num_segments=pair.size)
-    return (per_pair(logprobs * batch["chosen_mask"]), per_pair(logprobs * batch["rejected_mask"]),
-            per_pair(batch["ref_chosen"]), per_pair(batch["ref_rejected"]),
-            per_pair(batch["weight"]))
+                                    segment_ids=batch["segment_ids"],
+                                    sequence=sequence)                            # [R, S]
+    return pair_sums(batch["pair"], logprobs * batch["chosen_mask"],
+                     logprobs * batch["rejected_mask"], batch["ref_chosen"],
+                     batch["ref_rejected"], batch["weight"], sequence=sequence)
 
 
 def reference_answer_logprobs(model: nnx.Module, tokens: jax.Array,
@@ -200,13 +201,13 @@ def reference_logprobs(reference: Any, batch: dict[str, np.ndarray],
 def make_dpo_loss(beta: float, loss_type: str = "sigmoid"):
     """`loss_fn(policy, batch) -> (sum of the pairs' losses, pairs)` for `make_step`, so the
     step's loss is the exact mean over the global batch of `DPOBatch` rows (padded, or packed:
-    `pair_values`)."""
+    `pair_values`; packed, under sequence parallelism as well: the step passes `sequence`)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: "
                          + " or ".join(repr(t) for t in LOSS_TYPES))
 
-    def dpo_loss(model, batch):
-        chosen, rejected, ref_chosen, ref_rejected, weight = pair_values(model, batch)
+    def dpo_loss(model, batch, *, sequence=None):
+        chosen, rejected, ref_chosen, ref_rejected, weight = pair_values(model, batch, sequence)
         terms = dpo_loss_terms(chosen, rejected, ref_chosen, ref_rejected, beta=beta,
                                loss_type=loss_type)                              # [B]
         return jnp.sum(terms * weight), jnp.sum(weight)
@@ -220,8 +221,8 @@ def make_dpo_statistic(name: str, beta: float):
     if name not in ("accuracy", "margin"):
         raise ValueError(f"name={name!r} is invalid; accepted: 'accuracy' or 'margin'")
 
-    def statistic(model, batch):
-        *sums, weight = pair_values(model, batch)
+    def statistic(model, batch, *, sequence=None):
+        *sums, weight = pair_values(model, batch, sequence)
         chosen, rejected = dpo_rewards(*sums, beta=beta)
         value = (chosen > rejected).astype(jnp.float32) if name == "accuracy" else chosen - rejected
         return jnp.sum(value * weight), jnp.sum(weight)

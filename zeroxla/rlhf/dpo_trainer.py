@@ -115,15 +115,23 @@ class DPOTrainer:
         return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
                 for k, v in rows.items()}
 
+    def _packed(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`rows` packed with `config.packing` (`packed_pairs`: the same loss without the
+        padding) into rows of `seq_len` - 1 slots (a multiple of the chunks sequence
+        parallelism cuts a row into), else as they are."""
+        if not self.config.packing:
+            return rows
+        layout = self.step.layout
+        chunks = 1 if layout.sequence is None else layout.sequence.chunks
+        return pack_pairs(rows, row_len=-(-(self.config.seq_len - 1) // chunks) * chunks,
+                          data_size=layout.data_size)[0]
+
     def step_record(self, k: int) -> dict[str, float]:
         """Step k (0-based) on its `batch_size` pairs (packed with `config.packing`); returns
         the record of step k + 1."""
         rows = _rows(self.train, epoch_order(len(self.train["chosen"]), self.config.batch_size,
                                              k, self.seed))
-        if self.config.packing:        # the same loss without the padding (`packed_pairs`)
-            rows, _ = pack_pairs(rows, row_len=self.config.seq_len - 1,
-                                 data_size=self.step.layout.data_size)
-        batch = self._device_batch(rows)
+        batch = self._device_batch(self._packed(rows))
         stats = {name: float(s.eval_loss(self.state, batch))
                  for name, s in self.statistics.items()}
         self.state, metrics = self.step(self.state, batch)
@@ -131,7 +139,7 @@ class DPOTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out `val_loss`, `val_accuracy`, `val_margin`: exact means over every val pair
-        (the last batch padded with rows of weight 0)."""
+        (the last batch padded with rows of weight 0; packed as the training pairs are)."""
         n = len(self.val["chosen"])
         unit = self.step.layout.data_size                 # every device gets the same rows
         size = -(-min(n, self.config.batch_size) // unit) * unit
@@ -141,7 +149,7 @@ class DPOTrainer:
             piece = _rows(self.val, rows)
             piece["weight"] = (np.arange(start, start + size) < n).astype(np.float32)
             count = float(piece["weight"].sum())
-            batch = self._device_batch(piece)
+            batch = self._device_batch(self._packed(piece))
             sums["val_loss"] += float(self.step.eval_loss(self.state, batch)) * count
             for name, s in self.statistics.items():
                 sums[f"val_{name}"] += float(s.eval_loss(self.state, batch)) * count

@@ -27,7 +27,11 @@ first-fit decreasing into rows of `row_len`, and every replica given the same nu
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import numpy as np
+from jax import lax
 
 from zeroxla.engine.bin_packing import (balance_rows, first_fit_decreasing, place_sequence,
                                         rows_per_replica)
@@ -127,4 +131,28 @@ def pack_scored_pairs(batch: dict[str, np.ndarray], *, row_len: int, data_size: 
     return _fill(batch, slots, row_len, data_size, ("chosen_end", "rejected_end"), write)
 
 
-__all__ = ["PAIR_VALUES", "pack_pairs", "pack_scored_pairs", "place_pairs", "sequence_slots"]
+def pair_sums(pair: jax.Array, *values: jax.Array, sequence: Any = None
+              ) -> tuple[jax.Array, ...]:
+    """Each of `values` (float [R, S], this device's rows) summed per pair number `pair` (int
+    [R, S]): [N] each, N the replica's slots (pair numbers past its pairs sum nothing). Under
+    sequence parallelism (`sequence`, a `SequenceParallel`: the rows are this device's
+    [R, S/P] slice) the sums are over all P devices of the rows (a psum), so every sequence
+    device holds each pair's whole sums: a loss of them is then counted P times in the step's
+    sum and P times in its count, and its mean (and gradient) is the pairs' own."""
+    flat = pair.reshape(-1)
+    n = flat.size * (1 if sequence is None else sequence.size)
+    sums = tuple(jax.ops.segment_sum(v.reshape(-1), flat, num_segments=n) for v in values)
+    return sums if sequence is None else tuple(lax.psum(x, sequence.axis) for x in sums)
+
+
+def refuse_padded_pairs(sequence: Any, option: str) -> None:
+    """ValueError for padded pair rows under sequence parallelism (`option` names the switch
+    that packs them)."""
+    if sequence is not None:
+        raise ValueError(f"padded pair rows under sequence parallelism (size {sequence.size}): "
+                         f"their per-pair arrays do not split along the sequence; accepted: "
+                         f"{option} (every array per token), or a mesh without a sequence axis")
+
+
+__all__ = ["PAIR_VALUES", "pack_pairs", "pack_scored_pairs", "pair_sums", "place_pairs",
+           "refuse_padded_pairs", "sequence_slots"]

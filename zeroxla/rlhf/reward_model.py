@@ -51,6 +51,7 @@ from flax import nnx
 
 from zeroxla.models import axes
 from zeroxla.models import hf as hf_io
+from zeroxla.rlhf.packed_pairs import pair_sums, refuse_padded_pairs
 
 PairBatch = dict[str, jax.Array]   # chosen, rejected int32[B, T]; chosen_end, rejected_end int32[B]
 PAIR_KEYS = ("chosen", "rejected", "chosen_end", "rejected_end")
@@ -177,34 +178,35 @@ def pair_scores(model: RewardModel, batch: PairBatch) -> tuple[jax.Array, jax.Ar
     return scores[:b], scores[b:]
 
 
-def pairwise_loss_terms(model: RewardModel, batch: PairBatch) -> tuple[jax.Array, jax.Array]:
+def pairwise_loss_terms(model: RewardModel, batch: PairBatch, *,
+                        sequence: Any = None) -> tuple[jax.Array, jax.Array]:
     """The `make_step` loss_fn of step 2: `(sum over pairs of -log sigmoid(r_chosen -
     r_rejected), number of pairs)`, so the step's loss is the exact mean over the global batch.
 
     `batch`: {"chosen", "rejected": int32[B, T], "chosen_end", "rejected_end": int32[B]} (the
-    index of each answer's last real token). `log_sigmoid` keeps it finite for any margin."""
+    index of each answer's last real token). `log_sigmoid` keeps it finite for any margin.
+    Packed pairs run under sequence parallelism too (the step passes `sequence`)."""
     if "segment_ids" in batch:
-        return packed_pairwise_loss_terms(model, batch)
+        return packed_pairwise_loss_terms(model, batch, sequence)
+    refuse_padded_pairs(sequence, "--packing (RewardJobConfig.packing=True)")
     r_chosen, r_rejected = pair_scores(model, batch)
     losses = -jax.nn.log_sigmoid(r_chosen - r_rejected)                  # [B]
     return jnp.sum(losses), jnp.float32(losses.shape[0])
 
 
-def packed_pairwise_loss_terms(model: RewardModel, batch: PairBatch
+def packed_pairwise_loss_terms(model: RewardModel, batch: PairBatch, sequence: Any = None
                                ) -> tuple[jax.Array, jax.Array]:
     """`pairwise_loss_terms` of packed pairs (`zeroxla.rlhf.packed_pairs.pack_scored_pairs`):
     each sequence's end score is its value on the slot its "chosen_end" / "rejected_end" marks,
-    summed per pair number ("pair") of this device's rows; pair numbers past its pairs have
-    no end marked and count for nothing."""
+    summed per pair number ("pair") of this replica's rows (`packed_pairs.pair_sums`, over the
+    sequence devices too under `sequence`); pair numbers past its pairs have no end marked and
+    count for nothing."""
     values = model(batch["inputs"], positions=batch["positions"],
-                   segment_ids=batch["segment_ids"])                      # [R, S]
-    pair = batch["pair"].reshape(-1)                                      # [R * S]
-
-    def per_pair(x):
-        return jax.ops.segment_sum(x.reshape(-1), pair, num_segments=pair.size)
-    present = per_pair(batch["chosen_end"])                               # 1 per real pair
-    margin = per_pair(values * batch["chosen_end"]) - per_pair(values * batch["rejected_end"])
-    return jnp.sum(-jax.nn.log_sigmoid(margin) * present), jnp.sum(present)
+                   segment_ids=batch["segment_ids"], sequence=sequence)   # [R, S]
+    present, chosen, rejected = pair_sums(
+        batch["pair"], batch["chosen_end"], values * batch["chosen_end"],
+        values * batch["rejected_end"], sequence=sequence)                # [N] each
+    return jnp.sum(-jax.nn.log_sigmoid(chosen - rejected) * present), jnp.sum(present)
 
 
 @functools.partial(jax.jit, static_argnums=0)

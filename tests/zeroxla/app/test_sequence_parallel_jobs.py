@@ -116,6 +116,10 @@ def test_every_rl_job_takes_the_option_and_refuses_by_name(table, required, rows
         table.build({"mesh": (1, 8), "sequence_parallel_size": 2, **rows}, **required)
     tree = table.build({"mesh": (1, 6), "sequence_parallel_size": 2, **rows}, **required)
     assert tree.sharding.describe().endswith(", sequences split over 2 devices")
+    # Their losses run on packed rows only under it: padded rows are refused naming the options.
+    with pytest.raises(ValueError, match="--no-packing with --sequence-parallel-size 2"):
+        table.build({"sequence_parallel_size": 2, "packing": False}, **required)
+    table.build({"packing": False}, **required)
 
 
 def test_reward_refuses_a_seq_len_the_degree_does_not_divide():

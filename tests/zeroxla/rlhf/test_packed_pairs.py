@@ -14,7 +14,8 @@ import zeroxla
 from zeroxla import models
 from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, pair_batch
 from zeroxla.rlhf.packed_pairs import pack_pairs, pack_scored_pairs
-from test_packed_rollout import assert_same_mean_and_grads, assert_same_zero3_step, mean_and_grads
+from test_packed_rollout import (assert_same_mean_and_grads, assert_same_update, assert_same_zero3_step,
+                                 mean_and_grads, zero3_step)
 
 V, T = 40, 24                        # vocabulary, seq_len
 
@@ -59,8 +60,8 @@ def test_a_zero3_step_on_packed_pairs_lands_where_the_padded_one_does():
     padded = pairs(16, seed=3)
     packed, stats = pack_pairs(padded, row_len=T - 1, data_size=8)
     assert packed["inputs"].shape[0] % 8 == 0 and stats["fill"] > 0
-    assert_same_zero3_step(models.build("llama-tiny", vocab_size=V, max_seq_len=32, seed=5),
-                           make_dpo_loss(0.1), padded, packed)
+    assert_same_zero3_step(zero3_step(models.build("llama-tiny", vocab_size=V, max_seq_len=32,
+                                                   seed=5), make_dpo_loss(0.1)), padded, packed)
 
 
 def test_pairs_stay_on_one_replica_and_each_answer_token_once():
@@ -118,3 +119,35 @@ def test_packed_reward_pairs_give_the_padded_pairwise_loss_and_grads(family):
              for batch in (reward_pairs(16, seed=7), packed8)]
     assert np.abs(heads[0]).max() > 1e-3
     np.testing.assert_allclose(heads[1], heads[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,strategy", [("dpo", "ulysses"), ("dpo", "ring"),
+                                           ("reward", "allgather"), ("reward", "ulysses")])
+def test_packed_pairs_under_sequence_parallelism_land_where_the_padded_step_does(kind, strategy):
+    """DPO's loss and a reward model's pairwise loss on pairs packed into rows split over 2
+    sequence devices (2 x 2 data replicas): each pair's sums are over both halves of its rows
+    (`packed_pairs.pair_sums`), and one update equals the padded pairs' without sequence
+    parallelism (2 x 4 replicas). Padded pairs under it are refused naming the option."""
+    from zeroxla.models.sequence_parallel import SequenceParallel
+    from zeroxla.rlhf.reward_model import RewardModel, pairwise_loss_terms
+    if kind == "dpo":
+        padded, loss_fn, option = pairs(16, seed=9), make_dpo_loss(0.1), "DPOConfig.packing"
+
+        def build():
+            return models.build("llama-tiny", vocab_size=V, max_seq_len=32, seed=5)
+        pack, row_len = pack_pairs, T                # T - 1 slots at most, rounded to 2P
+    else:
+        padded, loss_fn, option = reward_pairs(16, seed=11), pairwise_loss_terms, "--packing"
+
+        def build():
+            model = RewardModel(models.build("gpt-tiny", vocab_size=V, max_seq_len=32, seed=6))
+            model.v_head[...] = jax.random.normal(jax.random.key(2), model.v_head[...].shape)
+            return model
+        pack, row_len = pack_scored_pairs, T
+    sp = zeroxla.make_step(build(), zeroxla.make_mesh(2, 2, sequence=2), optimizer=optax.sgd(0.5),
+                           loss_fn=loss_fn,
+                           config=zeroxla.ZeroConfig(stage=3, sequence_parallel_strategy=strategy))
+    packed, _ = pack(padded, row_len=row_len, data_size=4)
+    assert_same_update(zero3_step(build(), loss_fn), padded, sp, packed)
+    with pytest.raises(ValueError, match=f"accepted: {option}"):
+        loss_fn(build(), padded, sequence=SequenceParallel("sequence", 2))

@@ -127,6 +127,20 @@ def assert_same_zero3_step(step, padded, packed, accumulation=None):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+def assert_same_update(plain, batch, other, other_batch):
+    """One step of `other` on `other_batch` (e.g. under sequence parallelism, packed) from the
+    same start as `plain` on `batch`: the same loss within 1e-6, and the same update (SGD: lr x
+    the gradient) within float32's reordering of the sums over tokens and devices, 5e-6 of the
+    largest (as tests/zeroxla/engine/test_sequence_parallel.py)."""
+    (want_state, want), (got_state, got) = (step(step.init(0), b)
+                                            for step, b in ((plain, batch), (other, other_batch)))
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    start, want, got = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(
+        nnx.state(zeroxla.gathered_model(state), nnx.Param))])
+        for state in (plain.init(0), want_state, got_state))
+    assert np.abs((got - start) - (want - start)).max() <= 5e-6 * np.abs(want - start).max()
+
+
 def test_a_sequence_longer_than_the_row_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^row_len=8.*longest sequence"):
         pack_rollout(rollout(4, seed=0) | {"prompt_lengths": np.full(4, P, np.int32)},
@@ -271,16 +285,7 @@ def test_ppo_losses_under_sequence_parallelism_land_where_the_padded_step_does(r
                            config=zeroxla.ZeroConfig(stage=3, sequence_parallel_strategy=strategy))
     packed, _, _ = pack_for_step(batch, sp.layout, loss_type="dapo", row_len=P + G - 1,
                                  token_budget=None, owner="PPOConfig")
-    plain = zero3_step(build(), loss_fn)
-    (want_state, want), (got_state, got) = (step(step.init(0), b)
-                                            for step, b in ((plain, batch), (sp, packed)))
-    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
-    # The update (SGD: lr x the gradient) within float32's reordering of the sums over tokens
-    # and devices, 5e-6 of the largest (as tests/zeroxla/engine/test_sequence_parallel.py).
-    start, want, got = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(
-        nnx.state(zeroxla.gathered_model(state), nnx.Param))])
-        for state in (plain.init(0), want_state, got_state))
-    assert np.abs((got - start) - (want - start)).max() <= 5e-6 * np.abs(want - start).max()
+    assert_same_update(zero3_step(build(), loss_fn), batch, sp, packed)
     from zeroxla.models.sequence_parallel import SequenceParallel
     with pytest.raises(ValueError, match="PPOConfig.packing=True"):
         loss_fn(build(), batch, sequence=SequenceParallel("sequence", 2))

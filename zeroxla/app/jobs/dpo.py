@@ -64,8 +64,9 @@ class DPOJobConfig:
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"DPOJobConfig.val_fraction={self.val_fraction!r} is invalid; "
                              "accepted: a number in (0, 1)")
-        # (no --seq-len check: the model reads seq_len - 1 tokens of a pair, and DPO's loss
-        # is not sequence-parallel yet: make_step refuses it by name under P > 1)
+        # (no --seq-len check: the model reads seq_len - 1 tokens of a pair, packed into rows
+        # rounded up to a multiple of --sequence-parallel-size)
+        self.sharding.check_packing(self.dpo.packing)
         self.sharding.check_batch(self.dpo.batch_size, "--batch-size")
 
 

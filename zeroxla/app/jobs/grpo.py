@@ -68,6 +68,7 @@ class GRPOJobConfig:
         # Each rollout (prompts x generations rows) is one global batch of the actor's step.
         self.sharding.check_batch(self.grpo.rows_per_iteration,
                                   "--per-iteration-prompts x --num-generations")
+        self.sharding.check_packing(self.grpo.packing)
 
     @property
     def reward_names(self) -> tuple[str, ...]:

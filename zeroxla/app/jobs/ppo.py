@@ -70,6 +70,7 @@ class PPOJobConfig:
                                  "integer >= 1")
         # Each rollout is one global batch of the actor's and critic's steps.
         self.sharding.check_batch(self.ppo.prompts_per_iteration, "--per-iteration-prompts")
+        self.sharding.check_packing(self.ppo.packing)
 
 
 def _ppo(flag: str, field: str, help: str, kind: Any) -> Option:

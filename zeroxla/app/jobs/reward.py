@@ -83,6 +83,7 @@ class RewardJobConfig:
                 raise ValueError(f"RewardJobConfig.{name}={getattr(self, name)!r} is invalid; "
                                  f"accepted: {accepted}")
         self.sharding.check_batch(self.batch_size, "--batch-size", self.seq_len)
+        self.sharding.check_packing(self.packing)
 
 
 OPTIONS = OptionTable("reward", RewardJobConfig, (

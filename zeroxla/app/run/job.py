@@ -114,6 +114,14 @@ class ShardingSettings:
         if seq_len is not None:
             check_sequence_length(seq_len, "--seq-len", self.sequence_parallel_size)
 
+    def check_packing(self, packing: bool) -> None:
+        """ValueError naming the options for --no-packing under --sequence-parallel-size > 1:
+        a job's padded rows (per-answer or per-pair arrays) do not split along the sequence."""
+        if self.sequence_parallel_size > 1 and not packing:
+            raise ValueError(f"--no-packing with --sequence-parallel-size "
+                             f"{self.sequence_parallel_size}: padded rows do not split along "
+                             "the sequence; accepted: --packing (the default)")
+
     def describe(self) -> str:
         """'ZeRO-3 on a 2x4 mesh' (', sequences split over 2 devices' under P = 2)."""
         nodes, local = self.mesh
