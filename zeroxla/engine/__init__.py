@@ -11,6 +11,8 @@
     batch_checks.py the batch validated before sending
     bin_packing.py sequences into packed rows, rows balanced over data replicas
     sequence.py    sequence parallelism in the step: the batch's split, refusals
+    token_forward.py per-token values (an RL policy's log-probs, a critic's values) computed
+                   in a step's layout, rows and tokens split as the step splits them
     experts.py     expert parallelism in the step: the MoE layers told their expert axis,
                    refusals
     randomness.py  one seed -> a key per step, data device and micro-batch (dropout)

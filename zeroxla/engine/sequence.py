@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -64,6 +65,17 @@ def in_sequence_layout(batch: dict[str, Any], sequence: SequenceParallel | None
         tokens = (order[:, None] * (t // len(order)) + np.arange(t // len(order))).reshape(-1)
         return jnp.take(x, jnp.asarray(tokens, jnp.int32), axis=1)
     return {key: permuted(value) for key, value in batch.items()}
+
+
+def out_of_sequence_layout(x: jax.Array, sequence: SequenceParallel | None) -> jax.Array:
+    """The inverse of `in_sequence_layout` for one array [B, T, ...] (per-token values the
+    step computed in the devices' order): back in the sequence's own order."""
+    if sequence is None or not sequence.zigzag:
+        return x
+    t = x.shape[1]
+    order = zigzag_order(sequence.size)                                      # [2P]
+    tokens = (order[:, None] * (t // len(order)) + np.arange(t // len(order))).reshape(-1)
+    return jnp.take(x, jnp.asarray(np.argsort(tokens), jnp.int32), axis=1)
 
 
 def takes_sequence(fn: Callable) -> bool:
@@ -109,4 +121,5 @@ def check_sequence_batch(batch: dict[str, Any], sequence: SequenceParallel) -> N
 
 
 __all__ = ["batch_spec", "check_sequence_batch", "check_sequence_parallel",
-           "in_sequence_layout", "sequence_parallel", "takes_sequence"]
+           "in_sequence_layout", "out_of_sequence_layout", "sequence_parallel",
+           "takes_sequence"]

@@ -53,6 +53,7 @@ from zeroxla.lora import LoRAConfig
 from zeroxla.engine.loss import check_packable
 from zeroxla.engine.router_aux import router_record
 from zeroxla.inference.config import rollout_batching
+from zeroxla.rlhf.answer_forward import answer_forward
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
@@ -61,7 +62,7 @@ from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
-from zeroxla.rlhf.rollout import generation_stats, pad_answers
+from zeroxla.rlhf.rollout import generation_stats, pad_answers, pad_logprobs
 from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, tis_weights
 
 
@@ -78,14 +79,6 @@ def _reference_logprobs(model: nnx.Module, rows: tuple[jax.Array, jax.Array],
                         answer_length: int, vocab_limit: int | None) -> jax.Array:
     """The `FrozenReference` function: `ragged_answer_logprobs` on (tokens, prompt_lengths)."""
     return ragged_answer_logprobs(model, *rows, answer_length, vocab_limit)
-
-
-def _pad_logprobs(logprobs: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
-    """The engine's per-output log-probs -> float32 [B, T], 0 past each answer."""
-    out = np.zeros(mask.shape, np.float32)
-    for b, row in enumerate(logprobs):
-        out[b, :row.size] = row[:mask.shape[1]]
-    return out * mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +162,7 @@ class GRPOTrainer:
         self.actor_state = roles.state
         check_token_budget(config.ppo_max_token_len_per_gpu, config.row_len, roles.step.layout,
                            "GRPOConfig")
+        self.sharded = answer_forward(roles.step, "logprobs", self.vocab_limit)
 
     # ---- rollout ---------------------------------------------------------------------------
     def sample_prompts(self, iteration: int) -> np.ndarray:
@@ -227,7 +221,7 @@ class GRPOTrainer:
         rewards, parts = self.score(picked, tokens, real.astype(np.float32), completions)
         advantages = group_advantages(rewards, c.num_generations,
                                       scale_rewards=c.scale_rewards, advantage=c.advantage)
-        logprobs = self.logprobs(tokens, starts) * mask
+        logprobs = self.logprobs(tokens, starts, mask)
         ref_logprobs = self.reference(self._reference_fn, (tokens, starts),
                                       c.max_completion_length) * mask
         rollout = GRPORollout(tokens=tokens, action_mask=mask, completions=completions,
@@ -235,15 +229,20 @@ class GRPOTrainer:
                               advantages=np.asarray(advantages, np.float32),
                               logprobs=np.asarray(logprobs, np.float32),
                               ref_logprobs=np.asarray(ref_logprobs, np.float32),
-                              rollout_logprobs=_pad_logprobs(drawn, mask), prompt_lengths=starts)
+                              rollout_logprobs=pad_logprobs(drawn, mask), prompt_lengths=starts)
         return rollout, generation_s, time.perf_counter() - start
 
-    def logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray) -> jax.Array:
-        """The current actor's answer log-probs [B, T] of right-padded `tokens` [B, P + T]
-        whose row b's answer starts at `prompt_lengths[b]` (gathered weights, one device)."""
+    def logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray,
+                 mask: np.ndarray) -> jax.Array:
+        """The current actor's answer log-probs [B, T] (0 where `mask` is) of right-padded
+        `tokens` [B, P + T] whose row b's answer starts at `prompt_lengths[b]`: on gathered
+        weights, one device; under sequence parallelism in the step's layout
+        (`answer_forward`)."""
+        if self.sharded is not None:
+            return self.sharded(self.actor_state, tokens, mask, prompt_lengths)
         graphdef, params = nnx.split(zeroxla.gathered_model(self.actor_state))
         return _logprobs(graphdef, params, self.config.max_completion_length,
-                         (tokens, np.asarray(prompt_lengths, np.int32)), self.vocab_limit)
+                         (tokens, np.asarray(prompt_lengths, np.int32)), self.vocab_limit) * mask
 
     # ---- training --------------------------------------------------------------------------
     def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
@@ -275,7 +274,8 @@ class GRPOTrainer:
         for k in range(c.num_iterations):
             if k:
                 clips.append({name: float(v) for name, v in clip_fractions(
-                    self.logprobs(rollout.tokens, starts), rollout.logprobs, rollout.advantages,
+                    self.logprobs(rollout.tokens, starts, rollout.action_mask), rollout.logprobs,
+                    rollout.advantages,
                     rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
             self.actor_state, metrics = self.actor_step(self.actor_state, batch,
                                                         gradient_accumulation_steps=micro)

@@ -119,7 +119,7 @@ def _budget_row(token_budget: int, layout: Any) -> int:
 
 
 def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
-                 data_size: int, named: str | None = None
+                 data_size: int, named: str | None = None, answer_index: bool = False
                  ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The packed form of a padded training batch `batch` ({"tokens" int32[B, P+G],
     "prompt_lengths" int[B] (absent: every prompt is P tokens, PPO's left-padded prompts, pads
@@ -132,7 +132,9 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     data_size * rows_per_replica), {"rows", "fill" (share of slots holding a
     token), "replica_imbalance" (most over fewest tokens a replica holds)}. ValueError when a
     sequence does not fit `row_len` (naming `named`, the setting that chose it) or
-    `loss_type` is unknown."""
+    `loss_type` is unknown. `answer_index`: the result also holds "answer_index" int32
+    [R, row_len], b * G + t + 1 on the slot of answer b's token t, 0 elsewhere
+    (`unpack_answers` reads per-slot values back into [B, G] with it)."""
     if loss_type not in LOSS_COUNTS:
         raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: "
                          + " | ".join(LOSS_COUNTS))
@@ -161,6 +163,8 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
               *(k for k in ANSWER_TOKEN_KEYS if k in batch))
     per_answer = {k for k in ("advantages",) if k in batch and np.ndim(batch[k]) == 1}
     out.update({key: np.zeros(shape, np.float32) for key in floats})
+    if answer_index:
+        out["answer_index"] = np.zeros(shape, np.int32)
     count = {"grpo": lambda a: 1.0, "dr_grpo": lambda a: float(answer_width),
              "dapo": lambda a: float(a)}[loss_type]
     for replica, members in enumerate(placed):
@@ -174,6 +178,8 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
                 out["loss_weight"][row, answer] = (1.0 / max(a, 1) if loss_type == "grpo"
                                                    else 1.0)
                 out["loss_count"][row, start + n - 1] = count(a)
+                if answer_index:
+                    out["answer_index"][row, answer] = i * answer_width + 1 + np.arange(a)
                 for key in ANSWER_TOKEN_KEYS:
                     if key in per_answer:                 # one value per answer: each slot
                         out[key][row, answer] = batch[key][i]
@@ -186,5 +192,16 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     return out, stats
 
 
+def unpack_answers(values: np.ndarray, answer_index: np.ndarray,
+                   shape: tuple[int, int]) -> np.ndarray:
+    """Per-slot values [R, S] of a packed rollout back in the padded layout: float32 `shape`
+    [B, G], answer b's token t from the slot `answer_index` marks b * G + t + 1; 0 where an
+    answer has no token."""
+    out = np.zeros(shape[0] * shape[1] + 1, np.float32)
+    index = np.asarray(answer_index).reshape(-1)
+    out[index] = np.asarray(values, np.float32).reshape(-1)
+    return out[1:].reshape(shape)           # slot 0 collected every non-answer slot
+
+
 __all__ = ["ANSWER_TOKEN_KEYS", "answer_lengths", "check_token_budget", "pack_for_step",
-           "pack_rollout"]
+           "pack_rollout", "unpack_answers"]

@@ -40,6 +40,7 @@ from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
+from zeroxla.rlhf.answer_forward import AnswerForward
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.ppo_losses import (answer_logprobs, answer_values, make_actor_loss,
                                      make_critic_loss)
@@ -155,6 +156,9 @@ class PPOTrainer:
             critic, mesh, optimizer=optax.adamw(config.critic_lr), config=POLICY_ZERO,
             trainable=critic_trainable, loss_fn=make_critic_loss(config.cliprange_value))
         self.critic_state = self.critic_step.init(seed)
+        self.sharded = None if self.actor_step.layout.sequence is None else (
+            AnswerForward(self.actor_step, "logprobs", self.vocab_limit),
+            AnswerForward(self.critic_step, "values"))
         check_token_budget(config.ppo_max_token_len_per_gpu,
                            config.prompt_length + config.answer_length - 1,
                            self.actor_step.layout, "PPOConfig")
@@ -196,11 +200,15 @@ class PPOTrainer:
         start = time.perf_counter()
         tokens, mask = pad_answers(outputs, c.prompt_length, c.answer_length)
         g = c.answer_length
-        actor_graphdef, actor_params = nnx.split(zeroxla.gathered_model(self.actor_state))
-        critic_graphdef, critic_params = nnx.split(zeroxla.gathered_model(self.critic_state))
-        logprobs = _forward(self.logprobs, actor_graphdef, actor_params, tokens, g) * mask
+        if self.sharded is not None:    # under sequence parallelism: in the steps' layouts
+            logprobs = self.sharded[0](self.actor_state, tokens, mask)
+            values = self.sharded[1](self.critic_state, tokens, mask)
+        else:
+            actor_graphdef, actor_params = nnx.split(zeroxla.gathered_model(self.actor_state))
+            critic_graphdef, critic_params = nnx.split(zeroxla.gathered_model(self.critic_state))
+            logprobs = _forward(self.logprobs, actor_graphdef, actor_params, tokens, g) * mask
+            values = _forward(answer_values, critic_graphdef, critic_params, tokens, g) * mask
         ref_logprobs = self.reference(self.logprobs, tokens, g) * mask
-        values = _forward(answer_values, critic_graphdef, critic_params, tokens, g) * mask
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))
         scores = self.score(tokens, mask, texts)

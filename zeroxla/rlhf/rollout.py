@@ -62,6 +62,14 @@ class Rollout:
         return float(np.sum((self.logprobs - self.ref_logprobs) * mask) / np.sum(mask))
 
 
+def pad_logprobs(logprobs: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
+    """The engine's per-output log-probs -> float32 [B, T], 0 past each answer."""
+    out = np.zeros(mask.shape, np.float32)
+    for b, row in enumerate(logprobs):
+        out[b, :row.size] = row[:mask.shape[1]]
+    return out * mask
+
+
 def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int, answer_length: int,
                 prompt_lengths: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The Hybrid Engine's rows (prompt + up to G new tokens, cut after EOS) -> tokens

@@ -117,7 +117,7 @@ def fixed_rollout(trainer, rng):
         tokens[b, :start] = trainer.prompts.ids[b // c.num_generations]
         tokens[b, start:start + n] = rng.integers(0, TOKENIZER.vocab_size, n)
     rewards = np.array([1.0, 0.0, 0.5, 0.0, 0.2, 0.9, 0.4, 0.7])
-    actor = np.asarray(trainer.logprobs(tokens, starts), np.float64) * mask
+    actor = np.asarray(trainer.logprobs(tokens, starts, mask), np.float64)
     shape = mask.shape
     ratios = rng.choice([0.6, 0.7, 0.9, 1.1, 1.2, 1.4, 1.5], shape)      # off the clip edges
     old = (actor - np.log(ratios)) * mask

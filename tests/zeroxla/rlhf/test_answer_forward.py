@@ -1,0 +1,82 @@
+"""A rollout's per-answer-token values computed in the policy's step layout under sequence
+parallelism (zeroxla/rlhf/answer_forward.py, zeroxla/engine/token_forward.py) against the
+one-device forward of the gathered model they replace: GRPO's ragged answer log-probs
+(`grpo_losses.ragged_answer_logprobs`, right-padded answers after prompts of their own
+lengths) and PPO's answer values (`ppo_losses.answer_values`, prompts left-padded), within
+float32 rounding, under Ulysses and under the ring's zigzag split (whose token order the
+forward puts back)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeroxla
+from test_packed_rollout import G, P, gpt, llama, ppo_rollout, rollout
+from zeroxla.engine.sequence import in_sequence_layout, out_of_sequence_layout
+from zeroxla.engine.token_forward import TokenForward
+from zeroxla.models.sequence_parallel import SequenceParallel
+from zeroxla.rlhf.answer_forward import AnswerForward
+from zeroxla.rlhf.grpo_losses import make_grpo_loss, ragged_answer_logprobs
+from zeroxla.rlhf.ppo_losses import answer_values, make_critic_loss
+from zeroxla.rlhf.reward_model import RewardModel
+
+
+def _step(model, loss_fn, strategy):
+    return zeroxla.make_step(model, zeroxla.make_mesh(2, 2, sequence=2), optimizer=optax.sgd(0.1),
+                             loss_fn=loss_fn,
+                             config=zeroxla.ZeroConfig(stage=3, sequence_parallel_strategy=strategy))
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+def test_policy_logprobs_in_the_step_layout_equal_the_gathered_forward(strategy):
+    padded = rollout(12, seed=31)
+    step = _step(llama(), make_grpo_loss(loss_type="dapo", epsilon=0.2, epsilon_high=0.2),
+                 strategy)
+    state = step.init(0)
+    mask = padded["action_mask"]
+    got = AnswerForward(step, "logprobs", vocab_limit=40)(
+        state, padded["tokens"], mask, padded["prompt_lengths"])
+    want = np.asarray(ragged_answer_logprobs(
+        zeroxla.gathered_model(state), jnp.asarray(padded["tokens"]),
+        jnp.asarray(padded["prompt_lengths"]), G, 40)) * mask
+    assert got.shape == (12, G) and np.all(got[mask == 0] == 0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    assert np.abs(want).max() > 1.0
+
+
+def test_critic_values_in_the_step_layout_equal_the_gathered_forward():
+    padded = ppo_rollout(12, seed=37)
+    critic = RewardModel(gpt())
+    critic.v_head[...] = jax.random.normal(jax.random.key(5), critic.v_head[...].shape)
+    step = _step(critic, make_critic_loss(0.2), "ulysses")
+    state = step.init(0)
+    mask = padded["action_mask"]
+    got = AnswerForward(step, "values")(state, padded["tokens"], mask)
+    want = np.asarray(answer_values(zeroxla.gathered_model(state),
+                                    jnp.asarray(padded["tokens"]), G)) * mask
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    assert np.abs(want).max() > 0.1 and P > 1
+
+
+def plain(model, batch):
+    """A forward that knows nothing of sequence parallelism."""
+    return model(batch["inputs"])
+
+
+def test_a_forward_that_takes_no_sequence_is_refused_by_name():
+    step = _step(llama(), make_grpo_loss(loss_type="dapo", epsilon=0.2, epsilon_high=0.2),
+                 "ulysses")
+    with pytest.raises(ValueError, match="fn plain takes no `sequence` argument"):
+        TokenForward(step, plain)
+    with pytest.raises(ValueError, match="kind='logits' is invalid"):
+        AnswerForward(step, "logits")
+
+
+def test_the_zigzag_order_is_undone():
+    sequence = SequenceParallel("sequence", 4, "ring")
+    x = jnp.arange(2 * 24).reshape(2, 24)
+    moved = in_sequence_layout({"x": x}, sequence)["x"]
+    assert not np.array_equal(moved, x)
+    np.testing.assert_array_equal(out_of_sequence_layout(moved, sequence), x)

@@ -1,0 +1,79 @@
+"""Per-token values of a batch (log-probs, a critic's values) computed in a step's own layout.
+
+An RL trainer reads its policy before it trains it: the rollout's log-probs under the policy
+that drew it (the ratio's "old" side), a critic's values. Run on a gathered copy, that forward
+holds the whole model and every token of the rollout on one device, so at reasoning-trace
+lengths it is the first thing to run out of memory, and under sequence parallelism it would be
+the only part of the job that is not split. `TokenForward(step, fn)` runs `fn` where the step
+trains: inside the step's `shard_map` (ZeRO-3's per-layer gathers; rows over the data
+replicas; under sequence parallelism each row's tokens over the sequence devices, the model
+told so, `sequence=`), in evaluation mode, and returns the values [B, T] of the global batch in
+its own token order (`out_of_sequence_layout` undoes the zigzag split).
+
+    forward = TokenForward(step, fn)        # fn(model, batch, *, sequence=None) -> [B, T]
+    values = forward(state, batch)          # float32 [B, T], replicated
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zeroxla.engine.batch_checks import check_batch
+from zeroxla.engine.sequence import (batch_spec, check_sequence_batch, in_sequence_layout,
+                                     out_of_sequence_layout, takes_sequence)
+from zeroxla.engine.wrap import local_model
+
+
+class TokenForward:
+    """`forward(state, batch) -> float32 [B, T]`: `fn(model, batch)` of the state's model on
+    the global `batch` (a dict of [B, T, ...] arrays; B a multiple of the data replicas, T of
+    the chunks sequence parallelism cuts a row into), in `step`'s layout (module docstring).
+    `fn` must declare `sequence` when the step's mesh has a sequence axis (it gets this
+    device's slice of every row and must pass `sequence=` to the model), else it is refused
+    here, by name."""
+
+    def __init__(self, step: Any, fn: Callable[..., jax.Array]):
+        layout = self.layout = step.layout
+        if layout.sequence is not None and not takes_sequence(fn):
+            name = getattr(fn, "__name__", type(fn).__name__)
+            raise ValueError(
+                f"TokenForward: the step's mesh splits every sequence over "
+                f"{layout.sequence.size} devices, but fn {name} takes no `sequence` argument: "
+                "it would run the model on a slice as if it were whole sequences; accepted: "
+                "fn(model, batch, *, sequence) passing `sequence` to the model")
+        self.fn, plan, spec = fn, layout.model_plan, batch_spec(layout.axes)
+        local = jax.shard_map(self._local, mesh=layout.mesh,
+                              in_specs=(plan.compute_input_specs(), P(), spec),
+                              out_specs=spec, check_vma=False)
+
+        def run(params, model_state, batch):
+            inputs = {leaf.path: leaf.stage_unpad(leaf.compute_input(params[leaf.path]))
+                      for leaf in plan.leaves}
+            values = local(inputs, model_state, in_sequence_layout(batch, layout.sequence))
+            return out_of_sequence_layout(values, layout.sequence)        # [B, T]
+
+        self._jitted = jax.jit(run, out_shardings=NamedSharding(layout.mesh, P()))
+
+    def _local(self, params: dict[str, Any], model_state: dict[str, Any],
+               batch: dict[str, jax.Array]) -> jax.Array:
+        key = jax.random.key(0) if self.layout.uses_rng else None   # evaluation draws nothing
+        model, _ = local_model(self.layout, params, model_state, key, training=False)
+        sequence = self.layout.sequence
+        options = {} if sequence is None else {"sequence": sequence}
+        return self.fn(model, batch, **options).astype(jnp.float32)   # [B/R, T/P]
+
+    def __call__(self, state: Any, batch: dict[str, Any]) -> jax.Array:
+        layout = self.layout
+        checked = check_batch(batch, next_token=False, data_size=layout.data_size,
+                              accumulation=1, vocab_size=lambda: layout.vocab_size)
+        if layout.sequence is not None:
+            check_sequence_batch(checked, layout.sequence)
+        return self._jitted(state.params, state.model_state, checked)
+
+
+__all__ = ["TokenForward"]

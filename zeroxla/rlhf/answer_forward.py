@@ -1,0 +1,73 @@
+"""A rollout's per-answer-token values (the policy's log-probs, a critic's values) computed in
+the policy's own step layout under sequence parallelism, instead of on a gathered copy.
+
+A trainer reads its policy on the rollout before training on it (GRPO's and PPO's "old"
+log-probs, the clipped fraction after a step, PPO's values). On one device with the gathered
+model that forward holds every weight and every token of the rollout; under sequence
+parallelism it is the part of the job that would not be split. Here the padded rows
+[B, P + G] are packed as the training step packs them (`packed_rollout.pack_rollout`, rows a
+multiple of the sequence's chunks, each answer token's slot marked), run by
+`engine.token_forward.TokenForward` in the step's layout (rows over the data replicas, tokens
+over the sequence devices, ZeRO-3's per-layer gathers), and read back into [B, G]
+(`unpack_answers`): the value of the slot whose target is answer token t, which is the padded
+forward's at t (attention stays within each sequence, at its own positions).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from zeroxla.engine.loss import model_token_logprobs
+from zeroxla.engine.token_forward import TokenForward
+from zeroxla.rlhf.packed_rollout import pack_rollout, unpack_answers
+from zeroxla.rlhf.ppo_losses import packed_values
+
+
+class AnswerForward:
+    """`forward(state, tokens, mask, prompt_lengths=None) -> float32 [B, G]` (0 where `mask`
+    is): per answer token, the policy's log-prob (`kind="logprobs"`, the softmax over the ids
+    below `vocab_limit`) or a critic's value (`kind="values"`) of the padded rows `tokens`
+    int32 [B, P + G] (right-padded answers: `mask` [B, G] a prefix of ones per row; answer b
+    starts at `prompt_lengths[b]`, None: at P) under `step`'s model, in its layout."""
+
+    def __init__(self, step: Any, kind: str, vocab_limit: int | None = None):
+        if kind not in ("logprobs", "values"):
+            raise ValueError(f"kind={kind!r} is invalid; accepted: 'logprobs' or 'values'")
+
+        def logprobs(model, batch, *, sequence=None):
+            return model_token_logprobs(model, batch["inputs"], batch["targets"],
+                                        positions=batch["positions"],
+                                        segment_ids=batch["segment_ids"],
+                                        vocab_limit=vocab_limit, sequence=sequence)
+
+        def values(model, batch, *, sequence=None):
+            return packed_values(model, batch, sequence)
+        self.layout = step.layout
+        self.forward = TokenForward(step, logprobs if kind == "logprobs" else values)
+
+    def __call__(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
+                 prompt_lengths: np.ndarray | None = None) -> np.ndarray:
+        layout = self.layout
+        chunks = 1 if layout.sequence is None else layout.sequence.chunks
+        tokens, mask = np.asarray(tokens), np.asarray(mask)
+        rows = {"tokens": tokens, "action_mask": mask}
+        if prompt_lengths is not None:
+            rows["prompt_lengths"] = np.asarray(prompt_lengths)
+        packed, _ = pack_rollout(rows, loss_type="dapo", data_size=layout.data_size,
+                                 row_len=-(-(tokens.shape[1] - 1) // chunks) * chunks,
+                                 answer_index=True)
+        batch = {k: packed[k] for k in ("inputs", "targets", "positions", "segment_ids")}
+        values = np.asarray(self.forward(state, batch))                  # [R, S]
+        return unpack_answers(values, packed["answer_index"], mask.shape) * mask
+
+
+def answer_forward(step: Any, kind: str, vocab_limit: int | None = None
+                   ) -> AnswerForward | None:
+    """An `AnswerForward` when `step`'s mesh splits sequences (the gathered forward is then the
+    one part not split), else None (the trainer's one-device forward)."""
+    return None if step.layout.sequence is None else AnswerForward(step, kind, vocab_limit)
+
+
+__all__ = ["AnswerForward", "answer_forward"]
