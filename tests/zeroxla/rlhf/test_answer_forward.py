@@ -24,9 +24,9 @@ from zeroxla.rlhf.reward_model import RewardModel
 
 
 def _step(model, loss_fn, strategy):
+    config = zeroxla.ZeroConfig(stage=3, sequence_parallel_strategy=strategy)
     return zeroxla.make_step(model, zeroxla.make_mesh(2, 2, sequence=2), optimizer=optax.sgd(0.1),
-                             loss_fn=loss_fn,
-                             config=zeroxla.ZeroConfig(stage=3, sequence_parallel_strategy=strategy))
+                             loss_fn=loss_fn, config=config)
 
 
 @pytest.mark.parametrize("strategy", ["ulysses", "ring"])
