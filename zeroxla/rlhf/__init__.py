@@ -37,7 +37,10 @@ the roles they share are built once (roles.py).
                    importance sampling (tis_weights, TRL's vllm_importance_sampling_cap)
     packed_rollout.py a rollout as a packed batch (sequences whole in rows with segment ids,
                    rows balanced over the data replicas): the padded loss without the padding
-    grpo.py        GRPOTrainer (generate_experience, train_grpo), run_grpo, exact_accuracy
+    answer_forward.py a rollout's answer log-probs / values in the policy's step layout under
+                   sequence parallelism (AnswerForward), the reference as its first partitions
+    grpo_eval.py   held-out greedy accuracy through a Hybrid Engine: exact_accuracy
+    grpo.py        GRPOTrainer (generate_experience, train_grpo), run_grpo
 """
 
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
@@ -46,7 +49,8 @@ from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_losses import (clip_fractions, grpo_loss, grpo_loss_parts, grpo_loss_terms,
                                       make_grpo_loss)
-from zeroxla.rlhf.grpo import GRPORollout, GRPORun, GRPOTrainer, exact_accuracy, run_grpo
+from zeroxla.rlhf.grpo import GRPORollout, GRPORun, GRPOTrainer, run_grpo
+from zeroxla.rlhf.grpo_eval import exact_accuracy
 from zeroxla.rlhf.rollout_correction import logprob_gap, tis_weights
 from zeroxla.rlhf.reward_funcs import (RewardFunctionError, RewardFunctions, accuracy_reward,
                                        extract_answer, format_reward, load_reward_func)

@@ -11,18 +11,26 @@ multiple of the sequence's chunks, each answer token's slot marked), run by
 over the sequence devices, ZeRO-3's per-layer gathers), and read back into [B, G]
 (`unpack_answers`): the value of the slot whose target is answer token t, which is the padded
 forward's at t (attention stays within each sequence, at its own positions).
+
+The frozen reference runs the same way (`reference_partitions`): a copy of the policy's initial
+stored partitions, 1/N of the model per device, read through the policy's `AnswerForward`, in
+place of the whole model on one device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zeroxla.engine.loss import model_token_logprobs
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.rlhf.packed_rollout import pack_rollout, unpack_answers
 from zeroxla.rlhf.ppo_losses import packed_values
+from zeroxla.sharding.mesh import MeshAxes
 
 
 class AnswerForward:
@@ -63,6 +71,40 @@ class AnswerForward:
         return unpack_answers(values, packed["answer_index"], mask.shape) * mask
 
 
+@dataclasses.dataclass(frozen=True)
+class FrozenPartitions:
+    """A frozen copy of a step's stored parameters and model state (what `AnswerForward` and
+    `TokenForward` read of a state): an RL job's reference, in its policy's layout."""
+
+    params: dict[str, Any]
+    model_state: dict[str, Any]
+
+
+def one_device_reference(mesh: Any, int8: bool) -> bool | None:
+    """`build_roles`' `reference_int8` for a policy on `mesh`: None (no one-device reference:
+    `reference_partitions` takes its place) when the mesh splits sequences, else `int8`."""
+    return None if MeshAxes.of(mesh).sequence_size > 1 else int8
+
+
+def reference_partitions(step: Any, state: Any, *, int8: bool,
+                         owner: str) -> FrozenPartitions | None:
+    """Under sequence parallelism (`step`'s mesh splits sequences), the frozen reference as a
+    copy of the policy's first `state` (its partitions, sharded as they are), else None (the
+    one-device `FrozenReference`). A reference held as int8 codes (`int8`) is refused under it,
+    naming `{owner}.reference_int8`: the partitions are the policy's stored floats. With LoRA
+    the first state's adapters are B = 0: its forward is the base model's."""
+    if step.layout.sequence is None:
+        return None
+    if int8:
+        raise ValueError(f"{owner}.reference_int8=True with sequence parallelism (size "
+                         f"{step.layout.sequence.size}): the reference runs in the policy's "
+                         "layout from its stored float partitions; accepted: "
+                         f"{owner}.reference_int8=False, or a mesh without a sequence axis")
+    # A copy: the step donates the state it advances.
+    params, model_state = jax.tree.map(jnp.copy, (state.params, state.model_state))
+    return FrozenPartitions(params, model_state)
+
+
 def answer_forward(step: Any, kind: str, vocab_limit: int | None = None
                    ) -> AnswerForward | None:
     """An `AnswerForward` when `step`'s mesh splits sequences (the gathered forward is then the
@@ -70,4 +112,5 @@ def answer_forward(step: Any, kind: str, vocab_limit: int | None = None
     return None if step.layout.sequence is None else AnswerForward(step, kind, vocab_limit)
 
 
-__all__ = ["AnswerForward", "answer_forward"]
+__all__ = ["AnswerForward", "FrozenPartitions", "answer_forward", "one_device_reference",
+           "reference_partitions"]

@@ -53,9 +53,11 @@ from zeroxla.lora import LoRAConfig
 from zeroxla.engine.loss import check_packable
 from zeroxla.engine.router_aux import router_record
 from zeroxla.inference.config import rollout_batching
-from zeroxla.rlhf.answer_forward import answer_forward
+from zeroxla.rlhf.answer_forward import (answer_forward, one_device_reference,
+                                         reference_partitions)
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
+from zeroxla.rlhf.grpo_eval import exact_accuracy, greedy_accuracy
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
 from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
@@ -149,7 +151,7 @@ class GRPOTrainer:
         optimizer = optax.adamw(config.learning_rate) if optimizer is None else optimizer
         roles = build_roles(                         # the reference stays the plain actor
             actor, mesh, optimizer=optimizer, seed=seed, lora=lora,
-            reference_int8=config.reference_int8,
+            reference_int8=one_device_reference(mesh, config.reference_int8),
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
                                    vocab_limit=self.vocab_limit),
@@ -163,6 +165,8 @@ class GRPOTrainer:
         check_token_budget(config.ppo_max_token_len_per_gpu, config.row_len, roles.step.layout,
                            "GRPOConfig")
         self.sharded = answer_forward(roles.step, "logprobs", self.vocab_limit)
+        self.reference_state = reference_partitions(roles.step, roles.state, owner="GRPOConfig",
+                                                    int8=config.reference_int8)
 
     # ---- rollout ---------------------------------------------------------------------------
     def sample_prompts(self, iteration: int) -> np.ndarray:
@@ -222,8 +226,7 @@ class GRPOTrainer:
         advantages = group_advantages(rewards, c.num_generations,
                                       scale_rewards=c.scale_rewards, advantage=c.advantage)
         logprobs = self.logprobs(tokens, starts, mask)
-        ref_logprobs = self.reference(self._reference_fn, (tokens, starts),
-                                      c.max_completion_length) * mask
+        ref_logprobs = self.logprobs(tokens, starts, mask, reference=True)
         rollout = GRPORollout(tokens=tokens, action_mask=mask, completions=completions,
                               rewards=rewards, reward_parts=parts,
                               advantages=np.asarray(advantages, np.float32),
@@ -232,14 +235,18 @@ class GRPOTrainer:
                               rollout_logprobs=pad_logprobs(drawn, mask), prompt_lengths=starts)
         return rollout, generation_s, time.perf_counter() - start
 
-    def logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray,
-                 mask: np.ndarray) -> jax.Array:
-        """The current actor's answer log-probs [B, T] (0 where `mask` is) of right-padded
-        `tokens` [B, P + T] whose row b's answer starts at `prompt_lengths[b]`: on gathered
-        weights, one device; under sequence parallelism in the step's layout
-        (`answer_forward`)."""
+    def logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray, mask: np.ndarray,
+                 reference: bool = False) -> jax.Array:
+        """The current actor's (`reference`: the frozen reference's) answer log-probs [B, T]
+        (0 where `mask` is) of right-padded `tokens` [B, P + T] whose row b's answer starts at
+        `prompt_lengths[b]`: on gathered weights, one device; under sequence parallelism in
+        the step's layout (`answer_forward`; the reference its first partitions)."""
         if self.sharded is not None:
-            return self.sharded(self.actor_state, tokens, mask, prompt_lengths)
+            return self.sharded(self.reference_state if reference else self.actor_state,
+                                tokens, mask, prompt_lengths)
+        if reference:
+            return self.reference(self._reference_fn, (tokens, prompt_lengths),
+                                  self.config.max_completion_length) * mask
         graphdef, params = nnx.split(zeroxla.gathered_model(self.actor_state))
         return _logprobs(graphdef, params, self.config.max_completion_length,
                          (tokens, np.asarray(prompt_lengths, np.int32)), self.vocab_limit) * mask
@@ -367,33 +374,6 @@ def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: An
         if on_iteration is not None:
             on_iteration(record)
     return GRPORun(records, rollouts, trainer)
-
-
-def greedy_accuracy(engine: Any, state: Any, problems: Sequence[dict[str, Any]],
-                    tokenizer: Any, config: GRPOConfig, eos_id: int | None) -> float:
-    """The share of `problems` whose greedy answer (the Hybrid Engine `engine` generating from
-    the training state `state`) states the row's `answer`."""
-    from zeroxla.rlhf.reward_funcs import accuracy_reward
-
-    ids = prompt_rows(problems, tokenizer, config.prompt_length).ids
-    outputs = engine.generate(state, list(ids), max_new_tokens=config.max_completion_length,
-                              temperature=0.0, eos_id=eos_id,
-                              vocab_limit=getattr(tokenizer, "vocab_size", None))
-    texts = [tokenizer.decode(row[prompt.size:]) for row, prompt in zip(outputs, ids)]
-    return float(np.mean(accuracy_reward([], texts, answer=[p["answer"] for p in problems])))
-
-
-def exact_accuracy(model: nnx.Module, problems: Sequence[dict[str, Any]], tokenizer: Any,
-                   config: GRPOConfig, *, mesh: Any, eos_id: int | None,
-                   inference_tp_size: int = 1) -> float:
-    """`greedy_accuracy` of a plain `model` (held-out evaluation, through a Hybrid Engine on a
-    fresh step of it)."""
-    step = zeroxla.make_step(model, mesh, optimizer=optax.sgd(0.0),
-                             config=zeroxla.ZeroConfig(stage=3))
-    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
-        inference_tp_size=inference_tp_size,
-        max_out_tokens=config.prompt_length + config.max_completion_length))
-    return greedy_accuracy(engine, step.init(0), problems, tokenizer, config, eos_id)
 
 
 __all__ = ["GRPORollout", "GRPORun", "GRPOTrainer", "exact_accuracy", "greedy_accuracy",

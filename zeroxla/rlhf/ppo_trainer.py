@@ -40,7 +40,8 @@ from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
-from zeroxla.rlhf.answer_forward import AnswerForward
+from zeroxla.rlhf.answer_forward import (AnswerForward, one_device_reference,
+                                         reference_partitions)
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.ppo_losses import (answer_logprobs, answer_values, make_actor_loss,
                                      make_critic_loss)
@@ -136,7 +137,8 @@ class PPOTrainer:
         # The reference is the plain actor; DeepSpeed-Chat puts adapters on actor and critic.
         roles = build_roles(actor, mesh, optimizer=optax.adamw(config.actor_lr),
                             loss_fn=make_actor_loss(config.cliprange, self.vocab_limit),
-                            seed=seed, lora=lora, reference_int8=config.reference_int8,
+                            seed=seed, lora=lora,
+                            reference_int8=one_device_reference(mesh, config.reference_int8),
                             hybrid_engine=zeroxla.HybridEngineConfig(
                                 inference_tp_size=inference_tp_size, max_out_tokens=seq_len,
                                 # without EOS every answer has answer_length tokens: no row
@@ -159,6 +161,8 @@ class PPOTrainer:
         self.sharded = None if self.actor_step.layout.sequence is None else (
             AnswerForward(self.actor_step, "logprobs", self.vocab_limit),
             AnswerForward(self.critic_step, "values"))
+        self.reference_state = reference_partitions(self.actor_step, self.actor_state,
+                                                    int8=config.reference_int8, owner="PPOConfig")
         check_token_budget(config.ppo_max_token_len_per_gpu,
                            config.prompt_length + config.answer_length - 1,
                            self.actor_step.layout, "PPOConfig")
@@ -202,13 +206,14 @@ class PPOTrainer:
         g = c.answer_length
         if self.sharded is not None:    # under sequence parallelism: in the steps' layouts
             logprobs = self.sharded[0](self.actor_state, tokens, mask)
+            ref_logprobs = self.sharded[0](self.reference_state, tokens, mask)
             values = self.sharded[1](self.critic_state, tokens, mask)
         else:
             actor_graphdef, actor_params = nnx.split(zeroxla.gathered_model(self.actor_state))
             critic_graphdef, critic_params = nnx.split(zeroxla.gathered_model(self.critic_state))
             logprobs = _forward(self.logprobs, actor_graphdef, actor_params, tokens, g) * mask
+            ref_logprobs = self.reference(self.logprobs, tokens, g) * mask
             values = _forward(answer_values, critic_graphdef, critic_params, tokens, g) * mask
-        ref_logprobs = self.reference(self.logprobs, tokens, g) * mask
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))
         scores = self.score(tokens, mask, texts)

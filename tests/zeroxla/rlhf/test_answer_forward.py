@@ -36,11 +36,11 @@ def test_policy_logprobs_in_the_step_layout_equal_the_gathered_forward(strategy)
                  strategy)
     state = step.init(0)
     mask = padded["action_mask"]
-    got = AnswerForward(step, "logprobs", vocab_limit=40)(
+    got = AnswerForward(step, "logprobs")(
         state, padded["tokens"], mask, padded["prompt_lengths"])
     want = np.asarray(ragged_answer_logprobs(
         zeroxla.gathered_model(state), jnp.asarray(padded["tokens"]),
-        jnp.asarray(padded["prompt_lengths"]), G, 40)) * mask
+        jnp.asarray(padded["prompt_lengths"]), G)) * mask
     assert got.shape == (12, G) and np.all(got[mask == 0] == 0)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
     assert np.abs(want).max() > 1.0
@@ -80,3 +80,32 @@ def test_the_zigzag_order_is_undone():
     moved = in_sequence_layout({"x": x}, sequence)["x"]
     assert not np.array_equal(moved, x)
     np.testing.assert_array_equal(out_of_sequence_layout(moved, sequence), x)
+
+
+def test_the_reference_is_a_copy_of_the_first_partitions_in_the_policys_layout():
+    # Under sequence parallelism the frozen reference is the policy's first stored partitions:
+    # its log-probs, read after the policy has taken a step (which donates the state it
+    # advances), are still the starting model's.
+    from test_packed_rollout import zero3_step
+    from zeroxla.rlhf.answer_forward import reference_partitions
+    from zeroxla.rlhf.packed_rollout import pack_for_step
+    loss_fn = make_grpo_loss(loss_type="dapo", epsilon=0.2, epsilon_high=0.2)
+    step = _step(llama(), loss_fn, "ulysses")
+    state = step.init(0)
+    reference = reference_partitions(step, state, int8=False, owner="GRPOConfig")
+    start = zeroxla.gathered_model(state)
+    padded = rollout(8, seed=41)
+    packed, _, _ = pack_for_step(padded, step.layout, loss_type="dapo", row_len=P + G - 1,
+                                 token_budget=None, owner="GRPOConfig")
+    state, _ = step(state, packed)
+    forward = AnswerForward(step, "logprobs")
+    args = (padded["tokens"], padded["action_mask"], padded["prompt_lengths"])
+    want = np.asarray(ragged_answer_logprobs(
+        start, jnp.asarray(padded["tokens"]), jnp.asarray(padded["prompt_lengths"]),
+        G)) * padded["action_mask"]
+    np.testing.assert_allclose(forward(reference, *args), want, rtol=0, atol=2e-5)
+    assert np.abs(forward(state, *args) - want).max() > 1e-3       # the policy moved
+    with pytest.raises(ValueError, match=r"GRPOConfig.reference_int8=True with sequence "):
+        reference_partitions(step, state, int8=True, owner="GRPOConfig")
+    assert reference_partitions(zero3_step(llama(), loss_fn), state, int8=True,
+                                owner="GRPOConfig") is None
