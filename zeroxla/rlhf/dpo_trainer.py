@@ -30,10 +30,14 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.engine.loss import check_packable
+from zeroxla.engine.loss import check_packable, model_token_logprobs
+from zeroxla.engine.token_forward import TokenForward
 from zeroxla.lora import LoRAConfig
-from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, reference_logprobs
-from zeroxla.rlhf.packed_pairs import pack_pairs
+from zeroxla.rlhf.answer_forward import reference_partitions
+from zeroxla.rlhf.dpo import (MASK_KEYS, REFERENCE_KEYS, TOKEN_KEYS, DPOConfig, make_dpo_loss,
+                              make_dpo_statistic, reference_logprobs)
+from zeroxla.rlhf.packed_pairs import PAIR_VALUES, pack_pairs
+from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.rlhf.roles import build_roles, frozen_reference
 
 STATISTICS = ("accuracy", "margin")
@@ -41,6 +45,17 @@ STATISTICS = ("accuracy", "margin")
 
 def _rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
     return {key: value[rows] for key, value in arrays.items()}
+
+
+PACKED_INPUTS = ("inputs", "targets", "positions", "segment_ids")
+
+
+def _token_logprobs(model: nnx.Module, batch: dict[str, jax.Array], *,
+                    sequence: Any = None) -> jax.Array:
+    """Each slot's target log-prob [R, S] of packed pairs (`TokenForward`'s fn)."""
+    return model_token_logprobs(model, batch["inputs"], batch["targets"],
+                                positions=batch["positions"], segment_ids=batch["segment_ids"],
+                                sequence=sequence)
 
 
 def epoch_order(n: int, batch_size: int, k: int, seed: int) -> np.ndarray:
@@ -95,12 +110,16 @@ class DPOTrainer:
         check_policy(policy, config.seq_len)
         if config.packing:
             check_packable(policy, "DPOConfig.packing", "policy")
-        self.config, self.seed = config, seed
-        reference = frozen_reference(policy, config.reference_int8)
-        self.reference_bytes = reference.nbytes
-        self.train = {**train, **reference_logprobs(reference, train)}
-        self.val = {**val, **reference_logprobs(reference, val)}
-        del reference                       # never read again, dropped before the policy's state
+        self.config, self.seed, self.reference_bytes = config, seed, 0
+        # Under sequence parallelism the sums are read in the policy's layout (below).
+        in_layout = MeshAxes.of(mesh).sequence_size > 1
+        if not in_layout:
+            reference = frozen_reference(policy, config.reference_int8)
+            self.reference_bytes = reference.nbytes
+            train = {**train, **reference_logprobs(reference, train)}
+            val = {**val, **reference_logprobs(reference, val)}
+            del reference                   # never read again, dropped before the policy's state
+        self.train, self.val = train, val
         self.optimizer = optax.adamw(config.learning_rate)
         roles = build_roles(policy, mesh, optimizer=self.optimizer, seed=seed, lora=lora,
                             reference_int8=None, trainable=trainable,
@@ -109,22 +128,51 @@ class DPOTrainer:
                             eval_loss_fns={name: make_dpo_statistic(name, config.beta)
                                            for name in STATISTICS})
         self.step, self.statistics, self.state = roles.step, roles.eval_steps, roles.state
+        if in_layout:       # the first state is the reference (LoRA's B = 0): its partitions
+            reference = reference_partitions(self.step, self.state, int8=config.reference_int8,
+                                             owner="DPOConfig")
+            self.train = {**train, **self._reference_sums(train, reference)}
+            self.val = {**val, **self._reference_sums(val, reference)}
+
+    def _reference_sums(self, rows: dict[str, np.ndarray], reference: Any,
+                        pairs_per_call: int = 64) -> dict[str, np.ndarray]:
+        """{"ref_chosen", "ref_rejected"} float32[N] of pair rows under `reference` (the
+        policy's first partitions), computed in the policy's layout (`TokenForward`: rows and
+        tokens split as the step splits them) on the pairs packed, `pairs_per_call` at a
+        time: each sequence's answer log-probs summed by the pair each slot is of."""
+        n = len(rows["chosen"])
+        forward = TokenForward(self.step, _token_logprobs)
+        out = {key: np.zeros(n, np.float32) for key in REFERENCE_KEYS}
+        for start in range(0, n, pairs_per_call):
+            piece = {key: np.asarray(rows[key])[start:start + pairs_per_call]
+                     for key in (*TOKEN_KEYS, *MASK_KEYS)}
+            m = len(piece["chosen"])
+            piece.update({key: np.zeros(m, np.float32) for key in PAIR_VALUES})
+            packed = self._packed(piece, source=True)
+            values = np.asarray(forward(reference, {k: packed[k] for k in PACKED_INPUTS}))
+            source = packed["source"].reshape(-1)
+            for key, mask in zip(REFERENCE_KEYS, MASK_KEYS):
+                sums = np.bincount(source, (values * packed[mask]).reshape(-1), m + 1)
+                out[key][start:start + m] = sums[1:]
+        return out
 
     def _device_batch(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         sharding = self.step.layout.batch_sharding
         return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
                 for k, v in rows.items()}
 
-    def _packed(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`rows` packed with `config.packing` (`packed_pairs`: the same loss without the
-        padding) into rows of `seq_len` - 1 slots (a multiple of the chunks sequence
-        parallelism cuts a row into), else as they are."""
-        if not self.config.packing:
+    def _packed(self, rows: dict[str, np.ndarray], source: bool = False
+                ) -> dict[str, np.ndarray]:
+        """`rows` packed with `config.packing` or `source` (`packed_pairs`: the same loss
+        without the padding; `source`: each slot's pair marked) into rows of `seq_len` - 1
+        slots (a multiple of the chunks sequence parallelism cuts a row into), else as they
+        are."""
+        if not (self.config.packing or source):
             return rows
         layout = self.step.layout
         chunks = 1 if layout.sequence is None else layout.sequence.chunks
         return pack_pairs(rows, row_len=-(-(self.config.seq_len - 1) // chunks) * chunks,
-                          data_size=layout.data_size)[0]
+                          data_size=layout.data_size, source=source)[0]
 
     def step_record(self, k: int) -> dict[str, float]:
         """Step k (0-based) on its `batch_size` pairs (packed with `config.packing`); returns

@@ -76,13 +76,15 @@ def place_pairs(slots: dict[str, np.ndarray], row_len: int, data_size: int
     return owners, rows, per_replica, stats
 
 
-def _fill(batch, slots, row_len, data_size, floats, write):
+def _fill(batch, slots, row_len, data_size, floats, write, source=False):
     """The packed arrays: tokens, positions, segment ids and pair numbers of every sequence
-    (`place_pairs`), then `write(out, row, at, i, side)` for each one's own values."""
+    (`place_pairs`), then `write(out, row, at, i, side)` for each one's own values; with
+    `source`, "source" int32: i + 1 on every slot of pair i's two sequences, 0 elsewhere."""
     owners, rows, per_replica, stats = place_pairs(slots, row_len, data_size)
     shape = (data_size * per_replica, row_len)
     out = {key: np.zeros(shape, np.int32)
-           for key in ("inputs", "targets", "positions", "segment_ids", "pair")}
+           for key in ("inputs", "targets", "positions", "segment_ids", "pair",
+                       *(("source",) if source else ()))}
     out.update({key: np.zeros(shape, np.float32) for key in floats})
     for replica, (pairs, replica_rows) in enumerate(zip(owners, rows)):
         local = {i: k for k, i in enumerate(pairs)}                    # the replica's numbering
@@ -92,20 +94,23 @@ def _fill(batch, slots, row_len, data_size, floats, write):
                 m = int(slots[side][i])
                 at = place_sequence(out, row, start, np.asarray(batch[side][i]), m, segment)
                 out["pair"][row, at] = local[i]
+                if source:
+                    out["source"][row, at] = i + 1
                 write(out, row, at, i, side)
                 start += m
     return out, stats
 
 
-def pack_pairs(batch: dict[str, np.ndarray], *, row_len: int, data_size: int
-               ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+def pack_pairs(batch: dict[str, np.ndarray], *, row_len: int, data_size: int,
+               source: bool = False) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The packed form of `dpo.pair_batch` rows with their reference sums (`batch`: "chosen",
     "rejected" int32[N, T], "chosen_mask", "rejected_mask" [N, T-1], "weight", "ref_chosen",
     "ref_rejected" [N]), and its statistics {"rows", "fill", "replica_imbalance"}.
 
     Returns {"inputs", "targets", "positions", "segment_ids", "pair"} int32[R, row_len] and
     {"chosen_mask", "rejected_mask", "ref_chosen", "ref_rejected", "weight"} float32[R,
-    row_len] (module docstring), R = data_size * rows per replica."""
+    row_len] (module docstring), R = data_size * rows per replica; with `source`, "source"
+    int32[R, row_len] (`_fill`: which of the N pairs each slot is of, + 1)."""
     slots = {side: sequence_slots(batch[f"{side}_mask"]) for side in SIDES}         # [N] each
 
     def write(out, row, at, i, side):
@@ -114,7 +119,7 @@ def pack_pairs(batch: dict[str, np.ndarray], *, row_len: int, data_size: int
             for key in PAIR_VALUES:
                 out[key][row, at.start] = batch[key][i]
     return _fill(batch, slots, row_len, data_size,
-                 ("chosen_mask", "rejected_mask", *PAIR_VALUES), write)
+                 ("chosen_mask", "rejected_mask", *PAIR_VALUES), write, source)
 
 
 def pack_scored_pairs(batch: dict[str, np.ndarray], *, row_len: int, data_size: int

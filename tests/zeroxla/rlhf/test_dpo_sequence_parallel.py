@@ -5,6 +5,7 @@ the same run without sequence parallelism (the same 4 data replicas) within floa
 The reference sums come from the frozen start, on one device, in both runs."""
 
 import jax
+import numpy as np
 import pytest
 
 import zeroxla
@@ -40,3 +41,24 @@ def test_dpo_with_sequence_parallel_two_matches_the_run_without():
         assert with_sp[1][key] == pytest.approx(without[1][key], rel=1e-3), key
     assert with_sp[1]["val_accuracy"] == without[1]["val_accuracy"]
     assert abs(without[1]["val_margin"]) > 1e-3
+
+
+def test_the_reference_sums_in_the_policys_layout_equal_the_one_device_reference():
+    # Under sequence parallelism the reference's sums come from the policy's first partitions,
+    # read in its layout (70 pairs: two calls of 64, the second partial); on one device from a
+    # FrozenReference of the same model. A reference held as int8 codes is refused there.
+    from zeroxla.rlhf.dpo import reference_logprobs
+    from zeroxla.rlhf.dpo_trainer import DPOTrainer
+    from zeroxla.rlhf.reference import FrozenReference
+    policy = models.build("llama-tiny", vocab_size=V, max_seq_len=32, seed=5)
+    train, val = pairs(70, seed=15), pairs(8, seed=16)
+    for rows in (train, val):
+        del rows["ref_chosen"], rows["ref_rejected"]
+    mesh = zeroxla.make_mesh(1, 4, sequence=2)
+    trainer = DPOTrainer(CONFIG, policy, mesh=mesh, train=train, val=val)
+    want = reference_logprobs(FrozenReference(policy, device=jax.devices()[0]), train)
+    for key in ("ref_chosen", "ref_rejected"):
+        np.testing.assert_allclose(trainer.train[key], want[key], rtol=1e-5, atol=1e-4)
+    assert trainer.reference_bytes == 0 and np.abs(want["ref_chosen"]).min() > 1.0
+    with pytest.raises(ValueError, match="DPOConfig.reference_int8=True with sequence"):
+        DPOTrainer(CONFIG.replace(reference_int8=True), policy, mesh=mesh, train=train, val=val)
