@@ -122,3 +122,35 @@ def test_a_bf16_usp_step_lowers_for_cuda_with_grouped_all_to_alls_and_permutes()
                              config=config)
     text = lower_for_cuda(step, step.init(), step._check_batch(_batch())).as_text()
     assert "stablehlo.all_to_all" in text and "stablehlo.collective_permute" in text
+
+
+def test_hpz_and_qgz_with_usp_track_the_same_run_without_it():
+    # 14 heads at P = 4 (Ulysses over 2, a ring of 2), packed rows. hpZ (its secondary
+    # partition over the node's local x sequence devices) is exact: against one device within
+    # the float32 tolerance. qgZ's int4 gradients are not exact: USP must land as near the
+    # float32 reference as the same qgZ run without sequence parallelism (the same 2 replicas).
+    from reference import train_single_device
+    from test_sequence_parallel import FLOAT32_TOLERANCE, _masked_loss
+    family = "qwen2.5-0.5b-heads"
+    hpz = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, hpz_partition_size=2,
+                             sequence_parallel_strategy="usp")
+    _assert_same_step(family, 4, packed=True, config=hpz)
+    batch = _batch(5, packed=True)
+    qgz = dict(stage=3, persistence_threshold=0, quantized_gradients=True,
+               gradient_quantization_group_size=64)
+    initial = flat_params(nnx.state(_factory(family)(), nnx.Param))
+    _, want = train_single_device(_factory(family)(), optax.sgd(1.0), [batch],
+                                  loss_fn=_masked_loss)
+    _, with_usp = _sp_run(family, 4, batch, zeroxla.ZeroConfig(
+        **qgz, hpz_partition_size=2, sequence_parallel_strategy="usp"))
+    mesh = zeroxla.make_mesh(2, 1, devices=jax.devices()[:2])
+    step = zeroxla.make_step(_factory(family), mesh,
+                             optimizer=optax.sgd(1.0), config=zeroxla.ZeroConfig(**qgz))
+    state, _ = step(step.init(), batch)
+    without = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+
+    def error(got):
+        travelled = np.sqrt(sum(np.sum((want[p] - initial[p]) ** 2) for p in want))
+        return np.sqrt(sum(np.sum((got[p] - want[p]) ** 2) for p in want)) / travelled
+    assert 0 < error(with_usp) < 1.25 * error(without), (error(with_usp), error(without))
+    assert FLOAT32_TOLERANCE < error(without)       # qgZ's noise, far above float32's
