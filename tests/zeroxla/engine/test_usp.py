@@ -41,9 +41,15 @@ def test_the_ulysses_degree_is_the_largest_divisor_of_p_the_heads_allow():
     assert ulysses_degree(6, 4) == 2 and ulysses_degree(7, 8) == 1
 
 
+SLOW = pytest.mark.slow      # the daily subset keeps one case of each kind
+
+
 @pytest.mark.parametrize("family,degree,packed", [
-    ("qwen2.5-0.5b-heads", 8, True), ("qwen2.5-0.5b-heads", 4, False), ("llama-6-3", 4, True),
-    ("mistral-6", 4, True), ("gemma2-6", 4, False), ("llama", 8, True), ("gpt", 2, True)],
+    ("qwen2.5-0.5b-heads", 8, True),
+    pytest.param("qwen2.5-0.5b-heads", 4, False, marks=SLOW),
+    pytest.param("llama-6-3", 4, True, marks=SLOW), ("mistral-6", 4, True),
+    pytest.param("gemma2-6", 4, False, marks=SLOW), ("llama", 8, True),
+    pytest.param("gpt", 2, True, marks=SLOW)],
     ids=["0.5b-8-packed", "0.5b-4", "llama-6-3-4-packed", "mistral-6-4-packed", "gemma2-6-4",
          "llama-8-no-ring", "gpt-2-no-ring"])
 def test_usp_trains_as_on_one_device(family, degree, packed):
@@ -52,6 +58,7 @@ def test_usp_trains_as_on_one_device(family, degree, packed):
     _assert_same_step(family, degree, packed=packed, config=USP)
 
 
+@SLOW
 def test_float64_usp_at_eight_equals_the_step_without_sequence_parallelism():
     # 14 heads at P = 8: Ulysses over 2, a ring of 4; float64, so what is left is the
     # algorithm's.
@@ -124,6 +131,7 @@ def test_a_bf16_usp_step_lowers_for_cuda_with_grouped_all_to_alls_and_permutes()
     assert "stablehlo.all_to_all" in text and "stablehlo.collective_permute" in text
 
 
+@SLOW
 def test_hpz_and_qgz_with_usp_track_the_same_run_without_it():
     # 14 heads at P = 4 (Ulysses over 2, a ring of 2), packed rows. hpZ (its secondary
     # partition over the node's local x sequence devices) is exact: against one device within

@@ -25,6 +25,7 @@ def _records(mesh):
     return run_dpo(CONFIG, 1, policy, mesh=mesh, train=train, val=val).records
 
 
+@pytest.mark.slow      # the losses under it: test_packed_rollout.py / test_packed_pairs.py
 def test_dpo_with_sequence_parallel_two_matches_the_run_without():
     without = _records(zeroxla.make_mesh(1, 4, devices=jax.devices()[:4]))
     with_sp = _records(zeroxla.make_mesh(1, 4, sequence=2))

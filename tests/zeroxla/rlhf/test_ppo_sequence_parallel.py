@@ -27,6 +27,7 @@ def _record(mesh):
     return run.records[0]
 
 
+@pytest.mark.slow      # the losses under it: test_packed_rollout.py / test_packed_pairs.py
 def test_ppo_with_sequence_parallel_two_matches_the_run_without():
     without = _record(zeroxla.make_mesh(1, 4, devices=jax.devices()[:4]))
     with_sp = _record(zeroxla.make_mesh(1, 4, sequence=2))
