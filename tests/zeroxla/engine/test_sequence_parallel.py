@@ -349,7 +349,7 @@ def test_refusals_name_what_sequence_parallelism_cannot_run():
     mesh = zeroxla.make_mesh(1, 2, sequence=4)
     step = zeroxla.make_step(lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(0)), mesh)   # 6 heads
     with pytest.raises(ValueError, match="does not divide the model's 6 attention heads.*"
-                                         "sequence_parallel_strategy='allgather'"):
+                                         "sequence_parallel_strategy='usp'.*'allgather'"):
         step(step.init(), _batch())
     step = zeroxla.make_step(_factory("llama"), mesh)
     bad = {k: v[:, :30] for k, v in _batch().items()}
