@@ -190,18 +190,28 @@ def test_hpz_and_qgz_with_sequence_parallelism_track_the_same_run_without_it():
     assert error(with_sp) < 1.25 * error(without)
 
 
+def _step_collectives(family, degree, config):
+    """The collectives of `family`'s compiled step at sequence degree `degree` (`MESHES`)
+    under `config`, on `_batch()`."""
+    mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=degree)
+    step = zeroxla.make_step(_factory(family), mesh, optimizer=optax.sgd(1.0), config=config)
+    return collectives(step.compile(step.init(), _batch()).as_text())
+
+
+def _local_rows(degree):
+    """Rows of `_batch()` on one data replica at sequence degree `degree` (`MESHES`)."""
+    return B // (MESHES[degree][0] * MESHES[degree][1])
+
+
 def test_a_step_of_eight_devices_moves_the_ulysses_volume_and_no_activations():
     family, degree = "llama", 4
     cls, cfg = FAMILIES[family]
-    mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=degree)
-    step = zeroxla.make_step(_factory(family), mesh, optimizer=optax.sgd(1.0),
-                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    batch = _batch()
-    found = collectives(step.compile(step.init(), batch).as_text())
+    found = _step_collectives(family, degree,
+                              zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
     to_all = [c for c in found if c.kind == "all-to-all"]
     head_dim = cfg.d_model // cfg.num_heads
     per_layer = all_to_all_elements(T, cfg.num_heads, cfg.num_kv_heads, head_dim, degree)
-    local_rows = B // (MESHES[degree][0] * MESHES[degree][1])
+    local_rows = _local_rows(degree)
     # Forward q, k, v, out and backward dq, dk, dv, d_out: 2 x per layer, float32, each layer.
     sent = sum(c.operand_bytes * c.multiplier * (degree - 1) // degree for c in to_all)
     want = 2 * per_layer * local_rows * 4 * cfg.num_layers
@@ -247,10 +257,8 @@ def test_the_zigzag_split_balances_the_attention_blocks_of_every_device():
 def test_allgather_moves_the_keys_and_values_once_per_layer_each_way():
     family, degree = "qwen2.5-0.5b-heads", 4
     cls, cfg = FAMILIES[family]
-    mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=degree)
-    step = zeroxla.make_step(_factory(family), mesh, optimizer=optax.sgd(1.0), config=ALLGATHER)
-    found = collectives(step.compile(step.init(), _batch()).as_text())
-    local_rows = B // (MESHES[degree][0] * MESHES[degree][1])
+    found = _step_collectives(family, degree, ALLGATHER)
+    local_rows = _local_rows(degree)
     head_dim = cfg.d_model // cfg.num_heads
     activations = [c for c in found if c.kind in ("all-gather", "reduce-scatter")
                    and any(s.dims[:2] == (local_rows, T // degree) for s in c.operands)]
@@ -275,7 +283,7 @@ def test_the_ring_passes_keys_values_and_their_gradients_as_the_ring_formula_say
     cls, cfg = FAMILIES[family]
     mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=degree)
     step = zeroxla.make_step(_factory(family), mesh, optimizer=optax.sgd(1.0), config=RING)
-    local_rows = B // (MESHES[degree][0] * MESHES[degree][1])
+    local_rows = _local_rows(degree)
     for packed in (False, True):
         found = collectives(step.compile(step.init(), _batch(packed=packed)).as_text())
         sent = sum(c.operand_bytes * c.multiplier for c in found

@@ -18,9 +18,8 @@ from flax import nnx
 
 import zeroxla
 from reference import flat_params
-from test_sequence_parallel import (FAMILIES, MESHES, _assert_same_step, _batch, _factory,
-                                    _sp_run)
-from zeroxla.analysis.hlo import collectives
+from test_sequence_parallel import (FAMILIES, T, _assert_same_step, _batch, _factory,
+                                    _local_rows, _sp_run, _step_collectives)
 from zeroxla.models import Gemma2, Gemma2Config
 from zeroxla.models.blockwise_attention import blocks_visited
 from zeroxla.models.families import MistralConfig
@@ -86,11 +85,9 @@ def test_usp_moves_the_group_all_to_all_and_the_ring_volumes():
     # groups' segment ids (none here: the batch is not packed).
     family, degree = "qwen2.5-0.5b-heads", 8
     cls, cfg = FAMILIES[family]
-    mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=degree)
-    step = zeroxla.make_step(_factory(family), mesh, optimizer=optax.sgd(1.0), config=USP)
-    found = collectives(step.compile(step.init(), _batch()).as_text())
-    local_rows, head_dim, u = B_ROWS(degree), cfg.d_model // cfg.num_heads, 2
-    volumes = usp_elements(T_LEN, cfg.num_heads, cfg.num_kv_heads, head_dim, degree)
+    found = _step_collectives(family, degree, USP)
+    local_rows, head_dim, u = _local_rows(degree), cfg.d_model // cfg.num_heads, 2
+    volumes = usp_elements(T, cfg.num_heads, cfg.num_kv_heads, head_dim, degree)
     to_all = [c for c in found if c.kind == "all-to-all"]
     sent = sum(c.operand_bytes * c.multiplier * (u - 1) // u for c in to_all)
     want = 2 * volumes["all_to_all"] * local_rows * 4 * cfg.num_layers
@@ -100,15 +97,9 @@ def test_usp_moves_the_group_all_to_all_and_the_ring_volumes():
     ring = sum(volumes[k] for k in ("ring_forward", "ring_backward", "ring_gradients"))
     assert permuted == ring * local_rows * 4 * cfg.num_layers, (permuted, ring)
     assert not [c for c in found if c.kind == "all-gather"
-                and any(s.dims[:2] == (local_rows, T_LEN // degree) for s in c.operands)]
+                and any(s.dims[:2] == (local_rows, T // degree) for s in c.operands)]
 
 
-def B_ROWS(degree):
-    """Rows of the test batch on one data replica."""
-    return _batch()["inputs"].shape[0] // (MESHES[degree][0] * MESHES[degree][1])
-
-
-T_LEN = _batch()["inputs"].shape[1]
 
 
 def test_the_ring_of_groups_balances_the_attention_blocks_of_every_device():
