@@ -78,6 +78,19 @@ def out_of_sequence_layout(x: jax.Array, sequence: SequenceParallel | None) -> j
     return jnp.take(x, jnp.asarray(np.argsort(tokens), jnp.int32), axis=1)
 
 
+def sequence_chunks(sequence: SequenceParallel | None) -> int:
+    """The chunks sequence parallelism cuts a row into (P, or 2P for the zigzag strategies);
+    1 without it."""
+    return 1 if sequence is None else sequence.chunks
+
+
+def packed_row_length(tokens: int, sequence: SequenceParallel | None) -> int:
+    """The length of a packed row holding `tokens` slots: rounded up to a multiple of
+    `sequence_chunks`, so that the row splits over the sequence devices."""
+    chunks = sequence_chunks(sequence)
+    return -(-tokens // chunks) * chunks
+
+
 def takes_sequence(fn: Callable) -> bool:
     """Whether `fn` declares a `sequence` parameter (the step then passes its
     `SequenceParallel`)."""
@@ -121,5 +134,5 @@ def check_sequence_batch(batch: dict[str, Any], sequence: SequenceParallel) -> N
 
 
 __all__ = ["batch_spec", "check_sequence_batch", "check_sequence_parallel",
-           "in_sequence_layout", "out_of_sequence_layout", "sequence_parallel",
-           "takes_sequence"]
+           "in_sequence_layout", "out_of_sequence_layout", "packed_row_length",
+           "sequence_chunks", "sequence_parallel", "takes_sequence"]

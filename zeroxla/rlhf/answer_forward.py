@@ -20,16 +20,17 @@ place of the whole model on one device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.engine.loss import model_token_logprobs
+from zeroxla.engine.sequence import packed_row_length
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.rlhf.packed_rollout import pack_rollout, unpack_answers
-from zeroxla.rlhf.ppo_losses import packed_values
+from zeroxla.rlhf.ppo_losses import packed_logprobs, packed_values
 from zeroxla.sharding.mesh import MeshAxes
 
 
@@ -44,27 +45,19 @@ class AnswerForward:
         if kind not in ("logprobs", "values"):
             raise ValueError(f"kind={kind!r} is invalid; accepted: 'logprobs' or 'values'")
 
-        def logprobs(model, batch, *, sequence=None):
-            return model_token_logprobs(model, batch["inputs"], batch["targets"],
-                                        positions=batch["positions"],
-                                        segment_ids=batch["segment_ids"],
-                                        vocab_limit=vocab_limit, sequence=sequence)
-
-        def values(model, batch, *, sequence=None):
-            return packed_values(model, batch, sequence)
         self.layout = step.layout
-        self.forward = TokenForward(step, logprobs if kind == "logprobs" else values)
+        self.forward = TokenForward(step, packed_values if kind == "values" else
+                                    functools.partial(packed_logprobs, vocab_limit=vocab_limit))
 
     def __call__(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
                  prompt_lengths: np.ndarray | None = None) -> np.ndarray:
         layout = self.layout
-        chunks = 1 if layout.sequence is None else layout.sequence.chunks
         tokens, mask = np.asarray(tokens), np.asarray(mask)
         rows = {"tokens": tokens, "action_mask": mask}
         if prompt_lengths is not None:
             rows["prompt_lengths"] = np.asarray(prompt_lengths)
         packed, _ = pack_rollout(rows, loss_type="dapo", data_size=layout.data_size,
-                                 row_len=-(-(tokens.shape[1] - 1) // chunks) * chunks,
+                                 row_len=packed_row_length(tokens.shape[1] - 1, layout.sequence),
                                  answer_index=True)
         batch = {k: packed[k] for k in ("inputs", "targets", "positions", "segment_ids")}
         values = np.asarray(self.forward(state, batch))                  # [R, S]

@@ -30,13 +30,15 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.engine.loss import check_packable, model_token_logprobs
+from zeroxla.engine.loss import check_packable
+from zeroxla.engine.sequence import packed_row_length
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.answer_forward import reference_partitions
 from zeroxla.rlhf.dpo import (MASK_KEYS, REFERENCE_KEYS, TOKEN_KEYS, DPOConfig, make_dpo_loss,
                               make_dpo_statistic, reference_logprobs)
 from zeroxla.rlhf.packed_pairs import PAIR_VALUES, pack_pairs
+from zeroxla.rlhf.ppo_losses import packed_logprobs
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.rlhf.roles import build_roles, frozen_reference
 
@@ -48,14 +50,6 @@ def _rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarr
 
 
 PACKED_INPUTS = ("inputs", "targets", "positions", "segment_ids")
-
-
-def _token_logprobs(model: nnx.Module, batch: dict[str, jax.Array], *,
-                    sequence: Any = None) -> jax.Array:
-    """Each slot's target log-prob [R, S] of packed pairs (`TokenForward`'s fn)."""
-    return model_token_logprobs(model, batch["inputs"], batch["targets"],
-                                positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                sequence=sequence)
 
 
 def epoch_order(n: int, batch_size: int, k: int, seed: int) -> np.ndarray:
@@ -141,7 +135,7 @@ class DPOTrainer:
         tokens split as the step splits them) on the pairs packed, `pairs_per_call` at a
         time: each sequence's answer log-probs summed by the pair each slot is of."""
         n = len(rows["chosen"])
-        forward = TokenForward(self.step, _token_logprobs)
+        forward = TokenForward(self.step, packed_logprobs)   # each slot's target's
         out = {key: np.zeros(n, np.float32) for key in REFERENCE_KEYS}
         for start in range(0, n, pairs_per_call):
             piece = {key: np.asarray(rows[key])[start:start + pairs_per_call]
@@ -170,8 +164,7 @@ class DPOTrainer:
         if not (self.config.packing or source):
             return rows
         layout = self.step.layout
-        chunks = 1 if layout.sequence is None else layout.sequence.chunks
-        return pack_pairs(rows, row_len=-(-(self.config.seq_len - 1) // chunks) * chunks,
+        return pack_pairs(rows, row_len=packed_row_length(self.config.seq_len - 1, layout.sequence),
                           data_size=layout.data_size, source=source)[0]
 
     def step_record(self, k: int) -> dict[str, float]:

@@ -47,6 +47,7 @@ import numpy as np
 
 from zeroxla.engine.bin_packing import (balance_rows, first_fit_decreasing, place_sequence,
                                         rows_per_replica)
+from zeroxla.engine.sequence import packed_row_length, sequence_chunks
 
 PAD_SEGMENT = 0                     # the attention's padding id (`models.blockwise_attention`)
 # Per-token arrays of the padded batch, [B, G] each, moved to their answer token's slot (GRPO's
@@ -79,13 +80,13 @@ def pack_for_step(batch: dict[str, np.ndarray], layout: Any, *, loss_type: str, 
     Returns (the packed batch, its statistics (with a budget, "micro_batches"), the step
     call's `gradient_accumulation_steps`: None without a budget). `owner` (e.g. "GRPOConfig")
     names the setting in errors."""
-    chunks = 1 if layout.sequence is None else layout.sequence.chunks
-    if token_budget is None:         # a multiple of the chunks the sequence is cut into
-        length, named = -(-row_len // chunks) * chunks, f"{owner}.packed_row_len={row_len}"
+    if token_budget is None:
+        length = packed_row_length(row_len, layout.sequence)
+        named = f"{owner}.packed_row_len={row_len}"
     else:
         length = _budget_row(token_budget, layout)
         named = f"{owner}.ppo_max_token_len_per_gpu={token_budget}" + (
-            f" (rows of {length} tokens over the sequence devices)" if chunks > 1 else "")
+            f" (rows of {length} tokens over the sequence devices)" if layout.sequence else "")
     packed, stats = pack_rollout(batch, loss_type=loss_type, row_len=length,
                                  data_size=layout.data_size, named=named)
     if token_budget is None:
@@ -100,12 +101,13 @@ def check_token_budget(token_budget: int | None, longest: int, layout: Any, owne
     checked when a trainer is built, before any rollout is generated."""
     parts = 1 if layout.sequence is None else layout.sequence.size
     if token_budget is not None and _budget_row(token_budget, layout) < longest:
-        chunks = 1 if layout.sequence is None else layout.sequence.chunks
+        chunks = sequence_chunks(layout.sequence)
         raise ValueError(
             f"{owner}.ppo_max_token_len_per_gpu={token_budget} is invalid: a row holds "
             f"{_budget_row(token_budget, layout)} tokens ({token_budget} x {parts} sequence "
             f"device(s), a multiple of {chunks}), and the longest sequence (prompt + answer - "
-            f"1) takes {longest}; accepted: at least {-(-longest // chunks) * chunks // parts}")
+            f"1) takes {longest}; accepted: at least "
+            f"{packed_row_length(longest, layout.sequence) // parts}")
 
 
 def _budget_row(token_budget: int, layout: Any) -> int:
@@ -114,7 +116,7 @@ def _budget_row(token_budget: int, layout: Any) -> int:
     device holds more than the budget."""
     if layout.sequence is None:
         return token_budget
-    chunks = layout.sequence.chunks
+    chunks = sequence_chunks(layout.sequence)
     return token_budget * layout.sequence.size // chunks * chunks
 
 
