@@ -138,6 +138,13 @@ class ZeroLayout:
                                 jax.ShapeDtypeStruct((1, 1), jnp.int32))
         return int(logits.shape[-1])
 
+    def eval_inputs(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The stored `params` as an evaluation program reads them, laid out by `model_plan`'s
+        compute specs: each leaf's compute input, a pipeline's stage padding removed (the
+        whole model runs, unpipelined)."""
+        return {leaf.path: leaf.stage_unpad(leaf.compute_input(params[leaf.path]))
+                for leaf in self.plan.leaves}
+
     def with_plan(self, plan: ShardingPlan) -> ZeroLayout:
         """This layout storing parameters as `plan` says (steps 5-6 redone); `model_plan` kept.
         The optimizer was checked on the logical parameters, which no plan changes."""

@@ -93,7 +93,7 @@ class ZeroStep:
         # (`zeroxla.pipeline.executor`); each stage stores only its layers (`layout.plan`),
         # evaluation runs the unpipelined model on the layers gathered over the stages.
         self.pipeline = gradient_pass
-        mesh, plan = layout.mesh, layout.plan
+        mesh = layout.mesh
         replicated = NamedSharding(mesh, P())
         # The micro-batch count is static (argument 2): a call that names its own
         # (`gradient_accumulation_steps=`, e.g. an RL token budget's) compiles for it.
@@ -108,9 +108,8 @@ class ZeroStep:
             out_specs=P(), check_vma=False)
         self._jitted_eval = jax.jit(
             lambda params, model_state, batch: local_eval(
-                {leaf.path: leaf.stage_unpad(leaf.compute_input(params[leaf.path]))
-                 for leaf in plan.leaves},
-                model_state, in_sequence_layout(batch, layout.sequence)))
+                layout.eval_inputs(params), model_state,
+                in_sequence_layout(batch, layout.sequence)))
 
     # ------------------------------------------------------------------------------------------
     # Public surface.

@@ -46,15 +46,14 @@ class TokenForward:
                 f"{layout.sequence.size} devices, but fn {name} takes no `sequence` argument: "
                 "it would run the model on a slice as if it were whole sequences; accepted: "
                 "fn(model, batch, *, sequence) passing `sequence` to the model")
-        self.fn, plan, spec = fn, layout.model_plan, batch_spec(layout.axes)
+        self.fn, spec = fn, batch_spec(layout.axes)
         local = jax.shard_map(self._local, mesh=layout.mesh,
-                              in_specs=(plan.compute_input_specs(), P(), spec),
+                              in_specs=(layout.model_plan.compute_input_specs(), P(), spec),
                               out_specs=spec, check_vma=False)
 
         def run(params, model_state, batch):
-            inputs = {leaf.path: leaf.stage_unpad(leaf.compute_input(params[leaf.path]))
-                      for leaf in plan.leaves}
-            values = local(inputs, model_state, in_sequence_layout(batch, layout.sequence))
+            values = local(layout.eval_inputs(params), model_state,
+                           in_sequence_layout(batch, layout.sequence))
             return out_of_sequence_layout(values, layout.sequence)        # [B, T]
 
         self._jitted = jax.jit(run, out_shardings=NamedSharding(layout.mesh, P()))
