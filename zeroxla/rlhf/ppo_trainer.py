@@ -40,7 +40,7 @@ from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
-from zeroxla.rlhf.answer_forward import (AnswerForward, one_device_reference,
+from zeroxla.rlhf.answer_forward import (answer_forward, one_device_reference,
                                          reference_partitions)
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.ppo_losses import (answer_logprobs, answer_values, make_actor_loss,
@@ -158,9 +158,8 @@ class PPOTrainer:
             critic, mesh, optimizer=optax.adamw(config.critic_lr), config=POLICY_ZERO,
             trainable=critic_trainable, loss_fn=make_critic_loss(config.cliprange_value))
         self.critic_state = self.critic_step.init(seed)
-        self.sharded = None if self.actor_step.layout.sequence is None else (
-            AnswerForward(self.actor_step, "logprobs", self.vocab_limit),
-            AnswerForward(self.critic_step, "values"))
+        self.sharded = (answer_forward(self.actor_step, "logprobs", self.vocab_limit),
+                        answer_forward(self.critic_step, "values"))   # None without SP
         self.reference_state = reference_partitions(self.actor_step, self.actor_state,
                                                     int8=config.reference_int8, owner="PPOConfig")
         check_token_budget(config.ppo_max_token_len_per_gpu,
@@ -204,7 +203,7 @@ class PPOTrainer:
         start = time.perf_counter()
         tokens, mask = pad_answers(outputs, c.prompt_length, c.answer_length)
         g = c.answer_length
-        if self.sharded is not None:    # under sequence parallelism: in the steps' layouts
+        if self.sharded[0] is not None:     # under sequence parallelism: the steps' layouts
             logprobs = self.sharded[0](self.actor_state, tokens, mask)
             ref_logprobs = self.sharded[0](self.reference_state, tokens, mask)
             values = self.sharded[1](self.critic_state, tokens, mask)
@@ -269,10 +268,12 @@ class PPOTrainer:
                   "returns": rollout.returns, "action_mask": rollout.action_mask}
         if not self.config.packing:
             return (actor, None), (critic, None)
-        return tuple(pack_for_step(batch, step.layout, loss_type="dapo",
-                                   row_len=rollout.tokens.shape[1] - 1, owner="PPOConfig",
-                                   token_budget=self.config.ppo_max_token_len_per_gpu)[::2]
-                     for batch, step in ((actor, self.actor_step), (critic, self.critic_step)))
+        def packed(batch, step):
+            batch, _, k = pack_for_step(batch, step.layout, loss_type="dapo",
+                                        row_len=rollout.tokens.shape[1] - 1, owner="PPOConfig",
+                                        token_budget=self.config.ppo_max_token_len_per_gpu)
+            return batch, k
+        return packed(actor, self.actor_step), packed(critic, self.critic_step)
 
     def memory(self, rollout: Rollout) -> dict[str, dict[str, int]]:
         """Per-device bytes (`zeroxla.memory_report`) of the actor's and the critic's steps
