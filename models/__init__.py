@@ -1,8 +1,11 @@
 """Flax NNX decoder-only language models. They name logical axes and know nothing of meshes.
 
 - `axes.py`: the logical axis names; `layers.py`: shared building blocks (norms, attention,
-  RoPE, the `LayerStack`); `rope.py`: RoPE frequencies, plain and scaled; `config.py`: what
+  the `LayerStack`); `rope.py`: RoPE, its frequencies plain and scaled; `config.py`: what
   every model config shares (sizes, the length rule, the attention and tiled-MLP options).
+- `online_softmax.py`: the online softmax, once: a block step (running max, denominator,
+  unnormalised output), the finish (output, log-sum-exp) and the merge of two partial results
+  by their log-sum-exps; the cached, blockwise, paged and ring attention all call it.
 - `blockwise_attention.py`: memory-linear causal attention (FlashAttention-2's blocks and
   backward in plain JAX, with segment ids for packed sequences); equals `layers.causal_attention`.
 - `attention.py`: the one attention every family calls (`ModelConfig.attention`): naive,

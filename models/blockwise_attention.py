@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import layers
+from . import layers, online_softmax
 
 # Segment id of padding in `segment_ids` (`layers.PAD_SEGMENT`, MaxText's convention): such a
 # query attends to no key, its output is zeros and no gradient flows through it.
@@ -228,38 +228,26 @@ def _forward(q, k, v, segments, offset, plan: _Plan,
     b, tq, g, r, d = q.shape
     bq, bk = plan.q_block, plan.kv_block
     acc_dtype = layers.at_least_float32(q.dtype)
-    lowest = jnp.finfo(acc_dtype).min
     q_bits, k_bits, v_bits = layers.as_bits(q), layers.as_bits(k), layers.as_bits(v)
 
     def query_block(_, i):
         q_blk = _block(q_bits, i * bq, bq, 1, q.dtype)                    # [B, bq, G, R, K]
 
-        def kv_step(j, carry):
-            m, l, acc = carry                      # [B, G, R, bq] x2, [B, G, R, bq, K]
+        def kv_step(j, state):                     # m, l [B, G, R, bq], acc [B, G, R, bq, K]
             k_blk = _block(k_bits, j * bk, bk, 1, k.dtype)                # [B, bk, G, K]
             v_blk = _block(v_bits, j * bk, bk, 1, v.dtype)
             s = layers.attention_scores(q_blk, k_blk, plan.scale, plan.softcap)  # [B,G,R,bq,bk]
+            # p @ v in float32 (`online_softmax`): rounding p to a 16-bit v's dtype biased bf16
+            # training (gpt-tiny, ZeRO-2: parameters travelled 0.96e-3 less than float32's;
+            # 1.3e-4 in float32, as the naive path).
             visible = _visible(plan, i * bq, j * bk, segments, offset)
-            s = jnp.where(visible, s, lowest)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m - m_new)             # rescales what was summed under the old max
-            l = alpha * l + p.sum(-1)
-            # p @ v in float32: p is unnormalised (rescaled as the max moves), and rounding it
-            # to a 16-bit v's dtype here biased bf16 training (gpt-tiny, ZeRO-2: parameters
-            # travelled 0.96e-3 less than float32's; 1.3e-4 in float32, as the naive path).
-            pv = jnp.einsum("BGRQS,BSGK->BGRQK", p, v_blk.astype(acc_dtype),
-                            preferred_element_type=acc_dtype)
-            return m_new, l, alpha[..., None] * acc + pv
+            return online_softmax.step(state, s, v_blk, visible, "BGRQS,BSGK->BGRQK")
 
-        init = (jnp.full((b, g, r, bq), lowest, acc_dtype), jnp.zeros((b, g, r, bq), acc_dtype),
-                jnp.zeros((b, g, r, bq, d), acc_dtype))
-        m, l, acc = lax.fori_loop(*_kv_range(plan, i, k.shape[1] // bk, offset), kv_step, init)
-        seen = l > 0
-        l_safe = jnp.where(seen, l, 1.0)
-        out = jnp.einsum("BGRQK->BQGRK", acc / l_safe[..., None])
+        state = lax.fori_loop(*_kv_range(plan, i, k.shape[1] // bk, offset), kv_step,
+                              online_softmax.start((b, g, r, bq), d, acc_dtype))
+        out, lse = online_softmax.finish(state, jnp.inf)   # +inf: exp(s - lse) = 0 backward
+        out = jnp.einsum("BGRQK->BQGRK", out)
         out = out.astype(v.dtype) if cast else out
-        lse = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
         return None, (out, lse)
 
     _, (out, lse) = layers.scan_stacked(query_block, None, tq // bq, after=q_bits)

@@ -25,9 +25,8 @@ from .config import ModelConfig
 from .attention import attention, cached_attention
 from .paged_attention import is_paged
 from .sequence_parallel import SequenceParallel
-from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
-                     rope)
-from .rope import inv_freq
+from .layers import LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param
+from .rope import inv_freq, rope
 from .tiled_mlp import tiled_mlp
 
 

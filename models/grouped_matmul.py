@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .layers import at_least_float32
+
 TILE = 64                    # rows per tile of sorted tokens
 # "auto": ragged_dot where the platform lowers it natively (TPU's Megablox kernel), the tiled
 # scan elsewhere (XLA:CPU expands ragged_dot to a dense product over every expert).
@@ -101,11 +103,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, tile_expert: jax.Array, tiles_use
 
 
 def _forward(x, w, tile_expert, tiles_used, tile):
+    acc = at_least_float32(x.dtype)        # float32, float64 in a float64 run (never rounded)
+
     def body(_, piece):
         i, xt, e = piece
 
         def run():
-            return jnp.dot(xt, w[e], preferred_element_type=jnp.float32).astype(x.dtype)
+            return jnp.dot(xt, w[e], preferred_element_type=acc).astype(x.dtype)
 
         return None, lax.cond(i < tiles_used, run, lambda: jnp.zeros((tile, w.shape[2]),
                                                                      x.dtype))
@@ -122,15 +126,16 @@ def _fwd(x, w, tile_expert, tiles_used, tile):
 def _bwd(tile, residuals, dy):
     x, w, tile_expert, tiles_used = residuals
     n = x.shape[0] // tile
+    acc = at_least_float32(x.dtype)        # float32, float64 in a float64 run (never rounded)
 
     def body(dw, piece):
         i, xt, dyt, e = piece
 
         def run(dw):
             we = lax.dynamic_index_in_dim(w, e, 0, keepdims=False)            # [D, F]
-            dx = jnp.dot(dyt, we.T, preferred_element_type=jnp.float32).astype(x.dtype)
+            dx = jnp.dot(dyt, we.T, preferred_element_type=acc).astype(x.dtype)
             g = lax.dynamic_index_in_dim(dw, e, 0, keepdims=False)
-            g = g + jnp.dot(xt.T, dyt, preferred_element_type=jnp.float32)
+            g = g + jnp.dot(xt.T, dyt, preferred_element_type=acc)
             return lax.dynamic_update_index_in_dim(dw, g, e, 0), dx
 
         def skip(dw):
@@ -138,7 +143,7 @@ def _bwd(tile, residuals, dy):
 
         return lax.cond(i < tiles_used, run, skip, dw)
 
-    dw0 = jnp.zeros(w.shape, jnp.float32)
+    dw0 = jnp.zeros(w.shape, acc)
     dw, dx = lax.scan(body, dw0, (jnp.arange(n), _tiles(x, tile), _tiles(dy, tile), tile_expert))
     return dx.reshape(x.shape), dw.astype(w.dtype), None, None
 

@@ -143,6 +143,11 @@ def param_shapes(config: Config, head: str = CAUSAL_LM) -> dict[str, tuple[int, 
     return {path: shape for path, (shape, _) in _head_params(config, head).items()}
 
 
+def param_axes(config: Config, head: str = CAUSAL_LM) -> dict[str, tuple[str, ...]]:
+    """Our parameter path -> its logical axis names (`models.axes`) for `config` and `head`."""
+    return {path: names for path, (_, names) in _head_params(config, head).items()}
+
+
 def unmapped_params(config: Config, head: str = CAUSAL_LM) -> tuple[str, ...]:
     """Our parameters that no HF tensor of a `head` checkpoint holds: under
     SEQUENCE_CLASSIFICATION, the base's LM output projection (Llama's; GPT-2's is tied), which a

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import axes
+from . import axes, online_softmax
 
 def param(rngs: nnx.Rngs, init: Callable, shape: tuple[int, ...],
           logical_axes: tuple[str, ...]) -> nnx.Param:
@@ -307,12 +307,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     bk = min(block, s)
     qg = q.reshape(b, t, g, h // g, d)
     acc_dtype = at_least_float32(q.dtype)
-    lowest = jnp.finfo(acc_dtype).min
     hi = jnp.minimum(-(-s // bk), jnp.max(positions) // bk + 1)
     lo = 0 if window is None else jnp.maximum(0, (jnp.min(positions) - window + 1) // bk)
 
-    def kv_step(j, carry):
-        m, l, acc = carry                         # [B, G, R, T] x2, [B, G, R, T, K]
+    def kv_step(j, state):                        # m, l [B, G, R, T], acc [B, G, R, T, K]
         # The last block may overlap the one before it (S not a multiple of bk): its slots
         # below j * bk were already summed and are masked here.
         start = jnp.minimum(j * bk, s - bk)
@@ -321,19 +319,12 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         slot = start + jnp.arange(bk)                                          # [bk]
         visible = (visible_keys(positions[:, :, None], slot[None, None, :], window)
                    & (slot >= j * bk))[:, None, None]                         # [B, 1, 1, T, bk]
-        scores = jnp.where(visible, attention_scores(qg, k_blk, scale, softcap), lowest)
-        m_new = jnp.maximum(m, scores.max(-1))
-        p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)              # rescales what was summed under the old max
-        pv = jnp.einsum("BGRTS,BSGK->BGRTK", p, v_blk.astype(acc_dtype),   # unnormalised p:
-                        preferred_element_type=acc_dtype)              # float32, as training
-        return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+        return online_softmax.step(state, attention_scores(qg, k_blk, scale, softcap), v_blk,
+                                   visible, "BGRTS,BSGK->BGRTK")
 
-    shape = (b, g, h // g, t)
-    init = (jnp.full(shape, lowest, acc_dtype), jnp.zeros(shape, acc_dtype),
-            jnp.zeros(shape + (d,), acc_dtype))
-    _, l, acc = jax.lax.fori_loop(lo, hi, kv_step, init)
-    out = acc / l[..., None]            # every token sees its own slot: l > 0
+    state = jax.lax.fori_loop(lo, hi, kv_step,
+                              online_softmax.start((b, g, h // g, t), d, acc_dtype))
+    out, _ = online_softmax.finish(state, jnp.inf)      # every token sees its own slot: l > 0
     out = jnp.einsum("BGRTK->BTGRK", out).astype(v.dtype)
     return out.reshape(b, t, h, d), cache
 
@@ -378,21 +369,6 @@ def decode(model: Any, tokens: jax.Array, positions: jax.Array,
     x = model.embed(tokens, positions)                                   # [B, T, D]
     x, cache = model.blocks(x, positions, cache=cache)
     return model.head(x), cache
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: Any) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021), HF Llama's rotate-half convention.
-
-    x [B, T, H, K] with K even; positions int [B, T]; inv_freq float32 [K/2] (`models.rope`).
-    """
-    k = x.shape[-1]
-    inv_freq = jnp.asarray(inv_freq, jnp.float32)                              # [K/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq               # [B, T, K/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]        # [B, T, 1, K]
-    h = x.astype(jnp.float32)
-    half = k // 2
-    rotated = jnp.concatenate([-h[..., half:], h[..., :half]], axis=-1)
-    return (h * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
 def normal(stddev: float) -> Callable[..., Any]:

@@ -20,10 +20,9 @@ from .chunked_logits import (LOGITS_CHUNK, chunked_token_logprobs, tied_projecti
 from .config import ModelConfig
 from .attention import attention, cached_attention
 from .sequence_parallel import SequenceParallel
-from .layers import (LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param,
-                     rope)
+from .layers import LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param
 from .tiled_mlp import tiled_map
-from .rope import ROPE_TYPES, inv_freq
+from .rope import ROPE_TYPES, inv_freq, rope
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ E x sum_e f_e P_e over every layer's rows at once: f_e = top-k assignments to e 
 mean probability of e. Both are sums over tokens, so each layer adds its `RouterStats` (counts,
 probability sums, rows) to the ones the stack carries (`Routed`), and `aux_loss` forms the
 product once at the end; the training step sums the statistics over the data devices first
-(one device's loss, whatever the split: `zeroxla.engine.router_aux`).
+(one device's loss over the same tokens, whatever the split; per micro-batch under gradient
+accumulation: `zeroxla.engine.router_aux`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from . import online_softmax
 from .layers import at_least_float32, attention_scores, call_block, visible_keys
 
 NULL_PAGE = 0
@@ -97,30 +98,21 @@ def _chunk_attention(q, pos, pages, pool_k, pool_v, *, window, scale, softcap, p
     g, _, p, _ = pool_k.shape
     bk = per_block * p
     qg = jnp.swapaxes(q.reshape(c, g, h // g, kd), 0, 1)                      # [G, C, R, K]
-    acc = at_least_float32(q.dtype)
-    lowest = jnp.finfo(acc).min
     hi = jnp.max(pos) // bk + 1
     lo = 0 if window is None else jnp.maximum(0, (jnp.min(pos) - window + 1) // bk)
 
-    def kv_step(j, carry):
-        mx, l, out = carry                        # [G, C, R] x2, [G, C, R, K]
+    def kv_step(j, state):                        # m, l [G, C, R], acc [G, C, R, K]
         ids = jax.lax.dynamic_slice_in_dim(pages, j * per_block, per_block, axis=1)  # [C, pb]
         k_blk = pool_k[:, ids].reshape(g, c, bk, kd).astype(q.dtype)           # [G, C, bk, K]
         v_blk = pool_v[:, ids].reshape(g, c, bk, kd).astype(dtype)
         slot = j * bk + jnp.arange(bk)
         visible = visible_keys(pos[:, None], slot[None, :], window)[None, :, None]  # [1,C,1,bk]
-        scores = jnp.where(visible, attention_scores(qg, k_blk, scale, softcap,
-                                                     spec="GCRK,GCSK->GCRS"), lowest)
-        m_new = jnp.maximum(mx, scores.max(-1))
-        w = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
-        alpha = jnp.exp(mx - m_new)
-        pv = jnp.einsum("GCRS,GCSK->GCRK", w, v_blk.astype(acc), preferred_element_type=acc)
-        return m_new, alpha * l + w.sum(-1), alpha[..., None] * out + pv
+        scores = attention_scores(qg, k_blk, scale, softcap, spec="GCRK,GCSK->GCRS")
+        return online_softmax.step(state, scores, v_blk, visible, "GCRS,GCSK->GCRK")
 
-    shape = (g, c, h // g)
-    init = (jnp.full(shape, lowest, acc), jnp.zeros(shape, acc), jnp.zeros(shape + (kd,), acc))
-    _, l, out = jax.lax.fori_loop(lo, hi, kv_step, init)
-    out = out / l[..., None]                     # every token sees its own slot: l > 0
+    state = jax.lax.fori_loop(lo, hi, kv_step, online_softmax.start(
+        (g, c, h // g), kd, at_least_float32(q.dtype)))
+    out, _ = online_softmax.finish(state, jnp.inf)   # every token sees its own slot: l > 0
     return jnp.swapaxes(out, 0, 1).reshape(c, h, kd).astype(dtype)
 
 
@@ -160,16 +152,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     return out.reshape(d, chunks * c, h, kd)[:, :n], cache
 
 
-def paged_cache_shapes(num_layers: int, groups: int, pages: int, page_size: int, kv_heads: int,
-                       head_dim: int, tokens: int, max_pages: int) -> dict[str, tuple]:
-    """The shapes of a `PagedKV`'s leaves (for allocation and byte counts)."""
-    pool = (num_layers, groups, kv_heads, pages, page_size, head_dim)
-    return {"k": pool, "v": pool, "token_pages": (groups, tokens, max_pages)}
-
-
 def is_paged(cache: Any) -> bool:
     return isinstance(cache, PagedKV)
 
 
 __all__ = ["NULL_PAGE", "PAGED_BLOCK", "PagedKV", "TOKEN_CHUNK", "is_paged", "paged_attention",
-           "paged_cache_shapes", "write_pages"]
+           "write_pages"]

@@ -9,9 +9,10 @@ Forward, P steps: at step s device r holds the keys and values of device (r - s)
 chunks). Each local query chunk attends each chunk in hand with FlashAttention-2's blockwise
 forward at their relative offset (`blockwise_attention._forward`, visiting only the key blocks
 the causal mask and window leave visible, so a chunk entirely in the future costs no block),
-and the partial results merge by their logsumexps (o = Σ o_i exp(lse_i - lse), lse = log Σ
-exp(lse_i)); then every device sends what it holds to device r + 1 (`lax.ppermute`). Only one
-chunk pair of keys and values is in hand at a time: per-device memory stays T / P.
+and the partial results merge by their logsumexps (`online_softmax.merge`: o = Σ o_i
+exp(lse_i - lse), lse = log Σ exp(lse_i)); then every device sends what it holds to device
+r + 1 (`lax.ppermute`). Only one chunk pair of keys and values is in hand at a time:
+per-device memory stays T / P.
 
 Backward (a `jax.custom_vjp`), P steps again: the keys and values travel the ring once more,
 the other way round (device r -> r - 1: the same hops forward would be one computation to XLA,
@@ -38,9 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import layers
+from . import layers, online_softmax
 from .blockwise_attention import KV_BLOCK, PAD_SEGMENT, Q_BLOCK, _backward, _forward, _Plan
-from .sequence_parallel import SequenceParallel
+from .sequence_parallel import ATTENTION_SCOPE, SequenceParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,7 @@ class _Ring:
         return self.sequence.index() // self.stride
 
 
+@jax.named_scope(ATTENTION_SCOPE)     # what the step reads as proof of use
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, sequence: SequenceParallel,
                    segment_ids: jax.Array | None = None, *, window: int | None = None,
                    scale: float | None = None, softcap: float | None = None,
@@ -164,7 +166,7 @@ def _ring_forward(qc, kc, vc, segments, ring: _Ring):
     acc_dtype = layers.at_least_float32(qc.dtype)
     b, _, cp, g, r, _ = qc.shape
     out = layers.fresh_zeros(qc.shape, acc_dtype, qc)                    # [B, 2, cp, G, R, K]
-    lse = layers.fresh_zeros((b, 2, g, r, cp), acc_dtype, qc) - jnp.inf  # -inf: nothing seen
+    lse = layers.fresh_zeros((b, 2, cp, g, r), acc_dtype, qc) - jnp.inf  # -inf: nothing seen
 
     def compute(carry, held, step):
         k_held, v_held, seg_held = held
@@ -174,25 +176,17 @@ def _ring_forward(qc, kc, vc, segments, ring: _Ring):
             pair = None if segments is None else (_chunk(segments, a), _chunk(seg_held, bb))
             part, part_lse = _forward(_chunk(qc, a), _chunk(k_held, bb), _chunk(v_held, bb),
                                       pair, offset, ring.plan, cast=False)
-            merged, merged_lse = _merge(_chunk(out, a), _chunk(lse, a), part,
-                                        jnp.where(jnp.isfinite(part_lse), part_lse, -jnp.inf))
+            part_lse = jnp.moveaxis(part_lse, 3, 1)          # [B, G, R, cp] -> [B, cp, G, R]
+            merged, merged_lse = online_softmax.merge(      # the softmax over both key sets
+                _chunk(out, a), _chunk(lse, a), part,
+                jnp.where(jnp.isfinite(part_lse), part_lse, -jnp.inf))
             return (lax.dynamic_update_index_in_dim(out, merged, a, 1),
                     lax.dynamic_update_index_in_dim(lse, merged_lse, a, 1))
         return _each_pair(ring, 1, step, visit, carry), held
 
     (out, lse), _ = _over_steps(ring, 1, compute, (out, lse), (kc, vc, segments))
+    lse = jnp.moveaxis(lse, 2, 4)                    # [B, 2, cp, G, R] -> [B, 2, G, R, cp]
     return out.astype(vc.dtype), jnp.where(jnp.isfinite(lse), lse, jnp.inf)
-
-
-def _merge(out, lse, part, part_lse):
-    """The softmax over two disjoint key sets from each one's (normalised output [B, cp, G, R,
-    K], logsumexp [B, G, R, cp]; -inf: no key seen)."""
-    total = jnp.logaddexp(lse, part_lse)
-    safe = jnp.where(jnp.isfinite(total), total, 0.0)
-
-    def weight(x):                                   # [B, G, R, cp] -> [B, cp, G, R, 1]
-        return jnp.moveaxis(jnp.exp(x - safe), 3, 1)[..., None]
-    return out * weight(lse) + part * weight(part_lse), total
 
 
 def _ring_fwd(qc, kc, vc, segments, ring):

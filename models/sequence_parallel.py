@@ -1,6 +1,6 @@
 """Sequence parallelism for the families' attention: DeepSpeed-Ulysses (Jacobs et al. 2023),
-all-gather context parallelism (Llama 3's) and ring attention (`ring_attention`), the last two
-for any head count.
+all-gather context parallelism (Llama 3's), ring attention (`ring_attention`) and USP (Ulysses
+in groups, a ring across them: `usp_attention`), the last three for any head count.
 
 Under sequence parallelism each device of a sequence group holds T / P tokens of every
 sequence (the mesh's "sequence" axis, `zeroxla.make_mesh(sequence=P)`). Everything but
@@ -59,6 +59,11 @@ from jax import lax
 from .blockwise_attention import blockwise_attention_at
 
 STRATEGIES = ("ulysses", "allgather", "ring", "usp")
+# The `jax.named_scope` of every sequence-parallel attention below, ring's and USP's: the step
+# reads it in the traced loss as the proof that a model's attention used the `SequenceParallel`
+# it was given (`zeroxla.engine.consumption`), which a model taking `sequence=` through
+# **kwargs, or ignoring it, would not leave.
+ATTENTION_SCOPE = "sequence_parallel_attention"
 ZIGZAG_STRATEGIES = ("allgather", "ring", "usp")   # 2P chunks, device r holds r and 2P - 1 - r
 
 
@@ -84,13 +89,13 @@ class SequenceParallel:
 
     def index(self) -> jax.Array:
         """This device's place r in the sequence group: it holds tokens [r T/P, (r + 1) T/P)
-        under "ulysses", chunks r and 2P - 1 - r under "allgather" and "ring"
+        under "ulysses", chunks r and 2P - 1 - r under "allgather", "ring" and "usp"
         (`chunk_starts`)."""
         return lax.axis_index(self.axis)
 
     @property
     def zigzag(self) -> bool:
-        """Whether the tokens are split in zigzag chunks (allgather, ring), not in P runs."""
+        """Whether the tokens are split in zigzag chunks (allgather, ring, usp), not in P runs."""
         return self.strategy in ZIGZAG_STRATEGIES
 
     @property
@@ -155,6 +160,7 @@ def check_heads(heads: int, degree: int) -> None:
             "parallelism): any head count")
 
 
+@jax.named_scope(ATTENTION_SCOPE)
 def ulysses_attention(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array,
                       v: jax.Array, sequence: SequenceParallel,
                       segment_ids: jax.Array | None = None, **options: Any) -> jax.Array:
@@ -186,6 +192,7 @@ def _in_sequence_order(x: jax.Array, degree: int) -> jax.Array:
     return jnp.take(chunks, inverse, axis=1).reshape(x.shape)
 
 
+@jax.named_scope(ATTENTION_SCOPE)
 def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, sequence: SequenceParallel,
                         segment_ids: jax.Array | None = None, **options: Any) -> jax.Array:
     """The whole sequences' attention at this device's two zigzag chunks (module docstring):
@@ -219,6 +226,6 @@ def all_to_all_elements(tokens: int, heads: int, kv_heads: int, head_dim: int,
     return math.prod((tokens // degree, 2 * heads + 2 * kv, head_dim)) * (degree - 1) // degree
 
 
-__all__ = ["STRATEGIES", "ZIGZAG_STRATEGIES", "SequenceParallel", "all_to_all_elements",
-           "allgather_attention", "allgather_elements", "check_heads", "kv_repeats",
-           "ulysses_attention", "zigzag_order"]
+__all__ = ["ATTENTION_SCOPE", "STRATEGIES", "ZIGZAG_STRATEGIES", "SequenceParallel",
+           "all_to_all_elements", "allgather_attention", "allgather_elements", "check_heads",
+           "kv_repeats", "ulysses_attention", "zigzag_order"]

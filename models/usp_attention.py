@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .ring_attention import ring_attention, ring_elements
-from .sequence_parallel import SequenceParallel, kv_repeats
+from .sequence_parallel import ATTENTION_SCOPE, SequenceParallel, kv_repeats
 
 
 def ulysses_degree(heads: int, degree: int) -> int:
@@ -62,6 +62,7 @@ def _from_ring_order(x: jax.Array, u: int) -> jax.Array:
     return pieces.reshape(x.shape)
 
 
+@jax.named_scope(ATTENTION_SCOPE)     # what the step reads as proof of use
 def usp_attention(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
                   sequence: SequenceParallel, segment_ids: jax.Array | None = None,
                   **options: Any) -> jax.Array:

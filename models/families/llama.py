@@ -5,7 +5,7 @@ Also the shared part of the families that are Llama plus options (`qwen2`, `qwen
 `llama_hf` writes them, and `tensor_map` names the tensors of every option the config turns on.
 Conventions (transformers 5.23 `models/llama/modeling_llama.py`): projections are `nn.Linear`,
 weight [out, in], so ours are transposed; checkpoints are in RoPE's rotate-half layout, which
-`models.layers.rope` uses, so q/k need no row permutation; a tied head stores no `lm_head`.
+`models.rope.rope` uses, so q/k need no row permutation; a tied head stores no `lm_head`.
 """
 
 from __future__ import annotations
@@ -79,23 +79,41 @@ def llama_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
                 **rope_fields(hf))
 
 
-def no_sliding_layers(hf: Mapping[str, Any]) -> None:
-    """Refuses Qwen's sliding-window layers, not built. Which layers slide is transformers' rule
-    (`Qwen2Config.__post_init__`, Qwen3's alike): `layer_types` when given, else layer i when
+QWEN2_SLIDING_RULE = "layer i slides when i >= max_window_layers"
+
+
+def qwen2_sliding_layers(hf: Mapping[str, Any]) -> list[int]:
+    """The layers that slide by Qwen2's and Qwen3's rule (transformers 5.23
+    `Qwen2Config.__post_init__`, Qwen3's alike, when `layer_types` is not given): layer i when
     `use_sliding_window`, `sliding_window` is not null and i >= `max_window_layers` (default
-    28); so `max_window_layers` >= `num_hidden_layers` slides none and loads."""
+    28); so `max_window_layers` >= `num_hidden_layers` slides none."""
+    if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
+        return []
+    return list(range(hf.get("max_window_layers", 28), hf["num_hidden_layers"]))
+
+
+def no_sliding_layers(hf: Mapping[str, Any], sliding=qwen2_sliding_layers,
+                      rule: str = QWEN2_SLIDING_RULE) -> None:
+    """Refuses Qwen's sliding-window layers, not built (the stack has one window for every
+    layer). Which layers slide is transformers' rule: `layer_types` when given, else the
+    family's `sliding(hf)` (Qwen2's by default; Qwen2-MoE passes its own), stated as `rule` in
+    the error."""
     kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
     require(not kinds, "layer_types", hf.get("layer_types"), "only full_attention layers")
-    use, window = hf.get("use_sliding_window", False), hf.get("sliding_window", 4096)
-    n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
-    if hf.get("layer_types") or not use or window is None or first >= n:
+    layers = [] if hf.get("layer_types") else sliding(hf)
+    if not layers:
         return
-    which = (f"layer {first} of {n} slides" if first == n - 1
-             else f"layers {first}-{n - 1} of {n} slide")
-    require(False, "use_sliding_window", use,
-            f"with sliding_window={window} and max_window_layers={first}, {which} (transformers:"
-            " layer i slides when i >= max_window_layers); Qwen's sliding-window layers are not "
-            "built")
+    n = hf["num_hidden_layers"]
+    if len(layers) == 1:
+        which = f"layer {layers[0]} of {n} slides"
+    elif layers == list(range(layers[0], layers[-1] + 1)):
+        which = f"layers {layers[0]}-{layers[-1]} of {n} slide"
+    else:
+        which = f"layers {', '.join(map(str, layers))} of {n} slide"
+    require(False, "use_sliding_window", hf.get("use_sliding_window"),
+            f"with sliding_window={hf.get('sliding_window', 4096)} and max_window_layers="
+            f"{hf.get('max_window_layers', 28)}, {which} (transformers: {rule}); Qwen's "
+            "sliding-window layers are not built")
 
 
 def llama_hf(config: LlamaConfig) -> dict[str, Any]:

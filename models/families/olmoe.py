@@ -1,6 +1,7 @@
 """OLMoE (`model_type: olmoe`, `OlmoeForCausalLM`): Llama's attention with RMSNorms over the
 whole q and k projections (not per head), an MoE MLP (`num_experts`, `num_experts_per_tok`,
-experts of `intermediate_size`, `norm_topk_prob`). `clip_qkv` is refused."""
+experts of `intermediate_size`, `norm_topk_prob`). `clip_qkv` and a `sliding_window` are
+refused."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ class OlmoeConfig(MoeLlamaConfig):
 def from_hf(hf: Mapping[str, Any]) -> OlmoeConfig:
     clip = hf.get("clip_qkv")
     require(clip is None, "clip_qkv", clip, "clamping q, k and v is not built (null)")
+    # transformers 5.23's OLMoE mask is full causal, but its attention hands sliding_window to
+    # flash_attention_2: one config.json, two models, so neither is guessed.
+    window = hf.get("sliding_window")
+    require(window is None, "sliding_window", window, "OLMoE's attention is full (null); "
+            "transformers slides it under flash_attention_2 only")
     bias = bool(hf.get("attention_bias", False))
     return OlmoeConfig(qkv_bias=bias, o_bias=bias,
                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),

@@ -1,6 +1,7 @@
 """Qwen2-MoE (`model_type: qwen2_moe`, `Qwen2MoeForCausalLM`; Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B):
 Qwen2's attention (q/k/v biases) with an MoE MLP plus a shared expert
-(`shared_expert_intermediate_size`) behind a sigmoid gate (`shared_expert_gate`)."""
+(`shared_expert_intermediate_size`) behind a sigmoid gate (`shared_expert_gate`). Its sliding
+layers follow a rule of its own (`sliding_layers`), refused as Qwen2's are."""
 
 from __future__ import annotations
 
@@ -24,8 +25,21 @@ class Qwen2MoeConfig(MoeLlamaConfig):
     family: str = dataclasses.field(default="qwen2_moe", init=False)
 
 
+SLIDING_RULE = "layer i slides when use_sliding_window, i is even and i < max_window_layers"
+
+
+def sliding_layers(hf: Mapping[str, Any]) -> list[int]:
+    """The layers that slide by Qwen2-MoE's rule, not Qwen2's (transformers 5.23
+    `Qwen2MoeConfig.__post_init__`, when `layer_types` is not given): layer i when
+    `use_sliding_window`, i is even and i < `max_window_layers` (default 28). So the default
+    max_window_layers slides layer 0, and only max_window_layers 0 slides none."""
+    if not hf.get("use_sliding_window", False):
+        return []
+    return list(range(0, min(hf.get("max_window_layers", 28), hf["num_hidden_layers"]), 2))
+
+
 def from_hf(hf: Mapping[str, Any]) -> Qwen2MoeConfig:
-    no_sliding_layers(hf)
+    no_sliding_layers(hf, sliding_layers, SLIDING_RULE)
     all_layers_sparse(hf)
     shared = hf.get("shared_expert_intermediate_size", 0)
     require(isinstance(shared, int) and shared > 0, "shared_expert_intermediate_size", shared,

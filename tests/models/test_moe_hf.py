@@ -7,6 +7,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from zeroxla import models
 from zeroxla.models import hf
@@ -102,6 +103,33 @@ def test_transformers_checkpoint_gives_its_logits_and_aux_loss(transformers, tmp
     assert abs(aux - want_aux) <= 1e-6, (aux, want_aux)
 
 
+def test_padded_aux_loss_equals_transformers_given_the_attention_mask(transformers, tmp_path):
+    """Rows of 12, 7 and 3 tokens right-padded to 12 (padding: segment id 0, transformers'
+    attention_mask 0): our router statistics give transformers' `load_balancing_loss_func` of
+    its router logits given the attention_mask (top-4 of 16: each token's 4 assignments
+    counted once it is a real token, padding not at all)."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = random_hf_model(transformers, "qwen3_moe")
+    model.save_pretrained(tmp_path)
+    _, ours_model = hf.load_hf_model(tmp_path)
+    tokens = np.concatenate([TOKENS, TOKENS[:1]])                                   # [3, 12]
+    mask = (np.arange(12)[None] < np.array([[12], [7], [3]])).astype(np.int32)
+    with torch.no_grad():
+        out = model(torch.as_tensor(tokens, dtype=torch.long),
+                    attention_mask=torch.as_tensor(mask), output_router_logits=True)
+        c = model.config
+        want = float(load_balancing_loss_func(out.router_logits, c.num_experts,
+                                              c.num_experts_per_tok, torch.as_tensor(mask)))
+    _, stats = ours_model.routed_token_logprobs(jnp.asarray(tokens), jnp.asarray(tokens),
+                                                segment_ids=jnp.asarray(mask),
+                                                positions=jnp.broadcast_to(jnp.arange(12),
+                                                                           tokens.shape))
+    assert abs(float(aux_loss(stats)) - want) <= 1e-6, (float(aux_loss(stats)), want)
+    assert float(stats.rows) == c.num_hidden_layers * mask.sum()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_reads_our_export(transformers, tmp_path, family):
     config, model = hf.load_hf_model(_saved(transformers, family, tmp_path / "in"))
@@ -179,3 +207,77 @@ def test_attention_bias_gives_transformers_logits(transformers, tmp_path, family
     logits, aux = ours(ours_model)
     np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=0)
     assert abs(aux - want_aux) <= 1e-6
+
+
+def test_qwen3_moe_use_sliding_window_slides_every_layer_as_transformers(transformers, tmp_path):
+    """transformers 5.23's Qwen3-MoE has no max_window_layers: `use_sliding_window` with a
+    `sliding_window` slides every layer (`Qwen3MoeModel.forward`'s one mask). A 3-token window
+    on a 12-token row changes the logits, so full attention here would not pass."""
+    model = random_hf_model(transformers, "qwen3_moe", use_sliding_window=True, sliding_window=3)
+    model.save_pretrained(tmp_path)
+    config, ours_model = hf.load_hf_model(tmp_path)
+    assert config.sliding_window == 3
+    want_logits, _ = hf_outputs(model)
+    logits, _ = ours(ours_model)
+    np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=0)
+    exported = hf.to_hf_config(config)
+    assert hf.from_hf_config(exported) == config
+    assert transformers.Qwen3MoeConfig(**exported).sliding_window == 3
+
+
+def test_qwen2_moe_sliding_layers_follow_its_own_rule_and_are_refused(transformers):
+    """Qwen2-MoE's rule is not Qwen2's: layer i slides when `use_sliding_window`, i is even and
+    i < max_window_layers (`Qwen2MoeConfig.__post_init__`), so max_window_layers 28 over two
+    layers slides layer 0 (Qwen2's rule would slide none)."""
+    spec = models.REGISTRY["qwen2_moe"]
+    hf_dict = {**spec.to_hf(spec.config_class()), "use_sliding_window": True,
+               "sliding_window": 3, "max_window_layers": 28}
+    del hf_dict["layer_types"]
+    read = transformers.Qwen2MoeConfig(**hf_dict)
+    assert read.layer_types == ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"use_sliding_window=True .*sliding_window=3.*"
+                                         r"max_window_layers=28.*layer 0 of 2 slides"):
+        hf.from_hf_config(hf_dict)
+    hf.from_hf_config({**hf_dict, "max_window_layers": 0})    # no layer slides: loads
+
+
+def test_olmoe_sliding_window_is_refused_by_key():
+    """transformers' OLMoE mask is full causal, but its attention passes `sliding_window` on to
+    flash_attention_2: a config.json naming one means two things, so it is refused."""
+    spec = models.REGISTRY["olmoe"]
+    with pytest.raises(ValueError, match=r"sliding_window=3"):
+        hf.from_hf_config({**spec.to_hf(spec.config_class()), "sliding_window": 3})
+
+
+def test_loading_at_expert_degree_2_never_holds_a_whole_expert_leaf(transformers, tmp_path,
+                                                                    capfd):
+    """`spread_hf_params` at EP 2 spreads each expert tensor as it is stored (its experts over
+    the expert axis, the rest over the data devices), so the program `init_from` compiles moves
+    it into its partitions without XLA replicating it whole first ("Involuntary full
+    rematerialization"): its per-device temporaries and arguments are at most EP 1's
+    (temporaries: 131,968 bytes at EP 1, 82,816 at EP 2; 180,100 at EP 2 when every piece was
+    spread over all 8 devices), and the loaded values are the checkpoint's."""
+    import optax
+
+    import zeroxla
+    from zeroxla.checkpoint.pretrained import spread_hf_params
+
+    path = tmp_path / "ckpt"
+    random_hf_model(transformers, "qwen3_moe").save_pretrained(path)
+    config, want = hf.load_hf_model(path)
+    sizes, errors = {}, {}
+    for ep, mesh in ((1, zeroxla.make_mesh(2, 4)), (2, zeroxla.make_mesh(2, 2, expert=2))):
+        step = zeroxla.make_step(lambda: models.model_class(config)(config, rngs=nnx.Rngs(0)),
+                                 mesh, optimizer=optax.sgd(0.1),
+                                 config=zeroxla.ZeroConfig(stage=3))
+        values = spread_hf_params(config, path, mesh, progress=False)
+        capfd.readouterr()
+        memory = step._jitted_init.lower(values, {}, step._seed(0)).compile(
+            ).memory_analysis()                   # the program init_from(values) runs
+        errors[ep] = capfd.readouterr().err
+        sizes[ep] = (memory.temp_size_in_bytes, memory.argument_size_in_bytes)
+    assert "Involuntary full rematerialization" not in errors[2], errors[2][:400]
+    assert sizes[2][0] <= sizes[1][0] and sizes[2][1] <= sizes[1][1], sizes
+    got = hf.param_dict(zeroxla.gathered_model(step.init_from(values)))
+    for name, value in hf.param_dict(want).items():
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)

@@ -2,7 +2,8 @@
 token attends: its own sequence's keys at positions <= its own (and inside a sliding window),
 read through a page table whose pages are scattered over the pool, with decode tokens and a
 prompt chunk of another sequence in one step, filler tokens on the null page, GQA, soft-capping
-and reads longer than one block. The engine-level comparisons against the static decode are in
+and reads longer than one block (across block boundaries, from tokens at a block start). The
+engine-level comparisons against the static decode are in
 tests/zeroxla/inference/test_continuous.py."""
 
 import jax
@@ -102,3 +103,52 @@ def test_a_model_decodes_pages_as_it_decodes_its_dense_cache():
     np.testing.assert_allclose(np.asarray(p_logits), np.asarray(logits), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(p_next), np.asarray(nxt), atol=1e-5, rtol=1e-5)
     assert jax.tree.structure(cache) == jax.tree.structure(PagedKV(pool, pool, table))
+
+
+# Issue 66: key blocks of 8 slots (2 pages of 4); every token's read crosses block boundaries
+# and tokens sit exactly at block starts (8, 16, 24, 32: the last block a token reads holds
+# only itself) and at block ends (15, 23), with windows starting at a block start (15 - 8 + 1)
+# and one slot before it (22 - 8 + 1).
+BLOCK = 8
+
+
+@pytest.mark.parametrize("window,chunk", [(None, 1), (None, 3), (8, 1), (9, 3)])
+def test_reads_across_key_blocks_and_from_a_block_start(window, chunk):
+    rng = np.random.default_rng(1)
+    # (held before the step, positions fed this step): a prompt chunk 16..24 and single
+    # decode tokens at a block start (8, 32) and a block end (15)
+    feeds = [(16, list(range(16, 25))), (8, [8]), (15, [15]), (32, [32])]
+    pages, max_pages = 28, 10
+    order = rng.permutation(np.arange(1, pages))                 # pages scattered
+    tables, used = [], 0
+    for _, fed in feeds:
+        count = -(-(fed[-1] + 1) // PAGE)
+        tables.append(list(order[used:used + count]))
+        used += count
+    seq_keys = [rng.normal(size=(40, G, K)) for _ in feeds]
+    seq_values = [rng.normal(size=(40, G, K)) for _ in feeds]
+    pool_k = rng.normal(size=(1, 1, G, pages, PAGE, K))           # garbage where nothing lies
+    pool_v = rng.normal(size=(1, 1, G, pages, PAGE, K))
+    for s, (held, _) in enumerate(feeds):
+        for p in range(held):
+            pool_k[0, 0, :, tables[s][p // PAGE], p % PAGE] = seq_keys[s][p]
+            pool_v[0, 0, :, tables[s][p // PAGE], p % PAGE] = seq_values[s][p]
+    tokens = [(s, p) for s, (_, fed) in enumerate(feeds) for p in fed]
+    n = len(tokens) + 2                                            # two fillers
+    q = rng.normal(size=(1, n, H, K))
+    k_new, v_new = rng.normal(size=(1, n, G, K)), rng.normal(size=(1, n, G, K))
+    positions = np.zeros((1, n), np.int32)
+    token_pages = np.full((1, n, max_pages), NULL_PAGE, np.int32)
+    for i, (s, p) in enumerate(tokens):
+        positions[0, i] = p
+        token_pages[0, i, :len(tables[s])] = tables[s]
+        seq_keys[s][p], seq_values[s][p] = k_new[0, i], v_new[0, i]
+    f32 = lambda x: jnp.asarray(x, jnp.float32)                 # noqa: E731
+    out, _ = paged_attention(f32(q), f32(k_new), f32(v_new), jnp.asarray(positions),
+                             PagedKV(f32(pool_k), f32(pool_v), jnp.asarray(token_pages)),
+                             window=window, block=BLOCK, chunk=chunk)
+    for i, (s, p) in enumerate(tokens):
+        want = _reference(q[0, i], seq_keys[s], seq_values[s], p, window, None)
+        np.testing.assert_allclose(np.asarray(out[0, i]), want, atol=2e-5, rtol=2e-5,
+                                   err_msg=f"token at position {p}")
+    assert np.all(np.isfinite(np.asarray(out)))

@@ -4,6 +4,8 @@
                           seq_len=32768, device_memory=80 * 2**30, remat="full")
     print(figures.table())
     largest_fitting(lambda t: plan_memory(..., seq_len=t).fits)      # binary search over T
+    largest_under(lambda t: plan_memory(..., seq_len=t).peak, 80 * 2**30)   # the same T, in
+                                                        # about 4 compiles (the line's crossing)
 
 Each figure is the compiled step's (`abstract_step.compile_abstract`: the step `make_step`
 builds, traced on abstract arrays, nothing allocated), per device:
@@ -45,6 +47,10 @@ GiB = 2**30
 # memory kind only for these; `jax._src.dispatch`).
 PLACING_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
 REMAT_SWEEP = ("none", "full", "offload")       # the activation policies `--max-seq-len` tries
+# XLA:CPU compiles the planned program without LLVM's optimizations: the buffers (what
+# `memory_analysis` reports) are assigned before code is generated, so the figures are the
+# default compile's (tests/zeroxla/analysis/test_planner.py), in about 60% of the time.
+CPU_PLAN_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +188,11 @@ def plan_memory(model_config: Any, mesh: Mesh, *, seq_len: int, device_memory: i
     zero_config = ZeroConfig(stage=stage, compute_dtype=dtype, remat=remat, **dict(zero or {}))
     step = make_step(model_factory(config), mesh, config=zero_config)
     traced = trace_abstract(step, sequences_per_device * step.layout.data_size, seq_len)
-    compiled = traced.lower().compile()
+    platform = mesh.devices.flat[0].platform
+    compiled = traced.lower().compile(
+        compiler_options=CPU_PLAN_OPTIONS if platform == "cpu" else None)
     analysis = compiled.memory_analysis()
     host = host_residual_bytes(traced)
-    platform = mesh.devices.flat[0].platform
     derived = bool(host) and platform not in PLACING_PLATFORMS
     temporaries = int(analysis.temp_size_in_bytes) - (
         host - host_residual_layer_bytes(traced) if derived else 0)
@@ -230,5 +237,54 @@ def largest_fitting(fits: Callable[[int], bool], *, granularity: int = 1024,
     return lo * granularity
 
 
+def largest_under(peak: Callable[[int], int], device_memory: int, *, granularity: int = 1024,
+                  limit: int = 1 << 21) -> int:
+    """`largest_fitting` of `peak(t) <= device_memory`, in fewer calls: the same answer for a
+    `peak` that grows with T (the largest multiple of `granularity` up to `limit` that fits;
+    0 when even `granularity` does not), each length tried chosen where the line through the
+    two tried nearest the boundary crosses `device_memory` (a compile's peak is close to
+    affine in T), bisecting when that stalls. It ends, as the bisection does, on a length that
+    fits beside one `granularity` longer that does not (or on `limit`)."""
+    if granularity < 1 or limit < granularity:
+        raise ValueError(f"largest_under: granularity={granularity}, limit={limit}; accepted: "
+                         "1 <= granularity <= limit")
+    top, seen = limit // granularity, {}                  # in units of granularity
+
+    def fits(unit: int) -> bool:
+        seen[unit] = peak(unit * granularity)
+        return seen[unit] <= device_memory
+    if not fits(1):
+        return 0
+    lo, hi, probe = 1, top + 1, min(top, 8)               # lo fits; hi does not (top + 1: none)
+    run, last = 0, None                                   # run: moves of one end in a row
+    while hi - lo > 1:
+        probe = min(max(probe, lo + 1), hi - 1)
+        side = fits(probe)
+        run, last = (run + 1 if side == last else 1), side
+        lo, hi = (probe, hi) if side else (lo, probe)
+        if run > 4:                    # the line keeps missing on one side: halve, or double
+            probe = (lo + hi) // 2 if hi <= top else min(top, 2 * lo)
+        else:
+            probe = _crossing(seen, lo, hi, top, device_memory, run if side else -run)
+    return lo * granularity
+
+
+def _crossing(seen: Mapping[int, int], lo: int, hi: int, top: int, device_memory: int,
+              run: int) -> int:
+    """The unit where the line through the two tried lengths nearest the boundary (`lo`,
+    which fits, and `hi`, which does not, or the one tried below `lo`) reaches
+    `device_memory`, rounded down (past every tried length: one unit past it, so that the
+    next length tried, if the line was right, is the last). `run`: the moves of `lo` (> 0) or
+    of `hi` (< 0) in a row; from the second, the other end's distance to `device_memory` is
+    halved per move (the Illinois rule: a curved peak would otherwise move one end only)."""
+    below = max((u for u in seen if u < lo), default=None)
+    if hi not in seen:
+        if below is None or seen[lo] <= seen[below]:
+            return min(top, 2 * lo)
+        slope = (seen[lo] - seen[below]) / (lo - below)
+        return min(top, lo + int((device_memory - seen[lo]) // slope) + 1)
+    under, over = device_memory - seen[lo], seen[hi] - device_memory        # both >= 0
+    over, under = (over / 2 ** max(run - 1, 0), under / 2 ** max(-run - 1, 0))
+    return lo + int(under * (hi - lo) // (under + over)) if under + over > 0 else lo
 __all__ = ["PlanFigures", "REMAT_SWEEP", "SWEPT_FIELDS", "Setting", "largest_fitting",
-           "model_factory", "plan_memory", "sweep_settings"]
+           "largest_under", "model_factory", "plan_memory", "sweep_settings"]

@@ -12,10 +12,12 @@ once, so a model that fits no single device can be fine-tuned. The same here, in
 2. the HF tensors are read one at a time (safetensors, single file or sharded with an index) and
    converted with the name map of `models.hf`; each converted piece (a whole parameter, or one
    layer's slice of a stacked `[L, ...]` parameter) goes straight onto the mesh, spread over all
-   its devices along its largest evenly dividing dim, and its host copy is dropped; a stacked
-   parameter's layers are then stacked on the devices. On a pipeline's mesh the pieces are
-   spread over the devices of one stage (each stage holding a copy) and the stacked layers
-   split over the stages, so each device keeps its stage's layers (`layer_axis`);
+   its devices along its largest evenly dividing dim (an MoE expert piece under an expert axis:
+   its experts over that axis and a dim over the rest, as it is stored), and its host copy is
+   dropped; a stacked parameter's layers are then stacked on the devices. On a pipeline's
+   mesh the pieces are spread over the devices of one stage (each stage holding a copy) and
+   the stacked layers split over the stages, so each device keeps its stage's layers
+   (`layer_axis`);
 3. `ZeroStep.init_from` lays the spread parameters out in their ZeRO storage (partitions, padding,
    codes, compute copies) and creates the optimizer state, as `init` does for a fresh model.
 
@@ -47,12 +49,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from zeroxla.sharding.config import ZeroConfig
-from zeroxla.sharding.mesh import STAGE_AXIS
+from zeroxla.sharding.mesh import EXPERT_AXIS, STAGE_AXIS
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.step import ZeroStep
 from zeroxla.make import make_step
 from zeroxla.models import hf as hf_io
 from zeroxla.models import model_class
+from zeroxla.models.axes import EXPERTS
 
 
 def spread_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -74,19 +77,31 @@ def layer_axis(mesh: Mesh, stage_layers: tuple[int, ...] | None) -> str | None:
     return STAGE_AXIS if stages > 1 and uniform else None
 
 
-def spread_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
+def spread_spec(shape: tuple[int, ...], mesh: Mesh, expert_dim: int | None = None) -> P:
     """The layout a loaded piece of `shape` takes on `mesh`: its largest dim that the devices
     of `spread_axes` divide evenly, split over them; replicated when none does (biases and
-    norms smaller than the mesh)."""
+    norms smaller than the mesh). An expert piece (`expert_dim`: its dim of experts) on a mesh
+    with an expert axis that divides it is spread as it is stored: its experts over the
+    expert axis, its largest other dim that the rest divide over the rest, so that `init_from`
+    moves no expert leaf across expert groups (spread over all the devices, XLA would
+    replicate it whole to regroup it: "Involuntary full rematerialization")."""
     axes = spread_axes(mesh)
-    n = int(np.prod([dict(mesh.shape)[a] for a in axes]))
-    dims = sorted((d for d, size in enumerate(shape) if size % n == 0 and size >= n),
+    sizes = dict(mesh.shape)
+    ep = sizes.get(EXPERT_AXIS, 1)
+    experts = (expert_dim is not None and ep > 1 and EXPERT_AXIS in axes
+               and shape[expert_dim] % ep == 0)
+    if experts:
+        axes = tuple(a for a in axes if a != EXPERT_AXIS)
+    n = int(np.prod([sizes[a] for a in axes]))
+    dims = sorted((d for d, size in enumerate(shape)
+                   if size % n == 0 and size >= n and not (experts and d == expert_dim)),
                   key=lambda d: -shape[d])
-    if not dims:
-        return P()
-    spec = [None] * len(shape)
-    spec[dims[0]] = axes
-    return P(*spec)
+    spec: list[Any] = [None] * len(shape)
+    if experts:
+        spec[expert_dim] = EXPERT_AXIS
+    if dims and axes:
+        spec[dims[0]] = axes
+    return P(*spec) if any(a is not None for a in spec) else P()
 
 
 def owned_index(shape: tuple[int, ...], mesh: Mesh,
@@ -122,14 +137,15 @@ def device_part(piece: np.ndarray, device_index: tuple[slice, ...], shape: tuple
 
 
 def place(piece: np.ndarray, mesh: Mesh, dtype: Any, *, shape: tuple[int, ...] | None = None,
-          index: tuple[slice, ...] | None = None) -> jax.Array:
-    """The array of `shape` (default: `piece`'s) on `mesh` in `spread_spec` layout, each
-    device receiving only its slice (with several processes, each fills only its own devices).
-    `piece` is the whole array, or only its part `index` (`owned_index`: the part this
-    process's devices hold)."""
+          index: tuple[slice, ...] | None = None, expert_dim: int | None = None) -> jax.Array:
+    """The array of `shape` (default: `piece`'s) on `mesh` in `spread_spec` layout (an expert
+    piece's with its `expert_dim`), each device receiving only its slice (with several
+    processes, each fills only its own devices). `piece` is the whole array, or only its part
+    `index` (`owned_index`: the part this process's devices hold; never an expert piece, which
+    is read whole, stacked from its experts' tensors)."""
     piece = np.asarray(piece, dtype)
     shape = piece.shape if shape is None else tuple(shape)
-    sharding = NamedSharding(mesh, spread_spec(shape, mesh))
+    sharding = NamedSharding(mesh, spread_spec(shape, mesh, expert_dim))
     blocks = _device_blocks(piece, sharding.addressable_devices_indices_map(shape).values(),
                             shape, index)
     return jax.make_array_from_callback(
@@ -190,6 +206,7 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
     the stages as loaded (`layer_axis`)."""
     hf = hf_io.read_hf_config(path)
     abstract = hf_io.param_shapes(config, head)
+    names = hf_io.param_axes(config, head)
     values = {name: _zeros(abstract[name], mesh, dtype)
               for name in hf_io.unmapped_params(config, head)}
     layers: dict[str, list[jax.Array]] = {}
@@ -201,7 +218,8 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
                 config, hf_io.NameFallbacks(get_tensor, hf),
                 select=lambda shape: owned_index(shape, mesh), head=head):
             full = abstract[name] if layer is None else abstract[name][1:]
-            array = place(piece, mesh, dtype, shape=full, index=index)
+            array = place(piece, mesh, dtype, shape=full, index=index,
+                          expert_dim=expert_dim(names[name], layer is not None))
             if layer is None:
                 values[name] = array
             else:
@@ -213,6 +231,15 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
             del piece                     # the host copy goes as soon as the devices have it
             bar.update()
     return values
+
+
+def expert_dim(names: tuple[str, ...], layer_slice: bool) -> int | None:
+    """The dim of experts (`models.axes.EXPERTS`) of a loaded piece whose parameter has the
+    logical axes `names` (a layer's slice of a stacked one: without the leading layer dim);
+    None for a piece of no expert leaf."""
+    if EXPERTS not in names:
+        return None
+    return names.index(EXPERTS) - (1 if layer_slice else 0)
 
 
 def _zeros(shape: tuple[int, ...], mesh: Mesh, dtype: Any) -> jax.Array:
@@ -255,5 +282,5 @@ def stage_layers(step: ZeroStep) -> tuple[int, ...] | None:
     return None if step.pipeline is None else tuple(step.pipeline.split.num_layers)
 
 
-__all__ = ["device_part", "layer_axis", "load_pretrained", "owned_index", "place",
+__all__ = ["device_part", "expert_dim", "layer_axis", "load_pretrained", "owned_index", "place",
            "spread_axes", "spread_hf_params", "spread_spec", "stage_layers"]

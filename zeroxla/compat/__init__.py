@@ -17,7 +17,8 @@ the project's ranges admit).
                  `compute_on`'s signature, not the version; `engine.host_update`)
     jaxpr.py     the jaxpr facts the weight split, the cotangent layout and the invariant
                  residuals read: call primitives and their jaxprs, a scan's consts / carries
-                 (counted by parameters on 0.10, flat trees from 0.11), re-emitting an equation
+                 (counted by parameters on 0.10, flat trees from 0.11), re-emitting an equation;
+                 and what the step's proof of use reads: dead-code elimination, name stacks
     lowering.py  a jitted function lowered for CUDA on a host with no GPU (`lower_for_cuda`):
                  no branch, one path for both (an abstract H100 that 0.12's Triton lowering
                  requires and 0.10's, falling back to the same compute capability 9.0, ignores)

@@ -28,6 +28,13 @@ upgrade). All three re-emit a jaxpr equation by equation, with the environment h
   "zero_bwd_gather" / "zero_grad_reduce" from the compiled ops' names). That private use is
   here only.
 
+* Which inputs a jaxpr's outputs depend on (`live_jaxpr`): JAX's dead-code elimination
+  (`jax._src.interpreters.partial_eval.dce_jaxpr`, private, the same signature on both), which
+  prunes inside `shard_map`, `scan`, `jit` and `remat` by their own rules; and the name stack an
+  equation was traced under (`name_stack`: `eqn.source_info.name_stack`). The step reads both
+  to prove that a model used a packed batch's keys and its `SequenceParallel`
+  (`zeroxla.engine.consumption`).
+
 Everything else the split uses is public: `jax.extend.core` (`Jaxpr`, `Var`, `Literal`,
 `jaxprs_in_params`), `jax.make_jaxpr` and `lax.scan`.
 """
@@ -40,6 +47,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax._src import source_info_util   # private: see the module docstring
+from jax._src.interpreters import partial_eval   # private: see the module docstring
 from jax.extend import core as jex_core
 
 from zeroxla.compat.versions import jax_at_least
@@ -157,5 +165,18 @@ def scope_of(eqn: Any) -> Iterator[None]:
         yield
 
 
+def live_jaxpr(jaxpr: Any) -> tuple[Any, list[bool]]:
+    """`jaxpr` (open) with the equations its outputs do not depend on removed, and for each
+    of its `invars` whether they do depend on it."""
+    return partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+
+
+def name_stack(eqn: Any) -> str:
+    """The `jax.named_scope`s and transforms the equation was traced under, "a/jvp(b)/c",
+    relative to the jaxpr holding it."""
+    return str(eqn.source_info.name_stack)
+
+
 __all__ = ["PLAIN_CALLS", "ScanParams", "bind", "called_jaxpr", "has_inner_jaxprs", "is_scan",
-           "is_var", "ordering_effects", "read", "scan_params", "scope_of", "write"]
+           "is_var", "live_jaxpr", "name_stack", "ordering_effects", "read", "scan_params",
+           "scope_of", "write"]

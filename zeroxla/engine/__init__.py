@@ -11,6 +11,8 @@
     batch_checks.py the batch validated before sending
     bin_packing.py sequences into packed rows, rows balanced over data replicas
     sequence.py    sequence parallelism in the step: the batch's split, refusals
+    consumption.py proof, read in the traced loss, that the model used the SequenceParallel
+                   and a packed batch's positions and segment ids (refused by name if not)
     token_forward.py per-token values (an RL policy's log-probs, a critic's values) computed
                    in a step's layout, rows and tokens split as the step splits them
     experts.py     expert parallelism in the step: the MoE layers told their expert axis,

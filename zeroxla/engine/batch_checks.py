@@ -76,6 +76,9 @@ def _check_token_batch(batch: Mapping[str, Any], vocab_size: Callable[[], int]) 
         if host and np.size(value) and int(np.min(value)) < 0:
             raise ValueError(f"batch[{key!r}] has values below 0; accepted: positions from 0, "
                              "segment ids from 1 (0 marks padding)")
+    if "segment_ids" in batch and not isinstance(batch["segment_ids"],
+                                                 (jax.Array, jax.ShapeDtypeStruct)):
+        _check_segment_runs(np.asarray(batch["segment_ids"]))
     for key in BATCH_KEYS:
         shape = np.shape(batch[key])
         dtype = batch[key].dtype if hasattr(batch[key], "dtype") else np.asarray(batch[key]).dtype
@@ -90,6 +93,30 @@ def _check_token_batch(batch: Mapping[str, Any], vocab_size: Callable[[], int]) 
         if np.shape(batch[key]) != np.shape(batch["inputs"]):
             raise ValueError(f"batch['inputs'] {np.shape(batch['inputs'])} and "
                              f"batch[{key!r}] {np.shape(batch[key])} differ in shape")
+
+
+def _check_segment_runs(segment_ids: np.ndarray) -> None:
+    """The models match segments by equality (a token sees the earlier tokens of its id), so a
+    row's ids 1, 2, 1 would join the third run to the first: each id > 0 must fill one
+    contiguous run of its row, as the packers write them (`zeroxla.engine.bin_packing`).
+    Padding (0) may sit anywhere; the ids' order is free."""
+    if segment_ids.ndim != 2 or not segment_ids.size:
+        return
+    starts = np.ones(segment_ids.shape, bool)                          # [B, T]: a run begins
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    ordered = np.sort(segment_ids, axis=1)                              # [B, T]: ids distinct
+    distinct = np.ones(ordered.shape, bool)                             # where they change
+    distinct[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    runs = ((segment_ids > 0) & starts).sum(axis=1)                     # [B]
+    for row in np.flatnonzero(runs != ((ordered > 0) & distinct).sum(axis=1)):
+        ids, counts = np.unique(segment_ids[row][starts[row] & (segment_ids[row] > 0)],
+                                return_counts=True)
+        raise ValueError(
+            f"batch['segment_ids'] row {row} has segment id {ids[np.argmax(counts)]} in "
+            f"{counts.max()} separate "
+            f"runs ({segment_ids[row].tolist()}): tokens of one id attend to each other as one "
+            "sequence; accepted: each id > 0 in one contiguous run of its row (0, padding, "
+            "anywhere), as the packers write them")
 
 
 def _check_token_range(key: str, tokens: np.ndarray, vocab: int) -> None:

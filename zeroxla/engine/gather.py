@@ -264,14 +264,23 @@ class GatheredStack:
         ZeRO-2, whose "gather" is the identity)."""
         return any(leaf.params_partitioned for leaf in self.leaves)
 
+    @property
+    def collective(self) -> bool:
+        """Whether any leaf's units go through the collectives (`ZeroCollectives.gathers`:
+        stage 3's partitioned leaves, stage 2's partitioned gradients). A stack with none
+        (every leaf persistent, or a data group of one device) has no re-gather for backward
+        to order after its cotangent: it reads its layers as a plain scan does, no barrier."""
+        return any(self.comm.gathers(leaf) for leaf in self.leaves)
+
     def _gather(self, backward: bool) -> Callable:
-        comm, leaves = self.comm, self.leaves
+        comm, leaves, ordered = self.comm, self.leaves, self.collective
 
         def gather(gin, dependency):
             shards, saveds = gin
             shards = [fetch(s) for s in shards]    # offload_param: copied in from the host
             if backward:
-                shards, saveds = _after((shards, saveds), dependency)
+                if ordered:
+                    shards, saveds = _after((shards, saveds), dependency)
                 return [comm.backward_gather(s, sv, leaf)
                         for s, sv, leaf in zip(shards, saveds, leaves)], None
             pairs = [comm.forward_gather(s, leaf) for s, leaf in zip(shards, leaves)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +28,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.offload import resident
+from zeroxla.engine.optimizer import ShardedOptimizer
+from zeroxla.sharding.config import ZeroConfig
 from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.model_def import ModelDef
+from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.stored import logical_to_storage, storage_to_logical
 
-# `layout: ZeroLayout` below names `zeroxla.engine.layout.ZeroLayout` without importing it: that
-# module imports this one (`ZeroLayout.logical` keeps the result of `build_layout`).
+
+class StoredLayout(Protocol):
+    """What the logical form reads of a step's layout: a `zeroxla.engine.layout.ZeroLayout`,
+    named here by its fields because that module imports this one (`ZeroLayout.logical` keeps
+    the result of `build_layout`)."""
+    mesh: Mesh
+    config: ZeroConfig
+    plan: ShardingPlan
+    model_def: ModelDef
+    sharded_optimizer: ShardedOptimizer
+    state_shardings: TrainState
+    uses_rng: bool
 
 
 def logical_sharding(mesh: Mesh, shape: Sequence[int], stacked: bool = False,
@@ -93,7 +107,7 @@ class LogicalLayout:
     to_storage: Callable[[Sequence[jax.Array]], TrainState]
 
 
-def abstract_storage_state(layout: ZeroLayout) -> TrainState:
+def abstract_storage_state(layout: StoredLayout) -> TrainState:
     """Shapes, dtypes and shardings of the state stored in `layout` (nothing allocated)."""
     loss_scale = (jax.eval_shape(lambda: init_loss_scale(layout.config))
                   if layout.config.uses_loss_scaling else None)
@@ -106,7 +120,7 @@ def abstract_storage_state(layout: ZeroLayout) -> TrainState:
         rng=jax.ShapeDtypeStruct((2,), jnp.uint32) if layout.uses_rng else None)
 
 
-def build_layout(layout: ZeroLayout) -> LogicalLayout:
+def build_layout(layout: StoredLayout) -> LogicalLayout:
     """The logical form of the state stored in `layout` (a step's `ZeroLayout`)."""
     plan, optimizer, mesh = layout.plan, layout.sharded_optimizer, layout.mesh
     leaves = {leaf.path: leaf for leaf in plan.leaves}

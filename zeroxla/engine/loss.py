@@ -95,7 +95,9 @@ def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | N
                    segment_ids: jax.Array | None, sequence: Any = None) -> dict[str, Any]:
     """The given `positions` / `segment_ids` / `sequence` as keyword arguments of `forward`
     (named `what`); ValueError naming the key when `forward` takes no such argument: a packed
-    batch is never run as one sequence, nor a sequence's slice as a whole one."""
+    batch is never run as one sequence, nor a sequence's slice as a whole one. One it takes
+    (by name or through **kwargs) must also be used: the step proves that on the traced loss
+    (`engine.consumption`)."""
     options = {k: v for k, v in ((POSITIONS_KEY, positions), (SEGMENT_IDS_KEY, segment_ids),
                                  (SEQUENCE_KEY, sequence)) if v is not None}
     for name in options:

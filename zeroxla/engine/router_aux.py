@@ -9,10 +9,21 @@ gradient flows through a count), and differentiates its own share
     local = E x sum_e counts_e(all devices) x prob_sum_e(this device) / rows(all devices)^2,
 
 whose sum over the devices is the loss and whose gradients, summed by the gradient reduction,
-are the loss's. Gradient accumulation computes it per micro-batch (over every device's part of
-that micro-batch) and averages the micro-batches, as transformers' Trainer does with the same
-`gradient_accumulation_steps`. The default next-token loss has the statistics; a loss_fn
-returns them as a third value, `(sum, count, stats)` (`token_logprobs` gives them beside the
+are the loss's.
+
+With k micro-batches (gradient accumulation) it is the mean over i of the loss of micro-batch i:
+the i-th of k equal pieces of every data replica's rows, taken together (replica r of R holds
+rows [r B / R, (r + 1) B / R) of the global batch). So with the loss weighed, the update
+depends on k and R (and on the rows' order), where the cross-entropy's is the whole batch's
+mean for any k and R; at k = 1 it is the whole batch's for any R. Each term is transformers'
+per-forward loss over those rows (`load_balancing_loss_func`); transformers 5.23's Trainer adds
+each forward's term unscaled (its MoE models normalise their loss by `num_items_in_batch`),
+i.e. sums rather than averages them over micro-batches. Statistics over the whole global batch
+(Qwen's global-batch balancing) would need every micro-batch's routing counts before the first
+backward: a second forward of the model per step.
+
+The default next-token loss has the statistics; a loss_fn
+returns them as a third value, `(sum, count, stats)` (`routed_token_logprobs` gives them beside the
 log-probs; the RL losses do); a model whose config weighs the loss
 (`MoeLlamaConfig.aux_loss_weight`) under a loss_fn that returns none is refused. Statistics
 returned are logged (`router/aux_loss`, `router/load`) whatever the weight.
@@ -45,11 +56,12 @@ def has_router(model: Any) -> bool:
     return callable(getattr(type(model), "routed_token_logprobs", None))
 
 
-def token_logprobs(model: Any, tokens: jax.Array, labels: jax.Array, **options: Any):
+def routed_token_logprobs(model: Any, tokens: jax.Array, labels: jax.Array,
+                          **options: Any):
     """`(loss.model_token_logprobs(model, tokens, labels, **options), RouterStats or None)`:
     the statistics where the model has a router. What a loss_fn calls to return them as its
     third value (`(sum, count, stats)`), so the step adds the auxiliary loss and logs the
-    per-expert load (the RL losses do)."""
+    per-expert load (the RL losses do). Its own name: `loss.token_logprobs` takes logits."""
     if not has_router(model):
         return model_token_logprobs(model, tokens, labels, **options), None
     return model.routed_token_logprobs(tokens, labels, **options)
@@ -75,7 +87,7 @@ def check_stats(model: Any, stats: Any) -> None:
             f"{c.output_router_logits}) but the loss_fn returned no router statistics, so "
             "training would silently drop it; accepted: the default next-token loss, a loss_fn "
             "returning (sum, count, stats) with stats from "
-            "zeroxla.engine.router_aux.token_logprobs, or a config with "
+            "zeroxla.engine.router_aux.routed_token_logprobs, or a config with "
             "output_router_logits=False (transformers' rule: no auxiliary loss)")
 
 
@@ -90,6 +102,25 @@ def check_accumulation(default_loss: bool, micro_batches: int, weight: float) ->
             "the loss's count over the whole step, known only after the last micro-batch; "
             "accepted: gradient_accumulation_steps=1, the default next-token loss, or "
             "output_router_logits=False")
+
+
+def check_budget_with_router(model: Any, budget: str, without: str, actor: str) -> None:
+    """ValueError, when `model` weighs its auxiliary loss, for a token budget (verl's
+    `ppo_max_token_len_per_gpu`): it makes each data replica's packed rows micro-batches, which
+    `check_accumulation` refuses for the RL losses (their own loss_fn) at the first step, after
+    a rollout. Called when a trainer (or a job) is built, in its own words: `budget` the budget
+    as set ("--ppo-max-token-len-per-gpu 64"), `without` how to leave it out, `actor` the model."""
+    if has_router(model) and aux_weight(model) > 0:
+        c = model.config
+        raise ValueError(
+            f"{budget} on {actor}, whose {type(c).__name__} weighs the router's auxiliary "
+            f"load-balancing loss (router_aux_loss_coef={c.router_aux_loss_coef}, "
+            f"output_router_logits={c.output_router_logits}): the budget makes each data "
+            "replica's packed rows micro-batches whose gradients are accumulated, and a "
+            "micro-batch's share of the auxiliary loss is scaled by the RL loss's count over "
+            "the whole step, known only after the last micro-batch; accepted: "
+            f"{without} (every row in one micro-batch), or an actor whose config has "
+            "output_router_logits=False (no auxiliary loss)")
 
 
 def no_metrics(model_def: Any) -> tuple[jax.Array, jax.Array]:

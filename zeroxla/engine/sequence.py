@@ -4,13 +4,13 @@ what is refused.
 With a "sequence" mesh axis of P devices (`make_mesh(sequence=P)`) every batch array [B, T, ...]
 is split over the data replicas along B and over the sequence devices along T
 (`batch_spec`): each device holds T / P tokens of its rows (consecutive under "ulysses"; two
-zigzag chunks under "allgather" and "ring", the batch reordered first: `in_sequence_layout`), labels
-already shifted (the batch's `targets` are next tokens of the unsplit sequence). The model gets
-a `SequenceParallel` (`models.sequence_parallel`) and computes attention over whole sequences
-by its strategy; every other part of it is per token. The loss is a sum and a count over
-each device's own tokens, summed over data x sequence: packed and masked batches average
-exactly over the global batch's real tokens, however they fall on the shards. Gradients are
-reduced over data x sequence (ZeRO's group, `MeshAxes.data`).
+zigzag chunks under "allgather", "ring" and "usp", the batch reordered first:
+`in_sequence_layout`), labels already shifted (the batch's `targets` are next tokens of the
+unsplit sequence). The model gets a `SequenceParallel` (`models.sequence_parallel`) and
+computes attention over whole sequences by its strategy; every other part of it is per token.
+The loss is a sum and a count over each device's own tokens, summed over data x sequence:
+packed and masked batches average exactly over the global batch's real tokens, however they
+fall on the shards. Gradients are reduced over data x sequence (ZeRO's group, `MeshAxes.data`).
 
 A loss_fn other than the default sees only its device's slice of each sequence: it must declare
 a `sequence` parameter (the step passes the `SequenceParallel`, for `model_token_logprobs`), or
@@ -53,9 +53,10 @@ def batch_spec(axes: MeshAxes) -> P:
 def in_sequence_layout(batch: dict[str, Any], sequence: SequenceParallel | None
                        ) -> dict[str, Any]:
     """The global batch with its sequence dim in the order the devices hold it: unchanged, or
-    for "allgather" and "ring" the 2P chunks in zigzag order (`models.sequence_parallel.zigzag_order`:
-    device r's slice is chunks r and 2P - 1 - r). Every loss term is per token, so the order
-    changes no sum; positions and segment ids move with their tokens."""
+    for "allgather", "ring" and "usp" the 2P chunks in zigzag order
+    (`models.sequence_parallel.zigzag_order`: device r's slice is chunks r and 2P - 1 - r).
+    Every loss term is per token, so the order changes no sum; positions and segment ids move
+    with their tokens."""
     if sequence is None or not sequence.zigzag:
         return batch
 
@@ -120,7 +121,7 @@ def check_sequence_parallel(axes: MeshAxes, loss_fn: Callable) -> None:
 
 def check_sequence_batch(batch: dict[str, Any], sequence: SequenceParallel) -> None:
     """ValueError unless every batch array is [B, T, ...] with T a multiple of the chunks the
-    sequence is cut into (P, or 2P for the zigzag of "allgather" and "ring")."""
+    sequence is cut into (P, or 2P for the zigzag of "allgather", "ring" and "usp")."""
     chunks = sequence.chunks
     for key, value in batch.items():
         shape = np.shape(value)

@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.apply import apply_gradients
 from zeroxla.engine.batch_checks import check_accumulation, check_batch
+from zeroxla.engine.consumption import proven_call
 from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
 from zeroxla.engine.host_update import update_placement
 from zeroxla.engine.layout import ModelSource, ZeroLayout
@@ -106,10 +107,10 @@ class ZeroStep:
             self._local_eval, mesh=mesh,
             in_specs=(layout.model_plan.compute_input_specs(), P(), batch_spec(layout.axes)),
             out_specs=P(), check_vma=False)
-        self._jitted_eval = jax.jit(
-            lambda params, model_state, batch: local_eval(
+        self._jitted_eval = jax.jit(    # the model proven to use sequence= / packing keys
+            lambda params, model_state, batch: proven_call(local_eval, (
                 layout.eval_inputs(params), model_state,
-                in_sequence_layout(batch, layout.sequence)))
+                in_sequence_layout(batch, layout.sequence)), layout, batch_at=2))
 
     # ------------------------------------------------------------------------------------------
     # Public surface.
@@ -142,9 +143,9 @@ class ZeroStep:
                  gradient_accumulation_steps: int | None = None
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on the global `batch`; `state` is donated.
-        `gradient_accumulation_steps`: the micro-batches each device's rows are cut into for
-        this call (None: `ZeroConfig.gradient_accumulation_steps`); each distinct count
-        compiles once. The update is the same for any count: the mean over the whole batch."""
+        `gradient_accumulation_steps`: the micro-batches each device's rows are cut into (None:
+        the config's); each count compiles once. The update is the same for any count, but for
+        a weighed MoE auxiliary loss: each micro-batch's, averaged (`engine.router_aux`)."""
         k = self._accumulation(gradient_accumulation_steps)
         return self._jitted(state, self._check_batch(batch, k), k)
 
@@ -385,9 +386,9 @@ class ZeroStep:
         key_data = (None if state.rng is None else
                     jax.random.key_data(step_key(state.rng, state.step)))
         batch = in_sequence_layout(batch, self.layout.sequence)     # allgather: zigzag chunks
-        loss, grads, model_state = self._gradients(accumulation)(
+        loss, grads, model_state = proven_call(self._gradients(accumulation), (  # `consumption`
             self.layout.plan.compute_inputs(state.params), batch, scale, state.model_state,
-            key_data)
+            key_data), self.layout, batch_at=1)
         extra = dict(loss) if isinstance(loss, dict) else {"loss": loss}
         state, metrics = apply_gradients(self.layout, state, extra.pop("loss"), grads,
                                          model_state, scale,

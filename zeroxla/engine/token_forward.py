@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.batch_checks import check_batch
+from zeroxla.engine.consumption import proven_call
 from zeroxla.engine.sequence import (batch_spec, check_sequence_batch, in_sequence_layout,
                                      out_of_sequence_layout, takes_sequence)
 from zeroxla.engine.wrap import local_model
@@ -52,8 +53,10 @@ class TokenForward:
                               out_specs=spec, check_vma=False)
 
         def run(params, model_state, batch):
-            values = local(layout.eval_inputs(params), model_state,
-                           in_sequence_layout(batch, layout.sequence))
+            # The model proven to use sequence= and the packing keys (`engine.consumption`).
+            values = proven_call(local, (layout.eval_inputs(params), model_state,
+                                         in_sequence_layout(batch, layout.sequence)),
+                                 layout, batch_at=2, loss_fn=fn)
             return out_of_sequence_layout(values, layout.sequence)        # [B, T]
 
         self._jitted = jax.jit(run, out_shardings=NamedSharding(layout.mesh, P()))

@@ -109,7 +109,7 @@ class HybridEngine:
         self.reshards = 0                    # how many times the parameters were resharded
         # Only the trainable leaves changed since the last switch: those alone are resharded
         # (`adapter_switch`); `_kept` is the frozen storage the pinned copy was built from.
-        self._expert_reshard = expert_reshard(zero_layout, self.layout)   # None: no EP
+        self._expert_reshard = expert_reshard(zero_layout, self.layout)   # None: byte floor
         self._frozen = frozen_paths(self.plan)
         self._kept: dict[str, Any] | None = None
         self._trainable_reshard = None

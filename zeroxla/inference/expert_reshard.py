@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.logical import logical_sharding
 from zeroxla.inference.layout import TensorParallelLayout
+from zeroxla.inference.reshard import check_storage
 
 
 class ExpertReshard:
@@ -53,9 +54,14 @@ class ExpertReshard:
 
 def expert_reshard(zero_layout: ZeroLayout, layout: TensorParallelLayout
                    ) -> ExpertReshard | None:
-    """The reshard of a layout with an expert axis of more than one device; None otherwise
-    (the byte-floor reshard applies)."""
-    return ExpertReshard(zero_layout, layout) if zero_layout.axes.expert_size > 1 else None
+    """The reshard of a layout with an expert axis of more than one device; None otherwise:
+    the byte-floor reshard applies, and a storage it cannot read is refused now, naming the
+    parameter (`reshard.check_storage`), when the engine is built rather than at its first
+    generation (a train job's closing sample comes after the training)."""
+    if zero_layout.axes.expert_size > 1:
+        return ExpertReshard(zero_layout, layout)
+    check_storage(zero_layout.state_shardings.params, layout)
+    return None
 
 
 __all__ = ["expert_reshard"]

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroxla.engine.stored import storage_to_logical
 from zeroxla.sharding.leaf_plan import LeafPlan
+from zeroxla.sharding.mesh import MeshAxes
 from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.inference.layout import TensorParallelLayout
 
@@ -163,26 +164,39 @@ def reshard_account(plan: ShardingPlan, layout: TensorParallelLayout) -> list[Le
     return rows
 
 
-def _inference_spec(spec: P, sizes: dict[str, int], layout: TensorParallelLayout,
-                    path: str) -> P:
-    """A training storage spec (over a mesh of axis `sizes`) -> the same chunks on the
-    tensor-major inference mesh: the data axes ("node", "local") become (tensor, "node",
-    "local") (chunk t dp + l on position (l, t), `layout.inference_mesh`). ValueError naming
-    the parameter for any other mesh axis of size > 1 (the engine only builds a tensor-major
-    mesh when the data axes hold every device)."""
-    data = layout.axes.data
+def _inference_spec(spec: P, training: MeshAxes, layout: TensorParallelLayout, path: str) -> P:
+    """A training storage spec (over the mesh `training` names) -> the same chunks on the
+    tensor-major inference mesh: the training data axes (("node", "local"), and "sequence"
+    when the mesh has one: for parameters the sequence devices are data devices, ZeRO's
+    partition runs over them in the mesh's order) become (tensor, "node", "local") (chunk
+    t dp + l on position (l, t), `layout.inference_mesh`). ValueError naming the parameter for
+    any other mesh axis of size > 1 (the engine only builds a tensor-major mesh when the data
+    axes hold every device)."""
+    data = training.data
     entries = []
     for entry in spec:
         axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-        axes = tuple(axis for axis in axes if sizes[axis] > 1 or axis in data)
+        axes = tuple(axis for axis in axes if training.size(axis) > 1 or axis in data)
         if axes and set(axes) - set(data):
             raise ValueError(f"HybridEngine: parameter {path!r} is stored split over mesh axes "
                              f"{axes}; accepted: a training mesh whose parameters are split "
                              f"over the data axes {data} only (no pipeline stages or tensor "
                              "axis in training)")
         tensor = (layout.axes.tensor,) if layout.axes.tensor else ()
-        entries.append((*tensor, *data) if axes else None)
+        entries.append((*tensor, *layout.axes.data) if axes else None)
     return P(*entries)
+
+
+def check_storage(shardings: dict[str, Any], layout: TensorParallelLayout) -> None:
+    """ValueError naming the first parameter whose stored sharding (`shardings`: {path: a
+    `NamedSharding`, or a pytree of them for codes}, a step's `state_shardings.params`) the
+    engine cannot read onto `layout`'s mesh (`_inference_spec`): the refusal `storage_view`
+    would give at the first generation, given when the engine is built."""
+    if not layout.tensor_major:
+        return
+    for path, stored in shardings.items():
+        for sharding in jax.tree.leaves(stored):
+            _inference_spec(sharding.spec, MeshAxes.of(sharding.mesh), layout, path)
 
 
 def storage_view(params: dict[str, Any], layout: TensorParallelLayout) -> dict[str, Any]:
@@ -196,7 +210,7 @@ def storage_view(params: dict[str, Any], layout: TensorParallelLayout) -> dict[s
         return params
 
     def view(path: str, x: Any) -> Any:
-        spec = _inference_spec(x.sharding.spec, dict(x.sharding.mesh.shape), layout, path)
+        spec = _inference_spec(x.sharding.spec, MeshAxes.of(x.sharding.mesh), layout, path)
         sharding = jax.sharding.NamedSharding(mesh, spec)
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -272,5 +286,5 @@ def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout
     return reshard
 
 
-__all__ = ["LeafTraffic", "REASONS", "ROUTES", "plan_route", "reshard_account", "reshard_function",
-           "storage_view"]
+__all__ = ["LeafTraffic", "REASONS", "ROUTES", "check_storage", "plan_route", "reshard_account",
+           "reshard_function", "storage_view"]

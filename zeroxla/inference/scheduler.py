@@ -15,7 +15,10 @@ next step refills them from the queue: the compiled step never changes shape.
 
 When a write finds no free page, the youngest running sequence holding pages is preempted (its
 pages freed; it stays in its slot and feeds its tokens again later: vLLM's recompute
-preemption). The oldest sequence can always proceed, as the pool holds a whole sequence.
+preemption). The oldest sequence can always proceed, as the pool holds a whole sequence. A
+group's answers are ordered too, by answer index after their request's admission, so an answer
+can preempt a later one of its own group: a pool of one sequence serves a group of any size
+(the later answers recomputed), as it serves the same answers asked for one by one.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Sequence:
     request: Request
     answer: int                             # index into request.outputs (-1: the shared prompt)
     slot: int
-    order: int                              # admission order (lower: older)
+    order: tuple[int, int]                  # (admission, answer index); lower: older
     cached: int = 0
     table: list[int] = dataclasses.field(default_factory=list)
     reserved: list[int] = dataclasses.field(default_factory=list)   # its answers' slots
@@ -102,7 +105,7 @@ class GroupScheduler:
             reserved = [self.free_slots.pop() for _ in range(answers)]
             seq = Sequence(tokens=list(request.prompt), prompt_size=request.prompt.size,
                            request=request, answer=0 if answers == 1 else -1,
-                           slot=reserved[0], order=self._order, reserved=reserved)
+                           slot=reserved[0], order=(self._order, 0), reserved=reserved)
             self._order += 1
             self.running.append(seq)
 
@@ -155,7 +158,8 @@ class GroupScheduler:
         seq.answer = 0
         for i, slot in enumerate(seq.reserved[1:], start=1):
             child = Sequence(tokens=list(seq.tokens), prompt_size=seq.prompt_size,
-                             request=seq.request, answer=i, slot=slot, order=seq.order,
+                             request=seq.request, answer=i, slot=slot,
+                             order=(seq.order[0], i),
                              cached=len(seq.tokens), table=self.pool.fork(seq.table))
             children.append(child)
             self.running.append(child)

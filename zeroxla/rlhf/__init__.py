@@ -1,8 +1,9 @@
-"""Post-training on zeroxla: DeepSpeed-Chat's steps 2 and 3 (a reward model trained on
-preference pairs, then PPO with actor and critic trained under ZeRO-3), DPO / IPO on
-preference pairs, and the GRPO family (GRPO, Dr.GRPO, DAPO, RLOO's baseline) on verifiable
-rewards; each a `make_step` with its own `loss_fn`, a frozen reference, generation by the
-Hybrid Engine. Each algorithm's trainer, config and losses carry its prefix (ppo_, grpo, dpo);
+"""Post-training on zeroxla: the GRPO family (GRPO, Dr.GRPO, DAPO, RLOO's baseline) on
+verifiable rewards, with its bundled arithmetic task and the supervised fine-tuning before it;
+DPO / IPO on preference pairs; a reward model on preference pairs and PPO with actor and critic
+(DeepSpeed-Chat's steps 2 and 3). Each trains by a `make_step` with its own `loss_fn`; DPO,
+PPO and GRPO against a frozen reference, PPO and GRPO generating by the Hybrid Engine. Each
+algorithm's trainer, config and losses carry its prefix (ppo_, grpo, dpo);
 the roles they share are built once (roles.py).
 
     roles.py       build_roles: the roles PPO, GRPO and DPO share (frozen reference, policy

@@ -51,7 +51,7 @@ from flax import nnx
 import zeroxla
 from zeroxla.lora import LoRAConfig
 from zeroxla.engine.loss import check_packable
-from zeroxla.engine.router_aux import router_record
+from zeroxla.engine.router_aux import check_budget_with_router, router_record
 from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.answer_forward import (answer_forward, one_device_reference,
                                          reference_partitions)
@@ -141,6 +141,10 @@ class GRPOTrainer:
                              "completions, **row_fields) -> list[float]) and/or a reward_model")
         if config.packing:
             check_packable(actor, "GRPOConfig.packing", "actor")
+        if config.ppo_max_token_len_per_gpu is not None:      # before any step is built
+            check_budget_with_router(
+                actor, f"GRPOConfig.ppo_max_token_len_per_gpu={config.ppo_max_token_len_per_gpu}",
+                "ppo_max_token_len_per_gpu=None", "the actor")
         self.reward_funcs, self.reward_model_weight = reward_funcs, reward_model_weight
         self.score_model = None if reward_model is None else make_scorer(reward_model=reward_model)
         self.config, self.tokenizer, self.eos_id, self.seed = config, tokenizer, eos_id, seed

@@ -102,8 +102,8 @@ def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
 def _ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length, vocab_limit):
     """`ragged_answer_logprobs` and an MoE actor's router statistics over every position of
     the rows (None for a dense one)."""
-    logprobs, stats = router_aux.token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
-                                                vocab_limit=vocab_limit)  # [B, P+G-1]
+    logprobs, stats = router_aux.routed_token_logprobs(
+        model, tokens[:, :-1], tokens[:, 1:], vocab_limit=vocab_limit)          # [B, P+G-1]
     at = prompt_lengths[:, None] - 1 + jnp.arange(answer_length)          # [B, G]
     return jnp.take_along_axis(logprobs, at, axis=1), stats               # [B, G]
 
@@ -119,7 +119,7 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
     devices are the whole batch's."""
     mask = batch["action_mask"]
     answer = mask > 0
-    logprobs, stats = router_aux.token_logprobs(
+    logprobs, stats = router_aux.routed_token_logprobs(
         model, batch["inputs"], batch["targets"], positions=batch["positions"],
         segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence)  # [R, S]
     old = batch["old_logprobs"]

@@ -39,7 +39,8 @@ class LeafPlan:
     shape: tuple[int, ...]                       # logical shape
     logical_axes: tuple[str | None, ...]
     stacked: bool              # dim 0 is the layer dim of a LayerStack
-    persistent: bool           # under the persistence threshold: parameter replicated at stage 3
+    persistent: bool           # under the persistence threshold (or a data group of one
+                               # device): parameter replicated at stage 3
     params_partitioned: bool   # parameter storage partitioned (stage 3, not persistent)
     optimizer_partitioned: bool  # optimizer state partitioned (stage >= 1, trainable)
     data_size: int
@@ -369,7 +370,12 @@ class LeafPlan:
             under = ", under persistence threshold" if self.persistent else ""
             return (f"replicated {self.compute_copy_dtype} copy{under} (float32 master, optimizer "
                     f"state partitioned dim {self.shard_dim})")
-        kind = "replicated: under persistence threshold" if self.persistent else "replicated"
+        if self.data_size == 1:
+            kind = "not partitioned: a data group of one device"
+        elif self.persistent:
+            kind = "replicated: under persistence threshold"
+        else:
+            kind = "replicated"
         if self.stage_split:
             kind += " within a stage"
         return kind + frozen + (f" (optimizer state partitioned dim {self.shard_dim})"

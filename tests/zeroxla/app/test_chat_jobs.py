@@ -33,6 +33,7 @@ from zeroxla.app.jobs.train import job as train_job
 from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.rlhf import PPOConfig, Rollout
 from zeroxla.rlhf.reward_model import end_scores
+from job_runs import quiet
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -41,10 +42,6 @@ pytestmark = pytest.mark.slow
 PPO = PPOConfig(kl_ctl=0.1, ppo_epochs=2, actor_lr=1e-3, critic_lr=1e-3,
                 prompts_per_iteration=16, prompt_length=12, answer_length=12,
                 reference_int8=True)          # MixZ++: the frozen reference as int8 codes
-
-
-def quiet(line):
-    del line
 
 
 def reward(write=quiet, **fields):

@@ -23,6 +23,7 @@ from zeroxla.app.run import command, rundir, runner
 from zeroxla.app.run.job import RunSettings
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
 from zeroxla.rlhf.dpo import DPOConfig
+from job_runs import quiet
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,10 +31,6 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 30, 20
 DPO = DPOConfig(beta=0.1, learning_rate=1e-3, batch_size=16, seq_len=64)
-
-
-def quiet(line):
-    del line
 
 
 @pytest.fixture(scope="module")

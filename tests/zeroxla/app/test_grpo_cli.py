@@ -210,3 +210,32 @@ def test_resume_of_a_finished_run_has_nothing_left_to_do(tmp_path, capsys):
         f"zeroxla grpo: nothing left to do: --resume {run} has run iteration 3 of 3; accepted: "
         "more iterations to continue it"], captured.err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == files
+
+
+def test_a_token_budget_on_an_moe_actor_that_weighs_its_aux_loss_is_refused_by_option(
+        tmp_path, monkeypatch, capsys):
+    """`--ppo-max-token-len-per-gpu` on an actor whose config weighs the router's auxiliary
+    loss: refused before the trainer is built (no rollout), naming the options typed (the
+    budget, --actor) and the actor's config fields, not the step's gradient_accumulation_steps
+    or GRPOConfig."""
+    from zeroxla import models
+    from zeroxla.app.tokenizers.basic import CharTokenizer
+    from zeroxla.rlhf import arithmetic_task as task
+
+    tokenizer = CharTokenizer.from_text(task.ALPHABET)
+    config = models.Qwen3MoeConfig(vocab_size=tokenizer.vocab_size, max_seq_len=64, d_model=16,
+                                   num_heads=2, num_kv_heads=2, explicit_head_dim=8,
+                                   num_layers=1, mlp_dim=16, num_experts=4,
+                                   experts_per_token=2, expert_mlp_dim=8, expert_tile=4,
+                                   router_aux_loss_coef=0.01, output_router_logits=True)
+    actor = models.REGISTRY["qwen3_moe"].model_class(config, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(grpo_job, "load_actor", lambda run: (actor, tokenizer))
+    monkeypatch.setattr(grpo_job, "GRPOTrainer", None)          # built: a TypeError, not 2
+    monkeypatch.chdir(tmp_path)
+    assert main(["grpo", "--actor", "sft", "--ppo-max-token-len-per-gpu", "64",
+                 "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--ppo-max-token-len-per-gpu 64" in err and "--actor sft" in err, err
+    assert "router_aux_loss_coef=0.01" in err and "output_router_logits=False" in err, err
+    assert "GRPOConfig" not in err and "gradient_accumulation_steps" not in err, err
+    assert not (tmp_path / "run").exists()

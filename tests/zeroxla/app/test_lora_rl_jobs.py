@@ -27,6 +27,7 @@ from zeroxla.lora import LoRAConfig, LoRAWeight
 from zeroxla.models import GPTConfig
 from zeroxla.models.hf_config import to_hf_config
 from zeroxla.rlhf.dpo import DPOConfig
+from job_runs import distinct_chars
 
 LORA = ["--lora-dim", "4", "--lora-alpha", "8", "--lora-module-name", "wq|wv",
         "--only-optimize-lora"]
@@ -215,11 +216,6 @@ def _adapter_on_the_actor_is_the_trained_actor(actor_run, out, tmp_path):
         np.testing.assert_allclose(adapted(tokens).logits.numpy(),
                                    load(out / "actor_hf").eval()(tokens).logits.numpy(),
                                    rtol=1e-4, atol=1e-4)
-
-
-def distinct_chars(prompts, completions, **_):
-    """A reward that varies across random answers: distinct characters / 8."""
-    return [len(set(c)) / 8 for c in completions]
 
 
 @pytest.mark.slow

@@ -29,16 +29,13 @@ from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.inference import HybridEngineConfig
 from zeroxla.inference.engine import HybridEngine
 from zeroxla.rlhf import PPOConfig
+from job_runs import quiet
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 VOCAB = 1024
-
-
-def quiet(line):
-    del line
 
 
 def conversations(n, seed):

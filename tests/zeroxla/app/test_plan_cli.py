@@ -61,3 +61,38 @@ def test_a_sequence_parallel_size_that_does_not_divide_local_is_named(capsys):
 def test_an_unknown_sequence_parallel_strategy_is_named(capsys):
     err = _refused(["--model", "Qwen2.5-0.5B", "--sequence-parallel-strategy", "star"], capsys)
     assert "--sequence-parallel-strategy" in err and "'ulysses', 'allgather', 'ring'" in err
+
+
+def test_a_bare_device_memory_number_is_refused_with_an_example(capsys):
+    """`--device-memory 80` is not 80 bytes (which answered "fits: no", exit 0): a number with
+    no unit is refused, naming the option and an example."""
+    err = _refused(["--model", "Qwen2.5-0.5B", "--device-memory", "80"], capsys)
+    assert "--device-memory" in err and "'80' is invalid; accepted:" in err, err
+    assert "80GiB" in err and "unit" in err, err
+    with pytest.raises(argparse.ArgumentTypeError, match="'80' is invalid"):
+        memory_size("80")
+    assert memory_size("80B") == 80                     # bytes, said so
+
+
+@pytest.mark.parametrize("strategy,seq_len,chunks", [("ulysses", 7, 2), ("ring", 6, 4)])
+def test_a_seq_len_the_sequence_devices_do_not_split_is_named(capsys, strategy, seq_len,
+                                                               chunks):
+    """Under --sequence-parallel-size 2 each sequence is cut into P chunks (2P for the zigzag
+    strategies): a --seq-len that is not a multiple is refused before any compile, naming
+    --seq-len and the multiple, not the step's `batch['inputs']`."""
+    assert cli.main(["plan", "--model", "Qwen2.5-0.5B", "--mesh", "1x8", "--seq-len",
+                     str(seq_len), "--sequence-parallel-size", "2",
+                     "--sequence-parallel-strategy", strategy]) == 2
+    err = capsys.readouterr().err
+    assert f"--seq-len {seq_len} is not a multiple of {chunks}" in err, err
+    assert f"accepted: a multiple of {chunks}" in err and "batch[" not in err, err
+
+
+def test_a_search_granularity_the_sequence_devices_do_not_split_is_named(capsys):
+    """With --max-seq-len every length tried is a multiple of --granularity: under ring's
+    zigzag of 2 x P chunks, 1002 is refused before any compile, naming --granularity."""
+    assert cli.main(["plan", "--model", "Qwen2.5-0.5B", "--mesh", "1x8", "--max-seq-len",
+                     "--granularity", "1002", "--sequence-parallel-size", "2",
+                     "--sequence-parallel-strategy", "ring"]) == 2
+    err = capsys.readouterr().err
+    assert "--granularity 1002 is not a multiple of 4" in err and "use 1000 or 1004" in err, err

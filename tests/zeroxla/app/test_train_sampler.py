@@ -96,3 +96,12 @@ def test_temperature_sample_is_seeded_and_keeps_the_prompt():
     with pytest.raises(ValueError, match=r"the prompt \(3 tokens\) exceeds max_len=2"):
         sample_with_engine(step, state, tokenizer, tokenizer.encode("ABC"), num_tokens=1,
                            max_len=2)
+
+
+def test_greedy_sample_after_sequence_parallel_training_is_the_unsharded_models(tmp_path):
+    # Issue 66: the run trained on node 1 x local 2 x sequence 2, then failed at its sample
+    # ("stored split over mesh axes ('node', 'local', 'sequence')") with no summary.json.
+    job, summary, _ = run_job(tmp_path, steps=1, batch_size=2, seq_len=16, mesh=(1, 4),
+                              sequence_parallel_size=2, sample_tokens=6, temperature=0.0)
+    assert summary.samples == reference_sample(job, 6)
+    assert (tmp_path / "run" / "summary.json").exists()

@@ -92,3 +92,33 @@ def test_token_ids_outside_the_vocabulary(step, state, key, bad, shown):
     with pytest.raises(ValueError, match=rf"batch\['{key}'\] has token ids in {shown}; "
                                          r"accepted: \[0, 65\)"):
         step(state, batch)
+
+
+def _packed(segments):
+    """A packed batch of 16 rows of 8 tokens: row 3 holds `segments`, the others one sequence;
+    each token's position counts from its sequence's start."""
+    segment_ids = np.ones((16, 8), np.int32)
+    segment_ids[3] = segments
+    positions = np.tile(np.arange(8, dtype=np.int32), (16, 1))
+    starts = np.r_[True, segment_ids[3, 1:] != segment_ids[3, :-1]]
+    positions[3] = np.arange(8) - np.maximum.accumulate(np.where(starts, np.arange(8), 0))
+    return {"inputs": _tokens(16, 8), "targets": _tokens(16, 8), "positions": positions,
+            "segment_ids": segment_ids}
+
+
+def test_a_segment_id_in_two_runs_of_a_row_is_refused_naming_the_row(step, state):
+    """Segments match by equality: ids 1, 2, 1 would let the third run attend to the first as
+    one sequence. A packed row holds each sequence in one run, so another is refused."""
+    with pytest.raises(ValueError, match=r"batch\['segment_ids'\] row 3 has segment id 1 in 2 "
+                                         r"separate runs.*accepted: each id > 0 in one "
+                                         r"contiguous run"):
+        step(state, _packed([1, 1, 2, 2, 1, 1, 0, 0]))
+
+
+@pytest.mark.parametrize("segments", [[2, 2, 1, 1, 1, 0, 0, 0], [1, 0, 2, 2, 0, 3, 3, 0]])
+def test_contiguous_segments_in_any_order_with_padding_between_pass_the_check(segments):
+    from zeroxla.engine.batch_checks import check_batch
+
+    batch = _packed(segments)
+    assert check_batch(batch, next_token=True, data_size=8, accumulation=1,
+                       vocab_size=lambda: 65) == batch

@@ -97,6 +97,23 @@ def test_expert_gradients_are_reduced_over_the_expert_data_group_only():
     assert exchange and {c.group_size for c in exchange} == {4}
 
 
+def test_stage1_expert_parallel_gradients_equal_one_device():
+    """ZeRO-1 at EP = 2 (2 x 2 x 2): the gradients (one SGD step of learning rate 1: the update
+    is the gradient) of every leaf, expert leaves all-reduced over their expert-data group and
+    dense ones over all 8 devices, equal the single-device gradient of the written-out loss.
+    (Every other daily expert-parallel case is stage 3, whose expert gradients are
+    reduce-scattered in backward instead.)"""
+    sgd = optax.sgd(1.0)
+    initial = flat_params(nnx.state(model(), nnx.Param))
+    _, want = train_single_device(model(), sgd, BATCHES[:1], loss_fn=written_out_loss(1, 8))
+    step = ep_step(ep_mesh(2), sgd, stage=1)
+    state, _ = step(step.init(), BATCHES[0])
+    got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
+    for path in want:
+        np.testing.assert_allclose(initial[path] - got[path], initial[path] - want[path],
+                                   rtol=0, atol=1e-7, err_msg=path)
+
+
 @pytest.mark.slow
 def test_hpz_and_qgz_with_expert_parallelism():
     """hpZ + qgZ at EP = 2: the expert leaves take the plain collectives over their
@@ -241,10 +258,20 @@ def test_checkpoint_saved_at_ep2_restores_at_ep4_and_ep1_bit_exactly(tmp_path):
 
 
 def test_expert_degree_that_does_not_divide_the_experts_is_refused():
+    """6 experts on an expert axis of 4 (8 devices, 2 nodes): the degrees offered divide the
+    experts and are ones `make_mesh` builds with the same nodes (3 and 6 divide the experts
+    but not the devices: offering them sends the user to a second refusal)."""
     six = models.Qwen3MoeConfig(**{**CONFIG.__dict__, "num_experts": 6})
-    with pytest.raises(ValueError, match=r"6 experts.*'expert' axis of 4.*\[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"6 experts.*'expert' axis of 4.*\[1, 2\]") as refused:
         zeroxla.make_step(models.REGISTRY["qwen3_moe"].model_class(six, rngs=nnx.Rngs(0)),
                           ep_mesh(4), optimizer=SGD, config=zeroxla.ZeroConfig(stage=3))
+    offered = eval(str(refused.value).rsplit("one of ", 1)[1].split("]")[0] + "]")
+    for degree in (1, 2, 3, 6):                          # the divisors of the 6 experts
+        if degree in offered:
+            zeroxla.make_mesh(2, expert=degree)
+        else:
+            with pytest.raises(ValueError, match="make_mesh"):
+                zeroxla.make_mesh(2, expert=degree)
 
 
 @pytest.mark.parametrize("field,value", [("quantized_nontrainable_weights", True)])

@@ -1,7 +1,8 @@
 """An MoE model (Qwen3-MoE's family, auxiliary loss weighed) trains under ZeRO exactly as the
 same model trained on one device with plain optax, its loss written out here: next-token
 cross-entropy plus router_aux_loss_coef x transformers' load-balancing loss over the batch's
-tokens (per micro-batch, averaged, with gradient accumulation)."""
+tokens (per micro-batch, averaged, with gradient accumulation: the router/aux_loss logged at the
+first step is the mean of transformers' per-forward aux losses over the same micro-batches)."""
 
 import jax
 import jax.numpy as jnp
@@ -98,11 +99,35 @@ DAILY = {("zero3", "sgd"), ("zero3", "adamw"), ("zero3-accumulation", "sgd"),
          ("zero3-sp2", "sgd")}          # the rest run in the full suite (slow)
 
 
+@pytest.fixture(scope="module")
+def transformers_aux(tmp_path_factory):
+    """`aux(batch, k, replicas)`: the mean over the k micro-batches (`micro_batch`) of
+    transformers' auxiliary loss of one forward of `model()` (exported) over each, as
+    transformers computes it per forward; None without torch and transformers."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from zeroxla.models import hf
+
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    hf.save_hf_model(CONFIG, model(), path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+    def aux(batch, k, replicas):
+        with torch.no_grad():
+            return np.mean([float(reference(torch.as_tensor(np.asarray(
+                micro_batch(batch, i, k, replicas)["inputs"]), dtype=torch.long),
+                output_router_logits=True).aux_loss) for i in range(k)])
+    return aux
+
+
 @pytest.mark.parametrize("name,optimizer", [
     pytest.param(name, opt, id=f"{name}-{opt}",
                  marks=() if (name, opt) in DAILY else pytest.mark.slow)
     for name in CASES for opt in ("sgd", "adamw")])
-def test_moe_trains_like_one_device(name, optimizer):
+def test_moe_trains_like_one_device(name, optimizer, transformers_aux):
     case = dict(CASES[name])
     sequence = case.pop("sequence", 1)
     k = case.get("gradient_accumulation_steps", 1)
@@ -118,9 +143,12 @@ def test_moe_trains_like_one_device(name, optimizer):
                                             loss_fn=written_out_loss(k, replicas))
     step = zeroxla.make_step(model(), mesh, optimizer=opt, config=zeroxla.ZeroConfig(**case))
 
-    def load_shares(_, metrics):
+    def load_shares(i, metrics):
         assert metrics["router/load"].shape == (CONFIG.num_experts,)
         np.testing.assert_allclose(float(jnp.sum(metrics["router/load"])), 1.0, rtol=1e-6)
+        if i == 0 and transformers_aux is not None:   # the rule `ZeroStep.__call__` states
+            np.testing.assert_allclose(float(metrics["router/aux_loss"]),
+                                       transformers_aux(BATCHES[0], k, replicas), rtol=1e-5)
 
     assert_trains_like(step, BATCHES, want_losses, want, check=load_shares)
 
@@ -184,14 +212,31 @@ def test_a_custom_loss_fn_that_would_drop_the_aux_loss_is_refused():
         step(step.init(), BATCHES[0])
 
 
+def test_routed_token_logprobs_are_the_logits_log_probs_beside_the_router_statistics():
+    """`router_aux.routed_token_logprobs(model, tokens, labels)` -> (log-probs, stats), a name
+    of its own beside `loss.token_logprobs(logits, labels)`: the log-probs are the whole
+    logits' `log_softmax` at the labels, with the MoE model's router statistics, and with None
+    for a dense model."""
+    from zeroxla.engine import router_aux
+
+    tokens = BATCHES[0]["inputs"][:2]
+    labels = BATCHES[0]["targets"][:2]
+    for m, routed in ((model(), True), (models.build("gpt-tiny", num_layers=1), False)):
+        logp, stats = router_aux.routed_token_logprobs(m, tokens, labels)
+        want = np.take_along_axis(np.asarray(jax.nn.log_softmax(
+            m(tokens).astype(jnp.float32))), labels[..., None], axis=-1)[..., 0]
+        np.testing.assert_allclose(logp, want, rtol=1e-5, atol=1e-5)
+        assert (stats is not None) == routed
+
+
 def test_a_custom_loss_fn_returning_the_statistics_trains_like_one_device():
     """A loss_fn of its own (cross-entropy of the answer half of each row) returning
-    `(sum, count, stats)` through `router_aux.token_logprobs`: the step adds the auxiliary loss
-    over the tokens the forward saw."""
+    `(sum, count, stats)` through `router_aux.routed_token_logprobs`: the step adds the
+    auxiliary loss over the tokens the forward saw."""
     from zeroxla.engine import router_aux
 
     def half_loss(m, batch):
-        logp, stats = router_aux.token_logprobs(m, batch["inputs"], batch["targets"])
+        logp, stats = router_aux.routed_token_logprobs(m, batch["inputs"], batch["targets"])
         return -jnp.sum(logp[:, 8:]), jnp.float32(logp[:, 8:].size), stats
 
     def reference_loss(m, batch):
@@ -299,3 +344,43 @@ def test_the_pipeline_refuses_a_weighed_aux_loss_and_trains_an_moe_without_it():
                              pipeline=zeroxla.PipelineConfig(4),
                              config=zeroxla.ZeroConfig(stage=3))
     assert_trains_like(step, BATCHES, want_losses, want)
+
+
+def sequences_as_rows(sequences, per_row, length=16):
+    """A batch holding `per_row` of `sequences` in each row of `length` (1: padded, one per
+    row; 2: packed in pairs): segment ids 1, 2, .. (0 the padding), positions from 0 in each
+    sequence, targets the next tokens, the loss mask 1 where a sequence has a next token."""
+    rows = len(sequences) // per_row
+    batch = {k: np.zeros((rows, length), np.int32) for k in
+             ("inputs", "targets", "positions", "segment_ids")}
+    batch["loss_mask"] = np.zeros((rows, length), np.float32)
+    for i, tokens in enumerate(sequences):
+        row, start = i // per_row, sum(len(s) for s in sequences[i - i % per_row:i])
+        at, n = slice(start, start + len(tokens)), len(tokens)
+        batch["inputs"][row, at], batch["positions"][row, at] = tokens, np.arange(n)
+        batch["segment_ids"][row, at] = i % per_row + 1
+        batch["targets"][row, start:start + n - 1] = tokens[1:]
+        batch["loss_mask"][row, start:start + n - 1] = 1
+    return batch
+
+
+def test_a_packed_moe_step_equals_the_padded_one():
+    """16 sequences of 3 to 8 tokens, one per padded row (16 x 16, over half of it padding) or
+    packed two per row (8 x 16): the same tokens, so the same loss, auxiliary loss, per-expert
+    load and SGD update (learning rate 1: the gradient), whatever the padding; the router
+    statistics count only the tokens (segment id > 0), each token's k assignments its own."""
+    rng = np.random.default_rng(5)
+    sequences = [rng.integers(0, 64, int(n)).astype(np.int32) for n in rng.integers(3, 9, 16)]
+    sgd, runs = optax.sgd(1.0), {}
+    for name, per_row in (("padded", 1), ("packed", 2)):
+        step = zeroxla.make_step(model(), zeroxla.make_mesh(2, 4), optimizer=sgd,
+                                 config=zeroxla.ZeroConfig(stage=3))
+        state, metrics = step(step.init(), sequences_as_rows(sequences, per_row))
+        runs[name] = (metrics, flat_params(nnx.state(step.gathered_model(state), nnx.Param)))
+    (padded, want), (packed, got) = runs["padded"], runs["packed"]
+    for key in ("loss", "router/aux_loss", "router/load"):
+        np.testing.assert_allclose(np.asarray(packed[key]), np.asarray(padded[key]),
+                                   rtol=1e-6, atol=1e-7, err_msg=key)
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=0, atol=1e-7, err_msg=path)
+

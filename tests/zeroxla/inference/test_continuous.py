@@ -42,6 +42,14 @@ def _step(family):
                              optimizer=optax.sgd(0.0), config=zeroxla.ZeroConfig(stage=3))
 
 
+def _one_device_step(family):
+    """The step on one device (one data group): the cheapest engine steps, for the daily
+    tests that run many of them."""
+    return zeroxla.make_step(FAMILIES[family](),
+                             zeroxla.make_mesh(1, 1, devices=jax.devices()[:1]),
+                             optimizer=optax.sgd(0.0), config=zeroxla.ZeroConfig(stage=3))
+
+
 def _prompts(vocab, lengths=(1, 3, 9, 14, 5, 17, 2), seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
@@ -307,3 +315,57 @@ def test_a_plain_nnx_model_decodes_continuously_as_the_unsharded_model(tp):
     for got, want in zip(out, greedy_reference(step.gathered_model(state), prompts, 10)):
         np.testing.assert_array_equal(got, want)
     assert len({tuple(o[p.size:]) for o, p in zip(out, prompts)}) > 1, "degenerate model"
+
+
+def test_a_group_on_a_pool_of_one_sequence_preempts_its_own_answers():
+    # Issue 66: 1 prompt x 2 answers x 56 new tokens on 17 pages of 4 slots (the least
+    # kv_blocks accepts for max_out_tokens 64) raised "no sequence could be scheduled" while
+    # the same answers as separate calls ran: a group's answers shared one admission order,
+    # so none could preempt another. Reference: each answer generated alone (generate_group's
+    # definition) and, greedy, the unsharded model's tokens.
+    from inference_helpers import greedy_reference
+
+    step = _one_device_step("gpt")
+    state = step.init()
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        **{**SMALL, "max_out_tokens": 64}, kv_blocks=17))
+    prompt = _prompts(step.layout.vocab_size, (8,))
+    seeds = [3, 4]
+    grouped = engine.generate_group(state, prompt, seeds, max_new_tokens=56, temperature=1.0)
+    assert engine.stats["preemptions"] > 0
+    for seed, outs in zip(seeds, grouped):
+        alone = engine.generate(state, prompt, max_new_tokens=56, temperature=1.0, seed=seed)
+        np.testing.assert_array_equal(outs[0], alone[0])
+    assert not np.array_equal(grouped[0][0], grouped[1][0])     # the seeds drew differently
+    greedy = engine.generate_group(state, prompt, seeds, max_new_tokens=56)
+    want = greedy_reference(state, prompt, 56)[0]
+    for outs in greedy:
+        np.testing.assert_array_equal(outs[0], want)
+
+
+def test_two_prompts_in_one_batch_each_draw_with_their_own_knobs():
+    # Issue 66, the daily check of per-prompt knobs (the slow test above also runs the static
+    # engine): two prompts in one continuous batch, different temperature / top-k / top-p,
+    # each equal to its prompt run alone with its own knobs and the same seed (a row's draws
+    # depend on the seed, its prompt and its knobs only: `generate`'s contract). One
+    # executable serves every call (the knobs are step data).
+    step = _one_device_step("gpt")
+    state = step.init()
+    _, continuous = _engines(step, 1)
+    prompts = _prompts(step.layout.vocab_size, (3, 9))
+    knobs = [dict(temperature=0.7, top_k=5, top_p=None),
+             dict(temperature=1.5, top_k=None, top_p=0.8)]
+    together, drawn = continuous.generate(
+        state, prompts, max_new_tokens=8, seed=4, return_logprobs=True,
+        **{name: [k[name] for k in knobs] for name in knobs[0]})
+
+    def alone(i, knob):
+        return continuous.generate(state, [prompts[i]], max_new_tokens=8, seed=4,
+                                   return_logprobs=True, **knob)
+
+    for i, knob in enumerate(knobs):
+        (out,), (logprobs,) = alone(i, knob)
+        np.testing.assert_array_equal(together[i], out, err_msg=f"prompt {i}")
+        np.testing.assert_allclose(drawn[i], logprobs, atol=1e-6)
+    # the knobs matter: prompt 1 under prompt 0's knobs draws otherwise
+    assert not np.array_equal(alone(1, knobs[0])[0][0], together[1])

@@ -21,6 +21,7 @@ from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer
 from test_grpo_update_reference import assert_update, reference_update
+from job_runs import distinct_chars
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
 EOS = int(TOKENIZER.encode(task.END)[0])
@@ -33,11 +34,6 @@ SGD_LR = 0.2
 
 def tiny_actor():
     return models.build("gpt-tiny", vocab_size=TOKENIZER.vocab_size, max_seq_len=32, seed=3)
-
-
-def distinct_chars(prompts, completions, **_):
-    """A reward that varies across random answers: distinct characters / 6."""
-    return [len(set(c)) / 6 for c in completions]
 
 
 def reversed_distinct_chars(prompts, completions, **_):
@@ -95,10 +91,6 @@ def save_actor_run(path):
     checkpoint.save(path / "checkpoint", step.init(0), layout=step.layout,
                     metadata={"tokenizer": tokenizer_record(TOKENIZER)})
     return path
-
-
-def quiet(line):
-    del line
 
 
 @pytest.mark.slow

@@ -13,13 +13,10 @@ from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer
+from job_runs import distinct_chars
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
 EOS = int(TOKENIZER.encode(task.END)[0])
-
-
-def distinct_chars(prompts, completions, **_):
-    return [len(set(c)) / 6 for c in completions]
 
 
 def actor():
@@ -82,3 +79,20 @@ def test_ppo_on_an_moe_actor_under_expert_parallelism():
     rollout, _, _ = trainer.generate_experience(0)
     record = trainer.train_rlhf(rollout)
     assert all(np.isfinite(v) for v in jax.tree.leaves(record) if np.ndim(v) == 0)
+
+
+def test_a_token_budget_on_an_actor_that_weighs_its_aux_loss_is_refused_before_any_rollout():
+    """`ppo_max_token_len_per_gpu` makes each replica's packed rows micro-batches of gradient
+    accumulation, where the GRPO loss's share of the auxiliary loss is not defined
+    (`engine.router_aux.check_accumulation`): refused by name when the trainer is built, not
+    after the first rollout under the step's own words (gradient_accumulation_steps)."""
+    config = GRPOConfig(num_generations=4, prompts_per_iteration=4, prompt_length=8,
+                        max_completion_length=6, ppo_max_token_len_per_gpu=32)
+    with pytest.raises(ValueError, match=r"GRPOConfig.ppo_max_token_len_per_gpu=32 .*"
+                                         r"router_aux_loss_coef=0.01.*accepted: .*"
+                                         r"ppo_max_token_len_per_gpu=None.*"
+                                         r"output_router_logits=False") as refused:
+        GRPOTrainer(config, actor(), mesh=zeroxla.make_mesh(2, 4), tokenizer=TOKENIZER,
+                    prompts=task.split_problems(32, 0)[0], reward_funcs=[distinct_chars],
+                    inference_tp_size=1, eos_id=EOS, seed=0)
+    assert "gradient_accumulation_steps" not in str(refused.value)

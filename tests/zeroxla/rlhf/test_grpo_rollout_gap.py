@@ -22,15 +22,12 @@ from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
 from zeroxla.rlhf.grpo import GRPOTrainer, iteration_record
+from job_runs import distinct_chars
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
 EOS = int(TOKENIZER.encode(task.END)[0])
 PADDED = 8                                    # embedding rows past the tokenizer's ids
 GAP_BOUND = 1e-5
-
-
-def distinct_chars(prompts, completions, **_):
-    return [len(set(c)) / 6 for c in completions]
 
 
 @pytest.mark.slow

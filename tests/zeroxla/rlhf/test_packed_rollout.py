@@ -289,3 +289,31 @@ def test_ppo_losses_under_sequence_parallelism_land_where_the_padded_step_does(r
     from zeroxla.models.sequence_parallel import SequenceParallel
     with pytest.raises(ValueError, match="PPOConfig.packing=True"):
         loss_fn(build(), batch, sequence=SequenceParallel("sequence", 2))
+
+
+@pytest.mark.parametrize("strategy,chunks", [("ulysses", 2), ("ring", 4)])
+def test_a_token_budget_under_sequence_parallelism_counts_one_sequence_devices_tokens(
+        strategy, chunks):
+    """verl's `ppo_max_token_len_per_gpu` is one device's tokens: under sequence parallelism
+    of 2 a packed row spans the 2 sequence devices, so it is the largest multiple of the chunks
+    the row is cut into (P, 2P for the zigzag) of at most 2 x budget tokens, and a sequence
+    longer than the budget fits whole (packing only; no compile)."""
+    from zeroxla.rlhf.packed_rollout import check_token_budget
+    loss_fn = make_grpo_loss(loss_type="dapo", epsilon=EPS, epsilon_high=EPS_HIGH)
+    layout = zeroxla.make_step(gpt(), zeroxla.make_mesh(2, 2, sequence=2), loss_fn=loss_fn,
+                               optimizer=optax.sgd(0.5), config=zeroxla.ZeroConfig(
+                                   stage=3, sequence_parallel_strategy=strategy)).layout
+    padded = rollout(16, seed=37)
+    slots = padded["prompt_lengths"] + padded["action_mask"].sum(1).astype(int) - 1   # [B]
+    longest = int(slots.max())
+    budget = longest - 4                             # under the longest, over half of it
+    check_token_budget(budget, longest, layout, "GRPOConfig")            # accepted
+    packed, stats, k = pack_for_step(padded, layout, loss_type="dapo", row_len=P + G - 1,
+                                     token_budget=budget, owner="GRPOConfig")
+    row = packed["inputs"].shape[1]
+    assert row == max(n for n in range(0, 2 * budget + 1, chunks)), (row, budget)
+    assert row // 2 <= budget and row >= longest
+    assert (packed["segment_ids"] > 0).sum() == slots.sum()             # every slot placed
+    assert packed["inputs"].shape[0] == 4 * k and stats["micro_batches"] == k
+    with pytest.raises(ValueError, match=r"ppo_max_token_len_per_gpu=\d+ is invalid"):
+        check_token_budget(-(-longest // 2) - chunks, longest, layout, "GRPOConfig")

@@ -6,7 +6,7 @@
 Without `--prompts`, the bundled arithmetic task, whose held-out problems are scored greedily
 before the run, every `--eval-every` iterations and at the end (`val_accuracy`). A unit is one
 iteration (`zeroxla.rlhf.GRPOTrainer.iteration`), counted from 0 in metrics.jsonl. LoRA
-adapters go on the actor, not the frozen reference. The run is the runner's (`app.runs`).
+adapters go on the actor, not the frozen reference. The run is the runner's (`zeroxla.app.run`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS
                                      OptionTable, token_budget_option)
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY, as_metadata
+from zeroxla.engine.router_aux import check_budget_with_router
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.grpo import GRPOTrainer
 from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS, SCALE_REWARDS,
@@ -173,6 +174,10 @@ class GRPOJob:
                   model=model)
         check_inference_tp(c.inference_tp_size, c.sharding.mesh, model_config, model)
         check_adapters(model_config, c.lora)
+        if grpo.ppo_max_token_len_per_gpu is not None:
+            check_budget_with_router(actor, f"--ppo-max-token-len-per-gpu "
+                                     f"{grpo.ppo_max_token_len_per_gpu}",
+                                     "no --ppo-max-token-len-per-gpu", model)
         self.trainer = GRPOTrainer(
             grpo, actor, mesh=mesh, tokenizer=self.tokenizer, prompts=rows,
             reward_funcs=funcs or (), reward_model_weight=weight,

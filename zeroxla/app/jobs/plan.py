@@ -5,7 +5,8 @@
 
 Compiles the ZeRO step for the model's shape on abstract arrays (nothing allocated) and prints
 the per-device peak by part; with `--max-seq-len`, the largest sequence length that fits for
-each activation setting (binary search by compile only). Not a training job: no run directory.
+each activation setting (a few compiles per setting: `planner.largest_under`; one line to
+stderr per compile). Not a training job: no run directory.
 On a CPU host the mesh's devices are simulated (XLA_FLAGS' host device count, set before JAX
 starts, as `zeroxla train` does); elsewhere the mesh must match the devices present.
 """
@@ -16,17 +17,20 @@ import argparse
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+import sys
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from zeroxla.app.cli_args import host_device_count, mesh_shape, positive_int, set_host_device_count
 from zeroxla.app.run.options import Option, OptionTable
+from zeroxla.models.sequence_parallel import ZIGZAG_STRATEGIES
 from zeroxla.sharding.config import SEQUENCE_PARALLEL_STRATEGIES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLAN_STAGES = (2, 3)          # remat policies apply to stages 2-3 (`ZeroConfig.remat`)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*$")
 SIZE_ACCEPTED = "a number with a unit, e.g. 80GiB, 80GB, 81920MiB (B, KB, MB, GB, TB, KiB, " \
@@ -34,7 +38,8 @@ SIZE_ACCEPTED = "a number with a unit, e.g. 80GiB, 80GB, 81920MiB (B, KB, MB, GB
 
 
 def memory_size(text: str) -> int:
-    """'80GiB' -> 85899345920 bytes; '80GB' -> 80e9."""
+    """'80GiB' -> 85899345920 bytes; '80GB' -> 80e9. A bare number is refused: '80' meant as
+    GiB would be read as 80 bytes, and every step would "not fit"."""
     match = _SIZE.match(text.lower())
     if not match or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: {SIZE_ACCEPTED}")
@@ -157,6 +162,28 @@ def plan_settings(given: Mapping[str, Any]) -> PlanSettings:
     return OPTIONS.build(given, model=given["model"])
 
 
+def check_lengths(plan: PlanSettings) -> None:
+    """ValueError naming --seq-len (or --granularity with --max-seq-len) unless the lengths
+    planned are multiples of the chunks sequence parallelism cuts a sequence into: P, 2P for
+    the zigzag strategies (`models.sequence_parallel`); checked before any compile, after
+    the degree itself (`check_sequence_parallel`)."""
+    from zeroxla.app.distributed import check_sequence_parallel
+
+    check_sequence_parallel(plan.mesh, plan.sequence_parallel_size)
+    size, strategy = plan.sequence_parallel_size, plan.sequence_parallel_strategy
+    chunks = size * (2 if strategy in ZIGZAG_STRATEGIES else 1)
+    option, length = (("--granularity", plan.granularity) if plan.max_seq_len
+                      else ("--seq-len", plan.seq_len))
+    if size <= 1 or length % chunks == 0:
+        return
+    lower, upper = length // chunks * chunks, -(-length // chunks) * chunks
+    use = " or ".join(str(n) for n in (lower, upper) if n > 0)
+    raise ValueError(f"{option} {length} is not a multiple of {chunks}: "
+                     f"--sequence-parallel-size {size} with --sequence-parallel-strategy "
+                     f"{strategy} cuts each sequence into {chunks} chunks over the {size} "
+                     f"sequence devices; use {use} (accepted: a multiple of {chunks})")
+
+
 def model_config(model: str) -> Any:
     """The config of `--model`: a preset name or a Hugging Face directory (its config.json)."""
     from zeroxla.models import presets
@@ -190,6 +217,7 @@ def _mesh(nodes: int, local: int, simulated: bool, sequence: int = 1) -> Any:
 def run_plan(args: argparse.Namespace) -> int:
     """Runs `zeroxla plan`; prints the figures."""
     plan = plan_settings(OPTIONS.given(args))
+    check_lengths(plan)
     nodes, local = plan.mesh
     user_count = host_device_count()
     set_host_device_count(nodes * local)       # before JAX starts (cli module docstring)
@@ -198,7 +226,9 @@ def run_plan(args: argparse.Namespace) -> int:
                  sequence=plan.sequence_parallel_size)
     dtype = DTYPES[plan.dtype]
     if plan.max_seq_len:
-        print(max_seq_len_report(config, mesh, plan, dtype), flush=True)
+        print(max_seq_len_report(config, mesh, plan, dtype,
+                                 say=lambda line: print(line, file=sys.stderr, flush=True)),
+              flush=True)
         return 0
     from zeroxla.analysis.planner import plan_memory
 
@@ -212,26 +242,34 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str) -> str:
-    """The largest T per setting (`planner.sweep_settings`), one line each, by compile only."""
-    from zeroxla.analysis.planner import largest_fitting, plan_memory, sweep_settings
+def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
+                       say: Callable[[str], None] = lambda line: None) -> str:
+    """The largest T per setting (`planner.sweep_settings`), one line each, by compile only
+    (`planner.largest_under`: a few compiles per setting); `say` gets a line per compile (the
+    command prints them to stderr as they come: each takes seconds to a minute)."""
+    from zeroxla.analysis.planner import largest_under, plan_memory, sweep_settings
 
     settings, missing = sweep_settings(config, plan.remat or ("none", "full", "offload"))
     lines = [f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, {plan.mesh_label}, "
              f"{plan.device_memory / 2**30:.1f} GiB per device, "
              f"{plan.sequences_per_device} sequence(s) per data replica: largest T that fits"]
-    for setting in settings:
+    for number, setting in enumerate(settings, 1):
         peaks: dict[int, Any] = {}
 
-        def fits(t: int, setting=setting, peaks=peaks) -> bool:
+        def peak(t: int, setting=setting, peaks=peaks, number=number) -> int:
+            start = time.perf_counter()
             figures = plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
                                   stage=plan.stage, dtype=dtype, remat=setting.remat,
                                   fields=dict(setting.fields),
                                   sequences_per_device=plan.sequences_per_device,
                                   zero=plan.zero)
             peaks[t] = figures
-            return figures.fits
-        best = largest_fitting(fits, granularity=plan.granularity, limit=plan.search_limit)
+            say(f"  [{number}/{len(settings)}] {setting.label}: T={t} peak "
+                f"{figures.peak / 2**30:.2f} GiB, {'fits' if figures.fits else 'does not fit'} "
+                f"(compiled in {time.perf_counter() - start:.0f} s)")
+            return figures.peak
+        best = largest_under(peak, plan.device_memory, granularity=plan.granularity,
+                             limit=plan.search_limit)
         note = ""
         if best:
             f = peaks[best]

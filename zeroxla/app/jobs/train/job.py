@@ -35,7 +35,8 @@ from zeroxla.app.jobs.train.data import load_train_data
 from zeroxla.app.jobs.train.model import initial_state, model_config
 from zeroxla.app.jobs.train.prepare import describe_run, make_train_step, recorded_tokenizer
 from zeroxla.app.jobs.train.recipe import build_setup
-from zeroxla.app.jobs.train.report import (TrainSummary, final_sample, run_settings, write_plot)
+from zeroxla.app.jobs.train.report import (TrainSummary, check_sample, final_sample, run_settings,
+                                           write_plot)
 from zeroxla.app.jobs.train.resume import RECORD_KEY, job_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
 from zeroxla.checkpoint.adapters import as_metadata
@@ -69,6 +70,7 @@ class TrainJob:
                                          config.sharding.sequence_parallel_size,
                                          config.sharding.expert_parallel_size)
         self.step = make_train_step(config, self.setup, model, self.mesh)
+        check_sample(self.step, config)          # the closing sample's refusals, before training
         self.val_batches = self.data.eval_batches("val", config.run.eval_batches,
                                                   self.step.layout.batch_sharding)
         # A resumed run's state comes from its checkpoint (the runner restores it).
