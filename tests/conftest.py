@@ -1,7 +1,8 @@
 """Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape), compiled
-with the suite's codegen flags, through one compilation cache shared by the run's processes
-(tests/support/xla_flags.py says what each changes and what not), with the garbage collector's
-test settings (tests/support/gc_policy.py)."""
+with the suite's codegen flags, through one compilation cache shared by the run's processes and
+kept between runs (`ZEROXLA_TEST_JAX_CACHE=cold` for a fresh one; tests/support/xla_flags.py says
+what each changes and what not), with the garbage collector's test settings
+(tests/support/gc_policy.py)."""
 
 import os
 import shutil
@@ -10,6 +11,9 @@ import ci_legs  # tests/support, on sys.path through pyproject's `pythonpath`
 import gc_policy
 import tiers
 import xla_flags
+
+# Where the time goes per file, and the compile budget of the daily subset (suite_profile.py).
+pytest_plugins = ["suite_profile"]
 
 _FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,7 +47,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    """The run's compilation cache goes with the run (the controller's, after its workers)."""
+    """A cold run's compilation cache goes with the run (the controller's, after its workers)."""
     if _CREATED_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
 

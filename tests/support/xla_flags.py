@@ -38,6 +38,8 @@ default.)
 """
 
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import MutableMapping, Mapping
 from importlib import metadata
@@ -66,7 +68,8 @@ CODEGEN_FLAGS = " ".join(["--xla_backend_optimization_level=0",
 # tests build many identical programs (the same gpt-tiny step in parity, optimizer, memory and
 # checkpoint tests; single-device references), and `make_step` makes a new `jax.jit` each time,
 # so JAX's in-memory cache never hits; the persistent cache is keyed by the HLO, the flags and
-# the JAX version, so an identical program is compiled once per run, in whichever process.
+# the JAX version, so an identical program is compiled once, in whichever process (and, with
+# the cache kept between runs below, once per machine until the program changes).
 # Checked before using it: a cache hit gives the same `memory_analysis()`, `cost_analysis()`
 # and op_name metadata (what zeroxla.analysis reads: named scopes, collectives, trip counts);
 # `as_text()` differs only in its source-location tables (file names and lines of whichever
@@ -79,15 +82,52 @@ CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+# The cache kept between runs on one machine (CI runs on the machine of the session that
+# submits, which the next session usually gets back): one directory per jaxlib and Python
+# version under the user's cache folder. It is never needed for correctness, and a stale entry
+# cannot be used: JAX keys each entry by the program's HLO, the compile options and XLA flags,
+# and the jaxlib / backend version, so a changed program or flag is a new key (a miss), never
+# another program's executable. `ZEROXLA_TEST_JAX_CACHE=cold` gives a run a fresh temporary
+# cache instead (removed at its end: how the suite's cold times are measured); a path names one.
+PERSISTENT_CACHE_ENV = "ZEROXLA_TEST_JAX_CACHE"
+COLD = "cold"
+# A kept cache over this size is emptied when a run starts (a whole-suite run writes ~0.3 GB).
+PERSISTENT_CACHE_MAX_BYTES = 4 << 30
+
+
+def persistent_cache_dir(environ: Mapping[str, str]) -> str:
+    """The kept cache of this jaxlib and Python: $XDG_CACHE_HOME (or ~/.cache)/zeroxla-tests/."""
+    root = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    version = ".".join(map(str, sys.version_info[:2]))
+    return os.path.join(root, "zeroxla-tests",
+                        f"jax-cache-jaxlib{metadata.version('jaxlib')}-py{version}")
+
+
 def use_compilation_cache(environ: MutableMapping[str, str]) -> str | None:
     """Points `environ` (before JAX is imported) at the run's compilation cache: the one it
-    names already (a worker of this run, or a developer's own), else a new temporary directory,
-    returned so that the process that made it removes it at the end."""
+    names already (a worker of this run, or a developer's own), else the kept cache
+    (`persistent_cache_dir`, emptied first when over PERSISTENT_CACHE_MAX_BYTES), or with
+    `ZEROXLA_TEST_JAX_CACHE=cold` a new temporary directory, returned so that the process that
+    made it removes it at the end."""
     environ.update({k: v for k, v in CACHE_SETTINGS.items() if k not in environ})
     if environ.get(CACHE_ENV):
         return None
-    environ[CACHE_ENV] = tempfile.mkdtemp(prefix="zeroxla-test-jax-cache-")
-    return environ[CACHE_ENV]
+    chosen = environ.get(PERSISTENT_CACHE_ENV, "")
+    if chosen == COLD:
+        environ[CACHE_ENV] = tempfile.mkdtemp(prefix="zeroxla-test-jax-cache-")
+        return environ[CACHE_ENV]
+    path = chosen or persistent_cache_dir(environ)
+    if _size(path) > PERSISTENT_CACHE_MAX_BYTES:
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+    environ[CACHE_ENV] = path
+    return None
+
+
+def _size(path: str) -> int:
+    """Bytes of the files under `path` (0 when it does not exist)."""
+    return sum(os.path.getsize(os.path.join(folder, name))
+               for folder, _, names in os.walk(path) for name in names)
 
 
 def with_codegen_flags(xla_flags: str, *, older_emitters: bool = True) -> str:

@@ -1,0 +1,238 @@
+"""Where the suite's time goes, per test file, and the compile budget that keeps it there.
+
+A pytest plugin (tests/conftest.py registers it in every pytest process, pytest-xdist's workers
+included). Each test item counts, from its setup's start to its teardown's end, in its own process:
+
+- XLA compile requests (JAX's `/jax/core/compile/backend_compile_duration` event, which fires once
+  per program handed to the backend, whether XLA compiles it or the persistent compilation cache
+  returns it: the count is the same cold or warm) and their seconds; the cache's hits;
+- tracing (`jaxpr_trace_duration`) and lowering to StableHLO (`jaxpr_to_mlir_module_duration`)
+  seconds (a jit traced inside another's trace is counted in both: the figure is an upper bound);
+- processes started (`subprocess.Popen`, seen through Python's audit hook `subprocess.Popen`:
+  jobs run through their CLI, notebooks' kernels, child pytests);
+- the item's wall time (setup + call + teardown, from pytest's reports).
+
+The counts travel to pytest-xdist's controller in the teardown report's `user_properties`, where
+they are summed per file. Two uses:
+
+    python -m pytest -n 2 --dist loadfile --suite-profile=profile.md   # the per-file table
+    python -m pytest -n 2 --dist loadfile -m "not slow" --write-compile-budgets
+                                                    # rewrite tests/support/compile_budgets.py
+
+The compile budget: every test file of the daily subset (`-m "not slow"`) has a line in
+`compile_budgets.BUDGETS` saying how many compile requests and processes its daily tests may
+make. In any run, the counts of each file's daily tests are compared with its line, and a file
+over budget (or a daily file without a line) fails the run at its end, naming the file, its
+counts and its budget. The counts are deterministic (a compile request is counted whether or not
+the cache answers it; conftest.py clears JAX's in-memory caches after each file, so no file
+inherits another's programs); a run that also runs slow tests can only count fewer for the daily
+ones (a module fixture is then built by whichever test comes first), never more. Raising a budget
+is a reviewed one-line change of compile_budgets.py. Wall time is printed (`--durations=30`),
+never asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+POPEN_AUDIT_EVENT = "subprocess.Popen"
+PROPERTY = "zeroxla_profile"
+BUDGETS_FILE = Path(__file__).with_name("compile_budgets.py")
+
+
+@dataclasses.dataclass
+class Counts:
+    """What one test item (or, summed, one file) cost."""
+
+    compiles: int = 0           # compile requests handed to the backend (cache hits included)
+    cache_hits: int = 0
+    subprocesses: int = 0
+    compile_s: float = 0.0
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    wall_s: float = 0.0
+    tests: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                              dataclasses.astuple(other))))
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(*(a - b for a, b in zip(dataclasses.astuple(self),
+                                              dataclasses.astuple(other))))
+
+
+class ProcessCounter:
+    """The running totals of this process, fed by JAX's monitoring listeners and the audit hook
+    (each registered once per process, in `pytest_configure`)."""
+
+    def __init__(self):
+        self.totals = Counts()
+
+    def on_duration(self, event: str, seconds: float, **_):
+        if event == COMPILE_EVENT:
+            self.totals.compiles += 1
+            self.totals.compile_s += seconds
+        elif event == TRACE_EVENT:
+            self.totals.trace_s += seconds
+        elif event == LOWER_EVENT:
+            self.totals.lower_s += seconds
+
+    def on_event(self, event: str, **_):
+        if event == CACHE_HIT_EVENT:
+            self.totals.cache_hits += 1
+
+    def on_audit(self, event: str, _args):
+        if event == POPEN_AUDIT_EVENT:
+            self.totals.subprocesses += 1
+
+    def snapshot(self) -> Counts:
+        return dataclasses.replace(self.totals)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("zeroxla suite profile")
+    group.addoption("--suite-profile", metavar="PATH", default=None,
+                    help="write the per-file table of where the time goes (markdown) to PATH "
+                         "and print its top 30")
+    group.addoption("--write-compile-budgets", action="store_true", default=False,
+                    help="rewrite tests/support/compile_budgets.py from this run's counts of "
+                         "each file's daily tests (run it with -m 'not slow')")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SuiteProfile(config), "zeroxla_suite_profile")
+
+
+class SuiteProfile:
+    """The per-process counter (in every process) and the per-file sums (in the controller)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.counter = ProcessCounter()
+        self.started: dict[str, tuple[Counts, float]] = {}
+        self.files: dict[str, Counts] = defaultdict(Counts)         # every test that ran
+        self.daily: dict[str, Counts] = defaultdict(Counts)         # its daily tests only
+        self.over_budget: list[str] = []
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self.counter.on_duration)
+        jax.monitoring.register_event_listener(self.counter.on_event)
+        sys.addaudithook(self.counter.on_audit)
+
+    # ---- in the process that runs the item ------------------------------------------------------
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.started[item.nodeid] = (self.counter.snapshot(), time.perf_counter())
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if call.when != "teardown" or item.nodeid not in self.started:
+            return
+        before, start = self.started.pop(item.nodeid)
+        spent = self.counter.snapshot() - before
+        spent.wall_s = time.perf_counter() - start
+        spent.tests = 1
+        daily = item.get_closest_marker("slow") is None
+        report.user_properties.append((PROPERTY, (dataclasses.astuple(spent), daily)))
+
+    # ---- in the controller (or the only process) ------------------------------------------------
+
+    def pytest_runtest_logreport(self, report):
+        for name, value in report.user_properties:
+            if name != PROPERTY:
+                continue
+            values, daily = value
+            path = report.nodeid.split("::")[0]
+            spent = Counts(*values)
+            self.files[path] = self.files[path] + spent
+            if daily:
+                self.daily[path] = self.daily[path] + spent
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        if hasattr(self.config, "workerinput") or not self.files:
+            return
+        import compile_budgets
+
+        if self.config.getoption("write_compile_budgets"):
+            write_budgets(self.daily, compile_budgets.BUDGETS)
+        else:
+            self.over_budget = check_budgets(self.daily, compile_budgets.BUDGETS)
+            if self.over_budget and session.exitstatus == 0:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        path = self.config.getoption("suite_profile")
+        if path:
+            Path(path).write_text(profile_table(self.files) + "\n")
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if hasattr(self.config, "workerinput"):
+            return
+        if self.config.getoption("suite_profile") and self.files:
+            terminalreporter.write_sep("=", "where the time goes (top 30 files by wall time)")
+            terminalreporter.write_line(profile_table(self.files, top=30))
+        if self.over_budget:
+            terminalreporter.write_sep("=", "compile budget exceeded", red=True)
+            for line in self.over_budget:
+                terminalreporter.write_line(line, red=True)
+
+
+def check_budgets(daily: dict[str, Counts], budgets: dict[str, tuple[int, int]]) -> list[str]:
+    """One line per daily test file over its (compiles, subprocesses) budget or without one."""
+    problems = []
+    for path, spent in sorted(daily.items()):
+        if path not in budgets:
+            problems.append(
+                f"{path}: its daily tests made {spent.compiles} compile requests and "
+                f"{spent.subprocesses} processes, and the file has no line in "
+                f"tests/support/compile_budgets.py (add one: \"{path}\": "
+                f"({spent.compiles}, {spent.subprocesses}),)")
+            continue
+        compiles, subprocesses = budgets[path]
+        if spent.compiles > compiles or spent.subprocesses > subprocesses:
+            problems.append(
+                f"{path}: its daily tests made {spent.compiles} compile requests and "
+                f"{spent.subprocesses} processes; its budget is {compiles} and {subprocesses} "
+                "(tests/support/compile_budgets.py)")
+    return problems
+
+
+def write_budgets(daily: dict[str, Counts], old: dict[str, tuple[int, int]]):
+    """Rewrite compile_budgets.py: this run's daily files, each at its count (files this run
+    did not reach keep their line)."""
+    budgets = dict(old)
+    budgets.update({path: (spent.compiles, spent.subprocesses) for path, spent in daily.items()})
+    text = BUDGETS_FILE.read_text()
+    head = text[:text.index("BUDGETS = {")]
+    lines = [f'    "{path}": ({c}, {s}),' for path, (c, s) in sorted(budgets.items())]
+    BUDGETS_FILE.write_text(head + "BUDGETS = {\n" + "\n".join(lines) + "\n}\n")
+
+
+def profile_table(files: dict[str, Counts], top: int | None = None) -> str:
+    """The markdown table: one row per file, the most wall time first."""
+    rows = sorted(files.items(), key=lambda kv: -kv[1].wall_s)
+    total = sum((c for _, c in rows), Counts())
+    header = ("| file | tests | wall s | compiles (cache hits) | compile s | trace s | lower s "
+              "| rest s | processes |\n|---|---|---|---|---|---|---|---|---|")
+    body = [_row(path, spent) for path, spent in rows[:top]]
+    return "\n".join([header, *body, _row(f"all {len(rows)} files", total)])
+
+
+def _row(name: str, c: Counts) -> str:
+    rest = c.wall_s - c.compile_s - c.trace_s - c.lower_s
+    return (f"| {name} | {c.tests} | {c.wall_s:.1f} | {c.compiles} ({c.cache_hits}) | "
+            f"{c.compile_s:.1f} | {c.trace_s:.1f} | {c.lower_s:.1f} | {rest:.1f} | "
+            f"{c.subprocesses} |")
