@@ -80,5 +80,5 @@ LEFT_TO_LEG_1 = {
         "[offload_optimizer] runs ZeRO++ with the host update; test_param_offload.py covers "
         "parameter offload on leg 2",
     "tests/zeroxla/engine/test_offload.py::test_stage3_offload_keeps_a_16bit_partition_on_the_device[float16]":
-        "[bfloat16] (daily) checks the same 16-bit partitions",
+        "[bfloat16] (leg 2 runs this file's slow tests too) checks the same 16-bit partitions",
 }

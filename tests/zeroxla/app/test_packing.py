@@ -120,7 +120,9 @@ def _per_example_nll(model, batch) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "mistral", "gpt-tiny", "gemma2"])
+@pytest.mark.parametrize("name", [pytest.param("llama-tiny", marks=pytest.mark.slow),
+                                  pytest.param("mistral", marks=pytest.mark.slow), "gpt-tiny",
+                                  pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_packed_losses_and_gradients_equal_the_padded_batch(name):
     examples = _pairs_filling_8_rows(seed=3)
     padded, packed = _padded(examples), packing.pack(examples, SEQ_LEN, pad_id=0)

@@ -100,7 +100,11 @@ def _masked_loss(model, batch):
     return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
 
 
-@pytest.mark.parametrize("cls, strategy", [(KwargsGPT, "ulysses"), (KwargsGPT, "ring"),
+SLOW = pytest.mark.slow      # the daily subset keeps one case of each kind
+
+
+@pytest.mark.parametrize("cls, strategy", [pytest.param(KwargsGPT, "ulysses", marks=SLOW),
+                                           pytest.param(KwargsGPT, "ring", marks=SLOW),
                                            (IgnoresSequenceGPT, "ulysses")])
 def test_a_model_that_drops_the_sequence_layout_is_refused(cls, strategy):
     step = _step(cls, sequence=2, strategy=strategy)
@@ -109,7 +113,7 @@ def test_a_model_that_drops_the_sequence_layout_is_refused(cls, strategy):
         step(step.init(), _batch())
 
 
-@pytest.mark.parametrize("cls, key", [(KwargsGPT, "segment_ids"),
+@pytest.mark.parametrize("cls, key", [pytest.param(KwargsGPT, "segment_ids", marks=SLOW),
                                       (IgnoresSegmentsGPT, "segment_ids")])
 def test_a_model_that_drops_the_packed_batch_keys_is_refused(cls, key):
     step = _step(cls)
@@ -117,7 +121,7 @@ def test_a_model_that_drops_the_packed_batch_keys_is_refused(cls, key):
         step(step.init(), _batch(packed=True))
 
 
-@pytest.mark.parametrize("sequence", [1, 2])
+@pytest.mark.parametrize("sequence", [pytest.param(1, marks=SLOW), 2])
 def test_a_user_model_that_passes_them_to_the_attention_trains_as_on_one_device(sequence):
     batch = _batch(packed=True)
     want = float(_masked_loss(SegmentAwareGPT(nnx.Rngs(0)), batch))

@@ -67,7 +67,7 @@ def _batch(poisoned):
     return {**batch, "poison": poison}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_overflow_skips_step_and_halves_scale(stage):
     config = zeroxla.ZeroConfig(stage=stage, compute_dtype="float16", persistence_threshold=500,
                                 hysteresis=1, initial_scale_power=12, loss_scale_window=2)
@@ -92,6 +92,7 @@ def test_overflow_skips_step_and_halves_scale(stage):
     assert any(changed)
 
 
+@pytest.mark.slow
 def test_hysteresis_absorbs_first_overflow():
     config = zeroxla.ZeroConfig(stage=3, compute_dtype="float16", persistence_threshold=500,
                                 hysteresis=2, initial_scale_power=10)

@@ -259,9 +259,9 @@ def test_plan_quantized_storage_round_trip(shape, axes, bits):
 
 @pytest.mark.parametrize("model_name,trainable_name,stage,accumulation", [
     ("lora", "lora_param", 3, 1),
-    ("lora", "lora_b", 3, 2),
-    ("lora", "lora_param", 2, 1),
-    ("gpt", "w_fc", 3, 1),
+    pytest.param("lora", "lora_b", 3, 2, marks=pytest.mark.slow),
+    pytest.param("lora", "lora_param", 2, 1, marks=pytest.mark.slow),
+    pytest.param("gpt", "w_fc", 3, 1, marks=pytest.mark.slow),
 ])
 def test_frozen_training_matches_masked_single_device(model_name, trainable_name, stage,
                                                       accumulation):
@@ -328,7 +328,7 @@ def test_stored_codes_are_each_devices_partition_and_never_requantized():
     np.testing.assert_array_equal(np.asarray(state.params["up/bias"]), initial["up/bias"])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_quantized_frozen_training_matches_masked_single_device_on_the_codes(bits):
     """int8 / int4 frozen storage trains exactly like masked single-device optax whose frozen
     weights are the stored codes dequantized in float64 numpy (`_dequantized_codes`): losses
@@ -424,6 +424,7 @@ def test_frozen_quantized_storage_is_a_quarter_of_float32():
                                    for leaf in step.layout.plan.trainable_leaves)
 
 
+@pytest.mark.slow
 def test_all_of_zeropp_with_a_frozen_layer_stack():
     """The tiny GPT with only the MLP's first matrix trained, under qwZ + hpZ + qgZ and int8
     frozen storage in bf16: the scan slices stored codes per layer, and still never rewrites
@@ -443,6 +444,7 @@ def test_all_of_zeropp_with_a_frozen_layer_stack():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_fp16_steps_and_overflow_skips_keep_frozen_codes():
     """fp16 with a loss scale (2^22) that trains 3 steps, then overflows: frozen codes stay
     bit-identical through both kinds of step."""
@@ -467,6 +469,7 @@ def test_fp16_steps_and_overflow_skips_keep_frozen_codes():
                                   np.asarray(storage_to_logical(leaf, stored_before[path]))), path
 
 
+@pytest.mark.slow
 def test_int4_storage_packs_two_codes_a_byte():
     step, state, stored_before, _ = _frozen_run(4)
     for leaf in _quantized_leaves(step):

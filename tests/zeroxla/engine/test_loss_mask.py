@@ -45,7 +45,9 @@ def _reference(batch):
     return float(value), flat_params(updated)
 
 
-@pytest.mark.parametrize("stage,accumulation", [(0, 1), (2, 1), (3, 1), (3, 2)])
+@pytest.mark.parametrize("stage,accumulation", [
+    pytest.param(0, 1, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow),
+    (3, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_masked_loss_and_gradients_are_the_global_masked_mean(stage, accumulation):
     batch = _masked_batch(seed=stage + accumulation)
     expected_loss, expected = _reference(batch)

@@ -95,8 +95,7 @@ CASES = {"zero3": dict(stage=3), "zero2": dict(stage=2),
          "zero3-accumulation": dict(stage=3, gradient_accumulation_steps=2),
          "zero3-sp2": dict(stage=3, sequence=2), "zero3-remat": dict(stage=3, remat="full"),
          "zero3-offload": dict(stage=3, offload_optimizer="cpu")}
-DAILY = {("zero3", "sgd"), ("zero3", "adamw"), ("zero3-accumulation", "sgd"),
-         ("zero3-sp2", "sgd")}          # the rest run in the full suite (slow)
+DAILY = {("zero3-accumulation", "sgd")}          # the rest run in the full suite (slow)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +152,7 @@ def test_moe_trains_like_one_device(name, optimizer, transformers_aux):
     assert_trains_like(step, BATCHES, want_losses, want, check=load_shares)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_moe_gradients_equal_one_device(accumulation):
     """One SGD step of learning rate 1: the update is the gradient."""
@@ -187,6 +187,7 @@ def test_lora_on_the_experts_trains_like_one_device():
     assert_trains_like(step, BATCHES, want_losses, want, paths=trained)
 
 
+@pytest.mark.slow
 def test_every_token_routed_to_the_same_experts_trains_like_one_device():
     """Adversarial routing: a zero router ties every expert, so every token goes to experts 0
     and 1 (ties to the lower index) and six experts get no token; the same ZeRO-3 program
@@ -212,6 +213,7 @@ def test_a_custom_loss_fn_that_would_drop_the_aux_loss_is_refused():
         step(step.init(), BATCHES[0])
 
 
+@pytest.mark.slow
 def test_routed_token_logprobs_are_the_logits_log_probs_beside_the_router_statistics():
     """`router_aux.routed_token_logprobs(model, tokens, labels)` -> (log-probs, stats), a name
     of its own beside `loss.token_logprobs(logits, labels)`: the log-probs are the whole
@@ -229,6 +231,7 @@ def test_routed_token_logprobs_are_the_logits_log_probs_beside_the_router_statis
         assert (stats is not None) == routed
 
 
+@pytest.mark.slow
 def test_a_custom_loss_fn_returning_the_statistics_trains_like_one_device():
     """A loss_fn of its own (cross-entropy of the answer half of each row) returning
     `(sum, count, stats)` through `router_aux.routed_token_logprobs`: the step adds the
@@ -279,6 +282,7 @@ def test_the_bf16_moe_step_lowers_for_cuda_with_its_tiles():
     assert "ragged" not in text
 
 
+@pytest.mark.slow
 def test_a_loss_without_router_statistics_on_an_moe_policy():
     """DPO's loss returns no router statistics: with the auxiliary loss weighed it is refused
     by name; with `output_router_logits=False` (released Qwen3-MoE configs' setting) the

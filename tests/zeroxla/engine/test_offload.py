@@ -36,7 +36,8 @@ def _offloaded_run(stage):
     return sgd_run(stage, offload_optimizer="cpu")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow), 3])
 def test_offloaded_step_matches_single_device(stage):
     _, state, losses = _offloaded_run(stage)
     assert memory_kinds(state.opt_state) == {"unpinned_host"}          # DeepSpeed's pin_memory=False
@@ -122,6 +123,7 @@ def _stage3_16bit_run(dtype, offload):
     return step, state, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16",
                                    pytest.param("float16", marks=[pytest.mark.slow,
                                                                   pytest.mark.fusion_emitters])])
@@ -302,6 +304,7 @@ def test_zeropp_offloaded_equals_not_offloaded(offload):
         np.testing.assert_array_equal(params[path], value, err_msg=path)
 
 
+@pytest.mark.slow
 def test_hybrid_engine_generates_from_an_offloaded_state():
     """The Hybrid Engine reads the float32 masters, which offload keeps in host memory: it
     copies them to the device and generates the tokens of the non-offloaded state."""

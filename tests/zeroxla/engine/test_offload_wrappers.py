@@ -71,7 +71,7 @@ OFFLOADS = {
     "param-3": dict(stage=3, offload_param="cpu"),
     "both-3": dict(stage=3, offload_optimizer="cpu", offload_param="cpu"),
 }
-DAILY = {"optimizer-2", "param-3"}
+DAILY = {("multisteps", "param-3"), ("apply_if_finite", "optimizer-2")}   # the rest: slow
 
 
 @functools.cache
@@ -109,9 +109,9 @@ def _assert_like_reference(losses, got, expected_losses, expected):
         assert np.abs(expected[path] - initial[path]).max() > 1e-3, path
 
 
-@pytest.mark.parametrize("offload", [
-    pytest.param(o, marks=() if o in DAILY else pytest.mark.slow) for o in OFFLOADS])
-@pytest.mark.parametrize("name", list(WRAPPERS))
+@pytest.mark.parametrize("name,offload", [
+    pytest.param(name, o, id=f"{name}-{o}", marks=() if (name, o) in DAILY else pytest.mark.slow)
+    for name in WRAPPERS for o in OFFLOADS])
 def test_wrapper_under_offload_trains_like_single_device(name, offload):
     """Each wrapper under each offload option: the update runs on the device (named, with
     JAX's reason), the offloaded state stays in host memory between steps, and the run equals

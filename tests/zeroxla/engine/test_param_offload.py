@@ -43,7 +43,8 @@ def _partitioned(plan):
     return [leaf for leaf in plan.leaves if leaf.params_partitioned]
 
 
-@pytest.mark.parametrize("offload_optimizer", ["none", "cpu"])
+@pytest.mark.parametrize("offload_optimizer", [
+    "none", pytest.param("cpu", marks=pytest.mark.slow)])
 def test_parameter_offload_trains_like_single_device(offload_optimizer):
     _, state, losses = _run(offload_optimizer)
     partitioned = {leaf.path for leaf in _partitioned(state.plan)}
@@ -60,6 +61,7 @@ def _fp16_run(offload_param):
     return fp16_run(3, offload_param=offload_param)
 
 
+@pytest.mark.slow
 def test_fp16_parameter_offload_equals_not_offloaded_and_skips_overflow():
     assert_same_through_the_overflow(_fp16_run("cpu"), _fp16_run("none"))
     state = _fp16_run("cpu")[1]
@@ -67,6 +69,7 @@ def test_fp16_parameter_offload_equals_not_offloaded_and_skips_overflow():
         "pinned_host"}
 
 
+@pytest.mark.slow
 def test_compiled_step_keeps_the_partitions_in_host_memory():
     """From the compiled program's input shardings: the host arguments are exactly the
     parameter partitions, and the device keeps the non-offloaded program's arguments less those
@@ -174,7 +177,8 @@ def _adamw_step(compute_dtype, offload_param, optimizer=None):
 
 
 @pytest.mark.parametrize("compute_dtype,offload_param", [
-    ("float32", "cpu"), ("bfloat16", "cpu"), ("bfloat16", "none")])
+    pytest.param("float32", "cpu", marks=pytest.mark.slow), ("bfloat16", "cpu"),
+    ("bfloat16", "none")])
 def test_the_gpu_program_updates_on_the_host_and_never_brings_a_partition_in(
         compute_dtype, offload_param):
     """AdamW (it traces on the host) with the optimizer offloaded, and the parameters too
@@ -257,6 +261,7 @@ def test_the_update_placement_names_what_cannot_run_on_the_host(optimizer, refus
         assert any(refused_by in str(w.message) for w in caught)
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
     """The fp16 stage-3 state with its partitions in pinned host memory saved, restored onto the
     same mesh without offload, saved again and restored with offload: every logical array
@@ -281,7 +286,7 @@ def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
         np.testing.assert_array_equal(back_view[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize("quantized_frozen", [False, True])
+@pytest.mark.parametrize("quantized_frozen", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_frozen_partitions_are_offloaded_and_train_as_without(quantized_frozen):
     """Frozen leaves (everything but the MLP's first matrix) are partitions too: offloaded with
     the trainable ones (as float32, or as ZeRO++'s stored int8 codes), fetched the same way, and
@@ -328,6 +333,7 @@ def test_parameter_offload_with_recompute_jit_gathers_and_16bit_partitions():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["offload_param", "offload_optimizer"])
 def test_hybrid_engine_generates_from_offloaded_partitions(offload):
     """The Hybrid Engine reads the partitions where offload keeps them: in pinned host memory
@@ -347,6 +353,7 @@ def test_hybrid_engine_generates_from_offloaded_partitions(offload):
     np.testing.assert_array_equal(tokens[0], tokens[1])
 
 
+@pytest.mark.slow
 def test_a_tiled_block_reading_offloaded_partitions_trains_like_single_device():
     """Llama with `mlp_chunk` (its norms, projections and MLP chunk by chunk under one custom
     VJP, `models.tiled_mlp`, the final norm's weight read through the ZeRO-3 head's gathered

@@ -16,6 +16,7 @@ from zeroxla.engine.remat import check_offload_platform
 from test_param_offload import _typed_placements
 
 
+@pytest.mark.slow
 def test_offload_trains_like_full():
     if "pinned_host" not in [m.kind for m in jax.devices()[0].addressable_memories()]:
         with pytest.raises(ValueError, match="ZeroConfig.remat='offload'"):

@@ -52,6 +52,7 @@ FAMILIES = {   # init_std 0.2: attention far from uniform, so a wrong mask shows
 
 
 FLOAT32_TOLERANCE = 5e-6          # of the largest gradient (module docstring)
+SLOW = pytest.mark.slow      # the daily subset keeps one case of each strategy and sweep
 
 
 def _factory(family, dtype=jnp.float32):
@@ -121,17 +122,19 @@ def _assert_same_step(family, degree, packed=False, config=None, dtype=jnp.float
     assert worst <= tolerance * scale, (family, degree, worst, scale)
 
 
-@pytest.mark.parametrize("degree", [2, 4, 8])
+@pytest.mark.parametrize("degree", [pytest.param(2, marks=SLOW), 4, pytest.param(8, marks=SLOW)])
 def test_llama_gqa_at_every_degree_trains_as_on_one_device(degree):
     # 2 KV heads: split at P = 2, repeated to P at P = 4 and 8 (DeepSpeed's replication).
     _assert_same_step("llama", degree)
 
 
+@SLOW   # daily: llama (above), mistral (allgather), llama (ring), llama-6-3, packed llama
 @pytest.mark.parametrize("family", ["gpt", "qwen2", "qwen3", "mistral", "gemma2"])
 def test_every_family_at_four_trains_as_on_one_device(family):
     _assert_same_step(family, 4)
 
 
+@SLOW   # the float32 parity cases stay daily
 def test_float64_step_at_eight_equals_the_step_without_sequence_parallelism():
     # float64 masters, gradients and reductions: what is left is the algorithm's. Measured: the
     # parameters after one SGD step 8.7e-8 apart (3e-7 of the largest gradient), losses 3e-9.
@@ -156,7 +159,8 @@ def test_kv_heads_that_do_not_divide_the_degree_are_repeated_to_every_head():
     _assert_same_step("llama-6-3", 2)
 
 
-@pytest.mark.parametrize("family,degree", [("llama", 8), ("gemma2", 2)])
+@pytest.mark.parametrize("family,degree", [("llama", 8),
+                                           pytest.param("gemma2", 2, marks=SLOW)])
 def test_packed_rows_split_over_the_sequence_train_as_on_one_device(family, degree):
     # Sequences cross the shard boundaries; each shard's real-token count differs.
     _assert_same_step(family, degree, packed=True)
@@ -168,6 +172,7 @@ def test_hpz_with_sequence_parallelism_trains_as_on_one_device():
     _assert_same_step("llama", 2, packed=True, config=config)
 
 
+@SLOW   # hpZ alone stays daily (above)
 def test_hpz_and_qgz_with_sequence_parallelism_track_the_same_run_without_it():
     # qgZ's int4 gradients are not exact: SP = 2 must land as near the float32 reference as the
     # same qgZ run without sequence parallelism (4 replicas) lands: within its own noise.
@@ -230,9 +235,13 @@ RING = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, sequence_parallel_st
 
 
 @pytest.mark.parametrize("family,degree,packed,config", [
-    ("qwen2.5-0.5b-heads", 8, True, ALLGATHER), ("mistral", 4, False, ALLGATHER),
-    ("qwen2.5-0.5b-heads", 8, True, RING), ("gemma2", 2, True, RING), ("llama", 4, False, RING),
-    ("gpt", 2, True, RING), ("qwen3", 4, False, RING), ("mistral", 4, True, RING)],
+    pytest.param("qwen2.5-0.5b-heads", 8, True, ALLGATHER, marks=SLOW),
+    ("mistral", 4, False, ALLGATHER),
+    pytest.param("qwen2.5-0.5b-heads", 8, True, RING, marks=SLOW),
+    pytest.param("gemma2", 2, True, RING, marks=SLOW), ("llama", 4, False, RING),
+    pytest.param("gpt", 2, True, RING, marks=SLOW),
+    pytest.param("qwen3", 4, False, RING, marks=SLOW),
+    pytest.param("mistral", 4, True, RING, marks=SLOW)],
     ids=["allgather-0.5b-8", "allgather-mistral-4", "ring-0.5b-8", "ring-gemma2-2",
          "ring-llama-4", "ring-gpt-2", "ring-qwen3-4", "ring-mistral-4"])
 def test_context_parallelism_trains_as_on_one_device(family, degree, packed, config):
@@ -297,7 +306,8 @@ def test_the_ring_passes_keys_values_and_their_gradients_as_the_ring_formula_say
                     and any(s.dims[:2] == (local_rows, T // degree) for s in c.operands)]
 
 
-@pytest.mark.parametrize("strategy,all_to_all", [("ulysses", True), ("allgather", False),
+@pytest.mark.parametrize("strategy,all_to_all", [pytest.param("ulysses", True, marks=SLOW),
+                                                 pytest.param("allgather", False, marks=SLOW),
                                                  ("ring", False)])
 def test_a_bf16_step_lowers_for_cuda_with_its_sequence_collectives(strategy, all_to_all):
     # What a GPU would compile (nothing runs): the bf16 step under each strategy lowers; Ulysses
@@ -320,7 +330,8 @@ COMPOSED = {   # ZeroConfig fields beside stage 3 (persistence 0), and whether L
     "offload-param": dict(offload_param="cpu"), "lora": {}}
 
 
-@pytest.mark.parametrize("name", sorted(COMPOSED))
+@pytest.mark.parametrize("name", [n if n == "stage-2" else pytest.param(n, marks=SLOW)
+                                  for n in sorted(COMPOSED)])
 def test_sequence_parallelism_composes_with(name):
     # The same ZeroConfig on the same 4 data replicas, with and without a sequence axis of 2:
     # the same update (the block tiled as well: mlp_chunk of 4 tokens on 16-token slices).

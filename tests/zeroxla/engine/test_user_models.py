@@ -148,7 +148,13 @@ def _assert_params_close(got, expected):
                                    err_msg=path)
 
 
-@pytest.mark.parametrize("name", list(LANGUAGE_MODELS))
+# Daily: one container, one way of tying, the root-owned parameter; the rest in the full suite.
+DAILY_MODELS = {"blocks in nnx.List", "tied by a shared nnx.Param", "root-owned parameter"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name in DAILY_MODELS else pytest.mark.slow)
+    for name in LANGUAGE_MODELS])
 def test_language_model_matches_single_device(name):
     batches = token_batches(3, 16, 8, vocab=V, seed=1)
     expected_losses, expected = train_single_device(LANGUAGE_MODELS[name](), optax.sgd(0.5),
@@ -184,7 +190,7 @@ def test_model_committed_to_one_device_trains_as_on_one_device():
 TIED = ["tied by a shared nnx.Embed", "tied by a shared nnx.Param"]
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("accumulation", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize("name", TIED)
 def test_tied_weight_at_stage_2_matches_single_device(name, accumulation):
     """ZeRO-2 reduce-scatters a weight used by two calls (the shared `nnx.Embed`, called as
@@ -202,7 +208,7 @@ def test_tied_weight_at_stage_2_matches_single_device(name, accumulation):
     _assert_params_close(flat_params(zeroxla.gather_params(state)), expected)
 
 
-@pytest.mark.parametrize("name", TIED)
+@pytest.mark.parametrize("name", [pytest.param(TIED[0], marks=pytest.mark.slow), TIED[1]])
 def test_tied_weight_is_reduce_scattered_once_at_stage_2(name):
     """Under bf16 the gradient reduce-scatter is a 16-bit all-to-all (XLA:CPU's wire format),
     which XLA cannot merge: its bytes are every partitioned gradient's, the tied one once."""
@@ -239,6 +245,7 @@ def _temporaries(model):
     return step, step.compile(step.init(), batch).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_root_owned_parameter_is_gathered_alone():
     """A parameter owned by the root is gathered by itself, not with the whole model (which
     made temporaries grow with the depth): the step's temporaries are no larger than those of
@@ -304,7 +311,7 @@ def _batch_norm_reference(batches, lr):
         classification_loss(model, batches[0]))
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_batch_norm_matches_single_device_on_the_global_batch(stage, tmp_path):
     batches = _image_batches()
     expected_losses, expected, expected_stats, expected_eval = _batch_norm_reference(batches, 0.1)
@@ -399,7 +406,8 @@ def _dropout_run(held, rate, seed, accumulation=1):
     return _train(step, token_batches(3, 16, 8, vocab=V, seed=1), seed=seed)
 
 
-@pytest.mark.parametrize("held", [True, False], ids=["rngs held by the model", "rngs at call"])
+@pytest.mark.parametrize("held", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["rngs held by the model", "rngs at call"])
 def test_dropout_is_reproducible_from_the_seed(held):
     _, first = _dropout_run(held, 0.3, seed=0)
     _, again = _dropout_run(held, 0.3, seed=0)
@@ -435,7 +443,7 @@ class MaskProbe(nnx.Module):
         return self.drop(jnp.ones((x.shape[0], self.w.shape[0]))) @ self.w[...]
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("accumulation", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_dropout_masks_differ_across_devices_and_micro_batches(accumulation):
     rate, features = 0.5, 512
     pieces = 8 * accumulation                              # one example per device and micro-batch

@@ -46,8 +46,9 @@ SLOW = pytest.mark.slow      # the daily subset keeps one case of each kind
 @pytest.mark.parametrize("family,degree,packed", [
     ("qwen2.5-0.5b-heads", 8, True),
     pytest.param("qwen2.5-0.5b-heads", 4, False, marks=SLOW),
-    pytest.param("llama-6-3", 4, True, marks=SLOW), ("mistral-6", 4, True),
-    pytest.param("gemma2-6", 4, False, marks=SLOW), ("llama", 8, True),
+    pytest.param("llama-6-3", 4, True, marks=SLOW),
+    pytest.param("mistral-6", 4, True, marks=SLOW),
+    pytest.param("gemma2-6", 4, False, marks=SLOW), pytest.param("llama", 8, True, marks=SLOW),
     pytest.param("gpt", 2, True, marks=SLOW)],
     ids=["0.5b-8-packed", "0.5b-4", "llama-6-3-4-packed", "mistral-6-4-packed", "gemma2-6-4",
          "llama-8-no-ring", "gpt-2-no-ring"])
@@ -79,6 +80,7 @@ def test_float64_usp_at_eight_equals_the_step_without_sequence_parallelism():
     assert worst <= 1e-6 * scale, (worst, scale)
 
 
+@SLOW      # each half's volume: test_sequence_parallel.py (Ulysses', the ring's)
 def test_usp_moves_the_group_all_to_all_and_the_ring_volumes():
     # 14 heads, 2 KV heads at P = 8: all-to-alls in groups of 2 (q, k, v, out forward; their
     # gradients backward), permutes of the ring of 4; no activation all-gathered but the
@@ -112,6 +114,7 @@ def test_the_ring_of_groups_balances_the_attention_blocks_of_every_device():
     assert max(work) <= 1.05 * min(work), work
 
 
+@SLOW      # the ring's lowering stays daily in test_sequence_parallel.py
 def test_a_bf16_usp_step_lowers_for_cuda_with_grouped_all_to_alls_and_permutes():
     from zeroxla.compat.lowering import lower_for_cuda
     config = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, compute_dtype="bfloat16",

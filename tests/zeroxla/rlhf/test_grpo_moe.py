@@ -34,7 +34,8 @@ MESHES = {"dp": dict(nodes=2, local=4), "ep2": dict(nodes=2, local=2, expert=2)}
 
 
 @pytest.mark.parametrize("packing,mesh", [
-    (True, "dp"), pytest.param(False, "dp", marks=pytest.mark.slow), (True, "ep2")])
+    pytest.param(True, "dp", marks=pytest.mark.slow),
+    pytest.param(False, "dp", marks=pytest.mark.slow), (True, "ep2")])
 def test_grpo_on_an_moe_actor_logs_the_gap_and_the_expert_load(packing, mesh):
     """ep2: the actor trained with its experts split over an expert axis of 2 (the rollout's
     engine resharding through the logical values): the gap between the training forward's

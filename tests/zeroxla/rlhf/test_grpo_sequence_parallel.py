@@ -34,6 +34,10 @@ def _records(mesh):
     return [trainer.iteration(it)[0] for it in range(2)]
 
 
+# Daily, the pieces under it: packed GRPO losses and the (PPO) losses under sequence parallelism
+# in test_packed_rollout.py, the engine on a sequence-parallel state in
+# test_sequence_parallel_generation.py.
+@pytest.mark.slow
 def test_grpo_with_sequence_parallel_two_matches_the_run_without():
     without = _records(zeroxla.make_mesh(1, 4, devices=jax.devices()[:4]))
     with_sp = _records(zeroxla.make_mesh(1, 4, sequence=2))

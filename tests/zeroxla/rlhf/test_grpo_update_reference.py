@@ -165,6 +165,7 @@ def assert_update(before, after, expected):
     assert moved > 1e-3                       # the update is far above the tolerance
 
 
+@pytest.mark.slow
 def test_a_token_budget_update_matches_the_float64_reference():
     """With `ppo_max_token_len_per_gpu` (verl's token budget) the packed rows are the budget
     long and each of the 2 data replicas' rows is a micro-batch: the update is still the

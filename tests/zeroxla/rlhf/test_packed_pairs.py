@@ -42,7 +42,8 @@ def pairs(n, seed):
 
 
 
-@pytest.mark.parametrize("family,loss_type", [("gpt-tiny", "sigmoid"), ("llama-tiny", "ipo")])
+@pytest.mark.parametrize("family,loss_type", [
+    ("gpt-tiny", "sigmoid"), pytest.param("llama-tiny", "ipo", marks=pytest.mark.slow)])
 def test_packed_pairs_give_the_padded_loss_statistics_and_grads(family, loss_type):
     padded = pairs(8, seed=len(family) + len(loss_type))
     # one replica: the loss_fn sees all rows here (pairs are numbered per replica)
@@ -56,6 +57,7 @@ def test_packed_pairs_give_the_padded_loss_statistics_and_grads(family, loss_typ
             == float(mean_and_grads(model, padded, accuracy)[0]))
 
 
+@pytest.mark.slow
 def test_a_zero3_step_on_packed_pairs_lands_where_the_padded_one_does():
     padded = pairs(16, seed=3)
     packed, stats = pack_pairs(padded, row_len=T - 1, data_size=8)
@@ -98,7 +100,8 @@ def reward_pairs(n, seed):
     return out
 
 
-@pytest.mark.parametrize("family", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("family", [pytest.param("gpt-tiny", marks=pytest.mark.slow),
+                                    pytest.param("llama-tiny", marks=pytest.mark.slow)])
 def test_packed_reward_pairs_give_the_padded_pairwise_loss_and_grads(family):
     from zeroxla.rlhf.reward_model import RewardModel, pairwise_loss_terms
     padded = reward_pairs(8, seed=len(family))
@@ -121,8 +124,10 @@ def test_packed_reward_pairs_give_the_padded_pairwise_loss_and_grads(family):
     np.testing.assert_allclose(heads[1], heads[0], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind,strategy", [("dpo", "ulysses"), ("dpo", "ring"),
-                                           ("reward", "allgather"), ("reward", "ulysses")])
+@pytest.mark.parametrize("kind,strategy", [
+    pytest.param("dpo", "ulysses", marks=pytest.mark.slow),
+    pytest.param("dpo", "ring", marks=pytest.mark.slow),
+    pytest.param("reward", "allgather", marks=pytest.mark.slow), ("reward", "ulysses")])
 def test_packed_pairs_under_sequence_parallelism_land_where_the_padded_step_does(kind, strategy):
     """DPO's loss and a reward model's pairwise loss on pairs packed into rows split over 2
     sequence devices (2 x 2 data replicas): each pair's sums are over both halves of its rows

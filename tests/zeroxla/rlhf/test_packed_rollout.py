@@ -73,8 +73,10 @@ def assert_same_mean_and_grads(model, loss_fn, padded, packed):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * scale)
 
 
-@pytest.mark.parametrize("family,loss_type", [(gpt, "grpo"), (llama, "dr_grpo"), (gpt, "dapo"),
-                                               (llama, "grpo")])
+@pytest.mark.parametrize("family,loss_type", [
+    (gpt, "grpo"), pytest.param(llama, "dr_grpo", marks=pytest.mark.slow),
+    pytest.param(gpt, "dapo", marks=pytest.mark.slow),
+    pytest.param(llama, "grpo", marks=pytest.mark.slow)])
 def test_packed_loss_and_grads_equal_the_padded(family, loss_type):
     padded = rollout(12, seed=len(loss_type) + len(family.__name__))
     packed, stats = pack_rollout(padded, loss_type=loss_type, row_len=P + G - 1, data_size=2)
@@ -100,6 +102,7 @@ def test_every_answer_token_lands_on_its_slot_once():
                                           packed["targets"][row, at[:-1]])
 
 
+@pytest.mark.slow
 def test_a_zero3_step_on_the_packed_rollout_lands_where_the_padded_one_does():
     padded = rollout(16, seed=11)
     packed, stats = pack_rollout(padded, loss_type="grpo", row_len=P + G - 1, data_size=8)
@@ -206,6 +209,7 @@ def ppo_rollout(rows, seed):
             "returns": rng.normal(size=mask.shape).astype(np.float32) * mask}
 
 
+@pytest.mark.slow
 def test_ppo_actor_and_critic_losses_packed_equal_the_padded():
     from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
     from zeroxla.rlhf.reward_model import RewardModel
@@ -221,7 +225,7 @@ def test_ppo_actor_and_critic_losses_packed_equal_the_padded():
         values, loss_type="dapo", row_len=row_len, data_size=1)[0])
 
 
-@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("role", ["actor", pytest.param("critic", marks=pytest.mark.slow)])
 def test_ppo_token_budget_micro_batches_land_where_the_padded_step_does(role):
     """`PPOConfig.ppo_max_token_len_per_gpu` (verl's token budget): rows of the longest
     sequence's slots, each replica's rows accumulated as micro-batches, one update equal to the
@@ -242,6 +246,7 @@ def test_ppo_token_budget_micro_batches_land_where_the_padded_step_does(role):
     assert_same_zero3_step(step, batch, packed, accumulation=k)
 
 
+@pytest.mark.slow
 def test_a_token_budget_keeps_the_steps_temporaries_flat_as_the_rollout_grows():
     """From the compiled programs (`memory_analysis`, per device): with a token budget of the
     longest sequence the temporaries of a 4x larger rollout stay within 5% (one row's
@@ -261,8 +266,9 @@ def test_a_token_budget_keeps_the_steps_temporaries_flat_as_the_rollout_grows():
     assert temps[64, P + G - 1] <= 1.05 * temps[16, P + G - 1]
 
 
-@pytest.mark.parametrize("role,strategy", [("actor", "ulysses"), ("critic", "ring"),
-                                           ("actor", "usp")])
+@pytest.mark.parametrize("role,strategy", [
+    pytest.param("actor", "ulysses", marks=pytest.mark.slow), ("critic", "ring"),
+    pytest.param("actor", "usp", marks=pytest.mark.slow)])
 def test_ppo_losses_under_sequence_parallelism_land_where_the_padded_step_does(role, strategy):
     """PPO's actor and critic losses on a packed rollout whose rows are split over 2 sequence
     devices (2 x 2 data replicas): one update equal to the padded batch's without sequence

@@ -56,7 +56,7 @@ def test_refuses_a_base_without_hidden_and_d_model():
         rlhf.RewardModel(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
 def test_fresh_head_scores_zero_and_end_scores_ignore_padding(family):
     fresh = rlhf.RewardModel(models.build(f"{family}-tiny", seed=0))
     assert rlhf.Critic is rlhf.RewardModel
@@ -92,7 +92,7 @@ def test_large_margins_give_a_finite_exact_loss():
 
 
 # ---- the ZeRO-3 loss and the validation metrics --------------------------------------------------
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_zero3_pairwise_loss_and_metrics_match_numpy(family):
     """make_step's loss at stage 3 on the 2 x 4 mesh, and `pair_metrics` on the gathered model,
     against float64 numpy on the plain model's end scores."""
