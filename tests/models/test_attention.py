@@ -46,7 +46,8 @@ def _logits_and_grads(model, tokens, cotangent, **call):
     return logits, grads
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "gemma2" else pytest.mark.slow)
+                                    for f in sorted(FAMILIES)])    # daily: every option at once
 def test_naive_and_default_attention_give_the_same_logits_and_gradients(family):
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, 65, (2, T)), jnp.int32)
@@ -63,8 +64,14 @@ def test_naive_and_default_attention_give_the_same_logits_and_gradients(family):
 LENGTHS = (6, 5)
 
 
-@pytest.mark.parametrize("implementation", ["naive", "auto"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+def _one_family_per_implementation():
+    """Daily: the naive route on GPT, the blockwise one ("auto") on Llama with a window."""
+    daily = {("gpt", "naive"), ("llama-window", "auto")}
+    return [pytest.param(f, i, marks=() if (f, i) in daily else pytest.mark.slow, id=f"{f}-{i}")
+            for f in sorted(FAMILIES) for i in ("naive", "auto")]
+
+
+@pytest.mark.parametrize("family,implementation", _one_family_per_implementation())
 def test_a_packed_row_gives_each_sequence_its_own_logits(family, implementation):
     model = _model(family, attention=implementation)
     rng = np.random.default_rng(2)

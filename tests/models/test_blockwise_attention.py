@@ -77,17 +77,20 @@ def test_causal():
     _check(_inputs(0, 2, 64, 4, 4, 16), q_block=16, kv_block=16)
 
 
+@pytest.mark.slow                   # daily: GQA in test_every_option_together_in_float64
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_grouped_query_heads(kv_heads):
     _check(_inputs(1, 2, 64, 4, kv_heads, 16), q_block=16, kv_block=32)
 
 
+@pytest.mark.slow                   # daily: a window in test_every_option_together_in_float64
 @pytest.mark.parametrize("window", [5, 20, 100])
 def test_sliding_window(window):
     """Windows narrower than a block, spanning blocks, and wider than the sequence."""
     _check(_inputs(2, 2, 64, 4, 2, 16), window=window, q_block=16, kv_block=16)
 
 
+@pytest.mark.slow                   # daily: both in test_every_option_together_in_float64
 def test_softcap_and_scale():
     """Gemma 2: scores times query_pre_attn_scalar ** -0.5, soft-capped; q scaled up so that
     many scores lie where tanh bends."""
@@ -95,6 +98,7 @@ def test_softcap_and_scale():
            q_block=16, kv_block=16)
 
 
+@pytest.mark.slow                   # daily: T = 37 in test_every_option_together_in_float64
 @pytest.mark.parametrize("q_block,kv_block", [(16, 16), (16, 8), (8, 16)])
 def test_length_not_a_multiple_of_the_blocks(q_block, kv_block):
     _check(_inputs(4, 2, 37, 4, 2, 16), window=11, q_block=q_block, kv_block=kv_block)
@@ -122,7 +126,7 @@ def _segment_ids():
     return jnp.asarray(np.stack(rows), jnp.int32)                                 # [2, 48]
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window", [None, pytest.param(6, marks=pytest.mark.slow)])
 def test_segment_ids(window):
     segment_ids = _segment_ids()
     q, k, v, cot = _inputs(7, 2, 48, 4, 2, 16)
@@ -134,7 +138,7 @@ def test_segment_ids(window):
     assert max(errors.values()) < FLOAT32_TOL, errors
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window", [None, pytest.param(6, marks=pytest.mark.slow)])
 def test_naive_segment_mask_equals_the_reference(window):
     """`layers.causal_attention`'s own segment mask (the "naive" implementation of a packed
     batch) against the reference written here, forward and dq / dk / dv."""
@@ -147,6 +151,7 @@ def test_naive_segment_mask_equals_the_reference(window):
     assert max(errors.values()) < FLOAT32_TOL, errors
 
 
+@pytest.mark.slow                   # a heavier variant of test_segment_ids[None]
 def test_segment_ids_with_every_option_and_an_odd_length_equal_naive():
     """Blockwise against the naive segment mask: GQA, window, soft-cap and scale, T = 45 (no
     multiple of the blocks), the padding tail cut to 5."""
@@ -161,6 +166,7 @@ def test_segment_ids_with_every_option_and_an_odd_length_equal_naive():
     assert max(errors.values()) < FLOAT32_TOL, errors
 
 
+@pytest.mark.slow                   # daily: test_segment_ids[None]'s reference zeroes padding
 def test_padding_segment_gives_zeros_and_no_gradient():
     segment_ids = _segment_ids()
     q, k, v, cot = _inputs(8, 2, 48, 4, 2, 16)
@@ -228,7 +234,8 @@ def test_loops_visit_exactly_the_blocks_with_a_visible_key(t, q_block, kv_block,
         assert list(range(lo, hi)) == list(np.flatnonzero(any_visible[:, j])), j
 
 
-@pytest.mark.parametrize("window,packed", [(None, False), (7, True)])
+@pytest.mark.parametrize("window,packed", [pytest.param(None, False, marks=pytest.mark.slow),
+                                           (7, True)])
 def test_a_chunk_of_queries_at_an_offset_equals_those_rows_of_the_whole(window, packed):
     """`blockwise_attention_at`: the queries of positions [s, s + c) against all keys give the
     rows [s, s + c) of the naive attention of the whole sequence, and their gradients; with the
@@ -284,6 +291,7 @@ def _temp_bytes(program) -> int:
     return program.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow                   # compiles four T = 2048 / 4096 gradients
 def test_temporaries_grow_linearly(compiled):
     short, long = LENGTHS
     naive = _temp_bytes(compiled["naive", long]) / _temp_bytes(compiled["naive", short])
@@ -301,6 +309,7 @@ def _largest_buffer(program) -> int:
                for array in hlo_text.parse_shape(instruction.shape))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", LENGTHS)
 def test_no_buffer_holds_t_squared_elements(compiled, t):
     assert _largest_buffer(compiled["naive", t]) >= t * t        # the check can see one

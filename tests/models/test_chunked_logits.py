@@ -30,8 +30,17 @@ def _head_inputs(b=2, t=13, d=8, v=11, dtype=np.float32, seed=0):
     return jnp.asarray(h), labels, jnp.asarray(weight)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 13, 64])
-@pytest.mark.parametrize("softcap,vocab_limit", [(None, None), (2.0, None), (None, 7)])
+def _chunk_sweep():
+    """Daily: chunk 4 (three chunks and a remainder of T = 13) of each option, and a chunk
+    longer than T; the rest slow."""
+    return [pytest.param(chunk, softcap, limit, id=f"{softcap}-{limit}-{chunk}",
+                         marks=() if chunk == 4 or (chunk, softcap, limit) == (64, None, None)
+                         else pytest.mark.slow)
+            for softcap, limit in ((None, None), (2.0, None), (None, 7))
+            for chunk in (1, 4, 13, 64)]
+
+
+@pytest.mark.parametrize("chunk,softcap,vocab_limit", _chunk_sweep())
 def test_chunked_logprobs_and_gradients_equal_whole_logits(chunk, softcap, vocab_limit):
     h, labels, weight = _head_inputs()
     kw = dict(softcap=softcap, vocab_limit=vocab_limit)
@@ -60,7 +69,7 @@ def test_reference_is_log_softmax_of_the_logits_in_float64():
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("vocab_limit", [None, 7])
+@pytest.mark.parametrize("vocab_limit", [pytest.param(None, marks=pytest.mark.slow), 7])
 def test_chunked_entropy_and_its_gradient_equal_whole_logits(vocab_limit):
     h, _, weight = _head_inputs()
     chunked = lambda h, w: cl.chunked_token_entropy(h, w, project, chunk=4, softcap=3.0,
@@ -116,7 +125,9 @@ def _chunked_model(name, chunk=4):
     return model
 
 
-@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+# Daily: llama, the untied head (the tied embedding's chunking: the vocab_limit test below).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "llama" else pytest.mark.slow)
+                                  for n in sorted(FAMILY_CONFIGS)])
 def test_family_logprobs_and_every_gradient_equal_whole_logits(name):
     model = _chunked_model(name)
     rng = np.random.default_rng(2)
@@ -179,7 +190,7 @@ def _compiled_loss_and_grad(chunked: bool):
     return jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
 
 
-@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("chunked", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_no_buffer_of_t_times_v_elements_at_qwen_vocabulary_and_32k_tokens(chunked):
     """The chunked loss + gradient holds no T x V buffer (its largest logits buffer is one
     chunk's); the whole-logits one does, so the check can fail."""

@@ -77,7 +77,8 @@ def random_hf_model(transformers, family, *, tied=False):
     return model.eval()
 
 
-@pytest.mark.parametrize("family,tied", [("gpt2", True), ("llama", False), ("llama", True)])
+@pytest.mark.parametrize("family,tied", [("gpt2", True), ("llama", False),
+                                         pytest.param("llama", True, marks=pytest.mark.slow)])
 def test_load_transformers_checkpoint_matches_its_logits(transformers, tmp_path, family, tied):
     hf_model = random_hf_model(transformers, family, tied=tied)
     hf_model.save_pretrained(tmp_path)
@@ -115,7 +116,8 @@ def test_sharded_export_loads_in_transformers_and_back(transformers, tmp_path):
     np.testing.assert_array_equal(our_logits(back), our_logits(model))
 
 
-@pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("config", [pytest.param(GPT, marks=pytest.mark.slow), LLAMA],
+                         ids=["gpt2", "llama"])     # gpt2's export: against transformers daily
 def test_export_import_round_trip_is_exact(tmp_path, config):
     params = random_params(config, seed=2)
     model = hf.model_from_params(config, params)
@@ -288,7 +290,8 @@ def test_sequence_classification_map_is_the_reward_models_parameters():
     assert "lm_head.weight" not in {r.hf for r in hf.hf_name_map(LLAMA, SEQ)}
 
 
-@pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("config", [pytest.param(GPT, marks=pytest.mark.slow), LLAMA],
+                         ids=["gpt2", "llama"])
 def test_transformers_loads_our_reward_model_as_a_sequence_classifier(transformers, tmp_path,
                                                                       config):
     """Our reward model written as `*ForSequenceClassification` with one more (zero) token row
@@ -318,7 +321,7 @@ def test_transformers_loads_our_reward_model_as_a_sequence_classifier(transforme
     np.testing.assert_array_equal(table[67], 0)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_transformers_reward_model_loads_as_ours(transformers, tmp_path, family):
     from zeroxla import rlhf
 

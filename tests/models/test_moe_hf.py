@@ -85,8 +85,16 @@ def write_fused(model, path):
     (path / "config.json").write_text(json.dumps(model.config.to_dict()))
 
 
-@pytest.mark.parametrize("layout", ["per_expert", "fused"])
-@pytest.mark.parametrize("family", FAMILIES)
+def _one_layout_per_family():
+    """Daily: one case per family, the two layouts shared between them; the rest slow."""
+    daily = {("qwen3_moe", "per_expert"), ("qwen2_moe", "fused"), ("mixtral", "per_expert"),
+             ("olmoe", "fused")}
+    return [pytest.param(f, layout, marks=() if (f, layout) in daily else pytest.mark.slow,
+                         id=f"{f}-{layout}")
+            for f in FAMILIES for layout in ("per_expert", "fused")]
+
+
+@pytest.mark.parametrize("family,layout", _one_layout_per_family())
 def test_transformers_checkpoint_gives_its_logits_and_aux_loss(transformers, tmp_path, family,
                                                                 layout):
     model = random_hf_model(transformers, family)
@@ -130,7 +138,8 @@ def test_padded_aux_loss_equals_transformers_given_the_attention_mask(transforme
     assert float(stats.rows) == c.num_hidden_layers * mask.sum()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "olmoe" else pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_transformers_reads_our_export(transformers, tmp_path, family):
     config, model = hf.load_hf_model(_saved(transformers, family, tmp_path / "in"))
     hf.save_hf_model(config, model, tmp_path / "out")
@@ -174,7 +183,7 @@ def test_config_round_trip(family):
     assert hf.from_hf_config(hf.to_hf_config(config)) == config
 
 
-@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("layout", [pytest.param("per_expert", marks=pytest.mark.slow), "fused"])
 def test_load_pretrained_streams_experts_into_zero3_partitions(transformers, tmp_path, layout):
     """`zeroxla.load_pretrained` (tensor by tensor into the ZeRO-3 partitions) gives the model
     `load_hf_model` gives, from either expert layout."""
@@ -196,6 +205,7 @@ def test_one_intermediate_size_families_refuse_a_dense_size_of_their_own(config_
         config_class(mlp_dim=10)
 
 
+@pytest.mark.slow          # daily: each family's logits in test_transformers_checkpoint_...
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_attention_bias_gives_transformers_logits(transformers, tmp_path, family):
     """`attention_bias: true` (q/k/v/o biases in Qwen3-MoE's and OLMoE's attention)."""
@@ -249,6 +259,7 @@ def test_olmoe_sliding_window_is_refused_by_key():
         hf.from_hf_config({**spec.to_hf(spec.config_class()), "sliding_window": 3})
 
 
+@pytest.mark.slow          # compiles the init program at EP 1 and EP 2
 def test_loading_at_expert_degree_2_never_holds_a_whole_expert_leaf(transformers, tmp_path,
                                                                     capfd):
     """`spread_hf_params` at EP 2 spreads each expert tensor as it is stored (its experts over

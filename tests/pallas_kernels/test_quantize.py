@@ -39,6 +39,14 @@ KINDS = [(8, True), (8, False), (4, True), (4, False)]
 KIND_IDS = ["int8-sym", "int8-asym", "int4-sym", "int4-asym"]
 
 
+def kinds_by_cases():
+    """Every kind x case; daily the diagonal (each kind once, each case once), the rest slow."""
+    return [pytest.param(*kind, *case, id=f"{kind_id}-{case[0]}-{case[1]}",
+                         marks=() if k == c else pytest.mark.slow)
+            for k, (kind, kind_id) in enumerate(zip(KINDS, KIND_IDS))
+            for c, case in enumerate(CASES)]
+
+
 def deepspeed_quantize64(x: np.ndarray, bits: int, group_size: int, symmetric: bool):
     """DeepSpeed's *test* quantizer in float64 numpy (test_quantize.py's `run_float_quantize`):
     scale = 2^b / (2 absmax) or 2^b / (max - min); q = clamp(round(x * scale + zero_point)).
@@ -68,6 +76,14 @@ def deepspeed_quantize64(x: np.ndarray, bits: int, group_size: int, symmetric: b
 # other 255 elements are padding repeating it). Group 8 holds a NaN, a +inf and a -inf together.
 NONFINITE = [np.nan, np.inf, -np.inf]
 NONFINITE_IDS = ["nan", "+inf", "-inf"]
+
+
+def kinds_by_non_finite():
+    """Every kind x non-finite value; daily each kind once, the values in turn."""
+    return [pytest.param(*kind, bad, id=f"{kind_id}-{bad_id}",
+                         marks=() if b == k % len(NONFINITE) else pytest.mark.slow)
+            for k, (kind, kind_id) in enumerate(zip(KINDS, KIND_IDS))
+            for b, (bad, bad_id) in enumerate(zip(NONFINITE, NONFINITE_IDS))]
 BAD_AT = [300, 1024, 4096]
 MIXED_AT = [2050, 2100, 2300]  # group 8
 
@@ -113,8 +129,7 @@ class TestQuantize:
     def kw(self):
         return dict(impl="pallas", interpret=True) if self.INTERPRET else dict(impl="auto")
 
-    @pytest.mark.parametrize("shape,group_size", CASES, ids=str)
-    @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
+    @pytest.mark.parametrize("bits,symmetric,shape,group_size", kinds_by_cases())
     def test_matches_float64(self, shape, group_size, bits, symmetric):
         self.check_matches_float64(shape, group_size, bits, symmetric, jnp.float32)
 
@@ -143,8 +158,7 @@ class TestQuantize:
     def kernel_runs(self, group_size: int) -> bool:
         return self.INTERPRET or use_pallas("auto", group_size)
 
-    @pytest.mark.parametrize("shape,group_size", CASES, ids=str)
-    @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
+    @pytest.mark.parametrize("bits,symmetric,shape,group_size", kinds_by_cases())
     def test_kernel_matches_reference(self, shape, group_size, bits, symmetric):
         """The Pallas kernel and its jnp reference do the same float32 arithmetic: bit for bit
         the same codes and steps."""
@@ -186,8 +200,7 @@ class TestQuantize:
         assert_codes_match(unpack_codes(q.data, 4), expected)
         np.testing.assert_allclose(out, expected.values(), rtol=2 * EPS32, atol=1e-38)
 
-    @pytest.mark.parametrize("bad", NONFINITE, ids=NONFINITE_IDS)
-    @pytest.mark.parametrize("bits,symmetric", KINDS, ids=KIND_IDS)
+    @pytest.mark.parametrize("bits,symmetric,bad", kinds_by_non_finite())
     def test_non_finite_group_dequantizes_to_nan(self, bits, symmetric, bad):
         x = np.random.default_rng(bits).standard_normal(4097).astype(np.float32)
         y, hit = with_non_finite(x, bad)

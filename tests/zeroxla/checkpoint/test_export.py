@@ -58,7 +58,7 @@ def _logits(config, params):
     return np.asarray(hf.model_from_params(config, params)(TOKENS))
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_export_import_round_trip_gives_identical_logits(request, tmp_path, family):
     directory, params = request.getfixturevalue(family)
     files = export_checkpoint(directory, tmp_path, max_shard_size="200KB")
@@ -178,6 +178,7 @@ def test_trained_run_exports_a_model_and_tokenizer_transformers_loads(trained_ru
     np.testing.assert_allclose(their_logits, our_logits, atol=1e-4)
 
 
+@pytest.mark.slow          # load_params of run checkpoints is daily in the tests/zeroxla/app jobs
 def test_load_params_of_a_cli_checkpoint_equals_the_restored_state(trained_run):
     """`zeroxla.load_params` needs no optimizer and no mesh; its model computes the logits of the
     full restore (with the job's optimizer) gathered into a plain model."""

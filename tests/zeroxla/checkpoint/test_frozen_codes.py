@@ -140,8 +140,14 @@ CASES = [((64, 256), ("vocab", "embed"), 256),      # shard dim 0, no padding
          ((6, 8, 16), ("vocab", "heads", "embed"), 16)]  # shard dim 0 on 2 devices, 1 on 4, 8
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("shape,axes,group", CASES)
+def cases_by_bits():
+    """Every case at 8 and 4 bits (pytest's own ids); daily each case once, the bits in turn."""
+    return [pytest.param(*case, bits, id=f"shape{i}-axes{i}-{case[2]}-{bits}",
+                         marks=() if b == i % 2 else pytest.mark.slow)
+            for i, case in enumerate(CASES) for b, bits in enumerate((8, 4))]
+
+
+@pytest.mark.parametrize("shape,axes,group,bits", cases_by_bits())
 def test_groups_are_cut_on_the_logical_tensor(shape, axes, group, bits):
     """On every mesh each stored group is one aligned run of `g` elements of the logical unit
     flattened (or all padding), and its codes and step are those of quantizing the logical
@@ -209,8 +215,7 @@ def _stored_form(leaf):
     return stored
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("shape,axes,group", CASES)
+@pytest.mark.parametrize("shape,axes,group,bits", cases_by_bits())
 def test_codes_hop_across_meshes_bit_for_bit(shape, axes, group, bits):
     """8 -> 4 -> 8 -> 2 devices through the stored form: at every hop the codes are exactly what
     quantizing on that mesh gives, the values bit-identical, and the stored form the same."""

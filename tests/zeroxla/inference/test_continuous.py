@@ -76,7 +76,7 @@ def _assert_same(static, continuous, state, prompts, **kw):
 
 
 def _matrix():
-    fast = {("llama", 2), ("gemma2", 1)}
+    fast = {("llama", 2)}
     return [pytest.param(f, tp, marks=() if (f, tp) in fast else pytest.mark.slow)
             for f in FAMILIES for tp in (1, 2, 4)]
 
@@ -97,6 +97,7 @@ def test_greedy_equals_the_static_engine(family, tp):
     assert continuous.stats["generated_tokens"] > 0
 
 
+@pytest.mark.slow  # daily: per-row knobs, logprobs in test_two_prompts_in_one_batch_each_...
 @pytest.mark.parametrize("knobs", [dict(temperature=0.7, top_k=5),
                                    dict(temperature=1.3, top_p=0.8, vocab_limit=60),
                                    dict(temperature=1.0)], ids=["top-k", "top-p-limit", "t1"])
@@ -107,6 +108,7 @@ def test_sampled_tokens_and_logprobs_equal_the_static_engine(knobs):
                  max_new_tokens=9, seed=11, return_logprobs=True, **knobs)
 
 
+@pytest.mark.slow  # daily: rows ending early (EOS) in test_greedy_equals_the_static_engine[llama-2]
 def test_rows_end_at_their_own_max_new_tokens():
     step = _step("gpt")
     static, continuous = _engines(step, 1)
@@ -118,6 +120,7 @@ def test_rows_end_at_their_own_max_new_tokens():
         continuous.generate(step.init(), prompts, max_new_tokens=[1, 2])
 
 
+@pytest.mark.slow  # daily: preemption in test_a_group_on_a_pool_of_one_sequence_preempts_...
 def test_a_full_pool_preempts_and_recomputes_with_the_same_tokens():
     step = _step("llama")
     # 9 pages of 4 slots (null page included): two 32-token sequences cannot both fit
@@ -128,6 +131,7 @@ def test_a_full_pool_preempts_and_recomputes_with_the_same_tokens():
     assert continuous.stats["peak_pages_in_use"] <= 8
 
 
+@pytest.mark.slow  # daily: a group against its answers alone in test_a_group_on_a_pool_of_one_...
 def test_a_group_prefills_its_prompt_once_and_answers_as_separate_calls():
     step = _step("qwen3")
     _, continuous = _engines(step, 2)
@@ -145,6 +149,7 @@ def test_a_group_prefills_its_prompt_once_and_answers_as_separate_calls():
     assert len({tuple(o[0]) for o in grouped}) > 1          # the seeds drew differently
 
 
+@pytest.mark.slow
 def test_one_executable_serves_any_prompts():
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -296,6 +301,9 @@ class PlainGPT(nnx.Module):
         return self.forward(tokens, positions, cache)
 
 
+# Slow: the engine on user models is daily in test_user_model_generation.py, the paged decode
+# through models.attention in test_greedy_equals_the_static_engine[llama-2].
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_plain_nnx_model_decodes_continuously_as_the_unsharded_model(tp):
     from inference_helpers import greedy_reference

@@ -24,6 +24,9 @@ def gpt():
     engine.release()
 
 
+# The engine-level daily check of this contract: test_continuous.py's
+# test_two_prompts_in_one_batch_each_draw_with_their_own_knobs (two prompts together vs alone).
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
 def test_same_prompt_and_seed_same_tokens_whatever_the_neighbours(gpt, sampling):
     engine, state = gpt
@@ -49,6 +52,7 @@ def test_same_prompt_and_seed_same_tokens_whatever_the_neighbours(gpt, sampling)
         assert any(not np.array_equal(r, greedy) for r in [alone, *reseeded]), "not sampled"
 
 
+@pytest.mark.slow          # trains and builds the engine of the fixture for one check
 def test_typed_key_seed_is_the_int_seed(gpt):
     engine, state = gpt
     prompts = prompts_of((3, 5))
