@@ -31,7 +31,8 @@ def _weights(d, f, seed=0):
                  for shape in ((d, f), (d, f), (f, d)))
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 5, 13, 100, None])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 4, 5,
+                                   pytest.param(13, marks=pytest.mark.slow), 100, None])
 def test_equals_the_whole_mlp_forward_and_gradients(chunk):
     weights = _weights(8, 24)
     rng = np.random.default_rng(1)

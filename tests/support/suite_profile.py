@@ -16,6 +16,7 @@ The counts travel to pytest-xdist's controller in the teardown report's `user_pr
 they are summed per file. Two uses:
 
     python -m pytest -n 2 --dist loadfile --suite-profile=profile.md   # the per-file table
+                                                    # (and profile.md.tests.tsv: each test)
     python -m pytest -n 2 --dist loadfile -m "not slow" --write-compile-budgets
                                                     # rewrite tests/support/compile_budgets.py
                                                     # (then `=raise` on the other CI leg's JAX)
@@ -131,6 +132,7 @@ class SuiteProfile:
         self.started: dict[str, tuple[Counts, float]] = {}
         self.files: dict[str, Counts] = defaultdict(Counts)         # every test that ran
         self.daily: dict[str, Counts] = defaultdict(Counts)         # its daily tests only
+        self.items: list[tuple[str, Counts, bool]] = []             # (node id, cost, daily)
         self.over_budget: list[str] = []
         import jax.monitoring
 
@@ -166,6 +168,7 @@ class SuiteProfile:
             values, daily = value
             path = report.nodeid.split("::")[0]
             spent = Counts(*values)
+            self.items.append((report.nodeid, spent, daily))
             self.files[path] = self.files[path] + spent
             if daily:
                 self.daily[path] = self.daily[path] + spent
@@ -186,6 +189,9 @@ class SuiteProfile:
         path = self.config.getoption("suite_profile")
         if path:
             Path(path).write_text(profile_table(self.files) + "\n")
+            Path(f"{path}.tests.tsv").write_text("".join(
+                f"{spent.wall_s:.2f}\t{spent.compiles}\t{'daily' if daily else 'slow'}\t{node}\n"
+                for node, spent, daily in sorted(self.items, key=lambda i: -i[1].wall_s)))
 
     def pytest_terminal_summary(self, terminalreporter):
         if hasattr(self.config, "workerinput"):

@@ -92,7 +92,8 @@ def test_bytes_per_parameter_equal_on_both(lowered):
     assert _bytes(cpu, "all_reduce", {"f32"}) == _bytes(cuda, "all_reduce", {"f32"})
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow),
+                                   pytest.param(1, marks=pytest.mark.slow), 2])
 def test_stages_0_to_2_move_bf16_on_cuda(stage):
     """Under bf16 compute, stages 0-2 reduce gradients and (stages 1-2) gather the updated
     parameters in 16 bits: on CUDA as native bf16 reduce-scatters and all-gathers (stage 0-1's

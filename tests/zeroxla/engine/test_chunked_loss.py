@@ -115,7 +115,7 @@ def test_vocab_limit_of_the_fallback_masks_the_padded_ids():
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_zero3_step_with_a_chunked_tied_head_trains_like_whole_logits_on_one_device(remat):
     """ZeRO-3 gathers the tied embedding once around `attend_logprobs` (a method of the module
     owning it), its chunks (T = 11, chunks of 4) read it; the step's losses and parameters equal

@@ -62,6 +62,7 @@ def test_masked_loss_and_gradients_are_the_global_masked_mean(stage, accumulatio
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
 
 
+@pytest.mark.slow   # daily: the uneven mask at stage 3 (above), the same global count
 def test_a_calls_own_micro_batch_count_is_the_same_global_masked_mean():
     """`step(state, batch, gradient_accumulation_steps=k)` (an RL token budget's micro-batches,
     counted per call): each k compiles its own program, every one lands on the reference."""

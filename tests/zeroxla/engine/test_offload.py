@@ -49,6 +49,7 @@ def _fp16_run(offload):
     return fp16_run(1, offload_optimizer=offload)
 
 
+@pytest.mark.slow   # daily: fp16 overflow skips in test_fp16_loss_scale.py, stage 3 offload here
 def test_fp16_offloaded_equals_not_offloaded_and_skips_overflow():
     assert_same_through_the_overflow(_fp16_run("cpu"), _fp16_run("none"))
     state = _fp16_run("cpu")[1]

@@ -284,6 +284,7 @@ def test_allgather_moves_the_keys_and_values_once_per_layer_each_way():
     assert not [c for c in found if c.kind == "all-to-all"]
 
 
+@SLOW   # daily: the Ulysses and all-gather volumes, the ring's parity
 def test_the_ring_passes_keys_values_and_their_gradients_as_the_ring_formula_says():
     # Forward: k and v, P - 1 hops; backward: k and v P - 1 hops the other way, dk and dv
     # (float32) P hops; segment ids (int32) travel with k and v. Nothing else is permuted, and

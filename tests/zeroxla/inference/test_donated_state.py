@@ -7,6 +7,7 @@ the test reads its exit status."""
 import subprocess
 import sys
 
+import pytest
 import xla_flags
 
 SCRIPT = r"""
@@ -40,6 +41,7 @@ MESSAGE = ("is deleted: the state was donated to the training step (`state, metr
            "returned")
 
 
+@pytest.mark.slow   # a process of its own (a crash must not take the worker down)
 def test_generate_from_a_donated_state_is_a_value_error_not_a_crash(tmp_path):
     env = xla_flags.child_environ()
     env["XLA_FLAGS"] += f" {xla_flags.DEVICE_COUNT_FLAG}=8"
