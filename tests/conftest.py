@@ -1,7 +1,7 @@
 """Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape), compiled
-with the suite's codegen flags, through one compilation cache shared by the run's processes and
-kept between runs (`ZEROXLA_TEST_JAX_CACHE=cold` for a fresh one; tests/support/xla_flags.py says
-what each changes and what not), with the garbage collector's test settings
+with the suite's codegen flags, through one compilation cache shared by the run's processes (kept
+between runs with `ZEROXLA_TEST_JAX_CACHE=keep`; tests/support/xla_flags.py says what each changes
+and what not), with the garbage collector's test settings
 (tests/support/gc_policy.py)."""
 
 import os
@@ -47,7 +47,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    """A cold run's compilation cache goes with the run (the controller's, after its workers)."""
+    """The run's compilation cache goes with the run (the controller's, after its workers),
+    unless it is a kept one."""
     if _CREATED_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
 

@@ -5,9 +5,11 @@ loop bound, a missing reduction or factor, a wrong axis or layout) in the engine
 packing, MoE, the rollout engine and the RL losses. The script plants one at a time in the
 checkout (the exact text must occur once in its file), runs the daily tests (`-m "not slow"`) of
 the files that should catch it, restores the file (also on Ctrl-C or an error), and prints one
-row per mutant: caught (the tests failed), or MISSED. It exits 1 if any mutant was missed.
+row per mutant: the daily test that caught it (the first to fail), or MISSED. It exits 1 if any
+mutant was missed. First, as a control, the same tests run on the unmutated tree and must pass
+(so a failure is the bug's, not a broken test's or the compile budget's).
 
-    python tests/support/mutation_check.py                 # every mutant, about 10 minutes
+    python tests/support/mutation_check.py                 # every mutant, about 5 minutes
     python tests/support/mutation_check.py --only grpo_clip_swapped kl_sign
 
 It edits files of the checkout in place while it runs: run it on a tree no one else is editing.
@@ -59,14 +61,14 @@ MUTANTS = (
            "ds = p * dp",
            ("tests/models/test_blockwise_attention.py",),
            "blockwise attention's backward: the softmax Jacobian's row term missing"),
-    Mutant("ring_merge_weights_swapped", "attention", "models/ring_attention.py",
-           "return out * weight(lse) + part * weight(part_lse), total",
-           "return out * weight(part_lse) + part * weight(lse), total",
+    Mutant("ring_merge_weights_swapped", "attention", "models/online_softmax.py",
+           "return out * weight(lse) + other * weight(other_lse), total",
+           "return out * weight(other_lse) + other * weight(lse), total",
            ("tests/models/test_ring_attention.py",),
-           "ring attention: two partial softmaxes merged with each other's weights"),
+           "ring attention's merge: two partial softmaxes merged with each other's weights"),
     Mutant("loss_count_per_device", "engine", "zeroxla/engine/step.py",
-           "        count = lax.psum(count, data)\n",
-           "        count = count\n",
+           "        count = lax.psum(count, data)\n        count = jnp.where(count > 0",
+           "        count = jnp.where(count > 0",
            ("tests/zeroxla/engine/test_loss_mask.py",),
            "the step: a masked loss divided by this device's token count, not the global one"),
     Mutant("grpo_clip_swapped", "rl losses", "zeroxla/rlhf/grpo_losses.py",
@@ -109,6 +111,33 @@ MUTANTS = (
            "jnp.tile(m, self.top_k))",
            ("tests/models/test_moe_hf.py",),
            "MoE: the per-assignment token mask laid out by tile instead of repeat"),
+    Mutant("router_counts_padding", "moe", "models/moe.py",
+           "m = jnp.ones((b * t,), probs.dtype) if mask is None else mask.reshape(b * t)",
+           "m = jnp.ones((b * t,), probs.dtype)",
+           ("tests/models/test_moe_hf.py",),
+           "MoE: the router statistics count padding tokens"),
+    Mutant("paged_last_key_block", "continuous batching", "models/paged_attention.py",
+           "hi = jnp.max(pos) // bk + 1",
+           "hi = jnp.maximum(1, (jnp.max(pos) - 1) // bk + 1)",
+           ("tests/models/test_paged_attention.py",),
+           "paged attention: a token at a key block's start does not read that block"),
+    Mutant("token_budget_forgets_sequence", "rl losses", "zeroxla/rlhf/packed_rollout.py",
+           "return token_budget * layout.sequence.size // chunks * chunks",
+           "return token_budget // chunks * chunks",
+           ("tests/zeroxla/rlhf/test_packed_rollout.py",),
+           "RL token budget under sequence parallelism: a row of one device's budget, not P's"),
+    Mutant("one_knob_set_for_every_prompt", "continuous batching",
+           "zeroxla/inference/continuous.py",
+           "keys=key_data, max_new=new, row=entries[sampling],",
+           "keys=key_data, max_new=new, row=entries[samplings[0]],",
+           ("tests/zeroxla/inference/test_continuous.py",),
+           "continuous batching: every prompt drawn with the first prompt's sampling knobs"),
+    Mutant("planner_offload_layer", "planner", "zeroxla/analysis/planner.py",
+           "host - host_residual_layer_bytes(traced) if derived else 0)",
+           "host if derived else 0)",
+           ("tests/zeroxla/analysis/test_planner.py",),
+           "zeroxla plan under remat offload: the layer back on the device for its backward "
+           "not counted"),
     Mutant("page_freed_while_shared", "continuous batching", "zeroxla/inference/pages.py",
            "if self._refs[page] == 0:",
            "if self._refs[page] <= 1:",
@@ -129,14 +158,17 @@ def plant(mutant: Mutant) -> str:
     return text
 
 
-def run_tests(mutant: Mutant) -> tuple[bool, str]:
-    """(caught, the last line pytest printed) for the daily tests of the mutant's files."""
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow",
-               "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", *mutant.tests]
+def run_tests(tests: tuple[str, ...]) -> tuple[int, str]:
+    """(pytest's exit status, the first failing test or else its last line) for the daily
+    tests of `tests`, stopping at the first failure."""
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-m", "not slow",
+               "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", *tests]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     lines = [line for line in result.stdout.splitlines() if line.strip()]
-    return result.returncode == 1, (lines[-1] if lines else result.stderr[-200:])
+    failed = [line.split()[1] for line in lines if line.startswith("FAILED ")]
+    return result.returncode, (failed[0] if failed else lines[-1] if lines
+                               else result.stderr[-200:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,19 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
         parser.error(f"unknown mutants {sorted(unknown)}")
-    print("| mutant | area | the bug | caught by | result | s |\n|---|---|---|---|---|---|")
+    for tests in dict.fromkeys(m.tests for m in chosen):     # the control: all pass unmutated
+        status, last = run_tests(tests)
+        if status != 0:
+            raise SystemExit(f"the daily tests of {', '.join(tests)} do not pass without a "
+                             f"planted bug (exit {status}: {last}); fix them first")
+    print("| mutant | area | the bug | caught by | s |\n|---|---|---|---|---|")
     missed = 0
     for mutant in chosen:
         start = time.perf_counter()
         original = plant(mutant)
         try:
-            caught, last = run_tests(mutant)
+            status, last = run_tests(mutant.tests)
         finally:
             (ROOT / mutant.path).write_text(original)
+        caught = status == 1                                 # tests ran, and one failed
         missed += not caught
-        verdict = "caught" if caught else f"MISSED ({last})"
-        print(f"| {mutant.name} | {mutant.area} | {mutant.what} | "
-              f"{', '.join(t.rsplit('/', 1)[-1] for t in mutant.tests)} | {verdict} | "
+        verdict = f"`{last.split('/')[-1]}`" if caught else f"MISSED (exit {status}: {last})"
+        print(f"| {mutant.name} | {mutant.area} | {mutant.what} | {verdict} | "
               f"{time.perf_counter() - start:.0f} |", flush=True)
     return 1 if missed else 0
 

@@ -37,8 +37,8 @@ XLA_FLAGS they find, so their test kernels run with these flags too; users' runs
 default.)
 """
 
+import importlib.util
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import MutableMapping, Mapping
@@ -68,8 +68,7 @@ CODEGEN_FLAGS = " ".join(["--xla_backend_optimization_level=0",
 # tests build many identical programs (the same gpt-tiny step in parity, optimizer, memory and
 # checkpoint tests; single-device references), and `make_step` makes a new `jax.jit` each time,
 # so JAX's in-memory cache never hits; the persistent cache is keyed by the HLO, the flags and
-# the JAX version, so an identical program is compiled once, in whichever process (and, with
-# the cache kept between runs below, once per machine until the program changes).
+# the JAX version, so an identical program is compiled once per run, in whichever process.
 # Checked before using it: a cache hit gives the same `memory_analysis()`, `cost_analysis()`
 # and op_name metadata (what zeroxla.analysis reads: named scopes, collectives, trip counts);
 # `as_text()` differs only in its source-location tables (file names and lines of whichever
@@ -82,16 +81,18 @@ CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
-# The cache kept between runs on one machine (CI runs on the machine of the session that
-# submits, which the next session usually gets back): one directory per jaxlib and Python
-# version under the user's cache folder. It is never needed for correctness, and a stale entry
-# cannot be used: JAX keys each entry by the program's HLO, the compile options and XLA flags,
-# and the jaxlib / backend version, so a changed program or flag is a new key (a miss), never
-# another program's executable. `ZEROXLA_TEST_JAX_CACHE=cold` gives a run a fresh temporary
-# cache instead (removed at its end: how the suite's cold times are measured); a path names one.
+# A cache kept between runs on one machine (opt-in): `ZEROXLA_TEST_JAX_CACHE=keep` uses one
+# directory per jaxlib and Python version under the user's cache folder, a path names another.
+# It is never needed for correctness, and a stale entry cannot be used: JAX keys each entry by
+# the program's HLO, the compile options and XLA flags, and the jaxlib / backend version, so a
+# changed program or flag is a new key (a miss), never another program's executable. A kept
+# cache is bounded (JAX's LRU eviction at PERSISTENT_CACHE_MAX_BYTES), which also puts JAX's
+# file lock around each read and write: processes of different runs then never read an entry
+# another is still writing. It is not the default: a warm daily run on 2026-11-28 lost a
+# worker to "Fatal Python error: Aborted" in a test that passes cold and warm alone, not yet
+# explained; the default (and `cold`) is a fresh temporary cache per run, removed at its end.
 PERSISTENT_CACHE_ENV = "ZEROXLA_TEST_JAX_CACHE"
-COLD = "cold"
-# A kept cache over this size is emptied when a run starts (a whole-suite run writes ~0.3 GB).
+COLD, KEEP = "cold", "keep"
 PERSISTENT_CACHE_MAX_BYTES = 4 << 30
 
 
@@ -105,29 +106,25 @@ def persistent_cache_dir(environ: Mapping[str, str]) -> str:
 
 def use_compilation_cache(environ: MutableMapping[str, str]) -> str | None:
     """Points `environ` (before JAX is imported) at the run's compilation cache: the one it
-    names already (a worker of this run, or a developer's own), else the kept cache
-    (`persistent_cache_dir`, emptied first when over PERSISTENT_CACHE_MAX_BYTES), or with
-    `ZEROXLA_TEST_JAX_CACHE=cold` a new temporary directory, returned so that the process that
-    made it removes it at the end."""
+    names already (a worker of this run, or a developer's own), else a new temporary directory,
+    returned so that the process that made it removes it at the end; with
+    `ZEROXLA_TEST_JAX_CACHE=keep` (or a path) the kept cache, bounded and file-locked."""
     environ.update({k: v for k, v in CACHE_SETTINGS.items() if k not in environ})
     if environ.get(CACHE_ENV):
         return None
-    chosen = environ.get(PERSISTENT_CACHE_ENV, "")
+    chosen = environ.get(PERSISTENT_CACHE_ENV, COLD)
     if chosen == COLD:
         environ[CACHE_ENV] = tempfile.mkdtemp(prefix="zeroxla-test-jax-cache-")
         return environ[CACHE_ENV]
-    path = chosen or persistent_cache_dir(environ)
-    if _size(path) > PERSISTENT_CACHE_MAX_BYTES:
-        shutil.rmtree(path, ignore_errors=True)
+    if importlib.util.find_spec("filelock") is None:
+        raise RuntimeError(f"{PERSISTENT_CACHE_ENV}={chosen}: a kept compilation cache needs "
+                           "the filelock package (JAX locks its entries with it); pip install "
+                           "filelock, or leave the variable unset for a per-run cache")
+    path = persistent_cache_dir(environ) if chosen == KEEP else chosen
     os.makedirs(path, exist_ok=True)
     environ[CACHE_ENV] = path
+    environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(PERSISTENT_CACHE_MAX_BYTES))
     return None
-
-
-def _size(path: str) -> int:
-    """Bytes of the files under `path` (0 when it does not exist)."""
-    return sum(os.path.getsize(os.path.join(folder, name))
-               for folder, _, names in os.walk(path) for name in names)
 
 
 def with_codegen_flags(xla_flags: str, *, older_emitters: bool = True) -> str:

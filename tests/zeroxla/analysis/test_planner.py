@@ -105,7 +105,6 @@ def test_the_figures_are_the_step_compiled_the_normal_way():
     assert figures.fits and not figures.derived and figures.host_residuals == 0
 
 
-@pytest.mark.slow   # daily: the "full" twin above, and the offload bytes in the two tests below
 def test_the_offload_figures_are_the_step_compiled_the_normal_way_less_the_host_inputs():
     """remat "offload", by the same independent path as "full": the model built for real,
     `step.init()`, a host batch, `memory_report` of `step.compile`. XLA:CPU has one memory, so
