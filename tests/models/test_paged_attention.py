@@ -31,6 +31,22 @@ def _reference(q, keys, values, pos, window, softcap):
     return out
 
 
+def _step_tokens(rng, tokens, tables, seq_keys, seq_values, n, max_pages):
+    """This step's inputs for `tokens` [(sequence, position)] and n - len(tokens) fillers on
+    the null page: q [1, n, H, K], the new keys and values [1, n, G, K] (also written into
+    `seq_keys` / `seq_values` at their positions, as the reference reads them), positions
+    [1, n] and each token's page table [1, n, max_pages]."""
+    q = rng.normal(size=(1, n, H, K))
+    k_new, v_new = rng.normal(size=(1, n, G, K)), rng.normal(size=(1, n, G, K))
+    positions = np.zeros((1, n), np.int32)
+    token_pages = np.full((1, n, max_pages), NULL_PAGE, np.int32)
+    for i, (s, p) in enumerate(tokens):
+        positions[0, i] = p
+        token_pages[0, i, :len(tables[s])] = tables[s]
+        seq_keys[s][p], seq_values[s][p] = k_new[0, i], v_new[0, i]
+    return q, k_new, v_new, positions, token_pages
+
+
 @pytest.mark.parametrize("window,softcap,block,chunk", [(None, None, 512, 8),
                                                         (5, 3.0, 8, 3)],
                          ids=["causal", "window-softcap-small-blocks-and-chunks"])
@@ -53,14 +69,8 @@ def test_paged_attention_is_each_tokens_own_sequence(window, softcap, block, chu
             pool_v[1, 0, :, tables[s][p // PAGE], p % PAGE] = seq_values[s][p]
     tokens = [(0, 9), (1, 14)] + [(2, p) for p in range(7)]      # (sequence, position)
     n = len(tokens) + 3
-    q = rng.normal(size=(1, n, H, K))
-    k_new, v_new = rng.normal(size=(1, n, G, K)), rng.normal(size=(1, n, G, K))
-    positions = np.zeros((1, n), np.int32)
-    token_pages = np.full((1, n, max_pages), NULL_PAGE, np.int32)
-    for i, (s, p) in enumerate(tokens):
-        positions[0, i] = p
-        token_pages[0, i, :len(tables[s])] = tables[s]
-        seq_keys[s][p], seq_values[s][p] = k_new[0, i], v_new[0, i]
+    q, k_new, v_new, positions, token_pages = _step_tokens(rng, tokens, tables, seq_keys,
+                                                           seq_values, n, max_pages)
     f32 = lambda x: jnp.asarray(x, jnp.float32)                 # noqa: E731
     out, cache = paged_attention(f32(q), f32(k_new), f32(v_new), jnp.asarray(positions),
                                  PagedKV(f32(pool_k), f32(pool_v), jnp.asarray(token_pages),
@@ -135,14 +145,8 @@ def test_reads_across_key_blocks_and_from_a_block_start(window, chunk):
             pool_v[0, 0, :, tables[s][p // PAGE], p % PAGE] = seq_values[s][p]
     tokens = [(s, p) for s, (_, fed) in enumerate(feeds) for p in fed]
     n = len(tokens) + 2                                            # two fillers
-    q = rng.normal(size=(1, n, H, K))
-    k_new, v_new = rng.normal(size=(1, n, G, K)), rng.normal(size=(1, n, G, K))
-    positions = np.zeros((1, n), np.int32)
-    token_pages = np.full((1, n, max_pages), NULL_PAGE, np.int32)
-    for i, (s, p) in enumerate(tokens):
-        positions[0, i] = p
-        token_pages[0, i, :len(tables[s])] = tables[s]
-        seq_keys[s][p], seq_values[s][p] = k_new[0, i], v_new[0, i]
+    q, k_new, v_new, positions, token_pages = _step_tokens(rng, tokens, tables, seq_keys,
+                                                           seq_values, n, max_pages)
     f32 = lambda x: jnp.asarray(x, jnp.float32)                 # noqa: E731
     out, _ = paged_attention(f32(q), f32(k_new), f32(v_new), jnp.asarray(positions),
                              PagedKV(f32(pool_k), f32(pool_v), jnp.asarray(token_pages)),
