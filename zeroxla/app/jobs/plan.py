@@ -25,7 +25,7 @@ from typing import Any
 
 from zeroxla.app.cli_args import host_device_count, mesh_shape, positive_int, set_host_device_count
 from zeroxla.app.run.options import Option, OptionTable
-from zeroxla.models.sequence_parallel import ZIGZAG_STRATEGIES
+from zeroxla.models.sequence_parallel import SequenceParallel
 from zeroxla.sharding.config import SEQUENCE_PARALLEL_STRATEGIES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -171,7 +171,7 @@ def check_lengths(plan: PlanSettings) -> None:
 
     check_sequence_parallel(plan.mesh, plan.sequence_parallel_size)
     size, strategy = plan.sequence_parallel_size, plan.sequence_parallel_strategy
-    chunks = size * (2 if strategy in ZIGZAG_STRATEGIES else 1)
+    chunks = SequenceParallel("sequence", size, strategy).chunks
     option, length = (("--granularity", plan.granularity) if plan.max_seq_len
                       else ("--seq-len", plan.seq_len))
     if size <= 1 or length % chunks == 0:
