@@ -3,6 +3,7 @@ at equal KV bytes, on a length-skewed workload; and prefix sharing for GRPO grou
 
     python benchmarks/rollout.py [--prompts 256] [--batch 16] [--max-new 192]
                                  [--slots 40] [--budget 48] [--page 16] [--groups 8]
+                                 [--repeats 3] [--model Qwen2.5-0.5B]
 
 One device, one Llama (4 layers, d_model 256, 8 heads, 4 KV heads, vocabulary 512) in a ZeRO-3
 step; the Hybrid Engine generates (temperature 1, seed fixed) from its training state:
@@ -25,7 +26,9 @@ compile count over the whole timed run (jax.monitoring's backend-compile events)
 shape (`--groups` prompts x 8 answers): prompt tokens prefilled with prefix sharing
 (`generate_group`) and without (8 generate calls), and whether the answers are those of the
 separate calls.
-The last line is `continuous / static tokens/s: R`.
+The line `continuous / static tokens/s: R` closes the comparison. `--model Qwen2.5-0.5B`: the
+same workload at a real width (random weights), for a GPU; `--repeats 1 --groups 0` keep its
+device time short.
 """
 
 from __future__ import annotations
@@ -44,10 +47,19 @@ from zeroxla import models
 from zeroxla.inference import HybridEngine, HybridEngineConfig
 
 
-def build(max_out: int):
-    config = models.LlamaConfig(vocab_size=512, max_seq_len=max_out, d_model=256, num_heads=8,
-                                num_kv_heads=4, num_layers=4, mlp_dim=688, init_std=0.05)
-    step = zeroxla.make_step(models.Llama(config, rngs=nnx.Rngs(0)), zeroxla.make_mesh(1, 1),
+def build(max_out: int, preset: str | None = None):
+    """The step and its state: the small Llama, or `preset` (a `models.presets` name: a real
+    width, random weights; token ids stay below 512 either way)."""
+    if preset:
+        from zeroxla.models import presets
+        config = presets.config(preset).replace(max_seq_len=max_out)
+    else:
+        config = models.LlamaConfig(vocab_size=512, max_seq_len=max_out, d_model=256,
+                                    num_heads=8, num_kv_heads=4, num_layers=4, mlp_dim=688,
+                                    init_std=0.05)
+    cls = models.model_class(config)
+    step = zeroxla.make_step(lambda: cls(config, rngs=nnx.Rngs(0)),
+                             zeroxla.make_mesh(1, 1, devices=jax.devices()[:1]),
                              optimizer=optax.sgd(0.0), config=zeroxla.ZeroConfig(stage=3))
     return step, step.init()
 
@@ -95,10 +107,14 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=40)
     parser.add_argument("--budget", type=int, default=48)
     parser.add_argument("--page", type=int, default=16)
-    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=8, help="0: skip the GRPO-group part")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each engine")
+    parser.add_argument("--model", default=None,
+                        help="a models.presets name (e.g. Qwen2.5-0.5B) instead of the small "
+                             "Llama")
     args = parser.parse_args()
     max_out = 64 + args.max_new
-    step, state = build(max_out)
+    step, state = build(max_out, args.model)
     prompts, news = workload(args, np.random.default_rng(0))
     print(f"{args.prompts} prompts of 16..64 tokens, new tokens {np.mean(news):.1f} mean / "
           f"{max(news)} max (ratio {np.mean(news) / max(news):.2f}); KV {args.batch} x "
@@ -123,7 +139,7 @@ def main() -> None:
     compiles = CompileCount()
     (static_s, static_out, static_compiles), (cont_s, cont_out, recompiles) = timed(
         [run_static, lambda: engine.generate(state, prompts, max_new_tokens=news, **kw)],
-        compiles)
+        compiles, args.repeats)
     same = all(np.array_equal(a, b) for a, b in zip(static_out, cont_out))
     stats = engine.stats
     tokens = sum(news)
@@ -135,14 +151,25 @@ def main() -> None:
     print(f"| continuous ({args.slots} slots, {args.budget} places) | {tokens / cont_s:,.0f} | "
           f"{stats['steps']} | {pages * args.page:,} | peak pages {stats['peak_pages_in_use']}"
           f" of {pages - 1}, preemptions {stats['preemptions']} |")
+    print(f"continuous: {stats['program_seconds'] / stats['steps'] * 1e3:.2f} ms a step in the "
+          f"step program (call to tokens on the host), "
+          f"{(stats['seconds'] - stats['program_seconds']) / stats['steps'] * 1e3:.2f} ms on "
+          f"the host (scheduling, packing)")
     live = sum(p.size + n for p, n in zip(prompts, news)) / len(news)    # a row's last length
     print(f"KV bytes per live token (pages in use x {args.page} / tokens in the cache, mean over "
           f"steps): {stats['kv_slots_per_live_token']:.3f} token's worth (static: "
           f"{max_out / live:.2f} at the end of each row)")
-    print(f"backend compiles during the 3 timed runs: continuous {recompiles}, static "
+    print(f"backend compiles during the {args.repeats} timed runs: continuous {recompiles}, static "
           f"{static_compiles} (the warm-up compiled each engine's programs: continuous one step "
           f"executable, static one per (batch, prompt) bucket)")
 
+    print(f"continuous / static tokens/s: {static_s / cont_s:.2f}")
+    if args.groups:
+        grpo_groups(args, engine, state, prompts)
+
+
+def grpo_groups(args, engine, state, prompts):
+    """GRPO's shape: prefill with prefix sharing against separate calls."""
     g = 8
     picked = prompts[:args.groups]
     seeds = list(range(g))
@@ -156,7 +183,6 @@ def main() -> None:
           f"{shared_prefill} shared vs {alone_prefill} separate "
           f"({alone_prefill / shared_prefill:.1f}x); answers equal to separate calls: "
           f"{same_groups}")
-    print(f"continuous / static tokens/s: {static_s / cont_s:.2f}")
 
 
 if __name__ == "__main__":

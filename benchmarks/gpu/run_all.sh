@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 55 in one command, each section in its own process with its own time
+# The GPU checks of issues 55 and 74 in one command, each section in its own process with its own time
 # cap, within one overall budget; a section that fails or runs out of time is logged and the
 # next one runs. Every figure is printed and appended to $OUT/results.jsonl.
 #
@@ -110,5 +110,39 @@ section train_fp16_T1024 150 $PY $G/train_step.py $TINY --dtype fp16 --seq 1024 
   --variants zero0 plain --timeout-each 90
 section train_bf16_T8192 150 $PY $G/train_step.py $TINY --dtype bf16 --seq 8192 --batch 2 \
   --variants zero3 plain --timeout-each 90
+# Issue 74: a production-shaped layer's MFU (Llama-3.1-8B's dims, 8 layers, AdamW), stage 3
+# on one device against the plain step, the 8-GPU program on a mock topology, the rollout
+# engine at a real width and decode against the memory-bandwidth floor.
+section llama8b_T8192 200 $PY $G/train_step.py $TINY --model Llama-3.1-8B --layers 8 \
+  --dtype bf16 --seq 8192 --batch 1 --steps 5 --variants plain zero3 --timeout-each 100
+section llama8b_T4096 200 $PY $G/train_step.py $TINY --model Llama-3.1-8B --layers 8 \
+  --dtype bf16 --seq 4096 --batch 2 --steps 5 --variants plain zero3 --timeout-each 100
+section mock_topology 150 $PY $G/mock_topology.py $TINY --timeout-each 100
+section rollout_real_width 120 bash -c 'set -o pipefail; $PY benchmarks/rollout.py \
+  --model Qwen2.5-0.5B --repeats 1 --groups 0 --prompts 128 $([ -n "$TINY" ] && echo --prompts 8 \
+  --max-new 16 --batch 4 --slots 8 --budget 12) 2>&1 | tee "$OUT/rollout.txt"'
+section decode_floor 90 $PY $G/decode_floor.py $TINY
+section stage3_one_device_T1024 120 $PY $G/train_step.py $TINY --dtype bf16 --seq 1024 \
+  --batch 16 --variants plain zero3 --timeout-each 55
+# Where the remaining MFU and the rollout's row-by-row differences come from: cuBLAS for every
+# GEMM instead of XLA's Triton GEMMs; the float32 matmul precision XLA:GPU uses by default
+# (TF32 or not) and the rollout comparison at full float32 precision.
+section llama8b_T8192_cublas 120 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" \
+  $PY $G/train_step.py $TINY --model Llama-3.1-8B --layers 8 --dtype bf16 --seq 8192 \
+  --batch 1 --steps 5 --variants plain zero3 --timeout-each 55
+section llama8b_T8192_whole_logits 70 $PY $G/train_step.py $TINY --model Llama-3.1-8B \
+  --layers 8 --dtype bf16 --seq 8192 --batch 1 --steps 5 --variants plain_logits \
+  --timeout-each 65
+section f32_matmul_precision 30 $PY -c 'import jax, jax.numpy as jnp, numpy as np
+x = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+exact = x.astype(np.float64) @ x.astype(np.float64)
+for p in ("default", "highest"):
+    with jax.default_matmul_precision(p):
+        got = np.asarray(jax.jit(jnp.dot)(x, x), np.float64)
+    print("RESULT", {"f32_matmul_precision": p, "max_rel_err": float(np.max(np.abs(got - exact)) / np.max(np.abs(exact)))})'
+section rollout_real_width_highest 120 env JAX_DEFAULT_MATMUL_PRECISION=highest bash -c \
+  'set -o pipefail; $PY benchmarks/rollout.py --model Qwen2.5-0.5B --repeats 1 --groups 0 \
+  --prompts 128 $([ -n "$TINY" ] && echo --prompts 8 --max-new 16 --batch 4 --slots 8 \
+  --budget 12) 2>&1 | tee "$OUT/rollout_highest.txt"'
 echo
 echo "run_all: done after $((SECONDS - START)) s; figures in $OUT/results.jsonl"

@@ -3,9 +3,12 @@ same model and optax optimizer, each in its own process (peak memory per variant
 
     python benchmarks/gpu/train_step.py --variants plain zero0 zero3 [--dtype bf16] \
         [--seq 1024] [--batch 16] [--timeout-each 120] [--tiny]
+    python benchmarks/gpu/train_step.py --model Llama-3.1-8B --layers 8 --seq 8192 --batch 1 \
+        --variants plain zero3
 
 Model: GPT-2 124M (`models.GPTConfig.gpt2_124m`: 12 layers, d 768, 12 heads, vocab 50257;
-max_seq_len raised to --seq when longer), `attention="auto"` (cuDNN's fused attention on a CUDA
+max_seq_len raised to --seq when longer), or with `--model` a preset of `models.presets` (its
+published config.json's shape) cut to `--layers` layers, `attention="auto"` (cuDNN's fused attention on a CUDA
 GPU where it applies, else blockwise), seed 0 in every variant (zeroxla builds it from a factory
 inside its init, the plain step eagerly: the same values). Optimizer `optax.adamw(3e-4)`,
 float32 master weights and Adam state, compute in --dtype (bf16 or fp16).
@@ -66,24 +69,40 @@ FP16_LOSS_SCALE = 1024.0
 WARMUP, FIRST_LOSSES, BATCHES = 2, 5, 4
 
 
-def model_config(seq: int, tiny: bool, attention: str):
+def model_config(seq: int, tiny: bool, attention: str, model: str = "gpt2-124m",
+                 layers: int | None = None):
+    """GPT-2 124M, or a preset of `models.presets` (e.g. Llama-3.1-8B) with `layers` of its
+    layers; `tiny`: a small model of the same family (a CPU check of the script)."""
     from zeroxla import models
+    from zeroxla.models import presets
 
-    if tiny:
-        return models.GPTConfig.tiny().replace(max_seq_len=max(seq, 128), attention=attention)
-    base = models.GPTConfig.gpt2_124m()
-    return base.replace(max_seq_len=max(seq, base.max_seq_len), attention=attention)
+    if model == "gpt2-124m":
+        base = models.GPTConfig.tiny() if tiny else models.GPTConfig.gpt2_124m()
+    else:
+        base = presets.config(model)
+        if tiny:
+            base = base.replace(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2,
+                                mlp_dim=128)
+    if layers:
+        base = base.replace(num_layers=layers)
+    return base.replace(max_seq_len=max(seq, 128 if tiny else base.max_seq_len),
+                        attention=attention)
 
 
 def flops_per_token(config, seq: int) -> tuple[float, int]:
-    """(6 N + 12 L d T, N) with N the parameter count less the position table."""
+    """(6 N + 12 L d T, N) with N the parameters that multiply: less GPT-2's position table and
+    an untied model's input embedding (lookups; a tied table is the output head and counts)."""
     import jax
     from flax import nnx
 
     from zeroxla import models
 
     params = nnx.state(models.abstract_model(config), nnx.Param)
-    n = sum(x.size for x in jax.tree.leaves(params)) - config.max_seq_len * config.d_model
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if config.family == "gpt":
+        n -= config.max_seq_len * config.d_model
+    elif not getattr(config, "tie_word_embeddings", True):
+        n -= config.vocab_size * config.d_model
     return 6.0 * n + 12.0 * config.num_layers * config.d_model * seq, n
 
 
@@ -154,18 +173,22 @@ def run_variant(args) -> dict:
 
     dtype_name = DTYPES[args.dtype]
     dtype = jnp.dtype(dtype_name)
-    config = model_config(args.seq, args.tiny, args.attention)
+    config = model_config(args.seq, args.tiny, args.attention, args.model, args.layers)
     per_token, n_params = flops_per_token(config, args.seq)
     head_dim = config.d_model // config.num_heads
     q = jax.ShapeDtypeStruct((args.batch, args.seq, config.num_heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((args.batch, args.seq, getattr(config, "num_kv_heads",
+                                                             config.num_heads), head_dim), dtype)
     segments = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32) if args.packed else None
-    route = attention_dispatch.choose(q, q, q, segment_ids=segments, implementation=args.attention)
+    route = attention_dispatch.choose(q, kv, kv, segment_ids=segments,
+                                      implementation=args.attention)
+    model_class = models.model_class(config)
     data = batches(args.batch, args.seq, config.vocab_size, args.packed)
     optimizer = optax.adamw(3e-4)
     losses, times, markers, compiled = [], [], None, None
 
     if args.variant.startswith("plain"):
-        step, params, opt_state = plain_step(models.GPT(config, rngs=nnx.Rngs(0)), optimizer,
+        step, params, opt_state = plain_step(model_class(config, rngs=nnx.Rngs(0)), optimizer,
                                              dtype, args.variant == "plain_logits")
         lowered = step.lower(params, opt_state, data[0])
         start = time.perf_counter()
@@ -181,7 +204,7 @@ def run_variant(args) -> dict:
         extra.update(ZERO_VARIANTS[args.variant])
         # A factory: the state is created directly in its layout (DeepSpeed's zero.Init), the
         # same values as the plain variant's eager model (same seed).
-        step = zeroxla.make_step(lambda: models.GPT(config, rngs=nnx.Rngs(0)),
+        step = zeroxla.make_step(lambda: model_class(config, rngs=nnx.Rngs(0)),
                                  zeroxla.make_mesh(1, 1), optimizer=optimizer,
                                  config=zeroxla.ZeroConfig(compute_dtype=dtype_name,
                                                            **extra))
@@ -207,7 +230,8 @@ def run_variant(args) -> dict:
             losses.append(loss)
     seconds = sorted(times[WARMUP:])[len(times[WARMUP:]) // 2]
     tokens_per_s = args.batch * args.seq / seconds
-    row = dict(variant=args.variant, dtype=args.dtype, seq=args.seq, batch=args.batch,
+    row = dict(variant=args.variant, model=args.model, layers=config.num_layers,
+               dtype=args.dtype, seq=args.seq, batch=args.batch,
                packed=args.packed,
                attention=args.attention, attention_route=route, params=n_params,
                compile_s=round(compile_s, 2), step_s=seconds, tokens_per_s=round(tokens_per_s),
@@ -232,7 +256,7 @@ def child(args) -> None:
 
 
 def tag(args, variant: str) -> str:
-    return (f"{variant}_{args.dtype}_T{args.seq}_B{args.batch}{'_packed' if args.packed else ''}"
+    return (f"{args.model}_L{args.layers or 0}_{variant}_{args.dtype}_T{args.seq}_B{args.batch}{'_packed' if args.packed else ''}"
             f"{'_tiny' if args.tiny else ''}")
 
 
@@ -243,7 +267,7 @@ def parent(args) -> None:
         path = common.out_dir() / f"train_{tag(args, variant)}.json"
         path.unlink(missing_ok=True)
         command = [sys.executable, __file__, "--variant", variant] + forwarded(args)
-        print(f"\n=== {SECTION} {variant} {args.dtype} T={args.seq} B={args.batch}", flush=True)
+        print(f"\n=== {SECTION} {args.model} {variant} {args.dtype} T={args.seq} B={args.batch}", flush=True)
         try:
             done = subprocess.run(command, timeout=args.timeout_each, env=os.environ.copy())
             if done.returncode:
@@ -292,7 +316,8 @@ def compare(rows: dict, args) -> None:
 def forwarded(args) -> list[str]:
     out = ["--dtype", args.dtype, "--seq", str(args.seq), "--batch", str(args.batch),
            "--steps", str(args.steps), "--attention", args.attention,
-           "--peak-flops", str(args.peak_flops)]
+           "--peak-flops", str(args.peak_flops), "--model", args.model]
+    out += ["--layers", str(args.layers)] if args.layers else []
     return out + (["--tiny"] if args.tiny else []) + (["--packed"] if args.packed else [])
 
 
@@ -301,6 +326,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
                         default=["plain", "zero0", "zero3"])
     parser.add_argument("--variant", choices=VARIANTS, help="run this one variant here")
+    parser.add_argument("--model", default="gpt2-124m",
+                        help="gpt2-124m, or a preset of zeroxla.models.presets (Llama-3.1-8B)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="this many of the model's layers (its own count by default)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16)

@@ -228,6 +228,7 @@ class ContinuousBatcher:
         logprobs: list[Any] = [None] * total
         rows = filler_rows(shape, self.vocab_size)
         steps = fed = prefill = generated = pages_sum = live_sum = 0
+        program_s = 0.0
         pools = self.pools()
         while queue or any(g.running for g in groups):
             arrays = StepArrays.empty(shape, self.key_shape)
@@ -262,8 +263,10 @@ class ContinuousBatcher:
             if jax.process_count() > 1:      # jit refuses numpy arguments that carry a
                 placed = jax.device_put(     # non-replicated sharding with several processes
                     placed, (self._rows_sharding, self._rows_sharding))
+            called = time.perf_counter()
             pools, drawn = self.program(params, model_state, pools, *placed)
             drawn = np.asarray(drawn)
+            program_s += time.perf_counter() - called
             token, logprob = drawn[0], drawn[1].view(np.float32)
             steps += 1
             for d, group, planned in plans:
@@ -281,6 +284,7 @@ class ContinuousBatcher:
         self._pools = pools
         self.stats = {"steps": steps, "tokens_fed": fed, "prefill_tokens": prefill,
                       "generated_tokens": generated, "seconds": time.perf_counter() - start,
+                      "program_seconds": program_s,
                       "mean_pages_in_use": pages_sum / max(1, steps * shape.groups),
                       "kv_slots_per_live_token": pages_sum * shape.page_size / max(1, live_sum),
                       "peak_pages_in_use": max(g.pool.peak for g in groups),

@@ -226,11 +226,11 @@ class HybridEngine:
         only on the prompt, the seed and its knobs, not on the other prompts of the call or
         its place among them: each row draws with keys folded from the seed, a hash of its own
         token ids and the decode step (`zeroxla.inference.sampling`), so equal prompts in one
-        call get equal continuations. `vocab_limit` (the tokenizer's vocabulary size, when the
-        model's embedding is padded past it): no id >= it is ever drawn, greedy included;
-        None: any id of the model. `state` must be a live state of the engine's step (not one
-        given to `step(state, batch)`, which donates it), only read. Every argument is checked,
-        naming it, before anything runs.
+        call get equal continuations (on a GPU at matmul precision "highest": docs/benchmarks.md).
+        `vocab_limit` (the tokenizer's vocabulary size, when the model's embedding is padded past
+        it): no id >= it is ever drawn, greedy included; None: any id of the model. `state` must be
+        a live state of the engine's step (not one given to `step(state, batch)`, which donates
+        it), only read. Every argument is checked, naming it, before anything runs.
 
         `return_logprobs=True` returns `(outputs, logprobs)`: logprobs[i] float32 [new tokens
         of output i], the log-probability each token was drawn with (as filtered and scaled:
