@@ -133,6 +133,12 @@ section llama8b_T8192_cublas 120 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=fal
 section llama8b_T8192_whole_logits 70 $PY $G/train_step.py $TINY --model Llama-3.1-8B \
   --layers 8 --dtype bf16 --seq 8192 --batch 1 --steps 5 --variants plain_logits \
   --timeout-each 65
+section llama8b_T8192_chunk4096 60 $PY $G/train_step.py $TINY --model Llama-3.1-8B --layers 8 \
+  --dtype bf16 --seq 8192 --batch 1 --steps 5 --logits-chunk 4096 --variants zero3 \
+  --timeout-each 55
+section llama8b_T8192_chunk8192 60 $PY $G/train_step.py $TINY --model Llama-3.1-8B --layers 8 \
+  --dtype bf16 --seq 8192 --batch 1 --steps 5 --logits-chunk 8192 --variants zero3 \
+  --timeout-each 55
 section f32_matmul_precision 30 $PY -c 'import jax, jax.numpy as jnp, numpy as np
 x = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
 exact = x.astype(np.float64) @ x.astype(np.float64)

@@ -183,12 +183,22 @@ def run_variant(args) -> dict:
     route = attention_dispatch.choose(q, kv, kv, segment_ids=segments,
                                       implementation=args.attention)
     model_class = models.model_class(config)
+
+    def build_model():
+        """The model; with --logits-chunk, its chunked head's chunk set (`logits_chunk`, a
+        static attribute of the module owning the head)."""
+        model = model_class(config, rngs=nnx.Rngs(0))
+        if args.logits_chunk:
+            for _, module in nnx.iter_modules(model):
+                if hasattr(module, "logits_chunk"):
+                    module.logits_chunk = args.logits_chunk
+        return model
     data = batches(args.batch, args.seq, config.vocab_size, args.packed)
     optimizer = optax.adamw(3e-4)
     losses, times, markers, compiled = [], [], None, None
 
     if args.variant.startswith("plain"):
-        step, params, opt_state = plain_step(model_class(config, rngs=nnx.Rngs(0)), optimizer,
+        step, params, opt_state = plain_step(build_model(), optimizer,
                                              dtype, args.variant == "plain_logits")
         lowered = step.lower(params, opt_state, data[0])
         start = time.perf_counter()
@@ -204,7 +214,7 @@ def run_variant(args) -> dict:
         extra.update(ZERO_VARIANTS[args.variant])
         # A factory: the state is created directly in its layout (DeepSpeed's zero.Init), the
         # same values as the plain variant's eager model (same seed).
-        step = zeroxla.make_step(lambda: model_class(config, rngs=nnx.Rngs(0)),
+        step = zeroxla.make_step(build_model,
                                  zeroxla.make_mesh(1, 1), optimizer=optimizer,
                                  config=zeroxla.ZeroConfig(compute_dtype=dtype_name,
                                                            **extra))
@@ -231,6 +241,7 @@ def run_variant(args) -> dict:
     seconds = sorted(times[WARMUP:])[len(times[WARMUP:]) // 2]
     tokens_per_s = args.batch * args.seq / seconds
     row = dict(variant=args.variant, model=args.model, layers=config.num_layers,
+               logits_chunk=args.logits_chunk,
                dtype=args.dtype, seq=args.seq, batch=args.batch,
                packed=args.packed,
                attention=args.attention, attention_route=route, params=n_params,
@@ -256,7 +267,7 @@ def child(args) -> None:
 
 
 def tag(args, variant: str) -> str:
-    return (f"{args.model}_L{args.layers or 0}_{variant}_{args.dtype}_T{args.seq}_B{args.batch}{'_packed' if args.packed else ''}"
+    return (f"{args.model}_L{args.layers or 0}_C{args.logits_chunk or 0}_{variant}_{args.dtype}_T{args.seq}_B{args.batch}{'_packed' if args.packed else ''}"
             f"{'_tiny' if args.tiny else ''}")
 
 
@@ -318,6 +329,7 @@ def forwarded(args) -> list[str]:
            "--steps", str(args.steps), "--attention", args.attention,
            "--peak-flops", str(args.peak_flops), "--model", args.model]
     out += ["--layers", str(args.layers)] if args.layers else []
+    out += ["--logits-chunk", str(args.logits_chunk)] if args.logits_chunk else []
     return out + (["--tiny"] if args.tiny else []) + (["--packed"] if args.packed else [])
 
 
@@ -330,6 +342,8 @@ def main() -> None:
                         help="gpt2-124m, or a preset of zeroxla.models.presets (Llama-3.1-8B)")
     parser.add_argument("--layers", type=int, default=None,
                         help="this many of the model's layers (its own count by default)")
+    parser.add_argument("--logits-chunk", type=int, default=None,
+                        help="tokens per chunk of the model's chunked head (its default: 1024)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16)
