@@ -34,6 +34,10 @@
   tokens (custom VJP), `ragged_dot` where native; `expert_parallel.py`: the layer's experts
   split over the mesh's expert axis (tokens all-gathered, outputs reduce-scattered);
   `moe_llama.py`: Llama with MoE blocks, the module of the MoE families.
+- `gated_delta.py`: the gated delta rule (Gated DeltaNet's token mixer, Qwen3.5's linear
+  attention) as pure functions: the recurrent form (decode) and the chunked WY / UT-transform
+  form (training, prefill), a scan over chunks with each chunk rematerialised, memory-linear in
+  T; float32 state, packed segments reset the state.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
   (Gemma 2): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table
