@@ -16,6 +16,10 @@
                  every request is done (the default where the model takes a paged cache)
     scheduler.py which tokens of which sequences a step runs (decode first, prompt chunks,
                  admission, forks of a group's prompt, preemption)
+    step_scheduler.py  the data groups' scheduler: `schedule()` returns a step's plan,
+                 `update(plan, tokens, logprobs)` takes its draws back and finishes answers
+    step_plan.py one step as data (chunks, page copies, samplers per group) and the host
+                 arrays packed from it for the compiled step
     pages.py     the host page pool: free list, reference counts, copy-on-write
     row_sampling.py  the sampling knobs as per-row arrays (one program for mixed rows)
     sampling.py  greedy / temperature / top-k / top-p as pure functions, drawing only the

@@ -7,18 +7,20 @@ done (the Hybrid Engine's default `batching="continuous"`).
 
 Per step (data flow; shapes per data group d of D, N = `max_ragged_batch_size` token places,
 S = `max_ragged_sequence_count` sampling slots, M pages per sequence, NP pages per group):
-1. host: each group's `scheduler.GroupScheduler` admits queued requests, picks decode tokens
-   and prompt chunks, and makes their pages writable (`pages.PagePool`: copy-on-write of a
-   shared prompt page); the step's arrays are filled: tokens, positions int32 [D, N],
-   token_pages int32 [D, N, M] (the places sorted by position: `sort_places`), page copies
-   int32 [D, S], the token each slot samples from int32 [D, S], each slot's key data, decode
-   step and sampling row;
+1. host, `step_scheduler.StepScheduler.schedule()`: each group's `scheduler.GroupScheduler`
+   admits queued requests, picks decode tokens and prompt chunks, and makes their pages
+   writable (`pages.PagePool`: copy-on-write of a shared prompt page); the returned
+   `step_plan.StepPlan` holds them and the step's arrays: tokens, positions int32 [D, N],
+   token_pages int32 [D, N, M] (the places sorted by position: `step_plan.sort_places`), page
+   copies int32 [D, S], the token each slot samples from int32 [D, S], each slot's key data,
+   decode step and sampling row, packed into two arrays (`step_plan.pack`);
 2. device (one program, the KV pools donated in and out): the copies, then the model's
    `decode(tokens, positions, PagedKV)` (its layers write and read pages:
    `models.paged_attention`), each slot's logits at its token, and its draw
    (`row_sampling.row_next_token`) -> tokens, log-probs [D, S];
-3. host: each sampling sequence takes its token; one at EOS or its own `max_new` finishes and
-   frees its slot and pages for the queue.
+3. host, `StepScheduler.update(plan, tokens, logprobs)`: each sampling sequence takes its
+   token; one at EOS or its own `max_new` finishes and frees its slot and pages for the queue.
+`ContinuousBatcher.run` only moves arrays between the two: schedule, run the program, update.
 The step's shapes never change, so one executable serves the whole run, whatever the prompts.
 
 A row draws its n-th token with key fold_in(row key, n), the row key folded from the seed and
@@ -31,104 +33,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.models.paged_attention import PagedKV
-from zeroxla.inference.pages import PagePool
 from zeroxla.inference.row_sampling import RowSampling, row_next_token
 from zeroxla.inference.sampling import HASH_BASE
-from zeroxla.inference.scheduler import GroupScheduler, Request
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchShape:
-    """The step's fixed sizes: D data groups, N token places and S slots per group, NP pages
-    of P slots per group (page 0 the null page), M pages per sequence."""
-
-    groups: int
-    tokens: int
-    slots: int
-    pages: int
-    page_size: int
-    max_pages: int
-
-
-@flax.struct.dataclass
-class StepArrays:
-    """The host arrays of one step (module docstring, step 1)."""
-
-    tokens: np.ndarray          # int32 [D, N]
-    positions: np.ndarray       # int32 [D, N]
-    token_pages: np.ndarray     # int32 [D, N, M]
-    copy_src: np.ndarray        # int32 [D, S]
-    copy_dst: np.ndarray        # int32 [D, S]
-    sample_at: np.ndarray       # int32 [D, S]
-    key_data: np.ndarray        # uint32 [D, S, ...]: the seed's key
-    prompt_hash: np.ndarray     # uint32 [D, S]: `sampling.prompt_hash` of the row's prompt
-    step: np.ndarray            # int32 [D, S]
-
-    @staticmethod
-    def empty(shape: BatchShape, key_shape: tuple[int, ...]) -> "StepArrays":
-        """Every place a filler (token 0 at position 0 on the null page), no copy, no draw."""
-        return StepArrays(**{
-            name: np.zeros((shape.groups,) + dims, np.uint32 if name in UINT32 else np.int32)
-            for name, dims in _field_shapes(shape, key_shape).items()})
-
-
-UINT32 = ("key_data", "prompt_hash")          # the StepArrays fields that are uint32
-
-
-def _field_shapes(shape: BatchShape, key_shape: tuple[int, ...]) -> dict[str, tuple]:
-    """Each StepArrays field's shape past the group dim [D]."""
-    n, s = shape.tokens, shape.slots
-    return {"tokens": (n,), "positions": (n,), "token_pages": (n, shape.max_pages),
-            "copy_src": (s,), "copy_dst": (s,), "sample_at": (s,), "key_data": (s,) + key_shape,
-            "prompt_hash": (s,), "step": (s,)}
-
-
-def filler_rows(shape: BatchShape, vocab_size: int) -> RowSampling:
-    """Host sampling rows [D, S] of greedy fillers, filled in place as slots sample."""
-    rows = RowSampling.of([None] * (shape.groups * shape.slots), vocab_size)
-    return jax.tree.map(lambda x: x.reshape(shape.groups, shape.slots), rows)
-
-
-ROW_INTS, ROW_FLOATS = ("greedy", "uniform", "top_k", "vocab_limit"), ("a", "b", "top_p")
-ROW_FIELDS = tuple(f.name for f in dataclasses.fields(RowSampling))     # `Request.row`'s order
-
-
-def pack(arrays: StepArrays, rows: RowSampling) -> tuple[np.ndarray, np.ndarray]:
-    """The step's host inputs as two arrays, int32 [D, X] and float32 [D, 3S] (two transfers
-    a step instead of sixteen); `unpack` inverts it inside the program."""
-    d = arrays.tokens.shape[0]
-    ints = [np.asarray(getattr(arrays, f.name)).reshape(d, -1).view(np.int32)
-            for f in dataclasses.fields(StepArrays)]
-    ints += [np.asarray(getattr(rows, name), np.int32).reshape(d, -1) for name in ROW_INTS]
-    floats = [np.asarray(getattr(rows, name), np.float32).reshape(d, -1) for name in ROW_FLOATS]
-    return np.concatenate(ints, axis=1), np.concatenate(floats, axis=1)
-
-
-def unpack(ints: jax.Array, floats: jax.Array, shape: BatchShape,
-           key_shape: tuple[int, ...]) -> tuple[StepArrays, RowSampling]:
-    """`pack`'s two arrays back as the step's fields (uint32 ones bitcast back)."""
-    d, at, fields = ints.shape[0], 0, {}
-    for name, dims in _field_shapes(shape, key_shape).items():
-        size = int(np.prod(dims))
-        x = ints[:, at:at + size].reshape((d,) + dims)
-        fields[name] = jax.lax.bitcast_convert_type(x, jnp.uint32) if name in UINT32 else x
-        at += size
-    s = shape.slots
-    row = {name: ints[:, at + i * s:at + (i + 1) * s] for i, name in enumerate(ROW_INTS)}
-    row.update({name: floats[:, i * s:(i + 1) * s] for i, name in enumerate(ROW_FLOATS)})
-    row["greedy"], row["uniform"] = row["greedy"] != 0, row["uniform"] != 0
-    return StepArrays(**fields), RowSampling(**row)
+from zeroxla.inference.scheduler import Request
+from zeroxla.inference.step_plan import (BatchShape, StepArrays, filler_rows, pack,
+                                         unpack)
+from zeroxla.inference.step_scheduler import StepScheduler
 
 
 def step_function(model_def: Any, key_impl: Any, shape: BatchShape,
@@ -220,107 +139,28 @@ class ContinuousBatcher:
             total: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Serves `requests` until each answer is done; returns `total` outputs (prompt then
         new tokens, cut after EOS) and their drawn log-probs, in `Request.outputs` order."""
-        shape, start = self.shape, time.perf_counter()
-        groups = [GroupScheduler(shape.slots, shape.tokens, PagePool(shape.pages, shape.page_size))
-                  for _ in range(shape.groups)]
-        queue = deque(requests)
+        start, program_s = time.perf_counter(), 0.0
+        scheduler = StepScheduler(self.shape, requests, eos_id, self.key_shape,
+                                  self.vocab_size)
         outputs: list[Any] = [None] * total
         logprobs: list[Any] = [None] * total
-        rows = filler_rows(shape, self.vocab_size)
-        steps = fed = prefill = generated = pages_sum = live_sum = 0
-        program_s = 0.0
         pools = self.pools()
-        while queue or any(g.running for g in groups):
-            arrays = StepArrays.empty(shape, self.key_shape)
-            plans = []
-            for group in sorted(groups, key=lambda g: -len(g.free_slots)):   # emptiest first
-                group.admit(queue)
-            for d, group in enumerate(groups):
-                planned, copies = group.plan()
-                if len(copies) > shape.slots:
-                    raise RuntimeError(f"{len(copies)} page copies in one step; at most "
-                                       f"{shape.slots} (one per slot) are possible")
-                for i, (src, dst) in enumerate(copies):
-                    arrays.copy_src[d, i], arrays.copy_dst[d, i] = src, dst
-                for plan in planned:
-                    seq, a, b = plan.seq, plan.start, plan.start + plan.count
-                    last = plan.first + plan.count
-                    arrays.tokens[d, a:b] = seq.tokens[plan.first:last]
-                    arrays.positions[d, a:b] = np.arange(plan.first, last)
-                    arrays.token_pages[d, a:b, :len(seq.table)] = seq.table
-                    fed += plan.count
-                    prefill += plan.count if plan.first < seq.prompt_size else 0
-                    for sampler in plan.samples:
-                        self._fill_slot(arrays, rows, d, sampler, b - 1)
-                sort_places(arrays, d)
-                plans.append((d, group, planned))
-                pages_sum += group.pool.in_use
-                live_sum += live_tokens(group)
-            if not any(planned for _, _, planned in plans):
-                raise RuntimeError("no sequence could be scheduled: the page pool is smaller "
-                                   "than one sequence")
-            placed = pack(arrays, rows)
+        while not scheduler.done:
+            plan = scheduler.schedule()
+            inputs = plan.inputs
             if jax.process_count() > 1:      # jit refuses numpy arguments that carry a
-                placed = jax.device_put(     # non-replicated sharding with several processes
-                    placed, (self._rows_sharding, self._rows_sharding))
+                inputs = jax.device_put(     # non-replicated sharding with several processes
+                    inputs, (self._rows_sharding, self._rows_sharding))
             called = time.perf_counter()
-            pools, drawn = self.program(params, model_state, pools, *placed)
-            drawn = np.asarray(drawn)
+            pools, drawn = self.program(params, model_state, pools, *inputs)
+            drawn = np.asarray(drawn)                              # [2, D, S]
             program_s += time.perf_counter() - called
-            token, logprob = drawn[0], drawn[1].view(np.float32)
-            steps += 1
-            for d, group, planned in plans:
-                for plan in planned:
-                    for seq in plan.samples:
-                        generated += 1
-                        seq.tokens.append(int(token[d, seq.slot]))
-                        seq.logprobs.append(float(logprob[d, seq.slot]))
-                        if (seq.tokens[-1] == eos_id if eos_id is not None else False) \
-                                or seq.generated >= seq.request.max_new:
-                            out = seq.request.outputs[seq.answer]
-                            outputs[out] = np.asarray(seq.tokens, np.int32)
-                            logprobs[out] = np.asarray(seq.logprobs, np.float32)
-                            group.finish(seq)
+            for answer in scheduler.update(plan, drawn[0], drawn[1].view(np.float32)):
+                outputs[answer.output], logprobs[answer.output] = answer.tokens, answer.logprobs
         self._pools = pools
-        self.stats = {"steps": steps, "tokens_fed": fed, "prefill_tokens": prefill,
-                      "generated_tokens": generated, "seconds": time.perf_counter() - start,
-                      "program_seconds": program_s,
-                      "mean_pages_in_use": pages_sum / max(1, steps * shape.groups),
-                      "kv_slots_per_live_token": pages_sum * shape.page_size / max(1, live_sum),
-                      "peak_pages_in_use": max(g.pool.peak for g in groups),
-                      "preemptions": sum(g.preemptions for g in groups)}
+        self.stats = {**scheduler.stats(), "seconds": time.perf_counter() - start,
+                      "program_seconds": program_s}
         return outputs, logprobs
-
-    def _fill_slot(self, arrays: StepArrays, rows: RowSampling, d: int, seq: Any,
-                   place: int) -> None:
-        request = seq.request
-        arrays.sample_at[d, seq.slot] = place
-        arrays.key_data[d, seq.slot] = request.keys[seq.answer]
-        arrays.prompt_hash[d, seq.slot] = request.prompt_hash
-        arrays.step[d, seq.slot] = seq.generated
-        for name, value in zip(ROW_FIELDS, request.row):
-            getattr(rows, name)[d, seq.slot] = value
-
-
-def sort_places(arrays: StepArrays, d: int) -> None:
-    """Group d's token places ordered by position, longest first (the sampling slots follow
-    their tokens), so `paged_attention`'s chunks of neighbouring places read about what their
-    own tokens need."""
-    order = np.argsort(-arrays.positions[d], kind="stable")
-    for name in ("tokens", "positions", "token_pages"):
-        getattr(arrays, name)[d] = getattr(arrays, name)[d][order]
-    arrays.sample_at[d] = np.argsort(order)[arrays.sample_at[d]]
-
-
-def live_tokens(group: GroupScheduler) -> int:
-    """Tokens in a group's cache, each once however many sequences read it (a shared prompt
-    page counts its filled slots once)."""
-    fill: dict[int, int] = {}
-    size = group.pool.page_size
-    for seq in group.running:
-        for i, page in enumerate(seq.table):
-            fill[page] = max(fill.get(page, 0), min(size, seq.cached - i * size))
-    return sum(fill.values())
 
 
 def make_requests(rows: list[np.ndarray], keys: list[jax.Array], news: list[int],
@@ -361,6 +201,5 @@ def by_seed(rows: list[np.ndarray], news: list[int], outputs: list, drawn: list,
             [drawn[g * n:(g + 1) * n] for g in range(seeds)])
 
 
-__all__ = ["BatchShape", "ContinuousBatcher", "StepArrays", "by_seed", "filler_rows",
-           "host_prompt_hash",
-           "live_tokens", "make_requests", "sort_places", "step_function"]
+__all__ = ["BatchShape", "ContinuousBatcher", "by_seed", "host_prompt_hash", "make_requests",
+           "step_function"]

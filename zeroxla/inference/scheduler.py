@@ -67,17 +67,23 @@ class Sequence:
         return len(self.tokens) - self.prompt_size
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Planned:
-    """One scheduled chunk: `count` tokens of `seq` from position `first`, at places
-    [start, start + count) of the step; `samples`: the sequences sampling at its last place
-    (a group's prompt already forked into its answers)."""
+    """One scheduled chunk: `tokens` of `seq` at positions [first, first + count), at places
+    [start, start + count) of the step, read and written through `table` (its page ids as
+    the step sees them); `samples`: the sequences sampling at its last place (a group's prompt
+    already forked into its answers)."""
 
     seq: Sequence
     first: int
     start: int
-    count: int
-    samples: list[Sequence]
+    tokens: tuple[int, ...]                 # seq.tokens[first:first + count]
+    table: tuple[int, ...]                  # seq.table for this step
+    samples: tuple[Sequence, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
 
 
 class GroupScheduler:
@@ -145,7 +151,9 @@ class GroupScheduler:
             if count == 0 or not self._writable(seq, count, copies, planned):
                 continue
             samples = [] if count < left else self.fork(seq) if seq.answer == -1 else [seq]
-            plans.append(Planned(seq, seq.cached, used, count, samples))
+            plans.append(Planned(seq, seq.cached, used,
+                                 tuple(seq.tokens[seq.cached:seq.cached + count]),
+                                 tuple(seq.table), tuple(samples)))
             seq.cached += count
             planned.update(id(s) for s in [seq] + samples)
             used += count
