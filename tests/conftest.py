@@ -8,6 +8,7 @@ import os
 import shutil
 
 import ci_legs  # tests/support, on sys.path through pyproject's `pythonpath`
+import file_order
 import gc_policy
 import tiers
 import xla_flags
@@ -76,7 +77,10 @@ def devices():
 
 def pytest_collection_modifyitems(config, items):
     """The tests of the second CI leg's files carry its marker (tests/support/ci_legs.py), the
-    unit files' tests theirs (tests/support/tiers.py)."""
+    unit files' tests theirs (tests/support/tiers.py); the files go longest first
+    (tests/support/file_order.py)."""
+    file_order.order_items(items, config.rootpath, file_order.file_seconds(
+        file_order.load_table(), file_order.tier_of(config.getoption("markexpr"))))
     for item in items:
         path = item.path.relative_to(config.rootpath).as_posix()
         if path in tiers.UNIT_FILES:
@@ -87,6 +91,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):    # pytest-xdist's by-test-count order:
+        config.option.loadscopereorder = False        # file_order.py's replaces it
     config.addinivalue_line(
         "markers", f"{tiers.MARKER}: a unit test, which builds no program of the library and runs "
         "in seconds (tests/support/tiers.py); every other test is an integration run")

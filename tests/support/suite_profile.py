@@ -44,6 +44,8 @@ from pathlib import Path
 
 import pytest
 
+import file_order
+
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -117,6 +119,9 @@ def pytest_addoption(parser):
                          "each file's daily tests (run it with -m 'not slow'): 'exact' (the "
                          "default) sets each line to the count, 'raise' only raises lines (to "
                          "take the larger count of the two CI legs' JAX versions)")
+    group.addoption("--write-file-seconds", action="store_true", default=False,
+                    help="rewrite tests/support/file_seconds.py (the order files go to the "
+                         "workers) from this run's wall seconds per file (file_order.py)")
 
 
 def pytest_configure(config):
@@ -186,6 +191,10 @@ class SuiteProfile:
             self.over_budget = check_budgets(self.daily, budgets, table)
             if self.over_budget and session.exitstatus == 0:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if self.config.getoption("write_file_seconds"):
+            file_order.write_table({path: spent.wall_s for path, spent in self.files.items()},
+                                   file_order.load_table(),
+                                   file_order.tier_of(self.config.getoption("markexpr")))
         path = self.config.getoption("suite_profile")
         if path:
             Path(path).write_text(profile_table(self.files) + "\n")
