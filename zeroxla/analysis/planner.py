@@ -46,7 +46,9 @@ GiB = 2**30
 # Platforms whose XLA keeps a host placement made inside a program (jax lowers device_put to a
 # memory kind only for these; `jax._src.dispatch`).
 PLACING_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
-REMAT_SWEEP = ("none", "full", "offload")       # the activation policies `--max-seq-len` tries
+# The activation policies `--max-seq-len` tries by default: "none" keeps every activation that
+# "full" keeps and more, so it never fits a longer T (`--remat none,full,offload` adds it).
+REMAT_SWEEP = ("full", "offload")
 # XLA:CPU compiles the planned program without LLVM's optimizations: the buffers (what
 # `memory_analysis` reports) are assigned before code is generated, so the figures are the
 # default compile's (tests/zeroxla/analysis/test_planner.py), in about 60% of the time.
@@ -129,10 +131,10 @@ class Setting:
 
 
 # Model-config fields the sweep varies when the config has them (models/ adds them): the field,
-# and its values besides the config's own. "attention": the naive path beside the default;
-# "mlp_chunk": tiled MLP (ALST's TiledMLP) off and on.
+# and its values besides the config's own. "mlp_chunk": tiled MLP (ALST's TiledMLP) off and on.
+# Attention paths besides the config's own are swept only when asked (`sweep_settings`'s
+# `attention`): the naive path's scores are O(T^2), never the longest T.
 SWEPT_FIELDS: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("attention", ("naive",)),
     ("mlp_chunk", (None, 4096)),
 )
 
@@ -141,13 +143,16 @@ def config_fields(model_config: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(model_config)}
 
 
-def sweep_settings(model_config: Any, remats: tuple[str, ...] = REMAT_SWEEP
-                   ) -> tuple[list[Setting], list[str]]:
-    """(the settings `--max-seq-len` tries, the swept fields this config does not have)."""
+def sweep_settings(model_config: Any, remats: tuple[str, ...] = REMAT_SWEEP,
+                   attention: tuple[str, ...] = ()) -> tuple[list[Setting], list[str]]:
+    """(the settings `--max-seq-len` tries, the swept fields this config does not have):
+    every remat policy x each value of `SWEPT_FIELDS` (and the `attention` paths, beside the
+    config's own, when given)."""
     have = config_fields(model_config)
     options: list[list[tuple[str, Any]]] = [[]]
     missing = []
-    for field, values in SWEPT_FIELDS:
+    swept = SWEPT_FIELDS + ((("attention", attention),) if attention else ())
+    for field, values in swept:
         if field not in have:
             missing.append(field)
             continue

@@ -157,5 +157,9 @@ def test_one_layers_host_residuals_count_on_the_device():
 def test_settings_sweep_the_fields_the_config_has():
     settings, missing = sweep_settings(_config(), ("full",))
     fields = {f for s in settings for f, _ in s.fields}
-    assert missing == [f for f in ("attention", "mlp_chunk") if f not in fields]
+    assert fields == {"mlp_chunk"} and not missing
+    assert [dict(s.fields)["mlp_chunk"] for s in settings] == [_config().mlp_chunk, 4096]
     assert len({s.label for s in settings}) == len(settings)
+    asked, _ = sweep_settings(_config(), ("full", "offload"), attention=("naive",))
+    assert len(asked) == 2 * 2 * 2          # remat x mlp_chunk x (own attention, naive)
+    assert {dict(s.fields)["attention"] for s in asked} == {_config().attention, "naive"}

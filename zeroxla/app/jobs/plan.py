@@ -58,6 +58,18 @@ def remat_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def attention_list(text: str) -> tuple[str, ...]:
+    """'naive,blockwise' -> the attention implementations, each one models accept."""
+    from zeroxla.models.attention import IMPLEMENTATIONS
+
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    bad = [name for name in names if name not in IMPLEMENTATIONS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: one or more of "
+                                         f"{', '.join(IMPLEMENTATIONS)}, comma-separated")
+    return names
+
+
 DEVICE_MEMORY = "80GiB"       # --device-memory's default, as written
 MODEL_ACCEPTED = ("a preset of real shapes (models.presets: Llama-3.2-1B, Llama-3.1-8B, "
                   "Qwen2.5-0.5B, ...) or a Hugging Face directory with config.json (no weights "
@@ -68,8 +80,9 @@ MODEL_ACCEPTED = ("a preset of real shapes (models.presets: Llama-3.2-1B, Llama-
 class PlanSettings:
     """What `zeroxla plan` compiles and searches: `model`'s step on a `mesh` of devices of
     `device_memory` bytes; one `seq_len`, or with `max_seq_len` the largest T per setting.
-    `remat`: the `ZeroConfig.remat` policies (None: full with seq_len, none,full,offload with
-    max_seq_len)."""
+    `remat`: the `ZeroConfig.remat` policies (None: full with seq_len, `planner.REMAT_SWEEP`
+    with max_seq_len); `attention`: attention paths the max_seq_len sweep tries beside the
+    model's own."""
 
     model: str
     mesh: tuple[int, int] = (1, 8)
@@ -79,6 +92,7 @@ class PlanSettings:
     stage: int = 3
     dtype: str = "bf16"
     remat: tuple[str, ...] | None = None
+    attention: tuple[str, ...] = ()
     sequences_per_device: int = 1
     granularity: int = 1024
     search_limit: int = 1 << 20
@@ -108,15 +122,19 @@ OPTIONS = OptionTable("plan", PlanSettings, (
            exclusive="length"),
     Option("--max-seq-len", "max_seq_len", None, "max_seq_len", "length",
            "search the largest T that fits, for each --remat policy (and each model setting "
-           "the config has: attention, mlp_chunk)", action="store_true", exclusive="length"),
+           "the config has: mlp_chunk off and on; --attention)", action="store_true",
+           exclusive="length"),
     Option("--stage", "stage", None, "stage", "step", "ZeRO stage; default {default}",
            type=int, choices=PLAN_STAGES),
     Option("--dtype", "dtype", None, "dtype", "step", "compute dtype; default {default}",
            choices=tuple(DTYPES)),
     Option("--remat", "remat", None, "remat", "step",
            "activation policies (ZeroConfig.remat); default: full with --seq-len, "
-           "none,full,offload with --max-seq-len", type=remat_list,
-           metavar="POLICY[,POLICY...]"),
+           "full,offload with --max-seq-len (none never fits a longer T than full)",
+           type=remat_list, metavar="POLICY[,POLICY...]"),
+    Option("--attention", "attention", None, "attention", "search",
+           "--max-seq-len: attention paths to sweep beside the model's own (e.g. naive); "
+           "default: the model's own only", type=attention_list, metavar="PATH[,PATH...]"),
     Option("--sequences-per-device", "sequences_per_device", None, "sequences_per_device",
            "step", "sequences each data replica holds in one micro-batch; default {default}",
            type=positive_int, metavar="N"),
@@ -247,9 +265,9 @@ def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
     """The largest T per setting (`planner.sweep_settings`), one line each, by compile only
     (`planner.largest_under`: a few compiles per setting); `say` gets a line per compile (the
     command prints them to stderr as they come: each takes seconds to a minute)."""
-    from zeroxla.analysis.planner import largest_under, plan_memory, sweep_settings
+    from zeroxla.analysis.planner import REMAT_SWEEP, largest_under, plan_memory, sweep_settings
 
-    settings, missing = sweep_settings(config, plan.remat or ("none", "full", "offload"))
+    settings, missing = sweep_settings(config, plan.remat or REMAT_SWEEP, plan.attention)
     lines = [f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, {plan.mesh_label}, "
              f"{plan.device_memory / 2**30:.1f} GiB per device, "
              f"{plan.sequences_per_device} sequence(s) per data replica: largest T that fits"]
