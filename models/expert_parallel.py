@@ -45,11 +45,21 @@ from .grouped_matmul import expert_ffn
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """The expert axis an MoE layer runs under: its mesh axis name and size EP. The ZeRO step
-    sets it on every MoE layer of the copy it runs inside `shard_map` (`MoeMLP.expert_parallel`;
-    None everywhere else: the layer then holds all E experts)."""
+    passes it to the model's forward as `experts=`, beside `sequence=`, and the MoE family
+    threads it through its stack to every MoE layer's call (`MoeMLP(h, mask, experts=...)`);
+    None everywhere else: the layer then holds all E experts. A static pytree (no leaves), as
+    `SequenceParallel` is: it travels through layer stacks, scans and custom VJPs with the
+    other stack arguments."""
 
     axis: str
     size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"ExpertParallel.size={self.size!r}: a positive integer")
+
+
+jax.tree_util.register_static(ExpertParallel)
 
 
 def expert_parallel_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array,

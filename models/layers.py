@@ -180,11 +180,14 @@ def default_positions(tokens: jax.Array) -> jax.Array:
 
 
 def stack_args(tokens: jax.Array, positions: jax.Array | None,
-               segment_ids: jax.Array | None, sequence: Any = None) -> tuple[Any, ...]:
+               segment_ids: jax.Array | None, sequence: Any = None,
+               experts: Any = None) -> tuple[Any, ...]:
     """What a family passes its `LayerStack` after x: (positions,), (positions, segment_ids)
     for a packed batch, (positions, segment_ids or None, sequence) under sequence parallelism
-    (`SequenceParallel`). positions default to 0..T-1 (this device's slice of them under
-    sequence parallelism); a packed batch must give its own: ValueError otherwise."""
+    (`SequenceParallel`), and (positions, segment_ids or None, sequence or None, experts)
+    under expert parallelism (`ExpertParallel`: an MoE family's blocks take it). positions
+    default to 0..T-1 (this device's slice of them under sequence parallelism); a packed batch
+    must give its own: ValueError otherwise."""
     if segment_ids is not None:
         if positions is None:
             raise ValueError("segment_ids given without positions: a packed row's sequences "
@@ -193,19 +196,23 @@ def stack_args(tokens: jax.Array, positions: jax.Array | None,
             raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {tokens.shape}")
     if positions is None:
         positions = sequence.positions(tokens) if sequence else default_positions(tokens)
+    if experts is not None:
+        return positions, segment_ids, sequence, experts
     if sequence is not None:
         return positions, segment_ids, sequence
     return (positions,) if segment_ids is None else (positions, segment_ids)
 
 
 def forward_stack(model: Any, tokens: jax.Array, positions: jax.Array | None,
-                  segment_ids: jax.Array | None, sequence: Any = None, carry: Any = None) -> Any:
+                  segment_ids: jax.Array | None, sequence: Any = None, carry: Any = None,
+                  experts: Any = None) -> Any:
     """`model.blocks`' output [B, T, D] (before the final norm; with `carry`, the last carry of
     the stack run on `carry(x)`, an MoE's `Routed`) for tokens int [B, T]: the length rule, embed,
-    the stack (`stack_args`). Under sequence parallelism `tokens` are this device's [B, T/P]."""
+    the stack (`stack_args`). Under sequence parallelism `tokens` are this device's [B, T/P];
+    `experts` (an MoE family's) goes to every block."""
     parts = 1 if sequence is None else sequence.size
     model.config.check_seq_len(tokens.shape[1] * parts, "sequence length")
-    args = stack_args(tokens, positions, segment_ids, sequence)
+    args = stack_args(tokens, positions, segment_ids, sequence, experts)
     x = model.embed(tokens, args[0])
     return model.blocks(x if carry is None else carry(x), *args)[0]
 

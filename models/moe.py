@@ -14,6 +14,11 @@ probability sums, rows) to the ones the stack carries (`Routed`), and `aux_loss`
 product once at the end; the training step sums the statistics over the data devices first
 (one device's loss over the same tokens, whatever the split; per micro-batch under gradient
 accumulation: `zeroxla.engine.router_aux`).
+
+Under expert parallelism the layer holds E / EP of the experts and is told so by its call's
+`experts` argument (an `ExpertParallel`, threaded from the model's forward through the stack as
+`sequence=` is); a layer holding fewer than E experts called without it is refused by name
+(`check_expert_split`), never run on a slice of its experts as if it were all of them.
 """
 
 from __future__ import annotations
@@ -89,9 +94,6 @@ class MoeMLP(nnx.Module):
         init = normal(cfg.init_std)
         self.top_k, self.norm_topk_prob = cfg.experts_per_token, cfg.norm_topk_prob   # static
         self.tile, self.implementation = cfg.expert_tile, cfg.expert_implementation
-        # Set by the ZeRO step on its copy under a mesh with an "expert" axis: the expert
-        # leaves then hold this device's E / EP experts (`models.expert_parallel`).
-        self.expert_parallel: ExpertParallel | None = None
         self.router = param(rngs, init, (d, e), (axes.EMBED, axes.ROUTER))
         self.w_gate = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
         self.w_up = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
@@ -102,32 +104,53 @@ class MoeMLP(nnx.Module):
             self.shared_down = param(rngs, init, (s, d), (axes.MLP, axes.EMBED))
             self.shared_expert_gate = param(rngs, init, (d,), (axes.EMBED,))
 
-    def __call__(self, h: jax.Array, mask: jax.Array | None = None
+    def __call__(self, h: jax.Array, mask: jax.Array | None = None,
+                 experts: ExpertParallel | None = None
                  ) -> tuple[jax.Array, RouterStats, jax.Array]:
         """h [B, T, D] -> (output [B, T, D], this layer's `RouterStats` over the tokens `mask`
-        [B, T] (1: a real token; None: all) keeps, the chosen experts int32 [B, T, k])."""
+        [B, T] (1: a real token; None: all) keeps, the chosen experts int32 [B, T, k]).
+        `experts`: the expert axis this layer's E / EP experts are split over (inside
+        `shard_map`, `models.expert_parallel`); None: it holds all E."""
         b, t, d = h.shape
         x = h.reshape(b * t, d)                                               # [N, D]
-        weights, experts, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob)
-        out = self._experts(x, experts, weights.astype(h.dtype))             # [N, D]
+        weights, chosen, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob)
+        out = self._experts(x, chosen, weights.astype(h.dtype), experts)     # [N, D]
         if getattr(self, "shared_gate", None) is not None:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(h.dtype))   # [N]
             inner = jax.nn.silu(x @ self.shared_gate[...]) * (x @ self.shared_up[...])
             out = out + gate[:, None] * (inner @ self.shared_down[...])
         m = jnp.ones((b * t,), probs.dtype) if mask is None else mask.reshape(b * t)
         m = jax.lax.stop_gradient(m.astype(probs.dtype))
-        counts = jnp.zeros(probs.shape[1], probs.dtype).at[experts.reshape(-1)].add(
+        counts = jnp.zeros(probs.shape[1], probs.dtype).at[chosen.reshape(-1)].add(
             jnp.repeat(m, self.top_k))
         stats = RouterStats(counts, jnp.sum(probs * m[:, None], axis=0), jnp.sum(m))
-        return out.reshape(b, t, d), stats, experts.reshape(b, t, self.top_k)
+        return out.reshape(b, t, d), stats, chosen.reshape(b, t, self.top_k)
 
-    def _experts(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
-        """x [N, D], experts [N, k], weights [N, k] -> the weighted sum of each token's k
+    def _experts(self, x: jax.Array, chosen: jax.Array, weights: jax.Array,
+                 experts: ExpertParallel | None) -> jax.Array:
+        """x [N, D], chosen [N, k], weights [N, k] -> the weighted sum of each token's k
         experts [N, D]: all E here, or E / EP here and the rest on the expert axis."""
         w = [getattr(self, name)[...].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")]
-        if self.expert_parallel is not None:
-            return expert_parallel_ffn(x, experts, weights, *w, self.expert_parallel,
+        check_expert_split(w[0].shape[0], self.router[...].shape[-1], experts)
+        if experts is not None:
+            return expert_parallel_ffn(x, chosen, weights, *w, experts,
                                        tile=self.tile, implementation=self.implementation)
-        y, _, _ = expert_ffn(x, experts, *w, tile=self.tile,
+        y, _, _ = expert_ffn(x, chosen, *w, tile=self.tile,
                              implementation=self.implementation)              # [N, k, D]
         return jnp.sum(y * weights[..., None], axis=1)
+
+
+def check_expert_split(held: int, routed: int, experts: ExpertParallel | None) -> None:
+    """ValueError unless a layer holding `held` experts of the `routed` its router chooses
+    from was told how they are split: all of them with `experts` None, routed / EP of them
+    with `experts` an `ExpertParallel` of EP devices. A layer called without the argument
+    under a mesh that split its experts would otherwise compute with a slice of its experts
+    as if it were all of them (and route tokens to experts it does not hold)."""
+    ep = 1 if experts is None else experts.size
+    if held * ep != routed:
+        raise ValueError(
+            f"MoeMLP holds {held} of the {routed} experts its router chooses from, called with "
+            f"experts={experts!r}: {held} x {ep} != {routed}. Accepted: experts=None when the "
+            f"layer holds all {routed}, or experts=ExpertParallel(axis, EP) with {held} x EP = "
+            f"{routed} (the ZeRO step passes it to the model as `experts=`, beside "
+            "`sequence=`, under a mesh with an expert axis)")

@@ -22,6 +22,7 @@ from flax import nnx
 from . import axes
 from .grouped_matmul import TILE, check_expert_implementation
 from .layers import at_least_float32, forward_stack, stack_args
+from .expert_parallel import ExpertParallel
 from .llama import Block, Llama, LlamaConfig
 from .moe import MoeMLP, Routed, RouterStats
 from .sequence_parallel import SequenceParallel
@@ -143,39 +144,69 @@ class MoeBlock(Block):
         self.moe = MoeMLP(cfg, rngs)
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
-                 sequence: SequenceParallel | None = None, cache: dict | None = None):
+                 sequence: SequenceParallel | None = None,
+                 experts: ExpertParallel | None = None, cache: dict | None = None):
         """x [B, T, D], `Routed` or `Chosen` -> (the same kind, cache); the MoE runs over all
-        the tokens at once (`mlp_chunk` tiles the attention's per-token parts only)."""
+        the tokens at once (`mlp_chunk` tiles the attention's per-token parts only), its
+        experts split over `experts` when given (`MoeMLP`)."""
         h = x if isinstance(x, jax.Array) else x.hidden
         a, cache = self.attend(h, positions, segment_ids, sequence, cache)
         h = tiled_map(self.attention_out, (h, a), self.mlp_chunk)
-        y, stats, experts = self.moe(self.mlp_norm(h), token_mask(segment_ids))
+        y, stats, chosen = self.moe(self.mlp_norm(h), token_mask(segment_ids), experts)
         h = h + y
         if isinstance(x, Routed):
             return Routed(h, x.stats + stats), cache
         if isinstance(x, Chosen):
-            return Chosen(h, jax.lax.dynamic_update_index_in_dim(x.experts, experts, x.layer, 0),
+            return Chosen(h, jax.lax.dynamic_update_index_in_dim(x.experts, chosen, x.layer, 0),
                           x.layer + 1), cache
         return h, cache
 
 
 class MoeLlama(Llama):
     """Llama with MoE blocks; `routed_token_logprobs` adds the router statistics (the
-    auxiliary loss's terms) to the chunked log-probs."""
+    auxiliary loss's terms) to the chunked log-probs. Every forward over whole rows takes
+    `experts=` beside `sequence=` (an `ExpertParallel`: the MoE layers' experts split over a
+    mesh axis) and hands it to each block; the decode paths run with every expert held."""
 
     BLOCK = MoeBlock
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None,
+                 experts: ExpertParallel | None = None) -> jax.Array:
+        """`Llama.__call__`'s logits float32 [B, T, V], the experts split over `experts`."""
+        return self.logits(forward_stack(self, tokens, positions, segment_ids, sequence,
+                                         experts=experts))                           # [B, T, V]
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None,
+               sequence: SequenceParallel | None = None,
+               experts: ExpertParallel | None = None) -> jax.Array:
+        """`Llama.hidden`'s final hidden states [B, T, D], the experts split over `experts`."""
+        return self.final_norm(forward_stack(self, tokens, positions, segment_ids, sequence,
+                                             experts=experts))
+
+    def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
+                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       vocab_limit: jax.Array | int | None = None,
+                       sequence: SequenceParallel | None = None,
+                       experts: ExpertParallel | None = None) -> jax.Array:
+        """`Llama.token_logprobs`' float32 [B, T], the experts split over `experts`."""
+        h = self.hidden(tokens, positions, segment_ids, sequence, experts)          # [B, T, D]
+        return self.head_logprobs(h, labels, vocab_limit)
 
     def routed_token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
                               positions: jax.Array | None = None,
                               segment_ids: jax.Array | None = None,
                               vocab_limit: jax.Array | int | None = None,
-                              sequence: SequenceParallel | None = None
+                              sequence: SequenceParallel | None = None,
+                              experts: ExpertParallel | None = None
                               ) -> tuple[jax.Array, RouterStats]:
         """(`token_logprobs(...)` float32 [B, T], the `RouterStats` of every layer over these
         tokens)."""
-        experts = self.config.num_experts
+        e = self.config.num_experts
         out = forward_stack(self, tokens, positions, segment_ids, sequence, carry=lambda x: Routed(
-            x, RouterStats.zeros(experts, at_least_float32(x.dtype))))
+            x, RouterStats.zeros(e, at_least_float32(x.dtype))), experts=experts)
         return self.head_logprobs(self.final_norm(out.hidden), labels, vocab_limit), out.stats
 
     def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None,

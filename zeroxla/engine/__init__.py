@@ -7,6 +7,8 @@
     step.py        ZeroStep: the step as one pure function, compiled once
     apply.py       the update half: clipping, the optax update, fp16 overflow skip
     loss.py        losses as (sum, count)
+    objective.py   what one forward of the loss gives the step: (sum, count) and the opt-in
+                   terms added to it (an MoE model's auxiliary loss), as one object
     router_aux.py  an MoE model's auxiliary load-balancing loss as one device computes it
     batch_checks.py the batch validated before sending
     bin_packing.py sequences into packed rows, rows balanced over data replicas
@@ -15,8 +17,8 @@
                    and a packed batch's positions and segment ids (refused by name if not)
     token_forward.py per-token values (an RL policy's log-probs, a critic's values) computed
                    in a step's layout, rows and tokens split as the step splits them
-    experts.py     expert parallelism in the step: the MoE layers told their expert axis,
-                   refusals
+    experts.py     expert parallelism in the step: the `experts=` the model's forward is
+                   passed (beside `sequence=`), refusals
     randomness.py  one seed -> a key per step, data device and micro-batch (dropout)
     model_state.py non-parameter Variables (BatchNorm statistics): replicated, cross-replica
     wrap.py        the model copy inside the step: gather units follow the module tree

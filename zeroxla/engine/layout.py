@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroxla.collectives.zero import Zero2Collectives, ZeroCollectives
 from zeroxla.collectives.zeropp import ZeroPPCollectives
-from zeroxla.engine.experts import check_expert_parallel
+from zeroxla.engine.experts import check_expert_parallel, model_experts
 from zeroxla.engine.logical import LogicalLayout, build_layout
 from zeroxla.engine.loss import LossFn, next_token_loss
 from zeroxla.engine.loss_scale import init_loss_scale
@@ -44,6 +44,7 @@ from zeroxla.engine.offload import host_shardings
 from zeroxla.engine.optimizer import ShardedOptimizer, default_optimizer
 from zeroxla.engine.randomness import takes_rngs
 from zeroxla.engine.sequence import batch_spec, check_sequence_parallel, sequence_parallel
+from zeroxla.models.expert_parallel import ExpertParallel
 from zeroxla.models.sequence_parallel import SequenceParallel
 from zeroxla.engine.state import TrainState
 from zeroxla.sharding.config import ZeroConfig
@@ -117,6 +118,13 @@ class ZeroLayout:
         return sequence_parallel(self.axes, self.config.sequence_parallel_strategy)
 
     @property
+    def experts(self) -> ExpertParallel | None:
+        """How the MoE layers' experts are split under expert parallelism (None without it, or
+        for a model with no leaf split over the expert axis): what the step passes the model
+        and a loss_fn as `experts=` (`engine.experts`)."""
+        return model_experts(self.axes, self.model_plan)
+
+    @property
     def loss_takes_rngs(self) -> bool:
         return takes_rngs(self.loss_fn)
 
@@ -167,14 +175,14 @@ def zero_layout(source: ModelSource, mesh: Mesh, *,
     config.validate_for_mesh(axes.local_size, axes.data_size, axes.sequence_size)
     model_def = source.model_def
     plan = plan_for(model_def, config, axes, frozen=source.frozen)             # 3
-    check_expert_parallel(model_def, plan, config, axes)
+    loss_fn = loss_fn if loss_fn is not None else next_token_loss
+    check_expert_parallel(model_def, plan, config, axes, loss_fn)
     comm = (ZeroPPCollectives.from_config(config, axes) if config.uses_zeropp  # 4
             else Zero2Collectives(axes, config.dtype) if config.stage == 2
             else ZeroCollectives(axes, config.dtype))
     optimizer = optimizer if optimizer is not None else default_optimizer()
     sharded_optimizer = ShardedOptimizer(optimizer, plan, model_def)          # 5
     sharded_optimizer.check()        # refuses, by name, transformations it cannot run exactly
-    loss_fn = loss_fn if loss_fn is not None else next_token_loss
     check_sequence_parallel(axes, loss_fn)
     # Random numbers drawn anywhere (model-held RNG streams, a loss_fn taking `rngs`): the
     # state then carries the run's seed (`TrainState.rng`).

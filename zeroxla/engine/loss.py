@@ -31,6 +31,7 @@ BATCH_KEYS = ("inputs", "targets")
 MASK_KEY = "loss_mask"
 POSITIONS_KEY, SEGMENT_IDS_KEY = "positions", "segment_ids"
 SEQUENCE_KEY = "sequence"          # a `SequenceParallel` (sequence parallelism), not a batch key
+EXPERTS_KEY = "experts"            # an `ExpertParallel` (expert parallelism), not a batch key
 # What the chunked protocol bypasses: a subclass overriding one of these below the class that
 # defines `token_logprobs` is called for its logits instead (its own forward is the truth).
 _FORWARD_METHODS = ("__call__", "hidden", "head", "logits", "token_logprobs")
@@ -92,15 +93,26 @@ def check_packable(model: Any, flag: str, role: str) -> None:
 
 
 def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | None,
-                   segment_ids: jax.Array | None, sequence: Any = None) -> dict[str, Any]:
-    """The given `positions` / `segment_ids` / `sequence` as keyword arguments of `forward`
-    (named `what`); ValueError naming the key when `forward` takes no such argument: a packed
-    batch is never run as one sequence, nor a sequence's slice as a whole one. One it takes
-    (by name or through **kwargs) must also be used: the step proves that on the traced loss
-    (`engine.consumption`)."""
+                   segment_ids: jax.Array | None, sequence: Any = None,
+                   experts: Any = None) -> dict[str, Any]:
+    """The given `positions` / `segment_ids` / `sequence` / `experts` as keyword arguments of
+    `forward` (named `what`); ValueError naming the key when `forward` takes no such argument:
+    a packed batch is never run as one sequence, nor a sequence's slice as a whole one, nor a
+    slice of an MoE layer's experts as all of them. One it takes (by name or through
+    **kwargs) must also be used: the step proves that on the traced loss for the sequence
+    (`engine.consumption`); an MoE layer holding a slice of its experts refuses a call
+    without `experts` itself (`models.moe.check_expert_split`)."""
     options = {k: v for k, v in ((POSITIONS_KEY, positions), (SEGMENT_IDS_KEY, segment_ids),
-                                 (SEQUENCE_KEY, sequence)) if v is not None}
+                                 (SEQUENCE_KEY, sequence), (EXPERTS_KEY, experts))
+               if v is not None}
     for name in options:
+        if name == EXPERTS_KEY and not _takes(forward, name):
+            raise ValueError(
+                f"expert parallelism splits the MoE layers' experts over {experts.size} "
+                f"devices but {type(model).__name__}.{what} takes no experts= argument, so "
+                "its MoE layers would compute with a slice of their experts as if it were all "
+                f"of them; accepted: a model whose {what} takes experts= (an ExpertParallel, "
+                "as the MoE families in models do), or make_mesh(..., expert=1)")
         if name == SEQUENCE_KEY and not _takes(forward, name):
             raise ValueError(
                 f"sequence parallelism splits each sequence over {sequence.size} devices but "
@@ -118,7 +130,8 @@ def _stack_options(model: Any, forward: Any, what: str, positions: jax.Array | N
 def model_token_logprobs(model: Any, tokens: jax.Array, labels: jax.Array, *,
                          positions: jax.Array | None = None,
                          segment_ids: jax.Array | None = None,
-                         vocab_limit: int | None = None, sequence: Any = None) -> jax.Array:
+                         vocab_limit: int | None = None, sequence: Any = None,
+                         experts: Any = None) -> jax.Array:
     """log p(labels | tokens) [B, T] under `model` for tokens, labels int [B, T], with the
     softmax over the ids below `vocab_limit` when given (a vocabulary padded past its
     tokenizer's). Chunked through `model.token_logprobs` when the model has the protocol
@@ -126,14 +139,16 @@ def model_token_logprobs(model: Any, tokens: jax.Array, labels: jax.Array, *,
     of `model(tokens)`. `positions` / `segment_ids` (int [B, T]) go to the model; one it cannot
     take is refused by name (`_stack_options`). `sequence` (a `SequenceParallel`): tokens and
     labels are this device's slice of each sequence; the model computes attention over the
-    whole sequences (one that takes no `sequence=` is refused)."""
+    whole sequences (one that takes no `sequence=` is refused). `experts` (an
+    `ExpertParallel`): the model's MoE layers hold a slice of their experts, split over that
+    axis (one that takes no `experts=` is refused)."""
     if has_chunked_logprobs(model):
         extra = _stack_options(model, model.token_logprobs, "token_logprobs", None, None,
-                               sequence)
+                               sequence, experts)
         return model.token_logprobs(tokens, labels, positions=positions,
                                     segment_ids=segment_ids, vocab_limit=vocab_limit, **extra)
     options = _stack_options(model, model.__call__, "__call__", positions, segment_ids,
-                             sequence)
+                             sequence, experts)
     logits = model(tokens, **options)                                             # [B, T, V]
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
@@ -155,16 +170,16 @@ def token_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax
     return masked_nll_terms(-token_logprobs(logits, batch["targets"]), batch)
 
 
-def next_token_loss_terms(model: nnx.Module, batch: Batch,
-                          sequence: Any = None) -> tuple[jax.Array, jax.Array]:
+def next_token_loss_terms(model: nnx.Module, batch: Batch, sequence: Any = None,
+                          experts: Any = None) -> tuple[jax.Array, jax.Array]:
     """`(sum, count)` of next-token cross-entropy of `model` on `batch["inputs"]` against
     `batch["targets"]` (`model_token_logprobs`: chunked where the model can, with the batch's
-    positions and segment ids, and `sequence` under sequence parallelism): the step's default
-    loss."""
+    positions and segment ids, `sequence` under sequence parallelism and `experts` under
+    expert parallelism): the step's default loss."""
     logp = model_token_logprobs(model, batch["inputs"], batch["targets"],
                                 positions=batch.get(POSITIONS_KEY),
                                 segment_ids=batch.get(SEGMENT_IDS_KEY),
-                                sequence=sequence)                               # [B, T]
+                                sequence=sequence, experts=experts)              # [B, T]
     return masked_nll_terms(-logp, batch)
 
 

@@ -143,6 +143,40 @@ def objective_term(stats, weight: float, data_axes: tuple[str, ...], default_los
     return local * (weight / micro_batches), (aux / micro_batches, load / micro_batches)
 
 
+class AuxPass:
+    """One gradient pass's auxiliary loss, as the step's objective adds it
+    (`engine.objective`): each micro-batch's weighed share added to the value the step
+    differentiates, scaled by the loss's count over the whole step (`step_count`, the default
+    loss's; else the micro-batch's own count summed over `data_axes`, which
+    `check_accumulation` requires to be the step's) so that the step's final division by that
+    count leaves it as itself; and what the pass logs, `zeros` for a micro-batch whose loss
+    returned no statistics (one carry shape under gradient accumulation)."""
+
+    def __init__(self, weight: float, data_axes: tuple[str, ...], default_loss: bool,
+                 micro_batches: int, step_count: jax.Array | None,
+                 zeros: tuple[jax.Array, jax.Array]):
+        self.weight, self.data_axes, self.default_loss = weight, data_axes, default_loss
+        self.micro_batches, self.step_count, self.zeros = micro_batches, step_count, zeros
+        self._weights: list[float] = []      # the term's weight, once a loss returned stats
+
+    def add(self, value: jax.Array, stats: Any, count: jax.Array, scale: jax.Array,
+            c0: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """(`value` (the loss sum x scale / c0) plus this micro-batch's share of the weighed
+        auxiliary loss in the same units, what it logs) from its `stats` (None: nothing)."""
+        if stats is None:
+            return value, self.zeros
+        self._weights.append(self.weight)
+        whole = (self.step_count if self.micro_batches > 1
+                 else lax.psum(lax.stop_gradient(count), self.data_axes))
+        term, logged = objective_term(stats, self.weight, self.data_axes, self.default_loss,
+                                      self.micro_batches)
+        return value + term * (scale * whole / c0), logged
+
+    def metrics(self, loss: jax.Array, logged) -> dict[str, jax.Array]:
+        """The pass's loss metrics from the mean `loss` and the micro-batches' `logged`."""
+        return losses(loss, self._weights, logged)
+
+
 def losses(loss: jax.Array, weights: list[float], logged) -> dict[str, jax.Array]:
     """The step's loss metrics: the loss (plus weight x the auxiliary loss, and the router's
     metrics, when the loss returned router statistics: `weights` holds their weight)."""
@@ -152,12 +186,14 @@ def losses(loss: jax.Array, weights: list[float], logged) -> dict[str, jax.Array
             LOAD_METRIC: logged[1]}
 
 
-def routed_loss_terms(model: Any, batch: Batch, sequence: Any = None):
+def routed_loss_terms(model: Any, batch: Batch, sequence: Any = None, experts: Any = None):
     """`(sum, count, RouterStats)` of the next-token loss of `model` on `batch` (as
-    `loss.next_token_loss_terms`) and its routers' statistics over the batch's tokens."""
+    `loss.next_token_loss_terms`) and its routers' statistics over the batch's tokens;
+    `experts` (an `ExpertParallel`) passed to the model only when given."""
+    options = {} if experts is None else {"experts": experts}
     logp, stats = model.routed_token_logprobs(
         batch["inputs"], batch["targets"], positions=batch.get(POSITIONS_KEY),
-        segment_ids=batch.get(SEGMENT_IDS_KEY), sequence=sequence)                # [B, T]
+        segment_ids=batch.get(SEGMENT_IDS_KEY), sequence=sequence, **options)     # [B, T]
     total, count = masked_nll_terms(-logp, batch)
     return total, count, stats
 

@@ -49,23 +49,12 @@ from zeroxla.engine.consumption import proven_call
 from zeroxla.engine.gradients import differentiated, reduce_gradients, reduced_once
 from zeroxla.engine.host_update import update_placement
 from zeroxla.engine.layout import ModelSource, ZeroLayout
-from zeroxla.engine.loss import (
-    Batch,
-    loss_terms,
-    next_token_loss,
-    next_token_loss_terms,
-    normalizer,
-)
-from zeroxla.engine import offload, router_aux
+from zeroxla.engine.loss import Batch, next_token_loss, normalizer
+from zeroxla.engine import offload
+from zeroxla.engine.objective import Objective
 from zeroxla.engine.loss_scale import init_loss_scale
 from zeroxla.engine.optimizer import default_optimizer
-from zeroxla.engine.randomness import (
-    CALL_STREAM,
-    device_key,
-    micro_batch_key,
-    seed_key_data,
-    step_key,
-)
+from zeroxla.engine.randomness import device_key, micro_batch_key, seed_key_data, step_key
 from zeroxla.engine.sequence import batch_spec, check_sequence_batch, in_sequence_layout
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.stored import logical_to_storage
@@ -94,6 +83,7 @@ class ZeroStep:
         # (`zeroxla.pipeline.executor`); each stage stores only its layers (`layout.plan`),
         # evaluation runs the unpipelined model on the layers gathered over the stages.
         self.pipeline = gradient_pass
+        self.objective = Objective(layout)    # the loss and its opt-in terms, per forward
         mesh = layout.mesh
         replicated = NamedSharding(mesh, P())
         # The micro-batch count is static (argument 2): a call that names its own
@@ -242,28 +232,6 @@ class ZeroStep:
 
     # ------------------------------------------------------------------------------------------
     # The gradient pass: inside shard_map, everything below sees one device's local arrays.
-    def _terms(self, model: Any, batch: Batch,
-               key: jax.Array | None) -> tuple[jax.Array, jax.Array, bool, Any]:
-        """`(sum, count, is_sum, router_stats)`: the loss of `batch` as a sum and a count;
-        `is_sum` is False for a loss_fn that returned a scalar mean (its count is 1);
-        `router_stats`, an MoE model's `(RouterStats, weight)` when its auxiliary loss is
-        weighed (`engine.router_aux`), else None. A loss_fn declaring `rngs` gets `nnx.Rngs` seeded
-        from `key`."""
-        loss_fn, sequence = self.layout.loss_fn, self.layout.sequence
-        weight = router_aux.aux_weight(model)
-        if loss_fn is next_token_loss:
-            if router_aux.has_router(model):
-                total, count, stats = router_aux.routed_loss_terms(model, batch, sequence)
-                return total, count, True, (stats, weight)
-            return (*next_token_loss_terms(model, batch, sequence), True, None)
-        options: dict[str, Any] = {} if sequence is None else {"sequence": sequence}
-        if self.layout.loss_takes_rngs:
-            options["rngs"] = nnx.Rngs(jax.random.fold_in(key, CALL_STREAM))
-        value, stats = router_aux.split_stats(loss_fn(model, batch, **options))
-        router_aux.check_stats(model, stats)
-        return (*loss_terms(value, "loss_fn"), isinstance(value, (tuple, list)),
-                None if stats is None else (stats, weight))
-
     def _gradients(self, accumulation: int | None) -> Any:
         """The gradient pass over the mesh (`shard_map`) with `accumulation` micro-batches
         (None: the config's), or the pipeline executor's."""
@@ -310,72 +278,58 @@ class ZeroStep:
             key = None if base is None else micro_batch_key(base, index)
             model, read_state = local_model(layout, {**frozen, **as_values(p)}, ms, key,
                                             reduced_once=once, uses=uses)
-            return *self._terms(model, micro, key), read_state
+            return self.objective.terms(model, micro, key), read_state
 
         micro_batches = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
         # Stage 2: the weights used by more than one call, reduced once (`reduced_once`).
         once = reduced_once(layout.comm, plan, lambda uses: forward(
-            wrt, jax.tree.map(lambda a: a[0], micro_batches), model_state, 0, uses=uses)[0])
-
-        # An MoE model's auxiliary loss (`engine.router_aux`): each micro-batch's, averaged,
-        # scaled by the step's count so that it comes out of the final division as itself.
-        default_loss = layout.loss_fn is next_token_loss
-        step_count = lax.psum(router_aux.loss_count(batch), data) if default_loss else None
-        no_router = router_aux.no_metrics(self.source.model_def)
-        weights: list[float] = []        # the auxiliary loss's weight, seen while tracing
+            wrt, jax.tree.map(lambda a: a[0], micro_batches), model_state, 0, uses=uses)[0].total)
+        extra = self.objective.extra(batch, k)    # the loss's opt-in terms (`engine.objective`)
 
         def objective(p, micro, ms, index):
-            total, count, is_sum, router, read_state = forward(p, micro, ms, index, once)
-            c0 = normalizer(micro) if is_sum else 1.0
+            terms, read_state = forward(p, micro, ms, index, once)
+            c0 = normalizer(micro) if terms.is_sum else 1.0
             sizes.append(c0)
-            value, logged = total * (scale / c0), no_router
-            if router is not None:
-                weights.append(router[1])
-                whole = step_count if k > 1 else lax.psum(lax.stop_gradient(count), data)
-                term, logged = router_aux.objective_term(*router, data, default_loss, k)
-                value = value + term * (scale * whole / c0)
-            return value, (total, count, logged, read_state())
+            value, logged = extra.add(terms.total * (scale / c0), terms.stats, terms.count,
+                                      scale, c0)
+            return value, (terms.total, terms.count, logged, read_state())
 
         grad_fn = jax.grad(objective, has_aux=True)
         if k == 1:
-            grads, (total, count, router, model_state) = grad_fn(wrt, batch, model_state, 0)
+            grads, (total, count, logged, model_state) = grad_fn(wrt, batch, model_state, 0)
             grads = jax.tree.map(lambda g: g.astype(master), grads)
         else:
             def accumulate(carry, piece):
                 # The model state (batch statistics) flows from micro-batch to micro-batch.
                 micro, index = piece
-                total_sum, count_sum, router_sum, grad_sum, ms = carry
-                g, (total, count, router, ms) = grad_fn(wrt, micro, ms, index)
+                total_sum, count_sum, logged_sum, grad_sum, ms = carry
+                g, (total, count, logged, ms) = grad_fn(wrt, micro, ms, index)
                 return (total_sum + total, count_sum + count,
-                        jax.tree.map(jnp.add, router_sum, router),
+                        jax.tree.map(jnp.add, logged_sum, logged),
                         jax.tree.map(lambda s, gi: s + gi.astype(master), grad_sum, g),
                         ms), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, master), wrt)   # partitions
-            (total, count, router, grads, model_state), _ = lax.scan(
-                accumulate, (jnp.float32(0), jnp.float32(0), no_router, zeros, model_state),
+            (total, count, logged, grads, model_state), _ = lax.scan(
+                accumulate, (jnp.float32(0), jnp.float32(0), extra.zeros, zeros, model_state),
                 (micro_batches, jnp.arange(k)))
         grads = reduce_gradients(grads, plan, config.stage, layout.axes, config.dtype)
         total = lax.psum(total, data)
         count = lax.psum(count, data)
         count = jnp.where(count > 0, count, 1.0)
         factor = sizes[0] / count
-        losses = router_aux.losses(total / count, weights, router)
-        return losses, jax.tree.map(lambda g: g * factor, grads), model_state
+        return (extra.metrics(total / count, logged), jax.tree.map(lambda g: g * factor, grads),
+                model_state)
 
     def _local_eval(self, params: dict[str, Any], model_state: dict[str, jax.Array],
                     batch: Batch) -> jax.Array:
         key = jax.random.key(0) if self.layout.uses_rng else None   # evaluation draws nothing
         model, _ = local_model(self.layout, params, model_state, key, training=False)
-        total, count, _, router = self._terms(model, batch, key)
+        terms = self.objective.terms(model, batch, key)
         data = self.layout.axes.data
-        total = lax.psum(total, data)
-        count = lax.psum(count, data)
-        loss = total / jnp.where(count > 0, count, 1.0)
-        if router is None:
-            return loss
-        stats, weight = router
-        return loss + weight * router_aux.aux_terms(stats, data)[1]
+        total = lax.psum(terms.total, data)
+        count = lax.psum(terms.count, data)
+        return self.objective.eval_loss(total / jnp.where(count > 0, count, 1.0), terms)
 
     # ------------------------------------------------------------------------------------------
     # The step: the gradient pass, then the update on global arrays (`engine.apply`).

@@ -7,10 +7,11 @@ lengths it is the first thing to run out of memory, and under sequence paralleli
 the only part of the job that is not split. `TokenForward(step, fn)` runs `fn` where the step
 trains: inside the step's `shard_map` (ZeRO-3's per-layer gathers; rows over the data
 replicas; under sequence parallelism each row's tokens over the sequence devices, the model
-told so, `sequence=`), in evaluation mode, and returns the values [B, T] of the global batch in
-its own token order (`out_of_sequence_layout` undoes the zigzag split).
+told so, `sequence=`; under expert parallelism the MoE layers' experts split as the step splits
+them, the model told so, `experts=`), in evaluation mode, and returns the values [B, T] of the
+global batch in its own token order (`out_of_sequence_layout` undoes the zigzag split).
 
-    forward = TokenForward(step, fn)        # fn(model, batch, *, sequence=None) -> [B, T]
+    forward = TokenForward(step, fn)   # fn(model, batch, *, sequence=None, experts=None) -> [B, T]
     values = forward(state, batch)          # float32 [B, T], replicated
 """
 
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.consumption import proven_call
+from zeroxla.engine.experts import takes_experts
 from zeroxla.engine.sequence import (batch_spec, check_sequence_batch, in_sequence_layout,
                                      out_of_sequence_layout, takes_sequence)
 from zeroxla.engine.wrap import local_model
@@ -35,8 +37,9 @@ class TokenForward:
     the global `batch` (a dict of [B, T, ...] arrays; B a multiple of the data replicas, T of
     the chunks sequence parallelism cuts a row into), in `step`'s layout (module docstring).
     `fn` must declare `sequence` when the step's mesh has a sequence axis (it gets this
-    device's slice of every row and must pass `sequence=` to the model), else it is refused
-    here, by name."""
+    device's slice of every row and must pass `sequence=` to the model), and `experts` when
+    the step splits the model's experts over an expert axis (it must pass `experts=` to the
+    model), else it is refused here, by name."""
 
     def __init__(self, step: Any, fn: Callable[..., jax.Array]):
         layout = self.layout = step.layout
@@ -47,6 +50,13 @@ class TokenForward:
                 f"{layout.sequence.size} devices, but fn {name} takes no `sequence` argument: "
                 "it would run the model on a slice as if it were whole sequences; accepted: "
                 "fn(model, batch, *, sequence) passing `sequence` to the model")
+        if layout.experts is not None and not takes_experts(fn):
+            name = getattr(fn, "__name__", type(fn).__name__)
+            raise ValueError(
+                f"TokenForward: the step's mesh splits the model's experts over "
+                f"{layout.experts.size} devices, but fn {name} takes no `experts` argument: its "
+                "MoE layers would refuse a call without it; accepted: fn(model, batch, *, "
+                "experts) passing `experts` to the model")
         self.fn, spec = fn, batch_spec(layout.axes)
         local = jax.shard_map(self._local, mesh=layout.mesh,
                               in_specs=(layout.model_plan.compute_input_specs(), P(), spec),
@@ -65,8 +75,9 @@ class TokenForward:
                batch: dict[str, jax.Array]) -> jax.Array:
         key = jax.random.key(0) if self.layout.uses_rng else None   # evaluation draws nothing
         model, _ = local_model(self.layout, params, model_state, key, training=False)
-        sequence = self.layout.sequence
-        options = {} if sequence is None else {"sequence": sequence}
+        options = {name: value for name, value in (
+            ("sequence", self.layout.sequence), ("experts", self.layout.experts))
+            if value is not None}
         return self.fn(model, batch, **options).astype(jnp.float32)   # [B/R, T/P]
 
     def __call__(self, state: Any, batch: dict[str, Any]) -> jax.Array:

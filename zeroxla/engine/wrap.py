@@ -43,7 +43,6 @@ from jax import lax
 
 from zeroxla.collectives.zero import GradientSink, ZeroCollectives
 from zeroxla.engine.offload import PartitionSink
-from zeroxla.engine.experts import expert_parallel, place_experts
 from zeroxla.engine.gather import GatheredStack, check_live, gathered_call, gathered_value
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.model_state import cross_replica_batch_norm, model_state_variables
@@ -311,7 +310,6 @@ def local_model(layout: ZeroLayout, params: dict[str, Any], model_state: dict[st
         model.eval()
     variables = model_state_variables(model)
     cross_replica_batch_norm(model, data)
-    place_experts(model, expert_parallel(layout.axes))
     if config.stage == 3 or (config.stage == 2 and training):
         # Stage 2 gathers nothing, so there is nothing to prefetch.
         prefetch = config.prefetch and config.stage == 3

@@ -44,6 +44,12 @@ class Zero3Generator:
             raise ValueError(f"Zero3Generator needs a ZeRO stage 3 step without pipeline "
                              f"stages; got stage={layout.config.stage}, "
                              f"stages={layout.axes.num_stages}; accepted: stage=3, stages=1")
+        if layout.experts is not None:
+            raise ValueError(f"Zero3Generator on a mesh whose 'expert' axis splits the "
+                             f"model's experts over {layout.experts.size} devices: the decode "
+                             "protocol takes no `experts=`, so it is not built; accepted: "
+                             "zeroxla.HybridEngine(step.layout, ...) (experts placed whole "
+                             "for inference), or make_mesh(..., expert=1)")
         self.layout = layout
         self.axes = layout.axes
         self.max_out_tokens = max_out_tokens

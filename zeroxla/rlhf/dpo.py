@@ -133,39 +133,41 @@ def dpo_metrics(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *,
 
 
 # ---- log-prob sums of a model -------------------------------------------------------------------
-def token_logprob_rows(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+def token_logprob_rows(model: nnx.Module, tokens: jax.Array, experts: Any = None) -> jax.Array:
     """log p(token t+1 | tokens <= t) [B, T-1] for `tokens` int32[B, T] (chunked where the
-    model is: `model_token_logprobs`)."""
-    return model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:])            # [B, T-1]
+    model is: `model_token_logprobs`; `experts`: an MoE model's `ExpertParallel`)."""
+    return model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
+                                experts=experts)                                 # [B, T-1]
 
 
-def sequence_logprobs(model: nnx.Module, batch: DPOBatch) -> tuple[jax.Array, jax.Array]:
+def sequence_logprobs(model: nnx.Module, batch: DPOBatch,
+                      experts: Any = None) -> tuple[jax.Array, jax.Array]:
     """(chosen, rejected) answer log-prob sums [B] under `model`, one forward over both halves
     stacked ([2B, T])."""
     b = batch["chosen"].shape[0]
     tokens = jnp.concatenate([batch["chosen"], batch["rejected"]])               # [2B, T]
     mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])       # [2B, T-1]
-    sums = jnp.sum(token_logprob_rows(model, tokens) * mask, axis=-1)            # [2B]
+    sums = jnp.sum(token_logprob_rows(model, tokens, experts) * mask, axis=-1)   # [2B]
     return sums[:b], sums[b:]
 
 
-def pair_values(model: nnx.Module, batch: DPOBatch,
-                sequence: Any = None) -> tuple[jax.Array, ...]:
+def pair_values(model: nnx.Module, batch: DPOBatch, sequence: Any = None,
+                experts: Any = None) -> tuple[jax.Array, ...]:
     """(chosen, rejected, ref_chosen, ref_rejected, weight), one value per pair [N], of padded
     pair rows (`sequence_logprobs`, the others read from the batch) or of a packed batch
     (`packed_pairs.pack_pairs`: its "segment_ids"): there each token's log-prob times its
     side's mask, and the pair values each on one slot, are summed per pair over the "pair"
     numbers of this replica's rows (`packed_pairs.pair_sums`, over the sequence devices too
     under `sequence`); N is then the replica's slots (pair numbers past its pairs have
-    weight 0)."""
+    weight 0). `experts`: an MoE policy's `ExpertParallel` (the step passes it)."""
     if "segment_ids" not in batch:
         refuse_padded_pairs(sequence, "DPOConfig.packing=True")
-        return (*sequence_logprobs(model, batch), batch["ref_chosen"], batch["ref_rejected"],
-                batch["weight"])
+        return (*sequence_logprobs(model, batch, experts), batch["ref_chosen"],
+                batch["ref_rejected"], batch["weight"])
     logprobs = model_token_logprobs(model, batch["inputs"], batch["targets"],
                                     positions=batch["positions"],
                                     segment_ids=batch["segment_ids"],
-                                    sequence=sequence)                            # [R, S]
+                                    sequence=sequence, experts=experts)           # [R, S]
     return pair_sums(batch["pair"], logprobs * batch["chosen_mask"],
                      logprobs * batch["rejected_mask"], batch["ref_chosen"],
                      batch["ref_rejected"], batch["weight"], sequence=sequence)
@@ -206,8 +208,9 @@ def make_dpo_loss(beta: float, loss_type: str = "sigmoid"):
         raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: "
                          + " or ".join(repr(t) for t in LOSS_TYPES))
 
-    def dpo_loss(model, batch, *, sequence=None):
-        chosen, rejected, ref_chosen, ref_rejected, weight = pair_values(model, batch, sequence)
+    def dpo_loss(model, batch, *, sequence=None, experts=None):
+        chosen, rejected, ref_chosen, ref_rejected, weight = pair_values(model, batch, sequence,
+                                                                         experts)
         terms = dpo_loss_terms(chosen, rejected, ref_chosen, ref_rejected, beta=beta,
                                loss_type=loss_type)                              # [B]
         return jnp.sum(terms * weight), jnp.sum(weight)
@@ -221,8 +224,8 @@ def make_dpo_statistic(name: str, beta: float):
     if name not in ("accuracy", "margin"):
         raise ValueError(f"name={name!r} is invalid; accepted: 'accuracy' or 'margin'")
 
-    def statistic(model, batch, *, sequence=None):
-        *sums, weight = pair_values(model, batch, sequence)
+    def statistic(model, batch, *, sequence=None, experts=None):
+        *sums, weight = pair_values(model, batch, sequence, experts)
         chosen, rejected = dpo_rewards(*sums, beta=beta)
         value = (chosen > rejected).astype(jnp.float32) if name == "accuracy" else chosen - rejected
         return jnp.sum(value * weight), jnp.sum(weight)

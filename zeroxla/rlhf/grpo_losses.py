@@ -99,29 +99,32 @@ def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
                                    vocab_limit)[0]
 
 
-def _ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length, vocab_limit):
+def _ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length, vocab_limit,
+                            experts=None):
     """`ragged_answer_logprobs` and an MoE actor's router statistics over every position of
-    the rows (None for a dense one)."""
+    the rows (None for a dense one); `experts`: the step's `ExpertParallel`."""
     logprobs, stats = router_aux.routed_token_logprobs(
-        model, tokens[:, :-1], tokens[:, 1:], vocab_limit=vocab_limit)          # [B, P+G-1]
+        model, tokens[:, :-1], tokens[:, 1:], vocab_limit=vocab_limit,
+        **_given(experts=experts))                                        # [B, P+G-1]
     at = prompt_lengths[:, None] - 1 + jnp.arange(answer_length)          # [B, G]
     return jnp.take_along_axis(logprobs, at, axis=1), stats               # [B, G]
 
 
 def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta: float,
-                      vocab_limit: int | None, sequence=None):
+                      vocab_limit: int | None, sequence=None, experts=None):
     """`(sum, count)` of a packed rollout (`zeroxla.rlhf.packed_rollout.pack_rollout`: every
     array [R, S], the per-answer values already per token): the terms of the answer slots
     times `loss_weight`, over the sum of `loss_count`. Slots that are not an answer token
     compute their terms from neutral values (ratio 1, no KL), so no overflow there can reach
     the gradient through the mask. Every term is per token, so under sequence parallelism
     (`sequence`: the arrays are this device's [R, S/P] slice) the step's sums over the
-    devices are the whole batch's."""
+    devices are the whole batch's; `experts`: an MoE actor's `ExpertParallel`."""
     mask = batch["action_mask"]
     answer = mask > 0
     logprobs, stats = router_aux.routed_token_logprobs(
         model, batch["inputs"], batch["targets"], positions=batch["positions"],
-        segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence)  # [R, S]
+        segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence,
+        **_given(experts=experts))                                        # [R, S]
     old = batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     terms = grpo_loss_terms(jnp.where(answer, logprobs, old), old, batch["advantages"],
@@ -131,6 +134,12 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
         terms = terms * batch["is_weights"]
     return with_stats((jnp.sum(jnp.where(answer, terms * mask * batch["loss_weight"], 0.0)),
                        jnp.sum(batch["loss_count"])), stats)
+
+
+def _given(**options):
+    """The keyword arguments of `options` that are not None (a dense model's forward takes no
+    `experts`, and is never given one)."""
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def with_stats(parts, stats):
@@ -150,10 +159,11 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
     aggregated by its own per-token weights (`packed_loss_parts`), the same loss; only it runs
     under sequence parallelism (the step passes `sequence`; a padded rollout's per-answer
     arrays cannot be split along the sequence, and is refused naming `GRPOConfig.packing`)."""
-    def grpo_actor_loss(model, batch, *, sequence=None):
+    def grpo_actor_loss(model, batch, *, sequence=None, experts=None):
         if "segment_ids" in batch:
             return packed_loss_parts(model, batch, epsilon=epsilon, epsilon_high=epsilon_high,
-                                     beta=beta, vocab_limit=vocab_limit, sequence=sequence)
+                                     beta=beta, vocab_limit=vocab_limit, sequence=sequence,
+                                     experts=experts)
         if sequence is not None:
             raise ValueError(f"a padded GRPO batch under sequence parallelism (size "
                              f"{sequence.size}): its per-answer arrays [B, G] and [B] do not "
@@ -165,7 +175,7 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
         if lengths is None:
             lengths = jnp.full(tokens.shape[:1], tokens.shape[1] - mask.shape[1], jnp.int32)
         logprobs, stats = _ragged_answer_logprobs(model, tokens, lengths, mask.shape[1],
-                                                  vocab_limit)
+                                                  vocab_limit, experts)
         terms = grpo_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"],
                                 epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
                                 ref_logprobs=batch.get("ref_logprobs"))

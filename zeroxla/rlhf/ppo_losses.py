@@ -54,38 +54,45 @@ def critic_loss_fn(values, old_values, returns, action_mask, *, cliprange_value)
 
 # ---- model outputs over the answer ------------------------------------------------------------
 def answer_logprobs(model: nnx.Module, tokens: jax.Array, answer_length: int,
-                    vocab_limit: int | None = None) -> jax.Array:
+                    vocab_limit: int | None = None, *, experts: Any = None) -> jax.Array:
     """log pi(answer token t | everything before it) [B, G] for `tokens` int32[B, P + G]: the
     logits at positions P-1 .. P+G-2 against the tokens at P .. P+G-1. With `vocab_limit` (a
     model vocabulary padded past its tokenizer's), pi is the softmax over the ids below it,
     the distribution the rollouts draw from (`zeroxla.inference.Sampling.vocab_limit`). The
-    logits never exist whole where the model is chunked (`model_token_logprobs`)."""
+    logits never exist whole where the model is chunked (`model_token_logprobs`). `experts`:
+    an MoE model's `ExpertParallel` inside the step."""
     logprobs = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
-                                    vocab_limit=vocab_limit)               # [B, P+G-1]
+                                    vocab_limit=vocab_limit, experts=experts)  # [B, P+G-1]
     return logprobs[:, -answer_length:]                                   # [B, G]
 
 
-def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int) -> jax.Array:
+def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int, *,
+                  experts: Any = None) -> jax.Array:
     """The critic's value of the state before each answer token [B, G] (positions P-1 ..
-    P+G-2, DeepSpeed-Chat's `values[:, :-1][:, start:]`)."""
-    return critic(tokens[:, :-1])[:, -answer_length:].astype(jnp.float32)
+    P+G-2, DeepSpeed-Chat's `values[:, :-1][:, start:]`); `experts` passed when given."""
+    options = {} if experts is None else {"experts": experts}
+    return critic(tokens[:, :-1], **options)[:, -answer_length:].astype(jnp.float32)
 
 
 def packed_logprobs(model: nnx.Module, batch: dict[str, jax.Array],
-                    vocab_limit: int | None = None, sequence: Any = None) -> jax.Array:
+                    vocab_limit: int | None = None, sequence: Any = None,
+                    experts: Any = None) -> jax.Array:
     """The log-prob of each slot's target [R, S] on a packed rollout
     (`zeroxla.rlhf.packed_rollout`): a slot whose target is answer token t holds
-    `answer_logprobs`' value at t. `sequence`: the arrays are this device's [R, S/P] slice."""
+    `answer_logprobs`' value at t. `sequence`: the arrays are this device's [R, S/P] slice;
+    `experts`: an MoE model's `ExpertParallel`."""
     return model_token_logprobs(model, batch["inputs"], batch["targets"],
                                 positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                vocab_limit=vocab_limit, sequence=sequence)   # [R, S]
+                                vocab_limit=vocab_limit, sequence=sequence,
+                                experts=experts)                          # [R, S]
 
 
 def packed_values(critic: nnx.Module, batch: dict[str, jax.Array],
-                  sequence: Any = None) -> jax.Array:
+                  sequence: Any = None, experts: Any = None) -> jax.Array:
     """The critic's value of each slot's state [R, S] on a packed rollout: a slot whose target
     is answer token t holds `answer_values`' value at t."""
-    options = {} if sequence is None else {"sequence": sequence}
+    options = {name: value for name, value in (("sequence", sequence), ("experts", experts))
+               if value is not None}
     return critic(batch["inputs"], positions=batch["positions"],
                   segment_ids=batch["segment_ids"], **options).astype(jnp.float32)   # [R, S]
 
@@ -105,16 +112,18 @@ def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     "old_logprobs", "advantages", "action_mask": [B, G]}; the policy over the ids below
     `vocab_limit` (`answer_logprobs`). A packed batch (`packed_rollout`) runs under sequence
     parallelism too (every term per token; the step passes `sequence`)."""
-    def actor_loss(model, batch, *, sequence=None):
+    def actor_loss(model, batch, *, sequence=None, experts=None):
         mask = batch["action_mask"]
         if "segment_ids" in batch:         # packed (`packed_rollout`): the same token mean
-            logprobs = jnp.where(mask > 0, packed_logprobs(model, batch, vocab_limit, sequence),
+            logprobs = jnp.where(mask > 0, packed_logprobs(model, batch, vocab_limit, sequence,
+                                                           experts),
                                  batch["old_logprobs"])                   # [R, S]
             terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                      cliprange=cliprange)
             return jnp.sum(terms * mask), jnp.sum(batch["loss_count"])
         _padded_under_sequence(sequence)
-        logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit)
+        logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit,
+                                   experts=experts)
         terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                  cliprange=cliprange)
         return jnp.sum(terms * mask), jnp.sum(mask)
@@ -124,15 +133,15 @@ def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
 def make_critic_loss(cliprange_value: float):
     """`loss_fn(critic, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
     "old_values", "returns", "action_mask": [B, G]}; packed, under sequence parallelism too."""
-    def critic_loss(model, batch, *, sequence=None):
+    def critic_loss(model, batch, *, sequence=None, experts=None):
         mask = batch["action_mask"]
         if "segment_ids" in batch:         # packed: each answer slot holds its state's value
-            values = packed_values(model, batch, sequence)                # [R, S]
+            values = packed_values(model, batch, sequence, experts)       # [R, S]
             terms = critic_loss_terms(values, batch["old_values"], batch["returns"],
                                       cliprange_value=cliprange_value)
             return jnp.sum(jnp.where(mask > 0, terms, 0.0)), jnp.sum(batch["loss_count"])
         _padded_under_sequence(sequence)
-        values = answer_values(model, batch["tokens"], mask.shape[1])
+        values = answer_values(model, batch["tokens"], mask.shape[1], experts=experts)
         terms = critic_loss_terms(values, batch["old_values"], batch["returns"],
                                   cliprange_value=cliprange_value)
         return jnp.sum(terms * mask), jnp.sum(mask)

@@ -106,13 +106,16 @@ class RewardModel(nnx.Module):
         self.v_head = nnx.Param(jnp.zeros((d,), jnp.float32), logical_axes=(axes.EMBED,))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, sequence: Any = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, sequence: Any = None,
+                 experts: Any = None) -> jax.Array:
         """Values [B, T]; a packed batch gives each token's `positions` and `segment_ids`
         (int [B, T]), passed to `base.hidden` (refused by name if it takes none). `sequence`
         (a `SequenceParallel`): the tokens are this device's slice of each sequence, and
-        `base.hidden` computes attention over the whole sequences."""
+        `base.hidden` computes attention over the whole sequences. `experts` (an
+        `ExpertParallel`): an MoE base's experts split over that axis, passed to `base.hidden`."""
         options = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids),
-                                     ("sequence", sequence)) if v is not None}
+                                     ("sequence", sequence), ("experts", experts))
+                   if v is not None}
         x = self.base.hidden(tokens, **options)                           # [B, T, D]
         # float32 whatever the base computes in: a score is a sum over D products.
         return jnp.einsum("BTD,D->BT", x.astype(jnp.float32),
@@ -164,45 +167,49 @@ def with_vocab_size(model: RewardModel, vocab_size: int) -> RewardModel:
     return cut
 
 
-def pair_scores(model: RewardModel, batch: PairBatch) -> tuple[jax.Array, jax.Array]:
+def pair_scores(model: RewardModel, batch: PairBatch,
+                experts: Any = None) -> tuple[jax.Array, jax.Array]:
     """The end scores (chosen float32[B], rejected float32[B]) of a pair batch, from one forward
-    over both halves stacked ([2B, T]); chosen and rejected must have the same T."""
+    over both halves stacked ([2B, T]); chosen and rejected must have the same T. `experts`:
+    the step's `ExpertParallel`, for an MoE base."""
     chosen, rejected = batch["chosen"], batch["rejected"]                 # [B, T] each
     if chosen.shape != rejected.shape:
         raise ValueError(f"pair batch: chosen{tuple(chosen.shape)} and rejected"
                          f"{tuple(rejected.shape)} differ; accepted: both [B, T] (pad to one T)")
     b = chosen.shape[0]
-    values = model(jnp.concatenate([chosen, rejected]))                   # [2B, T]
+    values = model(jnp.concatenate([chosen, rejected]), experts=experts)  # [2B, T]
     ends = jnp.concatenate([batch["chosen_end"], batch["rejected_end"]])  # [2B]
     scores = end_scores(values, ends)
     return scores[:b], scores[b:]
 
 
-def pairwise_loss_terms(model: RewardModel, batch: PairBatch, *,
-                        sequence: Any = None) -> tuple[jax.Array, jax.Array]:
+def pairwise_loss_terms(model: RewardModel, batch: PairBatch, *, sequence: Any = None,
+                        experts: Any = None) -> tuple[jax.Array, jax.Array]:
     """The `make_step` loss_fn of step 2: `(sum over pairs of -log sigmoid(r_chosen -
     r_rejected), number of pairs)`, so the step's loss is the exact mean over the global batch.
 
     `batch`: {"chosen", "rejected": int32[B, T], "chosen_end", "rejected_end": int32[B]} (the
     index of each answer's last real token). `log_sigmoid` keeps it finite for any margin.
-    Packed pairs run under sequence parallelism too (the step passes `sequence`)."""
+    Packed pairs run under sequence parallelism too (the step passes `sequence`); an MoE
+    base's experts split over an expert axis get `experts` (the step passes it)."""
     if "segment_ids" in batch:
-        return packed_pairwise_loss_terms(model, batch, sequence)
+        return packed_pairwise_loss_terms(model, batch, sequence, experts)
     refuse_padded_pairs(sequence, "--packing (RewardJobConfig.packing=True)")
-    r_chosen, r_rejected = pair_scores(model, batch)
+    r_chosen, r_rejected = pair_scores(model, batch, experts)
     losses = -jax.nn.log_sigmoid(r_chosen - r_rejected)                  # [B]
     return jnp.sum(losses), jnp.float32(losses.shape[0])
 
 
-def packed_pairwise_loss_terms(model: RewardModel, batch: PairBatch, sequence: Any = None
-                               ) -> tuple[jax.Array, jax.Array]:
+def packed_pairwise_loss_terms(model: RewardModel, batch: PairBatch, sequence: Any = None,
+                               experts: Any = None) -> tuple[jax.Array, jax.Array]:
     """`pairwise_loss_terms` of packed pairs (`zeroxla.rlhf.packed_pairs.pack_scored_pairs`):
     each sequence's end score is its value on the slot its "chosen_end" / "rejected_end" marks,
     summed per pair number ("pair") of this replica's rows (`packed_pairs.pair_sums`, over the
     sequence devices too under `sequence`); pair numbers past its pairs have no end marked and
     count for nothing."""
     values = model(batch["inputs"], positions=batch["positions"],
-                   segment_ids=batch["segment_ids"], sequence=sequence)   # [R, S]
+                   segment_ids=batch["segment_ids"], sequence=sequence,
+                   experts=experts)                                       # [R, S]
     present, chosen, rejected = pair_sums(
         batch["pair"], batch["chosen_end"], values * batch["chosen_end"],
         values * batch["rejected_end"], sequence=sequence)                # [N] each

@@ -39,10 +39,12 @@ def sft_arrays(rows: Sequence[dict[str, str]], tokenizer: Any, prompt_length: in
     return {"tokens": tokens, "mask": mask}
 
 
-def completion_loss(model: nnx.Module, batch: dict[str, jax.Array]):
-    """`(sum, count)` of the completion tokens' negative log-likelihood."""
+def completion_loss(model: nnx.Module, batch: dict[str, jax.Array], *, experts: Any = None):
+    """`(sum, count)` of the completion tokens' negative log-likelihood (`experts`: an MoE
+    model's `ExpertParallel`, which the step passes under expert parallelism)."""
     mask, tokens = batch["mask"], batch["tokens"]                          # [B, C], [B, P+C]
-    logp = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:])[:, -mask.shape[1]:]
+    logp = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
+                                experts=experts)[:, -mask.shape[1]:]
     return -jnp.sum(logp * mask), jnp.sum(mask)
 
 

@@ -305,6 +305,52 @@ def test_a_user_expert_layer_without_expert_parallel_is_refused_by_path():
     zeroxla.make_step(UserMoe(), zeroxla.make_mesh(2, 4), optimizer=SGD)   # no expert axis: fine
 
 
+def test_an_moe_layer_holding_a_slice_of_its_experts_is_refused_a_call_without_experts():
+    """Expert parallelism reaches the MoE layer as its call's `experts=` argument, nothing set
+    on the module: a layer holding E / EP experts of its router's E (a device's share under
+    an expert axis) called without it, or with a degree that does not match, is refused by
+    name (traced only: nothing compiles) instead of computing with a slice of its experts as
+    if it were all of them."""
+    from zeroxla.models.moe import MoeMLP
+
+    def call(h, experts=None):
+        layer = MoeMLP(CONFIG, rngs=nnx.Rngs(0))
+        for name in ("w_gate", "w_up", "w_down"):         # [E, ., .] -> this device's E / 2
+            getattr(layer, name).set_value(getattr(layer, name)[...][:4])
+        return layer(h, experts=experts)
+    h = jax.ShapeDtypeStruct((2, 3, CONFIG.d_model), jnp.float32)
+    with pytest.raises(ValueError, match=r"MoeMLP holds 4 of the 8 experts .* "
+                                         r"experts=None: 4 x 1 != 8\. Accepted: .*"
+                                         r"experts=ExpertParallel\(axis, EP\)"):
+        jax.eval_shape(call, h)
+    with pytest.raises(ValueError, match=r"4 x 4 != 8"):
+        jax.eval_shape(lambda x: call(x, ExpertParallel("expert", 4)), h)
+
+
+def test_a_loss_fn_or_token_forward_that_cannot_pass_experts_on_is_refused_by_name():
+    """Under a mesh that splits the model's experts, the step passes `experts=` to a loss_fn
+    and to a `TokenForward` fn, as it passes `sequence=`: one that does not declare it is
+    refused by name when built; a dense model on the same mesh (nothing split) is not."""
+    from zeroxla.engine.token_forward import TokenForward
+
+    def values(m, batch):
+        return m(batch["inputs"])
+
+    def mean_loss(m, batch):
+        return jnp.mean(values(m, batch))
+    with pytest.raises(ValueError, match=r"splits the experts of 'blocks/layers/moe/w_\w+'.*"
+                                         r"loss_fn mean_loss takes no `experts` argument"):
+        zeroxla.make_step(model, ep_mesh(2), optimizer=SGD, loss_fn=mean_loss)
+    step = zeroxla.make_step(model, ep_mesh(2), optimizer=SGD)      # a factory: nothing runs
+    with pytest.raises(ValueError, match=r"TokenForward: .* experts over 2 devices, but fn "
+                                         r"values takes no `experts` argument"):
+        TokenForward(step, values)
+    def dense():
+        return models.build("gpt-tiny", seed=0)
+    assert zeroxla.make_step(dense, ep_mesh(2), optimizer=SGD,
+                             loss_fn=mean_loss).layout.experts is None
+
+
 def _gather_groups(text):
     """{(group, operand type, result type)} of the StableHLO text's all-gathers, each group as
     the mesh axes it spans: jax 0.12 names them; jax 0.10 prints device ids, read here for the
