@@ -38,8 +38,12 @@
   attention) as pure functions: the recurrent form (decode) and the chunked WY / UT-transform
   form (training, prefill), a scan over chunks with each chunk rematerialised, memory-linear in
   T; float32 state, packed segments reset the state.
+- `gated_deltanet.py`: Gated DeltaNet's token mixer as a layer (projections, the causal
+  depthwise conv1d whose window restarts at segment starts, the gated output norm) around
+  `gated_delta`.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
-  (Gemma 2): the modules.
+  (Gemma 2), `qwen3_5.py` (Qwen3.5 dense: periods of DeltaNet layers and a gated attention
+  layer as one block): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table
   (`families.REGISTRY`; docs/models.md).
 - `hf.py`, `hf_config.py`, `hf_rules.py`, `hf_names.py`, `safetensors_io.py`: Hugging Face
@@ -52,8 +56,9 @@ from .gpt import GPT, GPTConfig
 from .layers import LayerStack, scan_layers
 from .llama import Llama, LlamaConfig
 from .families import (REGISTRY, Gemma2Config, MistralConfig, MixtralConfig, OlmoeConfig,
-                       Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                       Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3_5Config)
 from .gemma2 import Gemma2
+from .qwen3_5 import Qwen3_5
 
 # preset name -> (model class, config factory), from the families' presets.
 PRESETS = {name: (spec.model_class, preset) for spec in REGISTRY.values()
@@ -95,4 +100,4 @@ def build(name: str, *, seed: int = 0, **overrides):
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "MistralConfig",
            "MixtralConfig", "OlmoeConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "Qwen2Config",
-           "Qwen3Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]
+           "Qwen3Config", "Qwen3_5", "Qwen3_5Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]

@@ -18,3 +18,4 @@ CACHE_LENGTH = "cache_length"   # a KV cache's slot dim (one slot per position)
 EXPERTS = "experts"             # a Mixture-of-Experts layer's expert dim (`models.moe`)
 ROUTER = "router"               # the router's output dim: one score per expert, never split
 EXPERT_MLP = "expert_mlp"       # an expert's inner dim (tensor-parallel generation keeps it whole)
+CONV_WINDOW = "conv_window"     # a causal conv1d's kernel taps (Gated DeltaNet's)

@@ -81,6 +81,8 @@ class Rule:
     from_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     # E for a per-expert rule (`{e}` in `hf`): its HF side is the E tensors stacked [E, ...].
     experts: int = 0
+    # P for a rule naming `{unit[j]}`: HF layers per block of the stack (Qwen3.5's period).
+    unit: int = 1
 
     @property
     def per_layer(self) -> bool:
@@ -89,9 +91,11 @@ class Rule:
     def name(self, layer: int | None, expert: int | None = None) -> str:
         """The HF tensor name of stacked `layer` (None for a global rule): `{i}` is the layer,
         `{pair[0]}` / `{pair[1]}` the HF layers 2i and 2i + 1 of a block that holds two
-        (Gemma 2's sliding and global pair), `{e}` the expert."""
+        (Gemma 2's sliding and global pair), `{unit[j]}` the HF layer P i + j of a block that
+        holds P (`unit`: Qwen3.5's period), `{e}` the expert."""
         return self.hf if layer is None else self.hf.format(
-            i=layer, pair=(2 * layer, 2 * layer + 1), e=expert)
+            i=layer, pair=(2 * layer, 2 * layer + 1), e=expert,
+            unit=tuple(range(self.unit * layer, self.unit * (layer + 1))))
 
     def read(self, get_tensor: Callable[[str], np.ndarray], layer: int | None) -> np.ndarray:
         """The HF side of `layer`: one tensor, or a per-expert rule's E tensors stacked."""
@@ -111,8 +115,8 @@ class Rule:
 
 
 def is_per_layer(hf_name: str) -> bool:
-    """Whether a rule's HF name is a per-layer template (`{i}` or `{pair[...]}`)."""
-    return "{i}" in hf_name or "{pair[" in hf_name
+    """Whether a rule's HF name is a per-layer template (`{i}`, `{pair[...]}`, `{unit[...]}`)."""
+    return "{i}" in hf_name or "{pair[" in hf_name or "{unit[" in hf_name
 
 
 @functools.lru_cache(maxsize=16)
@@ -184,7 +188,8 @@ def hf_name_map(config: Config, head: str = CAUSAL_LM) -> tuple[Rule, ...]:
     table = family(config.family).tensor_map(config)
     base = _abstract_params(config)
     rules = tuple(Rule(hf, tuple(_resolve(p, is_per_layer(hf), base) for p in ours), *fns,
-                       experts=config.num_experts if "{e}" in hf else 0)
+                       experts=config.num_experts if "{e}" in hf else 0,
+                       unit=config.layers_per_block if "{unit[" in hf else 1)
                   for hf, ours, fns in table)
     covered = sorted(p for r in rules for p in r.ours)
     if covered != sorted(base):

@@ -31,8 +31,11 @@ Config = GPTConfig | LlamaConfig | Gemma2Config
 ARCHITECTURES = {head: {name: spec.architectures[head] for name, spec in REGISTRY.items()
                         if head in spec.architectures}
                  for head in (CAUSAL_LM, SEQUENCE_CLASSIFICATION)}
-# (class-name suffix, head kind), first match wins; the kinds after the first two are refused.
+# (class-name suffix, head kind), first match wins; the kinds after the first three are refused.
+# A vision-language `*ForConditionalGeneration` is read as its causal language model (Qwen3.5's
+# published checkpoints, `families.qwen3_5`); a model_type no family builds is refused by it.
 _HEAD_SUFFIXES = (("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
+                  ("ForConditionalGeneration", CAUSAL_LM),
                   ("ForSequenceClassification", SEQUENCE_CLASSIFICATION),
                   ("ForTokenClassification", "token_classification"),
                   ("ForQuestionAnswering", "question_answering"),

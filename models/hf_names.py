@@ -1,6 +1,7 @@
 """The name fallbacks real Hugging Face checkpoints need (`NameFallbacks`): a reader answering
 the names our tensor maps use (`models.hf`) from checkpoints that store them otherwise: GPT-2
-without its `transformer.` prefix, MoE experts fused into 3-D tensors."""
+without its `transformer.` prefix, MoE experts fused into 3-D tensors, a vision-language
+model's language model under `model.language_model.`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ _FUSED = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
           "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
           "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 _MIXTRAL_LEGACY = ".block_sparse_moe."
+# Where a vision-language checkpoint (Qwen3.5's `*ForConditionalGeneration`) keeps the language
+# model's `model.*` tensors; its vision tower (`model.visual.*`) and `mtp.*` are never read.
+_LANGUAGE_MODEL = "model.language_model."
 
 
 class NameFallbacks:
@@ -25,7 +29,8 @@ class NameFallbacks:
     hub's openai-community/gpt2) has no `transformer.` prefix; an MoE checkpoint written with
     fused experts (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F],
     Mixtral's router under `mlp.gate`) answers the per-expert names, the last fused tensor
-    read kept for the next expert. Called and `shape`d as the reader is
+    read kept for the next expert; a vision-language checkpoint answers `model.*` from
+    `model.language_model.*`. Called and `shape`d as the reader is
     (`SafetensorsReader`)."""
 
     def __init__(self, reader: Callable[..., np.ndarray], hf: Mapping[str, Any]):
@@ -38,6 +43,11 @@ class NameFallbacks:
         except KeyError:
             if name.startswith("transformer."):
                 return fn(name.removeprefix("transformer."))
+            if name.startswith("model.") and not name.startswith(_LANGUAGE_MODEL):
+                try:
+                    return fn(_LANGUAGE_MODEL + name.removeprefix("model."))
+                except KeyError:
+                    pass                           # the error names the name asked for
             if _MIXTRAL_LEGACY in name and ".experts." not in name:
                 return fn(name.replace(_MIXTRAL_LEGACY, ".mlp."))
             raise

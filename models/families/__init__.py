@@ -12,6 +12,8 @@ add one.
 - `qwen3`: Qwen3 dense: Llama + per-head q/k RMSNorm, explicit head_dim.
 - `mistral`: Mistral: Llama + sliding-window attention.
 - `gemma2`: Gemma 2 (`models.gemma2`): (sliding, global) layer pairs, soft-capping, (1 + w) norms.
+- `qwen3_5`: Qwen3.5 dense (`models.qwen3_5`): periods of Gated DeltaNet layers and one gated
+  attention layer, `text_config` nesting, partial RoPE, (1 + w) norms.
 - `moe`: what the Mixture-of-Experts families share (router and expert keys and tensors).
 - `qwen3_moe`, `qwen2_moe` (a shared expert), `mixtral`, `olmoe` (q/k norms over the whole
   projection): `models.moe_llama`.
@@ -19,7 +21,8 @@ add one.
 
 from __future__ import annotations
 
-from . import gemma2, gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import (gemma2, gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_5,
+               qwen3_moe)
 from .gemma2 import Gemma2Config
 from .mistral import MistralConfig
 from .mixtral import MixtralConfig
@@ -28,18 +31,23 @@ from .olmoe import OlmoeConfig
 from .qwen2 import Qwen2Config
 from .qwen2_moe import Qwen2MoeConfig
 from .qwen3 import Qwen3Config
+from .qwen3_5 import Qwen3_5Config
 from .qwen3_moe import Qwen3MoeConfig
 from .spec import CAUSAL_LM, SEQUENCE_CLASSIFICATION, Family, require
 
 REGISTRY: dict[str, Family] = {spec.name: spec for spec in
                                (gpt2.SPEC, llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC,
                                 gemma2.SPEC, qwen3_moe.SPEC, qwen2_moe.SPEC, mixtral.SPEC,
-                                olmoe.SPEC)}
+                                olmoe.SPEC, qwen3_5.SPEC)}
+# another model_type a family's checkpoints may carry -> the family's name
+ALIASES: dict[str, str] = {alias: spec.name for spec in REGISTRY.values()
+                           for alias in spec.aliases}
 
 
 def family(name: str | None) -> Family:
     """The registered family `name` (config.json's model_type, a config's `family`); a
     ValueError naming it and the families built otherwise."""
+    name = ALIASES.get(name, name)
     if name in UNSUPPORTED_MOE:
         raise ValueError(f"config.json model_type={name!r} is not supported: "
                          f"{UNSUPPORTED_MOE[name]}; zeroxla builds {', '.join(sorted(REGISTRY))}")
@@ -50,5 +58,6 @@ def family(name: str | None) -> Family:
 
 
 __all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "MistralConfig", "MixtralConfig", "OlmoeConfig",
-           "Qwen2Config", "Qwen2MoeConfig", "Qwen3Config", "Qwen3MoeConfig", "REGISTRY",
+           "Qwen2Config", "Qwen2MoeConfig", "Qwen3Config", "Qwen3MoeConfig", "Qwen3_5Config",
+           "REGISTRY",
            "SEQUENCE_CLASSIFICATION", "family", "require"]

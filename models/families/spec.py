@@ -30,6 +30,8 @@ class Family:
     to_hf           config -> config.json keys of the family (model_type and its options)
     tensor_map      config -> list of `Row`s covering every parameter once
     presets         preset name (`models.build`, `zeroxla train --model`) -> config factory
+    aliases         other `model_type`s config.json may give the family (Qwen3.5's text model
+                    saved alone is `qwen3_5_text`)
     """
 
     name: str
@@ -40,6 +42,7 @@ class Family:
     to_hf: Callable[[Any], dict[str, Any]]
     tensor_map: Callable[[Any], list[Row]]
     presets: Mapping[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
 
 
 def require(ok: bool, key: str, value: Any, why: str) -> None:

@@ -94,10 +94,10 @@ def peft_tensors(model: nnx.Module, config: Any) -> dict[str, np.ndarray]:
                              f"experts are one tensor per expert ({rule.hf!r}), an adapter per "
                              "expert the PEFT export does not write; export the merged model "
                              "(save_merged) instead")
-        if "{pair[" in rule.hf:
-            raise ValueError(f"PEFT export of the adapter on {path!r}: {config.family} stores two "
-                             f"HF layers per block ({rule.hf!r}), which the adapter export does "
-                             "not split; export the merged model instead")
+        if "{pair[" in rule.hf or "{unit[" in rule.hf:
+            raise ValueError(f"PEFT export of the adapter on {path!r}: {config.family} stores "
+                             f"several HF layers per block ({rule.hf!r}), which the adapter "
+                             "export does not split; export the merged model instead")
         _check_not_embedding(path, rule, adapter)
         a = np.asarray(adapter.lora_a[...], np.float32)                # [*L, *IN, r]
         b = np.asarray(adapter.lora_b[...], np.float32)                # [*L, r, *OUT]

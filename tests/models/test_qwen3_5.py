@@ -1,0 +1,220 @@
+"""Qwen3.5 dense (`models.qwen3_5`, `models.families.qwen3_5`) against transformers itself, from
+tiny random checkpoints transformers writes here (8 layers: two periods of three Gated DeltaNet
+layers and one gated attention layer; every tensor perturbed, no network):
+
+- loaded straight into ZeRO-3 partitions on 2 x 4: logits within 1e-4 of transformers'
+  `Qwen3_5ForCausalLM` (float32), the loss equal to its `labels=` loss (rtol 1e-5);
+- a published-layout checkpoint (`Qwen3_5ForConditionalGeneration`: `text_config` nesting, the
+  language model under `model.language_model.`, a vision tower, `mtp.*` tensors, a tied head)
+  loads the text model alone with logits equal to transformers';
+- a packed row (two sequences and padding) equals its sequences run alone (1e-5), and without
+  its segment ids it does not (the conv window and the recurrent state do reset);
+- ZeRO-3 on 2 x 4 trains 3 steps on packed rows as the unsharded model on one device does
+  (in float64: the test says why);
+- the export reloads in transformers with equal logits;
+- generation is refused by name (the recurrent state is not in the engine's cache), and every
+  config.json option not built is refused by its key.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from family_checkpoints import save_random
+from zeroxla import models
+from zeroxla.models import hf
+from runs import run_steps
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+VOCAB = 67
+# head_dim 32: partial RoPE rotates 8 dims (4 frequencies), which mRoPE's sections (2, 1, 1)
+# take from its temporal, height and width rows: the same text position on each.
+TEXT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            max_position_embeddings=64, rms_norm_eps=1e-5, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+            linear_conv_kernel_dim=4, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                             "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                             "mrope_interleaved": True})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A `Qwen3_5ForCausalLM` (model_type qwen3_5_text) checkpoint, every tensor perturbed."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5TextConfig(**TEXT))
+    return save_random(model, tmp_path_factory.mktemp("qwen3_5"))
+
+
+def torch_model(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def tokens(shape, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=shape).astype(np.int32)
+
+
+def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoint):
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    _, state = zeroxla.load_pretrained(checkpoint, mesh, progress=False,
+                                       config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    model = zeroxla.gathered_model(state)
+    assert model.config.family == "qwen3_5" and model.config.num_layers == 2
+    x = tokens((2, 17))
+    with torch.no_grad():
+        out = torch_model(checkpoint)(torch.tensor(x, dtype=torch.long),
+                                      labels=torch.tensor(x, dtype=torch.long))
+    theirs = out.logits.numpy()
+    assert theirs.std() > 0.3                # not a degenerate near-zero model
+    np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
+    ours = -np.mean(np.asarray(model.token_logprobs(x[:, :-1], x[:, 1:])))
+    np.testing.assert_allclose(ours, out.loss.item(), rtol=1e-5)
+
+
+def test_a_published_layout_checkpoint_loads_its_text_model(tmp_path):
+    """`Qwen3_5ForConditionalGeneration` as the hub's Qwen3.5 checkpoints are: config.json
+    nests the text model under text_config (tie_word_embeddings outside it), the tensors are
+    under model.language_model., beside model.visual.* and mtp.* (added here, as the released
+    files hold them), which are never read."""
+    from safetensors.numpy import load_file, save_file
+
+    torch.manual_seed(1)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2,
+                  out_hidden_size=48, num_position_embeddings=16)
+    text = {**TEXT, "num_hidden_layers": 4}
+    reference = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, tie_word_embeddings=True))
+    save_random(reference, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in tensors and any(n.startswith("model.visual.") for n in tensors)
+    tensors["mtp.fc.weight"] = np.ones((48, 96), np.float32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config, model = hf.load_hf_model(tmp_path)
+    assert config.tie_word_embeddings and config.num_layers == 1
+    x = tokens((2, 16), seed=1)
+    with torch.no_grad():
+        theirs = reference.eval()(input_ids=torch.tensor(x, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
+
+
+def _packed_row(seed):
+    """One row [1, 16] packing sequences of 7 and 6 tokens and 3 of padding: (tokens,
+    positions, segment_ids, the two sequences)."""
+    a, b = tokens((7,), seed), tokens((6,), seed + 1)
+    row = np.concatenate([a, b, np.zeros(3, np.int32)])[None]
+    positions = np.concatenate([np.arange(7), np.arange(6), np.zeros(3)]).astype(np.int32)[None]
+    segments = np.array([1] * 7 + [2] * 6 + [0] * 3, np.int32)[None]
+    return row, positions, segments, (a, b)
+
+
+def test_a_packed_row_equals_its_sequences_run_alone(checkpoint):
+    _, model = hf.load_hf_model(checkpoint)
+    row, positions, segments, (a, b) = _packed_row(3)
+    forward = jax.jit(lambda m, *args: m(*args))
+    packed = np.asarray(forward(model, row, positions, segments))
+    alone_a, alone_b = (np.asarray(forward(model, s[None])) for s in (a, b))
+    np.testing.assert_allclose(packed[:, :7], alone_a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, 7:13], alone_b, atol=1e-5, rtol=0)
+    unreset = np.asarray(forward(model, row, positions))     # no segment ids: one sequence
+    assert np.abs(unreset[:, 7:13] - alone_b).max() > 1e-3
+
+
+def _packed_loss(model, batch):
+    """Mean next-token cross-entropy over the real tokens of packed rows, written out."""
+    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
+
+
+@pytest.mark.slow
+def test_zero3_on_2x4_trains_packed_rows_like_the_unsharded_model(checkpoint):
+    """In float64 (`ZeroConfig(compute_dtype="float64")`, as tests/zeroxla/engine/
+    test_float64_parity.py), every leaf held to rtol 1e-4 + atol 1e-6 and the losses to 1e-5.
+    This tiny random model's updates amplify a perturbation about 50-fold per step at lr 0.01
+    (measured on one device in float64: a loss scaled by 1 + 6e-8, the step's float32 loss
+    normaliser's rounding, moves the parameters 4e-8, 3e-6, 5e-5 after steps 1-3), and its
+    float32 gradients are 2.4e-5 off their float64 values; so float64 and lr 0.002, where the
+    parity errors stay at 7e-6 of the update after 3 steps."""
+    from reference import flat_params, train_single_device
+
+    rows = [_packed_row(seed) for seed in range(0, 16, 2)]           # 8 rows
+    seq = np.concatenate([r[0] for r in rows])
+    seg = np.concatenate([r[2] for r in rows])
+    batch = {"inputs": seq[:, :-1], "targets": seq[:, 1:],
+             "positions": np.concatenate([r[1] for r in rows])[:, :-1],
+             "segment_ids": seg[:, :-1],
+             # a token's target is the next token of its own sequence
+             "loss_mask": ((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] != 0)).astype(np.float64)}
+    batches = [batch] * 3
+    optimizer = optax.sgd(0.002, momentum=0.9)
+    with jax.enable_x64(True):
+        want, expected = train_single_device(hf.load_hf_model(checkpoint, dtype=jnp.float64)[1],
+                                             optimizer, batches, loss_fn=_packed_loss)
+        step = zeroxla.make_step(hf.load_hf_model(checkpoint, dtype=jnp.float64)[1],
+                                 zeroxla.make_mesh(nodes=2, local=4), optimizer=optimizer,
+                                 config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
+                                                           compute_dtype="float64"))
+        state, losses = run_steps(step, step.init(), batches)
+        got = flat_params(zeroxla.gather_params(state))
+    assert want[2] < want[1] < want[0]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    for path in expected:
+        assert got[path].dtype == np.float64, path
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def test_export_reloads_in_transformers_with_equal_logits(checkpoint, tmp_path):
+    config, model = hf.load_hf_model(checkpoint)
+    hf.save_hf_model(config, model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "qwen3_5_text"
+    assert written["architectures"] == ["Qwen3_5ForCausalLM"]
+    x = tokens((2, 16), seed=4)
+    with torch.no_grad():
+        theirs = torch_model(tmp_path)(torch.tensor(x, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, np.asarray(model(x)), atol=ATOL, rtol=0)
+    assert hf.from_hf_config(written) == config
+
+
+def test_generation_is_refused_by_name(checkpoint):
+    """The Hybrid Engine (static and continuous batching decode through init_cache / decode)
+    refuses before it compiles anything, naming the family and the missing recurrent state."""
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    config = hf.from_hf_config(hf.read_hf_config(checkpoint))
+    step = zeroxla.make_step(lambda: models.Qwen3_5(config, rngs=nnx.Rngs(0)),
+                             zeroxla.make_mesh(nodes=1, local=8),
+                             config=zeroxla.ZeroConfig(stage=3))
+    with pytest.raises(ValueError, match="qwen3_5.*recurrent state"):
+        HybridEngine(step.layout, HybridEngineConfig(max_out_tokens=32))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"layer_types": ["full_attention", "linear_attention", "linear_attention",
+                      "linear_attention"] * 2}, "layer_types"),
+    ({"num_hidden_layers": 6, "layer_types": None}, "num_hidden_layers=6"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"model_type": "qwen3_5_moe"}, "model_type='qwen3_5_moe'"),
+])
+def test_options_not_built_are_refused_by_key(checkpoint, change, match):
+    source = hf.read_hf_config(checkpoint)
+    edited = {k: v for k, v in {**source, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        hf.from_hf_config(edited)
+    nested = {"model_type": "qwen3_5", "text_config": edited}         # the published layout
+    if "model_type" not in change:
+        with pytest.raises(ValueError, match=match):
+            hf.from_hf_config(nested)
