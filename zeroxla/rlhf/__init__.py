@@ -6,8 +6,8 @@ PPO and GRPO against a frozen reference, PPO and GRPO generating by the Hybrid E
 algorithm's trainer, config and losses carry its prefix (ppo_, grpo, dpo);
 the roles they share are built once (roles.py).
 
-    roles.py       build_roles: the roles PPO, GRPO and DPO share (frozen reference, policy
-                   with LoRA adapters, its ZeRO step, the Hybrid Engine); adapted, POLICY_ZERO
+    roles.py       build_roles: the roles PPO, GRPO and DPO share (policy with LoRA adapters,
+                   its ZeRO step, the Hybrid Engine); adapted, POLICY_ZERO
     ppo_config.py  PPOConfig: DeepSpeed-Chat's hyper-parameters, validated
     advantages.py  compute_rewards (KL penalty + clipped score), get_advantages_and_returns (GAE)
     ppo_losses.py  actor_loss_fn / critic_loss_fn (clipped), the make_step loss_fns
@@ -16,7 +16,8 @@ the roles they share are built once (roles.py).
                    load_hf_reward_model (a HF *ForSequenceClassification, num_labels=1)
     critic.py      Critic = RewardModel; critic_from_reward_model (DeepSpeed-Chat's start)
     reward.py      an answer's score: a RewardModel's end score or a program (vowel fraction)
-    reference.py   FrozenReference: the frozen reference, optionally int8 codes (MixZ++)
+    reference.py   FrozenReference: a frozen model on one device, optionally int8 codes
+                   (MixZ++); no trainer holds one (their reference: answer_forward.py)
     rollout.py     Rollout: one iteration's experience as numpy arrays
     ppo_trainer.py PPOTrainer (generate_experience, train_rlhf) and run_ppo
     plot.py        plot_records: the reward and KL curves
@@ -38,8 +39,10 @@ the roles they share are built once (roles.py).
                    importance sampling (tis_weights, TRL's vllm_importance_sampling_cap)
     packed_rollout.py a rollout as a packed batch (sequences whole in rows with segment ids,
                    rows balanced over the data replicas): the padded loss without the padding
-    answer_forward.py a rollout's answer log-probs / values in the policy's step layout under
-                   sequence parallelism (AnswerForward), the reference as its first partitions
+    answer_values.py the answer log-prob / value functions every algorithm reads (padded rows,
+                   ragged prompts, packed batches)
+    answer_forward.py every per-token read of a trainer (old and reference log-probs, values) in
+                   the step's layout (AnswerForward), the reference as the first partitions
     grpo_eval.py   held-out greedy accuracy through a Hybrid Engine: exact_accuracy
     grpo.py        GRPOTrainer (generate_experience, train_grpo), run_grpo
 """

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from zeroxla.engine.loss import model_token_logprobs
+from zeroxla.rlhf.answer_values import token_logprob_rows
 from zeroxla.rlhf.packed_pairs import pair_sums, refuse_padded_pairs
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -53,7 +54,7 @@ class DPOConfig:
     learning_rate: float = 1e-4
     batch_size: int = 16
     seq_len: int = 64
-    # The frozen reference as int8 codes (`zeroxla.rlhf.reference`, ZeRO++'s MixZ++).
+    # The frozen reference as int8 codes (MixZ++): refused, as PPOConfig.reference_int8.
     reference_int8: bool = False
     # Training pairs packed into rows with segment ids (`zeroxla.rlhf.packed_pairs`): the same
     # loss without the padding; the policy must take positions= and segment_ids=.
@@ -133,13 +134,6 @@ def dpo_metrics(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *,
 
 
 # ---- log-prob sums of a model -------------------------------------------------------------------
-def token_logprob_rows(model: nnx.Module, tokens: jax.Array, experts: Any = None) -> jax.Array:
-    """log p(token t+1 | tokens <= t) [B, T-1] for `tokens` int32[B, T] (chunked where the
-    model is: `model_token_logprobs`; `experts`: an MoE model's `ExpertParallel`)."""
-    return model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
-                                experts=experts)                                 # [B, T-1]
-
-
 def sequence_logprobs(model: nnx.Module, batch: DPOBatch,
                       experts: Any = None) -> tuple[jax.Array, jax.Array]:
     """(chosen, rejected) answer log-prob sums [B] under `model`, one forward over both halves

@@ -1,6 +1,6 @@
 """DPO training on zeroxla: the policy is a ZeRO `make_step` with the DPO `loss_fn`; the frozen
-starting model (`FrozenReference`, optionally int8) gives every pair's reference log-prob sums
-once, before the first step, and is then dropped.
+starting model (a copy of the policy's first partitions, read in its layout) gives every pair's
+reference log-prob sums once, before the first step, and is then dropped.
 
     DPOTrainer(config, policy, mesh=..., train=pair rows, val=pair rows)
       .step_record(k)   one optimizer step on step k's pairs: {"step", "loss", "accuracy",
@@ -30,17 +30,16 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.engine.loss import check_packable
+from zeroxla.engine.loss import check_packable, takes_packed_batches
 from zeroxla.engine.sequence import packed_row_length
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.answer_forward import reference_partitions
 from zeroxla.rlhf.dpo import (MASK_KEYS, REFERENCE_KEYS, TOKEN_KEYS, DPOConfig, make_dpo_loss,
-                              make_dpo_statistic, reference_logprobs)
+                              make_dpo_statistic)
 from zeroxla.rlhf.packed_pairs import PAIR_VALUES, pack_pairs
-from zeroxla.rlhf.ppo_losses import packed_logprobs
-from zeroxla.sharding.mesh import MeshAxes
-from zeroxla.rlhf.roles import build_roles, frozen_reference
+from zeroxla.rlhf.answer_values import packed_logprobs, token_logprob_rows
+from zeroxla.rlhf.roles import build_roles
 
 STATISTICS = ("accuracy", "margin")
 
@@ -50,6 +49,22 @@ def _rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarr
 
 
 PACKED_INPUTS = ("inputs", "targets", "positions", "segment_ids")
+
+
+def _padded_token_logprobs(model: nnx.Module, batch: dict[str, jax.Array], *,
+                           experts: Any = None) -> jax.Array:
+    """`token_logprob_rows` [B, T-1] of padded pair rows {"tokens" int32[B, T]}: the
+    `TokenForward` form."""
+    return token_logprob_rows(model, batch["tokens"], experts)
+
+
+def _per_device_bytes(tree: Any) -> dict[Any, int]:
+    """{device: bytes of `tree`'s shards it holds}."""
+    held: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
 
 
 def epoch_order(n: int, batch_size: int, k: int, seed: int) -> np.ndarray:
@@ -104,36 +119,34 @@ class DPOTrainer:
         check_policy(policy, config.seq_len)
         if config.packing:
             check_packable(policy, "DPOConfig.packing", "policy")
-        self.config, self.seed, self.reference_bytes = config, seed, 0
-        # Under sequence parallelism the sums are read in the policy's layout (below).
-        in_layout = MeshAxes.of(mesh).sequence_size > 1
-        if not in_layout:
-            reference = frozen_reference(policy, config.reference_int8)
-            self.reference_bytes = reference.nbytes
-            train = {**train, **reference_logprobs(reference, train)}
-            val = {**val, **reference_logprobs(reference, val)}
-            del reference                   # never read again, dropped before the policy's state
-        self.train, self.val = train, val
+        self.config, self.seed = config, seed
         self.optimizer = optax.adamw(config.learning_rate)
         roles = build_roles(policy, mesh, optimizer=self.optimizer, seed=seed, lora=lora,
-                            reference_int8=None, trainable=trainable,
+                            trainable=trainable,
                             zero_config=zero_config or zeroxla.ZeroConfig(stage=3),
                             loss_fn=make_dpo_loss(config.beta, config.loss_type),
                             eval_loss_fns={name: make_dpo_statistic(name, config.beta)
                                            for name in STATISTICS})
         self.step, self.statistics, self.state = roles.step, roles.eval_steps, roles.state
-        if in_layout:       # the first state is the reference (LoRA's B = 0): its partitions
-            reference = reference_partitions(self.step, self.state, int8=config.reference_int8,
-                                             owner="DPOConfig")
-            self.train = {**train, **self._reference_sums(train, reference)}
-            self.val = {**val, **self._reference_sums(val, reference)}
+        # The first state is the reference (LoRA's B = 0): its partitions, read in the
+        # policy's layout, then dropped.
+        reference = reference_partitions(self.step, self.state, int8=config.reference_int8,
+                                         owner="DPOConfig")
+        # The most bytes of the reference one device held (1/N of the model under ZeRO-3).
+        self.reference_bytes = max(_per_device_bytes(reference.params).values(), default=0)
+        packed = takes_packed_batches(policy) or self.step.layout.sequence is not None
+        self.train = {**train, **self._reference_sums(train, reference, packed)}
+        self.val = {**val, **self._reference_sums(val, reference, packed)}
 
-    def _reference_sums(self, rows: dict[str, np.ndarray], reference: Any,
+    def _reference_sums(self, rows: dict[str, np.ndarray], reference: Any, packed: bool,
                         pairs_per_call: int = 64) -> dict[str, np.ndarray]:
         """{"ref_chosen", "ref_rejected"} float32[N] of pair rows under `reference` (the
         policy's first partitions), computed in the policy's layout (`TokenForward`: rows and
-        tokens split as the step splits them) on the pairs packed, `pairs_per_call` at a
-        time: each sequence's answer log-probs summed by the pair each slot is of."""
+        tokens split as the step splits them), `pairs_per_call` at a time: `packed`, each
+        sequence's answer log-probs summed by the pair each slot is of; else the padded rows'
+        (a policy that takes no packed batch)."""
+        if not packed:
+            return self._padded_reference_sums(rows, reference, pairs_per_call)
         n = len(rows["chosen"])
         forward = TokenForward(self.step, packed_logprobs)   # each slot's target's
         out = {key: np.zeros(n, np.float32) for key in REFERENCE_KEYS}
@@ -142,12 +155,32 @@ class DPOTrainer:
                      for key in (*TOKEN_KEYS, *MASK_KEYS)}
             m = len(piece["chosen"])
             piece.update({key: np.zeros(m, np.float32) for key in PAIR_VALUES})
-            packed = self._packed(piece, source=True)
-            values = np.asarray(forward(reference, {k: packed[k] for k in PACKED_INPUTS}))
-            source = packed["source"].reshape(-1)
+            packed_rows = self._packed(piece, source=True)
+            values = np.asarray(forward(reference, {k: packed_rows[k] for k in PACKED_INPUTS}))
+            source = packed_rows["source"].reshape(-1)
             for key, mask in zip(REFERENCE_KEYS, MASK_KEYS):
-                sums = np.bincount(source, (values * packed[mask]).reshape(-1), m + 1)
+                sums = np.bincount(source, (values * packed_rows[mask]).reshape(-1), m + 1)
                 out[key][start:start + m] = sums[1:]
+        return out
+
+    def _padded_reference_sums(self, rows: dict[str, np.ndarray], reference: Any,
+                               rows_per_call: int) -> dict[str, np.ndarray]:
+        """`_reference_sums` of the padded rows, `rows_per_call` (a multiple of the data
+        replicas) at a time, the last call padded with copies of its last row."""
+        unit = self.step.layout.data_size
+        rows_per_call = -(-rows_per_call // unit) * unit
+        forward = TokenForward(self.step, _padded_token_logprobs)
+        out = {}
+        for key, mask_key, ref_key in zip(TOKEN_KEYS, MASK_KEYS, REFERENCE_KEYS):
+            tokens = np.asarray(rows[key])
+            sums = []
+            for start in range(0, len(tokens), rows_per_call):
+                piece = tokens[start:start + rows_per_call]
+                full = np.concatenate([piece, np.repeat(piece[-1:], rows_per_call - len(piece),
+                                                        0)])
+                sums.append(np.asarray(forward(reference, {"tokens": full}))[:len(piece)])
+            mask = np.asarray(rows[mask_key], np.float32)                   # [N, T-1]
+            out[ref_key] = np.sum(np.concatenate(sums) * mask, axis=-1).astype(np.float32)
         return out
 
     def _device_batch(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:

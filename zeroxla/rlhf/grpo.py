@@ -9,13 +9,14 @@ One iteration (`GRPOTrainer.iteration`: `generate_experience`, then `train_grpo`
    generation index with its own seed (the engine draws a prompt's tokens from the seed and
    the prompt's ids, so equal prompts in one call would get equal answers); the TP copy is
    released after, as in PPO; the engine also returns the log-prob it drew each token with;
-3. the answers' log-probs under the actor (the "old" policy of the ratio) and the reference,
-   one jitted forward each on gathered weights, as `PPOTrainer`; the rewards (weighted reward
+3. the answers' log-probs under the actor (the "old" policy of the ratio) and the reference
+   (a frozen copy of the actor's first partitions), in the actor step's layout
+   (`answer_forward`), as `PPOTrainer`; the rewards (weighted reward
    functions on the texts, and/or a reward model's end score), group-relative advantages;
 4. `num_iterations` actor steps on the whole rollout (with `packing`, packed into rows with
    segment ids and balanced over the data replicas: `packed_rollout`, the same loss without
    the padding); before each step after the first, the clipped fraction of that step's
-   ratio is measured on the gathered weights (an MoE actor's router load: `router/*`). Each record
+   ratio is measured in the same layout (an MoE actor's router load: `router/*`). Each record
    holds the train/rollout log-prob gap (`rollout_correction.logprob_gap`, as `gap/*`), and
    with `rollout_correction="tis"` every step's terms carry the truncated importance weights.
    A step whose gradients are not finite skips its update (`check_grad_overflow`): the actor
@@ -38,7 +39,6 @@ changed, only they are resharded).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,12 +53,11 @@ from zeroxla.lora import LoRAConfig
 from zeroxla.engine.loss import check_packable
 from zeroxla.engine.router_aux import check_budget_with_router, router_record
 from zeroxla.inference.config import rollout_batching
-from zeroxla.rlhf.answer_forward import (answer_forward, one_device_reference,
-                                         reference_partitions)
+from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
 from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
 from zeroxla.rlhf.grpo_eval import exact_accuracy, greedy_accuracy
-from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss, ragged_answer_logprobs
+from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss
 from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.reward import make_scorer
@@ -66,21 +65,6 @@ from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
 from zeroxla.rlhf.rollout import generation_stats, pad_answers, pad_logprobs
 from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, tis_weights
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2, 4))
-def _logprobs(graphdef: Any, params: Any, answer_length: int, rows: tuple[jax.Array, jax.Array],
-              vocab_limit: int | None) -> jax.Array:
-    """`ragged_answer_logprobs` of a plain (gathered) model on `rows` = (tokens int32[B, P+G],
-    prompt_lengths int32[B]): [B, G]."""
-    return ragged_answer_logprobs(nnx.merge(graphdef, params), *rows, answer_length,
-                                  vocab_limit)
-
-
-def _reference_logprobs(model: nnx.Module, rows: tuple[jax.Array, jax.Array],
-                        answer_length: int, vocab_limit: int | None) -> jax.Array:
-    """The `FrozenReference` function: `ragged_answer_logprobs` on (tokens, prompt_lengths)."""
-    return ragged_answer_logprobs(model, *rows, answer_length, vocab_limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +134,9 @@ class GRPOTrainer:
         self.config, self.tokenizer, self.eos_id, self.seed = config, tokenizer, eos_id, seed
         self.prompts: PromptRows = prompt_rows(prompts, tokenizer, config.prompt_length)
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
-        self._reference_fn = functools.partial(_reference_logprobs,
-                                               vocab_limit=self.vocab_limit)
         optimizer = optax.adamw(config.learning_rate) if optimizer is None else optimizer
-        roles = build_roles(                         # the reference stays the plain actor
+        roles = build_roles(
             actor, mesh, optimizer=optimizer, seed=seed, lora=lora,
-            reference_int8=one_device_reference(mesh, config.reference_int8),
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
                                    vocab_limit=self.vocab_limit),
@@ -164,11 +145,12 @@ class GRPOTrainer:
                 max_out_tokens=config.prompt_length + config.max_completion_length,
                 **rollout_batching(config.prompts_per_iteration, config.num_generations,
                                    mesh.devices.size // inference_tp_size, config.prompt_length)))
-        self.reference, self.actor_step, self.engine = roles.reference, roles.step, roles.engine
-        self.actor_state = roles.state
+        self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
         check_token_budget(config.ppo_max_token_len_per_gpu, config.row_len, roles.step.layout,
                            "GRPOConfig")
-        self.sharded = answer_forward(roles.step, "logprobs", self.vocab_limit)
+        # Every per-token read in the actor's layout; the reference (the plain actor: LoRA's
+        # first adapters are B = 0) a copy of its first partitions.
+        self.answers = AnswerForward(roles.step, "logprobs", self.vocab_limit, config.packing)
         self.reference_state = reference_partitions(roles.step, roles.state, owner="GRPOConfig",
                                                     int8=config.reference_int8)
 
@@ -243,17 +225,10 @@ class GRPOTrainer:
                  reference: bool = False) -> jax.Array:
         """The current actor's (`reference`: the frozen reference's) answer log-probs [B, T]
         (0 where `mask` is) of right-padded `tokens` [B, P + T] whose row b's answer starts at
-        `prompt_lengths[b]`: on gathered weights, one device; under sequence parallelism in
-        the step's layout (`answer_forward`; the reference its first partitions)."""
-        if self.sharded is not None:
-            return self.sharded(self.reference_state if reference else self.actor_state,
-                                tokens, mask, prompt_lengths)
-        if reference:
-            return self.reference(self._reference_fn, (tokens, prompt_lengths),
-                                  self.config.max_completion_length) * mask
-        graphdef, params = nnx.split(zeroxla.gathered_model(self.actor_state))
-        return _logprobs(graphdef, params, self.config.max_completion_length,
-                         (tokens, np.asarray(prompt_lengths, np.int32)), self.vocab_limit) * mask
+        `prompt_lengths[b]`, in the actor step's layout (`answer_forward`; the reference its
+        first partitions)."""
+        return self.answers(self.reference_state if reference else self.actor_state,
+                            tokens, mask, prompt_lengths)
 
     # ---- training --------------------------------------------------------------------------
     def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:

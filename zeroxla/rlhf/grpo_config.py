@@ -100,7 +100,7 @@ class GRPOConfig:
     prompts_per_iteration: int = 8
     prompt_length: int = 16
     max_completion_length: int = 16
-    # The frozen reference (beta > 0) as int8 codes, as PPOConfig.reference_int8.
+    # The frozen reference (beta > 0) as int8 codes: refused, as PPOConfig.reference_int8.
     reference_int8: bool = False
     rollout_correction: str | None = None
     tis_cap: float = 2.0

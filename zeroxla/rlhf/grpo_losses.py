@@ -18,7 +18,7 @@ of the real answer tokens are aggregated by `loss_type`:
 the global batch, so each loss is exact however the batch is sharded.
 
 Prompts of different lengths are right-padded (`grpo_prompts`): row b's answer starts at its
-own prompt length, and `ragged_answer_logprobs` reads each row's answer from there.
+own prompt length, and `answer_values.ragged_answer_logprobs` reads each row's answer from there.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from zeroxla.engine import router_aux
+from zeroxla.rlhf.answer_values import (ragged_answer_logprobs,
+                                        routed_ragged_answer_logprobs)
 
 
 def grpo_loss_terms(logprobs, old_logprobs, advantages, *, epsilon: float, epsilon_high: float,
@@ -86,30 +88,6 @@ def clip_fractions(logprobs, old_logprobs, advantages, action_mask, *, epsilon: 
     return {"clip_low": low, "clip_high": high, "clip_fraction": low + high}
 
 
-def ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length: int,
-                           vocab_limit: int | None = None):
-    """log pi(answer token t | its row before it) [B, G] for right-padded rows: `tokens`
-    int32[B, P + G] holds row b's prompt at 0 .. L_b - 1 (`prompt_lengths` int[B], 1 <= L_b
-    <= P) and its answer from L_b: the logits at L_b - 1 + t against the token at L_b + t.
-    Causal attention sees only the row's earlier (real) tokens, at their true positions, so
-    each row's log-probs are those of its prompt and answer alone. With `vocab_limit`, pi is
-    the softmax over the ids below it (`zeroxla.rlhf.ppo_losses.answer_logprobs`); the logits
-    never exist whole where the model is chunked (`model_token_logprobs`)."""
-    return _ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length,
-                                   vocab_limit)[0]
-
-
-def _ragged_answer_logprobs(model, tokens, prompt_lengths, answer_length, vocab_limit,
-                            experts=None):
-    """`ragged_answer_logprobs` and an MoE actor's router statistics over every position of
-    the rows (None for a dense one); `experts`: the step's `ExpertParallel`."""
-    logprobs, stats = router_aux.routed_token_logprobs(
-        model, tokens[:, :-1], tokens[:, 1:], vocab_limit=vocab_limit,
-        **_given(experts=experts))                                        # [B, P+G-1]
-    at = prompt_lengths[:, None] - 1 + jnp.arange(answer_length)          # [B, G]
-    return jnp.take_along_axis(logprobs, at, axis=1), stats               # [B, G]
-
-
 def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta: float,
                       vocab_limit: int | None, sequence=None, experts=None):
     """`(sum, count)` of a packed rollout (`zeroxla.rlhf.packed_rollout.pack_rollout`: every
@@ -124,7 +102,7 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
     logprobs, stats = router_aux.routed_token_logprobs(
         model, batch["inputs"], batch["targets"], positions=batch["positions"],
         segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence,
-        **_given(experts=experts))                                        # [R, S]
+        **({} if experts is None else {"experts": experts}))                # [R, S]
     old = batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     terms = grpo_loss_terms(jnp.where(answer, logprobs, old), old, batch["advantages"],
@@ -134,12 +112,6 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
         terms = terms * batch["is_weights"]
     return with_stats((jnp.sum(jnp.where(answer, terms * mask * batch["loss_weight"], 0.0)),
                        jnp.sum(batch["loss_count"])), stats)
-
-
-def _given(**options):
-    """The keyword arguments of `options` that are not None (a dense model's forward takes no
-    `experts`, and is never given one)."""
-    return {name: value for name, value in options.items() if value is not None}
 
 
 def with_stats(parts, stats):
@@ -174,8 +146,8 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
         lengths = batch.get("prompt_lengths")
         if lengths is None:
             lengths = jnp.full(tokens.shape[:1], tokens.shape[1] - mask.shape[1], jnp.int32)
-        logprobs, stats = _ragged_answer_logprobs(model, tokens, lengths, mask.shape[1],
-                                                  vocab_limit, experts)
+        logprobs, stats = routed_ragged_answer_logprobs(model, tokens, lengths, mask.shape[1],
+                                                         vocab_limit, experts)
         terms = grpo_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"],
                                 epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
                                 ref_logprobs=batch.get("ref_logprobs"))

@@ -51,8 +51,8 @@ class PPOConfig:
     prompts_per_iteration: int = 32
     prompt_length: int = 16
     answer_length: int = 32
-    # The frozen reference as int8 codes (ZeRO++'s MixZ++: quantized non-trainable weights;
-    # `zeroxla.rlhf.reference`): about 1/4 of its float32 bytes, log-probs within int8 rounding.
+    # The frozen reference as int8 codes (ZeRO++'s MixZ++): refused by the trainer, naming this
+    # field; the reference is a copy of the actor's float partitions (`answer_forward`).
     reference_int8: bool = False
     # Actor and critic train on the rollout packed into rows with segment ids, balanced over the
     # data replicas (`zeroxla.rlhf.packed_rollout`): the same token means without the padding.

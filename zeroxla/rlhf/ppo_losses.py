@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from zeroxla.engine.loss import model_token_logprobs
+from zeroxla.rlhf.answer_values import (answer_logprobs, answer_values, packed_logprobs,
+                                        packed_values)
 
 
 def actor_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -50,51 +50,6 @@ def critic_loss_fn(values, old_values, returns, action_mask, *, cliprange_value)
     """DeepSpeed-Chat's `critic_loss_fn`: the clipped value loss, mean over real tokens."""
     return _masked_mean(critic_loss_terms(values, old_values, returns,
                                           cliprange_value=cliprange_value), action_mask)
-
-
-# ---- model outputs over the answer ------------------------------------------------------------
-def answer_logprobs(model: nnx.Module, tokens: jax.Array, answer_length: int,
-                    vocab_limit: int | None = None, *, experts: Any = None) -> jax.Array:
-    """log pi(answer token t | everything before it) [B, G] for `tokens` int32[B, P + G]: the
-    logits at positions P-1 .. P+G-2 against the tokens at P .. P+G-1. With `vocab_limit` (a
-    model vocabulary padded past its tokenizer's), pi is the softmax over the ids below it,
-    the distribution the rollouts draw from (`zeroxla.inference.Sampling.vocab_limit`). The
-    logits never exist whole where the model is chunked (`model_token_logprobs`). `experts`:
-    an MoE model's `ExpertParallel` inside the step."""
-    logprobs = model_token_logprobs(model, tokens[:, :-1], tokens[:, 1:],
-                                    vocab_limit=vocab_limit, experts=experts)  # [B, P+G-1]
-    return logprobs[:, -answer_length:]                                   # [B, G]
-
-
-def answer_values(critic: nnx.Module, tokens: jax.Array, answer_length: int, *,
-                  experts: Any = None) -> jax.Array:
-    """The critic's value of the state before each answer token [B, G] (positions P-1 ..
-    P+G-2, DeepSpeed-Chat's `values[:, :-1][:, start:]`); `experts` passed when given."""
-    options = {} if experts is None else {"experts": experts}
-    return critic(tokens[:, :-1], **options)[:, -answer_length:].astype(jnp.float32)
-
-
-def packed_logprobs(model: nnx.Module, batch: dict[str, jax.Array],
-                    vocab_limit: int | None = None, sequence: Any = None,
-                    experts: Any = None) -> jax.Array:
-    """The log-prob of each slot's target [R, S] on a packed rollout
-    (`zeroxla.rlhf.packed_rollout`): a slot whose target is answer token t holds
-    `answer_logprobs`' value at t. `sequence`: the arrays are this device's [R, S/P] slice;
-    `experts`: an MoE model's `ExpertParallel`."""
-    return model_token_logprobs(model, batch["inputs"], batch["targets"],
-                                positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                vocab_limit=vocab_limit, sequence=sequence,
-                                experts=experts)                          # [R, S]
-
-
-def packed_values(critic: nnx.Module, batch: dict[str, jax.Array],
-                  sequence: Any = None, experts: Any = None) -> jax.Array:
-    """The critic's value of each slot's state [R, S] on a packed rollout: a slot whose target
-    is answer token t holds `answer_values`' value at t."""
-    options = {name: value for name, value in (("sequence", sequence), ("experts", experts))
-               if value is not None}
-    return critic(batch["inputs"], positions=batch["positions"],
-                  segment_ids=batch["segment_ids"], **options).astype(jnp.float32)   # [R, S]
 
 
 def _padded_under_sequence(sequence: Any) -> None:

@@ -13,11 +13,11 @@ One iteration (`PPOTrainer.generate_experience`, then `train_rlhf`):
 4. `ppo_epochs` times: one actor step (clipped policy loss) and one critic step (clipped value
    loss) on the whole rollout.
 
-The rollout's forwards (3.) run on a gathered copy of each model, one jitted single-device
-program each (the reference is gathered once, at the start, and never changes). DeepSpeed-Chat
-runs them through its ZeRO-3 engines' forward instead; here `make_step` exposes a reduced loss,
-not per-token outputs, and the models are small enough that one gather per iteration is cheap.
-It also keeps the rollout's numbers independent of the training step that later consumes them.
+The rollout's forwards (3.) run in each step's own layout (`answer_forward`: ZeRO-3's
+per-layer gathers, rows over the data replicas, tokens over the sequence devices), as
+DeepSpeed-Chat runs them through its ZeRO-3 engines' forward; the reference is a frozen copy of
+the actor's first partitions, read through the actor's forward. No model is ever whole on one
+device.
 """
 
 from __future__ import annotations
@@ -40,22 +40,13 @@ from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
-from zeroxla.rlhf.answer_forward import (answer_forward, one_device_reference,
-                                         reference_partitions)
+from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
-from zeroxla.rlhf.ppo_losses import (answer_logprobs, answer_values, make_actor_loss,
-                                     make_critic_loss)
+from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
 from zeroxla.rlhf.reward import RewardFn, make_scorer
 from zeroxla.rlhf.reward_model import RewardModel
 from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles
 from zeroxla.rlhf.rollout import Rollout, generation_stats, pad_answers
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 4))
-def _forward(fn: Callable, graphdef: Any, params: Any, tokens: jax.Array,
-             answer_length: int) -> jax.Array:
-    """`fn(model, tokens, answer_length)` on a plain (gathered) model: [B, G]."""
-    return fn(nnx.merge(graphdef, params), tokens, answer_length)
 
 
 @functools.partial(jax.jit, static_argnames=("kl_ctl", "clip_reward_value", "gamma", "lam"))
@@ -123,7 +114,6 @@ class PPOTrainer:
         # The policy is the softmax over the tokenizer's ids: the rollouts draw from it
         # (`vocab_limit`), and the actor's, the reference's log-probs are of it.
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)
-        self.logprobs = functools.partial(answer_logprobs, vocab_limit=self.vocab_limit)
         self.eos_id = eos_id
         self.prompt_tokens = np.asarray(prompt_tokens, np.int32)
         if self.prompt_tokens.ndim == 2:
@@ -138,7 +128,6 @@ class PPOTrainer:
         roles = build_roles(actor, mesh, optimizer=optax.adamw(config.actor_lr),
                             loss_fn=make_actor_loss(config.cliprange, self.vocab_limit),
                             seed=seed, lora=lora,
-                            reference_int8=one_device_reference(mesh, config.reference_int8),
                             hybrid_engine=zeroxla.HybridEngineConfig(
                                 inference_tp_size=inference_tp_size, max_out_tokens=seq_len,
                                 # without EOS every answer has answer_length tokens: no row
@@ -147,8 +136,7 @@ class PPOTrainer:
                                 **rollout_batching(config.prompts_per_iteration, 1,
                                                    mesh.devices.size // inference_tp_size,
                                                    config.prompt_length)))
-        self.reference, self.actor_step, self.engine = roles.reference, roles.step, roles.engine
-        self.actor_state = roles.state
+        self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
         critic, critic_trainable = adapted(
             Critic(nnx.clone(actor)) if critic_init is None
             else critic_from_reward_model(critic_init), lora, seed + 1)
@@ -158,8 +146,11 @@ class PPOTrainer:
             critic, mesh, optimizer=optax.adamw(config.critic_lr), config=POLICY_ZERO,
             trainable=critic_trainable, loss_fn=make_critic_loss(config.cliprange_value))
         self.critic_state = self.critic_step.init(seed)
-        self.sharded = (answer_forward(self.actor_step, "logprobs", self.vocab_limit),
-                        answer_forward(self.critic_step, "values"))   # None without SP
+        # Every per-token read in the steps' layouts; the reference a copy of the actor's
+        # first partitions (the plain actor: LoRA's first adapters are B = 0).
+        self.answers = AnswerForward(self.actor_step, "logprobs", self.vocab_limit,
+                                     config.packing)
+        self.values = AnswerForward(self.critic_step, "values", packed=config.packing)
         self.reference_state = reference_partitions(self.actor_step, self.actor_state,
                                                     int8=config.reference_int8, owner="PPOConfig")
         check_token_budget(config.ppo_max_token_len_per_gpu,
@@ -202,17 +193,9 @@ class PPOTrainer:
 
         start = time.perf_counter()
         tokens, mask = pad_answers(outputs, c.prompt_length, c.answer_length)
-        g = c.answer_length
-        if self.sharded[0] is not None:     # under sequence parallelism: the steps' layouts
-            logprobs = self.sharded[0](self.actor_state, tokens, mask)
-            ref_logprobs = self.sharded[0](self.reference_state, tokens, mask)
-            values = self.sharded[1](self.critic_state, tokens, mask)
-        else:
-            actor_graphdef, actor_params = nnx.split(zeroxla.gathered_model(self.actor_state))
-            critic_graphdef, critic_params = nnx.split(zeroxla.gathered_model(self.critic_state))
-            logprobs = _forward(self.logprobs, actor_graphdef, actor_params, tokens, g) * mask
-            ref_logprobs = self.reference(self.logprobs, tokens, g) * mask
-            values = _forward(answer_values, critic_graphdef, critic_params, tokens, g) * mask
+        logprobs = self.answers(self.actor_state, tokens, mask)          # [B, G], each
+        ref_logprobs = self.answers(self.reference_state, tokens, mask)
+        values = self.values(self.critic_state, tokens, mask)
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))
         scores = self.score(tokens, mask, texts)

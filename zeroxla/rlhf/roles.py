@@ -1,8 +1,6 @@
 """The roles PPO, GRPO and DPO share, built in one place (Tunix's one object owning the actor /
 reference / rollout roles):
 
-    reference   the starting model, frozen on the first local device (`FrozenReference`,
-                optionally int8 codes: MixZ++)
     policy      LoRA adapters on a copy of the starting model (the caller's model stays plain),
                 A drawn from `seed`; with `only_optimize_lora` the adapters alone train
     step        the policy's ZeRO `make_step` with the algorithm's `loss_fn`, and its first
@@ -10,9 +8,10 @@ reference / rollout roles):
                 with other loss_fns (DPO's accuracy and margin)
     engine      the Hybrid Engine over the step's layout (PPO, GRPO: generation)
 
-`build_roles` builds them; `adapted` is its LoRA conversion alone (PPO's critic), and
-`frozen_reference` its reference alone (DPO: the reference sums are read, and the reference
-dropped, before the policy's state exists).
+`build_roles` builds them; `adapted` is its LoRA conversion alone (PPO's critic). The frozen
+reference is a copy of the step's first state's partitions (`answer_forward.reference_partitions`:
+LoRA's first adapters are B = 0, so it is the plain starting model), never a whole model on one
+device.
 """
 
 from __future__ import annotations
@@ -21,21 +20,14 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import optax
 from flax import nnx
 
 import zeroxla
 from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
-from zeroxla.rlhf.reference import FrozenReference
 
 # ZeRO-3; a non-finite gradient skips its update (a run stops on the loss instead).
 POLICY_ZERO = zeroxla.ZeroConfig(stage=3, check_grad_overflow=True)
-
-
-def frozen_reference(model: nnx.Module, int8: bool) -> FrozenReference:
-    """`model`'s weights frozen on the first local device (never passed to an optimizer)."""
-    return FrozenReference(model, device=jax.local_devices()[0], int8=int8)
 
 
 def adapted(model: nnx.Module, lora: LoRAConfig | None, seed: int,
@@ -58,7 +50,6 @@ def adapted(model: nnx.Module, lora: LoRAConfig | None, seed: int,
 class Roles:
     """What `build_roles` returns (see the module docstring)."""
 
-    reference: FrozenReference | None     # None: built apart (`frozen_reference`)
     step: zeroxla.ZeroStep                # the policy's
     state: Any                            # step.init(seed), the trainer's to advance
     engine: zeroxla.HybridEngine | None   # None without a HybridEngineConfig
@@ -67,15 +58,12 @@ class Roles:
 
 def build_roles(model: nnx.Module, mesh: Any, *, optimizer: optax.GradientTransformation,
                 loss_fn: Callable, seed: int, lora: LoRAConfig | None = None,
-                reference_int8: bool | None = False,
                 zero_config: zeroxla.ZeroConfig = POLICY_ZERO, trainable: Any = None,
                 eval_loss_fns: Mapping[str, Callable] | None = None,
                 hybrid_engine: zeroxla.HybridEngineConfig | None = None) -> Roles:
-    """The reference (`reference_int8`: its codes; None: no reference), the adapted policy's
-    ZeRO step on `mesh` with `optimizer`, `loss_fn` and `zero_config` (`trainable`: see
-    `adapted`) and its first state, a step of the same policy per `eval_loss_fns` entry, and
+    """The adapted policy's ZeRO step on `mesh` with `optimizer`, `loss_fn` and
+    `zero_config` (`trainable`: see `adapted`) and its first state, a step of the same policy per `eval_loss_fns` entry, and
     with `hybrid_engine` the Hybrid Engine over the step's layout, all from plain `model`."""
-    reference = None if reference_int8 is None else frozen_reference(model, reference_int8)
     policy, trainable = adapted(model, lora, seed, trainable)
 
     def step_for(fn: Callable) -> zeroxla.ZeroStep:
@@ -85,7 +73,7 @@ def build_roles(model: nnx.Module, mesh: Any, *, optimizer: optax.GradientTransf
     eval_steps = {name: step_for(fn) for name, fn in (eval_loss_fns or {}).items()}
     state = step.init(seed)
     engine = None if hybrid_engine is None else zeroxla.HybridEngine(step.layout, hybrid_engine)
-    return Roles(reference, step, state, engine, eval_steps)
+    return Roles(step, state, engine, eval_steps)
 
 
-__all__ = ["POLICY_ZERO", "Roles", "adapted", "build_roles", "frozen_reference"]
+__all__ = ["POLICY_ZERO", "Roles", "adapted", "build_roles"]

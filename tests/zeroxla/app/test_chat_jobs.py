@@ -40,8 +40,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 PPO = PPOConfig(kl_ctl=0.1, ppo_epochs=2, actor_lr=1e-3, critic_lr=1e-3,
-                prompts_per_iteration=16, prompt_length=12, answer_length=12,
-                reference_int8=True)          # MixZ++: the frozen reference as int8 codes
+                prompts_per_iteration=16, prompt_length=12, answer_length=12)
 
 
 def reward(write=quiet, **fields):

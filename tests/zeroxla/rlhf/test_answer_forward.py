@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import zeroxla
 from test_packed_rollout import G, P, gpt, llama, ppo_rollout, rollout
@@ -107,5 +108,42 @@ def test_the_reference_is_a_copy_of_the_first_partitions_in_the_policys_layout()
     assert np.abs(forward(state, *args) - want).max() > 1e-3       # the policy moved
     with pytest.raises(ValueError, match=r"GRPOConfig.reference_int8=True with sequence "):
         reference_partitions(step, state, int8=True, owner="GRPOConfig")
-    assert reference_partitions(zero3_step(llama(), loss_fn), state, int8=True,
-                                owner="GRPOConfig") is None
+    with pytest.raises(ValueError, match=r"GRPOConfig.reference_int8=True with the policy's "):
+        reference_partitions(zero3_step(llama(), loss_fn), state, int8=True, owner="GRPOConfig")
+
+
+def _per_device(tree):
+    """Bytes of `tree`'s shards per device, in `jax.devices()` order."""
+    held = dict.fromkeys(jax.devices(), 0)
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return list(held.values())
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_without_a_sequence_axis_the_reads_are_partitioned_and_equal_the_gathered_forward(
+        packed):
+    # A 2x4 mesh without sequence parallelism (GRPO's and PPO's rollout-side reads): the
+    # policy's and the reference's log-probs (the reference a copy of the first partitions)
+    # equal the plain model's ragged forward; every device holds the same bytes of the
+    # reference and of the program reading it (no model whole on device 0).
+    from zeroxla.rlhf.answer_forward import reference_partitions
+    padded = rollout(12, seed=43)            # 12 rows: padded up to 16 for 8 data replicas
+    step = zeroxla.make_step(         # every leaf partitioned (the tiny model's are below 1e5)
+        llama(), zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1),
+        loss_fn=make_grpo_loss(loss_type="dapo", epsilon=0.2, epsilon_high=0.2),
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    state = step.init(0)
+    reference = reference_partitions(step, state, int8=False, owner="GRPOConfig")
+    start = zeroxla.gathered_model(state)
+    forward = AnswerForward(step, "logprobs", packed=packed)
+    args = (padded["tokens"], padded["action_mask"], padded["prompt_lengths"])
+    want = np.asarray(ragged_answer_logprobs(
+        start, jnp.asarray(padded["tokens"]), jnp.asarray(padded["prompt_lengths"]),
+        G)) * padded["action_mask"]
+    for values in (forward(state, *args), forward(reference, *args)):
+        np.testing.assert_allclose(values, want, rtol=0, atol=2e-5)
+    held = _per_device(reference.params)
+    whole = sum(x.nbytes for x in jax.tree.leaves(nnx.state(start, nnx.Param)))
+    assert max(held) <= 1.05 * min(held) and max(held) < whole / 2, (held, whole)

@@ -5,7 +5,7 @@
 The policy starts from `--init-from` (a Hugging Face causal LM directory with its tokenizer, or
 a `zeroxla train` run, e.g. an SFT run; `jobs.loading.open_policy`), and so does the frozen
 reference, whose log-probs of every pair are computed once before the first step
-(`zeroxla.rlhf.DPOTrainer`; int8 with --reference-int8). Each record of `--data` holds
+(`zeroxla.rlhf.DPOTrainer`). Each record of `--data` holds
 `prompt`, `chosen` and `rejected` (`chat_data.read_pair_jsonl`); without --data, the
 tiny-shakespeare pairs of `chat_data.shakespeare_pairs` (true next line chosen, its letters
 scrambled rejected). Every step's record holds `loss`, `accuracy`, `margin` of the step's pairs;
@@ -97,7 +97,8 @@ OPTIONS = OptionTable("dpo", DPOJobConfig, (
            "prompt + answer tokens (a longer pair is an error, not truncated); default "
            "{default}", type=positive_int),
     Option("--reference-int8", "reference_int8", "dpo", "reference_int8", "dpo",
-           "hold the frozen reference as int8 codes (ZeRO++ MixZ++)", action="store_true"),
+           "refused: the frozen reference is a copy of the policy's float partitions",
+           action="store_true"),
     packing_option("dpo", "dpo", "each step's pairs (a pair on one replica; held-out pairs "
                    "stay padded)"),
     *SHARDING_OPTIONS, *RUN_OPTIONS, *LORA_OPTIONS),

@@ -105,8 +105,8 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
      dict(choices=ROLLOUT_CORRECTIONS)),
     ("--tis-cap", "tis_cap", "the largest importance weight of --rollout-correction tis",
      dict(type=positive_float, metavar="C")),
-    ("--reference-int8", "reference_int8", "hold the frozen reference as int8 codes (ZeRO++ "
-     "MixZ++)", dict(action="store_true")),
+    ("--reference-int8", "reference_int8", "refused: the frozen reference is a copy of the "
+     "actor's float partitions", dict(action="store_true")),
     ("--packing", "packing", "train on the rollout packed: each answer with its prompt placed "
      "whole into rows of --packed-row-len tokens, told apart by segment ids, the rows balanced "
      "over the data replicas (the padded rows' loss without their padding: verl's "
