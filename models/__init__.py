@@ -42,8 +42,9 @@
   depthwise conv1d whose window restarts at segment starts, the gated output norm) around
   `gated_delta`.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
-  (Gemma 2), `qwen3_5.py` (Qwen3.5 dense: periods of DeltaNet layers and a gated attention
-  layer as one block): the modules.
+  (Gemma 2), `gemma3.py` (Gemma 3 text: Gemma 2's layers with q/k norms, a period of sliding
+  layers and a global one as one block, a RoPE base each), `qwen3_5.py` (Qwen3.5 dense:
+  periods of DeltaNet layers and a gated attention layer as one block): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table
   (`families.REGISTRY`; docs/models.md).
 - `hf.py`, `hf_config.py`, `hf_rules.py`, `hf_names.py`, `safetensors_io.py`: Hugging Face
@@ -55,9 +56,11 @@
 from .gpt import GPT, GPTConfig
 from .layers import LayerStack, scan_layers
 from .llama import Llama, LlamaConfig
-from .families import (REGISTRY, Gemma2Config, MistralConfig, MixtralConfig, OlmoeConfig,
-                       Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3_5Config)
+from .families import (REGISTRY, Gemma2Config, Gemma3Config, MistralConfig, MixtralConfig,
+                       OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                       Qwen3_5Config)
 from .gemma2 import Gemma2
+from .gemma3 import Gemma3
 from .qwen3_5 import Qwen3_5
 
 # preset name -> (model class, config factory), from the families' presets.
@@ -98,6 +101,7 @@ def build(name: str, *, seed: int = 0, **overrides):
     return cls(config, rngs=nnx.Rngs(seed))
 
 
-__all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "MistralConfig",
-           "MixtralConfig", "OlmoeConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "Qwen2Config",
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "Gemma3", "Gemma3Config",
+           "MistralConfig", "MixtralConfig", "OlmoeConfig", "Qwen2MoeConfig", "Qwen3MoeConfig",
+           "Qwen2Config",
            "Qwen3Config", "Qwen3_5", "Qwen3_5Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]

@@ -11,7 +11,9 @@ per query row. Backward (Algorithm 2), a `jax.custom_vjp`: a scan over key/value
 block a loop over the query blocks that can see it, recomputing the scores from q, k and the
 saved logsumexp: P = exp(S - lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P (dP - D) with D = rowsum(dO O),
 times the soft-cap's derivative 1 - tanh², then dQ = dS K and dK = dSᵀ Q (summed over the query
-heads of a group, for GQA).
+heads of a group, for GQA). The logsumexp is an output too, with its own cotangent dL: since
+d lse / dS = P, it enters as D - dL, so attention sinks (`online_softmax.sink_rescale`, a
+function of out and lse) are differentiated by JAX outside, memory-linear as the rest.
 
 Both read 16-bit q, k, v and dO blocks through their bits and write their stacked outputs into
 buffers made inside the layer loop (`layers.as_bits`, `layers.scan_stacked`): XLA:CPU would
@@ -59,8 +61,8 @@ class _Plan:
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
                         scale: float | None = None, softcap: float | None = None,
-                        segment_ids: jax.Array | None = None, q_block: int = Q_BLOCK,
-                        kv_block: int = KV_BLOCK) -> jax.Array:
+                        segment_ids: jax.Array | None = None, sinks: jax.Array | None = None,
+                        q_block: int = Q_BLOCK, kv_block: int = KV_BLOCK) -> jax.Array:
     """Causal softmax attention with grouped-query heads, computed block by block.
 
     q [B, T, H, K], k and v [B, T, G, K] with H a multiple of G -> [B, T, H, K] in v's dtype,
@@ -72,25 +74,30 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int
     its own segment (on top of the causal mask and window). Segment `PAD_SEGMENT` (0) is
     padding: its queries attend to nothing, give zeros and pass no gradient.
 
+    `sinks` [H] (float): gpt-oss's learned attention sinks, applied from the logsumexp
+    (`online_softmax.sink_rescale`); their gradient flows.
+
     `q_block` / `kv_block`: the block sizes (clipped to T); T need not be a multiple of them.
     """
     _check(q, k, v, window, segment_ids, q_block, kv_block)
     return blockwise_attention_at(q, k, v, 0, window=window, scale=scale, softcap=softcap,
                                   q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                  q_block=q_block, kv_block=kv_block)
+                                  sinks=sinks, q_block=q_block, kv_block=kv_block)
 
 
 def blockwise_attention_at(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: jax.Array | int,
                            *, window: int | None = None, scale: float | None = None,
                            softcap: float | None = None, q_segment_ids: jax.Array | None = None,
-                           kv_segment_ids: jax.Array | None = None, q_block: int = Q_BLOCK,
+                           kv_segment_ids: jax.Array | None = None,
+                           sinks: jax.Array | None = None, q_block: int = Q_BLOCK,
                            kv_block: int = KV_BLOCK) -> jax.Array:
     """`blockwise_attention` of queries q [B, Tq, H, K] at positions q_offset .. q_offset + Tq - 1
     (`q_offset` an int or a traced int32 scalar, with q_offset + Tq <= Tk) against keys and
     values k, v [B, Tk, G, K] at 0 .. Tk - 1 -> [B, Tq, H, K]: one chunk of a sequence's queries
     against the whole sequence's keys (context parallelism). Only the key blocks the chunk's
     causal mask and window leave visible are visited. `q_segment_ids` [B, Tq] and
-    `kv_segment_ids` [B, Tk] are given together or not at all."""
+    `kv_segment_ids` [B, Tk] are given together or not at all; `sinks` [H] as
+    `blockwise_attention`'s."""
     b, tq, h, d = q.shape
     t_k, g = k.shape[1], k.shape[2]
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -105,7 +112,9 @@ def blockwise_attention_at(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: j
         segments = (_pad_time(q_segment_ids.astype(jnp.int32), tq_pad, PAD_SEGMENT),
                     _pad_time(kv_segment_ids.astype(jnp.int32), tk_pad, PAD_SEGMENT))
     offset = jnp.asarray(q_offset, jnp.int32)
-    out = _attention(qg, kp, vp, segments, offset, plan)                  # [B, Tq, G, R, K]
+    out, lse = _attention(qg, kp, vp, segments, offset, plan)   # [B, Tq, G, R, K], [B, G, R, Tq]
+    if sinks is not None:
+        out = online_softmax.sink_rescale(out, jnp.moveaxis(lse, 3, 1), sinks.reshape(g, h // g))
     return out[:, :tq].reshape(b, tq, h, d)
 
 
@@ -152,19 +161,20 @@ def _pad_time(x: jax.Array, length: int, value: int = 0) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, segments, offset, plan):
     """q [B, Tq, G, R, K] at positions offset + (0 .. Tq - 1), k and v [B, Tk, G, K] (Tq, Tk
-    multiples of the plan's blocks), segments (q's [B, Tq], k's [B, Tk]) or None -> out
-    [B, Tq, G, R, K]."""
-    return _forward(q, k, v, segments, offset, plan)[0]
+    multiples of the plan's blocks), segments (q's [B, Tq], k's [B, Tk]) or None -> (out
+    [B, Tq, G, R, K], lse [B, G, R, Tq]) (`_forward`)."""
+    return _forward(q, k, v, segments, offset, plan)
 
 
 def _attention_fwd(q, k, v, segments, offset, plan):
     out, lse = _forward(q, k, v, segments, offset, plan)
-    return out, (q, k, v, segments, offset, out, lse)
+    return (out, lse), (q, k, v, segments, offset, out, lse)
 
 
-def _attention_bwd(plan, residuals, d_out):
+def _attention_bwd(plan, residuals, cotangents):
     q, k, v, segments, offset, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, segments, offset, out, lse, d_out, plan)
+    d_out, d_lse = cotangents
+    dq, dk, dv = _backward(q, k, v, segments, offset, out, lse, d_out, plan, d_lse=d_lse)
     return dq, dk, dv, None, None      # segment ids and the offset are integers: no cotangent
 
 
@@ -256,7 +266,8 @@ def _forward(q, k, v, segments, offset, plan: _Plan,
     return out, lse
 
 
-def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan, cast: bool = True):
+def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan, cast: bool = True,
+              d_lse=None):
     """(dq, dk, dv) in the inputs' dtypes: FlashAttention-2's backward, one scan over key/value
     blocks (each accumulating its own dk, dv) and, per block, a loop over the query blocks that
     see it (adding into dq, carried whole: [B, Tq, G, R, K], linear in T). `cast` False: in
@@ -265,7 +276,8 @@ def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan, cast: boo
     `offset` is the queries' first position less the keys' first position (negative for keys
     after the queries' start), `out` and `lse` the rows' whole attention and logsumexp: with
     keys that are one part of what the rows attend (ring attention), these are that part's
-    exact gradients, P = exp(S - lse) being the rows' true softmax over it."""
+    exact gradients, P = exp(S - lse) being the rows' true softmax over it. `d_lse`
+    [B, G, R, Tq] or None: the cotangent of the rows' lse (module docstring)."""
     b, tq, g, r, d = q.shape
     tk = k.shape[1]
     bq, bk = plan.q_block, plan.kv_block
@@ -273,6 +285,8 @@ def _backward(q, k, v, segments, offset, out, lse, d_out, plan: _Plan, cast: boo
     scale = 1.0 / math.sqrt(d) if plan.scale is None else plan.scale
     delta = jnp.einsum("BQGRK,BQGRK->BGRQ", d_out.astype(acc_dtype),
                        out.astype(acc_dtype))                             # D: [B, G, R, Tq]
+    if d_lse is not None:                            # d lse / dS = P: dS = P (dP - D + dL)
+        delta = delta - d_lse.astype(acc_dtype)
     q_bits, k_bits, v_bits = layers.as_bits(q), layers.as_bits(k), layers.as_bits(v)
     do_bits = layers.as_bits(d_out)
 

@@ -7,13 +7,16 @@ The alternation is built into the block: one `Pair` is a sliding-window layer fo
 global one (transformers' layer_types: even layers slide), so every block of the `LayerStack`
 has one shape and static windows, and the engine, the pipeline and the Hybrid Engine run it as
 any stack. `Gemma2Config.num_layers` counts pairs (HF's num_hidden_layers / 2). A pair's KV
-cache holds both layers' keys side by side on the head_dim: {"k", "v"} [L, B, S, G, 2K].
+cache holds both layers' keys side by side on the head_dim: {"k", "v"} [L, B, S, G, 2K]
+(`run_layers`: a block of P layers holds P, Gemma 3's period of six among them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,30 +62,43 @@ class Gemma2Config(ModelConfig):
     def __post_init__(self) -> None:
         self.check_sizes()
         if self.head_dim % 2 or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"Gemma2Config: head_dim={self.head_dim} must be even and "
+            raise ValueError(f"{type(self).__name__}: head_dim={self.head_dim} must be even and "
                              f"num_heads={self.num_heads} a multiple of num_kv_heads="
                              f"{self.num_kv_heads}")
         for field in ("attn_softcap", "final_softcap"):
             value = getattr(self, field)
             if value is not None and not value > 0:
-                raise ValueError(f"Gemma2Config.{field}={value!r} is invalid; accepted: None "
-                                 "or a positive number")
+                raise ValueError(f"{type(self).__name__}.{field}={value!r} is invalid; "
+                                 "accepted: None or a positive number")
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.d_model // self.num_heads
 
+    @property
+    def layers_per_block(self) -> int:
+        """HF layers per block of the stack: a (sliding, global) pair."""
+        return 2
+
 
 class Layer(nnx.Module):
-    """One Gemma 2 decoder layer: x + post_norm(attn(norm(x))), x + post_norm(mlp(norm(x)))."""
+    """One Gemma 2 / Gemma 3 decoder layer: x + post_norm(attn(norm(x))), x +
+    post_norm(mlp(norm(x))). `window`: the sliding window (None: global); `freqs`: its RoPE
+    inverse frequencies [K/2] (`rope.inv_freq`; Gemma 3's local and global layers differ);
+    `qk_norm`: Gemma 3's per-head (1 + w) RMSNorm of q and k before RoPE."""
 
-    def __init__(self, cfg: Gemma2Config, window: int | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: Gemma2Config, window: int | None, freqs: Sequence[float],
+                 rngs: nnx.Rngs, *, qk_norm: bool = False):
         d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
         std, eps = cfg.init_std, cfg.norm_eps
         self.window, self.softcap = window, cfg.attn_softcap
         self.implementation, self.mlp_chunk = cfg.attention, cfg.mlp_chunk    # static
         self.scale = cfg.query_pre_attn_scalar ** -0.5
-        self.inv_freq = tuple(float(x) for x in inv_freq(k, cfg.rope_theta))
+        self.inv_freq = tuple(float(x) for x in freqs)
+        self.qk_norm = qk_norm                                                # static
+        if qk_norm:
+            self.q_norm = RMSNorm(k, eps=eps, axis=axes.HEAD_DIM, offset=1.0)
+            self.k_norm = RMSNorm(k, eps=eps, axis=axes.HEAD_DIM, offset=1.0)
         self.attn_norm, self.attn_post_norm = (RMSNorm(d, eps=eps, offset=1.0) for _ in "ab")
         self.mlp_norm, self.mlp_post_norm = (RMSNorm(d, eps=eps, offset=1.0) for _ in "ab")
         self.wq = param(rngs, normal(std), (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
@@ -100,8 +116,11 @@ class Layer(nnx.Module):
         of `segment_ids` when given; against `cache` by `attention.cached_attention`), then
         the MLP (in chunks of `mlp_chunk` tokens when set, `tiled_mlp`)."""
         h = self.attn_norm(x)                                             # [B, T, D]
-        q = rope(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]), positions, self.inv_freq)
-        k = rope(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]), positions, self.inv_freq)
+        q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...])
+        k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...])
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq)
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
         kw = dict(window=self.window, scale=self.scale, softcap=self.softcap,
                   segment_ids=segment_ids, implementation=self.implementation)
@@ -123,34 +142,46 @@ class Layer(nnx.Module):
         return jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
 
 
+def run_layers(layers: Sequence[Layer], x: jax.Array, positions: jax.Array,
+               segment_ids: jax.Array | None, sequence: SequenceParallel | None,
+               cache: Any) -> tuple[jax.Array, Any]:
+    """x [B, T, D] through a block's `layers` in order -> (x, cache). With a cache, each layer
+    owns its 1/P of the last dim (P = len(layers)): {"k", "v"} [B, S, G, P K], or a paged
+    cache's pools [D, G, NP, PG, P K], layer j's keys at [..., j K:(j + 1) K]."""
+    if cache is None:
+        for layer in layers:
+            x, _ = layer(x, positions, segment_ids, sequence)
+        return x, None
+    paged = is_paged(cache)
+    size = (cache.k if paged else cache["k"]).shape[-1] // len(layers)
+    written = []
+    for j, layer in enumerate(layers):
+        part = slice(j * size, (j + 1) * size)
+        own = (cache.replace(k=cache.k[..., part], v=cache.v[..., part]) if paged
+               else {n: c[..., part] for n, c in cache.items()})
+        x, out = layer(x, positions, segment_ids, sequence, own)
+        written.append(out)
+    if paged:
+        return x, cache.replace(k=jnp.concatenate([w.k for w in written], axis=-1),
+                                v=jnp.concatenate([w.v for w in written], axis=-1))
+    return x, {n: jnp.concatenate([w[n] for w in written], axis=-1) for n in cache}
+
+
 class Pair(nnx.Module):
     """A sliding-window layer (`local`) then a global one (`glob`): one block of the stack."""
 
     def __init__(self, cfg: Gemma2Config, rngs: nnx.Rngs):
-        self.local = Layer(cfg, cfg.sliding_window, rngs)
-        self.glob = Layer(cfg, None, rngs)
+        freqs = inv_freq(cfg.head_dim, cfg.rope_theta)
+        self.local = Layer(cfg, cfg.sliding_window, freqs, rngs)
+        self.glob = Layer(cfg, None, freqs, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
                  cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
         """With `cache` {"k", "v"} [B, S, G, 2K]: the local layer's half [..., :K], the global
-        layer's [..., K:]. `segment_ids` (a packed batch) and `sequence` reach both layers."""
-        if cache is None:
-            x, _ = self.local(x, positions, segment_ids, sequence)
-            return self.glob(x, positions, segment_ids, sequence)
-        if is_paged(cache):                  # pools [D, G, NP, P, 2K]: the same halves
-            k = cache.k.shape[-1] // 2
-            half = lambda part: cache.replace(k=cache.k[..., part], v=cache.v[..., part])  # noqa
-            x, first = self.local(x, positions, segment_ids, sequence, half(slice(None, k)))
-            x, second = self.glob(x, positions, segment_ids, sequence, half(slice(k, None)))
-            return x, cache.replace(k=jnp.concatenate([first.k, second.k], axis=-1),
-                                    v=jnp.concatenate([first.v, second.v], axis=-1))
-        k = cache["k"].shape[-1] // 2
-        x, first = self.local(x, positions, segment_ids, sequence,
-                              {n: c[..., :k] for n, c in cache.items()})
-        x, second = self.glob(x, positions, segment_ids, sequence,
-                              {n: c[..., k:] for n, c in cache.items()})
-        return x, {n: jnp.concatenate([first[n], second[n]], axis=-1) for n in cache}
+        layer's [..., K:] (`run_layers`). `segment_ids` (a packed batch) and `sequence` reach
+        both layers."""
+        return run_layers((self.local, self.glob), x, positions, segment_ids, sequence, cache)
 
 
 class Embed(nnx.Module):
@@ -188,12 +219,14 @@ class Embed(nnx.Module):
 
 class Gemma2(nnx.Module):
     """Gemma 2: scaled embed -> stacked (sliding, global) pairs -> (1 + w) norm -> tied head
-    -> soft-capped logits."""
+    -> soft-capped logits. `BLOCK`: the stack's block (Gemma 3 stacks its period)."""
+
+    BLOCK: Callable[[Gemma2Config, nnx.Rngs], nnx.Module] = Pair
 
     def __init__(self, cfg: Gemma2Config, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = Embed(cfg, rngs)
-        self.blocks = LayerStack(lambda r: Pair(cfg, r), cfg.num_layers, rngs)
+        self.blocks = LayerStack(lambda r: self.BLOCK(cfg, r), cfg.num_layers, rngs)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=1.0)
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -204,11 +237,12 @@ class Gemma2(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int,
                    dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
-        """A zeroed KV cache {"k", "v"} [L, B, max_len, G, 2K] (a pair's two layers side by
-        side). ValueError past max_seq_len (`ModelConfig.check_seq_len`)."""
+        """A zeroed KV cache {"k", "v"} [L, B, max_len, G, P K] (a block's P layers side by
+        side, `run_layers`). ValueError past max_seq_len (`ModelConfig.check_seq_len`)."""
         c = self.config
         c.check_seq_len(max_len, "KV cache length (max_len)")
-        return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, 2 * c.head_dim, dtype)
+        return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads,
+                             c.layers_per_block * c.head_dim, dtype)
 
     def decode(self, tokens: jax.Array, positions: jax.Array,
                cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -1,7 +1,7 @@
 """The name fallbacks real Hugging Face checkpoints need (`NameFallbacks`): a reader answering
 the names our tensor maps use (`models.hf`) from checkpoints that store them otherwise: GPT-2
 without its `transformer.` prefix, MoE experts fused into 3-D tensors, a vision-language
-model's language model under `model.language_model.`."""
+model's language model under `model.language_model.` (or Gemma 3's `language_model.model.`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ _MIXTRAL_LEGACY = ".block_sparse_moe."
 # Where a vision-language checkpoint (Qwen3.5's `*ForConditionalGeneration`) keeps the language
 # model's `model.*` tensors; its vision tower (`model.visual.*`) and `mtp.*` are never read.
 _LANGUAGE_MODEL = "model.language_model."
+# The same in Gemma 3's published layout (what transformers 5.23 still writes for
+# `Gemma3ForConditionalGeneration`); `vision_tower.*`, `multi_modal_projector.*` are never read.
+_LANGUAGE_MODEL_LEGACY = "language_model.model."
 
 
 class NameFallbacks:
@@ -30,7 +33,7 @@ class NameFallbacks:
     fused experts (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F],
     Mixtral's router under `mlp.gate`) answers the per-expert names, the last fused tensor
     read kept for the next expert; a vision-language checkpoint answers `model.*` from
-    `model.language_model.*`. Called and `shape`d as the reader is
+    `model.language_model.*` (or `language_model.model.*`). Called and `shape`d as the reader is
     (`SafetensorsReader`)."""
 
     def __init__(self, reader: Callable[..., np.ndarray], hf: Mapping[str, Any]):
@@ -44,10 +47,11 @@ class NameFallbacks:
             if name.startswith("transformer."):
                 return fn(name.removeprefix("transformer."))
             if name.startswith("model.") and not name.startswith(_LANGUAGE_MODEL):
-                try:
-                    return fn(_LANGUAGE_MODEL + name.removeprefix("model."))
-                except KeyError:
-                    pass                           # the error names the name asked for
+                for prefix in (_LANGUAGE_MODEL, _LANGUAGE_MODEL_LEGACY):
+                    try:
+                        return fn(prefix + name.removeprefix("model."))
+                    except KeyError:
+                        pass                       # the error names the name asked for
             if _MIXTRAL_LEGACY in name and ".experts." not in name:
                 return fn(name.replace(_MIXTRAL_LEGACY, ".mlp."))
             raise

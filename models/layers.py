@@ -244,7 +244,8 @@ PAD_SEGMENT = 0
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
                      scale: float | None = None, softcap: float | None = None,
-                     segment_ids: jax.Array | None = None) -> jax.Array:
+                     segment_ids: jax.Array | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention with grouped-query heads (and a sliding `window`, see
     `visible_keys`; `scale` and `softcap`, see `attention_scores`): the naive reference, which
     holds the whole [B, G, R, T, T] score tensor.
@@ -252,6 +253,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     q [B, T, H, K], k and v [B, T, G, K] with H a multiple of G -> [B, T, H, K]. Scores and
     softmax in float32 (float64 for float64 input). `segment_ids` int [B, T] (packed
     sequences): a query sees only keys of its own segment; `PAD_SEGMENT` rows give zeros.
+    `sinks` [H]: attention sinks (`online_softmax.sink_softmax`).
     """
     b, t, h, d = q.shape
     g = k.shape[2]
@@ -262,7 +264,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
         real = segment_ids != PAD_SEGMENT                                    # [B, T]
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :]) & real[:, :, None]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = online_softmax.sink_softmax(scores, sinks).astype(v.dtype)
     out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, v).reshape(b, t, h, d)
     if segment_ids is not None:          # a padding row saw no key: zeros, not a uniform mix
         out = out * real[:, :, None, None].astype(out.dtype)
@@ -297,15 +299,16 @@ def write_cache(k: jax.Array, v: jax.Array, positions: jax.Array,
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                      cache: dict[str, jax.Array], *, window: int | None = None,
                      scale: float | None = None, softcap: float | None = None,
-                     block: int = CACHE_BLOCK) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     block: int = CACHE_BLOCK, sinks: jax.Array | None = None
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Attention of new tokens against one layer's KV cache, after writing their keys/values;
     equal to `cached_attention_naive` (which says what is attended) but reading the cache
     `block` slots at a time with an online softmax (flash-decoding's split over S), so no
     [B, H, T, S] score tensor exists, and visiting only the blocks up to the largest position
     (and, with a window, from the smallest position's first visible slot).
 
-    q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T]; cache {"k", "v"} [B, S, G, K].
-    Returns (out [B, T, H, K], updated cache).
+    q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T]; cache {"k", "v"} [B, S, G, K];
+    sinks [H] or None (`online_softmax.sink_rescale`). Returns (out [B, T, H, K], updated cache).
     """
     b, t, h, d = q.shape
     g = k.shape[2]
@@ -331,14 +334,17 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
 
     state = jax.lax.fori_loop(lo, hi, kv_step,
                               online_softmax.start((b, g, h // g, t), d, acc_dtype))
-    out, _ = online_softmax.finish(state, jnp.inf)      # every token sees its own slot: l > 0
+    out, lse = online_softmax.finish(state, jnp.inf)    # every token sees its own slot: l > 0
+    if sinks is not None:
+        out = online_softmax.sink_rescale(out, lse, sinks.reshape(g, h // g, 1))
     out = jnp.einsum("BGRTK->BTGRK", out).astype(v.dtype)
     return out.reshape(b, t, h, d), cache
 
 
 def cached_attention_naive(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                            cache: dict[str, jax.Array], *, window: int | None = None,
-                           scale: float | None = None, softcap: float | None = None
+                           scale: float | None = None, softcap: float | None = None,
+                           sinks: jax.Array | None = None
                            ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Attention of new tokens against one layer's KV cache, after writing their keys/values:
     the reference, holding the whole [B, G, R, T, S] score tensor.
@@ -349,8 +355,8 @@ def cached_attention_naive(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     `visible_keys`). Every slot below a row's current position was written by
     this generation (the prompt's prefill, then one token per step), so a slot holding a
     padding token or an earlier generation's data is never attended: with right-padded prompts
-    a pad's slot lies above the row's position until a real token overwrites it.
-    Returns (out [B, T, H, K], updated cache).
+    a pad's slot lies above the row's position until a real token overwrites it. `sinks` [H]:
+    attention sinks (`online_softmax.sink_softmax`). Returns (out [B, T, H, K], updated cache).
     """
     b, t, h, d = q.shape
     g = k.shape[2]
@@ -360,7 +366,7 @@ def cached_attention_naive(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     scores = attention_scores(q, cache["k"].astype(q.dtype), scale, softcap)
     visible = visible_keys(positions[:, :, None], jnp.arange(s)[None, None, :], window)  # [B,T,S]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = online_softmax.sink_softmax(scores, sinks).astype(v.dtype)
     out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, cache["v"].astype(v.dtype))
     return out.reshape(b, t, h, d), cache
 

@@ -1,8 +1,8 @@
 """Llama family (Touvron et al. 2023): RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
 The module also runs the families that are Llama plus options (`models.families`: Qwen2, Qwen3,
-Mistral), each option a `LlamaConfig` field: scaled RoPE (`rope_type` linear / llama3), q/k/v
-and output biases, MLP biases, an explicit head_dim, per-head RMSNorm of q and k (Qwen3), a
+Mistral), each option a `LlamaConfig` field: scaled RoPE (`rope_type` linear / llama3 / yarn),
+q/k/v and output biases, MLP biases, an explicit head_dim, per-head RMSNorm of q and k (Qwen3), a
 sliding attention window (Mistral) and a head tied to the embedding (one parameter).
 """
 
@@ -22,7 +22,7 @@ from .attention import attention, cached_attention
 from .sequence_parallel import SequenceParallel
 from .layers import LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param
 from .tiled_mlp import tiled_map
-from .rope import ROPE_TYPES, inv_freq, rope
+from .rope import ROPE_TYPES, inv_freq, rope, yarn_attention_factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +39,16 @@ class LlamaConfig(ModelConfig):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    # RoPE scaling (`models.rope.inv_freq`): rope_type default | linear | llama3.
+    # RoPE scaling (`models.rope.inv_freq`): rope_type default | linear | llama3 | yarn.
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    rope_beta_fast: float = 32.0           # yarn: the ramp's ends, in turns over original_max_len
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True             # yarn: the ramp's ends rounded outwards to whole dims
+    rope_attention_factor: float | None = None   # yarn: cos/sin multiplier; None: 0.1 ln f + 1
     explicit_head_dim: int | None = None   # HF's head_dim when not d_model // num_heads
     qkv_bias: bool = False                 # q/k/v projection biases (Qwen2; Llama attention_bias)
     o_bias: bool = False                   # output projection bias (Llama attention_bias)
@@ -95,7 +99,15 @@ class LlamaConfig(ModelConfig):
         return inv_freq(self.head_dim, self.rope_theta, self.rope_type, factor=self.rope_factor,
                         low_freq_factor=self.rope_low_freq_factor,
                         high_freq_factor=self.rope_high_freq_factor,
-                        original_max_len=self.rope_original_max_len)
+                        original_max_len=self.rope_original_max_len,
+                        beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow,
+                        truncate=self.rope_truncate)
+
+    def rope_scaling(self) -> float:
+        """What RoPE multiplies cos and sin by: YaRN's attention factor, else 1."""
+        if self.rope_type != "yarn":
+            return 1.0
+        return yarn_attention_factor(self.rope_factor, self.rope_attention_factor)
 
 
     @classmethod
@@ -127,6 +139,7 @@ class Block(nnx.Module):
         std, zeros = cfg.init_std, nnx.initializers.zeros
         # [K/2] as Python floats (exact float32 values): static, hashable module data.
         self.inv_freq = tuple(float(f) for f in cfg.rope_inv_freq())
+        self.rope_scaling = cfg.rope_scaling()                            # a Python float
         self.window = cfg.sliding_window
         self.implementation, self.mlp_chunk = cfg.attention, cfg.mlp_chunk    # static
         self.attn_norm = RMSNorm(d, eps=cfg.norm_eps)
@@ -203,7 +216,8 @@ class Block(nnx.Module):
         k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...]) + self._bias("bv")
         q, k = self.qk_normed(q, k)
-        return rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq), v
+        return (rope(q, positions, self.inv_freq, self.rope_scaling),
+                rope(k, positions, self.inv_freq, self.rope_scaling), v)
 
     def qk_normed(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q [B, T, H, K], k [B, T, G, K] per-head RMSNormed when the config says (Qwen3:

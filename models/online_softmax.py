@@ -8,7 +8,8 @@ of its visible scores, the denominator l = Σ exp(s - m) and the unnormalised ou
 Σ exp(s - m) v. `step` adds a block; `finish` gives the normalised output acc / l and the
 log-sum-exp m + log l; `merge` combines two finished results over disjoint keys by their
 log-sum-exps (jax's `pallas/ops/gpu/decode_attention.py` and MaxText's `normalize_attention`
-split the work the same way).
+split the work the same way). `sink_rescale` adds gpt-oss's attention sinks to a finished
+result from its log-sum-exp alone, for every route.
 
 Numerics every route shares: everything is kept in the accumulation dtype the caller chooses
 (`layers.at_least_float32`: float32, float64 for a float64 verification run), p @ v included
@@ -81,4 +82,26 @@ def merge(out: jax.Array, lse: jax.Array, other: jax.Array,
     return out * weight(lse) + other * weight(other_lse), total
 
 
-__all__ = ["Running", "finish", "merge", "start", "step"]
+def sink_rescale(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
+    """A finished softmax (out [..., K], lse [...]) with one more logit per row, the learned
+    attention sink (gpt-oss; Xiao et al. 2023), in the softmax and its column dropped:
+    out * sigmoid(lse - sink) = out * Σ exp(s) / (Σ exp(s) + exp(sink)). `sinks` broadcasts
+    against lse. From the log-sum-exp alone (torchtitan's `apply_attention_sink_rescale`), so a
+    route's memory-linear backward needs only the cotangent of its lse. A row that saw no key
+    (lse ±inf, out 0) stays 0. Returns out's dtype."""
+    weight = jax.nn.sigmoid(lse - sinks.astype(lse.dtype))                # [...]
+    return (out * weight[..., None]).astype(out.dtype)
+
+
+def sink_softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """softmax(scores [B, G, R, T, S]) over S; with `sinks` [H = G * R], the softmax over
+    [scores, sink] with the sink's column dropped, computed directly (transformers' gpt_oss
+    `eager_attention_forward`): the naive routes' reference for `sink_rescale`."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    b, g, r, t, _ = scores.shape
+    sink = jnp.broadcast_to(sinks.astype(scores.dtype).reshape(1, g, r, 1, 1), (b, g, r, t, 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+
+
+__all__ = ["Running", "finish", "merge", "sink_rescale", "sink_softmax", "start", "step"]

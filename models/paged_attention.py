@@ -89,11 +89,11 @@ def write_pages(k: jax.Array, v: jax.Array, positions: jax.Array,
     return cache.replace(k=write(cache.k, k), v=write(cache.v, v))
 
 
-def _chunk_attention(q, pos, pages, pool_k, pool_v, *, window, scale, softcap, per_block,
+def _chunk_attention(q, pos, pages, pool_k, pool_v, *, window, scale, softcap, sinks, per_block,
                      dtype):
     """One chunk of C tokens of one group: q [C, H, K], pos [C], pages [C, M'] (M' a whole
-    number of blocks), pools [G, NP, P, K] -> out [C, H, K], reading the blocks up to the
-    chunk's largest position (and from its smallest's window start)."""
+    number of blocks), pools [G, NP, P, K], sinks [H] or None -> out [C, H, K], reading the
+    blocks up to the chunk's largest position (and from its smallest's window start)."""
     c, h, kd = q.shape
     g, _, p, _ = pool_k.shape
     bk = per_block * p
@@ -112,13 +112,16 @@ def _chunk_attention(q, pos, pages, pool_k, pool_v, *, window, scale, softcap, p
 
     state = jax.lax.fori_loop(lo, hi, kv_step, online_softmax.start(
         (g, c, h // g), kd, at_least_float32(q.dtype)))
-    out, _ = online_softmax.finish(state, jnp.inf)   # every token sees its own slot: l > 0
+    out, lse = online_softmax.finish(state, jnp.inf)  # every token sees its own slot: l > 0
+    if sinks is not None:                                 # [G, C, R, K] . [G, 1, R]
+        out = online_softmax.sink_rescale(out, lse, sinks.reshape(g, 1, h // g))
     return jnp.swapaxes(out, 0, 1).reshape(c, h, kd).astype(dtype)
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                     cache: PagedKV, *, window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None, block: int = PAGED_BLOCK,
+                    softcap: float | None = None, sinks: jax.Array | None = None,
+                    block: int = PAGED_BLOCK,
                     chunk: int = TOKEN_CHUNK) -> tuple[jax.Array, PagedKV]:
     """Attention of the step's tokens against their sequences' pages, after writing their keys
     and values; what each token attends is what `layers.cached_attention_naive` attends for
@@ -128,7 +131,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     The tokens are taken `chunk` at a time (`lax.map`), each chunk reading its tokens' pages
     `block` logical slots at a time with an online softmax up to the chunk's own largest
     position: temporaries [G, chunk, block, K], and about each token's own length read when
-    the places are sorted by position. Returns (out [D, N, H, K], updated cache).
+    the places are sorted by position. `sinks` [H]: attention sinks
+    (`online_softmax.sink_rescale`). Returns (out [D, N, H, K], updated cache).
     """
     d, n, h, kd = q.shape
     cache = write_pages(k, v, positions, cache)
@@ -141,7 +145,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     pos = jnp.pad(positions, ((0, 0), (0, chunks * c - n)))      # pad places: position 0
     qc = jnp.pad(q, ((0, 0), (0, chunks * c - n), (0, 0), (0, 0)))
     attend = functools.partial(_chunk_attention, window=window, scale=scale, softcap=softcap,
-                               per_block=per_block, dtype=v.dtype)
+                               sinks=sinks, per_block=per_block, dtype=v.dtype)
 
     def group(q_d, pos_d, pages_d, pool_k, pool_v):             # one data group, chunk by chunk
         return jax.lax.map(lambda x: attend(*x, pool_k, pool_v),

@@ -46,7 +46,7 @@ def _kernel() -> ModuleType | None:
 
 
 def pallas_refusals(q: Any, k: Any, v: Any, *, window: int | None = None,
-                    softcap: float | None = None) -> list[str]:
+                    softcap: float | None = None, sinks: Any = None) -> list[str]:
     """Why the Pallas flash kernel cannot run this call (empty when it can): each reason names
     the argument, its value and what the kernel accepts."""
     reasons = []
@@ -63,6 +63,9 @@ def pallas_refusals(q: Any, k: Any, v: Any, *, window: int | None = None,
         reasons.append(f"window={window} (the Pallas kernel has no sliding window)")
     if softcap is not None:
         reasons.append(f"softcap={softcap} (the Pallas kernel has no soft-capping)")
+    if sinks is not None:     # its residual logsumexp has no cotangent: sinks would get none
+        reasons.append("sinks given (the Pallas kernel's logsumexp has no gradient to apply "
+                       "attention sinks from)")
     if not q.dtype == k.dtype == v.dtype:
         reasons.append(f"dtype q {q.dtype}, k {k.dtype}, v {v.dtype} (one dtype for all three)")
     return reasons

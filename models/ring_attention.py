@@ -20,7 +20,9 @@ which merges them and keeps every device's keys and values alive from the forwar
 backward), each with its float32 gradient accumulators dk, dv; each device adds the gradients of its
 queries' attention over the chunks in hand (`blockwise_attention._backward` with the rows'
 final output and logsumexp: P = exp(S - lse) is then the exact softmax over that part) to dq
-(local) and to the travelling dk, dv, and a last hop brings each dk, dv home.
+(local) and to the travelling dk, dv, and a last hop brings each dk, dv home. The rows'
+logsumexp is an output with a cotangent (attention sinks, `online_softmax.sink_rescale`, are
+applied from it after the ring), which each pair's backward takes as its D - dL.
 
 Bytes (elements sent per device per layer): forward (P - 1) x (T / P) x 2G x K (the keys and
 values, P - 1 hops); backward (P - 1) x (T / P) x 2G x K again plus P x (T / P) x 2G x K
@@ -70,12 +72,13 @@ class _Ring:
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, sequence: SequenceParallel,
                    segment_ids: jax.Array | None = None, *, window: int | None = None,
                    scale: float | None = None, softcap: float | None = None,
-                   stride: int = 1) -> jax.Array:
+                   sinks: jax.Array | None = None, stride: int = 1) -> jax.Array:
     """The whole sequences' causal attention at this device's two zigzag chunks, inside a
     `shard_map` over `sequence.axis`: q [B, 2c, H, K], k and v [B, 2c, G, K],
     segment_ids int [B, 2c] (this device's chunks r and 2P - 1 - r, in that order) ->
-    [B, 2c, H, K] (module docstring). `stride` > 1: a ring of every stride-th device (USP),
-    whose position j holds chunks j and 2R - 1 - j of 2R."""
+    [B, 2c, H, K] (module docstring). `sinks` [H]: attention sinks, applied from the merged
+    logsumexp. `stride` > 1: a ring of every stride-th device (USP), whose position j holds
+    chunks j and 2R - 1 - j of 2R."""
     b, t_local, h, d = q.shape
     g, c = k.shape[2], t_local // 2
     block = min(Q_BLOCK, KV_BLOCK, c)
@@ -87,7 +90,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, sequence: SequenceP
                                                         PAD_SEGMENT)        # [B, 2, cp]
     qc = _chunks(q.reshape(b, t_local, g, h // g, d), padded)             # [B, 2, cp, G, R, K]
     kc, vc = _chunks(k, padded), _chunks(v, padded)                       # [B, 2, cp, G, K]
-    out = _ring(qc, kc, vc, segments, ring)                               # [B, 2, cp, G, R, K]
+    out, lse = _ring(qc, kc, vc, segments, ring)        # [B, 2, cp, G, R, K], [B, 2, G, R, cp]
+    if sinks is not None:
+        out = online_softmax.sink_rescale(out, jnp.moveaxis(lse, 4, 2), sinks.reshape(g, h // g))
     return out[:, :, :c].reshape(b, t_local, h, d)
 
 
@@ -157,7 +162,7 @@ def _each_pair(ring: _Ring, way: int, step, visit, carry):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ring(qc, kc, vc, segments, ring):
-    return _ring_forward(qc, kc, vc, segments, ring)[0]
+    return _ring_forward(qc, kc, vc, segments, ring)
 
 
 def _ring_forward(qc, kc, vc, segments, ring: _Ring):
@@ -191,11 +196,12 @@ def _ring_forward(qc, kc, vc, segments, ring: _Ring):
 
 def _ring_fwd(qc, kc, vc, segments, ring):
     out, lse = _ring_forward(qc, kc, vc, segments, ring)
-    return out, (qc, kc, vc, segments, out, lse)
+    return (out, lse), (qc, kc, vc, segments, out, lse)
 
 
-def _ring_bwd(ring, residuals, d_out):
+def _ring_bwd(ring, residuals, cotangents):
     qc, kc, vc, segments, out, lse = residuals
+    d_out, d_lse = cotangents                        # [B, 2, cp, G, R, K], [B, 2, G, R, cp]
     acc_dtype = layers.at_least_float32(qc.dtype)
     dq = layers.fresh_zeros(qc.shape, acc_dtype, d_out)
     dk, dv = (layers.fresh_zeros(x.shape, acc_dtype, d_out) for x in (kc, vc))
@@ -208,7 +214,8 @@ def _ring_bwd(ring, residuals, d_out):
             pair = None if segments is None else (_chunk(segments, a), _chunk(seg_held, bb))
             dq_ab, dk_ab, dv_ab = _backward(
                 _chunk(qc, a), _chunk(k_held, bb), _chunk(v_held, bb), pair, offset,
-                _chunk(out, a), _chunk(lse, a), _chunk(d_out, a), ring.plan, cast=False)
+                _chunk(out, a), _chunk(lse, a), _chunk(d_out, a), ring.plan, cast=False,
+                d_lse=_chunk(d_lse, a))
             return _add_chunk(dq, a, dq_ab), _add_chunk(dk, bb, dk_ab), _add_chunk(dv, bb, dv_ab)
         dq, dk, dv = _each_pair(ring, -1, step, visit, (dq, dk, dv))
         return dq, (k_held, v_held, seg_held, dk, dv)

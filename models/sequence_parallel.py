@@ -166,9 +166,13 @@ def ulysses_attention(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
                       segment_ids: jax.Array | None = None, **options: Any) -> jax.Array:
     """`attend(q, k, v, segment_ids=, **options)` of the whole sequences, computed from this
     device's slice: q [B, T/P, H, K], k and v [B, T/P, G, K], segment_ids int [B, T/P] ->
-    [B, T/P, H, K] (module docstring)."""
+    [B, T/P, H, K] (module docstring). `options["sinks"]` [H], when given, is cut to this
+    device's heads as q is."""
     p, h, g = sequence.size, q.shape[2], k.shape[2]
     check_heads(h, p)
+    if options.get("sinks") is not None:                                  # [H] -> [H/P]
+        options = {**options, "sinks": lax.dynamic_slice_in_dim(
+            options["sinks"], sequence.index() * (h // p), h // p)}
     m = kv_repeats(h, g, p)
     if m > 1:
         k, v = jnp.repeat(k, m, axis=2), jnp.repeat(v, m, axis=2)          # [B, T/P, G*m, K]
@@ -197,8 +201,8 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, sequence: Sequ
                         segment_ids: jax.Array | None = None, **options: Any) -> jax.Array:
     """The whole sequences' attention at this device's two zigzag chunks (module docstring):
     q [B, T/P, H, K], k and v [B, T/P, G, K], segment_ids int [B, T/P] -> [B, T/P, H, K];
-    `options` (window, scale, softcap) go to `blockwise_attention_at`, the blockwise attention
-    of a query chunk at an offset."""
+    `options` (window, scale, softcap, sinks) go to `blockwise_attention_at`, the blockwise
+    attention of a query chunk at an offset."""
     p, c = sequence.size, q.shape[1] // 2
     k, v = (_in_sequence_order(sequence.gather(x), p) for x in (k, v))    # [B, T, G, K]
     kv_segments = (None if segment_ids is None

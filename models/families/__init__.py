@@ -12,6 +12,8 @@ add one.
 - `qwen3`: Qwen3 dense: Llama + per-head q/k RMSNorm, explicit head_dim.
 - `mistral`: Mistral: Llama + sliding-window attention.
 - `gemma2`: Gemma 2 (`models.gemma2`): (sliding, global) layer pairs, soft-capping, (1 + w) norms.
+- `gemma3`: Gemma 3 text (`models.gemma3`): periods of sliding layers and one global layer, two
+  RoPE bases, q/k norms, `text_config` nesting.
 - `qwen3_5`: Qwen3.5 dense (`models.qwen3_5`): periods of Gated DeltaNet layers and one gated
   attention layer, `text_config` nesting, partial RoPE, (1 + w) norms.
 - `moe`: what the Mixture-of-Experts families share (router and expert keys and tensors).
@@ -21,9 +23,10 @@ add one.
 
 from __future__ import annotations
 
-from . import (gemma2, gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_5,
-               qwen3_moe)
+from . import (gemma2, gemma3, gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3,
+               qwen3_5, qwen3_moe)
 from .gemma2 import Gemma2Config
+from .gemma3 import Gemma3Config
 from .mistral import MistralConfig
 from .mixtral import MixtralConfig
 from .moe import UNSUPPORTED_MOE
@@ -37,8 +40,8 @@ from .spec import CAUSAL_LM, SEQUENCE_CLASSIFICATION, Family, require
 
 REGISTRY: dict[str, Family] = {spec.name: spec for spec in
                                (gpt2.SPEC, llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC,
-                                gemma2.SPEC, qwen3_moe.SPEC, qwen2_moe.SPEC, mixtral.SPEC,
-                                olmoe.SPEC, qwen3_5.SPEC)}
+                                gemma2.SPEC, gemma3.SPEC, qwen3_moe.SPEC, qwen2_moe.SPEC,
+                                mixtral.SPEC, olmoe.SPEC, qwen3_5.SPEC)}
 # another model_type a family's checkpoints may carry -> the family's name
 ALIASES: dict[str, str] = {alias: spec.name for spec in REGISTRY.values()
                            for alias in spec.aliases}
@@ -57,7 +60,8 @@ def family(name: str | None) -> Family:
     return REGISTRY[name]
 
 
-__all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "MistralConfig", "MixtralConfig", "OlmoeConfig",
+__all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "Gemma3Config", "MistralConfig", "MixtralConfig",
+           "OlmoeConfig",
            "Qwen2Config", "Qwen2MoeConfig", "Qwen3Config", "Qwen3MoeConfig", "Qwen3_5Config",
            "REGISTRY",
            "SEQUENCE_CLASSIFICATION", "family", "require"]

@@ -15,10 +15,15 @@ from typing import Any
 
 from ..hf_rules import LM_HEAD, as_is, as_is_inv, concat, linear
 from ..llama import Llama, LlamaConfig
-from ..rope import ROPE_TYPES
+from ..rope import ROPE_TYPES, yarn_attention_factor
 from .spec import CAUSAL_LM, SEQUENCE_CLASSIFICATION, Family, Row, require
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN's keys besides `factor` (transformers' `_validate_yarn_rope_parameters`), all optional here
+# as there: original_max_position_embeddings defaults to max_position_embeddings, beta_fast /
+# beta_slow to 32 / 1, truncate to true; attention_factor or mscale / mscale_all_dim to YaRN's.
+YARN_KEYS = ("original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+             "attention_factor", "mscale", "mscale_all_dim")
 
 
 def rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,7 +56,7 @@ def _rope_of(key: str, rope: Mapping[str, Any] | None, hf: Mapping[str, Any]) ->
     require(factor == 1.0, "partial_rotary_factor", factor, "RoPE rotates the whole head")
     fields = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
               "rope_type": rope_type}
-    if rope_type in ("linear", "llama3"):
+    if rope_type in ("linear", "llama3", "yarn"):
         require("factor" in rope, f"{key}.factor", None, f"{rope_type} RoPE needs a factor")
         fields["rope_factor"] = float(rope["factor"])
     if rope_type == "llama3":
@@ -60,7 +65,37 @@ def _rope_of(key: str, rope: Mapping[str, Any] | None, hf: Mapping[str, Any]) ->
         fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
                       rope_high_freq_factor=float(rope["high_freq_factor"]),
                       rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        fields.update(_yarn_fields(rope, hf, fields["rope_factor"]))
     return fields
+
+
+def _yarn_fields(rope: Mapping[str, Any], hf: Mapping[str, Any], factor: float) -> dict[str, Any]:
+    """The YaRN fields of a `rope_type: yarn` entry, read as transformers 5.23 reads them
+    (`standardize_rope_params`: a top-level original_max_position_embeddings wins, else the
+    entry's, else max_position_embeddings; `_compute_yarn_parameters`: `or` defaults for the
+    betas). mscale / mscale_all_dim are resolved into the attention factor here."""
+    original = hf.get("original_max_position_embeddings",
+                      rope.get("original_max_position_embeddings", hf["max_position_embeddings"]))
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention_factor = yarn_attention_factor(factor, None, rope["mscale"],
+                                                 rope["mscale_all_dim"])
+    return {"rope_original_max_len": int(original),
+            "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "rope_truncate": bool(rope.get("truncate", True)),
+            "rope_attention_factor": None if attention_factor is None else float(attention_factor)}
+
+
+def _yarn_hf(config: LlamaConfig) -> dict[str, Any]:
+    """A yarn config's keys of its `rope_parameters` entry besides the type, theta and factor."""
+    keys = {"original_max_position_embeddings": config.rope_original_max_len,
+            "beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow,
+            "truncate": config.rope_truncate}
+    if config.rope_attention_factor is not None:
+        keys["attention_factor"] = config.rope_attention_factor
+    return keys
 
 
 def llama_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,6 +161,8 @@ def llama_hf(config: LlamaConfig) -> dict[str, Any]:
         rope.update(low_freq_factor=config.rope_low_freq_factor,
                     high_freq_factor=config.rope_high_freq_factor,
                     original_max_position_embeddings=config.rope_original_max_len)
+    if config.rope_type == "yarn":
+        rope.update(_yarn_hf(config))
     scaling = None if config.rope_type == "default" else {
         k: v for k, v in rope.items() if k != "rope_theta"}
     return {"model_type": config.family, "vocab_size": config.vocab_size,

@@ -303,8 +303,8 @@ def test_tied_embeddings_train_as_one_parameter(checkpoint):
 
 
 REFUSED = [
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
-     "rope_parameters.rope_type='yarn'"),
+    ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_parameters.rope_type='longrope'"),
     ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      "rope_scaling.rope_type='dynamic'"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -313,7 +313,7 @@ REFUSED = [
     ("qwen2", {"max_window_layers": 1, "layer_types": None, "use_sliding_window": True},
      "use_sliding_window=True"),
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
-    ("llama", {"model_type": "gemma3"}, "model_type='gemma3'.*gemma2, gpt2, llama, mistral"),
+    ("llama", {"model_type": "gemma4"}, "model_type='gemma4'.*gemma2, gemma3, gpt2, llama"),
     ("gemma2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("gemma2", {"num_hidden_layers": 3}, "num_hidden_layers=3"),
     ("gemma2", {"tie_word_embeddings": False}, "tie_word_embeddings=False"),

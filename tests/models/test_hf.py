@@ -181,11 +181,12 @@ def test_name_map_covers_every_parameter_once():
 @pytest.mark.parametrize("change,match", [
     ({"rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
      "rope_scaling.rope_type"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.factor"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "gemma3"}, "model_type"),
+    ({"model_type": "gemma4"}, "model_type"),
 ])
 def test_unsupported_llama_options_are_named(change, match):
     with pytest.raises(ValueError, match=match):

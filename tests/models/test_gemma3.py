@@ -1,0 +1,300 @@
+"""Gemma 3 text (`models.gemma3`, `models.families.gemma3`) against transformers itself, from
+tiny random checkpoints transformers writes here (12 layers: two periods of five sliding layers,
+window 4, and one global layer; the local and global RoPE differ in base, the global one linear
+scaled; the final logits soft-capped; every tensor perturbed, no network):
+
+- loaded straight into ZeRO-3 partitions on 2 x 4: logits within 1e-4 of transformers'
+  `Gemma3ForCausalLM` (float32) on sequences longer than the window, the loss equal to its
+  `labels=` loss (rtol 1e-5);
+- a published-layout checkpoint (`Gemma3ForConditionalGeneration`: `text_config` nesting, the
+  language model under `language_model.model.`, a vision tower and projector) loads the text
+  model alone with logits equal to transformers';
+- a packed row (two sequences and padding) equals its sequences run alone (1e-5);
+- the Hybrid Engine's greedy tokens, static and continuous batching at tp 1 and 2, equal
+  transformers' `generate(do_sample=False)` past the window;
+- ZeRO-3 on 2 x 4 with packed rows, with SP = 2 and with LoRA adapters trains 3 steps as the
+  unsharded model does on one device;
+- the export reloads in transformers with equal logits, and every config.json option not built
+  is refused by its key, flat and nested under `text_config`.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from family_checkpoints import save_random
+from zeroxla import models
+from zeroxla.models import hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+VOCAB = 67
+ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0}}
+TEXT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=12,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=64, rms_norm_eps=1e-5, sliding_window=4,
+            query_pre_attn_scalar=12, final_logit_softcapping=3.0,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, rope_parameters=ROPE)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A `Gemma3ForCausalLM` (model_type gemma3_text) checkpoint, every tensor perturbed."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma3TextConfig(**TEXT))
+    return save_random(model, tmp_path_factory.mktemp("gemma3"))
+
+
+def torch_model(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def tokens(shape, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=shape).astype(np.int32)
+
+
+def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoint):
+    mesh = zeroxla.make_mesh(nodes=2, local=4)
+    _, state = zeroxla.load_pretrained(checkpoint, mesh, progress=False,
+                                       config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    model = zeroxla.gathered_model(state)
+    assert model.config.family == "gemma3" and model.config.num_layers == 2
+    x = tokens((2, 17))
+    with torch.no_grad():
+        out = torch_model(checkpoint)(torch.tensor(x, dtype=torch.long),
+                                      labels=torch.tensor(x, dtype=torch.long))
+    theirs = out.logits.numpy()
+    assert theirs.std() > 0.3                # not a degenerate near-zero model
+    np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
+    ours = -np.mean(np.asarray(model.token_logprobs(x[:, :-1], x[:, 1:])))
+    np.testing.assert_allclose(ours, out.loss.item(), rtol=1e-5)
+
+
+def test_a_published_layout_checkpoint_loads_its_text_model(tmp_path):
+    """`Gemma3ForConditionalGeneration` as the hub's Gemma 3 4B-27B checkpoints are: config.json
+    nests the text model under text_config (the RoPE in 4.x keys: rope_theta,
+    rope_local_base_freq, rope_scaling), the tensors are under language_model.model. beside
+    vision_tower.* and multi_modal_projector.*, which are never read."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(1)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=8, patch_size=2)
+    text = {**{k: v for k, v in TEXT.items() if k != "rope_parameters"}, "num_hidden_layers": 6,
+            "final_logit_softcapping": None}
+    reference = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    save_random(reference, tmp_path)
+    hf_json = json.loads((tmp_path / "config.json").read_text())
+    hf_json["text_config"].pop("rope_parameters")     # the 4.x spelling of the same RoPE
+    hf_json["text_config"].update(rope_theta=5000.0, rope_local_base_freq=100.0,
+                                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    (tmp_path / "config.json").write_text(json.dumps(hf_json))
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert any(n.startswith("vision_tower.") for n in tensors)
+    assert any(n.startswith("language_model.model.layers.") for n in tensors)
+    config, model = hf.load_hf_model(tmp_path)
+    assert (config.num_layers, config.rope_type, config.rope_factor) == (1, "linear", 4.0)
+    assert (config.rope_theta, config.rope_local_theta) == (5000.0, 100.0)
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    x = tokens((2, 16), seed=1)
+    with torch.no_grad():
+        theirs = reference(input_ids=torch.tensor(x, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
+
+
+def _packed_row(seed):
+    """One row [1, 17] packing sequences of 7 and 6 tokens and 4 of padding: (tokens,
+    positions, segment_ids, the two sequences)."""
+    a, b = tokens((7,), seed), tokens((6,), seed + 1)
+    row = np.concatenate([a, b, np.zeros(4, np.int32)])[None]
+    positions = np.concatenate([np.arange(7), np.arange(6), np.zeros(4)]).astype(np.int32)[None]
+    segments = np.array([1] * 7 + [2] * 6 + [0] * 4, np.int32)[None]
+    return row, positions, segments, (a, b)
+
+
+def test_a_packed_row_equals_its_sequences_run_alone(checkpoint):
+    _, model = hf.load_hf_model(checkpoint)
+    row, positions, segments, (a, b) = _packed_row(3)
+    forward = jax.jit(lambda m, *args: m(*args))
+    packed = np.asarray(forward(model, row, positions, segments))
+    alone_a, alone_b = (np.asarray(forward(model, s[None])) for s in (a, b))
+    np.testing.assert_allclose(packed[:, :7], alone_a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, 7:13], alone_b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("batching,tp", [pytest.param("static", 1, marks=pytest.mark.slow),
+                                         pytest.param("static", 2, marks=pytest.mark.slow),
+                                         pytest.param("continuous", 1, marks=pytest.mark.slow),
+                                         ("continuous", 2)])
+def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, batching, tp):
+    """From ZeRO-3 partitions on 2 x 4 (every leaf partitioned) to tp 1 and 2, static and
+    continuous batching (pages of 4 slots); 7-token prompts and 12 new tokens: past the
+    sliding window of 4."""
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    step, state = zeroxla.load_pretrained(
+        checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    prompts = [tokens((7,), seed=3), tokens((7,), seed=4)]
+    reference, want = torch_model(checkpoint), []
+    for prompt in prompts:
+        with torch.no_grad():
+            want.append(reference.generate(torch.tensor(prompt[None], dtype=torch.long),
+                                           max_new_tokens=12, do_sample=False,
+                                           attention_mask=torch.ones((1, prompt.size)),
+                                           pad_token_id=0)[0].numpy())
+    engine = HybridEngine(step.layout, HybridEngineConfig(
+        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
+    assert engine.batching == batching
+    for out, expected in zip(engine.generate(state, prompts, max_new_tokens=12), want):
+        np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def _packed_batch():
+    """8 packed rows [8, 16] with their positions, segment ids and loss mask."""
+    rows = [_packed_row(seed) for seed in range(0, 16, 2)]
+    seq = np.concatenate([r[0] for r in rows])
+    seg = np.concatenate([r[2] for r in rows])
+    return {"inputs": seq[:, :-1], "targets": seq[:, 1:],
+            "positions": np.concatenate([r[1] for r in rows])[:, :-1],
+            "segment_ids": seg[:, :-1],
+            # a token's target is the next token of its own sequence
+            "loss_mask": ((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] != 0)).astype(np.float32)}
+
+
+def _packed_loss(model, batch):
+    """Mean next-token cross-entropy over the real tokens of packed rows, written out."""
+    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
+
+
+LORA = dict(dim=4, alpha=8.0, module_name=r"blocks/.*(wq|wv|w_up)$")
+# name -> (mesh (nodes, local, sequence), with LoRA adapters)
+TRAINING = {"zero3-2x4-packed": ((2, 4, 1), False), "zero3-sp2-packed": ((2, 2, 2), False),
+            "zero3-2x4-lora": ((2, 4, 1), True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TRAINING))
+def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, name):
+    """3 steps of SGD with momentum on packed rows, every leaf partitioned, against single-
+    device optax on the same model (`reference.train_single_device`; with LoRA the base masked
+    out of the reference's optimizer): losses rtol 1e-5, every leaf rtol 1e-4 + atol 1e-6. In
+    float64, as tests/models/test_qwen3_5.py says why: in float32 the adapters (which start at
+    zero, so hold the update alone) were 2e-6 apart after 3 steps, float32 reassociation grown
+    by the steps."""
+    from reference import flat_params, masked_optimizer, train_single_device
+    from runs import run_steps
+    from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
+
+    (nodes, local, sequence), lora = TRAINING[name]
+    config = LoRAConfig(**LORA, only_optimize_lora=True)
+
+    def build():
+        model = hf.load_hf_model(checkpoint, dtype=jnp.float64)[1]
+        if lora:        # adapters are made float32: cast, so the whole model is float64
+            convert_linear_layer_to_lora(model, config, rngs=nnx.Rngs(7))
+            adapters = nnx.state(model, nnx.LoRAParam)
+            nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float64), adapters))
+        return model
+
+    batch = _packed_batch()
+    batches = [{**batch, "loss_mask": batch["loss_mask"].astype(np.float64)}] * 3
+    optimizer = optax.sgd(0.01, momentum=0.9)
+    with jax.enable_x64(True):
+        reference = build()
+        trained = set(flat_params(nnx.state(reference, nnx.LoRAParam))) if lora else None
+        want, expected = train_single_device(
+            reference, masked_optimizer(optimizer, trained) if lora else optimizer, batches,
+            loss_fn=_packed_loss)
+        step = zeroxla.make_step(build(), zeroxla.make_mesh(nodes, local, sequence=sequence),
+                                 optimizer=optimizer,
+                                 config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
+                                                           compute_dtype="float64"),
+                                 trainable=lora_trainable(config) if lora else None)
+        state, losses = run_steps(step, step.init(), batches)
+        got = flat_params(zeroxla.gather_params(state))
+    assert want[2] < want[1] < want[0]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert not lora or trained == {leaf.path for leaf in step.layout.plan.trainable_leaves}
+    for path in expected:
+        assert got[path].dtype == np.float64, path
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def test_export_reloads_in_transformers_with_equal_logits(checkpoint, tmp_path):
+    config, model = hf.load_hf_model(checkpoint)
+    hf.save_hf_model(config, model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "gemma3_text"
+    assert written["architectures"] == ["Gemma3ForCausalLM"]
+    x = tokens((2, 16), seed=4)
+    with torch.no_grad():
+        theirs = torch_model(tmp_path)(torch.tensor(x, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, np.asarray(model(x)), atol=ATOL, rtol=0)
+    assert hf.from_hf_config(written) == config
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"layer_types": ["full_attention"] + ["sliding_attention"] * 5 + ["sliding_attention"] * 5
+      + ["full_attention"]}, "layer_types"),
+    ({"num_hidden_layers": 26, "layer_types": None}, "num_hidden_layers=26"),
+    ({"sliding_window_pattern": 1, "layer_types": None}, "sliding_window_pattern=1"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ({"rope_parameters": {**ROPE, "full_attention": {"rope_type": "yarn", "factor": 4.0}}},
+     "rope_parameters.full_attention.rope_type='yarn'"),
+    ({"rope_parameters": {**ROPE, "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention.rope_type='linear'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_parameters.full_attention.rope_type='dynamic'"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+])
+def test_options_not_built_are_refused_by_key(checkpoint, change, match):
+    source = hf.read_hf_config(checkpoint)
+    edited = {k: v for k, v in {**source, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        hf.from_hf_config(edited)
+    # the published layout (its final soft-capping is refused: the next test)
+    nested = {"model_type": "gemma3",
+              "text_config": {k: v for k, v in edited.items() if k != "final_logit_softcapping"}}
+    with pytest.raises(ValueError, match=match):
+        hf.from_hf_config(nested)
+
+
+def test_a_final_softcap_nested_under_text_config_is_refused_by_key(checkpoint):
+    """transformers' Gemma3ForConditionalGeneration does not apply it; flat, it loads (the
+    checkpoint's 3.0, held to transformers' logits above)."""
+    source = hf.read_hf_config(checkpoint)
+    assert hf.from_hf_config(source).final_softcap == 3.0
+    with pytest.raises(ValueError, match="text_config.final_logit_softcapping=3.0"):
+        hf.from_hf_config({"model_type": "gemma3", "text_config": source})
+
+
+def test_defaults_and_parameter_count_equal_transformers(checkpoint):
+    """`Gemma3Config`'s RoPE bases and soft-capping default to transformers' Gemma3TextConfig's,
+    and the checkpoint's model holds as many parameters as transformers' (the tied head once)."""
+    defaults = transformers.Gemma3TextConfig()
+    config = models.Gemma3Config()
+    assert config.rope_theta == defaults.rope_parameters["full_attention"]["rope_theta"]
+    assert config.rope_local_theta == (
+        defaults.rope_parameters["sliding_attention"]["rope_theta"])
+    assert config.final_softcap is None and config.attn_softcap is None
+    assert config.sliding_window_pattern == defaults.layer_types.index("full_attention") + 1
+    tiny = hf.from_hf_config(hf.read_hf_config(checkpoint))
+    ours = sum(np.size(v) for v in hf.param_dict(models.Gemma3(tiny, rngs=nnx.Rngs(0))).values())
+    assert ours == sum(p.numel() for p in torch_model(checkpoint).parameters())
