@@ -35,8 +35,10 @@ the roles they share are built once (roles.py).
     task_sft.py    supervised fine-tuning on prompt/completion rows (loss on the completion)
     grpo_prompts.py prompts tokenized up to the cap (a longer one keeps its last tokens, the
                    cut counted) and the text the reward functions see
-    rollout_correction.py the train/rollout log-prob gap (logprob_gap) and truncated
-                   importance sampling (tis_weights, TRL's vllm_importance_sampling_cap)
+    rollout_correction.py the train/rollout log-prob gap (logprob_gap), truncated
+                   importance sampling (tis_weights, TRL's vllm_importance_sampling_cap) and
+                   verl's rollout-correction set (RolloutCorrection: IS per token, sequence or
+                   geometric, IcePop's band, k1/k2/k3 rejection, bypass)
     packed_rollout.py a rollout as a packed batch (sequences whole in rows with segment ids,
                    rows balanced over the data replicas): the padded loss without the padding
     answer_values.py the answer log-prob / value functions every algorithm reads (padded rows,

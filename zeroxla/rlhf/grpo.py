@@ -18,7 +18,9 @@ One iteration (`GRPOTrainer.iteration`: `generate_experience`, then `train_grpo`
    the padding); before each step after the first, the clipped fraction of that step's
    ratio is measured in the same layout (an MoE actor's router load: `router/*`). Each record
    holds the train/rollout log-prob gap (`rollout_correction.logprob_gap`, as `gap/*`), and
-   with `rollout_correction="tis"` every step's terms carry the truncated importance weights.
+   with a rollout correction (`GRPOConfig.correction`) every step's terms carry its
+   importance weights, its rejected tokens are out of the loss, and its metrics are in the
+   record (`rollout_corr/*`).
    A step whose gradients are not finite skips its update (`check_grad_overflow`): the actor
    keeps its last finite parameters, and the non-finite loss is in the record.
 
@@ -64,7 +66,7 @@ from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
 from zeroxla.rlhf.rollout import generation_stats, pad_answers, pad_logprobs
-from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, tis_weights
+from zeroxla.rlhf.rollout_correction import corrected_batch, logprob_gap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +141,9 @@ class GRPOTrainer:
             actor, mesh, optimizer=optimizer, seed=seed, lora=lora,
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
-                                   vocab_limit=self.vocab_limit),
+                                   vocab_limit=self.vocab_limit, kl_weighted=(
+                                       config.correction is None
+                                       or config.correction.kl_weighted)),
             hybrid_engine=zeroxla.HybridEngineConfig(      # every answer decodes at once
                 inference_tp_size=inference_tp_size,
                 max_out_tokens=config.prompt_length + config.max_completion_length,
@@ -234,8 +238,9 @@ class GRPOTrainer:
     def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
         """`num_iterations` actor steps on `rollout`; returns the mean loss and the clipped
         fractions (mean over the steps after the first; 0 when there is one step: its ratio
-        is 1), with `rollout_correction="tis"` the share of tokens whose importance
-        weight the cap truncates (`tis_clipped_fraction`), and with `packing` the packed
+        is 1), with a rollout correction its metrics (`rollout_corr/*`; with "tis" also
+        `tis_clipped_fraction`, the share of tokens the cap truncates), and with `packing`
+        the packed
         batch's `packing/rows`, `fill`, `replica_imbalance` (and `micro_batches`)."""
         c = self.config
         starts = rollout.answer_starts()
@@ -245,11 +250,11 @@ class GRPOTrainer:
         if c.beta:
             batch["ref_logprobs"] = rollout.ref_logprobs
         tis = {}
+        if c.correction is not None:
+            batch, tis = corrected_batch(c.correction, batch, rollout.rollout_logprobs)
+        old = batch["old_logprobs"]              # pi_old: the rollout's under bypass
         if c.rollout_correction == "tis":
-            batch["is_weights"] = np.asarray(tis_weights(
-                rollout.logprobs, rollout.rollout_logprobs, c.tis_cap))
-            tis = {"tis_clipped_fraction": float(tis_clipped_fraction(
-                rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask, c.tis_cap))}
+            tis["tis_clipped_fraction"] = tis["rollout_corr/rollout_is_clipped_fraction"]
         packed, micro = {}, None
         if c.packing:          # the same loss, without the padding (`packed_rollout`)
             batch, stats, micro = pack_for_step(
@@ -260,7 +265,7 @@ class GRPOTrainer:
         for k in range(c.num_iterations):
             if k:
                 clips.append({name: float(v) for name, v in clip_fractions(
-                    self.logprobs(rollout.tokens, starts, rollout.action_mask), rollout.logprobs,
+                    self.logprobs(rollout.tokens, starts, rollout.action_mask), old,
                     rollout.advantages,
                     rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
             self.actor_state, metrics = self.actor_step(self.actor_state, batch,

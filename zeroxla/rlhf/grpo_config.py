@@ -21,7 +21,9 @@ dataclass. Field names are TRL's `GRPOConfig` where it has one:
 weight min(exp(train_old - rollout), `tis_cap`) between the training forward's and the rollout
 engine's log-probs of the sampled tokens (TRL's `vllm_importance_sampling_correction` and
 `vllm_importance_sampling_cap`; `zeroxla.rlhf.rollout_correction`); None: no correction (the
-gap is logged either way).
+gap is logged either way). `rollout_corr` is verl's full set (`RolloutCorrection`: token,
+sequence or geometric importance sampling, truncated or IcePop's band, rejection sampling over
+k1/k2/k3, bypass); "tis" is its token IS at `tis_cap` with TRL's order (`correction`).
 
 `advantage` ("grpo" | "rloo") chooses the baseline: the group mean, or RLOO's leave-one-out mean
 of the other G - 1 answers (Ahmadian et al. 2024). `prompts_per_iteration` prompts make
@@ -53,6 +55,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zeroxla.rlhf.reward_funcs import RewardFunctions, load_reward_func
+from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -104,6 +107,7 @@ class GRPOConfig:
     reference_int8: bool = False
     rollout_correction: str | None = None
     tis_cap: float = 2.0
+    rollout_corr: RolloutCorrection = RolloutCorrection()
     packing: bool = True
     packed_row_len: int | None = None
     ppo_max_token_len_per_gpu: int | None = None
@@ -133,6 +137,11 @@ class GRPOConfig:
                "None (no correction) | tis (truncated importance sampling)")
         _check("tis_cap", self.tis_cap, _is_number(self.tis_cap) and self.tis_cap > 0,
                "a number > 0 (the largest importance weight)")
+        _check("rollout_corr", self.rollout_corr, isinstance(
+            self.rollout_corr, RolloutCorrection) and not (
+                self.rollout_correction and self.rollout_corr.active),
+            "a RolloutCorrection, inactive with rollout_correction='tis' (its alias: token IS "
+            "at tis_cap)")
         _check("reference_int8", self.reference_int8, isinstance(self.reference_int8, bool),
                "True or False")
         _check("packing", self.packing, isinstance(self.packing, bool), "True or False")
@@ -152,6 +161,14 @@ class GRPOConfig:
     def clip_high(self) -> float:
         """The upper clip epsilon: `epsilon_high`, or `epsilon` when it is None."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def correction(self) -> RolloutCorrection | None:
+        """The rollout correction in force: `rollout_corr`, or "tis"'s token IS at `tis_cap`;
+        None when nothing is corrected."""
+        if self.rollout_correction == "tis":
+            return RolloutCorrection.tis(self.tis_cap)
+        return self.rollout_corr if self.rollout_corr.active else None
 
     @property
     def row_len(self) -> int:

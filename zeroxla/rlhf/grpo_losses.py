@@ -6,8 +6,10 @@ Per token: the clipped surrogate with separate lower and upper clips (DAPO's cli
 `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` with `r = exp(logprobs - old_logprobs)`
 and A the answer's group-relative advantage, plus `beta` times the k3 estimator of
 KL(policy || reference), `exp(ref - logp) - (ref - logp) - 1` (Schulman's k3: unbiased,
-non-negative). With truncated importance sampling (`rollout_correction`), each token's term is
-then multiplied by its weight `is_weights` (TRL's order: after the KL term is added). The terms
+non-negative). With rollout correction (`rollout_correction.RolloutCorrection`), each token's
+policy term is multiplied by its weight `is_weights` (verl's order: the KL term unweighted), or
+with `kl_weighted` its whole term (TRL's order: after the KL term is added; the
+`--rollout-correction tis` alias); rejected tokens are out of the aggregation ("loss_mask"). The terms
 of the real answer tokens are aggregated by `loss_type`:
 
   grpo     mean over each answer's tokens, then mean over answers (Shao et al. 2024)
@@ -32,19 +34,25 @@ from zeroxla.rlhf.answer_values import (ragged_answer_logprobs,
 
 
 def grpo_loss_terms(logprobs, old_logprobs, advantages, *, epsilon: float, epsilon_high: float,
-                    beta: float = 0.0, ref_logprobs=None):
+                    beta: float = 0.0, ref_logprobs=None, is_weights=None,
+                    kl_weighted: bool = True):
     """Per-token loss [B, G] (see the module docstring); `advantages` is [B] (one per answer)
-    or [B, G] (per token: a packed batch's); `ref_logprobs` [B, G] is needed when `beta` > 0."""
+    or [B, G] (per token: a packed batch's); `ref_logprobs` [B, G] is needed when `beta` > 0;
+    `is_weights` [B, G] multiply the policy term, and with `kl_weighted` the KL term too."""
     ratio = jnp.exp(logprobs - old_logprobs)                              # [B, G]
     clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
     a = advantages if advantages.ndim == ratio.ndim else advantages[:, None]      # [B, 1|G]
     terms = -jnp.minimum(ratio * a, clipped * a)
+    if is_weights is not None and not kl_weighted:
+        terms = terms * is_weights
     if beta:
         if ref_logprobs is None:
             raise ValueError(f"beta={beta} needs ref_logprobs; accepted: beta=0 or the "
                              "reference's log-probs [B, G]")
         delta = ref_logprobs - logprobs
         terms = terms + beta * (jnp.exp(delta) - delta - 1.0)
+    if is_weights is not None and kl_weighted:
+        terms = terms * is_weights
     return terms
 
 
@@ -63,13 +71,13 @@ def grpo_loss_parts(terms, action_mask, loss_type: str):
 
 
 def grpo_loss(logprobs, old_logprobs, advantages, action_mask, *, loss_type: str, epsilon: float,
-              epsilon_high: float, beta: float = 0.0, ref_logprobs=None, is_weights=None):
-    """The scalar loss of one batch: `sum / count` of `grpo_loss_parts` (each term times
-    `is_weights` [B, G] when given)."""
+              epsilon_high: float, beta: float = 0.0, ref_logprobs=None, is_weights=None,
+              kl_weighted: bool = True):
+    """The scalar loss of one batch: `sum / count` of `grpo_loss_parts` (the terms weighted
+    by `is_weights` [B, G] when given, as `grpo_loss_terms`)."""
     terms = grpo_loss_terms(logprobs, old_logprobs, advantages, epsilon=epsilon,
-                            epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs)
-    if is_weights is not None:
-        terms = terms * is_weights
+                            epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs,
+                            is_weights=is_weights, kl_weighted=kl_weighted)
     total, count = grpo_loss_parts(terms, action_mask, loss_type)
     return total / count
 
@@ -89,7 +97,8 @@ def clip_fractions(logprobs, old_logprobs, advantages, action_mask, *, epsilon: 
 
 
 def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta: float,
-                      vocab_limit: int | None, sequence=None, experts=None):
+                      vocab_limit: int | None, sequence=None, experts=None,
+                      kl_weighted: bool = True):
     """`(sum, count)` of a packed rollout (`zeroxla.rlhf.packed_rollout.pack_rollout`: every
     array [R, S], the per-answer values already per token): the terms of the answer slots
     times `loss_weight`, over the sum of `loss_count`. Slots that are not an answer token
@@ -107,9 +116,8 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
     ref = batch.get("ref_logprobs")
     terms = grpo_loss_terms(jnp.where(answer, logprobs, old), old, batch["advantages"],
                             epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
-                            ref_logprobs=None if ref is None else jnp.where(answer, ref, old))
-    if "is_weights" in batch:
-        terms = terms * batch["is_weights"]
+                            ref_logprobs=None if ref is None else jnp.where(answer, ref, old),
+                            is_weights=batch.get("is_weights"), kl_weighted=kl_weighted)
     return with_stats((jnp.sum(jnp.where(answer, terms * mask * batch["loss_weight"], 0.0)),
                        jnp.sum(batch["loss_count"])), stats)
 
@@ -121,12 +129,13 @@ def with_stats(parts, stats):
 
 
 def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
-                   vocab_limit: int | None = None):
+                   vocab_limit: int | None = None, kl_weighted: bool = True):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
     "old_logprobs": [B, G], "advantages": [B], "action_mask": [B, G]}, "prompt_lengths"
     int32[B] for prompts shorter than P (right-padded; absent: every prompt is P tokens),
-    when `beta` > 0 "ref_logprobs": [B, G], and with truncated importance sampling
-    "is_weights": [B, G]. The policy is the softmax over the ids below `vocab_limit`
+    when `beta` > 0 "ref_logprobs": [B, G], and with importance sampling "is_weights": [B, G]
+    (`kl_weighted`: the KL term weighted too, as `grpo_loss_terms`), with rejection
+    "loss_mask": [B, G], the tokens the loss aggregates over (default "action_mask"). The policy is the softmax over the ids below `vocab_limit`
     (`ragged_answer_logprobs`). A packed rollout (its "segment_ids": `packed_rollout`) is
     aggregated by its own per-token weights (`packed_loss_parts`), the same loss; only it runs
     under sequence parallelism (the step passes `sequence`; a padded rollout's per-answer
@@ -135,7 +144,7 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
         if "segment_ids" in batch:
             return packed_loss_parts(model, batch, epsilon=epsilon, epsilon_high=epsilon_high,
                                      beta=beta, vocab_limit=vocab_limit, sequence=sequence,
-                                     experts=experts)
+                                     experts=experts, kl_weighted=kl_weighted)
         if sequence is not None:
             raise ValueError(f"a padded GRPO batch under sequence parallelism (size "
                              f"{sequence.size}): its per-answer arrays [B, G] and [B] do not "
@@ -150,10 +159,10 @@ def make_grpo_loss(*, loss_type: str, epsilon: float, epsilon_high: float, beta:
                                                          vocab_limit, experts)
         terms = grpo_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"],
                                 epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
-                                ref_logprobs=batch.get("ref_logprobs"))
-        if "is_weights" in batch:
-            terms = terms * batch["is_weights"]
-        return with_stats(grpo_loss_parts(terms, mask, loss_type), stats)
+                                ref_logprobs=batch.get("ref_logprobs"),
+                                is_weights=batch.get("is_weights"), kl_weighted=kl_weighted)
+        return with_stats(grpo_loss_parts(terms, batch.get("loss_mask", mask), loss_type),
+                          stats)
     return grpo_actor_loss
 
 

@@ -23,7 +23,9 @@ slot, and the per-answer values become per-token ones, so the loss is a plain su
                  dapo A_b (its tokens)
 
 so `sum(terms * action_mask * loss_weight) / sum(loss_count)` is `grpo_losses.grpo_loss_parts`'
-aggregation of the padded batch, term for term (`make_grpo_loss` takes either layout).
+aggregation of the padded batch, term for term (`make_grpo_loss` takes either layout). A
+"loss_mask" [B, G] (rollout correction's kept tokens, within the answer) aggregates over its
+tokens instead: weight 0 off it, A_b counted as its tokens.
 Attention stays within a segment (each sequence sees only its own prompt and answer, at its
 own positions), so each slot's log-prob is the padded row's.
 
@@ -176,10 +178,12 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
                 n, p, a = int(slots[i]), int(starts[i]), int(answers[i])
                 place_sequence(out, row, start, tokens[i], n, segment)
                 answer = slice(start + p - 1, start + p - 1 + a)              # its A_b slots
+                kept = (np.asarray(batch["loss_mask"], np.float32)[i, :a] if "loss_mask" in batch
+                        else np.ones(a, np.float32))                          # [A_b]
                 out["action_mask"][row, answer] = 1.0
-                out["loss_weight"][row, answer] = (1.0 / max(a, 1) if loss_type == "grpo"
-                                                   else 1.0)
-                out["loss_count"][row, start + n - 1] = count(a)
+                out["loss_weight"][row, answer] = kept * (
+                    1.0 / max(kept.sum(), 1) if loss_type == "grpo" else 1.0)
+                out["loss_count"][row, start + n - 1] = count(kept.sum())
                 if answer_index:
                     out["answer_index"][row, answer] = i * answer_width + 1 + np.arange(a)
                 for key in ANSWER_TOKEN_KEYS:

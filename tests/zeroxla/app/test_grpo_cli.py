@@ -16,6 +16,7 @@ from zeroxla.app.jobs import grpo as grpo_job
 from zeroxla.app.run import command, runner
 from zeroxla.app.run.job import RunSettings
 from zeroxla.rlhf import GRPOConfig
+from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
 def resolved(argv):
@@ -239,3 +240,18 @@ def test_a_token_budget_on_an_moe_actor_that_weighs_its_aux_loss_is_refused_by_o
     assert "router_aux_loss_coef=0.01" in err and "output_router_logits=False" in err, err
     assert "GRPOConfig" not in err and "gradient_accumulation_steps" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_rollout_corr_options_reach_the_section():
+    """verl's rollout-correction options set `RolloutCorrection`; a bad value names the
+    option; with the tis alias they are refused."""
+    job = resolved(["--actor", "runs/sft", "--rollout-is", "geometric", "--rollout-is-threshold",
+                    "1.5", "--rollout-is-threshold-lower", "0.5", "--rollout-rs", "seq_sum", "k1",
+                    "--rollout-rs-threshold", "3", "--rollout-bypass"])
+    assert job.rollout_corr == RolloutCorrection(
+        is_level="geometric", is_threshold=1.5, is_threshold_lower=0.5, rs=("seq_sum", "k1"),
+        rs_threshold=3.0, bypass=True)
+    with pytest.raises(ValueError, match="--rollout-rs-threshold None is invalid"):
+        resolved(["--actor", "runs/sft", "--rollout-rs", "token", "k3"])
+    with pytest.raises(ValueError, match="--rollout-correction tis with --rollout-is"):
+        resolved(["--actor", "runs/sft", "--rollout-correction", "tis", "--rollout-is", "token"])

@@ -24,7 +24,8 @@ from zeroxla.app.jobs.loading import (BASE_KEY, adapters_base, check_adapters,
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable, token_budget_option)
+                                     OptionTable, rollout_correction_options,
+                                     token_budget_option)
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY, as_metadata
 from zeroxla.engine.router_aux import check_budget_with_router
@@ -36,6 +37,7 @@ from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTION
 from zeroxla.rlhf.grpo_prompts import (TASK_REWARDS, check_fit, file_rows, prompt_cap, task_rows,
                                        truncation_report)
 from zeroxla.rlhf.plot import plot_records
+from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class GRPOJobConfig:
     sharding: ShardingSettings = ShardingSettings()
     run: RunSettings = RunSettings()
     lora: LoRAConfig = LoRAConfig()          # the actor's adapters (dim 0: none)
+    rollout_corr: RolloutCorrection = RolloutCorrection()    # verl's; becomes grpo.rollout_corr
 
     def __post_init__(self) -> None:
         check_sections(self)
@@ -64,6 +67,10 @@ class GRPOJobConfig:
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"GRPOJobConfig.{name}={value!r} is invalid; accepted: an "
                                  "integer >= 1")
+        if self.grpo.rollout_correction and self.rollout_corr.active:
+            raise ValueError("--rollout-correction tis with --rollout-is, --rollout-rs or "
+                             "--rollout-bypass: two corrections; accepted: one of them "
+                             "(tis is --rollout-is token --rollout-is-threshold C)")
         check_reward_sources(self.reward_names, self.reward_weights,
                              prompts=self.prompts is not None, with_model=self.reward is not None)
         # Each rollout (prompts x generations rows) is one global batch of the actor's step.
@@ -133,7 +140,7 @@ OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--iterations", "iterations", "job", "default {default}", type=positive_int),
     _row("--inference-tp-size", "inference_tp_size", "parallel", "tensor-parallel devices of the "
          "Hybrid Engine's rollouts; default {default}", type=positive_int),
-    *GRPO_ROWS, token_budget_option("grpo", "grpo"),
+    *GRPO_ROWS, *rollout_correction_options("grpo"), token_budget_option("grpo", "grpo"),
     _row("--max-prompt-seq-len", "prompt_length", "grpo", "most prompt tokens (a longer prompt "
          "keeps its last N, counted in the log and summary.json); default: the longest "
          "prompt's", type=positive_int, metavar="N"),
@@ -168,7 +175,8 @@ class GRPOJob:
             task_rows(self.tokenizer, model) if c.prompts is None
             else file_rows(read_records(c.prompts), c.prompts, self.tokenizer))
         grpo = c.grpo.replace(prompt_length=prompt_cap(rows + self.held_out, self.tokenizer,
-                                                       c.prompt_length))
+                                                       c.prompt_length),
+                              rollout_corr=c.rollout_corr)
         check_fit(grpo.prompt_length, grpo.max_completion_length,
                   getattr(model_config, "max_seq_len", None), capped=bool(c.prompt_length),
                   model=model)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from zeroxla.app.cli_args import mesh_shape, non_negative_int, positive_float, positive_int
+from zeroxla.rlhf.rollout_correction import IS_LEVELS, RS_LEVELS, RS_STATISTICS
 from zeroxla.sharding.config import ZERO_STAGES
 
 _MISSING = dataclasses.MISSING
@@ -58,7 +59,7 @@ class Option:
     to_tree: Callable[[Any], Any] | None = None
     deepspeed: str | None = None
     action: Any = None
-    nargs: str | None = None
+    nargs: str | int | None = None
     fixed: bool = False
     aliases: tuple[str, ...] = ()
     exclusive: str | None = None
@@ -308,5 +309,33 @@ def token_budget_option(section: str, theme: str) -> Option:
                   type=positive_int, metavar="N")
 
 
+def rollout_correction_options(theme: str) -> tuple[Option, ...]:
+    """The RL jobs' rows of verl's rollout correction (section "rollout_corr":
+    `zeroxla.rlhf.rollout_correction.RolloutCorrection`'s fields), verl's names."""
+    return tuple(Option(flag, dest, "rollout_corr", field, theme, help, **kw)
+                 for flag, dest, field, help, kw in (
+        ("--rollout-is", "rollout_is", "is_level", "importance weights of the train/rollout "
+         "log-ratio per token, per answer (sequence: its sum) or geometric (its mean); "
+         "default none", dict(choices=IS_LEVELS)),
+        ("--rollout-is-threshold", "rollout_is_threshold", "is_threshold", "the weights' upper "
+         "bound U (truncated to it); default {default}", dict(type=positive_float, metavar="U")),
+        ("--rollout-is-threshold-lower", "rollout_is_threshold_lower", "is_threshold_lower",
+         "with it, IcePop's band: weights outside [L, U] are 0, inside unchanged; default none",
+         dict(type=positive_float, metavar="L")),
+        ("--rollout-rs", "rollout_rs", "rs", f"rejection sampling: LEVEL "
+         f"({' | '.join(RS_LEVELS)}) over STAT ({' | '.join(RS_STATISTICS)}); rejected tokens "
+         "leave the loss and its count; default none",
+         dict(nargs=2, metavar=("LEVEL", "STAT"), to_tree=tuple)),
+        ("--rollout-rs-threshold", "rollout_rs_threshold", "rs_threshold", "the statistic's "
+         "upper bound (k1: a ratio bound, compared in log); required with --rollout-rs",
+         dict(type=positive_float, metavar="T")),
+        ("--rollout-rs-threshold-lower", "rollout_rs_threshold_lower", "rs_threshold_lower",
+         "k1's lower ratio bound; default 1 / --rollout-rs-threshold",
+         dict(type=positive_float, metavar="L")),
+        ("--rollout-bypass", "rollout_bypass", "bypass", "the rollout's log-probs are pi_old "
+         "(the ratio is the importance weight: no weight applied)",
+         dict(action="store_true"))))
+
+
 __all__ = ["LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS", "SHARDING_OPTIONS",
-           "packing_option", "token_budget_option"]
+           "packing_option", "rollout_correction_options", "token_budget_option"]
