@@ -24,10 +24,17 @@ SPECS = {add.keywords["spec"].name: add.keywords["spec"] for add in cli.SUBCOMMA
          if isinstance(add, functools.partial) and add.func is add_job}
 # Options whose value is only valid beside another one.
 WITH = {"only_optimize_lora": ["--lora-dim", "4"], "lora_alpha": ["--lora-dim", "4"],
-        "lora_module_name": ["--lora-dim", "4"], ("grpo", "prompts"): ["--reward-funcs", "x"]}
+        "lora_module_name": ["--lora-dim", "4"], ("grpo", "prompts"): ["--reward-funcs", "x"],
+        "rollout_rs": ["--rollout-rs-threshold", "2.0"],
+        "rollout_rs_threshold": ["--rollout-rs", "token", "k3"],
+        "rollout_rs_threshold_lower": ["--rollout-rs", "token", "k1", "--rollout-rs-threshold",
+                                       "8.0"]}
 # Values the tree's checks accept alone, for options whose parser takes any text.
 TEXT = {"mesh": "1x8", "model": "llama-tiny", "temperature": "0.5", "dtype": "bf16",
-        "reward_funcs": "accuracy", "offload_param": "cpu", "packed_row_len": "64"}
+        "reward_funcs": "accuracy", "offload_param": "cpu", "packed_row_len": "64",
+        "rollout_is_threshold_lower": "0.5"}
+# Values of options that take several words.
+WORDS = {"rollout_rs": ["token", "k3"]}
 
 
 def _parser(spec: JobSpec) -> argparse.ArgumentParser:
@@ -46,6 +53,8 @@ def _value(spec: JobSpec, row: Option) -> list[str]:
         return [f"--no-{row.flag[2:]}"] if default else [row.flag]
     if row.choices:
         return [row.flag, str(next(c for c in row.choices if row.tree_value(c) != default))]
+    if row.dest in WORDS:
+        return [row.flag, *WORDS[row.dest]]
     if row.dest in TEXT:
         return [row.flag, TEXT[row.dest]]
     if isinstance(default, bool) or row.type is None:
