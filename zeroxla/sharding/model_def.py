@@ -202,8 +202,13 @@ class ModelDef:
                              f"{list(self.state_paths[:4])}; build it with init()")
 
     def abstract_module(self) -> nnx.Module:
-        """The module with abstract values (ShapeDtypeStructs): its attributes, not its math."""
-        return self.module(*self.abstract_values())
+        """The module with abstract values (ShapeDtypeStructs, its RNG keys too: no key is
+        made eagerly, so nothing compiles): its attributes, not its math."""
+        values, model_state = self.abstract_values()
+        rest = jax.tree.unflatten(self.state_treedef,
+                                  [model_state[p] for p in self.state_paths])
+        rngs = jax.eval_shape(lambda: self.rng_state(None))
+        return nnx.merge(self.graphdef, self.state(values), rngs, rest)
 
     def rng_state(self, key: jax.Array | None) -> nnx.State:
         """The model's RNG streams keyed from `key`: stream keys fold in a hash of their path."""
