@@ -12,13 +12,18 @@ frozen dataclass. Field names are DeepSpeed-Chat's (`ppo_trainer.py`, `main.py` 
   prompt_length, max_answer_seq_len -> `prompt_length`, `answer_length` (tokens)
 
 The rollout samples at temperature 1 from the actor's own distribution, so the log-probabilities
-of the behaviour policy are the actor's (no temperature enters the PPO ratio).
+of the behaviour policy are the actor's (no temperature enters the PPO ratio). `rollout_corr` is
+verl's rollout correction of the train/rollout log-prob gap, as GRPO's
+(`zeroxla.rlhf.rollout_correction.RolloutCorrection`): importance weights on the policy term,
+rejected tokens out of the loss and its count, or the rollout's log-probs as pi_old (bypass).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
 def _check(name: str, value: Any, ok: bool, accepted: str) -> None:
@@ -60,6 +65,8 @@ class PPOConfig:
     # verl's token budget (`use_dynamic_bsz`): packed rows of this many tokens per device, each
     # replica's rows its micro-batches, gradients accumulated (`packed_rollout.pack_for_step`).
     ppo_max_token_len_per_gpu: int | None = None
+    # verl's rollout correction (the module docstring); the default corrects nothing.
+    rollout_corr: RolloutCorrection = RolloutCorrection()
 
     def __post_init__(self) -> None:
         for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value"):
@@ -82,6 +89,10 @@ class PPOConfig:
         _check("ppo_max_token_len_per_gpu", budget, budget is None or (
             _is_int(budget) and budget >= 1 and self.packing),
             "None or an integer >= 1 with packing=True (the packed rows' length per device)")
+        _check("rollout_corr", self.rollout_corr, isinstance(
+            self.rollout_corr, RolloutCorrection) and not self.rollout_corr.kl_weighted,
+            "a RolloutCorrection with kl_weighted=False (PPO's KL is in the rewards, not a "
+            "term of the loss to weight)")
 
     @classmethod
     def vowels_demo(cls) -> "PPOConfig":

@@ -65,23 +65,33 @@ def _padded_under_sequence(sequence: Any) -> None:
 def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
     "old_logprobs", "advantages", "action_mask": [B, G]}; the policy over the ids below
-    `vocab_limit` (`answer_logprobs`). A packed batch (`packed_rollout`) runs under sequence
+    `vocab_limit` (`answer_logprobs`). With rollout correction (`rollout_correction.
+    corrected_batch`) "is_weights" [B, G] multiply each token's term (verl's
+    `pg_losses * rollout_is_weights`) and "loss_mask" [B, G], the kept tokens, is what the
+    loss sums and counts over (default "action_mask"). A packed batch (`packed_rollout`: the
+    kept tokens are its "loss_weight", their number its "loss_count") runs under sequence
     parallelism too (every term per token; the step passes `sequence`)."""
+    def weighted(terms, batch):
+        return terms * batch["is_weights"] if "is_weights" in batch else terms
+
     def actor_loss(model, batch, *, sequence=None, experts=None):
         mask = batch["action_mask"]
         if "segment_ids" in batch:         # packed (`packed_rollout`): the same token mean
             logprobs = jnp.where(mask > 0, packed_logprobs(model, batch, vocab_limit, sequence,
                                                            experts),
                                  batch["old_logprobs"])                   # [R, S]
-            terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                     cliprange=cliprange)
-            return jnp.sum(terms * mask), jnp.sum(batch["loss_count"])
+            terms = weighted(actor_loss_terms(logprobs, batch["old_logprobs"],
+                                              batch["advantages"], mask, cliprange=cliprange),
+                             batch)
+            return (jnp.sum(terms * mask * batch["loss_weight"]),
+                    jnp.sum(batch["loss_count"]))
         _padded_under_sequence(sequence)
         logprobs = answer_logprobs(model, batch["tokens"], mask.shape[1], vocab_limit,
                                    experts=experts)
-        terms = actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                 cliprange=cliprange)
-        return jnp.sum(terms * mask), jnp.sum(mask)
+        terms = weighted(actor_loss_terms(logprobs, batch["old_logprobs"], batch["advantages"],
+                                          mask, cliprange=cliprange), batch)
+        kept = batch.get("loss_mask", mask)                               # [B, G]
+        return jnp.sum(terms * kept), jnp.sum(kept)
     return actor_loss
 
 

@@ -11,7 +11,9 @@ One iteration (`PPOTrainer.generate_experience`, then `train_rlhf`):
    a score per answer (`reward.py`: a learned `RewardModel`'s end score, or a program on the
    answer text), per-token rewards and GAE (`advantages.py`);
 4. `ppo_epochs` times: one actor step (clipped policy loss) and one critic step (clipped value
-   loss) on the whole rollout.
+   loss) on the whole rollout; with `PPOConfig.rollout_corr` the actor's batch is corrected
+   for the train/rollout log-prob gap (`rollout_correction.corrected_batch`, as GRPO's: the
+   engine's drawn log-probs are the rollout's `rollout_logprobs`), its metrics in the record.
 
 The rollout's forwards (3.) run in each step's own layout (`answer_forward`: ZeRO-3's
 per-layer gathers, rows over the data replicas, tokens over the sequence devices), as
@@ -46,7 +48,8 @@ from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
 from zeroxla.rlhf.reward import RewardFn, make_scorer
 from zeroxla.rlhf.reward_model import RewardModel
 from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles
-from zeroxla.rlhf.rollout import Rollout, generation_stats, pad_answers
+from zeroxla.rlhf.rollout import Rollout, generation_stats, pad_answers, pad_logprobs
+from zeroxla.rlhf.rollout_correction import corrected_batch
 
 
 @functools.partial(jax.jit, static_argnames=("kl_ctl", "clip_reward_value", "gamma", "lam"))
@@ -172,23 +175,25 @@ class PPOTrainer:
                               c.prompts_per_iteration)
         return [self.prompt_tokens[s:s + c.prompt_length] for s in starts]
 
-    def generate_sequence(self, prompts: list[np.ndarray], iteration: int) -> list[np.ndarray]:
+    def generate_sequence(self, prompts: list[np.ndarray], iteration: int
+                          ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The Hybrid Engine's samples (temperature 1: the actor's own distribution), over the
-        ids the tokenizer decodes (`vocab_limit`: a padded vocabulary's rows are never drawn)."""
-        outputs = self.engine.generate(self.actor_state, prompts,
-                                       max_new_tokens=self.config.answer_length,
-                                       temperature=1.0, eos_id=self.eos_id,
-                                       seed=self.seed * 100_003 + iteration,
-                                       vocab_limit=self.vocab_limit)
+        ids the tokenizer decodes (`vocab_limit`: a padded vocabulary's rows are never drawn),
+        and the log-probs [new] it drew each answer's tokens with."""
+        outputs, drawn = self.engine.generate(self.actor_state, prompts,
+                                              max_new_tokens=self.config.answer_length,
+                                              temperature=1.0, eos_id=self.eos_id,
+                                              seed=self.seed * 100_003 + iteration,
+                                              vocab_limit=self.vocab_limit, return_logprobs=True)
         self.engine.release()          # the next optimizer step makes the TP copy stale anyway
-        return outputs
+        return outputs, drawn
 
     def generate_experience(self, iteration: int) -> tuple[Rollout, float, float]:
         """One rollout; returns it with the seconds spent generating and scoring it."""
         c = self.config
         start = time.perf_counter()
         prompts = self.sample_prompts(iteration)
-        outputs = self.generate_sequence(prompts, iteration)
+        outputs, drawn = self.generate_sequence(prompts, iteration)
         generation_s = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -206,7 +211,8 @@ class PPOTrainer:
             logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=rewards,
             advantages=advantages, returns=returns).items()}
         rollout = Rollout(prompt_length=c.prompt_length, tokens=tokens, action_mask=mask,
-                          texts=texts, scores=scores, **host)
+                          texts=texts, scores=scores, rollout_logprobs=pad_logprobs(drawn, mask),
+                          **host)
         return rollout, generation_s, time.perf_counter() - start
 
     # ---- training --------------------------------------------------------------------------
@@ -229,7 +235,7 @@ class PPOTrainer:
         it. Returns its record (the iteration, the rollout's mean `reward` (score) and `kl`, the
         `actor_loss` and `critic_loss` of the training, the seconds spent in `generation_s`
         (Hybrid Engine), `experience_s` (forwards, rewards, GAE) and `training_s` (ZeRO-3
-        steps)) and the rollout."""
+        steps), with an active `rollout_corr` its `rollout_corr/*` metrics) and the rollout."""
         rollout, generation_s, experience_s = self.generate_experience(it)
         start = time.perf_counter()
         actor_loss, critic_loss = self.train_rlhf(rollout)
@@ -237,16 +243,30 @@ class PPOTrainer:
         record = dict(iteration=it, reward=float(np.mean(rollout.scores)), kl=rollout.kl(),
                       actor_loss=actor_loss, critic_loss=critic_loss,
                       generation_s=generation_s, experience_s=experience_s,
-                      training_s=time.perf_counter() - start, **generation_stats(self.engine))
+                      training_s=time.perf_counter() - start, **generation_stats(self.engine),
+                      **self.actor_batch(rollout)[1])
         return record, rollout
+
+    def actor_batch(self, rollout: Rollout) -> tuple[dict[str, Any], dict[str, float]]:
+        """The actor step's batch of `rollout`, padded, and with `config.rollout_corr` active
+        corrected (`corrected_batch`: "is_weights", "loss_mask", or under bypass the rollout's
+        log-probs as "old_logprobs") with its `rollout_corr/*` metrics; else no metric."""
+        batch = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
+                 "advantages": rollout.advantages, "action_mask": rollout.action_mask}
+        if not self.config.rollout_corr.active:
+            return batch, {}
+        if rollout.rollout_logprobs is None:
+            raise ValueError("PPOConfig.rollout_corr is active but the rollout has no "
+                             "rollout_logprobs; accepted: a rollout of generate_experience")
+        return corrected_batch(self.config.rollout_corr, batch, rollout.rollout_logprobs)
 
     def batches(self, rollout: Rollout) -> tuple[tuple[dict[str, Any], int | None], ...]:
         """((the actor step's batch, its `gradient_accumulation_steps`), the critic step's) of
-        `rollout`: with `config.packing` packed (`packed_rollout`; a prompt's left padding
-        stays in its sequence, as the padded forward sees it), the token means of both losses
-        unchanged; with `ppo_max_token_len_per_gpu` in micro-batches of that budget."""
-        actor = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
-                 "advantages": rollout.advantages, "action_mask": rollout.action_mask}
+        `rollout` (the actor's corrected: `actor_batch`): with `config.packing` packed
+        (`packed_rollout`; a prompt's left padding stays in its sequence, as the padded forward
+        sees it), the token means of both losses unchanged; with `ppo_max_token_len_per_gpu`
+        in micro-batches of that budget."""
+        actor, _ = self.actor_batch(rollout)
         critic = {"tokens": rollout.tokens, "old_values": rollout.values,
                   "returns": rollout.returns, "action_mask": rollout.action_mask}
         if not self.config.packing:

@@ -32,19 +32,20 @@ class Rollout:
     rewards: np.ndarray                  # float32[B, G], KL penalty + clipped score at the end
     advantages: np.ndarray               # float32[B, G], GAE
     returns: np.ndarray                  # float32[B, G], advantages + values
+    rollout_logprobs: np.ndarray | None = None   # float32[B, G], as the engine drew them
 
     @property
     def answer_length(self) -> int:
         return self.action_mask.shape[1]
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Writes every field to the `.npz` file `path` (texts as a string array, no pickle);
-        `Rollout.load` reads it back. Returns the path."""
+        """Writes every field but an absent one (None) to the `.npz` file `path` (texts as a
+        string array, no pickle); `Rollout.load` reads it back. Returns the path."""
         path = Path(path)
         if path.suffix != ".npz":
             raise ValueError(f"Rollout.save({path}): accepted: a path ending in .npz")
         np.savez(path, **{f.name: np.asarray(getattr(self, f.name))
-                          for f in dataclasses.fields(self)})
+                          for f in dataclasses.fields(self) if getattr(self, f.name) is not None})
         return path
 
     @classmethod

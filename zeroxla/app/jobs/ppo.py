@@ -9,7 +9,8 @@ its score of prompt + answer at the answer's last real token plus the per-token 
 (`zeroxla.rlhf.compute_rewards`); the Hybrid Engine generates the rollouts from the actor's
 ZeRO-3 partitions; prompts keep their last `--max-prompt-seq-len` tokens
 (`chat_data.prompt_rows`). With `--lora-dim` the actor and the critic (not the reference) get
-adapters; the summary's "parameters" and "memory" say what trains and what it holds.
+adapters; the summary's "parameters" and "memory" say what trains and what it holds. The
+`--rollout-*` options are verl's rollout correction of the actor's loss, as `zeroxla grpo`'s.
 
 One iteration a unit (`zeroxla.rlhf.PPOTrainer.iteration`), one metrics.jsonl record each. The
 runner saves checkpoint/actor and checkpoint/critic and exports the actor to actor_hf/; at the
@@ -33,7 +34,8 @@ from zeroxla.app.jobs.loading import REWARD_KIND, check_inference_tp, load_actor
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable, packing_option, token_budget_option)
+                                     OptionTable, packing_option, rollout_correction_options,
+                                     token_budget_option)
 from zeroxla.app.run.rundir import part_dir
 from zeroxla.app.run.runner import finite
 from zeroxla.app.tokenizers.records import tokenizer_record
@@ -41,6 +43,7 @@ from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
 from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf import PPOConfig, PPOTrainer, Rollout, plot_records, time_split
+from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 PLOT_FILE = "reward_kl.png"
 ROLLOUT_DIR = "rollouts"
@@ -60,6 +63,7 @@ class PPOJobConfig:
     sharding: ShardingSettings = ShardingSettings()       # the mesh (the trainer is ZeRO-3)
     run: RunSettings = RunSettings(eval_every=1)          # a line every iteration
     lora: LoRAConfig = LoRAConfig()          # actor's and critic's adapters (dim 0: none)
+    rollout_corr: RolloutCorrection = RolloutCorrection()    # verl's; becomes ppo.rollout_corr
 
     def __post_init__(self) -> None:
         check_sections(self)
@@ -111,7 +115,7 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
            "refused: the frozen reference is a copy of the actor's float partitions",
            action="store_true"),
     packing_option("ppo", "ppo", "the rollout (a prompt's left padding kept)"),
-    token_budget_option("ppo", "ppo"),
+    token_budget_option("ppo", "ppo"), *rollout_correction_options("ppo"),
     *(row for row in SHARDING_OPTIONS if row.flag != "--zero-stage"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the runs and the prompts", "ppo": "PPO hyper-parameters (DeepSpeed-Chat's names "
      "and defaults where it has them)", "parallel": "parallelism", "run": "the run", "lora":
@@ -165,7 +169,8 @@ class PPOJob:
         rows = chat_data.prompt_rows(chat_data.read_prompt_jsonl(c.prompts), self.tokenizer,
                                      c.ppo.prompt_length, c.prompts)
         self.critic_config = reward_model.base.config
-        self.trainer = PPOTrainer(c.ppo, actor, mesh=mesh, tokenizer=self.tokenizer,
+        ppo = c.ppo.replace(rollout_corr=c.rollout_corr)
+        self.trainer = PPOTrainer(ppo, actor, mesh=mesh, tokenizer=self.tokenizer,
                                   prompt_tokens=rows, reward_model=reward_model,
                                   critic_init=reward_model, inference_tp_size=c.inference_tp_size,
                                   eos_id=getattr(self.tokenizer, "eos_id", None), seed=c.run.seed,
@@ -231,7 +236,7 @@ class PPOJob:
                 "last_reward": records[-1]["reward"], "last_kl": records[-1]["kl"],
                 "time_split": time_split(records),
                 "paths": {**paths, "actor_hf": str(out / self.EXPORT_DIR), "rollouts": written},
-                "ppo": dataclasses.asdict(c.ppo), "lora": dataclasses.asdict(c.lora),
+                "ppo": dataclasses.asdict(self.trainer.config), "lora": dataclasses.asdict(c.lora),
                 "memory": self.trainer.memory(self.rollouts[max(self.rollouts)])}
 
 
