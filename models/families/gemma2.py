@@ -57,11 +57,12 @@ def from_hf(hf: Mapping[str, Any]) -> Gemma2Config:
         final_softcap=hf.get("final_logit_softcapping", 30.0), sliding_window=window)
 
 
-def to_hf(config: Gemma2Config) -> dict[str, Any]:
-    n = 2 * config.num_layers
-    return {"model_type": "gemma2", "vocab_size": config.vocab_size,
+def shared_hf_keys(config: Gemma2Config) -> dict[str, Any]:
+    """The config.json keys Gemma 2 and Gemma 3 (a `Gemma2Config` subclass) write alike: sizes,
+    norms, the tied head, the soft-capping and the window."""
+    return {"vocab_size": config.vocab_size,
             "hidden_size": config.d_model, "intermediate_size": config.mlp_dim,
-            "num_hidden_layers": n, "num_attention_heads": config.num_heads,
+            "num_attention_heads": config.num_heads,
             "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
             "hidden_activation": GELU, "max_position_embeddings": config.max_seq_len,
             "rms_norm_eps": config.norm_eps, "initializer_range": config.init_std,
@@ -69,7 +70,13 @@ def to_hf(config: Gemma2Config) -> dict[str, Any]:
             "query_pre_attn_scalar": config.query_pre_attn_scalar,
             "attn_logit_softcapping": config.attn_softcap,
             "final_logit_softcapping": config.final_softcap,
-            "sliding_window": config.sliding_window, "layer_types": alternating(n),
+            "sliding_window": config.sliding_window}
+
+
+def to_hf(config: Gemma2Config) -> dict[str, Any]:
+    n = 2 * config.num_layers
+    return {"model_type": "gemma2", **shared_hf_keys(config), "num_hidden_layers": n,
+            "layer_types": alternating(n),
             "rope_theta": config.rope_theta, "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..gemma3 import GLOBAL_ROPE_TYPES, Gemma3, Gemma3Config
 from ..hf_rules import as_is, as_is_inv, linear
-from .gemma2 import GELU
+from .gemma2 import GELU, shared_hf_keys
 from .qwen3_5 import text_keys
 from .spec import CAUSAL_LM, Family, Row, require
 
@@ -126,17 +126,7 @@ def to_hf(config: Gemma3Config) -> dict[str, Any]:
     full = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
     if config.rope_type == "linear":
         full["factor"] = config.rope_factor
-    return {"model_type": TEXT_MODEL_TYPE, "vocab_size": config.vocab_size,
-            "hidden_size": config.d_model, "intermediate_size": config.mlp_dim,
-            "num_hidden_layers": n, "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-            "hidden_activation": GELU, "max_position_embeddings": config.max_seq_len,
-            "rms_norm_eps": config.norm_eps, "initializer_range": config.init_std,
-            "tie_word_embeddings": True, "attention_bias": False,
-            "query_pre_attn_scalar": config.query_pre_attn_scalar,
-            "attn_logit_softcapping": config.attn_softcap,
-            "final_logit_softcapping": config.final_softcap,
-            "sliding_window": config.sliding_window,
+    return {"model_type": TEXT_MODEL_TYPE, **shared_hf_keys(config), "num_hidden_layers": n,
             "layer_types": layer_types(n, config.sliding_window_pattern),
             "rope_parameters": {SLIDING: {"rope_type": "default",
                                           "rope_theta": config.rope_local_theta},

@@ -28,7 +28,11 @@ import pytest
 from flax import nnx
 
 import zeroxla
-from family_checkpoints import save_random
+from family_checkpoints import (assert_export_reloads_in_transformers,
+                                assert_packed_row_equals_its_sequences_alone,
+                                assert_zero3_logits_and_loss_equal_transformers, packed_loss,
+                                packed_row,
+                                save_random, token_ids, torch_causal_lm)
 from zeroxla import models
 from zeroxla.models import hf
 
@@ -54,29 +58,8 @@ def checkpoint(tmp_path_factory):
     return save_random(model, tmp_path_factory.mktemp("gemma3"))
 
 
-def torch_model(directory):
-    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-
-
-def tokens(shape, seed=0):
-    return np.random.default_rng(seed).integers(0, VOCAB, size=shape).astype(np.int32)
-
-
 def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoint):
-    mesh = zeroxla.make_mesh(nodes=2, local=4)
-    _, state = zeroxla.load_pretrained(checkpoint, mesh, progress=False,
-                                       config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    model = zeroxla.gathered_model(state)
-    assert model.config.family == "gemma3" and model.config.num_layers == 2
-    x = tokens((2, 17))
-    with torch.no_grad():
-        out = torch_model(checkpoint)(torch.tensor(x, dtype=torch.long),
-                                      labels=torch.tensor(x, dtype=torch.long))
-    theirs = out.logits.numpy()
-    assert theirs.std() > 0.3                # not a degenerate near-zero model
-    np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
-    ours = -np.mean(np.asarray(model.token_logprobs(x[:, :-1], x[:, 1:])))
-    np.testing.assert_allclose(ours, out.loss.item(), rtol=1e-5)
+    assert_zero3_logits_and_loss_equal_transformers(checkpoint, "gemma3", 2, VOCAB, ATOL)
 
 
 def test_a_published_layout_checkpoint_loads_its_text_model(tmp_path):
@@ -106,30 +89,15 @@ def test_a_published_layout_checkpoint_loads_its_text_model(tmp_path):
     assert (config.num_layers, config.rope_type, config.rope_factor) == (1, "linear", 4.0)
     assert (config.rope_theta, config.rope_local_theta) == (5000.0, 100.0)
     reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path).eval()
-    x = tokens((2, 16), seed=1)
+    x = token_ids(VOCAB, (2, 16), seed=1)
     with torch.no_grad():
         theirs = reference(input_ids=torch.tensor(x, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
 
 
-def _packed_row(seed):
-    """One row [1, 17] packing sequences of 7 and 6 tokens and 4 of padding: (tokens,
-    positions, segment_ids, the two sequences)."""
-    a, b = tokens((7,), seed), tokens((6,), seed + 1)
-    row = np.concatenate([a, b, np.zeros(4, np.int32)])[None]
-    positions = np.concatenate([np.arange(7), np.arange(6), np.zeros(4)]).astype(np.int32)[None]
-    segments = np.array([1] * 7 + [2] * 6 + [0] * 4, np.int32)[None]
-    return row, positions, segments, (a, b)
-
-
 def test_a_packed_row_equals_its_sequences_run_alone(checkpoint):
     _, model = hf.load_hf_model(checkpoint)
-    row, positions, segments, (a, b) = _packed_row(3)
-    forward = jax.jit(lambda m, *args: m(*args))
-    packed = np.asarray(forward(model, row, positions, segments))
-    alone_a, alone_b = (np.asarray(forward(model, s[None])) for s in (a, b))
-    np.testing.assert_allclose(packed[:, :7], alone_a, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(packed[:, 7:13], alone_b, atol=1e-5, rtol=0)
+    assert_packed_row_equals_its_sequences_alone(model, VOCAB, padding=4)
 
 
 @pytest.mark.parametrize("batching,tp", [pytest.param("static", 1, marks=pytest.mark.slow),
@@ -145,8 +113,8 @@ def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, batching,
     step, state = zeroxla.load_pretrained(
         checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
         config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    prompts = [tokens((7,), seed=3), tokens((7,), seed=4)]
-    reference, want = torch_model(checkpoint), []
+    prompts = [token_ids(VOCAB, (7,), seed=3), token_ids(VOCAB, (7,), seed=4)]
+    reference, want = torch_causal_lm(checkpoint), []
     for prompt in prompts:
         with torch.no_grad():
             want.append(reference.generate(torch.tensor(prompt[None], dtype=torch.long),
@@ -162,7 +130,7 @@ def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, batching,
 
 def _packed_batch():
     """8 packed rows [8, 16] with their positions, segment ids and loss mask."""
-    rows = [_packed_row(seed) for seed in range(0, 16, 2)]
+    rows = [packed_row(VOCAB, 4, seed) for seed in range(0, 16, 2)]
     seq = np.concatenate([r[0] for r in rows])
     seg = np.concatenate([r[2] for r in rows])
     return {"inputs": seq[:, :-1], "targets": seq[:, 1:],
@@ -170,14 +138,6 @@ def _packed_batch():
             "segment_ids": seg[:, :-1],
             # a token's target is the next token of its own sequence
             "loss_mask": ((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] != 0)).astype(np.float32)}
-
-
-def _packed_loss(model, batch):
-    """Mean next-token cross-entropy over the real tokens of packed rows, written out."""
-    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
 
 
 LORA = dict(dim=4, alpha=8.0, module_name=r"blocks/.*(wq|wv|w_up)$")
@@ -218,7 +178,7 @@ def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, name):
         trained = set(flat_params(nnx.state(reference, nnx.LoRAParam))) if lora else None
         want, expected = train_single_device(
             reference, masked_optimizer(optimizer, trained) if lora else optimizer, batches,
-            loss_fn=_packed_loss)
+            loss_fn=packed_loss)
         step = zeroxla.make_step(build(), zeroxla.make_mesh(nodes, local, sequence=sequence),
                                  optimizer=optimizer,
                                  config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
@@ -235,16 +195,8 @@ def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, name):
 
 
 def test_export_reloads_in_transformers_with_equal_logits(checkpoint, tmp_path):
-    config, model = hf.load_hf_model(checkpoint)
-    hf.save_hf_model(config, model, tmp_path)
-    written = json.loads((tmp_path / "config.json").read_text())
-    assert written["model_type"] == "gemma3_text"
-    assert written["architectures"] == ["Gemma3ForCausalLM"]
-    x = tokens((2, 16), seed=4)
-    with torch.no_grad():
-        theirs = torch_model(tmp_path)(torch.tensor(x, dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(theirs, np.asarray(model(x)), atol=ATOL, rtol=0)
-    assert hf.from_hf_config(written) == config
+    assert_export_reloads_in_transformers(checkpoint, tmp_path, "gemma3_text", "Gemma3ForCausalLM",
+                                          VOCAB, ATOL)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -297,4 +249,4 @@ def test_defaults_and_parameter_count_equal_transformers(checkpoint):
     assert config.sliding_window_pattern == defaults.layer_types.index("full_attention") + 1
     tiny = hf.from_hf_config(hf.read_hf_config(checkpoint))
     ours = sum(np.size(v) for v in hf.param_dict(models.Gemma3(tiny, rngs=nnx.Rngs(0))).values())
-    assert ours == sum(p.numel() for p in torch_model(checkpoint).parameters())
+    assert ours == sum(p.numel() for p in torch_causal_lm(checkpoint).parameters())

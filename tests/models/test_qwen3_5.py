@@ -16,7 +16,6 @@ layers and one gated attention layer; every tensor perturbed, no network):
   config.json option not built is refused by its key.
 """
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,11 @@ import pytest
 from flax import nnx
 
 import zeroxla
-from family_checkpoints import save_random
+from family_checkpoints import (assert_export_reloads_in_transformers,
+                                assert_packed_row_equals_its_sequences_alone,
+                                assert_zero3_logits_and_loss_equal_transformers, packed_loss,
+                                packed_row,
+                                save_random, token_ids, torch_causal_lm)
 from zeroxla import models
 from zeroxla.models import hf
 from runs import run_steps
@@ -56,29 +59,8 @@ def checkpoint(tmp_path_factory):
     return save_random(model, tmp_path_factory.mktemp("qwen3_5"))
 
 
-def torch_model(directory):
-    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-
-
-def tokens(shape, seed=0):
-    return np.random.default_rng(seed).integers(0, VOCAB, size=shape).astype(np.int32)
-
-
 def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoint):
-    mesh = zeroxla.make_mesh(nodes=2, local=4)
-    _, state = zeroxla.load_pretrained(checkpoint, mesh, progress=False,
-                                       config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    model = zeroxla.gathered_model(state)
-    assert model.config.family == "qwen3_5" and model.config.num_layers == 2
-    x = tokens((2, 17))
-    with torch.no_grad():
-        out = torch_model(checkpoint)(torch.tensor(x, dtype=torch.long),
-                                      labels=torch.tensor(x, dtype=torch.long))
-    theirs = out.logits.numpy()
-    assert theirs.std() > 0.3                # not a degenerate near-zero model
-    np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
-    ours = -np.mean(np.asarray(model.token_logprobs(x[:, :-1], x[:, 1:])))
-    np.testing.assert_allclose(ours, out.loss.item(), rtol=1e-5)
+    assert_zero3_logits_and_loss_equal_transformers(checkpoint, "qwen3_5", 2, VOCAB, ATOL)
 
 
 def test_a_published_layout_checkpoint_loads_its_text_model(tmp_path):
@@ -101,40 +83,18 @@ def test_a_published_layout_checkpoint_loads_its_text_model(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config, model = hf.load_hf_model(tmp_path)
     assert config.tie_word_embeddings and config.num_layers == 1
-    x = tokens((2, 16), seed=1)
+    x = token_ids(VOCAB, (2, 16), seed=1)
     with torch.no_grad():
         theirs = reference.eval()(input_ids=torch.tensor(x, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
 
 
-def _packed_row(seed):
-    """One row [1, 16] packing sequences of 7 and 6 tokens and 3 of padding: (tokens,
-    positions, segment_ids, the two sequences)."""
-    a, b = tokens((7,), seed), tokens((6,), seed + 1)
-    row = np.concatenate([a, b, np.zeros(3, np.int32)])[None]
-    positions = np.concatenate([np.arange(7), np.arange(6), np.zeros(3)]).astype(np.int32)[None]
-    segments = np.array([1] * 7 + [2] * 6 + [0] * 3, np.int32)[None]
-    return row, positions, segments, (a, b)
-
-
 def test_a_packed_row_equals_its_sequences_run_alone(checkpoint):
     _, model = hf.load_hf_model(checkpoint)
-    row, positions, segments, (a, b) = _packed_row(3)
-    forward = jax.jit(lambda m, *args: m(*args))
-    packed = np.asarray(forward(model, row, positions, segments))
-    alone_a, alone_b = (np.asarray(forward(model, s[None])) for s in (a, b))
-    np.testing.assert_allclose(packed[:, :7], alone_a, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(packed[:, 7:13], alone_b, atol=1e-5, rtol=0)
+    forward, row, positions, alone_b = assert_packed_row_equals_its_sequences_alone(
+        model, VOCAB, padding=3)
     unreset = np.asarray(forward(model, row, positions))     # no segment ids: one sequence
     assert np.abs(unreset[:, 7:13] - alone_b).max() > 1e-3
-
-
-def _packed_loss(model, batch):
-    """Mean next-token cross-entropy over the real tokens of packed rows, written out."""
-    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
 
 
 @pytest.mark.slow
@@ -148,7 +108,7 @@ def test_zero3_on_2x4_trains_packed_rows_like_the_unsharded_model(checkpoint):
     parity errors stay at 7e-6 of the update after 3 steps."""
     from reference import flat_params, train_single_device
 
-    rows = [_packed_row(seed) for seed in range(0, 16, 2)]           # 8 rows
+    rows = [packed_row(VOCAB, 3, seed) for seed in range(0, 16, 2)]      # 8 rows
     seq = np.concatenate([r[0] for r in rows])
     seg = np.concatenate([r[2] for r in rows])
     batch = {"inputs": seq[:, :-1], "targets": seq[:, 1:],
@@ -160,7 +120,7 @@ def test_zero3_on_2x4_trains_packed_rows_like_the_unsharded_model(checkpoint):
     optimizer = optax.sgd(0.002, momentum=0.9)
     with jax.enable_x64(True):
         want, expected = train_single_device(hf.load_hf_model(checkpoint, dtype=jnp.float64)[1],
-                                             optimizer, batches, loss_fn=_packed_loss)
+                                             optimizer, batches, loss_fn=packed_loss)
         step = zeroxla.make_step(hf.load_hf_model(checkpoint, dtype=jnp.float64)[1],
                                  zeroxla.make_mesh(nodes=2, local=4), optimizer=optimizer,
                                  config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
@@ -175,16 +135,8 @@ def test_zero3_on_2x4_trains_packed_rows_like_the_unsharded_model(checkpoint):
 
 
 def test_export_reloads_in_transformers_with_equal_logits(checkpoint, tmp_path):
-    config, model = hf.load_hf_model(checkpoint)
-    hf.save_hf_model(config, model, tmp_path)
-    written = json.loads((tmp_path / "config.json").read_text())
-    assert written["model_type"] == "qwen3_5_text"
-    assert written["architectures"] == ["Qwen3_5ForCausalLM"]
-    x = tokens((2, 16), seed=4)
-    with torch.no_grad():
-        theirs = torch_model(tmp_path)(torch.tensor(x, dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(theirs, np.asarray(model(x)), atol=ATOL, rtol=0)
-    assert hf.from_hf_config(written) == config
+    assert_export_reloads_in_transformers(checkpoint, tmp_path, "qwen3_5_text",
+                                          "Qwen3_5ForCausalLM", VOCAB, ATOL)
 
 
 def test_generation_is_refused_by_name(checkpoint):

@@ -4,6 +4,9 @@ network).
     torch.manual_seed(0); model = AutoModelForCausalLM.from_config(config)
     save_random(model, directory)    # every tensor drawn at random, then save_pretrained
     edit_config(directory, **keys)   # rewrite config.json keys after the save (None deletes)
+
+and the checks every new family makes against transformers (logits and loss under ZeRO-3,
+packed rows, export): `assert_*` below.
 """
 
 from __future__ import annotations
@@ -39,3 +42,108 @@ def edit_config(directory: str | Path, **keys: Any) -> dict[str, Any]:
             hf[key] = value
     path.write_text(json.dumps(hf))
     return hf
+
+
+# ------------------------------------------------------------------------------------------------
+# The checks every new family's test file makes against transformers (tests/models/test_*.py).
+
+def token_ids(vocab: int, shape: tuple[int, ...], seed: int = 0):
+    """int32 token ids below `vocab`, drawn from `seed`."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
+
+
+def torch_causal_lm(directory: str | Path) -> Any:
+    """transformers' own model of the checkpoint in `directory`, in evaluation mode."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def assert_zero3_logits_and_loss_equal_transformers(checkpoint: Path, family: str,
+                                                    num_layers: int, vocab: int, atol: float):
+    """The checkpoint loaded into ZeRO-3 partitions on 2 x 4 (every leaf partitioned): its
+    gathered model's logits within `atol` of transformers' and its mean next-token loss equal
+    to transformers' `labels=` loss (rtol 1e-5), on two rows of 17 tokens."""
+    import numpy as np
+    import torch
+
+    import zeroxla
+
+    _, state = zeroxla.load_pretrained(checkpoint, zeroxla.make_mesh(nodes=2, local=4),
+                                       progress=False,
+                                       config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    model = zeroxla.gathered_model(state)
+    assert model.config.family == family and model.config.num_layers == num_layers
+    x = token_ids(vocab, (2, 17))
+    with torch.no_grad():
+        out = torch_causal_lm(checkpoint)(torch.tensor(x, dtype=torch.long),
+                                          labels=torch.tensor(x, dtype=torch.long))
+    theirs = out.logits.numpy()
+    assert theirs.std() > 0.3                # not a degenerate near-zero model
+    np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=atol, rtol=0)
+    ours = -np.mean(np.asarray(model.token_logprobs(x[:, :-1], x[:, 1:])))
+    np.testing.assert_allclose(ours, out.loss.item(), rtol=1e-5)
+
+
+def packed_row(vocab: int, padding: int, seed: int):
+    """One row [1, 13 + padding] packing sequences of 7 and 6 tokens, then `padding` slots:
+    (tokens, positions, segment_ids, the two sequences)."""
+    import numpy as np
+
+    a, b = token_ids(vocab, (7,), seed), token_ids(vocab, (6,), seed + 1)
+    row = np.concatenate([a, b, np.zeros(padding, np.int32)])[None]
+    positions = np.concatenate([np.arange(7), np.arange(6),
+                                np.zeros(padding)]).astype(np.int32)[None]
+    segments = np.array([1] * 7 + [2] * 6 + [0] * padding, np.int32)[None]
+    return row, positions, segments, (a, b)
+
+
+def assert_packed_row_equals_its_sequences_alone(model: Any, vocab: int, padding: int,
+                                                 seed: int = 3):
+    """`model`'s logits of a packed row (`packed_row`) equal each sequence run alone (1e-5);
+    returns (the jitted forward, the row, its positions, the second sequence's logits alone)."""
+    import jax
+    import numpy as np
+
+    row, positions, segments, (a, b) = packed_row(vocab, padding, seed)
+    forward = jax.jit(lambda m, *args: m(*args))
+    packed = np.asarray(forward(model, row, positions, segments))
+    alone_a, alone_b = (np.asarray(forward(model, s[None])) for s in (a, b))
+    np.testing.assert_allclose(packed[:, :7], alone_a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, 7:13], alone_b, atol=1e-5, rtol=0)
+    return forward, row, positions, alone_b
+
+
+def assert_export_reloads_in_transformers(checkpoint: Path, directory: Path, model_type: str,
+                                          architecture: str, vocab: int, atol: float):
+    """The checkpoint loaded and saved back to `directory`: config.json names `model_type` and
+    `architecture`, transformers' model of it gives our logits within `atol`, and the config
+    reads back equal."""
+    import numpy as np
+    import torch
+
+    from zeroxla.models import hf
+
+    config, model = hf.load_hf_model(checkpoint)
+    hf.save_hf_model(config, model, directory)
+    written = json.loads((Path(directory) / "config.json").read_text())
+    assert written["model_type"] == model_type
+    assert written["architectures"] == [architecture]
+    x = token_ids(vocab, (2, 16), seed=4)
+    with torch.no_grad():
+        theirs = torch_causal_lm(directory)(torch.tensor(x, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, np.asarray(model(x)), atol=atol, rtol=0)
+    assert hf.from_hf_config(written) == config
+
+
+def packed_loss(model: Any, batch: dict[str, Any]) -> Any:
+    """Mean next-token cross-entropy over the real tokens of packed rows, written out."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])

@@ -43,20 +43,17 @@ class TokenForward:
 
     def __init__(self, step: Any, fn: Callable[..., jax.Array]):
         layout = self.layout = step.layout
-        if layout.sequence is not None and not takes_sequence(fn):
-            name = getattr(fn, "__name__", type(fn).__name__)
-            raise ValueError(
-                f"TokenForward: the step's mesh splits every sequence over "
-                f"{layout.sequence.size} devices, but fn {name} takes no `sequence` argument: "
-                "it would run the model on a slice as if it were whole sequences; accepted: "
-                "fn(model, batch, *, sequence) passing `sequence` to the model")
-        if layout.experts is not None and not takes_experts(fn):
-            name = getattr(fn, "__name__", type(fn).__name__)
-            raise ValueError(
-                f"TokenForward: the step's mesh splits the model's experts over "
-                f"{layout.experts.size} devices, but fn {name} takes no `experts` argument: its "
-                "MoE layers would refuse a call without it; accepted: fn(model, batch, *, "
-                "experts) passing `experts` to the model")
+        for arg, split, takes, what, why in (
+                ("sequence", layout.sequence, takes_sequence, "every sequence",
+                 "it would run the model on a slice as if it were whole sequences"),
+                ("experts", layout.experts, takes_experts, "the model's experts",
+                 "its MoE layers would refuse a call without it")):
+            if split is not None and not takes(fn):
+                name = getattr(fn, "__name__", type(fn).__name__)
+                raise ValueError(
+                    f"TokenForward: the step's mesh splits {what} over {split.size} devices, "
+                    f"but fn {name} takes no `{arg}` argument: {why}; accepted: fn(model, "
+                    f"batch, *, {arg}) passing `{arg}` to the model")
         self.fn, spec = fn, batch_spec(layout.axes)
         local = jax.shard_map(self._local, mesh=layout.mesh,
                               in_specs=(layout.model_plan.compute_input_specs(), P(), spec),

@@ -46,28 +46,28 @@ def memory_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+def choice_list(text: str, accepted: tuple[str, ...]) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b'), each one of `accepted`; an argparse error naming them otherwise."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    bad = [name for name in names if name not in accepted]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: one or more of "
+                                         f"{', '.join(accepted)}, comma-separated")
+    return names
+
+
 def remat_list(text: str) -> tuple[str, ...]:
     """'none,full,offload' -> the policies, each one `ZeroConfig.remat` accepts."""
     from zeroxla.sharding.config import REMAT_POLICIES
 
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    bad = [name for name in names if name not in REMAT_POLICIES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: one or more of "
-                                         f"{', '.join(REMAT_POLICIES)}, comma-separated")
-    return names
+    return choice_list(text, REMAT_POLICIES)
 
 
 def attention_list(text: str) -> tuple[str, ...]:
     """'naive,blockwise' -> the attention implementations, each one models accept."""
     from zeroxla.models.attention import IMPLEMENTATIONS
 
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    bad = [name for name in names if name not in IMPLEMENTATIONS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: one or more of "
-                                         f"{', '.join(IMPLEMENTATIONS)}, comma-separated")
-    return names
+    return choice_list(text, IMPLEMENTATIONS)
 
 
 DEVICE_MEMORY = "80GiB"       # --device-memory's default, as written
