@@ -35,6 +35,7 @@ from family_checkpoints import (assert_export_reloads_in_transformers,
                                 save_random, token_ids, torch_causal_lm)
 from zeroxla import models
 from zeroxla.models import hf
+from runs import run_steps
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -250,3 +251,25 @@ def test_defaults_and_parameter_count_equal_transformers(checkpoint):
     tiny = hf.from_hf_config(hf.read_hf_config(checkpoint))
     ours = sum(np.size(v) for v in hf.param_dict(models.Gemma3(tiny, rngs=nnx.Rngs(0))).values())
     assert ours == sum(p.numel() for p in torch_causal_lm(checkpoint).parameters())
+
+
+@pytest.mark.slow
+def test_pipelined_over_two_stages_trains_like_one_device():
+    """Periods of 3 (2 sliding + 1 global) as the pipeline's units: 2 stages, ZeRO-3, against
+    single-device optax."""
+    from reference import token_batches, train_single_device
+
+    config = models.Gemma3Config(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2,
+                                 mlp_dim=64, num_layers=2, sliding_window=4,
+                                 sliding_window_pattern=3, init_std=0.2)
+    _assert_pipeline_equals_one_device(lambda: models.Gemma3(config, rngs=nnx.Rngs(0)),
+                                       token_batches(2, 8, 16, 64), train_single_device)
+
+
+def _assert_pipeline_equals_one_device(build, batches, train_single_device):
+    expected, _ = train_single_device(build(), optax.sgd(0.1), batches)
+    step = zeroxla.make_step(build(), zeroxla.make_mesh(1, stages=2), optimizer=optax.sgd(0.1),
+                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0),
+                             pipeline=zeroxla.PipelineConfig(2))
+    _, losses = run_steps(step, step.init(), batches)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)

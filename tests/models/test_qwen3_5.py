@@ -170,3 +170,24 @@ def test_options_not_built_are_refused_by_key(checkpoint, change, match):
     if "model_type" not in change:
         with pytest.raises(ValueError, match=match):
             hf.from_hf_config(nested)
+
+
+@pytest.mark.slow
+def test_pipelined_over_two_stages_trains_like_one_device():
+    """Periods of DeltaNet + gated attention layers as the pipeline's units: 2 stages, ZeRO-3,
+    against single-device optax."""
+    from reference import token_batches, train_single_device
+    from zeroxla.models.qwen3_5 import Qwen3_5, Qwen3_5Config
+
+    config = Qwen3_5Config(vocab_size=64, num_layers=2)
+    _assert_pipeline_equals_one_device(lambda: Qwen3_5(config, rngs=nnx.Rngs(0)),
+                                       token_batches(2, 8, 16, 64), train_single_device)
+
+
+def _assert_pipeline_equals_one_device(build, batches, train_single_device):
+    expected, _ = train_single_device(build(), optax.sgd(0.1), batches)
+    step = zeroxla.make_step(build(), zeroxla.make_mesh(1, stages=2), optimizer=optax.sgd(0.1),
+                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0),
+                             pipeline=zeroxla.PipelineConfig(2))
+    _, losses = run_steps(step, step.init(), batches)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
