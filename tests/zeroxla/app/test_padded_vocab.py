@@ -64,7 +64,8 @@ def emitted(monkeypatch):
 
     def recording(self, state, prompts, *args, **kwargs):
         out = generate(self, state, prompts, *args, **kwargs)
-        rows.extend((row, len(prompt)) for row, prompt in zip(out, prompts))
+        rows_out = out[0] if kwargs.get("return_logprobs") else out   # (outputs, logprobs)
+        rows.extend((row, len(prompt)) for row, prompt in zip(rows_out, prompts))
         return out
 
     monkeypatch.setattr(HybridEngine, "generate", recording)
