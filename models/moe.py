@@ -19,6 +19,18 @@ Under expert parallelism the layer holds E / EP of the experts and is told so by
 `experts` argument (an `ExpertParallel`, threaded from the model's forward through the stack as
 `sequence=` is); a layer holding fewer than E experts called without it is refused by name
 (`check_expert_split`), never run on a slice of its experts as if it were all of them.
+
+Routing replay (R3, "rollout routing replay"): called with `replay`, a recorded selection int32
+[B, T, k] (a rollout engine's, so that training routes each token as the rollout did), the layer
+sends each token to the recorded experts and weighs them by the live router's probabilities at
+those experts, softmax(h @ router) gathered there (renormalised when `norm_topk_prob`, as
+`route` does for its own choice): the router keeps its gradient, the selection is fixed. A
+token whose record is negative (-1 in its first slot: none recorded) routes live. The auxiliary
+loss's statistics stay the live router's (its probabilities and its own top-k counts), as
+Megatron-LM's router computes them under `moe_enable_routing_replay`
+(`compute_routing_scores_for_aux_loss` takes its own top-k of the live scores; only the
+dispatch is replayed). `replay_mismatches` counts the tokens whose live choice differs from
+the record.
 """
 
 from __future__ import annotations
@@ -69,6 +81,27 @@ def aux_loss(stats: RouterStats) -> jax.Array:
     return stats.counts.shape[0] * jnp.sum((stats.counts / rows) * (stats.prob_sum / rows))
 
 
+def replayed_weights(probs: jax.Array, chosen: jax.Array, norm_topk_prob: bool) -> jax.Array:
+    """The routing weights [N, k] of the experts `chosen` int32 [N, k] under the router's
+    `probs` [N, E]: the probabilities at those experts, renormalised to sum 1 when
+    `norm_topk_prob`. For the router's own top-k, `route`'s weights bit for bit."""
+    weights = jnp.take_along_axis(probs, chosen, axis=-1)                    # [N, k]
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights
+
+
+def replay_mismatches(live: jax.Array, replay: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """int32 [B, T]: 1 where a token with a record (`replay` int32 [B, T, k], first slot >= 0)
+    that `mask` [B, T] keeps (None: all) has a live choice `live` int32 [B, T, k] that is not
+    the recorded set of experts (the order within the k is not compared), else 0."""
+    differ = jnp.any(jnp.sort(live, axis=-1) != jnp.sort(replay, axis=-1), axis=-1)
+    differ &= replay[..., 0] >= 0
+    if mask is not None:
+        differ &= mask.astype(bool)
+    return differ.astype(jnp.int32)
+
+
 def route(h: jax.Array, router: jax.Array, top_k: int,
           norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [N, D], router [D, E] -> (weights float32 [N, k], experts int32 [N, k], probabilities
@@ -105,16 +138,23 @@ class MoeMLP(nnx.Module):
             self.shared_expert_gate = param(rngs, init, (d,), (axes.EMBED,))
 
     def __call__(self, h: jax.Array, mask: jax.Array | None = None,
-                 experts: ExpertParallel | None = None
+                 experts: ExpertParallel | None = None, replay: jax.Array | None = None
                  ) -> tuple[jax.Array, RouterStats, jax.Array]:
         """h [B, T, D] -> (output [B, T, D], this layer's `RouterStats` over the tokens `mask`
-        [B, T] (1: a real token; None: all) keeps, the chosen experts int32 [B, T, k]).
-        `experts`: the expert axis this layer's E / EP experts are split over (inside
-        `shard_map`, `models.expert_parallel`); None: it holds all E."""
+        [B, T] (1: a real token; None: all) keeps, the experts the live router chooses int32
+        [B, T, k]). `experts`: the expert axis this layer's E / EP experts are split over
+        (inside `shard_map`, `models.expert_parallel`); None: it holds all E. `replay`: a
+        recorded selection int32 [B, T, k] the tokens are sent to instead (module docstring:
+        the weights from the live router, the statistics the live choice's)."""
         b, t, d = h.shape
         x = h.reshape(b * t, d)                                               # [N, D]
         weights, chosen, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob)
-        out = self._experts(x, chosen, weights.astype(h.dtype), experts)     # [N, D]
+        used = chosen
+        if replay is not None:
+            record = replay.reshape(b * t, self.top_k).astype(jnp.int32)     # [N, k]
+            used = jnp.where(record[:, :1] >= 0, record, chosen)
+            weights = replayed_weights(probs, used, self.norm_topk_prob)
+        out = self._experts(x, used, weights.astype(h.dtype), experts)       # [N, D]
         if getattr(self, "shared_gate", None) is not None:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(h.dtype))   # [N]
             inner = jax.nn.silu(x @ self.shared_gate[...]) * (x @ self.shared_up[...])

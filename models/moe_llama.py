@@ -5,9 +5,11 @@ Every layer is sparse (an MoE MLP, `models.moe`); the attention is Llama's with 
 options (biases, per-head q/k norms, OLMoE's norms over the whole q and k projections, a
 sliding window). In training the stack carries `moe.Routed` (hidden states and router
 statistics) and `routed_token_logprobs` returns the statistics beside the log-probs, which the
-step turns into the auxiliary loss; `router_choices` carries `Chosen` (the experts of each
-layer) through a full forward or the KV-cached decode; inference paths (`__call__`, `decode`)
-carry plain hidden states.
+step turns into the auxiliary loss; `replayed_token_logprobs` carries `Replayed` (routing
+replay: every layer sends each token to a recorded selection, `models.moe`) and returns the
+statistics and the per-token count of layers whose live choice differs from the record;
+`router_choices` carries `Chosen` (the experts of each layer) through a full forward or the
+KV-cached decode; inference paths (`__call__`, `decode`) carry plain hidden states.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .grouped_matmul import TILE, check_expert_implementation
 from .layers import at_least_float32, forward_stack, stack_args
 from .expert_parallel import ExpertParallel
 from .llama import Block, Llama, LlamaConfig
-from .moe import MoeMLP, Routed, RouterStats
+from .moe import MoeMLP, Routed, RouterStats, replay_mismatches
 from .sequence_parallel import SequenceParallel
 from .tiled_mlp import tiled_map
 
@@ -127,10 +129,25 @@ class Chosen(NamedTuple):
     layer: jax.Array
 
 
+class Replayed(NamedTuple):
+    """A stack's carry under routing replay: the hidden states [B, T, D], the router statistics
+    of the layers so far, the next layer's index `layer` (int32 []), and per token the number
+    of layers so far whose live choice differed from the record (`mismatches` int32 [B, T]).
+    The record itself, int32 [L, B, T, k], reaches every block as an argument (read once, not
+    carried: a layer's kept input carry would hold it once per layer)."""
+
+    hidden: jax.Array
+    stats: RouterStats
+    layer: jax.Array
+    mismatches: jax.Array
+
+
 class MoeBlock(Block):
     """x + attn(norm(x)), then x + moe(norm(x)). Called with a `Routed` carry it returns one,
-    this layer's router statistics added; with a `Chosen` one, this layer's experts recorded;
-    with plain hidden states, plain hidden states."""
+    this layer's router statistics added; with a `Replayed` one (and the record `replay`),
+    the same with the layer's tokens sent to the recorded experts and its mismatches counted;
+    with a `Chosen` one, this layer's experts recorded; with plain hidden states, plain hidden
+    states."""
 
     def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
         super().__init__(cfg.replace(qk_norm=cfg.qk_norm and cfg.qk_norm_scope == "head"), rngs)
@@ -145,15 +162,24 @@ class MoeBlock(Block):
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
-                 experts: ExpertParallel | None = None, cache: dict | None = None):
-        """x [B, T, D], `Routed` or `Chosen` -> (the same kind, cache); the MoE runs over all
-        the tokens at once (`mlp_chunk` tiles the attention's per-token parts only), its
-        experts split over `experts` when given (`MoeMLP`)."""
+                 experts: ExpertParallel | None = None, replay: jax.Array | None = None,
+                 cache: dict | None = None):
+        """x [B, T, D], `Routed`, `Replayed` or `Chosen` -> (the same kind, cache); the MoE
+        runs over all the tokens at once (`mlp_chunk` tiles the attention's per-token parts
+        only), its experts split over `experts` when given (`MoeMLP`); `replay` int32
+        [L, B, T, k] (with a `Replayed` carry): every layer's recorded selection."""
         h = x if isinstance(x, jax.Array) else x.hidden
         a, cache = self.attend(h, positions, segment_ids, sequence, cache)
         h = tiled_map(self.attention_out, (h, a), self.mlp_chunk)
-        y, stats, chosen = self.moe(self.mlp_norm(h), token_mask(segment_ids), experts)
+        mask = token_mask(segment_ids)
+        record = None
+        if isinstance(x, Replayed):
+            record = jax.lax.dynamic_index_in_dim(replay, x.layer, 0, keepdims=False)
+        y, stats, chosen = self.moe(self.mlp_norm(h), mask, experts, record)
         h = h + y
+        if isinstance(x, Replayed):
+            return Replayed(h, x.stats + stats, x.layer + 1,
+                            x.mismatches + replay_mismatches(chosen, record, mask)), cache
         if isinstance(x, Routed):
             return Routed(h, x.stats + stats), cache
         if isinstance(x, Chosen):
@@ -208,6 +234,37 @@ class MoeLlama(Llama):
         out = forward_stack(self, tokens, positions, segment_ids, sequence, carry=lambda x: Routed(
             x, RouterStats.zeros(e, at_least_float32(x.dtype))), experts=experts)
         return self.head_logprobs(self.final_norm(out.hidden), labels, vocab_limit), out.stats
+
+    def replayed_token_logprobs(self, tokens: jax.Array, labels: jax.Array, replay: jax.Array,
+                                *, positions: jax.Array | None = None,
+                                segment_ids: jax.Array | None = None,
+                                vocab_limit: jax.Array | int | None = None,
+                                sequence: SequenceParallel | None = None,
+                                experts: ExpertParallel | None = None
+                                ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """`routed_token_logprobs` with every layer's routing replayed (`models.moe`): `replay`
+        int32 [B, T, L, k] the experts layer l sent the token at input position t to (the
+        token `tokens[:, t]`, whose output predicts `labels[:, t]`; a negative first slot: none
+        recorded, routed live). Returns (log-probs float32 [B, T], the live router's
+        `RouterStats`, per token the number of layers whose live choice is not the record,
+        int32 [B, T]; 0 where the token has no record or is padding)."""
+        c = self.config
+        b, t = tokens.shape
+        want = (b, t, c.num_layers, c.experts_per_token)
+        if tuple(replay.shape) != want:
+            raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
+                             "per input token, every MoE layer's k recorded experts")
+        parts = 1 if sequence is None else sequence.size
+        c.check_seq_len(t * parts, "sequence length")
+        args = stack_args(tokens, positions, segment_ids, sequence, experts)
+        record = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)                # [L, B, T, k]
+        args = (*args, *(None,) * (4 - len(args)), record)
+        x = self.embed(tokens, args[0])
+        carry = Replayed(x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)),
+                         jnp.int32(0), jnp.zeros((b, t), jnp.int32))
+        out, _ = self.blocks(carry, *args)
+        logprobs = self.head_logprobs(self.final_norm(out.hidden), labels, vocab_limit)
+        return logprobs, out.stats, out.mismatches
 
     def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None,
                        cache: dict | None = None) -> tuple[jax.Array, dict | None]:

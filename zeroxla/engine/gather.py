@@ -119,6 +119,16 @@ def _from_bits_like(kept: Any, cotangent_leaf: Any) -> Any:
     return kept
 
 
+def _integer_cotangents(g_in: Any, g_out: Any) -> Any:
+    """A layer's input-carry cotangent `g_in` (None at the carry's integer leaves, a layer
+    counter's: `cotangent_tree`) with those leaves taken from its output-carry cotangent
+    `g_out` (their float0 zeros, as autodiff hands them to the stack): one loop carry shape,
+    and the next layer's vjp gets the float0 cotangent it requires for an integer output."""
+    outs = jax.tree.leaves(g_out)
+    ins, treedef = jax.tree.flatten(g_in, is_leaf=lambda x: x is None)
+    return jax.tree.unflatten(treedef, [o if i is None else i for i, o in zip(ins, outs)])
+
+
 def check_live(numel: int, max_live: int | None, what: str) -> None:
     """Refuses a gather unit of `numel` gathered elements that `ZeroConfig.max_live_parameters`
     (DeepSpeed's `stage3_max_live_parameters`) cannot hold: ZeRO-3 gathers a unit whole."""
@@ -349,6 +359,7 @@ class GatheredStack:
                 g_full, (g_c_in, g_k_i, g_x_i) = r.layout.cotangents(
                     r.hoisted.merged(kept_i), full, (g_c, g_y),
                     permuted=self.comm.permuted_gradients)
+            g_c_in = _integer_cotangents(g_c_in, g_c)
             g_k = [a + b for a, b in zip(g_k, split_floats(g_k_i)[0])] if g_k else g_k
             g_x_floats = split_floats(g_x_i)[0]
             d_shards_i = _scatter_gradients(self.comm, self.leaves, g_full)
