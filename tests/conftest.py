@@ -10,6 +10,7 @@ import shutil
 import ci_legs  # tests/support, on sys.path through pyproject's `pythonpath`
 import file_order
 import gc_policy
+import program_release
 import tiers
 import xla_flags
 
@@ -55,18 +56,13 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """After each test file, drop the programs it compiled. Each XLA:CPU executable maps its
-    code into the process; a pytest-xdist worker that runs a few hundred files keeps thousands
-    of them (jit caches, cycles awaiting the garbage collector) and reaches the kernel's limit
-    on memory maps (`vm.max_map_count`, 65,530 here: a worker was at 51,110 near the end of the
-    suite), where the next compile's mmap fails and the worker dies with a segmentation fault."""
+def _release_compiled_programs(request):
+    """After each test file, drop the compiled programs when the process holds many memory maps
+    (tests/support/program_release.py says why and when); after every file in a run that
+    writes the compile budgets, so that each file's count is what it compiles alone."""
     yield
-    import gc
-
-    gc.collect()
-    jax.clear_caches()
-    gc.collect()
+    writing = request.config.getoption("write_compile_budgets", default=None)
+    program_release.release_if_crowded(0 if writing else program_release.MAX_MAPS)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ alone); test_parity.py: 5.4 -> 2.9 of 91.
   instead of 10.
 
 Neither changes what is collected, only when: cyclic garbage (programs a test dropped) is still
-freed, and tests/conftest.py collects it fully after each test file.
+freed, and a full collection runs whenever a worker drops its compiled programs
+(tests/support/program_release.py).
 """
 
 import gc
