@@ -37,7 +37,8 @@ GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--s
          "--offload-optimizer": "cpu", "--offload-param": "none",
          "--out": "o", "--seed": "3", "--eval-every": "4", "--eval-batches": "5",
          "--save-every": "6", "--keep-last": "1", "--sample-tokens": "9", "--temperature": "0",
-         "--no-progress": None, "--resume": "r", "--lora-dim": "8", "--lora-alpha": "16",
+         "--no-progress": None, "--report-to": "tensorboard,mlflow", "--resume": "r",
+         "--lora-dim": "8", "--lora-alpha": "16",
          "--lora-module-name": "wq", "--only-optimize-lora": None, "--no-packing": None}
 EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, batch_size=16,
                 seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), sequence_parallel_size=2,
@@ -47,7 +48,8 @@ EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, bat
                 offload_optimizer="cpu", offload_param="none",
                 deepspeed_config="ds.json", out_dir="o", seed=3, eval_every=4, eval_batches=5,
                 save_every=6, keep_last=1, sample_tokens=9, temperature=0.0, progress=False,
-                resume="r", lora_dim=8, lora_alpha=16.0, lora_module_name="wq",
+                report_to=("tensorboard", "mlflow"), resume="r", lora_dim=8, lora_alpha=16.0,
+                lora_module_name="wq",
                 only_optimize_lora=True, packing=False)
 # The tree fields those options land in, with the tree's values.
 TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
@@ -64,7 +66,8 @@ TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
         ("offload", "offload_param"): "none", ("run", "out_dir"): "o", ("run", "seed"): 3,
         ("run", "eval_every"): 4, ("run", "eval_batches"): 5, ("run", "save_every"): 6,
         ("run", "keep_last"): 1, ("run", "sample_tokens"): 9, ("run", "temperature"): 0.0,
-        ("run", "progress"): False, ("run", "resume"): "r", ("lora", "dim"): 8,
+        ("run", "progress"): False, ("run", "report_to"): ("tensorboard", "mlflow"),
+        ("run", "resume"): "r", ("lora", "dim"): 8,
         ("lora", "alpha"): 16.0, ("lora", "module_name"): "wq",
         ("lora", "only_optimize_lora"): True, ("data", "packing"): False}
 

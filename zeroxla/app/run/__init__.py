@@ -13,6 +13,8 @@ run does around the algorithm is here, the same for every job.
     options.py   Option rows and OptionTable (argparse, --help, the tree of the given options);
                  the rows every job shares: the run's, --mesh / --zero-stage, LoRA's
     command.py   JobSpec, and the one handler: options -> tree -> devices -> job -> run
+    trackers.py  --report-to: each metrics.jsonl record, the tree and the summary also to
+                 TensorBoard, W&B, MLflow (their own clients, optional extras)
     rundir.py    run directories: fresh names, claimed under a lock, no overwriting, the
                  failure rule (a directory that holds a checkpoint stays), what --resume
                  accepts, metrics.jsonl

@@ -22,6 +22,7 @@ from typing import Any
 
 from zeroxla.app.cli_args import set_host_device_count
 from zeroxla.app.run.options import OptionTable
+from zeroxla.app.run.trackers import check_installed
 
 DIVERGED = 1          # the exit status of a run stopped by a non-finite loss
 
@@ -117,6 +118,7 @@ def run_command(spec: JobSpec, args: argparse.Namespace) -> int:
     from zeroxla.app.interrupt import exit_status
 
     tree, point, lines = resolve(spec, spec.table.given(args))
+    check_installed(tree.run.report_to)      # before the job loads its model
     env = distributed.from_environ(os.environ)
     _set_device_count(spec.devices(tree), env)
     if env is not None:

@@ -29,6 +29,21 @@ def _fail(owner: Any, name: str, accepted: str) -> None:
                      f"accepted: {accepted}")
 
 
+# The experiment trackers of --report-to (`zeroxla.app.run.trackers`: their clients).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def check_trackers(names: Any, shown: Any = None) -> None:
+    """ValueError unless `names` are distinct names of `TRACKERS` (shown as `shown`, else
+    comma-joined, in the message: what --report-to was given)."""
+    if (not isinstance(names, tuple) or any(name not in TRACKERS for name in names)
+            or len(set(names)) != len(names)):
+        value = shown if shown is not None else (
+            ",".join(map(str, names)) if isinstance(names, tuple) else repr(names))
+        raise ValueError(f"--report-to {value} is invalid; accepted: none, or a "
+                         f"comma-separated list of {', '.join(TRACKERS)} (e.g. tensorboard,wandb)")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
     """The run section every job's tree holds: the cadence, the seed, where it writes.
@@ -37,7 +52,8 @@ class RunSettings:
     save_every / keep_last: 0 saves only the final checkpoint / keeps them all. out_dir: None
     for a fresh runs/<job>-<YYYYmmdd-HHMMSS>; resume: a run directory, its checkpoint/ or one
     step in it. out_dir, resume and progress (`PER_INVOCATION`) belong to one invocation: a
-    resumed run does not record or compare them.
+    resumed run does not record or compare them. report_to: the experiment trackers every
+    record also goes to (`zeroxla.app.run.trackers`; () for none).
     """
 
     NAME: ClassVar[str] = "run"
@@ -48,6 +64,7 @@ class RunSettings:
     out_dir: str | None = None
     resume: str | None = None
     progress: bool = True
+    report_to: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, low in (("seed", 0), ("save_every", 0), ("keep_last", 0), ("eval_every", 1)):
@@ -62,6 +79,7 @@ class RunSettings:
                 _fail(self, name, "a path (str) or None")
         if not isinstance(self.progress, bool):
             _fail(self, "progress", "True or False")
+        check_trackers(self.report_to)
 
 
 PER_INVOCATION = ("out_dir", "resume", "progress")
@@ -210,5 +228,5 @@ class Job(Protocol):
         summary.json's keys ("settings" defaults to the tree's record)."""
 
 
-__all__ = ["Job", "MESH_ACCEPTED", "PER_INVOCATION", "RunSettings", "ShardingSettings",
-           "check_sections", "is_mesh"]
+__all__ = ["Job", "MESH_ACCEPTED", "PER_INVOCATION", "RunSettings", "ShardingSettings", "TRACKERS",
+           "check_sections", "check_trackers", "is_mesh"]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from zeroxla.app.cli_args import mesh_shape, non_negative_int, positive_float, positive_int
+from zeroxla.app.run.trackers import PACKAGES, parse_report_to
 from zeroxla.rlhf.rollout_correction import IS_LEVELS, RS_LEVELS, RS_STATISTICS
 from zeroxla.sharding.config import ZERO_STAGES
 
@@ -237,6 +238,13 @@ RUN_OPTIONS: tuple[Option, ...] = (
            type=non_negative_int, metavar="K"),
     Option("--no-progress", "progress", "run", "progress", "run", "no progress bar",
            action="store_false"),
+    Option("--report-to", "report_to", "run", "report_to", "run",
+           f"experiment trackers that get every metrics.jsonl record, the settings and the "
+           f"summary (TRL's report_to): none, or a comma-separated list of "
+           f"{', '.join(PACKAGES)}; each is an extra (pip install \"zeroxla[wandb]\"), a "
+           "missing one refused before the run starts; W&B offline with WANDB_MODE=offline, "
+           "MLflow in the run directory unless MLFLOW_TRACKING_URI is set; default none",
+           type=parse_report_to, metavar="NAMES"),
     Option("--resume", "resume", "run", "resume", "run",
            "continue a run: its directory, its checkpoint/ or one step in it (the newest "
            "complete checkpoint by default). The run's recorded settings come back; options "

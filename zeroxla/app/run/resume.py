@@ -102,11 +102,12 @@ def job_record(kind: str, tree: Any, data: Mapping[str, str | None], done: int) 
             "done": done}
 
 
-def _flat(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_record(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested record with dotted keys: {"sharding": {"stage": 3}} -> {"sharding.stage": 3}."""
     out = {}
     for key, value in record.items():
         if isinstance(value, Mapping):
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat_record(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -114,7 +115,7 @@ def _flat(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def changed_fields(before: Any, after: Any) -> dict[str, tuple[Any, Any]]:
     """{dotted field: (recorded, now)} where two trees' records differ."""
-    old, new = _flat(tree_record(before)), _flat(tree_record(after))
+    old, new = flat_record(tree_record(before)), flat_record(tree_record(after))
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)}
 

@@ -10,8 +10,10 @@ What it owns, the same for every job (`zeroxla.app.run.job.Job` is what the job 
   removed**; a fresh run that fails before its first checkpoint removes what it made.
 - the loop: `advance` per step (or iteration), `evaluate` every `run.eval_every` and at the
   end, metrics.jsonl one record per unit (a resumed run keeps the records up to its
-  checkpoint and redoes the rest), the progress bar, a checkpoint every `run.save_every` and at
-  the end (the newest `run.keep_last` kept), each recording the job (`run.resume`).
+  checkpoint and redoes the rest), each record also to the `run.report_to` trackers
+  (`trackers`: a missing package refused before anything is made), the progress bar, a
+  checkpoint every `run.save_every` and at the end (the newest `run.keep_last` kept), each
+  recording the job (`run.resume`).
 - stop signals: the first SIGINT or SIGTERM finishes the running unit, saves it and raises
   `RunInterrupted` (the command exits 130 or 143); a second stops at once.
 - divergence: a non-finite loss, or parameters that are no longer finite when a checkpoint is
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 
 from zeroxla import checkpoint
 from zeroxla.app import distributed
-from zeroxla.app.run import rundir
+from zeroxla.app.run import rundir, trackers
 from zeroxla.app.tokenizers.pretrained import save_tokenizer
 from zeroxla.app.interrupt import STOP_SIGNALS, signal_name, stop_requests
 from zeroxla.app.run.job import Job
@@ -109,8 +111,9 @@ class _Run:
     """One run's moving parts: the job, its directory, where the loop stands."""
 
     def __init__(self, job: Job, out: Path, done: int, records: list[dict],
-                 write: Callable[[str], None]):
+                 write: Callable[[str], None], track: trackers.Trackers):
         self.job, self.out, self.done, self.records, self.write = job, out, done, records, write
+        self.track = track
         self.primary = jax.process_index() == 0
         self.saved_at: int | None = None
         self.saved_path: Path | None = None
@@ -240,6 +243,7 @@ def run(job: Job, *, resume: rundir.ResumePoint | None = None,
     start = time.perf_counter()
     write = write if write is not None and jax.process_index() == 0 else default_write()
     settings = job.config.run
+    trackers.check_installed(settings.report_to)
     resuming = resume.run_dir if resume is not None else None
     out = _out_dir(job, resume)
     write(f"zeroxla {job.NAME}: run directory {out}")
@@ -258,8 +262,11 @@ def run(job: Job, *, resume: rundir.ResumePoint | None = None,
             # The failure rule, on the process that claimed the directory (process 0).
             cleanup = (rundir.removed_unless_saved(out, created=held.created) if held is not None
                        else contextlib.nullcontext())
-            with cleanup:
-                r = _Run(job, out, done, [], write)
+            names = settings.report_to if jax.process_index() == 0 else ()
+            with cleanup, trackers.opened(names, out, job=job.NAME, key=job.COUNTER[0],
+                                          config=tree_record(job.config),
+                                          resumed=resume is not None) as track:
+                r = _Run(job, out, done, [], write, track)
                 if resume is not None and resume.checkpoint_dir.resolve() == (
                         out / rundir.CHECKPOINT_DIR).resolve():
                     r.saved_at, r.saved_path = done, restored_path
@@ -284,6 +291,8 @@ def _run_claimed(r: _Run, resume: rundir.ResumePoint | None, stopping: Callable[
         r.records.append({key: 0, **before})
     if r.primary:
         rundir.write_metrics(metrics_path, [finite(x) for x in r.records])
+    for record in r.records:
+        r.track.log(record)
     try:
         _loop(r, stopping)
     except RunDiverged:
@@ -304,6 +313,7 @@ def _run_claimed(r: _Run, resume: rundir.ResumePoint | None, stopping: Callable[
     if r.primary:
         (r.out / rundir.SUMMARY_FILE).write_text(
             json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+    r.track.finish(finite(summary))
     return summary
 
 
@@ -335,6 +345,7 @@ def _loop(r: _Run, stopping: Callable[[], bool]) -> None:
             r.records.append(record)
             metrics.write(json.dumps(finite(record)) + "\n")
             metrics.flush()
+            r.track.log(record)
             bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
             bar.update(1)
             if settings.save_every and r.done % settings.save_every == 0 and r.done < job.total:

@@ -32,7 +32,7 @@ WITH = {"only_optimize_lora": ["--lora-dim", "4"], "lora_alpha": ["--lora-dim", 
 # Values the tree's checks accept alone, for options whose parser takes any text.
 TEXT = {"mesh": "1x8", "model": "llama-tiny", "temperature": "0.5", "dtype": "bf16",
         "reward_funcs": "accuracy", "offload_param": "cpu", "packed_row_len": "64",
-        "rollout_is_threshold_lower": "0.5"}
+        "rollout_is_threshold_lower": "0.5", "report_to": "tensorboard,wandb"}
 # Values of options that take several words.
 WORDS = {"rollout_rs": ["token", "k3"]}
 

@@ -75,6 +75,8 @@ def _section(cls: type, values: Mapping[str, Any]) -> Any:
     fields = {k: v for k, v in values.items() if k in known}
     if cls.NAME == "sharding" and "mesh" in fields:
         fields["mesh"] = tuple(fields["mesh"])
+    if cls.NAME == "run" and "report_to" in fields:
+        fields["report_to"] = tuple(fields["report_to"])
     for name in ("optimizer", "scheduler") if cls.NAME == "schedule" else ():
         if fields.get(name) is not None:
             fields[name] = DeepSpeedSection(fields[name]["type"], fields[name]["params"])
