@@ -9,7 +9,8 @@ step turns into the auxiliary loss; `replayed_token_logprobs` carries `Replayed`
 replay: every layer sends each token to a recorded selection, `models.moe`) and returns the
 statistics and the per-token count of layers whose live choice differs from the record;
 `router_choices` carries `Chosen` (the experts of each layer) through a full forward or the
-KV-cached decode; inference paths (`__call__`, `decode`) carry plain hidden states.
+KV-cached decode, and `decode_choices` returns them beside the decode's logits; inference
+paths (`__call__`, `decode`) carry plain hidden states.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ class Replayed(NamedTuple):
     mismatches: jax.Array
 
 
+class Observed(Replayed):
+    """`Replayed`'s carry where every token routes live and the record is only compared with
+    the live choice: the mismatch count of a forward trained without replay."""
+
+
 class MoeBlock(Block):
     """x + attn(norm(x)), then x + moe(norm(x)). Called with a `Routed` carry it returns one,
     this layer's router statistics added; with a `Replayed` one (and the record `replay`),
@@ -173,13 +179,14 @@ class MoeBlock(Block):
         h = tiled_map(self.attention_out, (h, a), self.mlp_chunk)
         mask = token_mask(segment_ids)
         record = None
-        if isinstance(x, Replayed):
+        if isinstance(x, Replayed):              # `Observed` too: the record compared only
             record = jax.lax.dynamic_index_in_dim(replay, x.layer, 0, keepdims=False)
-        y, stats, chosen = self.moe(self.mlp_norm(h), mask, experts, record)
+        y, stats, chosen = self.moe(self.mlp_norm(h), mask, experts,
+                                    None if isinstance(x, Observed) else record)
         h = h + y
         if isinstance(x, Replayed):
-            return Replayed(h, x.stats + stats, x.layer + 1,
-                            x.mismatches + replay_mismatches(chosen, record, mask)), cache
+            return type(x)(h, x.stats + stats, x.layer + 1,
+                           x.mismatches + replay_mismatches(chosen, record, mask)), cache
         if isinstance(x, Routed):
             return Routed(h, x.stats + stats), cache
         if isinstance(x, Chosen):
@@ -240,14 +247,17 @@ class MoeLlama(Llama):
                                 segment_ids: jax.Array | None = None,
                                 vocab_limit: jax.Array | int | None = None,
                                 sequence: SequenceParallel | None = None,
-                                experts: ExpertParallel | None = None
+                                experts: ExpertParallel | None = None,
+                                follow_record: bool = True
                                 ) -> tuple[jax.Array, RouterStats, jax.Array]:
         """`routed_token_logprobs` with every layer's routing replayed (`models.moe`): `replay`
         int32 [B, T, L, k] the experts layer l sent the token at input position t to (the
         token `tokens[:, t]`, whose output predicts `labels[:, t]`; a negative first slot: none
         recorded, routed live). Returns (log-probs float32 [B, T], the live router's
         `RouterStats`, per token the number of layers whose live choice is not the record,
-        int32 [B, T]; 0 where the token has no record or is padding)."""
+        int32 [B, T]; 0 where the token has no record or is padding). `follow_record=False`:
+        every token routes live (`routed_token_logprobs`' values) and the record is only
+        compared (the mismatches of a forward that does not replay)."""
         c = self.config
         b, t = tokens.shape
         want = (b, t, c.num_layers, c.experts_per_token)
@@ -260,8 +270,9 @@ class MoeLlama(Llama):
         record = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)                # [L, B, T, k]
         args = (*args, *(None,) * (4 - len(args)), record)
         x = self.embed(tokens, args[0])
-        carry = Replayed(x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)),
-                         jnp.int32(0), jnp.zeros((b, t), jnp.int32))
+        carry = (Replayed if follow_record else Observed)(
+            x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)), jnp.int32(0),
+            jnp.zeros((b, t), jnp.int32))
         out, _ = self.blocks(carry, *args)
         logprobs = self.head_logprobs(self.final_norm(out.hidden), labels, vocab_limit)
         return logprobs, out.stats, out.mismatches
@@ -271,6 +282,22 @@ class MoeLlama(Llama):
         """(the experts every layer routes each token to, int32 [L, B, T, k], the cache): a
         full forward, or with `cache` the KV-cached decode (`decode`'s path) of `tokens` at
         `positions`: what routing parity between a rollout and training compares."""
+        _, experts, cache = self._chosen_forward(tokens, positions, cache)
+        return experts, cache
+
+    def decode_choices(self, tokens: jax.Array, positions: jax.Array,
+                       cache: dict[str, jax.Array]
+                       ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """`decode`'s (logits float32 [B, T, V], cache) with the experts every layer routed
+        each token to, int32 [L, B, T, k], between them: what a rollout records for routing
+        replay (`zeroxla.inference.decode`)."""
+        hidden, experts, cache = self._chosen_forward(tokens, positions, cache)
+        return self.logits(hidden), experts, cache
+
+    def _chosen_forward(self, tokens: jax.Array, positions: jax.Array | None,
+                        cache: dict | None) -> tuple[jax.Array, jax.Array, dict | None]:
+        """(the final hidden states [B, T, D], the experts int32 [L, B, T, k], the cache) of a
+        stack carrying `Chosen`."""
         c = self.config
         args = stack_args(tokens, positions, None)
         b, t = tokens.shape
@@ -278,4 +305,4 @@ class MoeLlama(Llama):
                         jnp.zeros((c.num_layers, b, t, c.experts_per_token), jnp.int32),
                         jnp.int32(0))
         out, cache = self.blocks(chosen, *args, cache=cache)
-        return out.experts, cache
+        return out.hidden, out.experts, cache

@@ -16,6 +16,10 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
                      tokenizers as JSON records stored in checkpoints
     data.py          corpora, JSON data files (.jsonl, .json arrays), per-device batches, and
                      a job's examples: the validation split, per-epoch rows
+    data_files.py    a data file as rows, the one reader of every --data / --prompts: JSON,
+                     Parquet (streamed by record batch), a `datasets` directory and its split
+    example_rows.py  a data file's rows as SFT examples, preference pairs, prompts
+    prompt_files.py  GRPO's and PPO's prompt rows: chat prompts rendered, verl's ground_truth
     chat_data.py     DeepSpeed-Chat's data: SFT examples, preference pairs, PPO prompts
     learnable.py     pairs whose answers are the same tokens and rows with no loss token:
                      counted, reported, refused when nothing is left

@@ -2,7 +2,7 @@
 
 The data flow, one way:
 
-    read_sft_jsonl / read_pair_jsonl / read_prompt_jsonl   JSON files -> examples (checked first)
+    read_sft_jsonl / read_pair_jsonl / read_prompt_jsonl   data files -> examples (checked first)
     sft_arrays / pair_arrays / prompt_arrays               examples -> numpy arrays for the step
     prompt_rows                                            PPO's prompts: each one's last tokens
     rows_without_loss / pairs_without_preference,
@@ -10,19 +10,23 @@ The data flow, one way:
                                                            (`learnable.py`, re-exported here)
     shakespeare_sft / _pairs / _prompts, write_jsonl       offline examples from tiny-shakespeare
 
-Files: JSON lines (`.jsonl`), or a JSON array of the same objects (`.json`), optionally gzipped
-(`zeroxla.app.data.read_records`); other keys are ignored. The fields are DeepSpeed-Chat's
-`PromptRawDataset` ones (`get_prompt`, `get_chosen`, `get_rejected`):
+Files: JSON lines (`.jsonl`), a JSON array of the same objects (`.json`), optionally gzipped,
+Parquet, or a `datasets` directory (`data_files.rows`, with `split`); other keys are ignored. The
+fields are DeepSpeed-Chat's `PromptRawDataset` ones (`get_prompt`, `get_chosen`, `get_rejected`)
+and TRL's standard ones (`completion`):
 
-    SFT      {"prompt": "...", "response": "..."}         ("chosen" accepted for "response")
+    SFT      {"prompt": "...", "response": "..."}         ("chosen", or TRL's "completion", for
+                                                           "response")
     pairs    {"prompt": "...", "chosen": "...", "rejected": "..."}
     prompts  {"prompt": "..."}
 
-and TRL's conversational rows (`chat_messages.py`: `{"messages": [...]}` for SFT; `{"prompt":
-[...], "chosen": [...], "rejected": [...]}` for pairs), rendered with the checkpoint's chat
+and TRL's conversational rows (`chat_messages.py`: `{"messages": [...]}` or `{"prompt": [...],
+"completion": [...]}` for SFT; `{"prompt": [...], "chosen": [...], "rejected": [...]}` for
+pairs; a `prompt` of messages for PPO, `prompt_files`), rendered with the checkpoint's chat
 template, the SFT loss on the assistant's tokens only.
 
-Every problem with a file is a `ChatDataError` naming `file:line` before any token is computed,
+Every problem with a file is a `ChatDataError` naming the file and the row (`file:line` of a
+JSON file, `file row N` of the others) and the field before any token is computed,
 and an example too long for the sequence is an error naming it, never a silent truncation. An
 example can also hold nothing to learn: an SFT row with no loss token (an empty response and no
 EOS token), a pair whose chosen and rejected rows are the same tokens (the pairwise loss is
@@ -46,7 +50,6 @@ mask follows is exact (encoding `prompt + answer` as one string lets a BPE merge
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -59,82 +62,11 @@ import numpy as np
 
 from zeroxla.app import chat_messages, packing
 from zeroxla.app.chat_messages import ChatExample, ChatPairExample
-from zeroxla.app.data import ChatDataError, load_text, read_records
+from zeroxla.app.data import ChatDataError, load_text
+from zeroxla.app.example_rows import (PairExample, SFTExample, example_where as _where,
+                                      read_pair_jsonl, read_prompt_jsonl, read_sft_jsonl)
 from zeroxla.app.learnable import check_learnable, pairs_without_preference, rows_without_loss
 from zeroxla.app.tokenizers.basic import Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTExample:
-    """A prompt and the response the model should learn to give. `path`/`line` (1-based) say
-    where it was read; None for generated examples."""
-
-    prompt: str
-    response: str
-    path: str | None = None
-    line: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class PairExample:
-    """A prompt with a preferred (`chosen`) and a dispreferred (`rejected`) answer."""
-
-    prompt: str
-    chosen: str
-    rejected: str
-    path: str | None = None
-    line: int | None = None
-
-
-def _where(example: Any, index: int) -> str:
-    """'file:line' of an example read from a file, else 'example i' (its index in the list
-    given). A file's example is named by its line alone: the jobs shuffle the examples into
-    splits before tokenizing them, so an index would not name its place in the file."""
-    if example.path is not None and example.line is not None:
-        return f"{example.path}:{example.line}"
-    return f"example {index}"
-
-
-# ----------------------------------------------------------------------------- reading files
-
-def _field(record: dict[str, Any], names: tuple[str, ...], name: str, number: int) -> str:
-    """The string under the first of `names` present in `record` (names[1:] are aliases)."""
-    for key in names:
-        if key in record:
-            value = record[key]
-            if not isinstance(value, str):
-                raise ChatDataError(f"{name}:{number}: field {key!r} is a JSON "
-                                    f"{type(value).__name__}; accepted: a string")
-            return value
-    accepted = " or ".join(repr(k) for k in names)
-    raise ChatDataError(f"{name}:{number}: missing field {names[0]!r}; accepted: {accepted} "
-                        f"(found {sorted(record)})")
-
-
-def read_sft_jsonl(path: str | os.PathLike) -> list[SFTExample | ChatExample]:
-    """SFT examples from `{"prompt", "response"}` records (DeepSpeed-Chat's `"chosen"` is
-    accepted in place of `"response"`), or `{"messages": [...]}` conversations."""
-    name = os.fspath(path)
-    return [chat_messages.sft_row(r, f"{name}:{n}", name, n) if "messages" in r else
-            SFTExample(_field(r, ("prompt",), name, n),
-                       _field(r, ("response", "chosen"), name, n), path=name, line=n)
-            for n, r in read_records(name)]
-
-
-def read_pair_jsonl(path: str | os.PathLike) -> list[PairExample | ChatPairExample]:
-    """Preference pairs from `{"prompt", "chosen", "rejected"}` records, string fields or
-    TRL's lists of messages (`chat_messages.pair_row`)."""
-    name = os.fspath(path)
-    return [chat_messages.pair_row(r, f"{name}:{n}", name, n) if chat_messages.is_chat_pair(r)
-            else PairExample(*(_field(r, (key,), name, n)
-                               for key in ("prompt", "chosen", "rejected")), path=name, line=n)
-            for n, r in read_records(name)]
-
-
-def read_prompt_jsonl(path: str | os.PathLike) -> list[str]:
-    """PPO prompts from `{"prompt"}` records."""
-    name = os.fspath(path)
-    return [_field(r, ("prompt",), name, n) for n, r in read_records(name)]
 
 
 # ----------------------------------------------------------------------------- token arrays

@@ -1,10 +1,11 @@
 """Chat data as people hold it: conversations of `{"role", "content"}` messages, in TRL's
-conversational formats, read from a JSONL row and turned into tokens by the checkpoint's own
-chat template (`chat_template.py`).
+conversational formats, read from a data file's row (`data_files`) and turned into tokens by
+the checkpoint's own chat template (`chat_template.py`).
 
     SFT          {"messages": [{"role": "system", "content": "..."},
                                {"role": "user", "content": "..."},
                                {"role": "assistant", "content": "..."}, ...]}
+                 or {"prompt": [<messages>], "completion": [<assistant messages>]}
     preference   {"prompt": [<messages>], "chosen": [<assistant messages>],
                   "rejected": [<assistant messages>]}
                  or, with the prompt implicit, {"chosen": [<whole conversation>],
@@ -14,7 +15,8 @@ Roles are `system`, `user` and `assistant`; every content a string. An SFT conve
 assistant message (the loss is on the assistant's tokens only: `ChatTemplate.tokens_of`); each
 preference conversation ends with one. A row that mixes these with DeepSpeed-Chat's string fields
 (`{"messages", "prompt"}`, a string `prompt` with list `chosen`), holds an unknown role, or no
-assistant message is a `ChatDataError` naming the file, the line and the field.
+assistant message is a `ChatDataError` naming the file, the row (a JSON file's line) and the
+field.
 """
 
 from __future__ import annotations
@@ -105,6 +107,16 @@ def sft_row(record: Mapping[str, Any], where: str, path: str, line: int) -> Chat
     return ChatExample(messages, path=path, line=line)
 
 
+def prompt_completion_row(record: Mapping[str, Any], where: str, path: str,
+                          line: int) -> ChatExample:
+    """TRL's conversational prompt-completion row `{"prompt": [messages], "completion":
+    [assistant messages]}` as one conversation, the loss on its assistant tokens."""
+    prompt = parse_messages(record["prompt"], "prompt", where)
+    completion = parse_messages(record["completion"], "completion", where)
+    _ends_with_assistant(completion, "completion", where)
+    return ChatExample(prompt + completion, path=path, line=line)
+
+
 def is_chat_pair(record: Mapping[str, Any]) -> bool:
     """Whether a preference row is conversational (any of its fields a list, or `messages`)."""
     return "messages" in record or any(isinstance(record.get(k), list)
@@ -160,5 +172,5 @@ def example_text(example: ChatExample) -> str:
 
 
 __all__ = ["ChatExample", "ChatPairExample", "ROLES", "as_dicts", "conversation_tokens",
-           "example_text", "is_chat_pair", "pair_row", "parse_messages", "sft_row",
-           "template_for"]
+           "example_text", "is_chat_pair", "pair_row", "parse_messages",
+           "prompt_completion_row", "sft_row", "template_for"]

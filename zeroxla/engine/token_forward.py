@@ -13,6 +13,10 @@ global batch in its own token order (`out_of_sequence_layout` undoes the zigzag 
 
     forward = TokenForward(step, fn)   # fn(model, batch, *, sequence=None, experts=None) -> [B, T]
     values = forward(state, batch)          # float32 [B, T], replicated
+
+`fn` may return a tuple of per-token arrays [B, T] (routing replay's log-probs and per-token
+mismatch counts, `rlhf.answer_values`): each comes back in the same layout, floating ones as
+float32, integer ones as they are.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class TokenForward:
             values = proven_call(local, (layout.eval_inputs(params), model_state,
                                          in_sequence_layout(batch, layout.sequence)),
                                  layout, batch_at=2, loss_fn=fn)
-            return out_of_sequence_layout(values, layout.sequence)        # [B, T]
+            return jax.tree.map(lambda v: out_of_sequence_layout(v, layout.sequence),
+                                values)                                   # [B, T] each
 
         self._jitted = jax.jit(run, out_shardings=NamedSharding(layout.mesh, P()))
 
@@ -75,7 +80,7 @@ class TokenForward:
         options = {name: value for name, value in (
             ("sequence", self.layout.sequence), ("experts", self.layout.experts))
             if value is not None}
-        return self.fn(model, batch, **options).astype(jnp.float32)   # [B/R, T/P]
+        return jax.tree.map(_float32, self.fn(model, batch, **options))   # [B/R, T/P] each
 
     def __call__(self, state: Any, batch: dict[str, Any]) -> jax.Array:
         layout = self.layout
@@ -84,6 +89,11 @@ class TokenForward:
         if layout.sequence is not None:
             check_sequence_batch(checked, layout.sequence)
         return self._jitted(state.params, state.model_state, checked)
+
+
+def _float32(values: jax.Array) -> jax.Array:
+    """A floating output as float32; an integer one (a count) as it is."""
+    return values if jnp.issubdtype(values.dtype, jnp.integer) else values.astype(jnp.float32)
 
 
 __all__ = ["TokenForward"]

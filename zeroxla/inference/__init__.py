@@ -12,6 +12,8 @@
     adapter_switch.py  the switch when only trainable leaves (LoRA adapters) changed: the
                  frozen base checked bitwise unchanged, the trainable leaves alone resharded
     decode.py    the static decode loop (prefill + while_loop) and prompt packing
+    static.py    the static batching path: a compiled decode per bucket and outputs asked for
+                 (drawn log-probs, an MoE model's routing record), its KV caches kept
     continuous.py  continuous batching: one compiled step over a paged KV cache, run until
                  every request is done (the default where the model takes a paged cache)
     scheduler.py which tokens of which sequences a step runs (decode first, prompt chunks,

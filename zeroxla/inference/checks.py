@@ -11,6 +11,9 @@ and `models.layers.decode`):
 
 `check_decodable` verifies it on abstract values (shapes only, nothing computed), and
 `paged_refusal` whether the model's decode also takes a paged cache (continuous batching).
+A rollout that records routing (`return_routing=True`) needs an MoE model's
+`decode_choices(tokens, positions, cache) -> (logits, experts [L, B, T, k], cache)` and the
+static batching path (`check_routing`).
 """
 
 from __future__ import annotations
@@ -137,6 +140,23 @@ def paged_refusal(model_def: ModelDef, kv_shape: tuple[int, ...], page_size: int
 def _describe(plan: ShardingPlan) -> str:
     return (f"ZeRO-{plan.stage} over {plan.data_size} data devices"
             + (f" ({plan.mesh_description})" if plan.mesh_description else ""))
+
+
+def check_routing(model_def: ModelDef, batching: str) -> tuple[int, int]:
+    """(L, k): the MoE layers and experts per token of a model whose decode records its
+    routing; ValueError naming `return_routing` for a model without `decode_choices` (read
+    from its class) or under continuous batching, which does not record it."""
+    model = model_def.abstract_module()
+    if not callable(getattr(type(model), "decode_choices", None)):
+        raise ValueError(f"return_routing=True with a {type(model).__name__}: it has no "
+                         "decode_choices (a Mixture-of-Experts model's decode returning each "
+                         "layer's experts); accepted: return_routing=False, or an MoE model "
+                         "(models.moe_llama)")
+    if batching != "static":
+        raise ValueError(f"return_routing=True under batching={batching!r}: the continuous "
+                         "path does not record routing; accepted: HybridEngineConfig("
+                         "batching='static'), or return_routing=False")
+    return model.config.num_layers, model.config.experts_per_token
 
 
 def check_state(state: Any, plan: ShardingPlan, model_def: ModelDef) -> None:

@@ -24,7 +24,8 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
                 live: jax.Array, max_new: jax.Array, eos_id: jax.Array, key: jax.Array,
                 sampling: Sampling, max_len: int,
                 all_done: Callable[[jax.Array], jax.Array] = jnp.all,
-                with_logprobs: bool = False) -> tuple[jax.Array, ...]:
+                with_logprobs: bool = False, with_routing: bool = False
+                ) -> tuple[jax.Array, ...]:
     """Generates up to `max_new` (>= 1) tokens after each row's prompt.
 
     model: `decode(tokens, positions, cache) -> (logits, cache)`; cache [L, B, S, G, K];
@@ -39,11 +40,19 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     devices, which then run the same number of steps). `with_logprobs`: a fourth output,
     float32 [B, max_len], holds at each new token's place in the buffer the log-probability it
     was drawn with (`sampling.sampled_logprobs`; 0 elsewhere), computed in this program.
+    `with_routing` (an MoE model's `decode_choices`): a last output, int32 [B, max_len, L, k],
+    holds at each fed token's place in the buffer the experts each layer routed it to (the
+    prompt's from the prefill, a new token's from the step that fed it; -1 where no token was
+    fed): the rollout's record for routing replay.
     """
     b, p = tokens.shape
     rows = jnp.arange(b)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, cache = model.decode(tokens, positions, cache)                  # [B, P, V]
+    logits, chosen, cache = _decode(model, tokens, positions, cache, with_routing)  # [B, P, V]
+    routing = jnp.full((b, max_len if with_routing else 0) + chosen.shape[:1] + chosen.shape[3:],
+                       -1, jnp.int32)                                     # [B, S, L, k]
+    if with_routing:                       # the prompt's slots (a pad's is a later feed's)
+        routing = routing.at[:, :p].set(jnp.moveaxis(chosen, 0, 2))
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, V]
     keys = row_keys(key, tokens, lengths)                                    # [B]
     token = next_token(last, step_keys(keys, 0), sampling)                   # [B]
@@ -55,24 +64,38 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     done = (token == eos_id) | ~live
 
     def more(carry):
-        _, _, n, _, done = carry
+        n, done = carry[3], carry[5]
         return (n < max_new) & ~all_done(done)
 
     def step(carry):
-        buffer, logprobs, n, cache, done = carry
+        buffer, logprobs, routing, n, cache, done = carry
         pos = lengths + n - 1                                                # newest token's
         fed = buffer[rows, pos][:, None]                                     # [B, 1]
-        logits, cache = model.decode(fed, pos[:, None], cache)               # [B, 1, V]
+        logits, chosen, cache = _decode(model, fed, pos[:, None], cache,
+                                        with_routing)                        # [B, 1, V]
         token = next_token(logits[:, 0], step_keys(keys, n), sampling)
         buffer = buffer.at[rows, pos + 1].set(token)
         if with_logprobs:
             logprobs = logprobs.at[rows, pos + 1].set(
                 sampled_logprobs(logits[:, 0], token, sampling))
-        return buffer, logprobs, n + 1, cache, done | (token == eos_id)
+        if with_routing:
+            routing = routing.at[rows, pos].set(jnp.moveaxis(chosen[:, :, 0], 0, 1))
+        return buffer, logprobs, routing, n + 1, cache, done | (token == eos_id)
 
-    buffer, logprobs, n, cache, _ = jax.lax.while_loop(
-        more, step, (buffer, logprobs, jnp.int32(1), cache, done))
-    return (buffer, n, cache, logprobs) if with_logprobs else (buffer, n, cache)
+    buffer, logprobs, routing, n, cache, _ = jax.lax.while_loop(
+        more, step, (buffer, logprobs, routing, jnp.int32(1), cache, done))
+    return ((buffer, n, cache) + ((logprobs,) if with_logprobs else ())
+            + ((routing,) if with_routing else ()))
+
+
+def _decode(model: Any, tokens: jax.Array, positions: jax.Array, cache: Any,
+            with_routing: bool) -> tuple[jax.Array, jax.Array, Any]:
+    """(logits [B, T, V], the experts each layer routed each token to int32 [L, B, T, k] with
+    `with_routing` (`decode_choices`), else an empty int32 [0, B, T, 0], the cache)."""
+    if with_routing:
+        return model.decode_choices(tokens, positions, cache)
+    logits, cache = model.decode(tokens, positions, cache)
+    return logits, jnp.zeros((0,) + tokens.shape + (0,), jnp.int32), cache
 
 
 def _count(value: Any) -> bool:
@@ -165,16 +188,20 @@ def row_samplings(knobs: dict[str, Any], rows: int, vocab_size: int) -> list[Sam
 
 
 def by_sampling(samplings: list[Sampling], run: Callable[[list[int], Sampling], tuple]
-                ) -> tuple[list, list]:
-    """`run(indices, sampling) -> (outputs, log-probs)` once per distinct `Sampling` of the
-    prompts, merged back in prompt order (a row's tokens depend on its own prompt, seed and
-    knobs only, so a subset decodes as in the whole call)."""
-    outputs, drawn = [None] * len(samplings), [None] * len(samplings)
+                ) -> tuple[list, ...]:
+    """`run(indices, sampling) -> (outputs, log-probs, ...)` (lists, one entry per index) once
+    per distinct `Sampling` of the prompts, each list merged back in prompt order (a row's
+    tokens depend on its own prompt, seed and knobs only, so a subset decodes as in the whole
+    call)."""
+    merged: tuple[list, ...] = ()
     for sampling in dict.fromkeys(samplings):
         index = [i for i, s in enumerate(samplings) if s == sampling]
-        for i, out, logp in zip(index, *run(index, sampling)):
-            outputs[i], drawn[i] = out, logp
-    return outputs, drawn
+        parts = run(index, sampling)
+        merged = merged or tuple([None] * len(samplings) for _ in parts)
+        for whole, part in zip(merged, parts):
+            for i, value in zip(index, part):
+                whole[i] = value
+    return merged
 
 
 def check_eos_id(eos_id: Any, vocab_size: int) -> None:
@@ -217,6 +244,18 @@ def unpack(rows: list[np.ndarray], buffer: np.ndarray, steps: int,
             if hits.size:
                 new = new[:hits[0] + 1]
         out.append(np.concatenate([row, new]).astype(np.int32))
+    return out
+
+
+def unpack_routing(outputs: list[np.ndarray], routing: np.ndarray) -> list[np.ndarray]:
+    """Each output's record int32 [len(output), L, k] (`unpack`'s rows) from the decode loop's
+    `routing` [B, max_len, L, k]: the experts of every token fed (the prompt, the new tokens
+    but the last), -1 on the last token (never fed)."""
+    out = []
+    for i, row in enumerate(outputs):
+        record = np.full((row.size,) + routing.shape[2:], -1, np.int32)
+        record[:row.size - 1] = routing[i, :row.size - 1]
+        out.append(record)
     return out
 
 

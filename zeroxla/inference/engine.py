@@ -19,7 +19,8 @@ Per generation (data flow):
    slot and pages for queued prompts, a group's prompt (`generate_group`) is prefilled once
    and its pages shared by its answers (`continuous.py`, `scheduler.py`, `pages.py`).
    `batching="static"`: one compiled program per (batch bucket, prompt bucket, sampling):
-   prefill, then a `lax.while_loop` over new tokens until the last row ends (`decode.py`).
+   prefill, then a `lax.while_loop` over new tokens until the last row ends (`static.py`,
+   `decode.py`); it alone records an MoE model's routing (`return_routing=True`).
    Both run under GSPMD with the parameters' tensor layout and the rows split over the data
    groups; the KV cache or page pools are donated in and out.
 3. the host cuts each row after its prompt + new tokens (and after EOS).
@@ -43,17 +44,17 @@ from zeroxla.engine.state import TrainState
 from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.layout_argument import layout_argument
 from zeroxla.inference.adapter_switch import frozen_paths, keep, trainable_reshard, unchanged
-from zeroxla.inference.checks import (PAGED, check_decodable, check_layout, check_state,
-                                      paged_refusal)
+from zeroxla.inference.checks import (PAGED, check_decodable, check_layout, check_routing,
+                                      check_state, paged_refusal)
 from zeroxla.inference.config import HybridEngineConfig
 from zeroxla.inference.expert_reshard import expert_reshard
 from zeroxla.inference.continuous import BatchShape, ContinuousBatcher, by_seed, make_requests
-from zeroxla.inference.decode import (KNOBS, bucket, by_sampling, check_request, decode_loop,
-                                      pack, row_max_new, row_samplings, unpack,
-                                      unpack_logprobs)
+from zeroxla.inference.decode import (KNOBS, by_sampling, check_request, row_max_new,
+                                      row_samplings)
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
 from zeroxla.inference.reshard import reshard_function, storage_view
 from zeroxla.inference.sampling import Sampling, seed_key
+from zeroxla.inference.static import StaticDecoder
 
 
 def _leaves(state: TrainState) -> list[Any]:
@@ -100,10 +101,10 @@ class HybridEngine:
         self.batching = "static" if config.batching == "static" or refusal else "continuous"
         self.batching_reason = refusal
         self._reshard = None                 # compiled reshard program
-        self._programs: dict[tuple, Any] = {}
+        self._static_decoder = StaticDecoder(self.model_def, self.layout, config,
+                                             self._cache_shape, self._kv_heads)
         self._params: dict[str, jax.Array] | None = None
         self._source: list[weakref.ref] = []
-        self._caches: dict[int, dict[str, jax.Array]] = {}
         self._batchers: dict[str, ContinuousBatcher] = {}      # per key implementation
         self.stats: dict[str, Any] = {}      # the last continuous generation's (`continuous`)
         self.reshards = 0                    # how many times the parameters were resharded
@@ -176,45 +177,12 @@ class HybridEngine:
         return self._trainable_reshard
 
     # ---- decode ----------------------------------------------------------------------------
-    def _program(self, batch: int, prompt: int, sampling: Sampling,
-                 with_logprobs: bool = False) -> Any:
-        key = (batch, prompt, sampling, with_logprobs)
-        if key not in self._programs:
-            max_len = self.config.max_out_tokens
-            layout = self.layout
-
-            def run(params, model_state, cache, tokens, lengths, live, max_new, eos_id, key):
-                model = self.model_def.module(params, model_state)
-                model.eval()
-                return decode_loop(model, cache, tokens, lengths, live, max_new, eos_id, key,
-                                   sampling, max_len, with_logprobs=with_logprobs)
-
-            cache_sharding = {k: jax.sharding.NamedSharding(
-                layout.mesh, layout.cache_spec(self._kv_heads)) for k in ("k", "v")}
-            rows = layout.batch_sharding(1)
-            rep = layout.replicated()
-            jitted = jax.jit(run, donate_argnums=(2,), in_shardings=(
-                layout.param_shardings(), rep, cache_sharding, layout.batch_sharding(2), rows,
-                rows, rep, rep, rep), out_shardings=(layout.batch_sharding(2), rep,
-                                                     cache_sharding)
-                + ((layout.batch_sharding(2),) if with_logprobs else ()))
-            self._programs[key] = (jitted, cache_sharding)
-        return self._programs[key]
-
-    def _cache(self, batch: int, sharding: dict[str, Any]) -> dict[str, jax.Array]:
-        if batch in self._caches:
-            return self._caches.pop(batch)
-        shape = list(self._cache_shape)
-        shape[1], shape[3] = batch, self._kv_heads
-        return jax.jit(lambda: {k: jnp.zeros(shape, jnp.float32) for k in ("k", "v")},
-                       out_shardings=sharding)()
-
     def generate(self, state: TrainState, prompts: Sequence[Any], max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,
                  seed: int | jax.Array = 0, vocab_limit: int | None = None,
-                 return_logprobs: bool = False
-                 ) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
+                 return_logprobs: bool = False, return_routing: bool = False
+                 ) -> list[np.ndarray] | tuple[list[np.ndarray], ...]:
         """Continues each prompt (1-D int array) by up to `max_new_tokens` tokens (an integer,
         or a list of one per prompt: each row ends at its own count or at EOS).
 
@@ -235,8 +203,14 @@ class HybridEngine:
         `return_logprobs=True` returns `(outputs, logprobs)`: logprobs[i] float32 [new tokens
         of output i], the log-probability each token was drawn with (as filtered and scaled:
         `sampling.sampled_logprobs`; 0 when greedy), computed inside the decode program, as
-        vLLM reports them: what RL's train/rollout log-prob gap is measured against."""
-        return self._generate(state, prompts, [seed], max_new_tokens, return_logprobs,
+        vLLM reports them: what RL's train/rollout log-prob gap is measured against.
+        `return_routing=True` (an MoE model, `batching="static"`: `checks.check_routing`) adds
+        a last list: routing[i] int32 [len(output i), L, k], the experts each MoE layer routed
+        each token of output i to when it was fed (the prompt's in the prefill, a new token's
+        at the next step; -1 on the last token, never fed): the record of routing replay
+        (`zeroxla.rlhf.answer_forward`), aligned with the output's tokens."""
+        return self._generate(state, prompts, [seed], max_new_tokens,
+                              (return_logprobs, return_routing),
                               dict(temperature=temperature, top_k=top_k, top_p=top_p,
                                    eos_id=eos_id, vocab_limit=vocab_limit), single=True)
 
@@ -244,22 +218,25 @@ class HybridEngine:
                        seeds: Sequence[int | jax.Array], max_new_tokens: int = 32,
                        temperature: float = 0.0, top_k: int | None = None,
                        top_p: float | None = None, eos_id: int | None = None,
-                       vocab_limit: int | None = None, return_logprobs: bool = False) -> Any:
+                       vocab_limit: int | None = None, return_logprobs: bool = False,
+                       return_routing: bool = False) -> Any:
         """`[self.generate(state, prompts, seed=s, ...) for s in seeds]` (and the log-probs
-        likewise, as a second list), with each prompt prefilled once for its
+        and routing records likewise, as further lists), with each prompt prefilled once for its
         len(seeds) answers under continuous batching (a GRPO group: the answers read the
         prompt's KV pages, each copying only the page it first writes into while others
         still read it)."""
         if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence) or not seeds:
             raise ValueError(f"seeds={seeds!r} is invalid; accepted: a non-empty list of seeds "
                              "(integers or typed keys), one per answer of each prompt")
-        return self._generate(state, prompts, list(seeds), max_new_tokens, return_logprobs,
+        return self._generate(state, prompts, list(seeds), max_new_tokens,
+                              (return_logprobs, return_routing),
                               dict(temperature=temperature, top_k=top_k, top_p=top_p,
                                    eos_id=eos_id, vocab_limit=vocab_limit), single=False)
 
     def _generate(self, state: TrainState, prompts: Sequence[Any], seeds: list[Any],
-                  max_new_tokens: Any, return_logprobs: Any, knobs: dict[str, Any],
+                  max_new_tokens: Any, asked: tuple[Any, Any], knobs: dict[str, Any],
                   single: bool) -> Any:
+        """`generate`'s work; `asked` (return_logprobs, return_routing)."""
         scalars = {k: v for k, v in knobs.items() if not isinstance(v, (list, tuple))}
         rows, sampling, _ = check_request(prompts, max_new_tokens, self.config.max_out_tokens,
                                           self.vocab_size, seed=seeds[0], per_row=True,
@@ -270,25 +247,33 @@ class HybridEngine:
         if len({str(jax.random.key_impl(key)) for key in keys}) > 1:
             raise ValueError("seeds mix PRNG implementations; accepted: seeds of one kind "
                              "(integers, or typed keys of one implementation)")
-        if not isinstance(return_logprobs, (bool, np.bool_)):
-            raise ValueError(f"return_logprobs={return_logprobs!r} is invalid; accepted: True "
-                             "or False")
+        for name, value in zip(("return_logprobs", "return_routing"), asked):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name}={value!r} is invalid; accepted: True or False")
+        with_logprobs, with_routing = map(bool, asked)
+        routed = check_routing(self.model_def, self.batching) if with_routing else (0, 0)
         check_state(state, self.plan, self.model_def)
         eos_id = knobs["eos_id"]
         if max(news) == 0:
             outputs = [[row.copy() for row in rows] for _ in keys]
             drawn = [[np.zeros((0,), np.float32) for _ in rows] for _ in keys]
+            routing = [[np.full((row.size, *routed), -1, np.int32) for row in rows]
+                       for _ in keys]
         elif self.batching == "continuous":
             outputs, drawn = self._serve(state, rows, keys, news, samplings, eos_id)
+            routing = drawn                             # not asked for (`check_routing`)
         else:                    # one padded batch per seed and distinct knobs
-            outputs, drawn = zip(*(by_sampling(samplings, lambda index, sampling: self._static(
-                state, [rows[i] for i in index], key, [news[i] for i in index], sampling,
-                eos_id, bool(return_logprobs))) for key in keys))
+            outputs, drawn, routing = zip(*(by_sampling(
+                samplings, lambda index, sampling: self._static(
+                    state, [rows[i] for i in index], key, [news[i] for i in index], sampling,
+                    eos_id, with_logprobs, with_routing)) for key in keys))
         if not self.config.pin_parameters:
             self._free_params()
         if single:
-            outputs, drawn = outputs[0], drawn[0]
-        return (list(outputs), list(drawn)) if return_logprobs else list(outputs)
+            outputs, drawn, routing = outputs[0], drawn[0], routing[0]
+        results = ((list(outputs),) + ((list(drawn),) if with_logprobs else ())
+                   + ((list(routing),) if with_routing else ()))
+        return results if len(results) > 1 else results[0]
 
     def _serve(self, state: TrainState, rows: list[np.ndarray], keys: list[jax.Array],
                news: list[int], samplings: list[Sampling],
@@ -327,37 +312,12 @@ class HybridEngine:
         return self._batchers[impl]
 
     def _static(self, state: TrainState, rows: list[np.ndarray], key: jax.Array,
-                news: list[int], sampling: Sampling, eos_id: int | None,
-                with_logprobs: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """One padded batch through the decode loop (`batching="static"`), decoding until
-        every row has its most new tokens or EOS, each row cut to its own."""
-        max_new_tokens = max(news)
-        params = self.inference_params(state)
-        batch = bucket(len(rows), multiple=self.layout.data_size)
-        prompt = bucket(max(row.size for row in rows), limit=self.config.max_out_tokens)
-        program, cache_sharding = self._program(batch, prompt, sampling, with_logprobs)
-        # Host inputs are placed on the inference mesh explicitly: with several processes jit
-        # refuses numpy arguments that carry a non-replicated sharding.
-        rows_sharding, rep = self.layout.batch_sharding(1), self.layout.replicated()
-        tokens, lengths, live = jax.device_put(
-            pack(rows, batch, prompt), (self.layout.batch_sharding(2), rows_sharding,
-                                        rows_sharding))
-        model_state = jax.device_put(state.model_state, rep)
-        scalars = jax.device_put((np.int32(max_new_tokens),
-                                  np.int32(-1 if eos_id is None else eos_id), key), rep)
-        buffer, steps, cache, *logprobs = program(
-            params, model_state, self._cache(batch, cache_sharding), tokens, lengths, live,
-            *scalars)
-        buffer, steps = np.asarray(buffer), int(steps)
-        if self.config.release_inference_cache:
-            jax.tree.map(lambda x: x.delete(), cache)
-        else:
-            self._caches[batch] = cache
-        outputs = [out[:row.size + new]
-                   for out, row, new in zip(unpack(rows, buffer, steps, eos_id), rows, news)]
-        drawn = (unpack_logprobs(rows, outputs, np.asarray(logprobs[0])) if with_logprobs
-                 else [None] * len(rows))
-        return outputs, drawn
+                news: list[int], sampling: Sampling, eos_id: int | None, with_logprobs: bool,
+                with_routing: bool) -> tuple[list, list, list]:
+        """One padded batch through the decode loop (`batching="static"`, `static.py`)."""
+        return self._static_decoder.run(self.inference_params(state), state.model_state, rows,
+                                        key, news, sampling, eos_id, with_logprobs,
+                                        with_routing)
 
     def token_program(self, state: TrainState, batch: int) -> Any:
         """One compiled decode step (T = 1) of `batch` rows in the tensor-parallel layout:
@@ -373,7 +333,8 @@ class HybridEngine:
         return jax.jit(run, out_shardings=(layout.batch_sharding(3), {"k": sharding,
                                                                       "v": sharding})).lower(
             params, jax.device_put(state.model_state, layout.replicated()),
-            self._cache(batch, {"k": sharding, "v": sharding}), column, column).compile()
+            self._static_decoder.cache(batch, {"k": sharding, "v": sharding}), column,
+            column).compile()
 
     # ---- release ---------------------------------------------------------------------------
     def kept_arrays(self) -> tuple[dict[str, jax.Array], list[dict[str, jax.Array]]]:
@@ -381,7 +342,7 @@ class HybridEngine:
         parameters (`{}` when none) and the kept KV caches (the static batches' and the
         continuous batcher's page pools), e.g. to count their bytes."""
         pools = [b.held for b in self._batchers.values() if b.held is not None]
-        return dict(self._params or {}), list(self._caches.values()) + pools
+        return dict(self._params or {}), list(self._static_decoder.caches.values()) + pools
 
     def _free_params(self) -> None:
         jax.tree.map(lambda x: x.delete(), self._params or {})
@@ -393,8 +354,6 @@ class HybridEngine:
         """Frees the inference copy of the parameters and every kept KV cache; compiled
         programs stay, so the next `generate` only reshards."""
         self._free_params()
-        for cache in self._caches.values():
-            jax.tree.map(lambda x: x.delete(), cache)
-        self._caches = {}
+        self._static_decoder.release()
         for batcher in self._batchers.values():
             batcher.release()

@@ -31,6 +31,8 @@ the roles they share are built once (roles.py).
     grpo_losses.py the clipped surrogate with clip-higher, k3 KL, grpo|dr_grpo|dapo aggregation
     reward_funcs.py reward functions (prompts, completions, **fields) -> rewards: the built-in
                    accuracy and format checks, weighted sums, failures named
+    verl_score.py  verl's compute_score(data_source, solution_str, ground_truth, extra_info)
+                   called as verl calls it, once per answer
     arithmetic_task.py the bundled task: arithmetic word problems with `####` answers, by seed
     task_sft.py    supervised fine-tuning on prompt/completion rows (loss on the completion)
     grpo_prompts.py prompts tokenized up to the cap (a longer one keeps its last tokens, the

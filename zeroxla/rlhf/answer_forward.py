@@ -18,6 +18,11 @@ ZeRO-3's per-layer gathers, tokens over the sequence devices), with or without a
              (`answer_values.padded_logprobs` / `padded_values`), for a model that takes no
              packed batch (`packing=False`).
 
+Under routing replay (`replayed`: an MoE actor, a rollout's record of the experts each layer
+chose per token beside the rows) the packed forward sends every recorded token to its recorded
+experts, the weights from the live router (`models.moe`), and counts the (token, layer) pairs
+whose live choice is not the record: GRPO's `routing/mismatch`.
+
 The frozen reference is read the same way (`reference_partitions`): a copy of the policy's
 first stored partitions, 1/N of the model per device, read through the policy's
 `AnswerForward`; never a whole model on one device.
@@ -35,8 +40,8 @@ import numpy as np
 
 from zeroxla.engine.sequence import packed_row_length
 from zeroxla.engine.token_forward import TokenForward
-from zeroxla.rlhf.answer_values import (packed_logprobs, packed_values, padded_logprobs,
-                                        padded_values)
+from zeroxla.rlhf.answer_values import (packed_logprobs, packed_replayed_logprobs,
+                                        packed_values, padded_logprobs, padded_values)
 from zeroxla.rlhf.packed_rollout import pack_rollout, unpack_answers
 
 PACKED_INPUTS = ("inputs", "targets", "positions", "segment_ids")
@@ -62,6 +67,7 @@ class AnswerForward:
                                      functools.partial(packed_logprobs, vocab_limit=vocab_limit))
                         if self.packed else None)
         self._padded_forwards: dict[int, TokenForward] = {}      # per answer width G
+        self._replayed: dict[bool, TokenForward] = {}            # per follow_record
 
     def __call__(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
                  prompt_lengths: np.ndarray | None = None) -> np.ndarray:
@@ -79,6 +85,40 @@ class AnswerForward:
                                  answer_index=True)
         values = np.asarray(self.forward(state, {k: packed[k] for k in PACKED_INPUTS}))  # [R, S]
         return unpack_answers(values, packed["answer_index"], mask.shape) * mask
+
+    def replayed(self, state: Any, tokens: np.ndarray, mask: np.ndarray, routing: np.ndarray,
+                 prompt_lengths: np.ndarray | None = None, follow_record: bool = True
+                 ) -> tuple[np.ndarray, int, int]:
+        """(`__call__`'s log-probs float32 [B, G] under routing replay, the (token, layer)
+        pairs whose live choice is not the record, the pairs compared) for `routing` int32
+        [B, P + G, L, k]: routing[b, j] the experts each MoE layer chose for `tokens[b, j]`
+        (the token at position j, whose output predicts position j + 1: the rollout's record
+        of answer token t's draw is at L_b - 1 + t), a negative first slot where none was
+        recorded (routed live, not compared). `follow_record=False`: every token routed live,
+        the record only compared (the log-probs `__call__`'s). Packed only (module docstring)."""
+        if self.kind != "logprobs" or not self.packed:
+            raise ValueError(f"AnswerForward(kind={self.kind!r}, packed={self.packed}) under "
+                             "routing replay: the replayed forward is the packed log-probs' "
+                             "(an MoE actor's); accepted: kind='logprobs', packed=True "
+                             "(GRPOConfig.packing=True)")
+        tokens, mask = np.asarray(tokens), np.asarray(mask)
+        rows = {"tokens": tokens, "action_mask": mask, "routing": np.asarray(routing, np.int32)}
+        if prompt_lengths is not None:
+            rows["prompt_lengths"] = np.asarray(prompt_lengths, np.int32)
+        if follow_record not in self._replayed:
+            self._replayed[follow_record] = TokenForward(self.step, functools.partial(
+                packed_replayed_logprobs, vocab_limit=self.vocab_limit,
+                follow_record=follow_record))
+        packed, _ = pack_rollout(rows, loss_type="dapo", data_size=self.layout.data_size,
+                                 row_len=packed_row_length(tokens.shape[1] - 1,
+                                                           self.layout.sequence),
+                                 answer_index=True)
+        values, mismatches = self._replayed[follow_record](
+            state, {k: packed[k] for k in (*PACKED_INPUTS, "replay")})      # [R, S] each
+        recorded = (packed["replay"][..., 0, 0] >= 0) & (packed["segment_ids"] > 0)
+        compared = int(recorded.sum()) * packed["replay"].shape[2]
+        logprobs = unpack_answers(np.asarray(values), packed["answer_index"], mask.shape) * mask
+        return logprobs, int(np.asarray(mismatches).sum()), compared
 
     def _padded(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
                 prompt_lengths: np.ndarray) -> np.ndarray:

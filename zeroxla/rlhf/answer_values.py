@@ -111,6 +111,21 @@ def packed_logprobs(model: nnx.Module, batch: dict[str, jax.Array],
                                 experts=experts)                          # [R, S]
 
 
+def packed_replayed_logprobs(model: nnx.Module, batch: dict[str, jax.Array],
+                             vocab_limit: int | None = None, sequence: Any = None,
+                             experts: Any = None, follow_record: bool = True
+                             ) -> tuple[jax.Array, jax.Array]:
+    """`packed_logprobs` [R, S] under routing replay, and per slot the number of MoE layers
+    whose live choice is not the record, int32 [R, S]: batch["replay"] int32 [R, S, L, k] the
+    experts recorded for each slot's input token (-1: none, routed live; `packed_rollout`).
+    `follow_record=False`: every token routed live, the record only compared."""
+    logprobs, _, mismatches = model.replayed_token_logprobs(
+        batch["inputs"], batch["targets"], batch["replay"], positions=batch["positions"],
+        segment_ids=batch["segment_ids"], vocab_limit=vocab_limit,
+        follow_record=follow_record, **_given(sequence=sequence, experts=experts))
+    return logprobs, mismatches                                           # [R, S] each
+
+
 def packed_values(critic: nnx.Module, batch: dict[str, jax.Array],
                   sequence: Any = None, experts: Any = None) -> jax.Array:
     """The critic's value of each slot's state [R, S] of a packed batch: a slot whose target
@@ -120,6 +135,7 @@ def packed_values(critic: nnx.Module, batch: dict[str, jax.Array],
                   **_given(sequence=sequence, experts=experts)).astype(jnp.float32)  # [R, S]
 
 
-__all__ = ["answer_logprobs", "answer_values", "packed_logprobs", "packed_values",
+__all__ = ["answer_logprobs", "answer_values", "packed_logprobs", "packed_replayed_logprobs",
+           "packed_values",
            "padded_logprobs", "padded_values", "ragged_answer_logprobs",
            "routed_ragged_answer_logprobs", "token_logprob_rows"]

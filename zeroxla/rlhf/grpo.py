@@ -65,7 +65,8 @@ from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
-from zeroxla.rlhf.rollout import generation_stats, pad_answers, pad_logprobs
+from zeroxla.inference.checks import check_routing
+from zeroxla.rlhf.rollout import generation_stats, pad_answers, pad_logprobs, pad_routing
 from zeroxla.rlhf.rollout_correction import corrected_batch, logprob_gap
 
 
@@ -83,6 +84,8 @@ class GRPORollout:
     ref_logprobs: np.ndarray             # float32[B, T], the frozen reference
     rollout_logprobs: np.ndarray | None = None   # float32[B, T], as the engine drew them
     prompt_lengths: np.ndarray | None = None     # int32[B], answer starts (None: P each)
+    routing: np.ndarray | None = None     # int32[B, P + T, L, k], the rollout's experts per token
+    routing_mismatch: tuple[int, int] = (0, 0)   # (token, layer) pairs differing, compared
 
     def answer_starts(self) -> np.ndarray:
         """int32[B]: the column of each row's first answer token (its prompt's length)."""
@@ -145,11 +148,14 @@ class GRPOTrainer:
                                        config.correction is None
                                        or config.correction.kl_weighted)),
             hybrid_engine=zeroxla.HybridEngineConfig(      # every answer decodes at once
-                inference_tp_size=inference_tp_size,
+                inference_tp_size=inference_tp_size, batching=(
+                    "auto" if config.routing_replay == "off" else "static"),  # it records
                 max_out_tokens=config.prompt_length + config.max_completion_length,
                 **rollout_batching(config.prompts_per_iteration, config.num_generations,
                                    mesh.devices.size // inference_tp_size, config.prompt_length)))
         self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
+        if config.routing_replay != "off":        # an MoE actor: refused by name otherwise
+            check_routing(roles.step.layout.model_def, self.engine.batching)
         check_token_budget(config.ppo_max_token_len_per_gpu, config.row_len, roles.step.layout,
                            "GRPOConfig")
         # Every per-token read in the actor's layout; the reference (the plain actor: LoRA's
@@ -165,20 +171,21 @@ class GRPOTrainer:
         rng = np.random.default_rng((self.seed, iteration))
         return rng.choice(n, k, replace=n < k)
 
-    def generate(self, picked: np.ndarray, iteration: int
-                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def generate(self, picked: np.ndarray, iteration: int) -> tuple[list[np.ndarray], ...]:
         """G answers per picked prompt, prompt-major (row b: prompt b // G, answer b % G),
-        and the log-probs [new] the engine drew each answer's tokens with."""
+        the log-probs [new] the engine drew each answer's tokens with, and with
+        `routing_replay` each output's routing record [len(output), L, k]."""
         c = self.config
         prompts = [self.prompts.ids[i] for i in picked]
-        outputs, drawn = self.engine.generate_group(      # each prompt prefilled once
+        results = self.engine.generate_group(      # each prompt prefilled once
             self.actor_state, prompts, [(self.seed * 100_003 + iteration) * 1_009 + g
                                         for g in range(c.num_generations)],
             max_new_tokens=c.max_completion_length, temperature=1.0, eos_id=self.eos_id,
-            vocab_limit=self.vocab_limit, return_logprobs=True)
+            vocab_limit=self.vocab_limit, return_logprobs=True,
+            return_routing=c.routing_replay != "off")
         self.engine.release()          # the next optimizer step makes the TP copy stale anyway
         order = [(g, p) for p in range(len(prompts)) for g in range(c.num_generations)]
-        return [outputs[g][p] for g, p in order], [drawn[g][p] for g, p in order]
+        return tuple([lists[g][p] for g, p in order] for lists in results)
 
     def score(self, picked: np.ndarray, tokens: np.ndarray, mask: np.ndarray,
               completions: tuple[str, ...]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -203,7 +210,7 @@ class GRPOTrainer:
         c = self.config
         start = time.perf_counter()
         picked = self.sample_prompts(iteration)
-        outputs, drawn = self.generate(picked, iteration)
+        outputs, drawn, *records = self.generate(picked, iteration)
         generation_s = time.perf_counter() - start
         start = time.perf_counter()
         starts = np.asarray([self.prompts.ids[i].size for i in picked
@@ -215,14 +222,16 @@ class GRPOTrainer:
         rewards, parts = self.score(picked, tokens, real.astype(np.float32), completions)
         advantages = group_advantages(rewards, c.num_generations,
                                       scale_rewards=c.scale_rewards, advantage=c.advantage)
-        logprobs = self.logprobs(tokens, starts, mask)
-        ref_logprobs = self.logprobs(tokens, starts, mask, reference=True)
+        routing = pad_routing(records[0], tokens.shape[1]) if records else None
+        logprobs, mismatch = self.routed_logprobs(tokens, starts, mask, routing)
+        ref_logprobs, _ = self.routed_logprobs(tokens, starts, mask, routing, reference=True)
         rollout = GRPORollout(tokens=tokens, action_mask=mask, completions=completions,
                               rewards=rewards, reward_parts=parts,
                               advantages=np.asarray(advantages, np.float32),
                               logprobs=np.asarray(logprobs, np.float32),
                               ref_logprobs=np.asarray(ref_logprobs, np.float32),
-                              rollout_logprobs=pad_logprobs(drawn, mask), prompt_lengths=starts)
+                              rollout_logprobs=pad_logprobs(drawn, mask), prompt_lengths=starts,
+                              routing=routing, routing_mismatch=mismatch)
         return rollout, generation_s, time.perf_counter() - start
 
     def logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray, mask: np.ndarray,
@@ -233,6 +242,19 @@ class GRPOTrainer:
         first partitions)."""
         return self.answers(self.reference_state if reference else self.actor_state,
                             tokens, mask, prompt_lengths)
+
+    def routed_logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray, mask: np.ndarray,
+                        routing: np.ndarray | None, reference: bool = False
+                        ) -> tuple[np.ndarray, tuple[int, int]]:
+        """`logprobs`, the rollout's `routing` record [B, P + T, L, k] replayed when
+        `routing_replay` is "on" (None: `logprobs`), and the (token, layer) pairs whose live
+        routing is not the record, and those compared ((0, 0) without a record)."""
+        if routing is None:
+            return self.logprobs(tokens, prompt_lengths, mask, reference), (0, 0)
+        logprobs, *mismatch = self.answers.replayed(
+            self.reference_state if reference else self.actor_state, tokens, mask, routing,
+            prompt_lengths, follow_record=self.config.routing_replay == "on")
+        return logprobs, tuple(mismatch)
 
     # ---- training --------------------------------------------------------------------------
     def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
@@ -249,6 +271,8 @@ class GRPOTrainer:
                  "action_mask": rollout.action_mask}
         if c.beta:
             batch["ref_logprobs"] = rollout.ref_logprobs
+        if c.routing_replay == "on":             # packed as "replay": the loss replays it
+            batch["routing"] = rollout.routing
         tis = {}
         if c.correction is not None:
             batch, tis = corrected_batch(c.correction, batch, rollout.rollout_logprobs)
@@ -264,8 +288,8 @@ class GRPOTrainer:
         losses, clips = [], []
         for k in range(c.num_iterations):
             if k:
-                clips.append({name: float(v) for name, v in clip_fractions(
-                    self.logprobs(rollout.tokens, starts, rollout.action_mask), old,
+                clips.append({name: float(v) for name, v in clip_fractions(self.routed_logprobs(
+                    rollout.tokens, starts, rollout.action_mask, rollout.routing)[0], old,
                     rollout.advantages,
                     rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
             self.actor_state, metrics = self.actor_step(self.actor_state, batch,
@@ -309,6 +333,10 @@ def iteration_record(iteration: int, rollout: GRPORollout, train: dict[str, floa
               **{f"reward/{name}": float(np.mean(v)) for name, v in rollout.reward_parts.items()},
               "kl": rollout.kl(), **train,
               "completion_length": float(np.mean(rollout.action_mask.sum(1))), **times}
+    if rollout.routing is not None:          # `GRPOConfig.routing_replay`
+        differ, compared = rollout.routing_mismatch
+        record.update({"routing/mismatch": differ,
+                       "routing/mismatch_fraction": differ / max(compared, 1)})
     if rollout.rollout_logprobs is not None:
         record.update({f"gap/{k}": float(v) for k, v in logprob_gap(
             rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask).items()})

@@ -44,6 +44,14 @@ same loss as the padded rows, without their padding. The actor must take `positi
 rows its micro-batches, their gradients accumulated into one update (the same mean), so an
 actor step's activations are one row's however long the rollout's answers.
 
+`routing_replay` (an MoE actor; routing replay, R3): "measure" records the experts each layer
+chose for every token of the rollout (the static decode, `HybridEngine.generate(...,
+return_routing=True)`) and logs `routing/mismatch`, the (token, layer) pairs where the actor's
+training forward routes otherwise; "on" also trains on the record: every recorded token sent
+to its recorded experts, weighed by the live router (`models.moe`), for the old, the
+reference's and the trained log-probs alike; "off" (the default) records nothing. Needs
+`packing`.
+
 The rewards a job names beside the config (`zeroxla grpo`'s `--reward-funcs`, `--reward-weights`
 and a `--reward` model): checked (`check_reward_sources`) and loaded (`reward_sources`).
 """
@@ -61,6 +69,7 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGES = ("grpo", "rloo")
 ROLLOUT_CORRECTIONS = ("tis",)
+ROUTING_REPLAY = ("off", "measure", "on")
 
 
 class GRPOConfigError(ValueError):
@@ -111,6 +120,7 @@ class GRPOConfig:
     packing: bool = True
     packed_row_len: int | None = None
     ppo_max_token_len_per_gpu: int | None = None
+    routing_replay: str = "off"
 
     def __post_init__(self) -> None:
         _check("num_generations", self.num_generations,
@@ -156,6 +166,10 @@ class GRPOConfig:
             _is_int(budget) and budget >= 1 and self.packing and self.packed_row_len is None),
             "None or an integer >= 1 with packing=True and packed_row_len=None (the budget "
             "is the packed rows' length per device)")
+        _check("routing_replay", self.routing_replay, self.routing_replay in ROUTING_REPLAY and (
+            self.packing or self.routing_replay == "off"),
+            " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
+            "forward is the packed one)")
 
     @property
     def clip_high(self) -> float:

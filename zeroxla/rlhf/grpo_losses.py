@@ -105,13 +105,23 @@ def packed_loss_parts(model, batch, *, epsilon: float, epsilon_high: float, beta
     compute their terms from neutral values (ratio 1, no KL), so no overflow there can reach
     the gradient through the mask. Every term is per token, so under sequence parallelism
     (`sequence`: the arrays are this device's [R, S/P] slice) the step's sums over the
-    devices are the whole batch's; `experts`: an MoE actor's `ExpertParallel`."""
+    devices are the whole batch's; `experts`: an MoE actor's `ExpertParallel`. With
+    "replay" int32 [R, S, L, k] (routing replay, `packed_rollout`) every recorded token goes to
+    its recorded experts, weighed by the live router (`MoeLlama.replayed_token_logprobs`); the
+    auxiliary loss's statistics stay the live router's."""
     mask = batch["action_mask"]
     answer = mask > 0
-    logprobs, stats = router_aux.routed_token_logprobs(
-        model, batch["inputs"], batch["targets"], positions=batch["positions"],
-        segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence,
-        **({} if experts is None else {"experts": experts}))                # [R, S]
+    options = {} if experts is None else {"experts": experts}
+    if "replay" in batch:           # routing replay: the recorded selection, the live weights
+        logprobs, stats, _ = model.replayed_token_logprobs(
+            batch["inputs"], batch["targets"], batch["replay"], positions=batch["positions"],
+            segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence,
+            **options)                                                      # [R, S]
+    else:
+        logprobs, stats = router_aux.routed_token_logprobs(
+            model, batch["inputs"], batch["targets"], positions=batch["positions"],
+            segment_ids=batch["segment_ids"], vocab_limit=vocab_limit, sequence=sequence,
+            **options)                                                      # [R, S]
     old = batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     terms = grpo_loss_terms(jnp.where(answer, logprobs, old), old, batch["advantages"],

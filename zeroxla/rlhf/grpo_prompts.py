@@ -14,7 +14,7 @@ keeps its last tokens (TRL's `max_prompt_length`, DeepSpeed-Chat's prompt datase
 `PromptRows` counts the prompts cut and the tokens lost, and its rows carry the decoded kept
 tokens as their "prompt", so the reward functions see the text the model saw.
 
-Where `zeroxla grpo`'s prompts come from: a file's records (`file_rows`), or the bundled
+Where `zeroxla grpo`'s prompts come from: a file's rows (`file_rows`), or the bundled
 arithmetic task (`task_rows`: its training and held-out problems, `TASK_REWARDS`); the cap
 (`prompt_cap`) and whether prompt and answer fit the model (`check_fit`).
 """
@@ -22,7 +22,7 @@ arithmetic task (`task_rows`: its training and held-out problems, `TASK_REWARDS`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -115,18 +115,12 @@ def check_fit(prompt_length: int, completion_length: int, max_seq_len: int | Non
                      f"{model}; accepted: a sum <= {max_seq_len}")
 
 
-def file_rows(records: Iterable[tuple[int, dict[str, Any]]], source: str, tokenizer: Any
+def file_rows(records: Sequence[dict[str, Any]], tokenizer: Any
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
-    """(the rows of a prompts file's (line, object) records, no held-out problems, the
-    tokenizer's `eos_id`) as `task_rows` returns them; ValueError naming the line of a record
-    without a "prompt" string."""
-    rows = []
-    for line, record in records:
-        if not isinstance(record.get("prompt"), str):
-            raise ValueError(f"{source}:{line}: no \"prompt\" string; accepted: objects with a "
-                             "\"prompt\" (other keys go to the reward functions)")
-        rows.append(record)
-    return rows, [], getattr(tokenizer, "eos_id", None)
+    """(a prompts file's rows, checked and with their prompts as text by
+    `zeroxla.app.prompt_files.prompt_records`; no held-out problems; the tokenizer's `eos_id`)
+    as `task_rows` returns them."""
+    return list(records), [], getattr(tokenizer, "eos_id", None)
 
 
 def task_rows(tokenizer: Any, model: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]],

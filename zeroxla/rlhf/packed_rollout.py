@@ -138,7 +138,10 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     sequence does not fit `row_len` (naming `named`, the setting that chose it) or
     `loss_type` is unknown. `answer_index`: the result also holds "answer_index" int32
     [R, row_len], b * G + t + 1 on the slot of answer b's token t, 0 elsewhere
-    (`unpack_answers` reads per-slot values back into [B, G] with it)."""
+    (`unpack_answers` reads per-slot values back into [B, G] with it). A "routing" record
+    int32 [B, P+G, L, k] (routing replay: routing[b, j] the experts each MoE layer chose for
+    `tokens[b, j]`, -1: none recorded) comes back as "replay" int32 [R, row_len, L, k], each
+    slot holding its input token's record (-1 on the slots of no sequence)."""
     if loss_type not in LOSS_COUNTS:
         raise ValueError(f"loss_type={loss_type!r} is invalid; accepted: "
                          + " | ".join(LOSS_COUNTS))
@@ -160,15 +163,9 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
     per_replica = rows_per_replica(-(-len(rows) // data_size), -(-b // data_size))
     row_tokens = [int(sum(slots[i] for i in row)) for row in rows]
     placed = balance_rows(row_tokens, data_size, per_replica)
-    shape = (data_size * per_replica, row_len)
-    out = {key: np.zeros(shape, np.int32)
-           for key in ("inputs", "targets", "positions", "segment_ids")}
-    floats = ("action_mask", "loss_weight", "loss_count",
-              *(k for k in ANSWER_TOKEN_KEYS if k in batch))
+    out = _empty_rows(batch, (data_size * per_replica, row_len), answer_index)
     per_answer = {k for k in ("advantages",) if k in batch and np.ndim(batch[k]) == 1}
-    out.update({key: np.zeros(shape, np.float32) for key in floats})
-    if answer_index:
-        out["answer_index"] = np.zeros(shape, np.int32)
+    routing = np.asarray(batch.get("routing", np.zeros((b, 0))), np.int32)  # [B, P+G, L, k]
     count = {"grpo": lambda a: 1.0, "dr_grpo": lambda a: float(answer_width),
              "dapo": lambda a: float(a)}[loss_type]
     for replica, members in enumerate(placed):
@@ -177,6 +174,8 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
             for segment, i in enumerate(rows[row_index], start=1):
                 n, p, a = int(slots[i]), int(starts[i]), int(answers[i])
                 place_sequence(out, row, start, tokens[i], n, segment)
+                if "routing" in batch:      # a slot's input is tokens[i, slot - start]
+                    out["replay"][row, start:start + n] = routing[i, :n]
                 answer = slice(start + p - 1, start + p - 1 + a)              # its A_b slots
                 kept = (np.asarray(batch["loss_mask"], np.float32)[i, :a] if "loss_mask" in batch
                         else np.ones(a, np.float32))                          # [A_b]
@@ -193,9 +192,26 @@ def pack_rollout(batch: dict[str, np.ndarray], *, loss_type: str, row_len: int,
                         out[key][row, answer] = np.asarray(batch[key])[i, :a]
                 start += n
     loads = [sum(row_tokens[r] for r in members) for members in placed]
-    stats = {"rows": float(len(rows)), "fill": float(slots.sum() / (shape[0] * row_len)),
+    stats = {"rows": float(len(rows)),
+             "fill": float(slots.sum() / out["inputs"].size),
              "replica_imbalance": float(max(loads) / max(min(loads), 1))}
     return out, stats
+
+
+def _empty_rows(batch: dict[str, np.ndarray], shape: tuple[int, int],
+                answer_index: bool) -> dict[str, np.ndarray]:
+    """`pack_rollout`'s arrays [R, row_len] before any sequence is placed: zeros, the replayed
+    record [R, row_len, L, k] of a batch's "routing" -1 (no token recorded)."""
+    out = {key: np.zeros(shape, np.int32)
+           for key in ("inputs", "targets", "positions", "segment_ids")}
+    floats = ("action_mask", "loss_weight", "loss_count",
+              *(k for k in ANSWER_TOKEN_KEYS if k in batch))
+    out.update({key: np.zeros(shape, np.float32) for key in floats})
+    if "routing" in batch:
+        out["replay"] = np.full(shape + np.shape(batch["routing"])[2:], -1, np.int32)
+    if answer_index:
+        out["answer_index"] = np.zeros(shape, np.int32)
+    return out
 
 
 def unpack_answers(values: np.ndarray, answer_index: np.ndarray,

@@ -5,7 +5,7 @@
 
 Built in, for math-style data:
   accuracy_reward   1.0 when the completion's final number (after `####`, or inside `\\boxed{}`)
-                    equals the row's `answer`, else 0.0
+                    equals the row's `answer` (or verl's `ground_truth`), else 0.0
   format_reward     1.0 when the completion states a final answer in that form, else 0.0
 
 A function returns a list (or a 1-d NumPy or torch array) of numbers that a float holds exactly:
@@ -13,8 +13,10 @@ floats, ints, bools (0 / 1; TRL converts them too), NumPy scalars, 0-d arrays. O
 returns the wrong number of rewards, or a NaN, an infinity, a number beyond float32's range (the
 advantages' dtype), None or anything else stops the run with a `RewardFunctionError` naming the
 function and the sample: a reward that silently drops out would train on the others alone.
-`load_reward_func("module:function")` resolves the command line's `--reward-funcs`, from
-`sys.path` or the working directory.
+A function whose parameters include `solution_str` is verl's `compute_score(data_source,
+solution_str, ground_truth, extra_info)` and is called as verl calls it, once per sample
+(`verl_score`). `load_reward_func("module:function")` resolves the command line's
+`--reward-funcs`, from `sys.path` or the working directory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from zeroxla.rlhf import verl_score
 
 RewardFunc = Callable[..., Sequence[float | None]]
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -62,11 +66,17 @@ def _same_number(a: str, b: Any) -> bool:
 
 
 def accuracy_reward(prompts: Sequence[str], completions: Sequence[str], *,
-                    answer: Sequence[Any], **_: Any) -> list[float]:
-    """1.0 per completion whose stated answer (`extract_answer`) equals the row's `answer`."""
+                    answer: Sequence[Any] | None = None,
+                    ground_truth: Sequence[Any] | None = None, **_: Any) -> list[float]:
+    """1.0 per completion whose stated answer (`extract_answer`) equals the row's `answer`
+    (else verl's `ground_truth`, its `reward_model.ground_truth`)."""
     del prompts
+    expected_answers = answer if answer is not None else ground_truth
+    if expected_answers is None:
+        raise KeyError("the prompt rows have no column 'answer' (nor verl's "
+                       "reward_model.ground_truth)")
     out = []
-    for completion, expected in zip(completions, answer, strict=True):
+    for completion, expected in zip(completions, expected_answers, strict=True):
         stated = extract_answer(completion)
         out.append(float(stated is not None and _same_number(stated, expected)))
     return out
@@ -191,7 +201,9 @@ def call_checked(fn: RewardFunc, prompts: Sequence[str], completions: Sequence[s
     float32 too)."""
     name = func_name(fn)
     try:
-        returned = fn(list(prompts), list(completions), **fields)
+        returned = (verl_score.batch_scores(fn, completions, fields)
+                    if verl_score.is_compute_score(fn)
+                    else fn(list(prompts), list(completions), **fields))
     except Exception as err:  # noqa: BLE001  (any failure of user code stops the run, named)
         raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {err} "
                                   f"(on a batch of {len(completions)} samples, the first "

@@ -71,6 +71,16 @@ def pad_logprobs(logprobs: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray
     return out * mask
 
 
+def pad_routing(records: Sequence[np.ndarray], width: int) -> np.ndarray:
+    """The engine's per-output routing records [len(output), L, k] (`generate(...,
+    return_routing=True)`) -> int32 [B, width, L, k] aligned with `pad_answers`' rows (row b's
+    token j's record at j), -1 past each output's tokens."""
+    out = np.full((len(records), width) + records[0].shape[1:], -1, np.int32)
+    for b, record in enumerate(records):
+        out[b, :min(len(record), width)] = record[:width]
+    return out
+
+
 def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int, answer_length: int,
                 prompt_lengths: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The Hybrid Engine's rows (prompt + up to G new tokens, cut after EOS) -> tokens

@@ -27,7 +27,8 @@ NOT_OPTIONS = {("schedule", "min_lr_ratio"), ("schedule", "weight_decay"),
 
 # One command line that gives every option (flag -> text; --init-from apart, as it brings its
 # own tokenizer), and the options it means.
-GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--steps": "7",
+GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--split": "train", "--tokenizer": "byte",
+         "--steps": "7",
          "--batch-size": "16", "--seq-len": "64", "--learning-rate": "0.001", "--warmup-steps": "2",
          "--mesh": "1x8", "--sequence-parallel-size": "2", "--expert-parallel-size": "2",
          "--sequence-parallel-strategy": "allgather", "--pipeline-stages": "2",
@@ -40,7 +41,8 @@ GIVEN = {"--model": "llama-tiny", "--data": "x.txt", "--tokenizer": "byte", "--s
          "--no-progress": None, "--report-to": "tensorboard,mlflow", "--resume": "r",
          "--lora-dim": "8", "--lora-alpha": "16",
          "--lora-module-name": "wq", "--only-optimize-lora": None, "--no-packing": None}
-EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, batch_size=16,
+EXPECTED = dict(model="llama-tiny", data="x.txt", split="train", tokenizer="byte", steps=7,
+                batch_size=16,
                 seq_len=64, lr=1e-3, warmup_steps=2, mesh=(1, 8), sequence_parallel_size=2,
                 expert_parallel_size=2, sequence_parallel_strategy="allgather", pipeline_stages=2,
                 zero_stage=2, dtype="bf16", grad_accum=2, persistence_threshold=5,
@@ -52,7 +54,7 @@ EXPECTED = dict(model="llama-tiny", data="x.txt", tokenizer="byte", steps=7, bat
                 lora_module_name="wq",
                 only_optimize_lora=True, packing=False)
 # The tree fields those options land in, with the tree's values.
-TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt",
+TREE = {("model", "preset"): "llama-tiny", ("data", "path"): "x.txt", ("data", "split"): "train",
         ("data", "tokenizer"): "byte", ("schedule", "steps"): 7,
         ("schedule", "batch_size"): 16, ("data", "seq_len"): 64, ("schedule", "lr"): 1e-3,
         ("schedule", "warmup_steps"): 2, ("sharding", "mesh"): (1, 8),

@@ -30,8 +30,9 @@ from zeroxla.app.jobs.loading import BASE_KEY, adapters_base, open_policy
 from zeroxla.app.learnable import same_pairs, same_pairs_note
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
-from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable, packing_option)
+from zeroxla.app.data_files import check_split
+from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS,
+                                     Option, OptionTable, packing_option, split_option)
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.app.data import split_examples
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
@@ -55,9 +56,11 @@ class DPOJobConfig:
     sharding: ShardingSettings = ShardingSettings()
     run: RunSettings = RunSettings(eval_every=20)
     lora: LoRAConfig = LoRAConfig()          # the policy's adapters (dim 0: none)
+    split: str | None = None                 # a DatasetDict's split of --data
 
     def __post_init__(self) -> None:
         check_sections(self)
+        check_split(self.split, self.data, "--data")
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
             raise ValueError(f"DPOJobConfig.steps={self.steps!r} is invalid; accepted: an "
                              "integer >= 1")
@@ -75,13 +78,13 @@ OPTIONS = OptionTable("dpo", DPOJobConfig, (
            "a Hugging Face causal LM directory (with tokenizer) or a zeroxla train run "
            "directory; required unless --resume", metavar="HF_DIR_OR_RUN", fixed=True),
     Option("--data", "data", None, "data", "job",
-           "preference pairs: a .jsonl of {\"prompt\", \"chosen\", \"rejected\"} lines "
-           "(strings, or TRL's lists of messages, rendered with the checkpoint's chat "
-           "template) or a .json array of them (.gz ok); default: the bundled tiny-shakespeare "
-           "pairs (true next line vs. its letters scrambled). Pairs whose chosen and rejected "
-           "are the same tokens teach nothing: they are counted and reported, and a file (or "
-           "its train or validation split) of only such pairs is refused",
-           metavar="PAIRS_JSONL"),
+           "preference pairs, {\"prompt\", \"chosen\", \"rejected\"} rows (strings, or TRL's "
+           f"lists of messages, rendered with the checkpoint's chat template): {DATA_FORMS}; "
+           "default: the bundled tiny-shakespeare pairs (true next line vs. its letters "
+           "scrambled). Pairs whose chosen and rejected are the same tokens teach nothing: they "
+           "are counted and reported, and a file (or its train or validation split) of only "
+           "such pairs is refused", metavar="PAIRS"),
+    split_option("--data"),
     Option("--steps", "steps", None, "steps", "job", "optimizer steps; default {default}",
            type=positive_int),
     Option("--beta", "beta", "dpo", "beta", "dpo",
@@ -118,7 +121,7 @@ def pair_rows(job: DPOJobConfig, tokenizer: Any) -> tuple[dict, dict, int]:
     reference, so it cancels in every DPO quantity (loss, margin, accuracy); the boundary needs
     no knowledge of where a chat template ends the prompt."""
     seed = job.run.seed
-    examples = (chat_data.read_pair_jsonl(job.data) if job.data is not None
+    examples = (chat_data.read_pair_jsonl(job.data, job.split) if job.data is not None
                 else chat_data.shakespeare_pairs(BUNDLED_PAIRS, seed=seed))
     source = f"--data {job.data}" if job.data else "the bundled shakespeare pairs"
     splits = {name: chat_data.pair_arrays(part, tokenizer, job.dpo.seq_len,

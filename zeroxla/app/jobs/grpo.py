@@ -18,22 +18,23 @@ from typing import Any, ClassVar
 
 from zeroxla.app.cli_args import (finite_float, non_negative_float, positive_float,
                                   positive_int)
-from zeroxla.app.data import read_records
+from zeroxla.app.data_files import check_split
+from zeroxla.app.prompt_files import prompt_records
 from zeroxla.app.jobs.loading import (BASE_KEY, adapters_base, check_adapters,
                                       check_inference_tp, load_actor, load_reward)
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
-from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable, rollout_correction_options,
-                                     token_budget_option)
+from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS,
+                                     Option, OptionTable, rollout_correction_options,
+                                     split_option, token_budget_option)
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY, as_metadata
 from zeroxla.engine.router_aux import check_budget_with_router
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.grpo import GRPOTrainer
-from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS, SCALE_REWARDS,
-                                      GRPOConfig, check_reward_sources,
-                                      reward_sources)
+from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS,
+                                      ROUTING_REPLAY, SCALE_REWARDS, GRPOConfig,
+                                      check_reward_sources, reward_sources)
 from zeroxla.rlhf.grpo_prompts import (TASK_REWARDS, check_fit, file_rows, prompt_cap, task_rows,
                                        truncation_report)
 from zeroxla.rlhf.plot import plot_records
@@ -47,6 +48,7 @@ class GRPOJobConfig:
 
     actor: str
     prompts: str | None = None               # None: the bundled arithmetic task
+    split: str | None = None                 # a DatasetDict's split of --prompts
     reward_funcs: tuple[str, ...] = ()       # default with the task: accuracy, format
     reward_weights: tuple[float, ...] | None = None
     reward: str | None = None                # a `zeroxla reward` run or HF reward model
@@ -71,6 +73,7 @@ class GRPOJobConfig:
             raise ValueError("--rollout-correction tis with --rollout-is, --rollout-rs or "
                              "--rollout-bypass: two corrections; accepted: one of them "
                              "(tis is --rollout-is token --rollout-is-threshold C)")
+        check_split(self.split, self.prompts, "--prompts")
         check_reward_sources(self.reward_names, self.reward_weights,
                              prompts=self.prompts is not None, with_model=self.reward is not None)
         # Each rollout (prompts x generations rows) is one global batch of the actor's step.
@@ -121,14 +124,21 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
      "default on", dict(action=argparse.BooleanOptionalAction)),
     ("--packed-row-len", "packed_row_len", "tokens per packed row, at least the longest "
      "sequence's (none: --max-prompt-seq-len + --max-completion-length - 1)",
-     dict(type=positive_int, metavar="T"))))
+     dict(type=positive_int, metavar="T")),
+    ("--routing-replay", "routing_replay", "an MoE actor's routing replay (R3): measure: the "
+     "rollout records each token's experts per layer (static decode) and routing/mismatch "
+     "counts the pairs the training forward routes otherwise; on: training also replays the "
+     "record (the weights from the live router); default off", dict(choices=ROUTING_REPLAY))))
 
 OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--actor", "actor", "job", "a zeroxla run (or checkpoint) recording its tokenizer: the "
          "policy's start and the frozen reference; required unless --resume", metavar="SFT_RUN",
          fixed=True),
-    _row("--prompts", "prompts", "job", "a .jsonl of {\"prompt\", ...} lines; the other keys go "
-         "to the reward functions. Default: the bundled arithmetic task", metavar="ROWS_JSONL"),
+    _row("--prompts", "prompts", "job", f"{{\"prompt\", ...}} rows: {DATA_FORMS}; the prompt "
+         "a string or chat messages (rendered with the actor's chat template); the other "
+         "columns go to the reward functions (verl's reward_model.ground_truth as "
+         "ground_truth). Default: the bundled arithmetic task", metavar="ROWS"),
+    split_option("--prompts"),
     _row("--reward-funcs", "reward_funcs", "job", "accuracy | format | module:function, each "
          "(prompts, completions, **row_fields) -> list[float]; default with the bundled task: "
          "accuracy format", metavar="FUNC", nargs="+", to_tree=tuple),
@@ -173,7 +183,7 @@ class GRPOJob:
         model, model_config = f"--actor {c.actor}", getattr(actor, "config", None)
         rows, self.held_out, eos_id = (
             task_rows(self.tokenizer, model) if c.prompts is None
-            else file_rows(read_records(c.prompts), c.prompts, self.tokenizer))
+            else file_rows(prompt_records(c.prompts, c.split, self.tokenizer), self.tokenizer))
         grpo = c.grpo.replace(prompt_length=prompt_cap(rows + self.held_out, self.tokenizer,
                                                        c.prompt_length),
                               rollout_corr=c.rollout_corr)

@@ -33,8 +33,10 @@ from zeroxla.app.cli_args import (non_negative_float, positive_float, positive_i
 from zeroxla.app.jobs.loading import REWARD_KIND, check_inference_tp, load_actor, load_reward
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
-from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable, packing_option, rollout_correction_options,
+from zeroxla.app.data_files import check_split
+from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS,
+                                     Option, OptionTable, packing_option,
+                                     rollout_correction_options, split_option,
                                      token_budget_option)
 from zeroxla.app.run.rundir import part_dir
 from zeroxla.app.run.runner import finite
@@ -56,7 +58,7 @@ class PPOJobConfig:
     actor: str                               # a `zeroxla train` run (SFT) or its checkpoint/
     reward: str                              # a `zeroxla reward` run (or its checkpoint/), or
                                              # a HF *ForSequenceClassification directory
-    prompts: str                             # a .jsonl of {"prompt"}
+    prompts: str                             # {"prompt"} rows (`zeroxla.app.data_files`)
     ppo: PPOConfig = PPOConfig()
     iterations: int = 10
     inference_tp_size: int = 2
@@ -64,9 +66,11 @@ class PPOJobConfig:
     run: RunSettings = RunSettings(eval_every=1)          # a line every iteration
     lora: LoRAConfig = LoRAConfig()          # actor's and critic's adapters (dim 0: none)
     rollout_corr: RolloutCorrection = RolloutCorrection()    # verl's; becomes ppo.rollout_corr
+    split: str | None = None                 # a DatasetDict's split of --prompts
 
     def __post_init__(self) -> None:
         check_sections(self)
+        check_split(self.split, self.prompts, "--prompts")
         for name, value in (("iterations", self.iterations),
                             ("inference_tp_size", self.inference_tp_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -90,9 +94,11 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
            "2), or a Hugging Face reward model directory (*ForSequenceClassification, "
            "num_labels=1, with its tokenizer); required unless --resume", metavar="RM_RUN",
            fixed=True),
-    Option("--prompts", "prompts", None, "prompts", "job", "a .jsonl of {\"prompt\"} lines, or a "
-           ".json array of them (.gz ok; other keys are ignored, so a pairs file serves); "
-           "required unless --resume", metavar="PROMPTS_JSONL"),
+    Option("--prompts", "prompts", None, "prompts", "job", f"{{\"prompt\"}} rows: {DATA_FORMS}; "
+           "the prompt a string or chat messages (rendered with the actor's chat template); "
+           "other columns are ignored, so a pairs file serves; required unless --resume",
+           metavar="PROMPTS"),
+    split_option("--prompts"),
     Option("--iterations", "iterations", None, "iterations", "job", "PPO iterations (a "
            "rollout, then --ppo-epochs steps of each model); default {default}", type=positive_int),
     Option("--inference-tp-size", "inference_tp_size", None, "inference_tp_size", "parallel",
@@ -166,8 +172,9 @@ class PPOJob:
         actor, self.tokenizer = load_actor(c.actor)
         reward_model = load_reward(c.reward, actor, self.tokenizer)
         _check_fit(c, actor, reward_model)
-        rows = chat_data.prompt_rows(chat_data.read_prompt_jsonl(c.prompts), self.tokenizer,
-                                     c.ppo.prompt_length, c.prompts)
+        rows = chat_data.prompt_rows(
+            chat_data.read_prompt_jsonl(c.prompts, c.split, self.tokenizer), self.tokenizer,
+            c.ppo.prompt_length, c.prompts)
         self.critic_config = reward_model.base.config
         ppo = c.ppo.replace(rollout_corr=c.rollout_corr)
         self.trainer = PPOTrainer(ppo, actor, mesh=mesh, tokenizer=self.tokenizer,

@@ -37,8 +37,9 @@ from zeroxla.app.jobs.loading import (REWARD_KIND, init_from_head, pretrained_co
 from zeroxla.app.learnable import same_pairs, same_pairs_note
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
-from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable, packing_option)
+from zeroxla.app.data_files import check_split
+from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS,
+                                     Option, OptionTable, packing_option, split_option)
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
 from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.checkpoint.pretrained import place, spread_hf_params
@@ -53,7 +54,7 @@ class RewardJobConfig:
     """Everything `zeroxla reward` needs; each field is validated."""
 
     init_from: str                          # a HF causal LM or reward model (docs/models.md)
-    data: str                               # a .jsonl of {"prompt", "chosen", "rejected"}
+    data: str                               # {"prompt", "chosen", "rejected"} rows
     steps: int = 200
     val_fraction: float = 0.1
     batch_size: int = 16                    # pairs per step (global)
@@ -67,9 +68,11 @@ class RewardJobConfig:
     run: RunSettings = RunSettings(eval_every=50)
     lora: LoRAConfig = LoRAConfig()          # the base's adapters (dim 0: none)
     packing: bool = True                     # each step's pairs packed (`rlhf.packed_pairs`)
+    split: str | None = None                 # a DatasetDict's split of --data
 
     def __post_init__(self) -> None:
         check_sections(self)
+        check_split(self.split, self.data, "--data")
         checks = [(name, isinstance(getattr(self, name), int) and not isinstance(
             getattr(self, name), bool) and getattr(self, name) >= low, f"an integer >= {low}")
                   for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1),
@@ -92,11 +95,11 @@ OPTIONS = OptionTable("reward", RewardJobConfig, (
            "a causal LM, or a reward model (*ForSequenceClassification, num_labels=1); "
            "required unless --resume", metavar="HF_DIR", fixed=True),
     Option("--data", "data", None, "data", "job",
-           "preference pairs: a .jsonl of {\"prompt\", \"chosen\", \"rejected\"} lines (strings, "
-           "or TRL's lists of messages, rendered with the checkpoint's chat template) or a .json "
-           "array of them (.gz ok); pairs with the same tokens chosen and rejected teach nothing: "
-           "counted and reported, a split of only such pairs refused; required unless --resume",
-           metavar="PAIRS_JSONL"),
+           "preference pairs, {\"prompt\", \"chosen\", \"rejected\"} rows (strings, or TRL's "
+           f"lists of messages, rendered with the checkpoint's chat template): {DATA_FORMS}; "
+           "pairs with the same tokens chosen and rejected teach nothing: counted and reported, "
+           "a split of only such pairs refused; required unless --resume", metavar="PAIRS"),
+    split_option("--data"),
     Option("--steps", "steps", None, "steps", "job", "optimizer steps; default {default}",
            type=positive_int),
     Option("--batch-size", "batch_size", None, "batch_size", "optimizer",
@@ -131,8 +134,8 @@ def initial_values(init_from: str, config: Any, mesh: Any, *,
 def pair_rows(job: RewardJobConfig, tokenizer: PretrainedTokenizer) -> tuple[dict, dict, int]:
     """(train, val) pair arrays and how many pairs have no preference (chosen = rejected
     tokens), every error (file:line, a pair that does not fit, nothing to learn) first."""
-    train, val = split_examples(chat_data.read_pair_jsonl(job.data), job.val_fraction,
-                                job.run.seed)
+    train, val = split_examples(chat_data.read_pair_jsonl(job.data, job.split),
+                                job.val_fraction, job.run.seed)
     if len(train) < job.batch_size:
         raise ValueError(f"--batch-size {job.batch_size} exceeds the {len(train)} training "
                          f"pairs of {job.data}; accepted: --batch-size <= {len(train)}")

@@ -123,6 +123,10 @@ def run_command(spec: JobSpec, args: argparse.Namespace) -> int:
     _set_device_count(spec.devices(tree), env)
     if env is not None:
         distributed.initialize(env)
+    from zeroxla.app import data_files
+    from zeroxla.app.run.resume import data_paths
+
+    data_files.check_installed(data_paths(tree, spec.job.DATA).values())   # Parquet, datasets
     import jax
 
     from zeroxla.app.run import runner        # imports JAX: only after the flag is set

@@ -305,6 +305,18 @@ def packing_option(section: str | None, theme: str, what: str) -> Option:
                   action=argparse.BooleanOptionalAction)
 
 
+# What every job's data option reads (`zeroxla.app.data_files`), for its help.
+DATA_FORMS = ("a .jsonl (or a .json array; .gz ok), a .parquet file or a directory of .parquet "
+              "shards, or a directory saved by datasets' save_to_disk (with --split for a "
+              "DatasetDict)")
+
+
+def split_option(option: str) -> Option:
+    """The `--split` row of a job whose data option is `option` (its tree field `split`)."""
+    return Option("--split", "split", None, "split", "job", f"the split of a {option} "
+                  "directory saved by a datasets DatasetDict (train, test, ...)", metavar="NAME")
+
+
 def token_budget_option(section: str, theme: str) -> Option:
     """The `--ppo-max-token-len-per-gpu` row of the RL jobs (verl's name and meaning, its
     `use_dynamic_bsz`): packed rows of N tokens per device, each replica's rows micro-batches."""
@@ -345,5 +357,6 @@ def rollout_correction_options(theme: str) -> tuple[Option, ...]:
          dict(action="store_true"))))
 
 
-__all__ = ["LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS", "SHARDING_OPTIONS",
-           "packing_option", "rollout_correction_options", "token_budget_option"]
+__all__ = ["DATA_FORMS", "LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS",
+           "SHARDING_OPTIONS", "packing_option", "rollout_correction_options", "split_option",
+           "token_budget_option"]

@@ -30,11 +30,17 @@ _CHUNK = 1 << 20
 
 
 def fingerprint(path: str | Path) -> str:
-    """SHA-256 of a file's bytes (read in 1 MiB chunks)."""
+    """SHA-256 of a file's bytes (read in 1 MiB chunks); of a directory (Parquet shards, a
+    `datasets` save_to_disk), of each file's relative path and bytes, in path order."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
+    root = Path(path)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    for file in files:
+        if root.is_dir():
+            digest.update(file.relative_to(root).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -127,7 +133,7 @@ def check_data(recorded: Mapping[str, Mapping[str, str]],
         seen = recorded.get(option)
         if path is None or seen is None or os.path.abspath(path) != seen["path"]:
             continue                     # not recorded, or a new path: a change, said elsewhere
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise ValueError(f"{option} {path}: the file the run recorded is gone; accepted: "
                              "the file as the run read it, or another file given to "
                              f"{option} (taken as a change)")

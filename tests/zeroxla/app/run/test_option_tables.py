@@ -25,6 +25,8 @@ SPECS = {add.keywords["spec"].name: add.keywords["spec"] for add in cli.SUBCOMMA
 # Options whose value is only valid beside another one.
 WITH = {"only_optimize_lora": ["--lora-dim", "4"], "lora_alpha": ["--lora-dim", "4"],
         "lora_module_name": ["--lora-dim", "4"], ("grpo", "prompts"): ["--reward-funcs", "x"],
+        ("dpo", "split"): ["--data", "d"], ("grpo", "split"): ["--prompts", "p", "--reward-funcs",
+                                                              "x"],
         "rollout_rs": ["--rollout-rs-threshold", "2.0"],
         "rollout_rs_threshold": ["--rollout-rs", "token", "k3"],
         "rollout_rs_threshold_lower": ["--rollout-rs", "token", "k1", "--rollout-rs-threshold",

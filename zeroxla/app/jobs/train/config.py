@@ -83,21 +83,21 @@ class Model:
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-    """What it trains on. path: a UTF-8 text file, or {"prompt", "response"} pairs in a .jsonl
-    or .json (supervised fine-tuning, the loss on the responses only); None: the bundled
-    tiny-shakespeare. tokenizer: "char", "byte", or "pretrained" (with model.init_from: the
-    checkpoint's own). packing: SFT examples packed into the training rows with segment ids
-    (exact: the loss is the padded rows'; text windows hold no padding and are never packed)."""
+    """What it trains on. path: a UTF-8 text file, or SFT rows (JSON, Parquet, a `datasets`
+    directory: `train.data`), `split` a DatasetDict's; None: the bundled tiny-shakespeare.
+    tokenizer: "char", "byte", or "pretrained" (with model.init_from: the checkpoint's own).
+    packing: SFT examples packed into rows with segment ids (exact: the padded rows' loss)."""
 
     NAME: ClassVar[str] = "data"
     path: str | None = None
+    split: str | None = None
     tokenizer: str = "char"
     seq_len: int = 128
     val_fraction: float = 0.1
     packing: bool = True           # SFT: whole examples packed into rows (`zeroxla.app.packing`)
 
     def __post_init__(self) -> None:
-        _check_paths(self, ("path",))
+        _check_paths(self, ("path", "split"))
         if self.tokenizer not in (*TOKENIZERS, PRETRAINED):
             _fail(self, "tokenizer", ", ".join((*TOKENIZERS, PRETRAINED)))
         _check_ints(self, ("seq_len",), 1)

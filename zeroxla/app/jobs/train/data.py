@@ -3,10 +3,13 @@
     --data corpus.txt   next-token windows of a text stream (`TextData`)
     --data sft.jsonl    prompt/response examples (`SFTData`), one per row, right-padded, the loss
     --data sft.json     on the response tokens only (DeepSpeed-Chat's step 1); .json holds a JSON
-                        array of the same objects (or JSON lines); either may end in .gz; rows
-                        may be `{"messages": [...]}` conversations instead, rendered with the
-                        --init-from checkpoint's chat template, the loss on the assistant's
-                        tokens (`chat_data`, `chat_messages`)
+    --data sft.parquet  array of the same objects (or JSON lines); either may end in .gz; a
+    --data DIR          Parquet file, a directory of Parquet shards or one saved by `datasets`
+                        (`--split train` for a DatasetDict's) hold the same rows
+                        (`zeroxla.app.data_files`); rows may be `{"messages": [...]}`
+                        conversations instead, rendered with the --init-from checkpoint's chat
+                        template, the loss on the assistant's tokens (`chat_data`,
+                        `chat_messages`)
 
 `read_data` is the one place that decides which, from the name and then the content: a file
 named otherwise that holds `{"prompt": ...}` or `{"messages": ...}` records (its first line
@@ -33,8 +36,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from zeroxla.app import chat_data, chat_messages, packing
-from zeroxla.app.data import (ACCEPTED_JSON, BatchPlan, device_batch, epoch_rows, json_suffix,
+from zeroxla.app import chat_data, chat_messages, data_files, packing
+from zeroxla.app.data import (ACCEPTED_JSON, BatchPlan, device_batch, epoch_rows,
                               load_text, split_examples, split_tokens, to_devices)
 from zeroxla.app.tokenizers.pretrained import PretrainedTokenizer
 from zeroxla.app.tokenizers.basic import CharTokenizer, Tokenizer, make_tokenizer
@@ -155,11 +158,12 @@ def _record_field(text: str) -> str | None:
     return None
 
 
-def read_data(data: str | None) -> str | list[chat_data.SFTExample]:
+def read_data(data: str | None, split: str | None = None) -> str | list[chat_data.SFTExample]:
     """`--data`, read by the one rule (module docstring): the text to train on, or the SFT
-    examples. Every error names the file and the accepted forms."""
-    if data is not None and json_suffix(data) is not None:
-        return chat_data.read_sft_jsonl(data)
+    examples (`split`: a DatasetDict's). Every error names the file and the accepted forms."""
+    data_files.check_split(split, data, "--data")
+    if data is not None and (data_files.kind(data) is not None or split is not None):
+        return chat_data.read_sft_jsonl(data, split)
     text = load_text(data)
     field = _record_field(text) if data is not None else None
     if field is not None:
@@ -217,18 +221,20 @@ def _recorded_tokenizer(recorded: dict, tokenizer: str, text: str, source: str) 
 
 
 def load_train_data(data: str | None, *, tokenizer: str, init_from: str | None,
+                    split: str | None = None,
                     batch_size: int, seq_len: int, val_fraction: float,
                     seed: int, recorded: dict | None = None,
                     packing: bool = False) -> TextData | SFTData:
     """The job's data (see the module docstring). `tokenizer` is "char", "byte", or
     "pretrained" with `init_from` (the checkpoint's own); `recorded`, a resumed run's tokenizer
-    record, is used instead once checked against both (`_recorded_tokenizer`). Every error comes
+    record, is used instead once checked against both (`_recorded_tokenizer`); `split`: a
+    DatasetDict's of a `datasets` directory. Every error comes
     before any compute. `packing`: SFT training rows packed (`zeroxla.app.packing`)."""
     if (tokenizer == PRETRAINED) != (init_from is not None):
         raise ValueError(f"tokenizer {tokenizer!r} with init_from={init_from!r}: a pretrained "
                          "model's vocabulary is its own tokenizer's ('pretrained'), and only a "
                          "pretrained model has one")
-    content = read_data(data)
+    content = read_data(data, split)
     text = content if isinstance(content, str) else "".join(
         chat_messages.example_text(e) if isinstance(e, chat_messages.ChatExample)
         else e.prompt + e.response for e in content)

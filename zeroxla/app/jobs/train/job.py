@@ -60,7 +60,8 @@ class TrainJob:
         resume = rundir.locate_resume(config.run.resume) if config.run.resume else None
         self.setup = build_setup(config)
         self.data = load_train_data(
-            config.data.path, tokenizer=config.data.tokenizer, init_from=config.model.init_from,
+            config.data.path, split=config.data.split, tokenizer=config.data.tokenizer,
+            init_from=config.model.init_from,
             batch_size=config.schedule.batch_size, seq_len=config.data.seq_len,
             val_fraction=config.data.val_fraction, seed=config.run.seed,
             recorded=recorded_tokenizer(resume), packing=config.data.packing)

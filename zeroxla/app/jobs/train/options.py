@@ -27,8 +27,8 @@ from typing import Any
 from zeroxla.app.cli_args import (non_negative_float, non_negative_int, positive_float,
                                   positive_int, temperature)
 from zeroxla.app.tokenizers.basic import TOKENIZERS
-from zeroxla.app.run.options import (LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS, Option,
-                                     OptionTable)
+from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS,
+                                     Option, OptionTable)
 from zeroxla.app.jobs.train.config import (PRETRAINED, SECTIONS, Data, Model, Run, Schedule,
                                            TrainJobConfig)
 from zeroxla.app.jobs.train.defaults import JSON_DEFAULTS, describe_default, job_default_of
@@ -96,15 +96,19 @@ OPTIONS: tuple[Option, ...] = (
               "safetensors, tokenizer.json), loaded straight into its ZeRO partitions; its model "
               "and tokenizer replace --model/--tokenizer", metavar="HF_DIR"),
     Option("--data", "data", "data", "path", "model",
-              "UTF-8 text file (.gz ok), or supervised fine-tuning examples: a .jsonl of "
-              "{\"prompt\", \"response\"} lines (DeepSpeed-Chat's \"chosen\" also read) or a "
-              ".json array of those objects (.gz ok), the loss on the response tokens only; or "
-              "{\"messages\": [{\"role\", \"content\"}, ...]} conversations, rendered with the "
-              "--init-from checkpoint's chat template, the loss on the assistant's tokens. "
+              "UTF-8 text file (.gz ok), or supervised fine-tuning examples, "
+              f"{DATA_FORMS}, of {{\"prompt\", \"response\"}} rows (TRL's \"completion\" and "
+              "DeepSpeed-Chat's \"chosen\" also read), the loss on the response tokens only; or "
+              "{\"messages\": [{\"role\", \"content\"}, ...]} conversations (or TRL's "
+              "conversational prompt and completion), rendered with the --init-from "
+              "checkpoint's chat template, the loss on the assistant's tokens. "
               "Examples with no loss token (an empty response and no EOS token) are counted and "
               "reported; a file (or its train or validation split) in which no example has one "
               "is refused. A file not named .jsonl/.json that holds such records is refused, "
               "not read as text; default: the bundled tiny-shakespeare", metavar="PATH"),
+    Option("--split", "split", "data", "split", "model",
+           "the split of a --data directory saved by a datasets DatasetDict (train, test, ...)",
+           metavar="NAME"),
     Option("--tokenizer", "tokenizer", "data", "tokenizer", "model",
               "character-level (vocabulary from the corpus) or UTF-8 byte-level; default char "
               "(with --init-from: the checkpoint's own)", choices=TOKENIZERS),

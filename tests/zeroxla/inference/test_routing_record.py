@@ -1,0 +1,79 @@
+"""The rollout's routing record (`generate(..., return_routing=True)`, the static decode path):
+each output's [len(output), L, k] experts, per token fed and per MoE layer, against the
+unsharded model's full forward over the output (`router_choices`), for sampled answers of
+prompts of several lengths at tp 1 and 2 (EP 2 training storage); refusals by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeroxla
+from zeroxla import models
+
+CONFIG = models.Qwen3MoeConfig(vocab_size=61, max_seq_len=40, d_model=32, num_heads=4,
+                               num_kv_heads=2, num_layers=2, num_experts=8, experts_per_token=2,
+                               expert_mlp_dim=16, mlp_dim=16, expert_tile=4, init_std=0.3,
+                               explicit_head_dim=8)
+
+
+def engine_and_state(tp, expert=2, batching="static"):
+    model = models.REGISTRY["qwen3_moe"].model_class(CONFIG, rngs=nnx.Rngs(0))
+    step = zeroxla.make_step(model, zeroxla.make_mesh(2, 4 // expert, expert=expert),
+                             optimizer=optax.adam(1e-2),
+                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=tp, max_out_tokens=32, batching=batching))
+    return step, engine, step.init()
+
+
+def record_mismatches(step, state, outputs, routing):
+    """(differing (token, layer) pairs, pairs compared) between each output's record and the
+    gathered model's full forward over the output, on every fed token (all but the last)."""
+    model = step.gathered_model(state)
+    differ = compared = 0
+    for out, record in zip(outputs, routing):
+        assert record.shape == (out.size, CONFIG.num_layers, CONFIG.experts_per_token)
+        assert np.all(record[-1] == -1) and np.all(record[:-1] >= 0)
+        full, _ = jax.jit(model.router_choices)(jnp.asarray(out[None]))    # [L, 1, T, k]
+        want = np.moveaxis(np.asarray(full)[:, 0], 0, 1)[:-1]             # [T - 1, L, k]
+        got = record[:-1]
+        differ += int(np.any(np.sort(got, -1) != np.sort(want, -1), -1).sum())
+        compared += want.shape[0] * want.shape[1]
+    return differ, compared
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_static_rollout_records_every_fed_tokens_experts(tp):
+    """Sampled answers (with their drawn log-probs) of prompts of 3, 7 and 11 tokens: the
+    record equals the full forward's choice at every fed token and layer (float32; tp 2
+    measured equal too), and asking for it changes no token."""
+    step, engine, state = engine_and_state(tp)
+    prompts = [np.random.default_rng(n).integers(0, 61, n).astype(np.int32) for n in (3, 7, 11)]
+    kw = dict(max_new_tokens=9, temperature=1.0, seed=4)
+    outputs, drawn, routing = engine.generate(state, prompts, return_logprobs=True,
+                                              return_routing=True, **kw)
+    for got, want in zip(outputs, engine.generate(state, prompts, **kw)):
+        np.testing.assert_array_equal(got, want)
+    assert [d.size for d in drawn] == [o.size - p.size for o, p in zip(outputs, prompts)]
+    differ, compared = record_mismatches(step, state, outputs, routing)
+    assert compared == sum(o.size - 1 for o in outputs) * CONFIG.num_layers
+    assert differ == 0
+
+
+def test_routing_is_refused_by_name_where_it_is_not_recorded():
+    """Continuous batching does not record routing; a dense model has none (the engine's
+    check, `generate` calls it before anything runs)."""
+    from zeroxla.inference.checks import check_routing
+
+    moe = zeroxla.make_step(models.REGISTRY["qwen3_moe"].model_class(CONFIG, rngs=nnx.Rngs(0)),
+                            zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1))
+    assert check_routing(moe.layout.model_def, "static") == (2, 2)
+    with pytest.raises(ValueError, match="return_routing=True under batching='continuous'"):
+        check_routing(moe.layout.model_def, "continuous")
+    dense = zeroxla.make_step(models.build("gpt-tiny", seed=0), zeroxla.make_mesh(2, 4),
+                              optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match="return_routing=True with a GPT"):
+        check_routing(dense.layout.model_def, "static")
