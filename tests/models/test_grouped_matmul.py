@@ -79,27 +79,35 @@ def test_foreign_assignments_run_nothing_and_give_zero(routing, implementation):
     assert int(tiles) == sum(-(-n // 4) for n in counts)
 
 
+def _tiled_loss(x, wg, wu, wd, experts, cot):
+    pairs = experts.reshape(-1, 2)           # each token two assignments: x's rows in pairs
+    y = expert_ffn(x[::2], pairs, wg, wu, wd, tile=4, implementation="tiled")[0]
+    return jnp.sum(y.reshape(A, D) * cot)
+
+
+def _dense_loss(x, wg, wu, wd, experts, cot):
+    x = jnp.repeat(x[::2], 2, axis=0)            # assignment a reads token a // 2
+    g = jnp.einsum("ad,adf->af", x, wg[experts])
+    u = jnp.einsum("ad,adf->af", x, wu[experts])
+    return jnp.sum(jnp.einsum("af,afd->ad", jax.nn.silu(g) * u, wd[experts]) * cot)
+
+
+# Gradients in x and the weights, one program per route for every routing (same shapes), not
+# op by op.
+_tiled_grads = jax.jit(jax.grad(_tiled_loss, argnums=(0, 1, 2, 3)))
+_dense_grads = jax.jit(jax.grad(_dense_loss, argnums=(0, 1, 2, 3)))
+
+
 @pytest.mark.parametrize("routing", ["random", "all_to_one", "half_the_experts_empty"])
 def test_gradients_equal_the_dense_expansion(routing):
     """The custom VJP against autodiff of a plain per-assignment gather of the weights."""
     experts = jnp.asarray(ROUTINGS[routing], jnp.int32)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((A, D)), jnp.float32)
-    pairs = experts.reshape(-1, 2)           # each token two assignments: x's rows in pairs
     ws = tuple(jnp.asarray(w, jnp.float32) for w in weights(5))
     cot = jnp.asarray(np.random.default_rng(6).standard_normal((A, D)), jnp.float32)
 
-    def tiled(x, wg, wu, wd):
-        y = expert_ffn(x[::2], pairs, wg, wu, wd, tile=4, implementation="tiled")[0]
-        return jnp.sum(y.reshape(A, D) * cot)
-
-    def dense(x, wg, wu, wd):
-        x = jnp.repeat(x[::2], 2, axis=0)        # assignment a reads token a // 2
-        g = jnp.einsum("ad,adf->af", x, wg[experts])
-        u = jnp.einsum("ad,adf->af", x, wu[experts])
-        return jnp.sum(jnp.einsum("af,afd->ad", jax.nn.silu(g) * u, wd[experts]) * cot)
-
-    got = jax.grad(tiled, argnums=(0, 1, 2, 3))(x, *ws)
-    want = jax.grad(dense, argnums=(0, 1, 2, 3))(x, *ws)
+    got = _tiled_grads(x, *ws, experts, cot)
+    want = _dense_grads(x, *ws, experts, cot)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=3e-5)
 
@@ -161,16 +169,19 @@ def test_tiled_experts_stay_float64_in_a_float64_run():
         x = np.random.default_rng(3).standard_normal((A, D))
         wg, wu, wd = weights()
 
-        def tiled(wg):
-            y = expert_ffn(jnp.asarray(x), jnp.asarray(experts.reshape(-1, 1), jnp.int32),
-                           wg, jnp.asarray(wu), jnp.asarray(wd), tile=4,
-                           implementation="tiled")[0]
-            return y[:, 0]
+        def tiled(wg, x, assigned, wu, wd):
+            return expert_ffn(x, assigned, wg, wu, wd, tile=4, implementation="tiled")[0][:, 0]
 
-        y, vjp = jax.vjp(tiled, jnp.asarray(wg))
+        @jax.jit                                                  # one program, not op by op
+        def forward_and_vjp(wg, *rest):
+            y, vjp = jax.vjp(lambda wg: tiled(wg, *rest), wg)
+            return y, vjp(jnp.ones_like(y))[0]    # d sum(y) / d wg; analytic below
+
+        assigned = jnp.asarray(experts.reshape(-1, 1), jnp.int32)
+        y, d_wg = forward_and_vjp(jnp.asarray(wg), jnp.asarray(x), assigned, jnp.asarray(wu),
+                                  jnp.asarray(wd))
         np.testing.assert_allclose(np.asarray(y), reference(x, experts, wg, wu, wd), atol=1e-12,
                                    rtol=0)
-        (d_wg,) = vjp(jnp.ones_like(y))           # d sum(y) / d wg; analytic below
         g = np.einsum("ad,edf->aef", x, wg)[np.arange(A), experts]                 # [A, F]
         u = np.einsum("ad,edf->aef", x, wu)[np.arange(A), experts]
         sig = 1 / (1 + np.exp(-g))

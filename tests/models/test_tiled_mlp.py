@@ -47,8 +47,9 @@ def test_equals_the_whole_mlp_forward_and_gradients(chunk):
     whole = jax.jit(lambda: run(lambda h, *w: _swiglu(*w, h)))()
     for got, want in zip(tiled, whole):
         assert got.shape == want.shape
-        scale = max(1.0, float(jnp.max(jnp.abs(want))))      # the weights' gradients sum T terms
-        assert float(jnp.max(jnp.abs(got - want))) / scale < TOL
+        got, want = np.asarray(got), np.asarray(want)     # on the host: no program per leaf
+        scale = max(1.0, float(np.max(np.abs(want))))        # the weights' gradients sum T terms
+        assert float(np.max(np.abs(got - want))) / scale < TOL
 
 
 def test_refuses_an_empty_chunk():
@@ -71,7 +72,8 @@ def test_a_model_with_mlp_chunk_gives_its_plain_logits_and_gradients():
 
     plain, tiled = logits_and_grads(config), logits_and_grads(config.replace(mlp_chunk=5))
     for got, want in zip(jax.tree.leaves(tiled), jax.tree.leaves(plain)):
-        assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(1.0, float(jnp.max(jnp.abs(want))))
+        got, want = np.asarray(got), np.asarray(want)     # on the host: no program per leaf
+        assert float(np.max(np.abs(got - want))) < 1e-5 * max(1.0, float(np.max(np.abs(want))))
 
 
 def test_the_compiled_gradient_holds_no_t_by_f_buffer():
@@ -113,8 +115,9 @@ def test_tiled_map_takes_integer_inputs_and_gives_several_outputs():
         return (*out, *vjp(cotangents))
 
     for got, want in zip(jax.jit(lambda: run(5))(), jax.jit(lambda: run(None))()):
-        scale = max(1.0, float(jnp.max(jnp.abs(want))))
-        assert float(jnp.max(jnp.abs(got - want))) / scale < TOL
+        got, want = np.asarray(got), np.asarray(want)     # on the host: no program per leaf
+        scale = max(1.0, float(np.max(np.abs(want))))
+        assert float(np.max(np.abs(got - want))) / scale < TOL
 
 
 def test_a_16bit_tiled_gradient_holds_no_float32_image_of_the_sequence():
@@ -149,7 +152,8 @@ def test_a_model_with_mlp_chunk_gives_its_plain_token_logprobs_and_gradients():
     plain = logprobs_and_grads(config)
     tiled = logprobs_and_grads(config.replace(mlp_chunk=4))
     for got, want in zip(jax.tree.leaves(tiled), jax.tree.leaves(plain)):
-        assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(1.0, float(jnp.max(jnp.abs(want))))
+        got, want = np.asarray(got), np.asarray(want)     # on the host: no program per leaf
+        assert float(np.max(np.abs(got - want))) < 1e-5 * max(1.0, float(np.max(np.abs(want))))
 
 
 @pytest.mark.parametrize("after", [1.5, float("inf"), float("nan")])

@@ -33,15 +33,19 @@ def _reference(batch):
     model = models.build("gpt-tiny", seed=4)
     graphdef, params = nnx.split(model, nnx.Param)
 
-    def loss(p):
-        logits = nnx.merge(graphdef, p)(jnp.asarray(batch["inputs"])).astype(jnp.float32)
+    def loss(p, rows):
+        logits = nnx.merge(graphdef, p)(rows["inputs"]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, jnp.asarray(batch["targets"])[..., None], -1)[..., 0]
-        mask = jnp.asarray(batch["loss_mask"])
+        nll = -jnp.take_along_axis(logp, rows["targets"][..., None], -1)[..., 0]
+        mask = rows["loss_mask"]
         return jnp.sum(nll * mask) / jnp.sum(mask)
 
-    value, grads = jax.value_and_grad(loss)(params)
-    updated = jax.tree.map(lambda p, g: p - LR * g, params, grads)
+    @jax.jit                                                      # one program, not op by op
+    def sgd_step(p, rows):
+        value, grads = jax.value_and_grad(loss)(p, rows)
+        return value, jax.tree.map(lambda w, g: w - LR * g, p, grads)
+
+    value, updated = sgd_step(params, jax.tree.map(jnp.asarray, batch))
     return float(value), flat_params(updated)
 
 

@@ -72,8 +72,13 @@ def test_stack_forward_backward_equal_vjp_of_the_unsharded_loop():
     out_carry, ys, d_shards, d_carry_in, d_consts, d_xs = sharded(
         stored, carry, consts, xs, d_carry, d_ys)
 
-    (want_carry, want_ys), vjp = jax.vjp(reference, w, b, carry, consts, xs)
-    dw, db, dc, dk, dx = vjp((d_carry, d_ys))
+    @jax.jit                                                      # one program, not op by op
+    def reference_vjp(w, b, carry, consts, xs, d_carry, d_ys):
+        outputs, vjp = jax.vjp(reference, w, b, carry, consts, xs)
+        return outputs, vjp((d_carry, d_ys))
+
+    (want_carry, want_ys), (dw, db, dc, dk, dx) = reference_vjp(w, b, carry, consts, xs,
+                                                                d_carry, d_ys)
     np.testing.assert_allclose(out_carry, want_carry, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ys, want_ys, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(leaves[0].unpad(d_shards[0]), dw, rtol=1e-4, atol=1e-5)

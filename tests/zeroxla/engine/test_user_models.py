@@ -308,7 +308,7 @@ def _batch_norm_reference(batches, lr):
     model = nnx.merge(graphdef, params, stats)
     model.eval()
     return losses, flat_params(params), flat_params(stats), float(
-        classification_loss(model, batches[0]))
+        nnx.jit(classification_loss)(model, batches[0]))          # one program, not op by op
 
 
 @pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])

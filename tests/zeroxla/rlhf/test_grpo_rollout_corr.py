@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import zeroxla
 from test_grpo_losses import np_advantages
@@ -31,9 +32,12 @@ def verl_loss64(model, rollout, config):
     kept = mask * (np.exp(lr) - 1 - lr <= 0.3)
     adv = np_advantages(rollout.rewards, config.num_generations, config.scale_rewards,
                         config.advantage)
-    with jax.enable_x64(True):
-        logp = np.asarray(answer_logprobs64(model, rollout.tokens, rollout.answer_starts(),
-                                            mask.shape[1]), np.float64)
+    graphdef, state = nnx.split(model)
+    starts = rollout.answer_starts()
+    with jax.enable_x64(True):                                    # one program, not op by op
+        logp = np.asarray(jax.jit(lambda s, tokens: answer_logprobs64(
+            nnx.merge(graphdef, s), tokens, starts, mask.shape[1]))(state, rollout.tokens),
+            np.float64)
     r = np.exp(logp - old)
     a = adv[:, None]
     pg = -np.minimum(r * a, np.clip(r, 1 - config.epsilon, 1 + config.clip_high) * a)

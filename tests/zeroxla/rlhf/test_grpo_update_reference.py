@@ -85,7 +85,7 @@ def reference_update(model, rollout, rewards, config, lr, steps=1):
     parameters on `rollout`'s tokens, masks and log-probs with the advantages of `rewards`."""
     graphdef, params = nnx.split(model)
     with jax.enable_x64(True):
-        state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x), jnp.float64), params)
+        state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), params)
         fixed = [jnp.asarray(np.asarray(x, np.float64)) for x in (
             rollout.action_mask, rollout.logprobs, rollout.ref_logprobs,
             np_advantages(rewards, config.num_generations, config.scale_rewards,
@@ -94,14 +94,19 @@ def reference_update(model, rollout, rewards, config, lr, steps=1):
         if config.rollout_correction == "tis":
             weights = np.minimum(np.exp(rollout.logprobs.astype(np.float64)
                                         - rollout.rollout_logprobs), config.tis_cap)
-        loss = jax.jit(jax.value_and_grad(lambda s: reference_loss(
+        loss = jax.value_and_grad(lambda s: reference_loss(
             nnx.merge(graphdef, s), rollout.tokens, rollout.answer_starts(), *fixed,
-            jnp.asarray(weights), config)))
+            jnp.asarray(weights), config))
+
+        @jax.jit                                                  # one program, not op by op
+        def sgd_step(s):
+            value, grad = loss(s)
+            return value, jax.tree.map(lambda p, g: p - lr * g, s, grad)
+
         losses = []
         for _ in range(steps):
-            value, grad = loss(state)
+            value, state = sgd_step(state)
             losses.append(float(value))
-            state = jax.tree.map(lambda p, g: p - lr * g, state, grad)
         return losses, jax.tree.map(np.asarray, state)
 
 

@@ -10,6 +10,7 @@ with a random head), read at each answer's last real token as DeepSpeed-Chat doe
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import zeroxla
 from zeroxla import models, rlhf
@@ -26,6 +27,12 @@ def reward_model():
     head = np.random.default_rng(7).standard_normal(model.v_head[...].shape)
     model.v_head[...] = jax.numpy.asarray(head, jax.numpy.float32)
     return model
+
+
+@nnx.jit
+def forward(model, tokens):
+    """`model(tokens)` as one program (the references' forwards, not op by op)."""
+    return model(tokens)
 
 
 # ---- numpy float64 references ---------------------------------------------------------------
@@ -77,8 +84,8 @@ class EpochRecorder:
 
     def __call__(self, state, batch, **options):
         model = zeroxla.gathered_model(state)        # on the rollout's padded rows (the step
-        self.outputs.append(np.asarray(model(        # itself trains on them packed)
-            jax.numpy.asarray(self.tokens[:, :-1]))))
+        self.outputs.append(np.asarray(forward(      # itself trains on them packed)
+            model, jax.numpy.asarray(self.tokens[:, :-1]))))
         state, metrics = self.step(state, batch, **options)
         self.losses.append(float(metrics["loss"]))
         return state, metrics
@@ -121,7 +128,7 @@ def test_two_iterations_match_numpy(ppo, corpus):
     assert masks.min() == 0, "no answer ended early: the masks are not exercised"
     for record, r, (actor, critic, _) in zip(run.records, run.rollouts, epochs):
         assert r.tokens.shape == (c.prompts_per_iteration, p + g)
-        values = np.asarray(scorer(jax.numpy.asarray(r.tokens)))                # [B, P + G]
+        values = np.asarray(forward(scorer, jax.numpy.asarray(r.tokens)))       # [B, P + G]
         for b in range(r.tokens.shape[0]):
             n = int(r.action_mask[b].sum())
             answer = r.tokens[b, p:p + n]
@@ -171,7 +178,8 @@ def test_reference_is_the_initial_actor_and_the_actor_moves(ppo):
     # reference log-probs, from the initial model (one device) and a float64 log-softmax
     initial = models.build("gpt-tiny", seed=0)
     for r in (first, second):
-        logits = np.asarray(initial(jax.numpy.asarray(r.tokens[:, :-1])))[:, p - 1:]   # [B, G, V]
+        tokens = jax.numpy.asarray(r.tokens[:, :-1])
+        logits = np.asarray(forward(initial, tokens))[:, p - 1:]                 # [B, G, V]
         logp = np.take_along_axis(np_log_softmax(logits), r.tokens[:, p:, None], -1)[..., 0]
         np.testing.assert_allclose(r.ref_logprobs, logp * r.action_mask, rtol=1e-4, atol=1e-5)
     # before any update the actor is the reference; the critic's zero head gives zero values
@@ -275,7 +283,7 @@ def test_loss_fns_for_make_step_return_sum_and_count():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 65, (2, 10), dtype=np.int32)           # P = 6, G = 4
     mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.float32)
-    logits = np.asarray(actor(jax.numpy.asarray(tokens[:, :-1])))[:, 5:]
+    logits = np.asarray(forward(actor, jax.numpy.asarray(tokens[:, :-1])))[:, 5:]
     logp = np.take_along_axis(np_log_softmax(logits), tokens[:, 6:, None], -1)[..., 0]
     # log-ratios: above 1.2 (0.5, 0.3), below 0.8 (-0.5, -0.4), inside (0.1); the padded
     # tokens' would bind too if the mask were ignored
@@ -294,7 +302,8 @@ def test_loss_fns_for_make_step_return_sum_and_count():
 
     critic = rlhf.Critic(actor)
     critic.v_head[...] = jax.numpy.asarray(rng.normal(size=60), jax.numpy.float32)
-    values = np.asarray(critic(jax.numpy.asarray(tokens[:, :-1])))[:, 5:].astype(np.float64)
+    values = np.asarray(forward(critic, jax.numpy.asarray(tokens[:, :-1])))[:, 5:].astype(
+        np.float64)
     # V - V_old: outside +-0.2 both ways, inside; returns beyond V, or behind it (no bind)
     old_values = values - np.array([[0.5, -0.5, 0.1, 0.5], [-0.5, 0.3, 0.0, 0.0]])
     returns = values + np.array([[1.0, -1.0, 0.5, -1.0], [1.0, 0.5, 0.0, 0.0]])

@@ -39,9 +39,15 @@ def random_pairs(n, seq_len, seed):
             "rejected_end": rng.integers(1, seq_len, n).astype(np.int32)}
 
 
+@nnx.jit
+def values_of(model, tokens):
+    """`model(tokens)` as one program (the references' forwards, not op by op)."""
+    return model(tokens)
+
+
 def np_end_scores(model, tokens, ends):
     """float64[B]: the plain model's values [B, T], read at `ends` row by row."""
-    values = np.asarray(model(jnp.asarray(tokens)), np.float64)
+    values = np.asarray(values_of(model, jnp.asarray(tokens)), np.float64)
     return np.array([values[b, e] for b, e in enumerate(ends)])
 
 
@@ -182,7 +188,7 @@ def test_ppo_scores_rollouts_with_the_reward_model_and_starts_the_critic_from_it
     r, p = trainer.generate_experience(0)[0], PPO.prompt_length
     lengths = r.action_mask.sum(1).astype(int)
     assert lengths.min() < PPO.answer_length                # the end index is exercised
-    values = np.asarray(rm(jnp.asarray(r.tokens)), np.float64)
+    values = np.asarray(values_of(rm, jnp.asarray(r.tokens)), np.float64)
     expected = np.array([values[b, p + n - 1] for b, n in enumerate(lengths)])
     np.testing.assert_allclose(r.scores, expected, rtol=1e-5, atol=1e-6)
     assert np.std(r.scores) > 0.1
