@@ -33,7 +33,10 @@
   auxiliary loss); `grouped_matmul.py`: its dropless expert compute over tiles of expert-sorted
   tokens (custom VJP), `ragged_dot` where native; `expert_parallel.py`: the layer's experts
   split over the mesh's expert axis (tokens all-gathered, outputs reduce-scattered);
-  `moe_llama.py`: Llama with MoE blocks, the module of the MoE families.
+  `moe_llama.py`: Llama with MoE blocks, the module of the MoE families; `gpt_oss.py`:
+  gpt-oss, (sliding, full) pairs of MoE layers with attention sinks, a biased router and
+  clamped SwiGLU experts with biases; `mxfp4.py`: the MXFP4 (OCP microscaling FP4) decode of
+  its released experts, exact.
 - `gated_delta.py`: the gated delta rule (Gated DeltaNet's token mixer, Qwen3.5's linear
   attention) as pure functions: the recurrent form (decode) and the chunked WY / UT-transform
   form (training, prefill), a scan over chunks with each chunk rematerialised, memory-linear in
@@ -49,18 +52,19 @@
   (`families.REGISTRY`; docs/models.md).
 - `hf.py`, `hf_config.py`, `hf_rules.py`, `hf_names.py`, `safetensors_io.py`: Hugging Face
   names, configs, checkpoints' name fallbacks and files.
-- `presets.py`: real shapes (Llama 3.x, Qwen2.5, Qwen3) as their config.json gives them, for
+- `presets.py`: real shapes (Llama 3.x, Qwen2.5, Qwen3, gpt-oss-20b) as their config.json gives them, for
   the planner (`zeroxla plan`).
 """
 
 from .gpt import GPT, GPTConfig
 from .layers import LayerStack, scan_layers
 from .llama import Llama, LlamaConfig
-from .families import (REGISTRY, Gemma2Config, Gemma3Config, MistralConfig, MixtralConfig,
-                       OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                       Qwen3_5Config)
+from .families import (REGISTRY, Gemma2Config, Gemma3Config, GptOssConfig, MistralConfig,
+                       MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                       Qwen3MoeConfig, Qwen3_5Config)
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
+from .gpt_oss import GptOss
 from .qwen3_5 import Qwen3_5
 
 # preset name -> (model class, config factory), from the families' presets.
@@ -102,6 +106,6 @@ def build(name: str, *, seed: int = 0, **overrides):
 
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "Gemma3", "Gemma3Config",
-           "MistralConfig", "MixtralConfig", "OlmoeConfig", "Qwen2MoeConfig", "Qwen3MoeConfig",
+           "GptOss", "GptOssConfig", "MistralConfig", "MixtralConfig", "OlmoeConfig", "Qwen2MoeConfig", "Qwen3MoeConfig",
            "Qwen2Config",
            "Qwen3Config", "Qwen3_5", "Qwen3_5Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]

@@ -34,12 +34,13 @@ the static shapes cost EP / k times the all-to-all's bytes, and no capacity fact
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .grouped_matmul import expert_ffn
+from .grouped_matmul import ExpertBiases, expert_ffn, swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,15 @@ jax.tree_util.register_static(ExpertParallel)
 
 def expert_parallel_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array,
                         w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                        ep: ExpertParallel, *, tile: int, implementation: str) -> jax.Array:
+                        ep: ExpertParallel, *, tile: int, implementation: str,
+                        biases: ExpertBiases | None = None,
+                        activation: Callable[[jax.Array, jax.Array], jax.Array] = swiglu
+                        ) -> jax.Array:
     """x [N, D], experts int [N, k] (global ids in [0, E)), weights [N, k], this device's
-    experts w_gate / w_up [E / EP, D, F], w_down [E / EP, F, D] -> the routed experts' weighted
-    sum [N, D] for this device's tokens (module docstring). Runs inside `shard_map` over
-    `ep.axis`."""
+    experts w_gate / w_up [E / EP, D, F], w_down [E / EP, F, D] (and `biases`, this device's
+    E / EP of them; `activation`: `grouped_matmul.expert_ffn`'s) -> the routed experts'
+    weighted sum [N, D] for this device's tokens (module docstring). Runs inside `shard_map`
+    over `ep.axis`."""
     local = w_gate.shape[0]                                                   # E / EP
     xs = lax.all_gather(x, ep.axis)                                           # [EP, N, D]
     es = lax.all_gather(experts, ep.axis)                                     # [EP, N, k]
@@ -80,7 +85,8 @@ def expert_parallel_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array,
         xc, ec, wc = piece                                        # [N, D], [N, k], [N, k]
         ids = jnp.where((ec >= first) & (ec < first + local), ec - first, local)  # E/EP: skip
         y, _, _ = expert_ffn(xc, ids, w_gate, w_up, w_down, tile=tile,
-                             implementation=implementation, skip_foreign=True)    # [N, k, D]
+                             implementation=implementation, skip_foreign=True,
+                             biases=biases, activation=activation)             # [N, k, D]
         return jnp.sum(y * wc.astype(y.dtype)[..., None], axis=1)             # [N, D]
 
     out = lax.map(chunk, (xs, es, ws))                                        # [EP, N, D]

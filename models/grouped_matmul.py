@@ -19,6 +19,7 @@ as the attention does (`EXPERT_IMPLEMENTATIONS`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -158,34 +159,68 @@ def resolve(implementation: str) -> str:
     return "ragged_dot" if jax.default_backend() in NATIVE_RAGGED_DOT else "tiled"
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's inner activation: silu(gate) * up (the MoE families' experts)."""
+    return jax.nn.silu(gate) * up
+
+
+class ExpertBiases(NamedTuple):
+    """Per-expert biases of the three projections (gpt-oss' experts): gate and up [E, F],
+    down [E, D]; under expert parallelism this device's E / EP of them."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
 def expert_ffn(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                w_down: jax.Array, *, tile: int = TILE, implementation: str = "auto",
-               skip_foreign: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each assignment's SwiGLU expert: tokens x [N, D], experts int [N, k] (token n's k
-    experts) -> (y [N, k, D], y[n, j] = down_e(silu(gate_e x_n) * up_e x_n) with e =
+               skip_foreign: bool = False, biases: ExpertBiases | None = None,
+               activation: Callable[[jax.Array, jax.Array], jax.Array] = swiglu
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each assignment's gated expert: tokens x [N, D], experts int [N, k] (token n's k
+    experts) -> (y [N, k, D], y[n, j] = down_e(activation(gate_e x_n, up_e x_n)) with e =
     experts[n, j]; group_sizes int [E]; tiles_used int []), weights w_gate / w_up [E, D, F],
-    w_down [E, F, D]. The sorted rows gather their tokens directly (no [N k, D] copy of the
-    tokens first). "tiled" runs `grouped_matmul` over the padded sorted rows; "ragged_dot" runs
-    `lax.ragged_dot` on the sorted rows (its tiles_used is what the tiled layout would run, for
-    the FLOP count). `skip_foreign`: an expert id E (one past the weights' experts) marks an
-    assignment to no expert here (another device's, under expert parallelism): its y is zero
-    and it runs nothing."""
+    w_down [E, F, D]; `activation` SwiGLU's silu(gate) * up by default; `biases` (None: none)
+    added to each projection's output. The sorted rows gather their tokens directly (no
+    [N k, D] copy of the tokens first). "tiled" runs `grouped_matmul` over the padded sorted
+    rows; "ragged_dot" runs `lax.ragged_dot` on the sorted rows (its tiles_used is what the
+    tiled layout would run, for the FLOP count). `skip_foreign`: an expert id E (one past the
+    weights' experts) marks an assignment to no expert here (another device's, under expert
+    parallelism): its y is zero and it runs nothing."""
     num_experts, (n, k) = w_gate.shape[0], experts.shape
     plan = plan_tiles(experts.reshape(n * k), num_experts + skip_foreign, tile,
                       skip_last=skip_foreign)
     sorted_x = x[plan.order // k]                                             # [A, D]
     if resolve(implementation) == "ragged_dot":
-        def mm(a, w):
-            return lax.ragged_dot(a, w, plan.group_sizes)
-        h = jax.nn.silu(mm(sorted_x, w_gate)) * mm(sorted_x, w_up)
-        y_sorted = mm(h, w_down)                                              # [A, D]
+        row_expert = experts.reshape(n * k)[plan.order]                      # [A]
+
+        def mm(a, w, b=None):
+            out = lax.ragged_dot(a, w, plan.group_sizes)
+            return out if b is None else out + b.astype(out.dtype)[row_expert]
+        y_sorted = _gated(mm, sorted_x, (w_gate, w_up, w_down), biases, activation)  # [A, D]
     else:
         m = plan.tile_expert.shape[0] * tile
         rows = jnp.zeros((m, x.shape[1]), x.dtype).at[plan.rows].set(sorted_x)  # [M, D]
 
-        def mm(a, w):
-            return grouped_matmul(a, w, plan.tile_expert, plan.tiles_used, tile)
-        h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)                    # [M, F]
-        y_sorted = mm(h, w_down)[plan.rows]                                   # [A, D]
+        def mm(a, w, b=None):
+            out = grouped_matmul(a, w, plan.tile_expert, plan.tiles_used, tile)
+            # a tile's bias rows: its expert's, repeated (padding rows are never read back)
+            return out if b is None else out + jnp.repeat(
+                b.astype(out.dtype)[plan.tile_expert], tile, axis=0)
+        y_sorted = _gated(mm, rows, (w_gate, w_up, w_down), biases, activation)[plan.rows]
+    if biases is not None and skip_foreign:          # another device's assignments: no bias
+        real = experts.reshape(n * k)[plan.order] < num_experts                # [A]
+        y_sorted = jnp.where(real[:, None], y_sorted, 0)
     y = jnp.zeros_like(y_sorted).at[plan.order].set(y_sorted)                 # [A, D]
     return y.reshape(n, k, -1), plan.group_sizes, plan.tiles_used
+
+
+def _gated(mm: Callable, rows: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
+           biases: ExpertBiases | None, activation: Callable) -> jax.Array:
+    """down(activation(gate(rows), up(rows))) through the grouped product `mm(a, w, bias)`:
+    rows [R, D] -> [R, D]."""
+    w_gate, w_up, w_down = weights
+    b = (None, None, None) if biases is None else biases
+    h = activation(mm(rows, w_gate, b[0]), mm(rows, w_up, b[1]))             # [R, F]
+    return mm(h, w_down, b[2])

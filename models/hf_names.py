@@ -1,15 +1,19 @@
 """The name fallbacks real Hugging Face checkpoints need (`NameFallbacks`): a reader answering
 the names our tensor maps use (`models.hf`) from checkpoints that store them otherwise: GPT-2
 without its `transformer.` prefix, MoE experts fused into 3-D tensors, a vision-language
-model's language model under `model.language_model.` (or Gemma 3's `language_model.model.`)."""
+model's language model under `model.language_model.` (or Gemma 3's `language_model.model.`),
+gpt-oss' experts stored as MXFP4 (`<name>_blocks`, `<name>_scales`: `models.mxfp4`)."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from . import mxfp4
 
 # A per-expert tensor name (transformers' saved layout) and the fused one holding it (its
 # in-memory layout: gate_up_proj [E, 2F, D], gate rows first; down_proj [E, D, F]).
@@ -33,12 +37,17 @@ class NameFallbacks:
     fused experts (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F],
     Mixtral's router under `mlp.gate`) answers the per-expert names, the last fused tensor
     read kept for the next expert; a vision-language checkpoint answers `model.*` from
-    `model.language_model.*` (or `language_model.model.*`). Called and `shape`d as the reader is
+    `model.language_model.*` (or `language_model.model.*`); with `quantization_config`'s
+    quant_method "mxfp4" (gpt-oss), a weight stored as `<name>_blocks` and `<name>_scales`
+    answers `<name>` decoded (`models.mxfp4`). Called and `shape`d as the reader is
     (`SafetensorsReader`)."""
 
     def __init__(self, reader: Callable[..., np.ndarray], hf: Mapping[str, Any]):
         self.reader = reader
         self._fused: tuple[str, np.ndarray] | None = None
+        quant = hf.get("quantization_config") or {}
+        self.mxfp4 = quant.get("quant_method") == "mxfp4"      # gpt-oss' released experts
+        self._said_mxfp4 = False
 
     def _resolve(self, fn: Callable[[str], Any], name: str) -> Any:
         try:
@@ -73,14 +82,39 @@ class NameFallbacks:
         f = tensor.shape[0] // 2
         return tensor[half * f:(half + 1) * f]
 
+    def _mxfp4(self, name: str) -> np.ndarray:
+        """The float32 weight `name` decoded from its MXFP4 `_blocks` and `_scales`
+        (`models.mxfp4.decode`, exact); KeyError when the checkpoint has neither."""
+        try:
+            blocks = self._resolve(self.reader, name + mxfp4.BLOCKS)
+            scales = self._resolve(self.reader, name + mxfp4.SCALES)
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint, nor its MXFP4 "
+                           f"{name}{mxfp4.BLOCKS} and {name}{mxfp4.SCALES}") from None
+        if not self._said_mxfp4:
+            logging.getLogger(__name__).warning(
+                "%s and the other MXFP4 expert weights (quantization_config.quant_method="
+                "'mxfp4') are decoded exactly to float32 while reading; a save writes them "
+                "unquantized, in its dtype, without quantization_config", name)
+            self._said_mxfp4 = True
+        return mxfp4.decode(blocks, scales, name)
+
     def __call__(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         try:
             return self._resolve(lambda n: self.reader(n) if index is None
                                  else self.reader(n, index), name)
         except KeyError:
+            if self.mxfp4 and not _EXPERT_NAME.match(name):
+                weight = self._mxfp4(name)
+                return weight if index is None else weight[index]
             if index is not None or _EXPERT_NAME.match(name) is None:
                 raise
             return self._fused_expert(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._resolve(self.reader.shape, name)
+        try:
+            return self._resolve(self.reader.shape, name)
+        except KeyError:
+            if not self.mxfp4:
+                raise
+            return mxfp4.decoded_shape(self._resolve(self.reader.shape, name + mxfp4.BLOCKS))

@@ -199,15 +199,22 @@ class Block(nnx.Module):
         if cache is not None and sequence is not None:
             raise ValueError("a KV cache under sequence parallelism: decoding runs on whole "
                              "sequences (the Hybrid Engine's inference mesh); sequence=None")
+        sinks = self.attention_sinks()
         if cache is None:
-            a = attention(q, k, v, window=self.window, segment_ids=segment_ids,
+            a = attention(q, k, v, window=self.window, segment_ids=segment_ids, sinks=sinks,
                           implementation=self.implementation,
                           sequence=sequence)                              # [B, T, H, K]
         else:
             a, cache = cached_attention(q, k, v, positions, cache, window=self.window,
-                                        segment_ids=segment_ids,
+                                        segment_ids=segment_ids, sinks=sinks,
                                         implementation=self.implementation)
         return a, cache
+
+    def attention_sinks(self) -> jax.Array | None:
+        """The learned per-head sink logits [H] (gpt-oss' layers, `models.gpt_oss`); None for
+        a layer without them."""
+        sinks = getattr(self, "sinks", None)
+        return None if sinks is None else sinks[...]
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [B, T, D], positions [B, T] -> q [B, T, H, K], k and v [B, T, G, K], RoPE'd."""

@@ -43,7 +43,7 @@ from flax import nnx
 
 from . import axes
 from .expert_parallel import ExpertParallel, expert_parallel_ffn
-from .grouped_matmul import expert_ffn
+from .grouped_matmul import ExpertBiases, expert_ffn, swiglu
 from .layers import normal, param
 
 
@@ -102,12 +102,17 @@ def replay_mismatches(live: jax.Array, replay: jax.Array, mask: jax.Array | None
     return differ.astype(jnp.int32)
 
 
-def route(h: jax.Array, router: jax.Array, top_k: int,
-          norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [N, D], router [D, E] -> (weights float32 [N, k], experts int32 [N, k], probabilities
-    float32 [N, E]); float32 whatever h's dtype (a float64 run stays float64)."""
+def route(h: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [N, D], router [D, E] (and its `bias` [E], gpt-oss') -> (weights float32 [N, k],
+    experts int32 [N, k], probabilities float32 [N, E]); float32 whatever h's dtype (a float64
+    run stays float64). gpt-oss' softmax over the k largest logits is this with
+    `norm_topk_prob`: the k probabilities renormalised."""
     dtype = jnp.promote_types(h.dtype, jnp.float32)
-    probs = jax.nn.softmax(jnp.dot(h.astype(dtype), router.astype(dtype)), axis=-1)
+    logits = jnp.dot(h.astype(dtype), router.astype(dtype))                  # [N, E]
+    if bias is not None:
+        logits = logits + bias.astype(dtype)
+    probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)                            # [N, k]
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -148,7 +153,8 @@ class MoeMLP(nnx.Module):
         the weights from the live router, the statistics the live choice's)."""
         b, t, d = h.shape
         x = h.reshape(b * t, d)                                               # [N, D]
-        weights, chosen, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob)
+        weights, chosen, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob,
+                                       self.router_bias())
         used = chosen
         if replay is not None:
             record = replay.reshape(b * t, self.top_k).astype(jnp.int32)     # [N, k]
@@ -166,17 +172,29 @@ class MoeMLP(nnx.Module):
         stats = RouterStats(counts, jnp.sum(probs * m[:, None], axis=0), jnp.sum(m))
         return out.reshape(b, t, d), stats, chosen.reshape(b, t, self.top_k)
 
+    def router_bias(self) -> jax.Array | None:
+        """The router's bias [E]: none here (gpt-oss' router has one, `models.gpt_oss`)."""
+        return None
+
+    def expert_biases(self, dtype) -> ExpertBiases | None:
+        """The experts' projection biases in `dtype`: none here (gpt-oss' experts have them)."""
+        return None
+
+    def activation(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The experts' inner activation of the gate and up projections [.., F]: SwiGLU."""
+        return swiglu(gate, up)
+
     def _experts(self, x: jax.Array, chosen: jax.Array, weights: jax.Array,
                  experts: ExpertParallel | None) -> jax.Array:
         """x [N, D], chosen [N, k], weights [N, k] -> the weighted sum of each token's k
         experts [N, D]: all E here, or E / EP here and the rest on the expert axis."""
         w = [getattr(self, name)[...].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")]
         check_expert_split(w[0].shape[0], self.router[...].shape[-1], experts)
+        options = dict(tile=self.tile, implementation=self.implementation,
+                       biases=self.expert_biases(x.dtype), activation=self.activation)
         if experts is not None:
-            return expert_parallel_ffn(x, chosen, weights, *w, experts,
-                                       tile=self.tile, implementation=self.implementation)
-        y, _, _ = expert_ffn(x, chosen, *w, tile=self.tile,
-                             implementation=self.implementation)              # [N, k, D]
+            return expert_parallel_ffn(x, chosen, weights, *w, experts, **options)
+        y, _, _ = expert_ffn(x, chosen, *w, **options)                        # [N, k, D]
         return jnp.sum(y * weights[..., None], axis=1)
 
 

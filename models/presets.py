@@ -9,6 +9,7 @@ Values from huggingface.co/<repo>/blob/main/config.json of the repositories name
     Qwen2.5-0.5B   Qwen/Qwen2.5-0.5B           Qwen2.5-1.5B  Qwen/Qwen2.5-1.5B
     Qwen2.5-7B     Qwen/Qwen2.5-7B             Qwen3-0.6B    Qwen/Qwen3-0.6B
     Qwen3-8B       Qwen/Qwen3-8B               Qwen3-30B-A3B Qwen/Qwen3-30B-A3B
+    gpt-oss-20b    openai/gpt-oss-20b
 
 No weights: `config(name)` is a config dataclass, `models.abstract_model(config)` its shapes.
 """
@@ -72,6 +73,22 @@ HF_CONFIGS: Mapping[str, Mapping[str, Any]] = {
                       "decoder_sparse_step": 1, "mlp_only_layers": [],
                       "router_aux_loss_coef": 0.001, "output_router_logits": False,
                       "tie_word_embeddings": False},
+    # its experts stored as MXFP4 (read decoded, `models.mxfp4`): planned in the compute dtype
+    "gpt-oss-20b": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                    "hidden_act": "silu", "vocab_size": 201088, "hidden_size": 2880,
+                    "intermediate_size": 2880, "num_hidden_layers": 24,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                    "attention_bias": True, "sliding_window": 128,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12,
+                    "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0,
+                    "router_aux_loss_coef": 0.9, "output_router_logits": False,
+                    "rope_theta": 150000, "rope_scaling": {
+                        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096},
+                    "quantization_config": {"quant_method": "mxfp4"},
+                    "tie_word_embeddings": False},
 }
 
 NAMES = tuple(HF_CONFIGS)

@@ -19,14 +19,17 @@ add one.
 - `moe`: what the Mixture-of-Experts families share (router and expert keys and tensors).
 - `qwen3_moe`, `qwen2_moe` (a shared expert), `mixtral`, `olmoe` (q/k norms over the whole
   projection): `models.moe_llama`.
+- `gpt_oss`: gpt-oss (`models.gpt_oss`): (sliding, full) pairs of MoE layers, attention sinks,
+  a router with a bias, clamped SwiGLU experts with biases, MXFP4 experts read.
 """
 
 from __future__ import annotations
 
-from . import (gemma2, gemma3, gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3,
-               qwen3_5, qwen3_moe)
+from . import (gemma2, gemma3, gpt2, gpt_oss, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe,
+               qwen3, qwen3_5, qwen3_moe)
 from .gemma2 import Gemma2Config
 from .gemma3 import Gemma3Config
+from .gpt_oss import GptOssConfig
 from .mistral import MistralConfig
 from .mixtral import MixtralConfig
 from .moe import UNSUPPORTED_MOE
@@ -41,7 +44,7 @@ from .spec import CAUSAL_LM, SEQUENCE_CLASSIFICATION, Family, require
 REGISTRY: dict[str, Family] = {spec.name: spec for spec in
                                (gpt2.SPEC, llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC,
                                 gemma2.SPEC, gemma3.SPEC, qwen3_moe.SPEC, qwen2_moe.SPEC,
-                                mixtral.SPEC, olmoe.SPEC, qwen3_5.SPEC)}
+                                mixtral.SPEC, olmoe.SPEC, qwen3_5.SPEC, gpt_oss.SPEC)}
 # another model_type a family's checkpoints may carry -> the family's name
 ALIASES: dict[str, str] = {alias: spec.name for spec in REGISTRY.values()
                            for alias in spec.aliases}
@@ -60,7 +63,8 @@ def family(name: str | None) -> Family:
     return REGISTRY[name]
 
 
-__all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "Gemma3Config", "MistralConfig", "MixtralConfig",
+__all__ = ["CAUSAL_LM", "Family", "Gemma2Config", "Gemma3Config", "GptOssConfig", "MistralConfig",
+           "MixtralConfig",
            "OlmoeConfig",
            "Qwen2Config", "Qwen2MoeConfig", "Qwen3Config", "Qwen3MoeConfig", "Qwen3_5Config",
            "REGISTRY",

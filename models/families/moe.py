@@ -7,8 +7,8 @@ Checkpoints: transformers 5.23 writes (`save_pretrained`) one tensor per expert 
 and holds them in memory fused, `mlp.experts.gate_up_proj` [E, 2F, D] and `down_proj`
 [E, D, F]; the rows here name the per-expert tensors, and the loader reads a checkpoint written
 fused through `models.hf_names.NameFallbacks`. DeepSeek (grouped routing, multi-head latent
-attention) and gpt-oss (attention sinks, clamped SwiGLU) are other model_types, refused by name
-(`families.family`).
+attention) is another model_type, refused by name (`families.family`); gpt-oss is its own
+family (`families.gpt_oss`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ UNSUPPORTED_MOE = {
                    "attention (kv_lora_rank) are not built",
     "deepseek_v3": "DeepSeek's grouped routing (n_group, topk_group), sigmoid scoring with a "
                    "correction bias and multi-head latent attention (kv_lora_rank) are not built",
-    "gpt_oss": "gpt-oss' attention sinks and clamped SwiGLU (swiglu_limit) are not built",
 }
 
 

@@ -11,7 +11,7 @@ from zeroxla.models import presets
 # 7,615,616,512 is "7.61B").
 PUBLISHED = {"Llama-3.2-1B": 1.24, "Llama-3.1-8B": 8.03, "Qwen2.5-0.5B": 0.49,
              "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.61, "Qwen3-0.6B": 0.6, "Qwen3-8B": 8.2,
-             "Qwen3-30B-A3B": 30.5}
+             "Qwen3-30B-A3B": 30.5, "gpt-oss-20b": 20.9}
 
 
 @pytest.mark.parametrize("name", presets.NAMES)
