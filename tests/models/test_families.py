@@ -78,6 +78,22 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def zero3_on_2x4(checkpoint):
+    """`get(case)`: (step, state) of `case`'s checkpoint loaded into ZeRO-3 partitions on 2 x 4
+    (persistence_threshold 0: every leaf partitioned), loaded once per case for the tests that
+    only read the state (its logits, the Hybrid Engine's generation)."""
+    loaded = {}
+
+    def get(case):
+        if case not in loaded:
+            loaded[case] = zeroxla.load_pretrained(
+                checkpoint(case), zeroxla.make_mesh(nodes=2, local=4), progress=False,
+                config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+        return loaded[case]
+    return get
+
+
 def torch_model(directory):
     return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
 
@@ -95,11 +111,9 @@ ALL = sorted(CASES)
 
 
 @pytest.mark.parametrize("case", ALL)
-def test_zero3_logits_equal_transformers_on_2x4(checkpoint, case):
+def test_zero3_logits_equal_transformers_on_2x4(checkpoint, zero3_on_2x4, case):
     directory = checkpoint(case)
-    mesh = zeroxla.make_mesh(nodes=2, local=4)
-    _, state = zeroxla.load_pretrained(directory, mesh, progress=False,
-                                       config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    _, state = zero3_on_2x4(case)
     model = zeroxla.gathered_model(state)
     assert model.config.family == FAMILY_OF[CASES[case][0]]
     x = tokens((2, 16))
@@ -167,16 +181,14 @@ def test_each_option_is_honoured(checkpoint, case, change, same_until):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ALL)
-def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, case):
-    """From ZeRO-3 partitions (persistence_threshold 0: every leaf partitioned) to each tensor-
-    parallel size that divides the 4 query heads; tp 4 > 2 kv-heads replicates them."""
+def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, zero3_on_2x4, case):
+    """From ZeRO-3 partitions on 2 x 4 (persistence_threshold 0: every leaf partitioned) to
+    each tensor-parallel size that divides the 4 query heads; tp 4 > 2 kv-heads replicates
+    them. The engine only reads the state."""
     from zeroxla.inference import HybridEngine, HybridEngineConfig
 
     directory = checkpoint(case)
-    mesh = zeroxla.make_mesh(nodes=2, local=4)
-    step, state = zeroxla.load_pretrained(
-        directory, mesh, progress=False,
-        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    step, state = zero3_on_2x4(case)
     prompts = [tokens((7,), seed=3), tokens((7,), seed=4)]
     reference, want = torch_model(directory), []
     for prompt in prompts:
@@ -313,7 +325,7 @@ REFUSED = [
     ("qwen2", {"max_window_layers": 1, "layer_types": None, "use_sliding_window": True},
      "use_sliding_window=True"),
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
-    ("llama", {"model_type": "gemma4"}, "model_type='gemma4'.*gemma2, gemma3, gpt2, llama"),
+    ("llama", {"model_type": "gemma4"}, "model_type='gemma4'.*gemma2, gemma3, gpt2, gpt_oss, llama"),
     ("gemma2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("gemma2", {"num_hidden_layers": 3}, "num_hidden_layers=3"),
     ("gemma2", {"tie_word_embeddings": False}, "tie_word_embeddings=False"),

@@ -18,6 +18,7 @@ scaled; the final logits soft-capped; every tensor perturbed, no network):
   is refused by its key, flat and nested under `text_config`.
 """
 
+import functools
 import json
 
 import jax
@@ -101,16 +102,11 @@ def test_a_packed_row_equals_its_sequences_run_alone(checkpoint):
     assert_packed_row_equals_its_sequences_alone(model, VOCAB, padding=4)
 
 
-@pytest.mark.parametrize("batching,tp", [pytest.param("static", 1, marks=pytest.mark.slow),
-                                         pytest.param("static", 2, marks=pytest.mark.slow),
-                                         pytest.param("continuous", 1, marks=pytest.mark.slow),
-                                         ("continuous", 2)])
-def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, batching, tp):
-    """From ZeRO-3 partitions on 2 x 4 (every leaf partitioned) to tp 1 and 2, static and
-    continuous batching (pages of 4 slots); 7-token prompts and 12 new tokens: past the
-    sliding window of 4."""
-    from zeroxla.inference import HybridEngine, HybridEngineConfig
-
+@pytest.fixture(scope="module")
+def greedy_case(checkpoint):
+    """What every engine of the next test starts from, made once: the checkpoint loaded into
+    ZeRO-3 partitions on 2 x 4 (every leaf partitioned; the engine only reads the state), the
+    two 7-token prompts and transformers' greedy `generate` of 12 new tokens for each."""
     step, state = zeroxla.load_pretrained(
         checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
         config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
@@ -122,6 +118,20 @@ def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, batching,
                                            max_new_tokens=12, do_sample=False,
                                            attention_mask=torch.ones((1, prompt.size)),
                                            pad_token_id=0)[0].numpy())
+    return step, state, prompts, want
+
+
+@pytest.mark.parametrize("batching,tp", [pytest.param("static", 1, marks=pytest.mark.slow),
+                                         pytest.param("static", 2, marks=pytest.mark.slow),
+                                         pytest.param("continuous", 1, marks=pytest.mark.slow),
+                                         ("continuous", 2)])
+def test_hybrid_engine_greedy_equals_transformers_generate(greedy_case, batching, tp):
+    """From ZeRO-3 partitions on 2 x 4 (every leaf partitioned) to tp 1 and 2, static and
+    continuous batching (pages of 4 slots); 7-token prompts and 12 new tokens: past the
+    sliding window of 4."""
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    step, state, prompts, want = greedy_case
     engine = HybridEngine(step.layout, HybridEngineConfig(
         inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
     assert engine.batching == batching
@@ -147,45 +157,75 @@ TRAINING = {"zero3-2x4-packed": ((2, 4, 1), False), "zero3-sp2-packed": ((2, 2, 
             "zero3-2x4-lora": ((2, 4, 1), True)}
 
 
+def _float64_model(checkpoint, lora):
+    """The checkpoint's model in float64, with `LORA`'s adapters (float64 too) if `lora`."""
+    from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora
+
+    model = hf.load_hf_model(checkpoint, dtype=jnp.float64)[1]
+    if lora:        # adapters are made float32: cast, so the whole model is float64
+        convert_linear_layer_to_lora(model, LoRAConfig(**LORA, only_optimize_lora=True),
+                                     rngs=nnx.Rngs(7))
+        adapters = nnx.state(model, nnx.LoRAParam)
+        nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float64), adapters))
+    return model
+
+
+def _training_batches():
+    """3 x `_packed_batch()`, its loss mask in float64."""
+    batch = _packed_batch()
+    return [{**batch, "loss_mask": batch["loss_mask"].astype(np.float64)}] * 3
+
+
+TRAINING_OPTIMIZER = optax.sgd(0.01, momentum=0.9)
+
+
+def _one_device_run(checkpoint, lora):
+    """Single-device optax (`reference.train_single_device`) of `_float64_model` over
+    `_training_batches()`, with LoRA the base masked out of the optimizer: (losses,
+    parameters, the adapters' paths or None)."""
+    from reference import flat_params, masked_optimizer, train_single_device
+
+    with jax.enable_x64(True):
+        reference = _float64_model(checkpoint, lora)
+        trained = set(flat_params(nnx.state(reference, nnx.LoRAParam))) if lora else None
+        want, expected = train_single_device(
+            reference,
+            masked_optimizer(TRAINING_OPTIMIZER, trained) if lora else TRAINING_OPTIMIZER,
+            _training_batches(), loss_fn=packed_loss)
+    return want, expected, trained
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """`_one_device_run`, once per checkpoint and adapters: the layouts without adapters
+    (2 x 4, SP = 2) compare with one run of it."""
+    return functools.cache(_one_device_run)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRAINING))
-def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, name):
+def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, one_device, name):
     """3 steps of SGD with momentum on packed rows, every leaf partitioned, against single-
     device optax on the same model (`reference.train_single_device`; with LoRA the base masked
     out of the reference's optimizer): losses rtol 1e-5, every leaf rtol 1e-4 + atol 1e-6. In
     float64, as tests/models/test_qwen3_5.py says why: in float32 the adapters (which start at
     zero, so hold the update alone) were 2e-6 apart after 3 steps, float32 reassociation grown
     by the steps."""
-    from reference import flat_params, masked_optimizer, train_single_device
+    from reference import flat_params
     from runs import run_steps
-    from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
+    from zeroxla.lora import LoRAConfig, lora_trainable
 
     (nodes, local, sequence), lora = TRAINING[name]
     config = LoRAConfig(**LORA, only_optimize_lora=True)
-
-    def build():
-        model = hf.load_hf_model(checkpoint, dtype=jnp.float64)[1]
-        if lora:        # adapters are made float32: cast, so the whole model is float64
-            convert_linear_layer_to_lora(model, config, rngs=nnx.Rngs(7))
-            adapters = nnx.state(model, nnx.LoRAParam)
-            nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float64), adapters))
-        return model
-
-    batch = _packed_batch()
-    batches = [{**batch, "loss_mask": batch["loss_mask"].astype(np.float64)}] * 3
-    optimizer = optax.sgd(0.01, momentum=0.9)
+    want, expected, trained = one_device(checkpoint, lora)
     with jax.enable_x64(True):
-        reference = build()
-        trained = set(flat_params(nnx.state(reference, nnx.LoRAParam))) if lora else None
-        want, expected = train_single_device(
-            reference, masked_optimizer(optimizer, trained) if lora else optimizer, batches,
-            loss_fn=packed_loss)
-        step = zeroxla.make_step(build(), zeroxla.make_mesh(nodes, local, sequence=sequence),
-                                 optimizer=optimizer,
+        step = zeroxla.make_step(_float64_model(checkpoint, lora),
+                                 zeroxla.make_mesh(nodes, local, sequence=sequence),
+                                 optimizer=TRAINING_OPTIMIZER,
                                  config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
                                                            compute_dtype="float64"),
                                  trainable=lora_trainable(config) if lora else None)
-        state, losses = run_steps(step, step.init(), batches)
+        state, losses = run_steps(step, step.init(), _training_batches())
         got = flat_params(zeroxla.gather_params(state))
     assert want[2] < want[1] < want[0]
     np.testing.assert_allclose(losses, want, rtol=1e-5)

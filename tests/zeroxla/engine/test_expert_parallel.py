@@ -7,6 +7,8 @@ device's experts gives the float64 dense reference; the compiled program runs no
 under a routing-dependent branch; checkpoints move between expert degrees bit for bit; what is
 not built is refused by name."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,10 +22,18 @@ from zeroxla import checkpoint, models
 from zeroxla.analysis.hlo import branch_collectives, collectives, parse_module
 from zeroxla.models.expert_parallel import ExpertParallel, expert_parallel_ffn
 from reference import flat_params, train_single_device
-from test_moe_training import (BATCHES, CONFIG, LORA, TOL, assert_trains_like, lora_model,
-                               model, written_out_loss, zero_router_model)
+from test_moe_training import (BATCHES, CONFIG, LORA, OPTIMIZERS, TOL, assert_trains_like,
+                               lora_model, model, one_device_run, written_out_loss,
+                               zero_router_model)
 
-SGD, ADAMW = optax.sgd(0.1), optax.adamw(3e-3, eps=1e-5)   # eps: see test_moe_training
+SGD, ADAMW = OPTIMIZERS["sgd"], OPTIMIZERS["adamw"]   # adamw's eps: see test_moe_training
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """test_moe_training's `one_device_run`, each set of arguments trained once per test file:
+    the expert degrees and ZeRO paths that share a reference compare with one run of it."""
+    return functools.cache(one_device_run)
 
 
 def ep_mesh(ep, sequence=1, nodes=None):
@@ -55,13 +65,12 @@ DAILY = {("ep2-zero3", "sgd")}   # the rest: slow
     pytest.param(name, opt, id=f"{name}-{opt}",
                  marks=() if (name, opt) in DAILY else pytest.mark.slow)
     for name in CASES for opt in ("sgd", "adamw")])
-def test_expert_parallel_trains_like_one_device(name, optimizer):
+def test_expert_parallel_trains_like_one_device(name, optimizer, one_device):
     ep, sequence, config = CASES[name]
     k = config.get("gradient_accumulation_steps", 1)
-    opt = SGD if optimizer == "sgd" else ADAMW
+    opt = OPTIMIZERS[optimizer]
     mesh = ep_mesh(ep, sequence)
-    want_losses, want = train_single_device(model(), opt, BATCHES,
-                                            loss_fn=written_out_loss(k, 8 // sequence))
+    want_losses, want = one_device(optimizer, k, 8 // sequence, len(BATCHES))
     step = ep_step(mesh, opt, **config)
     assert_trains_like(step, BATCHES, want_losses, want)
 
@@ -98,15 +107,15 @@ def test_expert_gradients_are_reduced_over_the_expert_data_group_only():
     assert exchange and {c.group_size for c in exchange} == {4}
 
 
-def test_stage1_expert_parallel_gradients_equal_one_device():
+def test_stage1_expert_parallel_gradients_equal_one_device(one_device):
     """ZeRO-1 at EP = 2 (2 x 2 x 2): the gradients (one SGD step of learning rate 1: the update
     is the gradient) of every leaf, expert leaves all-reduced over their expert-data group and
     dense ones over all 8 devices, equal the single-device gradient of the written-out loss.
     (Every other daily expert-parallel case is stage 3, whose expert gradients are
     reduce-scattered in backward instead.)"""
-    sgd = optax.sgd(1.0)
+    sgd = OPTIMIZERS["sgd-lr1"]
     initial = flat_params(nnx.state(model(), nnx.Param))
-    _, want = train_single_device(model(), sgd, BATCHES[:1], loss_fn=written_out_loss(1, 8))
+    _, want = one_device("sgd-lr1", 1, 8, 1)
     step = ep_step(ep_mesh(2), sgd, stage=1)
     state, _ = step(step.init(), BATCHES[0])
     got = flat_params(nnx.state(step.gathered_model(state), nnx.Param))
@@ -116,15 +125,15 @@ def test_stage1_expert_parallel_gradients_equal_one_device():
 
 
 @pytest.mark.slow
-def test_hpz_and_qgz_with_expert_parallelism():
+def test_hpz_and_qgz_with_expert_parallelism(one_device):
     """hpZ + qgZ at EP = 2: the expert leaves take the plain collectives over their
     expert-data group, so after one SGD step of learning rate 1 they equal one device's (their
     gradients need no other leaf's, and qgZ quantizes only the dense leaves' reduction); the
     dense leaves land as near the float32 reference as the same hpZ + qgZ run without an
     expert axis does (int4 gradients are not exact: within that run's own noise)."""
-    sgd = optax.sgd(1.0)
+    sgd = OPTIMIZERS["sgd-lr1"]
     initial = flat_params(nnx.state(model(), nnx.Param))
-    _, want = train_single_device(model(), sgd, BATCHES[:1], loss_fn=written_out_loss(1, 8))
+    _, want = one_device("sgd-lr1", 1, 8, 1)
     config = dict(hpz_partition_size=2, quantized_gradients=True,
                   gradient_quantization_group_size=64)
     runs = {}

@@ -4,6 +4,8 @@ cross-entropy plus router_aux_loss_coef x transformers' load-balancing loss over
 tokens (per micro-batch, averaged, with gradient accumulation: the router/aux_loss logged at the
 first step is the mean of transformers' per-forward aux losses over the same micro-batches)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,31 @@ def assert_trains_like(step, batches, want_losses, want, paths=None, check=None)
         np.testing.assert_allclose(got[path], want[path], rtol=0, atol=TOL, err_msg=path)
 
 
+# Adam's eps 1e-5, not 1e-8: an entry whose gradient is near zero (a sum of terms that cancel,
+# ~1e-9, known only to a few percent in float32 whatever the summation order) moves by
+# lr x g / (|g| + eps), which amplifies that round-off up to a lr-sized step (with 1e-8) in one
+# run and not the other. The gradients themselves agree to 1e-8
+# (`test_moe_gradients_equal_one_device`).
+OPTIMIZERS = {"sgd": optax.sgd(0.1), "adamw": optax.adamw(3e-3, eps=1e-5),
+              "sgd-lr1": optax.sgd(1.0)}     # lr 1: the update of one step is the gradient
+
+
+def one_device_run(optimizer, micro_batches, replicas, steps):
+    """`train_single_device` of `model()` with `OPTIMIZERS[optimizer]` over the first `steps`
+    of BATCHES, the loss `written_out_loss(micro_batches, replicas)`: (losses, parameters).
+    (Arguments positional: `one_device` caches by them.)"""
+    return train_single_device(model(), OPTIMIZERS[optimizer], BATCHES[:steps],
+                               loss_fn=written_out_loss(micro_batches, replicas))
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """`one_device_run`, each set of arguments trained once per test file: the engine paths
+    that share a reference (the same optimizer, micro-batches and replicas) compare with one
+    run of it."""
+    return functools.cache(one_device_run)
+
+
 CASES = {"zero3": dict(stage=3), "zero2": dict(stage=2),
          "zero3-hpz": dict(stage=3, hpz_partition_size=4),
          "zero3-accumulation": dict(stage=3, gradient_accumulation_steps=2),
@@ -126,20 +153,14 @@ def transformers_aux(tmp_path_factory):
     pytest.param(name, opt, id=f"{name}-{opt}",
                  marks=() if (name, opt) in DAILY else pytest.mark.slow)
     for name in CASES for opt in ("sgd", "adamw")])
-def test_moe_trains_like_one_device(name, optimizer, transformers_aux):
+def test_moe_trains_like_one_device(name, optimizer, transformers_aux, one_device):
     case = dict(CASES[name])
     sequence = case.pop("sequence", 1)
     k = case.get("gradient_accumulation_steps", 1)
-    # Adam's eps 1e-5, not 1e-8: an entry whose gradient is near zero (a sum of terms that
-    # cancel, ~1e-9, known only to a few percent in float32 whatever the summation order) moves
-    # by lr x g / (|g| + eps), which amplifies that round-off up to a lr-sized step (with 1e-8)
-    # in one run and not the other. The gradients themselves agree to 1e-8
-    # (`test_moe_gradients_equal_one_device`).
-    opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(3e-3, eps=1e-5)
+    opt = OPTIMIZERS[optimizer]      # adamw's eps: see OPTIMIZERS
     mesh = zeroxla.make_mesh(2, 4 // sequence, sequence=sequence)
     replicas = 8 // sequence
-    want_losses, want = train_single_device(model(), opt, BATCHES,
-                                            loss_fn=written_out_loss(k, replicas))
+    want_losses, want = one_device(optimizer, k, replicas, len(BATCHES))
     step = zeroxla.make_step(model(), mesh, optimizer=opt, config=zeroxla.ZeroConfig(**case))
 
     def load_shares(i, metrics):
@@ -154,12 +175,11 @@ def test_moe_trains_like_one_device(name, optimizer, transformers_aux):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_moe_gradients_equal_one_device(accumulation):
+def test_moe_gradients_equal_one_device(accumulation, one_device):
     """One SGD step of learning rate 1: the update is the gradient."""
     initial = flat_params(nnx.state(model(), nnx.Param))
-    sgd = optax.sgd(1.0)
-    _, want = train_single_device(model(), sgd, BATCHES[:1],
-                                  loss_fn=written_out_loss(accumulation))
+    sgd = OPTIMIZERS["sgd-lr1"]
+    _, want = one_device("sgd-lr1", accumulation, 8, 1)
     step = zeroxla.make_step(model(), zeroxla.make_mesh(2, 4), optimizer=sgd,
                              config=zeroxla.ZeroConfig(
                                  stage=3, gradient_accumulation_steps=accumulation))

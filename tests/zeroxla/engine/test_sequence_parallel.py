@@ -14,6 +14,8 @@ checked in float64 (`ZeroConfig(compute_dtype="float64")`), where SP = 8 must eq
 without sequence parallelism on one device within 1e-6 of the largest gradient.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,12 +109,26 @@ def _sp_run(family, degree, batch, config=None, steps=1, dtype=jnp.float32):
     return losses, flat_params(nnx.state(step.gathered_model(state), nnx.Param))
 
 
+def _one_device_run(family, seed, packed, dtype):
+    """The unsharded reference: one SGD step (lr 1) of `family` on `_batch(seed, packed)` on
+    one device with plain optax: (losses, parameters)."""
+    return train_single_device(_factory(family, dtype)(), optax.sgd(1.0), [_batch(seed, packed)],
+                               loss_fn=_masked_loss)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """`_one_device_run`, each set of arguments run once per test file: the strategies and
+    configs checked on the same family and batch compare with one run of it."""
+    return functools.cache(_one_device_run)
+
+
 def _assert_same_step(family, degree, packed=False, config=None, dtype=jnp.float32,
-                      tolerance=FLOAT32_TOLERANCE):
+                      tolerance=FLOAT32_TOLERANCE, one_device=_one_device_run):
+    """`one_device`: `_one_device_run` or the `one_device` fixture's cache of it."""
     batch = _batch(degree, packed)
     initial = flat_params(nnx.state(_factory(family, dtype)(), nnx.Param))
-    want_losses, want = train_single_device(_factory(family, dtype)(), optax.sgd(1.0), [batch],
-                                            loss_fn=_masked_loss)
+    want_losses, want = one_device(family, degree, packed, dtype)
     got_losses, got = _sp_run(family, degree, batch, config, dtype=dtype)
     assert abs(got_losses[0] - want_losses[0]) <= 1e-6 * max(1.0, abs(want_losses[0]))
     # SGD with lr 1: the parameter change is the gradient.
@@ -123,15 +139,15 @@ def _assert_same_step(family, degree, packed=False, config=None, dtype=jnp.float
 
 
 @pytest.mark.parametrize("degree", [pytest.param(2, marks=SLOW), 4, pytest.param(8, marks=SLOW)])
-def test_llama_gqa_at_every_degree_trains_as_on_one_device(degree):
+def test_llama_gqa_at_every_degree_trains_as_on_one_device(degree, one_device):
     # 2 KV heads: split at P = 2, repeated to P at P = 4 and 8 (DeepSpeed's replication).
-    _assert_same_step("llama", degree)
+    _assert_same_step("llama", degree, one_device=one_device)
 
 
 @SLOW   # daily: llama (above), mistral (allgather), llama (ring), llama-6-3, packed llama
 @pytest.mark.parametrize("family", ["gpt", "qwen2", "qwen3", "mistral", "gemma2"])
-def test_every_family_at_four_trains_as_on_one_device(family):
-    _assert_same_step(family, 4)
+def test_every_family_at_four_trains_as_on_one_device(family, one_device):
+    _assert_same_step(family, 4, one_device=one_device)
 
 
 @SLOW   # the float32 parity cases stay daily
@@ -154,22 +170,22 @@ def test_float64_step_at_eight_equals_the_step_without_sequence_parallelism():
     assert worst <= 1e-6 * scale, (worst, scale)
 
 
-def test_kv_heads_that_do_not_divide_the_degree_are_repeated_to_every_head():
+def test_kv_heads_that_do_not_divide_the_degree_are_repeated_to_every_head(one_device):
     assert kv_repeats(6, 3, 2) == 2 and kv_repeats(8, 2, 4) == 2 and kv_repeats(8, 4, 2) == 1
-    _assert_same_step("llama-6-3", 2)
+    _assert_same_step("llama-6-3", 2, one_device=one_device)
 
 
 @pytest.mark.parametrize("family,degree", [("llama", 8),
                                            pytest.param("gemma2", 2, marks=SLOW)])
-def test_packed_rows_split_over_the_sequence_train_as_on_one_device(family, degree):
+def test_packed_rows_split_over_the_sequence_train_as_on_one_device(family, degree, one_device):
     # Sequences cross the shard boundaries; each shard's real-token count differs.
-    _assert_same_step(family, degree, packed=True)
+    _assert_same_step(family, degree, packed=True, one_device=one_device)
 
 
-def test_hpz_with_sequence_parallelism_trains_as_on_one_device():
+def test_hpz_with_sequence_parallelism_trains_as_on_one_device(one_device):
     # hpZ's secondary partition spans the node's local x sequence devices.
     config = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, hpz_partition_size=4)
-    _assert_same_step("llama", 2, packed=True, config=config)
+    _assert_same_step("llama", 2, packed=True, config=config, one_device=one_device)
 
 
 @SLOW   # hpZ alone stays daily (above)
@@ -244,10 +260,10 @@ RING = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, sequence_parallel_st
     pytest.param("mistral", 4, True, RING, marks=SLOW)],
     ids=["allgather-0.5b-8", "allgather-mistral-4", "ring-0.5b-8", "ring-gemma2-2",
          "ring-llama-4", "ring-gpt-2", "ring-qwen3-4", "ring-mistral-4"])
-def test_context_parallelism_trains_as_on_one_device(family, degree, packed, config):
+def test_context_parallelism_trains_as_on_one_device(family, degree, packed, config, one_device):
     # Any head count (14 at P = 8), sliding windows, soft-caps, packed rows across the chunks;
     # the keys and values all-gathered, or passed around the ring.
-    _assert_same_step(family, degree, packed=packed, config=config)
+    _assert_same_step(family, degree, packed=packed, config=config, one_device=one_device)
 
 
 def test_the_zigzag_split_balances_the_attention_blocks_of_every_device():

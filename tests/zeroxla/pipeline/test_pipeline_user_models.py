@@ -16,6 +16,8 @@ with the optimizer or the parameters offloaded (ZeRO-3), and the refusals, which
 before any compute.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +153,12 @@ def _masked_weighted(model, batch):
     return jnp.sum(nll * w), jnp.sum(w)
 
 
+def _masked_weighted_mean(model, batch):
+    """`_masked_weighted` as the mean over the whole batch: its single-device reference."""
+    total, count = _masked_weighted(model, batch)
+    return total / count
+
+
 def _mean_loss(model, batch):
     """A user's loss returning the mean over its piece of the batch (equal pieces)."""
     return cross_entropy(model, batch)
@@ -178,11 +186,24 @@ def _run(name, stages, pipeline, zero_stage, loss_fn=None, **config):
     return eval_first, losses, flat_params(zeroxla.gather_params(state))
 
 
-def _check(name, stages, pipeline, zero_stage, loss_fn=None, reference_loss=cross_entropy,
-           **config):
-    expected_losses, expected = train_single_device(
-        MODELS[name](), optax.sgd(0.3, momentum=0.9), _batches(weighted=loss_fn is _masked_weighted),
-        loss_fn=reference_loss)
+def _one_device_run(name, weighted, reference_loss):
+    """The single-device reference of MODELS[name] over `_batches(weighted)` with plain optax
+    and `reference_loss`: (losses, parameters)."""
+    return train_single_device(MODELS[name](), optax.sgd(0.3, momentum=0.9),
+                               _batches(weighted=weighted), loss_fn=reference_loss)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """`_one_device_run`, each set of arguments run once per test file: every schedule, ZeRO
+    stage and offload of one model and loss compares with one run of it."""
+    return functools.cache(_one_device_run)
+
+
+def _check(one_device, name, stages, pipeline, zero_stage, loss_fn=None,
+           reference_loss=cross_entropy, **config):
+    """`one_device`: the fixture's cached `_one_device_run`."""
+    expected_losses, expected = one_device(name, loss_fn is _masked_weighted, reference_loss)
     eval_first, losses, got = _run(name, stages, pipeline, zero_stage, loss_fn, **config)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     np.testing.assert_allclose(eval_first, losses[0], rtol=1e-5)
@@ -209,26 +230,27 @@ CASES = [      # model, stages, micro-batches, schedule, ZeRO stage
 @pytest.mark.slow
 @pytest.mark.parametrize("name,stages,micro,schedule,zero_stage", CASES,
                          ids=[f"{c[0]}-s{c[1]}-m{c[2]}-{c[3]}-z{c[4]}" for c in CASES])
-def test_user_model_pipelined_matches_single_device(name, stages, micro, schedule, zero_stage):
-    _check(name, stages, zeroxla.PipelineConfig(micro, schedule=schedule), zero_stage)
+def test_user_model_pipelined_matches_single_device(name, stages, micro, schedule, zero_stage,
+                                                   one_device):
+    _check(one_device, name, stages, zeroxla.PipelineConfig(micro, schedule=schedule), zero_stage)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_user_model_unpipelined_matches_single_device(name):
+def test_user_model_unpipelined_matches_single_device(name, one_device):
     # The same models through the plain step (ZeRO-3 over 8 data devices, each layer of the
     # nnx.Linear LayerStack gathered in the scan): the path eval_loss takes above.
-    _check(name, 1, None, 3)
+    _check(one_device, name, 1, None, 3)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", ["offload_optimizer", "offload_param"])
-def test_user_model_with_offload_matches_single_device(offload):
+def test_user_model_with_offload_matches_single_device(offload, one_device):
     # nanoGPT, ZeRO-3 over 8 data devices with ZeRO-Offload (the optimizer state in host
     # memory, SGD's update run there: `zeroxla.engine.host_update`) or ZeRO-Infinity's parameter
     # offload (each nnx.Linear's partition fetched from pinned host memory before its gather;
     # `zeroxla.engine.offload`).
-    _check("nanogpt", 1, None, 3, **{offload: "cpu"})
+    _check(one_device, "nanogpt", 1, None, 3, **{offload: "cpu"})
 
 
 @pytest.mark.slow
@@ -247,26 +269,23 @@ def test_user_model_16bit_partitions_with_optimizer_offload_train_as_without():
 
 
 @pytest.mark.slow
-def test_user_model_pipelined_with_optimizer_offload_matches_single_device():
+def test_user_model_pipelined_with_optimizer_offload_matches_single_device(one_device):
     # The pipelined step shares the plain step's update, so ZeRO-Offload runs there unchanged:
     # nanoGPT, 2 stages x 4 data devices, 1F1B over 4 micro-batches, ZeRO-3, float32.
-    _check("nanogpt", 2, zeroxla.PipelineConfig(4), 3, offload_optimizer="cpu")
+    _check(one_device, "nanogpt", 2, zeroxla.PipelineConfig(4), 3, offload_optimizer="cpu")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage,schedule", [(3, ZB_H1), (0, GPIPE)])
-def test_custom_masked_weighted_loss_pipelined(zero_stage, schedule):
-    def reference(model, batch):
-        total, count = _masked_weighted(model, batch)
-        return total / count
-    _check("nanogpt", 2, zeroxla.PipelineConfig(4, schedule=schedule), zero_stage,
-           loss_fn=_masked_weighted, reference_loss=reference)
+def test_custom_masked_weighted_loss_pipelined(zero_stage, schedule, one_device):
+    _check(one_device, "nanogpt", 2, zeroxla.PipelineConfig(4, schedule=schedule), zero_stage,
+           loss_fn=_masked_weighted, reference_loss=_masked_weighted_mean)
 
 
 @pytest.mark.slow
-def test_custom_mean_loss_pipelined():
+def test_custom_mean_loss_pipelined(one_device):
     # A mean per micro-batch piece, averaged over equal pieces: the single-device mean.
-    _check("gemma-scale", 2, zeroxla.PipelineConfig(2), 3, loss_fn=_mean_loss)
+    _check(one_device, "gemma-scale", 2, zeroxla.PipelineConfig(2), 3, loss_fn=_mean_loss)
 
 
 # ------------------------------------------------------------------------------------------------
