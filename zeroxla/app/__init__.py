@@ -1,5 +1,5 @@
 """The command-line application: `zeroxla train`, `reward`, `ppo`, `dpo`, `grpo`, `export`,
-`generate`, `launch`, and their data and tokenizers.
+`generate`, `launch`, and their data and tokenizers; the jobs as TRL's trainers from Python.
 
 Nothing in the library imports this package; `import zeroxla` does not load it.
 
@@ -12,6 +12,9 @@ Nothing in the library imports this package; `import zeroxla` does not load it.
                      every job shares, the one command handler (its guide lists its modules)
     jobs/            each job's algorithm (train/, reward, ppo, dpo, grpo), the model loading
                      they share, and `zeroxla generate`; no job imports another
+    trainers.py      the jobs from Python as TRL's trainers (SFTTrainer, RewardTrainer,
+                     DPOTrainer, GRPOTrainer): a tree, the same job, the same runner
+    trainer_args.py  the trainers' args (SFTConfig, ...): TRL's names onto each job's tree
     tokenizers/      character and byte tokenizers, Hugging Face tokenizer files, and
                      tokenizers as JSON records stored in checkpoints
     data.py          corpora, JSON data files (.jsonl, .json arrays), per-device batches, and

@@ -59,7 +59,7 @@ and a `--reward` model): checked (`check_reward_sources`) and loaded (`reward_so
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from zeroxla.rlhf.reward_funcs import RewardFunctions, load_reward_func
@@ -212,14 +212,20 @@ def check_reward_sources(names: Sequence[str], weights: Sequence[float] | None, 
                          "source")
 
 
-def reward_sources(names: Sequence[str], weights: Sequence[float] | None, with_model: bool
+def reward_sources(names: Sequence[str], weights: Sequence[float] | None, with_model: bool,
+                   loaded: Sequence[Callable[..., Any]] | None = None
                    ) -> tuple[RewardFunctions | None, float]:
     """The reward functions `names` (`load_reward_func`: built in, or `module:function`, whose
     module is imported here, so one that fails is named before anything else runs) with their
     weights, and the reward model's weight: `weights` holds one per function, then one for the
-    reward model when `with_model` (None: 1.0 each)."""
+    reward model when `with_model` (None: 1.0 each). `loaded`: the functions of `names` a
+    Python caller already holds (the trainer API's callables), one per name, used as given."""
     model_weight = weights[-1] if weights and with_model else 1.0
+    if loaded is not None and len(loaded) != len(names):
+        raise ValueError(f"{len(loaded)} loaded reward functions for the {len(names)} names "
+                         f"{', '.join(names)}; accepted: one function per name")
     if not names:
         return None, model_weight
-    funcs = tuple(load_reward_func(name) for name in names)
+    funcs = (tuple(loaded) if loaded is not None
+             else tuple(load_reward_func(name) for name in names))
     return RewardFunctions(funcs, tuple(weights[:len(funcs)]) if weights else None), model_weight

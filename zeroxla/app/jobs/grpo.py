@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -174,10 +175,14 @@ class GRPOJob:
     EVALUATE_FIRST: ClassVar[bool] = True        # finish's `before`: accuracy_before
     label = NAME
 
-    def __init__(self, config: GRPOJobConfig):
+    def __init__(self, config: GRPOJobConfig,
+                 reward_funcs: Sequence[Callable[..., Any]] | None = None):
+        """`reward_funcs`: the functions `config.reward_funcs` names, already held by a Python
+        caller (`zeroxla.app.trainers.GRPOTrainer`'s callables); None: loaded by name."""
         self.config = c = config
         self.total = c.iterations
-        funcs, weight = reward_sources(c.reward_names, c.reward_weights, c.reward is not None)
+        funcs, weight = reward_sources(c.reward_names, c.reward_weights, c.reward is not None,
+                                       loaded=reward_funcs)
         mesh = c.sharding.job_mesh()
         actor, self.tokenizer = load_actor(c.actor)
         model, model_config = f"--actor {c.actor}", getattr(actor, "config", None)
@@ -248,7 +253,11 @@ class GRPOJob:
         del metadata                  # the reference is the --actor run's: unchanged
 
     def draw(self, out: Path, records: list[dict[str, Any]]) -> None:
-        plot_records(records).savefig(out / "reward_kl.png", dpi=100)      # reward and KL
+        import matplotlib.pyplot as plt
+
+        figure = plot_records(records)                      # reward and KL
+        figure.savefig(out / "reward_kl.png", dpi=100)
+        plt.close(figure)         # not left among pyplot's figures (a notebook would show it)
 
     def finish(self, out: Path, records: list[dict[str, Any]],
                before: dict[str, float]) -> dict[str, Any]:
