@@ -46,8 +46,11 @@
   `gated_delta`.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
   (Gemma 2), `gemma3.py` (Gemma 3 text: Gemma 2's layers with q/k norms, a period of sliding
-  layers and a global one as one block, a RoPE base each), `qwen3_5.py` (Qwen3.5 dense:
-  periods of DeltaNet layers and a gated attention layer as one block): the modules.
+  layers and a global one as one block, a RoPE base each), `gemma4.py` (Gemma 4 text:
+  Gemma 3's period with a global layer of its own head dim, proportional RoPE and k = v; its
+  MoE block beside the dense MLP in `gemma4_moe.py`), `qwen3_5.py` (Qwen3.5 dense:
+  periods of DeltaNet layers and a gated attention layer as one block), `qwen3_5_moe.py`
+  (Qwen3.5 MoE: the same periods, every layer's MLP an MoE with a shared expert): the modules.
 - `families/`: one module per family (config mapping, tensor map, module), in one table
   (`families.REGISTRY`; docs/models.md).
 - `hf.py`, `hf_config.py`, `hf_rules.py`, `hf_names.py`, `safetensors_io.py`: Hugging Face
@@ -59,13 +62,16 @@
 from .gpt import GPT, GPTConfig
 from .layers import LayerStack, scan_layers
 from .llama import Llama, LlamaConfig
-from .families import (REGISTRY, Gemma2Config, Gemma3Config, GptOssConfig, MistralConfig,
+from .families import (REGISTRY, Gemma2Config, Gemma3Config, Gemma4Config, GptOssConfig,
+                       MistralConfig,
                        MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                       Qwen3MoeConfig, Qwen3_5Config)
+                       Qwen3MoeConfig, Qwen3_5Config, Qwen3_5MoeConfig)
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
+from .gemma4 import Gemma4
 from .gpt_oss import GptOss
 from .qwen3_5 import Qwen3_5
+from .qwen3_5_moe import Qwen3_5Moe
 
 # preset name -> (model class, config factory), from the families' presets.
 PRESETS = {name: (spec.model_class, preset) for spec in REGISTRY.values()
@@ -106,6 +112,7 @@ def build(name: str, *, seed: int = 0, **overrides):
 
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "Gemma2", "Gemma2Config", "Gemma3", "Gemma3Config",
+           "Gemma4", "Gemma4Config",
            "GptOss", "GptOssConfig", "MistralConfig", "MixtralConfig", "OlmoeConfig", "Qwen2MoeConfig", "Qwen3MoeConfig",
            "Qwen2Config",
-           "Qwen3Config", "Qwen3_5", "Qwen3_5Config", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]
+           "Qwen3Config", "Qwen3_5", "Qwen3_5Config", "Qwen3_5Moe", "Qwen3_5MoeConfig", "REGISTRY", "abstract_model", "model_class", "Llama", "LlamaConfig", "LayerStack", "PRESETS", "build", "scan_layers"]

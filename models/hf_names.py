@@ -35,8 +35,9 @@ class NameFallbacks:
     """`reader` with the name fallbacks real checkpoints need: GPT-2 saved from `GPT2Model` (the
     hub's openai-community/gpt2) has no `transformer.` prefix; an MoE checkpoint written with
     fused experts (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F],
-    Mixtral's router under `mlp.gate`) answers the per-expert names, the last fused tensor
-    read kept for the next expert; a vision-language checkpoint answers `model.*` from
+    Mixtral's router under `mlp.gate`) answers the per-expert names (the fused tensor flat
+    or under the language model's prefix, Qwen3.5 MoE's published layout), the last fused
+    tensor read kept for the next expert; a vision-language checkpoint answers `model.*` from
     `model.language_model.*` (or `language_model.model.*`); with `quantization_config`'s
     quant_method "mxfp4" (gpt-oss), a weight stored as `<name>_blocks` and `<name>_scales`
     answers `<name>` decoded (`models.mxfp4`). Called and `shape`d as the reader is
@@ -75,7 +76,7 @@ class NameFallbacks:
         fused_name, half = _FUSED[proj]
         fused_name = f"{layer}.mlp.experts.{fused_name}"
         if self._fused is None or self._fused[0] != fused_name:
-            self._fused = (fused_name, np.asarray(self.reader(fused_name)))
+            self._fused = (fused_name, np.asarray(self._resolve(self.reader, fused_name)))
         tensor = self._fused[1][expert]
         if half is None:
             return tensor

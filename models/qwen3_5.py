@@ -21,6 +21,7 @@ conv window and a [H, K, V] state per layer) that the engine's KV cache does not
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +38,17 @@ from .rope import inv_freq, rope
 from .sequence_parallel import SequenceParallel
 from .tiled_mlp import tiled_mlp
 
-GENERATION_REFUSAL = (
-    "qwen3_5 (Qwen3.5) generation is not built: its Gated DeltaNet layers decode with a "
-    "per-sequence recurrent state (the conv window and a [heads, K, V] state per layer) beside "
-    "the attention layers' KV cache, which zeroxla's decode does not carry; train, evaluate "
-    "and score log-probs with this family, and generate with transformers or vLLM")
+
+def generation_refusal(family: str) -> str:
+    """Why `family` (qwen3_5, qwen3_5_moe) does not generate: the message its refusals give."""
+    return (f"{family} (Qwen3.5) generation is not built: its Gated DeltaNet layers decode with "
+            "a per-sequence recurrent state (the conv window and a [heads, K, V] state per "
+            "layer) beside the attention layers' KV cache, which zeroxla's decode does not "
+            "carry; train, evaluate and score log-probs with this family, and generate with "
+            "transformers or vLLM")
+
+
+GENERATION_REFUSAL = generation_refusal("qwen3_5")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +156,15 @@ class Layer(nnx.Module):
     or a `GatedAttention`, the norms (1 + w)."""
 
     def __init__(self, cfg: Qwen3_5Config, mixer: nnx.Module, rngs: nnx.Rngs):
-        d, f, std = cfg.d_model, cfg.mlp_dim, cfg.init_std
         self.mlp_chunk = cfg.mlp_chunk                                       # static
-        self.attn_norm = RMSNorm(d, eps=cfg.norm_eps, offset=1.0)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=1.0)
         self.mixer = mixer
-        self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps, offset=1.0)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=1.0)
+        self.init_mlp(cfg, rngs)
+
+    def init_mlp(self, cfg: Qwen3_5Config, rngs: nnx.Rngs) -> None:
+        """The SwiGLU MLP's parameters (the MoE variant's layer makes an MoE MLP instead)."""
+        d, f, std = cfg.d_model, cfg.mlp_dim, cfg.init_std
         self.w_gate = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_up = param(rngs, normal(std), (d, f), (axes.EMBED, axes.MLP))
         self.w_down = param(rngs, normal(std), (f, d), (axes.MLP, axes.EMBED))
@@ -173,12 +184,14 @@ class Layer(nnx.Module):
 
 class Period(nnx.Module):
     """`attention_interval - 1` DeltaNet layers (`linear`), then the attention layer (`full`):
-    one block of the stack, HF layers P*i .. P*i + P - 1 of block i."""
+    one block of the stack, HF layers P*i .. P*i + P - 1 of block i; each a `LAYER`."""
+
+    LAYER: ClassVar[type] = Layer
 
     def __init__(self, cfg: Qwen3_5Config, rngs: nnx.Rngs):
-        self.linear = nnx.List([Layer(cfg, DeltaNet(cfg, rngs), rngs)
+        self.linear = nnx.List([self.LAYER(cfg, DeltaNet(cfg, rngs), rngs)
                                 for _ in range(cfg.attention_interval - 1)])
-        self.full = Layer(cfg, GatedAttention(cfg, rngs), rngs)
+        self.full = self.LAYER(cfg, GatedAttention(cfg, rngs), rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None, cache: object = None) -> jax.Array:
@@ -217,21 +230,23 @@ class Head(nnx.Module):
 
 class Qwen3_5(nnx.Module):
     """Qwen3.5: embed -> stacked periods (DeltaNet layers, then gated attention) -> (1 + w)
-    norm -> head (tied to the embedding when `tie_word_embeddings`)."""
+    norm -> head (tied to the embedding when `tie_word_embeddings`); each block a `PERIOD`."""
+
+    PERIOD: ClassVar[type] = Period
 
     def __init__(self, cfg: Qwen3_5Config, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = TokenEmbed(cfg, rngs)
-        self.blocks = LayerStack(lambda r: Period(cfg, r), cfg.num_layers, rngs)
+        self.blocks = LayerStack(lambda r: self.PERIOD(cfg, r), cfg.num_layers, rngs)
         self.head = Head(cfg, rngs)
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32):
-        """Refused: `GENERATION_REFUSAL`."""
-        raise NotImplementedError(GENERATION_REFUSAL)
+        """Refused: `generation_refusal`."""
+        raise NotImplementedError(generation_refusal(self.config.family))
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache):
-        """Refused: `GENERATION_REFUSAL`."""
-        raise NotImplementedError(GENERATION_REFUSAL)
+        """Refused: `generation_refusal`."""
+        raise NotImplementedError(generation_refusal(self.config.family))
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None,
@@ -259,6 +274,12 @@ class Qwen3_5(nnx.Module):
         never whole (`models.chunked_logits`). Equals `token_logprobs(model(tokens), labels)`
         (`zeroxla.engine.loss`)."""
         h = self.hidden(tokens, positions, segment_ids, sequence)                    # [B, T, D]
+        return self.head_logprobs(h, labels, vocab_limit)
+
+    def head_logprobs(self, h: jax.Array, labels: jax.Array,
+                      vocab_limit: jax.Array | int | None = None) -> jax.Array:
+        """log p(labels) float32 [B, T] from the normed hidden states h [B, T, D], through the
+        tied embedding or the head, `logits_chunk` tokens at a time."""
         if self.config.tie_word_embeddings:
             return self.embed.attend_logprobs(h, labels, vocab_limit)
         return self.head.logprobs(h, labels, vocab_limit)

@@ -1,6 +1,7 @@
 """What the Mixture-of-Experts families share (`qwen3_moe`, `qwen2_moe`, `mixtral`, `olmoe`,
 all `models.moe_llama.MoeLlama`): the router and expert config.json keys, the layers-are-all-
-sparse rule, and the tensor rows of routers and experts.
+sparse rule, and the tensor rows of routers and experts (`expert_rows`, which `qwen3_5_moe`'s
+periods use too).
 
 Checkpoints: transformers 5.23 writes (`save_pretrained`) one tensor per expert and projection,
 `mlp.experts.{e}.gate_proj.weight` [F, D] (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`),
@@ -92,18 +93,26 @@ def tensor_map(c: MoeLlamaConfig, moe: str = "mlp", names: tuple[str, str, str] 
         att = "model.layers.{i}.self_attn."
         rows += [(att + "q_norm.weight", ("q_norm/scale",), concat(((h, k),), ((h * k,),))),
                  (att + "k_norm.weight", ("k_norm/scale",), concat(((g, k),), ((g * k,),)))]
-    layer = "model.layers.{i}." + moe + "."
+    return rows + expert_rows(c, "model.layers.{i}." + moe + ".", "moe/", names)
+
+
+def expert_rows(c: Any, mlp: str, ours: str, names: tuple[str, str, str] = (
+        "gate_proj", "up_proj", "down_proj")) -> list[Row]:
+    """The rows of one `models.moe.MoeMLP` (`ours`: its path, "moe/") under the HF prefix
+    `mlp` ("model.layers.{i}.mlp."): router `{mlp}gate.weight` [E, D], experts
+    `{mlp}experts.{e}.<names>.weight` (an `{e}` row: the expert's tensors stacked), and with
+    `c.shared_expert_mlp_dim` the shared expert `{mlp}shared_expert.*` and its gate."""
+    d, s = c.d_model, c.shared_expert_mlp_dim
     gate, up, down = names
-    rows += [(layer + "gate.weight", ("moe/router",), linear((d, c.num_experts), 1)),
-             (layer + "experts.{e}." + gate + ".weight", ("moe/w_gate",), expert_linear()),
-             (layer + "experts.{e}." + up + ".weight", ("moe/w_up",), expert_linear()),
-             (layer + "experts.{e}." + down + ".weight", ("moe/w_down",), expert_linear())]
-    s = c.shared_expert_mlp_dim
+    rows = [(mlp + "gate.weight", (ours + "router",), linear((d, c.num_experts), 1)),
+            (mlp + "experts.{e}." + gate + ".weight", (ours + "w_gate",), expert_linear()),
+            (mlp + "experts.{e}." + up + ".weight", (ours + "w_up",), expert_linear()),
+            (mlp + "experts.{e}." + down + ".weight", (ours + "w_down",), expert_linear())]
     if s:
-        shared = "model.layers.{i}.mlp.shared_expert."
-        rows += [(shared + "gate_proj.weight", ("moe/shared_gate",), linear((d, s), 1)),
-                 (shared + "up_proj.weight", ("moe/shared_up",), linear((d, s), 1)),
-                 (shared + "down_proj.weight", ("moe/shared_down",), linear((s, d), 1)),
-                 ("model.layers.{i}.mlp.shared_expert_gate.weight", ("moe/shared_expert_gate",),
+        shared = mlp + "shared_expert."
+        rows += [(shared + "gate_proj.weight", (ours + "shared_gate",), linear((d, s), 1)),
+                 (shared + "up_proj.weight", (ours + "shared_up",), linear((d, s), 1)),
+                 (shared + "down_proj.weight", (ours + "shared_down",), linear((s, d), 1)),
+                 (mlp + "shared_expert_gate.weight", (ours + "shared_expert_gate",),
                   concat(((d,),), ((1, d),)))]
     return rows

@@ -15,7 +15,7 @@ the interval, attention biases, another activation, scaled RoPE.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,12 @@ def rope_keys(text: Mapping[str, Any]) -> tuple[float, float]:
 
 def from_hf(hf: Mapping[str, Any]) -> Qwen3_5Config:
     text = text_keys(hf)
+    return Qwen3_5Config(mlp_dim=text["intermediate_size"], **text_fields(text))
+
+
+def text_fields(text: Mapping[str, Any]) -> dict[str, Any]:
+    """The `Qwen3_5Config` fields of the text model's keys `text` but its MLP's (the dense
+    family's `intermediate_size`, the MoE variant's experts); refuses what is not built."""
     n = text["num_hidden_layers"]
     types = list(text.get("layer_types") or [])
     interval = (types.index("full_attention") + 1 if "full_attention" in types
@@ -73,11 +79,11 @@ def from_hf(hf: Mapping[str, Any]) -> Qwen3_5Config:
         value = text.get(key, accepted)
         require(value == accepted, key, value, f"Qwen3.5 is built with {key}={accepted!r}")
     theta, factor = rope_keys(text)
-    return Qwen3_5Config(
+    return dict(
         vocab_size=text["vocab_size"], max_seq_len=text["max_position_embeddings"],
         d_model=text["hidden_size"], num_heads=text["num_attention_heads"],
         num_kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
-        num_layers=n // interval, mlp_dim=text["intermediate_size"],
+        num_layers=n // interval,
         explicit_head_dim=text.get("head_dim", 256), rope_theta=theta,
         partial_rotary_factor=factor, norm_eps=text.get("rms_norm_eps", 1e-6),
         init_std=text.get("initializer_range", 0.02),
@@ -92,9 +98,14 @@ def from_hf(hf: Mapping[str, Any]) -> Qwen3_5Config:
 
 def to_hf(config: Qwen3_5Config) -> dict[str, Any]:
     """Flat `qwen3_5_text` keys: what `Qwen3_5ForCausalLM` (AutoModelForCausalLM) loads."""
+    return {"model_type": TEXT_MODEL_TYPE, "intermediate_size": config.mlp_dim,
+            **text_hf(config)}
+
+
+def text_hf(config: Qwen3_5Config) -> dict[str, Any]:
+    """The text model's keys but its MLP's and the model_type (`text_fields`' inverse)."""
     n = config.num_layers * config.attention_interval
-    return {"model_type": TEXT_MODEL_TYPE, "vocab_size": config.vocab_size,
-            "hidden_size": config.d_model, "intermediate_size": config.mlp_dim,
+    return {"vocab_size": config.vocab_size, "hidden_size": config.d_model,
             "num_hidden_layers": n, "num_attention_heads": config.num_heads,
             "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
             "hidden_act": "silu", "max_position_embeddings": config.max_seq_len,
@@ -152,12 +163,17 @@ def gated_query(d: int, h: int, k: int):
     return to_hf, from_hf
 
 
-def _layer_rows(c: Qwen3_5Config, layer: str, ours: str) -> list[Row]:
-    """The norms and the MLP of one HF layer (`layer`: its name prefix; `ours`: our path)."""
-    d, f, same = c.d_model, c.mlp_dim, (as_is, as_is_inv)
+def _norm_rows(layer: str, ours: str) -> list[Row]:
+    """The two norms of one HF layer (`layer`: its name prefix; `ours`: our path)."""
+    same = (as_is, as_is_inv)
     return [(layer + "input_layernorm.weight", (ours + "attn_norm/scale",), same),
-            (layer + "post_attention_layernorm.weight", (ours + "mlp_norm/scale",), same),
-            (layer + "mlp.gate_proj.weight", (ours + "w_gate",), linear((d, f), 1)),
+            (layer + "post_attention_layernorm.weight", (ours + "mlp_norm/scale",), same)]
+
+
+def _mlp_rows(c: Qwen3_5Config, layer: str, ours: str) -> list[Row]:
+    """The SwiGLU MLP of one HF layer (`layer`: its name prefix; `ours`: our path)."""
+    d, f = c.d_model, c.mlp_dim
+    return [(layer + "mlp.gate_proj.weight", (ours + "w_gate",), linear((d, f), 1)),
             (layer + "mlp.up_proj.weight", (ours + "w_up",), linear((d, f), 1)),
             (layer + "mlp.down_proj.weight", (ours + "w_down",), linear((f, d), 1))]
 
@@ -194,15 +210,23 @@ def _attention_rows(c: Qwen3_5Config, layer: str, ours: str) -> list[Row]:
 
 
 def tensor_map(c: Qwen3_5Config) -> list[Row]:
+    return period_map(c, _mlp_rows)
+
+
+def period_map(c: Qwen3_5Config, mlp_rows: Callable[[Any, str, str], list[Row]]) -> list[Row]:
+    """The rows of the embedding, the final norm, the head and every layer of a period, each
+    layer's MLP by `mlp_rows(c, HF layer prefix, our layer path)`."""
     same = (as_is, as_is_inv)
     rows: list[Row] = [("model.embed_tokens.weight", ("embed/weight",), same),   # [V, D]
                        ("model.norm.weight", ("head/norm/scale",), same)]
     last = c.attention_interval - 1
     for j in range(last):
         layer, ours = f"model.layers.{{unit[{j}]}}.", f"linear/{j}/"
-        rows += _layer_rows(c, layer, ours) + _deltanet_rows(c, layer, ours)
+        rows += _norm_rows(layer, ours) + mlp_rows(c, layer, ours)
+        rows += _deltanet_rows(c, layer, ours)
     layer = f"model.layers.{{unit[{last}]}}."
-    rows += _layer_rows(c, layer, "full/") + _attention_rows(c, layer, "full/")
+    rows += _norm_rows(layer, "full/") + mlp_rows(c, layer, "full/")
+    rows += _attention_rows(c, layer, "full/")
     if not c.tie_word_embeddings:
         rows.append((LM_HEAD, ("head/weight",), linear((c.d_model, c.vocab_size), 1)))
     return rows

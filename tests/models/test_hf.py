@@ -186,7 +186,7 @@ def test_name_map_covers_every_parameter_once():
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "gemma4"}, "model_type"),
+    ({"model_type": "falcon"}, "model_type"),
 ])
 def test_unsupported_llama_options_are_named(change, match):
     with pytest.raises(ValueError, match=match):

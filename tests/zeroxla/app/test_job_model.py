@@ -46,9 +46,10 @@ def test_train_init_from_refuses_other_heads_by_architecture(tmp_path, capsys, a
     err = capsys.readouterr().err
     assert (f"architectures=['{architecture}']: {architecture} is" in err and
             "`zeroxla train` needs a causal LM (GPT2LMHeadModel, Gemma2ForCausalLM, "
-            "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-            "OlmoeForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
-            "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM); use "
+            "Gemma3ForCausalLM, Gemma4ForCausalLM, GptOssForCausalLM, LlamaForCausalLM, "
+            "MistralForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, Qwen2ForCausalLM, "
+            "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, "
+            "Qwen3_5MoeForCausalLM); use "
             "`zeroxla reward --init-from` or `zeroxla ppo --reward`" in err), err
     assert what.replace("\\", "") in err
     assert not out.exists()
@@ -62,11 +63,13 @@ def test_reward_init_from_takes_lms_and_one_label_classifiers_only(tmp_path, cap
     for directory, message in (
             (tokens, "GPT2ForTokenClassification is a token-classification model; `zeroxla "
                      "reward` needs a causal LM (GPT2LMHeadModel, Gemma2ForCausalLM, "
-                     "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
-                     "MixtralForCausalLM, OlmoeForCausalLM, Qwen2ForCausalLM, "
-                     "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
-                     "Qwen3_5ForCausalLM) or a sequence-classification (reward) model "
+                     "Gemma3ForCausalLM, Gemma4ForCausalLM, GptOssForCausalLM, "
+                     "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+                     "OlmoeForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+                     "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, "
+                     "Qwen3_5MoeForCausalLM) or a sequence-classification (reward) model "
                      "(GPT2ForSequenceClassification, Gemma2ForSequenceClassification, "
+                     "GptOssForSequenceClassification, "
                      "LlamaForSequenceClassification, MistralForSequenceClassification, "
                      "MixtralForSequenceClassification, "
                      "Qwen2ForSequenceClassification, Qwen2MoeForSequenceClassification, "

@@ -154,10 +154,9 @@ def test_unsupported_architecture_is_refused_by_name(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
     mesh = zeroxla.make_mesh(nodes=2, local=4)
     with pytest.raises(ValueError, match=r"model_type='bert' is not supported; "
-                                         r"zeroxla builds gemma2, gemma3, gpt2, gpt_oss, llama, "
-                                         r"mistral, "
-                                         r"mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_5, "
-                                         r"qwen3_moe"):
+                                         r"zeroxla builds gemma2, gemma3, gemma4, gpt2, gpt_oss, "
+                                         r"llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, "
+                                         r"qwen3, qwen3_5, qwen3_5_moe, qwen3_moe"):
         zeroxla.load_pretrained(tmp_path, mesh, progress=False)
     (tmp_path / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
     with pytest.raises(ValueError, match=f"{tmp_path}.*activation_function='relu'"):

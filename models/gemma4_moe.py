@@ -1,0 +1,71 @@
+"""Gemma 4's MoE block (transformers 5.23 `Gemma4TextRouter`, `Gemma4TextExperts` and the
+`enable_moe_block` branch of `Gemma4TextDecoderLayer`): a top-k mixture of GeGLU experts that
+runs beside the layer's dense MLP, on the same residual stream.
+
+    router:  n = rms(x) * scale * D^-1/2;  p = softmax(n @ router) (float32);  the k largest,
+             renormalised to sum 1, each times per_expert_scale[e]
+    experts: y = sum_j w_j down_e(gelu_tanh(gate_e h) * up_e h),  h = pre_norm(x)
+    block:   dense_norm(mlp(x)) + post_norm(y)     (then the layer's post-MLP norm)
+
+x is the residual stream entering the MLP (not its normalised input). Dropless, through
+`grouped_matmul.expert_ffn`; every layer holds all E experts (expert parallelism is not
+built for this block). transformers' Gemma 4 adds no load-balancing loss: no router
+statistics are carried.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import axes
+from .grouped_matmul import expert_ffn
+from .layers import RMSNorm, at_least_float32, normal, param
+from .moe import route
+
+
+def rms(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) over the last dim, in float32 (float64 for float64 x): an
+    RMSNorm without a scale (transformers' `Gemma4RMSNorm(with_scale=False)`)."""
+    acc = at_least_float32(x.dtype)
+    h = x.astype(acc)
+    return (h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The experts' inner activation: gelu_pytorch_tanh(gate) * up [.., F]."""
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+class Gemma4Moe(nnx.Module):
+    """The MoE block of one layer. Parameters: router [D, E], router_scale [D],
+    per_expert_scale [E], w_gate / w_up [E, D, F], w_down [E, F, D] (F = expert_mlp_dim);
+    norms `dense_norm` (the dense MLP's output), `pre_norm` (the experts' input), `post_norm`
+    (their output)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, e, f, eps = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.norm_eps
+        init = normal(cfg.init_std)
+        self.top_k, self.eps, self.root = cfg.experts_per_token, eps, d ** -0.5     # static
+        self.router = param(rngs, init, (d, e), (axes.EMBED, axes.ROUTER))
+        self.router_scale = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=(axes.EMBED,))
+        self.per_expert_scale = nnx.Param(jnp.ones((e,), jnp.float32),
+                                          logical_axes=(axes.ROUTER,))
+        self.w_gate = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
+        self.w_up = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
+        self.w_down = param(rngs, init, (e, f, d), (axes.EXPERTS, axes.EXPERT_MLP, axes.EMBED))
+        self.dense_norm, self.pre_norm, self.post_norm = (RMSNorm(d, eps=eps) for _ in "abc")
+
+    def __call__(self, x: jax.Array, dense: jax.Array) -> jax.Array:
+        """x [B, T, D] (the residual stream), dense [B, T, D] (the dense MLP's output) ->
+        the block's sum [B, T, D], before the layer's post-MLP norm."""
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)                                            # [N, D]
+        n = rms(flat, self.eps) * (self.router_scale[...].astype(x.dtype) * self.root)
+        weights, chosen, _ = route(n, self.router[...], self.top_k, True)   # [N, k]
+        weights = weights * self.per_expert_scale[...].astype(weights.dtype)[chosen]
+        w = [getattr(self, name)[...].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")]
+        y, _, _ = expert_ffn(self.pre_norm(flat), chosen, *w, activation=geglu)   # [N, k, D]
+        y = jnp.sum(y * weights.astype(x.dtype)[..., None], axis=1)           # [N, D]
+        return self.dense_norm(dense) + self.post_norm(y.reshape(b, t, d))

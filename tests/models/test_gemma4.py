@@ -1,0 +1,214 @@
+"""Gemma 4 text (`models.gemma4`, `models.families.gemma4`) against transformers itself, from
+tiny random checkpoints transformers writes here (6 layers: two periods of two sliding layers,
+window 4, and one global layer with its own head dim 32 (the sliding layers' 16), its own
+key-value heads and keys equal to values, proportional RoPE rotating half its head dim; the
+final logits soft-capped; every tensor and every `layer_scalar` perturbed, no network), dense
+and with the MoE block (4 experts, top 2, beside the dense MLP):
+
+- loaded straight into ZeRO-3 partitions on 2 x 4: logits within 1e-4 of transformers'
+  `Gemma4ForCausalLM` (float32) on sequences longer than the window, the loss equal to its
+  `labels=` loss (rtol 1e-5);
+- a packed row (two sequences and padding) equals its sequences run alone (1e-5);
+- ZeRO-3 on 2 x 4 with packed rows trains 3 steps as the unsharded model does on one device;
+- where the global layer keeps the sliding layers' shape (the KV cache's one layer shape), the
+  Hybrid Engine's greedy tokens equal transformers' `generate`; otherwise `init_cache` refuses;
+- the export reloads in transformers with equal logits, a `text_config`-nested config reads
+  as the flat one, and every config.json option not built is refused by its key.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zeroxla
+from family_checkpoints import (assert_export_reloads_in_transformers,
+                                assert_packed_row_equals_its_sequences_alone,
+                                assert_zero3_logits_and_loss_equal_transformers, packed_loss,
+                                packed_row, save_random)
+from zeroxla.models import hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+VOCAB = 67
+ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "proportional", "rope_theta": 5000.0,
+                           "partial_rotary_factor": 0.5}}
+TEXT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+            num_global_key_value_heads=1, attention_k_eq_v=True, max_position_embeddings=64,
+            rms_norm_eps=1e-5, sliding_window=4, final_logit_softcapping=3.0,
+            hidden_size_per_layer_input=0, rope_parameters=ROPE,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+MOE = dict(TEXT, attention_k_eq_v=False, enable_moe_block=True, num_experts=4, top_k_experts=2,
+           moe_intermediate_size=24)
+CASES = {"dense": TEXT, "moe": MOE}
+
+
+def _save(keys, directory, seed):
+    """A `Gemma4ForCausalLM` checkpoint of `keys`: every parameter perturbed
+    (`save_random`), every layer's `layer_scalar` buffer drawn from [0.5, 1.5)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma4TextConfig(**keys))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(torch.rand_like(buffer) + 0.5)
+    return save_random(model, directory)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {name: _save(keys, tmp_path_factory.mktemp(f"gemma4_{name}"), seed)
+            for seed, (name, keys) in enumerate(CASES.items())}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoints, case):
+    assert_zero3_logits_and_loss_equal_transformers(checkpoints[case], "gemma4", 2, VOCAB, ATOL)
+
+
+def test_the_checkpoints_have_what_the_test_means(checkpoints):
+    """The global layer's own head dim and key-value heads, k = v, partial RoPE and the MoE
+    block reach our configs (so the logits above hold them to transformers')."""
+    dense = hf.from_hf_config(hf.read_hf_config(checkpoints["dense"]))
+    assert (dense.head_dim, dense.global_head_dim, dense.global_kv_heads) == (16, 32, 1)
+    assert dense.attention_k_eq_v and dense.rope_partial == 0.5 and dense.num_experts == 0
+    moe = hf.from_hf_config(hf.read_hf_config(checkpoints["moe"]))
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_mlp_dim) == (4, 2, 24)
+    assert not moe.attention_k_eq_v and moe.global_kv_heads == 2
+
+
+def test_a_packed_row_equals_its_sequences_run_alone(checkpoints):
+    _, model = hf.load_hf_model(checkpoints["dense"])
+    assert_packed_row_equals_its_sequences_alone(model, VOCAB, padding=4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_reloads_in_transformers_with_equal_logits(checkpoints, case, tmp_path):
+    assert_export_reloads_in_transformers(checkpoints[case], tmp_path, "gemma4_text",
+                                          "Gemma4ForCausalLM", VOCAB, ATOL)
+
+
+def _packed_batches():
+    """3 x 8 packed rows [8, 16] with their positions, segment ids and loss mask (float64)."""
+    rows = [packed_row(VOCAB, 4, seed) for seed in range(0, 16, 2)]
+    seq = np.concatenate([r[0] for r in rows])
+    seg = np.concatenate([r[2] for r in rows])
+    batch = {"inputs": seq[:, :-1], "targets": seq[:, 1:],
+             "positions": np.concatenate([r[1] for r in rows])[:, :-1],
+             "segment_ids": seg[:, :-1],
+             # a token's target is the next token of its own sequence
+             "loss_mask": ((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] != 0)).astype(np.float64)}
+    return [batch] * 3
+
+
+@pytest.mark.parametrize("case", [pytest.param("dense", marks=pytest.mark.slow),
+                                  pytest.param("moe", marks=pytest.mark.slow)])
+def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoints, case):
+    """3 steps of SGD with momentum on packed rows, ZeRO-3 on 2 x 4 with every leaf
+    partitioned, against single-device optax on the same model
+    (`reference.train_single_device`): losses rtol 1e-5, every leaf rtol 1e-4 + atol 1e-6, in
+    float64 (tests/models/test_gemma3.py)."""
+    import jax.numpy as jnp
+    from reference import flat_params, train_single_device
+    from runs import run_steps
+
+    optimizer = optax.sgd(0.01, momentum=0.9)
+    with jax.enable_x64(True):
+        def build():
+            return hf.load_hf_model(checkpoints[case], dtype=jnp.float64)[1]
+        want, expected = train_single_device(build(), optimizer, _packed_batches(),
+                                             loss_fn=packed_loss)
+        step = zeroxla.make_step(build(), zeroxla.make_mesh(2, 4), optimizer=optimizer,
+                                 config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
+                                                           compute_dtype="float64"))
+        state, losses = run_steps(step, step.init(), _packed_batches())
+        got = flat_params(zeroxla.gather_params(state))
+    assert want[2] < want[1] < want[0]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def test_a_config_nested_under_text_config_reads_as_the_flat_one(checkpoints):
+    """`Gemma4ForConditionalGeneration`'s config.json nests the text model under
+    text_config; transformers' older spelling of the global layer's shape
+    (`global_head_dim`, `num_global_key_value_heads`) reads as `per_layer_config` does."""
+    flat = hf.read_hf_config(checkpoints["dense"])
+    want = hf.from_hf_config(flat)
+    assert hf.from_hf_config({"model_type": "gemma4", "text_config": flat}) == want
+    older = {k: v for k, v in flat.items() if k != "per_layer_config"}
+    older.update(global_head_dim=32, num_global_key_value_heads=1)
+    assert hf.from_hf_config(older) == want
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input=256"),
+    ({"num_kv_shared_layers": 2}, "num_kv_shared_layers=2"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+    ({"layer_types": ["full_attention"] + ["sliding_attention"] * 4 + ["full_attention"]},
+     "layer_types"),
+    ({"num_hidden_layers": 5, "layer_types": None, "per_layer_config": None},
+     "layer_types"),
+    ({"per_layer_config": {"2": {"head_dim": 32}, "5": {"head_dim": 64}}}, "per_layer_config"),
+    ({"per_layer_config": {"2": {"head_dim": 32, "sliding_window": 8},
+                           "5": {"head_dim": 32, "sliding_window": 8}}}, "per_layer_config"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"rope_parameters": {**ROPE, "full_attention": {"rope_type": "yarn", "factor": 4.0}}},
+     "rope_parameters.full_attention.rope_type='yarn'"),
+    ({"rope_parameters": {**ROPE, "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention.rope_type='linear'"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": None},
+     "top_k_experts=None"),
+])
+def test_options_not_built_are_refused_by_key(checkpoints, change, match):
+    source = hf.read_hf_config(checkpoints["dense"])
+    edited = {k: v for k, v in {**source, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        hf.from_hf_config(edited)
+    with pytest.raises(ValueError, match=match):
+        hf.from_hf_config({"model_type": "gemma4", "text_config": edited})
+
+
+def test_a_kv_cache_needs_one_layer_shape(checkpoints):
+    """The global layer's head dim 32 differs from the sliding layers' 16: `init_cache`
+    refuses by field name rather than build a cache one layer cannot use."""
+    _, model = hf.load_hf_model(checkpoints["dense"])
+    with pytest.raises(ValueError, match="global_head_dim=32"):
+        model.init_cache(1, 16)
+
+
+@pytest.mark.parametrize("batching", [pytest.param("static", marks=pytest.mark.slow),
+                                      "continuous"])
+def test_hybrid_engine_greedy_equals_transformers_generate(tmp_path, batching):
+    """A checkpoint whose global layer keeps the sliding layers' head dim and key-value heads
+    (the KV cache's one layer shape; keys equal to values, proportional RoPE, the MoE block):
+    from ZeRO-3 partitions on 2 x 4 the Hybrid Engine's greedy tokens (tp 1, pages of 4 slots)
+    equal transformers' `generate(do_sample=False)`, 7-token prompts and 12 new tokens, past
+    the sliding window of 4."""
+    from family_checkpoints import token_ids, torch_causal_lm
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    keys = dict(MOE, global_head_dim=16, num_global_key_value_heads=2, attention_k_eq_v=True)
+    checkpoint = _save(keys, tmp_path, seed=5)
+    step, state = zeroxla.load_pretrained(
+        checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    prompts = [token_ids(VOCAB, (7,), seed=3), token_ids(VOCAB, (7,), seed=4)]
+    reference = torch_causal_lm(checkpoint)
+    engine = HybridEngine(step.layout, HybridEngineConfig(
+        inference_tp_size=1, batching=batching, kv_block_size=4, max_out_tokens=32))
+    for prompt, out in zip(prompts, engine.generate(state, prompts, max_new_tokens=12)):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor(prompt[None], dtype=torch.long),
+                                      max_new_tokens=12, do_sample=False,
+                                      attention_mask=torch.ones((1, prompt.size)),
+                                      pad_token_id=0)[0].numpy()
+        np.testing.assert_array_equal(np.asarray(out), want)
