@@ -9,6 +9,7 @@ import shutil
 
 import ci_legs  # tests/support, on sys.path through pyproject's `pythonpath`
 import file_order
+import fusion_children
 import gc_policy
 import program_release
 import tiers
@@ -28,9 +29,6 @@ _CODEGEN = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
 os.environ["XLA_FLAGS"] = f"{_CODEGEN} {xla_flags.DEVICE_COUNT_FLAG}=8".strip()
 # Set before pytest-xdist starts its workers, so they and every process a test starts share it.
 _CREATED_CACHE = xla_flags.use_compilation_cache(os.environ)
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402  (must come after the flag)
 import pytest  # noqa: E402
@@ -89,6 +87,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):    # pytest-xdist's by-test-count order:
         config.option.loadscopereorder = False        # file_order.py's replaces it
+    if os.environ.get(fusion_children.OUTCOMES_ENV):  # a `fusion_emitters` child: its record
+        config.pluginmanager.register(
+            fusion_children.Recorder(os.environ[fusion_children.OUTCOMES_ENV]))
     config.addinivalue_line(
         "markers", f"{tiers.MARKER}: a unit test, which builds no program of the library and runs "
         "in seconds (tests/support/tiers.py); every other test is an integration run")
@@ -103,19 +104,18 @@ def pytest_configure(config):
 
 
 def pytest_pyfunc_call(pyfuncitem):
-    """A `fusion_emitters` test runs in a child pytest (this test only, XLA:CPU's fusion
-    emitters, the run's compilation cache) and passes or fails with it."""
+    """A `fusion_emitters` test passes, fails or skips as it did in its file's child pytest
+    (XLA:CPU's fusion emitters, the run's compilation cache; one child per file:
+    tests/support/fusion_children.py)."""
     if (_FUSION_EMITTERS or not xla_flags.HAS_OLDER_EMITTERS
-            or not pyfuncitem.get_closest_marker("fusion_emitters")):
+            or not pyfuncitem.get_closest_marker(fusion_children.MARKER)):
         return None
     env = xla_flags.child_environ()       # the child's conftest drops OLDER_EMITTERS_FLAG
     env[xla_flags.FUSION_EMITTERS_ENV] = "1"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-         "--rootdir", str(pyfuncitem.config.rootpath), pyfuncitem.nodeid],
-        cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=1200)
-    if result.returncode != 0:
-        pytest.fail(f"with XLA:CPU's fusion emitters (child pytest, exit "
-                    f"{result.returncode}):\n{result.stdout[-6000:]}{result.stderr[-2000:]}",
+    result = fusion_children.outcome_of(pyfuncitem, env)
+    if result.outcome == "skipped":
+        pytest.skip(f"with XLA:CPU's fusion emitters (child pytest): {result.text}")
+    if result.outcome != "passed":
+        pytest.fail(f"with XLA:CPU's fusion emitters (child pytest):\n{result.text}",
                     pytrace=False)
     return True

@@ -208,10 +208,13 @@ def test_sample_text_decodes(tiny_model):
 # ---- the command end to end ----------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_train_command_end_to_end(tmp_path):
+def test_train_command_end_to_end(tmp_path, capsys):
+    """The command in a new process (it sets its own device count, prints and writes the run
+    directory); the resume, a job reading that directory, as `cli.main` in this process. Each
+    closing sample (20 tokens after a short prompt) fills more than one 16-slot KV page."""
     out = tmp_path / "run"
     result = run_command(["train", "--steps", "20", "--batch-size", "16", "--seq-len", "64",
-                          "--eval-every", "10", "--eval-batches", "2", "--sample-tokens", "60",
+                          "--eval-every", "10", "--eval-batches", "2", "--sample-tokens", "20",
                           "--out", str(out)], tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     stdout = result.stdout
@@ -233,30 +236,34 @@ def test_train_command_end_to_end(tmp_path):
     assert (out / "checkpoint" / "20").is_dir()
 
     # --resume continues the run, here on another mesh and ZeRO stage (4 devices, stage 1).
-    result = run_command(["train", "--steps", "26", "--batch-size", "16", "--seq-len", "64",
-                          "--eval-every", "10", "--eval-batches", "2", "--sample-tokens", "20",
-                          "--mesh", "1x4", "--zero-stage", "1", "--out", str(out),
-                          "--resume", str(out / "checkpoint")], tmp_path, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout and "after step 20" in result.stdout
+    status = cli.main(["train", "--steps", "26", "--batch-size", "16", "--seq-len", "64",
+                       "--eval-every", "10", "--eval-batches", "2", "--sample-tokens", "20",
+                       "--mesh", "1x4", "--zero-stage", "1", "--out", str(out),
+                       "--resume", str(out / "checkpoint")])
+    resumed = capsys.readouterr()
+    assert status == 0, resumed.err[-3000:]
+    assert "resumed from" in resumed.out and "after step 20" in resumed.out
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 27))
     assert (out / "checkpoint" / "26").is_dir()
 
 
 @pytest.mark.slow
-def test_train_command_with_a_deepspeed_fp16_config_on_a_byte_corpus(tmp_path):
+def test_train_command_with_a_deepspeed_fp16_config_on_a_byte_corpus(tmp_path, capsys):
+    """What the job makes of a DeepSpeed config: `cli.main` in this process (the process
+    contract is test_train_command_end_to_end's)."""
     data = tmp_path / "poem.txt"
     data.write_text("Über allen Gipfeln ist Ruh, in allen Wipfeln spürest du kaum einen Hauch.\n"
                     * 60, encoding="utf-8")
     out = tmp_path / "run"
-    result = run_command(["train", "--config", os.path.join(EXAMPLES, "ds_fp16.json"),
-                          "--data", str(data), "--tokenizer", "byte", "--steps", "6",
-                          "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1",
-                          "--sample-tokens", "20", "--out", str(out)], tmp_path, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ZeRO-2" in result.stdout and "validation loss" in result.stdout
-    assert "warning: DeepSpeed key 'steps_per_print' is ignored" in result.stdout
+    status = cli.main(["train", "--config", os.path.join(EXAMPLES, "ds_fp16.json"),
+                       "--data", str(data), "--tokenizer", "byte", "--steps", "6",
+                       "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1",
+                       "--sample-tokens", "20", "--out", str(out)])
+    result = capsys.readouterr()
+    assert status == 0, result.err[-3000:]
+    assert "ZeRO-2" in result.out and "validation loss" in result.out
+    assert "warning: DeepSpeed key 'steps_per_print' is ignored" in result.out
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "loss_scale" in records[0]                      # fp16: dynamic loss scaling
     # DeepSpeed's WarmupLR: the first update runs with warmup_min_lr = 0

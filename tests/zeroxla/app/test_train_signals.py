@@ -1,9 +1,13 @@
-"""How a `zeroxla train` run ends when it is stopped or diverges, each as a subprocess whose exit
-status is checked: a SIGINT (Ctrl-C) or SIGTERM (SLURM, Kubernetes) at any moment of a run
-keeps a complete checkpoint of the last finished step and exits 130 / 143; a second signal
-stops at once; a diverging run exits 1 with a one-line error naming the step and keeps its last
-finite state; two jobs on one --out never mix. The signal lands at a chosen moment through
-`signal_driver.py`, or from outside, as a user's would."""
+"""How a `zeroxla train` run ends when it is stopped or diverges: a SIGINT (Ctrl-C) or SIGTERM
+(SLURM, Kubernetes) at any moment of a run keeps a complete checkpoint of the last finished step
+and exits 130 / 143; a second signal stops at once; a diverging run exits 1 with a one-line error
+naming the step and keeps its last finite state; two jobs on one --out never mix; a resumed run
+tokenizes with its own vocabulary. A signal or a second job is a process contract, so those runs
+are subprocesses whose exit status is checked, the signal landing at a chosen moment through
+`signal_driver.py` or from outside, as a user's would. What a run does with its own state
+(divergence, resume) runs `cli.main(argv)` in this process: the status it returns is the exit
+status, its stdout and stderr what a terminal shows (`zeroxla/__main__.py` is
+`sys.exit(main())`)."""
 
 import json
 import os
@@ -22,9 +26,10 @@ from commands import zeroxla_command
 from flax import nnx
 
 from zeroxla import checkpoint
+from zeroxla.app import cli
 from zeroxla.app.run import rundir
 
-pytestmark = pytest.mark.slow        # each compiles and runs a job in a new process
+pytestmark = pytest.mark.slow        # each compiles and runs a job
 
 DRIVER = Path(__file__).with_name("signal_driver.py")
 TINY = ["--batch-size", "8", "--seq-len", "16", "--eval-batches", "1", "--sample-tokens", "4",
@@ -83,7 +88,7 @@ def _start(args, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_sigterm_from_outside_saves_and_exits_143_then_resume_continues(tmp_path):
+def test_sigterm_from_outside_saves_and_exits_143_then_resume_continues(tmp_path, capsys):
     """As SLURM sends it: an external SIGTERM while the job trains."""
     out = tmp_path / "run"
     proc = _start(["train", "--steps", "100000", "--out", str(out), *TINY], tmp_path)
@@ -96,26 +101,21 @@ def test_sigterm_from_outside_saves_and_exits_143_then_resume_continues(tmp_path
     assert proc.returncode == 143, err[-3000:]
     done = _train_steps(out)[-1]
     assert _complete(out) == [done] and "interrupted (SIGTERM)" in err
-    resumed = subprocess.run(zeroxla_command("train", "--resume", str(out), "--steps",
-                                             str(done + 1)),
-                             env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    status = cli.main(["train", "--resume", str(out), "--steps", str(done + 1)])
+    assert status == 0, capsys.readouterr().err[-3000:]
     assert _complete(out)[-1] == done + 1
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_a_diverging_run_exits_1_naming_the_step_and_keeps_the_last_finite_state(tmp_path,
-                                                                                 dtype):
+def test_a_diverging_run_exits_1_naming_the_step_and_keeps_the_last_finite_state(
+        tmp_path, dtype, capsys):
     out = tmp_path / "run"
-    result = subprocess.run(zeroxla_command("train", "--lr", "1e30", "--warmup-steps", "0",
-                                            "--steps", "20", "--dtype", dtype, "--out",
-                                            str(out), *TINY),
-                            env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("zeroxla train:")]
+    status = cli.main(["train", "--lr", "1e30", "--warmup-steps", "0", "--steps", "20",
+                       "--dtype", dtype, "--out", str(out), *TINY])
+    stderr = capsys.readouterr().err
+    assert status == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("zeroxla train:")]
     assert len(errors) == 1 and "(not finite), so training stopped" in errors[0]
     step = int(errors[0].split("error: step ")[1].split(":")[0])
     assert _train_steps(out) == list(range(1, step))     # the diverged step is not logged
@@ -144,36 +144,30 @@ def test_two_jobs_on_one_out_never_mix(tmp_path):
     assert _complete(out) == [4, 8, 12]
 
 
-def test_resume_tokenizes_with_the_runs_own_vocabulary(tmp_path):
+def test_resume_tokenizes_with_the_runs_own_vocabulary(tmp_path, capsys):
     letters = tmp_path / "letters.txt"
     letters.write_text("abcdefgh " * 400)
     out = tmp_path / "run"
-    first = subprocess.run(zeroxla_command("train", "--data", str(letters), "--steps", "2",
-                                           "--out", str(out), *TINY),
-                           env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = cli.main(["train", "--data", str(letters), "--steps", "2", "--out", str(out), *TINY])
+    assert first == 0, capsys.readouterr().err[-3000:]
     recorded = checkpoint.read_metadata(out / "checkpoint")["metadata"]["tokenizer"]
     assert recorded == {"kind": "char", "chars": " abcdefgh"}
 
     other = tmp_path / "other.txt"                      # as many characters, other ones
     other.write_text("stuvwxyz " * 400)
-    refused = subprocess.run(zeroxla_command("train", "--resume", str(out), "--data", str(other),
-                                             "--steps", "4"),
-                             env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)
-    assert refused.returncode == 2
+    capsys.readouterr()
+    refused = cli.main(["train", "--resume", str(out), "--data", str(other), "--steps", "4"])
+    assert refused == 2
     assert (f"--data {other} has 8 character(s) the resumed run's tokenizer does not know: "
-            "'s', 't', 'u', 'v', 'w', 'x', 'y', 'z'") in refused.stderr
+            "'s', 't', 'u', 'v', 'w', 'x', 'y', 'z'") in capsys.readouterr().err
     assert _complete(out) == [2]
 
     fewer = tmp_path / "fewer.txt"                       # a subset: fewer characters, same ids
     fewer.write_text("hgfe " * 400)
-    resumed = subprocess.run(zeroxla_command("train", "--resume", str(out), "--data", str(fewer),
-                                             "--steps", "4"),
-                             env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "vocab 9" in resumed.stdout                   # the run's 9 characters, not 5
+    resumed = cli.main(["train", "--resume", str(out), "--data", str(fewer), "--steps", "4"])
+    output = capsys.readouterr()
+    assert resumed == 0, output.err[-3000:]
+    assert "vocab 9" in output.out                       # the run's 9 characters, not 5
     meta = checkpoint.read_metadata(out / "checkpoint")["metadata"]
     assert meta["run_record"]["done"] == 4 and meta["tokenizer"] == recorded
     assert json.loads((out / rundir.SUMMARY_FILE).read_text())["steps"] == 4
