@@ -100,7 +100,7 @@ class AnswerForward:
             raise ValueError(f"AnswerForward(kind={self.kind!r}, packed={self.packed}) under "
                              "routing replay: the replayed forward is the packed log-probs' "
                              "(an MoE actor's); accepted: kind='logprobs', packed=True "
-                             "(GRPOConfig.packing=True)")
+                             "(GRPOConfig.packing=True, PPOConfig.packing=True)")
         tokens, mask = np.asarray(tokens), np.asarray(mask)
         rows = {"tokens": tokens, "action_mask": mask, "routing": np.asarray(routing, np.int32)}
         if prompt_lengths is not None:
@@ -119,6 +119,20 @@ class AnswerForward:
         compared = int(recorded.sum()) * packed["replay"].shape[2]
         logprobs = unpack_answers(np.asarray(values), packed["answer_index"], mask.shape) * mask
         return logprobs, int(np.asarray(mismatches).sum()), compared
+
+    def routed(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
+               routing: np.ndarray | None, prompt_lengths: np.ndarray | None = None,
+               follow_record: bool = True) -> tuple[np.ndarray, tuple[int, int]]:
+        """(the answer log-probs [B, G], (the (token, layer) pairs whose live choice is not the
+        record, the pairs compared)) of a rollout with or without its routing record: `routing`
+        None reads `__call__`'s and (0, 0), else `replayed`'s (`follow_record`: the record
+        replayed, else only compared). What GRPO and PPO read their actor's and reference's
+        log-probs with under `routing_replay`."""
+        if routing is None:
+            return self(state, tokens, mask, prompt_lengths), (0, 0)
+        logprobs, differ, compared = self.replayed(state, tokens, mask, routing, prompt_lengths,
+                                                   follow_record)
+        return logprobs, (differ, compared)
 
     def _padded(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
                 prompt_lengths: np.ndarray) -> np.ndarray:

@@ -66,7 +66,8 @@ from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
 from zeroxla.inference.checks import check_routing
-from zeroxla.rlhf.rollout import generation_stats, pad_answers, pad_logprobs, pad_routing
+from zeroxla.rlhf.rollout import (generation_stats, pad_answers, pad_logprobs, pad_routing,
+                                  routing_metrics)
 from zeroxla.rlhf.rollout_correction import corrected_batch, logprob_gap
 
 
@@ -249,12 +250,9 @@ class GRPOTrainer:
         """`logprobs`, the rollout's `routing` record [B, P + T, L, k] replayed when
         `routing_replay` is "on" (None: `logprobs`), and the (token, layer) pairs whose live
         routing is not the record, and those compared ((0, 0) without a record)."""
-        if routing is None:
-            return self.logprobs(tokens, prompt_lengths, mask, reference), (0, 0)
-        logprobs, *mismatch = self.answers.replayed(
-            self.reference_state if reference else self.actor_state, tokens, mask, routing,
-            prompt_lengths, follow_record=self.config.routing_replay == "on")
-        return logprobs, tuple(mismatch)
+        return self.answers.routed(self.reference_state if reference else self.actor_state,
+                                   tokens, mask, routing, prompt_lengths,
+                                   follow_record=self.config.routing_replay == "on")
 
     # ---- training --------------------------------------------------------------------------
     def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
@@ -334,9 +332,7 @@ def iteration_record(iteration: int, rollout: GRPORollout, train: dict[str, floa
               "kl": rollout.kl(), **train,
               "completion_length": float(np.mean(rollout.action_mask.sum(1))), **times}
     if rollout.routing is not None:          # `GRPOConfig.routing_replay`
-        differ, compared = rollout.routing_mismatch
-        record.update({"routing/mismatch": differ,
-                       "routing/mismatch_fraction": differ / max(compared, 1)})
+        record.update(routing_metrics(rollout.routing_mismatch))
     if rollout.rollout_logprobs is not None:
         record.update({f"gap/{k}": float(v) for k, v in logprob_gap(
             rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask).items()})

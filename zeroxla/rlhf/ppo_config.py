@@ -16,6 +16,11 @@ of the behaviour policy are the actor's (no temperature enters the PPO ratio). `
 verl's rollout correction of the train/rollout log-prob gap, as GRPO's
 (`zeroxla.rlhf.rollout_correction.RolloutCorrection`): importance weights on the policy term,
 rejected tokens out of the loss and its count, or the rollout's log-probs as pi_old (bypass).
+`routing_replay` is GRPO's routing replay (R3, `GRPOConfig.routing_replay`) for an MoE actor:
+"measure" records the experts each layer chose for every token of the rollout (the static
+decode) and logs `routing/mismatch`, the (token, layer) pairs the actor's forward routes
+otherwise; "on" also replays the record in the actor's old, the reference's and the trained
+log-probs; "off" (the default) records nothing. Needs `packing`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zeroxla.rlhf.grpo_config import ROUTING_REPLAY
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
@@ -67,6 +73,8 @@ class PPOConfig:
     ppo_max_token_len_per_gpu: int | None = None
     # verl's rollout correction (the module docstring); the default corrects nothing.
     rollout_corr: RolloutCorrection = RolloutCorrection()
+    # routing replay (R3) of an MoE actor: "off" | "measure" | "on" (the module docstring).
+    routing_replay: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value"):
@@ -93,6 +101,10 @@ class PPOConfig:
             self.rollout_corr, RolloutCorrection) and not self.rollout_corr.kl_weighted,
             "a RolloutCorrection with kl_weighted=False (PPO's KL is in the rewards, not a "
             "term of the loss to weight)")
+        _check("routing_replay", self.routing_replay, self.routing_replay in ROUTING_REPLAY and (
+            self.packing or self.routing_replay == "off"),
+            " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
+            "forward is the packed one)")
 
     @classmethod
     def vowels_demo(cls) -> "PPOConfig":

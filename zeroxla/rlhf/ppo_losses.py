@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroxla.rlhf.answer_values import (answer_logprobs, answer_values, packed_logprobs,
-                                        packed_values)
+                                        packed_replayed_logprobs, packed_values)
 
 
 def actor_loss_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -61,6 +61,15 @@ def _padded_under_sequence(sequence: Any) -> None:
                          "mesh without a sequence axis")
 
 
+def _packed_logprobs(model, batch, vocab_limit, sequence, experts) -> jax.Array:
+    """The packed batch's log-probs [R, S]; with "replay" int32 [R, S, L, k] (routing replay,
+    `packed_rollout`) every recorded token sent to its recorded experts, weighed by the live
+    router (`packed_replayed_logprobs`)."""
+    if "replay" in batch:
+        return packed_replayed_logprobs(model, batch, vocab_limit, sequence, experts)[0]
+    return packed_logprobs(model, batch, vocab_limit, sequence, experts)
+
+
 # ---- make_step loss_fns -------------------------------------------------------------------------
 def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     """`loss_fn(actor, batch) -> (sum, count)` with batch {"tokens": int32[B, P+G],
@@ -70,15 +79,16 @@ def make_actor_loss(cliprange: float, vocab_limit: int | None = None):
     `pg_losses * rollout_is_weights`) and "loss_mask" [B, G], the kept tokens, is what the
     loss sums and counts over (default "action_mask"). A packed batch (`packed_rollout`: the
     kept tokens are its "loss_weight", their number its "loss_count") runs under sequence
-    parallelism too (every term per token; the step passes `sequence`)."""
+    parallelism too (every term per token; the step passes `sequence`), and under routing
+    replay (`PPOConfig.routing_replay="on"`) with its "replay" record of each slot's experts."""
     def weighted(terms, batch):
         return terms * batch["is_weights"] if "is_weights" in batch else terms
 
     def actor_loss(model, batch, *, sequence=None, experts=None):
         mask = batch["action_mask"]
         if "segment_ids" in batch:         # packed (`packed_rollout`): the same token mean
-            logprobs = jnp.where(mask > 0, packed_logprobs(model, batch, vocab_limit, sequence,
-                                                           experts),
+            logprobs = jnp.where(mask > 0, _packed_logprobs(model, batch, vocab_limit,
+                                                            sequence, experts),
                                  batch["old_logprobs"])                   # [R, S]
             terms = weighted(actor_loss_terms(logprobs, batch["old_logprobs"],
                                               batch["advantages"], mask, cliprange=cliprange),

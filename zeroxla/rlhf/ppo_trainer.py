@@ -15,6 +15,12 @@ One iteration (`PPOTrainer.generate_experience`, then `train_rlhf`):
    for the train/rollout log-prob gap (`rollout_correction.corrected_batch`, as GRPO's: the
    engine's drawn log-probs are the rollout's `rollout_logprobs`), its metrics in the record.
 
+With `PPOConfig.routing_replay` (an MoE actor, routing replay as GRPO's) the engine decodes
+statically and records the experts each layer chose per token (`rollout.routing`); the actor's
+log-probs of 3. count the (token, layer) pairs whose live routing is not the record
+(`routing/mismatch` in the record) and under "on" replay it, as do the reference's and the
+actor step's (its packed batch's "replay"). The critic routes live.
+
 The rollout's forwards (3.) run in each step's own layout (`answer_forward`: ZeRO-3's
 per-layer gathers, rows over the data replicas, tokens over the sequence devices), as
 DeepSpeed-Chat runs them through its ZeRO-3 engines' forward; the reference is a frozen copy of
@@ -48,7 +54,9 @@ from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
 from zeroxla.rlhf.reward import RewardFn, make_scorer
 from zeroxla.rlhf.reward_model import RewardModel
 from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles
-from zeroxla.rlhf.rollout import Rollout, generation_stats, pad_answers, pad_logprobs
+from zeroxla.inference.checks import check_routing
+from zeroxla.rlhf.rollout import (Rollout, generation_stats, pad_answers, pad_logprobs,
+                                  pad_routing, routing_metrics)
 from zeroxla.rlhf.rollout_correction import corrected_batch
 
 
@@ -134,12 +142,16 @@ class PPOTrainer:
                             hybrid_engine=zeroxla.HybridEngineConfig(
                                 inference_tp_size=inference_tp_size, max_out_tokens=seq_len,
                                 # without EOS every answer has answer_length tokens: no row
-                                # ends early to refill, the padded batch's loop is as full
-                                batching="auto" if eos_id is not None else "static",
+                                # ends early to refill, the padded batch's loop is as full;
+                                # the static decode records the routing
+                                batching="auto" if eos_id is not None
+                                and config.routing_replay == "off" else "static",
                                 **rollout_batching(config.prompts_per_iteration, 1,
                                                    mesh.devices.size // inference_tp_size,
                                                    config.prompt_length)))
         self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
+        if config.routing_replay != "off":        # an MoE actor: refused by name otherwise
+            check_routing(roles.step.layout.model_def, self.engine.batching)
         critic, critic_trainable = adapted(
             Critic(nnx.clone(actor)) if critic_init is None
             else critic_from_reward_model(critic_init), lora, seed + 1)
@@ -176,30 +188,36 @@ class PPOTrainer:
         return [self.prompt_tokens[s:s + c.prompt_length] for s in starts]
 
     def generate_sequence(self, prompts: list[np.ndarray], iteration: int
-                          ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                          ) -> tuple[list[np.ndarray], ...]:
         """The Hybrid Engine's samples (temperature 1: the actor's own distribution), over the
         ids the tokenizer decodes (`vocab_limit`: a padded vocabulary's rows are never drawn),
-        and the log-probs [new] it drew each answer's tokens with."""
-        outputs, drawn = self.engine.generate(self.actor_state, prompts,
-                                              max_new_tokens=self.config.answer_length,
-                                              temperature=1.0, eos_id=self.eos_id,
-                                              seed=self.seed * 100_003 + iteration,
-                                              vocab_limit=self.vocab_limit, return_logprobs=True)
+        the log-probs [new] it drew each answer's tokens with, and with `routing_replay` each
+        output's routing record [len(output), L, k]."""
+        results = self.engine.generate(self.actor_state, prompts,
+                                       max_new_tokens=self.config.answer_length,
+                                       temperature=1.0, eos_id=self.eos_id,
+                                       seed=self.seed * 100_003 + iteration,
+                                       vocab_limit=self.vocab_limit, return_logprobs=True,
+                                       return_routing=self.config.routing_replay != "off")
         self.engine.release()          # the next optimizer step makes the TP copy stale anyway
-        return outputs, drawn
+        return results
 
     def generate_experience(self, iteration: int) -> tuple[Rollout, float, float]:
         """One rollout; returns it with the seconds spent generating and scoring it."""
         c = self.config
         start = time.perf_counter()
         prompts = self.sample_prompts(iteration)
-        outputs, drawn = self.generate_sequence(prompts, iteration)
+        outputs, drawn, *records = self.generate_sequence(prompts, iteration)
         generation_s = time.perf_counter() - start
 
         start = time.perf_counter()
         tokens, mask = pad_answers(outputs, c.prompt_length, c.answer_length)
-        logprobs = self.answers(self.actor_state, tokens, mask)          # [B, G], each
-        ref_logprobs = self.answers(self.reference_state, tokens, mask)
+        routing = pad_routing(records[0], tokens.shape[1]) if records else None
+        follow = c.routing_replay == "on"       # else the record is only compared
+        logprobs, mismatch = self.answers.routed(self.actor_state, tokens, mask, routing,
+                                                 follow_record=follow)   # [B, G], each
+        ref_logprobs, _ = self.answers.routed(self.reference_state, tokens, mask, routing,
+                                              follow_record=follow)
         values = self.values(self.critic_state, tokens, mask)
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))
@@ -212,7 +230,8 @@ class PPOTrainer:
             advantages=advantages, returns=returns).items()}
         rollout = Rollout(prompt_length=c.prompt_length, tokens=tokens, action_mask=mask,
                           texts=texts, scores=scores, rollout_logprobs=pad_logprobs(drawn, mask),
-                          **host)
+                          routing=routing, routing_mismatch=None if routing is None
+                          else np.asarray(mismatch, np.int64), **host)
         return rollout, generation_s, time.perf_counter() - start
 
     # ---- training --------------------------------------------------------------------------
@@ -235,7 +254,9 @@ class PPOTrainer:
         it. Returns its record (the iteration, the rollout's mean `reward` (score) and `kl`, the
         `actor_loss` and `critic_loss` of the training, the seconds spent in `generation_s`
         (Hybrid Engine), `experience_s` (forwards, rewards, GAE) and `training_s` (ZeRO-3
-        steps), with an active `rollout_corr` its `rollout_corr/*` metrics) and the rollout."""
+        steps), with an active `rollout_corr` its `rollout_corr/*` metrics, with
+        `routing_replay` the rollout's `routing/mismatch` and `routing/mismatch_fraction`
+        (`rollout.routing_metrics`)) and the rollout."""
         rollout, generation_s, experience_s = self.generate_experience(it)
         start = time.perf_counter()
         actor_loss, critic_loss = self.train_rlhf(rollout)
@@ -245,14 +266,20 @@ class PPOTrainer:
                       generation_s=generation_s, experience_s=experience_s,
                       training_s=time.perf_counter() - start, **generation_stats(self.engine),
                       **self.actor_batch(rollout)[1])
+        if rollout.routing_mismatch is not None:       # `PPOConfig.routing_replay`
+            record.update(routing_metrics(rollout.routing_mismatch))
         return record, rollout
 
     def actor_batch(self, rollout: Rollout) -> tuple[dict[str, Any], dict[str, float]]:
         """The actor step's batch of `rollout`, padded, and with `config.rollout_corr` active
         corrected (`corrected_batch`: "is_weights", "loss_mask", or under bypass the rollout's
-        log-probs as "old_logprobs") with its `rollout_corr/*` metrics; else no metric."""
+        log-probs as "old_logprobs") with its `rollout_corr/*` metrics; else no metric. Under
+        `routing_replay="on"` the batch carries the rollout's "routing" record (packed as the
+        actor loss's "replay")."""
         batch = {"tokens": rollout.tokens, "old_logprobs": rollout.logprobs,
                  "advantages": rollout.advantages, "action_mask": rollout.action_mask}
+        if self.config.routing_replay == "on":
+            batch["routing"] = rollout.routing
         if not self.config.rollout_corr.active:
             return batch, {}
         if rollout.rollout_logprobs is None:

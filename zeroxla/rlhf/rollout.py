@@ -33,6 +33,10 @@ class Rollout:
     advantages: np.ndarray               # float32[B, G], GAE
     returns: np.ndarray                  # float32[B, G], advantages + values
     rollout_logprobs: np.ndarray | None = None   # float32[B, G], as the engine drew them
+    # routing replay (`PPOConfig.routing_replay`): the experts each MoE layer chose per token
+    routing: np.ndarray | None = None            # int32[B, P + G, L, k], -1: none recorded
+    routing_mismatch: np.ndarray | None = None   # int64[2]: (token, layer) pairs differing,
+    #                                              pairs compared (`rollout.routing_metrics`)
 
     @property
     def answer_length(self) -> int:
@@ -79,6 +83,14 @@ def pad_routing(records: Sequence[np.ndarray], width: int) -> np.ndarray:
     for b, record in enumerate(records):
         out[b, :min(len(record), width)] = record[:width]
     return out
+
+
+def routing_metrics(mismatch: Sequence[int]) -> dict[str, float]:
+    """An iteration's record of routing replay's (pairs differing, pairs compared)
+    (`AnswerForward.routed`): `routing/mismatch`, the (token, layer) pairs whose live routing
+    in the training forward is not the rollout's record, and `routing/mismatch_fraction`."""
+    differ, compared = (int(n) for n in mismatch)
+    return {"routing/mismatch": differ, "routing/mismatch_fraction": differ / max(compared, 1)}
 
 
 def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int, answer_length: int,

@@ -46,6 +46,7 @@ from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf import PPOConfig, PPOTrainer, Rollout, plot_records, time_split
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
+from zeroxla.rlhf.grpo_config import ROUTING_REPLAY
 
 PLOT_FILE = "reward_kl.png"
 ROLLOUT_DIR = "rollouts"
@@ -122,6 +123,12 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
            action="store_true"),
     packing_option("ppo", "ppo", "the rollout (a prompt's left padding kept)"),
     token_budget_option("ppo", "ppo"), *rollout_correction_options("ppo"),
+    Option("--routing-replay", "routing_replay", "ppo", "routing_replay", "ppo", "an MoE "
+           "actor's routing replay (R3): measure: the rollout records each token's experts per "
+           "layer (static decode) and routing/mismatch counts the pairs the actor's forward "
+           "routes otherwise; on: the actor's old, the reference's and the trained log-probs "
+           "also replay the record (the weights from the live router); default off",
+           choices=ROUTING_REPLAY),
     *(row for row in SHARDING_OPTIONS if row.flag != "--zero-stage"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the runs and the prompts", "ppo": "PPO hyper-parameters (DeepSpeed-Chat's names "
      "and defaults where it has them)", "parallel": "parallelism", "run": "the run", "lora":
