@@ -87,7 +87,8 @@ def test_a_packed_row_equals_its_sequences_run_alone(checkpoints):
     assert_packed_row_equals_its_sequences_alone(model, VOCAB, padding=4)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "moe" else c
+                                  for c in sorted(CASES)])
 def test_export_reloads_in_transformers_with_equal_logits(checkpoints, case, tmp_path):
     assert_export_reloads_in_transformers(checkpoints[case], tmp_path, "gemma4_text",
                                           "Gemma4ForCausalLM", VOCAB, ATOL)
@@ -185,6 +186,7 @@ def test_a_kv_cache_needs_one_layer_shape(checkpoints):
         model.init_cache(1, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching", [pytest.param("static", marks=pytest.mark.slow),
                                       "continuous"])
 def test_hybrid_engine_greedy_equals_transformers_generate(tmp_path, batching):

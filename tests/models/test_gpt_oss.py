@@ -192,6 +192,7 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 def test_an_mxfp4_checkpoint_loads_its_experts_decoded(mxfp4_checkpoint):
     """The experts equal the float64 decode of their blocks and scales bit for bit (and
     transformers' own dequantized weights), straight into ZeRO-3 partitions on 2 x 4 as well;

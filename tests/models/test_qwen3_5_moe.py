@@ -79,6 +79,7 @@ def fuse_experts(path, prefix="model."):
     return tensors
 
 
+@pytest.mark.slow
 def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoint):
     assert_zero3_logits_and_loss_equal_transformers(checkpoint, "qwen3_5_moe", 1, VOCAB, ATOL)
 
@@ -133,6 +134,7 @@ def test_a_published_layout_checkpoint_loads_its_text_model(tmp_path):
     np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_packed_row_equals_its_sequences_run_alone(checkpoint):
     _, model = hf.load_hf_model(checkpoint)
     assert_packed_row_equals_its_sequences_alone(model, VOCAB, padding=3)

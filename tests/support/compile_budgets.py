@@ -126,7 +126,6 @@ BUDGETS = {
     "tests/zeroxla/engine/test_param_offload.py": (65, 0),
     "tests/zeroxla/engine/test_parity.py": (59, 0),
     "tests/zeroxla/engine/test_remat_offload.py": (45, 0),
-    "tests/zeroxla/engine/test_routing_replay_step.py": (70, 0),
     "tests/zeroxla/engine/test_sequence_parallel.py": (99, 0),
     "tests/zeroxla/engine/test_stack.py": (30, 0),
     "tests/zeroxla/engine/test_user_models.py": (113, 0),

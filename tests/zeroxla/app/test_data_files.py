@@ -88,6 +88,7 @@ def _losses(path, split, out, steps):
             if "loss" in json.loads(line)]
 
 
+@pytest.mark.slow
 def test_parquet_trains_with_the_json_lines_losses(sft_sources, tmp_path):
     want = _losses(*sft_sources["jsonl"], tmp_path / "jsonl", 3)
     got = _losses(*sft_sources["parquet"], tmp_path / "parquet", 3)

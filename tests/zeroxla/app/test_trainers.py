@@ -89,6 +89,7 @@ def sft_runs(tmp_path_factory, sft_rows):
     return argv, trainer, trainer.train()
 
 
+@pytest.mark.slow
 def test_sft_trainer_on_a_dataset_equals_zeroxla_train_on_json_lines(sft_runs):
     argv, trainer, records = sft_runs
     expected = metrics(Path(argv[argv.index("--out") + 1]))
@@ -104,6 +105,7 @@ def test_sft_trainer_on_a_dataset_equals_zeroxla_train_on_json_lines(sft_runs):
     assert trainer.tree == placed(command_tree(argv), "data.path", data, trainer.run_dir)
 
 
+@pytest.mark.slow
 def test_grpo_trainer_equals_zeroxla_grpo_record_for_record(sft_runs, tmp_path):
     """A Python reward function given as a callable is the command's `module:function`."""
     argv = sft_runs[0]

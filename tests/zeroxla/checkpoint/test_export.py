@@ -135,6 +135,7 @@ def trained_run(tmp_path_factory):
     return job
 
 
+@pytest.mark.slow
 def test_trained_run_exports_a_model_and_tokenizer_transformers_loads(trained_run, tmp_path,
                                                                       capsys):
     transformers = pytest.importorskip("transformers")

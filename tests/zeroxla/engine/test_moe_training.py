@@ -388,6 +388,7 @@ def sequences_as_rows(sequences, per_row, length=16):
     return batch
 
 
+@pytest.mark.slow
 def test_a_packed_moe_step_equals_the_padded_one():
     """16 sequences of 3 to 8 tokens, one per padded row (16 x 16, over half of it padding) or
     packed two per row (8 x 16): the same tokens, so the same loss, auxiliary loss, per-expert

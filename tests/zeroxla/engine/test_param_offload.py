@@ -212,6 +212,7 @@ def test_the_gpu_program_updates_on_the_host_and_never_brings_a_partition_in(
                     ) in placements, leaf.path              # fetched one layer at a time
 
 
+@pytest.mark.slow
 def test_a_transformation_the_host_cannot_trace_takes_the_device_update_and_says_so():
     """`optax.clip_by_global_norm` does not trace under `compute_on("device_host")` on JAX 0.10
     nor 0.12 (a device-typed temporary meets the host-typed gradients): `make_step` warns and the

@@ -41,7 +41,8 @@ def written_out(model, batch):
         s.counts / rows * s.prob_sum / rows)
 
 
-@pytest.mark.parametrize("remat", ["full", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "none"])
 def test_replayed_step_at_expert_parallelism_2_equals_one_device_float64(remat):
     """One SGD step of learning rate 1 (the update is the gradient) at EP 2 x 4 data devices,
     ZeRO-3, remat "full" (the layers recomputed in backward with the same record; "none":

@@ -170,6 +170,7 @@ def test_float64_step_at_eight_equals_the_step_without_sequence_parallelism():
     assert worst <= 1e-6 * scale, (worst, scale)
 
 
+@pytest.mark.slow
 def test_kv_heads_that_do_not_divide_the_degree_are_repeated_to_every_head(one_device):
     assert kv_repeats(6, 3, 2) == 2 and kv_repeats(8, 2, 4) == 2 and kv_repeats(8, 4, 2) == 1
     _assert_same_step("llama-6-3", 2, one_device=one_device)
@@ -182,6 +183,7 @@ def test_packed_rows_split_over_the_sequence_train_as_on_one_device(family, degr
     _assert_same_step(family, degree, packed=True, one_device=one_device)
 
 
+@pytest.mark.slow
 def test_hpz_with_sequence_parallelism_trains_as_on_one_device(one_device):
     # hpZ's secondary partition spans the node's local x sequence devices.
     config = zeroxla.ZeroConfig(stage=3, persistence_threshold=0, hpz_partition_size=4)
@@ -347,8 +349,7 @@ COMPOSED = {   # ZeroConfig fields beside stage 3 (persistence 0), and whether L
     "offload-param": dict(offload_param="cpu"), "lora": {}}
 
 
-@pytest.mark.parametrize("name", [n if n == "stage-2" else pytest.param(n, marks=SLOW)
-                                  for n in sorted(COMPOSED)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW) for n in sorted(COMPOSED)])
 def test_sequence_parallelism_composes_with(name):
     # The same ZeroConfig on the same 4 data replicas, with and without a sequence axis of 2:
     # the same update (the block tiled as well: mlp_chunk of 4 tokens on 16-token slices).

@@ -45,7 +45,8 @@ def record_mismatches(step, state, outputs, routing):
     return differ, compared
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
 def test_the_static_rollout_records_every_fed_tokens_experts(tp):
     """Sampled answers (with their drawn log-probs) of prompts of 3, 7 and 11 tokens: the
     record equals the full forward's choice at every fed token and layer (float32; tp 2

@@ -62,6 +62,7 @@ def injected(rollout, rng):
     return dataclasses.replace(rollout, logprobs=old, rollout_logprobs=drawn)
 
 
+@pytest.mark.slow
 def test_ppo_update_with_token_is_and_k3_rejection():
     ppo = trainer(SMALL.replace(rollout_corr=CORR))
     rollout, _, _ = ppo.generate_experience(0)

@@ -56,6 +56,7 @@ def numpy_mismatch(rollout):
     return int(differ.sum()), int(fed.sum()) * record.shape[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["measure", "on"])
 def test_ppo_logs_the_routing_mismatch_of_its_rollout(mode):
     """One iteration: the engine decodes statically to record the routing, the record covers
