@@ -121,6 +121,7 @@ def greedy_case(checkpoint):
     return step, state, prompts, want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching,tp", [pytest.param("static", 1, marks=pytest.mark.slow),
                                          pytest.param("static", 2, marks=pytest.mark.slow),
                                          pytest.param("continuous", 1, marks=pytest.mark.slow),

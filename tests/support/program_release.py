@@ -32,11 +32,16 @@ def map_count() -> int | None:
         return None
 
 
+def crowded(count: int | None, limit: int) -> bool:
+    """Whether a process holding `count` memory maps (None: it cannot tell) drops its
+    programs under `limit`."""
+    return count is None or count > limit
+
+
 def release_if_crowded(limit: int = MAX_MAPS) -> bool:
     """Drops every compiled program when the process holds more than `limit` memory maps (or
     cannot tell); returns whether it did."""
-    count = map_count()
-    if count is not None and count <= limit:
+    if not crowded(map_count(), limit):
         return False
     gc.collect()
     jax.clear_caches()

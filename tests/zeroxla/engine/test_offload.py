@@ -65,6 +65,7 @@ def _split(step, state):
     return compiled, argument_bytes_by_memory_kind(compiled)
 
 
+@pytest.mark.slow
 def test_compiled_step_keeps_only_the_parameters_on_the_device():
     """From the compiled programs: offloaded, the host arguments are the optimizer state and the
     float32 masters exactly, and what stays in device memory is the non-offloaded program's

@@ -94,6 +94,7 @@ def test_ppo_update_with_token_is_and_k3_rejection():
     assert float(total) / float(count) == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_default_settings_keep_the_uncorrected_record():
     ppo = trainer(SMALL)
     assert not ppo.config.rollout_corr.active
