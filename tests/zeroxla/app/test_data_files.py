@@ -236,16 +236,24 @@ def test_trl_pairs_from_parquet_are_the_json_lines_pairs(chat_tokenizer, tmp_pat
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+# The child's own peak RSS: /proc/self/status's VmHWM, the high-water mark of this program's
+# memory since its exec (getrusage's ru_maxrss keeps the parent's peak across fork and exec: a
+# pytest worker of several GiB would hide the child's figure).
 STREAM_CHILD = """
-import resource, sys
+import sys
 import pyarrow.parquet as pq
 from zeroxla.app import data_files
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss          # KiB, after the imports
+
+def peak_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+base = peak_kib()                                                    # after the imports
 if sys.argv[2] == "stream":
     count = sum(len(row.record["prompt"]) > 0 for row in data_files.rows(sys.argv[1]))
 else:
     count = pq.read_table(sys.argv[1]).num_rows                      # the whole table at once
-print(count, base / 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(count, base / 1024, peak_kib() / 1024)
 """
 
 
@@ -262,7 +270,7 @@ def _peak_rss_mib(path, how):
 @pytest.mark.slow
 def test_a_parquet_file_larger_than_the_limit_streams(tmp_path):
     """200,000 rows of 1,000 random letters (200 MB of text, 100 row groups): iterating the
-    rows raises the reader process's peak RSS (getrusage's ru_maxrss, measured in a child
+    rows raises the reader process's peak RSS (its VmHWM, measured in a child
     process) by less than `limit_mib` over its peak after the imports (JAX's among them),
     where reading the table whole raises it by more than the text's size."""
     rows, width, group, limit_mib = 200_000, 1_000, 2_000, 64
