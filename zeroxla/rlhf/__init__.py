@@ -20,7 +20,7 @@ the roles they share are built once (roles.py).
                    (MixZ++); no trainer holds one (their reference: answer_forward.py)
     rollout.py     Rollout: one iteration's experience as numpy arrays
     ppo_trainer.py PPOTrainer (generate_experience, train_rlhf) and run_ppo
-    plot.py        plot_records: the reward and KL curves
+    plot.py        plot_records: the reward and KL curves (save_records_plot: to a file)
     dpo.py         DPOConfig, the DPO / IPO losses over per-sequence log-prob sums, their
                    metrics (accuracy, margins) and the make_step loss_fn
     packed_pairs.py DPO's pairs packed into rows with segment ids (a pair's two sequences on

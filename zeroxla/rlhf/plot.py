@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -17,3 +18,13 @@ def plot_records(records: list[dict[str, float]]) -> Any:
     ax2.set(xlabel="PPO iteration", ylabel="KL per token", title="KL(actor || reference)")
     fig.tight_layout()
     return fig
+
+
+def save_records_plot(records: list[dict[str, float]], path: Path) -> None:
+    """`plot_records`' figure written to `path` (PNG, 100 dpi) and closed: a job's picture is
+    not left among pyplot's figures, where a notebook would show it again."""
+    import matplotlib.pyplot as plt
+
+    figure = plot_records(records)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -38,7 +38,7 @@ from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTION
                                       check_reward_sources, reward_sources)
 from zeroxla.rlhf.grpo_prompts import (TASK_REWARDS, check_fit, file_rows, prompt_cap, task_rows,
                                        truncation_report)
-from zeroxla.rlhf.plot import plot_records
+from zeroxla.rlhf.plot import save_records_plot
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
@@ -253,11 +253,7 @@ class GRPOJob:
         del metadata                  # the reference is the --actor run's: unchanged
 
     def draw(self, out: Path, records: list[dict[str, Any]]) -> None:
-        import matplotlib.pyplot as plt
-
-        figure = plot_records(records)                      # reward and KL
-        figure.savefig(out / "reward_kl.png", dpi=100)
-        plt.close(figure)         # not left among pyplot's figures (a notebook would show it)
+        save_records_plot(records, out / "reward_kl.png")   # reward and KL
 
     def finish(self, out: Path, records: list[dict[str, Any]],
                before: dict[str, float]) -> dict[str, Any]:

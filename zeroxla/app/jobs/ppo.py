@@ -44,7 +44,8 @@ from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
 from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.lora import LoRAConfig
-from zeroxla.rlhf import PPOConfig, PPOTrainer, Rollout, plot_records, time_split
+from zeroxla.rlhf import PPOConfig, PPOTrainer, Rollout, time_split
+from zeroxla.rlhf.plot import save_records_plot
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 from zeroxla.rlhf.grpo_config import ROUTING_REPLAY
 
@@ -234,7 +235,7 @@ class PPOJob:
         del metadata                         # the reference is the --actor run's: unchanged
 
     def draw(self, out: Path, records: list[dict[str, Any]]) -> None:
-        plot_records(records).savefig(out / PLOT_FILE, dpi=100)     # reward and KL
+        save_records_plot(records, out / PLOT_FILE)                 # reward and KL
 
     def finish(self, out: Path, records: list[dict[str, Any]],
                before: dict[str, float]) -> dict[str, Any]:
