@@ -81,26 +81,41 @@ def to_hf(config: Gemma2Config) -> dict[str, Any]:
             "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
 
 
+def layer_rows(layer: str, ours: str, d: int, h: int, g: int, k: int, f: int, *,
+               qk_norm: bool = False, with_v: bool = True) -> list[Row]:
+    """One Gemma decoder layer's tensors (Gemma 2, 3 and 4 share it: four norms around the
+    attention and the MLP): `layer` the HF name prefix, `ours` our path; d model, h query heads,
+    g key/value heads of head dim k, f the MLP's width; `qk_norm` adds the per-head q/k norms
+    (Gemma 3, 4), `with_v` False leaves out the value projection (Gemma 4's k = v layers)."""
+    same = (as_is, as_is_inv)
+    rows = [
+        (layer + "input_layernorm.weight", (ours + "attn_norm/scale",), same),
+        (layer + "post_attention_layernorm.weight", (ours + "attn_post_norm/scale",), same),
+        (layer + "pre_feedforward_layernorm.weight", (ours + "mlp_norm/scale",), same),
+        (layer + "post_feedforward_layernorm.weight", (ours + "mlp_post_norm/scale",), same),
+        (layer + "self_attn.q_proj.weight", (ours + "wq",), linear((d, h, k), 1)),
+        (layer + "self_attn.k_proj.weight", (ours + "wk",), linear((d, g, k), 1)),
+    ]
+    if with_v:
+        rows.append((layer + "self_attn.v_proj.weight", (ours + "wv",), linear((d, g, k), 1)))
+    rows.append((layer + "self_attn.o_proj.weight", (ours + "wo",), linear((h, k, d), 2)))
+    if qk_norm:
+        rows += [(layer + "self_attn.q_norm.weight", (ours + "q_norm/scale",), same),
+                 (layer + "self_attn.k_norm.weight", (ours + "k_norm/scale",), same)]
+    return rows + [
+        (layer + "mlp.gate_proj.weight", (ours + "w_gate",), linear((d, f), 1)),
+        (layer + "mlp.up_proj.weight", (ours + "w_up",), linear((d, f), 1)),
+        (layer + "mlp.down_proj.weight", (ours + "w_down",), linear((f, d), 1)),
+    ]
+
+
 def tensor_map(c: Gemma2Config) -> list[Row]:
-    d, h, g, k, f = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
     same = (as_is, as_is_inv)
     rows: list[Row] = [("model.embed_tokens.weight", ("embed/weight",), same),   # [V, D]
                        ("model.norm.weight", ("norm/scale",), same)]
     for half, ours in ((0, "local/"), (1, "glob/")):
-        layer = f"model.layers.{{pair[{half}]}}."
-        rows += [
-            (layer + "input_layernorm.weight", (ours + "attn_norm/scale",), same),
-            (layer + "post_attention_layernorm.weight", (ours + "attn_post_norm/scale",), same),
-            (layer + "pre_feedforward_layernorm.weight", (ours + "mlp_norm/scale",), same),
-            (layer + "post_feedforward_layernorm.weight", (ours + "mlp_post_norm/scale",), same),
-            (layer + "self_attn.q_proj.weight", (ours + "wq",), linear((d, h, k), 1)),
-            (layer + "self_attn.k_proj.weight", (ours + "wk",), linear((d, g, k), 1)),
-            (layer + "self_attn.v_proj.weight", (ours + "wv",), linear((d, g, k), 1)),
-            (layer + "self_attn.o_proj.weight", (ours + "wo",), linear((h, k, d), 2)),
-            (layer + "mlp.gate_proj.weight", (ours + "w_gate",), linear((d, f), 1)),
-            (layer + "mlp.up_proj.weight", (ours + "w_up",), linear((d, f), 1)),
-            (layer + "mlp.down_proj.weight", (ours + "w_down",), linear((f, d), 1)),
-        ]
+        rows += layer_rows(f"model.layers.{{pair[{half}]}}.", ours, c.d_model, c.num_heads,
+                           c.num_kv_heads, c.head_dim, c.mlp_dim)
     return rows
 
 

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..gemma3 import GLOBAL_ROPE_TYPES, Gemma3, Gemma3Config
-from ..hf_rules import as_is, as_is_inv, linear
-from .gemma2 import GELU, shared_hf_keys
+from ..hf_rules import as_is, as_is_inv
+from .gemma2 import GELU, layer_rows, shared_hf_keys
 from .qwen3_5 import text_keys
 from .spec import CAUSAL_LM, Family, Row, require
 
@@ -135,23 +135,8 @@ def to_hf(config: Gemma3Config) -> dict[str, Any]:
 
 def _layer_rows(c: Gemma3Config, layer: str, ours: str) -> list[Row]:
     """One HF layer's tensors (`layer`: its name prefix; `ours`: our path)."""
-    d, h, g, k, f = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
-    same = (as_is, as_is_inv)
-    return [
-        (layer + "input_layernorm.weight", (ours + "attn_norm/scale",), same),
-        (layer + "post_attention_layernorm.weight", (ours + "attn_post_norm/scale",), same),
-        (layer + "pre_feedforward_layernorm.weight", (ours + "mlp_norm/scale",), same),
-        (layer + "post_feedforward_layernorm.weight", (ours + "mlp_post_norm/scale",), same),
-        (layer + "self_attn.q_proj.weight", (ours + "wq",), linear((d, h, k), 1)),
-        (layer + "self_attn.k_proj.weight", (ours + "wk",), linear((d, g, k), 1)),
-        (layer + "self_attn.v_proj.weight", (ours + "wv",), linear((d, g, k), 1)),
-        (layer + "self_attn.o_proj.weight", (ours + "wo",), linear((h, k, d), 2)),
-        (layer + "self_attn.q_norm.weight", (ours + "q_norm/scale",), same),
-        (layer + "self_attn.k_norm.weight", (ours + "k_norm/scale",), same),
-        (layer + "mlp.gate_proj.weight", (ours + "w_gate",), linear((d, f), 1)),
-        (layer + "mlp.up_proj.weight", (ours + "w_up",), linear((d, f), 1)),
-        (layer + "mlp.down_proj.weight", (ours + "w_down",), linear((f, d), 1)),
-    ]
+    return layer_rows(layer, ours, c.d_model, c.num_heads, c.num_kv_heads, c.head_dim,
+                      c.mlp_dim, qk_norm=True)
 
 
 def tensor_map(c: Gemma3Config) -> list[Row]:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..gemma4 import Gemma4, Gemma4Config
 from ..hf_rules import as_is, as_is_inv, linear
-from .gemma2 import GELU
+from .gemma2 import GELU, layer_rows
 from .gemma3 import FULL, SLIDING, layer_types
 from .moe import expert_linear
 from .qwen3_5 import text_keys
@@ -202,27 +202,13 @@ def _moe_rows(c: Gemma4Config, layer: str, ours: str) -> list[Row]:
 
 
 def _layer_rows(c: Gemma4Config, layer: str, ours: str, glob: bool) -> list[Row]:
-    """One HF layer's tensors (`layer`: its name prefix; `ours`: our path)."""
-    d, h, f = c.d_model, c.num_heads, c.mlp_dim
+    """One HF layer's tensors (`layer`: its name prefix; `ours`: our path): Gemma's layer
+    (`gemma2.layer_rows`) with the global layer's own KV heads and head dim, no value projection
+    where keys are values, the layer scalar, and the MoE block's rows when it has one."""
     g, k = (c.global_kv_heads, c.global_head_dim) if glob else (c.num_kv_heads, c.head_dim)
-    same = (as_is, as_is_inv)
-    rows = [
-        (layer + "input_layernorm.weight", (ours + "attn_norm/scale",), same),
-        (layer + "post_attention_layernorm.weight", (ours + "attn_post_norm/scale",), same),
-        (layer + "pre_feedforward_layernorm.weight", (ours + "mlp_norm/scale",), same),
-        (layer + "post_feedforward_layernorm.weight", (ours + "mlp_post_norm/scale",), same),
-        (layer + "self_attn.q_proj.weight", (ours + "wq",), linear((d, h, k), 1)),
-        (layer + "self_attn.k_proj.weight", (ours + "wk",), linear((d, g, k), 1)),
-        (layer + "self_attn.o_proj.weight", (ours + "wo",), linear((h, k, d), 2)),
-        (layer + "self_attn.q_norm.weight", (ours + "q_norm/scale",), same),
-        (layer + "self_attn.k_norm.weight", (ours + "k_norm/scale",), same),
-        (layer + "mlp.gate_proj.weight", (ours + "w_gate",), linear((d, f), 1)),
-        (layer + "mlp.up_proj.weight", (ours + "w_up",), linear((d, f), 1)),
-        (layer + "mlp.down_proj.weight", (ours + "w_down",), linear((f, d), 1)),
-        (layer + "layer_scalar", (ours + "layer_scalar",), same),
-    ]
-    if not (glob and c.attention_k_eq_v):
-        rows.append((layer + "self_attn.v_proj.weight", (ours + "wv",), linear((d, g, k), 1)))
+    rows = layer_rows(layer, ours, c.d_model, c.num_heads, g, k, c.mlp_dim, qk_norm=True,
+                      with_v=not (glob and c.attention_k_eq_v))
+    rows.append((layer + "layer_scalar", (ours + "layer_scalar",), (as_is, as_is_inv)))
     return rows + (_moe_rows(c, layer, ours + "moe/") if c.num_experts else [])
 
 
