@@ -29,6 +29,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
+import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, packed_loss,
@@ -104,21 +105,9 @@ def test_a_packed_row_equals_its_sequences_run_alone(checkpoint):
 
 @pytest.fixture(scope="module")
 def greedy_case(checkpoint):
-    """What every engine of the next test starts from, made once: the checkpoint loaded into
-    ZeRO-3 partitions on 2 x 4 (every leaf partitioned; the engine only reads the state), the
-    two 7-token prompts and transformers' greedy `generate` of 12 new tokens for each."""
-    step, state = zeroxla.load_pretrained(
-        checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
-        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    prompts = [token_ids(VOCAB, (7,), seed=3), token_ids(VOCAB, (7,), seed=4)]
-    reference, want = torch_causal_lm(checkpoint), []
-    for prompt in prompts:
-        with torch.no_grad():
-            want.append(reference.generate(torch.tensor(prompt[None], dtype=torch.long),
-                                           max_new_tokens=12, do_sample=False,
-                                           attention_mask=torch.ones((1, prompt.size)),
-                                           pad_token_id=0)[0].numpy())
-    return step, state, prompts, want
+    """The ZeRO-3 load, prompts and transformers' tokens every engine of the next test starts
+    from, made once (`family_checkpoints.greedy_case`)."""
+    return family_checkpoints.greedy_case(checkpoint, VOCAB)
 
 
 @pytest.mark.slow
@@ -130,14 +119,7 @@ def test_hybrid_engine_greedy_equals_transformers_generate(greedy_case, batching
     """From ZeRO-3 partitions on 2 x 4 (every leaf partitioned) to tp 1 and 2, static and
     continuous batching (pages of 4 slots); 7-token prompts and 12 new tokens: past the
     sliding window of 4."""
-    from zeroxla.inference import HybridEngine, HybridEngineConfig
-
-    step, state, prompts, want = greedy_case
-    engine = HybridEngine(step.layout, HybridEngineConfig(
-        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
-    assert engine.batching == batching
-    for out, expected in zip(engine.generate(state, prompts, max_new_tokens=12), want):
-        np.testing.assert_array_equal(np.asarray(out), expected)
+    family_checkpoints.assert_engine_greedy_equals_transformers(greedy_case, batching, tp)
 
 
 def _packed_batch():

@@ -22,6 +22,7 @@ import optax
 import pytest
 
 import zeroxla
+import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, packed_loss,
@@ -195,22 +196,7 @@ def test_hybrid_engine_greedy_equals_transformers_generate(tmp_path, batching):
     from ZeRO-3 partitions on 2 x 4 the Hybrid Engine's greedy tokens (tp 1, pages of 4 slots)
     equal transformers' `generate(do_sample=False)`, 7-token prompts and 12 new tokens, past
     the sliding window of 4."""
-    from family_checkpoints import token_ids, torch_causal_lm
-    from zeroxla.inference import HybridEngine, HybridEngineConfig
-
     keys = dict(MOE, global_head_dim=16, num_global_key_value_heads=2, attention_k_eq_v=True)
     checkpoint = _save(keys, tmp_path, seed=5)
-    step, state = zeroxla.load_pretrained(
-        checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
-        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    prompts = [token_ids(VOCAB, (7,), seed=3), token_ids(VOCAB, (7,), seed=4)]
-    reference = torch_causal_lm(checkpoint)
-    engine = HybridEngine(step.layout, HybridEngineConfig(
-        inference_tp_size=1, batching=batching, kv_block_size=4, max_out_tokens=32))
-    for prompt, out in zip(prompts, engine.generate(state, prompts, max_new_tokens=12)):
-        with torch.no_grad():
-            want = reference.generate(torch.tensor(prompt[None], dtype=torch.long),
-                                      max_new_tokens=12, do_sample=False,
-                                      attention_mask=torch.ones((1, prompt.size)),
-                                      pad_token_id=0)[0].numpy()
-        np.testing.assert_array_equal(np.asarray(out), want)
+    family_checkpoints.assert_engine_greedy_equals_transformers(
+        family_checkpoints.greedy_case(checkpoint, VOCAB), batching)

@@ -61,6 +61,47 @@ def torch_causal_lm(directory: str | Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
 
 
+GREEDY_NEW_TOKENS = 12
+
+
+def greedy_case(checkpoint: Path, vocab: int) -> tuple[Any, Any, list, list]:
+    """What an engine's greedy check starts from: the checkpoint loaded into ZeRO-3 partitions
+    on 2 x 4 (every leaf partitioned; an engine only reads the state), two 7-token prompts and
+    transformers' greedy `generate` of GREEDY_NEW_TOKENS for each: (step, state, prompts,
+    want)."""
+    import torch
+    import zeroxla
+
+    step, state = zeroxla.load_pretrained(
+        checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    prompts = [token_ids(vocab, (7,), seed=3), token_ids(vocab, (7,), seed=4)]
+    reference, want = torch_causal_lm(checkpoint), []
+    for prompt in prompts:
+        with torch.no_grad():
+            want.append(reference.generate(torch.tensor(prompt[None], dtype=torch.long),
+                                           max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False,
+                                           attention_mask=torch.ones((1, prompt.size)),
+                                           pad_token_id=0)[0].numpy())
+    return step, state, prompts, want
+
+
+def assert_engine_greedy_equals_transformers(case: tuple[Any, Any, list, list], batching: str,
+                                             tp: int = 1) -> None:
+    """The Hybrid Engine (pages of 4 slots, `batching`, inference tp `tp`) built from a
+    `greedy_case` decodes exactly transformers' greedy tokens."""
+    import numpy as np
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    step, state, prompts, want = case
+    engine = HybridEngine(step.layout, HybridEngineConfig(
+        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
+    assert engine.batching == batching
+    for out, expected in zip(engine.generate(state, prompts, max_new_tokens=GREEDY_NEW_TOKENS),
+                             want):
+        np.testing.assert_array_equal(np.asarray(out), expected)
+
+
 def assert_zero3_logits_and_loss_equal_transformers(checkpoint: Path, family: str,
                                                     num_layers: int, vocab: int, atol: float):
     """The checkpoint loaded into ZeRO-3 partitions on 2 x 4 (every leaf partitioned): its
