@@ -27,14 +27,13 @@ def trainer(config, policy=None, tp=1):
                        inference_tp_size=tp, eos_id=EOS, seed=0)
 
 
-def numpy_mismatch(rollout):
-    """(pairs differing, pairs compared): the rollout's record against the starting actor's
-    own full forward over each row, on the tokens fed (prompt and answer but its last)."""
-    experts, _ = jax.jit(actor().router_choices)(jnp.asarray(rollout.tokens))   # [L, B, T, k]
+def numpy_mismatch(model, tokens, record, fed_ends):
+    """(pairs differing, pairs compared): a rollout's routing `record` [B, T, L, k] against
+    `model`'s own full forward over each row of `tokens` [B, T], on the tokens fed (those before
+    `fed_ends` [B]: the prompt and the answer but its last); -1 exactly off them."""
+    experts, _ = jax.jit(model.router_choices)(jnp.asarray(tokens))            # [L, B, T, k]
     live = np.moveaxis(np.asarray(experts), 0, 2)                              # [B, T, L, k]
-    record = rollout.routing
-    fed = (np.arange(record.shape[1])[None, :]
-           < (rollout.answer_starts() + rollout.action_mask.sum(1) - 1)[:, None])   # [B, T]
+    fed = np.arange(record.shape[1])[None, :] < np.asarray(fed_ends)[:, None]  # [B, T]
     assert np.all(record[fed] >= 0) and np.all(record[~fed] == -1)
     differ = np.any(np.sort(record, -1) != np.sort(live, -1), -1) & fed[..., None]
     return int(differ.sum()), int(fed.sum()) * record.shape[2]
@@ -49,7 +48,8 @@ def test_grpo_logs_the_routing_mismatch_of_its_rollout(mode):
     run = trainer(CONFIG.replace(routing_replay=mode))
     assert run.engine.batching == "static"
     record, rollout = run.iteration(0)
-    differ, compared = numpy_mismatch(rollout)
+    differ, compared = numpy_mismatch(actor(), rollout.tokens, rollout.routing,
+                                      rollout.answer_starts() + rollout.action_mask.sum(1) - 1)
     assert record["routing/mismatch"] == differ
     assert record["routing/mismatch_fraction"] == pytest.approx(differ / compared)
     assert np.isfinite(record["loss"]) and record["router/aux_loss"] > 0

@@ -18,6 +18,7 @@ from zeroxla.rlhf import PPOConfig, PPOTrainer
 from zeroxla.rlhf.packed_rollout import pack_rollout
 from zeroxla.rlhf.ppo_losses import make_actor_loss
 from test_grpo_moe import EOS, TOKENIZER, actor
+from test_grpo_routing_replay import numpy_mismatch
 
 CONFIG = PPOConfig(prompts_per_iteration=8, prompt_length=8, answer_length=5, ppo_epochs=1,
                    actor_lr=1e-2, critic_lr=1e-2)
@@ -43,19 +44,6 @@ def trainer(config, policy=None):
                       inference_tp_size=1, eos_id=EOS, seed=0)
 
 
-def numpy_mismatch(rollout):
-    """(pairs differing, pairs compared): the rollout's record against the starting actor's
-    own full forward over each row, on the tokens fed (prompt and answer but its last)."""
-    experts, _ = jax.jit(moe_actor().router_choices)(jnp.asarray(rollout.tokens))  # [L, B, T, k]
-    live = np.moveaxis(np.asarray(experts), 0, 2)                                 # [B, T, L, k]
-    record = rollout.routing
-    fed = (np.arange(record.shape[1])[None, :]
-           < (rollout.prompt_length + rollout.action_mask.sum(1) - 1)[:, None])   # [B, T]
-    assert np.all(record[fed] >= 0) and np.all(record[~fed] == -1)
-    differ = np.any(np.sort(record, -1) != np.sort(live, -1), -1) & fed[..., None]
-    return int(differ.sum()), int(fed.sum()) * record.shape[2]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["measure", "on"])
 def test_ppo_logs_the_routing_mismatch_of_its_rollout(mode):
@@ -66,7 +54,8 @@ def test_ppo_logs_the_routing_mismatch_of_its_rollout(mode):
     run = trainer(CONFIG.replace(routing_replay=mode))
     assert run.engine.batching == "static"
     record, rollout = run.iteration(0)
-    differ, compared = numpy_mismatch(rollout)
+    differ, compared = numpy_mismatch(moe_actor(), rollout.tokens, rollout.routing,
+                                      rollout.prompt_length + rollout.action_mask.sum(1) - 1)
     assert record["routing/mismatch"] == differ
     assert record["routing/mismatch_fraction"] == pytest.approx(differ / compared)
     assert np.isfinite(record["actor_loss"]) and np.isfinite(record["critic_loss"])
