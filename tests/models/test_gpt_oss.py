@@ -284,3 +284,24 @@ def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, name):
     for path in expected:
         assert got[path].dtype == np.float64, path
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+@pytest.mark.slow
+def test_a_sequence_classifier_loads_as_a_reward_model(tmp_path):
+    """`GptOssForSequenceClassification` with one label: the base and `score` as our
+    RewardModel, its score at every position equal to transformers' `score(base(x))`."""
+    from zeroxla import rlhf
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(**CONFIG, num_labels=1)
+    theirs = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 and "norm" in name else 0.0))
+    theirs.save_pretrained(tmp_path)
+    ours = rlhf.load_hf_reward_model(tmp_path)
+    x = token_ids(VOCAB, (2, 16))
+    with torch.no_grad():
+        t = torch.tensor(x, dtype=torch.long)
+        want = theirs.score(theirs.base_model(t).last_hidden_state).numpy()[..., 0]
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), want, atol=ATOL, rtol=0)
