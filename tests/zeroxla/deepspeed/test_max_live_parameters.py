@@ -31,11 +31,15 @@ def test_key_maps_to_max_live_parameters(key):
     assert _load({}).zero.max_live_parameters == 1_000_000_000      # DeepSpeed's default
 
 
-def _step(**config):
-    step = zeroxla.make_step(lambda: models.build("gpt-tiny"), zeroxla.make_mesh(2, 4),
+def _make(**config):
+    return zeroxla.make_step(lambda: models.build("gpt-tiny"), zeroxla.make_mesh(2, 4),
                              optimizer=optax.sgd(0.1),
                              config=zeroxla.ZeroConfig(stage=3, persistence_threshold=100,
                                                        **config))
+
+
+def _step(**config):
+    step = _make(**config)
     tokens = np.random.default_rng(0).integers(0, 65, (8, 17)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     return step, step.compile(jax.eval_shape(step.init), batch)
@@ -64,7 +68,6 @@ def test_between_one_and_two_layers_gathers_just_in_time():
 
 
 def test_smaller_than_a_layer_is_refused_naming_the_key():
-    plain, _ = _step(prefetch=False)
-    layer = _layer_numel(plain)
+    layer = _layer_numel(_make(prefetch=False))             # the layout, before any compile
     with pytest.raises(ValueError, match="stage3_max_live_parameters"):
         _step(max_live_parameters=layer - 1)
