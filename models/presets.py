@@ -9,7 +9,13 @@ Values from huggingface.co/<repo>/blob/main/config.json of the repositories name
     Qwen2.5-0.5B   Qwen/Qwen2.5-0.5B           Qwen2.5-1.5B  Qwen/Qwen2.5-1.5B
     Qwen2.5-7B     Qwen/Qwen2.5-7B             Qwen3-0.6B    Qwen/Qwen3-0.6B
     Qwen3-8B       Qwen/Qwen3-8B               Qwen3-30B-A3B Qwen/Qwen3-30B-A3B
-    gpt-oss-20b    openai/gpt-oss-20b
+    gpt-oss-20b    openai/gpt-oss-20b          Qwen3.5-27B   Qwen/Qwen3.5-27B
+    Qwen3.5-35B-A3B  Qwen/Qwen3.5-35B-A3B
+
+The Qwen3.5 checkpoints are multimodal (`Qwen3_5[Moe]ForConditionalGeneration`): presets are
+the `text_config` the language model is built from, nested as published; the vision tower and
+the multi-token-prediction layer (`mtp_num_hidden_layers`) are not built, so a preset's count
+is the text model's (26.9 B and 34.7 B of the cards' 27 B and 35 B).
 
 No weights: `config(name)` is a config dataclass, `models.abstract_model(config)` its shapes.
 """
@@ -31,6 +37,30 @@ _QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_
           "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
           "rope_theta": 1000000.0, "head_dim": 128, "attention_bias": False,
           "use_sliding_window": False, "sliding_window": None}
+# Qwen3.5's text_config keys both sizes share: 3 Gated DeltaNet layers then 1 gated attention
+# layer, head_dim 256, partial RoPE (0.25 of the dims, mRoPE sections that text reads as plain)
+_QWEN3_5_TEXT = {"hidden_act": "silu", "vocab_size": 248320, "head_dim": 256,
+                 "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                 "initializer_range": 0.02, "attention_bias": False, "attn_output_gate": True,
+                 "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+                 "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                 "linear_num_key_heads": 16, "mtp_num_hidden_layers": 1,
+                 "tie_word_embeddings": False,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                     "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                     "mrope_section": [11, 11, 10]}}
+
+
+def _qwen3_5(model_type: str, architecture: str, layers: int, **text: Any) -> dict[str, Any]:
+    """A Qwen3.5 config.json: the text model's keys under `text_config` (its vision_config
+    omitted: not built), `layers` of the repeating 3 + 1 pattern."""
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    return {"model_type": model_type, "architectures": [architecture],
+            "tie_word_embeddings": False,
+            "text_config": {**_QWEN3_5_TEXT, "model_type": f"{model_type}_text",
+                            "num_hidden_layers": layers, "layer_types": types * (layers // 4),
+                            **text}}
+
 
 # name -> the shape keys of its config.json
 HF_CONFIGS: Mapping[str, Mapping[str, Any]] = {
@@ -89,6 +119,15 @@ HF_CONFIGS: Mapping[str, Mapping[str, Any]] = {
                         "original_max_position_embeddings": 4096},
                     "quantization_config": {"quant_method": "mxfp4"},
                     "tie_word_embeddings": False},
+    "Qwen3.5-27B": _qwen3_5("qwen3_5", "Qwen3_5ForConditionalGeneration", 64,
+                            hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                            num_key_value_heads=4, linear_num_value_heads=48),
+    "Qwen3.5-35B-A3B": _qwen3_5("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", 40,
+                                hidden_size=2048, num_attention_heads=16,
+                                num_key_value_heads=2, linear_num_value_heads=32,
+                                num_experts=256, num_experts_per_tok=8,
+                                moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                router_aux_loss_coef=0.001, output_router_logits=False),
 }
 
 NAMES = tuple(HF_CONFIGS)

@@ -5,15 +5,20 @@ grouped key heads and an initial state; the chunked form's q / k / v / g / beta 
 the float64 recurrent form's within 1e-5, and those equal central differences of the numpy
 recurrence. Both equal transformers' `torch_chunk_gated_delta_rule` /
 `torch_recurrent_gated_delta_rule`. A packed row equals its sequences run alone. The chunked
-form's compiled gradient's temporaries grow linearly in T."""
+form's compiled gradient's temporaries grow linearly in T, and so do a whole DeltaNet layer's
+(`models.gated_deltanet`, the Qwen3.5 presets' shapes, bfloat16) from 4K to 16K tokens."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
+from zeroxla.models import presets
 from zeroxla.models.gated_delta import (PAD_SEGMENT, gated_delta_chunked,
                                         gated_delta_recurrent)
+from zeroxla.models.gated_deltanet import DeltaNet
 
 FLOAT32_TOL = 1e-5
 FLOAT64_TOL = 1e-12
@@ -248,6 +253,33 @@ def test_gradient_temporaries_grow_linearly():
     """Each doubling of T from 1024 to 4096 at most 2.1x the compiled gradient's temporaries
     (O(T²) would be 4x): the chunk bodies are rematerialised, one state kept per chunk."""
     temps = [_compiled_temporaries(t) for t in (1024, 2048, 4096)]
+    for short, long in zip(temps, temps[1:]):
+        assert long / short <= 2.1, temps
+
+
+def _layer_temporaries(name, t):
+    """Bytes of temporaries of one DeltaNet layer's forward + backward (the gradients of its
+    weights and of its input h [1, t, D]), bfloat16 weights and input as a bf16 step computes
+    them, the layer of preset `name`; compiled on abstract arrays, nothing runs."""
+    config = presets.config(name)
+    graphdef, weights = nnx.split(nnx.eval_shape(lambda: DeltaNet(config, nnx.Rngs(0))))
+    weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), weights)
+
+    def loss(weights, h):
+        out = nnx.merge(graphdef, weights)(h, None)                                # [1, T, D]
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+    h = jax.ShapeDtypeStruct((1, t, config.d_model), jnp.bfloat16)
+    program = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(weights, h).compile()
+    return program.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow                                # 6 compiles, about 4 s each
+@pytest.mark.parametrize("name", ["Qwen3.5-27B", "Qwen3.5-35B-A3B"])
+def test_layer_temporaries_grow_linearly_to_16k(name):
+    """A real-size DeltaNet layer's forward + backward: each doubling of T from 4,096 to
+    16,384 at most 2.1x the compiled temporaries (O(T²) would be 4x)."""
+    temps = [_layer_temporaries(name, t) for t in (4096, 8192, 16384)]
     for short, long in zip(temps, temps[1:]):
         assert long / short <= 2.1, temps
 

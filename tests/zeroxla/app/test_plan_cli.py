@@ -96,3 +96,18 @@ def test_a_search_granularity_the_sequence_devices_do_not_split_is_named(capsys)
                      "--sequence-parallel-strategy", "ring"]) == 2
     err = capsys.readouterr().err
     assert "--granularity 1002 is not a multiple of 4" in err and "use 1000 or 1004" in err, err
+
+
+def test_max_live_parameters_reaches_the_step(capsys):
+    """--max-live-parameters is the step's ZeroConfig.max_live_parameters: below one layer of
+    Qwen2.5-0.5B the step refuses to gather it, naming the field, the value and the layer's
+    gathered count (its config's arithmetic: the q, k, v, o and SwiGLU matrices; biases and
+    norms are under the persistence threshold, kept whole on every device, never gathered)."""
+    d, kv, f = 896, 2 * 64, 4864
+    layer = d * d + 2 * d * kv + d * d + 3 * d * f
+    assert cli.main(["plan", "--model", "Qwen2.5-0.5B", "--seq-len", "64",
+                     "--max-live-parameters", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "ZeroConfig.max_live_parameters=1000" in err and f"accepted: >= {layer}" in err, err
+    err = _refused(["--model", "Qwen2.5-0.5B", "--max-live-parameters", "0"], capsys)
+    assert "--max-live-parameters" in err and "'0'" in err, err

@@ -5,8 +5,9 @@
 
 Compiles the ZeRO step for the model's shape on abstract arrays (nothing allocated) and prints
 the per-device peak by part; with `--max-seq-len`, the largest sequence length that fits for
-each activation setting (a few compiles per setting: `planner.largest_under`; one line to
-stderr per compile). Not a training job: no run directory.
+each activation setting (a few compiles per setting: `planner.largest_under`; the settings
+searched at once, one per core: `search_workers`; one line to stderr per compile). Not a
+training job: no run directory.
 On a CPU host the mesh's devices are simulated (XLA_FLAGS' host device count, set before JAX
 starts, as `zeroxla train` does); elsewhere the mesh must match the devices present.
 """
@@ -16,17 +17,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from zeroxla.app.cli_args import host_device_count, mesh_shape, positive_int, set_host_device_count
 from zeroxla.app.run.options import Option, OptionTable
 from zeroxla.models.sequence_parallel import SequenceParallel
-from zeroxla.sharding.config import SEQUENCE_PARALLEL_STRATEGIES
+from zeroxla.sharding.config import SEQUENCE_PARALLEL_STRATEGIES, ZeroConfig
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLAN_STAGES = (2, 3)          # remat policies apply to stages 2-3 (`ZeroConfig.remat`)
@@ -98,8 +102,10 @@ class PlanSettings:
     search_limit: int = 1 << 20
     sequence_parallel_size: int = 1
     sequence_parallel_strategy: str = "ulysses"
+    max_live_parameters: int = ZeroConfig.max_live_parameters
 
-    zero = property(lambda self: {"sequence_parallel_strategy": self.sequence_parallel_strategy})
+    zero = property(lambda self: {"sequence_parallel_strategy": self.sequence_parallel_strategy,
+                                  "max_live_parameters": self.max_live_parameters})
 
     @property
     def mesh_label(self) -> str:
@@ -147,6 +153,10 @@ OPTIONS = OptionTable("plan", PlanSettings, (
            "ulysses (heads split; they must divide by P), allgather or ring (context "
            "parallelism, any head count), usp (Ulysses x ring); default {default}",
            choices=SEQUENCE_PARALLEL_STRATEGIES),
+    Option("--max-live-parameters", "max_live_parameters", None, "max_live_parameters",
+           "step", "ZeroConfig.max_live_parameters (DeepSpeed's stage3_max_live_parameters): "
+           "ZeRO-3 gathers a block of the stack whole, so it must hold one (a Qwen3.5 period "
+           "of 4 layers); default {default}", type=positive_int, metavar="N"),
     Option("--granularity", "granularity", None, "granularity", "search",
            "--max-seq-len: the search's step (answers are multiples of it); default {default}",
            type=positive_int, metavar="T"),
@@ -244,9 +254,7 @@ def run_plan(args: argparse.Namespace) -> int:
                  sequence=plan.sequence_parallel_size)
     dtype = DTYPES[plan.dtype]
     if plan.max_seq_len:
-        print(max_seq_len_report(config, mesh, plan, dtype,
-                                 say=lambda line: print(line, file=sys.stderr, flush=True)),
-              flush=True)
+        print(max_seq_len_report(config, mesh, plan, dtype, say=_say), flush=True)
         return 0
     from zeroxla.analysis.planner import plan_memory
 
@@ -260,34 +268,49 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def search_workers(settings: int) -> int:
+    """How many settings `max_seq_len_report` searches at once: one per CPU this process may
+    run on, at most one per setting. XLA compiles a program on about one core and releases
+    the GIL meanwhile, so on 2 cores two searches take about the time of one (tracing, in
+    Python, is the part they take in turn)."""
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)                      # macOS: no affinity mask
+    return max(1, min(settings, cores))
+
+
+def _say(line: str) -> None:
+    """A progress line to stderr in one write: the searching threads' lines never mix."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
-                       say: Callable[[str], None] = lambda line: None) -> str:
+                       say: Callable[[str], None] = lambda line: None,
+                       workers: int | None = None) -> str:
     """The largest T per setting (`planner.sweep_settings`), one line each, by compile only
-    (`planner.largest_under`: a few compiles per setting); `say` gets a line per compile (the
-    command prints them to stderr as they come: each takes seconds to a minute)."""
-    from zeroxla.analysis.planner import REMAT_SWEEP, largest_under, plan_memory, sweep_settings
+    (`planner.largest_under`: a few compiles per setting), `workers` settings searched at once
+    (`search_workers` by default; each setting's search, and so its answer, is the same at
+    any count). `say` gets a line per compile and one at the end (the command prints them to
+    stderr as they come: each compile takes seconds), from the searching threads."""
+    from zeroxla.analysis.planner import REMAT_SWEEP, sweep_settings
 
     settings, missing = sweep_settings(config, plan.remat or REMAT_SWEEP, plan.attention)
+    workers = max(1, min(len(settings), workers or search_workers(len(settings))))
+    start, stop = time.perf_counter(), threading.Event()
+    pool = ThreadPoolExecutor(workers)
+    try:
+        found = list(pool.map(
+            lambda numbered: _search_setting(config, mesh, plan, dtype, say, stop, *numbered,
+                                             len(settings)), enumerate(settings, 1)))
+    finally:                 # Ctrl-C or a failed compile: the other searches end at their next
+        stop.set()           # compile, not after the rest of their settings
+        pool.shutdown(cancel_futures=True)
+    say(f"  {sum(len(peaks) for _, peaks in found)} compiles, {workers} setting(s) at a time, "
+        f"in {time.perf_counter() - start:.0f} s")
     lines = [f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, {plan.mesh_label}, "
              f"{plan.device_memory / 2**30:.1f} GiB per device, "
              f"{plan.sequences_per_device} sequence(s) per data replica: largest T that fits"]
-    for number, setting in enumerate(settings, 1):
-        peaks: dict[int, Any] = {}
-
-        def peak(t: int, setting=setting, peaks=peaks, number=number) -> int:
-            start = time.perf_counter()
-            figures = plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
-                                  stage=plan.stage, dtype=dtype, remat=setting.remat,
-                                  fields=dict(setting.fields),
-                                  sequences_per_device=plan.sequences_per_device,
-                                  zero=plan.zero)
-            peaks[t] = figures
-            say(f"  [{number}/{len(settings)}] {setting.label}: T={t} peak "
-                f"{figures.peak / 2**30:.2f} GiB, {'fits' if figures.fits else 'does not fit'} "
-                f"(compiled in {time.perf_counter() - start:.0f} s)")
-            return figures.peak
-        best = largest_under(peak, plan.device_memory, granularity=plan.granularity,
-                             limit=plan.search_limit)
+    for setting, (best, peaks) in zip(settings, found):
         note = ""
         if best:
             f = peaks[best]
@@ -302,5 +325,32 @@ def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
     return "\n".join(lines)
 
 
-__all__ = ["OPTIONS", "PlanSettings", "add_plan", "memory_size", "model_config", "plan_settings",
-           "remat_list", "run_plan"]
+def _search_setting(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
+                    say: Callable[[str], None], stop: threading.Event, number: int,
+                    setting: Any, count: int) -> tuple[int, dict[int, Any]]:
+    """(the largest T that fits under `setting`, the figures of every T compiled for it);
+    stops before its next compile once `stop` is set."""
+    from zeroxla.analysis.planner import largest_under, plan_memory
+
+    peaks: dict[int, Any] = {}
+
+    def peak(t: int) -> int:
+        if stop.is_set():
+            raise RuntimeError(f"{setting.label}: search stopped before T={t}")
+        start = time.perf_counter()
+        figures = plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
+                              stage=plan.stage, dtype=dtype, remat=setting.remat,
+                              fields=dict(setting.fields),
+                              sequences_per_device=plan.sequences_per_device, zero=plan.zero)
+        peaks[t] = figures
+        say(f"  [{number}/{count}] {setting.label}: T={t} peak "
+            f"{figures.peak / 2**30:.2f} GiB, {'fits' if figures.fits else 'does not fit'} "
+            f"(compiled in {time.perf_counter() - start:.0f} s)")
+        return figures.peak
+    best = largest_under(peak, plan.device_memory, granularity=plan.granularity,
+                         limit=plan.search_limit)
+    return best, peaks
+
+
+__all__ = ["OPTIONS", "PlanSettings", "add_plan", "max_seq_len_report", "memory_size",
+           "model_config", "plan_settings", "remat_list", "run_plan", "search_workers"]

@@ -1,0 +1,66 @@
+"""`zeroxla plan --max-seq-len`'s report searches its settings at once (`max_seq_len_report`'s
+workers): each setting's answer is the one a search of that setting alone finds, compile by
+compile, in one thread (`plan_memory` and the doubling bisection `largest_fitting`)."""
+
+import re
+
+import pytest
+
+import zeroxla
+from zeroxla import models
+from zeroxla.analysis.planner import largest_fitting, plan_memory, sweep_settings
+from zeroxla.app.jobs.plan import PlanSettings, max_seq_len_report
+
+CHUNK = 16          # the config's own mlp_chunk: the sweep tries it, None and 4096 (untiled at
+                    # T <= 4096)
+
+
+def _config():
+    return models.LlamaConfig.tiny().replace(mlp_chunk=CHUNK)
+
+
+def _answers(report: str) -> dict[str, int]:
+    """{setting label: T} from the report's lines."""
+    return {m.group(1): int(m.group(2))
+            for m in re.finditer(r"^  (remat=\S.*?)\s+T = (\d+)", report, re.MULTILINE)}
+
+
+def _alone(config, mesh, setting, plan, t):
+    return plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
+                       remat=setting.remat, fields=dict(setting.fields))
+
+
+def test_settings_searched_at_once_answer_as_each_compiled_alone():
+    """Three settings (mlp_chunk 16, None, 4096) two at a time, one length each
+    (--search-limit = --granularity): each answer is the length if that setting's own compile,
+    in this thread, fits (the memory is set between the tiled and the untiled peak), else 0;
+    every length reported as compiled."""
+    config, mesh = _config(), zeroxla.make_mesh(1, 8)
+    settings, _ = sweep_settings(config, ("full",))
+    base = PlanSettings(model="tiny", remat=("full",), granularity=64, search_limit=64)
+    peaks = [_alone(config, mesh, s, base, 64).peak for s in settings]
+    assert peaks[0] != peaks[1]                         # tiled MLP at T = 64 vs untiled
+    plan = PlanSettings(model="tiny", remat=("full",), granularity=64, search_limit=64,
+                        device_memory=(peaks[0] + peaks[1]) // 2)
+    said = []
+    report = max_seq_len_report(config, mesh, plan, "bfloat16", say=said.append, workers=2)
+    want = {s.label: 64 if p <= plan.device_memory else 0 for s, p in zip(settings, peaks)}
+    assert _answers(report) == want and set(want.values()) == {0, 64}, report
+    assert sum("T=64 peak" in line for line in said) == 3, said
+    assert said[-1].startswith("  3 compiles, 2 setting(s) at a time"), said
+
+
+@pytest.mark.slow
+def test_the_report_finds_what_the_bisection_finds_for_every_setting():
+    """Six settings (remat full / offload x mlp_chunk 16 / None / 4096) searched two at a time over
+    T <= 256 in steps of 16, against the doubling bisection of each setting's `plan_memory`
+    alone: the same T for every setting, and a memory that cuts inside the range."""
+    config, mesh = _config(), zeroxla.make_mesh(1, 8)
+    plan = PlanSettings(model="tiny", remat=("full", "offload"), granularity=16,
+                        search_limit=256, device_memory=3_000_000)
+    settings, _ = sweep_settings(config, plan.remat)
+    want = {s.label: largest_fitting(lambda t, s=s: _alone(config, mesh, s, plan, t).fits,
+                                     granularity=16, limit=256) for s in settings}
+    assert all(0 < t < 256 for t in want.values()), want
+    report = max_seq_len_report(config, mesh, plan, "bfloat16", workers=2)
+    assert _answers(report) == want, report
