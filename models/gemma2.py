@@ -144,23 +144,31 @@ class Layer(nnx.Module):
 
 def run_layers(layers: Sequence[Layer], x: jax.Array, positions: jax.Array,
                segment_ids: jax.Array | None, sequence: SequenceParallel | None,
-               cache: Any) -> tuple[jax.Array, Any]:
+               cache: Any, widths: Sequence[int] | None = None) -> tuple[jax.Array, Any]:
     """x [B, T, D] through a block's `layers` in order -> (x, cache). With a cache, each layer
-    owns its 1/P of the last dim (P = len(layers)): {"k", "v"} [B, S, G, P K], or a paged
-    cache's pools [D, G, NP, PG, P K], layer j's keys at [..., j K:(j + 1) K]."""
+    owns its part of the last dim: {"k", "v"} [B, S, G, W], or a paged cache's pools [L, D, G,
+    NP, PG, W], layer j's keys in the `widths[j]` entries after layers 0..j-1's (default W / P
+    each, P = len(layers); layers of different KV shapes: `kv_groups`); entries past the
+    widths' sum are kept as they are (Gemma 3's tail: fewer layers than a period)."""
     if cache is None:
         for layer in layers:
             x, _ = layer(x, positions, segment_ids, sequence)
         return x, None
     paged = is_paged(cache)
-    size = (cache.k if paged else cache["k"]).shape[-1] // len(layers)
-    written = []
-    for j, layer in enumerate(layers):
-        part = slice(j * size, (j + 1) * size)
-        own = (cache.replace(k=cache.k[..., part], v=cache.v[..., part]) if paged
-               else {n: c[..., part] for n, c in cache.items()})
-        x, out = layer(x, positions, segment_ids, sequence, own)
+    total = (cache.k if paged else cache["k"]).shape[-1]
+    widths = widths or (total // len(layers),) * len(layers)
+
+    def part(at: slice) -> Any:
+        return (cache.replace(k=cache.k[..., at], v=cache.v[..., at]) if paged
+                else {n: c[..., at] for n, c in cache.items()})
+
+    written, start = [], 0
+    for layer, width in zip(layers, widths):
+        x, out = layer(x, positions, segment_ids, sequence, part(slice(start, start + width)))
         written.append(out)
+        start += width
+    if start < total:                            # entries no layer of the block owns, kept
+        written.append(part(slice(start, None)))
     if paged:
         return x, cache.replace(k=jnp.concatenate([w.k for w in written], axis=-1),
                                 v=jnp.concatenate([w.v for w in written], axis=-1))
@@ -222,6 +230,7 @@ class Gemma2(nnx.Module):
     -> soft-capped logits. `BLOCK`: the stack's block (Gemma 3 stacks its period)."""
 
     BLOCK: Callable[[Gemma2Config, nnx.Rngs], nnx.Module] = Pair
+    tail: LayerStack | None = None      # a stack after the blocks' (Gemma 3's trailing layers)
 
     def __init__(self, cfg: Gemma2Config, *, rngs: nnx.Rngs):
         self.config = cfg
@@ -238,11 +247,12 @@ class Gemma2(nnx.Module):
     def init_cache(self, batch: int, max_len: int,
                    dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
         """A zeroed KV cache {"k", "v"} [L, B, max_len, G, P K] (a block's P layers side by
-        side, `run_layers`). ValueError past max_seq_len (`ModelConfig.check_seq_len`)."""
+        side, `run_layers`; one more row for a `tail`, `Gemma3.decode`). ValueError past
+        max_seq_len (`ModelConfig.check_seq_len`)."""
         c = self.config
         c.check_seq_len(max_len, "KV cache length (max_len)")
-        return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads,
-                             c.layers_per_block * c.head_dim, dtype)
+        return init_kv_cache(c.num_layers + (self.tail is not None), batch, max_len,
+                             c.num_kv_heads, c.layers_per_block * c.head_dim, dtype)
 
     def decode(self, tokens: jax.Array, positions: jax.Array,
                cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -266,10 +276,12 @@ class Gemma2(nnx.Module):
         """Logits float32 [B, T, V] of tokens int [B, T] at `positions` (default 0..T-1); a
         packed batch gives `segment_ids` int [B, T] and its own positions
         (`layers.stack_args`)."""
-        return self.head(forward_stack(self, tokens, positions, segment_ids, sequence))    # [B, T, V]
+        h = forward_stack(self, tokens, positions, segment_ids, sequence, tail=self.tail)
+        return self.head(h)                                                          # [B, T, V]
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None,
                sequence: SequenceParallel | None = None) -> jax.Array:
         """The final hidden states [B, T, D] after the final norm (reward and value heads)."""
-        return self.norm(forward_stack(self, tokens, positions, segment_ids, sequence))
+        return self.norm(forward_stack(self, tokens, positions, segment_ids, sequence,
+                                       tail=self.tail))

@@ -10,19 +10,34 @@ transformers' `rope_local_base_freq`, 10000) and the global layers' base and sca
 The pattern is built into the block: one `Period` is `sliding_window_pattern - 1` sliding
 layers (an `nnx.List`) then the global one, so every block of the `LayerStack` has one shape
 and static windows and the engine, the pipeline and the Hybrid Engine run it as Gemma 2's
-pairs. `Gemma3Config.num_layers` counts periods (HF's num_hidden_layers / pattern). A period's
+pairs. `Gemma3Config.num_layers` counts periods (HF's num_hidden_layers // pattern). A period's
 KV cache holds its layers' keys side by side on the head_dim, {"k", "v"} [L, B, S, G, P K]
 (`gemma2.run_layers`).
+
+A layer count that is not whole periods (transformers' Gemma 3 1B: 26 layers, 4 periods of 6
+and 2 sliding layers) ends in a `Tail` of `tail_layers` sliding layers: one block of a
+`LayerStack` of its own after the periods' (`Gemma3.tail`), so ZeRO-3 gathers it as it gathers
+a period, and every forward (training, packing, sequence parallelism) runs it after the
+periods on the same arguments (`layers.forward_stack`). Its KV cache is one more row of the
+periods' shape, [L + 1, B, S, G, P K], its t layers in the first t K entries of the last dim
+(the other (P - t) K unused: (P - t) / P of one period's cache); a dense cache is split into
+the periods' rows and the tail's and joined again each step (a copy of the cache), a paged one
+is carried whole, the tail's stack writing its layer L. A pipeline splits the periods alone
+and refuses a model with a stack after them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from .gemma2 import Gemma2, Gemma2Config, Layer, run_layers
+from .layers import LayerStack
+from .paged_attention import is_paged
 from .rope import inv_freq
 from .sequence_parallel import SequenceParallel
 
@@ -41,6 +56,7 @@ class Gemma3Config(Gemma2Config):
     rope_type: str = "default"
     rope_factor: float = 1.0
     sliding_window_pattern: int = 6
+    tail_layers: int = 0          # sliding layers after the periods (num_hidden_layers % P)
     attn_softcap: float | None = None
     final_softcap: float | None = None
     family: str = dataclasses.field(default="gemma3", init=False)
@@ -53,6 +69,11 @@ class Gemma3Config(Gemma2Config):
             raise ValueError(f"Gemma3Config.sliding_window_pattern={self.sliding_window_pattern}"
                              " is invalid; accepted: an integer >= 2 (sliding layers, then one "
                              "global layer)")
+        if not 0 <= self.tail_layers < self.sliding_window_pattern:
+            raise ValueError(f"Gemma3Config.tail_layers={self.tail_layers} is invalid; "
+                             "accepted: 0 to sliding_window_pattern - 1 = "
+                             f"{self.sliding_window_pattern - 1} (the sliding layers after the "
+                             "whole periods)")
         if self.rope_type not in GLOBAL_ROPE_TYPES:
             raise ValueError(f"Gemma3Config.rope_type={self.rope_type!r} is not built; accepted: "
                              f"{', '.join(GLOBAL_ROPE_TYPES)}")
@@ -91,8 +112,48 @@ class Period(nnx.Module):
         return run_layers((*self.local, self.glob), x, positions, segment_ids, sequence, cache)
 
 
+class Tail(nnx.Module):
+    """The `tail_layers` sliding layers after the whole periods (`sliding`, HF layers P L ..
+    P L + t - 1): the one block of `Gemma3.tail`. With a cache [B, S, G, P K] layer j reads and
+    writes [..., j K:(j + 1) K] and the rest is kept (`run_layers`)."""
+
+    def __init__(self, cfg: Gemma3Config, rngs: nnx.Rngs):
+        local = inv_freq(cfg.head_dim, cfg.rope_local_theta)
+        self.sliding = nnx.List([Layer(cfg, cfg.sliding_window, local, rngs, qk_norm=True)
+                                 for _ in range(cfg.tail_layers)])
+        self.kv_widths = (cfg.head_dim,) * cfg.tail_layers                     # static
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None,
+                 cache: object = None) -> tuple[jax.Array, object]:
+        return run_layers(tuple(self.sliding), x, positions, segment_ids, sequence, cache,
+                          self.kv_widths)
+
+
 class Gemma3(Gemma2):
     """Gemma 3 text: scaled embed -> stacked periods (sliding layers, then a global one) ->
-    (1 + w) norm -> tied head -> logits, soft-capped where configured."""
+    the tail of sliding layers where the layer count is not whole periods -> (1 + w) norm ->
+    tied head -> logits, soft-capped where configured."""
 
     BLOCK = Period
+
+    def __init__(self, cfg: Gemma3Config, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        if cfg.tail_layers:
+            self.tail = LayerStack(lambda r: Tail(cfg, r), 1, rngs)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array,
+               cache: Any) -> tuple[jax.Array, Any]:
+        """Logits float32 [B, T, V] of `tokens` at `positions` against and into `cache`: the
+        periods on its first L rows, the tail on the last (a paged cache's layer L)."""
+        if self.tail is None:
+            return super().decode(tokens, positions, cache)
+        x = self.embed(tokens, positions)
+        if is_paged(cache):                    # the tail's stack continues at layer L
+            x, cache = self.blocks(x, positions, cache=cache)
+            x, cache = self.tail(x, positions, cache=cache)
+            return self.head(x), cache
+        periods = self.config.num_layers
+        x, head = self.blocks(x, positions, cache={n: c[:periods] for n, c in cache.items()})
+        x, tail = self.tail(x, positions, cache={n: c[periods:] for n, c in cache.items()})
+        return self.head(x), {n: jnp.concatenate([head[n], tail[n]]) for n in cache}

@@ -18,9 +18,13 @@ with what Gemma 4 changes:
   MLP, a top-k mixture of GeGLU experts reads the layer's residual stream (`models.gemma4_moe`);
   the two outputs are each normalised, summed, and normalised once more.
 
-Decoding with a KV cache runs when the global layer has the sliding layers' head dim and
-key-value heads (a period's cache holds its layers side by side, `gemma2.run_layers`);
-otherwise `init_cache` refuses by field name.
+Decoding with a KV cache: a period's layers side by side on the cache's last dim
+(`gemma2.run_layers`), each in its own shape, {"k", "v"} [L, B, S, C, (P - 1) G K / C + G' K' /
+C] for C = gcd(G, G') head groups (`kv_groups`: a layer keeps G / C of its heads side by side
+in a group, so tensor parallelism splits every layer's heads as it splits its weights). The
+memory is each layer's own, (P - 1) G K + G' K' per period and slot for keys and for values
+(the global layer stores values even with k = v: they are normalised, its keys rotated),
+nothing padded to the largest layer.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from .attention import attention, cached_attention
 from .config import ModelConfig
 from .gemma2 import Embed, Gemma2, run_layers
 from .gemma4_moe import Gemma4Moe, rms
-from .layers import LayerStack, RMSNorm, normal, param
+from .kv_groups import cache_groups, fold_widths
+from .layers import LayerStack, RMSNorm, init_kv_cache, normal, param
 from .rope import inv_freq, rope
 from .sequence_parallel import SequenceParallel
 from .tiled_mlp import tiled_mlp
@@ -123,6 +128,12 @@ class Gemma4Config(ModelConfig):
     def layers_per_block(self) -> int:
         """HF layers per block of the stack (`models.hf`'s `{unit[j]}` names)."""
         return self.sliding_window_pattern
+
+    @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(key-value heads, head dim) of each layer of a period, the global one last."""
+        return (((self.num_kv_heads, self.head_dim),) * (self.sliding_window_pattern - 1)
+                + ((self.global_kv_heads, self.global_head_dim),))
 
 
 def proportional_inv_freq(head_dim: int, theta: float, partial: float,
@@ -215,13 +226,15 @@ class Period(nnx.Module):
                                for _ in range(cfg.sliding_window_pattern - 1)])
         self.glob = Layer(cfg, None, cfg.global_head_dim, cfg.global_kv_heads, glob, rngs,
                           k_eq_v=cfg.attention_k_eq_v)
+        self.kv_widths = fold_widths(cfg.kv_shapes)                            # static
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
                  cache: object = None) -> tuple[jax.Array, object]:
-        """x [B, T, D] -> (x, cache); with `cache` [B, S, G, P K] layer j reads and writes
-        [..., j K:(j + 1) K] (`run_layers`; only when every layer has one shape)."""
-        return run_layers((*self.local, self.glob), x, positions, segment_ids, sequence, cache)
+        """x [B, T, D] -> (x, cache); with `cache` [B, S, C, sum(kv_widths)] layer j reads and
+        writes its `kv_widths[j]` entries of the last dim (`run_layers`, `kv_groups`)."""
+        return run_layers((*self.local, self.glob), x, positions, segment_ids, sequence, cache,
+                          self.kv_widths)
 
 
 class Gemma4(Gemma2):
@@ -238,13 +251,11 @@ class Gemma4(Gemma2):
 
     def init_cache(self, batch: int, max_len: int,
                    dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
-        """`Gemma2.init_cache`'s [L, B, max_len, G, P K]: every layer of a period one shape,
-        so ValueError when the global layer's head dim or key-value heads differ."""
+        """A zeroed KV cache {"k", "v"} [L, B, max_len, C, W]: C = gcd of the layers' key-value
+        heads, W = a period's layers' widths side by side (`Period.kv_widths`, `kv_groups`).
+        ValueError past max_seq_len (`ModelConfig.check_seq_len`)."""
         c = self.config
-        if (c.global_head_dim, c.global_kv_heads) != (c.head_dim, c.num_kv_heads):
-            raise ValueError(
-                f"Gemma4Config.global_head_dim={c.global_head_dim}, num_global_kv_heads="
-                f"{c.global_kv_heads}: a KV cache is built when the global layer has the "
-                f"sliding layers' head_dim {c.head_dim} and num_kv_heads {c.num_kv_heads}; "
-                "score such a model with the forward (no cache)")
-        return super().init_cache(batch, max_len, dtype)
+        c.check_seq_len(max_len, "KV cache length (max_len)")
+        return init_kv_cache(c.num_layers, batch, max_len,
+                             cache_groups([g for g, _ in c.kv_shapes]),
+                             sum(fold_widths(c.kv_shapes)), dtype)

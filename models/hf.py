@@ -50,7 +50,8 @@ from .hf_config import (ARCHITECTURES, CAUSAL_LM, SEQUENCE_CLASSIFICATION,  # no
 from . import abstract_model
 from .families import family
 from .hf_names import NameFallbacks  # noqa: F401  (re-exported: part of the hf API)
-from .hf_rules import LM_HEAD, SCORE, as_is_inv, score_fns
+from .hf_rules import (LM_HEAD, SCORE, Rule, as_is_inv, is_per_layer,  # noqa: F401
+                       score_fns)
 from .gpt import GPTConfig
 from .gemma2 import Gemma2Config
 from .llama import LlamaConfig
@@ -66,58 +67,6 @@ REWARD_SCORE = "v_head"
 
 
 # ----------------------------------------------------------------------------- the name map
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One HF tensor and the parameter(s) of ours it is made of.
-
-    `to_hf(*ours) -> hf` takes our arrays (one layer's slice for a per-layer rule) in the order of
-    `ours`; `from_hf(hf) -> tuple of ours` is its inverse.
-    """
-
-    hf: str
-    ours: tuple[str, ...]
-    to_hf: Callable[..., np.ndarray]
-    from_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]
-    # E for a per-expert rule (`{e}` in `hf`): its HF side is the E tensors stacked [E, ...].
-    experts: int = 0
-    # P for a rule naming `{unit[j]}`: HF layers per block of the stack (Qwen3.5's period).
-    unit: int = 1
-
-    @property
-    def per_layer(self) -> bool:
-        return is_per_layer(self.hf)
-
-    def name(self, layer: int | None, expert: int | None = None) -> str:
-        """The HF tensor name of stacked `layer` (None for a global rule): `{i}` is the layer,
-        `{pair[0]}` / `{pair[1]}` the HF layers 2i and 2i + 1 of a block that holds two
-        (Gemma 2's sliding and global pair), `{unit[j]}` the HF layer P i + j of a block that
-        holds P (`unit`: Qwen3.5's period), `{e}` the expert."""
-        return self.hf if layer is None else self.hf.format(
-            i=layer, pair=(2 * layer, 2 * layer + 1), e=expert,
-            unit=tuple(range(self.unit * layer, self.unit * (layer + 1))))
-
-    def read(self, get_tensor: Callable[[str], np.ndarray], layer: int | None) -> np.ndarray:
-        """The HF side of `layer`: one tensor, or a per-expert rule's E tensors stacked."""
-        if not self.experts:
-            return np.asarray(get_tensor(self.name(layer)))
-        return np.stack([np.asarray(get_tensor(self.name(layer, e)))
-                         for e in range(self.experts)])
-
-    def named(self, layer: int | None, hf: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, tensor) of the HF side `hf` of `layer` (a per-expert rule's, one per
-        expert)."""
-        if not self.experts:
-            yield self.name(layer), np.ascontiguousarray(hf)
-            return
-        for e in range(self.experts):
-            yield self.name(layer, e), np.ascontiguousarray(hf[e])
-
-
-def is_per_layer(hf_name: str) -> bool:
-    """Whether a rule's HF name is a per-layer template (`{i}`, `{pair[...]}`, `{unit[...]}`)."""
-    return "{i}" in hf_name or "{pair[" in hf_name or "{unit[" in hf_name
-
 
 @functools.lru_cache(maxsize=16)
 def _abstract_params(config: Config) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -187,10 +136,14 @@ def hf_name_map(config: Config, head: str = CAUSAL_LM) -> tuple[Rule, ...]:
     _head_params(config, head)                        # refuses an unknown head
     table = family(config.family).tensor_map(config)
     base = _abstract_params(config)
-    rules = tuple(Rule(hf, tuple(_resolve(p, is_per_layer(hf), base) for p in ours), *fns,
-                       experts=config.num_experts if "{e}" in hf else 0,
-                       unit=config.layers_per_block if "{unit[" in hf else 1)
-                  for hf, ours, fns in table)
+    rules = []
+    for hf, ours, fns in table:
+        paths = tuple(_resolve(p, is_per_layer(hf), base) for p in ours)
+        tail = "{tail[" in hf
+        rules.append(Rule(hf, paths, *fns, experts=config.num_experts if "{e}" in hf else 0,
+                          unit=config.layers_per_block if "{unit[" in hf or tail else 1,
+                          layers=base[paths[0]][0][0] if is_per_layer(hf) else 0,
+                          first=config.layers_per_block * config.num_layers if tail else 0))
     covered = sorted(p for r in rules for p in r.ours)
     if covered != sorted(base):
         raise AssertionError(f"models/hf.py's map covers {covered}, the model has {sorted(base)}")
@@ -198,7 +151,7 @@ def hf_name_map(config: Config, head: str = CAUSAL_LM) -> tuple[Rule, ...]:
         rules = tuple(dataclasses.replace(r, ours=tuple(f"{REWARD_BASE}/{p}" for p in r.ours))
                       for r in rules if r.hf != LM_HEAD)
         rules += (Rule(SCORE, (REWARD_SCORE,), *score_fns(config.d_model)),)
-    return rules
+    return tuple(rules)
 
 
 def describe_hf_name_map(config: Config, head: str = CAUSAL_LM) -> str:
@@ -239,9 +192,9 @@ def to_hf_tensors(config: Config, params: Mapping[str, Any] | ParamGetter,
     for r in rules:
         if not r.per_layer:
             yield r.hf, np.ascontiguousarray(r.to_hf(*(get(p, None) for p in r.ours)))
-    for i in range(config.num_layers):
+    for i in range(max((r.layers for r in rules), default=0)):
         for r in rules:
-            if r.per_layer:
+            if i < r.layers:
                 yield from r.named(i, r.to_hf(*(get(p, i) for p in r.ours)))
 
 
@@ -263,7 +216,7 @@ def iter_hf_params(config: Config, get_tensor: Callable[..., np.ndarray], *,
     for r in hf_name_map(config, head):
         stored_as_is = (select is not None and r.from_hf is as_is_inv and len(r.ours) == 1
                         and hasattr(get_tensor, "shape") and not r.experts)
-        for i in range(config.num_layers) if r.per_layer else (None,):
+        for i in range(r.layers) if r.per_layer else (None,):
             name = r.name(i)
             path = r.ours[0]
             want = expected[path][0] if i is None else expected[path][0][1:]

@@ -1,7 +1,7 @@
 """The reshapes the families' tensor name maps are made of (`models.families.<family>.tensor_map`):
 a row is `(hf name, our paths, (to_hf, from_hf))`, an HF name holding `{i}` is per layer, our
 paths are relative (a per-layer one names the stacked `[L, ...]` leaf ending with it), and
-`models.hf` resolves the rows into `Rule`s.
+`models.hf` resolves the rows into `Rule`s (below).
 
 Conventions, checked against transformers 5.23.0 (`pytorch_utils.py`, each family's modeling
 file; tests/models/test_hf.py also passes on 4.57):
@@ -14,7 +14,9 @@ file; tests/models/test_hf.py also passes on 4.57):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -76,4 +78,65 @@ def score_fns(d: int):
     return to_hf, from_hf
 
 
-__all__ = ["LM_HEAD", "SCORE", "as_is", "as_is_inv", "concat", "linear", "score_fns"]
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One HF tensor and the parameter(s) of ours it is made of.
+
+    `to_hf(*ours) -> hf` takes our arrays (one layer's slice for a per-layer rule) in the order of
+    `ours`; `from_hf(hf) -> tuple of ours` is its inverse.
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    to_hf: Callable[..., np.ndarray]
+    from_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    # E for a per-expert rule (`{e}` in `hf`): its HF side is the E tensors stacked [E, ...].
+    experts: int = 0
+    # P for a rule naming `{unit[j]}` / `{tail[j]}`: HF layers per block (Qwen3.5's period).
+    unit: int = 1
+    # L for a per-layer rule: the layers of its stacked [L, ...] leaves.
+    layers: int = 0
+    # For a rule naming `{tail[j]}`: the HF layer of its layer 0's j = 0 (the blocks' P L).
+    first: int = 0
+
+    @property
+    def per_layer(self) -> bool:
+        return is_per_layer(self.hf)
+
+    def name(self, layer: int | None, expert: int | None = None) -> str:
+        """The HF tensor name of stacked `layer` (None for a global rule): `{i}` is the layer,
+        `{pair[0]}` / `{pair[1]}` the HF layers 2i and 2i + 1 of a block that holds two
+        (Gemma 2's sliding and global pair), `{unit[j]}` the HF layer P i + j of a block that
+        holds P (`unit`: Qwen3.5's period), `{tail[j]}` the HF layer `first` + P i + j of a
+        stack after the blocks (Gemma 3's trailing layers), `{e}` the expert."""
+        if layer is None:
+            return self.hf
+        unit = range(self.unit * layer, self.unit * (layer + 1))
+        return self.hf.format(i=layer, pair=(2 * layer, 2 * layer + 1), e=expert,
+                              unit=tuple(unit), tail=tuple(self.first + j for j in unit))
+
+    def read(self, get_tensor: Callable[[str], np.ndarray], layer: int | None) -> np.ndarray:
+        """The HF side of `layer`: one tensor, or a per-expert rule's E tensors stacked."""
+        if not self.experts:
+            return np.asarray(get_tensor(self.name(layer)))
+        return np.stack([np.asarray(get_tensor(self.name(layer, e)))
+                         for e in range(self.experts)])
+
+    def named(self, layer: int | None, hf: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, tensor) of the HF side `hf` of `layer` (a per-expert rule's, one per
+        expert)."""
+        if not self.experts:
+            yield self.name(layer), np.ascontiguousarray(hf)
+            return
+        for e in range(self.experts):
+            yield self.name(layer, e), np.ascontiguousarray(hf[e])
+
+
+def is_per_layer(hf_name: str) -> bool:
+    """Whether a rule's HF name is a per-layer template (`{i}`, `{pair[...]}`, `{unit[...]}`,
+    `{tail[...]}`)."""
+    return "{i}" in hf_name or any(f"{{{k}[" in hf_name for k in ("pair", "unit", "tail"))
+
+
+__all__ = ["LM_HEAD", "SCORE", "Rule", "as_is", "as_is_inv", "concat", "is_per_layer", "linear",
+           "score_fns"]

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import online_softmax
+from . import kv_groups, online_softmax
 from .layers import at_least_float32, attention_scores, call_block, visible_keys
 
 NULL_PAGE = 0
@@ -64,47 +64,55 @@ class PagedKV:
 
     def scan_layers(self, graphdef: Any, state: Any, x: Any, args: tuple) -> tuple[Any, Any]:
         """`models.layers.scan_layers` for this cache: the stacked blocks `state` run by
-        `lax.scan`, the cache in the carry with `layer` counting up."""
+        `lax.scan`, the cache in the carry with `layer` counting up from its own (0 for a
+        model's first stack; a stack after it, Gemma 3's tail, continues where it ended)."""
 
         def body(carry, layer_state):
             h, cache = carry
             h, cache = call_block(nnx.merge(graphdef, layer_state), h, args, cache)
             return (h, cache.replace(layer=cache.layer + 1)), None
 
-        (x, cache), _ = jax.lax.scan(body, (x, self.replace(layer=jnp.int32(0))), state)
+        start = self.replace(layer=jnp.asarray(self.layer, jnp.int32))
+        (x, cache), _ = jax.lax.scan(body, (x, start), state)
         return x, cache
 
 
 def write_pages(k: jax.Array, v: jax.Array, positions: jax.Array,
                 cache: PagedKV) -> PagedKV:
     """`cache` with token (d, n)'s k, v [D, N, G, K] written, in layer `cache.layer`, to slot
-    positions[d, n] % P of page token_pages[d, n, positions[d, n] // P]."""
+    positions[d, n] % P of page token_pages[d, n, positions[d, n] // P]; pools of C < G head
+    groups hold G / C heads side by side per group (`kv_groups.fold_heads`)."""
     p = cache.page_size
     page = jnp.take_along_axis(cache.token_pages, (positions // p)[..., None], axis=-1)[..., 0]
     group = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
 
-    def write(pool, new):                                   # [D, N] indices, [D, N, G, K] new
+    def write(pool, new):                          # [D, N] indices, [D, N, C, G K / C] new
+        new = kv_groups.fold_heads(new, pool.shape[2])
         return pool.at[cache.layer, group, :, page, positions % p].set(new.astype(pool.dtype))
 
     return cache.replace(k=write(cache.k, k), v=write(cache.v, v))
 
 
-def _chunk_attention(q, pos, pages, pool_k, pool_v, *, window, scale, softcap, sinks, per_block,
-                     dtype):
+def _chunk_attention(q, pos, pages, pool_k, pool_v, *, kv_heads, window, scale, softcap, sinks,
+                     per_block, dtype):
     """One chunk of C tokens of one group: q [C, H, K], pos [C], pages [C, M'] (M' a whole
-    number of blocks), pools [G, NP, P, K], sinks [H] or None -> out [C, H, K], reading the
-    blocks up to the chunk's largest position (and from its smallest's window start)."""
+    number of blocks), pools [Gp, NP, P, G K / Gp] (`kv_heads` G heads in Gp groups,
+    `kv_groups`), sinks [H] or None -> out [C, H, K], reading the blocks up to the chunk's
+    largest position (and from its smallest's window start)."""
     c, h, kd = q.shape
-    g, _, p, _ = pool_k.shape
+    g, p = kv_heads, pool_k.shape[2]
     bk = per_block * p
     qg = jnp.swapaxes(q.reshape(c, g, h // g, kd), 0, 1)                      # [G, C, R, K]
     hi = jnp.max(pos) // bk + 1
     lo = 0 if window is None else jnp.maximum(0, (jnp.min(pos) - window + 1) // bk)
 
+    def read(pool, ids, as_dtype):            # pool [Gp, NP, P, W], ids [C, pb] -> [G, C, bk, K]
+        blk = pool[:, ids].reshape(pool.shape[0], c, bk, -1)                # [Gp, C, bk, W]
+        return kv_groups.unfold_leading(blk, g).astype(as_dtype)
+
     def kv_step(j, state):                        # m, l [G, C, R], acc [G, C, R, K]
         ids = jax.lax.dynamic_slice_in_dim(pages, j * per_block, per_block, axis=1)  # [C, pb]
-        k_blk = pool_k[:, ids].reshape(g, c, bk, kd).astype(q.dtype)           # [G, C, bk, K]
-        v_blk = pool_v[:, ids].reshape(g, c, bk, kd).astype(dtype)
+        k_blk, v_blk = read(pool_k, ids, q.dtype), read(pool_v, ids, dtype)
         slot = j * bk + jnp.arange(bk)
         visible = visible_keys(pos[:, None], slot[None, :], window)[None, :, None]  # [1,C,1,bk]
         scores = attention_scores(qg, k_blk, scale, softcap, spec="GCRK,GCSK->GCRS")
@@ -144,8 +152,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     pages = jnp.pad(cache.token_pages, ((0, 0), (0, chunks * c - n), (0, blocks * per_block - m)))
     pos = jnp.pad(positions, ((0, 0), (0, chunks * c - n)))      # pad places: position 0
     qc = jnp.pad(q, ((0, 0), (0, chunks * c - n), (0, 0), (0, 0)))
-    attend = functools.partial(_chunk_attention, window=window, scale=scale, softcap=softcap,
-                               sinks=sinks, per_block=per_block, dtype=v.dtype)
+    attend = functools.partial(_chunk_attention, kv_heads=k.shape[2], window=window, scale=scale,
+                               softcap=softcap, sinks=sinks, per_block=per_block, dtype=v.dtype)
 
     def group(q_d, pos_d, pages_d, pool_k, pool_v):             # one data group, chunk by chunk
         return jax.lax.map(lambda x: attend(*x, pool_k, pool_v),

@@ -9,10 +9,11 @@ type, `rope_parameters` {"sliding_attention": ..., "full_attention": ...} (trans
 read as `Gemma3TextConfig.convert_rope_params_to_dict` does. The published checkpoints nest the
 text model under `text_config` beside a `vision_config` (`families.qwen3_5.text_keys`) and
 keep its tensors under `model.language_model.` (`models.hf_names`); the vision tower and the
-projector are never read. Our stack's block i is the HF layers P*i .. P*i + P - 1 (`{unit[j]}`).
+projector are never read. Our stack's block i is the HF layers P*i .. P*i + P - 1 (`{unit[j]}`);
+a layer count that is not whole periods (transformers' Gemma 3 1B, 4B and 27B have 26, 34 and
+62 layers of a pattern of 6) ends in the tail's sliding layers, HF layers P L + j (`{tail[j]}`).
 
-Refused by key: another layer pattern, a layer count not a multiple of the pattern (transformers'
-Gemma 3 1B, 4B and 27B have 26, 34 and 62 layers: not whole periods of 6), biases, an untied
+Refused by key: another layer pattern, fewer layers than one period, biases, an untied
 head, another activation, bidirectional attention, a RoPE type other than plain (sliding) or
 plain / linear (global), attention soft-capping (transformers' Gemma 3 never applies it) and a
 final soft-capping nested under `text_config` (its `Gemma3ForConditionalGeneration` does not
@@ -72,9 +73,9 @@ def _pattern(text: Mapping[str, Any]) -> int:
     pattern = types.index(FULL) + 1 if FULL in types else text.get("sliding_window_pattern", 6)
     require(isinstance(pattern, int) and pattern >= 2, key, types or pattern,
             f"periods of sliding_attention layers (at least one) then one {FULL}")
-    require(n % pattern == 0, "num_hidden_layers", n,
-            f"a multiple of the layer pattern {pattern} (whole periods of {pattern - 1} "
-            f"{SLIDING} layers and one {FULL} layer)")
+    require(n >= pattern, "num_hidden_layers", n,
+            f"at least one period of the layer pattern {pattern} ({pattern - 1} {SLIDING} "
+            f"layers and one {FULL} layer)")
     require(not types or types == layer_types(n, pattern), "layer_types", types,
             f"{pattern - 1} {SLIDING} layers then one {FULL}, repeated")
     return pattern
@@ -113,6 +114,7 @@ def from_hf(hf: Mapping[str, Any]) -> Gemma3Config:
         vocab_size=text["vocab_size"], max_seq_len=text["max_position_embeddings"], d_model=d,
         num_heads=h, num_kv_heads=text.get("num_key_value_heads") or h,
         num_layers=text["num_hidden_layers"] // pattern, mlp_dim=text["intermediate_size"],
+        tail_layers=text["num_hidden_layers"] % pattern,
         explicit_head_dim=None if d % h == 0 and head_dim == d // h else head_dim,
         norm_eps=text.get("rms_norm_eps", 1e-6), init_std=text.get("initializer_range", 0.02),
         query_pre_attn_scalar=text.get("query_pre_attn_scalar", 256),
@@ -122,7 +124,7 @@ def from_hf(hf: Mapping[str, Any]) -> Gemma3Config:
 
 def to_hf(config: Gemma3Config) -> dict[str, Any]:
     """Flat `gemma3_text` keys: what `Gemma3ForCausalLM` (AutoModelForCausalLM) loads."""
-    n = config.num_layers * config.sliding_window_pattern
+    n = config.num_layers * config.sliding_window_pattern + config.tail_layers
     full = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
     if config.rope_type == "linear":
         full["factor"] = config.rope_factor
@@ -146,7 +148,10 @@ def tensor_map(c: Gemma3Config) -> list[Row]:
     last = c.sliding_window_pattern - 1
     for j in range(last):
         rows += _layer_rows(c, f"model.layers.{{unit[{j}]}}.", f"local/{j}/")
-    return rows + _layer_rows(c, f"model.layers.{{unit[{last}]}}.", "glob/")
+    rows += _layer_rows(c, f"model.layers.{{unit[{last}]}}.", "glob/")
+    for j in range(c.tail_layers):                # HF layers P L + j, after the periods
+        rows += _layer_rows(c, f"model.layers.{{tail[{j}]}}.", f"sliding/{j}/")
+    return rows
 
 
 SPEC = Family("gemma3", Gemma3Config, Gemma3, {CAUSAL_LM: "Gemma3ForCausalLM"},

@@ -15,7 +15,11 @@ scaled; the final logits soft-capped; every tensor perturbed, no network):
 - ZeRO-3 on 2 x 4 with packed rows, with SP = 2 and with LoRA adapters trains 3 steps as the
   unsharded model does on one device;
 - the export reloads in transformers with equal logits, and every config.json option not built
-  is refused by its key, flat and nested under `text_config`.
+  is refused by its key, flat and nested under `text_config`;
+- a layer count that is not whole periods (8 layers: one period of 6, then 2 sliding layers in
+  the tail): logits and loss under ZeRO-3 equal transformers', the export reloads, the Hybrid
+  Engine's greedy tokens equal transformers' `generate` (static and continuous), ZeRO-3 on
+  2 x 4 and with SP = 2 trains as the unsharded model does, and a pipeline refuses it by name.
 """
 
 import functools
@@ -59,6 +63,16 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma3TextConfig(**TEXT))
     return save_random(model, tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="module")
+def tail_checkpoint(tmp_path_factory):
+    """8 layers: one period of 6 (5 sliding, 1 global), then 2 sliding layers (the tail),
+    transformers' own `layer_types` for 8 layers; every tensor perturbed."""
+    torch.manual_seed(2)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.Gemma3TextConfig(**{**TEXT, "num_hidden_layers": 8}))
+    return save_random(model, tmp_path_factory.mktemp("gemma3_tail"))
 
 
 def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoint):
@@ -137,7 +151,8 @@ def _packed_batch():
 LORA = dict(dim=4, alpha=8.0, module_name=r"blocks/.*(wq|wv|w_up)$")
 # name -> (mesh (nodes, local, sequence), with LoRA adapters)
 TRAINING = {"zero3-2x4-packed": ((2, 4, 1), False), "zero3-sp2-packed": ((2, 2, 2), False),
-            "zero3-2x4-lora": ((2, 4, 1), True)}
+            "zero3-2x4-lora": ((2, 4, 1), True), "tail-zero3-2x4-packed": ((2, 4, 1), False),
+            "tail-zero3-sp2-packed": ((2, 2, 2), False)}
 
 
 def _float64_model(checkpoint, lora):
@@ -187,7 +202,8 @@ def one_device():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRAINING))
-def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, one_device, name):
+def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, tail_checkpoint,
+                                                            one_device, name):
     """3 steps of SGD with momentum on packed rows, every leaf partitioned, against single-
     device optax on the same model (`reference.train_single_device`; with LoRA the base masked
     out of the reference's optimizer): losses rtol 1e-5, every leaf rtol 1e-4 + atol 1e-6. In
@@ -199,6 +215,7 @@ def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, one_devic
     from zeroxla.lora import LoRAConfig, lora_trainable
 
     (nodes, local, sequence), lora = TRAINING[name]
+    checkpoint = tail_checkpoint if name.startswith("tail-") else checkpoint
     config = LoRAConfig(**LORA, only_optimize_lora=True)
     want, expected, trained = one_device(checkpoint, lora)
     with jax.enable_x64(True):
@@ -223,10 +240,46 @@ def test_export_reloads_in_transformers_with_equal_logits(checkpoint, tmp_path):
                                           VOCAB, ATOL)
 
 
+def test_a_trailing_partial_period_equals_transformers(tail_checkpoint):
+    """One period and a tail of 2 sliding layers, loaded into ZeRO-3 partitions on 2 x 4:
+    logits within 1e-4 of transformers', the loss equal to its `labels=` loss."""
+    config = hf.from_hf_config(hf.read_hf_config(tail_checkpoint))
+    assert (config.num_layers, config.tail_layers) == (1, 2)
+    assert_zero3_logits_and_loss_equal_transformers(tail_checkpoint, "gemma3", 1, VOCAB, ATOL)
+
+
+def test_a_trailing_partial_period_exports_and_reloads(tail_checkpoint, tmp_path):
+    assert_export_reloads_in_transformers(tail_checkpoint, tmp_path, "gemma3_text",
+                                          "Gemma3ForCausalLM", VOCAB, ATOL)
+
+
+@pytest.fixture(scope="module")
+def tail_greedy_case(tail_checkpoint):
+    return family_checkpoints.greedy_case(tail_checkpoint, VOCAB)
+
+
+@pytest.mark.parametrize("batching,tp", [("continuous", 2),
+                                         pytest.param("static", 1, marks=pytest.mark.slow)])
+def test_a_trailing_partial_period_generates_as_transformers(tail_greedy_case, batching, tp):
+    """The tail's KV cache (one more row of the periods' shape; a paged cache's last layer):
+    the Hybrid Engine's greedy tokens equal transformers' `generate`, past the window of 4."""
+    family_checkpoints.assert_engine_greedy_equals_transformers(tail_greedy_case, batching, tp)
+
+
+def test_a_pipeline_refuses_a_stack_after_the_periods(tail_checkpoint):
+    """The pipeline stores every stacked layer split over its stages as the periods' own: a
+    model with the tail's stack besides is refused by name, not split wrong."""
+    _, model = hf.load_hf_model(tail_checkpoint)
+    with pytest.raises(ValueError, match="LayerStack besides self.blocks"):
+        zeroxla.make_step(model, zeroxla.make_mesh(1, stages=2), optimizer=optax.sgd(0.1),
+                          config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0),
+                          pipeline=zeroxla.PipelineConfig(2))
+
+
 @pytest.mark.parametrize("change,match", [
     ({"layer_types": ["full_attention"] + ["sliding_attention"] * 5 + ["sliding_attention"] * 5
       + ["full_attention"]}, "layer_types"),
-    ({"num_hidden_layers": 26, "layer_types": None}, "num_hidden_layers=26"),
+    ({"num_hidden_layers": 5, "layer_types": None}, "num_hidden_layers=5"),
     ({"sliding_window_pattern": 1, "layer_types": None}, "sliding_window_pattern=1"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),

@@ -10,8 +10,9 @@ and with the MoE block (4 experts, top 2, beside the dense MLP):
   `labels=` loss (rtol 1e-5);
 - a packed row (two sequences and padding) equals its sequences run alone (1e-5);
 - ZeRO-3 on 2 x 4 with packed rows trains 3 steps as the unsharded model does on one device;
-- where the global layer keeps the sliding layers' shape (the KV cache's one layer shape), the
-  Hybrid Engine's greedy tokens equal transformers' `generate`; otherwise `init_cache` refuses;
+- the Hybrid Engine's greedy tokens equal transformers' `generate`, static and continuous, tp
+  1 and 2, with the global layer's own head dim and key-value heads in the KV cache (and with
+  the MoE block, where the global layer keeps the sliding layers' shape);
 - the export reloads in transformers with equal logits, a `text_config`-nested config reads
   as the flat one, and every config.json option not built is refused by its key.
 """
@@ -179,12 +180,25 @@ def test_options_not_built_are_refused_by_key(checkpoints, change, match):
         hf.from_hf_config({"model_type": "gemma4", "text_config": edited})
 
 
-def test_a_kv_cache_needs_one_layer_shape(checkpoints):
-    """The global layer's head dim 32 differs from the sliding layers' 16: `init_cache`
-    refuses by field name rather than build a cache one layer cannot use."""
-    _, model = hf.load_hf_model(checkpoints["dense"])
-    with pytest.raises(ValueError, match="global_head_dim=32"):
-        model.init_cache(1, 16)
+@pytest.fixture(scope="module")
+def mixed_shapes_greedy(checkpoints):
+    """`greedy_case` of the dense checkpoint: its global layer's head dim 32 and 1 key-value
+    head, the sliding layers' 16 and 2, in one KV cache (`models.kv_groups`)."""
+    return family_checkpoints.greedy_case(checkpoints["dense"], VOCAB)
+
+
+@pytest.mark.parametrize("batching,tp", [
+    ("continuous", 2), ("static", 1), pytest.param("continuous", 1, marks=pytest.mark.slow),
+    pytest.param("static", 2, marks=pytest.mark.slow)])
+def test_hybrid_engine_greedy_with_layers_of_different_shapes(mixed_shapes_greedy, batching,
+                                                              tp):
+    """Layers of different key-value shapes in one period (global head dim 32 and 1 key-value
+    head, sliding 16 and 2; keys equal to values): from ZeRO-3 partitions on 2 x 4 the Hybrid
+    Engine's greedy tokens (pages of 4 slots; tp 2 replicates the global layer's one head)
+    equal transformers' `generate(do_sample=False)`, 7-token prompts and 12 new tokens, past
+    the sliding window of 4."""
+    family_checkpoints.assert_engine_greedy_equals_transformers(mixed_shapes_greedy, batching,
+                                                                tp)
 
 
 @pytest.mark.slow

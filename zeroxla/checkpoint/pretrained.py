@@ -210,7 +210,7 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
     values = {name: _zeros(abstract[name], mesh, dtype)
               for name in hf_io.unmapped_params(config, head)}
     layers: dict[str, list[jax.Array]] = {}
-    pieces = sum(len(r.ours) * (config.num_layers if r.per_layer else 1)
+    pieces = sum(len(r.ours) * (r.layers if r.per_layer else 1)
                  for r in hf_io.hf_name_map(config, head))
     with (hf_io.open_safetensors(path) as get_tensor,
           tqdm(total=pieces, desc="loading", unit="tensor", disable=not progress or None) as bar):
@@ -224,7 +224,7 @@ def spread_hf_params(config: Any, path: str | os.PathLike, mesh: Mesh, *,
                 values[name] = array
             else:
                 layers.setdefault(name, []).append(array)
-                if len(layers[name]) == config.num_layers:
+                if len(layers[name]) == abstract[name][0]:          # all its [L] layers
                     slices = layers.pop(name)
                     values[name] = _stacker(mesh, slices[0].sharding.spec, len(slices),
                                             layer_axis(mesh, stage_layers))(*slices)

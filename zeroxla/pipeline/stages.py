@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.extend import core as jex_core
 
 from zeroxla.engine.loss import loss_terms, next_token_loss, next_token_loss_terms
@@ -142,6 +143,13 @@ def check_stages(loss: LossTerms, model_of: Callable[[dict], Any], values: dict[
             f"repeated blocks (found {type(stack).__name__}); build them with "
             f"LayerStack(make_block, num_layers, rngs) and call self.{STACK_ATTRIBUTE}(x, ...) "
             "in __call__")
+    others = ["/".join(map(str, path)) for path, node in nnx.iter_graph(model)
+              if isinstance(node, LayerStack) and node is not stack]
+    if others:
+        raise ValueError(f"pipeline: {type(model).__name__} has a LayerStack besides "
+                         f"self.{STACK_ATTRIBUTE}: {others}; the pipeline stores every stacked "
+                         f"layer split over its stages as {STACK_ATTRIBUTE}' own, so it splits "
+                         "a model with one stack only; accepted: pipeline=None for this model")
     seen: dict[str, Any] = {}
 
     def entry(p, b):
