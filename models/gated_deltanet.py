@@ -13,6 +13,14 @@ cut and joined by the tensor map, `families.qwen3_5`) and name their heads.
 
 Packing (`segment_ids` [B, T], 0 = padding): the conv window and the recurrent state restart at
 each segment start, so a packed row's sequences compute as if each ran alone.
+
+Decoding (`DeltaNet.decode`) carries a per-row recurrent cache instead of a KV cache: the conv
+window, the last `W - 1` inputs of each conv, and the rule's float32 state [H, K, V]
+(`init_recurrent_cache`, its dims named by `RECURRENT_CACHE_AXES`). A prefill of right-padded
+rows marks its pads as segment 0, so they leave the state as the last prompt token left it and
+the window holds the last real inputs. Under continuous batching each sequence's cache is a
+slot of a pool and a step's places run through it in position order (`DeltaNet.decode_slots`,
+`models.recurrent_slots`).
 """
 
 from __future__ import annotations
@@ -22,8 +30,41 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import axes
-from .gated_delta import gated_delta_chunked
+from .gated_delta import PAD_SEGMENT, gated_delta_chunked, gated_delta_recurrent
 from .layers import at_least_float32, normal, param
+from .recurrent_slots import RecurrentSlots, scan_places
+
+# The dims of a DeltaNet layer's decode cache, each entry per row (`init_recurrent_cache`): the
+# conv windows [W - 1, heads, head dim] and the rule's state [H, K, V].
+RECURRENT_CACHE_AXES = (
+    ("conv_q", (axes.CONV_WINDOW, axes.KV_HEADS, axes.HEAD_DIM)),
+    ("conv_k", (axes.CONV_WINDOW, axes.KV_HEADS, axes.HEAD_DIM)),
+    ("conv_v", (axes.CONV_WINDOW, axes.HEADS, axes.HEAD_DIM)),
+    ("state", (axes.HEADS, axes.HEAD_DIM, axes.HEAD_DIM)),
+)
+
+
+def chunked_prefill() -> bool:
+    """Whether a decode block of several tokens (a prefill) runs the chunked rule (else the
+    recurrent one, token by token; both equal transformers'): on accelerators. On XLA:CPU's
+    host devices the engine's program with a chunked prefill of 8 rows x 51 tokens per device
+    stalls, its devices waiting in the rendezvous of the attention layer's one all-reduce (the
+    largest position); the token-by-token prefill completes."""
+    return jax.default_backend() != "cpu"
+
+
+def init_recurrent_cache(cfg, lead: tuple[int, ...],
+                         dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
+    """Zeroed decode caches of DeltaNet layers, each entry with the leading dims `lead` (e.g.
+    [L, B, N]: periods, rows, DeltaNet layers of a period): conv_q, conv_k [*lead, W - 1, Hk, K]
+    and conv_v [*lead, W - 1, H, V] in `dtype`, state [*lead, H, K, V] in float32 (or wider)."""
+    window = cfg.linear_conv_kernel_dim - 1
+    hk, k = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    h, v = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    return {"conv_q": jnp.zeros((*lead, window, hk, k), dtype),
+            "conv_k": jnp.zeros((*lead, window, hk, k), dtype),
+            "conv_v": jnp.zeros((*lead, window, h, v), dtype),
+            "state": jnp.zeros((*lead, h, k, v), at_least_float32(dtype))}
 
 
 def causal_conv(x_BTHK: jax.Array, w_WHK: jax.Array,
@@ -104,18 +145,87 @@ class DeltaNet(nnx.Module):
                              "not built (its recurrence scans whole sequences, and no state "
                              "passes between sequence devices); accepted: sequence_parallel_"
                              "size=1 for this family")
-        q = causal_conv(jnp.einsum("BTD,DHK->BTHK", h_BTD, self.wq[...]), self.conv_q[...],
-                        segment_ids)
-        k = causal_conv(jnp.einsum("BTD,DHK->BTHK", h_BTD, self.wk[...]), self.conv_k[...],
-                        segment_ids)
-        v = causal_conv(jnp.einsum("BTD,DHV->BTHV", h_BTD, self.wv[...]), self.conv_v[...],
-                        segment_ids)
+        inputs, z, g, beta = self._project(h_BTD)
+        q, k, v = (causal_conv(x, w, segment_ids) for x, w in zip(inputs, self._conv_weights()))
+        o, _ = gated_delta_chunked(q, k, v, g, beta, segment_ids=segment_ids,
+                                   use_qk_l2norm_in_kernel=True)                  # [B, T, H, V]
+        return jnp.einsum("BTHV,HVD->BTD", self.norm(o, z), self.wo[...])
+
+    def decode(self, h_BTD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """h [B, T, D] against and into this layer's cache (`init_recurrent_cache` with lead
+        [B]) -> ([B, T, D], the cache after the rows' last real tokens).
+
+        A row whose first position is 0 starts a sequence: its window and state start from
+        zeros, whatever an earlier generation left there. `segment_ids` int [B, T] marks a
+        prefill's right pads (`PAD_SEGMENT`, else one segment id): pads write nothing, so the
+        state is the last prompt token's and the window holds the last W - 1 real inputs.
+        T = 1 steps through the recurrent rule, a longer block through `chunked_prefill`'s."""
+        t = h_BTD.shape[1]
+        fresh_B = positions[:, 0] == 0
+        real_B = (jnp.full(h_BTD.shape[:1], t) if segment_ids is None
+                  else jnp.sum(segment_ids != PAD_SEGMENT, axis=1))
+        inputs, z, g, beta = self._project(h_BTD)
+        convolved, written = [], {}
+        for name, x, w in zip(("conv_q", "conv_k", "conv_v"), inputs, self._conv_weights()):
+            window = jnp.where(fresh_B[:, None, None, None], 0, cache[name]).astype(x.dtype)
+            width = window.shape[1]
+            x_ext = jnp.concatenate([window, x], axis=1)               # [B, W - 1 + T, ., .]
+            convolved.append(causal_conv(x_ext, w)[:, width:])
+            # x_ext is the window then the T inputs: its last W - 1 real ones start at `real`
+            last_BW = real_B[:, None] + jnp.arange(width)
+            written[name] = jnp.take_along_axis(x_ext, last_BW[:, :, None, None],
+                                                axis=1).astype(cache[name].dtype)
+        state = jnp.where(fresh_B[:, None, None, None], 0.0, cache["state"])
+        rule = gated_delta_chunked if t > 1 and chunked_prefill() else gated_delta_recurrent
+        o, state = rule(*convolved, g, beta, initial_state=state, segment_ids=segment_ids,
+                        use_qk_l2norm_in_kernel=True)                           # [B, T, H, V]
+        written["state"] = state.astype(cache["state"].dtype)
+        return jnp.einsum("BTHV,HVD->BTD", self.norm(o, z), self.wo[...]), written
+
+    def decode_slots(self, h_DND: jax.Array, positions: jax.Array, slots: RecurrentSlots,
+                     states: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """A continuous-batching step's places h [D, N, D] (`models.recurrent_slots`) against
+        their sequences' slots: `states` this layer's entries of `init_recurrent_cache` with
+        lead [D, S + 1] (conv windows and the [H, K, V] state of each slot) -> ([D, N, D], the
+        states after the step). The projections, the output norm and the output projection run
+        over all N places at once; the conv and the recurrent rule one place at a time, in each
+        sequence's position order (`scan_places`)."""
+        inputs, z, g, beta = self._project(h_DND)
+        names = ("conv_q", "conv_k", "conv_v")
+
+        def token(state, x):
+            raw, g_H, beta_H = x                      # raw: q, k [Hk, K], v [H, V]; g, beta [H]
+            new, convolved = {}, []
+            for name, x_HK, w_WHK in zip(names, raw, self._conv_weights()):
+                window_WHK = jnp.concatenate([state[name].astype(x_HK.dtype), x_HK[None]])
+                convolved.append(causal_conv(window_WHK[None], w_WHK)[0, -1])
+                new[name] = window_WHK[1:]                              # the last W - 1 inputs
+            q, k, v = (c[None, None] for c in convolved)                # [1, 1, heads, dim]
+            o, state_1HKV = gated_delta_recurrent(
+                q, k, v, g_H[None, None], beta_H[None, None], initial_state=state["state"][None],
+                use_qk_l2norm_in_kernel=True)
+            new["state"] = state_1HKV[0]
+            return new, o[0, 0]                                         # [H, V]
+
+        states, o = scan_places(token, states, (inputs, g, beta), positions, slots.slots,
+                                slots.order)                            # o [D, N, H, V]
+        return jnp.einsum("BTHV,HVD->BTD", self.norm(o, z), self.wo[...]), states
+
+    def _conv_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.conv_q[...], self.conv_k[...], self.conv_v[...]
+
+    def _project(self, h_BTD: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array,
+                                                  jax.Array]:
+        """((q, k [B, T, Hk, K], v [B, T, H, V]) before the conv, z [B, T, H, V], the log-decay
+        g and the write strength beta [B, T, H]) of the normed residual h [B, T, D]."""
+        inputs = (jnp.einsum("BTD,DHK->BTHK", h_BTD, self.wq[...]),
+                  jnp.einsum("BTD,DHK->BTHK", h_BTD, self.wk[...]),
+                  jnp.einsum("BTD,DHV->BTHV", h_BTD, self.wv[...]))
         z = jnp.einsum("BTD,DHV->BTHV", h_BTD, self.wz[...])
         beta = jax.nn.sigmoid(jnp.einsum("BTD,DH->BTH", h_BTD, self.wb[...]))
         acc = at_least_float32(h_BTD.dtype)
         a = jnp.einsum("BTD,DH->BTH", h_BTD, self.wa[...]).astype(acc)
         g = -jnp.exp(self.a_log[...].astype(acc)) * jax.nn.softplus(
             a + self.dt_bias[...].astype(acc))                                    # [B, T, H]
-        o, _ = gated_delta_chunked(q, k, v, g, beta, segment_ids=segment_ids,
-                                   use_qk_l2norm_in_kernel=True)                  # [B, T, H, V]
-        return jnp.einsum("BTHV,HVD->BTD", self.norm(o, z), self.wo[...])
+        return inputs, z, g, beta

@@ -11,7 +11,9 @@ and its own sequence's page table, so the cache passed to a model's layers is
 
 (L layers, D data groups, G kv heads, NP pages per group, P slots per page, K head dim; token n's
 row of its sequence's page table, M pages at most per sequence; `models.layers.scan_layers`
-carries it whole from layer to layer, `PagedKV.layer` saying which). Page 0 of each group is the null
+carries it whole from layer to layer, `PagedKV.layer` saying which). A recurrent model's
+state (Gated DeltaNet's) rides along in slots, one per sequence (`PagedKV.recurrent`,
+`models.recurrent_slots`). Page 0 of each group is the null
 page: unused page-table entries point at it and the budget's filler tokens write into it, and no
 real token ever attends it (its logical slots lie above the token's position).
 
@@ -57,6 +59,9 @@ class PagedKV:
     v: jax.Array
     token_pages: jax.Array
     layer: jax.Array | int = 0
+    # a recurrent model's per-sequence state slots (`recurrent_slots.RecurrentSlots`), carried
+    # with the pages from layer to layer; None for a model with attention layers alone
+    recurrent: Any = None
 
     @property
     def page_size(self) -> int:

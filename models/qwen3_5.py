@@ -13,9 +13,16 @@ The period of layers is built into the block: one `Period` is the DeltaNet layer
 engine, the pipeline and ZeRO-3's per-block gathers run it as any stack.
 `Qwen3_5Config.num_layers` counts periods (HF's num_hidden_layers / attention_interval).
 
-Generation is not built: the DeltaNet layers decode with a per-sequence recurrent state (the
-conv window and a [H, K, V] state per layer) that the engine's KV cache does not carry, so
-`init_cache` and `decode` refuse by name.
+Generation: `init_cache` gives the attention layers' KV cache {"k", "v"} [L, B, S, G, K] (one
+attention layer per period) beside each DeltaNet layer's recurrent cache (`models.gated_deltanet`:
+conv windows and the float32 [H, K, V] state), [L, B, N, ...] for the N = attention_interval - 1
+DeltaNet layers of a period; `cache_axes` names every entry's dims, so an engine lays them out as
+it lays out parameters. `decode` takes the prefill's pad mask as `segment_ids` (the DeltaNet
+state must end at each row's last prompt token). A paged KV cache (continuous batching) carries
+the DeltaNet entries as per-sequence slots beside its pages (`PagedKV.recurrent`,
+`models.recurrent_slots`: [L, D, S + 1, N, ...]): `Period.decode_paged` steps them place by
+place in each sequence's position order; a `PagedKV` without them is refused by name
+(`paged_refusal`).
 """
 
 from __future__ import annotations
@@ -28,27 +35,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import axes
-from .attention import attention
+from .attention import attention, cached_attention
 from .chunked_logits import LOGITS_CHUNK, chunked_token_logprobs, untied_projection
 from .config import ModelConfig
 from .gated_deltanet import DeltaNet
-from .layers import LayerStack, RMSNorm, forward_stack, normal, param
+from .gated_deltanet import RECURRENT_CACHE_AXES, init_recurrent_cache
+from .layers import (KV_CACHE_AXES, LayerStack, RMSNorm, forward_stack, init_kv_cache, normal,
+                     param)
 from .llama import TokenEmbed
+from .paged_attention import PagedKV, is_paged
+from .recurrent_slots import RecurrentSlots
 from .rope import inv_freq, rope
 from .sequence_parallel import SequenceParallel
 from .tiled_mlp import tiled_mlp
 
 
-def generation_refusal(family: str) -> str:
-    """Why `family` (qwen3_5, qwen3_5_moe) does not generate: the message its refusals give."""
-    return (f"{family} (Qwen3.5) generation is not built: its Gated DeltaNet layers decode with "
-            "a per-sequence recurrent state (the conv window and a [heads, K, V] state per "
-            "layer) beside the attention layers' KV cache, which zeroxla's decode does not "
-            "carry; train, evaluate and score log-probs with this family, and generate with "
-            "transformers or vLLM")
-
-
-GENERATION_REFUSAL = generation_refusal("qwen3_5")
+def paged_refusal(family: str) -> str:
+    """Why `family` (qwen3_5, qwen3_5_moe) does not decode a paged KV cache without recurrent
+    slots: the message its refusal gives (an engine quotes its start)."""
+    return (f"{family} (Qwen3.5) decodes a paged KV cache only with slots for its Gated DeltaNet "
+            "layers' recurrent state (conv windows, [heads, K, V] state): got PagedKV(recurrent="
+            "None); accepted: PagedKV(..., recurrent=RecurrentSlots(pools, slots, order)) with "
+            "init_cache's conv_q, conv_k, conv_v, state as pools [L, D, S + 1, ...] "
+            "(models.recurrent_slots), or a dense cache (init_cache)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,17 +147,34 @@ class GatedAttention(nnx.Module):
         r = self.rotary_dim
         return jnp.concatenate([rope(x[..., :r], positions, self.inv_freq), x[..., r:]], -1)
 
-    def __call__(self, h: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array | None = None,
-                 sequence: SequenceParallel | None = None) -> jax.Array:
+    def _project(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """(q [B, T, H, K], k, v [B, T, G, K], gate [B, T, H, K]) of h [B, T, D]: q and k
+        normed and partially RoPE'd at `positions`, the gate sigmoid(h Wg)."""
         q = self.q_norm(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]))
         k = self.k_norm(jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]))
         v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...])
         gate = jax.nn.sigmoid(jnp.einsum("BTD,DHK->BTHK", h, self.wg[...]))
-        a = attention(self._rope(q, positions), self._rope(k, positions), v,
-                      segment_ids=segment_ids, implementation=self.implementation,
+        return self._rope(q, positions), self._rope(k, positions), v, gate
+
+    def __call__(self, h: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None) -> jax.Array:
+        q, k, v, gate = self._project(h, positions)
+        a = attention(q, k, v, segment_ids=segment_ids, implementation=self.implementation,
                       sequence=sequence)                                   # [B, T, H, K]
         return jnp.einsum("BTHK,HKD->BTD", a * gate, self.wo[...])
+
+    def decode(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """h [B, T, D] against and into this layer's KV cache {"k", "v"} [B, S, G, K] ->
+        ([B, T, D], the cache). `segment_ids` (a prefill's pad mask) is not read: a slot is
+        attended by position, and a right pad's slot is overwritten before any token reads it
+        (`models.layers.cached_attention_naive`)."""
+        del segment_ids
+        q, k, v, gate = self._project(h, positions)
+        a, cache = cached_attention(q, k, v, positions, cache,
+                                    implementation=self.implementation)    # [B, T, H, K]
+        return jnp.einsum("BTHK,HKD->BTD", a * gate, self.wo[...]), cache
 
 
 class Layer(nnx.Module):
@@ -173,7 +199,27 @@ class Layer(nnx.Module):
                  sequence: SequenceParallel | None) -> jax.Array:
         """x [B, T, D] -> [B, T, D]; the MLP in chunks of `mlp_chunk` tokens when set."""
         x = x + self.mixer(self.attn_norm(x), positions, segment_ids, sequence)
-        return x + tiled_mlp(self._mlp, self.mlp_norm(x), self.mlp_chunk)
+        return x + self.feed_forward(x, segment_ids)
+
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, T, D] -> (x, cache): the mixer against and into its cache (`decode`)."""
+        h, cache = self.mixer.decode(self.attn_norm(x), positions, segment_ids, cache)
+        x = x + h
+        return x + self.feed_forward(x, segment_ids), cache
+
+    def decode_slots(self, x: jax.Array, positions: jax.Array, slots: RecurrentSlots,
+                     states: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """A continuous-batching step's places x [D, N, D] -> (x, states): the DeltaNet mixer
+        against its sequences' slots (`DeltaNet.decode_slots`), then the MLP."""
+        h, states = self.mixer.decode_slots(self.attn_norm(x), positions, slots, states)
+        x = x + h
+        return x + self.feed_forward(x, None), states
+
+    def feed_forward(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """The MLP's residual branch of x [B, T, D] -> [B, T, D] (normed, then SwiGLU)."""
+        del segment_ids
+        return tiled_mlp(self._mlp, self.mlp_norm(x), self.mlp_chunk)
 
     def _mlp(self, h: jax.Array) -> jax.Array:
         """SwiGLU: h [B, T, D] -> [B, T, D] through the [B, T, F] gate and up projections."""
@@ -194,14 +240,48 @@ class Period(nnx.Module):
         self.full = self.LAYER(cfg, GatedAttention(cfg, rngs), rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-                 sequence: SequenceParallel | None = None, cache: object = None) -> jax.Array:
+                 sequence: SequenceParallel | None = None, cache: dict | None = None):
         """x [B, T, D] -> [B, T, D]; `segment_ids` (a packed batch) and `sequence` reach every
-        layer. A cache is refused (`GENERATION_REFUSAL`)."""
+        layer. With `cache` (this period's slice of `Qwen3_5.init_cache`'s) -> (x, cache)
+        (`decode`)."""
         if cache is not None:
-            raise NotImplementedError(GENERATION_REFUSAL)
+            return self.decode(x, positions, segment_ids, cache)
         for layer in self.linear:
             x = layer(x, positions, segment_ids, sequence)
         return self.full(x, positions, segment_ids, sequence)
+
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, T, D] -> (x, cache): DeltaNet layer j reads and writes entry [:, j] of each
+        recurrent entry [B, N, ...], the attention layer the KV cache {"k", "v"} [B, S, G, K].
+        A `PagedKV` (continuous batching: x [D, N, D]) goes to `decode_paged`."""
+        if is_paged(cache):
+            return self.decode_paged(x, positions, cache)
+        recurrent = [name for name, _ in RECURRENT_CACHE_AXES]
+        written = []
+        for j, layer in enumerate(self.linear):
+            x, own = layer.decode(x, positions, segment_ids,
+                                  {name: cache[name][:, j] for name in recurrent})
+            written.append(own)
+        x, kv = self.full.decode(x, positions, segment_ids, {n: cache[n] for n in ("k", "v")})
+        return x, {**kv, **{name: jnp.stack([w[name] for w in written], axis=1)
+                            for name in recurrent}}
+
+
+    def decode_paged(self, x: jax.Array, positions: jax.Array,
+                     cache: PagedKV) -> tuple[jax.Array, PagedKV]:
+        """The step's places x [D, N, D] -> (x, cache) against a paged cache whose `recurrent`
+        slots hold this period's entries [D, S + 1, N, ...] at block `cache.layer`: DeltaNet
+        layer j steps slot entry [:, :, j] (`DeltaNet.decode_slots`), the attention layer reads
+        and writes the pages."""
+        slots = cache.recurrent
+        states = slots.read(cache.layer)                          # {entry: [D, S + 1, N, ...]}
+        for j, layer in enumerate(self.linear):
+            x, own = layer.decode_slots(x, positions, slots,
+                                        {n: s[:, :, j] for n, s in states.items()})
+            states = {n: s.at[:, :, j].set(own[n].astype(s.dtype)) for n, s in states.items()}
+        x, cache = self.full.decode(x, positions, None, cache)
+        return x, cache.replace(recurrent=slots.write(cache.layer, states))
 
 
 class Head(nnx.Module):
@@ -240,13 +320,37 @@ class Qwen3_5(nnx.Module):
         self.blocks = LayerStack(lambda r: self.PERIOD(cfg, r), cfg.num_layers, rngs)
         self.head = Head(cfg, rngs)
 
-    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32):
-        """Refused: `generation_refusal`."""
-        raise NotImplementedError(generation_refusal(self.config.family))
+    def init_cache(self, batch: int, max_len: int,
+                   dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
+        """A zeroed decode cache for `batch` rows of up to `max_len` positions (module
+        docstring): {"k", "v"} [L, B, max_len, G, K] and the DeltaNet layers' conv_q, conv_k,
+        conv_v, state [L, B, N, ...] (`gated_deltanet.init_recurrent_cache`). ValueError past
+        max_seq_len (`ModelConfig.check_seq_len`)."""
+        c = self.config
+        c.check_seq_len(max_len, "KV cache length (max_len)")
+        kv = init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
+        return {**kv, **init_recurrent_cache(
+            c, (c.num_layers, batch, c.attention_interval - 1), dtype)}
 
-    def decode(self, tokens: jax.Array, positions: jax.Array, cache):
-        """Refused: `generation_refusal`."""
-        raise NotImplementedError(generation_refusal(self.config.family))
+    def cache_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """The logical names of each `init_cache` entry's dims (`models.axes`; None: a DeltaNet
+        layer of the period, never split)."""
+        lead = (axes.LAYERS, axes.BATCH, None)
+        return {"k": KV_CACHE_AXES, "v": KV_CACHE_AXES,
+                **{name: lead + dims for name, dims in RECURRENT_CACHE_AXES}}
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Logits float32 [B, T, V] of `tokens` [B, T] at `positions` [B, T], against and into
+        `cache` (`init_cache`'s). A right-padded prefill gives `segment_ids` int [B, T] (0 on a
+        pad, 1 on a prompt token); a row whose first position is 0 starts a new sequence. A
+        paged cache carries the recurrent entries in its slots (module docstring), else it is
+        refused (`paged_refusal`)."""
+        if is_paged(cache) and cache.recurrent is None:
+            raise NotImplementedError(paged_refusal(self.config.family))
+        x, cache = self.blocks(self.embed(tokens, positions), positions, segment_ids,
+                               cache=cache)
+        return self.logits(self.head.norm(x)), cache
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None,

@@ -14,8 +14,9 @@ statistics of all HF layers, which the step turns into the auxiliary load-balanc
 
 Expert parallelism: every forward over whole rows takes `experts=` (an `ExpertParallel`) beside
 `sequence=` and each period hands it to its layers' MoE MLPs, as `models.moe_llama` does.
-Routing records and replay (`router_choices`, `replayed_token_logprobs`) are not built here,
-and generation is refused by name as the dense model's is (`qwen3_5.generation_refusal`).
+Routing records and replay (`router_choices`, `replayed_token_logprobs`) are not built here.
+Generation decodes as the dense model's does (`Qwen3_5.init_cache` / `decode`: the periods'
+`decode`, each layer's MLP its MoE's `feed_forward`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .grouped_matmul import TILE, check_expert_implementation
 from .layers import at_least_float32, forward_stack
 from .moe import MoeMLP, Routed, RouterStats
 from .moe_llama import token_mask
-from .qwen3_5 import Layer, Period, Qwen3_5, Qwen3_5Config, generation_refusal
+from .qwen3_5 import Layer, Period, Qwen3_5, Qwen3_5Config
 from .sequence_parallel import SequenceParallel
 
 
@@ -105,6 +106,10 @@ class MoeLayer(Layer):
         h = h + y
         return Routed(h, x.stats + stats) if isinstance(x, Routed) else h
 
+    def feed_forward(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """The MoE's residual branch of x [B, T, D] -> [B, T, D] (all E experts held: decode)."""
+        return self.moe(self.mlp_norm(x), token_mask(segment_ids))[0]
+
 
 class MoePeriod(Period):
     """`Period` of `MoeLayer`s: the DeltaNet layers, then the attention layer, each handed
@@ -114,11 +119,11 @@ class MoePeriod(Period):
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
-                 experts: ExpertParallel | None = None, cache: object = None):
+                 experts: ExpertParallel | None = None, cache: dict | None = None):
         """x [B, T, D] or `Routed` -> (the same kind, None): a pair, since `Routed` is itself
-        a tuple (`layers.call_block`). A cache is refused (`qwen3_5.generation_refusal`)."""
+        a tuple (`layers.call_block`). With `cache`: (x [B, T, D], cache) (`Period.decode`)."""
         if cache is not None:
-            raise NotImplementedError(generation_refusal("qwen3_5_moe"))
+            return self.decode(x, positions, segment_ids, cache)
         for layer in self.linear:
             x = layer(x, positions, segment_ids, sequence, experts)
         return self.full(x, positions, segment_ids, sequence, experts), None

@@ -12,8 +12,12 @@ layers and one gated attention layer; every tensor perturbed, no network):
 - ZeRO-3 on 2 x 4 trains 3 steps on packed rows as the unsharded model on one device does
   (in float64: the test says why);
 - the export reloads in transformers with equal logits;
-- generation is refused by name (the recurrent state is not in the engine's cache), and every
-  config.json option not built is refused by its key.
+- the Hybrid Engine's static path decodes transformers' greedy tokens from prompts of
+  different lengths in one batch (the pad case), tp 1, 2 and 4, and the log-probs it draws with
+  equal the training forward's (`token_logprobs`, 1e-5);
+- "auto" picks continuous batching (the recurrent state in per-sequence slots: its tokens in
+  test_qwen3_5_continuous.py), a GRPO iteration rolls out under it, and every config.json
+  option not built is refused by its key.
 """
 
 
@@ -25,6 +29,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
+import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, packed_loss,
@@ -139,17 +144,100 @@ def test_export_reloads_in_transformers_with_equal_logits(checkpoint, tmp_path):
                                           "Qwen3_5ForCausalLM", VOCAB, ATOL)
 
 
-def test_generation_is_refused_by_name(checkpoint):
-    """The Hybrid Engine (static and continuous batching decode through init_cache / decode)
-    refuses before it compiles anything, naming the family and the missing recurrent state."""
+@pytest.fixture(scope="module")
+def greedy_case(checkpoint):
+    """The ZeRO-3 load, prompts of 5 and 9 tokens and transformers' greedy tokens, made once
+    (`family_checkpoints.greedy_case`)."""
+    return family_checkpoints.greedy_case(checkpoint, VOCAB, lengths=(5, 9))
+
+
+@pytest.mark.parametrize("tp", [2, pytest.param(1, marks=pytest.mark.slow),
+                                pytest.param(4, marks=pytest.mark.slow)])
+def test_static_greedy_equals_transformers_generate(greedy_case, tp):
+    """From ZeRO-3 partitions on 2 x 4 to tp 1, 2 and 4, 12 new tokens after prompts of 5 and 9
+    tokens in one batch (both right-padded to the 16-token bucket): a DeltaNet state that ran
+    on past a row's last prompt token would change its tokens. tp 2 splits the KV cache's,
+    the conv windows' and the [H, K, V] states' heads; tp 4 replicates the 2 KV heads and the
+    2 DeltaNet key heads."""
+    family_checkpoints.assert_engine_greedy_equals_transformers(greedy_case, "static", tp)
+
+
+def test_decode_logprobs_equal_the_training_forward(greedy_case):
+    """Sampled at temperature 1 (tp 2): the log-prob each token was drawn with (the decode's
+    logits: prefill, then one-token steps through the recurrent rule) equals the training
+    forward's log-prob of it over the whole output (the chunked rule), within 1e-5 relative
+    (the two orders of float32 sums; 3.1e-6 relative, 1.2e-5 absolute on log-probs near -4
+    measured on the CPU)."""
     from zeroxla.inference import HybridEngine, HybridEngineConfig
+
+    step, state, prompts, _ = greedy_case
+    engine = HybridEngine(step.layout, HybridEngineConfig(
+        inference_tp_size=2, batching="static", max_out_tokens=32))
+    outputs, drawn = engine.generate(state, prompts, max_new_tokens=8, temperature=1.0,
+                                     seed=1, return_logprobs=True)
+    forward = jax.jit(lambda m, x, y: m.token_logprobs(x, y))
+    model = zeroxla.gathered_model(state)
+    for prompt, out, logprobs in zip(prompts, outputs, drawn):
+        assert out.size == prompt.size + 8
+        want = np.asarray(forward(model, out[None, :-1], out[None, 1:]))[0, prompt.size - 1:]
+        np.testing.assert_allclose(logprobs, want, rtol=1e-5, atol=0)
+
+
+def test_auto_picks_continuous_batching_and_a_cache_without_slots_is_refused(checkpoint):
+    """The DeltaNet state rides in per-sequence slots beside the pages
+    (`models.recurrent_slots`): "auto" picks continuous batching, before anything compiles;
+    the model's decode refuses a `PagedKV` without slots naming the family, and the ZeRO-3
+    re-gather baseline, which carries a KV cache alone, refuses the model. Its tokens are
+    checked in test_qwen3_5_continuous.py."""
+    from zeroxla.inference import HybridEngine, HybridEngineConfig, Zero3Generator
+    from zeroxla.models.paged_attention import PagedKV
 
     config = hf.from_hf_config(hf.read_hf_config(checkpoint))
     step = zeroxla.make_step(lambda: models.Qwen3_5(config, rngs=nnx.Rngs(0)),
                              zeroxla.make_mesh(nodes=1, local=8),
                              config=zeroxla.ZeroConfig(stage=3))
-    with pytest.raises(ValueError, match="qwen3_5.*recurrent state"):
-        HybridEngine(step.layout, HybridEngineConfig(max_out_tokens=32))
+    engine = HybridEngine(step.layout, HybridEngineConfig(max_out_tokens=32, batching="auto"))
+    assert engine.batching == "continuous" and engine.batching_reason is None
+    pool = jax.ShapeDtypeStruct((2, 1, 2, 2, 4, 32), jnp.float32)
+    pages = PagedKV(pool, pool, jax.ShapeDtypeStruct((1, 2, 1), jnp.int32))
+    ids = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(NotImplementedError, match="qwen3_5.*paged.*recurrent state"):
+        jax.eval_shape(lambda: step.layout.model_def.abstract_module().decode(ids, ids, pages))
+    with pytest.raises(ValueError, match="Qwen3_5.*recurrent state.*does not carry"):
+        Zero3Generator(step.layout, 32)
+
+
+@pytest.mark.slow
+def test_grpo_rolls_out_a_qwen3_5_actor_under_continuous_batching(tmp_path, monkeypatch, capsys):
+    """`zeroxla grpo` (batching "auto") takes a tiny Qwen3.5 actor: its rollouts and held-out
+    greedy answers (256 rows) decode under continuous batching (the DeltaNet state in slots,
+    a group's prompt state copied into its answers'; the record carries the rollout engine's
+    page statistics), one iteration completes and logs its reward and the train/rollout
+    log-prob gap (2.4e-7 measured)."""
+    import json
+
+    from zeroxla.app.cli import main
+    from zeroxla.app.jobs import grpo as grpo_job
+    from zeroxla.app.tokenizers.basic import CharTokenizer
+    from zeroxla.rlhf import arithmetic_task as task
+
+    tokenizer = CharTokenizer.from_text(task.ALPHABET)
+    config = models.Qwen3_5Config(
+        vocab_size=tokenizer.vocab_size, max_seq_len=64, d_model=16, num_heads=2,
+        num_kv_heads=2, explicit_head_dim=8, num_layers=1, mlp_dim=16, attention_interval=2,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+        linear_value_head_dim=4)
+    actor = models.Qwen3_5(config, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(grpo_job, "load_actor", lambda run: (actor, tokenizer))
+    out = tmp_path / "grpo"
+    assert main(["grpo", "--actor", "sft", "--iterations", "1", "--num-generations", "2",
+                 "--per-iteration-prompts", "4", "--max-completion-length", "6", "--out",
+                 str(out), "--no-progress"]) == 0, capsys.readouterr().err
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert np.isfinite(record["reward"]) and np.isfinite(record["loss"]), record
+    assert "generation/kv_pages_mean" in record, record          # the rollout engine's
+    # the rollout's log-probs (the decode) against the actor's training forward
+    assert record["gap/max"] < 1e-4, record
 
 
 @pytest.mark.parametrize("change,match", [

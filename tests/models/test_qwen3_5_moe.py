@@ -15,7 +15,10 @@ gated shared expert; every tensor perturbed, no network):
 - the export reloads in transformers with equal logits;
 - EP = 2 on 2 x 4 (experts split over the expert axis, ZeRO-3 over the rest) trains 3 steps as
   the unsharded model on one device does, the auxiliary loss weighed in (slow);
-- generation is refused by name, and config.json options not built are refused by key.
+- the Hybrid Engine's static path and its continuous batching (the DeltaNet state in
+  per-sequence slots beside the pages) decode transformers' greedy tokens from prompts of
+  different lengths, tp 1 (slow); a paged cache without slots is refused by name, and
+  config.json options not built are refused by key.
 """
 
 import jax
@@ -26,6 +29,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
+import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, save_random,
@@ -191,10 +195,42 @@ def test_expert_parallel_on_2x4_trains_like_one_device():
         np.testing.assert_allclose(got[path], want[path], rtol=0, atol=1e-6, err_msg=path)
 
 
-def test_generation_is_refused_by_name(checkpoint):
-    _, model = hf.load_hf_model(checkpoint)
-    with pytest.raises(NotImplementedError, match="qwen3_5_moe.*recurrent state"):
-        model.init_cache(1, 8)
+@pytest.mark.slow
+def test_static_greedy_equals_transformers_generate(checkpoint):
+    """From ZeRO-3 partitions on 2 x 4 to tp 1, 12 new tokens after prompts of 5 and 9 tokens
+    in one batch (both right-padded to the 16-token bucket)."""
+    case = family_checkpoints.greedy_case(checkpoint, VOCAB, lengths=(5, 9))
+    family_checkpoints.assert_engine_greedy_equals_transformers(case, "static", 1)
+
+
+@pytest.mark.slow
+def test_continuous_greedy_equals_transformers_generate(checkpoint):
+    """Under continuous batching (the DeltaNet state in per-sequence slots), tp 1: the same
+    12 new tokens after prompts of 5 and 9 tokens as transformers'."""
+    case = family_checkpoints.greedy_case(checkpoint, VOCAB, lengths=(5, 9))
+    family_checkpoints.assert_engine_greedy_equals_transformers(case, "continuous", 1)
+
+
+def test_a_paged_cache_without_slots_is_refused_and_continuous_is_built(checkpoint):
+    """The model's decode refuses a paged KV cache without recurrent slots naming the family;
+    the Hybrid Engine builds batching="continuous" (the slots beside the pages) before it
+    compiles."""
+    from zeroxla.inference import HybridEngine, HybridEngineConfig
+    from zeroxla.models.paged_attention import PagedKV
+
+    config, model = hf.load_hf_model(checkpoint)
+    pool = jax.ShapeDtypeStruct((1, 1, 2, 2, 4, 32), jnp.float32)
+    pages = PagedKV(pool, pool, jax.ShapeDtypeStruct((1, 2, 1), jnp.int32),
+                    jax.ShapeDtypeStruct((), jnp.int32))
+    ids = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(NotImplementedError, match="qwen3_5_moe.*paged.*recurrent state"):
+        model.decode(ids, ids, pages)
+    step = zeroxla.make_step(lambda: models.Qwen3_5Moe(config, rngs=nnx.Rngs(0)),
+                             zeroxla.make_mesh(nodes=1, local=8),
+                             config=zeroxla.ZeroConfig(stage=3))
+    engine = HybridEngine(step.layout, HybridEngineConfig(max_out_tokens=32,
+                                                          batching="continuous"))
+    assert engine.batching == "continuous"
 
 
 @pytest.mark.parametrize("change,match", [

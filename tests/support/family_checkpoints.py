@@ -64,18 +64,19 @@ def torch_causal_lm(directory: str | Path) -> Any:
 GREEDY_NEW_TOKENS = 12
 
 
-def greedy_case(checkpoint: Path, vocab: int) -> tuple[Any, Any, list, list]:
+def greedy_case(checkpoint: Path, vocab: int,
+                lengths: tuple[int, ...] = (7, 7)) -> tuple[Any, Any, list, list]:
     """What an engine's greedy check starts from: the checkpoint loaded into ZeRO-3 partitions
-    on 2 x 4 (every leaf partitioned; an engine only reads the state), two 7-token prompts and
-    transformers' greedy `generate` of GREEDY_NEW_TOKENS for each: (step, state, prompts,
-    want)."""
+    on 2 x 4 (every leaf partitioned; an engine only reads the state), prompts of `lengths`
+    tokens (two of 7 unless given) and transformers' greedy `generate` of GREEDY_NEW_TOKENS
+    for each: (step, state, prompts, want)."""
     import torch
     import zeroxla
 
     step, state = zeroxla.load_pretrained(
         checkpoint, zeroxla.make_mesh(nodes=2, local=4), progress=False,
         config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    prompts = [token_ids(vocab, (7,), seed=3), token_ids(vocab, (7,), seed=4)]
+    prompts = [token_ids(vocab, (n,), seed=3 + i) for i, n in enumerate(lengths)]
     reference, want = torch_causal_lm(checkpoint), []
     for prompt in prompts:
         with torch.no_grad():
@@ -188,3 +189,23 @@ def packed_loss(model: Any, batch: dict[str, Any]) -> Any:
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
+
+
+def float64_model(checkpoint: Path, lora: dict[str, Any] | None = None) -> Any:
+    """The checkpoint's model loaded in float64 (the single-device reference of the family
+    training tests), with LoRA adapters of `lora` (`LoRAConfig`'s fields, adapters drawn from
+    `nnx.Rngs(7)`, only the adapters trained) cast to float64 too: the conversion makes them
+    float32."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora
+    from zeroxla.models import hf
+
+    model = hf.load_hf_model(checkpoint, dtype=jnp.float64)[1]
+    if lora:
+        convert_linear_layer_to_lora(model, LoRAConfig(**lora, only_optimize_lora=True),
+                                     rngs=nnx.Rngs(7))
+        adapters = nnx.state(model, nnx.LoRAParam)
+        nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float64), adapters))
+    return model

@@ -31,6 +31,8 @@
                  the decode step: no dependence on neighbours)
     checks.py    what the engine refuses by name: a model without the KV-cache protocol, a
                  state of another step or one donated to the training step
+    rollout_group.py  RolloutGroup: the engine on devices of its own (asynchronous RL), fed
+                 by `sync(state)`: one copy of the weights across, then laid out in the group
     config.py    HybridEngineConfig: DeepSpeed's `hybrid_engine` keys (the JSON file is read by
                  zeroxla.deepspeed.hybrid_engine_config_from_json)
 """

@@ -56,13 +56,14 @@ def unchanged(kept: dict[str, Any], stored: dict[str, Any]) -> jax.Array:
     return jnp.all(jnp.stack(same)) if same else jnp.bool_(True)
 
 
-def trainable_reshard(plan: ShardingPlan, layout: TensorParallelLayout
+def trainable_reshard(plan: ShardingPlan, layout: TensorParallelLayout,
+                      dtype: Any = jnp.float32
                       ) -> Callable[[dict[str, Any]], dict[str, jax.Array]]:
-    """The reshard program (`reshard.reshard_function`, jitted) of the trainable leaves alone:
-    takes and returns only those paths."""
+    """The reshard program (`reshard.reshard_function`, jitted, to `dtype`) of the trainable
+    leaves alone: takes and returns only those paths."""
     sub = dataclasses.replace(plan, leaves=plan.trainable_leaves)
     shardings = layout.param_shardings()
-    return jax.jit(reshard_function(sub, layout),
+    return jax.jit(reshard_function(sub, layout, dtype),
                    out_shardings={path: shardings[path] for path in sub.paths})
 
 

@@ -9,11 +9,24 @@ and `models.layers.decode`):
     init_cache(batch, max_len) -> {"k": [L, batch, S, G, K], "v": the same}   S >= max_len
     decode(tokens int32 [B, T], positions int32 [B, T], cache) -> (logits [B, T, V], cache)
 
+A model with recurrent layers (Qwen3.5's Gated DeltaNet) keeps per-row state beside the KV
+cache: its `init_cache` returns further entries, each [L, batch, ...] (a conv window, a [H, K, V]
+state), and its `cache_axes()` names every entry's dims with the logical axis names parameters
+carry (`models.axes`), so the engine creates and lays them out as it does parameters (batch over
+the data axes, heads over `tensor` where they split: `layout.entry_spec`). Such a model's decode
+takes the prefill's pad mask: `decode(tokens, positions, cache, segment_ids=...)`, int32 [B, T],
+0 on a right pad and 1 on a prompt token, so a recurrent state ends at each row's last prompt
+token rather than after its pads (a KV cache needs no mask: a pad's slot is overwritten before
+it is read); one-token steps pass no mask. A row whose first position is 0 starts a sequence,
+its state reset whatever a kept cache held. `recurrent_entries` lists the entries; under
+continuous batching they live in per-sequence slots beside the pages (`PagedKV.recurrent`,
+`models.recurrent_slots`: each entry [L, D, S + 1, ...]).
+
 `check_decodable` verifies it on abstract values (shapes only, nothing computed), and
 `paged_refusal` whether the model's decode also takes a paged cache (continuous batching).
 A rollout that records routing (`return_routing=True`) needs an MoE model's
-`decode_choices(tokens, positions, cache) -> (logits, experts [L, B, T, k], cache)` and the
-static batching path (`check_routing`).
+`decode_choices(tokens, positions, cache) -> (logits, experts [L, B, T, k], cache)`, taking
+the same caches as its `decode` (`check_routing`).
 """
 
 from __future__ import annotations
@@ -24,7 +37,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroxla.models import axes as logical
+from zeroxla.models.layers import KV_CACHE_AXES
 from zeroxla.models.paged_attention import PagedKV
+from zeroxla.models.recurrent_slots import RecurrentSlots
 from zeroxla.sharding.model_def import ModelDef
 from zeroxla.sharding.plan import ShardingPlan
 from zeroxla.engine.layout import ZeroLayout
@@ -33,7 +49,55 @@ from zeroxla.engine.state import TrainState
 PROTOCOL = ("init_cache(batch, max_len) returning {'k', 'v'} arrays [L, batch, max_len, G, K] "
             "and decode(tokens [B, T], positions [B, T], cache) returning (logits [B, T, V], "
             "cache); a model with embed / blocks / head gets both from models.layers "
-            "(init_kv_cache, decode), as models.GPT does")
+            "(init_kv_cache, decode), as models.GPT does; a recurrent model's further entries "
+            "[L, batch, ...] are named by its cache_axes() and its decode takes segment_ids")
+
+# A decode cache's KV entries; any further entry is a recurrent model's per-row state.
+KV_ENTRIES = ("k", "v")
+
+
+def state_entries(cache: Mapping[str, Any]) -> list[str]:
+    """The entries of a decode cache beyond its KV cache's (a recurrent model's state), sorted."""
+    return sorted(set(cache) - set(KV_ENTRIES))
+
+
+def cache_axes(model: Any) -> dict[str, tuple[str | None, ...]]:
+    """The logical names of each decode-cache entry's dims: the model's `cache_axes()`, else a
+    KV cache's ({"k", "v"}: `models.layers.KV_CACHE_AXES`)."""
+    method = getattr(model, "cache_axes", None)
+    return dict(method()) if callable(method) else {k: KV_CACHE_AXES for k in KV_ENTRIES}
+
+
+def recurrent_entries(model_def: ModelDef, max_out_tokens: int
+                      ) -> dict[str, tuple[jax.ShapeDtypeStruct, tuple[str | None, ...]]]:
+    """Each decode-cache entry beyond "k" / "v" of `model_def`'s model (`check_decodable`
+    accepted them): (its one-row abstract value [L, 1, ...], its dims' logical names); {} for a
+    model with a KV cache alone."""
+    abstract = model_def.abstract_module()
+    cache = jax.eval_shape(lambda: abstract.init_cache(1, max_out_tokens))
+    names = cache_axes(abstract)
+    return {entry: (cache[entry], tuple(names[entry])) for entry in state_entries(cache)}
+
+
+def _check_state_entries(model: Any, cache: Mapping[str, Any], recurrent_state: bool) -> None:
+    """ValueError naming the entry unless each state entry of `cache` (one row) is [L, 1, ...]
+    with its dims named (layers, batch, ...) by the model's `cache_axes()`, or naming the
+    generator when it carries no recurrent state (`recurrent_state` False)."""
+    name, extra = type(model).__name__, state_entries(cache)
+    if extra and not recurrent_state:
+        raise ValueError(f"{name}'s decode cache holds recurrent state ({', '.join(extra)}) "
+                         "beside its KV cache, which this generator does not carry; accepted: "
+                         "HybridEngine (its static path), or a model whose init_cache returns "
+                         "{'k', 'v'} alone")
+    names, layers = cache_axes(model), cache["k"].shape[0]
+    for entry in extra:
+        shape, dims = tuple(getattr(cache[entry], "shape", ())), names.get(entry)
+        if (dims is None or len(dims) != len(shape) or shape[:2] != (layers, 1)
+                or tuple(dims[:2]) != (logical.LAYERS, logical.BATCH)):
+            raise ValueError(f"HybridEngine cannot decode {name}: its cache entry {entry!r} is "
+                             f"{shape} with dims named {dims}; accepted: [L={layers}, batch, "
+                             f"...] named ('layers', 'batch', ...) by {name}.cache_axes() "
+                             f"({PROTOCOL})")
 
 
 def check_layout(layout: Any, who: str = "HybridEngine") -> None:
@@ -63,11 +127,12 @@ def decode_shapes(model_def: ModelDef, cache: Any, tokens: int) -> Any:
     return jax.eval_shape(probe, *model_def.abstract_values(), cache)
 
 
-def check_decodable(model_def: ModelDef, max_out_tokens: int,
-                    vocab_size: int) -> tuple[int, ...]:
+def check_decodable(model_def: ModelDef, max_out_tokens: int, vocab_size: int,
+                    recurrent_state: bool = False) -> tuple[int, ...]:
     """The KV cache shape of one row, [L, 1, S, G, K], once `model_def`'s model is seen to
     follow the protocol (module docstring) for `max_out_tokens` positions: ValueError naming the
-    model class, what is missing or wrong, and what to add."""
+    model class, what is missing or wrong, and what to add. `recurrent_state`: whether the
+    caller carries a recurrent model's further cache entries (else they are refused)."""
     abstract = model_def.abstract_module()
     name = type(abstract).__name__
     missing = [m for m in ("init_cache", "decode") if not callable(getattr(abstract, m, None))]
@@ -83,12 +148,13 @@ def check_decodable(model_def: ModelDef, max_out_tokens: int,
         raise ValueError(f"HybridEngine cannot decode {name}: {name}.init_cache(1, "
                          f"{max_out_tokens}) raised {type(err).__name__}: {err}; accepted: "
                          f"{PROTOCOL}") from err
-    shapes = ([tuple(getattr(cache[k], "shape", ())) for k in ("k", "v")]
-              if isinstance(cache, Mapping) and set(cache) == {"k", "v"} else None)
+    shapes = ([tuple(getattr(cache[k], "shape", ())) for k in KV_ENTRIES]
+              if isinstance(cache, Mapping) and set(KV_ENTRIES) <= set(cache) else None)
     if not (shapes and shapes[0] == shapes[1] and len(shapes[0]) == 5 and shapes[0][1] == 1
             and shapes[0][2] >= max_out_tokens):
         raise ValueError(f"HybridEngine cannot decode {name}: {name}.init_cache(1, "
                          f"{max_out_tokens}) returned {_shapes(cache)}; accepted: {PROTOCOL}")
+    _check_state_entries(abstract, cache, recurrent_state)
 
     try:
         out = decode_shapes(model_def, cache, 1)
@@ -113,16 +179,28 @@ PAGED = ("a model whose layers attend through zeroxla.models.attention.cached_at
 
 
 def paged_refusal(model_def: ModelDef, kv_shape: tuple[int, ...], page_size: int,
-                  vocab_size: int) -> str | None:
+                  vocab_size: int, recurrent: Mapping[str, tuple] | None = None) -> str | None:
     """Why `model_def`'s model cannot decode a paged KV cache (`models.paged_attention`), or
     None when it can: its `decode(tokens [1, 2], positions [1, 2], PagedKV)` is traced on
     shapes alone and must return logits [1, 2, V] and a `PagedKV` of the shapes it was given.
-    `kv_shape`: the dense cache's [L, 1, S, G, K] (`check_decodable`)."""
+    `kv_shape`: the dense cache's [L, 1, S, G, K] (`check_decodable`); `recurrent`: a recurrent
+    model's state entries (`recurrent_entries`), given to it as one slot each
+    (`PagedKV.recurrent`)."""
+    model = model_def.abstract_module()
+    if getattr(getattr(model, "config", None), "batch_invariant", False):
+        return (f"{type(model).__name__} has batch_invariant=True: its attention sums a dense "
+                "cache's keys in a fixed order, and the paged attention's sums are not "
+                "batch-invariant")
     layers, _, _, kv_heads, head_dim = kv_shape
     pool = jax.ShapeDtypeStruct((layers, 1, kv_heads, 2, page_size, head_dim), jnp.float32)
+    places = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+    slots = (RecurrentSlots({entry: jax.ShapeDtypeStruct(value.shape[:1] + (1, 2)
+                                                         + value.shape[2:], value.dtype)
+                             for entry, (value, _) in recurrent.items()}, places, places)
+             if recurrent else None)                  # a slot and the null slot per entry
     cache = PagedKV(pool, pool, jax.ShapeDtypeStruct((1, 2, 1), jnp.int32),
-                    jax.ShapeDtypeStruct((), jnp.int32))
-    name = type(model_def.abstract_module()).__name__
+                    jax.ShapeDtypeStruct((), jnp.int32), slots)
+    name = type(model).__name__
 
     try:
         out = decode_shapes(model_def, cache, 2)
@@ -142,21 +220,17 @@ def _describe(plan: ShardingPlan) -> str:
             + (f" ({plan.mesh_description})" if plan.mesh_description else ""))
 
 
-def check_routing(model_def: ModelDef, batching: str) -> tuple[int, int]:
+def check_routing(model_def: ModelDef) -> tuple[int, int]:
     """(L, k): the MoE layers and experts per token of a model whose decode records its
-    routing; ValueError naming `return_routing` for a model without `decode_choices` (read
-    from its class) or under continuous batching, which does not record it."""
+    routing (either batching); ValueError naming `return_routing` for a model without
+    `decode_choices` (read from its class)."""
     model = model_def.abstract_module()
     if not callable(getattr(type(model), "decode_choices", None)):
         raise ValueError(f"return_routing=True with a {type(model).__name__}: it has no "
                          "decode_choices (a Mixture-of-Experts model's decode returning each "
                          "layer's experts); accepted: return_routing=False, or an MoE model "
                          "(models.moe_llama)")
-    if batching != "static":
-        raise ValueError(f"return_routing=True under batching={batching!r}: the continuous "
-                         "path does not record routing; accepted: HybridEngineConfig("
-                         "batching='static'), or return_routing=False")
-    return model.config.num_layers, model.config.experts_per_token
+    return model.config.moe_layers, model.config.experts_per_token
 
 
 def check_state(state: Any, plan: ShardingPlan, model_def: ModelDef) -> None:
@@ -188,5 +262,5 @@ def check_state(state: Any, plan: ShardingPlan, model_def: ModelDef) -> None:
                     "given); use the state the step returned")
 
 
-__all__ = ["PAGED", "PROTOCOL", "check_decodable", "check_layout", "check_state",
-           "paged_refusal"]
+__all__ = ["KV_ENTRIES", "PAGED", "PROTOCOL", "cache_axes", "check_decodable", "check_layout",
+           "check_state", "paged_refusal", "recurrent_entries", "state_entries"]

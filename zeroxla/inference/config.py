@@ -38,6 +38,11 @@ it follows; `zeroxla.inference.continuous`):
                            every slot's longest sequence (no preemption). Fewer share the
                            KV bytes by need (a sequence holds the pages of its tokens), and a
                            full pool preempts the youngest sequence, recomputed later
+  rollout_dtype            the inference copy's dtype: "float32" (the default: the masters'
+                           values) or "bfloat16" (verl's and slime's rollout: each partition
+                           cast before it travels, so the reshard moves half the bytes; the
+                           KV cache in it too; the models then compute in bf16 with float32
+                           norms, softmax, router and logits, and sampling stays float32)
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ from typing import Any
 
 KEYS = ("enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache",
         "pin_parameters", "tp_gather_partition_size", "batching", "kv_block_size",
-        "max_ragged_batch_size", "max_ragged_sequence_count", "kv_blocks")
+        "max_ragged_batch_size", "max_ragged_sequence_count", "kv_blocks", "rollout_dtype")
 BATCHING = ("auto", "continuous", "static")
+ROLLOUT_DTYPES = ("float32", "bfloat16")
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -79,6 +85,7 @@ class HybridEngineConfig:
     max_ragged_batch_size: int = 128
     max_ragged_sequence_count: int = 32
     kv_blocks: int | None = None
+    rollout_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("enabled", "release_inference_cache", "pin_parameters"):
@@ -89,6 +96,9 @@ class HybridEngineConfig:
         if self.batching not in BATCHING:
             raise ValueError(f"HybridEngineConfig.batching={self.batching!r} is invalid; "
                              f"accepted: {', '.join(map(repr, BATCHING))}")
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"HybridEngineConfig.rollout_dtype={self.rollout_dtype!r} is "
+                             f"invalid; accepted: {', '.join(map(repr, ROLLOUT_DTYPES))}")
         if self.max_ragged_sequence_count > self.max_ragged_batch_size:
             raise ValueError(
                 f"HybridEngineConfig.max_ragged_sequence_count={self.max_ragged_sequence_count} "

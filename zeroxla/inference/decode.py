@@ -4,7 +4,9 @@ host-side packing of prompts into (batch bucket, prompt bucket) arrays.
 Prompts are right-padded: row b holds its prompt at positions 0..len_b-1. Prefill runs the
 whole [B, P] block once (pad slots are written to the cache but lie above the row's position
 until a real token overwrites them, so they are never attended: `models.layers.cached_attention`),
-then each step feeds every row's newest token at its own position.
+then each step feeds every row's newest token at its own position. A recurrent model's prefill
+is also given the pad mask (`segment_ids`: `checks` module docstring), so its state ends at each
+row's last prompt token.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroxla.inference.checks import state_entries
 from zeroxla.inference.sampling import (Sampling, check_vocab_limit, next_token, row_keys,
                                         sampled_logprobs, seed_key, step_keys)
 
@@ -28,7 +31,8 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
                 ) -> tuple[jax.Array, ...]:
     """Generates up to `max_new` (>= 1) tokens after each row's prompt.
 
-    model: `decode(tokens, positions, cache) -> (logits, cache)`; cache [L, B, S, G, K];
+    model: `decode(tokens, positions, cache) -> (logits, cache)`; cache {"k", "v"} [L, B, S, G,
+    K] and a recurrent model's state entries (its prefill then takes `segment_ids=`);
     tokens int32 [B, P] right-padded prompts; lengths int32 [B] (>= 1); live bool [B] (False:
     a filler row of the batch bucket, which never holds the loop up); eos_id int32 scalar
     (-1: none); key: this generation's PRNG key (from its seed). Row b's n-th new token is drawn
@@ -47,8 +51,13 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     """
     b, p = tokens.shape
     rows = jnp.arange(b)
+    invariant = getattr(getattr(model, "config", None), "batch_invariant", False)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, chosen, cache = _decode(model, tokens, positions, cache, with_routing)  # [B, P, V]
+    # a recurrent model's state must skip the right pads: 1 on a prompt token, 0 on a pad
+    pads = ((positions < lengths[:, None]).astype(jnp.int32) if state_entries(cache)
+            else None)
+    logits, chosen, cache = _decode(model, tokens, positions, cache, with_routing,
+                                    pads)                                    # [B, P, V]
     routing = jnp.full((b, max_len if with_routing else 0) + chosen.shape[:1] + chosen.shape[3:],
                        -1, jnp.int32)                                     # [B, S, L, k]
     if with_routing:                       # the prompt's slots (a pad's is a later feed's)
@@ -60,7 +69,8 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
     buffer = buffer.at[rows, lengths].set(token)
     logprobs = jnp.zeros((b, max_len if with_logprobs else 0), jnp.float32)
     if with_logprobs:
-        logprobs = logprobs.at[rows, lengths].set(sampled_logprobs(last, token, sampling))
+        logprobs = logprobs.at[rows, lengths].set(
+            sampled_logprobs(last, token, sampling, invariant))
     done = (token == eos_id) | ~live
 
     def more(carry):
@@ -77,7 +87,7 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
         buffer = buffer.at[rows, pos + 1].set(token)
         if with_logprobs:
             logprobs = logprobs.at[rows, pos + 1].set(
-                sampled_logprobs(logits[:, 0], token, sampling))
+                sampled_logprobs(logits[:, 0], token, sampling, invariant))
         if with_routing:
             routing = routing.at[rows, pos].set(jnp.moveaxis(chosen[:, :, 0], 0, 1))
         return buffer, logprobs, routing, n + 1, cache, done | (token == eos_id)
@@ -89,12 +99,15 @@ def decode_loop(model: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
 
 
 def _decode(model: Any, tokens: jax.Array, positions: jax.Array, cache: Any,
-            with_routing: bool) -> tuple[jax.Array, jax.Array, Any]:
+            with_routing: bool, segment_ids: jax.Array | None = None
+            ) -> tuple[jax.Array, jax.Array, Any]:
     """(logits [B, T, V], the experts each layer routed each token to int32 [L, B, T, k] with
-    `with_routing` (`decode_choices`), else an empty int32 [0, B, T, 0], the cache)."""
+    `with_routing` (`decode_choices`), else an empty int32 [0, B, T, 0], the cache).
+    `segment_ids` int32 [B, T]: a recurrent model's prefill pad mask, passed only when given."""
     if with_routing:
         return model.decode_choices(tokens, positions, cache)
-    logits, cache = model.decode(tokens, positions, cache)
+    pads = {} if segment_ids is None else {"segment_ids": segment_ids}
+    logits, cache = model.decode(tokens, positions, cache, **pads)
     return logits, jnp.zeros((0,) + tokens.shape + (0,), jnp.int32), cache
 
 

@@ -20,7 +20,7 @@ Per generation (data flow):
    and its pages shared by its answers (`continuous.py`, `scheduler.py`, `pages.py`).
    `batching="static"`: one compiled program per (batch bucket, prompt bucket, sampling):
    prefill, then a `lax.while_loop` over new tokens until the last row ends (`static.py`,
-   `decode.py`); it alone records an MoE model's routing (`return_routing=True`).
+   `decode.py`). Both record an MoE model's routing when asked (`return_routing=True`).
    Both run under GSPMD with the parameters' tensor layout and the rows split over the data
    groups; the KV cache or page pools are donated in and out.
 3. the host cuts each row after its prompt + new tokens (and after EOS).
@@ -45,10 +45,11 @@ from zeroxla.engine.layout import ZeroLayout
 from zeroxla.engine.layout_argument import layout_argument
 from zeroxla.inference.adapter_switch import frozen_paths, keep, trainable_reshard, unchanged
 from zeroxla.inference.checks import (PAGED, check_decodable, check_layout, check_routing,
-                                      check_state, paged_refusal)
+                                      check_state, paged_refusal, recurrent_entries)
 from zeroxla.inference.config import HybridEngineConfig
 from zeroxla.inference.expert_reshard import expert_reshard
-from zeroxla.inference.continuous import BatchShape, ContinuousBatcher, by_seed, make_requests
+from zeroxla.inference.continuous import (BatchShape, ContinuousBatcher, by_seed, make_requests,
+                                          state_pools)
 from zeroxla.inference.decode import (KNOBS, by_sampling, check_request, row_max_new,
                                       row_samplings)
 from zeroxla.inference.layout import TensorParallelLayout, tensor_parallel_layout
@@ -86,14 +87,17 @@ class HybridEngine:
             tensor_major=zero_layout.axes.data_size == len(devices))
         self.mesh = self.layout.mesh
         self.vocab_size = zero_layout.vocab_size
+        self.dtype = jnp.dtype(config.rollout_dtype)    # the inference copy's and KV cache's
         self._cache_shape = check_decodable(self.model_def, config.max_out_tokens,
-                                            self.vocab_size)         # [L, 1, S, G, K]
-        self._kv_heads = self._cache_shape[3] * self.layout.kv_repeat
+                                            self.vocab_size, recurrent_state=True)
+        self._kv_heads = self._cache_shape[3] * self.layout.kv_repeat    # [L, 1, S, G, K]
+        # a recurrent model's state entries beside the KV cache (continuous: in slots)
+        recurrent = recurrent_entries(self.model_def, config.max_out_tokens)
         # "continuous" or "static" (`config.batching`; "auto" picks continuous when the model
         # decodes a paged cache) and, when static was chosen for "auto", why
         refusal = (None if config.batching == "static" else
                    paged_refusal(self.model_def, self._cache_shape, config.kv_block_size,
-                                 self.vocab_size))
+                                 self.vocab_size, recurrent=recurrent))
         if refusal is not None and config.batching == "continuous":
             raise ValueError(f"HybridEngineConfig.batching='continuous' needs a paged KV cache: "
                              f"{refusal}; {PAGED}. Accepted for this model: batching='static' "
@@ -102,7 +106,7 @@ class HybridEngine:
         self.batching_reason = refusal
         self._reshard = None                 # compiled reshard program
         self._static_decoder = StaticDecoder(self.model_def, self.layout, config,
-                                             self._cache_shape, self._kv_heads)
+                                             self._cache_shape, self._kv_heads, recurrent)
         self._params: dict[str, jax.Array] | None = None
         self._source: list[weakref.ref] = []
         self._batchers: dict[str, ContinuousBatcher] = {}      # per key implementation
@@ -110,7 +114,8 @@ class HybridEngine:
         self.reshards = 0                    # how many times the parameters were resharded
         # Only the trainable leaves changed since the last switch: those alone are resharded
         # (`adapter_switch`); `_kept` is the frozen storage the pinned copy was built from.
-        self._expert_reshard = expert_reshard(zero_layout, self.layout)   # None: byte floor
+        self._expert_reshard = expert_reshard(zero_layout, self.layout,    # None: byte floor
+                                              self.dtype)
         self._frozen = frozen_paths(self.plan)
         self._kept: dict[str, Any] | None = None
         self._trainable_reshard = None
@@ -123,7 +128,7 @@ class HybridEngine:
         mesh=engine.mesh)`)."""
         check_state(state, self.plan, self.model_def)
         if self._reshard is None:
-            self._reshard = jax.jit(reshard_function(self.plan, self.layout),
+            self._reshard = jax.jit(reshard_function(self.plan, self.layout, self.dtype),
                                     out_shardings=self.layout.param_shardings()
                                     ).lower(self.reshard_inputs(state)).compile()
         return self._reshard
@@ -173,7 +178,8 @@ class HybridEngine:
         its input: those leaves of `reshard_inputs(state)` (of `state.params` under EP)."""
         if self._trainable_reshard is None:
             self._trainable_reshard = (self._expert_reshard.trainable() if self._expert_reshard
-                                       else trainable_reshard(self.plan, self.layout))
+                                       else trainable_reshard(self.plan, self.layout,
+                                                              self.dtype))
         return self._trainable_reshard
 
     # ---- decode ----------------------------------------------------------------------------
@@ -204,10 +210,11 @@ class HybridEngine:
         of output i], the log-probability each token was drawn with (as filtered and scaled:
         `sampling.sampled_logprobs`; 0 when greedy), computed inside the decode program, as
         vLLM reports them: what RL's train/rollout log-prob gap is measured against.
-        `return_routing=True` (an MoE model, `batching="static"`: `checks.check_routing`) adds
-        a last list: routing[i] int32 [len(output i), L, k], the experts each MoE layer routed
-        each token of output i to when it was fed (the prompt's in the prefill, a new token's
-        at the next step; -1 on the last token, never fed): the record of routing replay
+        `return_routing=True` (an MoE model: `checks.check_routing`) adds a last list:
+        routing[i] int32 [len(output i), L, k], the experts each MoE layer routed each token of
+        output i to when it was fed (the prompt's in the prefill, a new token's at the next
+        step; under continuous batching a preempted answer's recomputed tokens at their last
+        feed; -1 on the last token, never fed): the record of routing replay
         (`zeroxla.rlhf.answer_forward`), aligned with the output's tokens."""
         return self._generate(state, prompts, [seed], max_new_tokens,
                               (return_logprobs, return_routing),
@@ -251,7 +258,7 @@ class HybridEngine:
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{name}={value!r} is invalid; accepted: True or False")
         with_logprobs, with_routing = map(bool, asked)
-        routed = check_routing(self.model_def, self.batching) if with_routing else (0, 0)
+        routed = check_routing(self.model_def) if with_routing else (0, 0)
         check_state(state, self.plan, self.model_def)
         eos_id = knobs["eos_id"]
         if max(news) == 0:
@@ -260,8 +267,8 @@ class HybridEngine:
             routing = [[np.full((row.size, *routed), -1, np.int32) for row in rows]
                        for _ in keys]
         elif self.batching == "continuous":
-            outputs, drawn = self._serve(state, rows, keys, news, samplings, eos_id)
-            routing = drawn                             # not asked for (`check_routing`)
+            outputs, drawn, routing = self._serve(state, rows, keys, news, samplings, eos_id,
+                                                  with_routing, routed)
         else:                    # one padded batch per seed and distinct knobs
             outputs, drawn, routing = zip(*(by_sampling(
                 samplings, lambda index, sampling: self._static(
@@ -276,10 +283,11 @@ class HybridEngine:
         return results if len(results) > 1 else results[0]
 
     def _serve(self, state: TrainState, rows: list[np.ndarray], keys: list[jax.Array],
-               news: list[int], samplings: list[Sampling],
-               eos_id: int | None) -> tuple[list, list]:
+               news: list[int], samplings: list[Sampling], eos_id: int | None,
+               with_routing: bool, routed: tuple[int, int]) -> tuple[list, list, list]:
         """Continuous batching (`continuous.ContinuousBatcher`): one request per prompt with
-        one answer per key; outputs [key][prompt]."""
+        one answer per key; outputs, drawn log-probs and routing records (Nones unless
+        `with_routing`; `routed` its (L, k)), each [key][prompt]."""
         params = self.inference_params(state)
         batcher = self.batcher(keys[0])
         if len(keys) > batcher.shape.slots:
@@ -288,14 +296,14 @@ class HybridEngine:
                              "accepted: at most max_ragged_sequence_count seeds")
         model_state = jax.device_put(state.model_state, self.layout.replicated())
         total = len(rows) * len(keys)
-        outputs, drawn = batcher.run(params, model_state,
-                                     make_requests(rows, keys, news, samplings,
-                                                   self.vocab_size),
-                                     eos_id, total)
+        outputs, drawn, routing = batcher.run(params, model_state,
+                                              make_requests(rows, keys, news, samplings,
+                                                            self.vocab_size),
+                                              eos_id, total, with_routing)
         if self.config.release_inference_cache:
             batcher.release()
         self.stats = dict(batcher.stats)
-        return by_seed(rows, news, outputs, drawn, len(keys))
+        return by_seed(rows, news, outputs, drawn, routing, routed, len(keys))
 
     def batcher(self, key: jax.Array) -> ContinuousBatcher:
         """The continuous-batching step of keys like `key` (built once per key kind)."""
@@ -307,8 +315,11 @@ class HybridEngine:
                                page_size=c.kv_block_size, max_pages=c.pages_per_sequence)
             pool_shape = (layers, shape.groups, self._kv_heads, shape.pages, shape.page_size,
                           head_dim)
+            states = state_pools(self._static_decoder.recurrent,
+                                 self._static_decoder.entry_shape, self.layout, shape)
             self._batchers[impl] = ContinuousBatcher(self.model_def, self.layout, shape,
-                                                     pool_shape, self.vocab_size, key)
+                                                     pool_shape, self.vocab_size, key,
+                                                     pool_dtype=self.dtype, states=states)
         return self._batchers[impl]
 
     def _static(self, state: TrainState, rows: list[np.ndarray], key: jax.Array,
@@ -324,17 +335,15 @@ class HybridEngine:
         what each generated token costs (`comm_report(program, mesh=engine.mesh)`)."""
         layout = self.layout
         params = self.inference_params(state)
-        sharding = jax.sharding.NamedSharding(layout.mesh, layout.cache_spec(self._kv_heads))
+        sharding = self._static_decoder.shardings()          # the KV cache (and any state)
 
         def run(params, model_state, cache, token, pos):
             return self.model_def.module(params, model_state).decode(token, pos, cache)
 
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=layout.batch_sharding(2))
-        return jax.jit(run, out_shardings=(layout.batch_sharding(3), {"k": sharding,
-                                                                      "v": sharding})).lower(
+        return jax.jit(run, out_shardings=(layout.batch_sharding(3), sharding)).lower(
             params, jax.device_put(state.model_state, layout.replicated()),
-            self._static_decoder.cache(batch, {"k": sharding, "v": sharding}), column,
-            column).compile()
+            self._static_decoder.cache(batch, sharding), column, column).compile()
 
     # ---- release ---------------------------------------------------------------------------
     def kept_arrays(self) -> tuple[dict[str, jax.Array], list[dict[str, jax.Array]]]:

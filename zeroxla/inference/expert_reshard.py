@@ -27,18 +27,19 @@ from zeroxla.inference.reshard import check_storage
 
 
 class ExpertReshard:
-    """`reshard(params)`: `state.params` (or the `paths` of it) -> {path: float32 array in the
-    tensor-parallel layout}, through the logical values (module docstring)."""
+    """`reshard(params)`: `state.params` (or the `paths` of it) -> {path: array of `dtype`
+    (the engine's `rollout_dtype`) in the tensor-parallel layout}, through the logical values
+    (module docstring), cast before they move."""
 
     def __init__(self, zero_layout: ZeroLayout, layout: TensorParallelLayout,
-                 paths: Collection[str] | None = None):
-        self._zero_layout, self._layout = zero_layout, layout
+                 paths: Collection[str] | None = None, dtype: Any = jnp.float32):
+        self._zero_layout, self._layout, self._dtype = zero_layout, layout, dtype
         mesh = zero_layout.mesh
         leaves = [leaf for leaf in zero_layout.plan.leaves if paths is None or leaf.path in paths]
         spread = {leaf.path: logical_sharding(mesh, leaf.shape, leaf.stacked, leaf.shard_dim)
                   for leaf in leaves}
         self._logical = jax.jit(lambda params: {
-            leaf.path: leaf.unpad(leaf.compute_input(params[leaf.path])).astype(jnp.float32)
+            leaf.path: leaf.unpad(leaf.compute_input(params[leaf.path])).astype(dtype)
             for leaf in leaves}, out_shardings=spread)
         targets = layout.param_shardings()
         self._targets = {leaf.path: targets[leaf.path] for leaf in leaves}
@@ -49,17 +50,17 @@ class ExpertReshard:
     def trainable(self) -> "ExpertReshard":
         """The same reshard of the trainable leaves alone (the adapter-only switch)."""
         paths = [leaf.path for leaf in self._zero_layout.plan.trainable_leaves]
-        return ExpertReshard(self._zero_layout, self._layout, paths)
+        return ExpertReshard(self._zero_layout, self._layout, paths, self._dtype)
 
 
-def expert_reshard(zero_layout: ZeroLayout, layout: TensorParallelLayout
-                   ) -> ExpertReshard | None:
+def expert_reshard(zero_layout: ZeroLayout, layout: TensorParallelLayout,
+                   dtype: Any = jnp.float32) -> ExpertReshard | None:
     """The reshard of a layout with an expert axis of more than one device; None otherwise:
     the byte-floor reshard applies, and a storage it cannot read is refused now, naming the
     parameter (`reshard.check_storage`), when the engine is built rather than at its first
     generation (a train job's closing sample comes after the training)."""
     if zero_layout.axes.expert_size > 1:
-        return ExpertReshard(zero_layout, layout)
+        return ExpertReshard(zero_layout, layout, dtype=dtype)
     check_storage(zero_layout.state_shardings.params, layout)
     return None
 

@@ -68,6 +68,17 @@ class TensorParallelLayout:
         named = {logical.BATCH: self.axes.data, logical.KV_HEADS: tensor}
         return P(*(named.get(name) for name in KV_CACHE_AXES))
 
+    def entry_spec(self, names: Sequence[str | None], shape: Sequence[int]) -> P:
+        """A decode-cache entry's spec from its dims' logical names (a recurrent model's state,
+        `checks.cache_axes`): batch over the data axes, heads and KV heads over `tensor` where
+        it divides them, every other dim whole."""
+        def axis(name: str | None, size: int):
+            if name == logical.BATCH:
+                return self.axes.data
+            split = name in (logical.HEADS, logical.KV_HEADS) and size % self.tp == 0
+            return self.axes.tensor if split else None
+        return P(*(axis(name, size) for name, size in zip(names, shape)))
+
     def batch_sharding(self, ndim: int) -> NamedSharding:
         """Rows over the data axes: [B, ...]."""
         return NamedSharding(self.mesh, P(self.axes.data, *([None] * (ndim - 1))))

@@ -31,8 +31,10 @@ Per leaf, with `s` its storage dim and `t` its tensor-parallel dim (`plan_route`
   training mesh; the inference mesh then keeps the training order, `tensor_major=False`): XLA
   moves it as it sees fit, not counted by `reshard_account`.
 
-W is the stored leaf's bytes: the float32 master, which the engine's float32 inference copy is
-built from, so 4 bytes a parameter (the issue's 2 Psi / T (1 - T/N) counts 16-bit ones).
+W is the leaf's bytes as it travels: the float32 master, which the engine's float32 inference
+copy is built from, so 4 bytes a parameter (the issue's 2 Psi / T (1 - T/N) counts 16-bit
+ones); for a 16-bit inference copy (`HybridEngineConfig.rollout_dtype="bfloat16"`) each device
+casts its partition before any collective, so 2 bytes a parameter travel: half the float32 bytes.
 
 Under a 16-bit compute dtype a persistent leaf's float32 master is partitioned beside its
 16-bit replicated copy; the engine reads the master (the same values as `gathered_model`), so it
@@ -52,6 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from zeroxla.collectives.wire import is_16bit_float
 from zeroxla.engine.stored import storage_to_logical
 from zeroxla.sharding.leaf_plan import LeafPlan
 from zeroxla.sharding.mesh import MeshAxes
@@ -134,16 +137,18 @@ def _why(leaf: LeafPlan, route: str, t: int | None, kv: bool, tp: int) -> tuple[
                                  f"{leaf.padded_size}: chunks straddle the tensor slices")
 
 
-def reshard_account(plan: ShardingPlan, layout: TensorParallelLayout) -> list[LeafTraffic]:
+def reshard_account(plan: ShardingPlan, layout: TensorParallelLayout,
+                    dtype: Any = None) -> list[LeafTraffic]:
     """Every leaf's route and bytes received per device (the convention of
     `zeroxla.comm_report`: an all-gather's received bytes are its output's (g-1)/g, an
-    all-to-all's its operand's), against the floor W / tp (1 - tp / N)."""
+    all-to-all's its operand's), against the floor W / tp (1 - tp / N). `dtype`: the
+    inference copy's (`reshard_function`'s), whose bytes travel; None: the stored master's."""
     tp, tensor = layout.tp, layout.axes.tensor
     devices = layout.data_size * tp
     specs, kv_dims = dict(layout.specs), dict(layout.kv_dims)
     rows = []
     for leaf in plan.leaves:
-        itemsize = jnp.dtype(leaf.master_dtype).itemsize
+        itemsize = jnp.dtype(leaf.master_dtype if dtype is None else dtype).itemsize
         t = _tensor_dim(specs[leaf.path], tensor)
         route = plan_route(leaf, t, kv_dims.get(leaf.path), devices)
         floor = itemsize * leaf.numel / tp * (1 - tp / devices)
@@ -221,10 +226,11 @@ def storage_view(params: dict[str, Any], layout: TensorParallelLayout) -> dict[s
             for path, stored in params.items()}
 
 
-def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout
+def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout, dtype: Any = jnp.float32
                      ) -> Callable[[dict[str, Any]], dict[str, jax.Array]]:
-    """`params` (a TrainState's storage seen through `storage_view`) -> {path: float32 array
-    in the layout}; jit it."""
+    """`params` (a TrainState's storage seen through `storage_view`) -> {path: array of `dtype`
+    (float32, or bfloat16 for a 16-bit rollout) in the layout}; jit it. Each partition is cast
+    to `dtype` where it lies, before it travels: a 16-bit copy moves half the float32 bytes."""
     axes = layout.axes
     tp, dp, tensor, data = layout.tp, layout.data_size, axes.tensor, axes.data
     # storage chunk t dp + l on position (l, t) (tensor-major; else l tp + t)
@@ -269,7 +275,21 @@ def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout
                 out[leaf.path] = x if t is None else _slice(x, t, tp, tensor)
         return out
 
-    gather = jax.shard_map(local, mesh=layout.mesh, check_vma=False,
+    def on_wire(chunks: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """`local` of the chunks cast to `dtype` where they lie; a 16-bit dtype moved as its
+        raw bits on CPU, whose XLA widens 16-bit float collectives to float32
+        (`collectives.wire`): the bytes on the wire are the 16-bit copy's everywhere."""
+        chunks = {path: x.astype(dtype) for path, x in chunks.items()}
+        if not is_16bit_float(dtype):
+            return local(chunks)
+
+        def as_bits(chunks: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            out = local({path: lax.bitcast_convert_type(x, jnp.uint16)
+                         for path, x in chunks.items()})
+            return {path: lax.bitcast_convert_type(x, dtype) for path, x in out.items()}
+        return lax.platform_dependent(chunks, cpu=as_bits, default=local)
+
+    gather = jax.shard_map(on_wire, mesh=layout.mesh, check_vma=False,
                            in_specs=({leaf.path: storage_spec(leaf) for leaf in moved},),
                            out_specs={leaf.path: specs[leaf.path] for leaf in moved})
 
@@ -281,7 +301,7 @@ def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout
         for leaf in plan.leaves:
             if routes[leaf.path] == "local":              # XLA slices it where it lies
                 out[leaf.path] = repeat_kv(leaf, storage_to_logical(leaf, params[leaf.path]))
-        return {path: out[path].astype(jnp.float32) for path in plan.paths}
+        return {path: out[path].astype(dtype) for path in plan.paths}
 
     return reshard
 

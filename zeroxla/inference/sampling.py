@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroxla.models.invariant import logprobs_at
+
 FLOAT32_TINY = 2.0 ** -126                       # np.finfo(np.float32).tiny
 FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127    # np.finfo(np.float32).max, 3.4028235e38
 
@@ -258,13 +260,18 @@ def next_token(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arr
     return draw(key, weights).astype(jnp.int32)
 
 
-def sampled_logprobs(logits: jax.Array, token: jax.Array, sampling: Sampling) -> jax.Array:
+def sampled_logprobs(logits: jax.Array, token: jax.Array, sampling: Sampling,
+                     invariant: bool = False) -> jax.Array:
     """The log-probability of each row's drawn `token` int[B] under the distribution it was
     drawn from, log softmax(`log_weights`) at the token: logits float [B, V] -> float32 [B].
     At temperature 1 with no top-k / top-p this is the model's log softmax over the ids below
     `vocab_limit`, computed as `zeroxla.engine.loss.token_logprobs` computes it (the shift by
     the row maximum is exact), which the training forward's log-probs are compared against.
-    Greedy: 0 (the draw is certain)."""
+    Greedy: 0 (the draw is certain). `invariant` (a batch-invariant model's,
+    `LlamaConfig.batch_invariant`): the log-softmax's sum in the fixed order its training
+    forward uses (`models.invariant.logprobs_at`)."""
+    if invariant:
+        return logprobs_at(log_weights(logits, sampling), token.astype(jnp.int32))
     logp = jax.nn.log_softmax(log_weights(logits, sampling), axis=-1)          # [B, V]
     return jnp.take_along_axis(logp, token[:, None].astype(jnp.int32), axis=-1)[:, 0]
 

@@ -61,6 +61,9 @@ class Sequence:
     table: list[int] = dataclasses.field(default_factory=list)
     reserved: list[int] = dataclasses.field(default_factory=list)   # its answers' slots
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # with a routing record: each fed token's experts, int32 [L, k] per position (the latest
+    # feed's: a preempted sequence's recomputed tokens write theirs again)
+    routing: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -161,14 +164,16 @@ class GroupScheduler:
 
     def fork(self, seq: Sequence) -> list[Sequence]:
         """The shared prompt `seq`, its pages written up to its last token, becomes its group's
-        G answers (`seq` is the first), each reading its pages."""
+        G answers (`seq` is the first), each reading its pages and holding a copy of its
+        routing record so far (the step's own chunk is recorded into each by the update)."""
         children = [seq]
         seq.answer = 0
         for i, slot in enumerate(seq.reserved[1:], start=1):
             child = Sequence(tokens=list(seq.tokens), prompt_size=seq.prompt_size,
                              request=seq.request, answer=i, slot=slot,
                              order=(seq.order[0], i),
-                             cached=len(seq.tokens), table=self.pool.fork(seq.table))
+                             cached=len(seq.tokens), table=self.pool.fork(seq.table),
+                             routing=list(seq.routing))
             children.append(child)
             self.running.append(child)
         return children

@@ -10,6 +10,10 @@ donated in and out and kept between calls unless `release_inference_cache`.
 The outputs asked for beside the tokens are the drawn log-probs (`with_logprobs`) and an MoE
 model's routing record (`with_routing`: the experts each layer chose for every token fed,
 `decode.unpack_routing`), each computed inside the program.
+
+A recurrent model's cache carries its state entries beside "k" / "v" (`checks` module
+docstring): each made for the batch bucket in its model dtype, KV-head dims replicated as the
+parameters' are, laid out from its dims' names (`layout.entry_spec`).
 """
 
 from __future__ import annotations
@@ -20,20 +24,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroxla.inference.checks import KV_ENTRIES
 from zeroxla.inference.decode import (bucket, decode_loop, pack, unpack, unpack_logprobs,
                                       unpack_routing)
+from zeroxla.models.axes import KV_HEADS
 from zeroxla.inference.sampling import Sampling
 
 
 class StaticDecoder:
     """The static path of one engine (module docstring): its compiled programs and kept
     caches. `layout` the engine's `TensorParallelLayout`, `cache_shape` the model's KV cache
-    [L, 1, S, G, K] (`checks.check_decodable`), `kv_heads` the heads the layout holds."""
+    [L, 1, S, G, K] (`checks.check_decodable`), `kv_heads` the heads the layout holds,
+    `recurrent` a recurrent model's further cache entries (`checks.recurrent_entries`)."""
 
     def __init__(self, model_def: Any, layout: Any, config: Any, cache_shape: tuple,
-                 kv_heads: int):
+                 kv_heads: int, recurrent: dict[str, tuple] | None = None):
         self.model_def, self.layout, self.config = model_def, layout, config
         self.cache_shape, self.kv_heads = tuple(cache_shape), kv_heads
+        self.recurrent = dict(recurrent or {})
         self.programs: dict[tuple, Any] = {}
         self.caches: dict[int, dict[str, jax.Array]] = {}
 
@@ -53,8 +61,7 @@ class StaticDecoder:
                                    sampling, max_len, with_logprobs=with_logprobs,
                                    with_routing=with_routing)
 
-            cache_sharding = {k: jax.sharding.NamedSharding(
-                layout.mesh, layout.cache_spec(self.kv_heads)) for k in ("k", "v")}
+            cache_sharding = self.shardings()
             rows = layout.batch_sharding(1)
             rep = layout.replicated()
             extra = ((layout.batch_sharding(2),) if with_logprobs else ()) + (
@@ -66,14 +73,37 @@ class StaticDecoder:
             self.programs[key] = (jitted, cache_sharding)
         return self.programs[key]
 
+    def shardings(self) -> dict[str, jax.sharding.NamedSharding]:
+        """Each cache entry's sharding: the KV cache's `layout.cache_spec`, a recurrent
+        entry's from its dims' names (`layout.entry_spec`)."""
+        layout = self.layout
+        kv = jax.sharding.NamedSharding(layout.mesh, layout.cache_spec(self.kv_heads))
+        return {**{k: kv for k in KV_ENTRIES},
+                **{name: jax.sharding.NamedSharding(layout.mesh, layout.entry_spec(
+                    names, self.entry_shape(name, 1))) for name, (_, names)
+                   in self.recurrent.items()}}
+
+    def entry_shape(self, name: str, batch: int) -> tuple[int, ...]:
+        """Cache entry `name`'s shape for `batch` rows in the inference layout: its KV-head
+        dims replicated `layout.kv_repeat` times, as the parameters' are."""
+        if name in KV_ENTRIES:
+            shape = list(self.cache_shape)
+            shape[1], shape[3] = batch, self.kv_heads
+            return tuple(shape)
+        value, names = self.recurrent[name]
+        return tuple(batch if i == 1 else size * (self.layout.kv_repeat if dim == KV_HEADS
+                                                   else 1)
+                     for i, (size, dim) in enumerate(zip(value.shape, names)))
+
     def cache(self, batch: int, sharding: dict[str, Any]) -> dict[str, jax.Array]:
-        """A kept cache of `batch` rows, else a new one of zeros."""
+        """A kept cache of `batch` rows, else a new one of zeros (the KV cache in the engine's
+        `rollout_dtype`, a recurrent entry in its model dtype)."""
         if batch in self.caches:
             return self.caches.pop(batch)
-        shape = list(self.cache_shape)
-        shape[1], shape[3] = batch, self.kv_heads
-        return jax.jit(lambda: {k: jnp.zeros(shape, jnp.float32) for k in ("k", "v")},
-                       out_shardings=sharding)()
+        dtypes = {name: value.dtype for name, (value, _) in self.recurrent.items()}
+        return jax.jit(lambda: {name: jnp.zeros(self.entry_shape(name, batch),
+                                                dtypes.get(name, self.config.rollout_dtype))
+                                for name in sharding}, out_shardings=sharding)()
 
     def run(self, params: dict[str, Any], model_state: Any, rows: list[np.ndarray],
             key: jax.Array, news: list[int], sampling: Sampling, eos_id: int | None,

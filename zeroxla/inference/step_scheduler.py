@@ -6,7 +6,7 @@ step's draws back, so the loop that runs the compiled step only moves arrays (vL
     while not scheduler.done:
         plan = scheduler.schedule()                       # step_plan.StepPlan
         tokens, logprobs = <run the step on plan.inputs>  # [D, S] each, one per slot
-        for answer in scheduler.update(plan, tokens, logprobs):
+        for answer in scheduler.update(plan, tokens, logprobs):  # + experts [D, N, L, k]
             ...                                           # Finished: output index, arrays
     scheduler.stats()
 
@@ -14,7 +14,10 @@ step's draws back, so the loop that runs the compiled step only moves arrays (vL
 `scheduler.GroupScheduler` pick its chunks and page copies (preempting when its pool runs out)
 and fills the step's arrays (`step_plan.StepPlan.build`); `update` appends each sampling
 sequence's token and log-prob and finishes a sequence at EOS or at its own `max_new`, freeing
-its slot and pages for the queue. Host side only: no JAX program runs here.
+its slot and pages for the queue. Given the step's routing (an MoE model's experts per place,
+`experts`), `update` also writes each chunk's experts into its sequence's record at the chunk's
+positions (a forked group's prompt chunk into every answer), and a finished answer carries
+its record. Host side only: no JAX program runs here.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax
 import numpy as np
 
 from zeroxla.inference.pages import PagePool
-from zeroxla.inference.scheduler import GroupScheduler, Request
+from zeroxla.inference.scheduler import GroupScheduler, Request, Sequence
 from zeroxla.inference.step_plan import BatchShape, GroupPlan, StepPlan, filler_rows
 
 
@@ -40,6 +43,8 @@ class Finished:
     output: int
     tokens: np.ndarray                      # int32 [P + new]
     logprobs: np.ndarray                    # float32 [new]
+    routing: np.ndarray | None = None       # int32 [P + new, L, k]: the experts of each fed
+    #                                         token; -1 on the last (never fed)
 
 
 class StepScheduler:
@@ -87,15 +92,20 @@ class StepScheduler:
         self._pending = StepPlan.build(tuple(plans), self.shape, self.key_shape, self._rows)
         return self._pending
 
-    def update(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray) -> list[Finished]:
+    def update(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray,
+               experts: np.ndarray | None = None) -> list[Finished]:
         """Takes the draws of `plan`'s step (the last `schedule`'s): tokens int32 [D, S] and
         logprobs float32 [D, S], one per slot. Each sampling sequence appends its slot's draw;
-        one at EOS or at its own `max_new` finishes (its slot and pages freed). Returns the
-        finished answers in the order they finished."""
+        one at EOS or at its own `max_new` finishes (its slot and pages freed). `experts`
+        int32 [D, N, L, k] (the program's places, `StepPlan.places`): the step's routing,
+        recorded per sequence (`record_routing`) and returned with each finished answer.
+        Returns the finished answers in the order they finished."""
         if plan is not self._pending:
             raise ValueError("update(plan=...) takes the plan the last schedule() returned, "
                              "once; got another")
         self._pending = None
+        if experts is not None:
+            record_routing(plan, experts)
         finished = []
         for d, (group, group_plan) in enumerate(zip(self.groups, plan.groups)):
             for seq in group_plan.samples:
@@ -104,9 +114,10 @@ class StepScheduler:
                 seq.logprobs.append(float(logprobs[d, seq.slot]))
                 if ((self.eos_id is not None and seq.tokens[-1] == self.eos_id)
                         or seq.generated >= seq.request.max_new):
-                    finished.append(Finished(seq.request.outputs[seq.answer],
-                                             np.asarray(seq.tokens, np.int32),
-                                             np.asarray(seq.logprobs, np.float32)))
+                    finished.append(Finished(
+                        seq.request.outputs[seq.answer], np.asarray(seq.tokens, np.int32),
+                        np.asarray(seq.logprobs, np.float32),
+                        None if experts is None else routing_record(seq, experts.shape[2:])))
                     group.finish(seq)
         self._counts["steps"] += 1
         return finished
@@ -126,6 +137,26 @@ class StepScheduler:
                 "preemptions": sum(g.preemptions for g in self.groups)}
 
 
+def record_routing(plan: StepPlan, experts: np.ndarray) -> None:
+    """Writes each chunk's experts (`experts` int32 [D, N, L, k] at the program's places) into
+    its sequence's record at the chunk's positions, and into every answer a group's prompt
+    forked into at this chunk (each holds a copy of the prompt's earlier chunks)."""
+    for d, group_plan in enumerate(plan.groups):
+        for chunk in group_plan.chunks:
+            fed = experts[d, plan.places[d, chunk.start:chunk.start + chunk.count]]
+            for seq in chunk.samples or (chunk.seq,):
+                seq.routing[chunk.first:chunk.first + chunk.count] = list(fed)
+
+
+def routing_record(seq: Sequence, dims: tuple[int, ...]) -> np.ndarray:
+    """A finished sequence's record int32 [len(tokens), L, k] (`dims` = (L, k)): each fed
+    token's experts, -1 on its last token (drawn, never fed)."""
+    record = np.full((len(seq.tokens),) + tuple(dims), -1, np.int32)
+    if seq.routing:
+        record[:len(seq.routing)] = np.stack(seq.routing)
+    return record
+
+
 def live_tokens(group: GroupScheduler) -> int:
     """Tokens in a group's cache, each once however many sequences read it (a shared prompt
     page counts its filled slots once)."""
@@ -137,4 +168,4 @@ def live_tokens(group: GroupScheduler) -> int:
     return sum(fill.values())
 
 
-__all__ = ["Finished", "StepScheduler", "live_tokens"]
+__all__ = ["Finished", "StepScheduler", "live_tokens", "record_routing", "routing_record"]

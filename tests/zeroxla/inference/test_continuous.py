@@ -202,6 +202,22 @@ def test_a_model_that_cannot_take_pages_is_refused_or_decoded_static():
     assert auto.batching == "static" and "OwnCacheGPT.decode" in auto.batching_reason
 
 
+def test_a_batch_invariant_model_is_refused_continuous_and_decoded_static():
+    """The batch-invariant mode's attention reads a dense cache (`models.invariant_attention`):
+    "continuous" is refused naming batch_invariant, "auto" batches statically."""
+    from zeroxla.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig.tiny().replace(batch_invariant=True)
+    step = zeroxla.make_step(lambda: Llama(config, rngs=nnx.Rngs(0)), zeroxla.make_mesh(2, 4),
+                             optimizer=optax.sgd(0.0), config=zeroxla.ZeroConfig(stage=3))
+    with pytest.raises(ValueError, match=r"batching='continuous' needs a paged KV cache: "
+                                         r"Llama has batch_invariant=True.*batching='static'"):
+        zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(batching="continuous",
+                                                                    max_out_tokens=64))
+    auto = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(max_out_tokens=64))
+    assert auto.batching == "static" and "batch_invariant=True" in auto.batching_reason
+
+
 @pytest.mark.parametrize("config,match", [
     (dict(batching="paged"), r"batching='paged' is invalid; accepted: 'auto', 'continuous'"),
     (dict(max_ragged_sequence_count=9, max_ragged_batch_size=8),

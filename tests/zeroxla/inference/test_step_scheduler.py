@@ -99,3 +99,61 @@ def test_schedule_and_update_feed_sample_finish_and_recompute_by_hand():
         "steps": 4, "tokens_fed": 11, "prefill_tokens": 9, "generated_tokens": 6,
         "mean_pages_in_use": 3.0, "kv_slots_per_live_token": 12 * 2 / 19,
         "peak_pages_in_use": 3, "preemptions": 1}
+
+
+def _routed_step(scheduler, drawn, step):
+    """`_step` with a scripted routing (one layer, k = 3): each program place's "experts" are
+    (the token it feeds, its position, the step number), so a record says which token was fed
+    at which position, and when."""
+    plan = scheduler.schedule()
+    tokens = np.full((1, 2), 77, np.int32)
+    for slot, token in drawn.items():
+        tokens[0, slot] = token
+    experts = np.stack([plan.arrays.tokens, plan.arrays.positions,
+                        np.full_like(plan.arrays.tokens, step)], -1)[:, :, None]  # [1, N, 1, 3]
+    return scheduler.update(plan, tokens, np.zeros((1, 2), np.float32), experts)
+
+
+def _record(*fed):
+    """The expected record of an output whose tokens were fed as (token, step) at positions
+    0, 1, ...: [(token, position, step)] per position, then -1 for the last token."""
+    rows = [[token, position, step] for position, (token, step) in enumerate(fed)]
+    return np.asarray(rows + [[-1, -1, -1]], np.int32)[:, None]               # [T, 1, 3]
+
+
+def test_update_records_each_fed_tokens_routing_at_its_position_by_hand():
+    # The first test's schedule (A, B, C; B preempted at step 3 and recomputed at step 4), its
+    # routing scripted: A's tokens fed at steps 1, 1, 1, 2, 3; B's three all at step 4 (the
+    # recompute overwrites what steps 1 and 2 wrote); C's at step 4.
+    scheduler = StepScheduler(SHAPE, [_request([10, 11, 12], 0, 3), _request([20, 21], 1, 4),
+                                      _request([30], 2, 1)], EOS, key_shape=(2,),
+                              vocab_size=100)
+    finished = []
+    for step, drawn in enumerate([{0: 13}, {0: 14, 1: 22}, {0: 15, 1: EOS},
+                                  {0: 31, 1: EOS}], start=1):
+        finished += _routed_step(scheduler, drawn, step)
+    records = {f.output: f.routing for f in finished}
+    np.testing.assert_array_equal(records[0], _record((10, 1), (11, 1), (12, 1), (13, 2),
+                                                      (14, 3)))
+    np.testing.assert_array_equal(records[1], _record((20, 4), (21, 4), (22, 4)))
+    np.testing.assert_array_equal(records[2], _record((30, 4)))
+
+
+def test_a_groups_answers_share_their_prompts_routing_record_by_hand():
+    # One prompt of 5 tokens, 2 answers of 2 new tokens, 4 places a step: step 1 feeds the
+    # prompt's first chunk (0..3), step 2 its last token at 4, where it forks into the two
+    # answers (slots 0, 1) that draw 50 and 60; step 3 feeds those (position 5) and both end.
+    shape = dataclasses.replace(SHAPE, pages=8)
+    request = Request(prompt=np.arange(40, 45, dtype=np.int32), outputs=[0, 1],
+                      keys=[np.asarray([0, 1], np.uint32), np.asarray([0, 2], np.uint32)],
+                      max_new=2, prompt_hash=np.uint32(7))
+    scheduler = StepScheduler(shape, [request], EOS, key_shape=(2,), vocab_size=100)
+    finished = []
+    for step, drawn in enumerate([{}, {0: 50, 1: 60}, {0: 51, 1: 61}], start=1):
+        finished += _routed_step(scheduler, drawn, step)
+    prompt = [(40, 1), (41, 1), (42, 1), (43, 1), (44, 2)]
+    assert [(f.output, f.tokens.tolist()) for f in finished] == [
+        (0, [40, 41, 42, 43, 44, 50, 51]), (1, [40, 41, 42, 43, 44, 60, 61])]
+    np.testing.assert_array_equal(finished[0].routing, _record(*prompt, (50, 3)))
+    np.testing.assert_array_equal(finished[1].routing, _record(*prompt, (60, 3)))
+    assert scheduler.done

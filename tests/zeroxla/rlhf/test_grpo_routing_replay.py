@@ -1,8 +1,8 @@
 """GRPO with routing replay (`GRPOConfig.routing_replay`) on a tiny Qwen3-MoE actor trained at
-expert parallelism 2: the rollout's record covers every token the answers' log-probs read, and
-the logged `routing/mismatch` is the numpy count of recorded (token, layer) pairs where the
-unsharded starting actor's full forward routes otherwise; a dense actor and an unpacked
-rollout are refused by name."""
+expert parallelism 2, its rollout under continuous batching: the rollout's record covers every
+token the answers' log-probs read, and the logged `routing/mismatch` is the numpy count of
+recorded (token, layer) pairs where the unsharded starting actor's full forward routes
+otherwise (0 at tp 2); a dense actor and an unpacked rollout are refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -41,18 +41,32 @@ def numpy_mismatch(model, tokens, record, fed_ends):
 
 @pytest.mark.parametrize("mode", ["on", pytest.param("measure", marks=pytest.mark.slow)])
 def test_grpo_logs_the_routing_mismatch_of_its_rollout(mode):
-    """One iteration: the engine decodes statically to record the routing, the record covers
-    every fed token of every row (so under "on" each of them trains on its rollout's experts),
-    and `routing/mismatch` (with its fraction) is the numpy count against the starting actor
-    (float32, tp 1: 0 measured)."""
+    """One iteration: the engine records the routing under the job's continuous batching, the
+    record covers every fed token of every row (so under "on" each of them trains on its
+    rollout's experts), and `routing/mismatch` (with its fraction) is the numpy count against
+    the starting actor (float32, tp 1: 0 measured)."""
     run = trainer(CONFIG.replace(routing_replay=mode))
-    assert run.engine.batching == "static"
+    assert run.engine.batching == "continuous"
     record, rollout = run.iteration(0)
     differ, compared = numpy_mismatch(actor(), rollout.tokens, rollout.routing,
                                       rollout.answer_starts() + rollout.action_mask.sum(1) - 1)
     assert record["routing/mismatch"] == differ
     assert record["routing/mismatch_fraction"] == pytest.approx(differ / compared)
     assert np.isfinite(record["loss"]) and record["router/aux_loss"] > 0
+
+
+@pytest.mark.slow
+def test_grpo_replays_a_continuous_rollout_at_tp_2_with_no_mismatch():
+    """`--routing-replay on` at inference tp 2 under continuous batching: the logged
+    `routing/mismatch` is the numpy count against the starting actor, and it is 0 (the float32
+    rollout routes every fed token as the training forward does)."""
+    run = trainer(CONFIG.replace(routing_replay="on"), tp=2)
+    assert run.engine.batching == "continuous"
+    record, rollout = run.iteration(0)
+    differ, compared = numpy_mismatch(actor(), rollout.tokens, rollout.routing,
+                                      rollout.answer_starts() + rollout.action_mask.sum(1) - 1)
+    assert compared > 0 and record["routing/mismatch"] == differ == 0
+    assert np.isfinite(record["loss"])
 
 
 def test_routing_replay_is_refused_by_name():

@@ -47,12 +47,12 @@ def trainer(config, policy=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["measure", "on"])
 def test_ppo_logs_the_routing_mismatch_of_its_rollout(mode):
-    """One iteration: the engine decodes statically to record the routing, the record covers
-    every fed token of every row (so under "on" the actor trains on its rollout's experts),
-    and `routing/mismatch` (with its fraction) is the numpy count against the starting actor
-    (float32, tp 1: 0 measured)."""
+    """One iteration: the engine records the routing under continuous batching (the job's
+    default with an EOS), the record covers every fed token of every row (so under "on" the
+    actor trains on its rollout's experts), and `routing/mismatch` (with its fraction) is the
+    numpy count against the starting actor (float32, tp 1: 0 measured)."""
     run = trainer(CONFIG.replace(routing_replay=mode))
-    assert run.engine.batching == "static"
+    assert run.engine.batching == "continuous"
     record, rollout = run.iteration(0)
     differ, compared = numpy_mismatch(moe_actor(), rollout.tokens, rollout.routing,
                                       rollout.prompt_length + rollout.action_mask.sum(1) - 1)
