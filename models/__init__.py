@@ -17,6 +17,13 @@
 - `paged_attention.py`: attention against a paged KV cache (`PagedKV`: page pools, each token
   its sequence's page table; vLLM's PagedAttention), what a continuous-batching engine decodes
   with through the same `cached_attention`.
+- `recurrent_slots.py`: a recurrent layer's per-sequence state under continuous batching
+  (`RecurrentSlots`, carried in `PagedKV.recurrent`): pools of slots beside the pages, each
+  step's places run through their slots in each sequence's position order (`scan_places`).
+- `kv_groups.py`: one KV cache for layers of different key-value shapes (Gemma 4's global
+  layer): the cache's head groups (the gcd of the layers' KV heads) each hold a contiguous run
+  of a layer's heads side by side, so tensor parallelism splits every layer's heads as it
+  splits its weights; the dense and paged caches read and write it.
 - `sequence_parallel.py`: DeepSpeed-Ulysses (`SequenceParallel`, the all-to-alls that swap a
   sequence split for a head split around attention, KV heads repeated as DeepSpeed does) and
   all-gather context parallelism (the zigzag split).
@@ -26,6 +33,12 @@
   (as far as the heads divide) and a ring across the groups.
 - `tiled_mlp.py`: a block's MLP over chunks of the sequence (ALST's TiledMLP,
   `ModelConfig.mlp_chunk`), its [B, T, F] intermediate one chunk at a time.
+- `invariant.py`: the batch-invariant mode's kernels (`LlamaConfig.batch_invariant`): matmul,
+  RMSNorm, log-softmax and attention with every sum a chain of adds in a fixed order, so a
+  row's bits do not depend on the row count, the chunking or the cache length;
+  `invariant_attention.py`: its causal and KV-cached attention; `invariant_moe.py`: its MoE
+  MLP (the router's softmax and top-k weights, every expert on every token, the k outputs and
+  a shared expert's combined in order).
 - `chunked_logits.py`: the head's log-probs and entropies per chunk of the sequence in a scan
   (fused linear + cross-entropy), its [B, T, V] logits never whole; each family's
   `token_logprobs(tokens, labels)` runs it.
@@ -46,7 +59,8 @@
   `gated_delta`.
 - `gpt.py` (GPT-2), `llama.py` (Llama and the Llama-plus-options families), `gemma2.py`
   (Gemma 2), `gemma3.py` (Gemma 3 text: Gemma 2's layers with q/k norms, a period of sliding
-  layers and a global one as one block, a RoPE base each), `gemma4.py` (Gemma 4 text:
+  layers and a global one as one block, a RoPE base each; a trailing partial period's sliding
+  layers as a stack of their own), `gemma4.py` (Gemma 4 text:
   Gemma 3's period with a global layer of its own head dim, proportional RoPE and k = v; its
   MoE block beside the dense MLP in `gemma4_moe.py`), `qwen3_5.py` (Qwen3.5 dense:
   periods of DeltaNet layers and a gated attention layer as one block), `qwen3_5_moe.py`
@@ -55,8 +69,8 @@
   (`families.REGISTRY`; docs/models.md).
 - `hf.py`, `hf_config.py`, `hf_rules.py`, `hf_names.py`, `safetensors_io.py`: Hugging Face
   names, configs, checkpoints' name fallbacks and files.
-- `presets.py`: real shapes (Llama 3.x, Qwen2.5, Qwen3, gpt-oss-20b) as their config.json gives them, for
-  the planner (`zeroxla plan`).
+- `presets.py`: real shapes (Llama 3.x, Qwen2.5, Qwen3, gpt-oss-20b, Qwen3.5) as their config.json
+  gives them, for the planner (`zeroxla plan`).
 """
 
 from .gpt import GPT, GPTConfig

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .invariant import logprobs_at as invariant_logprobs_at
 from .layers import at_least_float32
 
 # Tokens per chunk: one chunk's logits are [B, LOGITS_CHUNK, V] (B = 1, V = 151,936: 622 MB in
@@ -81,13 +82,15 @@ def _entropy_of(logits: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(probs * finite, axis=-1)
 
 
-_KINDS = ("logprobs", "entropy")
+_KINDS = ("logprobs", "invariant_logprobs", "entropy")
 
 
 def _per_chunk(kind: str, project: Project, softcap: float | None, weight: Any, h: jax.Array,
                labels: jax.Array, vocab_limit: Any) -> jax.Array:
     """One chunk: h [B, C, D] (labels [B, C]) -> the chunk's log-probs or entropies [B, C]."""
     logits = head_logits(weight, h, project, softcap=softcap, vocab_limit=vocab_limit)
+    if kind == "invariant_logprobs":
+        return invariant_logprobs_at(logits, labels)
     return _logprobs_of(logits, labels) if kind == "logprobs" else _entropy_of(logits)
 
 
@@ -152,12 +155,14 @@ def _over_chunks(kind: str, project: Project, softcap: float | None, weight: Any
 
 def chunked_token_logprobs(h: jax.Array, labels: jax.Array, weight: Any, project: Project, *,
                            softcap: float | None = None, vocab_limit: Any = None,
-                           chunk: int = LOGITS_CHUNK) -> jax.Array:
+                           chunk: int = LOGITS_CHUNK, invariant: bool = False) -> jax.Array:
     """log softmax(head(h))[labels]: h [B, T, D] (the final hidden states, normed), labels
     int [B, T], `weight` the head's parameters as `project` reads them -> [B, T] float32
     (float64 for float64 h), computed `chunk` tokens at a time (module docstring). Equals
-    `token_logprobs_reference`."""
-    return _over_chunks("logprobs", project, softcap, weight, h, labels, vocab_limit, chunk)
+    `token_logprobs_reference`. `invariant`: the log-softmax's sum in a fixed order
+    (`models.invariant.logprobs_at`, the batch-invariant mode)."""
+    kind = "invariant_logprobs" if invariant else "logprobs"
+    return _over_chunks(kind, project, softcap, weight, h, labels, vocab_limit, chunk)
 
 
 def chunked_token_entropy(h: jax.Array, weight: Any, project: Project, *,

@@ -25,12 +25,20 @@ class ModelConfig:
     mlp_chunk   tokens per chunk of the blocks' per-token work (`models.tiled_mlp`, ALST's
                 TiledMLP: the MLP; Llama's family also tiles its norms, projections and RoPE),
                 or None: over the whole sequence at once.
+    batch_invariant
+                every matmul, norm, softmax and attention summed in a fixed order
+                (`models.invariant`): a token's log-prob has the same bits at any row count,
+                chunking or cache length; a family that has not built it
+                (`BATCH_INVARIANT` False) refuses True by name.
     """
 
     attention: str = dataclasses.field(default="auto", kw_only=True)
     mlp_chunk: int | None = dataclasses.field(default=None, kw_only=True)
+    batch_invariant: bool = dataclasses.field(default=False, kw_only=True)
 
     POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Whether the family's blocks have the batch-invariant mode (`models.invariant`).
+    BATCH_INVARIANT: ClassVar[bool] = False
     # Why the family stops at max_seq_len (its subclass says), shown in `check_seq_len`'s error.
     MAX_SEQ_LEN_REASON: ClassVar[str] = "the positions the model is built for"
 
@@ -48,6 +56,13 @@ class ModelConfig:
                                            or self.mlp_chunk < 1):
             raise ValueError(f"{name}.mlp_chunk={self.mlp_chunk!r} is invalid; accepted: None "
                              "or an integer >= 1 (tokens per chunk of the tiled MLP)")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"{name}.batch_invariant={self.batch_invariant!r} is invalid; "
+                             "accepted: True or False")
+        if self.batch_invariant and not self.BATCH_INVARIANT:
+            raise ValueError(f"{name}.batch_invariant=True: the batch-invariant mode is not built "
+                             f"for the {getattr(self, 'family', name)} family; accepted: "
+                             "batch_invariant=False")
 
     def check_seq_len(self, length: int, what: str, accepted: str | None = None) -> None:
         """The maximum length rule, one for every family and every path (the forward, a KV

@@ -19,8 +19,10 @@ then a full one (transformers' default `layer_types`: even layers slide), so eve
 num_hidden_layers / 2); a pair's KV cache holds both layers' keys side by side on the
 head_dim, {"k", "v"} [L, B, S, G, 2K] (`gemma2.run_layers`). In training the stack carries
 `moe.Routed` through both layers (router statistics of every HF layer). Routing records and
-replay (`MoeLlama.router_choices`, `decode_choices`, `replayed_token_logprobs`) index the
-stack's blocks, which hold two MoE layers here: refused by name.
+replay (`MoeLlama.router_choices`, `decode_choices`, `replayed_token_logprobs`) index MoE
+layers, not blocks: a record is [.., 2L, k] (`GptOssConfig.moe_layers`), HF layer 2i + j at
+2i + j, because the carry's layer counter (`moe_llama.Chosen`, `Replayed`) steps once per
+`GptOssLayer` and a pair runs both.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class GptOssConfig(MoeLlamaConfig):
     swiglu_limit: float = 7.0
     family: str = dataclasses.field(default="gpt_oss", init=False)
     ONE_INTERMEDIATE_SIZE = True
+    BATCH_INVARIANT = False          # not built: its attention sinks and expert biases
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +82,11 @@ class GptOssConfig(MoeLlamaConfig):
     def layers_per_block(self) -> int:
         """HF layers per block of the stack: a (sliding, full) pair (`models.hf`'s `{unit[j]}`)."""
         return 2
+
+    @property
+    def moe_layers(self) -> int:
+        """L of a routing record [B, T, L, k]: every HF layer is an MoE layer, two per pair."""
+        return self.layers_per_block * self.num_layers
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -137,35 +145,26 @@ class Pair(nnx.Module):
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
-                 experts: ExpertParallel | None = None, cache=None):
-        """x [B, T, D] or `moe.Routed` -> (the same kind, cache); `experts` reaches both MoE
-        layers. With `cache` {"k", "v"} [B, S, G, 2K] (or a paged cache) the local layer owns
-        [..., :K], the global one [..., K:] (`gemma2.run_layers`)."""
+                 experts: ExpertParallel | None = None, replay: jax.Array | None = None,
+                 cache=None):
+        """x [B, T, D], `moe.Routed`, `Replayed` or `Chosen` -> (the same kind, cache);
+        `experts` reaches both MoE layers, and so does `replay` int32 [2L, B, T, k] (every MoE
+        layer's record: each layer reads its own at the carry's layer counter). With `cache`
+        {"k", "v"} [B, S, G, 2K] (or a paged cache) the local layer owns [..., :K], the global
+        one [..., K:] (`gemma2.run_layers`)."""
         if cache is None:
             for layer in (self.local, self.glob):
-                x, _ = layer(x, positions, segment_ids, sequence, experts)
+                x, _ = layer(x, positions, segment_ids, sequence, experts, replay)
             return x, None
         layers = [lambda h, p, s, q, c, layer=layer: layer(h, p, s, q, experts, cache=c)
                   for layer in (self.local, self.glob)]
         return run_layers(layers, x, positions, segment_ids, sequence, cache)
 
 
-def _not_built(what: str):
-    """A method of `MoeLlama` refused for gpt-oss, naming itself."""
-
-    def refused(self, *args, **kwargs):
-        raise ValueError(f"{what} with a gpt-oss model: routing records index the stack's "
-                         "blocks, and a gpt-oss block is a pair of MoE layers; not built. "
-                         "Accepted: the routed forward without a record (routing_replay off, "
-                         "return_routing=False)")
-
-    refused.__name__ = what
-    return refused
-
-
 class GptOss(MoeLlama):
     """gpt-oss: embed -> stacked (sliding, full) pairs of MoE layers -> RMSNorm -> untied head.
-    The forwards, `experts=` and the router statistics are `MoeLlama`'s."""
+    The forwards, `experts=`, the router statistics and the routing records and replay (per
+    MoE layer, `GptOssConfig.moe_layers`) are `MoeLlama`'s."""
 
     BLOCK = Pair
 
@@ -178,6 +177,3 @@ class GptOss(MoeLlama):
         return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads,
                              c.layers_per_block * c.head_dim, dtype)
 
-    replayed_token_logprobs = _not_built("replayed_token_logprobs (routing replay)")
-    router_choices = _not_built("router_choices")
-    decode_choices = _not_built("decode_choices (return_routing=True)")

@@ -9,6 +9,7 @@ each stage its own layers).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import axes, online_softmax
+from . import axes, invariant, kv_groups, online_softmax
 
 def param(rngs: nnx.Rngs, init: Callable, shape: tuple[int, ...],
           logical_axes: tuple[str, ...]) -> nnx.Param:
@@ -160,17 +161,22 @@ class LayerNorm(nnx.Module):
 class RMSNorm(nnx.Module):
     """RMSNorm over the last dim, computed in float32 (Llama), or float64 for float64 input.
     `axis` names the normalised dim (`embed`; `head_dim` for Qwen3's per-head q/k norms). The
-    output is scaled by `offset + scale` (Gemma's `1 + w`: offset 1, scale initialised to 0)."""
+    output is scaled by `offset + scale` (Gemma's `1 + w`: offset 1, scale initialised to 0).
+    `invariant`: the squares summed in a fixed order (`models.invariant`, the batch-invariant
+    mode)."""
 
     def __init__(self, dim: int, *, eps: float = 1e-5, axis: str = axes.EMBED,
-                 offset: float = 0.0):
-        self.eps, self.offset = eps, offset
+                 offset: float = 0.0, invariant: bool = False):
+        self.eps, self.offset, self.invariant = eps, offset, invariant
         self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32), logical_axes=(axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         acc = at_least_float32(x.dtype)
         h = x.astype(acc)
-        h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
+        if self.invariant:
+            h = invariant.rms_norm(h, self.eps)
+        else:
+            h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
         return (h * (self.offset + self.scale[...].astype(acc))).astype(x.dtype)
 
 
@@ -205,16 +211,18 @@ def stack_args(tokens: jax.Array, positions: jax.Array | None,
 
 def forward_stack(model: Any, tokens: jax.Array, positions: jax.Array | None,
                   segment_ids: jax.Array | None, sequence: Any = None, carry: Any = None,
-                  experts: Any = None) -> Any:
+                  experts: Any = None, tail: LayerStack | None = None) -> Any:
     """`model.blocks`' output [B, T, D] (before the final norm; with `carry`, the last carry of
     the stack run on `carry(x)`, an MoE's `Routed`) for tokens int [B, T]: the length rule, embed,
-    the stack (`stack_args`). Under sequence parallelism `tokens` are this device's [B, T/P];
-    `experts` (an MoE family's) goes to every block."""
+    the stack (`stack_args`), then `tail` (a stack after it) on the same arguments. Under
+    sequence parallelism `tokens` are this device's [B, T/P]; `experts` (an MoE family's) goes
+    to every block."""
     parts = 1 if sequence is None else sequence.size
     model.config.check_seq_len(tokens.shape[1] * parts, "sequence length")
     args = stack_args(tokens, positions, segment_ids, sequence, experts)
     x = model.embed(tokens, args[0])
-    return model.blocks(x if carry is None else carry(x), *args)[0]
+    x = model.blocks(x if carry is None else carry(x), *args)[0]
+    return x if tail is None else tail(x, *args)[0]
 
 
 def visible_keys(query_pos: jax.Array, key_pos: jax.Array, window: int | None) -> jax.Array:
@@ -290,9 +298,10 @@ CACHE_BLOCK = 512
 
 def write_cache(k: jax.Array, v: jax.Array, positions: jax.Array,
                 cache: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """`cache` {"k", "v"} [B, S, G, K] with token (b, t)'s k, v [B, T, G, K] written to slot
-    positions[b, t]."""
-    write = jax.vmap(lambda c, new, pos: c.at[pos].set(new.astype(c.dtype)))
+    """`cache` {"k", "v"} [B, S, C, G K / C] with token (b, t)'s k, v [B, T, G, K] written to
+    slot positions[b, t], G / C heads side by side per group (`kv_groups`; C = G: [B, S, G, K])."""
+    fold = functools.partial(kv_groups.fold_heads, groups=cache["k"].shape[2])
+    write = jax.vmap(lambda c, new, pos: c.at[pos].set(fold(new).astype(c.dtype)))
     return {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
 
 
@@ -307,8 +316,9 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     [B, H, T, S] score tensor exists, and visiting only the blocks up to the largest position
     (and, with a window, from the smallest position's first visible slot).
 
-    q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T]; cache {"k", "v"} [B, S, G, K];
-    sinks [H] or None (`online_softmax.sink_rescale`). Returns (out [B, T, H, K], updated cache).
+    q [B, T, H, K]; k, v [B, T, G, K]; positions int [B, T]; cache {"k", "v"} [B, S, G, K]
+    (or its heads in C groups, [B, S, C, G K / C], `write_cache`); sinks [H] or None
+    (`online_softmax.sink_rescale`). Returns (out [B, T, H, K], updated cache).
     """
     b, t, h, d = q.shape
     g = k.shape[2]
@@ -324,8 +334,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         # The last block may overlap the one before it (S not a multiple of bk): its slots
         # below j * bk were already summed and are masked here.
         start = jnp.minimum(j * bk, s - bk)
-        k_blk = jax.lax.dynamic_slice_in_dim(cache["k"], start, bk, 1).astype(q.dtype)
-        v_blk = jax.lax.dynamic_slice_in_dim(cache["v"], start, bk, 1).astype(v.dtype)
+        k_blk, v_blk = (kv_groups.unfold_heads(jax.lax.dynamic_slice_in_dim(
+            cache[n], start, bk, 1), g).astype(dt) for n, dt in (("k", q.dtype), ("v", v.dtype)))
         slot = start + jnp.arange(bk)                                          # [bk]
         visible = (visible_keys(positions[:, :, None], slot[None, None, :], window)
                    & (slot >= j * bk))[:, None, None]                         # [B, 1, 1, T, bk]
@@ -363,11 +373,12 @@ def cached_attention_naive(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     cache = write_cache(k, v, positions, cache)
     s = cache["k"].shape[1]
     q = q.reshape(b, t, g, h // g, d)
-    scores = attention_scores(q, cache["k"].astype(q.dtype), scale, softcap)
+    keys, values = (kv_groups.unfold_heads(cache[n], g) for n in ("k", "v"))  # [B, S, G, K]
+    scores = attention_scores(q, keys.astype(q.dtype), scale, softcap)
     visible = visible_keys(positions[:, :, None], jnp.arange(s)[None, None, :], window)  # [B,T,S]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(scores.dtype).min)
     probs = online_softmax.sink_softmax(scores, sinks).astype(v.dtype)
-    out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, cache["v"].astype(v.dtype))
+    out = jnp.einsum("BGRTS,BSGK->BTGRK", probs, values.astype(v.dtype))
     return out.reshape(b, t, h, d), cache
 
 

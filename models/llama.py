@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import axes
+from . import axes, invariant, invariant_attention
 from .chunked_logits import (LOGITS_CHUNK, chunked_token_logprobs, tied_projection,
                              untied_projection)
 from .config import ModelConfig
@@ -65,6 +65,7 @@ class LlamaConfig(ModelConfig):
 
     POSITIVE_FIELDS = ("vocab_size", "max_seq_len", "d_model", "num_heads", "num_kv_heads",
                        "num_layers", "mlp_dim")
+    BATCH_INVARIANT = True
 
     def __post_init__(self) -> None:
         self.check_sizes()
@@ -109,7 +110,6 @@ class LlamaConfig(ModelConfig):
             return 1.0
         return yarn_attention_factor(self.rope_factor, self.rope_attention_factor)
 
-
     @classmethod
     def tiny(cls) -> "LlamaConfig":
         return cls()
@@ -142,7 +142,8 @@ class Block(nnx.Module):
         self.rope_scaling = cfg.rope_scaling()                            # a Python float
         self.window = cfg.sliding_window
         self.implementation, self.mlp_chunk = cfg.attention, cfg.mlp_chunk    # static
-        self.attn_norm = RMSNorm(d, eps=cfg.norm_eps)
+        self.invariant = cfg.batch_invariant                                  # static
+        self.attn_norm = RMSNorm(d, eps=cfg.norm_eps, invariant=self.invariant)
         self.wq = param(rngs, normal(std), (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
         self.wk = param(rngs, normal(std), (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM))
         self.wv = param(rngs, normal(std), (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM))
@@ -154,9 +155,11 @@ class Block(nnx.Module):
         if cfg.o_bias:
             self.bo = param(rngs, zeros, (d,), (axes.EMBED,))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM)
-            self.k_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM)
-        self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
+            self.q_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM,
+                                  invariant=self.invariant)
+            self.k_norm = RMSNorm(k, eps=cfg.norm_eps, axis=axes.HEAD_DIM,
+                                  invariant=self.invariant)
+        self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps, invariant=self.invariant)
         self.init_mlp(cfg, rngs)
 
     def init_mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
@@ -169,6 +172,10 @@ class Block(nnx.Module):
             self.b_gate = param(rngs, zeros, (f,), (axes.MLP,))
             self.b_up = param(rngs, zeros, (f,), (axes.MLP,))
             self.b_down = param(rngs, zeros, (d,), (axes.EMBED,))
+
+    def project(self, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """`jnp.einsum(spec, x, w)`; in the batch-invariant mode `invariant.einsum`."""
+        return invariant.einsum(spec, x, w) if self.invariant else jnp.einsum(spec, x, w)
 
     def _bias(self, name: str) -> jax.Array | float:
         """The bias parameter `name`, or 0 when the config has none."""
@@ -200,6 +207,10 @@ class Block(nnx.Module):
             raise ValueError("a KV cache under sequence parallelism: decoding runs on whole "
                              "sequences (the Hybrid Engine's inference mesh); sequence=None")
         sinks = self.attention_sinks()
+        if self.invariant:
+            return invariant_attention.attend(q, k, v, positions, cache, window=self.window,
+                                              segment_ids=segment_ids, sequence=sequence,
+                                              sinks=sinks)
         if cache is None:
             a = attention(q, k, v, window=self.window, segment_ids=segment_ids, sinks=sinks,
                           implementation=self.implementation,
@@ -219,12 +230,12 @@ class Block(nnx.Module):
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [B, T, D], positions [B, T] -> q [B, T, H, K], k and v [B, T, G, K], RoPE'd."""
         h = self.attn_norm(x)                                             # [B, T, D]
-        q = jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]) + self._bias("bq")
-        k = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
-        v = jnp.einsum("BTD,DGK->BTGK", h, self.wv[...]) + self._bias("bv")
+        q = self.project("BTD,DHK->BTHK", h, self.wq[...]) + self._bias("bq")
+        k = self.project("BTD,DGK->BTGK", h, self.wk[...]) + self._bias("bk")
+        v = self.project("BTD,DGK->BTGK", h, self.wv[...]) + self._bias("bv")
         q, k = self.qk_normed(q, k)
-        return (rope(q, positions, self.inv_freq, self.rope_scaling),
-                rope(k, positions, self.inv_freq, self.rope_scaling), v)
+        return (rope(q, positions, self.inv_freq, self.rope_scaling, exact=self.invariant),
+                rope(k, positions, self.inv_freq, self.rope_scaling, exact=self.invariant), v)
 
     def qk_normed(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q [B, T, H, K], k [B, T, G, K] per-head RMSNormed when the config says (Qwen3:
@@ -240,13 +251,14 @@ class Block(nnx.Module):
 
     def attention_out(self, x: jax.Array, a: jax.Array) -> jax.Array:
         """The residual after attention: x [B, T, D] + the output projection of a [B, T, H, K]."""
-        return x + jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]) + self._bias("bo")
+        return x + self.project("BTHK,HKD->BTD", a, self.wo[...]) + self._bias("bo")
 
     def _mlp(self, h: jax.Array) -> jax.Array:
         """SwiGLU: h [B, T, D] -> [B, T, D] through the [B, T, F] gate and up projections."""
-        gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]) + self._bias("b_gate"))
-        up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...]) + self._bias("b_up")
-        return jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]) + self._bias("b_down")
+        gate = jax.nn.silu(self.project("BTD,DF->BTF", h, self.w_gate[...])
+                           + self._bias("b_gate"))
+        up = self.project("BTD,DF->BTF", h, self.w_up[...]) + self._bias("b_up")
+        return self.project("BTF,FD->BTD", gate * up, self.w_down[...]) + self._bias("b_down")
 
 
 class TokenEmbed(nnx.Module):
@@ -255,6 +267,8 @@ class TokenEmbed(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.logits_chunk = LOGITS_CHUNK
+        self.invariant = cfg.batch_invariant                                  # static
+        self.project = invariant.tied_projection if self.invariant else tied_projection
         self.weight = param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                             (axes.VOCAB, axes.EMBED))
 
@@ -265,15 +279,16 @@ class TokenEmbed(nnx.Module):
     def attend(self, h: jax.Array) -> jax.Array:
         """The tied head: h [B, T, D] -> logits float32 [B, T, V] = h @ weight^T. A method of
         the module owning the weight, so that ZeRO-3 gathers the weight around the call."""
-        return tied_projection(self.weight[...].astype(h.dtype), h)
+        return self.project(self.weight[...].astype(h.dtype), h)
 
     def attend_logprobs(self, h: jax.Array, labels: jax.Array,
                         vocab_limit: jax.Array | int | None = None) -> jax.Array:
         """The tied head's log-probs of `labels` int [B, T] from h [B, T, D] -> float32
         [B, T], `logits_chunk` tokens at a time (`models.chunked_logits`): one method, so
         ZeRO-3 gathers the weight once for every chunk."""
-        return chunked_token_logprobs(h, labels, self.weight[...].astype(h.dtype), tied_projection,
-                                      vocab_limit=vocab_limit, chunk=self.logits_chunk)
+        return chunked_token_logprobs(h, labels, self.weight[...].astype(h.dtype), self.project,
+                                      vocab_limit=vocab_limit, chunk=self.logits_chunk,
+                                      invariant=self.invariant)
 
 
 class Head(nnx.Module):
@@ -283,7 +298,9 @@ class Head(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.logits_chunk = LOGITS_CHUNK     # tokens per chunk of `logprobs` (static)
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.invariant = cfg.batch_invariant                                  # static
+        self.project = invariant.untied_projection if self.invariant else untied_projection
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, invariant=self.invariant)
         if not cfg.tie_word_embeddings:
             self.weight = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                 (axes.EMBED, axes.VOCAB))
@@ -294,16 +311,16 @@ class Head(nnx.Module):
         h = self.norm(x)
         if embed is not None:
             return embed.attend(h)
-        return untied_projection(self.weight[...].astype(x.dtype), h)
+        return self.project(self.weight[...].astype(x.dtype), h)
 
     def logprobs(self, h: jax.Array, labels: jax.Array,
                  vocab_limit: jax.Array | int | None = None) -> jax.Array:
         """The untied projection's log-probs of `labels` int [B, T] from the normed hidden
         states h [B, T, D] -> float32 [B, T], `logits_chunk` tokens at a time
         (`models.chunked_logits`)."""
-        return chunked_token_logprobs(h, labels, self.weight[...].astype(h.dtype),
-                                      untied_projection, vocab_limit=vocab_limit,
-                                      chunk=self.logits_chunk)
+        return chunked_token_logprobs(h, labels, self.weight[...].astype(h.dtype), self.project,
+                                      vocab_limit=vocab_limit, chunk=self.logits_chunk,
+                                      invariant=self.invariant)
 
 
 class Llama(nnx.Module):

@@ -31,6 +31,10 @@ Megatron-LM's router computes them under `moe_enable_routing_replay`
 (`compute_routing_scores_for_aux_loss` takes its own top-k of the live scores; only the
 dispatch is replayed). `replay_mismatches` counts the tokens whose live choice differs from
 the record.
+
+Built with `invariant=True` (an MoE Llama's `batch_invariant`), the layer routes, computes its
+experts and combines their outputs with every sum in a fixed order (`models.invariant_moe`):
+a token's routing and output bits do not depend on how many tokens are computed with it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import axes
+from . import axes, invariant_moe
 from .expert_parallel import ExpertParallel, expert_parallel_ffn
 from .grouped_matmul import ExpertBiases, expert_ffn, swiglu
 from .layers import normal, param
@@ -125,12 +129,14 @@ class MoeMLP(nnx.Module):
     whole on every device, which routes over all experts); w_gate / w_up
     [E, D, F], w_down [E, F, D] (F = expert_mlp_dim; named `experts`, `expert_mlp`: tensor-
     parallel generation leaves them whole); shared_gate / shared_up [D, S], shared_down [S, D],
-    shared_expert_gate [D]."""
+    shared_expert_gate [D]. `invariant` (static): the batch-invariant mode's sums
+    (`models.invariant_moe`)."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, cfg, rngs: nnx.Rngs, *, invariant: bool = False):
         d, e, f, s = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_expert_mlp_dim
         init = normal(cfg.init_std)
         self.top_k, self.norm_topk_prob = cfg.experts_per_token, cfg.norm_topk_prob   # static
+        self.invariant = invariant                                            # static
         self.tile, self.implementation = cfg.expert_tile, cfg.expert_implementation
         self.router = param(rngs, init, (d, e), (axes.EMBED, axes.ROUTER))
         self.w_gate = param(rngs, init, (e, d, f), (axes.EXPERTS, axes.EMBED, axes.EXPERT_MLP))
@@ -153,24 +159,49 @@ class MoeMLP(nnx.Module):
         the weights from the live router, the statistics the live choice's)."""
         b, t, d = h.shape
         x = h.reshape(b * t, d)                                               # [N, D]
-        weights, chosen, probs = route(x, self.router[...], self.top_k, self.norm_topk_prob,
-                                       self.router_bias())
+        # the batch-invariant mode's router sums in a fixed order (`models.invariant_moe`)
+        route_fn, weights_fn = ((invariant_moe.route, invariant_moe.replayed_weights)
+                                if self.invariant else (route, replayed_weights))
+        weights, chosen, probs = route_fn(x, self.router[...], self.top_k, self.norm_topk_prob,
+                                          self.router_bias())
         used = chosen
         if replay is not None:
             record = replay.reshape(b * t, self.top_k).astype(jnp.int32)     # [N, k]
             used = jnp.where(record[:, :1] >= 0, record, chosen)
-            weights = replayed_weights(probs, used, self.norm_topk_prob)
-        out = self._experts(x, used, weights.astype(h.dtype), experts)       # [N, D]
-        if getattr(self, "shared_gate", None) is not None:
-            gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(h.dtype))   # [N]
-            inner = jax.nn.silu(x @ self.shared_gate[...]) * (x @ self.shared_up[...])
-            out = out + gate[:, None] * (inner @ self.shared_down[...])
+            weights = weights_fn(probs, used, self.norm_topk_prob)
+        if self.invariant:
+            out = self._invariant_mix(x, used, weights, experts).astype(h.dtype)   # [N, D]
+        else:
+            out = self._experts(x, used, weights.astype(h.dtype), experts)   # [N, D]
+            if getattr(self, "shared_gate", None) is not None:
+                gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(h.dtype))  # [N]
+                inner = jax.nn.silu(x @ self.shared_gate[...]) * (x @ self.shared_up[...])
+                out = out + gate[:, None] * (inner @ self.shared_down[...])
         m = jnp.ones((b * t,), probs.dtype) if mask is None else mask.reshape(b * t)
         m = jax.lax.stop_gradient(m.astype(probs.dtype))
         counts = jnp.zeros(probs.shape[1], probs.dtype).at[chosen.reshape(-1)].add(
             jnp.repeat(m, self.top_k))
         stats = RouterStats(counts, jnp.sum(probs * m[:, None], axis=0), jnp.sum(m))
         return out.reshape(b, t, d), stats, chosen.reshape(b, t, self.top_k)
+
+    def _invariant_mix(self, x: jax.Array, chosen: jax.Array, weights: jax.Array,
+                       experts: ExpertParallel | None) -> jax.Array:
+        """The batch-invariant mode's output float32 [N, D] of x [N, D]: each token's k
+        `chosen` [N, k] experts weighed by `weights` [N, k], then the gated shared expert's
+        output when there is one, added in that order (`models.invariant_moe`)."""
+        invariant_moe.check_unsplit(experts)
+        if self.expert_biases(jnp.float32) is not None:
+            raise ValueError(f"batch_invariant=True with expert biases ({type(self).__name__}):"
+                             " not built; accepted: batch_invariant=False")
+        w = [getattr(self, name)[...] for name in ("w_gate", "w_up", "w_down")]
+        y = invariant_moe.expert_outputs(x, chosen, *w, self.activation)      # [N, k, D]
+        if getattr(self, "shared_gate", None) is not None:
+            shared, gate = invariant_moe.shared_expert(
+                x, *(getattr(self, n)[...] for n in ("shared_expert_gate", "shared_gate",
+                                                     "shared_up", "shared_down")))
+            y = jnp.concatenate([y, shared[:, None]], axis=1)                 # [N, k + 1, D]
+            weights = jnp.concatenate([weights, gate[:, None]], axis=1)
+        return invariant_moe.combine(y, weights)
 
     def router_bias(self) -> jax.Array | None:
         """The router's bias [E]: none here (gpt-oss' router has one, `models.gpt_oss`)."""

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import axes
+from . import axes, invariant
 from .grouped_matmul import TILE, check_expert_implementation
 from .layers import at_least_float32, forward_stack, stack_args
 from .expert_parallel import ExpertParallel
@@ -93,6 +93,12 @@ class MoeLlamaConfig(LlamaConfig):
         check_expert_implementation(self.expert_implementation, f"{name}.expert_implementation")
 
     @property
+    def moe_layers(self) -> int:
+        """L, the MoE layers a routing record indexes ([B, T, L, k]): one per block of the
+        stack here (gpt-oss, whose block is a pair of layers: two)."""
+        return self.num_layers
+
+    @property
     def aux_loss_weight(self) -> float:
         """What the training loss adds times the auxiliary loss: router_aux_loss_coef when
         output_router_logits (transformers' rule), else 0."""
@@ -101,17 +107,22 @@ class MoeLlamaConfig(LlamaConfig):
 
 class ProjectionRMSNorm(nnx.Module):
     """RMSNorm over a whole projection [.., H, K] at once (OLMoE's q_norm / k_norm over
-    hidden_size), its scale [H, K]; float32 (float64 for float64 input)."""
+    hidden_size), its scale [H, K]; float32 (float64 for float64 input). `invariant`: the
+    batch-invariant mode's ordered sum of squares."""
 
-    def __init__(self, heads: int, head_dim: int, *, eps: float, head_axis: str):
-        self.eps = eps
+    def __init__(self, heads: int, head_dim: int, *, eps: float, head_axis: str,
+                 invariant: bool = False):
+        self.eps, self.invariant = eps, invariant                              # static
         self.scale = nnx.Param(jnp.ones((heads, head_dim), jnp.float32),
                                logical_axes=(head_axis, axes.HEAD_DIM))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         acc = at_least_float32(x.dtype)
         h = x.astype(acc)
-        h = h * jax.lax.rsqrt(jnp.square(h).mean((-2, -1), keepdims=True) + self.eps)
+        if self.invariant:                   # the squares summed in order (`models.invariant`)
+            h = invariant.rms_norm(h.reshape(*h.shape[:-2], -1), self.eps).reshape(h.shape)
+        else:
+            h = h * jax.lax.rsqrt(jnp.square(h).mean((-2, -1), keepdims=True) + self.eps)
         return (h * self.scale[...].astype(acc)).astype(x.dtype)
 
 
@@ -159,12 +170,13 @@ class MoeBlock(Block):
         super().__init__(cfg.replace(qk_norm=cfg.qk_norm and cfg.qk_norm_scope == "head"), rngs)
         if cfg.qk_norm and cfg.qk_norm_scope == "projection":
             self.q_norm = ProjectionRMSNorm(cfg.num_heads, cfg.head_dim, eps=cfg.norm_eps,
-                                            head_axis=axes.HEADS)
+                                            head_axis=axes.HEADS, invariant=cfg.batch_invariant)
             self.k_norm = ProjectionRMSNorm(cfg.num_kv_heads, cfg.head_dim, eps=cfg.norm_eps,
-                                            head_axis=axes.KV_HEADS)
+                                            head_axis=axes.KV_HEADS,
+                                            invariant=cfg.batch_invariant)
 
     def init_mlp(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs) -> None:
-        self.moe = MoeMLP(cfg, rngs)
+        self.moe = MoeMLP(cfg, rngs, invariant=cfg.batch_invariant)
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
@@ -260,7 +272,7 @@ class MoeLlama(Llama):
         compared (the mismatches of a forward that does not replay)."""
         c = self.config
         b, t = tokens.shape
-        want = (b, t, c.num_layers, c.experts_per_token)
+        want = (b, t, c.moe_layers, c.experts_per_token)
         if tuple(replay.shape) != want:
             raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
                              "per input token, every MoE layer's k recorded experts")
@@ -302,7 +314,7 @@ class MoeLlama(Llama):
         args = stack_args(tokens, positions, None)
         b, t = tokens.shape
         chosen = Chosen(self.embed(tokens, args[0]),
-                        jnp.zeros((c.num_layers, b, t, c.experts_per_token), jnp.int32),
+                        jnp.zeros((c.moe_layers, b, t, c.experts_per_token), jnp.int32),
                         jnp.int32(0))
         out, cache = self.blocks(chosen, *args, cache=cache)
         return out.hidden, out.experts, cache

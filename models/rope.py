@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .invariant import exact_product
 from .layers import at_least_float32
 
 # The rope_type values built; transformers' others (dynamic, longrope, ...) are refused.
@@ -98,7 +99,8 @@ def yarn_attention_factor(factor: float, attention_factor: float | None = None,
     return get_mscale(factor)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: Any, scaling: float = 1.0) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: Any, scaling: float = 1.0, *,
+         exact: bool = False) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), HF Llama's rotate-half convention.
 
     x [B, T, H, K] with K even; positions int [B, T]; inv_freq float32 [K/2] (`inv_freq`);
@@ -106,6 +108,9 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: Any, scaling: float = 1.0
     The angles and the rotation are float32, float64 for float64 x: rounded to float32 here, a
     float64 run's rotation was 1e-5 off at position 600 and its logits depended on how XLA
     fused the layer (2.9e-10 apart on the blockwise and naive attention routes).
+    `exact` (the batch-invariant mode, float32): h cos + r sin with each product exact
+    (`invariant.exact_product`): XLA:CPU contracts one of them into a fused multiply-add or
+    not as the surrounding fusion's shape decides, and the two round differently.
     """
     k = x.shape[-1]
     acc = at_least_float32(x.dtype)
@@ -118,4 +123,6 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: Any, scaling: float = 1.0
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
+    if exact:        # the batch-invariant mode: no fused multiply-add may round one term
+        return (exact_product(h, cos) + exact_product(rotated, sin)).astype(x.dtype)
     return (h * cos + rotated * sin).astype(x.dtype)

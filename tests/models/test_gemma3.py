@@ -26,7 +26,6 @@ import functools
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -156,16 +155,8 @@ TRAINING = {"zero3-2x4-packed": ((2, 4, 1), False), "zero3-sp2-packed": ((2, 2, 
 
 
 def _float64_model(checkpoint, lora):
-    """The checkpoint's model in float64, with `LORA`'s adapters (float64 too) if `lora`."""
-    from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora
-
-    model = hf.load_hf_model(checkpoint, dtype=jnp.float64)[1]
-    if lora:        # adapters are made float32: cast, so the whole model is float64
-        convert_linear_layer_to_lora(model, LoRAConfig(**LORA, only_optimize_lora=True),
-                                     rngs=nnx.Rngs(7))
-        adapters = nnx.state(model, nnx.LoRAParam)
-        nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float64), adapters))
-    return model
+    """The checkpoint's float64 model, with `LORA`'s adapters if `lora`."""
+    return family_checkpoints.float64_model(checkpoint, LORA if lora else None)
 
 
 def _training_batches():

@@ -13,11 +13,18 @@ biases, the SwiGLU clamp at 0.5 so that it bites; every tensor perturbed, no net
   decode of the E2M1 bits (every byte, scales 0..252), and a checkpoint whose experts are
   stored so loads them as transformers dequantizes them, its logits within 1e-4 of
   transformers', straight into ZeRO-3 partitions too;
-- slow: the Hybrid Engine's greedy tokens equal transformers' `generate(do_sample=False)`
-  past the window, and ZeRO-3 2 x 4 on packed rows and expert parallelism (EP = 2) train 3
-  steps as the unsharded model does on one device.
+- routing records per MoE layer ([.., 2L, k], two per pair): `router_choices` equals
+  transformers' router's top-k at every token and layer, replaying it is the live forward bit
+  for bit, a changed record's mismatches are counted per (token, layer);
+- slow: the rollout engine's record (static and continuous, tp 1 and 2, EP 2 storage) equals
+  transformers' router over each sampled output; the replayed MoE MLP's gradients equal a
+  float64 dense reference; the Hybrid Engine's greedy tokens equal transformers'
+  `generate(do_sample=False)` past the window at tp 1 and 2; ZeRO-3 2 x 4 on packed rows,
+  expert parallelism (EP = 2), sequence parallelism (SP = 2: Ulysses, ring, all-gather) and
+  LoRA train 3 steps as the unsharded model does on one device; USP refuses the sinks by name.
 """
 
+import functools
 import json
 import shutil
 
@@ -227,16 +234,176 @@ def test_an_mxfp4_checkpoint_loads_its_experts_decoded(mxfp4_checkpoint):
     np.testing.assert_allclose(np.asarray(model(x)), theirs, atol=ATOL, rtol=0)
 
 
-# ------------------------------------------------------------------------------- slow paths
+# ---------------------------------------------------------------------------- routing records
+
+K = CONFIG["num_experts_per_tok"]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return torch_causal_lm(checkpoint)
+
+
+def transformers_choices(reference, tokens):
+    """The experts transformers' router picks, per token and HF layer: tokens [B, T] -> int
+    [B, T, 2L, k], each k sorted: the k largest of its `router_logits` (output_router_logits),
+    every k-th largest at least 1e-4 above the next (no near tie float32 could flip)."""
+    b, t = tokens.shape
+    with torch.no_grad():
+        out = reference(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
+    logits = np.stack([r.numpy().reshape(b, t, -1) for r in out.router_logits], axis=2)
+    order = np.argsort(-logits, axis=-1)                                      # [B, T, 2L, E]
+    ranked = np.take_along_axis(logits, order, axis=-1)
+    assert np.min(ranked[..., K - 1] - ranked[..., K]) > 1e-4
+    return np.sort(order[..., :K], axis=-1)
+
+
+def test_routing_records_hold_every_moe_layer_as_transformers_routes(checkpoint, reference):
+    """`router_choices` is [2L, B, T, k], one entry per MoE layer (two per pair): at HF layer
+    i's index the experts transformers' router picks at every token. Replaying that record
+    gives `routed_token_logprobs`' log-probs and router statistics bit for bit with 0
+    mismatches; a record changed at (token, layer) pairs of a pair's sliding layer (HF layer
+    2) and of a full one (HF layer 1), only compared (`follow_record=False`), counts each
+    changed pair once; replayed, it moves the log-probs."""
+    _, model = hf.load_hf_model(checkpoint)
+    x = token_ids(VOCAB, (2, 17))
+    inputs, labels = jnp.asarray(x[:, :-1]), jnp.asarray(x[:, 1:])
+    choices, _ = jax.jit(model.router_choices)(inputs)                       # [2L, B, T, k]
+    record = np.moveaxis(np.asarray(choices), 0, 2)                          # [B, T, 2L, k]
+    assert record.shape == (2, 16, CONFIG["num_hidden_layers"], K)
+    np.testing.assert_array_equal(np.sort(record, -1), transformers_choices(reference, x[:, :-1]))
+
+    @functools.partial(jax.jit, static_argnames="follow")
+    def replayed(record, follow):
+        return model.replayed_token_logprobs(inputs, labels, record, follow_record=follow)
+
+    logp, stats = jax.jit(model.routed_token_logprobs)(inputs, labels)
+    got, got_stats, mismatches = replayed(jnp.asarray(record), True)
+    np.testing.assert_array_equal(got, logp)
+    for a, b in zip(got_stats, stats):
+        np.testing.assert_array_equal(a, b)
+    assert int(jnp.sum(mismatches)) == 0
+    changed = np.zeros(record.shape[:3], bool)                               # [B, T, 2L]
+    changed[0, 3, 2] = changed[1, 9, 2] = changed[1, 9, 1] = changed[0, 15, 1] = True
+    # a shift by 1 (mod 4) moves every pair of 4 experts to another pair
+    other = np.where(changed[..., None], (record + 1) % CONFIG["num_local_experts"], record)
+    _, _, counted = replayed(jnp.asarray(other), False)
+    np.testing.assert_array_equal(counted, changed.sum(-1))
+    moved, _, _ = replayed(jnp.asarray(other), True)
+    assert not np.array_equal(moved, logp)
+
+
+MLP_PARAMS = ("router", "b_router", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
+
+
+def dense_replayed_mlp(p, x, chosen, alpha, limit, cotangent):
+    """sum(out * cotangent) of gpt-oss' MoE MLP written out in float64, every expert computed
+    for every token: the selection `chosen` int [N, k] fixed, its weights the softmax over the
+    live router's logits (bias included) at those experts; each expert a clamped SwiGLU with
+    biases: (clip(up, -limit, limit) + 1) g sigmoid(alpha g), g = min(gate, limit)."""
+    logits = x @ p["router"] + p["b_router"]                                   # [N, E]
+    onehot = jax.nn.one_hot(chosen, logits.shape[-1], dtype=x.dtype)          # [N, k, E]
+    picked = jnp.einsum("NE,NKE->NK", logits, onehot)
+    weights = jnp.exp(picked - picked.max(-1, keepdims=True))
+    weights = weights / weights.sum(-1, keepdims=True)
+    gate = jnp.minimum(jnp.einsum("ND,EDF->NEF", x, p["w_gate"]) + p["b_gate"], limit)
+    up = jnp.clip(jnp.einsum("ND,EDF->NEF", x, p["w_up"]) + p["b_up"], -limit, limit)
+    inner = (up + 1) * gate / (1 + jnp.exp(-alpha * gate))
+    y = jnp.einsum("NEF,EFD->NED", inner, p["w_down"]) + p["b_down"]         # [N, E, D]
+    return jnp.sum(jnp.einsum("NK,NKE,NED->ND", weights, onehot, y) * cotangent)
+
+
+@pytest.mark.slow
+def test_the_replayed_mlp_gradients_equal_a_float64_dense_reference():
+    """gpt-oss' MoE MLP sending tokens to a recorded selection (two tokens without a record
+    route live): every gradient (router and its bias, experts and their biases, the input)
+    within 1e-6 of the largest of `dense_replayed_mlp`'s; the router's is not zero (the
+    weights come from the live router); the clamp bites (limit 0.5)."""
+    from zeroxla.models.gpt_oss import GptOssMLP
+
+    cfg = models.GptOssConfig(d_model=16, num_heads=4, num_kv_heads=2, num_experts=6,
+                              experts_per_token=2, mlp_dim=8, expert_mlp_dim=8, expert_tile=4,
+                              swiglu_limit=0.5)
+    rng = np.random.default_rng(0)
+    n, k, e = 12, cfg.experts_per_token, cfg.num_experts
+    with jax.enable_x64(True):
+        graphdef, params, rest = nnx.split(GptOssMLP(cfg, rngs=nnx.Rngs(1)), nnx.Param, ...)
+        params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.5,
+                                                    jnp.float64), params)
+        p = {name: params[name][...] for name in MLP_PARAMS}
+        x = jnp.asarray(rng.normal(size=(2, n // 2, cfg.d_model)), jnp.float64)
+        record = np.stack([rng.choice(e, k, replace=False) for _ in range(n)])    # [N, k]
+        record[[1, 7]] = -1
+        cotangent = jnp.asarray(rng.normal(size=(n, cfg.d_model)), jnp.float64)
+
+        def replayed(params, x):
+            out, _, _ = nnx.merge(graphdef, params, rest)(
+                x, replay=jnp.asarray(record.reshape(2, n // 2, k), jnp.int32))
+            return jnp.sum(out.reshape(n, -1) * cotangent)
+
+        grads, g_x = jax.jit(jax.grad(replayed, argnums=(0, 1)))(params, x)
+        logits = np.asarray(x.reshape(n, -1) @ p["router"] + p["b_router"])
+        live = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        chosen = np.where(record[:, :1] >= 0, record, live)
+        want, want_x = jax.jit(jax.grad(dense_replayed_mlp, argnums=(0, 1)),
+                               static_argnums=(3, 4))(p, x.reshape(n, -1), chosen,
+                                                      cfg.swiglu_alpha, cfg.swiglu_limit,
+                                                      cotangent)
+        gate = np.einsum("ND,EDF->NEF", x.reshape(n, -1), p["w_gate"]) + p["b_gate"]
+    assert np.mean(np.asarray(gate) > cfg.swiglu_limit) > 0.1
+    for name in MLP_PARAMS:
+        scale = np.abs(want[name]).max()
+        assert scale > 0, name
+        np.testing.assert_allclose(grads[name][...], want[name], rtol=0, atol=1e-6 * scale,
+                                   err_msg=name)
+    np.testing.assert_allclose(g_x.reshape(n, -1), want_x, rtol=0,
+                               atol=1e-6 * np.abs(want_x).max())
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batching", ["static", "continuous"])
-def test_hybrid_engine_greedy_equals_transformers_generate(checkpoint, batching):
-    """From ZeRO-3 partitions on 2 x 4 (every leaf partitioned) to tp 1, static and continuous
-    batching (pages of 4 slots, sinks and the window in paged attention); 7-token prompts and
-    12 new tokens: past the sliding window of 4."""
-    family_checkpoints.assert_engine_greedy_equals_transformers(
-        family_checkpoints.greedy_case(checkpoint, VOCAB), batching)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_rollout_records_every_moe_layer_as_transformers_routes(checkpoint, reference,
+                                                                    batching, tp):
+    """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static and continuous
+    batching (pages of 4 slots): sampled answers (temperature 1) of prompts of 3, 7 and 11
+    tokens, past the sliding window. Each output's record [len, 2L, k] holds at every fed
+    token and MoE layer the experts transformers' router picks over the output (-1 on the last
+    token, never fed); asking for it changes no token."""
+    step, state = zeroxla.load_pretrained(
+        checkpoint, zeroxla.make_mesh(2, 2, expert=2), progress=False,
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
+    assert engine.batching == batching
+    prompts = [token_ids(VOCAB, (n,), seed=n) for n in (3, 7, 11)]
+    kw = dict(max_new_tokens=9, temperature=1.0, seed=4)
+    outputs, routing = engine.generate(state, prompts, return_routing=True, **kw)
+    for got, want in zip(outputs, engine.generate(state, prompts, **kw)):
+        np.testing.assert_array_equal(got, want)
+    for out, record in zip(outputs, routing):
+        assert record.shape == (out.size, CONFIG["num_hidden_layers"], K)
+        assert np.all(record[-1] == -1)
+        want = transformers_choices(reference, np.asarray(out)[None])[0]     # [T, 2L, k]
+        np.testing.assert_array_equal(np.sort(record[:-1], -1), want[:-1])
+
+
+# ------------------------------------------------------------------------------- slow paths
+
+@pytest.fixture(scope="module")
+def greedy_case(checkpoint):
+    return family_checkpoints.greedy_case(checkpoint, VOCAB)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hybrid_engine_greedy_equals_transformers_generate(greedy_case, batching, tp):
+    """From ZeRO-3 partitions on 2 x 4 (every leaf partitioned) to tp 1 and 2 (at tp 2 the
+    heads, their sinks and biases split over the tensor axis), static and continuous batching
+    (pages of 4 slots, sinks and the window in paged attention); 7-token prompts and 12 new
+    tokens: past the sliding window of 4."""
+    family_checkpoints.assert_engine_greedy_equals_transformers(greedy_case, batching, tp)
 
 
 def _packed_batch():
@@ -252,38 +419,93 @@ def _packed_batch():
 
 
 TRAINING_OPTIMIZER = optax.sgd(0.01, momentum=0.9)
-# name -> mesh (nodes, local, expert)
-TRAINING = {"zero3-2x4-packed": (2, 4, 1), "zero3-ep2-packed": (2, 2, 2)}
+LORA = dict(dim=4, alpha=8.0, module_name=r"blocks/.*(wq|wv|w_up)$")
+# name -> (mesh (nodes, local, expert, sequence), sequence_parallel_strategy, LoRA adapters)
+TRAINING = {"zero3-2x4-packed": ((2, 4, 1, 1), "ulysses", False),
+            "zero3-ep2-packed": ((2, 2, 2, 1), "ulysses", False),
+            "zero3-sp2-ulysses-packed": ((2, 2, 1, 2), "ulysses", False),
+            "zero3-sp2-ring-packed": ((2, 2, 1, 2), "ring", False),
+            "zero3-sp2-allgather-packed": ((2, 2, 1, 2), "allgather", False),
+            "zero3-2x4-lora": ((2, 4, 1, 1), "ulysses", True)}
+
+
+def _float64_model(checkpoint, lora):
+    """The checkpoint's float64 model, with `LORA`'s adapters if `lora`."""
+    return family_checkpoints.float64_model(checkpoint, LORA if lora else None)
+
+
+def _one_device_run(checkpoint, lora):
+    """Single-device optax (`reference.train_single_device`) of `_float64_model` over 3 x
+    `_packed_batch()`, with LoRA the base masked out of the optimizer: (losses, parameters,
+    the adapters' paths or None)."""
+    from reference import flat_params, masked_optimizer, train_single_device
+
+    with jax.enable_x64(True):
+        reference = _float64_model(checkpoint, lora)
+        trained = set(flat_params(nnx.state(reference, nnx.LoRAParam))) if lora else None
+        want, expected = train_single_device(
+            reference,
+            masked_optimizer(TRAINING_OPTIMIZER, trained) if lora else TRAINING_OPTIMIZER,
+            [_packed_batch()] * 3, loss_fn=packed_loss)
+    return want, expected, trained
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """`_one_device_run`, once per checkpoint and adapters: every layout without adapters
+    compares with one run of it."""
+    return functools.cache(_one_device_run)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRAINING))
-def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, name):
+def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoint, one_device, name):
     """3 steps of SGD with momentum on packed rows, every leaf partitioned (with EP = 2 the
-    experts and their biases split over the expert axis), against single-device optax on the
-    same model (`reference.train_single_device`): losses rtol 1e-5, every leaf rtol 1e-4 +
+    experts and their biases split over the expert axis; with SP = 2 each row's 16 tokens split
+    over the sequence axis, the sinks and the sliding window of 4 in Ulysses', the ring's and
+    all-gather's attention; with LoRA adapters on wq, wv and the experts' w_up, the base
+    frozen), against single-device optax on the same model (`reference.train_single_device`;
+    with LoRA the base masked out of its optimizer): losses rtol 1e-5, every leaf rtol 1e-4 +
     atol 1e-6; float64, as tests/models/test_gemma3.py says why. The checkpoint's
     output_router_logits is false: no auxiliary loss, as transformers trains it."""
-    from reference import flat_params, train_single_device
+    from reference import flat_params
     from runs import run_steps
+    from zeroxla.lora import LoRAConfig, lora_trainable
 
-    nodes, local, expert = TRAINING[name]
-    batches = [_packed_batch()] * 3
+    (nodes, local, expert, sequence), strategy, lora = TRAINING[name]
+    want, expected, trained = one_device(checkpoint, lora)
     with jax.enable_x64(True):
-        want, expected = train_single_device(hf.load_hf_model(checkpoint, dtype=jnp.float64)[1],
-                                             TRAINING_OPTIMIZER, batches, loss_fn=packed_loss)
-        step = zeroxla.make_step(hf.load_hf_model(checkpoint, dtype=jnp.float64)[1],
-                                 zeroxla.make_mesh(nodes, local, expert=expert),
-                                 optimizer=TRAINING_OPTIMIZER,
-                                 config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
-                                                           compute_dtype="float64"))
-        state, losses = run_steps(step, step.init(), batches)
+        step = zeroxla.make_step(
+            _float64_model(checkpoint, lora),
+            zeroxla.make_mesh(nodes, local, expert=expert, sequence=sequence),
+            optimizer=TRAINING_OPTIMIZER,
+            config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0, compute_dtype="float64",
+                                      sequence_parallel_strategy=strategy),
+            trainable=lora_trainable(LoRAConfig(**LORA, only_optimize_lora=True))
+            if lora else None)
+        state, losses = run_steps(step, step.init(), [_packed_batch()] * 3)
         got = flat_params(zeroxla.gather_params(state))
     assert want[2] < want[1] < want[0]
     np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert not lora or trained == {leaf.path for leaf in step.layout.plan.trainable_leaves}
+    assert not lora or any("/moe/w_up/lora_a" in path for path in trained)
     for path in expected:
         assert got[path].dtype == np.float64, path
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+@pytest.mark.slow
+def test_usp_refuses_the_sinks_by_name(checkpoint):
+    """USP regroups the heads into Ulysses groups, which the per-head sinks are not cut for:
+    the step is refused at its first trace, naming the strategy and the accepted ones."""
+    step = zeroxla.make_step(hf.load_hf_model(checkpoint)[1],
+                             zeroxla.make_mesh(2, 2, sequence=2), optimizer=TRAINING_OPTIMIZER,
+                             config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
+                                                       sequence_parallel_strategy="usp"))
+    batch = {k: v.astype(np.float32) if k == "loss_mask" else v
+             for k, v in _packed_batch().items()}
+    with pytest.raises(ValueError, match="sinks under sequence_parallel_strategy='usp'.*'ring'"):
+        step(step.init(), batch)
 
 
 @pytest.mark.slow
