@@ -4,6 +4,8 @@
                    built once in a fixed order; what every consumer of a step reads
     state.py       TrainState and the consolidated (gathered) parameters
     stored.py      a parameter's stored form <-> its logical values (frozen codes quantized here)
+    frozen_codes.py a step's model seen with every leaf frozen and stored as int8 codes of its
+                   partitions (an RL job's int8 reference), read per layer like the step's own
     step.py        ZeroStep: the step as one pure function, compiled once
     apply.py       the update half: clipping, the optax update, fp16 overflow skip
     loss.py        losses as (sum, count)

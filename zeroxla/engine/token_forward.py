@@ -83,12 +83,21 @@ class TokenForward:
         return jax.tree.map(_float32, self.fn(model, batch, **options))   # [B/R, T/P] each
 
     def __call__(self, state: Any, batch: dict[str, Any]) -> jax.Array:
+        return self._jitted(state.params, state.model_state, self._checked(batch))
+
+    def lower(self, state: Any, batch: dict[str, Any]) -> jax.stages.Lowered:
+        """The program `__call__` runs on `state` and `batch`, lowered: `.compile()` gives
+        its `memory_analysis()` and `input_shardings` (what the per-device memory checks
+        read)."""
+        return self._jitted.lower(state.params, state.model_state, self._checked(batch))
+
+    def _checked(self, batch: dict[str, Any]) -> dict[str, Any]:
         layout = self.layout
         checked = check_batch(batch, next_token=False, data_size=layout.data_size,
                               accumulation=1, vocab_size=lambda: layout.vocab_size)
         if layout.sequence is not None:
             check_sequence_batch(checked, layout.sequence)
-        return self._jitted(state.params, state.model_state, checked)
+        return checked
 
 
 def _float32(values: jax.Array) -> jax.Array:

@@ -47,7 +47,16 @@ the roles they share are built once (roles.py).
                    ragged prompts, packed batches)
     answer_forward.py every per-token read of a trainer (old and reference log-probs, values) in
                    the step's layout (AnswerForward), the reference as the first partitions
+                   (float, or int8 codes read through engine.frozen_codes)
     grpo_eval.py   held-out greedy accuracy through a Hybrid Engine: exact_accuracy
+    grpo_experience.py an iteration's experience as data: DrawnRollout (the rollout side),
+                   GRPORollout (with the training group's log-probs), iteration_record
+    grpo_async.py  asynchronous GRPO: the mesh split into training and rollout groups
+                   (split_mesh) and the rollouts drawn ahead with bounded staleness
+                   (AsyncRollouts: versions, syncs, the dispatch events)
+    partial_rollout.py a rollout drawn in passes (verl's partial rollout): PartialAnswers
+                   (each token's engine log-prob and version), continue_answers (unfinished
+                   answers continued from their tokens), finish_rollout (scored: DrawnRollout)
     grpo.py        GRPOTrainer (generate_experience, train_grpo), run_grpo
 """
 

@@ -25,7 +25,11 @@ whose live choice is not the record: GRPO's `routing/mismatch`.
 
 The frozen reference is read the same way (`reference_partitions`): a copy of the policy's
 first stored partitions, 1/N of the model per device, read through the policy's
-`AnswerForward`; never a whole model on one device.
+`AnswerForward`; never a whole model on one device. As int8 codes (`reference_int8`,
+DeepSpeed-Chat's MixZ++) it is the same partitions quantized per device shard and read through
+the engine's stored-codes path (`engine.frozen_codes.FrozenCodesView`: the policy's step with
+every leaf frozen and stored as codes, gathered and dequantized per layer), by an
+`AnswerForward` over that view (`AnswerForward.reading`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroxla.engine.frozen_codes import FrozenCodesView
 from zeroxla.engine.sequence import packed_row_length
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.rlhf.answer_values import (packed_logprobs, packed_replayed_logprobs,
@@ -71,6 +76,21 @@ class AnswerForward:
 
     def __call__(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
                  prompt_lengths: np.ndarray | None = None) -> np.ndarray:
+        self._check_reads(state)
+        forward, batch, answers = self._program(tokens, mask, prompt_lengths)
+        return answers(np.asarray(forward(state, batch)))
+
+    def lower(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
+              prompt_lengths: np.ndarray | None = None) -> jax.stages.Lowered:
+        """The program `__call__` runs on these rows, lowered (`TokenForward.lower`)."""
+        self._check_reads(state)
+        forward, batch, _ = self._program(tokens, mask, prompt_lengths)
+        return forward.lower(state, batch)
+
+    def _program(self, tokens: np.ndarray, mask: np.ndarray,
+                 prompt_lengths: np.ndarray | None) -> tuple[TokenForward, dict, Any]:
+        """(the forward, its batch, its values [R, S] -> the answers' float32 [B, G]) of the
+        padded rows (module docstring: packed, or padded)."""
         tokens, mask = np.asarray(tokens), np.asarray(mask)
         rows = {"tokens": tokens, "action_mask": mask}
         if prompt_lengths is not None:
@@ -78,13 +98,14 @@ class AnswerForward:
         if not self.packed:
             starts = rows.get("prompt_lengths", np.full(tokens.shape[:1],
                                                          tokens.shape[1] - mask.shape[1]))
-            return self._padded(state, tokens, mask, np.asarray(starts, np.int32)) * mask
+            forward, batch = self._padded(tokens, mask, np.asarray(starts, np.int32))
+            return forward, batch, lambda values: values[:len(tokens)] * mask
         layout = self.layout
         packed, _ = pack_rollout(rows, loss_type="dapo", data_size=layout.data_size,
                                  row_len=packed_row_length(tokens.shape[1] - 1, layout.sequence),
                                  answer_index=True)
-        values = np.asarray(self.forward(state, {k: packed[k] for k in PACKED_INPUTS}))  # [R, S]
-        return unpack_answers(values, packed["answer_index"], mask.shape) * mask
+        return (self.forward, {k: packed[k] for k in PACKED_INPUTS},
+                lambda values: unpack_answers(values, packed["answer_index"], mask.shape) * mask)
 
     def replayed(self, state: Any, tokens: np.ndarray, mask: np.ndarray, routing: np.ndarray,
                  prompt_lengths: np.ndarray | None = None, follow_record: bool = True
@@ -101,6 +122,7 @@ class AnswerForward:
                              "routing replay: the replayed forward is the packed log-probs' "
                              "(an MoE actor's); accepted: kind='logprobs', packed=True "
                              "(GRPOConfig.packing=True, PPOConfig.packing=True)")
+        self._check_reads(state)
         tokens, mask = np.asarray(tokens), np.asarray(mask)
         rows = {"tokens": tokens, "action_mask": mask, "routing": np.asarray(routing, np.int32)}
         if prompt_lengths is not None:
@@ -134,49 +156,67 @@ class AnswerForward:
                                                    follow_record)
         return logprobs, (differ, compared)
 
-    def _padded(self, state: Any, tokens: np.ndarray, mask: np.ndarray,
-                prompt_lengths: np.ndarray) -> np.ndarray:
-        """The padded rows' [B, G], B padded with copies of the last row up to a multiple of
-        the data replicas (their values dropped); one program per answer width G."""
+    def reading(self, reference: FrozenPartitions) -> AnswerForward:
+        """The `AnswerForward` that reads `reference`: this one for a float copy of this
+        step's partitions; for int8 codes one over their `FrozenCodesView`, of the same kind,
+        vocabulary limit and packing (its programs compiled on first use)."""
+        if reference.step is self.step:
+            return self
+        return AnswerForward(reference.step, self.kind, self.vocab_limit, self.packed)
+
+    def _check_reads(self, state: Any) -> None:
+        """Refuses frozen partitions stored for another step's layout (a reference's int8
+        codes given to the policy's forward), by name."""
+        if isinstance(state, FrozenPartitions) and state.step is not self.step:
+            raise ValueError(
+                f"AnswerForward: the frozen partitions given are stored for "
+                f"{type(state.step).__name__}'s layout, not this forward's step "
+                f"({type(self.step).__name__}); accepted: the forward "
+                "`AnswerForward.reading(partitions)` returns")
+
+    def _padded(self, tokens: np.ndarray, mask: np.ndarray,
+                prompt_lengths: np.ndarray) -> tuple[TokenForward, dict[str, np.ndarray]]:
+        """The padded rows' forward and batch, B padded with copies of the last row up to a
+        multiple of the data replicas (their values dropped); one program per answer width G."""
         g = mask.shape[1]
         if g not in self._padded_forwards:
             fn = (functools.partial(padded_values, answer_length=g) if self.kind == "values"
                   else functools.partial(padded_logprobs, answer_length=g,
                                          vocab_limit=self.vocab_limit))
             self._padded_forwards[g] = TokenForward(self.step, fn)
-        b, extra = tokens.shape[0], -tokens.shape[0] % self.layout.data_size
+        extra = -tokens.shape[0] % self.layout.data_size
         batch = {"tokens": tokens, "prompt_lengths": prompt_lengths}
         batch = {k: np.concatenate([v, np.repeat(v[-1:], extra, 0)]) for k, v in batch.items()}
-        return np.asarray(self._padded_forwards[g](state, batch))[:b]
+        return self._padded_forwards[g], batch
 
 
 @dataclasses.dataclass(frozen=True)
 class FrozenPartitions:
     """A frozen copy of a step's stored parameters and model state (what `AnswerForward` and
-    `TokenForward` read of a state): an RL job's reference, in its policy's layout."""
+    `TokenForward` read of a state): an RL job's reference, in its policy's layout; `step` the
+    step whose layout reads them (the policy's step for a float copy, its `FrozenCodesView`
+    for int8 codes)."""
 
     params: dict[str, Any]
     model_state: dict[str, Any]
+    step: Any
 
 
 def reference_partitions(step: Any, state: Any, *, int8: bool, owner: str) -> FrozenPartitions:
     """The frozen reference as a copy of the policy's first `state`: its partitions, sharded
     as they are stored (ZeRO-3: 1/N of the model per device), read by the policy's
     `AnswerForward`. With LoRA the first state's adapters are B = 0: its forward is the base
-    model's. A reference held as int8 codes (`int8`) is refused, naming
-    `{owner}.reference_int8`: the partitions are the policy's stored floats."""
+    model's. `int8`: the same partitions as int8 codes of each device's shard (groups of
+    `ZeroConfig.weight_quantization_group_size` elements at most, one float32 scale each),
+    stored at stage 3 whatever the policy's stage and read through `FrozenCodesView(step)`
+    (`AnswerForward.reading`); refusals name `{owner}.reference_int8`."""
     if int8:
-        layout = step.layout
-        where = (f"sequence parallelism (size {layout.sequence.size})" if layout.sequence
-                 else f"the policy's ZeRO partitions over {layout.data_size} devices")
-        raise ValueError(f"{owner}.reference_int8=True with {where}: the reference is a copy "
-                         "of the policy's stored float partitions, read in its layout; the "
-                         "engine's stored codes (ZeroConfig.quantized_nontrainable_weights) "
-                         "hold a step's own frozen leaves, not a frozen copy of trained ones; "
-                         f"accepted: {owner}.reference_int8=False")
+        view = FrozenCodesView(step, owner=f"{owner}.reference_int8")
+        params, model_state = view.codes_of(state)
+        return FrozenPartitions(params, model_state, view)
     # A copy: the step donates the state it advances.
     params, model_state = jax.tree.map(jnp.copy, (state.params, state.model_state))
-    return FrozenPartitions(params, model_state)
+    return FrozenPartitions(params, model_state, step)
 
 
 __all__ = ["AnswerForward", "FrozenPartitions", "PACKED_INPUTS", "reference_partitions"]

@@ -54,7 +54,7 @@ class DPOConfig:
     learning_rate: float = 1e-4
     batch_size: int = 16
     seq_len: int = 64
-    # The frozen reference as int8 codes (MixZ++): refused, as PPOConfig.reference_int8.
+    # The frozen reference as int8 codes (MixZ++), as PPOConfig.reference_int8.
     reference_int8: bool = False
     # Training pairs packed into rows with segment ids (`zeroxla.rlhf.packed_pairs`): the same
     # loss without the padding; the policy must take positions= and segment_ids=.

@@ -148,7 +148,7 @@ class DPOTrainer:
         if not packed:
             return self._padded_reference_sums(rows, reference, pairs_per_call)
         n = len(rows["chosen"])
-        forward = TokenForward(self.step, packed_logprobs)   # each slot's target's
+        forward = TokenForward(reference.step, packed_logprobs)   # each slot's target's
         out = {key: np.zeros(n, np.float32) for key in REFERENCE_KEYS}
         for start in range(0, n, pairs_per_call):
             piece = {key: np.asarray(rows[key])[start:start + pairs_per_call]
@@ -169,7 +169,7 @@ class DPOTrainer:
         replicas) at a time, the last call padded with copies of its last row."""
         unit = self.step.layout.data_size
         rows_per_call = -(-rows_per_call // unit) * unit
-        forward = TokenForward(self.step, _padded_token_logprobs)
+        forward = TokenForward(reference.step, _padded_token_logprobs)
         out = {}
         for key, mask_key, ref_key in zip(TOKEN_KEYS, MASK_KEYS, REFERENCE_KEYS):
             tokens = np.asarray(rows[key])

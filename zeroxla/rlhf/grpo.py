@@ -36,6 +36,10 @@ With an enabled `lora` (`zeroxla.lora.LoRAConfig`) the actor trains LoRA adapter
 `only_optimize_lora`), the reference is the plain starting actor, and the Hybrid Engine
 generates with base + adapters (`zeroxla.inference.adapter_switch`: when only the adapters
 changed, only they are resharded).
+
+With `rollout_devices` the rollouts come from a rollout group on devices of their own, drawn
+up to `max_staleness` versions ahead while the training group updates (`grpo_async`), with
+`partial_rollout` in passes whose unfinished answers continue after a sync (`partial_rollout`).
 """
 
 from __future__ import annotations
@@ -56,49 +60,20 @@ from zeroxla.engine.loss import check_packable
 from zeroxla.engine.router_aux import check_budget_with_router, router_record
 from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
-from zeroxla.rlhf.group_advantages import group_advantages
 from zeroxla.rlhf.grpo_config import GRPOConfig
+from zeroxla.rlhf.grpo_async import AsyncRollouts, split_mesh
+from zeroxla.rlhf.grpo_experience import DrawnRollout, GRPORollout, iteration_record
 from zeroxla.rlhf.grpo_eval import exact_accuracy, greedy_accuracy
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss
 from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
+from zeroxla.rlhf.partial_rollout import PartialAnswers, continue_answers, finish_rollout
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles
 from zeroxla.rlhf.reward_funcs import RewardFunctions
 from zeroxla.inference.checks import check_routing
-from zeroxla.rlhf.rollout import (generation_stats, pad_answers, pad_logprobs, pad_routing,
-                                  routing_metrics)
-from zeroxla.rlhf.rollout_correction import corrected_batch, logprob_gap
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPORollout:
-    """One iteration's experience (B = prompts * G rows; T = max_completion_length)."""
-
-    tokens: np.ndarray                   # int32[B, P + T]: prompt, answer, zeros
-    action_mask: np.ndarray              # float32[B, T], 1 on real answer tokens (a prefix)
-    completions: tuple[str, ...]         # the answers, decoded
-    rewards: np.ndarray                  # float64[B], the weighted reward per answer
-    reward_parts: dict[str, np.ndarray]  # each reward function's (and the reward model's) [B]
-    advantages: np.ndarray               # float32[B]
-    logprobs: np.ndarray                 # float32[B, T], the actor at rollout time
-    ref_logprobs: np.ndarray             # float32[B, T], the frozen reference
-    rollout_logprobs: np.ndarray | None = None   # float32[B, T], as the engine drew them
-    prompt_lengths: np.ndarray | None = None     # int32[B], answer starts (None: P each)
-    routing: np.ndarray | None = None     # int32[B, P + T, L, k], the rollout's experts per token
-    routing_mismatch: tuple[int, int] = (0, 0)   # (token, layer) pairs differing, compared
-
-    def answer_starts(self) -> np.ndarray:
-        """int32[B]: the column of each row's first answer token (its prompt's length)."""
-        if self.prompt_lengths is not None:
-            return np.asarray(self.prompt_lengths, np.int32)
-        width = self.tokens.shape[1] - self.action_mask.shape[1]
-        return np.full(self.tokens.shape[:1], width, np.int32)
-
-    def kl(self) -> float:
-        """Mean over real tokens of the k3 estimator of KL(actor || reference)."""
-        delta = (self.ref_logprobs - self.logprobs)[self.action_mask > 0].astype(np.float64)
-        return float(np.mean(np.exp(delta) - delta - 1.0))
+from zeroxla.rlhf.rollout import generation_stats
+from zeroxla.rlhf.rollout_correction import corrected_batch
 
 
 class GRPOTrainer:
@@ -141,22 +116,26 @@ class GRPOTrainer:
         self.prompts: PromptRows = prompt_rows(prompts, tokenizer, config.prompt_length)
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
         optimizer = optax.adamw(config.learning_rate) if optimizer is None else optimizer
+        mesh, rollout_mesh = split_mesh(mesh, config.rollout_devices, lora)   # None: colocated
         roles = build_roles(
-            actor, mesh, optimizer=optimizer, seed=seed, lora=lora,
+            actor, mesh, optimizer=optimizer, seed=seed, lora=lora, rollout_mesh=rollout_mesh,
+            batch_invariant=config.batch_invariant,
             loss_fn=make_grpo_loss(loss_type=config.loss_type, epsilon=config.epsilon,
                                    epsilon_high=config.clip_high, beta=config.beta,
                                    vocab_limit=self.vocab_limit, kl_weighted=(
                                        config.correction is None
                                        or config.correction.kl_weighted)),
             hybrid_engine=zeroxla.HybridEngineConfig(      # every answer decodes at once
-                inference_tp_size=inference_tp_size, batching=(
-                    "auto" if config.routing_replay == "off" else "static"),  # it records
+                inference_tp_size=inference_tp_size, batching="auto",
+                rollout_dtype=config.rollout_dtype,
                 max_out_tokens=config.prompt_length + config.max_completion_length,
                 **rollout_batching(config.prompts_per_iteration, config.num_generations,
                                    mesh.devices.size // inference_tp_size, config.prompt_length)))
         self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
+        self.rollouts = None if roles.rollout is None else AsyncRollouts(
+            roles.rollout, config.max_staleness, self, config.partial_rollout or None)
         if config.routing_replay != "off":        # an MoE actor: refused by name otherwise
-            check_routing(roles.step.layout.model_def, self.engine.batching)
+            check_routing(roles.step.layout.model_def)
         check_token_budget(config.ppo_max_token_len_per_gpu, config.row_len, roles.step.layout,
                            "GRPOConfig")
         # Every per-token read in the actor's layout; the reference (the plain actor: LoRA's
@@ -164,24 +143,38 @@ class GRPOTrainer:
         self.answers = AnswerForward(roles.step, "logprobs", self.vocab_limit, config.packing)
         self.reference_state = reference_partitions(roles.step, roles.state, owner="GRPOConfig",
                                                     int8=config.reference_int8)
+        self.reference_answers = self.answers.reading(self.reference_state)   # int8: its view
 
     # ---- rollout ---------------------------------------------------------------------------
+    @property
+    def policy(self) -> Any:
+        """The state rollouts are drawn from: the actor's, or the rollout group's synced copy
+        (`rollout_devices`: `grpo_async`)."""
+        return self.actor_state if self.rollouts is None else self.rollouts.group.state
+
     def sample_prompts(self, iteration: int) -> np.ndarray:
         """Indices of this iteration's `prompts_per_iteration` prompt rows."""
         n, k = len(self.prompts.ids), self.config.prompts_per_iteration
         rng = np.random.default_rng((self.seed, iteration))
         return rng.choice(n, k, replace=n < k)
 
-    def generate(self, picked: np.ndarray, iteration: int) -> tuple[list[np.ndarray], ...]:
-        """G answers per picked prompt, prompt-major (row b: prompt b // G, answer b % G),
-        the log-probs [new] the engine drew each answer's tokens with, and with
-        `routing_replay` each output's routing record [len(output), L, k]."""
+    def seeds(self, iteration: int) -> list[int]:
+        """The seed of each generation index g of iteration `iteration`'s answers."""
+        return [(self.seed * 100_003 + iteration) * 1_009 + g
+                for g in range(self.config.num_generations)]
+
+    def generate(self, picked: np.ndarray, iteration: int, tokens: int | None = None
+                 ) -> tuple[list[np.ndarray], ...]:
+        """G answers per picked prompt, prompt-major (row b: prompt b // G, answer b % G), of
+        at most `tokens` new tokens (None: `max_completion_length`), the log-probs [new] the
+        engine drew each answer's tokens with, and with `routing_replay` each output's
+        routing record [len(output), L, k]."""
         c = self.config
         prompts = [self.prompts.ids[i] for i in picked]
         results = self.engine.generate_group(      # each prompt prefilled once
-            self.actor_state, prompts, [(self.seed * 100_003 + iteration) * 1_009 + g
-                                        for g in range(c.num_generations)],
-            max_new_tokens=c.max_completion_length, temperature=1.0, eos_id=self.eos_id,
+            self.policy, prompts, self.seeds(iteration),
+            max_new_tokens=tokens or c.max_completion_length, temperature=1.0,
+            eos_id=self.eos_id,
             vocab_limit=self.vocab_limit, return_logprobs=True,
             return_routing=c.routing_replay != "off")
         self.engine.release()          # the next optimizer step makes the TP copy stale anyway
@@ -208,32 +201,55 @@ class GRPOTrainer:
 
     def generate_experience(self, iteration: int) -> tuple[GRPORollout, float, float]:
         """One rollout; returns it with the seconds spent generating and scoring it."""
-        c = self.config
+        drawn = self.finish(self.start(iteration))
         start = time.perf_counter()
+        rollout = self.experience(drawn)
+        return rollout, drawn.generation_s, drawn.scoring_s + time.perf_counter() - start
+
+    def start(self, iteration: int, version: int | None = None, tokens: int | None = None
+              ) -> PartialAnswers:
+        """Rollout `iteration`'s first pass from `policy` (version `version`): at most
+        `tokens` new tokens per answer (None: whole answers; `partial_rollout`). `start`,
+        `advance` and `finish` are the rollout side, nothing the training group computes."""
+        c, start = self.config, time.perf_counter()
         picked = self.sample_prompts(iteration)
-        outputs, drawn, *records = self.generate(picked, iteration)
-        generation_s = time.perf_counter() - start
-        start = time.perf_counter()
-        starts = np.asarray([self.prompts.ids[i].size for i in picked
-                             for _ in range(c.num_generations)], np.int32)           # [B]
-        tokens, mask = pad_answers(outputs, c.prompt_length, c.max_completion_length, starts)
-        completions = tuple(self.tokenizer.decode(row[start:row.size])
-                            for row, start in zip(outputs, starts))
-        real = np.arange(tokens.shape[1]) < np.asarray([row.size for row in outputs])[:, None]
-        rewards, parts = self.score(picked, tokens, real.astype(np.float32), completions)
-        advantages = group_advantages(rewards, c.num_generations,
-                                      scale_rewards=c.scale_rewards, advantage=c.advantage)
-        routing = pad_routing(records[0], tokens.shape[1]) if records else None
-        logprobs, mismatch = self.routed_logprobs(tokens, starts, mask, routing)
-        ref_logprobs, _ = self.routed_logprobs(tokens, starts, mask, routing, reference=True)
-        rollout = GRPORollout(tokens=tokens, action_mask=mask, completions=completions,
-                              rewards=rewards, reward_parts=parts,
-                              advantages=np.asarray(advantages, np.float32),
-                              logprobs=np.asarray(logprobs, np.float32),
-                              ref_logprobs=np.asarray(ref_logprobs, np.float32),
-                              rollout_logprobs=pad_logprobs(drawn, mask), prompt_lengths=starts,
-                              routing=routing, routing_mismatch=mismatch)
-        return rollout, generation_s, time.perf_counter() - start
+        partial = PartialAnswers.empty(iteration, picked, [
+            self.prompts.ids[i] for i in picked for _ in range(c.num_generations)],
+            c.max_completion_length, self.eos_id)
+        outputs, drawn, *records = self.generate(picked, iteration, tokens)
+        partial.extend(range(len(outputs)), outputs, drawn, version)
+        partial.routing = records[0] if records else None
+        partial.generation_s = time.perf_counter() - start
+        return partial
+
+    def advance(self, partial: PartialAnswers, version: int | None, tokens: int | None = None
+                ) -> None:
+        """A later pass over `partial`'s unfinished answers from `policy` (version `version`):
+        each continued from its tokens by at most `tokens` (None: to its end)."""
+        continue_answers(lambda prompts, **kw: self.engine.generate(
+            self.policy, prompts, temperature=1.0, eos_id=self.eos_id,
+            vocab_limit=self.vocab_limit, return_logprobs=True, **kw),
+            partial, self.seeds(partial.iteration), tokens, version)
+        self.engine.release()
+
+    def finish(self, partial: PartialAnswers) -> DrawnRollout:
+        """`partial`'s finished answers scored (`partial_rollout.finish_rollout`)."""
+        return finish_rollout(partial, self.config, self.tokenizer.decode, self.score)
+
+    def experience(self, d: DrawnRollout) -> GRPORollout:
+        """`d` with its answers' log-probs under the actor now (the "old" policy of the ratio)
+        and the reference, in the training group."""
+        logprobs, mismatch = self.routed_logprobs(d.tokens, d.prompt_lengths, d.action_mask,
+                                                  d.routing)
+        ref_logprobs, _ = self.routed_logprobs(d.tokens, d.prompt_lengths, d.action_mask,
+                                               d.routing, reference=True)
+        return GRPORollout(tokens=d.tokens, action_mask=d.action_mask,
+                           completions=d.completions, rewards=d.rewards,
+                           reward_parts=d.reward_parts, advantages=d.advantages,
+                           logprobs=np.asarray(logprobs, np.float32),
+                           ref_logprobs=np.asarray(ref_logprobs, np.float32),
+                           rollout_logprobs=d.rollout_logprobs, prompt_lengths=d.prompt_lengths,
+                           routing=d.routing, routing_mismatch=mismatch, versions=d.versions)
 
     def logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray, mask: np.ndarray,
                  reference: bool = False) -> jax.Array:
@@ -241,8 +257,9 @@ class GRPOTrainer:
         (0 where `mask` is) of right-padded `tokens` [B, P + T] whose row b's answer starts at
         `prompt_lengths[b]`, in the actor step's layout (`answer_forward`; the reference its
         first partitions)."""
-        return self.answers(self.reference_state if reference else self.actor_state,
-                            tokens, mask, prompt_lengths)
+        if reference:
+            return self.reference_answers(self.reference_state, tokens, mask, prompt_lengths)
+        return self.answers(self.actor_state, tokens, mask, prompt_lengths)
 
     def routed_logprobs(self, tokens: np.ndarray, prompt_lengths: np.ndarray, mask: np.ndarray,
                         routing: np.ndarray | None, reference: bool = False
@@ -250,18 +267,21 @@ class GRPOTrainer:
         """`logprobs`, the rollout's `routing` record [B, P + T, L, k] replayed when
         `routing_replay` is "on" (None: `logprobs`), and the (token, layer) pairs whose live
         routing is not the record, and those compared ((0, 0) without a record)."""
-        return self.answers.routed(self.reference_state if reference else self.actor_state,
-                                   tokens, mask, routing, prompt_lengths,
-                                   follow_record=self.config.routing_replay == "on")
+        forward, state = ((self.reference_answers, self.reference_state) if reference
+                          else (self.answers, self.actor_state))
+        return forward.routed(state, tokens, mask, routing, prompt_lengths,
+                              follow_record=self.config.routing_replay == "on")
 
     # ---- training --------------------------------------------------------------------------
-    def train_grpo(self, rollout: GRPORollout) -> dict[str, float]:
-        """`num_iterations` actor steps on `rollout`; returns the mean loss and the clipped
-        fractions (mean over the steps after the first; 0 when there is one step: its ratio
-        is 1), with a rollout correction its metrics (`rollout_corr/*`; with "tis" also
-        `tis_clipped_fraction`, the share of tokens the cap truncates), and with `packing`
-        the packed
-        batch's `packing/rows`, `fill`, `replica_imbalance` (and `micro_batches`)."""
+    def train_grpo(self, rollout: GRPORollout,
+                   overlap: Callable[[], None] | None = None) -> dict[str, float]:
+        """`num_iterations` actor steps on `rollout` (`overlap()` runs once the first is
+        dispatched, before anything of it is read: `grpo_async`'s rollouts drawn ahead);
+        returns the mean loss and the clipped fractions (mean over the steps after the first;
+        0 when there is one step: its ratio is 1), with a rollout correction its metrics
+        (`rollout_corr/*`; with "tis" also `tis_clipped_fraction`, the share of tokens the cap
+        truncates), and with `packing` the packed batch's `packing/rows`, `fill`,
+        `replica_imbalance` (and `micro_batches`)."""
         c = self.config
         starts = rollout.answer_starts()
         batch = {"tokens": rollout.tokens, "prompt_lengths": starts,
@@ -292,6 +312,8 @@ class GRPOTrainer:
                     rollout.action_mask, epsilon=c.epsilon, epsilon_high=c.clip_high).items()})
             self.actor_state, metrics = self.actor_step(self.actor_state, batch,
                                                         gradient_accumulation_steps=micro)
+            if overlap is not None and k == 0:
+                overlap()
             losses.append(float(metrics["loss"]))       # one program in flight at a time
         return {"loss": float(np.mean(losses)), **tis, **packed, **router_record(metrics),
                 **{key: float(np.mean([x[key] for x in clips])) if clips else 0.0
@@ -300,9 +322,17 @@ class GRPOTrainer:
     def iteration(self, it: int) -> tuple[dict[str, Any], GRPORollout]:
         """Iteration `it` (0-based): one rollout, then its `num_iterations` actor steps;
         its record (`iteration_record`) and rollout."""
-        rollout, generation_s, scoring_s = self.generate_experience(it)
-        start = time.perf_counter()
-        train = self.train_grpo(rollout)
+        if self.rollouts is None:
+            rollout, generation_s, scoring_s = self.generate_experience(it)
+            start = time.perf_counter()
+            train = self.train_grpo(rollout)
+        else:                     # drawn ahead by the rollout group (`grpo_async`)
+            drawn = self.rollouts.take(it, self.actor_state)
+            start = time.perf_counter()
+            rollout = self.experience(drawn)
+            generation_s, scoring_s = drawn.generation_s, drawn.scoring_s
+            train = self.train_grpo(rollout, lambda: self.rollouts.launch_ahead(it))
+            train.update(self.rollouts.record(it, drawn))
         jax.block_until_ready(self.actor_state)
         return iteration_record(it, rollout, train, {
             "generation_s": generation_s, "scoring_s": scoring_s,
@@ -311,7 +341,9 @@ class GRPOTrainer:
     def accuracy(self, problems: Sequence[dict[str, Any]]) -> float:
         """`greedy_accuracy` of the current actor on `problems` (held-out, each with its
         `answer`), generated by the trainer's own Hybrid Engine."""
-        accuracy = greedy_accuracy(self.engine, self.actor_state, problems, self.tokenizer,
+        if self.rollouts is not None:     # the actor now, outside the pipeline's versions
+            self.rollouts.sync(self.actor_state, None)
+        accuracy = greedy_accuracy(self.engine, self.policy, problems, self.tokenizer,
                                    self.config, self.eos_id)
         self.engine.release()
         return accuracy
@@ -319,26 +351,6 @@ class GRPOTrainer:
     def actor_model(self) -> nnx.Module:
         """The current actor, gathered (a plain model with full weights)."""
         return zeroxla.gathered_model(self.actor_state)
-
-
-def iteration_record(iteration: int, rollout: GRPORollout, train: dict[str, float],
-                     times: dict[str, float]) -> dict[str, Any]:
-    """One metrics.jsonl record: rewards (mean, per source, and `accuracy` when the
-    `accuracy_reward` is one of them), KL, loss, clipped fractions, answer length, times, and
-    the train/rollout log-prob gap (`gap/max`, `gap/mean_abs`, `gap/frac_over_1e-3`)."""
-    record = {"iteration": iteration, "reward": float(np.mean(rollout.rewards)),
-              "reward_std": float(np.std(rollout.rewards)),
-              **{f"reward/{name}": float(np.mean(v)) for name, v in rollout.reward_parts.items()},
-              "kl": rollout.kl(), **train,
-              "completion_length": float(np.mean(rollout.action_mask.sum(1))), **times}
-    if rollout.routing is not None:          # `GRPOConfig.routing_replay`
-        record.update(routing_metrics(rollout.routing_mismatch))
-    if rollout.rollout_logprobs is not None:
-        record.update({f"gap/{k}": float(v) for k, v in logprob_gap(
-            rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask).items()})
-    if "accuracy_reward" in rollout.reward_parts:
-        record["accuracy"] = float(np.mean(rollout.reward_parts["accuracy_reward"]))
-    return record
 
 
 @dataclasses.dataclass

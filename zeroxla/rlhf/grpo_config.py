@@ -24,6 +24,11 @@ engine's log-probs of the sampled tokens (TRL's `vllm_importance_sampling_correc
 gap is logged either way). `rollout_corr` is verl's full set (`RolloutCorrection`: token,
 sequence or geometric importance sampling, truncated or IcePop's band, rejection sampling over
 k1/k2/k3, bypass); "tis" is its token IS at `tis_cap` with TRL's order (`correction`).
+"decoupled" is AReaL's decoupled PPO objective (Fu et al. 2025, arXiv 2505.24298): the
+ratio's pi_old is the proximal policy (the training forward at the current weights) and each
+token's policy term is weighted by pi_prox / pi_behav, pi_behav the engine's log-prob of the
+version that drew the token, a weight above `behav_imp_weight_cap` set to 0 (None: uncapped;
+`RolloutCorrection.decoupled`): what stale (`max_staleness`) and partial rollouts train on.
 
 `advantage` ("grpo" | "rloo") chooses the baseline: the group mean, or RLOO's leave-one-out mean
 of the other G - 1 answers (Ahmadian et al. 2024). `prompts_per_iteration` prompts make
@@ -45,12 +50,31 @@ rows its micro-batches, their gradients accumulated into one update (the same me
 actor step's activations are one row's however long the rollout's answers.
 
 `routing_replay` (an MoE actor; routing replay, R3): "measure" records the experts each layer
-chose for every token of the rollout (the static decode, `HybridEngine.generate(...,
-return_routing=True)`) and logs `routing/mismatch`, the (token, layer) pairs where the actor's
+chose for every token of the rollout (continuous or static decode, `HybridEngine.generate(
+..., return_routing=True)`) and logs `routing/mismatch`, the (token, layer) pairs where the actor's
 training forward routes otherwise; "on" also trains on the record: every recorded token sent
 to its recorded experts, weighed by the live router (`models.moe`), for the old, the
 reference's and the trained log-probs alike; "off" (the default) records nothing. Needs
 `packing`.
+
+`rollout_dtype` ("float32" | "bfloat16", `HybridEngineConfig.rollout_dtype`): the dtype the
+rollout engine decodes in. "bfloat16" is verl's and slime's rollout against float32 training
+masters: the rollout's log-probs and MoE routing then differ from the training forward's (the
+gap and `routing/mismatch` measure it; routing replay and the rollout correction act on it).
+
+`batch_invariant` (a Llama or MoE Llama actor, `LlamaConfig.batch_invariant`): the actor is
+rebuilt in the batch-invariant mode (`roles.batch_invariant_policy`: every sum in a fixed
+order), so at inference_tp_size=1 the rollout's log-probs equal the training forward's exactly
+and an MoE actor routes every token as its rollout did. Needs a float32 rollout.
+
+`rollout_devices` N > 0 (asynchronous GRPO, `zeroxla.rlhf.grpo_async`): the last N devices of
+the mesh are a rollout group that generates while the first ones train (N: half the devices);
+`max_staleness` k lets iteration i's rollout be drawn from the weights of iteration >= i - k
+(0: the synchronous loop's order). 0 (the default): the Hybrid Engine colocated with training.
+`partial_rollout` N > 0 (with `max_staleness` >= 1; verl's partial rollout): a rollout drawn
+ahead draws at most N tokens per answer at each sync, and an unfinished answer is continued from
+its tokens (its KV recomputed) with the newer weights at the next: each token carries the
+version that drew it (`zeroxla.rlhf.partial_rollout`).
 
 The rewards a job names beside the config (`zeroxla grpo`'s `--reward-funcs`, `--reward-weights`
 and a `--reward` model): checked (`check_reward_sources`) and loaded (`reward_sources`).
@@ -62,13 +86,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from zeroxla.inference.config import ROLLOUT_DTYPES
 from zeroxla.rlhf.reward_funcs import RewardFunctions, load_reward_func
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGES = ("grpo", "rloo")
-ROLLOUT_CORRECTIONS = ("tis",)
+ROLLOUT_CORRECTIONS = ("tis", "decoupled")
 ROUTING_REPLAY = ("off", "measure", "on")
 
 
@@ -112,7 +137,7 @@ class GRPOConfig:
     prompts_per_iteration: int = 8
     prompt_length: int = 16
     max_completion_length: int = 16
-    # The frozen reference (beta > 0) as int8 codes: refused, as PPOConfig.reference_int8.
+    # The frozen reference (beta > 0) as int8 codes, as PPOConfig.reference_int8.
     reference_int8: bool = False
     rollout_correction: str | None = None
     tis_cap: float = 2.0
@@ -121,6 +146,12 @@ class GRPOConfig:
     packed_row_len: int | None = None
     ppo_max_token_len_per_gpu: int | None = None
     routing_replay: str = "off"
+    rollout_dtype: str = "float32"
+    rollout_devices: int = 0
+    max_staleness: int = 0
+    behav_imp_weight_cap: float | None = None    # rollout_correction="decoupled"'s (AReaL's)
+    partial_rollout: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _check("num_generations", self.num_generations,
@@ -144,14 +175,15 @@ class GRPOConfig:
             _check(name, value, _is_int(value) and value >= 1, "an integer >= 1")
         _check("rollout_correction", self.rollout_correction,
                self.rollout_correction is None or self.rollout_correction in ROLLOUT_CORRECTIONS,
-               "None (no correction) | tis (truncated importance sampling)")
+               "None (no correction) | tis (truncated importance sampling) | decoupled "
+               "(AReaL's decoupled PPO objective)")
         _check("tis_cap", self.tis_cap, _is_number(self.tis_cap) and self.tis_cap > 0,
                "a number > 0 (the largest importance weight)")
         _check("rollout_corr", self.rollout_corr, isinstance(
             self.rollout_corr, RolloutCorrection) and not (
                 self.rollout_correction and self.rollout_corr.active),
-            "a RolloutCorrection, inactive with rollout_correction='tis' (its alias: token IS "
-            "at tis_cap)")
+            "a RolloutCorrection, inactive with a rollout_correction (tis: token IS at "
+            "tis_cap; decoupled: AReaL's weights)")
         _check("reference_int8", self.reference_int8, isinstance(self.reference_int8, bool),
                "True or False")
         _check("packing", self.packing, isinstance(self.packing, bool), "True or False")
@@ -170,6 +202,30 @@ class GRPOConfig:
             self.packing or self.routing_replay == "off"),
             " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
             "forward is the packed one)")
+        _check("rollout_dtype", self.rollout_dtype, self.rollout_dtype in ROLLOUT_DTYPES,
+               " | ".join(ROLLOUT_DTYPES))
+        _check("batch_invariant", self.batch_invariant, isinstance(self.batch_invariant, bool)
+               and not (self.batch_invariant and self.rollout_dtype != "float32"),
+               "True or False; True with rollout_dtype='float32' (the mode computes in "
+               "float32, as the training forward does)")
+        for name in ("rollout_devices", "max_staleness"):
+            value = getattr(self, name)
+            _check(name, value, _is_int(value) and value >= 0, "an integer >= 0")
+        _check("max_staleness", self.max_staleness, not self.max_staleness
+               or self.rollout_devices > 0, "0 with rollout_devices=0 (colocated rollouts "
+               "wait for the update); > 0 with rollout_devices > 0")
+        cap = self.behav_imp_weight_cap
+        _check("behav_imp_weight_cap", cap, cap is None or (
+            _is_number(cap) and cap > 1 and self.rollout_correction == "decoupled"),
+            "None, or a number > 1 with rollout_correction='decoupled' (AReaL's: weights "
+            "above it are 0)")
+        _check("partial_rollout", self.partial_rollout, _is_int(self.partial_rollout) and (
+            self.partial_rollout == 0 or (
+                0 < self.partial_rollout < self.max_completion_length
+                and self.max_staleness >= 1 and self.routing_replay == "off")),
+            f"0 (off), or an integer in [1, max_completion_length={self.max_completion_length}"
+            ") with max_staleness >= 1 (an answer is carried to a later sync) and "
+            "routing_replay='off'")
 
     @property
     def clip_high(self) -> float:
@@ -178,10 +234,13 @@ class GRPOConfig:
 
     @property
     def correction(self) -> RolloutCorrection | None:
-        """The rollout correction in force: `rollout_corr`, or "tis"'s token IS at `tis_cap`;
-        None when nothing is corrected."""
+        """The rollout correction in force: `rollout_corr`, "tis"'s token IS at `tis_cap`, or
+        "decoupled"'s weights filtered at `behav_imp_weight_cap`; None when nothing is
+        corrected."""
         if self.rollout_correction == "tis":
             return RolloutCorrection.tis(self.tis_cap)
+        if self.rollout_correction == "decoupled":
+            return RolloutCorrection.decoupled(self.behav_imp_weight_cap)
         return self.rollout_corr if self.rollout_corr.active else None
 
     @property

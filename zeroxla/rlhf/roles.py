@@ -6,12 +6,15 @@ reference / rollout roles):
     step        the policy's ZeRO `make_step` with the algorithm's `loss_fn`, and its first
                 state `step.init(seed)`; `eval_steps`: forward-only programs of the same layout
                 with other loss_fns (DPO's accuracy and margin)
-    engine      the Hybrid Engine over the step's layout (PPO, GRPO: generation)
+    engine      the Hybrid Engine over the step's layout (PPO, GRPO: generation); with a
+                `rollout_mesh`, over that mesh's devices instead: `rollout`, a `RolloutGroup`
+                fed by weight syncs (asynchronous GRPO, `grpo_async`)
 
-`build_roles` builds them; `adapted` is its LoRA conversion alone (PPO's critic). The frozen
-reference is a copy of the step's first state's partitions (`answer_forward.reference_partitions`:
-LoRA's first adapters are B = 0, so it is the plain starting model), never a whole model on one
-device.
+`build_roles` builds them; `adapted` is its LoRA conversion alone (PPO's critic);
+`batch_invariant_policy` the starting model in the batch-invariant mode (`--batch-invariant`).
+The frozen reference is a copy of the step's first state's partitions
+(`answer_forward.reference_partitions`: LoRA's first adapters are B = 0, so it is the plain
+starting model), never a whole model on one device.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import optax
 from flax import nnx
 
 import zeroxla
+from zeroxla.inference.rollout_group import RolloutGroup
 from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
 
 # ZeRO-3; a non-finite gradient skips its update (a run stops on the loss instead).
@@ -54,16 +58,51 @@ class Roles:
     state: Any                            # step.init(seed), the trainer's to advance
     engine: zeroxla.HybridEngine | None   # None without a HybridEngineConfig
     eval_steps: dict[str, zeroxla.ZeroStep] = dataclasses.field(default_factory=dict)
+    rollout: RolloutGroup | None = None   # with a rollout_mesh: `engine` is its engine
+
+
+def batch_invariant_families() -> tuple[str, ...]:
+    """The model families whose configs build the batch-invariant mode (`BATCH_INVARIANT`)."""
+    return tuple(sorted(name for name, family in zeroxla.models.REGISTRY.items()
+                        if getattr(family.config_class, "BATCH_INVARIANT", False)))
+
+
+def batch_invariant_policy(model: nnx.Module, owner: str, inference_tp_size: int,
+                           tp_name: str) -> nnx.Module:
+    """`model`'s weights in the batch-invariant mode (`models.invariant`): its config rebuilt
+    with batch_invariant=True (the model itself when it is already), so that the ZeRO step's
+    training forward and the Hybrid Engine reading its partitions both sum in a fixed order.
+    ValueError naming `owner` (the option or field asking) for a family without the mode, and
+    naming `tp_name` for a tensor-parallel rollout (its projections sum over devices)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "BATCH_INVARIANT", False):
+        kind = getattr(config, "family", None) or type(model).__name__
+        raise ValueError(f"{owner} with a {kind} actor: the batch-invariant mode is not built "
+                         f"for its family; accepted: an actor of the families "
+                         f"{', '.join(batch_invariant_families())}")
+    if inference_tp_size != 1:
+        raise ValueError(f"{owner} with {tp_name}={inference_tp_size}: a tensor-parallel "
+                         f"rollout sums each projection over devices; accepted: {tp_name}=1")
+    if config.batch_invariant:
+        return model
+    mode = zeroxla.models.abstract_model(config.replace(batch_invariant=True))
+    return nnx.merge(nnx.graphdef(mode), nnx.state(model))
 
 
 def build_roles(model: nnx.Module, mesh: Any, *, optimizer: optax.GradientTransformation,
                 loss_fn: Callable, seed: int, lora: LoRAConfig | None = None,
                 zero_config: zeroxla.ZeroConfig = POLICY_ZERO, trainable: Any = None,
                 eval_loss_fns: Mapping[str, Callable] | None = None,
-                hybrid_engine: zeroxla.HybridEngineConfig | None = None) -> Roles:
+                hybrid_engine: zeroxla.HybridEngineConfig | None = None,
+                rollout_mesh: Any = None, batch_invariant: bool = False) -> Roles:
     """The adapted policy's ZeRO step on `mesh` with `optimizer`, `loss_fn` and
     `zero_config` (`trainable`: see `adapted`) and its first state, a step of the same policy per `eval_loss_fns` entry, and
-    with `hybrid_engine` the Hybrid Engine over the step's layout, all from plain `model`."""
+    with `hybrid_engine` the Hybrid Engine over the step's layout (over `rollout_mesh`, disjoint
+    from `mesh`, when given: a `RolloutGroup`), all from plain `model`; with
+    `batch_invariant`, from `model` in the batch-invariant mode (`batch_invariant_policy`)."""
+    if batch_invariant:
+        tp = 1 if hybrid_engine is None else hybrid_engine.inference_tp_size
+        model = batch_invariant_policy(model, "batch_invariant=True", tp, "inference_tp_size")
     policy, trainable = adapted(model, lora, seed, trainable)
 
     def step_for(fn: Callable) -> zeroxla.ZeroStep:
@@ -72,8 +111,12 @@ def build_roles(model: nnx.Module, mesh: Any, *, optimizer: optax.GradientTransf
     step = step_for(loss_fn)
     eval_steps = {name: step_for(fn) for name, fn in (eval_loss_fns or {}).items()}
     state = step.init(seed)
-    engine = None if hybrid_engine is None else zeroxla.HybridEngine(step.layout, hybrid_engine)
-    return Roles(step, state, engine, eval_steps)
+    rollout = (None if hybrid_engine is None or rollout_mesh is None
+               else RolloutGroup(step.layout, rollout_mesh, hybrid_engine))
+    engine = (None if hybrid_engine is None else rollout.engine if rollout is not None
+              else zeroxla.HybridEngine(step.layout, hybrid_engine))
+    return Roles(step, state, engine, eval_steps, rollout)
 
 
-__all__ = ["POLICY_ZERO", "Roles", "adapted", "build_roles"]
+__all__ = ["POLICY_ZERO", "Roles", "adapted", "batch_invariant_families", "batch_invariant_policy",
+           "build_roles"]

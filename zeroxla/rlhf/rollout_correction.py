@@ -21,7 +21,8 @@ log-ratio `old - rollout` (log pi_train / pi_rollout), clamped to +-20 before `e
 
   importance sampling (is_level)  token: exp(log-ratio); sequence: exp(its sum over the
       answer); geometric: exp(its mean). Only `is_threshold` U: min(w, U) (TIS); with
-      `is_threshold_lower` L too: w where L <= w <= U, else 0 (IcePop's band). Constants
+      `is_threshold_lower` L too: w where L <= w <= U, else 0 (IcePop's band; L = 0 is
+      AReaL's `behav_imp_weight_cap` filter, `RolloutCorrection.decoupled`). Constants
       of the rollout: no gradient flows through them. Each token's policy term is multiplied
       by its weight (verl's `pg_losses * rollout_is_weights`; the KL term is not, unless
       `kl_weighted`: TRL's order, the term with its KL, the `--rollout-correction tis` alias).
@@ -100,6 +101,10 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
+def _zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrection:
     """verl's rollout correction (the module docstring); the default corrects nothing."""
@@ -119,9 +124,10 @@ class RolloutCorrection:
              "None | " + " | ".join(IS_LEVELS)),
             ("is_threshold", _positive(self.is_threshold), "a number > 0 (the upper bound)"),
             ("is_threshold_lower", self.is_threshold_lower is None or (
-                _positive(self.is_threshold_lower)
-                and _positive(self.is_threshold) and self.is_threshold_lower < self.is_threshold),
-             f"None or a number in (0, is_threshold={self.is_threshold!r})"),
+                _positive(self.is_threshold_lower) or _zero(self.is_threshold_lower)) and (
+                _positive(self.is_threshold) and self.is_threshold_lower < self.is_threshold),
+             f"None or a number in [0, is_threshold={self.is_threshold!r}) (0: AReaL's "
+             "filter, weights above is_threshold are 0)"),
             ("rs", self.rs is None or (
                 isinstance(self.rs, tuple) and len(self.rs) == 2 and self.rs[0] in RS_LEVELS
                 and self.rs[1] in RS_STATISTICS and self.rs != ("seq_max", "k1")),
@@ -150,6 +156,16 @@ class RolloutCorrection:
         """`--rollout-correction tis --tis-cap C`: token IS at C, the KL term weighted too
         (TRL's order)."""
         return cls(is_level="token", is_threshold=cap, kl_weighted=True)
+
+    @classmethod
+    def decoupled(cls, cap: float | None) -> "RolloutCorrection":
+        """AReaL's decoupled PPO (`--rollout-correction decoupled`): the ratio's pi_old is the
+        proximal policy (the training forward now) and each token's policy term is weighted
+        by pi_prox / pi_behav (the engine's log-prob of the version that drew it), a weight
+        above `cap` set to 0 (AReaL's `behav_imp_weight_cap` filter; the token stays in the
+        count), None: uncapped. The KL term is not weighted (AReaL has none in the loss)."""
+        return cls(is_level="token", is_threshold=math.inf if cap is None else cap,
+                   is_threshold_lower=0.0)
 
 
 def _masked_mean(values, mask, axis=None):

@@ -3,9 +3,11 @@ names, and bad combinations are refused before anything runs, naming the option.
 
 import dataclasses
 import json
+import operator
 import os
 import signal
 
+import jax
 import optax
 import pytest
 from flax import nnx
@@ -54,7 +56,9 @@ def test_bad_jobs_are_refused(fields, message):
 @pytest.mark.parametrize("fields, message", [
     (dict(loss_type="bnpo"), "loss_type='bnpo' is invalid; accepted: grpo | dr_grpo | dapo"),
     (dict(scale_rewards=True), "scale_rewards=True is invalid; accepted: group | batch | none"),
-    (dict(epsilon=1.5), "epsilon=1.5 is invalid"), (dict(beta=-1), "beta=-1 is invalid")])
+    (dict(epsilon=1.5), "epsilon=1.5 is invalid"), (dict(beta=-1), "beta=-1 is invalid"),
+    (dict(batch_invariant=True, rollout_dtype="bfloat16"),
+     "batch_invariant=True is invalid; accepted: True or False; True with rollout_dtype")])
 def test_config_names_the_bad_field(fields, message):
     with pytest.raises(ValueError, match=message):
         GRPOConfig(**fields)
@@ -255,3 +259,64 @@ def test_rollout_corr_options_reach_the_section():
         resolved(["--actor", "runs/sft", "--rollout-rs", "token", "k3"])
     with pytest.raises(ValueError, match="--rollout-correction tis with --rollout-is"):
         resolved(["--actor", "runs/sft", "--rollout-correction", "tis", "--rollout-is", "token"])
+
+
+def test_async_options_reach_the_config():
+    """The decoupled objective, its cap and partial rollouts set `GRPOConfig`'s fields; a cap
+    without the decoupled objective names the option."""
+    job = resolved(["--actor", "runs/sft", "--mesh", "2x4", "--rollout-devices", "4",
+                    "--max-staleness", "1", "--partial-rollout", "2", "--rollout-correction",
+                    "decoupled", "--behav-imp-weight-cap", "5"])
+    assert (job.grpo.rollout_devices, job.grpo.max_staleness, job.grpo.partial_rollout,
+            job.grpo.rollout_correction, job.grpo.behav_imp_weight_cap) == (
+        4, 1, 2, "decoupled", 5.0)
+    assert job.grpo.correction == RolloutCorrection.decoupled(5.0)
+    with pytest.raises(ValueError, match="--behav-imp-weight-cap 5.0 is invalid"):
+        resolved(["--actor", "runs/sft", "--behav-imp-weight-cap", "5"])
+
+
+def _batch_invariant_run(tmp_path, monkeypatch, actor, *flags):
+    """`zeroxla grpo --batch-invariant FLAGS` on `actor` (loaded as --actor sft), the trainer
+    replaced by a recorder -> (exit code, the actor the trainer was given or None)."""
+    from zeroxla.app.tokenizers.basic import CharTokenizer
+    from zeroxla.rlhf import arithmetic_task as task
+
+    given = []
+
+    def trainer(grpo, policy, **kwargs):
+        given.append(policy)
+        raise ValueError("the trainer is not built here")
+
+    monkeypatch.setattr(grpo_job, "load_actor",
+                        lambda run: (actor, CharTokenizer.from_text(task.ALPHABET)))
+    monkeypatch.setattr(grpo_job, "GRPOTrainer", trainer)
+    monkeypatch.chdir(tmp_path)
+    code = main(["grpo", "--actor", "sft", "--batch-invariant", *flags,
+                 "--out", str(tmp_path / "run"), "--no-progress"])
+    return code, (given[0] if given else None)
+
+
+def test_batch_invariant_reaches_the_actor_and_is_refused_by_option(tmp_path, monkeypatch,
+                                                                    capsys):
+    """`--batch-invariant` sets GRPOConfig.batch_invariant and hands the trainer the actor
+    rebuilt with batch_invariant=True and the same weights; a GPT actor and a tensor-parallel
+    rollout are refused naming the options, the first with the families that have the mode."""
+    from zeroxla import models
+
+    assert resolved(["--actor", "runs/sft", "--batch-invariant"]).grpo.batch_invariant
+    # shapes only (nothing compiled): the rebuilt actor holds the loaded one's very leaves
+    actor = models.abstract_model(models.LlamaConfig.tiny().replace(vocab_size=20))
+    code, given = _batch_invariant_run(tmp_path, monkeypatch, actor, "--inference-tp-size", "1")
+    assert code == 2 and given is not None and given is not actor
+    assert given.config == actor.config.replace(batch_invariant=True)
+    leaves = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (given, actor)]
+    assert len(leaves[0]) == len(leaves[1]) and all(map(operator.is_, *leaves))
+    capsys.readouterr()
+    code, given = _batch_invariant_run(tmp_path, monkeypatch, actor)      # tp 2, the default
+    assert code == 2 and given is None
+    assert "--batch-invariant with --inference-tp-size=2" in capsys.readouterr().err
+    gpt = models.abstract_model(models.GPTConfig.tiny().replace(vocab_size=20))
+    code, given = _batch_invariant_run(tmp_path, monkeypatch, gpt, "--inference-tp-size", "1")
+    err = capsys.readouterr().err
+    assert code == 2 and given is None and "--batch-invariant with a gpt2 actor" in err, err
+    assert "llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe" in err, err

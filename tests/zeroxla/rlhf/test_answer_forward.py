@@ -15,6 +15,7 @@ from flax import nnx
 
 import zeroxla
 from test_packed_rollout import G, P, gpt, llama, ppo_rollout, rollout
+from zeroxla.engine.frozen_codes import FrozenCodesView
 from zeroxla.engine.sequence import in_sequence_layout, out_of_sequence_layout
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.models.sequence_parallel import SequenceParallel
@@ -22,6 +23,7 @@ from zeroxla.rlhf.answer_forward import AnswerForward
 from zeroxla.rlhf.grpo_losses import make_grpo_loss, ragged_answer_logprobs
 from zeroxla.rlhf.ppo_losses import answer_values, make_critic_loss
 from zeroxla.rlhf.reward_model import RewardModel
+from zeroxla.sharding.stored_forms import StoredCodes
 
 
 def _step(model, loss_fn, strategy):
@@ -87,7 +89,6 @@ def test_the_reference_is_a_copy_of_the_first_partitions_in_the_policys_layout()
     # Under sequence parallelism the frozen reference is the policy's first stored partitions:
     # its log-probs, read after the policy has taken a step (which donates the state it
     # advances), are still the starting model's.
-    from test_packed_rollout import zero3_step
     from zeroxla.rlhf.answer_forward import reference_partitions
     from zeroxla.rlhf.packed_rollout import pack_for_step
     loss_fn = make_grpo_loss(loss_type="dapo", epsilon=0.2, epsilon_high=0.2)
@@ -106,10 +107,15 @@ def test_the_reference_is_a_copy_of_the_first_partitions_in_the_policys_layout()
         G)) * padded["action_mask"]
     np.testing.assert_allclose(forward(reference, *args), want, rtol=0, atol=2e-5)
     assert np.abs(forward(state, *args) - want).max() > 1e-3       # the policy moved
-    with pytest.raises(ValueError, match=r"GRPOConfig.reference_int8=True with sequence "):
-        reference_partitions(step, state, int8=True, owner="GRPOConfig")
-    with pytest.raises(ValueError, match=r"GRPOConfig.reference_int8=True with the policy's "):
-        reference_partitions(zero3_step(llama(), loss_fn), state, int8=True, owner="GRPOConfig")
+    # As int8 codes (test_reference_int8.py reads them): stored for the policy's codes view,
+    # which the policy's forward refuses to read, by name.
+    codes = reference_partitions(step, state, int8=True, owner="GRPOConfig")
+    assert isinstance(codes.step, FrozenCodesView) and forward.reading(codes).step is codes.step
+    assert any(isinstance(x, StoredCodes) for x in codes.params.values())
+    with pytest.raises(ValueError, match=r"frozen partitions given are stored for "
+                                         r"FrozenCodesView's layout"):
+        forward(codes, *args)
+    assert forward.reading(reference) is forward
 
 
 def _per_device(tree):

@@ -12,6 +12,10 @@ loss code:
   ratio of the trainer's "old" policy to the policy the rollout engine sampled from (TRL's
   `vllm_importance_sampling_correction`: `exp(old_per_token_logps - sampling_per_token_logps)`
   clamped at the cap, applied after the KL term is added);
+- AReaL's decoupled PPO (`rollout_correction="decoupled"`, `ppo_actor_loss_fn` of
+  inclusionAI/AReaL): the ratio against the proximal policy ("old": the trainer's forward),
+  each token's clipped term times pi_prox / pi_behav of the version that drew it, a weight
+  above `behav_imp_weight_cap` set to 0 (the token still counted), the KL term unweighted;
 - DAPO's token-level mean, and one SGD step on the float64 gradient (`jax.grad` of this file's
   loss on a float64 copy of the model, one device).
 
@@ -22,6 +26,8 @@ the trainer's (importance weights 0.33 to 3.0, cap 2: some truncated), the "old"
 the actor's (KL on, beta 0.1). Each wiring bug planted by hand fails here: the KL taken
 against the rollout's log-probs instead of the reference's, and the TIS weights with their
 arguments swapped."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -68,15 +74,19 @@ def answer_logprobs64(model, tokens, starts, answer_length):
 
 
 def reference_loss(model, tokens, starts, mask, old, ref, advantages, weights, config):
-    """The float64 DAPO loss of the module docstring; `weights` [B, T] the TIS weights (ones
-    without correction)."""
+    """The float64 DAPO loss of the module docstring; `weights` [B, T] the TIS or decoupled
+    weights (ones without correction)."""
     logp = answer_logprobs64(model, tokens, starts, mask.shape[1])
     ratio = jnp.exp(logp - old)
     a = advantages[:, None]
     clipped = jnp.clip(ratio, 1 - config.epsilon, 1 + config.clip_high)
     terms = -jnp.minimum(ratio * a, clipped * a)
     delta = ref - logp
-    terms = (terms + config.beta * (jnp.exp(delta) - delta - 1)) * weights
+    kl = config.beta * (jnp.exp(delta) - delta - 1)
+    if config.rollout_correction == "decoupled":          # AReaL: the clipped term alone
+        terms = terms * weights + kl
+    else:
+        terms = (terms + kl) * weights
     return jnp.sum(terms * mask) / jnp.sum(mask)
 
 
@@ -91,9 +101,12 @@ def reference_update(model, rollout, rewards, config, lr, steps=1):
             np_advantages(rewards, config.num_generations, config.scale_rewards,
                           config.advantage))]
         weights = np.ones(rollout.action_mask.shape)
+        behaviour = np.exp(rollout.logprobs.astype(np.float64) - rollout.rollout_logprobs)
         if config.rollout_correction == "tis":
-            weights = np.minimum(np.exp(rollout.logprobs.astype(np.float64)
-                                        - rollout.rollout_logprobs), config.tis_cap)
+            weights = np.minimum(behaviour, config.tis_cap)
+        if config.rollout_correction == "decoupled":
+            cap = config.behav_imp_weight_cap
+            weights = behaviour if cap is None else np.where(behaviour <= cap, behaviour, 0.0)
         loss = jax.value_and_grad(lambda s: reference_loss(
             nnx.merge(graphdef, s), rollout.tokens, rollout.answer_starts(), *fixed,
             jnp.asarray(weights), config))
@@ -152,6 +165,56 @@ def test_one_update_matches_the_float64_reference():
     assert train["loss"] == pytest.approx(losses[0], rel=1e-5)
     assert train["tis_clipped_fraction"] == pytest.approx(np.mean(weights > 2.0), rel=1e-6)
     assert_update(before, zeroxla.gathered_model(trainer.actor_state), expected)
+
+
+def two_version_rollout(trainer, rng):
+    """`fixed_rollout` whose answers were drawn by two versions: each row's first 1 to 3
+    tokens by version 0 (stale: pi_prox / pi_behav from 1/3 to 3.0, cap 2.2: some filtered),
+    the rest by version 1 (near the proximal policy: 0.8 to 1.25), `versions` [B, T] so."""
+    rollout = fixed_rollout(trainer, rng)
+    mask = rollout.action_mask
+    split = rng.integers(1, 4, mask.shape[0])[:, None]
+    versions = np.where(np.arange(mask.shape[1]) < split, 0, 1) * mask - (1 - mask)
+    weights = np.where(versions == 0, rng.choice([1 / 3, 0.5, 1.8, 2.5, 3.0], mask.shape),
+                       rng.choice([0.8, 0.9, 1.1, 1.25], mask.shape))
+    behaviour = (rollout.logprobs.astype(np.float64) - np.log(weights)) * mask
+    return dataclasses.replace(rollout, rollout_logprobs=behaviour.astype(np.float32),
+                               versions=versions.astype(np.int32))
+
+
+def test_a_decoupled_update_matches_the_float64_reference():
+    """`rollout_correction="decoupled"` (AReaL's objective) on a rollout drawn by two
+    versions: the whole update within 1e-6 relative (L2) of the float64 reference's, each
+    leaf's step as `assert_update`, the filtered share the one the cap implies, and the loss
+    within 1e-5 relative (a mean of terms ~1 whose advantages cancel to ~4e-3: float32
+    round-off of the terms is ~4e-6 of it)."""
+    config = CONFIG.replace(rollout_correction="decoupled", behav_imp_weight_cap=2.2)
+    trainer = GRPOTrainer(config, tiny_actor(), mesh=zeroxla.make_mesh(2, 4),
+                          tokenizer=TOKENIZER, prompts=PROMPTS, reward_funcs=[no_reward],
+                          inference_tp_size=1, optimizer=optax.sgd(LR))
+    rollout = two_version_rollout(trainer, np.random.default_rng(2))
+    real = rollout.action_mask > 0
+    weights = np.exp(rollout.logprobs.astype(np.float64) - rollout.rollout_logprobs)[real]
+    assert np.mean(weights > 2.2) > 0.05 and set(np.unique(rollout.versions[real])) == {0, 1}
+    before = zeroxla.gathered_model(trainer.actor_state)
+    losses, expected = reference_update(before, rollout, rollout.rewards, config, LR)
+
+    train = trainer.train_grpo(rollout)
+    assert train["loss"] == pytest.approx(losses[0], rel=1e-5)
+    assert train["rollout_corr/rollout_is_clipped_fraction"] == pytest.approx(
+        np.mean(weights > 2.2), rel=1e-6)
+    after = zeroxla.gathered_model(trainer.actor_state)
+    assert_update(before, after, expected)
+    assert update_error(before, after, expected) <= 1e-6
+
+
+def update_error(before, after, expected):
+    """||step - reference step|| / ||reference step|| over every parameter (L2, float64)."""
+    start, end = jax.tree.leaves(nnx.state(before)), jax.tree.leaves(nnx.state(after))
+    got, want = (np.concatenate([(np.asarray(x, np.float64) - np.asarray(s, np.float64)).ravel()
+                                 for x, s in zip(leaves, start)])
+                 for leaves in (end, jax.tree.leaves(expected)))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def assert_update(before, after, expected):

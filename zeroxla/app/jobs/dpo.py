@@ -100,7 +100,8 @@ OPTIONS = OptionTable("dpo", DPOJobConfig, (
            "prompt + answer tokens (a longer pair is an error, not truncated); default "
            "{default}", type=positive_int),
     Option("--reference-int8", "reference_int8", "dpo", "reference_int8", "dpo",
-           "refused: the frozen reference is a copy of the policy's float partitions",
+           "the frozen reference as int8 codes of the policy's first partitions (MixZ++), "
+           "dequantized per layer",
            action="store_true"),
     packing_option("dpo", "dpo", "each step's pairs (a pair on one replica; held-out pairs "
                    "stay padded)"),

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zeroxla.app.cli_args import (finite_float, non_negative_float, positive_float,
-                                  positive_int)
+from zeroxla.app.cli_args import (finite_float, non_negative_float, non_negative_int,
+                                  positive_float, positive_int)
 from zeroxla.app.data_files import check_split
 from zeroxla.app.prompt_files import prompt_records
 from zeroxla.app.jobs.loading import (BASE_KEY, adapters_base, check_adapters,
@@ -31,6 +31,7 @@ from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHAR
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY, as_metadata
 from zeroxla.engine.router_aux import check_budget_with_router
+from zeroxla.inference.config import ROLLOUT_DTYPES
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.grpo import GRPOTrainer
 from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS,
@@ -39,6 +40,7 @@ from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTION
 from zeroxla.rlhf.grpo_prompts import (TASK_REWARDS, check_fit, file_rows, prompt_cap, task_rows,
                                        truncation_report)
 from zeroxla.rlhf.plot import save_records_plot
+from zeroxla.rlhf.roles import batch_invariant_policy
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
@@ -71,7 +73,8 @@ class GRPOJobConfig:
                 raise ValueError(f"GRPOJobConfig.{name}={value!r} is invalid; accepted: an "
                                  "integer >= 1")
         if self.grpo.rollout_correction and self.rollout_corr.active:
-            raise ValueError("--rollout-correction tis with --rollout-is, --rollout-rs or "
+            raise ValueError(f"--rollout-correction {self.grpo.rollout_correction} with "
+                             "--rollout-is, --rollout-rs or "
                              "--rollout-bypass: two corrections; accepted: one of them "
                              "(tis is --rollout-is token --rollout-is-threshold C)")
         check_split(self.split, self.prompts, "--prompts")
@@ -112,12 +115,14 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
     ("--max-completion-length", "max_completion_length", "answer tokens",
      dict(type=positive_int)),
     ("--rollout-correction", "rollout_correction", "tis: truncated importance sampling of the "
-     "train/rollout log-prob gap (TRL's vllm_importance_sampling_correction)",
+     "train/rollout log-prob gap (TRL's vllm_importance_sampling_correction); decoupled: "
+     "AReaL's decoupled PPO objective (--behav-imp-weight-cap)",
      dict(choices=ROLLOUT_CORRECTIONS)),
     ("--tis-cap", "tis_cap", "the largest importance weight of --rollout-correction tis",
      dict(type=positive_float, metavar="C")),
-    ("--reference-int8", "reference_int8", "refused: the frozen reference is a copy of the "
-     "actor's float partitions", dict(action="store_true")),
+    ("--reference-int8", "reference_int8", "the frozen reference (--beta > 0) as int8 codes "
+     "of the actor's first partitions (MixZ++), dequantized per layer",
+     dict(action="store_true")),
     ("--packing", "packing", "train on the rollout packed: each answer with its prompt placed "
      "whole into rows of --packed-row-len tokens, told apart by segment ids, the rows balanced "
      "over the data replicas (the padded rows' loss without their padding: verl's "
@@ -127,9 +132,32 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
      "sequence's (none: --max-prompt-seq-len + --max-completion-length - 1)",
      dict(type=positive_int, metavar="T")),
     ("--routing-replay", "routing_replay", "an MoE actor's routing replay (R3): measure: the "
-     "rollout records each token's experts per layer (static decode) and routing/mismatch "
+     "rollout records each token's experts per layer (either batching) and routing/mismatch "
      "counts the pairs the training forward routes otherwise; on: training also replays the "
-     "record (the weights from the live router); default off", dict(choices=ROUTING_REPLAY))))
+     "record (the weights from the live router); default off", dict(choices=ROUTING_REPLAY)),
+    ("--batch-invariant", "batch_invariant", "the actor (a Llama or MoE Llama family) rebuilt "
+     "in the batch-invariant mode: every matmul, norm, softmax and attention summed in a fixed "
+     "order, so at --inference-tp-size 1 the rollout's log-probs equal the training forward's "
+     "exactly and an MoE actor routes as its rollout did (static batching; slower)",
+     dict(action="store_true")),
+    ("--rollout-dtype", "rollout_dtype", "the rollout engine's dtype: bfloat16 decodes (and "
+     "reshards, at half the bytes) in bf16 against the float32 masters, as verl and slime "
+     "roll out", dict(choices=ROLLOUT_DTYPES)),
+    ("--rollout-devices", "rollout_devices", "asynchronous GRPO: the last N devices of --mesh "
+     "generate (a rollout group) while the first ones train; N is half the devices, 0 "
+     "colocated (refused with LoRA, --sequence-parallel-size, --expert-parallel-size)",
+     dict(type=non_negative_int, metavar="N")),
+    ("--max-staleness", "max_staleness", "with --rollout-devices: iteration i's rollout drawn "
+     "from the weights of iteration >= i - k, while the update runs (0: synchronous)",
+     dict(type=non_negative_int, metavar="K")),
+    ("--partial-rollout", "partial_rollout", "with --max-staleness >= 1: a rollout drawn "
+     "ahead draws at most N tokens per answer at each sync, an unfinished answer continued "
+     "from its tokens with the newer weights (verl's partial rollout; 0: off)",
+     dict(type=non_negative_int, metavar="N")),
+    ("--behav-imp-weight-cap", "behav_imp_weight_cap", "with --rollout-correction decoupled "
+     "(AReaL's decoupled PPO: pi_old the current weights, each token weighted by "
+     "pi_prox / pi_behav of the version that drew it): weights above C are 0 (AReaL's)",
+     dict(type=positive_float, metavar="C"))))
 
 OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--actor", "actor", "job", "a zeroxla run (or checkpoint) recording its tokenizer: the "
@@ -185,6 +213,9 @@ class GRPOJob:
                                        loaded=reward_funcs)
         mesh = c.sharding.job_mesh()
         actor, self.tokenizer = load_actor(c.actor)
+        if c.grpo.batch_invariant:           # the training forward and the rollout engine
+            actor = batch_invariant_policy(actor, "--batch-invariant", c.inference_tp_size,
+                                           "--inference-tp-size")
         model, model_config = f"--actor {c.actor}", getattr(actor, "config", None)
         rows, self.held_out, eos_id = (
             task_rows(self.tokenizer, model) if c.prompts is None

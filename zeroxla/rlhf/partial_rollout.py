@@ -1,0 +1,137 @@
+"""A GRPO rollout drawn in passes (verl's partial rollout, AReaL's interruptible generation):
+`PartialAnswers`, its answers while they are drawn, `continue_answers`, one pass over the
+unfinished ones, and `finish_rollout`, the finished answers scored into a `DrawnRollout`.
+
+With `GRPOConfig.partial_rollout` N, a rollout drawn ahead (`grpo_async`) draws at most N new
+tokens per answer at each weight sync, and an answer unfinished at a sync (no EOS yet, fewer
+than `max_completion_length` tokens) is carried to the next, where it is continued from its
+tokens with the newer weights. A continuation is a new prompt, the original prompt followed by
+the answer so far: the engine prefills it afresh (its KV recomputed under the new weights, as
+verl's partial rollout does), draws with the answer's generation seed (each row's keys also
+fold in its own token ids: `zeroxla.inference.sampling`), and the new tokens are appended. Each
+token keeps the log-prob the engine drew it with and the version that drew it (int32): its
+pi_behav in AReaL's decoupled objective (`GRPOConfig.rollout_correction="decoupled"`).
+
+Rows are prompt-major (row b: answer b % G of prompt b // G); arrays are host numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from zeroxla.rlhf.group_advantages import group_advantages
+from zeroxla.rlhf.grpo_experience import DrawnRollout
+from zeroxla.rlhf.rollout import pad_answers, pad_logprobs, pad_routing
+
+OUTSIDE = -1          # a token's version when drawn outside the pipeline (colocated)
+
+
+@dataclasses.dataclass
+class PartialAnswers:
+    """One rollout's answers while they are drawn (see the module docstring)."""
+
+    iteration: int
+    picked: np.ndarray                  # int[prompts]: the prompt rows of this rollout
+    prompts: list[np.ndarray]           # int32[P_b] per row b
+    limit: int                          # max_completion_length
+    eos_id: int | None
+    answers: list[np.ndarray]           # int32[n_b]: row b's answer tokens so far
+    logprobs: list[np.ndarray]          # float32[n_b]: as the engine drew them
+    versions: list[np.ndarray]          # int32[n_b]: the version that drew each
+    routing: list[np.ndarray] | None = None   # a one-pass rollout's routing records
+    generation_s: float = 0.0
+
+    @classmethod
+    def empty(cls, iteration: int, picked: np.ndarray, prompts: Sequence[np.ndarray],
+              limit: int, eos_id: int | None) -> "PartialAnswers":
+        """No answer token drawn yet for `prompts` (one per row)."""
+        rows = len(prompts)
+        return cls(iteration, picked, list(prompts), limit, eos_id,
+                   [np.zeros(0, np.int32)] * rows, [np.zeros(0, np.float32)] * rows,
+                   [np.zeros(0, np.int32)] * rows)
+
+    def finished(self, row: int) -> bool:
+        answer = self.answers[row]
+        return answer.size >= self.limit or (
+            self.eos_id is not None and answer.size > 0 and answer[-1] == self.eos_id)
+
+    def pending(self) -> list[int]:
+        """The rows still to continue."""
+        return [b for b in range(len(self.prompts)) if not self.finished(b)]
+
+    def budgets(self, rows: Sequence[int], tokens: int | None) -> list[int]:
+        """Each row's new tokens this pass: at most `tokens` (None: to the limit)."""
+        return [min(self.limit - self.answers[b].size, tokens or self.limit) for b in rows]
+
+    def continued(self, rows: Sequence[int]) -> list[np.ndarray]:
+        """Each row's prompt followed by its answer so far (the continuation's prompt)."""
+        return [np.concatenate([self.prompts[b], self.answers[b]]).astype(np.int32)
+                for b in rows]
+
+    def extend(self, rows: Sequence[int], outputs: Sequence[np.ndarray],
+               logprobs: Sequence[np.ndarray], version: int | None) -> None:
+        """Appends the new tokens of `outputs` (row `rows[i]`'s continued prompt and its new
+        tokens, as the engine returns them) with their log-probs, tagged `version`."""
+        for b, output, drawn in zip(rows, outputs, logprobs, strict=True):
+            new = np.asarray(output[self.prompts[b].size + self.answers[b].size:], np.int32)
+            self.answers[b] = np.concatenate([self.answers[b], new])
+            self.logprobs[b] = np.concatenate([self.logprobs[b],
+                                               np.asarray(drawn, np.float32)[:new.size]])
+            tag = OUTSIDE if version is None else version
+            self.versions[b] = np.concatenate([self.versions[b], np.full(new.size, tag,
+                                                                         np.int32)])
+
+
+def continue_answers(generate: Callable[..., Any], partial: PartialAnswers,
+                     seeds: Sequence[int], tokens: int | None, version: int | None) -> None:
+    """One pass over `partial`'s pending rows: each continued by at most `tokens` new tokens
+    (None: to its end), one `generate(prompts, seed=, max_new_tokens=)` call (the engine's,
+    returning outputs and log-probs) per generation index g with its seed `seeds[g]`, so the
+    answers of one prompt keep apart; the new tokens tagged `version`."""
+    start = time.perf_counter()
+    pending = partial.pending()
+    for g, seed in enumerate(seeds):
+        rows = [b for b in pending if b % len(seeds) == g]
+        if rows:
+            outputs, logprobs = generate(partial.continued(rows), seed=seed,
+                                         max_new_tokens=partial.budgets(rows, tokens))
+            partial.extend(rows, outputs, logprobs, version)
+    partial.generation_s += time.perf_counter() - start
+
+
+def finish_rollout(partial: PartialAnswers, config: Any, decode: Callable[[np.ndarray], str],
+                   score: Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]]
+                   ) -> DrawnRollout:
+    """`partial`'s finished answers as a `DrawnRollout` (`config` a `GRPOConfig`): padded,
+    decoded with `decode`, scored with `score(picked, tokens, real, completions)`, with their
+    group-relative advantages, the engine's log-probs [B, T] and, when every token was drawn
+    by a pipeline version, the versions int32 [B, T] (-1 past each answer) and the oldest."""
+    start = time.perf_counter()
+    c = config
+    starts = np.asarray([p.size for p in partial.prompts], np.int32)              # [B]
+    outputs = [np.concatenate([p, a]) for p, a in zip(partial.prompts, partial.answers)]
+    tokens, mask = pad_answers(outputs, c.prompt_length, c.max_completion_length, starts)
+    completions = tuple(decode(answer) for answer in partial.answers)
+    real = np.arange(tokens.shape[1]) < np.asarray([row.size for row in outputs])[:, None]
+    rewards, parts = score(partial.picked, tokens, real.astype(np.float32), completions)
+    advantages = group_advantages(rewards, c.num_generations, scale_rewards=c.scale_rewards,
+                                  advantage=c.advantage)
+    versions = np.full(mask.shape, OUTSIDE, np.int32)                             # [B, T]
+    for b, tags in enumerate(partial.versions):
+        versions[b, :tags.size] = tags
+    pipeline = all(np.all(tags != OUTSIDE) for tags in partial.versions)
+    return DrawnRollout(tokens, mask, starts, completions, rewards, parts,
+                        np.asarray(advantages, np.float32), pad_logprobs(partial.logprobs, mask),
+                        None if partial.routing is None
+                        else pad_routing(partial.routing, tokens.shape[1]),
+                        partial.generation_s, time.perf_counter() - start,
+                        version=int(versions[mask > 0].min()) if pipeline else None,
+                        versions=versions if pipeline else None)
+
+
+__all__ = ["OUTSIDE", "PartialAnswers", "continue_answers", "finish_rollout"]
