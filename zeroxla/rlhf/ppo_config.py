@@ -17,10 +17,15 @@ verl's rollout correction of the train/rollout log-prob gap, as GRPO's
 (`zeroxla.rlhf.rollout_correction.RolloutCorrection`): importance weights on the policy term,
 rejected tokens out of the loss and its count, or the rollout's log-probs as pi_old (bypass).
 `routing_replay` is GRPO's routing replay (R3, `GRPOConfig.routing_replay`) for an MoE actor:
-"measure" records the experts each layer chose for every token of the rollout (the static
-decode) and logs `routing/mismatch`, the (token, layer) pairs the actor's forward routes
+"measure" records the experts each layer chose for every token of the rollout (either
+batching) and logs `routing/mismatch`, the (token, layer) pairs the actor's forward routes
 otherwise; "on" also replays the record in the actor's old, the reference's and the trained
-log-probs; "off" (the default) records nothing. Needs `packing`.
+log-probs; "off" (the default) records nothing. Needs `packing`. `rollout_dtype` is GRPO's
+(`GRPOConfig.rollout_dtype`): "bfloat16" rolls out in bf16 against the float32 masters.
+`batch_invariant` is GRPO's (`GRPOConfig.batch_invariant`, a Llama or MoE Llama actor): the actor,
+and so the reference read through its forward, is rebuilt in the batch-invariant mode, so at
+inference_tp_size=1 the rollout's log-probs equal the actor's training forward's exactly. The
+critic stays in the default mode: its values are never compared with the rollout's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zeroxla.inference.config import ROLLOUT_DTYPES
 from zeroxla.rlhf.grpo_config import ROUTING_REPLAY
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
@@ -62,8 +68,8 @@ class PPOConfig:
     prompts_per_iteration: int = 32
     prompt_length: int = 16
     answer_length: int = 32
-    # The frozen reference as int8 codes (ZeRO++'s MixZ++): refused by the trainer, naming this
-    # field; the reference is a copy of the actor's float partitions (`answer_forward`).
+    # The frozen reference as int8 codes (ZeRO++'s MixZ++) of the actor's first partitions,
+    # 1/N per device, dequantized per layer (`answer_forward.reference_partitions`).
     reference_int8: bool = False
     # Actor and critic train on the rollout packed into rows with segment ids, balanced over the
     # data replicas (`zeroxla.rlhf.packed_rollout`): the same token means without the padding.
@@ -75,6 +81,10 @@ class PPOConfig:
     rollout_corr: RolloutCorrection = RolloutCorrection()
     # routing replay (R3) of an MoE actor: "off" | "measure" | "on" (the module docstring).
     routing_replay: str = "off"
+    # the rollout engine's dtype: "float32" | "bfloat16" (`HybridEngineConfig.rollout_dtype`).
+    rollout_dtype: str = "float32"
+    # the actor in the batch-invariant mode (`roles.batch_invariant_policy`; the docstring).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value"):
@@ -105,6 +115,12 @@ class PPOConfig:
             self.packing or self.routing_replay == "off"),
             " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
             "forward is the packed one)")
+        _check("rollout_dtype", self.rollout_dtype, self.rollout_dtype in ROLLOUT_DTYPES,
+               " | ".join(ROLLOUT_DTYPES))
+        _check("batch_invariant", self.batch_invariant, isinstance(self.batch_invariant, bool)
+               and not (self.batch_invariant and self.rollout_dtype != "float32"),
+               "True or False; True with rollout_dtype='float32' (the mode computes in "
+               "float32, as the training forward does)")
 
     @classmethod
     def vowels_demo(cls) -> "PPOConfig":

@@ -15,11 +15,17 @@ One iteration (`PPOTrainer.generate_experience`, then `train_rlhf`):
    for the train/rollout log-prob gap (`rollout_correction.corrected_batch`, as GRPO's: the
    engine's drawn log-probs are the rollout's `rollout_logprobs`), its metrics in the record.
 
-With `PPOConfig.routing_replay` (an MoE actor, routing replay as GRPO's) the engine decodes
-statically and records the experts each layer chose per token (`rollout.routing`); the actor's
+With `PPOConfig.routing_replay` (an MoE actor, routing replay as GRPO's) the engine records
+the experts each layer chose per token, under either batching (`rollout.routing`); the actor's
 log-probs of 3. count the (token, layer) pairs whose live routing is not the record
 (`routing/mismatch` in the record) and under "on" replay it, as do the reference's and the
 actor step's (its packed batch's "replay"). The critic routes live.
+
+With `PPOConfig.batch_invariant` (a Llama or MoE Llama actor, at inference_tp_size=1) the
+actor's step, its engine and so the reference read through its forward run the batch-invariant
+mode (`roles.batch_invariant_policy`): the rollout's log-probs equal the actor's of 3. bit for
+bit (`gap/max` 0.0 in the record). The critic is built from the plain model given: its values
+are never compared with the rollout's, so it keeps the default mode's speed.
 
 The rollout's forwards (3.) run in each step's own layout (`answer_forward`: ZeRO-3's
 per-layer gathers, rows over the data replicas, tokens over the sequence devices), as
@@ -57,7 +63,7 @@ from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles
 from zeroxla.inference.checks import check_routing
 from zeroxla.rlhf.rollout import (Rollout, generation_stats, pad_answers, pad_logprobs,
                                   pad_routing, routing_metrics)
-from zeroxla.rlhf.rollout_correction import corrected_batch
+from zeroxla.rlhf.rollout_correction import corrected_batch, logprob_gap
 
 
 @functools.partial(jax.jit, static_argnames=("kl_ctl", "clip_reward_value", "gamma", "lam"))
@@ -138,20 +144,19 @@ class PPOTrainer:
         # The reference is the plain actor; DeepSpeed-Chat puts adapters on actor and critic.
         roles = build_roles(actor, mesh, optimizer=optax.adamw(config.actor_lr),
                             loss_fn=make_actor_loss(config.cliprange, self.vocab_limit),
-                            seed=seed, lora=lora,
+                            seed=seed, lora=lora, batch_invariant=config.batch_invariant,
                             hybrid_engine=zeroxla.HybridEngineConfig(
                                 inference_tp_size=inference_tp_size, max_out_tokens=seq_len,
+                                rollout_dtype=config.rollout_dtype,
                                 # without EOS every answer has answer_length tokens: no row
-                                # ends early to refill, the padded batch's loop is as full;
-                                # the static decode records the routing
-                                batching="auto" if eos_id is not None
-                                and config.routing_replay == "off" else "static",
+                                # ends early to refill, the padded batch's loop is as full
+                                batching="auto" if eos_id is not None else "static",
                                 **rollout_batching(config.prompts_per_iteration, 1,
                                                    mesh.devices.size // inference_tp_size,
                                                    config.prompt_length)))
         self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
         if config.routing_replay != "off":        # an MoE actor: refused by name otherwise
-            check_routing(roles.step.layout.model_def, self.engine.batching)
+            check_routing(roles.step.layout.model_def)
         critic, critic_trainable = adapted(
             Critic(nnx.clone(actor)) if critic_init is None
             else critic_from_reward_model(critic_init), lora, seed + 1)
@@ -168,6 +173,7 @@ class PPOTrainer:
         self.values = AnswerForward(self.critic_step, "values", packed=config.packing)
         self.reference_state = reference_partitions(self.actor_step, self.actor_state,
                                                     int8=config.reference_int8, owner="PPOConfig")
+        self.reference_answers = self.answers.reading(self.reference_state)   # int8: its view
         check_token_budget(config.ppo_max_token_len_per_gpu,
                            config.prompt_length + config.answer_length - 1,
                            self.actor_step.layout, "PPOConfig")
@@ -216,8 +222,8 @@ class PPOTrainer:
         follow = c.routing_replay == "on"       # else the record is only compared
         logprobs, mismatch = self.answers.routed(self.actor_state, tokens, mask, routing,
                                                  follow_record=follow)   # [B, G], each
-        ref_logprobs, _ = self.answers.routed(self.reference_state, tokens, mask, routing,
-                                              follow_record=follow)
+        ref_logprobs, _ = self.reference_answers.routed(self.reference_state, tokens, mask,
+                                                        routing, follow_record=follow)
         values = self.values(self.critic_state, tokens, mask)
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
                       for b in range(len(outputs)))
@@ -254,9 +260,11 @@ class PPOTrainer:
         it. Returns its record (the iteration, the rollout's mean `reward` (score) and `kl`, the
         `actor_loss` and `critic_loss` of the training, the seconds spent in `generation_s`
         (Hybrid Engine), `experience_s` (forwards, rewards, GAE) and `training_s` (ZeRO-3
-        steps), with an active `rollout_corr` its `rollout_corr/*` metrics, with
-        `routing_replay` the rollout's `routing/mismatch` and `routing/mismatch_fraction`
-        (`rollout.routing_metrics`)) and the rollout."""
+        steps), the train/rollout log-prob gap of the actor's log-probs against the engine's
+        (`gap/max`, `gap/mean_abs`, `gap/frac_over_1e-3`, GRPO's), with an active
+        `rollout_corr` its `rollout_corr/*` metrics, with `routing_replay` the rollout's
+        `routing/mismatch` and `routing/mismatch_fraction` (`rollout.routing_metrics`)) and the
+        rollout."""
         rollout, generation_s, experience_s = self.generate_experience(it)
         start = time.perf_counter()
         actor_loss, critic_loss = self.train_rlhf(rollout)
@@ -266,6 +274,9 @@ class PPOTrainer:
                       generation_s=generation_s, experience_s=experience_s,
                       training_s=time.perf_counter() - start, **generation_stats(self.engine),
                       **self.actor_batch(rollout)[1])
+        if rollout.rollout_logprobs is not None:
+            record.update({f"gap/{k}": float(v) for k, v in logprob_gap(
+                rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask).items()})
         if rollout.routing_mismatch is not None:       # `PPOConfig.routing_replay`
             record.update(routing_metrics(rollout.routing_mismatch))
         return record, rollout

@@ -10,7 +10,9 @@ tests/zeroxla/rlhf/test_ppo.py; the whole job, slowly, in test_chat_jobs.py.
 """
 
 import json
+import operator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -103,3 +105,63 @@ def test_ppo_job_hands_the_trainer_the_saved_reward_model_and_actor(runs, monkey
     tokenizer = data.load_corpus().tokenizer
     np.testing.assert_array_equal(handed["prompt_tokens"],
                                   [tokenizer.encode(p)[-PPO.prompt_length:] for p in prompts])
+
+
+def _batch_invariant_run(tmp_path, monkeypatch, actor, *flags):
+    """`zeroxla ppo --batch-invariant FLAGS` with `actor` loaded as --actor sft and a stand-in
+    reward model of its config, the trainer replaced by a recorder -> (exit code, the actor
+    and the critic's start the trainer was given, or None)."""
+    from types import SimpleNamespace
+
+    from zeroxla.app.cli import main
+    from zeroxla.app.tokenizers.basic import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text("abcdefghij klmnop")
+    reward = SimpleNamespace(base=SimpleNamespace(config=actor.config))
+    given = []
+
+    def trainer(ppo, policy, **kwargs):
+        given.append((ppo, policy, kwargs["critic_init"]))
+        raise ValueError("the trainer is not built here")
+
+    monkeypatch.setattr(ppo_job, "load_actor", lambda run: (actor, tokenizer))
+    monkeypatch.setattr(ppo_job, "load_reward", lambda run, policy, tok: reward)
+    monkeypatch.setattr(ppo_job, "PPOTrainer", trainer)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": f"abcdefgh {c}"}) + "\n" for c in "klmnop"))
+    code = main(["ppo", "--actor", "sft", "--reward", "rm", "--prompts", "prompts.jsonl",
+                 "--batch-invariant", "--max-prompt-seq-len", "8", "--max-answer-seq-len", "8",
+                 *flags, "--out", str(tmp_path / "run"), "--no-progress"])
+    return code, (given[0] if given else None), reward
+
+
+def test_batch_invariant_reaches_the_actor_and_is_refused_by_option(tmp_path, monkeypatch,
+                                                                    capsys):
+    """`--batch-invariant` sets PPOConfig.batch_invariant and hands the trainer the actor
+    rebuilt with batch_invariant=True holding the loaded actor's very leaves (nothing
+    compiled: shapes only); the critic starts from the reward model as given. A GPT actor and
+    a tensor-parallel rollout are refused naming the options."""
+    actor = models.abstract_model(models.LlamaConfig.tiny().replace(vocab_size=20))
+    code, given, reward = _batch_invariant_run(tmp_path, monkeypatch, actor,
+                                               "--inference-tp-size", "1")
+    assert code == 2 and given is not None
+    config, policy, critic_init = given
+    assert config.batch_invariant and critic_init is reward
+    assert policy is not actor and policy.config == actor.config.replace(batch_invariant=True)
+    leaves = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (policy, actor)]
+    assert len(leaves[0]) == len(leaves[1]) and all(map(operator.is_, *leaves))
+    capsys.readouterr()
+    code, given, _ = _batch_invariant_run(tmp_path, monkeypatch, actor)      # tp 2, the default
+    assert code == 2 and given is None
+    assert "--batch-invariant with --inference-tp-size=2" in capsys.readouterr().err
+    gpt = models.abstract_model(models.GPTConfig.tiny().replace(vocab_size=20))
+    code, given, _ = _batch_invariant_run(tmp_path, monkeypatch, gpt, "--inference-tp-size", "1")
+    err = capsys.readouterr().err
+    assert code == 2 and given is None and "--batch-invariant with a gpt2 actor" in err, err
+
+
+def test_batch_invariant_needs_a_float32_rollout():
+    with pytest.raises(ValueError, match="PPOConfig.batch_invariant=True is invalid; accepted: "
+                                         "True or False; True with rollout_dtype='float32'"):
+        PPOConfig(batch_invariant=True, rollout_dtype="bfloat16")

@@ -3,7 +3,8 @@ random reward model): one actor update with token IS (`--rollout-is token`) and 
 rejection (`--rollout-rs token k3`) on injected train/rollout gaps, its loss against a float64
 numpy loss written here from verl's definition (the clipped policy term times the weight, the
 token mean over the kept tokens); the padded loss_fn the same way; and the default settings
-give the uncorrected record: DeepSpeed-Chat's loss, no `rollout_corr/*` key."""
+give the uncorrected record: DeepSpeed-Chat's loss, no `rollout_corr/*` key (the train/rollout
+gap, `gap/*`, is logged whatever the correction)."""
 
 import dataclasses
 
@@ -21,7 +22,7 @@ SMALL = CONFIG.replace(ppo_epochs=1, prompts_per_iteration=8)
 CORR = RolloutCorrection(is_level="token", is_threshold=1.2, rs=("token", "k3"),
                          rs_threshold=0.05)
 UNCORRECTED_KEYS = {"iteration", "reward", "kl", "actor_loss", "critic_loss", "generation_s",
-                    "experience_s", "training_s"}
+                    "experience_s", "training_s", "gap/max", "gap/mean_abs", "gap/frac_over_1e-3"}
 
 
 def trainer(config):

@@ -46,8 +46,10 @@ from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf import PPOConfig, PPOTrainer, Rollout, time_split
 from zeroxla.rlhf.plot import save_records_plot
+from zeroxla.rlhf.roles import batch_invariant_policy
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 from zeroxla.rlhf.grpo_config import ROUTING_REPLAY
+from zeroxla.inference.config import ROLLOUT_DTYPES
 
 PLOT_FILE = "reward_kl.png"
 ROLLOUT_DIR = "rollouts"
@@ -120,16 +122,26 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
     _ppo("--gamma", "gamma", "GAE's discount", unit_interval),
     _ppo("--lam", "lam", "GAE's lambda", unit_interval),
     Option("--reference-int8", "reference_int8", "ppo", "reference_int8", "ppo",
-           "refused: the frozen reference is a copy of the actor's float partitions",
+           "the frozen reference as int8 codes of the actor's first partitions (MixZ++), "
+           "dequantized per layer",
            action="store_true"),
     packing_option("ppo", "ppo", "the rollout (a prompt's left padding kept)"),
     token_budget_option("ppo", "ppo"), *rollout_correction_options("ppo"),
     Option("--routing-replay", "routing_replay", "ppo", "routing_replay", "ppo", "an MoE "
            "actor's routing replay (R3): measure: the rollout records each token's experts per "
-           "layer (static decode) and routing/mismatch counts the pairs the actor's forward "
+           "layer (either batching) and routing/mismatch counts the pairs the actor's forward "
            "routes otherwise; on: the actor's old, the reference's and the trained log-probs "
            "also replay the record (the weights from the live router); default off",
            choices=ROUTING_REPLAY),
+    Option("--rollout-dtype", "rollout_dtype", "ppo", "rollout_dtype", "ppo", "the rollout "
+           "engine's dtype: bfloat16 decodes (and reshards, at half the bytes) in bf16 against "
+           "the float32 masters, as verl and slime roll out; default {default}",
+           choices=ROLLOUT_DTYPES),
+    Option("--batch-invariant", "batch_invariant", "ppo", "batch_invariant", "ppo", "the actor "
+           "(a Llama or MoE Llama family) and its reference rebuilt in the batch-invariant mode, "
+           "as zeroxla grpo's: every sum in a fixed order, so at --inference-tp-size 1 the "
+           "rollout's log-probs equal the actor's training forward's exactly (static batching; "
+           "slower); the critic keeps the default mode", action="store_true"),
     *(row for row in SHARDING_OPTIONS if row.flag != "--zero-stage"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the runs and the prompts", "ppo": "PPO hyper-parameters (DeepSpeed-Chat's names "
      "and defaults where it has them)", "parallel": "parallelism", "run": "the run", "lora":
@@ -178,6 +190,9 @@ class PPOJob:
         self.config = c = config
         mesh = c.sharding.job_mesh()
         actor, self.tokenizer = load_actor(c.actor)
+        if c.ppo.batch_invariant:            # the actor's step, its engine and its reference
+            actor = batch_invariant_policy(actor, "--batch-invariant", c.inference_tp_size,
+                                           "--inference-tp-size")
         reward_model = load_reward(c.reward, actor, self.tokenizer)
         _check_fit(c, actor, reward_model)
         rows = chat_data.prompt_rows(
