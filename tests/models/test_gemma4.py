@@ -188,7 +188,8 @@ def mixed_shapes_greedy(checkpoints):
 
 
 @pytest.mark.parametrize("batching,tp", [
-    ("continuous", 2), ("static", 1), pytest.param("continuous", 1, marks=pytest.mark.slow),
+    ("continuous", 2), pytest.param("static", 1, marks=pytest.mark.slow),
+    pytest.param("continuous", 1, marks=pytest.mark.slow),
     pytest.param("static", 2, marks=pytest.mark.slow)])
 def test_hybrid_engine_greedy_with_layers_of_different_shapes(mixed_shapes_greedy, batching,
                                                               tp):

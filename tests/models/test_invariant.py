@@ -102,6 +102,9 @@ MOE = dict(vocab_size=65, max_seq_len=32, d_model=32, num_heads=4, num_kv_heads=
            expert_mlp_dim=16, init_std=0.2)
 
 
+# slow: the fusion-emitters tests run in a child pytest of their own (about 18 s); the kernels'
+# row invariance and the attention over a longer cache stay daily
+@pytest.mark.slow
 @pytest.mark.fusion_emitters      # bit-identity across shapes: XLA:CPU's fusion emitters only
 @pytest.mark.parametrize("family,extra", [
     ("qwen3_moe", {}),
@@ -132,6 +135,7 @@ def test_moe_mode_refusals_name_the_option():
         models.GptOssConfig(batch_invariant=True)
 
 
+@pytest.mark.slow                 # a child pytest of its own (see above)
 @pytest.mark.fusion_emitters      # bit-identity across shapes: XLA:CPU's fusion emitters only
 def test_llama_decode_logprobs_equal_the_training_forward():
     """Prefill of 5 tokens, then one token per step into a 32-slot cache: every drawn token's

@@ -162,6 +162,7 @@ def test_static_greedy_equals_transformers_generate(greedy_case, tp):
     family_checkpoints.assert_engine_greedy_equals_transformers(greedy_case, "static", tp)
 
 
+@pytest.mark.slow    # the static greedy test at tp 2 is the decode's daily representative
 def test_decode_logprobs_equal_the_training_forward(greedy_case):
     """Sampled at temperature 1 (tp 2): the log-prob each token was drawn with (the decode's
     logits: prefill, then one-token steps through the recurrent rule) equals the training

@@ -30,6 +30,7 @@ def _alone(config, mesh, setting, plan, t):
                        remat=setting.remat, fields=dict(setting.fields))
 
 
+@pytest.mark.slow    # six planner compiles (7 s); the search itself is test_planner's, daily
 def test_settings_searched_at_once_answer_as_each_compiled_alone():
     """Three settings (mlp_chunk 16, None, 4096) two at a time, one length each
     (--search-limit = --granularity): each answer is the length if that setting's own compile,

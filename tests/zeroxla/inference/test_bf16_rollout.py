@@ -64,6 +64,7 @@ def test_a_bf16_reshard_moves_half_the_float32_bytes():
     engine.release()
 
 
+@pytest.mark.slow    # the reshard's bf16 copy, bit for bit, is the daily representative
 def test_a_bf16_rollout_decodes_as_the_bf16_model():
     """tp 1, static batching: greedy tokens equal the bf16 reference's (which differs from the
     float32 model's on at least one prompt), the KV cache is bf16, and sampled log-probs are
