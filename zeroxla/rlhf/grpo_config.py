@@ -119,6 +119,22 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_rollout_fields(config: Any, check: Callable[[str, Any, bool, str], None]) -> None:
+    """The rollout-side fields GRPO and PPO share (`routing_replay`, `rollout_dtype`,
+    `batch_invariant`), each through `check(name, value, ok, accepted)`: the config's own
+    error, naming its class and the field."""
+    check("routing_replay", config.routing_replay, config.routing_replay in ROUTING_REPLAY and (
+        config.packing or config.routing_replay == "off"),
+        " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
+        "forward is the packed one)")
+    check("rollout_dtype", config.rollout_dtype, config.rollout_dtype in ROLLOUT_DTYPES,
+          " | ".join(ROLLOUT_DTYPES))
+    check("batch_invariant", config.batch_invariant, isinstance(config.batch_invariant, bool)
+          and not (config.batch_invariant and config.rollout_dtype != "float32"),
+          "True or False; True with rollout_dtype='float32' (the mode computes in float32, as "
+          "the training forward does)")
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """The GRPO family's hyper-parameters (TRL's defaults where it has one, except
@@ -198,16 +214,7 @@ class GRPOConfig:
             _is_int(budget) and budget >= 1 and self.packing and self.packed_row_len is None),
             "None or an integer >= 1 with packing=True and packed_row_len=None (the budget "
             "is the packed rows' length per device)")
-        _check("routing_replay", self.routing_replay, self.routing_replay in ROUTING_REPLAY and (
-            self.packing or self.routing_replay == "off"),
-            " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
-            "forward is the packed one)")
-        _check("rollout_dtype", self.rollout_dtype, self.rollout_dtype in ROLLOUT_DTYPES,
-               " | ".join(ROLLOUT_DTYPES))
-        _check("batch_invariant", self.batch_invariant, isinstance(self.batch_invariant, bool)
-               and not (self.batch_invariant and self.rollout_dtype != "float32"),
-               "True or False; True with rollout_dtype='float32' (the mode computes in "
-               "float32, as the training forward does)")
+        check_rollout_fields(self, _check)
         for name in ("rollout_devices", "max_staleness"):
             value = getattr(self, name)
             _check(name, value, _is_int(value) and value >= 0, "an integer >= 0")

@@ -33,8 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroxla.inference.config import ROLLOUT_DTYPES
-from zeroxla.rlhf.grpo_config import ROUTING_REPLAY
+from zeroxla.rlhf.grpo_config import check_rollout_fields
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
@@ -111,16 +110,7 @@ class PPOConfig:
             self.rollout_corr, RolloutCorrection) and not self.rollout_corr.kl_weighted,
             "a RolloutCorrection with kl_weighted=False (PPO's KL is in the rewards, not a "
             "term of the loss to weight)")
-        _check("routing_replay", self.routing_replay, self.routing_replay in ROUTING_REPLAY and (
-            self.packing or self.routing_replay == "off"),
-            " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
-            "forward is the packed one)")
-        _check("rollout_dtype", self.rollout_dtype, self.rollout_dtype in ROLLOUT_DTYPES,
-               " | ".join(ROLLOUT_DTYPES))
-        _check("batch_invariant", self.batch_invariant, isinstance(self.batch_invariant, bool)
-               and not (self.batch_invariant and self.rollout_dtype != "float32"),
-               "True or False; True with rollout_dtype='float32' (the mode computes in "
-               "float32, as the training forward does)")
+        check_rollout_fields(self, _check)
 
     @classmethod
     def vowels_demo(cls) -> "PPOConfig":
