@@ -200,7 +200,10 @@ def test_a_decoupled_update_matches_the_float64_reference():
     losses, expected = reference_update(before, rollout, rollout.rewards, config, LR)
 
     train = trainer.train_grpo(rollout)
-    assert train["loss"] == pytest.approx(losses[0], rel=1e-5)
+    # The loss is a token mean of terms of order 1 whose advantages cancel to about 4e-3:
+    # float32's rounding of the terms (about 1e-7 each) bounds it absolutely, not relative to
+    # the small mean (jax 0.12's fusions land 4.1e-8 from the float64 value).
+    assert train["loss"] == pytest.approx(losses[0], rel=0, abs=1e-6)
     assert train["rollout_corr/rollout_is_clipped_fraction"] == pytest.approx(
         np.mean(weights > 2.2), rel=1e-6)
     after = zeroxla.gathered_model(trainer.actor_state)
