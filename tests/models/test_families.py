@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import zeroxla
+import family_checkpoints
 from family_checkpoints import save_random
 from zeroxla import models
 from zeroxla.models import hf
@@ -274,23 +275,11 @@ def test_export_reloads_in_transformers_with_equal_logits(checkpoint, case, tmp_
 def test_a_sequence_classifier_of_the_family_loads_as_a_reward_model(tmp_path, case):
     """`*ForSequenceClassification` with one label: the base and `score` as our RewardModel,
     its score at every position equal to transformers' `score(base(x).last_hidden_state)`."""
-    from zeroxla import rlhf
-
     cls_name, options = CASES[case]
-    torch.manual_seed(0)
     config = getattr(transformers, cls_name)(**{**COMMON, **options}, num_labels=1,
                                              pad_token_id=0)
-    theirs = transformers.AutoModelForSequenceClassification.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 and "norm" in name else 0.0))
-    theirs.save_pretrained(tmp_path)
-    ours = rlhf.load_hf_reward_model(tmp_path)
-    x = tokens((2, 16))
-    with torch.no_grad():
-        t = torch.tensor(x, dtype=torch.long)
-        want = theirs.score(theirs.base_model(t).last_hidden_state).numpy()[..., 0]
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), want, atol=ATOL, rtol=0)
+    family_checkpoints.assert_sequence_classifier_scores_as_transformers(
+        config, tmp_path, tokens((2, 16)), ATOL)
 
 
 def test_transformers_4_rope_scaling_reads_as_5_rope_parameters():

@@ -35,7 +35,7 @@ import zeroxla
 import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
-                                assert_zero3_logits_and_loss_equal_transformers, packed_loss,
+                                assert_zero3_logits_and_loss_equal_transformers,
                                 packed_row,
                                 save_random, token_ids, torch_causal_lm)
 from zeroxla import models
@@ -169,19 +169,9 @@ TRAINING_OPTIMIZER = optax.sgd(0.01, momentum=0.9)
 
 
 def _one_device_run(checkpoint, lora):
-    """Single-device optax (`reference.train_single_device`) of `_float64_model` over
-    `_training_batches()`, with LoRA the base masked out of the optimizer: (losses,
-    parameters, the adapters' paths or None)."""
-    from reference import flat_params, masked_optimizer, train_single_device
-
-    with jax.enable_x64(True):
-        reference = _float64_model(checkpoint, lora)
-        trained = set(flat_params(nnx.state(reference, nnx.LoRAParam))) if lora else None
-        want, expected = train_single_device(
-            reference,
-            masked_optimizer(TRAINING_OPTIMIZER, trained) if lora else TRAINING_OPTIMIZER,
-            _training_batches(), loss_fn=packed_loss)
-    return want, expected, trained
+    """`family_checkpoints.one_device_run` over `_training_batches()`."""
+    return family_checkpoints.one_device_run(checkpoint, LORA if lora else None,
+                                             TRAINING_OPTIMIZER, _training_batches())
 
 
 @pytest.fixture(scope="module")

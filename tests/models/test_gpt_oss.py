@@ -39,7 +39,7 @@ import zeroxla
 import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
-                                assert_zero3_logits_and_loss_equal_transformers, packed_loss,
+                                assert_zero3_logits_and_loss_equal_transformers,
                                 packed_row, save_random, token_ids, torch_causal_lm)
 from zeroxla import models
 from zeroxla.models import hf, mxfp4
@@ -435,19 +435,9 @@ def _float64_model(checkpoint, lora):
 
 
 def _one_device_run(checkpoint, lora):
-    """Single-device optax (`reference.train_single_device`) of `_float64_model` over 3 x
-    `_packed_batch()`, with LoRA the base masked out of the optimizer: (losses, parameters,
-    the adapters' paths or None)."""
-    from reference import flat_params, masked_optimizer, train_single_device
-
-    with jax.enable_x64(True):
-        reference = _float64_model(checkpoint, lora)
-        trained = set(flat_params(nnx.state(reference, nnx.LoRAParam))) if lora else None
-        want, expected = train_single_device(
-            reference,
-            masked_optimizer(TRAINING_OPTIMIZER, trained) if lora else TRAINING_OPTIMIZER,
-            [_packed_batch()] * 3, loss_fn=packed_loss)
-    return want, expected, trained
+    """`family_checkpoints.one_device_run` over 3 x `_packed_batch()`."""
+    return family_checkpoints.one_device_run(checkpoint, LORA if lora else None,
+                                             TRAINING_OPTIMIZER, [_packed_batch()] * 3)
 
 
 @pytest.fixture(scope="module")
@@ -512,18 +502,6 @@ def test_usp_refuses_the_sinks_by_name(checkpoint):
 def test_a_sequence_classifier_loads_as_a_reward_model(tmp_path):
     """`GptOssForSequenceClassification` with one label: the base and `score` as our
     RewardModel, its score at every position equal to transformers' `score(base(x))`."""
-    from zeroxla import rlhf
-
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(**CONFIG, num_labels=1)
-    theirs = transformers.AutoModelForSequenceClassification.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 and "norm" in name else 0.0))
-    theirs.save_pretrained(tmp_path)
-    ours = rlhf.load_hf_reward_model(tmp_path)
-    x = token_ids(VOCAB, (2, 16))
-    with torch.no_grad():
-        t = torch.tensor(x, dtype=torch.long)
-        want = theirs.score(theirs.base_model(t).last_hidden_state).numpy()[..., 0]
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), want, atol=ATOL, rtol=0)
+    family_checkpoints.assert_sequence_classifier_scores_as_transformers(
+        transformers.GptOssConfig(**CONFIG, num_labels=1), tmp_path, token_ids(VOCAB, (2, 16)),
+        ATOL)

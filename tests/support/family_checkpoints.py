@@ -209,3 +209,45 @@ def float64_model(checkpoint: Path, lora: dict[str, Any] | None = None) -> Any:
         adapters = nnx.state(model, nnx.LoRAParam)
         nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float64), adapters))
     return model
+
+
+def one_device_run(checkpoint: Path, lora: dict[str, Any] | None, optimizer: Any,
+                   batches: list[dict[str, Any]]) -> tuple[Any, Any, set | None]:
+    """The family training tests' reference: `float64_model` trained by single-device optax
+    (`reference.train_single_device`, `packed_loss`) over `batches`, with LoRA (`lora`) the
+    base masked out of `optimizer`: (losses, parameters, the adapters' paths or None)."""
+    import jax
+    from flax import nnx
+    from reference import flat_params, masked_optimizer, train_single_device
+
+    with jax.enable_x64(True):
+        model = float64_model(checkpoint, lora)
+        trained = set(flat_params(nnx.state(model, nnx.LoRAParam))) if lora else None
+        want, expected = train_single_device(
+            model, masked_optimizer(optimizer, trained) if lora else optimizer, batches,
+            loss_fn=packed_loss)
+    return want, expected, trained
+
+
+def assert_sequence_classifier_scores_as_transformers(config: Any, directory: Path,
+                                                      tokens: Any, atol: float) -> None:
+    """`*ForSequenceClassification` of `config` (one label), its weights drawn from torch's
+    generator (norm weights about 1), saved to `directory` and loaded as our RewardModel: its
+    score at every position equals transformers' `score(base(tokens).last_hidden_state)`."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+    from zeroxla import rlhf
+
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 and "norm" in name else 0.0))
+    theirs.save_pretrained(directory)
+    ours = rlhf.load_hf_reward_model(directory)
+    with torch.no_grad():
+        t = torch.tensor(tokens, dtype=torch.long)
+        want = theirs.score(theirs.base_model(t).last_hidden_state).numpy()[..., 0]
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=atol, rtol=0)
