@@ -195,7 +195,6 @@ FILE_SECONDS = {
     "tests/zeroxla/rlhf/test_ppo_rollout_corr.py": (0.0, 11.4),
     "tests/zeroxla/rlhf/test_ppo_routing_replay.py": (2.5, 16.0),
     "tests/zeroxla/rlhf/test_ppo_sequence_parallel.py": (0.0, 8.9),
-    "tests/zeroxla/rlhf/test_reference.py": (4.9, 0.9),
     "tests/zeroxla/rlhf/test_reference_int8.py": (2.6, 0.0),
     "tests/zeroxla/rlhf/test_reward_funcs.py": (0.1, 0.1),
     "tests/zeroxla/rlhf/test_reward_model.py": (6.1, 12.7),

@@ -19,7 +19,9 @@ code k in its low nibble and code k + group_size / 2 in its high nibble.
 float64 against float32: zeroxla computes `(x - offset) * scale` in float32, a few float32
 roundings away from the float64 value here. Where that value lies within those roundings of a
 .5 boundary (`Quantized64.near_tie`), float32 may round to the neighbouring code; everywhere else
-the codes must be equal. `assert_codes_match` checks exactly that.
+the codes must be equal. `assert_codes_match` checks exactly that; `codes_at_near_ties` takes the
+device's code at those near ties and float64's everywhere else (a float64 model of what the
+device computes with).
 """
 
 from __future__ import annotations
@@ -188,6 +190,47 @@ def assert_steps_match(got_steps, got_offsets, expected: Quantized64, rtol: floa
         close = np.abs(got - expected.offsets) <= bound
         assert np.all(both_nan | close), (
             f"offsets differ from float64 numpy at {np.argwhere(~(both_nan | close))[:5].tolist()}")
+
+
+def shard_index(shape: tuple[int, ...], shard_dim: int, padded: int, parts: int,
+                stacked: bool) -> np.ndarray:
+    """The partitioned layout in numpy: [L? * parts, chunk] int64, the flat logical index of
+    the element each device's shard holds in each slot (-1: padding). The array is padded with
+    zeros along `shard_dim` to `padded` elements, split into `parts` pieces along it, and each
+    piece flattened row-major (per layer when `stacked`: dim 0 the layers)."""
+    index = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    pad = [(0, 0)] * len(shape)
+    pad[shard_dim] = (0, padded - shape[shard_dim])
+    index = np.pad(index, pad, constant_values=-1)
+    pieces = np.stack(np.split(index, parts, axis=shard_dim), axis=1 if stacked else 0)
+    return pieces.reshape(-1, pieces[0, 0].size if stacked else pieces[0].size)
+
+
+def quantize_shards64(x, index: np.ndarray, bits: int, group_size: int) -> Quantized64:
+    """Each device's shard of x (`index`: `shard_index`'s) quantized on its own, padding
+    slots zero: codes [L? * parts, G, group_size]."""
+    flat = np.asarray(x, np.float64).reshape(-1)
+    rows = np.where(index >= 0, flat[np.maximum(index, 0)], 0.0)
+    return quantize_rows64(rows, bits, group_size)
+
+
+def from_shards64(rows: np.ndarray, index: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of `quantize_shards64`'s layout: rows [L? * parts, chunk] -> `shape`."""
+    out = np.empty(int(np.prod(shape, dtype=np.int64)), np.float64)
+    out[index[index >= 0]] = np.asarray(rows, np.float64)[index >= 0]
+    return out.reshape(shape)
+
+
+def codes_at_near_ties(got_codes, expected: Quantized64) -> tuple[Quantized64, int]:
+    """(`expected` with the device's code wherever float32 may round the other way, how many
+    of those codes differ from float64's rounding). Every other code must equal float64's
+    exactly and a near tie's be at most one off (`assert_codes_match`): the float64 reference
+    of what the device computes with, whichever way float32 broke each near tie."""
+    assert_codes_match(got_codes, expected)
+    got = np.asarray(got_codes, np.int64)
+    taken = int((expected.near_tie & (got != expected.codes)).sum())
+    return dataclasses.replace(expected, codes=np.where(expected.near_tie, got,
+                                                        expected.codes)), taken
 
 
 def to_quantized_array(q: Quantized64):

@@ -10,8 +10,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from numpy_quant import dequantize_groups64, quantize64, unpad_groups
-
 
 def cross_entropy(model, batch):
     logits = model(batch["inputs"])
@@ -85,17 +83,3 @@ def distance_over_travelled(got, expected, initial):
     travelled = np.sqrt(sum(np.sum((expected[p] - initial[p]) ** 2) for p in expected))
     distance = np.sqrt(sum(np.sum((got[p] - expected[p]) ** 2) for p in expected))
     return distance / travelled
-
-
-def int8_rounded(model, group_size):
-    """A copy of `model` whose floating parameters of >= one group (`group_size` elements) hold
-    their symmetric int8 round trip in groups of `group_size`, computed in float64 numpy
-    (numpy_quant: DeepSpeed's group formulas): the model an int8-stored copy computes with."""
-    copy = nnx.clone(model)
-    for _, var in nnx.to_flat_state(nnx.state(copy, nnx.Param)):
-        x = np.asarray(var.get_value())
-        if x.size >= group_size:
-            q = quantize64(x, bits=8, group_size=group_size)
-            back = unpad_groups(dequantize_groups64(q.codes, q.steps), x.shape, 0)
-            var.set_value(jnp.asarray(back, jnp.float32))
-    return copy

@@ -167,32 +167,6 @@ def pair_values(model: nnx.Module, batch: DPOBatch, sequence: Any = None,
                      batch["ref_rejected"], batch["weight"], sequence=sequence)
 
 
-def reference_answer_logprobs(model: nnx.Module, tokens: jax.Array,
-                              answer_length: int) -> jax.Array:
-    """`token_logprob_rows` in the `FrozenReference` calling form (`answer_length` = T - 1)."""
-    del answer_length
-    return token_logprob_rows(model, tokens)
-
-
-def reference_logprobs(reference: Any, batch: dict[str, np.ndarray],
-                       rows_per_call: int = 64) -> dict[str, np.ndarray]:
-    """{"ref_chosen", "ref_rejected"} float32[N] for the pair arrays `batch` (N rows) under
-    `reference`, a `zeroxla.rlhf.FrozenReference` (int8 or not), `rows_per_call` rows at a
-    time (the last call padded, so one program serves every call)."""
-    out = {}
-    for key, mask_key, ref_key in zip(TOKEN_KEYS, MASK_KEYS, REFERENCE_KEYS):
-        tokens, mask = np.asarray(batch[key]), np.asarray(batch[mask_key], np.float32)
-        n, t = tokens.shape
-        rows = []
-        for start in range(0, n, rows_per_call):
-            piece = tokens[start:start + rows_per_call]
-            padded = np.concatenate([piece, np.repeat(piece[-1:], rows_per_call - len(piece), 0)])
-            rows.append(np.asarray(reference(reference_answer_logprobs, padded, t - 1))
-                        [:len(piece)])
-        out[ref_key] = np.sum(np.concatenate(rows) * mask, axis=-1).astype(np.float32)
-    return out
-
-
 # ---- make_step loss_fns -------------------------------------------------------------------------
 def make_dpo_loss(beta: float, loss_type: str = "sigmoid"):
     """`loss_fn(policy, batch) -> (sum of the pairs' losses, pairs)` for `make_step`, so the
@@ -228,5 +202,5 @@ def make_dpo_statistic(name: str, beta: float):
 
 __all__ = ["DPOBatch", "DPOConfig", "LOSS_TYPES", "dpo_loss_terms", "dpo_metrics", "dpo_rewards",
            "make_dpo_loss", "make_dpo_statistic", "pair_batch", "pair_values",
-           "reference_answer_logprobs", "reference_logprobs", "sequence_logprobs",
+           "sequence_logprobs",
            "token_logprob_rows"]

@@ -14,7 +14,7 @@ from flax import nnx
 import zeroxla
 from zeroxla import models, rlhf
 from zeroxla.rlhf import dpo
-from reference import flat_params, int8_rounded, train_single_device
+from reference import flat_params, train_single_device
 
 VOCAB = 65
 
@@ -176,23 +176,32 @@ def test_config_refuses_bad_values_by_name(field, value):
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_reference_sums_of_the_frozen_reference(int8):
-    """`reference_logprobs` in padded calls of 4 rows, from a `FrozenReference` (float or int8
-    codes), against the plain model's sums: equal in float; from codes, equal (to float32
-    summation, as in float) to the sums of the model whose weights are rounded to int8 in
-    float64 numpy (`int8_rounded`: each weight moved by at most half its group's step), and
-    not equal to the float model's."""
-    from zeroxla.rlhf import FrozenReference
-    from zeroxla.rlhf.reference import GROUP_SIZE
+def test_reference_sums_of_the_trainers_reference(int8):
+    """The DPO trainer's reference sums (the policy's first partitions on a 4-replica mesh, read
+    in its layout; float or int8 codes), against the plain model's sums on one device: equal
+    in float; from codes, equal (to float32 summation, as in float) to the sums of the model
+    whose weights are each device shard's int8 round trip in float64 numpy
+    (test_reference_int8.int8_weights64: each weight moved by at most half its group's step,
+    the device's code at a near tie), and not equal to the float model's."""
+    from test_reference_int8 import int8_weights64
+    from zeroxla.rlhf.answer_forward import reference_partitions
+    from zeroxla.rlhf.dpo_trainer import DPOTrainer
 
     model = models.build("gpt-tiny", seed=0)
     batch, _, _ = random_pairs(6, 16, seed=6)
-    reference = FrozenReference(model, device=jax.devices()[0], int8=int8)
-    got = dpo.reference_logprobs(reference, batch, rows_per_call=4)
-    chosen, rejected = dpo.sequence_logprobs(model, batch)
+    config = dpo.DPOConfig(batch_size=4, seq_len=16, reference_int8=int8)
+    trainer = DPOTrainer(config, model, mesh=zeroxla.make_mesh(1, 4, devices=jax.devices()[:4]),
+                         train=batch, val=batch)
+    got = trainer.train
+    chosen, rejected = jax.jit(dpo.sequence_logprobs)(model, batch)
     expected = np.stack([chosen, rejected])
     if int8:
-        rounded = np.stack(dpo.sequence_logprobs(int8_rounded(model, GROUP_SIZE), batch))
+        codes = reference_partitions(trainer.step, trainer.state, int8=True, owner="DPOConfig")
+        weights, _ = int8_weights64(trainer.state, codes)
+        rounded = nnx.clone(model)
+        for path, var in nnx.to_flat_state(nnx.state(rounded, nnx.Param)):
+            var.set_value(jnp.asarray(weights[path], jnp.float32))
+        rounded = np.stack(jax.jit(dpo.sequence_logprobs)(rounded, batch))
         np.testing.assert_allclose(np.stack([got["ref_chosen"], got["ref_rejected"]]), rounded,
                                    rtol=1e-5)
         np.testing.assert_allclose(np.stack([got["ref_chosen"], got["ref_rejected"]]), expected,

@@ -2,7 +2,7 @@
 sequence devices (each pair's log-prob sums over both halves, `packed_pairs.pair_sums`), and
 the first step's record (its loss, accuracy and margin, and the held-out ones before it) equals
 the same run without sequence parallelism (the same 4 data replicas) within float32 noise.
-The reference sums come from the frozen start, on one device, in both runs."""
+The reference sums come from the frozen start, in the policy's layout, in both runs."""
 
 import jax
 import numpy as np
@@ -46,21 +46,23 @@ def test_dpo_with_sequence_parallel_two_matches_the_run_without():
 
 def test_the_reference_sums_in_the_policys_layout_equal_the_one_device_reference():
     # Under sequence parallelism the reference's sums come from the policy's first partitions,
-    # read in its layout (70 pairs: two calls of 64, the second partial); on one device from a
-    # FrozenReference of the same model. As int8 codes (`reference_int8`, read through the
-    # policy's codes view under sequence parallelism too) the sums are the float ones within
-    # the int8 rounding (2e-2 nats per token, test_reference_int8.py) and a device holds 1/8 of
-    # the model, against the whole tiny model of the float copy.
-    from zeroxla.rlhf.dpo import reference_logprobs
+    # read in its layout (70 pairs: two calls of 64, the second partial); against the plain
+    # model's sums on one device (`dpo.sequence_logprobs`). As int8 codes (`reference_int8`,
+    # read through the policy's codes view under sequence parallelism too) the sums are the
+    # float ones within the int8 rounding (2e-2 nats per token, test_reference_int8.py) and a
+    # device holds 1/8 of the model, against the whole tiny model of the float copy.
+    from zeroxla.rlhf.dpo import sequence_logprobs
     from zeroxla.rlhf.dpo_trainer import DPOTrainer
-    from zeroxla.rlhf.reference import FrozenReference
     policy = models.build("llama-tiny", vocab_size=V, max_seq_len=32, seed=5)
     train, val = pairs(70, seed=15), pairs(8, seed=16)
     for rows in (train, val):
         del rows["ref_chosen"], rows["ref_rejected"]
     mesh = zeroxla.make_mesh(1, 4, sequence=2)
     trainer = DPOTrainer(CONFIG, policy, mesh=mesh, train=train, val=val)
-    want = reference_logprobs(FrozenReference(policy, device=jax.devices()[0]), train)
+    on_one_device = jax.device_put({k: train[k] for k in ("chosen", "rejected", "chosen_mask",
+                                                           "rejected_mask")}, jax.devices()[0])
+    want = dict(zip(("ref_chosen", "ref_rejected"),
+                    map(np.asarray, jax.jit(sequence_logprobs)(policy, on_one_device))))
     for key in ("ref_chosen", "ref_rejected"):
         np.testing.assert_allclose(trainer.train[key], want[key], rtol=1e-5, atol=1e-4)
     # The reference is a copy of the policy's stored partitions: a device holds what it holds
