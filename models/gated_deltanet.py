@@ -14,6 +14,13 @@ cut and joined by the tensor map, `families.qwen3_5`) and name their heads.
 Packing (`segment_ids` [B, T], 0 = padding): the conv window and the recurrent state restart at
 each segment start, so a packed row's sequences compute as if each ran alone.
 
+Sequence parallelism (`models.sequence_parallel`): DeepSpeed-Ulysses alone. The projections,
+the gated norm and the output projection run on the device's T/P tokens; around the conv and
+the rule, all-to-alls swap the token split for a head split (`DeltaNet.ulysses_mix`), so each
+device scans whole sequences of Hk/P key heads and the H/P value heads they serve. Ring,
+all-gather and USP would pass chunk states between the sequence devices, which is not built:
+they are refused by name (`check_sequence_parallel`).
+
 Decoding (`DeltaNet.decode`) carries a per-row recurrent cache instead of a KV cache: the conv
 window, the last `W - 1` inputs of each conv, and the rule's float32 state [H, K, V]
 (`init_recurrent_cache`, its dims named by `RECURRENT_CACHE_AXES`). A prefill of right-padded
@@ -28,11 +35,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from . import axes
 from .gated_delta import PAD_SEGMENT, gated_delta_chunked, gated_delta_recurrent
 from .layers import at_least_float32, normal, param
 from .recurrent_slots import RecurrentSlots, scan_places
+from .sequence_parallel import ATTENTION_SCOPE, SequenceParallel
 
 # The dims of a DeltaNet layer's decode cache, each entry per row (`init_recurrent_cache`): the
 # conv windows [W - 1, heads, head dim] and the rule's state [H, K, V].
@@ -86,6 +95,25 @@ def causal_conv(x_BTHK: jax.Array, w_WHK: jax.Array,
     return jax.nn.silu(out_BTHK)
 
 
+def check_sequence_parallel(sequence: SequenceParallel, key_heads: int, value_heads: int) -> None:
+    """ValueError unless a DeltaNet layer runs under `sequence`: Ulysses alone (each device
+    scans whole sequences of its heads; no chunk state passes between sequence devices, which
+    ring, all-gather and USP would need), its size dividing the key and the value heads."""
+    if sequence.strategy != "ulysses":
+        raise ValueError(f"sequence_parallel_strategy={sequence.strategy!r} is not built for "
+                         "Gated DeltaNet layers (qwen3_5, qwen3_5_moe: the recurrence scans "
+                         "whole sequences, and no chunk state passes between sequence "
+                         "devices); accepted: 'ulysses' (heads split, whole sequences per "
+                         "device)")
+    for name, heads in (("linear_num_key_heads", key_heads),
+                        ("linear_num_value_heads", value_heads)):
+        if heads % sequence.size:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(f"sequence parallel size {sequence.size} does not divide the "
+                             f"Gated DeltaNet layers' {name}={heads}: Ulysses splits the heads "
+                             f"over the sequence devices; accepted sizes: {divisors}")
+
+
 class GatedRMSNorm(nnx.Module):
     """Per-head RMSNorm of the rule's output, gated by SiLU(z) (transformers'
     `Qwen3_5RMSNormGated`: a plain `w`, initialised to ones; the norm in float32, the weight
@@ -135,21 +163,52 @@ class DeltaNet(nnx.Module):
         self.wo = param(rngs, normal(std), (h, v, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED))
 
     def __call__(self, h_BTD: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array | None = None, sequence=None) -> jax.Array:
+                 segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None) -> jax.Array:
         """h [B, T, D] -> [B, T, D]; `segment_ids` restart the conv window and the state.
-        `positions` are not read (the recurrence orders the tokens); `sequence` (sequence
-        parallelism) is refused by name: the rule scans whole sequences."""
+        `positions` are not read (the recurrence orders the tokens). Under `sequence`
+        (Ulysses alone: `ulysses_mix`) h is this device's T/P tokens [B, T/P, D] of each row."""
         del positions
-        if sequence is not None:
-            raise ValueError("qwen3_5: a Gated DeltaNet layer under sequence parallelism is "
-                             "not built (its recurrence scans whole sequences, and no state "
-                             "passes between sequence devices); accepted: sequence_parallel_"
-                             "size=1 for this family")
         inputs, z, g, beta = self._project(h_BTD)
-        q, k, v = (causal_conv(x, w, segment_ids) for x, w in zip(inputs, self._conv_weights()))
+        if sequence is None:
+            o = self._mix(inputs, g, beta, self._conv_weights(), segment_ids)
+        else:
+            o = self.ulysses_mix(inputs, g, beta, segment_ids, sequence)
+        return jnp.einsum("BTHV,HVD->BTD", self.norm(o, z), self.wo[...])
+
+    @jax.named_scope(ATTENTION_SCOPE)
+    def ulysses_mix(self, inputs: tuple[jax.Array, ...], g: jax.Array, beta: jax.Array,
+                    segment_ids: jax.Array | None, sequence: SequenceParallel) -> jax.Array:
+        """The mixer under DeepSpeed-Ulysses: this device's tokens of every head (q, k
+        [B, T/P, Hk, K], v [B, T/P, H, V], g and beta [B, T/P, H], segment_ids [B, T/P]) ->
+        o [B, T/P, H, V]. The all-to-alls give each device whole rows of Hk/P key heads and the
+        H/P value heads they serve (value head j reads key head j // (H / Hk), so the r-th
+        slices match); the conv (its filters cut to those heads) and the rule run on whole
+        sequences, the row's segment ids gathered; the output goes back to the token split.
+        Ulysses' split is P runs of consecutive tokens, so the gathered rows are in sequence
+        order, as `ulysses_attention`'s are."""
+        full = self._conv_weights()                                     # [W, heads, dim]
+        check_sequence_parallel(sequence, full[0].shape[1], full[2].shape[1])
+        q, k, v = (sequence.to_heads(x) for x in inputs)                 # [B, T, ./P, .]
+        g, beta = (sequence.to_heads(x[..., None])[..., 0] for x in (g, beta))   # [B, T, H/P]
+        r, p = sequence.index(), sequence.size
+        weights = tuple(lax.dynamic_slice_in_dim(w, r * (w.shape[1] // p), w.shape[1] // p,
+                                                 axis=1)
+                        for w in full)                                  # [W, ./P, .]
+        segments = None if segment_ids is None else sequence.gather(segment_ids)   # [B, T]
+        o = self._mix((q, k, v), g, beta, weights, segments)             # [B, T, H/P, V]
+        return sequence.to_sequence(o)                                   # [B, T/P, H, V]
+
+    @staticmethod
+    def _mix(inputs: tuple[jax.Array, ...], g: jax.Array, beta: jax.Array,
+             weights: tuple[jax.Array, ...], segment_ids: jax.Array | None) -> jax.Array:
+        """The conv then the chunked rule over whole rows: q, k [B, T, Hk, K], v [B, T, H, V]
+        (before the conv), g, beta [B, T, H], the conv filters [W, heads, dim] -> o
+        [B, T, H, V]."""
+        q, k, v = (causal_conv(x, w, segment_ids) for x, w in zip(inputs, weights))
         o, _ = gated_delta_chunked(q, k, v, g, beta, segment_ids=segment_ids,
                                    use_qk_l2norm_in_kernel=True)                  # [B, T, H, V]
-        return jnp.einsum("BTHV,HVD->BTD", self.norm(o, z), self.wo[...])
+        return o
 
     def decode(self, h_BTD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
