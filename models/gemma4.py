@@ -16,7 +16,9 @@ with what Gemma 4 changes:
   the checkpoint, never trained; here a parameter behind `stop_gradient`);
 - the MoE block (`num_experts` > 0, transformers' `enable_moe_block`): beside the dense GeGLU
   MLP, a top-k mixture of GeGLU experts reads the layer's residual stream (`models.gemma4_moe`);
-  the two outputs are each normalised, summed, and normalised once more.
+  the two outputs are each normalised, summed, and normalised once more; under expert
+  parallelism the forwards take `experts=` (the ZeRO step's `ExpertParallel`) to every
+  MoE block, which then holds E / EP of its experts.
 
 Decoding with a KV cache: a period's layers side by side on the cache's last dim
 (`gemma2.run_layers`), each in its own shape, {"k", "v"} [L, B, S, C, (P - 1) G K / C + G' K' /
@@ -30,6 +32,7 @@ nothing padded to the largest layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -40,10 +43,11 @@ from flax import nnx
 from . import axes
 from .attention import attention, cached_attention
 from .config import ModelConfig
+from .expert_parallel import ExpertParallel
 from .gemma2 import Embed, Gemma2, run_layers
 from .gemma4_moe import Gemma4Moe, rms
 from .kv_groups import cache_groups, fold_widths
-from .layers import LayerStack, RMSNorm, init_kv_cache, normal, param
+from .layers import LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param
 from .rope import inv_freq, rope
 from .sequence_parallel import SequenceParallel
 from .tiled_mlp import tiled_mlp
@@ -179,9 +183,11 @@ class Layer(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
-                 cache: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict | None]:
+                 cache: dict[str, jax.Array] | None = None,
+                 experts: ExpertParallel | None = None) -> tuple[jax.Array, dict | None]:
         """x [B, T, D] -> (x, cache): attention within each segment of `segment_ids` (when
-        given; against `cache` by `attention.cached_attention`), then the MLP (and MoE)."""
+        given; against `cache` by `attention.cached_attention`), then the MLP (and MoE, its
+        experts split over `experts` when given)."""
         h = self.attn_norm(x)                                             # [B, T, D]
         q = self.q_norm(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]))
         k_raw = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...])
@@ -201,7 +207,7 @@ class Layer(nnx.Module):
         x = x + self.attn_post_norm(jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]))
         mlp = tiled_mlp(self._mlp, self.mlp_norm(x), self.mlp_chunk)     # [B, T, D]
         if self.moe is not None:
-            mlp = self.moe(x, mlp)
+            mlp = self.moe(x, mlp, experts)
         x = x + self.mlp_post_norm(mlp)
         return x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype), cache
 
@@ -230,11 +236,14 @@ class Period(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
+                 experts: ExpertParallel | None = None,
                  cache: object = None) -> tuple[jax.Array, object]:
         """x [B, T, D] -> (x, cache); with `cache` [B, S, C, sum(kv_widths)] layer j reads and
-        writes its `kv_widths[j]` entries of the last dim (`run_layers`, `kv_groups`)."""
-        return run_layers((*self.local, self.glob), x, positions, segment_ids, sequence, cache,
-                          self.kv_widths)
+        writes its `kv_widths[j]` entries of the last dim (`run_layers`, `kv_groups`).
+        `experts` (expert parallelism, `layers.stack_args`) reaches every layer's MoE block."""
+        layers = [functools.partial(layer, experts=experts)
+                  for layer in (*self.local, self.glob)]
+        return run_layers(layers, x, positions, segment_ids, sequence, cache, self.kv_widths)
 
 
 class Gemma4(Gemma2):
@@ -248,6 +257,32 @@ class Gemma4(Gemma2):
         self.embed = Embed(cfg, rngs)
         self.blocks = LayerStack(lambda r: self.BLOCK(cfg, r), cfg.num_layers, rngs)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+    def token_logprobs(self, tokens: jax.Array, labels: jax.Array, *,
+                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       vocab_limit: jax.Array | int | None = None,
+                       sequence: SequenceParallel | None = None,
+                       experts: ExpertParallel | None = None) -> jax.Array:
+        """`Gemma2.token_logprobs`, the MoE blocks' experts split over `experts` when given."""
+        h = self.hidden(tokens, positions, segment_ids, sequence, experts)          # [B, T, D]
+        return self.embed.attend_logprobs(h, labels, vocab_limit)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None,
+                 sequence: SequenceParallel | None = None,
+                 experts: ExpertParallel | None = None) -> jax.Array:
+        """Logits float32 [B, T, V] (`Gemma2.__call__`); `experts`: expert parallelism's
+        `ExpertParallel` (the ZeRO step passes it), to every MoE block."""
+        return self.head(forward_stack(self, tokens, positions, segment_ids, sequence,
+                                       experts=experts))
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None,
+               sequence: SequenceParallel | None = None,
+               experts: ExpertParallel | None = None) -> jax.Array:
+        """The final hidden states [B, T, D] after the final norm (reward and value heads)."""
+        return self.norm(forward_stack(self, tokens, positions, segment_ids, sequence,
+                                       experts=experts))
 
     def init_cache(self, batch: int, max_len: int,
                    dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:

@@ -8,9 +8,11 @@ runs beside the layer's dense MLP, on the same residual stream.
     block:   dense_norm(mlp(x)) + post_norm(y)     (then the layer's post-MLP norm)
 
 x is the residual stream entering the MLP (not its normalised input). Dropless, through
-`grouped_matmul.expert_ffn`; every layer holds all E experts (expert parallelism is not
-built for this block). transformers' Gemma 4 adds no load-balancing loss: no router
-statistics are carried.
+`grouped_matmul.expert_ffn`: all E experts, or under expert parallelism (the call's `experts`,
+an `ExpertParallel` the ZeRO step passes the model and the stack threads to every layer) E / EP
+of them here and the rest on the expert axis (`expert_parallel.expert_parallel_ffn`); the
+router, its scales and the dense MLP are whole on every device. transformers' Gemma 4 adds no
+load-balancing loss: no router statistics are carried.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import axes
-from .grouped_matmul import expert_ffn
+from .expert_parallel import ExpertParallel, expert_parallel_ffn
+from .grouped_matmul import TILE, expert_ffn
 from .layers import RMSNorm, at_least_float32, normal, param
-from .moe import route
+from .moe import check_expert_split, route
 
 
 def rms(x: jax.Array, eps: float) -> jax.Array:
@@ -57,15 +60,24 @@ class Gemma4Moe(nnx.Module):
         self.w_down = param(rngs, init, (e, f, d), (axes.EXPERTS, axes.EXPERT_MLP, axes.EMBED))
         self.dense_norm, self.pre_norm, self.post_norm = (RMSNorm(d, eps=eps) for _ in "abc")
 
-    def __call__(self, x: jax.Array, dense: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dense: jax.Array,
+                 experts: ExpertParallel | None = None) -> jax.Array:
         """x [B, T, D] (the residual stream), dense [B, T, D] (the dense MLP's output) ->
-        the block's sum [B, T, D], before the layer's post-MLP norm."""
+        the block's sum [B, T, D], before the layer's post-MLP norm. `experts`: the expert
+        axis this layer's E / EP experts are split over (inside `shard_map`); None: it holds
+        all E (a layer holding fewer is refused, `moe.check_expert_split`)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)                                            # [N, D]
         n = rms(flat, self.eps) * (self.router_scale[...].astype(x.dtype) * self.root)
         weights, chosen, _ = route(n, self.router[...], self.top_k, True)   # [N, k]
         weights = weights * self.per_expert_scale[...].astype(weights.dtype)[chosen]
         w = [getattr(self, name)[...].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")]
-        y, _, _ = expert_ffn(self.pre_norm(flat), chosen, *w, activation=geglu)   # [N, k, D]
-        y = jnp.sum(y * weights.astype(x.dtype)[..., None], axis=1)           # [N, D]
+        check_expert_split(w[0].shape[0], self.router[...].shape[-1], experts)
+        h, weights = self.pre_norm(flat), weights.astype(x.dtype)
+        if experts is None:
+            y, _, _ = expert_ffn(h, chosen, *w, activation=geglu)             # [N, k, D]
+            y = jnp.sum(y * weights[..., None], axis=1)                       # [N, D]
+        else:
+            y = expert_parallel_ffn(h, chosen, weights, *w, experts, tile=TILE,
+                                    implementation="auto", activation=geglu)  # [N, D]
         return self.dense_norm(dense) + self.post_norm(y.reshape(b, t, d))

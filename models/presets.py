@@ -10,12 +10,20 @@ Values from huggingface.co/<repo>/blob/main/config.json of the repositories name
     Qwen2.5-7B     Qwen/Qwen2.5-7B             Qwen3-0.6B    Qwen/Qwen3-0.6B
     Qwen3-8B       Qwen/Qwen3-8B               Qwen3-30B-A3B Qwen/Qwen3-30B-A3B
     gpt-oss-20b    openai/gpt-oss-20b          Qwen3.5-27B   Qwen/Qwen3.5-27B
-    Qwen3.5-35B-A3B  Qwen/Qwen3.5-35B-A3B
+    Qwen3.5-35B-A3B  Qwen/Qwen3.5-35B-A3B     Gemma-4-31B   google/gemma-4-31B
 
 The Qwen3.5 checkpoints are multimodal (`Qwen3_5[Moe]ForConditionalGeneration`): presets are
 the `text_config` the language model is built from, nested as published; the vision tower and
 the multi-token-prediction layer (`mtp_num_hidden_layers`) are not built, so a preset's count
-is the text model's (26.9 B and 34.7 B of the cards' 27 B and 35 B).
+is the text model's (26.9 B and 34.7 B of the cards' 27 B and 35 B). Gemma-4-31B is multimodal
+too (`Gemma4ForConditionalGeneration`): its preset is the `text_config`, whose count is the
+card's 30.7 B (the vision tower not built). Its values as MaxText's
+`src/maxtext/configs/models/gemma4-31b.yml` holds them (60 layers of 5 sliding + 1 global,
+d 5376, 32 heads, 16 key-value heads of 256, the global layer's 4 of 512 with keys equal to
+values, MLP 21504, window 1024, final soft-cap 30, RoPE 1e4 sliding and proportional 1e6 at
+0.25 global), the vocabulary and the 256 K context (262144) the model card gives, and
+`Gemma4TextConfig`'s defaults (transformers 5.23) for the rest; no per-layer input embeddings
+(`hidden_size_per_layer_input` 0), no shared KV layers, no MoE block.
 
 No weights: `config(name)` is a config dataclass, `models.abstract_model(config)` its shapes.
 """
@@ -49,6 +57,21 @@ _QWEN3_5_TEXT = {"hidden_act": "silu", "vocab_size": 248320, "head_dim": 256,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
                                      "partial_rotary_factor": 0.25, "mrope_interleaved": True,
                                      "mrope_section": [11, 11, 10]}}
+
+# Gemma-4-31B's text_config (module docstring: where each value comes from)
+_GEMMA4_31B_TEXT = {
+    "model_type": "gemma4_text", "hidden_activation": "gelu_pytorch_tanh",
+    "vocab_size": 262144, "hidden_size": 5376, "intermediate_size": 21504,
+    "num_hidden_layers": 60, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4,
+    "attention_k_eq_v": True, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "sliding_window": 1024, "final_logit_softcapping": 30.0, "attention_bias": False,
+    "tie_word_embeddings": True, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+    "enable_moe_block": False, "use_double_wide_mlp": False,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                           "partial_rotary_factor": 0.25}}}
 
 
 def _qwen3_5(model_type: str, architecture: str, layers: int, **text: Any) -> dict[str, Any]:
@@ -128,6 +151,8 @@ HF_CONFIGS: Mapping[str, Mapping[str, Any]] = {
                                 num_experts=256, num_experts_per_tok=8,
                                 moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                 router_aux_loss_coef=0.001, output_router_logits=False),
+    "Gemma-4-31B": {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+                    "tie_word_embeddings": True, "text_config": _GEMMA4_31B_TEXT},
 }
 
 NAMES = tuple(HF_CONFIGS)

@@ -9,10 +9,13 @@ and with the MoE block (4 experts, top 2, beside the dense MLP):
   `Gemma4ForCausalLM` (float32) on sequences longer than the window, the loss equal to its
   `labels=` loss (rtol 1e-5);
 - a packed row (two sequences and padding) equals its sequences run alone (1e-5);
-- ZeRO-3 on 2 x 4 with packed rows trains 3 steps as the unsharded model does on one device;
+- ZeRO-3 on 2 x 4 with packed rows, with SP = 2 (Ulysses, ring, all-gather; layers of
+  different head dims), with EP = 2 (the MoE block's experts split over the expert axis) and
+  with LoRA adapters trains 3 steps as the unsharded model does on one device;
 - the Hybrid Engine's greedy tokens equal transformers' `generate`, static and continuous, tp
-  1 and 2, with the global layer's own head dim and key-value heads in the KV cache (and with
-  the MoE block, where the global layer keeps the sliding layers' shape);
+  1 and 2, with the global layer's own head dim and key-value heads in the KV cache, dense
+  and with the MoE block (and a MoE checkpoint whose global layer keeps the sliding layers'
+  shape);
 - the export reloads in transformers with equal logits, a `text_config`-nested config reads
   as the flat one, and every config.json option not built is refused by its key.
 """
@@ -29,6 +32,7 @@ from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_zero3_logits_and_loss_equal_transformers, packed_loss,
                                 packed_row, save_random)
 from zeroxla.models import hf
+from runs import run_steps
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -109,31 +113,71 @@ def _packed_batches():
     return [batch] * 3
 
 
-@pytest.mark.parametrize("case", [pytest.param("dense", marks=pytest.mark.slow),
-                                  pytest.param("moe", marks=pytest.mark.slow)])
-def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoints, case):
-    """3 steps of SGD with momentum on packed rows, ZeRO-3 on 2 x 4 with every leaf
-    partitioned, against single-device optax on the same model
-    (`reference.train_single_device`): losses rtol 1e-5, every leaf rtol 1e-4 + atol 1e-6, in
-    float64 (tests/models/test_gemma3.py)."""
-    import jax.numpy as jnp
-    from reference import flat_params, train_single_device
-    from runs import run_steps
+TRAINING_OPTIMIZER = optax.sgd(0.01, momentum=0.9)
+LORA = dict(dim=4, alpha=8.0, module_name=r"blocks/.*(wq|wv|w_up)$")
+# name -> (checkpoint, mesh (nodes, local, expert, sequence), sequence_parallel_strategy, LoRA)
+TRAINING = {"dense-zero3-2x4-packed": ("dense", (2, 4, 1, 1), "ulysses", False),
+            "moe-zero3-2x4-packed": ("moe", (2, 4, 1, 1), "ulysses", False),
+            "dense-zero3-sp2-ulysses-packed": ("dense", (2, 2, 1, 2), "ulysses", False),
+            "dense-zero3-sp2-ring-packed": ("dense", (2, 2, 1, 2), "ring", False),
+            "dense-zero3-sp2-allgather-packed": ("dense", (2, 2, 1, 2), "allgather", False),
+            "moe-zero3-sp2-ulysses-packed": ("moe", (2, 2, 1, 2), "ulysses", False),
+            "moe-zero3-ep2-packed": ("moe", (2, 2, 2, 1), "ulysses", False),
+            "dense-zero3-2x4-lora": ("dense", (2, 4, 1, 1), "ulysses", True),
+            "moe-zero3-2x4-lora": ("moe", (2, 4, 1, 1), "ulysses", True)}
 
-    optimizer = optax.sgd(0.01, momentum=0.9)
+
+def _one_device_run(checkpoint, lora):
+    """`family_checkpoints.one_device_run` over `_packed_batches()`."""
+    return family_checkpoints.one_device_run(checkpoint, LORA if lora else None,
+                                             TRAINING_OPTIMIZER, _packed_batches())
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """`_one_device_run`, once per checkpoint and adapters: the layouts without adapters
+    compare with one run of it."""
+    import functools
+
+    return functools.cache(_one_device_run)
+
+
+# daily: EP = 2, the one check of the MoE block's expert-parallel path (`models.gemma4_moe`)
+@pytest.mark.parametrize("name", [n if n == "moe-zero3-ep2-packed"
+                                  else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(TRAINING)])
+def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoints, one_device, name):
+    """3 steps of SGD with momentum on packed rows, every leaf partitioned (with SP = 2 each
+    row's 16 tokens split over the sequence axis, the sliding window of 4 and both layers'
+    head dims in Ulysses', the ring's and all-gather's attention; with EP = 2 the experts
+    split over the expert axis; with LoRA adapters on wq, wv and the dense and expert w_up,
+    the base frozen), against single-device optax on the same float64 model
+    (`reference.train_single_device`; with LoRA the base masked out of its optimizer): losses
+    rtol 1e-5, every leaf rtol 1e-4 + atol 1e-6 (tests/models/test_gemma3.py says why
+    float64)."""
+    from reference import flat_params
+    from zeroxla.lora import LoRAConfig, lora_trainable
+
+    case, (nodes, local, expert, sequence), strategy, lora = TRAINING[name]
+    want, expected, trained = one_device(checkpoints[case], lora)
     with jax.enable_x64(True):
-        def build():
-            return hf.load_hf_model(checkpoints[case], dtype=jnp.float64)[1]
-        want, expected = train_single_device(build(), optimizer, _packed_batches(),
-                                             loss_fn=packed_loss)
-        step = zeroxla.make_step(build(), zeroxla.make_mesh(2, 4), optimizer=optimizer,
-                                 config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0,
-                                                           compute_dtype="float64"))
+        step = zeroxla.make_step(
+            family_checkpoints.float64_model(checkpoints[case], LORA if lora else None),
+            zeroxla.make_mesh(nodes, local, expert=expert, sequence=sequence),
+            optimizer=TRAINING_OPTIMIZER,
+            config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0, compute_dtype="float64",
+                                      sequence_parallel_strategy=strategy),
+            trainable=lora_trainable(LoRAConfig(**LORA, only_optimize_lora=True))
+            if lora else None)
+        assert expert == 1 or any(leaf.expert_split for leaf in step.layout.plan.leaves)
         state, losses = run_steps(step, step.init(), _packed_batches())
         got = flat_params(zeroxla.gather_params(state))
     assert want[2] < want[1] < want[0]
     np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert not lora or trained == {leaf.path for leaf in step.layout.plan.trainable_leaves}
+    assert not lora or case == "dense" or any("/moe/w_up/lora_a" in p for p in trained)
     for path in expected:
+        assert got[path].dtype == np.float64, path
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
 
 
@@ -200,6 +244,28 @@ def test_hybrid_engine_greedy_with_layers_of_different_shapes(mixed_shapes_greed
     the sliding window of 4."""
     family_checkpoints.assert_engine_greedy_equals_transformers(mixed_shapes_greedy, batching,
                                                                 tp)
+
+
+@pytest.fixture(scope="module")
+def moe_mixed_shapes_greedy(checkpoints):
+    """`greedy_case` of the MoE checkpoint: its global layer's head dim 32 and the sliding
+    layers' 16, 2 key-value heads each (k = v off: the global layer has its value projection),
+    in one KV cache (`models.kv_groups`)."""
+    return family_checkpoints.greedy_case(checkpoints["moe"], VOCAB)
+
+
+# slow, all four: the dense mixed-shape test above is the engines' daily representative
+@pytest.mark.slow
+@pytest.mark.parametrize("batching,tp", [("continuous", 2), ("static", 1), ("continuous", 1),
+                                         ("static", 2)])
+def test_hybrid_engine_greedy_with_the_moe_block_and_layers_of_different_shapes(
+        moe_mixed_shapes_greedy, batching, tp):
+    """The MoE block (4 experts, top 2, beside the dense MLP) in layers of different key-value
+    shapes (global head dim 32, sliding 16): from ZeRO-3 partitions on 2 x 4 the Hybrid
+    Engine's greedy tokens (pages of 4 slots) equal transformers' `generate(do_sample=False)`,
+    7-token prompts and 12 new tokens, past the sliding window of 4."""
+    family_checkpoints.assert_engine_greedy_equals_transformers(moe_mixed_shapes_greedy,
+                                                                batching, tp)
 
 
 @pytest.mark.slow

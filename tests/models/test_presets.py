@@ -3,7 +3,8 @@
 Qwen3.5's cards publish whole billions of the multimodal checkpoint ("27B", "35B in total"):
 its presets' text models are counted here from their config.json keys by the formulas of
 transformers' modules (and by transformers' own model, built on the meta device), then held
-within 1% of the cards' figures."""
+within 1% of the cards' figures. Gemma-4-31B's card publishes its text model's 30.7 B, which
+transformers' own model of the preset's text_config (meta device) holds too."""
 
 import jax
 import pytest
@@ -16,7 +17,7 @@ from zeroxla.models import presets
 # 7,615,616,512 is "7.61B").
 PUBLISHED = {"Llama-3.2-1B": 1.24, "Llama-3.1-8B": 8.03, "Qwen2.5-0.5B": 0.49,
              "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.61, "Qwen3-0.6B": 0.6, "Qwen3-8B": 8.2,
-             "Qwen3-30B-A3B": 30.5, "gpt-oss-20b": 20.9}
+             "Qwen3-30B-A3B": 30.5, "gpt-oss-20b": 20.9, "Gemma-4-31B": 30.7}
 # The Qwen3.5 cards' totals (vision tower and MTP layer included) and the class transformers
 # builds the text model with.
 PUBLISHED_WHOLE = {"Qwen3.5-27B": (27e9, "Qwen3_5ForCausalLM"),
@@ -85,6 +86,23 @@ def test_qwen3_5_arithmetic_is_transformers_own_count(name):
     with torch.device("meta"):
         reference = getattr(transformers, PUBLISHED_WHOLE[name][1])(config)
     assert sum(p.numel() for p in reference.parameters()) == _qwen3_5_text_count(text)
+
+
+def test_gemma4_31b_count_is_transformers_own_count():
+    """The preset's text model holds what transformers' `Gemma4ForCausalLM` of its
+    text_config holds (built on the meta device; needs torch), plus one `layer_scalar` per
+    layer: a buffer there, a parameter here (never trained, `models.gemma4`)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    text = presets.HF_CONFIGS["Gemma-4-31B"]["text_config"]
+    config = transformers.Gemma4TextConfig(**{k: v for k, v in text.items()
+                                              if k != "model_type"})
+    with torch.device("meta"):
+        reference = transformers.Gemma4ForCausalLM(config)
+    theirs = sum(p.numel() for p in reference.parameters())
+    assert abs(theirs / 1e9 - PUBLISHED["Gemma-4-31B"]) < 0.1
+    ours = _count(models.abstract_model(presets.config("Gemma-4-31B")))
+    assert ours == theirs + text["num_hidden_layers"]
 
 
 def test_an_unknown_preset_lists_the_accepted_ones():
