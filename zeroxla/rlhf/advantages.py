@@ -12,6 +12,8 @@ DeepSpeed-Chat indexes the same quantities over the whole sequence and slices th
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -48,3 +50,14 @@ def get_advantages_and_returns(values: jax.Array, rewards: jax.Array, action_mas
     _, advantages = jax.lax.scan(back, jnp.zeros_like(deltas[:, 0]), deltas.T, reverse=True)
     advantages = advantages.T                                             # [B, G]
     return advantages, advantages + values
+
+
+@functools.partial(jax.jit, static_argnames=("kl_ctl", "clip_reward_value", "gamma", "lam"))
+def rewards_and_advantages(logprobs, ref_logprobs, scores, values, mask, *, kl_ctl,
+                           clip_reward_value, gamma, lam):
+    """PPO's per-token rewards (`compute_rewards`), then GAE advantages and returns
+    (`get_advantages_and_returns`), [B, G] each, as one program."""
+    rewards = compute_rewards(logprobs, ref_logprobs, scores, mask, kl_ctl=kl_ctl,
+                              clip_reward_value=clip_reward_value)
+    advantages, returns = get_advantages_and_returns(values, rewards, mask, gamma=gamma, lam=lam)
+    return rewards, advantages, returns

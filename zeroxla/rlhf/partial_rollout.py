@@ -2,7 +2,7 @@
 `PartialAnswers`, its answers while they are drawn, `continue_answers`, one pass over the
 unfinished ones, and `finish_rollout`, the finished answers scored into a `DrawnRollout`.
 
-With `GRPOConfig.partial_rollout` N, a rollout drawn ahead (`grpo_async`) draws at most N new
+With `GRPOConfig.partial_rollout` N, a rollout drawn ahead (`async_rollouts`) draws at most N new
 tokens per answer at each weight sync, and an answer unfinished at a sync (no EOS yet, fewer
 than `max_completion_length` tokens) is carried to the next, where it is continued from its
 tokens with the newer weights. A continuation is a new prompt, the original prompt followed by
@@ -86,6 +86,25 @@ class PartialAnswers:
             self.versions[b] = np.concatenate([self.versions[b], np.full(new.size, tag,
                                                                          np.int32)])
 
+    def padded(self, prompt_length: int) -> tuple[np.ndarray, ...]:
+        """The finished answers padded (`rollout.pad_answers`): tokens int32[B, P + T],
+        action_mask float32[B, T], answer starts int32[B] and the engine's log-probs
+        float32[B, T] (T = `limit`)."""
+        starts = np.asarray([p.size for p in self.prompts], np.int32)
+        outputs = [np.concatenate([p, a]) for p, a in zip(self.prompts, self.answers)]
+        tokens, mask = pad_answers(outputs, prompt_length, self.limit, starts)
+        return tokens, mask, starts, pad_logprobs(self.logprobs, mask)
+
+    def tags(self, mask: np.ndarray) -> tuple[np.ndarray | None, int | None]:
+        """(each token's version int32[B, T], -1 past each answer; the oldest), when every
+        token was drawn by a pipeline version, else (None, None); `mask` is `padded`'s."""
+        if any(np.any(tags == OUTSIDE) for tags in self.versions):
+            return None, None
+        versions = np.full(mask.shape, OUTSIDE, np.int32)                         # [B, T]
+        for b, tags in enumerate(self.versions):
+            versions[b, :tags.size] = tags
+        return versions, int(versions[mask > 0].min())
+
 
 def continue_answers(generate: Callable[..., Any], partial: PartialAnswers,
                      seeds: Sequence[int], tokens: int | None, version: int | None) -> None:
@@ -113,25 +132,20 @@ def finish_rollout(partial: PartialAnswers, config: Any, decode: Callable[[np.nd
     by a pipeline version, the versions int32 [B, T] (-1 past each answer) and the oldest."""
     start = time.perf_counter()
     c = config
-    starts = np.asarray([p.size for p in partial.prompts], np.int32)              # [B]
-    outputs = [np.concatenate([p, a]) for p, a in zip(partial.prompts, partial.answers)]
-    tokens, mask = pad_answers(outputs, c.prompt_length, c.max_completion_length, starts)
+    tokens, mask, starts, logprobs = partial.padded(c.prompt_length)
     completions = tuple(decode(answer) for answer in partial.answers)
-    real = np.arange(tokens.shape[1]) < np.asarray([row.size for row in outputs])[:, None]
+    ends = starts + np.asarray([a.size for a in partial.answers])                 # [B]
+    real = np.arange(tokens.shape[1]) < ends[:, None]
     rewards, parts = score(partial.picked, tokens, real.astype(np.float32), completions)
     advantages = group_advantages(rewards, c.num_generations, scale_rewards=c.scale_rewards,
                                   advantage=c.advantage)
-    versions = np.full(mask.shape, OUTSIDE, np.int32)                             # [B, T]
-    for b, tags in enumerate(partial.versions):
-        versions[b, :tags.size] = tags
-    pipeline = all(np.all(tags != OUTSIDE) for tags in partial.versions)
+    versions, version = partial.tags(mask)
     return DrawnRollout(tokens, mask, starts, completions, rewards, parts,
-                        np.asarray(advantages, np.float32), pad_logprobs(partial.logprobs, mask),
+                        np.asarray(advantages, np.float32), logprobs,
                         None if partial.routing is None
                         else pad_routing(partial.routing, tokens.shape[1]),
                         partial.generation_s, time.perf_counter() - start,
-                        version=int(versions[mask > 0].min()) if pipeline else None,
-                        versions=versions if pipeline else None)
+                        version=version, versions=versions)
 
 
 __all__ = ["OUTSIDE", "PartialAnswers", "continue_answers", "finish_rollout"]

@@ -1,4 +1,5 @@
-"""The PPO run's picture: mean reward and KL from the reference per iteration, side by side."""
+"""The PPO run's picture: mean reward and KL from the reference per iteration, side by side;
+and where its time went (`time_split`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def save_records_plot(records: list[dict[str, float]], path: Path) -> None:
     figure = plot_records(records)
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def time_split(records: list[dict[str, float]], skip_first: bool = True) -> dict[str, float]:
+    """Total seconds in generation, experience and training over `records` (without iteration
+    0, which compiles, when `skip_first` and there is more than one), and their shares."""
+    rows = records[1:] if skip_first and len(records) > 1 else records
+    totals = {k: float(sum(r[k] for r in rows))
+              for k in ("generation_s", "experience_s", "training_s")}
+    whole = sum(totals.values()) or 1.0
+    return {**totals, **{k.replace("_s", "_share"): v / whole for k, v in totals.items()}}

@@ -235,3 +235,20 @@ def pair_metrics(model: RewardModel, batch: PairBatch) -> dict[str, float]:
     graphdef, params = nnx.split(model)
     metrics = _pair_metrics(graphdef, params, {k: jnp.asarray(batch[k]) for k in PAIR_KEYS})
     return {k: float(v) for k, v in metrics.items()}
+
+
+def check_scoring_model(field: str, model: Any, actor: nnx.Module, seq_len: int) -> None:
+    """A reward model or critic start must be a `RewardModel` reading the actor's tokens (same
+    vocabulary) over a whole rollout row (`seq_len` = P + G positions)."""
+    if not isinstance(model, RewardModel):
+        raise TypeError(f"{field}={type(model).__name__}; accepted: a zeroxla.rlhf.RewardModel "
+                        "(plain, e.g. zeroxla.gathered_model of its training state)")
+    config, actor_config = model.base.config, getattr(actor, "config", None)
+    vocab, actor_vocab = (getattr(c, "vocab_size", None) for c in (config, actor_config))
+    if None not in (vocab, actor_vocab) and vocab != actor_vocab:
+        raise ValueError(f"{field} has vocab_size={vocab} but the actor {actor_vocab}; accepted: "
+                         "a reward model over the actor's tokenizer")
+    max_len = getattr(config, "max_seq_len", None)
+    if max_len is not None and max_len < seq_len:
+        raise ValueError(f"{field} has max_seq_len={max_len} < prompt_length + answer_length = "
+                         f"{seq_len}; accepted: a base that reads whole rollout rows")

@@ -67,6 +67,35 @@ class Rollout:
         return float(np.sum((self.logprobs - self.ref_logprobs) * mask) / np.sum(mask))
 
 
+@dataclasses.dataclass(frozen=True)
+class DrawnAnswers:
+    """A PPO rollout before the training group reads it (`PPOTrainer.finish`): the answers
+    as the Hybrid Engine drew them, and the policy version that drew them (the rollout group's,
+    `zeroxla.rlhf.async_rollouts`; None: the actor's, colocated)."""
+
+    tokens: np.ndarray                   # int32[B, P + G], prompt then answer (0 after EOS)
+    action_mask: np.ndarray              # float32[B, G], 1 on real answer tokens (a prefix)
+    rollout_logprobs: np.ndarray         # float32[B, G], as the engine drew them
+    routing: np.ndarray | None           # int32[B, P + G, L, k] with routing replay
+    generation_s: float
+    version: int | None = None
+    versions: np.ndarray | None = None   # int32[B, G], each token's version, -1 past
+
+
+def check_prompt_tokens(prompt_tokens: np.ndarray, prompt_length: int) -> np.ndarray:
+    """`prompt_tokens` as int32: a token stream longer than `prompt_length`, or prompt rows
+    int32[N, prompt_length]; ValueError naming `PPOConfig.prompt_length` otherwise."""
+    tokens = np.asarray(prompt_tokens, np.int32)
+    if tokens.ndim == 2 and tokens.shape[1] != prompt_length:
+        raise ValueError(f"prompt_tokens rows have {tokens.shape[1]} tokens; "
+                         f"accepted: PPOConfig.prompt_length={prompt_length}")
+    if tokens.ndim not in (1, 2) or (tokens.ndim == 1 and tokens.size <= prompt_length):
+        raise ValueError(f"prompt_tokens of shape {tokens.shape} is invalid; accepted: a token "
+                         f"stream longer than PPOConfig.prompt_length={prompt_length}, or "
+                         "prompts int32[N, prompt_length]")
+    return tokens
+
+
 def pad_logprobs(logprobs: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
     """The engine's per-output log-probs -> float32 [B, T], 0 past each answer."""
     out = np.zeros(mask.shape, np.float32)

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO (zeroxla/rlhf/grpo_async.py, zeroxla/inference/rollout_group.py) on the
+"""Asynchronous GRPO (zeroxla/rlhf/async_rollouts.py, zeroxla/inference/rollout_group.py) on the
 2 x 4 mesh split 4 + 4: the training group on devices 0-3, the rollout group on 4-7.
 
 - max_staleness=0 reproduces the colocated synchronous run on devices 0-3 with the same seed,

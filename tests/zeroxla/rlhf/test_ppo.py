@@ -100,12 +100,12 @@ def ppo(corpus):
     epochs = []
     train_rlhf = rlhf.PPOTrainer.train_rlhf
 
-    def recorded(trainer, rollout):
+    def recorded(trainer, rollout, overlap=None):
         steps = trainer.actor_step, trainer.critic_step
         trainer.actor_step, trainer.critic_step = (EpochRecorder(step, rollout.tokens)
                                                    for step in steps)
         try:
-            losses = train_rlhf(trainer, rollout)
+            losses = train_rlhf(trainer, rollout, overlap)
             epochs.append((trainer.actor_step, trainer.critic_step, losses))
         finally:
             trainer.actor_step, trainer.critic_step = steps

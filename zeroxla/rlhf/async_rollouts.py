@@ -1,22 +1,26 @@
-"""GRPO's rollout side as data (`DrawnRollout`) and the asynchronous pipeline that draws
-rollouts ahead on a rollout group while the training group updates (`AsyncRollouts`).
+"""The asynchronous pipeline GRPO and PPO share: the mesh split into a training group and a
+rollout group (`split_mesh`), and the rollouts drawn ahead on the rollout group while the
+training group updates (`AsyncRollouts`), from whatever draws them (`RolloutSide`: GRPO's and
+PPO's trainers).
 
-`GRPOConfig.rollout_devices` N > 0 splits the mesh (`split_mesh`): the training group (the
-actor's ZeRO-3 step, its old and reference log-probs) on the first devices, a rollout group
-(`zeroxla.inference.rollout_group.RolloutGroup`: the Hybrid Engine, tensor parallel) on the
-last N. Versions count updates: version v is the actor after v iterations' updates (the actor
-at iteration i, before its update, is version i). With `max_staleness` k, iteration i's
-rollout is drawn from version v_i = max(s, i - k), s the pipeline's first iteration: the newest
-synced version when it is launched, since the rollout of i + k is launched while update i
-runs, from version i, synced (one transfer) before update i was dispatched.
+`rollout_devices` N > 0 (`GRPOConfig`, `PPOConfig`) splits the mesh: the training group (the
+actor's ZeRO-3 step, its old and reference log-probs, PPO's critic) on the first devices, a
+rollout group (`zeroxla.inference.rollout_group.RolloutGroup`: the Hybrid Engine, tensor
+parallel) on the last N. Versions count updates: version v is the actor after v iterations'
+updates (the actor at iteration i, before its update, is version i). With `max_staleness` k,
+iteration i's rollout is drawn from version v_i = max(s, i - k), s the pipeline's first
+iteration: the newest synced version when it is launched, since the rollout of i + k is
+launched while update i runs, from version i, synced (one transfer) before update i was
+dispatched.
 
-One iteration i (`GRPOTrainer.iteration`):
+One iteration i (`GRPOTrainer.iteration`, `PPOTrainer.iteration`):
 1. `take(i)`: sync version i into the group (the actor is version i: update i - 1 was read);
    rollout i, unless drawn ahead (k = 0: never), is drawn now, from version i;
-2. the training group computes its old log-probs at version i and the reference's (as the
-   synchronous loop does), then dispatches update i; `launch_ahead(i)` then draws the rollouts
-   up to i + k from version i, on the group, before anything of update i is read (jax's
-   asynchronous dispatch runs the two groups' programs side by side);
+2. the training group computes what it reads of the answers at version i (the synchronous
+   loop's old and reference log-probs; PPO's values, rewards and GAE), then dispatches update
+   i; `launch_ahead(i)` then draws the rollouts up to i + k from version i, on the group,
+   before anything of update i is read (jax's asynchronous dispatch runs the two groups'
+   programs side by side);
 3. update i is read (its loss), and its record gets `policy_version`, `staleness` and the
    sync's `sync/bytes` against `sync/floor_bytes` (one copy of the trainable weights).
 
@@ -25,11 +29,11 @@ devices. `events` lists ("dispatch" | "read", "rollout" | "update", iteration) a
 issues them: a rollout is read when its answers come back (the engine's loop is host-driven),
 an update when its loss is.
 
-With `partial_rollout` N (`pass_tokens`), every launch draws one pass (`partial_rollout`): a
-rollout drawn ahead gets at most N new tokens per answer at each launch, and `take(i)`
-continues its unfinished answers to their end from version i, so a carried answer's tokens
-hold the versions that drew them (its first pass's and i), each one's engine log-prob the
-pi_behav of the decoupled objective (`GRPOConfig.rollout_correction="decoupled"`).
+With `partial_rollout` N (GRPO's; `pass_tokens`), every launch draws one pass
+(`partial_rollout`): a rollout drawn ahead gets at most N new tokens per answer at each launch,
+and `take(i)` continues its unfinished answers to their end from version i, so a carried
+answer's tokens hold the versions that drew them (its first pass's and i), each one's engine
+log-prob the pi_behav of the decoupled objective (`GRPOConfig.rollout_correction="decoupled"`).
 """
 
 from __future__ import annotations
@@ -40,44 +44,54 @@ import numpy as np
 
 from zeroxla.engine.state import TrainState
 from zeroxla.inference.rollout_group import RolloutGroup
-from zeroxla.rlhf.grpo_experience import DrawnRollout
 from zeroxla.rlhf.partial_rollout import PartialAnswers
 from zeroxla.sharding.mesh import LOCAL_AXIS, NODE_AXIS, make_mesh
 
 
-def split_mesh(mesh: Any, rollout_devices: int, lora: Any = None) -> tuple[Any, Any]:
+def split_mesh(mesh: Any, rollout_devices: int, lora: Any = None, owner: str = "GRPOConfig"
+               ) -> tuple[Any, Any]:
     """(training mesh, rollout mesh): the first and last `rollout_devices` devices of `mesh`,
     each `(node=1, local=N)`; (`mesh`, None) for 0 (colocated). ValueError naming
-    `GRPOConfig.rollout_devices` unless N is half the devices (the rollout group stores the
-    parameters as the training group does: `RolloutGroup`), and with what this slice does not
-    support: sequence or expert parallelism (a mesh axis), enabled LoRA adapters (`lora`)."""
+    `<owner>.rollout_devices` (the config asking) unless N is half the devices (the rollout
+    group stores the parameters as the training group does: `RolloutGroup`), and with what
+    this slice does not support: sequence or expert parallelism (a mesh axis), enabled LoRA
+    adapters (`lora`)."""
     if not rollout_devices:
         return mesh, None
+    field = f"{owner}.rollout_devices={rollout_devices}"
     other = [name for name in mesh.axis_names if name not in (NODE_AXIS, LOCAL_AXIS)
              and mesh.shape[name] > 1]
     if other:
-        raise ValueError(f"GRPOConfig.rollout_devices={rollout_devices} on a mesh with "
-                         f"{', '.join(other)} axes: asynchronous GRPO is not supported with "
-                         "sequence or expert parallelism; accepted: rollout_devices=0 "
-                         "(colocated), or a mesh of node and local axes alone")
+        raise ValueError(f"{field} on a mesh with {', '.join(other)} axes: asynchronous "
+                         "rollouts are not supported with sequence or expert parallelism; "
+                         "accepted: rollout_devices=0 (colocated), or a mesh of node and "
+                         "local axes alone")
     if lora is not None and lora.enabled:
-        raise ValueError(f"GRPOConfig.rollout_devices={rollout_devices} with LoRA adapters: "
-                         "asynchronous GRPO is not supported with LoRA; accepted: "
-                         "rollout_devices=0 (colocated)")
+        raise ValueError(f"{field} with LoRA adapters: asynchronous rollouts are not "
+                         "supported with LoRA; accepted: rollout_devices=0 (colocated)")
     devices = list(np.asarray(mesh.devices).flat)
     if 2 * rollout_devices != len(devices):
-        raise ValueError(f"GRPOConfig.rollout_devices={rollout_devices} on {len(devices)} "
-                         f"devices; accepted: 0 (colocated) or {len(devices) // 2} (half: the "
-                         "rollout group stores the parameters as the training group does)")
+        raise ValueError(f"{field} on {len(devices)} devices; accepted: 0 (colocated) or "
+                         f"{len(devices) // 2} (half: the rollout group stores the parameters "
+                         "as the training group does)")
     half = len(devices) // 2
     return (make_mesh(1, half, devices=devices[:half]),
             make_mesh(1, half, devices=devices[half:]))
 
 
+class Drawn(Protocol):
+    """A finished rollout as the record reads it: the oldest version among its tokens', and
+    each token's version int32[B, T] (-1 past an answer; None outside the pipeline)."""
+
+    version: int | None
+    versions: np.ndarray | None
+
+
 class RolloutSide(Protocol):
-    """What draws a rollout from the group's state (`GRPOTrainer`): a first pass of
-    rollout `iteration`, later passes over its unfinished answers, and the finished answers
-    scored; `tokens` caps each pass's new tokens per answer (None: to the end)."""
+    """What draws a rollout from the group's state (`GRPOTrainer`, `PPOTrainer`): a first pass
+    of rollout `iteration`, later passes over its unfinished answers, and the finished answers
+    as the trainer's rollout data (`Drawn`: GRPO's scored `DrawnRollout`, PPO's `DrawnAnswers`);
+    `tokens` caps each pass's new tokens per answer (None: to the end)."""
 
     def start(self, iteration: int, version: int | None, tokens: int | None
               ) -> PartialAnswers: ...
@@ -85,7 +99,7 @@ class RolloutSide(Protocol):
     def advance(self, partial: PartialAnswers, version: int | None, tokens: int | None
                 ) -> None: ...
 
-    def finish(self, partial: PartialAnswers) -> DrawnRollout: ...
+    def finish(self, partial: PartialAnswers) -> Drawn: ...
 
 
 class AsyncRollouts:
@@ -121,7 +135,7 @@ class AsyncRollouts:
             self.group.sync(state)
             self.version = version
 
-    def take(self, iteration: int, state: TrainState) -> DrawnRollout:
+    def take(self, iteration: int, state: TrainState) -> Drawn:
         """Iteration `iteration`'s rollout; `state` is the actor at version `iteration`."""
         self.sync(state, iteration)
         self._pass(iteration, None)     # drawn now, or its carried answers finished
@@ -135,7 +149,7 @@ class AsyncRollouts:
         for later in range(iteration + 1, iteration + self.max_staleness + 1):
             self._pass(later, self.pass_tokens)
 
-    def record(self, iteration: int, drawn: DrawnRollout) -> dict[str, float]:
+    def record(self, iteration: int, drawn: Drawn) -> dict[str, float]:
         """Update `iteration` read: its record's pipeline entries."""
         self.events.append(("read", "update", iteration))
         record = {"policy_version": drawn.version, "staleness": iteration - drawn.version,
@@ -147,4 +161,4 @@ class AsyncRollouts:
         return record
 
 
-__all__ = ["AsyncRollouts", "RolloutSide", "split_mesh"]
+__all__ = ["AsyncRollouts", "Drawn", "RolloutSide", "split_mesh"]
