@@ -10,7 +10,8 @@ replay: every layer sends each token to a recorded selection, `models.moe`) and 
 statistics and the per-token count of layers whose live choice differs from the record;
 `router_choices` carries `Chosen` (the experts of each layer) through a full forward or the
 KV-cached decode, and `decode_choices` returns them beside the decode's logits; inference
-paths (`__call__`, `decode`) carry plain hidden states.
+paths (`__call__`, `decode`) carry plain hidden states. `moe_residual` is a layer's MoE half
+for every carry, shared with `models.qwen3_5_moe`.
 """
 
 from __future__ import annotations
@@ -189,22 +190,31 @@ class MoeBlock(Block):
         h = x if isinstance(x, jax.Array) else x.hidden
         a, cache = self.attend(h, positions, segment_ids, sequence, cache)
         h = tiled_map(self.attention_out, (h, a), self.mlp_chunk)
-        mask = token_mask(segment_ids)
-        record = None
-        if isinstance(x, Replayed):              # `Observed` too: the record compared only
-            record = jax.lax.dynamic_index_in_dim(replay, x.layer, 0, keepdims=False)
-        y, stats, chosen = self.moe(self.mlp_norm(h), mask, experts,
-                                    None if isinstance(x, Observed) else record)
-        h = h + y
-        if isinstance(x, Replayed):
-            return type(x)(h, x.stats + stats, x.layer + 1,
-                           x.mismatches + replay_mismatches(chosen, record, mask)), cache
-        if isinstance(x, Routed):
-            return Routed(h, x.stats + stats), cache
-        if isinstance(x, Chosen):
-            return Chosen(h, jax.lax.dynamic_update_index_in_dim(x.experts, chosen, x.layer, 0),
-                          x.layer + 1), cache
-        return h, cache
+        return moe_residual(self.moe, self.mlp_norm, x, h, segment_ids, experts, replay), cache
+
+
+def moe_residual(moe: MoeMLP, norm, x, h: jax.Array, segment_ids: jax.Array | None,
+                 experts: ExpertParallel | None = None, replay: jax.Array | None = None):
+    """A layer's MoE half: h [B, T, D] (the carry `x`'s hidden states after the layer's mixer)
+    plus `moe(norm(h))`, returned as the kind `x` is: plain hidden states, `Routed` with the
+    layer's statistics added, `Replayed` / `Observed` with the tokens sent to the layer's entry
+    of `replay` int32 [L, B, T, k] (compared only: `Observed`) and its mismatches counted, or
+    `Chosen` with the layer's experts recorded. Every MoE family's layer ends in it."""
+    mask = token_mask(segment_ids)
+    record = None
+    if isinstance(x, Replayed):              # `Observed` too: the record compared only
+        record = jax.lax.dynamic_index_in_dim(replay, x.layer, 0, keepdims=False)
+    y, stats, chosen = moe(norm(h), mask, experts, None if isinstance(x, Observed) else record)
+    h = h + y
+    if isinstance(x, Replayed):
+        return type(x)(h, x.stats + stats, x.layer + 1,
+                       x.mismatches + replay_mismatches(chosen, record, mask))
+    if isinstance(x, Routed):
+        return Routed(h, x.stats + stats)
+    if isinstance(x, Chosen):
+        return Chosen(h, jax.lax.dynamic_update_index_in_dim(x.experts, chosen, x.layer, 0),
+                      x.layer + 1)
+    return h
 
 
 class MoeLlama(Llama):

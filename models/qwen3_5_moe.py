@@ -14,9 +14,13 @@ statistics of all HF layers, which the step turns into the auxiliary load-balanc
 
 Expert parallelism: every forward over whole rows takes `experts=` (an `ExpertParallel`) beside
 `sequence=` and each period hands it to its layers' MoE MLPs, as `models.moe_llama` does.
-Routing records and replay (`router_choices`, `replayed_token_logprobs`) are not built here.
 Generation decodes as the dense model's does (`Qwen3_5.init_cache` / `decode`: the periods'
-`decode`, each layer's MLP its MoE's `feed_forward`).
+`decode`, each layer's MLP its MoE's `feed_forward`). Routing records and replay are
+`models.moe_llama`'s, over every HF layer (`moe_layers` = periods x `attention_interval`):
+each `MoeLayer` ends in `moe_llama.moe_residual` on the full forward, the cached decode and
+the continuous-batching step, so `router_choices`, `decode_choices` (a right-padded
+prefill's `segment_ids` too) and `replayed_token_logprobs` read and write records
+[.., L, k] as `MoeLlama`'s do.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from .expert_parallel import ExpertParallel
 from .grouped_matmul import TILE, check_expert_implementation
-from .layers import at_least_float32, forward_stack
+from .layers import at_least_float32, forward_stack, stack_args
 from .moe import MoeMLP, Routed, RouterStats
-from .moe_llama import token_mask
-from .qwen3_5 import Layer, Period, Qwen3_5, Qwen3_5Config
+from .moe_llama import Chosen, Observed, Replayed, moe_residual, token_mask
+from .paged_attention import is_paged
+from .qwen3_5 import Layer, Period, Qwen3_5, Qwen3_5Config, paged_refusal
+from .recurrent_slots import RecurrentSlots
 from .sequence_parallel import SequenceParallel
 
 
@@ -77,6 +84,12 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
         check_expert_implementation(self.expert_implementation, f"{name}.expert_implementation")
 
     @property
+    def moe_layers(self) -> int:
+        """L, the MoE layers a routing record holds: every HF layer (`attention_interval` per
+        period)."""
+        return self.num_layers * self.attention_interval
+
+    @property
     def norm_topk_prob(self) -> bool:
         """The k routing weights are renormalised to sum 1: always (`Qwen3_5MoeTopKRouter`)."""
         return True
@@ -90,21 +103,38 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
 
 class MoeLayer(Layer):
     """One decoder layer: x + mixer(norm(x)), then x + moe(norm(x)) (`models.moe.MoeMLP`, with
-    its shared expert); carries plain hidden states or `Routed` (adding its statistics)."""
+    its shared expert); carries plain hidden states, `Routed` (adding its statistics),
+    `Replayed` / `Observed` (routing replay) or `Chosen` (recording its experts), on every
+    path: the full forward, the cached decode and the continuous-batching step
+    (`moe_llama.moe_residual`)."""
 
     def init_mlp(self, cfg: Qwen3_5MoeConfig, rngs: nnx.Rngs) -> None:
         self.moe = MoeMLP(cfg, rngs)
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None,
-                 sequence: SequenceParallel | None, experts: ExpertParallel | None = None):
-        """x [B, T, D] or `Routed` -> the same kind; the MoE runs over all the tokens at once,
+                 sequence: SequenceParallel | None, experts: ExpertParallel | None = None,
+                 replay: jax.Array | None = None):
+        """x [B, T, D] or a carry -> the same kind; the MoE runs over all the tokens at once,
         its statistics over the real ones (segment id > 0), its experts split over `experts`
-        when given."""
+        when given; `replay` int32 [L, B, T, k] with a `Replayed` carry."""
         h = x if isinstance(x, jax.Array) else x.hidden
         h = h + self.mixer(self.attn_norm(h), positions, segment_ids, sequence)
-        y, stats, _ = self.moe(self.mlp_norm(h), token_mask(segment_ids), experts)
-        h = h + y
-        return Routed(h, x.stats + stats) if isinstance(x, Routed) else h
+        return moe_residual(self.moe, self.mlp_norm, x, h, segment_ids, experts, replay)
+
+    def decode(self, x, positions: jax.Array, segment_ids: jax.Array | None,
+               cache: dict[str, jax.Array]):
+        """`Layer.decode` of x [B, T, D] or `Chosen` -> (the same kind, cache)."""
+        h = x if isinstance(x, jax.Array) else x.hidden
+        a, cache = self.mixer.decode(self.attn_norm(h), positions, segment_ids, cache)
+        return moe_residual(self.moe, self.mlp_norm, x, h + a, segment_ids), cache
+
+    def decode_slots(self, x, positions: jax.Array, slots: RecurrentSlots,
+                     states: dict[str, jax.Array]):
+        """`Layer.decode_slots` of the step's places x [D, N, D] or `Chosen` -> (the same
+        kind, states)."""
+        h = x if isinstance(x, jax.Array) else x.hidden
+        a, states = self.mixer.decode_slots(self.attn_norm(h), positions, slots, states)
+        return moe_residual(self.moe, self.mlp_norm, x, h + a, None), states
 
     def feed_forward(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         """The MoE's residual branch of x [B, T, D] -> [B, T, D] (all E experts held: decode)."""
@@ -119,14 +149,16 @@ class MoePeriod(Period):
 
     def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
-                 experts: ExpertParallel | None = None, cache: dict | None = None):
-        """x [B, T, D] or `Routed` -> (the same kind, None): a pair, since `Routed` is itself
-        a tuple (`layers.call_block`). With `cache`: (x [B, T, D], cache) (`Period.decode`)."""
+                 experts: ExpertParallel | None = None, replay: jax.Array | None = None,
+                 cache: dict | None = None):
+        """x [B, T, D] or a carry (`MoeLayer`) -> (the same kind, None): a pair, since a carry
+        is itself a tuple (`layers.call_block`); `replay` int32 [L, B, T, k] reaches every
+        layer. With `cache`: (x, cache) (`Period.decode`, a `Chosen` carry passing through)."""
         if cache is not None:
             return self.decode(x, positions, segment_ids, cache)
         for layer in self.linear:
-            x = layer(x, positions, segment_ids, sequence, experts)
-        return self.full(x, positions, segment_ids, sequence, experts), None
+            x = layer(x, positions, segment_ids, sequence, experts, replay)
+        return self.full(x, positions, segment_ids, sequence, experts, replay), None
 
 
 class Qwen3_5Moe(Qwen3_5):
@@ -173,3 +205,65 @@ class Qwen3_5Moe(Qwen3_5):
         out = forward_stack(self, tokens, positions, segment_ids, sequence, carry=lambda x: Routed(
             x, RouterStats.zeros(e, at_least_float32(x.dtype))), experts=experts)
         return self.head_logprobs(self.head.norm(out.hidden), labels, vocab_limit), out.stats
+
+    def replayed_token_logprobs(self, tokens: jax.Array, labels: jax.Array, replay: jax.Array,
+                                *, positions: jax.Array | None = None,
+                                segment_ids: jax.Array | None = None,
+                                vocab_limit: jax.Array | int | None = None,
+                                sequence: SequenceParallel | None = None,
+                                experts: ExpertParallel | None = None,
+                                follow_record: bool = True
+                                ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """`MoeLlama.replayed_token_logprobs`' contract: `replay` int32 [B, T, L, k] (L every
+        HF layer, `moe_layers`) -> (log-probs float32 [B, T], the live router's statistics,
+        per token the layers whose live choice is not the record int32 [B, T])."""
+        c = self.config
+        b, t = tokens.shape
+        want = (b, t, c.moe_layers, c.experts_per_token)
+        if tuple(replay.shape) != want:
+            raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
+                             "per input token, every MoE layer's k recorded experts")
+        c.check_seq_len(t * (1 if sequence is None else sequence.size), "sequence length")
+        args = stack_args(tokens, positions, segment_ids, sequence, experts)
+        args = (*args, *(None,) * (4 - len(args)), jnp.moveaxis(replay.astype(jnp.int32), 2, 0))
+        x = self.embed(tokens, args[0])
+        carry = (Replayed if follow_record else Observed)(
+            x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)), jnp.int32(0),
+            jnp.zeros((b, t), jnp.int32))
+        out, _ = self.blocks(carry, *args)
+        logprobs = self.head_logprobs(self.head.norm(out.hidden), labels, vocab_limit)
+        return logprobs, out.stats, out.mismatches
+
+    def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None,
+                       cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """(the experts every HF layer routes each token to, int32 [L, B, T, k], the cache): a
+        full forward, or with `cache` the cached decode (`decode`'s path)."""
+        _, experts, cache = self._chosen_forward(tokens, positions, cache)
+        return experts, cache
+
+    def decode_choices(self, tokens: jax.Array, positions: jax.Array, cache: dict,
+                       segment_ids: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array, dict]:
+        """`decode`'s (logits float32 [B, T, V], cache) with the experts every HF layer routed
+        each token to, int32 [L, B, T, k], between them: what a rollout records for routing
+        replay (`zeroxla.inference.decode`); `segment_ids` a right-padded prefill's pad mask."""
+        hidden, experts, cache = self._chosen_forward(tokens, positions, cache, segment_ids)
+        return self.logits(hidden), experts, cache
+
+    def _chosen_forward(self, tokens: jax.Array, positions: jax.Array | None, cache: dict | None,
+                        segment_ids: jax.Array | None = None):
+        """(the normed final hidden states [B, T, D], the experts int32 [L, B, T, k], the
+        cache) of the stack carrying `Chosen`."""
+        c = self.config
+        if is_paged(cache) and cache.recurrent is None:
+            raise NotImplementedError(paged_refusal(c.family))
+        args = stack_args(tokens, positions, segment_ids if cache is None else None)
+        b, t = tokens.shape
+        chosen = Chosen(self.embed(tokens, args[0]),
+                        jnp.zeros((c.moe_layers, b, t, c.experts_per_token), jnp.int32),
+                        jnp.int32(0))
+        if cache is None:
+            out, _ = self.blocks(chosen, *args)
+        else:
+            out, cache = self.blocks(chosen, args[0], segment_ids, cache=cache)
+        return self.head.norm(out.hidden), out.experts, cache

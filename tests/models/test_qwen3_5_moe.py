@@ -21,6 +21,8 @@ gated shared expert; every tensor perturbed, no network):
   config.json options not built are refused by key.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -246,3 +248,102 @@ def test_options_not_built_are_refused_by_key(checkpoint, change, match):
     for hf_config in (edited, {"model_type": "qwen3_5_moe", "text_config": edited}):
         with pytest.raises(ValueError, match=match):
             hf.from_hf_config(hf_config)
+
+
+
+# ---------------------------------------------------------------------------- routing records
+
+K = TEXT["num_experts_per_tok"]
+
+
+def transformers_choices(reference, tokens):
+    """The experts transformers' router picks per token and HF layer: tokens [B, T] -> int
+    [B, T, L, k], each k sorted: the k largest of its `router_logits`, every k-th largest at
+    least 1e-4 above the next (no near tie float32 could flip)."""
+    b, t = tokens.shape
+    with torch.no_grad():
+        out = reference(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
+    logits = np.stack([r.numpy().reshape(b, t, -1) for r in out.router_logits], axis=2)
+    order = np.argsort(-logits, axis=-1)                                      # [B, T, L, E]
+    ranked = np.take_along_axis(logits, order, axis=-1)
+    assert np.min(ranked[..., K - 1] - ranked[..., K]) > 1e-4
+    return np.sort(order[..., :K], axis=-1)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return torch_causal_lm(checkpoint)
+
+
+@pytest.mark.slow
+def test_routing_records_hold_every_layer_as_transformers_routes(checkpoint, reference):
+    """`router_choices` is [L, B, T, k] over every HF layer (3 DeltaNet layers and the
+    attention layer of the period): the experts transformers' router picks at every token.
+    Replaying that record gives `routed_token_logprobs`' log-probs and router statistics bit
+    for bit with 0 mismatches; a record changed at (token, layer) pairs of a DeltaNet layer
+    and of the attention layer, only compared (`follow_record=False`), counts each changed
+    pair once; replayed, it moves the log-probs."""
+    _, model = hf.load_hf_model(checkpoint)
+    x = token_ids(VOCAB, (2, 17))
+    inputs, labels = jnp.asarray(x[:, :-1]), jnp.asarray(x[:, 1:])
+    choices, _ = jax.jit(model.router_choices)(inputs)                       # [L, B, T, k]
+    record = np.moveaxis(np.asarray(choices), 0, 2)                          # [B, T, L, k]
+    assert record.shape == (2, 16, TEXT["num_hidden_layers"], K)
+    np.testing.assert_array_equal(np.sort(record, -1), transformers_choices(reference, x[:, :-1]))
+
+    @functools.partial(jax.jit, static_argnames="follow")
+    def replayed(record, follow):
+        return model.replayed_token_logprobs(inputs, labels, record, follow_record=follow)
+
+    @jax.jit
+    def both(record):     # one program (test_routing_replay.py's): compiled apart, the two
+        # forwards differ by float32 round-off the DeltaNet recurrence carries to 6e-5
+        return model.routed_token_logprobs(inputs, labels), replayed(record, True)
+
+    (logp, stats), (got, got_stats, mismatches) = both(jnp.asarray(record))
+    np.testing.assert_array_equal(got, logp)
+    for a, b in zip(got_stats, stats):
+        np.testing.assert_array_equal(a, b)
+    assert int(jnp.sum(mismatches)) == 0
+    changed = np.zeros(record.shape[:3], bool)                               # [B, T, L]
+    changed[0, 3, 1] = changed[1, 9, 1] = changed[1, 9, 3] = changed[0, 15, 3] = True
+    # a shift by 1 (mod 8) moves every pair of the 8 experts to another pair
+    other = np.where(changed[..., None], (record + 1) % EXPERTS, record)
+    assert np.all(np.any(np.sort(other, -1) != np.sort(record, -1), -1) == changed)
+    _, _, counted = replayed(jnp.asarray(other), False)
+    np.testing.assert_array_equal(counted, changed.sum(-1))
+    moved, _, _ = replayed(jnp.asarray(other), True)
+    assert not np.array_equal(moved, logp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching,tp", [("static", 1), ("continuous", 1), ("static", 2),
+                                         ("continuous", 2)])
+def test_the_rollout_records_every_layers_experts_as_transformers_routes(
+        checkpoint, reference, batching, tp):
+    """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static (a right-padded
+    prefill: the DeltaNet state skips the pads) and continuous batching (pages of 4 slots, the
+    DeltaNet state in slots): sampled answers of prompts of 3, 7 and 11 tokens. Each output's
+    record [len, L, k] holds at every fed token and HF layer the experts transformers' router
+    picks over the output (and the training forward's `router_choices`), -1 on the last token;
+    asking for it changes no token."""
+    step, state = zeroxla.load_pretrained(
+        checkpoint, zeroxla.make_mesh(2, 2, expert=2), progress=False,
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
+    assert engine.batching == batching
+    prompts = [token_ids(VOCAB, (n,), seed=n) for n in (3, 7, 11)]
+    kw = dict(max_new_tokens=9, temperature=1.0, seed=4)
+    outputs, routing = engine.generate(state, prompts, return_routing=True, **kw)
+    for got, want in zip(outputs, engine.generate(state, prompts, **kw)):
+        np.testing.assert_array_equal(got, want)
+    model = step.gathered_model(state)
+    for out, record in zip(outputs, routing):
+        assert record.shape == (out.size, TEXT["num_hidden_layers"], K)
+        assert np.all(record[-1] == -1)
+        want = transformers_choices(reference, np.asarray(out)[None])[0]                # [T, L, k]
+        np.testing.assert_array_equal(np.sort(record[:-1], -1), want[:-1])
+        live, _ = jax.jit(model.router_choices)(jnp.asarray(np.asarray(out)[None]))
+        np.testing.assert_array_equal(np.sort(np.moveaxis(np.asarray(live)[:, 0], 0, 1), -1),
+                                      want)

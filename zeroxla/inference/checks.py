@@ -26,7 +26,8 @@ continuous batching they live in per-sequence slots beside the pages (`PagedKV.r
 `paged_refusal` whether the model's decode also takes a paged cache (continuous batching).
 A rollout that records routing (`return_routing=True`) needs an MoE model's
 `decode_choices(tokens, positions, cache) -> (logits, experts [L, B, T, k], cache)`, taking
-the same caches as its `decode` (`check_routing`).
+the same caches as its `decode` and, for a recurrent model, its prefill's `segment_ids=`
+(`check_routing`).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def check_routing(model_def: ModelDef) -> tuple[int, int]:
         raise ValueError(f"return_routing=True with a {type(model).__name__}: it has no "
                          "decode_choices (a Mixture-of-Experts model's decode returning each "
                          "layer's experts); accepted: return_routing=False, or an MoE model "
-                         "(models.moe_llama)")
+                         "(models.moe_llama, gpt_oss, qwen3_5_moe)")
     return model.config.moe_layers, model.config.experts_per_token
 
 

@@ -104,9 +104,9 @@ def _decode(model: Any, tokens: jax.Array, positions: jax.Array, cache: Any,
     """(logits [B, T, V], the experts each layer routed each token to int32 [L, B, T, k] with
     `with_routing` (`decode_choices`), else an empty int32 [0, B, T, 0], the cache).
     `segment_ids` int32 [B, T]: a recurrent model's prefill pad mask, passed only when given."""
-    if with_routing:
-        return model.decode_choices(tokens, positions, cache)
     pads = {} if segment_ids is None else {"segment_ids": segment_ids}
+    if with_routing:
+        return model.decode_choices(tokens, positions, cache, **pads)
     logits, cache = model.decode(tokens, positions, cache, **pads)
     return logits, jnp.zeros((0,) + tokens.shape + (0,), jnp.int32), cache
 

@@ -9,18 +9,21 @@ the roles they share are built once (roles.py).
     roles.py       build_roles: the roles PPO, GRPO and DPO share (policy with LoRA adapters,
                    its ZeRO step, the Hybrid Engine); adapted, POLICY_ZERO
     ppo_config.py  PPOConfig: DeepSpeed-Chat's hyper-parameters, validated
-    advantages.py  compute_rewards (KL penalty + clipped score), get_advantages_and_returns (GAE)
+    advantages.py  compute_rewards (KL penalty + clipped score), get_advantages_and_returns (GAE),
+                   rewards_and_advantages (both, one program)
     ppo_losses.py  actor_loss_fn / critic_loss_fn (clipped), the make_step loss_fns
     reward_model.py RewardModel (base.hidden + a [D] value head), end_scores, the pairwise
                    loss_fn (pairwise_loss_terms) and validation (pair_metrics): step 2;
-                   load_hf_reward_model (a HF *ForSequenceClassification, num_labels=1)
+                   load_hf_reward_model (a HF *ForSequenceClassification, num_labels=1);
+                   check_scoring_model (a reward model or critic start fits the actor)
     critic.py      Critic = RewardModel; critic_from_reward_model (DeepSpeed-Chat's start)
     reward.py      an answer's score: a RewardModel's end score or a program (vowel fraction)
-    reference.py   FrozenReference: a frozen model on one device, optionally int8 codes
-                   (MixZ++); no trainer holds one (their reference: answer_forward.py)
-    rollout.py     Rollout: one iteration's experience as numpy arrays
-    ppo_trainer.py PPOTrainer (generate_experience, train_rlhf) and run_ppo
-    plot.py        plot_records: the reward and KL curves (save_records_plot: to a file)
+    rollout.py     Rollout: one iteration's experience as numpy arrays; DrawnAnswers: the
+                   answers before the training group reads them; check_prompt_tokens
+    ppo_trainer.py PPOTrainer (start / finish: its rollout side; experience, train_rlhf) and
+                   run_ppo
+    plot.py        plot_records: the reward and KL curves (save_records_plot: to a file);
+                   time_split: the records' seconds per phase
     dpo.py         DPOConfig, the DPO / IPO losses over per-sequence log-prob sums, their
                    metrics (accuracy, margins) and the make_step loss_fn
     packed_pairs.py DPO's pairs packed into rows with segment ids (a pair's two sequences on
@@ -51,9 +54,9 @@ the roles they share are built once (roles.py).
     grpo_eval.py   held-out greedy accuracy through a Hybrid Engine: exact_accuracy
     grpo_experience.py an iteration's experience as data: DrawnRollout (the rollout side),
                    GRPORollout (with the training group's log-probs), iteration_record
-    grpo_async.py  asynchronous GRPO: the mesh split into training and rollout groups
-                   (split_mesh) and the rollouts drawn ahead with bounded staleness
-                   (AsyncRollouts: versions, syncs, the dispatch events)
+    async_rollouts.py the asynchronous pipeline GRPO and PPO share: the mesh split into
+                   training and rollout groups (split_mesh) and the rollouts drawn ahead with
+                   bounded staleness (AsyncRollouts: versions, syncs, the dispatch events)
     partial_rollout.py a rollout drawn in passes (verl's partial rollout): PartialAnswers
                    (each token's engine log-prob and version), continue_answers (unfinished
                    answers continued from their tokens), finish_rollout (scored: DrawnRollout)
@@ -77,18 +80,17 @@ from zeroxla.rlhf.dpo import DPOConfig, dpo_loss_terms, dpo_metrics, make_dpo_lo
 from zeroxla.rlhf.dpo_trainer import DPORun, DPOTrainer, run_dpo
 from zeroxla.rlhf.ppo_losses import (actor_loss_fn, answer_logprobs, answer_values,
                                      critic_loss_fn, make_actor_loss, make_critic_loss)
-from zeroxla.rlhf.plot import plot_records
-from zeroxla.rlhf.reference import FrozenReference
 from zeroxla.rlhf.reward import answer_end_scores, make_scorer, reward_scores, vowel_fraction
 from zeroxla.rlhf.reward_model import (RewardModel, end_scores, load_hf_reward_model, pair_metrics,
                                        pair_scores, pairwise_loss_terms, with_vocab_size,
                                        without_lm_head)
 from zeroxla.rlhf.rollout import Rollout, pad_answers
-from zeroxla.rlhf.ppo_trainer import PPORun, PPOTrainer, run_ppo, time_split
+from zeroxla.rlhf.plot import plot_records, time_split
+from zeroxla.rlhf.ppo_trainer import PPORun, PPOTrainer, run_ppo
 
 __all__ = ["DPOConfig", "DPORun", "DPOTrainer", "dpo_loss_terms", "dpo_metrics", "make_dpo_loss",
            "run_dpo",
-           "Critic", "FrozenReference", "GRPOConfig", "GRPORollout", "GRPORun",
+           "Critic", "GRPOConfig", "GRPORollout", "GRPORun",
            "GRPOTrainer", "RewardFunctionError", "RewardFunctions", "accuracy_reward",
            "exact_accuracy", "extract_answer", "format_reward", "load_reward_func", "run_grpo",
            "supervised_finetune_rows", "PPOConfig", "PPORun", "PPOTrainer", "RewardModel", "Rollout",

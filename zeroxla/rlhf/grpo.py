@@ -38,7 +38,7 @@ generates with base + adapters (`zeroxla.inference.adapter_switch`: when only th
 changed, only they are resharded).
 
 With `rollout_devices` the rollouts come from a rollout group on devices of their own, drawn
-up to `max_staleness` versions ahead while the training group updates (`grpo_async`), with
+up to `max_staleness` versions ahead while the training group updates (`async_rollouts`), with
 `partial_rollout` in passes whose unfinished answers continue after a sync (`partial_rollout`).
 """
 
@@ -61,7 +61,7 @@ from zeroxla.engine.router_aux import check_budget_with_router, router_record
 from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
 from zeroxla.rlhf.grpo_config import GRPOConfig
-from zeroxla.rlhf.grpo_async import AsyncRollouts, split_mesh
+from zeroxla.rlhf.async_rollouts import AsyncRollouts, split_mesh
 from zeroxla.rlhf.grpo_experience import DrawnRollout, GRPORollout, iteration_record
 from zeroxla.rlhf.grpo_eval import exact_accuracy, greedy_accuracy
 from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss
@@ -69,9 +69,8 @@ from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.partial_rollout import PartialAnswers, continue_answers, finish_rollout
 from zeroxla.rlhf.reward import make_scorer
-from zeroxla.rlhf.roles import build_roles
+from zeroxla.rlhf.roles import build_roles, resolve_routing_replay
 from zeroxla.rlhf.reward_funcs import RewardFunctions
-from zeroxla.inference.checks import check_routing
 from zeroxla.rlhf.rollout import generation_stats
 from zeroxla.rlhf.rollout_correction import corrected_batch
 
@@ -134,8 +133,8 @@ class GRPOTrainer:
         self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
         self.rollouts = None if roles.rollout is None else AsyncRollouts(
             roles.rollout, config.max_staleness, self, config.partial_rollout or None)
-        if config.routing_replay != "off":        # an MoE actor: refused by name otherwise
-            check_routing(roles.step.layout.model_def)
+        # "auto" resolved for the built actor; an explicit mode checked against it
+        self.config = config = resolve_routing_replay(config, roles.step.layout.model_def)
         check_token_budget(config.ppo_max_token_len_per_gpu, config.row_len, roles.step.layout,
                            "GRPOConfig")
         # Every per-token read in the actor's layout; the reference (the plain actor: LoRA's
@@ -149,7 +148,7 @@ class GRPOTrainer:
     @property
     def policy(self) -> Any:
         """The state rollouts are drawn from: the actor's, or the rollout group's synced copy
-        (`rollout_devices`: `grpo_async`)."""
+        (`rollout_devices`: `async_rollouts`)."""
         return self.actor_state if self.rollouts is None else self.rollouts.group.state
 
     def sample_prompts(self, iteration: int) -> np.ndarray:
@@ -276,7 +275,7 @@ class GRPOTrainer:
     def train_grpo(self, rollout: GRPORollout,
                    overlap: Callable[[], None] | None = None) -> dict[str, float]:
         """`num_iterations` actor steps on `rollout` (`overlap()` runs once the first is
-        dispatched, before anything of it is read: `grpo_async`'s rollouts drawn ahead);
+        dispatched, before anything of it is read: `async_rollouts`'s rollouts drawn ahead);
         returns the mean loss and the clipped fractions (mean over the steps after the first;
         0 when there is one step: its ratio is 1), with a rollout correction its metrics
         (`rollout_corr/*`; with "tis" also `tis_clipped_fraction`, the share of tokens the cap
@@ -326,7 +325,7 @@ class GRPOTrainer:
             rollout, generation_s, scoring_s = self.generate_experience(it)
             start = time.perf_counter()
             train = self.train_grpo(rollout)
-        else:                     # drawn ahead by the rollout group (`grpo_async`)
+        else:                     # drawn ahead by the rollout group (`async_rollouts`)
             drawn = self.rollouts.take(it, self.actor_state)
             start = time.perf_counter()
             rollout = self.experience(drawn)

@@ -54,8 +54,11 @@ chose for every token of the rollout (continuous or static decode, `HybridEngine
 ..., return_routing=True)`) and logs `routing/mismatch`, the (token, layer) pairs where the actor's
 training forward routes otherwise; "on" also trains on the record: every recorded token sent
 to its recorded experts, weighed by the live router (`models.moe`), for the old, the
-reference's and the trained log-probs alike; "off" (the default) records nothing. Needs
-`packing`.
+reference's and the trained log-probs alike; "off" records nothing. "measure" and "on" need
+`packing`. "auto" (the default) is resolved by the trainer for its actor
+(`roles.resolve_routing_replay`, the trainer's `config` holding the result): "on" for an MoE
+actor, "off" for a dense one, and "off" with a warning naming why where "on" cannot run for an
+MoE actor (no routing records for its family, `packing=False`, `partial_rollout`).
 
 `rollout_dtype` ("float32" | "bfloat16", `HybridEngineConfig.rollout_dtype`): the dtype the
 rollout engine decodes in. "bfloat16" is verl's and slime's rollout against float32 training
@@ -67,7 +70,7 @@ rebuilt in the batch-invariant mode (`roles.batch_invariant_policy`: every sum i
 order), so at inference_tp_size=1 the rollout's log-probs equal the training forward's exactly
 and an MoE actor routes every token as its rollout did. Needs a float32 rollout.
 
-`rollout_devices` N > 0 (asynchronous GRPO, `zeroxla.rlhf.grpo_async`): the last N devices of
+`rollout_devices` N > 0 (asynchronous GRPO, `zeroxla.rlhf.async_rollouts`): the last N devices of
 the mesh are a rollout group that generates while the first ones train (N: half the devices);
 `max_staleness` k lets iteration i's rollout be drawn from the weights of iteration >= i - k
 (0: the synchronous loop's order). 0 (the default): the Hybrid Engine colocated with training.
@@ -94,7 +97,7 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGES = ("grpo", "rloo")
 ROLLOUT_CORRECTIONS = ("tis", "decoupled")
-ROUTING_REPLAY = ("off", "measure", "on")
+ROUTING_REPLAY = ("auto", "off", "measure", "on")
 
 
 class GRPOConfigError(ValueError):
@@ -124,7 +127,7 @@ def check_rollout_fields(config: Any, check: Callable[[str, Any, bool, str], Non
     `batch_invariant`), each through `check(name, value, ok, accepted)`: the config's own
     error, naming its class and the field."""
     check("routing_replay", config.routing_replay, config.routing_replay in ROUTING_REPLAY and (
-        config.packing or config.routing_replay == "off"),
+        config.packing or config.routing_replay in ("auto", "off")),
         " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
         "forward is the packed one)")
     check("rollout_dtype", config.rollout_dtype, config.rollout_dtype in ROLLOUT_DTYPES,
@@ -133,6 +136,18 @@ def check_rollout_fields(config: Any, check: Callable[[str, Any, bool, str], Non
           and not (config.batch_invariant and config.rollout_dtype != "float32"),
           "True or False; True with rollout_dtype='float32' (the mode computes in float32, as "
           "the training forward does)")
+
+
+def check_async_fields(config: Any, check: Callable[[str, Any, bool, str], None]) -> None:
+    """The asynchronous pipeline's fields GRPO and PPO share (`rollout_devices`,
+    `max_staleness`: `zeroxla.rlhf.async_rollouts`), each through `check` as
+    `check_rollout_fields`'s."""
+    for name in ("rollout_devices", "max_staleness"):
+        value = getattr(config, name)
+        check(name, value, _is_int(value) and value >= 0, "an integer >= 0")
+    check("max_staleness", config.max_staleness, not config.max_staleness
+          or config.rollout_devices > 0, "0 with rollout_devices=0 (colocated rollouts "
+          "wait for the update); > 0 with rollout_devices > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +176,7 @@ class GRPOConfig:
     packing: bool = True
     packed_row_len: int | None = None
     ppo_max_token_len_per_gpu: int | None = None
-    routing_replay: str = "off"
+    routing_replay: str = "auto"
     rollout_dtype: str = "float32"
     rollout_devices: int = 0
     max_staleness: int = 0
@@ -215,12 +230,7 @@ class GRPOConfig:
             "None or an integer >= 1 with packing=True and packed_row_len=None (the budget "
             "is the packed rows' length per device)")
         check_rollout_fields(self, _check)
-        for name in ("rollout_devices", "max_staleness"):
-            value = getattr(self, name)
-            _check(name, value, _is_int(value) and value >= 0, "an integer >= 0")
-        _check("max_staleness", self.max_staleness, not self.max_staleness
-               or self.rollout_devices > 0, "0 with rollout_devices=0 (colocated rollouts "
-               "wait for the update); > 0 with rollout_devices > 0")
+        check_async_fields(self, _check)
         cap = self.behav_imp_weight_cap
         _check("behav_imp_weight_cap", cap, cap is None or (
             _is_number(cap) and cap > 1 and self.rollout_correction == "decoupled"),
@@ -229,10 +239,10 @@ class GRPOConfig:
         _check("partial_rollout", self.partial_rollout, _is_int(self.partial_rollout) and (
             self.partial_rollout == 0 or (
                 0 < self.partial_rollout < self.max_completion_length
-                and self.max_staleness >= 1 and self.routing_replay == "off")),
+                and self.max_staleness >= 1 and self.routing_replay in ("auto", "off"))),
             f"0 (off), or an integer in [1, max_completion_length={self.max_completion_length}"
             ") with max_staleness >= 1 (an answer is carried to a later sync) and "
-            "routing_replay='off'")
+            "routing_replay='auto' or 'off'")
 
     @property
     def clip_high(self) -> float:

@@ -20,12 +20,19 @@ rejected tokens out of the loss and its count, or the rollout's log-probs as pi_
 "measure" records the experts each layer chose for every token of the rollout (either
 batching) and logs `routing/mismatch`, the (token, layer) pairs the actor's forward routes
 otherwise; "on" also replays the record in the actor's old, the reference's and the trained
-log-probs; "off" (the default) records nothing. Needs `packing`. `rollout_dtype` is GRPO's
+log-probs; "off" records nothing; "auto" (the default) is GRPO's: "on" for an MoE actor, "off"
+for a dense one or, with a warning naming why, where "on" cannot run (resolved by the trainer,
+`roles.resolve_routing_replay`). "measure" and "on" need `packing`. `rollout_dtype` is GRPO's
 (`GRPOConfig.rollout_dtype`): "bfloat16" rolls out in bf16 against the float32 masters.
 `batch_invariant` is GRPO's (`GRPOConfig.batch_invariant`, a Llama or MoE Llama actor): the actor,
 and so the reference read through its forward, is rebuilt in the batch-invariant mode, so at
 inference_tp_size=1 the rollout's log-probs equal the actor's training forward's exactly. The
 critic stays in the default mode: its values are never compared with the rollout's.
+`rollout_devices` and `max_staleness` are GRPO's (`GRPOConfig.rollout_devices`,
+`zeroxla.rlhf.async_rollouts`): the last N devices a rollout group drawing iteration i's
+answers from the actor of iteration >= i - k while the first ones train actor and critic; the
+old log-probs, values, rewards and GAE are the training group's, of the actor at i.
+`rollout_corr=RolloutCorrection.decoupled(cap)` is AReaL's decoupled objective for them.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroxla.rlhf.grpo_config import check_rollout_fields
+from zeroxla.rlhf.grpo_config import check_async_fields, check_rollout_fields
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
@@ -78,12 +85,15 @@ class PPOConfig:
     ppo_max_token_len_per_gpu: int | None = None
     # verl's rollout correction (the module docstring); the default corrects nothing.
     rollout_corr: RolloutCorrection = RolloutCorrection()
-    # routing replay (R3) of an MoE actor: "off" | "measure" | "on" (the module docstring).
-    routing_replay: str = "off"
+    # routing replay (R3) of an MoE actor: "auto" | "off" | "measure" | "on" (the docstring).
+    routing_replay: str = "auto"
     # the rollout engine's dtype: "float32" | "bfloat16" (`HybridEngineConfig.rollout_dtype`).
     rollout_dtype: str = "float32"
     # the actor in the batch-invariant mode (`roles.batch_invariant_policy`; the docstring).
     batch_invariant: bool = False
+    # asynchronous PPO: the rollout group's devices and the rollouts' lag (the docstring).
+    rollout_devices: int = 0
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value"):
@@ -111,6 +121,7 @@ class PPOConfig:
             "a RolloutCorrection with kl_weighted=False (PPO's KL is in the rewards, not a "
             "term of the loss to weight)")
         check_rollout_fields(self, _check)
+        check_async_fields(self, _check)
 
     @classmethod
     def vowels_demo(cls) -> "PPOConfig":

@@ -27,6 +27,10 @@ mode (`roles.batch_invariant_policy`): the rollout's log-probs equal the actor's
 bit (`gap/max` 0.0 in the record). The critic is built from the plain model given: its values
 are never compared with the rollout's, so it keeps the default mode's speed.
 
+With `PPOConfig.rollout_devices` (asynchronous PPO, `async_rollouts`, shared with GRPO) 2. runs
+on a rollout group of its own (`start` / `finish`, from a synced version up to `max_staleness`
+behind) while 3. and 4. run on the training group, at the actor now.
+
 The rollout's forwards (3.) run in each step's own layout (`answer_forward`: ZeRO-3's
 per-layer gathers, rows over the data replicas, tokens over the sequence devices), as
 DeepSpeed-Chat runs them through its ZeRO-3 engines' forward; the reference is a frozen copy of
@@ -51,45 +55,20 @@ import zeroxla
 from zeroxla.engine.loss import check_packable
 from zeroxla.lora import LoRAConfig
 from zeroxla.inference.config import rollout_batching
-from zeroxla.rlhf.advantages import compute_rewards, get_advantages_and_returns
+from zeroxla.rlhf.advantages import rewards_and_advantages
+from zeroxla.rlhf.async_rollouts import AsyncRollouts, split_mesh
 from zeroxla.rlhf.ppo_config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
 from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
 from zeroxla.rlhf.reward import RewardFn, make_scorer
-from zeroxla.rlhf.reward_model import RewardModel
-from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles
-from zeroxla.inference.checks import check_routing
-from zeroxla.rlhf.rollout import (Rollout, generation_stats, pad_answers, pad_logprobs,
+from zeroxla.rlhf.reward_model import RewardModel, check_scoring_model
+from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles, resolve_routing_replay
+from zeroxla.rlhf.partial_rollout import PartialAnswers
+from zeroxla.rlhf.rollout import (DrawnAnswers, Rollout, check_prompt_tokens, generation_stats,
                                   pad_routing, routing_metrics)
 from zeroxla.rlhf.rollout_correction import corrected_batch, logprob_gap
-
-
-@functools.partial(jax.jit, static_argnames=("kl_ctl", "clip_reward_value", "gamma", "lam"))
-def _rewards_and_advantages(logprobs, ref_logprobs, scores, values, mask, *, kl_ctl,
-                            clip_reward_value, gamma, lam):
-    rewards = compute_rewards(logprobs, ref_logprobs, scores, mask, kl_ctl=kl_ctl,
-                              clip_reward_value=clip_reward_value)
-    advantages, returns = get_advantages_and_returns(values, rewards, mask, gamma=gamma, lam=lam)
-    return rewards, advantages, returns
-
-
-def _check_scoring_model(field: str, model: Any, actor: nnx.Module, seq_len: int) -> None:
-    """A reward model or critic start must be a `RewardModel` reading the actor's tokens (same
-    vocabulary) over a whole rollout row (`seq_len` = P + G positions)."""
-    if not isinstance(model, RewardModel):
-        raise TypeError(f"{field}={type(model).__name__}; accepted: a zeroxla.rlhf.RewardModel "
-                        "(plain, e.g. zeroxla.gathered_model of its training state)")
-    config, actor_config = model.base.config, getattr(actor, "config", None)
-    vocab, actor_vocab = (getattr(c, "vocab_size", None) for c in (config, actor_config))
-    if None not in (vocab, actor_vocab) and vocab != actor_vocab:
-        raise ValueError(f"{field} has vocab_size={vocab} but the actor {actor_vocab}; accepted: "
-                         "a reward model over the actor's tokenizer")
-    max_len = getattr(config, "max_seq_len", None)
-    if max_len is not None and max_len < seq_len:
-        raise ValueError(f"{field} has max_seq_len={max_len} < prompt_length + answer_length = "
-                         f"{seq_len}; accepted: a base that reads whole rollout rows")
 
 
 class PPOTrainer:
@@ -117,7 +96,8 @@ class PPOTrainer:
                  prompt_tokens: np.ndarray, reward_fn: RewardFn | None = None,
                  reward_model: RewardModel | None = None, critic_init: RewardModel | None = None,
                  inference_tp_size: int = 2, eos_id: int | None = None, seed: int = 0,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None,
+                 actor_optimizer: optax.GradientTransformation | None = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
         seq_len = config.prompt_length + config.answer_length
@@ -125,24 +105,18 @@ class PPOTrainer:
             check_packable(actor, "PPOConfig.packing", "actor")
         for field, model in (("reward_model", reward_model), ("critic_init", critic_init)):
             if model is not None:
-                _check_scoring_model(field, model, actor, seq_len)
+                check_scoring_model(field, model, actor, seq_len)
         self.score = make_scorer(reward_fn, reward_model)   # (tokens, mask, texts) -> [B]
         self.config, self.tokenizer, self.seed = config, tokenizer, seed
         # The policy is the softmax over the tokenizer's ids: the rollouts draw from it
         # (`vocab_limit`), and the actor's, the reference's log-probs are of it.
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)
         self.eos_id = eos_id
-        self.prompt_tokens = np.asarray(prompt_tokens, np.int32)
-        if self.prompt_tokens.ndim == 2:
-            if self.prompt_tokens.shape[1] != config.prompt_length:
-                raise ValueError(f"prompt_tokens rows have {self.prompt_tokens.shape[1]} tokens; "
-                                 f"accepted: PPOConfig.prompt_length={config.prompt_length}")
-        elif self.prompt_tokens.ndim != 1 or self.prompt_tokens.size <= config.prompt_length:
-            raise ValueError(f"prompt_tokens of shape {self.prompt_tokens.shape} is invalid; "
-                             f"accepted: a token stream longer than PPOConfig.prompt_length="
-                             f"{config.prompt_length}, or prompts int32[N, prompt_length]")
+        self.prompt_tokens = check_prompt_tokens(prompt_tokens, config.prompt_length)
         # The reference is the plain actor; DeepSpeed-Chat puts adapters on actor and critic.
-        roles = build_roles(actor, mesh, optimizer=optax.adamw(config.actor_lr),
+        mesh, rollout_mesh = split_mesh(mesh, config.rollout_devices, lora, "PPOConfig")
+        roles = build_roles(actor, mesh, optimizer=actor_optimizer or optax.adamw(
+                                config.actor_lr), rollout_mesh=rollout_mesh,
                             loss_fn=make_actor_loss(config.cliprange, self.vocab_limit),
                             seed=seed, lora=lora, batch_invariant=config.batch_invariant,
                             hybrid_engine=zeroxla.HybridEngineConfig(
@@ -155,8 +129,10 @@ class PPOTrainer:
                                                    mesh.devices.size // inference_tp_size,
                                                    config.prompt_length)))
         self.actor_step, self.engine, self.actor_state = roles.step, roles.engine, roles.state
-        if config.routing_replay != "off":        # an MoE actor: refused by name otherwise
-            check_routing(roles.step.layout.model_def)
+        self.rollouts = None if roles.rollout is None else AsyncRollouts(    # `async_rollouts`
+            roles.rollout, config.max_staleness, self)
+        # "auto" resolved for the built actor; an explicit mode checked against it
+        self.config = config = resolve_routing_replay(config, roles.step.layout.model_def)
         critic, critic_trainable = adapted(
             Critic(nnx.clone(actor)) if critic_init is None
             else critic_from_reward_model(critic_init), lora, seed + 1)
@@ -193,13 +169,19 @@ class PPOTrainer:
                               c.prompts_per_iteration)
         return [self.prompt_tokens[s:s + c.prompt_length] for s in starts]
 
+    @property
+    def policy(self) -> Any:
+        """The state rollouts are drawn from: the actor's, or the rollout group's synced copy
+        (`rollout_devices`: `async_rollouts`)."""
+        return self.actor_state if self.rollouts is None else self.rollouts.group.state
+
     def generate_sequence(self, prompts: list[np.ndarray], iteration: int
                           ) -> tuple[list[np.ndarray], ...]:
-        """The Hybrid Engine's samples (temperature 1: the actor's own distribution), over the
-        ids the tokenizer decodes (`vocab_limit`: a padded vocabulary's rows are never drawn),
-        the log-probs [new] it drew each answer's tokens with, and with `routing_replay` each
-        output's routing record [len(output), L, k]."""
-        results = self.engine.generate(self.actor_state, prompts,
+        """The Hybrid Engine's samples from `policy` (temperature 1: the actor's own
+        distribution), over the ids the tokenizer decodes (`vocab_limit`: a padded vocabulary's
+        rows are never drawn), the log-probs [new] it drew each answer's tokens with, and with
+        `routing_replay` each output's routing record [len(output), L, k]."""
+        results = self.engine.generate(self.policy, prompts,
                                        max_new_tokens=self.config.answer_length,
                                        temperature=1.0, eos_id=self.eos_id,
                                        seed=self.seed * 100_003 + iteration,
@@ -208,17 +190,49 @@ class PPOTrainer:
         self.engine.release()          # the next optimizer step makes the TP copy stale anyway
         return results
 
-    def generate_experience(self, iteration: int) -> tuple[Rollout, float, float]:
-        """One rollout; returns it with the seconds spent generating and scoring it."""
-        c = self.config
+    def start(self, iteration: int, version: int | None = None, tokens: int | None = None
+              ) -> PartialAnswers:
+        """Rollout `iteration`'s answers, drawn whole from `policy` (version `version`).
+        `start` and `finish` are the rollout side (`async_rollouts.RolloutSide`), nothing the
+        training group computes; PPO draws no partial rollout (`tokens` is None)."""
         start = time.perf_counter()
         prompts = self.sample_prompts(iteration)
+        partial = PartialAnswers.empty(iteration, np.arange(len(prompts)), prompts,
+                                       self.config.answer_length, self.eos_id)
         outputs, drawn, *records = self.generate_sequence(prompts, iteration)
-        generation_s = time.perf_counter() - start
+        partial.extend(range(len(outputs)), outputs, drawn, version)
+        partial.routing = records[0] if records else None
+        partial.generation_s = time.perf_counter() - start
+        return partial
 
+    def advance(self, partial: PartialAnswers, version: int | None, tokens: int | None = None
+                ) -> None:
+        """A later pass over unfinished answers: none exist, `start` draws every answer to its
+        end."""
+        raise ValueError(f"rollout {partial.iteration} has unfinished answers; accepted: "
+                         "PPO's whole answers (PPOConfig has no partial rollout)")
+
+    def finish(self, partial: PartialAnswers) -> DrawnAnswers:
+        """`partial`'s answers padded, with the engine's log-probs and their versions."""
+        tokens, mask, _, drawn = partial.padded(self.config.prompt_length)
+        versions, version = partial.tags(mask)
+        routing = None if partial.routing is None else pad_routing(partial.routing,
+                                                                   tokens.shape[1])
+        return DrawnAnswers(tokens, mask, drawn, routing, partial.generation_s, version,
+                            versions)
+
+    def generate_experience(self, iteration: int) -> tuple[Rollout, float, float]:
+        """One rollout; returns it with the seconds spent generating and scoring it."""
+        drawn = self.finish(self.start(iteration))
         start = time.perf_counter()
-        tokens, mask = pad_answers(outputs, c.prompt_length, c.answer_length)
-        routing = pad_routing(records[0], tokens.shape[1]) if records else None
+        rollout = self.experience(drawn)
+        return rollout, drawn.generation_s, time.perf_counter() - start
+
+    def experience(self, d: DrawnAnswers) -> Rollout:
+        """`d`'s answers read by the training group, at the actor now: its log-probs (the "old"
+        policy of the ratio), the reference's, the critic's values, the scores, the per-token
+        rewards and GAE."""
+        c, tokens, mask, routing = self.config, d.tokens, d.action_mask, d.routing
         follow = c.routing_replay == "on"       # else the record is only compared
         logprobs, mismatch = self.answers.routed(self.actor_state, tokens, mask, routing,
                                                  follow_record=follow)   # [B, G], each
@@ -226,29 +240,32 @@ class PPOTrainer:
                                                         routing, follow_record=follow)
         values = self.values(self.critic_state, tokens, mask)
         texts = tuple(self.tokenizer.decode(tokens[b, c.prompt_length:][mask[b] > 0])
-                      for b in range(len(outputs)))
+                      for b in range(len(tokens)))
         scores = self.score(tokens, mask, texts)
-        rewards, advantages, returns = _rewards_and_advantages(
+        rewards, advantages, returns = rewards_and_advantages(
             logprobs, ref_logprobs, scores, values, mask, kl_ctl=c.kl_ctl,
             clip_reward_value=c.clip_reward_value, gamma=c.gamma, lam=c.lam)
         host = {k: np.asarray(v, np.float32) for k, v in dict(
             logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=rewards,
             advantages=advantages, returns=returns).items()}
-        rollout = Rollout(prompt_length=c.prompt_length, tokens=tokens, action_mask=mask,
-                          texts=texts, scores=scores, rollout_logprobs=pad_logprobs(drawn, mask),
-                          routing=routing, routing_mismatch=None if routing is None
-                          else np.asarray(mismatch, np.int64), **host)
-        return rollout, generation_s, time.perf_counter() - start
+        return Rollout(prompt_length=c.prompt_length, tokens=tokens, action_mask=mask,
+                       texts=texts, scores=scores, rollout_logprobs=d.rollout_logprobs,
+                       routing=routing, routing_mismatch=None if routing is None
+                       else np.asarray(mismatch, np.int64), **host)
 
     # ---- training --------------------------------------------------------------------------
-    def train_rlhf(self, rollout: Rollout) -> tuple[float, float]:
-        """`ppo_epochs` actor and critic steps on `rollout`; returns the mean actor and critic
-        losses over the epochs."""
+    def train_rlhf(self, rollout: Rollout, overlap: Callable[[], None] | None = None
+                   ) -> tuple[float, float]:
+        """`ppo_epochs` actor and critic steps on `rollout` (`overlap()` runs once the first
+        actor step is dispatched, before anything of it is read: `async_rollouts`' rollouts
+        drawn ahead); returns the mean actor and critic losses over the epochs."""
         (actor_batch, actor_k), (critic_batch, critic_k) = self.batches(rollout)
         actor_losses, critic_losses = [], []
-        for _ in range(self.config.ppo_epochs):
+        for epoch in range(self.config.ppo_epochs):
             self.actor_state, metrics = self.actor_step(self.actor_state, actor_batch,
                                                         gradient_accumulation_steps=actor_k)
+            if overlap is not None and epoch == 0:
+                overlap()
             actor_losses.append(float(metrics["loss"]))     # one program in flight at a time
             self.critic_state, metrics = self.critic_step(self.critic_state, critic_batch,
                                                           gradient_accumulation_steps=critic_k)
@@ -263,17 +280,28 @@ class PPOTrainer:
         steps), the train/rollout log-prob gap of the actor's log-probs against the engine's
         (`gap/max`, `gap/mean_abs`, `gap/frac_over_1e-3`, GRPO's), with an active
         `rollout_corr` its `rollout_corr/*` metrics, with `routing_replay` the rollout's
-        `routing/mismatch` and `routing/mismatch_fraction` (`rollout.routing_metrics`)) and the
-        rollout."""
-        rollout, generation_s, experience_s = self.generate_experience(it)
+        `routing/mismatch` and `routing/mismatch_fraction` (`rollout.routing_metrics`), with
+        `rollout_devices` the pipeline's `policy_version`, `staleness`, `sync/bytes` and
+        `sync/floor_bytes` (`AsyncRollouts.record`)) and the rollout."""
+        overlap, pipeline = None, {}
+        if self.rollouts is None:
+            rollout, generation_s, experience_s = self.generate_experience(it)
+        else:                     # drawn ahead by the rollout group (`async_rollouts`)
+            drawn = self.rollouts.take(it, self.actor_state)
+            start = time.perf_counter()
+            rollout = self.experience(drawn)
+            generation_s, experience_s = drawn.generation_s, time.perf_counter() - start
+            overlap = functools.partial(self.rollouts.launch_ahead, it)
         start = time.perf_counter()
-        actor_loss, critic_loss = self.train_rlhf(rollout)
+        actor_loss, critic_loss = self.train_rlhf(rollout, overlap)
+        if self.rollouts is not None:
+            pipeline = self.rollouts.record(it, drawn)
         jax.block_until_ready((self.actor_state, self.critic_state))
         record = dict(iteration=it, reward=float(np.mean(rollout.scores)), kl=rollout.kl(),
                       actor_loss=actor_loss, critic_loss=critic_loss,
                       generation_s=generation_s, experience_s=experience_s,
                       training_s=time.perf_counter() - start, **generation_stats(self.engine),
-                      **self.actor_batch(rollout)[1])
+                      **self.actor_batch(rollout)[1], **pipeline)
         if rollout.rollout_logprobs is not None:
             record.update({f"gap/{k}": float(v) for k, v in logprob_gap(
                 rollout.logprobs, rollout.rollout_logprobs, rollout.action_mask).items()})
@@ -367,13 +395,3 @@ def run_ppo(config: PPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any,
         if on_iteration is not None:
             on_iteration(record)
     return PPORun(records, rollouts, trainer)
-
-
-def time_split(records: list[dict[str, float]], skip_first: bool = True) -> dict[str, float]:
-    """Total seconds in generation, experience and training over `records` (without iteration
-    0, which compiles, when `skip_first` and there is more than one), and their shares."""
-    rows = records[1:] if skip_first and len(records) > 1 else records
-    totals = {k: float(sum(r[k] for r in rows))
-              for k in ("generation_s", "experience_s", "training_s")}
-    whole = sum(totals.values()) or 1.0
-    return {**totals, **{k.replace("_s", "_share"): v / whole for k, v in totals.items()}}

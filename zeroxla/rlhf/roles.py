@@ -8,10 +8,11 @@ reference / rollout roles):
                 with other loss_fns (DPO's accuracy and margin)
     engine      the Hybrid Engine over the step's layout (PPO, GRPO: generation); with a
                 `rollout_mesh`, over that mesh's devices instead: `rollout`, a `RolloutGroup`
-                fed by weight syncs (asynchronous GRPO, `grpo_async`)
+                fed by weight syncs (asynchronous GRPO and PPO, `async_rollouts`)
 
 `build_roles` builds them; `adapted` is its LoRA conversion alone (PPO's critic);
-`batch_invariant_policy` the starting model in the batch-invariant mode (`--batch-invariant`).
+`batch_invariant_policy` the starting model in the batch-invariant mode (`--batch-invariant`);
+`resolve_routing_replay` the routing replay mode a config's "auto" means for the built actor.
 The frozen reference is a copy of the step's first state's partitions
 (`answer_forward.reference_partitions`: LoRA's first adapters are B = 0, so it is the plain
 starting model), never a whole model on one device.
@@ -20,6 +21,7 @@ starting model), never a whole model on one device.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,6 +29,8 @@ import optax
 from flax import nnx
 
 import zeroxla
+from zeroxla.engine.router_aux import has_router
+from zeroxla.inference.checks import check_routing
 from zeroxla.inference.rollout_group import RolloutGroup
 from zeroxla.lora import LoRAConfig, convert_linear_layer_to_lora, lora_trainable
 
@@ -89,6 +93,47 @@ def batch_invariant_policy(model: nnx.Module, owner: str, inference_tp_size: int
     return nnx.merge(nnx.graphdef(mode), nnx.state(model))
 
 
+def _replay_blocker(config: Any, model: Any) -> str | None:
+    """Why "on" cannot run for the MoE actor `model` under `config` (None: it can)."""
+    if not all(callable(getattr(type(model), name, None))
+               for name in ("decode_choices", "replayed_token_logprobs")):
+        return (f"a {type(model).__name__} actor's decode records no routing, or its forward "
+                "replays none (decode_choices, replayed_token_logprobs: built for the MoE "
+                "Llama families and gpt-oss)")
+    if not config.packing:
+        return "packing=False (the replayed forward is the packed one)"
+    if getattr(config, "partial_rollout", 0):
+        return (f"partial_rollout={config.partial_rollout} (a carried answer's tokens are "
+                "routed by several weight versions)")
+    return None
+
+
+def resolve_routing_replay(config: Any, model_def: Any) -> Any:
+    """`config` (a GRPOConfig or PPOConfig) with `routing_replay` resolved for the actor the
+    step built (`model_def`), an explicit mode other than "off" checked to be recordable
+    (`check_routing`: ValueError naming return_routing for an actor without routing records).
+
+    "auto" is "on" for a Mixture-of-Experts actor (router statistics or `num_experts`) and
+    "off" for a dense one: replay is measured exact (0 mismatches), so an MoE actor trains on
+    its rollout's experts unless told otherwise. Where "on" cannot run for an MoE actor (its
+    decode records no routing, `packing=False`, `partial_rollout`), "auto" is "off" and one
+    warning names the reason: such a run trains as any unreplayed run does (every token routed
+    live), a correct loss without replay's protection against routing drift, and refusing there
+    would refuse runs that ask for nothing by name. An explicit "on" or "measure" there is
+    refused by name, as the config's own checks and `check_routing` do."""
+    if config.routing_replay != "auto":
+        if config.routing_replay != "off":
+            check_routing(model_def)
+        return config
+    model = model_def.abstract_module()
+    moe = has_router(model) or bool(getattr(getattr(model, "config", None), "num_experts", 0))
+    blocker = _replay_blocker(config, model) if moe else None
+    if blocker is not None:
+        warnings.warn(f"{type(config).__name__}.routing_replay='auto' is 'off' for this MoE "
+                      f"actor: {blocker}; the rollout's routing is not replayed", stacklevel=3)
+    return config.replace(routing_replay="on" if moe and blocker is None else "off")
+
+
 def build_roles(model: nnx.Module, mesh: Any, *, optimizer: optax.GradientTransformation,
                 loss_fn: Callable, seed: int, lora: LoRAConfig | None = None,
                 zero_config: zeroxla.ZeroConfig = POLICY_ZERO, trainable: Any = None,
@@ -119,4 +164,4 @@ def build_roles(model: nnx.Module, mesh: Any, *, optimizer: optax.GradientTransf
 
 
 __all__ = ["POLICY_ZERO", "Roles", "adapted", "batch_invariant_families", "batch_invariant_policy",
-           "build_roles"]
+           "build_roles", "resolve_routing_replay"]

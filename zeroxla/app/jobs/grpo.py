@@ -134,7 +134,9 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
     ("--routing-replay", "routing_replay", "an MoE actor's routing replay (R3): measure: the "
      "rollout records each token's experts per layer (either batching) and routing/mismatch "
      "counts the pairs the training forward routes otherwise; on: training also replays the "
-     "record (the weights from the live router); default off", dict(choices=ROUTING_REPLAY)),
+     "record (the weights from the live router); auto (default): on for an MoE actor, off "
+     "for a dense one or, with a warning naming why, where on cannot run (--no-packing, "
+     "--partial-rollout, a family without routing records)", dict(choices=ROUTING_REPLAY)),
     ("--batch-invariant", "batch_invariant", "the actor (a Llama or MoE Llama family) rebuilt "
      "in the batch-invariant mode: every matmul, norm, softmax and attention summed in a fixed "
      "order, so at --inference-tp-size 1 the rollout's log-probs equal the training forward's "
@@ -253,7 +255,8 @@ class GRPOJob:
         line = (f"zeroxla grpo: actor {c.actor}, {len(self.trainer.prompts.ids)} prompts of up "
                 f"to {g.prompt_length} tokens ({c.prompts or 'the bundled arithmetic task'}), "
                 f"iterations {first}..{c.iterations - 1} of {g.prompts_per_iteration} prompts x "
-                f"{g.num_generations} answers, loss {g.loss_type}"
+                f"{g.num_generations} answers, loss {g.loss_type}, routing replay "
+                f"{g.routing_replay}"
                 + (f", LoRA rank {c.lora.dim}" if c.lora.enabled else ""))
         return line if self.cut_line is None else f"{self.cut_line}\n{line}"
 

@@ -10,7 +10,9 @@ its score of prompt + answer at the answer's last real token plus the per-token 
 ZeRO-3 partitions; prompts keep their last `--max-prompt-seq-len` tokens
 (`chat_data.prompt_rows`). With `--lora-dim` the actor and the critic (not the reference) get
 adapters; the summary's "parameters" and "memory" say what trains and what it holds. The
-`--rollout-*` options are verl's rollout correction of the actor's loss, as `zeroxla grpo`'s.
+`--rollout-*` options are verl's rollout correction of the actor's loss, as `zeroxla grpo`'s;
+`--rollout-devices` and `--max-staleness` draw the rollouts on devices of their own, up to K
+versions behind (asynchronous PPO, `zeroxla.rlhf.async_rollouts`, as `zeroxla grpo`'s).
 
 One iteration a unit (`zeroxla.rlhf.PPOTrainer.iteration`), one metrics.jsonl record each. The
 runner saves checkpoint/actor and checkpoint/critic and exports the actor to actor_hf/; at the
@@ -28,8 +30,8 @@ from typing import Any, ClassVar
 import jax
 
 from zeroxla.app import chat_data
-from zeroxla.app.cli_args import (non_negative_float, positive_float, positive_int,
-                                  unit_interval)
+from zeroxla.app.cli_args import (non_negative_float, non_negative_int, positive_float,
+                                  positive_int, unit_interval)
 from zeroxla.app.jobs.loading import REWARD_KIND, check_inference_tp, load_actor, load_reward
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
@@ -131,7 +133,9 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
            "actor's routing replay (R3): measure: the rollout records each token's experts per "
            "layer (either batching) and routing/mismatch counts the pairs the actor's forward "
            "routes otherwise; on: the actor's old, the reference's and the trained log-probs "
-           "also replay the record (the weights from the live router); default off",
+           "also replay the record (the weights from the live router); auto (default): on for "
+           "an MoE actor, off for a dense one or, with a warning naming why, where on cannot "
+           "run (--no-packing, a family without routing records)",
            choices=ROUTING_REPLAY),
     Option("--rollout-dtype", "rollout_dtype", "ppo", "rollout_dtype", "ppo", "the rollout "
            "engine's dtype: bfloat16 decodes (and reshards, at half the bytes) in bf16 against "
@@ -142,6 +146,15 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
            "as zeroxla grpo's: every sum in a fixed order, so at --inference-tp-size 1 the "
            "rollout's log-probs equal the actor's training forward's exactly (static batching; "
            "slower); the critic keeps the default mode", action="store_true"),
+    Option("--rollout-devices", "rollout_devices", "ppo", "rollout_devices", "ppo",
+           "asynchronous PPO, as zeroxla grpo's: the last N devices of --mesh generate (a "
+           "rollout group) while the first ones train actor and critic; N is half the devices, "
+           "0 (default) colocated (refused with LoRA, --sequence-parallel-size, "
+           "--expert-parallel-size)", type=non_negative_int, metavar="N"),
+    Option("--max-staleness", "max_staleness", "ppo", "max_staleness", "ppo", "with "
+           "--rollout-devices: iteration i's rollout drawn from the weights of iteration >= "
+           "i - k, while the update runs (0, the default: synchronous)",
+           type=non_negative_int, metavar="K"),
     *(row for row in SHARDING_OPTIONS if row.flag != "--zero-stage"), *RUN_OPTIONS, *LORA_OPTIONS),
     {"job": "the runs and the prompts", "ppo": "PPO hyper-parameters (DeepSpeed-Chat's names "
      "and defaults where it has them)", "parallel": "parallelism", "run": "the run", "lora":
@@ -219,7 +232,8 @@ class PPOJob:
         return (f"zeroxla ppo: actor {c.actor}, reward model {c.reward}, "
                 f"{len(self.trainer.prompt_tokens)} prompts of {p.prompt_length} tokens, answers "
                 f"of up to {p.answer_length}, iterations {first}..{c.iterations - 1} "
-                f"({p.prompts_per_iteration} rollouts each), ppo_epochs {p.ppo_epochs}")
+                f"({p.prompts_per_iteration} rollouts each), ppo_epochs {p.ppo_epochs}, "
+                f"routing replay {self.trainer.config.routing_replay}")
 
     def advance(self, done: int) -> dict[str, float]:
         record, rollout = self.trainer.iteration(done)
