@@ -9,6 +9,7 @@ through the job's loading code. The PPO iterations themselves are checked agains
 tests/zeroxla/rlhf/test_ppo.py; the whole job, slowly, in test_chat_jobs.py.
 """
 
+import dataclasses
 import json
 import operator
 
@@ -27,6 +28,7 @@ from zeroxla.app.jobs import ppo as ppo_job
 from zeroxla.app.run.job import RunSettings
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.rlhf import PPOConfig, RewardModel, pairwise_loss_terms, without_lm_head
+from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 PPO = PPOConfig(prompts_per_iteration=8, prompt_length=8, answer_length=8)
 
@@ -165,3 +167,78 @@ def test_batch_invariant_needs_a_float32_rollout():
     with pytest.raises(ValueError, match="PPOConfig.batch_invariant=True is invalid; accepted: "
                                          "True or False; True with rollout_dtype='float32'"):
         PPOConfig(batch_invariant=True, rollout_dtype="bfloat16")
+
+
+def resolved(*argv):
+    """The job tree `zeroxla ppo ARGV` runs (the command line read, nothing run)."""
+    from zeroxla.app.cli import build_parser
+    from zeroxla.app.run import command
+
+    args = build_parser().parse_args(["ppo", "--actor", "sft", "--reward", "rm", "--prompts",
+                                      "prompts.jsonl", *argv])
+    return command.resolve(ppo_job.SPEC, ppo_job.OPTIONS.given(args))[0]
+
+
+def test_decoupled_options_reach_the_ppo_config():
+    """`--rollout-correction decoupled --behav-imp-weight-cap C` (GRPO's options) is the PPO
+    config's `rollout_corr = RolloutCorrection.decoupled(C)`; without a cap, uncapped."""
+    job = resolved("--mesh", "2x4", "--rollout-devices", "4", "--max-staleness", "1",
+                   "--rollout-correction", "decoupled", "--behav-imp-weight-cap", "5")
+    assert job.ppo_config == PPOConfig(rollout_devices=4, max_staleness=1,
+                                       rollout_corr=RolloutCorrection.decoupled(5.0))
+    assert (resolved("--rollout-correction", "decoupled").ppo_config.rollout_corr
+            == RolloutCorrection.decoupled(None))
+    plain = resolved("--rollout-is", "token")
+    assert plain.ppo_config.rollout_corr == RolloutCorrection(is_level="token")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--rollout-correction", "decoupled", "--rollout-is", "token"),
+     "--rollout-correction decoupled with --rollout-is, --rollout-rs or --rollout-bypass"),
+    pytest.param(("--rollout-correction", "decoupled", "--rollout-bypass"),
+                 "--rollout-correction decoupled with --rollout-is", marks=pytest.mark.slow),
+    (("--behav-imp-weight-cap", "5"), "--behav-imp-weight-cap 5.0 is invalid; accepted: none, "
+     "or a number > 1 with --rollout-correction decoupled"),
+    pytest.param(("--rollout-correction", "decoupled", "--behav-imp-weight-cap", "1"),
+                 "--behav-imp-weight-cap 1.0 is invalid", marks=pytest.mark.slow)])
+def test_decoupled_conflicts_are_refused_by_name(argv, message):
+    with pytest.raises(ValueError, match=message):
+        resolved(*argv)
+
+
+@pytest.mark.slow
+def test_tis_is_not_a_ppo_correction(capsys):
+    """GRPO's "tis" weights a KL term PPO's loss does not have: argparse names the choices."""
+    from zeroxla.app.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ppo", "--rollout-correction", "tis"])
+    assert "invalid choice: 'tis' (choose from 'decoupled')" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_async_decoupled_ppo_job_runs_through_the_runner(runs):
+    """`zeroxla ppo --rollout-devices 4 --max-staleness 1 --rollout-correction decoupled` on the
+    2 x 4 mesh, 2 iterations in-process: iteration 1 trains on version 0's rollout (staleness
+    1), the records say so, and the summary's PPO config is the decoupled objective's."""
+    from zeroxla.app.cli import main
+
+    tmp, sft_run, rm_run, _, _ = runs
+    out = tmp / "ppo_async"
+    code = main(["ppo", "--actor", str(sft_run), "--reward", str(rm_run), "--prompts",
+                 str(tmp / "prompts.jsonl"), "--mesh", "2x4", "--rollout-devices", "4",
+                 "--max-staleness", "1", "--rollout-correction", "decoupled",
+                 "--behav-imp-weight-cap", "5", "--iterations", "2", "--per-iteration-prompts",
+                 "8", "--max-prompt-seq-len", "8", "--max-answer-seq-len", "8",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["policy_version"], r["staleness"]) for r in records] == [
+        (0, 0, 0), (1, 0, 1)]
+    assert all(np.isfinite(r["actor_loss"]) for r in records)
+    # the decoupled weights pi_prox / pi_behav are in force: their metrics, 1 at staleness 0
+    assert abs(records[0]["rollout_corr/rollout_is_mean"] - 1) < 1e-4, records[0]
+    assert records[1]["rollout_corr/rollout_is_max"] > 1.01, records[1]    # version 0 vs 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ppo"]["rollout_corr"] == dataclasses.asdict(RolloutCorrection.decoupled(5.0))
+    assert (summary["ppo"]["rollout_devices"], summary["ppo"]["max_staleness"]) == (4, 1)

@@ -26,7 +26,8 @@ from zeroxla.app.jobs.loading import (BASE_KEY, adapters_base, check_adapters,
 from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS,
-                                     Option, OptionTable, rollout_correction_options,
+                                     Option, OptionTable, check_one_correction,
+                                     named_correction_options, rollout_correction_options,
                                      split_option, token_budget_option)
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY, as_metadata
@@ -72,11 +73,7 @@ class GRPOJobConfig:
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"GRPOJobConfig.{name}={value!r} is invalid; accepted: an "
                                  "integer >= 1")
-        if self.grpo.rollout_correction and self.rollout_corr.active:
-            raise ValueError(f"--rollout-correction {self.grpo.rollout_correction} with "
-                             "--rollout-is, --rollout-rs or "
-                             "--rollout-bypass: two corrections; accepted: one of them "
-                             "(tis is --rollout-is token --rollout-is-threshold C)")
+        check_one_correction(self.grpo.rollout_correction, self.rollout_corr)
         check_split(self.split, self.prompts, "--prompts")
         check_reward_sources(self.reward_names, self.reward_weights,
                              prompts=self.prompts is not None, with_model=self.reward is not None)
@@ -114,12 +111,6 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
      dict(type=positive_int)),
     ("--max-completion-length", "max_completion_length", "answer tokens",
      dict(type=positive_int)),
-    ("--rollout-correction", "rollout_correction", "tis: truncated importance sampling of the "
-     "train/rollout log-prob gap (TRL's vllm_importance_sampling_correction); decoupled: "
-     "AReaL's decoupled PPO objective (--behav-imp-weight-cap)",
-     dict(choices=ROLLOUT_CORRECTIONS)),
-    ("--tis-cap", "tis_cap", "the largest importance weight of --rollout-correction tis",
-     dict(type=positive_float, metavar="C")),
     ("--reference-int8", "reference_int8", "the frozen reference (--beta > 0) as int8 codes "
      "of the actor's first partitions (MixZ++), dequantized per layer",
      dict(action="store_true")),
@@ -155,11 +146,7 @@ GRPO_ROWS = tuple(Option(flag, field, "grpo", field, "grpo", help if "action" in
     ("--partial-rollout", "partial_rollout", "with --max-staleness >= 1: a rollout drawn "
      "ahead draws at most N tokens per answer at each sync, an unfinished answer continued "
      "from its tokens with the newer weights (verl's partial rollout; 0: off)",
-     dict(type=non_negative_int, metavar="N")),
-    ("--behav-imp-weight-cap", "behav_imp_weight_cap", "with --rollout-correction decoupled "
-     "(AReaL's decoupled PPO: pi_old the current weights, each token weighted by "
-     "pi_prox / pi_behav of the version that drew it): weights above C are 0 (AReaL's)",
-     dict(type=positive_float, metavar="C"))))
+     dict(type=non_negative_int, metavar="N"))))
 
 OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--actor", "actor", "job", "a zeroxla run (or checkpoint) recording its tokenizer: the "
@@ -181,7 +168,8 @@ OPTIONS = OptionTable("grpo", GRPOJobConfig, (
     _row("--iterations", "iterations", "job", "default {default}", type=positive_int),
     _row("--inference-tp-size", "inference_tp_size", "parallel", "tensor-parallel devices of the "
          "Hybrid Engine's rollouts; default {default}", type=positive_int),
-    *GRPO_ROWS, *rollout_correction_options("grpo"), token_budget_option("grpo", "grpo"),
+    *GRPO_ROWS, *named_correction_options("grpo", "grpo", ROLLOUT_CORRECTIONS),
+    *rollout_correction_options("grpo"), token_budget_option("grpo", "grpo"),
     _row("--max-prompt-seq-len", "prompt_length", "grpo", "most prompt tokens (a longer prompt "
          "keeps its last N, counted in the log and summary.json); default: the longest "
          "prompt's", type=positive_int, metavar="N"),

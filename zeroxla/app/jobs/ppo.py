@@ -12,7 +12,9 @@ ZeRO-3 partitions; prompts keep their last `--max-prompt-seq-len` tokens
 adapters; the summary's "parameters" and "memory" say what trains and what it holds. The
 `--rollout-*` options are verl's rollout correction of the actor's loss, as `zeroxla grpo`'s;
 `--rollout-devices` and `--max-staleness` draw the rollouts on devices of their own, up to K
-versions behind (asynchronous PPO, `zeroxla.rlhf.async_rollouts`, as `zeroxla grpo`'s).
+versions behind (asynchronous PPO, `zeroxla.rlhf.async_rollouts`, as `zeroxla grpo`'s), and
+`--rollout-correction decoupled` trains on them with AReaL's decoupled objective
+(`RolloutCorrection.decoupled` at `--behav-imp-weight-cap`, as `zeroxla grpo`'s).
 
 One iteration a unit (`zeroxla.rlhf.PPOTrainer.iteration`), one metrics.jsonl record each. The
 runner saves checkpoint/actor and checkpoint/critic and exports the actor to actor_hf/; at the
@@ -37,7 +39,8 @@ from zeroxla.app.run.command import JobSpec
 from zeroxla.app.run.job import RunSettings, ShardingSettings, check_sections
 from zeroxla.app.data_files import check_split
 from zeroxla.app.run.options import (DATA_FORMS, LORA_OPTIONS, RUN_OPTIONS, SHARDING_OPTIONS,
-                                     Option, OptionTable, packing_option,
+                                     Option, OptionTable, check_one_correction,
+                                     named_correction_options, packing_option,
                                      rollout_correction_options, split_option,
                                      token_budget_option)
 from zeroxla.app.run.rundir import part_dir
@@ -55,6 +58,9 @@ from zeroxla.inference.config import ROLLOUT_DTYPES
 
 PLOT_FILE = "reward_kl.png"
 ROLLOUT_DIR = "rollouts"
+# `--rollout-correction`'s choices: GRPO's "tis" weights a KL term PPO's loss does not have (its
+# token IS is --rollout-is token --rollout-is-threshold C).
+CORRECTIONS = ("decoupled",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +79,23 @@ class PPOJobConfig:
     lora: LoRAConfig = LoRAConfig()          # actor's and critic's adapters (dim 0: none)
     rollout_corr: RolloutCorrection = RolloutCorrection()    # verl's; becomes ppo.rollout_corr
     split: str | None = None                 # a DatasetDict's split of --prompts
+    rollout_correction: str | None = None    # "decoupled": AReaL's objective, not rollout_corr
+    behav_imp_weight_cap: float | None = None    # its cap (None: uncapped)
 
     def __post_init__(self) -> None:
         check_sections(self)
         check_split(self.split, self.prompts, "--prompts")
+        named, cap = self.rollout_correction, self.behav_imp_weight_cap
+        if named is not None and named not in CORRECTIONS:
+            raise ValueError(f"--rollout-correction {named} is invalid; accepted: "
+                             f"{' | '.join(CORRECTIONS)} (token IS is --rollout-is token "
+                             "--rollout-is-threshold C)")
+        if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
+                                    and cap > 1 and named == "decoupled"):
+            raise ValueError(f"--behav-imp-weight-cap {cap} is invalid; accepted: none, or a "
+                             "number > 1 with --rollout-correction decoupled (AReaL's: weights "
+                             "above it are 0)")
+        check_one_correction(named, self.rollout_corr)
         for name, value in (("iterations", self.iterations),
                             ("inference_tp_size", self.inference_tp_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -85,6 +104,14 @@ class PPOJobConfig:
         # Each rollout is one global batch of the actor's and critic's steps.
         self.sharding.check_batch(self.ppo.prompts_per_iteration, "--per-iteration-prompts")
         self.sharding.check_packing(self.ppo.packing)
+
+    @property
+    def ppo_config(self) -> PPOConfig:
+        """The trainer's config: `ppo` with the actor's rollout correction, verl's
+        (`rollout_corr`) or AReaL's decoupled objective at `behav_imp_weight_cap`."""
+        corr = (RolloutCorrection.decoupled(self.behav_imp_weight_cap)
+                if self.rollout_correction == "decoupled" else self.rollout_corr)
+        return self.ppo.replace(rollout_corr=corr)
 
 
 def _ppo(flag: str, field: str, help: str, kind: Any) -> Option:
@@ -128,7 +155,8 @@ OPTIONS = OptionTable("ppo", PPOJobConfig, (
            "dequantized per layer",
            action="store_true"),
     packing_option("ppo", "ppo", "the rollout (a prompt's left padding kept)"),
-    token_budget_option("ppo", "ppo"), *rollout_correction_options("ppo"),
+    token_budget_option("ppo", "ppo"), *named_correction_options(None, "ppo", CORRECTIONS),
+    *rollout_correction_options("ppo"),
     Option("--routing-replay", "routing_replay", "ppo", "routing_replay", "ppo", "an MoE "
            "actor's routing replay (R3): measure: the rollout records each token's experts per "
            "layer (either batching) and routing/mismatch counts the pairs the actor's forward "
@@ -212,8 +240,7 @@ class PPOJob:
             chat_data.read_prompt_jsonl(c.prompts, c.split, self.tokenizer), self.tokenizer,
             c.ppo.prompt_length, c.prompts)
         self.critic_config = reward_model.base.config
-        ppo = c.ppo.replace(rollout_corr=c.rollout_corr)
-        self.trainer = PPOTrainer(ppo, actor, mesh=mesh, tokenizer=self.tokenizer,
+        self.trainer = PPOTrainer(c.ppo_config, actor, mesh=mesh, tokenizer=self.tokenizer,
                                   prompt_tokens=rows, reward_model=reward_model,
                                   critic_init=reward_model, inference_tp_size=c.inference_tp_size,
                                   eos_id=getattr(self.tokenizer, "eos_id", None), seed=c.run.seed,
@@ -297,4 +324,4 @@ SPEC = JobSpec(
     required={"actor": "a zeroxla train run directory", "reward": "a zeroxla reward run or a "
               "Hugging Face reward model directory", "prompts": "a prompts file"})
 
-__all__ = ["OPTIONS", "PLOT_FILE", "PPOJob", "PPOJobConfig", "ROLLOUT_DIR", "SPEC"]
+__all__ = ["CORRECTIONS", "OPTIONS", "PLOT_FILE", "PPOJob", "PPOJobConfig", "ROLLOUT_DIR", "SPEC"]

@@ -357,6 +357,35 @@ def rollout_correction_options(theme: str) -> tuple[Option, ...]:
          dict(action="store_true"))))
 
 
+def named_correction_options(section: str | None, theme: str,
+                             corrections: tuple[str, ...]) -> tuple[Option, ...]:
+    """The RL jobs' named corrections: `--rollout-correction` (one of `corrections`), the cap
+    of "decoupled" (AReaL's `behav_imp_weight_cap`) and, with "tis", `--tis-cap`; `section`
+    holds the fields `rollout_correction`, `behav_imp_weight_cap` (and `tis_cap`)."""
+    tis = ("tis: truncated importance sampling of the train/rollout log-prob gap (TRL's "
+           "vllm_importance_sampling_correction); " if "tis" in corrections else "")
+    rows = (
+        ("--rollout-correction", "rollout_correction", f"{tis}decoupled: AReaL's decoupled PPO "
+         "objective (--behav-imp-weight-cap); default {default}", dict(choices=corrections)),
+        ("--tis-cap", "tis_cap", "the largest importance weight of --rollout-correction tis; "
+         "default {default}", dict(type=positive_float, metavar="C")),
+        ("--behav-imp-weight-cap", "behav_imp_weight_cap", "with --rollout-correction "
+         "decoupled (AReaL's decoupled PPO: pi_old the current weights, each token weighted by "
+         "pi_prox / pi_behav of the version that drew it): weights above C are 0 (AReaL's); "
+         "default {default}", dict(type=positive_float, metavar="C")))
+    return tuple(Option(flag, field, section, field, theme, help, **kw)
+                 for flag, field, help, kw in rows if field != "tis_cap" or tis)
+
+
+def check_one_correction(named: str | None, rollout_corr: Any) -> None:
+    """ValueError naming the options where `--rollout-correction` meets verl's `--rollout-is`,
+    `--rollout-rs` or `--rollout-bypass` (`rollout_corr` active): two corrections of one loss."""
+    if named and rollout_corr.active:
+        raise ValueError(f"--rollout-correction {named} with --rollout-is, --rollout-rs or "
+                         "--rollout-bypass: two corrections; accepted: one of them (tis is "
+                         "--rollout-is token --rollout-is-threshold C)")
+
+
 __all__ = ["DATA_FORMS", "LORA_OPTIONS", "Option", "OptionTable", "RUN_OPTIONS",
-           "SHARDING_OPTIONS", "packing_option", "rollout_correction_options", "split_option",
-           "token_budget_option"]
+           "SHARDING_OPTIONS", "check_one_correction", "named_correction_options",
+           "packing_option", "rollout_correction_options", "split_option", "token_budget_option"]
