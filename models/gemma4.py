@@ -18,7 +18,11 @@ with what Gemma 4 changes:
   MLP, a top-k mixture of GeGLU experts reads the layer's residual stream (`models.gemma4_moe`);
   the two outputs are each normalised, summed, and normalised once more; under expert
   parallelism the forwards take `experts=` (the ZeRO step's `ExpertParallel`) to every
-  MoE block, which then holds E / EP of its experts.
+  MoE block, which then holds E / EP of its experts. Routing records and replay run over
+  every HF layer (`moe_layers` = periods x `sliding_window_pattern`), as `models.moe_llama`'s:
+  `router_choices` (a full forward or the cached decode), `decode_choices` (what a rollout
+  records, on the static and the paged cache) and `replayed_token_logprobs` read and write
+  records [.., L, k] (`gemma4_moe.moe_half`); a Gemma 4 without the MoE block has none.
 
 Decoding with a KV cache: a period's layers side by side on the cache's last dim
 (`gemma2.run_layers`), each in its own shape, {"k", "v"} [L, B, S, C, (P - 1) G K / C + G' K' /
@@ -34,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +50,12 @@ from .attention import attention, cached_attention
 from .config import ModelConfig
 from .expert_parallel import ExpertParallel
 from .gemma2 import Embed, Gemma2, run_layers
-from .gemma4_moe import Gemma4Moe, rms
+from .gemma4_moe import Gemma4Moe, moe_half, rms
 from .kv_groups import cache_groups, fold_widths
-from .layers import LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param
+from .layers import (LayerStack, RMSNorm, at_least_float32, forward_stack, init_kv_cache, normal,
+                     param, stack_args)
+from .moe import RouterStats
+from .moe_llama import Chosen, Observed, Replayed
 from .rope import inv_freq, rope
 from .sequence_parallel import SequenceParallel
 from .tiled_mlp import tiled_mlp
@@ -134,6 +142,12 @@ class Gemma4Config(ModelConfig):
         return self.sliding_window_pattern
 
     @property
+    def moe_layers(self) -> int:
+        """L, the MoE layers a routing record indexes ([B, T, L, k]): every HF layer when
+        the MoE block is built (`num_experts` > 0), else 0."""
+        return self.num_layers * self.sliding_window_pattern if self.num_experts else 0
+
+    @property
     def kv_shapes(self) -> tuple[tuple[int, int], ...]:
         """(key-value heads, head dim) of each layer of a period, the global one last."""
         return (((self.num_kv_heads, self.head_dim),) * (self.sliding_window_pattern - 1)
@@ -181,13 +195,16 @@ class Layer(nnx.Module):
         self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32), logical_axes=(None,))
         self.moe = Gemma4Moe(cfg, rngs) if cfg.num_experts else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+    def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
                  cache: dict[str, jax.Array] | None = None,
-                 experts: ExpertParallel | None = None) -> tuple[jax.Array, dict | None]:
-        """x [B, T, D] -> (x, cache): attention within each segment of `segment_ids` (when
-        given; against `cache` by `attention.cached_attention`), then the MLP (and MoE, its
-        experts split over `experts` when given)."""
+                 experts: ExpertParallel | None = None,
+                 replay: jax.Array | None = None) -> tuple[Any, dict | None]:
+        """x [B, T, D] or a routing carry (`gemma4_moe.moe_half`) -> (the same kind, cache):
+        attention within each segment of `segment_ids` (when given; against `cache` by
+        `attention.cached_attention`), then the MLP (and MoE, its experts split over `experts`
+        when given; `replay` int32 [L, B, T, k] with a `Replayed` carry)."""
+        carry, x = x, (x if isinstance(x, jax.Array) else x.hidden)
         h = self.attn_norm(x)                                             # [B, T, D]
         q = self.q_norm(jnp.einsum("BTD,DHK->BTHK", h, self.wq[...]))
         k_raw = jnp.einsum("BTD,DGK->BTGK", h, self.wk[...])
@@ -207,9 +224,10 @@ class Layer(nnx.Module):
         x = x + self.attn_post_norm(jnp.einsum("BTHK,HKD->BTD", a, self.wo[...]))
         mlp = tiled_mlp(self._mlp, self.mlp_norm(x), self.mlp_chunk)     # [B, T, D]
         if self.moe is not None:
-            mlp = self.moe(x, mlp, experts)
+            mlp, carry = moe_half(self.moe, carry, x, mlp, segment_ids, experts, replay)
         x = x + self.mlp_post_norm(mlp)
-        return x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype), cache
+        x = x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype)
+        return (x if isinstance(carry, jax.Array) else carry._replace(hidden=x)), cache
 
     def _mlp(self, h: jax.Array) -> jax.Array:
         """GeGLU: h [B, T, D] -> [B, T, D] through the [B, T, F] gate and up projections."""
@@ -234,14 +252,15 @@ class Period(nnx.Module):
                           k_eq_v=cfg.attention_k_eq_v)
         self.kv_widths = fold_widths(cfg.kv_shapes)                            # static
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+    def __call__(self, x, positions: jax.Array, segment_ids: jax.Array | None = None,
                  sequence: SequenceParallel | None = None,
-                 experts: ExpertParallel | None = None,
-                 cache: object = None) -> tuple[jax.Array, object]:
-        """x [B, T, D] -> (x, cache); with `cache` [B, S, C, sum(kv_widths)] layer j reads and
-        writes its `kv_widths[j]` entries of the last dim (`run_layers`, `kv_groups`).
-        `experts` (expert parallelism, `layers.stack_args`) reaches every layer's MoE block."""
-        layers = [functools.partial(layer, experts=experts)
+                 experts: ExpertParallel | None = None, replay: jax.Array | None = None,
+                 cache: object = None) -> tuple[Any, object]:
+        """x [B, T, D] or a routing carry -> (the same kind, cache); with `cache` [B, S, C,
+        sum(kv_widths)] layer j reads and writes its `kv_widths[j]` entries of the last dim
+        (`run_layers`, `kv_groups`). `experts` (expert parallelism, `layers.stack_args`) and
+        `replay` (a record int32 [L, B, T, k]) reach every layer's MoE block."""
+        layers = [functools.partial(layer, experts=experts, replay=replay)
                   for layer in (*self.local, self.glob)]
         return run_layers(layers, x, positions, segment_ids, sequence, cache, self.kv_widths)
 
@@ -294,3 +313,65 @@ class Gemma4(Gemma2):
         return init_kv_cache(c.num_layers, batch, max_len,
                              cache_groups([g for g, _ in c.kv_shapes]),
                              sum(fold_widths(c.kv_shapes)), dtype)
+
+    def replayed_token_logprobs(self, tokens: jax.Array, labels: jax.Array, replay: jax.Array,
+                                *, positions: jax.Array | None = None,
+                                segment_ids: jax.Array | None = None,
+                                vocab_limit: jax.Array | int | None = None,
+                                sequence: SequenceParallel | None = None,
+                                experts: ExpertParallel | None = None,
+                                follow_record: bool = True) -> tuple[jax.Array, None, jax.Array]:
+        """`MoeLlama.replayed_token_logprobs`' contract: `replay` int32 [B, T, L, k] (L every
+        HF layer, `moe_layers`) -> (log-probs float32 [B, T], None: Gemma 4 carries no router
+        statistics, per token the layers whose live choice is not the record int32 [B, T])."""
+        c = self.config
+        b, t = tokens.shape
+        want = (b, t, self._moe_layers(), c.experts_per_token)
+        if tuple(replay.shape) != want:
+            raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
+                             "per input token, every MoE layer's k recorded experts")
+        c.check_seq_len(t * (1 if sequence is None else sequence.size), "sequence length")
+        args = stack_args(tokens, positions, segment_ids, sequence, experts)
+        args = (*args, *(None,) * (4 - len(args)), jnp.moveaxis(replay.astype(jnp.int32), 2, 0))
+        x = self.embed(tokens, args[0])
+        # zero statistics, kept as they are (a None leaf would break the ZeRO-3 stack's vjp)
+        carry = (Replayed if follow_record else Observed)(
+            x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)), jnp.int32(0),
+            jnp.zeros((b, t), jnp.int32))
+        out, _ = self.blocks(carry, *args)
+        logprobs = self.embed.attend_logprobs(self.norm(out.hidden), labels, vocab_limit)
+        return logprobs, None, out.mismatches
+
+    def router_choices(self, tokens: jax.Array, positions: jax.Array | None = None,
+                       cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """(the experts every HF layer routes each token to, int32 [L, B, T, k], the cache): a
+        full forward, or with `cache` the cached decode (`decode`'s path)."""
+        _, experts, cache = self._chosen_forward(tokens, positions, cache)
+        return experts, cache
+
+    def decode_choices(self, tokens: jax.Array, positions: jax.Array, cache: Any
+                       ) -> tuple[jax.Array, jax.Array, Any]:
+        """`decode`'s (logits float32 [B, T, V], cache) with the experts every HF layer routed
+        each token to, int32 [L, B, T, k], between them: what a rollout records for routing
+        replay (`zeroxla.inference.decode`, `continuous`: the KV cache or the paged one)."""
+        x, experts, cache = self._chosen_forward(tokens, positions, cache)
+        return self.head(x), experts, cache
+
+    def _chosen_forward(self, tokens: jax.Array, positions: jax.Array | None, cache: Any):
+        """(the final hidden states [B, T, D] before the norm, the experts int32
+        [L, B, T, k], the cache) of the stack carrying `Chosen`."""
+        c = self.config
+        args = stack_args(tokens, positions, None)
+        b, t = tokens.shape
+        chosen = Chosen(self.embed(tokens, args[0]),
+                        jnp.zeros((self._moe_layers(), b, t, c.experts_per_token), jnp.int32),
+                        jnp.int32(0))
+        out, cache = self.blocks(chosen, *args, cache=cache)
+        return out.hidden, out.experts, cache
+
+    def _moe_layers(self) -> int:
+        """`moe_layers`; ValueError for a Gemma 4 without the MoE block (no routing)."""
+        if not self.config.moe_layers:
+            raise ValueError("routing records and replay of a Gemma 4 with num_experts=0: it "
+                             "has no MoE block; accepted: a config with num_experts > 0")
+        return self.config.moe_layers

@@ -13,6 +13,15 @@ an `ExpertParallel` the ZeRO step passes the model and the stack threads to ever
 of them here and the rest on the expert axis (`expert_parallel.expert_parallel_ffn`); the
 router, its scales and the dense MLP are whole on every device. transformers' Gemma 4 adds no
 load-balancing loss: no router statistics are carried.
+
+Routing records and replay (R3, `models.moe`'s contract): the block returns the experts its
+live router chooses; called with a recorded selection it sends each token there instead, the
+weights the live router's probabilities at those experts renormalised, times their
+per_expert_scale (for the router's own choice, the unreplayed weights bit for bit).
+`moe_half` threads the stack's carries of `models.moe_llama` (`Chosen` records each layer's
+experts, `Replayed` / `Observed` follow or compare a record and count mismatches) through the
+layer, as `moe_llama.moe_residual` does for the other MoE families; the dense MLP beside the
+block is not routed and is unchanged by either.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from . import axes
 from .expert_parallel import ExpertParallel, expert_parallel_ffn
 from .grouped_matmul import TILE, expert_ffn
 from .layers import RMSNorm, at_least_float32, normal, param
-from .moe import check_expert_split, route
+from .moe import check_expert_split, replay_mismatches, replayed_weights, route
+from .moe_llama import Chosen, Observed, Replayed, token_mask
 
 
 def rms(x: jax.Array, eps: float) -> jax.Array:
@@ -60,24 +70,55 @@ class Gemma4Moe(nnx.Module):
         self.w_down = param(rngs, init, (e, f, d), (axes.EXPERTS, axes.EXPERT_MLP, axes.EMBED))
         self.dense_norm, self.pre_norm, self.post_norm = (RMSNorm(d, eps=eps) for _ in "abc")
 
-    def __call__(self, x: jax.Array, dense: jax.Array,
-                 experts: ExpertParallel | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, dense: jax.Array, experts: ExpertParallel | None = None,
+                 replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """x [B, T, D] (the residual stream), dense [B, T, D] (the dense MLP's output) ->
-        the block's sum [B, T, D], before the layer's post-MLP norm. `experts`: the expert
-        axis this layer's E / EP experts are split over (inside `shard_map`); None: it holds
-        all E (a layer holding fewer is refused, `moe.check_expert_split`)."""
+        (the block's sum [B, T, D], before the layer's post-MLP norm; the experts the live
+        router chooses int32 [B, T, k]). `experts`: the expert axis this layer's E / EP
+        experts are split over (inside `shard_map`); None: it holds all E (a layer holding
+        fewer is refused, `moe.check_expert_split`). `replay` int32 [B, T, k]: a recorded
+        selection the tokens are sent to instead (a negative first slot: routed live)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)                                            # [N, D]
         n = rms(flat, self.eps) * (self.router_scale[...].astype(x.dtype) * self.root)
-        weights, chosen, _ = route(n, self.router[...], self.top_k, True)   # [N, k]
-        weights = weights * self.per_expert_scale[...].astype(weights.dtype)[chosen]
+        weights, chosen, probs = route(n, self.router[...], self.top_k, True)   # [N, k]
+        used = chosen
+        if replay is not None:
+            record = replay.reshape(b * t, self.top_k).astype(jnp.int32)     # [N, k]
+            used = jnp.where(record[:, :1] >= 0, record, chosen)
+            weights = replayed_weights(probs, used, True)
+        weights = weights * self.per_expert_scale[...].astype(weights.dtype)[used]
         w = [getattr(self, name)[...].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")]
         check_expert_split(w[0].shape[0], self.router[...].shape[-1], experts)
         h, weights = self.pre_norm(flat), weights.astype(x.dtype)
         if experts is None:
-            y, _, _ = expert_ffn(h, chosen, *w, activation=geglu)             # [N, k, D]
+            y, _, _ = expert_ffn(h, used, *w, activation=geglu)               # [N, k, D]
             y = jnp.sum(y * weights[..., None], axis=1)                       # [N, D]
         else:
-            y = expert_parallel_ffn(h, chosen, weights, *w, experts, tile=TILE,
+            y = expert_parallel_ffn(h, used, weights, *w, experts, tile=TILE,
                                     implementation="auto", activation=geglu)  # [N, D]
-        return self.dense_norm(dense) + self.post_norm(y.reshape(b, t, d))
+        out = self.dense_norm(dense) + self.post_norm(y.reshape(b, t, d))
+        return out, chosen.reshape(b, t, self.top_k)
+
+
+def moe_half(moe: Gemma4Moe, carry, x: jax.Array, dense: jax.Array,
+             segment_ids: jax.Array | None, experts: ExpertParallel | None = None,
+             replay: jax.Array | None = None):
+    """A layer's MLP half with the MoE block: (`moe(x, dense)` [B, T, D], `carry` with this
+    layer's routing: `Chosen` its experts written at `carry.layer`; `Replayed` its entry of
+    `replay` int32 [L, B, T, k] followed (`Observed`: only compared) and the tokens whose live
+    choice differs counted (padding, segment id 0, not); plain hidden states as they are).
+    The carry's hidden states are left to the layer, which replaces them with its output, and
+    a `Replayed` carry's router statistics as they are (zero: Gemma 4 has no auxiliary loss)."""
+    record = None
+    if isinstance(carry, Replayed):          # `Observed` too: the record compared only
+        record = jax.lax.dynamic_index_in_dim(replay, carry.layer, 0, keepdims=False)
+    out, chosen = moe(x, dense, experts, None if isinstance(carry, Observed) else record)
+    if isinstance(carry, Replayed):
+        return out, carry._replace(layer=carry.layer + 1, mismatches=carry.mismatches
+                                   + replay_mismatches(chosen, record, token_mask(segment_ids)))
+    if isinstance(carry, Chosen):
+        return out, carry._replace(
+            experts=jax.lax.dynamic_update_index_in_dim(carry.experts, chosen, carry.layer, 0),
+            layer=carry.layer + 1)
+    return out, carry

@@ -17,10 +17,17 @@ and with the MoE block (4 experts, top 2, beside the dense MLP):
   and with the MoE block (and a MoE checkpoint whose global layer keeps the sliding layers'
   shape);
 - the export reloads in transformers with equal logits, a `text_config`-nested config reads
-  as the flat one, and every config.json option not built is refused by its key.
+  as the flat one, and every config.json option not built is refused by its key;
+- the MoE block's routing records (slow): `router_choices` equals transformers' router top-k
+  at every token and HF layer, replaying it gives the unreplayed log-probs bit for bit, and
+  the rollout's record (static and continuous, tp 1 and 2, from EP 2 partitions) equals it at
+  every fed token and layer.
 """
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -30,7 +37,7 @@ import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, packed_loss,
-                                packed_row, save_random)
+                                packed_row, save_random, token_ids, torch_causal_lm)
 from zeroxla.models import hf
 from runs import run_steps
 
@@ -281,3 +288,108 @@ def test_hybrid_engine_greedy_equals_transformers_generate(tmp_path, batching):
     checkpoint = _save(keys, tmp_path, seed=5)
     family_checkpoints.assert_engine_greedy_equals_transformers(
         family_checkpoints.greedy_case(checkpoint, VOCAB), batching)
+
+
+# ---------------------------------------------------------------------------- routing records
+
+K, EXPERTS, HF_LAYERS = MOE["top_k_experts"], MOE["num_experts"], MOE["num_hidden_layers"]
+
+
+def transformers_choices(reference, tokens):
+    """The experts transformers' router (`Gemma4TextRouter`, read by a forward hook: its
+    probabilities) picks per token and HF layer: tokens [B, T] -> int [B, T, L, k], each k
+    sorted: the k most probable, every k-th at least 2e-6 above the next in log-probability
+    (the tiny checkpoint's router is near uniform, its gaps from 4e-5; ours and transformers'
+    router log-probabilities differ by at most 3.6e-7 here, so no such gap can flip)."""
+    b, t = tokens.shape
+    probs, hooks = [], [layer.router.register_forward_hook(
+        lambda module, args, out: probs.append(out[0].detach().numpy()))
+        for layer in reference.model.layers]
+    try:
+        with torch.no_grad():
+            reference(torch.tensor(tokens, dtype=torch.long))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    logp = np.log(np.stack([p.reshape(b, t, -1) for p in probs], axis=2))     # [B, T, L, E]
+    order = np.argsort(-logp, axis=-1)
+    ranked = np.take_along_axis(logp, order, axis=-1)
+    assert logp.shape[2] == HF_LAYERS and np.min(ranked[..., K - 1] - ranked[..., K]) > 2e-6
+    return np.sort(order[..., :K], axis=-1)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(checkpoints):
+    return torch_causal_lm(checkpoints["moe"])
+
+
+@pytest.mark.slow
+def test_routing_records_hold_every_layer_as_transformers_routes(checkpoints, moe_reference):
+    """`router_choices` is [L, B, T, k] over every HF layer (the sliding layers and the global
+    one of both periods, their KV shapes apart): the experts transformers' scaled router picks
+    at every token. Replaying that record gives `token_logprobs`' log-probs bit for bit with 0
+    mismatches; a record changed at (token, layer) pairs of a sliding and of a global layer,
+    only compared (`follow_record=False`), counts each changed pair once; replayed, it moves
+    the log-probs."""
+    _, model = hf.load_hf_model(checkpoints["moe"])
+    x = token_ids(VOCAB, (2, 17))
+    inputs, labels = jnp.asarray(x[:, :-1]), jnp.asarray(x[:, 1:])
+    choices, _ = jax.jit(model.router_choices)(inputs)                       # [L, B, T, k]
+    record = np.moveaxis(np.asarray(choices), 0, 2)                          # [B, T, L, k]
+    assert record.shape == (2, 16, HF_LAYERS, K)
+    np.testing.assert_array_equal(np.sort(record, -1),
+                                  transformers_choices(moe_reference, x[:, :-1]))
+
+    @functools.partial(jax.jit, static_argnames="follow")
+    def replayed(record, follow):
+        return model.replayed_token_logprobs(inputs, labels, record, follow_record=follow)
+
+    @jax.jit
+    def both(record):                        # one program, as test_routing_replay.py's
+        return model.token_logprobs(inputs, labels), replayed(record, True)
+
+    logp, (got, stats, mismatches) = both(jnp.asarray(record))
+    np.testing.assert_array_equal(got, logp)
+    assert stats is None and int(jnp.sum(mismatches)) == 0
+    changed = np.zeros(record.shape[:3], bool)                               # [B, T, L]
+    changed[0, 3, 1] = changed[1, 9, 1] = changed[1, 9, 2] = changed[0, 15, 5] = True
+    # a shift by 1 (mod 4) moves every pair of the 4 experts to another pair
+    other = np.where(changed[..., None], (record + 1) % EXPERTS, record)
+    assert np.all(np.any(np.sort(other, -1) != np.sort(record, -1), -1) == changed)
+    _, _, counted = replayed(jnp.asarray(other), False)
+    np.testing.assert_array_equal(counted, changed.sum(-1))
+    moved, _, _ = replayed(jnp.asarray(other), True)
+    assert not np.array_equal(moved, logp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching,tp", [("static", 1), ("continuous", 1), ("static", 2),
+                                         ("continuous", 2)])
+def test_the_rollout_records_every_layers_experts_as_transformers_routes(
+        checkpoints, moe_reference, batching, tp):
+    """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static and continuous
+    batching (pages of 4 slots; the global layer's head dim 32 beside the sliding layers' 16
+    in one cache): sampled answers of prompts of 3, 7 and 11 tokens. Each output's record
+    [len, L, k] holds at every fed token and HF layer the experts transformers' router picks
+    over the output (and the training forward's `router_choices`), -1 on the last token;
+    asking for it changes no token."""
+    step, state = zeroxla.load_pretrained(
+        checkpoints["moe"], zeroxla.make_mesh(2, 2, expert=2), progress=False,
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
+    assert engine.batching == batching
+    prompts = [token_ids(VOCAB, (n,), seed=n) for n in (3, 7, 11)]
+    kw = dict(max_new_tokens=9, temperature=1.0, seed=4)
+    outputs, routing = engine.generate(state, prompts, return_routing=True, **kw)
+    for got, want in zip(outputs, engine.generate(state, prompts, **kw)):
+        np.testing.assert_array_equal(got, want)
+    model = step.gathered_model(state)
+    for out, record in zip(outputs, routing):
+        assert record.shape == (out.size, HF_LAYERS, K)
+        assert np.all(record[-1] == -1)
+        want = transformers_choices(moe_reference, np.asarray(out)[None])[0]        # [T, L, k]
+        np.testing.assert_array_equal(np.sort(record[:-1], -1), want[:-1])
+        live, _ = jax.jit(model.router_choices)(jnp.asarray(np.asarray(out)[None]))
+        np.testing.assert_array_equal(np.sort(np.moveaxis(np.asarray(live)[:, 0], 0, 1), -1),
+                                      want)

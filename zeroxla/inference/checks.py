@@ -230,7 +230,12 @@ def check_routing(model_def: ModelDef) -> tuple[int, int]:
         raise ValueError(f"return_routing=True with a {type(model).__name__}: it has no "
                          "decode_choices (a Mixture-of-Experts model's decode returning each "
                          "layer's experts); accepted: return_routing=False, or an MoE model "
-                         "(models.moe_llama, gpt_oss, qwen3_5_moe)")
+                         "(models.moe_llama, gpt_oss, qwen3_5_moe, gemma4 with num_experts > 0)")
+    if not model.config.moe_layers:
+        raise ValueError(f"return_routing=True with a {type(model).__name__} of no MoE layers "
+                         f"(num_experts={getattr(model.config, 'num_experts', 0)}): nothing is "
+                         "routed; accepted: return_routing=False, or a config with the MoE "
+                         "block (num_experts > 0)")
     return model.config.moe_layers, model.config.experts_per_token
 
 

@@ -99,7 +99,7 @@ def _replay_blocker(config: Any, model: Any) -> str | None:
                for name in ("decode_choices", "replayed_token_logprobs")):
         return (f"a {type(model).__name__} actor's decode records no routing, or its forward "
                 "replays none (decode_choices, replayed_token_logprobs: built for the MoE "
-                "Llama families and gpt-oss)")
+                "Llama families, gpt-oss, Qwen3.5-MoE and Gemma 4's MoE block)")
     if not config.packing:
         return "packing=False (the replayed forward is the packed one)"
     if getattr(config, "partial_rollout", 0):

@@ -1,10 +1,10 @@
 """`routing_replay="auto"`, the default of `GRPOConfig` and `PPOConfig`
 (`roles.resolve_routing_replay`): the trainer's config holds "on" for an MoE actor and "off" for
 a dense one, and its iteration's record and rollout are those of the explicit mode bit for bit
-(timings aside); a Qwen3.5-MoE actor replays its continuous rollout with 0 mismatches; where
-"on" cannot run for an MoE actor (packing=False, partial_rollout, a family whose decode records
-no routing: Gemma 4's MoE) "auto" is "off" with one warning naming why, and an explicit "on"
-there is refused by name. The actors and configs are test_grpo_routing_replay's (a tiny
+(timings aside); a Qwen3.5-MoE actor replays its continuous rollout with 0 mismatches; a Gemma 4 actor with its MoE block resolves "auto" to "on" (a dense
+one to "off", an explicit "on" refused); where "on" cannot run for an MoE actor (packing=False,
+partial_rollout) "auto" is "off" with one warning naming why, and an explicit "on" there is
+refused by name. The actors and configs are test_grpo_routing_replay's (a tiny
 Qwen3-MoE at expert parallelism 2), test_ppo_routing_replay's and test_grpo's."""
 
 import numpy as np
@@ -96,12 +96,33 @@ def qwen3_5_moe():
     return models.REGISTRY["qwen3_5_moe"].model_class(config, rngs=nnx.Rngs(3))
 
 
-def gemma4_moe():
-    """A tiny Gemma 4 with its MoE block beside the dense MLP: its decode records no
-    routing."""
+def gemma4(num_experts):
+    """A tiny Gemma 4 (one period of 6 layers), with its MoE block beside the dense MLP when
+    `num_experts` > 0."""
     config = models.Gemma4Config(vocab_size=TOKENIZER.vocab_size, max_seq_len=32,
-                                 num_experts=4, experts_per_token=2, expert_mlp_dim=24)
+                                 num_experts=num_experts, experts_per_token=2,
+                                 expert_mlp_dim=24 if num_experts else 0)
     return models.REGISTRY["gemma4"].model_class(config, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.slow
+def test_auto_is_on_for_a_gemma4_moe_actor_and_off_for_a_dense_one():
+    """A Gemma 4 actor with its MoE block records and replays every HF layer's routing
+    (`models.gemma4_moe`): "auto" is "on" with no warning and an explicit "on" is accepted
+    (`check_routing`: 6 layers, top 2). Without the block "auto" is "off" with no warning and
+    an explicit "on" is refused by name: nothing is routed."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moe = ModelDef.of(gemma4(4))[0]
+        assert resolve_routing_replay(CONFIG, moe) == CONFIG.replace(routing_replay="on")
+        on = CONFIG.replace(routing_replay="on")
+        assert resolve_routing_replay(on, moe) == on
+        dense = ModelDef.of(gemma4(0))[0]
+        assert resolve_routing_replay(CONFIG, dense) == CONFIG.replace(routing_replay="off")
+    with pytest.raises(ValueError, match=r"return_routing=True with a Gemma4 of no MoE layers "
+                                         r"\(num_experts=0\).*num_experts > 0"):
+        resolve_routing_replay(on, dense)
 
 
 @pytest.mark.slow
@@ -121,7 +142,24 @@ def test_auto_replays_a_qwen3_5_moe_rollout_with_no_mismatch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["no_packing", "partial_rollout", "no_records"])
+def test_auto_replays_a_gemma4_moe_rollout_with_no_mismatch():
+    """A Gemma 4 MoE actor (one period: 5 sliding layers of head dim 16 and a global one of
+    32 in one paged cache, every layer routed: `moe_layers` 6) at EP 2, the default config:
+    "auto" is "on", the continuous rollout's record [B, T, 6, k] covers every fed token, and
+    the logged `routing/mismatch` is the numpy count against the starting actor's full
+    forward: 0 (float32). Gemma 4 has no auxiliary loss: no router statistics are logged."""
+    run = trainer(CONFIG, gemma4(4))
+    assert run.config.routing_replay == "on" and run.engine.batching == "continuous"
+    record, rollout = run.iteration(0)
+    assert rollout.routing.shape[2:] == (6, 2)
+    differ, compared = numpy_mismatch(gemma4(4), rollout.tokens, rollout.routing,
+                                      rollout.answer_starts() + rollout.action_mask.sum(1) - 1)
+    assert compared > 0 and record["routing/mismatch"] == differ == 0
+    assert np.isfinite(record["loss"]) and "router/aux_loss" not in record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["no_packing", "partial_rollout"])
 def test_auto_where_on_cannot_run_is_off_with_a_warning_and_on_is_refused(case):
     """The resolution on the built actor's ModelDef: "auto" is "off" with one warning naming
     the reason, an explicit "on" refused by name (the config's check, `check_routing`)."""
@@ -129,13 +167,10 @@ def test_auto_where_on_cannot_run_is_off_with_a_warning_and_on_is_refused(case):
     if case == "no_packing":
         config, reason = config.replace(packing=False), "packing=False"
         refusal = r"GRPOConfig.routing_replay='on' .*packing=True"
-    elif case == "partial_rollout":
+    else:
         config = config.replace(rollout_devices=4, max_staleness=1, partial_rollout=2)
         reason = "partial_rollout=2"
         refusal = r"GRPOConfig.partial_rollout=2 .*routing_replay='auto' or 'off'"
-    else:
-        model, reason = gemma4_moe(), "Gemma4 actor's decode records no routing"
-        refusal = "return_routing=True with a Gemma4: it has no decode_choices"
     with pytest.warns(UserWarning, match=rf"routing_replay='auto' is 'off' for this MoE "
                                          rf"actor: .*{reason}") as caught:
         resolved = resolve_routing_replay(config, ModelDef.of(model)[0])
