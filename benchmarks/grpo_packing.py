@@ -28,7 +28,7 @@ import optax  # noqa: E402
 
 import zeroxla  # noqa: E402
 from zeroxla import models  # noqa: E402
-from zeroxla.rlhf.grpo_losses import make_grpo_loss  # noqa: E402
+from zeroxla.rlhf.grpo.losses import make_grpo_loss  # noqa: E402
 from zeroxla.rlhf.packed_rollout import pack_rollout  # noqa: E402
 
 VOCAB = 256

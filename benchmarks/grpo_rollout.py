@@ -27,10 +27,11 @@ import numpy as np  # noqa: E402
 import zeroxla  # noqa: E402
 from zeroxla import models  # noqa: E402
 from zeroxla.app.tokenizers.basic import CharTokenizer  # noqa: E402
-from zeroxla.rlhf import GRPOConfig, arithmetic_task as task  # noqa: E402
-from zeroxla.rlhf.grpo import GRPOTrainer  # noqa: E402
-from zeroxla.rlhf.reward_funcs import accuracy_reward  # noqa: E402
-from zeroxla.rlhf.task_sft import supervised_finetune_rows  # noqa: E402
+from zeroxla.rlhf import GRPOConfig  # noqa: E402
+from zeroxla.rlhf.grpo import arithmetic_task as task  # noqa: E402
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer  # noqa: E402
+from zeroxla.rlhf.grpo.reward_funcs import accuracy_reward  # noqa: E402
+from zeroxla.rlhf.grpo.task_sft import supervised_finetune_rows  # noqa: E402
 
 
 def main() -> None:

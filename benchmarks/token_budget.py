@@ -33,7 +33,7 @@ import zeroxla  # noqa: E402
 from grpo_packing import VOCAB, skewed_rollout  # noqa: E402
 from zeroxla import models  # noqa: E402
 from zeroxla.analysis.abstract_step import abstract_state  # noqa: E402
-from zeroxla.rlhf.grpo_losses import make_grpo_loss  # noqa: E402
+from zeroxla.rlhf.grpo.losses import make_grpo_loss  # noqa: E402
 from zeroxla.rlhf.packed_rollout import pack_for_step  # noqa: E402
 
 MIB = 2 ** 20

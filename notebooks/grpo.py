@@ -22,7 +22,7 @@
 # states the right number after `####`, and an answer's advantage is its reward against its
 # group's mean. This notebook
 #
-# 1. SFTs a tiny GPT on part of the bundled task (`zeroxla.rlhf.arithmetic_task`: arithmetic
+# 1. SFTs a tiny GPT on part of the bundled task (`zeroxla.rlhf.grpo.arithmetic_task`: arithmetic
 #    word problems generated locally, no download), half of its answers written without the
 #    `####` marker, so it answers in the checked form only part of the time;
 # 2. measures its greedy exact-answer accuracy on held-out problems;
@@ -45,10 +45,11 @@ import matplotlib.pyplot as plt
 import zeroxla
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
-from zeroxla.rlhf.grpo import exact_accuracy, run_grpo
-from zeroxla.rlhf.reward_funcs import accuracy_reward
-from zeroxla.rlhf.task_sft import supervised_finetune_rows
+from zeroxla.rlhf import GRPOConfig
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.trainer import exact_accuracy, run_grpo
+from zeroxla.rlhf.grpo.reward_funcs import accuracy_reward
+from zeroxla.rlhf.grpo.task_sft import supervised_finetune_rows
 
 mesh = zeroxla.make_mesh(nodes=2, local=4)
 

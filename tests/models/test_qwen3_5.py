@@ -220,7 +220,7 @@ def test_grpo_rolls_out_a_qwen3_5_actor_under_continuous_batching(tmp_path, monk
     from zeroxla.app.cli import main
     from zeroxla.app.jobs import grpo as grpo_job
     from zeroxla.app.tokenizers.basic import CharTokenizer
-    from zeroxla.rlhf import arithmetic_task as task
+    from zeroxla.rlhf.grpo import arithmetic_task as task
 
     tokenizer = CharTokenizer.from_text(task.ALPHABET)
     config = models.Qwen3_5Config(

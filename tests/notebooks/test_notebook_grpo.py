@@ -1,6 +1,6 @@
 """notebooks/grpo.ipynb runs top to bottom with errors disallowed, and GRPO learns there.
 
-The notebook is the GRPO learning test (zeroxla/rlhf/grpo.py on the bundled arithmetic task,
+The notebook is the GRPO learning test (zeroxla/rlhf/grpo/trainer.py on the bundled arithmetic task,
 1-digit operands): a tiny GPT is SFT'd on part of the task, where half the answers are written
 without the `####` marker, so it states its answer in the checked form only part of the time and
 gets some sums wrong; twelve GRPO iterations (truncated importance sampling against the

@@ -7,11 +7,11 @@ columns.
 `prompt` column), rendered with the tokenizer's chat template and its generation prompt
 (transformers' `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`), so
 the model answers as the assistant; the reward functions see that text. The other columns go
-to the reward functions, one keyword each (`zeroxla.rlhf.reward_funcs`). verl's layout (its
+to the reward functions, one keyword each (`zeroxla.rlhf.grpo.reward_funcs`). verl's layout (its
 `examples/data_preprocess` recipes: `data_source`, `prompt`, `ability`, `reward_model: {"style",
 "ground_truth"}`, `extra_info`) adds the column `ground_truth`: the row's
 `reward_model.ground_truth`, which verl's `compute_score(data_source, solution_str,
-ground_truth, extra_info)` takes (`zeroxla.rlhf.verl_score`). A row without a `prompt`, or
+ground_truth, extra_info)` takes (`zeroxla.rlhf.grpo.verl_score`). A row without a `prompt`, or
 whose `prompt` or `reward_model` has another type, is a ChatDataError naming the file, the row
 and the column.
 """

@@ -51,7 +51,7 @@ from zeroxla.app.run import rundir, runner, trackers
 from zeroxla.app.run.resume import data_paths
 from zeroxla.app.trainer_args import (DPOConfig, GRPOConfig, RewardConfig, SFTConfig,
                                       TrainerArgs)
-from zeroxla.rlhf.reward_funcs import BUILT_IN, load_reward_func
+from zeroxla.rlhf.grpo.reward_funcs import BUILT_IN, load_reward_func
 
 DATASET_NAME = "train_dataset"     # an in-memory dataset's file in the run directory
 

@@ -15,7 +15,7 @@ With `vocab_limit` (a model vocabulary padded past its tokenizer's), pi is the s
 ids below it, the distribution the rollouts draw from (`zeroxla.inference.Sampling`). The
 logits never exist whole where the model is chunked (`engine.loss.model_token_logprobs`).
 `experts`: an MoE model's `ExpertParallel` inside a step, passed to the model when given. The
-algorithms' losses (`ppo_losses`, `grpo_losses`, `dpo`) and the trainers' reads in the step's
+algorithms' losses (`ppo.losses`, `grpo.losses`, `dpo.losses`) and the trainers' reads in the step's
 layout (`answer_forward`) all call these.
 """
 

@@ -22,7 +22,7 @@ slot, and the per-answer values become per-token ones, so the loss is a plain su
     loss_count   on the sequence's last slot: grpo 1 (an answer), dr_grpo max_completion_length,
                  dapo A_b (its tokens)
 
-so `sum(terms * action_mask * loss_weight) / sum(loss_count)` is `grpo_losses.grpo_loss_parts`'
+so `sum(terms * action_mask * loss_weight) / sum(loss_count)` is `grpo.losses.grpo_loss_parts`'
 aggregation of the padded batch, term for term (`make_grpo_loss` takes either layout). A
 "loss_mask" [B, G] (rollout correction's kept tokens, within the answer) aggregates over its
 tokens instead: weight 0 off it, A_b counted as its tokens.

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from zeroxla.rlhf.group_advantages import group_advantages
-from zeroxla.rlhf.grpo_experience import DrawnRollout
+from zeroxla.rlhf.grpo.group_advantages import group_advantages
+from zeroxla.rlhf.grpo.experience import DrawnRollout
 from zeroxla.rlhf.rollout import pad_answers, pad_logprobs, pad_routing
 
 OUTSIDE = -1          # a token's version when drawn outside the pipeline (colocated)

@@ -127,7 +127,7 @@ def pad_answers(outputs: Sequence[np.ndarray], prompt_length: int, answer_length
     """The Hybrid Engine's rows (prompt + up to G new tokens, cut after EOS) -> tokens
     int32[B, P + G] (zero-padded) and action_mask float32[B, G]. Every prompt is P tokens,
     or with `prompt_lengths` [B] row b's is that many (<= P): its answer follows at once and
-    the row is right-padded (`zeroxla.rlhf.grpo_prompts`)."""
+    the row is right-padded (`zeroxla.rlhf.grpo.prompts`)."""
     tokens = np.zeros((len(outputs), prompt_length + answer_length), np.int32)
     mask = np.zeros((len(outputs), answer_length), np.float32)
     starts = [prompt_length] * len(outputs) if prompt_lengths is None else prompt_lengths

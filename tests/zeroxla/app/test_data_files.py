@@ -23,8 +23,8 @@ from zeroxla.app.jobs.train.data import load_train_data
 from zeroxla.app.jobs.train.resolve import resolve_job
 from zeroxla.app.prompt_files import prompt_records
 from zeroxla.rlhf import DPOConfig, GRPOConfig
-from zeroxla.rlhf.grpo import GRPOTrainer
-from zeroxla.rlhf.reward_funcs import accuracy_reward
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
+from zeroxla.rlhf.grpo.reward_funcs import accuracy_reward
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -306,7 +306,7 @@ def test_verl_grpo_and_trl_dpo_runs_complete_on_parquet(tmp_path, capsys):
     reward_model.ground_truth, extra_info) as Parquet, scored by a verl compute_score and the
     built-in accuracy; `zeroxla dpo` on the bundled pairs in TRL's conversational layout."""
     from chat_checkpoints import padded_gpt2_checkpoint
-    from zeroxla.rlhf import arithmetic_task as task
+    from zeroxla.rlhf.grpo import arithmetic_task as task
 
     base = padded_gpt2_checkpoint(tmp_path / "gpt2")
     problems, _ = task.split_problems(16, 0, seed=0)

@@ -13,7 +13,7 @@ from zeroxla.app import chat_data, cli
 from zeroxla.app.jobs import dpo as dpo_job
 from zeroxla.app.run.job import RunSettings, ShardingSettings
 from zeroxla.app.tiny_checkpoints import MAX_POSITIONS
-from zeroxla.rlhf.dpo import DPOConfig
+from zeroxla.rlhf.dpo.losses import DPOConfig
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from zeroxla.app.jobs import loading
 from zeroxla.app.run import command, rundir, runner
 from zeroxla.app.run.job import RunSettings
 from zeroxla.app.tiny_checkpoints import gpt2_checkpoint
-from zeroxla.rlhf.dpo import DPOConfig
+from zeroxla.rlhf.dpo.losses import DPOConfig
 from job_runs import quiet
 
 torch = pytest.importorskip("torch")

@@ -225,7 +225,7 @@ def test_a_token_budget_on_an_moe_actor_that_weighs_its_aux_loss_is_refused_by_o
     or GRPOConfig."""
     from zeroxla import models
     from zeroxla.app.tokenizers.basic import CharTokenizer
-    from zeroxla.rlhf import arithmetic_task as task
+    from zeroxla.rlhf.grpo import arithmetic_task as task
 
     tokenizer = CharTokenizer.from_text(task.ALPHABET)
     config = models.Qwen3MoeConfig(vocab_size=tokenizer.vocab_size, max_seq_len=64, d_model=16,
@@ -279,7 +279,7 @@ def _batch_invariant_run(tmp_path, monkeypatch, actor, *flags):
     """`zeroxla grpo --batch-invariant FLAGS` on `actor` (loaded as --actor sft), the trainer
     replaced by a recorder -> (exit code, the actor the trainer was given or None)."""
     from zeroxla.app.tokenizers.basic import CharTokenizer
-    from zeroxla.rlhf import arithmetic_task as task
+    from zeroxla.rlhf.grpo import arithmetic_task as task
 
     given = []
 

@@ -26,7 +26,7 @@ from zeroxla.app.tiny_checkpoints import MAX_POSITIONS, tokenizer_vocab_size, wr
 from zeroxla.lora import LoRAConfig, LoRAWeight
 from zeroxla.models import GPTConfig
 from zeroxla.models.hf_config import to_hf_config
-from zeroxla.rlhf.dpo import DPOConfig
+from zeroxla.rlhf.dpo.losses import DPOConfig
 from job_runs import distinct_chars
 
 LORA = ["--lora-dim", "4", "--lora-alpha", "8", "--lora-module-name", "wq|wv",

@@ -307,7 +307,7 @@ def test_a_loss_without_router_statistics_on_an_moe_policy():
     """DPO's loss returns no router statistics: with the auxiliary loss weighed it is refused
     by name; with `output_router_logits=False` (released Qwen3-MoE configs' setting) the
     policy trains, three ZeRO-3 steps equal to plain optax on one device."""
-    from zeroxla.rlhf import dpo
+    from zeroxla.rlhf.dpo import losses as dpo
 
     rng = np.random.default_rng(4)
     batches = []

@@ -1,8 +1,8 @@
 """A rollout's per-answer-token values computed in the policy's step layout under sequence
 parallelism (zeroxla/rlhf/answer_forward.py, zeroxla/engine/token_forward.py) against the
 one-device forward of the gathered model they replace: GRPO's ragged answer log-probs
-(`grpo_losses.ragged_answer_logprobs`, right-padded answers after prompts of their own
-lengths) and PPO's answer values (`ppo_losses.answer_values`, prompts left-padded), within
+(`answer_values.ragged_answer_logprobs`, right-padded answers after prompts of their own
+lengths) and PPO's answer values (`answer_values.answer_values`, prompts left-padded), within
 float32 rounding, under Ulysses and under the ring's zigzag split (whose token order the
 forward puts back)."""
 
@@ -20,8 +20,8 @@ from zeroxla.engine.sequence import in_sequence_layout, out_of_sequence_layout
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.models.sequence_parallel import SequenceParallel
 from zeroxla.rlhf.answer_forward import AnswerForward
-from zeroxla.rlhf.grpo_losses import make_grpo_loss, ragged_answer_logprobs
-from zeroxla.rlhf.ppo_losses import answer_values, make_critic_loss
+from zeroxla.rlhf.grpo.losses import make_grpo_loss, ragged_answer_logprobs
+from zeroxla.rlhf.ppo.losses import answer_values, make_critic_loss
 from zeroxla.rlhf.reward_model import RewardModel
 from zeroxla.sharding.stored_forms import StoredCodes
 

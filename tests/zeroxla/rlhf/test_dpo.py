@@ -1,4 +1,4 @@
-"""DPO (`zeroxla.rlhf.dpo`) against independent references: the sigmoid and IPO losses and
+"""DPO (`zeroxla.rlhf.dpo.losses`) against independent references: the sigmoid and IPO losses and
 their gradients in numpy float64 (analytic derivatives), on the log-probs transformers computes
 in float64 for a tiny GPT-2; the exact start (policy = reference: log 2, margins 0); the ZeRO-3
 step against plain single-device optax on the same loss written out; the answer masks against
@@ -13,7 +13,7 @@ from flax import nnx
 
 import zeroxla
 from zeroxla import models, rlhf
-from zeroxla.rlhf import dpo
+from zeroxla.rlhf.dpo import losses as dpo
 from reference import flat_params, train_single_device
 
 VOCAB = 65
@@ -185,7 +185,7 @@ def test_reference_sums_of_the_trainers_reference(int8):
     the device's code at a near tie), and not equal to the float model's."""
     from test_reference_int8 import int8_weights64
     from zeroxla.rlhf.answer_forward import reference_partitions
-    from zeroxla.rlhf.dpo_trainer import DPOTrainer
+    from zeroxla.rlhf.dpo.trainer import DPOTrainer
 
     model = models.build("gpt-tiny", seed=0)
     batch, _, _ = random_pairs(6, 16, seed=6)
@@ -213,7 +213,7 @@ def test_reference_sums_of_the_trainers_reference(int8):
 
 
 def test_a_policy_that_is_not_a_causal_lm_is_refused_by_name():
-    from zeroxla.rlhf.dpo_trainer import check_policy
+    from zeroxla.rlhf.dpo.trainer import check_policy
 
     check_policy(models.build("gpt-tiny", seed=0), 16)               # logits [B, T, V]: fine
     with pytest.raises(TypeError, match=r"policy=RewardModel\(tokens int32\[2, 15\]\) returned "

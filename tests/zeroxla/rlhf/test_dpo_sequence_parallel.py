@@ -11,8 +11,8 @@ import pytest
 import zeroxla
 from test_packed_pairs import V, pairs
 from zeroxla import models
-from zeroxla.rlhf.dpo import DPOConfig
-from zeroxla.rlhf.dpo_trainer import run_dpo
+from zeroxla.rlhf.dpo.losses import DPOConfig
+from zeroxla.rlhf.dpo.trainer import run_dpo
 
 CONFIG = DPOConfig(beta=0.5, batch_size=8, seq_len=24, learning_rate=1e-3)
 
@@ -51,8 +51,8 @@ def test_the_reference_sums_in_the_policys_layout_equal_the_one_device_reference
     # read through the policy's codes view under sequence parallelism too) the sums are the
     # float ones within the int8 rounding (2e-2 nats per token, test_reference_int8.py) and a
     # device holds 1/8 of the model, against the whole tiny model of the float copy.
-    from zeroxla.rlhf.dpo import sequence_logprobs
-    from zeroxla.rlhf.dpo_trainer import DPOTrainer
+    from zeroxla.rlhf.dpo.losses import sequence_logprobs
+    from zeroxla.rlhf.dpo.trainer import DPOTrainer
     policy = models.build("llama-tiny", vocab_size=V, max_seq_len=32, seed=5)
     train, val = pairs(70, seed=15), pairs(8, seed=16)
     for rows in (train, val):

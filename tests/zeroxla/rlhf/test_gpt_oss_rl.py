@@ -12,8 +12,9 @@ from flax import nnx
 
 import zeroxla
 from zeroxla import models
-from zeroxla.rlhf import GRPOConfig, PPOConfig, PPOTrainer, arithmetic_task as task
-from zeroxla.rlhf.grpo import GRPOTrainer
+from zeroxla.rlhf import GRPOConfig, PPOConfig, PPOTrainer
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 from job_runs import distinct_chars
 from test_grpo_moe import EOS, TOKENIZER
 from test_grpo_routing_replay import numpy_mismatch

@@ -1,11 +1,11 @@
-"""Group-relative advantages (zeroxla/rlhf/group_advantages.py) of rewards that float32 cannot
+"""Group-relative advantages (zeroxla/rlhf/grpo/group_advantages.py) of rewards that float32 cannot
 carry through the std: computed in float64 and cast, they equal a float64 numpy reference; rewards
 whose advantages do not fit float32 are refused, not trained on as NaN."""
 
 import numpy as np
 import pytest
 
-from zeroxla.rlhf.group_advantages import group_advantages
+from zeroxla.rlhf.grpo.group_advantages import group_advantages
 
 G = 4
 

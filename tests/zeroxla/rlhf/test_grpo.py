@@ -1,7 +1,7 @@
-"""The GRPO loop (zeroxla/rlhf/grpo.py) end to end on the bundled arithmetic task: the reward
-reaches the update (permuting a reward function's outputs across samples changes the trained
-weights, while the same rewards reproduce them bit for bit; with SGD, each update equals the
-float64 reference's for its rewards, test_grpo_update_reference.py), and `zeroxla grpo`'s job
+"""The GRPO loop (zeroxla/rlhf/grpo/trainer.py) end to end on the bundled arithmetic task: the
+reward reaches the update (permuting a reward function's outputs across samples changes the
+trained weights, while the same rewards reproduce them bit for bit; with SGD, each update equals
+the float64 reference's for its rewards, test_grpo_update_reference.py), and `zeroxla grpo`'s job
 writes its records, stops with a checkpoint, resumes and exports."""
 
 import json
@@ -18,8 +18,9 @@ import zeroxla
 from zeroxla import checkpoint, models
 from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.app.tokenizers.records import tokenizer_record
-from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
-from zeroxla.rlhf.grpo import GRPOTrainer
+from zeroxla.rlhf import GRPOConfig
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 from test_grpo_update_reference import assert_update, reference_update
 from job_runs import distinct_chars
 

@@ -28,8 +28,9 @@ from flax import nnx
 import zeroxla
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
-from zeroxla.rlhf.grpo import GRPOTrainer, run_grpo
+from zeroxla.rlhf import GRPOConfig
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer, run_grpo
 from test_grpo_update_reference import (answer_logprobs64, assert_update, reference_update,
                                         update_error)
 from job_runs import distinct_chars

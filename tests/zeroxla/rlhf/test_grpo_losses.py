@@ -1,4 +1,4 @@
-"""The GRPO family's advantages and loss (zeroxla/rlhf/group_advantages.py, grpo_losses.py)
+"""The GRPO family's advantages and loss (zeroxla/rlhf/grpo/group_advantages.py, losses.py)
 against float64 numpy written here from TRL's `GRPOTrainer` definitions, as loops: every
 --loss-type x --scale-rewards (and RLOO's baseline), clip-higher binding, the k3 KL, and mu = 2
 policy updates of a free-logits policy (the second update is where the clip binds), loss and
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from zeroxla import rlhf
-from zeroxla.rlhf.group_advantages import group_advantages
-from zeroxla.rlhf.grpo_losses import clip_fractions, grpo_loss
+from zeroxla.rlhf.grpo.group_advantages import group_advantages
+from zeroxla.rlhf.grpo.losses import clip_fractions, grpo_loss
 
 G = 4                           # answers per prompt
 B, T = 3 * G, 6                 # rows, answer tokens

@@ -11,8 +11,9 @@ import pytest
 import zeroxla
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
-from zeroxla.rlhf.grpo import GRPOTrainer
+from zeroxla.rlhf import GRPOConfig
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 from job_runs import distinct_chars
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)

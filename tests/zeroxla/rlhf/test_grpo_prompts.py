@@ -1,4 +1,4 @@
-"""GRPO prompts of different lengths (zeroxla/rlhf/grpo_prompts.py): `zeroxla grpo` keeps every
+"""GRPO prompts of different lengths (zeroxla/rlhf/grpo/prompts.py): `zeroxla grpo` keeps every
 prompt whole by default (the cap is the longest prompt, not the shortest), an explicit
 --max-prompt-seq-len cuts longer prompts to their last tokens and counts them, the reward
 functions see the kept text, and the right-padded rows give each answer the log-probs of its
@@ -13,10 +13,11 @@ import zeroxla
 from zeroxla import models
 from zeroxla.app.jobs import grpo as grpo_job
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
-from zeroxla.rlhf.grpo import GRPOTrainer
-from zeroxla.rlhf.grpo_losses import ragged_answer_logprobs
-from zeroxla.rlhf.grpo_prompts import prompt_cap, prompt_rows, truncation_report
+from zeroxla.rlhf import GRPOConfig
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
+from zeroxla.rlhf.grpo.losses import ragged_answer_logprobs
+from zeroxla.rlhf.grpo.prompts import prompt_cap, prompt_rows, truncation_report
 from zeroxla.rlhf.rollout import pad_answers
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)

@@ -16,7 +16,7 @@ import zeroxla
 from test_grpo_losses import np_advantages
 from test_grpo_update_reference import (CONFIG, LR, PROMPTS, TOKENIZER, answer_logprobs64,
                                         fixed_rollout, no_reward, tiny_actor)
-from zeroxla.rlhf.grpo import GRPOTrainer, iteration_record
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer, iteration_record
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 CORR = RolloutCorrection(is_level="token", is_threshold=2.0, rs=("token", "k3"),

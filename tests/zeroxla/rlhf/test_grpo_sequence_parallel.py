@@ -12,9 +12,9 @@ import pytest
 import zeroxla
 from test_grpo import CONFIG, EOS, TOKENIZER, distinct_chars, tiny_actor
 from zeroxla.models.sequence_parallel import SequenceParallel
-from zeroxla.rlhf import arithmetic_task as task
-from zeroxla.rlhf.grpo import GRPOTrainer
-from zeroxla.rlhf.grpo_losses import make_grpo_loss
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
+from zeroxla.rlhf.grpo.losses import make_grpo_loss
 
 # Differ by construction: the packed rows are rounded up to a multiple of the 2 sequence devices;
 # the rollout engine's steps and KV pages per data group (the 8-device mesh serves rollouts with

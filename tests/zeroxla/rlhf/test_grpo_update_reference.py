@@ -40,9 +40,10 @@ import zeroxla
 from test_grpo_losses import np_advantages
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import GRPOConfig, arithmetic_task as task
-from zeroxla.rlhf.group_advantages import group_advantages
-from zeroxla.rlhf.grpo import GRPORollout, GRPOTrainer
+from zeroxla.rlhf import GRPOConfig
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.group_advantages import group_advantages
+from zeroxla.rlhf.grpo.trainer import GRPORollout, GRPOTrainer
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
 PROMPTS = [{"prompt": "12"}, {"prompt": "Mia has 4 pens?"}]       # 2 and 15 tokens

@@ -12,7 +12,7 @@ import pytest
 
 import zeroxla
 from zeroxla import models
-from zeroxla.rlhf.dpo import DPOConfig, make_dpo_loss, make_dpo_statistic, pair_batch
+from zeroxla.rlhf.dpo.losses import DPOConfig, make_dpo_loss, make_dpo_statistic, pair_batch
 from zeroxla.rlhf.packed_pairs import pack_pairs, pack_scored_pairs
 from test_packed_rollout import (assert_same_mean_and_grads, assert_same_update,
                                  assert_same_zero3_step, mean_and_grads, zero3_step)

@@ -1,5 +1,5 @@
 """A packed GRPO rollout (zeroxla/rlhf/packed_rollout.py) against the padded one it replaces:
-the padded loss is `grpo_losses`' (itself checked against float64 TRL loops in
+the padded loss is `grpo.losses`' (itself checked against float64 TRL loops in
 test_grpo_losses.py); packed, every loss type's loss and gradients equal it within 1e-6 on fresh
 rollouts of ragged prompts and answers, for a nanoGPT-style GPT and a Llama (GQA, RoPE), and one
 ZeRO-3 step on the 2 x 4 mesh from the same start lands on the same parameters. The bin packing
@@ -18,7 +18,7 @@ import zeroxla
 from zeroxla import models
 from zeroxla.engine.bin_packing import balance_rows
 from zeroxla.rlhf import GRPOConfig
-from zeroxla.rlhf.grpo_losses import make_grpo_loss
+from zeroxla.rlhf.grpo.losses import make_grpo_loss
 from zeroxla.rlhf.packed_rollout import pack_for_step, pack_rollout
 
 V, P, G = 48, 7, 9                    # vocabulary, prompt columns, answer columns
@@ -166,7 +166,7 @@ def test_an_actor_without_segment_ids_is_refused_when_packing():
             return self.out(self.embed(tokens))
 
     from zeroxla.app.tokenizers.basic import CharTokenizer
-    from zeroxla.rlhf.grpo import GRPOTrainer
+    from zeroxla.rlhf.grpo.trainer import GRPOTrainer
     with pytest.raises(ValueError, match=r"packing=True but PlainLM takes no positions= and "
                                          r"segment_ids=.*packing=False"):
         GRPOTrainer(GRPOConfig(num_generations=2, prompts_per_iteration=4),
@@ -211,7 +211,7 @@ def ppo_rollout(rows, seed):
 
 @pytest.mark.slow
 def test_ppo_actor_and_critic_losses_packed_equal_the_padded():
-    from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
+    from zeroxla.rlhf.ppo.losses import make_actor_loss, make_critic_loss
     from zeroxla.rlhf.reward_model import RewardModel
     padded, row_len = ppo_rollout(10, seed=21), 2 * (P + G - 1)
     assert pack_rollout(padded, loss_type="dapo", row_len=row_len, data_size=1)[1]["rows"] < 10
@@ -230,7 +230,7 @@ def test_ppo_token_budget_micro_batches_land_where_the_padded_step_does(role):
     """`PPOConfig.ppo_max_token_len_per_gpu` (verl's token budget): rows of the longest
     sequence's slots, each replica's rows accumulated as micro-batches, one update equal to the
     padded batch's, for the actor's loss (a per-token mean) and the critic's."""
-    from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
+    from zeroxla.rlhf.ppo.losses import make_actor_loss, make_critic_loss
     from zeroxla.rlhf.reward_model import RewardModel
     padded = ppo_rollout(32, seed=23)
     if role == "actor":
@@ -273,7 +273,7 @@ def test_ppo_losses_under_sequence_parallelism_land_where_the_padded_step_does(r
     """PPO's actor and critic losses on a packed rollout whose rows are split over 2 sequence
     devices (2 x 2 data replicas): one update equal to the padded batch's without sequence
     parallelism (2 x 4 replicas); a padded batch under it is refused naming the option."""
-    from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
+    from zeroxla.rlhf.ppo.losses import make_actor_loss, make_critic_loss
     from zeroxla.rlhf.reward_model import RewardModel
     padded = ppo_rollout(16, seed=29)
     if role == "actor":

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroxla.rlhf.ppo_losses import answer_logprobs
+from zeroxla.rlhf.ppo.losses import answer_logprobs
 
 LIMIT, VOCAB, B, P, G = 24, 32, 3, 4, 5
 RNG = np.random.default_rng(0)

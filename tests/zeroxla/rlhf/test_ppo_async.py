@@ -25,7 +25,8 @@ from flax import nnx
 import zeroxla
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import PPOConfig, PPOTrainer, arithmetic_task as task
+from zeroxla.rlhf import PPOConfig, PPOTrainer
+from zeroxla.rlhf.grpo import arithmetic_task as task
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 from test_grpo_async import nnx_float64
 from test_grpo_update_reference import answer_logprobs64, assert_update, update_error

@@ -12,7 +12,8 @@ import pytest
 import zeroxla
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import PPOConfig, PPOTrainer, arithmetic_task as task
+from zeroxla.rlhf import PPOConfig, PPOTrainer
+from zeroxla.rlhf.grpo import arithmetic_task as task
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)
 # 32 prompts x 32 tokens = 1,024 answer places; no EOS, so every one is real.

@@ -16,7 +16,8 @@ from flax import nnx
 import zeroxla
 from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
-from zeroxla.rlhf import PPOConfig, PPOTrainer, arithmetic_task as task
+from zeroxla.rlhf import PPOConfig, PPOTrainer
+from zeroxla.rlhf.grpo import arithmetic_task as task
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 TOKENIZER = CharTokenizer.from_text(task.ALPHABET)

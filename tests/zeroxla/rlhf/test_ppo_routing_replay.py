@@ -16,7 +16,7 @@ import zeroxla
 from zeroxla import models
 from zeroxla.rlhf import PPOConfig, PPOTrainer
 from zeroxla.rlhf.packed_rollout import pack_rollout
-from zeroxla.rlhf.ppo_losses import make_actor_loss
+from zeroxla.rlhf.ppo.losses import make_actor_loss
 from test_grpo_moe import EOS, TOKENIZER, actor
 from test_grpo_routing_replay import numpy_mismatch
 

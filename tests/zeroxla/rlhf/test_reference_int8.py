@@ -37,7 +37,7 @@ from numpy_quant import (codes_at_near_ties, dequantize_groups64, from_shards64,
                          quantize_shards64, shard_index, unpad_groups)
 from test_packed_rollout import G, llama, rollout
 from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
-from zeroxla.rlhf.grpo_losses import make_grpo_loss, ragged_answer_logprobs
+from zeroxla.rlhf.grpo.losses import make_grpo_loss, ragged_answer_logprobs
 
 ROUNDING_BOUND = 2e-2        # nats per answer token, int8 against float (module docstring)
 FLOAT32_ROUNDING = 2e-5      # nats per answer token, the float32 forward against float64
@@ -192,8 +192,8 @@ def test_every_rollout_side_forward_of_grpo_and_ppo_holds_the_same_bytes_on_ever
     from test_grpo import CONFIG as GRPO, EOS, TOKENIZER
     from zeroxla import models, rlhf
     from zeroxla.app import data
-    from zeroxla.rlhf import arithmetic_task as task
-    from zeroxla.rlhf.grpo import GRPOTrainer
+    from zeroxla.rlhf.grpo import arithmetic_task as task
+    from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 
     mesh = zeroxla.make_mesh(2, 4)
     # MLP layers of 192 x 768 parameters: over the persistence threshold (1e5), so they
@@ -249,8 +249,8 @@ def test_grpo_with_an_int8_reference_records_the_float_references_kl():
 
     from job_runs import distinct_chars
     from test_grpo import CONFIG as GRPO, EOS, TOKENIZER, tiny_actor
-    from zeroxla.rlhf import arithmetic_task as task
-    from zeroxla.rlhf.grpo import GRPOTrainer
+    from zeroxla.rlhf.grpo import arithmetic_task as task
+    from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 
     records = {}
     for int8 in (False, True):

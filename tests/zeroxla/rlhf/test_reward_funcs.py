@@ -1,6 +1,7 @@
-"""Reward functions of the GRPO family (zeroxla/rlhf/reward_funcs.py) and the bundled arithmetic
-task (arithmetic_task.py): answers extracted as written, weighted sums, failures named, and the
-task deterministic, disjoint and correct (its answers recomputed here from the prompt text)."""
+"""Reward functions of the GRPO family (zeroxla/rlhf/grpo/reward_funcs.py) and the bundled
+arithmetic task (arithmetic_task.py): answers extracted as written, weighted sums, failures
+named, and the task deterministic, disjoint and correct (its answers recomputed here from the
+prompt text)."""
 
 import math
 import re
@@ -9,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from zeroxla.rlhf import arithmetic_task as task
-from zeroxla.rlhf.reward_funcs import (RewardFunctionError, RewardFunctions, accuracy_reward,
-                                       extract_answer, format_reward, load_reward_func)
+from zeroxla.rlhf.grpo import arithmetic_task as task
+from zeroxla.rlhf.grpo.reward_funcs import (RewardFunctionError, RewardFunctions, accuracy_reward,
+                                            extract_answer, format_reward, load_reward_func)
 
 
 @pytest.mark.parametrize("text, want", [
@@ -61,7 +62,7 @@ def test_bad_reward_stops_naming_function_and_sample(fn, message):
 
 def test_load_reward_func():
     assert load_reward_func("accuracy") is accuracy_reward
-    assert load_reward_func("zeroxla.rlhf.reward_funcs:format_reward") is format_reward
+    assert load_reward_func("zeroxla.rlhf.grpo.reward_funcs:format_reward") is format_reward
     with pytest.raises(ValueError, match="accepted: accuracy | format or module:function"):
         load_reward_func("nocolon")
     with pytest.raises(ValueError, match="zeroxla.rlhf:missing"):

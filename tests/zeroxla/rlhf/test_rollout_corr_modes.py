@@ -9,7 +9,7 @@ the rollout's log-probs instead of the reference's change the loss by far more t
 import numpy as np
 import pytest
 
-from zeroxla.rlhf.grpo_losses import grpo_loss
+from zeroxla.rlhf.grpo.losses import grpo_loss
 from zeroxla.rlhf.rollout_correction import (RolloutCorrection, corrected_batch,
                                              rollout_correction)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from zeroxla.inference.sampling import Sampling, next_token, sampled_logprobs
-from zeroxla.rlhf.grpo_losses import grpo_loss
+from zeroxla.rlhf.grpo.losses import grpo_loss
 from zeroxla.rlhf.rollout_correction import logprob_gap, tis_clipped_fraction, tis_weights
 
 RNG = np.random.default_rng(0)

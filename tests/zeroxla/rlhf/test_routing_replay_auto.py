@@ -14,9 +14,9 @@ from flax import nnx
 import zeroxla
 from zeroxla import models
 from zeroxla.rlhf import GRPOConfig
-from zeroxla.rlhf.grpo import GRPOTrainer
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 from zeroxla.rlhf.roles import resolve_routing_replay
-from zeroxla.rlhf import arithmetic_task as task
+from zeroxla.rlhf.grpo import arithmetic_task as task
 from zeroxla.sharding.model_def import ModelDef
 from job_runs import distinct_chars
 from test_grpo import tiny_actor

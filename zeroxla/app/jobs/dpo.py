@@ -38,8 +38,8 @@ from zeroxla.app.data import split_examples
 from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY
 from zeroxla.checkpoint.adapters import as_metadata
 from zeroxla.lora import LoRAConfig
-from zeroxla.rlhf.dpo import LOSS_TYPES, DPOConfig, pair_batch
-from zeroxla.rlhf.dpo_trainer import DPOTrainer
+from zeroxla.rlhf.dpo.losses import LOSS_TYPES, DPOConfig, pair_batch
+from zeroxla.rlhf.dpo.trainer import DPOTrainer
 
 BUNDLED_PAIRS = 512                    # shakespeare pairs without --data
 

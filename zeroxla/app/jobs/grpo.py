@@ -34,11 +34,11 @@ from zeroxla.checkpoint.adapters import METADATA_KEY as LORA_KEY, as_metadata
 from zeroxla.engine.router_aux import check_budget_with_router
 from zeroxla.inference.config import ROLLOUT_DTYPES
 from zeroxla.lora import LoRAConfig
-from zeroxla.rlhf.grpo import GRPOTrainer
-from zeroxla.rlhf.grpo_config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS,
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
+from zeroxla.rlhf.grpo.config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS,
                                       ROUTING_REPLAY, SCALE_REWARDS, GRPOConfig,
                                       check_reward_sources, reward_sources)
-from zeroxla.rlhf.grpo_prompts import (TASK_REWARDS, check_fit, file_rows, prompt_cap, task_rows,
+from zeroxla.rlhf.grpo.prompts import (TASK_REWARDS, check_fit, file_rows, prompt_cap, task_rows,
                                        truncation_report)
 from zeroxla.rlhf.plot import save_records_plot
 from zeroxla.rlhf.roles import batch_invariant_policy
@@ -48,7 +48,7 @@ from zeroxla.rlhf.rollout_correction import RolloutCorrection
 @dataclasses.dataclass(frozen=True)
 class GRPOJobConfig:
     """Everything `zeroxla grpo` needs; `grpo.prompt_length` becomes `prompt_length`, else the
-    longest prompt's tokens (a longer prompt keeps its last ones: `rlhf.grpo_prompts`)."""
+    longest prompt's tokens (a longer prompt keeps its last ones: `rlhf.grpo.prompts`)."""
 
     actor: str
     prompts: str | None = None               # None: the bundled arithmetic task

@@ -35,8 +35,8 @@ from zeroxla.engine.sequence import packed_row_length
 from zeroxla.engine.token_forward import TokenForward
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.answer_forward import reference_partitions
-from zeroxla.rlhf.dpo import (MASK_KEYS, REFERENCE_KEYS, TOKEN_KEYS, DPOConfig, make_dpo_loss,
-                              make_dpo_statistic)
+from zeroxla.rlhf.dpo.losses import (MASK_KEYS, REFERENCE_KEYS, TOKEN_KEYS, DPOConfig,
+                                     make_dpo_loss, make_dpo_statistic)
 from zeroxla.rlhf.packed_pairs import PAIR_VALUES, pack_pairs
 from zeroxla.rlhf.answer_values import packed_logprobs, token_logprob_rows
 from zeroxla.rlhf.roles import build_roles

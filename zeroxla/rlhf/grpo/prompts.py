@@ -7,7 +7,7 @@ prompt at positions 0 .. L_b - 1, its answer from L_b, then zeros (`rollout.pad_
 all real tokens of its own row at their true positions, so every log-prob equals the one of
 that prompt and answer run alone. The Hybrid Engine's decode lays prompts out the same way
 (`zeroxla.inference.decode`); the training forward reads each row's answer from its own
-offset (`grpo_losses.ragged_answer_logprobs`).
+offset (`answer_values.ragged_answer_logprobs`).
 
 A prompt longer than the cap (`GRPOConfig.prompt_length`, the job's `--max-prompt-seq-len`)
 keeps its last tokens (TRL's `max_prompt_length`, DeepSpeed-Chat's prompt dataset);
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from zeroxla.rlhf import arithmetic_task as task
+from zeroxla.rlhf.grpo import arithmetic_task as task
 
 TASK_SPLIT = dict(n_train=2000, n_test=200, seed=0)     # the bundled task's problems
 TASK_DIGITS = 2
@@ -132,7 +132,7 @@ def task_rows(tokenizer: Any, model: str) -> tuple[list[dict[str, Any]], list[di
     if unknown:
         raise ValueError(f"{model}: its tokenizer cannot write the bundled task (characters "
                          f"{unknown!r}); accepted: an actor SFT'd on the task "
-                         "(zeroxla.rlhf.task_sft), or give --prompts")
+                         "(zeroxla.rlhf.grpo.task_sft), or give --prompts")
     eos_id = getattr(tokenizer, "eos_id", None)
     if eos_id is None:
         ids = _token_ids(tokenizer, task.END)

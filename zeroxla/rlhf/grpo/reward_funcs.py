@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from zeroxla.rlhf import verl_score
+from zeroxla.rlhf.grpo import verl_score
 
 RewardFunc = Callable[..., Sequence[float | None]]
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -13,9 +13,9 @@ import optax
 from flax import nnx
 
 import zeroxla
-from zeroxla.rlhf.grpo_config import GRPOConfig
-from zeroxla.rlhf.grpo_prompts import prompt_rows
-from zeroxla.rlhf.reward_funcs import accuracy_reward
+from zeroxla.rlhf.grpo.config import GRPOConfig
+from zeroxla.rlhf.grpo.prompts import prompt_rows
+from zeroxla.rlhf.grpo.reward_funcs import accuracy_reward
 
 
 def greedy_accuracy(engine: Any, state: Any, problems: Sequence[dict[str, Any]],

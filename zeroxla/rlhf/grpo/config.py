@@ -34,7 +34,7 @@ version that drew the token, a weight above `behav_imp_weight_cap` set to 0 (Non
 of the other G - 1 answers (Ahmadian et al. 2024). `prompts_per_iteration` prompts make
 `prompts_per_iteration * num_generations` rows per rollout; `prompt_length` is the most prompt
 tokens (shorter prompts are right-padded, exactly; a longer one keeps its last tokens:
-`zeroxla.rlhf.grpo_prompts`). Rollouts
+`zeroxla.rlhf.grpo.prompts`). Rollouts
 sample at temperature 1, from the policy's own distribution, so the log-probs of the ratio are
 the model's (no temperature enters them).
 
@@ -90,7 +90,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zeroxla.inference.config import ROLLOUT_DTYPES
-from zeroxla.rlhf.reward_funcs import RewardFunctions, load_reward_func
+from zeroxla.rlhf.grpo.reward_funcs import RewardFunctions, load_reward_func
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")

@@ -55,13 +55,13 @@ import zeroxla
 from zeroxla.engine.loss import check_packable
 from zeroxla.lora import LoRAConfig
 from zeroxla.inference.config import rollout_batching
-from zeroxla.rlhf.advantages import rewards_and_advantages
+from zeroxla.rlhf.ppo.advantages import rewards_and_advantages
 from zeroxla.rlhf.async_rollouts import AsyncRollouts, split_mesh
-from zeroxla.rlhf.ppo_config import PPOConfig
+from zeroxla.rlhf.ppo.config import PPOConfig
 from zeroxla.rlhf.critic import Critic, critic_from_reward_model
 from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
-from zeroxla.rlhf.ppo_losses import make_actor_loss, make_critic_loss
+from zeroxla.rlhf.ppo.losses import make_actor_loss, make_critic_loss
 from zeroxla.rlhf.reward import RewardFn, make_scorer
 from zeroxla.rlhf.reward_model import RewardModel, check_scoring_model
 from zeroxla.rlhf.roles import POLICY_ZERO, adapted, build_roles, resolve_routing_replay

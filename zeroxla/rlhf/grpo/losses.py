@@ -19,7 +19,7 @@ of the real answer tokens are aggregated by `loss_type`:
 `grpo_loss_parts` returns the aggregation as `(sum, count)`, the pair `make_step` divides over
 the global batch, so each loss is exact however the batch is sharded.
 
-Prompts of different lengths are right-padded (`grpo_prompts`): row b's answer starts at its
+Prompts of different lengths are right-padded (`prompts`): row b's answer starts at its
 own prompt length, and `answer_values.ragged_answer_logprobs` reads each row's answer from there.
 """
 

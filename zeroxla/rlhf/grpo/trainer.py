@@ -30,7 +30,7 @@ PPO): a padded vocabulary's rows are never drawn, and the log-probs are of that 
 Rows are prompt-major: row b is answer `b % G` of prompt `b // G` (`group_advantages`).
 Prompts keep their own lengths, up to `prompt_length` (a longer one keeps its last tokens,
 counted in `GRPOTrainer.prompts`, and the reward functions get the kept text): each row is its
-prompt, its answer, then zeros (`grpo_prompts`), exact without an attention mask.
+prompt, its answer, then zeros (`prompts`), exact without an attention mask.
 
 With an enabled `lora` (`zeroxla.lora.LoRAConfig`) the actor trains LoRA adapters (alone with
 `only_optimize_lora`), the reference is the plain starting actor, and the Hybrid Engine
@@ -60,17 +60,17 @@ from zeroxla.engine.loss import check_packable
 from zeroxla.engine.router_aux import check_budget_with_router, router_record
 from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
-from zeroxla.rlhf.grpo_config import GRPOConfig
+from zeroxla.rlhf.grpo.config import GRPOConfig
 from zeroxla.rlhf.async_rollouts import AsyncRollouts, split_mesh
-from zeroxla.rlhf.grpo_experience import DrawnRollout, GRPORollout, iteration_record
-from zeroxla.rlhf.grpo_eval import exact_accuracy, greedy_accuracy
-from zeroxla.rlhf.grpo_losses import clip_fractions, make_grpo_loss
-from zeroxla.rlhf.grpo_prompts import PromptRows, prompt_rows
+from zeroxla.rlhf.grpo.experience import DrawnRollout, GRPORollout, iteration_record
+from zeroxla.rlhf.grpo.eval import exact_accuracy, greedy_accuracy
+from zeroxla.rlhf.grpo.losses import clip_fractions, make_grpo_loss
+from zeroxla.rlhf.grpo.prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.partial_rollout import PartialAnswers, continue_answers, finish_rollout
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles, resolve_routing_replay
-from zeroxla.rlhf.reward_funcs import RewardFunctions
+from zeroxla.rlhf.grpo.reward_funcs import RewardFunctions
 from zeroxla.rlhf.rollout import generation_stats
 from zeroxla.rlhf.rollout_correction import corrected_batch
 
