@@ -40,6 +40,9 @@ two or more of them use lives here, and the roles they share are built once (rol
     answer_forward.py every per-token read of a trainer (old and reference log-probs, values) in
                    the step's layout (AnswerForward), the reference as the first partitions
                    (float, or int8 codes read through engine.frozen_codes)
+    rollout_fields.py the rollout-side config fields GRPO and PPO share (routing_replay,
+                   rollout_dtype, batch_invariant, rollout_devices, max_staleness) and their
+                   one check
     async_rollouts.py the asynchronous pipeline GRPO and PPO share: the mesh split into
                    training and rollout groups (split_mesh) and the rollouts drawn ahead with
                    bounded staleness (AsyncRollouts: versions, syncs, the dispatch events)

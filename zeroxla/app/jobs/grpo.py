@@ -36,8 +36,9 @@ from zeroxla.inference.config import ROLLOUT_DTYPES
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 from zeroxla.rlhf.grpo.config import (ADVANTAGES, LOSS_TYPES, ROLLOUT_CORRECTIONS,
-                                      ROUTING_REPLAY, SCALE_REWARDS, GRPOConfig,
-                                      check_reward_sources, reward_sources)
+                                      SCALE_REWARDS, GRPOConfig, check_reward_sources,
+                                      reward_sources)
+from zeroxla.rlhf.rollout_fields import ROUTING_REPLAY
 from zeroxla.rlhf.grpo.prompts import (TASK_REWARDS, check_fit, file_rows, prompt_cap, task_rows,
                                        truncation_report)
 from zeroxla.rlhf.plot import save_records_plot

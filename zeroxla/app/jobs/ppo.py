@@ -53,7 +53,7 @@ from zeroxla.rlhf import PPOConfig, PPOTrainer, Rollout, time_split
 from zeroxla.rlhf.plot import save_records_plot
 from zeroxla.rlhf.roles import batch_invariant_policy
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
-from zeroxla.rlhf.grpo.config import ROUTING_REPLAY
+from zeroxla.rlhf.rollout_fields import ROUTING_REPLAY
 from zeroxla.inference.config import ROLLOUT_DTYPES
 
 PLOT_FILE = "reward_kl.png"

@@ -89,15 +89,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from zeroxla.inference.config import ROLLOUT_DTYPES
 from zeroxla.rlhf.grpo.reward_funcs import RewardFunctions, load_reward_func
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
+from zeroxla.rlhf.rollout_fields import check_async_fields, check_rollout_fields
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGES = ("grpo", "rloo")
 ROLLOUT_CORRECTIONS = ("tis", "decoupled")
-ROUTING_REPLAY = ("auto", "off", "measure", "on")
 
 
 class GRPOConfigError(ValueError):
@@ -120,34 +119,6 @@ def _is_number(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_rollout_fields(config: Any, check: Callable[[str, Any, bool, str], None]) -> None:
-    """The rollout-side fields GRPO and PPO share (`routing_replay`, `rollout_dtype`,
-    `batch_invariant`), each through `check(name, value, ok, accepted)`: the config's own
-    error, naming its class and the field."""
-    check("routing_replay", config.routing_replay, config.routing_replay in ROUTING_REPLAY and (
-        config.packing or config.routing_replay in ("auto", "off")),
-        " | ".join(ROUTING_REPLAY) + " (measure and on with packing=True: the replayed "
-        "forward is the packed one)")
-    check("rollout_dtype", config.rollout_dtype, config.rollout_dtype in ROLLOUT_DTYPES,
-          " | ".join(ROLLOUT_DTYPES))
-    check("batch_invariant", config.batch_invariant, isinstance(config.batch_invariant, bool)
-          and not (config.batch_invariant and config.rollout_dtype != "float32"),
-          "True or False; True with rollout_dtype='float32' (the mode computes in float32, as "
-          "the training forward does)")
-
-
-def check_async_fields(config: Any, check: Callable[[str, Any, bool, str], None]) -> None:
-    """The asynchronous pipeline's fields GRPO and PPO share (`rollout_devices`,
-    `max_staleness`: `zeroxla.rlhf.async_rollouts`), each through `check` as
-    `check_rollout_fields`'s."""
-    for name in ("rollout_devices", "max_staleness"):
-        value = getattr(config, name)
-        check(name, value, _is_int(value) and value >= 0, "an integer >= 0")
-    check("max_staleness", config.max_staleness, not config.max_staleness
-          or config.rollout_devices > 0, "0 with rollout_devices=0 (colocated rollouts "
-          "wait for the update); > 0 with rollout_devices > 0")
 
 
 @dataclasses.dataclass(frozen=True)

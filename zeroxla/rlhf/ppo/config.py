@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroxla.rlhf.grpo.config import check_async_fields, check_rollout_fields
+from zeroxla.rlhf.rollout_fields import check_async_fields, check_rollout_fields
 from zeroxla.rlhf.rollout_correction import RolloutCorrection
 
 
