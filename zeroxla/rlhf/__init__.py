@@ -48,8 +48,7 @@ two or more of them use lives here, and the roles they share are built once (rol
                    bounded staleness (AsyncRollouts: versions, syncs, the dispatch events)
     partial_rollout.py a rollout drawn in passes (verl's partial rollout): PartialAnswers
                    (each token's engine log-prob and version), continue_answers (unfinished
-                   answers continued from their tokens), finish_rollout (scored: GRPO's
-                   DrawnRollout)
+                   answers continued from their tokens)
 """
 
 from zeroxla.rlhf.ppo.advantages import compute_rewards, get_advantages_and_returns

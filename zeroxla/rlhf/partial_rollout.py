@@ -1,6 +1,6 @@
-"""A GRPO rollout drawn in passes (verl's partial rollout, AReaL's interruptible generation):
-`PartialAnswers`, its answers while they are drawn, `continue_answers`, one pass over the
-unfinished ones, and `finish_rollout`, the finished answers scored into a `DrawnRollout`.
+"""A rollout drawn in passes (verl's partial rollout, AReaL's interruptible generation):
+`PartialAnswers`, its answers while they are drawn, and `continue_answers`, one pass over the
+unfinished ones (GRPO scores the finished answers: `grpo.experience.finish_rollout`).
 
 With `GRPOConfig.partial_rollout` N, a rollout drawn ahead (`async_rollouts`) draws at most N new
 tokens per answer at each weight sync, and an answer unfinished at a sync (no EOS yet, fewer
@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from zeroxla.rlhf.grpo.group_advantages import group_advantages
-from zeroxla.rlhf.grpo.experience import DrawnRollout
-from zeroxla.rlhf.rollout import pad_answers, pad_logprobs, pad_routing
+from zeroxla.rlhf.rollout import pad_answers, pad_logprobs
 
 OUTSIDE = -1          # a token's version when drawn outside the pipeline (colocated)
 
@@ -123,29 +121,4 @@ def continue_answers(generate: Callable[..., Any], partial: PartialAnswers,
     partial.generation_s += time.perf_counter() - start
 
 
-def finish_rollout(partial: PartialAnswers, config: Any, decode: Callable[[np.ndarray], str],
-                   score: Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]]
-                   ) -> DrawnRollout:
-    """`partial`'s finished answers as a `DrawnRollout` (`config` a `GRPOConfig`): padded,
-    decoded with `decode`, scored with `score(picked, tokens, real, completions)`, with their
-    group-relative advantages, the engine's log-probs [B, T] and, when every token was drawn
-    by a pipeline version, the versions int32 [B, T] (-1 past each answer) and the oldest."""
-    start = time.perf_counter()
-    c = config
-    tokens, mask, starts, logprobs = partial.padded(c.prompt_length)
-    completions = tuple(decode(answer) for answer in partial.answers)
-    ends = starts + np.asarray([a.size for a in partial.answers])                 # [B]
-    real = np.arange(tokens.shape[1]) < ends[:, None]
-    rewards, parts = score(partial.picked, tokens, real.astype(np.float32), completions)
-    advantages = group_advantages(rewards, c.num_generations, scale_rewards=c.scale_rewards,
-                                  advantage=c.advantage)
-    versions, version = partial.tags(mask)
-    return DrawnRollout(tokens, mask, starts, completions, rewards, parts,
-                        np.asarray(advantages, np.float32), logprobs,
-                        None if partial.routing is None
-                        else pad_routing(partial.routing, tokens.shape[1]),
-                        partial.generation_s, time.perf_counter() - start,
-                        version=version, versions=versions)
-
-
-__all__ = ["OUTSIDE", "PartialAnswers", "continue_answers", "finish_rollout"]
+__all__ = ["OUTSIDE", "PartialAnswers", "continue_answers"]

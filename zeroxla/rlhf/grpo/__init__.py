@@ -16,6 +16,7 @@ fine-tuning before it.
                    cut counted) and the text the reward functions see
     eval.py        held-out greedy accuracy through a Hybrid Engine: exact_accuracy
     experience.py  an iteration's experience as data: DrawnRollout (the rollout side),
-                   GRPORollout (with the training group's log-probs), iteration_record
+                   GRPORollout (with the training group's log-probs), finish_rollout (a
+                   rollout drawn in passes, scored), iteration_record
     trainer.py     GRPOTrainer (generate_experience, train_grpo), run_grpo
 """

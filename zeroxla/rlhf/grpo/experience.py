@@ -1,18 +1,23 @@
 """One GRPO iteration's experience as data: `DrawnRollout`, what the rollout side produces
 (answers, rewards, advantages, the engine's log-probs and the policy version drawn from), and
 `GRPORollout`, that with the training group's log-probs of the answers (the actor's, the "old"
-policy of the ratio, and the frozen reference's), what an update trains on; and an
-iteration's record of them (`iteration_record`).
+policy of the ratio, and the frozen reference's), what an update trains on; a rollout drawn
+in passes scored into a `DrawnRollout` (`finish_rollout`); and an iteration's record of them
+(`iteration_record`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from zeroxla.rlhf.rollout import routing_metrics
+from zeroxla.rlhf.grpo.group_advantages import group_advantages
+from zeroxla.rlhf.partial_rollout import PartialAnswers
+from zeroxla.rlhf.rollout import pad_routing, routing_metrics
 from zeroxla.rlhf.rollout_correction import logprob_gap
 
 
@@ -88,4 +93,29 @@ def iteration_record(iteration: int, rollout: GRPORollout, train: dict[str, floa
     return record
 
 
-__all__ = ["DrawnRollout", "GRPORollout", "iteration_record"]
+def finish_rollout(partial: PartialAnswers, config: Any, decode: Callable[[np.ndarray], str],
+                   score: Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]]
+                   ) -> DrawnRollout:
+    """`partial`'s finished answers as a `DrawnRollout` (`config` a `GRPOConfig`): padded,
+    decoded with `decode`, scored with `score(picked, tokens, real, completions)`, with their
+    group-relative advantages, the engine's log-probs [B, T] and, when every token was drawn
+    by a pipeline version, the versions int32 [B, T] (-1 past each answer) and the oldest."""
+    start = time.perf_counter()
+    c = config
+    tokens, mask, starts, logprobs = partial.padded(c.prompt_length)
+    completions = tuple(decode(answer) for answer in partial.answers)
+    ends = starts + np.asarray([a.size for a in partial.answers])                 # [B]
+    real = np.arange(tokens.shape[1]) < ends[:, None]
+    rewards, parts = score(partial.picked, tokens, real.astype(np.float32), completions)
+    advantages = group_advantages(rewards, c.num_generations, scale_rewards=c.scale_rewards,
+                                  advantage=c.advantage)
+    versions, version = partial.tags(mask)
+    return DrawnRollout(tokens, mask, starts, completions, rewards, parts,
+                        np.asarray(advantages, np.float32), logprobs,
+                        None if partial.routing is None
+                        else pad_routing(partial.routing, tokens.shape[1]),
+                        partial.generation_s, time.perf_counter() - start,
+                        version=version, versions=versions)
+
+
+__all__ = ["DrawnRollout", "GRPORollout", "finish_rollout", "iteration_record"]

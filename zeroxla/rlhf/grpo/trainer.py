@@ -62,12 +62,13 @@ from zeroxla.inference.config import rollout_batching
 from zeroxla.rlhf.answer_forward import AnswerForward, reference_partitions
 from zeroxla.rlhf.grpo.config import GRPOConfig
 from zeroxla.rlhf.async_rollouts import AsyncRollouts, split_mesh
-from zeroxla.rlhf.grpo.experience import DrawnRollout, GRPORollout, iteration_record
+from zeroxla.rlhf.grpo.experience import (DrawnRollout, GRPORollout, finish_rollout,
+                                          iteration_record)
 from zeroxla.rlhf.grpo.eval import exact_accuracy, greedy_accuracy
 from zeroxla.rlhf.grpo.losses import clip_fractions, make_grpo_loss
 from zeroxla.rlhf.grpo.prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
-from zeroxla.rlhf.partial_rollout import PartialAnswers, continue_answers, finish_rollout
+from zeroxla.rlhf.partial_rollout import PartialAnswers, continue_answers
 from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles, resolve_routing_replay
 from zeroxla.rlhf.grpo.reward_funcs import RewardFunctions
@@ -232,7 +233,7 @@ class GRPOTrainer:
         self.engine.release()
 
     def finish(self, partial: PartialAnswers) -> DrawnRollout:
-        """`partial`'s finished answers scored (`partial_rollout.finish_rollout`)."""
+        """`partial`'s finished answers scored (`experience.finish_rollout`)."""
         return finish_rollout(partial, self.config, self.tokenizer.decode, self.score)
 
     def experience(self, d: DrawnRollout) -> GRPORollout:
