@@ -149,10 +149,11 @@ def one_device():
     return functools.cache(_one_device_run)
 
 
-# daily: EP = 2, the one check of the MoE block's expert-parallel path (`models.gemma4_moe`)
-@pytest.mark.parametrize("name", [n if n == "moe-zero3-ep2-packed"
-                                  else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in sorted(TRAINING)])
+# slow, every case: a case costs 10-22 worker-seconds (a float64 MoE reference and a 2 x 4
+# compile), and the daily tier holds Gemma 4's logits on ZeRO-3 2 x 4 (dense and MoE) and the
+# expert-parallel FFN itself (tests/zeroxla/engine/test_expert_parallel.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TRAINING))
 def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoints, one_device, name):
     """3 steps of SGD with momentum on packed rows, every leaf partitioned (with SP = 2 each
     row's 16 tokens split over the sequence axis, the sliding window of 4 and both layers'
