@@ -52,10 +52,8 @@ from .expert_parallel import ExpertParallel
 from .gemma2 import Embed, Gemma2, run_layers
 from .gemma4_moe import Gemma4Moe, moe_half, rms
 from .kv_groups import cache_groups, fold_widths
-from .layers import (LayerStack, RMSNorm, at_least_float32, forward_stack, init_kv_cache, normal,
-                     param, stack_args)
-from .moe import RouterStats
-from .moe_llama import Chosen, Observed, Replayed
+from .layers import LayerStack, RMSNorm, forward_stack, init_kv_cache, normal, param, stack_args
+from .moe_llama import Chosen, replayed_stack
 from .rope import inv_freq, rope
 from .sequence_parallel import SequenceParallel
 from .tiled_mlp import tiled_mlp
@@ -324,21 +322,10 @@ class Gemma4(Gemma2):
         """`MoeLlama.replayed_token_logprobs`' contract: `replay` int32 [B, T, L, k] (L every
         HF layer, `moe_layers`) -> (log-probs float32 [B, T], None: Gemma 4 carries no router
         statistics, per token the layers whose live choice is not the record int32 [B, T])."""
-        c = self.config
-        b, t = tokens.shape
-        want = (b, t, self._moe_layers(), c.experts_per_token)
-        if tuple(replay.shape) != want:
-            raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
-                             "per input token, every MoE layer's k recorded experts")
-        c.check_seq_len(t * (1 if sequence is None else sequence.size), "sequence length")
-        args = stack_args(tokens, positions, segment_ids, sequence, experts)
-        args = (*args, *(None,) * (4 - len(args)), jnp.moveaxis(replay.astype(jnp.int32), 2, 0))
-        x = self.embed(tokens, args[0])
         # zero statistics, kept as they are (a None leaf would break the ZeRO-3 stack's vjp)
-        carry = (Replayed if follow_record else Observed)(
-            x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)), jnp.int32(0),
-            jnp.zeros((b, t), jnp.int32))
-        out, _ = self.blocks(carry, *args)
+        out = replayed_stack(self, tokens, replay, self._moe_layers(), positions=positions,
+                             segment_ids=segment_ids, sequence=sequence, experts=experts,
+                             follow_record=follow_record)
         logprobs = self.embed.attend_logprobs(self.norm(out.hidden), labels, vocab_limit)
         return logprobs, None, out.mismatches
 

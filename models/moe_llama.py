@@ -160,6 +160,34 @@ class Observed(Replayed):
     the live choice: the mismatch count of a forward trained without replay."""
 
 
+def replayed_stack(model, tokens: jax.Array, replay: jax.Array, moe_layers: int, *,
+                   positions: jax.Array | None, segment_ids: jax.Array | None,
+                   sequence: SequenceParallel | None, experts: ExpertParallel | None,
+                   follow_record: bool) -> Replayed:
+    """The stack run every MoE family's `replayed_token_logprobs` makes: `replay` int32
+    [B, T, L, k] checked against (B, T, `moe_layers`, k), the tokens embedded
+    (`model.embed(tokens, positions)`) and run through `model.blocks` with a `Replayed` carry
+    (`Observed` when not `follow_record`) and the record [L, B, T, k] as the stack's last input.
+    Returns the final carry: the hidden states [B, T, D] before the final norm, the live
+    router's statistics, per token the layers whose live choice is not the record [B, T]."""
+    c = model.config
+    b, t = tokens.shape
+    want = (b, t, moe_layers, c.experts_per_token)
+    if tuple(replay.shape) != want:
+        raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
+                         "per input token, every MoE layer's k recorded experts")
+    c.check_seq_len(t * (1 if sequence is None else sequence.size), "sequence length")
+    args = stack_args(tokens, positions, segment_ids, sequence, experts)
+    record = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)                    # [L, B, T, k]
+    args = (*args, *(None,) * (4 - len(args)), record)
+    x = model.embed(tokens, args[0])
+    carry = (Replayed if follow_record else Observed)(
+        x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)), jnp.int32(0),
+        jnp.zeros((b, t), jnp.int32))
+    out, _ = model.blocks(carry, *args)
+    return out
+
+
 class MoeBlock(Block):
     """x + attn(norm(x)), then x + moe(norm(x)). Called with a `Routed` carry it returns one,
     this layer's router statistics added; with a `Replayed` one (and the record `replay`),
@@ -280,22 +308,9 @@ class MoeLlama(Llama):
         int32 [B, T]; 0 where the token has no record or is padding). `follow_record=False`:
         every token routes live (`routed_token_logprobs`' values) and the record is only
         compared (the mismatches of a forward that does not replay)."""
-        c = self.config
-        b, t = tokens.shape
-        want = (b, t, c.moe_layers, c.experts_per_token)
-        if tuple(replay.shape) != want:
-            raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
-                             "per input token, every MoE layer's k recorded experts")
-        parts = 1 if sequence is None else sequence.size
-        c.check_seq_len(t * parts, "sequence length")
-        args = stack_args(tokens, positions, segment_ids, sequence, experts)
-        record = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)                # [L, B, T, k]
-        args = (*args, *(None,) * (4 - len(args)), record)
-        x = self.embed(tokens, args[0])
-        carry = (Replayed if follow_record else Observed)(
-            x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)), jnp.int32(0),
-            jnp.zeros((b, t), jnp.int32))
-        out, _ = self.blocks(carry, *args)
+        out = replayed_stack(self, tokens, replay, self.config.moe_layers, positions=positions,
+                             segment_ids=segment_ids, sequence=sequence, experts=experts,
+                             follow_record=follow_record)
         logprobs = self.head_logprobs(self.final_norm(out.hidden), labels, vocab_limit)
         return logprobs, out.stats, out.mismatches
 

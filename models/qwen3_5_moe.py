@@ -35,7 +35,7 @@ from .expert_parallel import ExpertParallel
 from .grouped_matmul import TILE, check_expert_implementation
 from .layers import at_least_float32, forward_stack, stack_args
 from .moe import MoeMLP, Routed, RouterStats
-from .moe_llama import Chosen, Observed, Replayed, moe_residual, token_mask
+from .moe_llama import Chosen, moe_residual, replayed_stack, token_mask
 from .paged_attention import is_paged
 from .qwen3_5 import Layer, Period, Qwen3_5, Qwen3_5Config, paged_refusal
 from .recurrent_slots import RecurrentSlots
@@ -217,20 +217,9 @@ class Qwen3_5Moe(Qwen3_5):
         """`MoeLlama.replayed_token_logprobs`' contract: `replay` int32 [B, T, L, k] (L every
         HF layer, `moe_layers`) -> (log-probs float32 [B, T], the live router's statistics,
         per token the layers whose live choice is not the record int32 [B, T])."""
-        c = self.config
-        b, t = tokens.shape
-        want = (b, t, c.moe_layers, c.experts_per_token)
-        if tuple(replay.shape) != want:
-            raise ValueError(f"replay {tuple(replay.shape)} must be [B, T, L, k] = {want}: "
-                             "per input token, every MoE layer's k recorded experts")
-        c.check_seq_len(t * (1 if sequence is None else sequence.size), "sequence length")
-        args = stack_args(tokens, positions, segment_ids, sequence, experts)
-        args = (*args, *(None,) * (4 - len(args)), jnp.moveaxis(replay.astype(jnp.int32), 2, 0))
-        x = self.embed(tokens, args[0])
-        carry = (Replayed if follow_record else Observed)(
-            x, RouterStats.zeros(c.num_experts, at_least_float32(x.dtype)), jnp.int32(0),
-            jnp.zeros((b, t), jnp.int32))
-        out, _ = self.blocks(carry, *args)
+        out = replayed_stack(self, tokens, replay, self.config.moe_layers, positions=positions,
+                             segment_ids=segment_ids, sequence=sequence, experts=experts,
+                             follow_record=follow_record)
         logprobs = self.head_logprobs(self.head.norm(out.hidden), labels, vocab_limit)
         return logprobs, out.stats, out.mismatches
 

@@ -352,15 +352,8 @@ def test_routing_records_hold_every_layer_as_transformers_routes(checkpoints, mo
     logp, (got, stats, mismatches) = both(jnp.asarray(record))
     np.testing.assert_array_equal(got, logp)
     assert stats is None and int(jnp.sum(mismatches)) == 0
-    changed = np.zeros(record.shape[:3], bool)                               # [B, T, L]
-    changed[0, 3, 1] = changed[1, 9, 1] = changed[1, 9, 2] = changed[0, 15, 5] = True
-    # a shift by 1 (mod 4) moves every pair of the 4 experts to another pair
-    other = np.where(changed[..., None], (record + 1) % EXPERTS, record)
-    assert np.all(np.any(np.sort(other, -1) != np.sort(record, -1), -1) == changed)
-    _, _, counted = replayed(jnp.asarray(other), False)
-    np.testing.assert_array_equal(counted, changed.sum(-1))
-    moved, _, _ = replayed(jnp.asarray(other), True)
-    assert not np.array_equal(moved, logp)
+    family_checkpoints.assert_a_changed_record_is_counted_and_replayed(
+        replayed, record, logp, [(0, 3, 1), (1, 9, 1), (1, 9, 2), (0, 15, 5)], EXPERTS)
 
 
 @pytest.mark.slow

@@ -283,14 +283,9 @@ def test_routing_records_hold_every_moe_layer_as_transformers_routes(checkpoint,
     for a, b in zip(got_stats, stats):
         np.testing.assert_array_equal(a, b)
     assert int(jnp.sum(mismatches)) == 0
-    changed = np.zeros(record.shape[:3], bool)                               # [B, T, 2L]
-    changed[0, 3, 2] = changed[1, 9, 2] = changed[1, 9, 1] = changed[0, 15, 1] = True
-    # a shift by 1 (mod 4) moves every pair of 4 experts to another pair
-    other = np.where(changed[..., None], (record + 1) % CONFIG["num_local_experts"], record)
-    _, _, counted = replayed(jnp.asarray(other), False)
-    np.testing.assert_array_equal(counted, changed.sum(-1))
-    moved, _, _ = replayed(jnp.asarray(other), True)
-    assert not np.array_equal(moved, logp)
+    family_checkpoints.assert_a_changed_record_is_counted_and_replayed(
+        replayed, record, logp, [(0, 3, 2), (1, 9, 2), (1, 9, 1), (0, 15, 1)],
+        CONFIG["num_local_experts"])
 
 
 MLP_PARAMS = ("router", "b_router", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")

@@ -305,15 +305,8 @@ def test_routing_records_hold_every_layer_as_transformers_routes(checkpoint, ref
     for a, b in zip(got_stats, stats):
         np.testing.assert_array_equal(a, b)
     assert int(jnp.sum(mismatches)) == 0
-    changed = np.zeros(record.shape[:3], bool)                               # [B, T, L]
-    changed[0, 3, 1] = changed[1, 9, 1] = changed[1, 9, 3] = changed[0, 15, 3] = True
-    # a shift by 1 (mod 8) moves every pair of the 8 experts to another pair
-    other = np.where(changed[..., None], (record + 1) % EXPERTS, record)
-    assert np.all(np.any(np.sort(other, -1) != np.sort(record, -1), -1) == changed)
-    _, _, counted = replayed(jnp.asarray(other), False)
-    np.testing.assert_array_equal(counted, changed.sum(-1))
-    moved, _, _ = replayed(jnp.asarray(other), True)
-    assert not np.array_equal(moved, logp)
+    family_checkpoints.assert_a_changed_record_is_counted_and_replayed(
+        replayed, record, logp, [(0, 3, 1), (1, 9, 1), (1, 9, 3), (0, 15, 3)], EXPERTS)
 
 
 @pytest.mark.slow

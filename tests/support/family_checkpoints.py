@@ -251,3 +251,26 @@ def assert_sequence_classifier_scores_as_transformers(config: Any, directory: Pa
         t = torch.tensor(tokens, dtype=torch.long)
         want = theirs.score(theirs.base_model(t).last_hidden_state).numpy()[..., 0]
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=atol, rtol=0)
+
+
+def assert_a_changed_record_is_counted_and_replayed(replayed: Any, record: Any, logprobs: Any,
+                                                    pairs: list[tuple[int, int, int]],
+                                                    experts: int) -> None:
+    """A routing record [B, T, L, k] changed at (row, token, layer) `pairs` (every expert
+    shifted by 1 mod `experts`, which moves a set of k < experts experts to another set):
+    only compared (`replayed(record, False)`, the model's `replayed_token_logprobs` with
+    `follow_record`), each changed pair is counted once per token; replayed
+    (`replayed(record, True)`), it moves the log-probs away from the live routing's
+    `logprobs`."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    changed = np.zeros(record.shape[:3], bool)                               # [B, T, L]
+    for pair in pairs:
+        changed[pair] = True
+    other = np.where(changed[..., None], (record + 1) % experts, record)
+    assert np.all(np.any(np.sort(other, -1) != np.sort(record, -1), -1) == changed)
+    _, _, counted = replayed(jnp.asarray(other), False)
+    np.testing.assert_array_equal(counted, changed.sum(-1))
+    moved, _, _ = replayed(jnp.asarray(other), True)
+    assert not np.array_equal(moved, logprobs)
