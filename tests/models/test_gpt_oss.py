@@ -365,22 +365,9 @@ def test_the_rollout_records_every_moe_layer_as_transformers_routes(checkpoint, 
     tokens, past the sliding window. Each output's record [len, 2L, k] holds at every fed
     token and MoE layer the experts transformers' router picks over the output (-1 on the last
     token, never fed); asking for it changes no token."""
-    step, state = zeroxla.load_pretrained(
-        checkpoint, zeroxla.make_mesh(2, 2, expert=2), progress=False,
-        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
-        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
-    assert engine.batching == batching
-    prompts = [token_ids(VOCAB, (n,), seed=n) for n in (3, 7, 11)]
-    kw = dict(max_new_tokens=9, temperature=1.0, seed=4)
-    outputs, routing = engine.generate(state, prompts, return_routing=True, **kw)
-    for got, want in zip(outputs, engine.generate(state, prompts, **kw)):
-        np.testing.assert_array_equal(got, want)
-    for out, record in zip(outputs, routing):
-        assert record.shape == (out.size, CONFIG["num_hidden_layers"], K)
-        assert np.all(record[-1] == -1)
-        want = transformers_choices(reference, np.asarray(out)[None])[0]     # [T, 2L, k]
-        np.testing.assert_array_equal(np.sort(record[:-1], -1), want[:-1])
+    family_checkpoints.assert_engine_records_the_routing(
+        checkpoint, VOCAB, batching, tp, CONFIG["num_hidden_layers"], K,
+        lambda tokens: transformers_choices(reference, tokens), live_too=False)
 
 
 # ------------------------------------------------------------------------------- slow paths

@@ -328,23 +328,6 @@ def test_the_rollout_records_every_layers_experts_as_transformers_routes(
     record [len, L, k] holds at every fed token and HF layer the experts transformers' router
     picks over the output (and the training forward's `router_choices`), -1 on the last token;
     asking for it changes no token."""
-    step, state = zeroxla.load_pretrained(
-        checkpoint, zeroxla.make_mesh(2, 2, expert=2), progress=False,
-        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
-    engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
-        inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
-    assert engine.batching == batching
-    prompts = [token_ids(VOCAB, (n,), seed=n) for n in (3, 7, 11)]
-    kw = dict(max_new_tokens=9, temperature=1.0, seed=4)
-    outputs, routing = engine.generate(state, prompts, return_routing=True, **kw)
-    for got, want in zip(outputs, engine.generate(state, prompts, **kw)):
-        np.testing.assert_array_equal(got, want)
-    model = step.gathered_model(state)
-    for out, record in zip(outputs, routing):
-        assert record.shape == (out.size, TEXT["num_hidden_layers"], K)
-        assert np.all(record[-1] == -1)
-        want = transformers_choices(reference, np.asarray(out)[None])[0]                # [T, L, k]
-        np.testing.assert_array_equal(np.sort(record[:-1], -1), want[:-1])
-        live, _ = jax.jit(model.router_choices)(jnp.asarray(np.asarray(out)[None]))
-        np.testing.assert_array_equal(np.sort(np.moveaxis(np.asarray(live)[:, 0], 0, 1), -1),
-                                      want)
+    family_checkpoints.assert_engine_records_the_routing(
+        checkpoint, VOCAB, batching, tp, TEXT["num_hidden_layers"], K,
+        lambda tokens: transformers_choices(reference, tokens), live_too=True)
