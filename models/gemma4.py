@@ -322,7 +322,7 @@ class Gemma4(Gemma2):
         """`MoeLlama.replayed_token_logprobs`' contract: `replay` int32 [B, T, L, k] (L every
         HF layer, `moe_layers`) -> (log-probs float32 [B, T], None: Gemma 4 carries no router
         statistics, per token the layers whose live choice is not the record int32 [B, T])."""
-        # zero statistics, kept as they are (a None leaf would break the ZeRO-3 stack's vjp)
+        # the stack carries zero router statistics; Gemma 4 reports none (None below)
         out = replayed_stack(self, tokens, replay, self._moe_layers(), positions=positions,
                              segment_ids=segment_ids, sequence=sequence, experts=experts,
                              follow_record=follow_record)

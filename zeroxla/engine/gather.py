@@ -123,8 +123,10 @@ def _integer_cotangents(g_in: Any, g_out: Any) -> Any:
     """A layer's input-carry cotangent `g_in` (None at the carry's integer leaves, a layer
     counter's: `cotangent_tree`) with those leaves taken from its output-carry cotangent
     `g_out` (their float0 zeros, as autodiff hands them to the stack): one loop carry shape,
-    and the next layer's vjp gets the float0 cotangent it requires for an integer output."""
-    outs = jax.tree.leaves(g_out)
+    and the next layer's vjp gets the float0 cotangent it requires for an integer output. An
+    empty field of the carry (a None, no leaf) is None in both and stays None: both trees are
+    read with None as a leaf, so their positions line up."""
+    outs = jax.tree.leaves(g_out, is_leaf=lambda x: x is None)
     ins, treedef = jax.tree.flatten(g_in, is_leaf=lambda x: x is None)
     return jax.tree.unflatten(treedef, [o if i is None else i for i, o in zip(ins, outs)])
 

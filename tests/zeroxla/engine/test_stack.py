@@ -88,3 +88,62 @@ def test_stack_forward_backward_equal_vjp_of_the_unsharded_loop():
     np.testing.assert_allclose(d_carry_in, dc, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(d_consts["scale"], dk["scale"], rtol=1e-4)
     np.testing.assert_allclose(d_xs, dx, rtol=1e-4, atol=1e-5)
+
+
+def counted_layer(full, carry, consts, x_i):
+    """`layer` on a carry {"h": [b, D], "layer": int32 counter, "cache": None}: an integer leaf
+    (no cotangent, float0 from autodiff) and an empty optional field (no leaf at all)."""
+    h, y = layer(full, carry["h"], consts, x_i)
+    return {"h": h * (1.0 + 0.1 * carry["layer"]), "layer": carry["layer"] + 1,
+            "cache": carry["cache"]}, y
+
+
+def test_a_carry_with_a_counter_and_an_empty_field_differentiates_as_the_unsharded_loop():
+    """The backward hands each layer the float0 cotangent of the counter and keeps the empty
+    field empty: the gradients equal `jax.vjp` of the same loop on one device."""
+    mesh = make_mesh(2, 4)
+    axes = MeshAxes.of(mesh)
+    plan = make_plan({"w": (L, D, D), "b": (L, D)},
+                     {"w": ("layers", "embed", "mlp"), "b": ("layers", "mlp")},
+                     stage=3, axes=axes, persistence_threshold=0)
+    leaves = (plan["w"], plan["b"])
+    stack = GatheredStack(counted_layer, leaves, ZeroCollectives(axes), prefetch=True)
+    keys = jax.random.split(jax.random.key(1), 6)
+    w = jax.random.normal(keys[0], (L, D, D)) / np.sqrt(D)
+    b = jax.random.normal(keys[1], (L, D)) * 0.1
+    h = jax.random.normal(keys[2], (B, D))
+    consts = {"scale": jnp.float32(0.7)}
+    xs = jax.random.normal(keys[3], (L, B, D)) * 0.1
+    d_h = jax.random.normal(keys[4], (B, D))
+    d_ys = jax.random.normal(keys[5], (L, B))
+
+    def run(shards, h, consts, xs, d_h, d_ys):
+        carry = {"h": h, "layer": jnp.int32(0), "cache": None}
+        out, ys, residuals = stack.forward(list(shards), carry, consts, xs)
+        d_out = {"h": d_h, "layer": np.zeros((), jax.dtypes.float0), "cache": None}
+        d_shards, d_carry, _, _ = stack.backward(residuals, d_out, d_ys)
+        return out["h"], out["layer"], ys, tuple(d_shards), d_carry["h"]
+
+    data, rows = P(axes.data), P(None, axes.data)
+    specs = tuple(leaf.param_spec for leaf in leaves)
+    sharded = jax.jit(jax.shard_map(
+        run, mesh=mesh, in_specs=(specs, data, P(), rows, data, rows),
+        out_specs=(data, P(), rows, specs, data), check_vma=False))
+    out_h, count, ys, d_shards, d_h_in = sharded((leaves[0].pad(w), leaves[1].pad(b)), h,
+                                                 consts, xs, d_h, d_ys)
+
+    def unsharded(w, b, h):
+        carry, ys = {"h": h, "layer": jnp.int32(0), "cache": None}, []
+        for i in range(L):
+            carry, y = counted_layer((w[i], b[i]), carry, consts, xs[i])
+            ys.append(y)
+        return carry["h"], jnp.stack(ys)
+
+    (want_h, want_ys), vjp = jax.vjp(unsharded, w, b, h)
+    dw, db, dh = vjp((d_h, d_ys))
+    assert int(count) == L
+    np.testing.assert_allclose(out_h, want_h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ys, want_ys, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(leaves[0].unpad(d_shards[0]), dw, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(leaves[1].unpad(d_shards[1]), db, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d_h_in, dh, rtol=1e-4, atol=1e-5)
