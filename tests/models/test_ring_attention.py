@@ -32,8 +32,10 @@ def _unzigzag(x):
     return chunks[:, np.argsort(zigzag_order(DEGREE))].reshape(x.shape)
 
 
-@pytest.mark.parametrize("options", [{}, {"window": 300, "softcap": 5.0}, {"packed": True}],
-                         ids=["causal", "window-softcap", "packed"])
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="causal"),
+    pytest.param({"window": 300, "softcap": 5.0}, id="window-softcap", marks=pytest.mark.slow),
+    pytest.param({"packed": True}, id="packed")])
 def test_ring_equals_the_whole_sequences_attention(options):
     options = dict(options)
     packed = options.pop("packed", False)

@@ -107,6 +107,7 @@ def test_expert_gradients_are_reduced_over_the_expert_data_group_only():
     assert exchange and {c.group_size for c in exchange} == {4}
 
 
+@pytest.mark.slow   # daily: the ZeRO-3 expert-parallel steps above
 def test_stage1_expert_parallel_gradients_equal_one_device(one_device):
     """ZeRO-1 at EP = 2 (2 x 2 x 2): the gradients (one SGD step of learning rate 1: the update
     is the gradient) of every leaf, expert leaves all-reduced over their expert-data group and

@@ -273,7 +273,7 @@ def trained(name):
 def _one_degree_per_model():
     """Daily: nanoGPT at tp 2 (its 4 KV heads split) and the GQA model at tp 4 (its 2 KV heads
     not divisible: the cache replicated); the rest slow."""
-    daily = {("nanogpt", 2), ("gemma-gqa", 4)}
+    daily = {("nanogpt", 2)}
     return [pytest.param(name, tp, id=f"{name}-{tp}",
                          marks=() if (name, tp) in daily else pytest.mark.slow)
             for name in MODELS for tp in (1, 2, 4)]

@@ -44,6 +44,7 @@ def test_dpo_with_sequence_parallel_two_matches_the_run_without():
     assert abs(without[1]["val_margin"]) > 1e-3
 
 
+@pytest.mark.slow   # daily: test_answer_forward.py's reads under Ulysses, test_packed_pairs.py's
 def test_the_reference_sums_in_the_policys_layout_equal_the_one_device_reference():
     # Under sequence parallelism the reference's sums come from the policy's first partitions,
     # read in its layout (70 pairs: two calls of 64, the second partial); against the plain

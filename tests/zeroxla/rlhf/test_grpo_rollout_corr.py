@@ -45,6 +45,7 @@ def verl_loss64(model, rollout, config):
     return np.sum((pg * w + config.beta * (np.exp(d) - d - 1)) * kept) / kept.sum(), kept
 
 
+@pytest.mark.slow   # daily: test_rollout_corr_modes.py's weights and loss against verl's
 def test_grpo_update_with_token_is_and_k3_rejection():
     config = CONFIG.replace(rollout_correction=None, rollout_corr=CORR)
     trainer = GRPOTrainer(config, tiny_actor(), mesh=zeroxla.make_mesh(2, 4), tokenizer=TOKENIZER,

@@ -62,6 +62,7 @@ def run(ppo, iterations):
     return tuple(zip(*(ppo.iteration(i) for i in range(iterations))))
 
 
+@pytest.mark.slow   # daily: test_grpo_async.py's k = 0 run of the shared async_rollouts
 def test_staleness_zero_reproduces_the_colocated_run_and_syncs_at_the_floor():
     iterations = 2
     colocated = run(trainer(CONFIG, zeroxla.make_mesh(1, 4, devices=jax.devices()[:4])),
