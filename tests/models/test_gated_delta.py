@@ -6,7 +6,10 @@ the float64 recurrent form's within 1e-5, and those equal central differences of
 recurrence. Both equal transformers' `torch_chunk_gated_delta_rule` /
 `torch_recurrent_gated_delta_rule`. A packed row equals its sequences run alone. The chunked
 form's compiled gradient's temporaries grow linearly in T, and so do a whole DeltaNet layer's
-(`models.gated_deltanet`, the Qwen3.5 presets' shapes, bfloat16) from 4K to 16K tokens."""
+(`models.gated_deltanet`, the Qwen3.5 presets' shapes, bfloat16) from 4K to 16K tokens. A
+DeltaNet layer under DeepSpeed-Ulysses on 2 sequence devices (`DeltaNet.ulysses_mix`: 2 key and
+4 value heads split, a packed row's sequence across the device boundary) equals the layer on
+the whole sequence in float64: output and the gradients of its input and weights."""
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +17,14 @@ import numpy as np
 import pytest
 
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 from zeroxla.models import presets
 from zeroxla.models.gated_delta import (PAD_SEGMENT, gated_delta_chunked,
                                         gated_delta_recurrent)
 from zeroxla.models.gated_deltanet import DeltaNet
+from zeroxla.models.qwen3_5 import Qwen3_5Config
+from zeroxla.models.sequence_parallel import SequenceParallel
 
 FLOAT32_TOL = 1e-5
 FLOAT64_TOL = 1e-12
@@ -224,6 +230,56 @@ def test_packed_gradients_equal_the_float64_recurrent_gradients():
         assert _relative_error(got_x, want_x) < FLOAT32_TOL, name
         if name != "state":
             assert np.all(np.asarray(got_x)[padding] == 0.0), name
+
+
+# Two packed rows of 32 tokens (segment id, length), 16 per sequence device: a sequence across
+# the device boundary (between tokens 15 and 16), one starting right at it, padding at the ends.
+ULYSSES_PACKING = (((1, 11), (2, 14), (3, 5), (PAD_SEGMENT, 2)),
+                   ((5, 16), (6, 13), (PAD_SEGMENT, 3)))
+
+
+def test_ulysses_layer_equals_the_layer_on_the_whole_sequence():
+    """One DeltaNet layer (2 key heads, 4 value heads, each conv filter its own) under Ulysses
+    on a 2-device sequence axis, each device holding 16 of a packed row's 32 tokens: the
+    all-to-alls give device r key heads r and value heads 2r, 2r + 1 with those heads' conv
+    filters and the gathered segment ids. Its output and the gradients of its input h and of
+    every weight equal the unsplit layer's, in float64 within 1e-12 of each array's largest
+    value (in float32 the weights' gradients differ by summation order, about 1e-5)."""
+    config = Qwen3_5Config(d_model=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=8, linear_value_head_dim=8,
+                           linear_conv_kernel_dim=4)
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: DeltaNet(config, nnx.Rngs(0))))
+    rng = np.random.default_rng(11)
+    # every weight N(0, 0.3²) in float64, drawn here: no init program to compile
+    weights = jax.tree.map(lambda x: 0.3 * rng.standard_normal(x.shape), shapes)
+    h, cot = rng.standard_normal((2, 2, 32, 16))                                  # [B, T, D]
+    rows = [np.repeat([s for s, _ in row], [n for _, n in row]) for row in ULYSSES_PACKING]
+    segment_ids = np.stack(rows).astype(np.int32)                                 # [B, T]
+    sequence = SequenceParallel("sequence", 2, "ulysses")
+    tokens = P(None, "sequence")
+    ulysses = jax.shard_map(
+        lambda w, h, seg: nnx.merge(graphdef, w)(h, None, seg, sequence),
+        mesh=Mesh(np.asarray(jax.devices()[:2]), ("sequence",)),
+        in_specs=(P(), tokens, tokens), out_specs=tokens, check_vma=False)
+
+    def loss(layer):
+        def value(w, h):
+            out = layer(w, h, segment_ids)                                        # [B, T, D]
+            return jnp.sum(out * cot), out
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1), has_aux=True))
+
+    with jax.enable_x64(True):
+        (_, want), want_grads = loss(lambda w, h, seg: nnx.merge(graphdef, w)(h, None, seg))(
+            weights, h)
+        (_, got), got_grads = loss(ulysses)(weights, h)
+    assert got.dtype == jnp.float64 and np.max(np.abs(np.asarray(want))) > 1.0
+    assert _relative_error(got, want) < FLOAT64_TOL
+    got_leaves = jax.tree_util.tree_flatten_with_path(got_grads)[0]
+    want_leaves = jax.tree.leaves(want_grads)
+    assert len(got_leaves) == len(want_leaves) == 14          # h and the layer's 13 weights
+    for (path, got_x), want_x in zip(got_leaves, want_leaves):
+        assert got_x.dtype == jnp.float64
+        assert _relative_error(got_x, want_x) < FLOAT64_TOL, jax.tree_util.keystr(path)
 
 
 def test_bfloat16_inputs_accumulate_in_float32():

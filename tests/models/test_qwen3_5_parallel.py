@@ -5,7 +5,9 @@ and one gated attention layer; the MoE variant with 8 experts, top-2, a gated sh
 
 - SP = 2 (Ulysses) on 2 x 4 on packed rows: the DeltaNet layers' all-to-alls give each device
   whole rows of half the heads, the attention layer takes Ulysses as every family does; 3 steps
-  equal the float64 single-device run (daily, dense; slow, the MoE variant with EP = 2 too);
+  equal the float64 single-device run (slow, dense and the MoE variant with EP = 2 too; the
+  daily check of the DeltaNet layer under Ulysses is one layer against the unsplit layer,
+  tests/models/test_gated_delta.py);
 - LoRA adapters on every projection (the attention's wq, wk, wv, wg, wo, the DeltaNet layers'
   wq, wk, wv, wz, wb, wa, wo, the MLPs, the experts and the shared expert) on 2 x 4: 3 steps
   equal the float64 single-device run with the same adapters (slow, dense and MoE);
@@ -84,7 +86,6 @@ TRAINING = {"dense-zero3-sp2-ulysses-packed": ("dense", (2, 2, 1, 2), False),
             "dense-zero3-2x4-lora": ("dense", (2, 4, 1, 1), True),
             "moe-zero3-sp2-ep2-packed": ("moe", (2, 1, 2, 2), False),
             "moe-zero3-2x4-lora": ("moe", (2, 4, 1, 1), True)}
-DAILY = "dense-zero3-sp2-ulysses-packed"
 
 
 def _one_device_run(checkpoint, lora):
@@ -93,9 +94,8 @@ def _one_device_run(checkpoint, lora):
                                              TRAINING_OPTIMIZER, [_packed_batch()] * 3)
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == DAILY
-                                               else pytest.mark.slow)
-                                  for name in sorted(TRAINING)])
+@pytest.mark.slow           # daily: tests/models/test_gated_delta.py's Ulysses layer test
+@pytest.mark.parametrize("name", sorted(TRAINING))
 def test_zero3_trains_packed_rows_like_the_unsharded_model(checkpoints, name):
     """3 steps of SGD with momentum on packed rows, every leaf partitioned (with SP = 2 each
     row's 16 tokens split over the sequence axis, 8 per device, the DeltaNet layers' 2 key and
