@@ -13,6 +13,16 @@ def run_steps(step, state, batches):
     return state, losses
 
 
+def bytes_per_device(tree):
+    """Bytes of `tree`'s shards on each device, in `jax.devices()` order (0 where a device
+    holds none of it)."""
+    held = dict.fromkeys(jax.devices(), 0)
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return list(held.values())
+
+
 def device_bytes(tree):
     """{device: bytes of its shards} over every array of `tree`."""
     per_device = {}

@@ -20,7 +20,9 @@ two or more of them use lives here, and the roles they share are built once (rol
                    load_hf_reward_model (a HF *ForSequenceClassification, num_labels=1);
                    check_scoring_model (a reward model or critic start fits the actor)
     critic.py      Critic = RewardModel; critic_from_reward_model (DeepSpeed-Chat's start)
-    reward.py      an answer's score: a RewardModel's end score or a program (vowel fraction)
+    reward.py      an answer's score: a RewardModel's end score (RewardScorer: read in a
+                   frozen ZeRO-3 step's layout over the trainer's mesh) or a program
+                   (vowel fraction)
     rollout.py     Rollout: one iteration's experience as numpy arrays; DrawnAnswers: the
                    answers before the training group reads them; check_prompt_tokens (PPO's
                    and GRPO's rollouts both)

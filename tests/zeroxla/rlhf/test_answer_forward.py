@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
+from runs import bytes_per_device
 from test_packed_rollout import G, P, gpt, llama, ppo_rollout, rollout
 from zeroxla.engine.frozen_codes import FrozenCodesView
 from zeroxla.engine.sequence import in_sequence_layout, out_of_sequence_layout
@@ -118,15 +119,6 @@ def test_the_reference_is_a_copy_of_the_first_partitions_in_the_policys_layout()
     assert forward.reading(reference) is forward
 
 
-def _per_device(tree):
-    """Bytes of `tree`'s shards per device, in `jax.devices()` order."""
-    held = dict.fromkeys(jax.devices(), 0)
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            held[shard.device] += shard.data.nbytes
-    return list(held.values())
-
-
 @pytest.mark.parametrize("packed", [True, False])
 def test_without_a_sequence_axis_the_reads_are_partitioned_and_equal_the_gathered_forward(
         packed):
@@ -150,6 +142,6 @@ def test_without_a_sequence_axis_the_reads_are_partitioned_and_equal_the_gathere
         G)) * padded["action_mask"]
     for values in (forward(state, *args), forward(reference, *args)):
         np.testing.assert_allclose(values, want, rtol=0, atol=2e-5)
-    held = _per_device(reference.params)
+    held = bytes_per_device(reference.params)
     whole = sum(x.nbytes for x in jax.tree.leaves(nnx.state(start, nnx.Param)))
     assert max(held) <= 1.05 * min(held) and max(held) < whole / 2, (held, whole)

@@ -1,8 +1,9 @@
 """The GRPO loop (zeroxla/rlhf/grpo/trainer.py) end to end on the bundled arithmetic task: the
 reward reaches the update (permuting a reward function's outputs across samples changes the
 trained weights, while the same rewards reproduce them bit for bit; with SGD, each update equals
-the float64 reference's for its rewards, test_grpo_update_reference.py), and `zeroxla grpo`'s job
-writes its records, stops with a checkpoint, resumes and exports."""
+the float64 reference's for its rewards, test_grpo_update_reference.py), a reward model's end
+score reaches the reward, and `zeroxla grpo`'s job writes its records, stops with a checkpoint,
+resumes and exports."""
 
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 
 import zeroxla
-from zeroxla import checkpoint, models
+from zeroxla import checkpoint, models, rlhf
 from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.app.tokenizers.records import tokenizer_record
 from zeroxla.rlhf import GRPOConfig
@@ -84,6 +85,28 @@ def test_permuted_rewards_change_the_update():
     gap = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(expected["first"]),
                                                   jax.tree.leaves(expected["permuted"])))
     assert gap > 1e-3          # the two rewards' updates differ far beyond the tolerance
+
+
+@pytest.mark.slow
+def test_the_reward_model_adds_its_end_score_read_in_the_step_layout():
+    """`reward_model=` (scored in a frozen ZeRO-3 step over the trainer's mesh): each answer's
+    `reward_model` part is the plain model's value at its last real token (answer start +
+    answer length - 1), and the reward is the functions' plus `reward_model_weight` times it."""
+    rm = rlhf.RewardModel(tiny_actor())
+    rm.v_head[...] = jax.numpy.asarray(
+        np.random.default_rng(7).standard_normal(rm.v_head[...].shape), jax.numpy.float32)
+    trainer = GRPOTrainer(CONFIG, tiny_actor(), mesh=zeroxla.make_mesh(2, 4),
+                          tokenizer=TOKENIZER, prompts=task.split_problems(32, 0)[0],
+                          reward_funcs=[distinct_chars], reward_model=rm,
+                          reward_model_weight=0.5, eos_id=EOS, seed=0)
+    rollout, _, _ = trainer.generate_experience(0)
+    values = np.asarray(nnx.jit(lambda m, t: m(t))(rm, jax.numpy.asarray(rollout.tokens)))
+    ends = rollout.answer_starts() + rollout.action_mask.sum(1).astype(int) - 1      # [B]
+    want = values[np.arange(len(ends)), ends]
+    assert np.std(want) > 0.1
+    np.testing.assert_allclose(rollout.reward_parts["reward_model"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rollout.rewards, rollout.reward_parts["distinct_chars"]
+                               + 0.5 * rollout.reward_parts["reward_model"], rtol=1e-6)
 
 
 def save_actor_run(path):

@@ -1,9 +1,11 @@
 """The reward model of DeepSpeed-Chat's step 2 (`dschat/utils/model/reward_model.py`) and its use in
 step 3, against independent references: the pairwise loss of the ZeRO-3 step and the validation
 metrics recomputed in numpy float64 from end scores read off the plain model's values by index;
-padding after the end; the critic started from a reward model; and
-PPO scoring its rollouts with a reward model."""
+padding after the end; the critic started from a reward model; the rollout scorer reading
+the reward model in a ZeRO-3 step's layout against the plain model's end scores; and PPO scoring
+its rollouts with a reward model."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -14,6 +16,7 @@ import zeroxla
 from zeroxla import models, rlhf
 from zeroxla.app import data
 from reference import flat_params, train_single_device
+from runs import bytes_per_device
 
 VOCAB = 65
 
@@ -168,6 +171,69 @@ def test_critic_from_reward_model_reproduces_its_values_and_is_a_copy():
     assert not np.allclose(np.asarray(critic(tokens)), np.asarray(rm(tokens)))
     with pytest.raises(TypeError, match="accepted: a zeroxla.rlhf.RewardModel"):
         rlhf.critic_from_reward_model(models.build("gpt-tiny"))
+
+
+def test_the_scorer_reads_the_reward_model_partitioned_and_equals_its_plain_end_scores():
+    """`make_scorer(reward_model=, mesh=)` on the 2 x 4 mesh: the end scores of fresh random
+    rows (answers of different lengths; 11 rows, padded up to 16 for the 8 data replicas) equal
+    the plain one-device `answer_end_scores`, and the model is held 1/N per device (every leaf
+    partitioned: the tiny model's are below the default persistence threshold), in the state
+    and in the compiled program's arguments; no mesh is refused by name."""
+    rm = reward_model("llama", seed=9)
+    scorer = rlhf.make_scorer(reward_model=rm, mesh=zeroxla.make_mesh(2, 4),
+                              zero_config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    rng = np.random.default_rng(10)
+    b, p, g = 11, 6, 8
+    tokens = rng.integers(0, VOCAB, (b, p + g), dtype=np.int32)
+    lengths = np.concatenate([[g, 1], rng.integers(1, g + 1, b - 2)])
+    mask = (np.arange(g) < lengths[:, None]).astype(np.float32)               # [B, G]
+    got = scorer(tokens, mask, [""] * b)
+    want = np.asarray(nnx.jit(rlhf.answer_end_scores)(rm, jnp.asarray(tokens),
+                                                      jnp.asarray(mask)))     # one program
+    assert got.shape == (b,) and got.dtype == np.float32 and np.std(want) > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the end index matters: the value one token earlier is another score
+    earlier = np_end_scores(rm, tokens, p + lengths - 2)
+    assert np.abs(earlier - got).min() > 1e-3
+    whole = sum(x.nbytes for x in jax.tree.leaves(nnx.state(rm, nnx.Param)))
+    held = bytes_per_device(scorer.state.params)
+    assert max(held) <= 1.05 * min(held) and max(held) < whole / 4, (held, whole)
+    arguments = scorer.lower(tokens).compile().memory_analysis().argument_size_in_bytes
+    assert arguments < whole / 4, (arguments, whole)
+    with pytest.raises(ValueError, match=r"without `mesh`.*accepted: mesh="):
+        rlhf.make_scorer(reward_model=rm)
+
+
+@pytest.mark.slow
+def test_the_scorer_under_sequence_parallelism_equals_the_plain_end_scores():
+    """Under the ring's zigzag split over 2 sequence devices (each row cut into 4 chunks), rows
+    of 15 tokens (padded to 16 after every answer's end; 5 rows, to 8 for the 4 data replicas)
+    score as the plain model does."""
+    rm = reward_model("gpt", seed=11)
+    scorer = rlhf.make_scorer(reward_model=rm, mesh=zeroxla.make_mesh(2, 2, sequence=2),
+                              zero_config=zeroxla.ZeroConfig(
+                                  stage=3, sequence_parallel_strategy="ring"))
+    rng = np.random.default_rng(12)
+    b, p, g = 5, 6, 9
+    tokens = rng.integers(0, VOCAB, (b, p + g), dtype=np.int32)
+    mask = (np.arange(g) < rng.integers(1, g + 1, b)[:, None]).astype(np.float32)
+    want = np.asarray(nnx.jit(rlhf.answer_end_scores)(rm, jnp.asarray(tokens),
+                                                      jnp.asarray(mask)))
+    assert scorer.batch(tokens)["tokens"].shape == (8, 16) and np.std(want) > 0.1
+    np.testing.assert_allclose(scorer(tokens, mask, [""] * b), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_scorer_refuses_a_reward_model_whose_experts_the_mesh_splits():
+    """A reward model on an MoE base, its experts split over an expert axis of 2: refused by
+    name (the scorer's forward is a dense model's)."""
+    from test_grpo_moe import actor
+    config = actor().config.replace(output_router_logits=False)
+    base = models.REGISTRY["qwen3_moe"].model_class(config, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"splits the reward model's experts over 2 devices; "
+                                         r"accepted: a dense RewardModel"):
+        rlhf.make_scorer(reward_model=rlhf.RewardModel(base),
+                         mesh=zeroxla.make_mesh(2, 2, expert=2))
 
 
 PPO = rlhf.PPOConfig(prompts_per_iteration=16, prompt_length=8, answer_length=12)

@@ -69,7 +69,7 @@ from zeroxla.rlhf.grpo.losses import clip_fractions, make_grpo_loss
 from zeroxla.rlhf.grpo.prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.partial_rollout import PartialAnswers, continue_answers
-from zeroxla.rlhf.reward import make_scorer
+from zeroxla.rlhf.reward import RewardScorer
 from zeroxla.rlhf.roles import build_roles, resolve_routing_replay
 from zeroxla.rlhf.grpo.reward_funcs import RewardFunctions
 from zeroxla.rlhf.rollout import generation_stats
@@ -111,12 +111,12 @@ class GRPOTrainer:
                 actor, f"GRPOConfig.ppo_max_token_len_per_gpu={config.ppo_max_token_len_per_gpu}",
                 "ppo_max_token_len_per_gpu=None", "the actor")
         self.reward_funcs, self.reward_model_weight = reward_funcs, reward_model_weight
-        self.score_model = None if reward_model is None else make_scorer(reward_model=reward_model)
         self.config, self.tokenizer, self.eos_id, self.seed = config, tokenizer, eos_id, seed
         self.prompts: PromptRows = prompt_rows(prompts, tokenizer, config.prompt_length)
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
         optimizer = optax.adamw(config.learning_rate) if optimizer is None else optimizer
         mesh, rollout_mesh = split_mesh(mesh, config.rollout_devices, lora)   # None: colocated
+        self.score_model = None if reward_model is None else RewardScorer(reward_model, mesh)
         roles = build_roles(
             actor, mesh, optimizer=optimizer, seed=seed, lora=lora, rollout_mesh=rollout_mesh,
             batch_invariant=config.batch_invariant,

@@ -106,7 +106,6 @@ class PPOTrainer:
         for field, model in (("reward_model", reward_model), ("critic_init", critic_init)):
             if model is not None:
                 check_scoring_model(field, model, actor, seq_len)
-        self.score = make_scorer(reward_fn, reward_model)   # (tokens, mask, texts) -> [B]
         self.config, self.tokenizer, self.seed = config, tokenizer, seed
         # The policy is the softmax over the tokenizer's ids: the rollouts draw from it
         # (`vocab_limit`), and the actor's, the reference's log-probs are of it.
@@ -115,6 +114,8 @@ class PPOTrainer:
         self.prompt_tokens = check_prompt_tokens(prompt_tokens, config.prompt_length)
         # The reference is the plain actor; DeepSpeed-Chat puts adapters on actor and critic.
         mesh, rollout_mesh = split_mesh(mesh, config.rollout_devices, lora, "PPOConfig")
+        # (tokens, mask, texts) -> [B]; a reward model in a frozen ZeRO-3 step over `mesh`
+        self.score = make_scorer(reward_fn, reward_model, mesh=mesh)
         roles = build_roles(actor, mesh, optimizer=actor_optimizer or optax.adamw(
                                 config.actor_lr), rollout_mesh=rollout_mesh,
                             loss_fn=make_actor_loss(config.cliprange, self.vocab_limit),
