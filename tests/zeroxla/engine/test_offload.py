@@ -191,6 +191,7 @@ def test_stage3_offload_keeps_a_16bit_partition_on_the_device(dtype, tmp_path):
             np.testing.assert_array_equal(view[name], value, err_msg=name)
 
 
+@pytest.mark.slow   # daily checkpoint round trip: test_train_stop_in_process.py's resume
 def test_checkpoint_round_trip_through_a_non_offloaded_mesh(tmp_path):
     """The fp16 stage-1 state (float32 masters, AdamW moments and their count in pinned host
     memory) saved, restored onto the same mesh without offload, saved again and restored with

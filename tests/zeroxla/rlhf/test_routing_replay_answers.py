@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import zeroxla
@@ -66,6 +67,7 @@ def live_choices(model, tokens):
     return np.moveaxis(np.asarray(experts), 0, 2)
 
 
+@pytest.mark.slow   # daily replay: test_grpo_routing_replay.py's rollout, replayed and counted
 def test_answer_forward_replays_a_record_at_expert_parallelism_2():
     """A ZeRO-3 actor at EP 2 x 4 data devices: with the record equal to the model's own live
     choices the replayed log-probs equal the single-device model's plain answer log-probs
