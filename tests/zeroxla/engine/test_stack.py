@@ -36,24 +36,33 @@ def reference(w, b, carry, consts, xs):
     return carry, jnp.stack(ys)
 
 
-def test_stack_forward_backward_equal_vjp_of_the_unsharded_loop():
+def stack_plan():
+    """(a 2 x 4 mesh, its axes, the stacked leaves w [L, D, D] and b [L, D] at stage 3, every
+    leaf partitioned)."""
     mesh = make_mesh(2, 4)
     axes = MeshAxes.of(mesh)
     plan = make_plan({"w": (L, D, D), "b": (L, D)},
                      {"w": ("layers", "embed", "mlp"), "b": ("layers", "mlp")},
                      stage=3, axes=axes, persistence_threshold=0)
-    leaves = (plan["w"], plan["b"])
+    return mesh, axes, (plan["w"], plan["b"])
+
+
+def inputs(seed):
+    """w [L, D, D], b [L, D], the carry [B, D], consts, xs [L, B, D] and the cotangents of the
+    carry [B, D] and ys [L, B], drawn from `seed`."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    return (jax.random.normal(keys[0], (L, D, D)) / np.sqrt(D),
+            jax.random.normal(keys[1], (L, D)) * 0.1, jax.random.normal(keys[2], (B, D)),
+            {"scale": jnp.float32(0.7)}, jax.random.normal(keys[3], (L, B, D)) * 0.1,
+            jax.random.normal(keys[4], (B, D)), jax.random.normal(keys[5], (L, B)))
+
+
+def test_stack_forward_backward_equal_vjp_of_the_unsharded_loop():
+    mesh, axes, leaves = stack_plan()
     assert all(leaf.params_partitioned and leaf.padded_size == 16 for leaf in leaves)
     stack = GatheredStack(layer, leaves, ZeroCollectives(axes), prefetch=True)
 
-    keys = jax.random.split(jax.random.key(0), 7)
-    w = jax.random.normal(keys[0], (L, D, D)) / np.sqrt(D)
-    b = jax.random.normal(keys[1], (L, D)) * 0.1
-    carry = jax.random.normal(keys[2], (B, D))
-    consts = {"scale": jnp.float32(0.7)}
-    xs = jax.random.normal(keys[3], (L, B, D)) * 0.1
-    d_carry = jax.random.normal(keys[4], (B, D))
-    d_ys = jax.random.normal(keys[5], (L, B))
+    w, b, carry, consts, xs, d_carry, d_ys = inputs(0)
 
     data = P(axes.data)
     rows = P(None, axes.data)
@@ -101,21 +110,9 @@ def counted_layer(full, carry, consts, x_i):
 def test_a_carry_with_a_counter_and_an_empty_field_differentiates_as_the_unsharded_loop():
     """The backward hands each layer the float0 cotangent of the counter and keeps the empty
     field empty: the gradients equal `jax.vjp` of the same loop on one device."""
-    mesh = make_mesh(2, 4)
-    axes = MeshAxes.of(mesh)
-    plan = make_plan({"w": (L, D, D), "b": (L, D)},
-                     {"w": ("layers", "embed", "mlp"), "b": ("layers", "mlp")},
-                     stage=3, axes=axes, persistence_threshold=0)
-    leaves = (plan["w"], plan["b"])
+    mesh, axes, leaves = stack_plan()
     stack = GatheredStack(counted_layer, leaves, ZeroCollectives(axes), prefetch=True)
-    keys = jax.random.split(jax.random.key(1), 6)
-    w = jax.random.normal(keys[0], (L, D, D)) / np.sqrt(D)
-    b = jax.random.normal(keys[1], (L, D)) * 0.1
-    h = jax.random.normal(keys[2], (B, D))
-    consts = {"scale": jnp.float32(0.7)}
-    xs = jax.random.normal(keys[3], (L, B, D)) * 0.1
-    d_h = jax.random.normal(keys[4], (B, D))
-    d_ys = jax.random.normal(keys[5], (L, B))
+    w, b, h, consts, xs, d_h, d_ys = inputs(1)
 
     def run(shards, h, consts, xs, d_h, d_ys):
         carry = {"h": h, "layer": jnp.int32(0), "cache": None}
