@@ -47,7 +47,8 @@ from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig
 from zeroxla.rlhf.grpo import arithmetic_task as task
-from zeroxla.rlhf.grpo.trainer import exact_accuracy, run_grpo
+from zeroxla.rlhf.grpo.eval import exact_accuracy
+from zeroxla.rlhf.grpo.run import run_grpo
 from zeroxla.rlhf.grpo.reward_funcs import accuracy_reward
 from zeroxla.rlhf.grpo.task_sft import supervised_finetune_rows
 

@@ -59,7 +59,8 @@ from zeroxla.rlhf.grpo.config import GRPOConfig
 from zeroxla.rlhf.grpo.group_advantages import group_advantages
 from zeroxla.rlhf.grpo.losses import (clip_fractions, grpo_loss, grpo_loss_parts, grpo_loss_terms,
                                       make_grpo_loss)
-from zeroxla.rlhf.grpo.trainer import GRPORollout, GRPORun, GRPOTrainer, run_grpo
+from zeroxla.rlhf.grpo.run import GRPORun, run_grpo
+from zeroxla.rlhf.grpo.trainer import GRPORollout, GRPOTrainer
 from zeroxla.rlhf.grpo.eval import exact_accuracy
 from zeroxla.rlhf.rollout_correction import logprob_gap, tis_weights
 from zeroxla.rlhf.grpo.reward_funcs import (RewardFunctionError, RewardFunctions, accuracy_reward,
@@ -76,7 +77,8 @@ from zeroxla.rlhf.reward_model import (RewardModel, end_scores, load_hf_reward_m
                                        without_lm_head)
 from zeroxla.rlhf.rollout import Rollout, pad_answers
 from zeroxla.rlhf.plot import plot_records, time_split
-from zeroxla.rlhf.ppo.trainer import PPORun, PPOTrainer, run_ppo
+from zeroxla.rlhf.ppo.run import PPORun, run_ppo
+from zeroxla.rlhf.ppo.trainer import PPOTrainer
 
 __all__ = ["DPOConfig", "DPORun", "DPOTrainer", "dpo_loss_terms", "dpo_metrics", "make_dpo_loss",
            "run_dpo",

@@ -30,7 +30,8 @@ from zeroxla import models
 from zeroxla.app.tokenizers.basic import CharTokenizer
 from zeroxla.rlhf import GRPOConfig
 from zeroxla.rlhf.grpo import arithmetic_task as task
-from zeroxla.rlhf.grpo.trainer import GRPOTrainer, run_grpo
+from zeroxla.rlhf.grpo.run import run_grpo
+from zeroxla.rlhf.grpo.trainer import GRPOTrainer
 from test_grpo_update_reference import (answer_logprobs64, assert_update, reference_update,
                                         update_error)
 from job_runs import distinct_chars

@@ -18,5 +18,6 @@ fine-tuning before it.
     experience.py  an iteration's experience as data: DrawnRollout (the rollout side),
                    GRPORollout (with the training group's log-probs), finish_rollout (a
                    rollout drawn in passes, scored), iteration_record
-    trainer.py     GRPOTrainer (generate_experience, train_grpo), run_grpo
+    trainer.py     GRPOTrainer: one iteration (generate_experience, train_grpo)
+    run.py         run_grpo: iterations of a GRPOTrainer to an end or a stop request
 """

@@ -44,7 +44,6 @@ up to `max_staleness` versions ahead while the training group updates (`async_ro
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,7 +68,7 @@ from zeroxla.rlhf.grpo.losses import clip_fractions, make_grpo_loss
 from zeroxla.rlhf.grpo.prompts import PromptRows, prompt_rows
 from zeroxla.rlhf.packed_rollout import check_token_budget, pack_for_step
 from zeroxla.rlhf.partial_rollout import PartialAnswers, continue_answers
-from zeroxla.rlhf.reward import RewardScorer
+from zeroxla.rlhf.reward import make_scorer
 from zeroxla.rlhf.roles import build_roles, resolve_routing_replay
 from zeroxla.rlhf.grpo.reward_funcs import RewardFunctions
 from zeroxla.rlhf.rollout import generation_stats
@@ -116,7 +115,8 @@ class GRPOTrainer:
         self.vocab_limit = getattr(tokenizer, "vocab_size", None)   # the tokenizer's ids
         optimizer = optax.adamw(config.learning_rate) if optimizer is None else optimizer
         mesh, rollout_mesh = split_mesh(mesh, config.rollout_devices, lora)   # None: colocated
-        self.score_model = None if reward_model is None else RewardScorer(reward_model, mesh)
+        self.score_model = (None if reward_model is None
+                            else make_scorer(reward_model=reward_model, mesh=mesh))
         roles = build_roles(
             actor, mesh, optimizer=optimizer, seed=seed, lora=lora, rollout_mesh=rollout_mesh,
             batch_invariant=config.batch_invariant,
@@ -353,48 +353,5 @@ class GRPOTrainer:
         return zeroxla.gathered_model(self.actor_state)
 
 
-@dataclasses.dataclass
-class GRPORun:
-    """What `run_grpo` returns: one record and one rollout per iteration, and the trainer."""
-
-    records: list[dict[str, Any]]
-    rollouts: list[GRPORollout]
-    trainer: GRPOTrainer
-
-
-def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any,
-             tokenizer: Any, prompts: Sequence[dict[str, Any]],
-             reward_funcs: RewardFunctions | Sequence[Callable] = (), reward_model: Any = None,
-             reward_model_weight: float = 1.0, inference_tp_size: int = 2,
-             eos_id: int | None = None, seed: int = 0, trainer: GRPOTrainer | None = None,
-             start_iteration: int = 0, should_stop: Callable[[], bool] = lambda: False,
-             on_iteration: Callable[[dict[str, Any]], None] | None = None,
-             lora: LoRAConfig | None = None) -> GRPORun:
-    """Iterations `start_iteration` .. `iterations - 1` of the GRPO family from `actor` (see
-    `GRPOTrainer` for the arguments; `trainer` continues an existing one, e.g. restored).
-    `should_stop()` is read before each iteration (a stop request: the run returns early).
-    Each record (`iteration_record`) holds the seconds spent in `generation_s` (Hybrid
-    Engine), `scoring_s` and `training_s` (the first's including compilation), and the
-    engine's tokens/s, prefill and KV pages (`rollout.generation_stats`)."""
-    if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
-        raise ValueError(f"iterations={iterations!r} is invalid; accepted: an integer >= 1")
-    if trainer is None:
-        trainer = GRPOTrainer(config, actor, mesh=mesh, tokenizer=tokenizer, prompts=prompts,
-                              reward_funcs=reward_funcs, reward_model=reward_model,
-                              reward_model_weight=reward_model_weight,
-                              inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed,
-                              lora=lora)
-    records, rollouts = [], []
-    for it in range(start_iteration, iterations):
-        if should_stop():
-            break
-        record, rollout = trainer.iteration(it)
-        records.append(record)
-        rollouts.append(rollout)
-        if on_iteration is not None:
-            on_iteration(record)
-    return GRPORun(records, rollouts, trainer)
-
-
-__all__ = ["GRPORollout", "GRPORun", "GRPOTrainer", "exact_accuracy", "greedy_accuracy",
-           "iteration_record", "run_grpo"]
+__all__ = ["GRPORollout", "GRPOTrainer", "exact_accuracy", "greedy_accuracy",
+           "iteration_record"]

@@ -6,6 +6,7 @@ the Hybrid Engine and scored by a reward model or a program (zeroxla.rlhf's shar
     advantages.py  compute_rewards (KL penalty + clipped score), get_advantages_and_returns (GAE),
                    rewards_and_advantages (both, one program)
     losses.py      actor_loss_fn / critic_loss_fn (clipped), the make_step loss_fns
-    trainer.py     PPOTrainer (start / finish: its rollout side; experience, train_rlhf) and
-                   run_ppo
+    trainer.py     PPOTrainer: one iteration (start / finish: its rollout side; experience,
+                   train_rlhf)
+    run.py         run_ppo: iterations of a PPOTrainer
 """
