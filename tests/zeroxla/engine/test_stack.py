@@ -136,8 +136,12 @@ def test_a_carry_with_a_counter_and_an_empty_field_differentiates_as_the_unshard
             ys.append(y)
         return carry["h"], jnp.stack(ys)
 
-    (want_h, want_ys), vjp = jax.vjp(unsharded, w, b, h)
-    dw, db, dh = vjp((d_h, d_ys))
+    @jax.jit                                                      # one program, not op by op
+    def unsharded_vjp(w, b, h, d_h, d_ys):
+        outputs, vjp = jax.vjp(unsharded, w, b, h)
+        return outputs, vjp((d_h, d_ys))
+
+    (want_h, want_ys), (dw, db, dh) = unsharded_vjp(w, b, h, d_h, d_ys)
     assert int(count) == L
     np.testing.assert_allclose(out_h, want_h, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ys, want_ys, rtol=1e-5, atol=1e-5)
