@@ -23,6 +23,8 @@ two or more of them use lives here, and the roles they share are built once (rol
     reward.py      an answer's score: a RewardModel's end score (RewardScorer: read in a
                    frozen ZeRO-3 step's layout over the trainer's mesh) or a program
                    (vowel fraction)
+    iterations.py  the iteration loop GRPO's and PPO's runs share (run_iterations) and the
+                   iteration count's check
     rollout.py     Rollout: one iteration's experience as numpy arrays; DrawnAnswers: the
                    answers before the training group reads them; check_prompt_tokens (PPO's
                    and GRPO's rollouts both)

@@ -342,3 +342,13 @@ def test_ppo_config_refuses_bad_values_by_name(field, value):
 def test_run_ppo_refuses_bad_iterations():
     with pytest.raises(ValueError, match="iterations=0"):
         rlhf.run_ppo(CONFIG, 0, None, mesh=None, tokenizer=None, prompt_tokens=np.zeros(100))
+
+
+@pytest.mark.parametrize("iterations", [0, True, 1.5])
+@pytest.mark.parametrize("run", ["grpo", "ppo"])
+def test_a_run_refuses_an_iteration_count_that_is_not_a_positive_integer(run, iterations):
+    """GRPO's and PPO's runs (`rlhf.iterations.check_iterations`), before anything is built."""
+    inputs = {"prompts": []} if run == "grpo" else {"prompt_tokens": None}
+    with pytest.raises(ValueError, match=rf"iterations={iterations!r} is invalid; accepted: "
+                                         r"an integer >= 1"):
+        getattr(rlhf, f"run_{run}")(None, iterations, None, mesh=None, tokenizer=None, **inputs)

@@ -15,6 +15,7 @@ from zeroxla.rlhf.grpo.config import GRPOConfig
 from zeroxla.rlhf.grpo.experience import GRPORollout
 from zeroxla.rlhf.grpo.reward_funcs import RewardFunctions
 from zeroxla.rlhf.grpo.trainer import GRPOTrainer
+from zeroxla.rlhf.iterations import check_iterations, run_iterations
 
 
 @dataclasses.dataclass
@@ -40,23 +41,15 @@ def run_grpo(config: GRPOConfig, iterations: int, actor: nnx.Module, *, mesh: An
     Each record (`iteration_record`) holds the seconds spent in `generation_s` (Hybrid
     Engine), `scoring_s` and `training_s` (the first's including compilation), and the
     engine's tokens/s, prefill and KV pages (`rollout.generation_stats`)."""
-    if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
-        raise ValueError(f"iterations={iterations!r} is invalid; accepted: an integer >= 1")
+    check_iterations(iterations)
     if trainer is None:
         trainer = GRPOTrainer(config, actor, mesh=mesh, tokenizer=tokenizer, prompts=prompts,
                               reward_funcs=reward_funcs, reward_model=reward_model,
                               reward_model_weight=reward_model_weight,
                               inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed,
                               lora=lora)
-    records, rollouts = [], []
-    for it in range(start_iteration, iterations):
-        if should_stop():
-            break
-        record, rollout = trainer.iteration(it)
-        records.append(record)
-        rollouts.append(rollout)
-        if on_iteration is not None:
-            on_iteration(record)
+    records, rollouts = run_iterations(trainer, start_iteration, iterations, should_stop,
+                                       on_iteration)
     return GRPORun(records, rollouts, trainer)
 
 

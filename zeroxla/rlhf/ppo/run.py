@@ -12,6 +12,7 @@ from flax import nnx
 
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.ppo.config import PPOConfig
+from zeroxla.rlhf.iterations import check_iterations, run_iterations
 from zeroxla.rlhf.ppo.trainer import PPOTrainer
 from zeroxla.rlhf.reward import RewardFn
 from zeroxla.rlhf.reward_model import RewardModel
@@ -37,20 +38,13 @@ def run_ppo(config: PPOConfig, iterations: int, actor: nnx.Module, *, mesh: Any,
     """`iterations` PPO iterations from `actor` (see `PPOTrainer`, which also says what
     `reward_fn`, `reward_model` and `critic_init` choose), each `PPOTrainer.iteration`'s
     record and rollout. Iteration 0's times include compilation."""
-    if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
-        raise ValueError(f"iterations={iterations!r} is invalid; accepted: an integer >= 1")
+    check_iterations(iterations)
     trainer = PPOTrainer(config, actor, mesh=mesh, tokenizer=tokenizer,
                          prompt_tokens=prompt_tokens, reward_fn=reward_fn,
                          reward_model=reward_model, critic_init=critic_init,
                          inference_tp_size=inference_tp_size, eos_id=eos_id, seed=seed,
                          lora=lora)
-    records, rollouts = [], []
-    for it in range(iterations):
-        record, rollout = trainer.iteration(it)
-        records.append(record)
-        rollouts.append(rollout)
-        if on_iteration is not None:
-            on_iteration(record)
+    records, rollouts = run_iterations(trainer, 0, iterations, on_iteration=on_iteration)
     return PPORun(records, rollouts, trainer)
 
 
