@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroxla.engine.batch_checks import check_batch
@@ -100,9 +101,16 @@ class TokenForward:
         return checked
 
 
+def fill_rows(rows: np.ndarray, count: int) -> np.ndarray:
+    """`rows` [B, ...] followed by copies of its last row up to `count` rows (B <= count): a batch
+    filled out to a multiple of the data replicas a `TokenForward` splits it over; the copies'
+    values are the caller's to drop."""
+    return np.concatenate([rows, np.repeat(rows[-1:], count - len(rows), 0)])
+
+
 def _float32(values: jax.Array) -> jax.Array:
     """A floating output as float32; an integer one (a count) as it is."""
     return values if jnp.issubdtype(values.dtype, jnp.integer) else values.astype(jnp.float32)
 
 
-__all__ = ["TokenForward"]
+__all__ = ["TokenForward", "fill_rows"]

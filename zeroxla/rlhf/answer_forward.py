@@ -44,7 +44,7 @@ import numpy as np
 
 from zeroxla.engine.frozen_codes import FrozenCodesView
 from zeroxla.engine.sequence import packed_row_length
-from zeroxla.engine.token_forward import TokenForward
+from zeroxla.engine.token_forward import TokenForward, fill_rows
 from zeroxla.rlhf.answer_values import (packed_logprobs, packed_replayed_logprobs,
                                         packed_values, padded_logprobs, padded_values)
 from zeroxla.rlhf.packed_rollout import pack_rollout, unpack_answers
@@ -184,9 +184,9 @@ class AnswerForward:
                   else functools.partial(padded_logprobs, answer_length=g,
                                          vocab_limit=self.vocab_limit))
             self._padded_forwards[g] = TokenForward(self.step, fn)
-        extra = -tokens.shape[0] % self.layout.data_size
-        batch = {"tokens": tokens, "prompt_lengths": prompt_lengths}
-        batch = {k: np.concatenate([v, np.repeat(v[-1:], extra, 0)]) for k, v in batch.items()}
+        count = len(tokens) + (-len(tokens) % self.layout.data_size)
+        batch = {"tokens": fill_rows(tokens, count),
+                 "prompt_lengths": fill_rows(prompt_lengths, count)}
         return self._padded_forwards[g], batch
 
 

@@ -30,7 +30,7 @@ import optax
 
 import zeroxla
 from zeroxla.engine.sequence import sequence_chunks
-from zeroxla.engine.token_forward import TokenForward
+from zeroxla.engine.token_forward import TokenForward, fill_rows
 from zeroxla.rlhf.reward_model import RewardModel, end_scores, pairwise_loss_terms
 from zeroxla.rlhf.roles import POLICY_ZERO
 
@@ -126,9 +126,8 @@ class RewardScorer:
         to a multiple of the data replicas (their scores dropped) and T padded by id 0 up to a
         multiple of the chunks sequence parallelism cuts a row into (after every answer's end:
         under a causal model no end value sees them)."""
-        extra_rows = -tokens.shape[0] % self.layout.data_size
+        rows = fill_rows(tokens, len(tokens) + (-len(tokens) % self.layout.data_size))
         extra_tokens = -tokens.shape[1] % sequence_chunks(self.layout.sequence)
-        rows = np.concatenate([tokens, np.repeat(tokens[-1:], extra_rows, 0)])
         return {"tokens": np.pad(rows, ((0, 0), (0, extra_tokens))).astype(np.int32)}
 
 

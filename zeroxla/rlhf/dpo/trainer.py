@@ -32,7 +32,7 @@ from flax import nnx
 import zeroxla
 from zeroxla.engine.loss import check_packable, takes_packed_batches
 from zeroxla.engine.sequence import packed_row_length
-from zeroxla.engine.token_forward import TokenForward
+from zeroxla.engine.token_forward import TokenForward, fill_rows
 from zeroxla.lora import LoRAConfig
 from zeroxla.rlhf.answer_forward import reference_partitions
 from zeroxla.rlhf.dpo.losses import (MASK_KEYS, REFERENCE_KEYS, TOKEN_KEYS, DPOConfig,
@@ -176,8 +176,7 @@ class DPOTrainer:
             sums = []
             for start in range(0, len(tokens), rows_per_call):
                 piece = tokens[start:start + rows_per_call]
-                full = np.concatenate([piece, np.repeat(piece[-1:], rows_per_call - len(piece),
-                                                        0)])
+                full = fill_rows(piece, rows_per_call)
                 sums.append(np.asarray(forward(reference, {"tokens": full}))[:len(piece)])
             mask = np.asarray(rows[mask_key], np.float32)                   # [N, T-1]
             out[ref_key] = np.sum(np.concatenate(sums) * mask, axis=-1).astype(np.float32)
