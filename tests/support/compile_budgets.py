@@ -78,7 +78,7 @@ BUDGETS = {
     "tests/zeroxla/app/test_launch.py": (0, 2),
     "tests/zeroxla/app/test_lora_jobs.py": (36, 0),
     "tests/zeroxla/app/test_lora_rl_jobs.py": (0, 0),
-    "tests/zeroxla/app/test_packing.py": (62, 0),
+    "tests/zeroxla/app/test_packing.py": (79, 0),
     "tests/zeroxla/app/test_plan_cli.py": (0, 0),
     "tests/zeroxla/app/test_plan_search.py": (7, 0),
     "tests/zeroxla/app/test_ppo_job_wiring.py": (42, 0),
