@@ -26,7 +26,7 @@ import pytest
 
 MARKER = "fusion_emitters"
 OUTCOMES_ENV = "ZEROXLA_TEST_FUSION_OUTCOMES"     # set in the child: where Recorder writes
-SECONDS_PER_TEST = 1200                            # the child's time limit, per test it runs
+SECONDS_PER_TEST = 300                             # the child's time limit, per test it runs
 
 
 @dataclasses.dataclass(frozen=True)
