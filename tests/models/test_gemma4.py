@@ -276,19 +276,25 @@ def test_hybrid_engine_greedy_with_the_moe_block_and_layers_of_different_shapes(
                                                                 batching, tp)
 
 
+@pytest.fixture(scope="module")
+def one_shape_greedy(tmp_path_factory):
+    """`greedy_case` of a MoE checkpoint whose global layer keeps the sliding layers' head dim
+    and key-value heads (seed 5), saved and loaded once for both batchings below."""
+    keys = dict(MOE, global_head_dim=16, num_global_key_value_heads=2, attention_k_eq_v=True)
+    checkpoint = _save(keys, tmp_path_factory.mktemp("gemma4_one_shape"), seed=5)
+    return family_checkpoints.greedy_case(checkpoint, VOCAB)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batching", [pytest.param("static", marks=pytest.mark.slow),
                                       "continuous"])
-def test_hybrid_engine_greedy_equals_transformers_generate(tmp_path, batching):
+def test_hybrid_engine_greedy_equals_transformers_generate(one_shape_greedy, batching):
     """A checkpoint whose global layer keeps the sliding layers' head dim and key-value heads
     (the KV cache's one layer shape; keys equal to values, proportional RoPE, the MoE block):
     from ZeRO-3 partitions on 2 x 4 the Hybrid Engine's greedy tokens (tp 1, pages of 4 slots)
     equal transformers' `generate(do_sample=False)`, 7-token prompts and 12 new tokens, past
     the sliding window of 4."""
-    keys = dict(MOE, global_head_dim=16, num_global_key_value_heads=2, attention_k_eq_v=True)
-    checkpoint = _save(keys, tmp_path, seed=5)
-    family_checkpoints.assert_engine_greedy_equals_transformers(
-        family_checkpoints.greedy_case(checkpoint, VOCAB), batching)
+    family_checkpoints.assert_engine_greedy_equals_transformers(one_shape_greedy, batching)
 
 
 # ---------------------------------------------------------------------------- routing records
@@ -356,11 +362,23 @@ def test_routing_records_hold_every_layer_as_transformers_routes(checkpoints, mo
         replayed, record, logp, [(0, 3, 1), (1, 9, 1), (1, 9, 2), (0, 15, 5)], EXPERTS)
 
 
+@pytest.fixture(scope="module")
+def moe_partitions(checkpoints):
+    """The MoE checkpoint in ZeRO-3 partitions at EP 2, loaded once for every engine below
+    (`family_checkpoints.expert_parallel_partitions`)."""
+    return family_checkpoints.expert_parallel_partitions(checkpoints["moe"])
+
+
+@pytest.fixture(scope="module")
+def moe_live_choices(moe_partitions):
+    return family_checkpoints.live_router_choices(moe_partitions)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batching,tp", [("static", 1), ("continuous", 1), ("static", 2),
                                          ("continuous", 2)])
 def test_the_rollout_records_every_layers_experts_as_transformers_routes(
-        checkpoints, moe_reference, batching, tp):
+        moe_partitions, moe_live_choices, moe_reference, batching, tp):
     """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static and continuous
     batching (pages of 4 slots; the global layer's head dim 32 beside the sliding layers' 16
     in one cache): sampled answers of prompts of 3, 7 and 11 tokens. Each output's record
@@ -368,5 +386,5 @@ def test_the_rollout_records_every_layers_experts_as_transformers_routes(
     over the output (and the training forward's `router_choices`), -1 on the last token;
     asking for it changes no token."""
     family_checkpoints.assert_engine_records_the_routing(
-        checkpoints["moe"], VOCAB, batching, tp, HF_LAYERS, K,
-        lambda tokens: transformers_choices(moe_reference, tokens), live_too=True)
+        moe_partitions, VOCAB, batching, tp, HF_LAYERS, K,
+        lambda tokens: transformers_choices(moe_reference, tokens), live_choices=moe_live_choices)

@@ -355,10 +355,17 @@ def test_the_replayed_mlp_gradients_equal_a_float64_dense_reference():
                                atol=1e-6 * np.abs(want_x).max())
 
 
+@pytest.fixture(scope="module")
+def ep2_partitions(checkpoint):
+    """The checkpoint in ZeRO-3 partitions at EP 2, loaded once for every engine below
+    (`family_checkpoints.expert_parallel_partitions`)."""
+    return family_checkpoints.expert_parallel_partitions(checkpoint)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batching", ["static", "continuous"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_the_rollout_records_every_moe_layer_as_transformers_routes(checkpoint, reference,
+def test_the_rollout_records_every_moe_layer_as_transformers_routes(ep2_partitions, reference,
                                                                     batching, tp):
     """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static and continuous
     batching (pages of 4 slots): sampled answers (temperature 1) of prompts of 3, 7 and 11
@@ -366,8 +373,8 @@ def test_the_rollout_records_every_moe_layer_as_transformers_routes(checkpoint, 
     token and MoE layer the experts transformers' router picks over the output (-1 on the last
     token, never fed); asking for it changes no token."""
     family_checkpoints.assert_engine_records_the_routing(
-        checkpoint, VOCAB, batching, tp, CONFIG["num_hidden_layers"], K,
-        lambda tokens: transformers_choices(reference, tokens), live_too=False)
+        ep2_partitions, VOCAB, batching, tp, CONFIG["num_hidden_layers"], K,
+        lambda tokens: transformers_choices(reference, tokens))
 
 
 # ------------------------------------------------------------------------------- slow paths

@@ -197,20 +197,25 @@ def test_expert_parallel_on_2x4_trains_like_one_device():
         np.testing.assert_allclose(got[path], want[path], rtol=0, atol=1e-6, err_msg=path)
 
 
+@pytest.fixture(scope="module")
+def greedy_case(checkpoint):
+    """The ZeRO-3 load on 2 x 4, prompts of 5 and 9 tokens and transformers' greedy tokens both
+    engines below start from, made once (`family_checkpoints.greedy_case`)."""
+    return family_checkpoints.greedy_case(checkpoint, VOCAB, lengths=(5, 9))
+
+
 @pytest.mark.slow
-def test_static_greedy_equals_transformers_generate(checkpoint):
+def test_static_greedy_equals_transformers_generate(greedy_case):
     """From ZeRO-3 partitions on 2 x 4 to tp 1, 12 new tokens after prompts of 5 and 9 tokens
     in one batch (both right-padded to the 16-token bucket)."""
-    case = family_checkpoints.greedy_case(checkpoint, VOCAB, lengths=(5, 9))
-    family_checkpoints.assert_engine_greedy_equals_transformers(case, "static", 1)
+    family_checkpoints.assert_engine_greedy_equals_transformers(greedy_case, "static", 1)
 
 
 @pytest.mark.slow
-def test_continuous_greedy_equals_transformers_generate(checkpoint):
+def test_continuous_greedy_equals_transformers_generate(greedy_case):
     """Under continuous batching (the DeltaNet state in per-sequence slots), tp 1: the same
     12 new tokens after prompts of 5 and 9 tokens as transformers'."""
-    case = family_checkpoints.greedy_case(checkpoint, VOCAB, lengths=(5, 9))
-    family_checkpoints.assert_engine_greedy_equals_transformers(case, "continuous", 1)
+    family_checkpoints.assert_engine_greedy_equals_transformers(greedy_case, "continuous", 1)
 
 
 def test_a_paged_cache_without_slots_is_refused_and_continuous_is_built(checkpoint):
@@ -316,12 +321,24 @@ TP2_ABORT = pytest.mark.skip(reason="SIGABRT in device_put's reshard to tp 2 aft
                              "process (XLA:CPU); a tp 2 case alone passes")
 
 
+@pytest.fixture(scope="module")
+def ep2_partitions(checkpoint):
+    """The checkpoint in ZeRO-3 partitions at EP 2, loaded once for every engine below
+    (`family_checkpoints.expert_parallel_partitions`)."""
+    return family_checkpoints.expert_parallel_partitions(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def live_choices(ep2_partitions):
+    return family_checkpoints.live_router_choices(ep2_partitions)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batching,tp", [("static", 1), ("continuous", 1),
                                          pytest.param("static", 2, marks=TP2_ABORT),
                                          pytest.param("continuous", 2, marks=TP2_ABORT)])
 def test_the_rollout_records_every_layers_experts_as_transformers_routes(
-        checkpoint, reference, batching, tp):
+        ep2_partitions, live_choices, reference, batching, tp):
     """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static (a right-padded
     prefill: the DeltaNet state skips the pads) and continuous batching (pages of 4 slots, the
     DeltaNet state in slots): sampled answers of prompts of 3, 7 and 11 tokens. Each output's
@@ -329,5 +346,5 @@ def test_the_rollout_records_every_layers_experts_as_transformers_routes(
     picks over the output (and the training forward's `router_choices`), -1 on the last token;
     asking for it changes no token."""
     family_checkpoints.assert_engine_records_the_routing(
-        checkpoint, VOCAB, batching, tp, TEXT["num_hidden_layers"], K,
-        lambda tokens: transformers_choices(reference, tokens), live_too=True)
+        ep2_partitions, VOCAB, batching, tp, TEXT["num_hidden_layers"], K,
+        lambda tokens: transformers_choices(reference, tokens), live_choices=live_choices)

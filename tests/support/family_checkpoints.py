@@ -276,23 +276,42 @@ def assert_a_changed_record_is_counted_and_replayed(replayed: Any, record: Any, 
     assert not np.array_equal(moved, logprobs)
 
 
-def assert_engine_records_the_routing(checkpoint: Path, vocab: int, batching: str, tp: int,
-                                      layers: int, k: int, choices_of: Any,
-                                      live_too: bool = False) -> None:
-    """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to a Hybrid Engine at `tp` with
-    `batching` (pages of 4 slots): sampled answers (temperature 1) of prompts of 3, 7 and 11
-    tokens, asking for the routing record changing no token. Each output's record [len,
-    `layers`, k] is -1 on the last token (never fed) and holds at every fed token the experts
-    `choices_of(tokens [1, T])` -> [T, layers, k] (transformers' router) picks; with `live_too`
-    the training forward's `router_choices` picks them too."""
+def expert_parallel_partitions(checkpoint: Path) -> tuple[Any, Any]:
+    """The checkpoint loaded into ZeRO-3 partitions at EP 2 (2 x 2, expert 2): (step, state),
+    what `assert_engine_records_the_routing` builds its engines from. An engine only reads the
+    state, so one load serves every engine of a module."""
+    import zeroxla
+
+    return zeroxla.load_pretrained(
+        checkpoint, zeroxla.make_mesh(2, 2, expert=2), progress=False,
+        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+
+
+def live_router_choices(partitions: tuple[Any, Any]) -> Any:
+    """The training forward's `router_choices` of `expert_parallel_partitions`' gathered model,
+    jitted once (each output length compiles once per module, not once per engine): tokens
+    [B, T] -> ([L, B, T, k], ...)."""
     import jax
+
+    step, state = partitions
+    return jax.jit(step.gathered_model(state).router_choices)
+
+
+def assert_engine_records_the_routing(partitions: tuple[Any, Any], vocab: int, batching: str,
+                                      tp: int, layers: int, k: int, choices_of: Any,
+                                      live_choices: Any = None) -> None:
+    """From ZeRO-3 partitions at EP 2 (`expert_parallel_partitions`) to a Hybrid Engine at `tp`
+    with `batching` (pages of 4 slots): sampled answers (temperature 1) of prompts of 3, 7 and
+    11 tokens, asking for the routing record changing no token. Each output's record [len,
+    `layers`, k] is -1 on the last token (never fed) and holds at every fed token the experts
+    `choices_of(tokens [1, T])` -> [T, layers, k] (transformers' router) picks; given
+    `live_choices` (`live_router_choices`), the training forward's `router_choices` picks them
+    too."""
     import jax.numpy as jnp
     import numpy as np
 
     import zeroxla
-    step, state = zeroxla.load_pretrained(
-        checkpoint, zeroxla.make_mesh(2, 2, expert=2), progress=False,
-        config=zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+    step, state = partitions
     engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
         inference_tp_size=tp, batching=batching, kv_block_size=4, max_out_tokens=32))
     assert engine.batching == batching
@@ -301,13 +320,12 @@ def assert_engine_records_the_routing(checkpoint: Path, vocab: int, batching: st
     outputs, routing = engine.generate(state, prompts, return_routing=True, **kw)
     for got, want in zip(outputs, engine.generate(state, prompts, **kw)):
         np.testing.assert_array_equal(got, want)
-    model = step.gathered_model(state) if live_too else None
     for out, record in zip(outputs, routing):
         assert record.shape == (out.size, layers, k)
         assert np.all(record[-1] == -1)
         want = choices_of(np.asarray(out)[None])[0]                              # [T, L, k]
         np.testing.assert_array_equal(np.sort(record[:-1], -1), want[:-1])
-        if live_too:
-            live, _ = jax.jit(model.router_choices)(jnp.asarray(np.asarray(out)[None]))
+        if live_choices is not None:
+            live, _ = live_choices(jnp.asarray(np.asarray(out)[None]))
             np.testing.assert_array_equal(
                 np.sort(np.moveaxis(np.asarray(live)[:, 0], 0, 1), -1), want)
