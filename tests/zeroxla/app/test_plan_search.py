@@ -25,13 +25,23 @@ def _answers(report: str) -> dict[str, int]:
             for m in re.finditer(r"^  (remat=\S.*?)\s+T = (\d+)", report, re.MULTILINE)}
 
 
-def _alone(config, mesh, setting, plan, t):
-    return plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
-                       remat=setting.remat, fields=dict(setting.fields))
+@pytest.fixture(scope="module")
+def alone():
+    """`alone(setting, t)`: the peak bytes of that setting's own `plan_memory` at T = t, compiled
+    in this thread, once per module (the device memory does not enter the peak): both tests'
+    references compile T = 64 under remat=full."""
+    config, mesh, peaks = _config(), zeroxla.make_mesh(1, 8), {}
+
+    def peak(setting, t):
+        if (setting, t) not in peaks:
+            peaks[setting, t] = plan_memory(config, mesh, seq_len=t, device_memory=0,
+                                            remat=setting.remat, fields=dict(setting.fields)).peak
+        return peaks[setting, t]
+    return peak
 
 
 @pytest.mark.slow    # six planner compiles (7 s); the search itself is test_planner's, daily
-def test_settings_searched_at_once_answer_as_each_compiled_alone():
+def test_settings_searched_at_once_answer_as_each_compiled_alone(alone):
     """Three settings (mlp_chunk 16, None, 4096) two at a time, one length each
     (--search-limit = --granularity): each answer is the length if that setting's own compile,
     in this thread, fits (the memory is set between the tiled and the untiled peak), else 0;
@@ -39,7 +49,7 @@ def test_settings_searched_at_once_answer_as_each_compiled_alone():
     config, mesh = _config(), zeroxla.make_mesh(1, 8)
     settings, _ = sweep_settings(config, ("full",))
     base = PlanSettings(model="tiny", remat=("full",), granularity=64, search_limit=64)
-    peaks = [_alone(config, mesh, s, base, 64).peak for s in settings]
+    peaks = [alone(s, 64) for s in settings]
     assert peaks[0] != peaks[1]                         # tiled MLP at T = 64 vs untiled
     plan = PlanSettings(model="tiny", remat=("full",), granularity=64, search_limit=64,
                         device_memory=(peaks[0] + peaks[1]) // 2)
@@ -52,7 +62,7 @@ def test_settings_searched_at_once_answer_as_each_compiled_alone():
 
 
 @pytest.mark.slow
-def test_the_report_finds_what_the_bisection_finds_for_every_setting():
+def test_the_report_finds_what_the_bisection_finds_for_every_setting(alone):
     """Six settings (remat full / offload x mlp_chunk 16 / None / 4096) searched two at a time over
     T <= 256 in steps of 16, against the doubling bisection of each setting's `plan_memory`
     alone: the same T for every setting, and a memory that cuts inside the range."""
@@ -60,7 +70,7 @@ def test_the_report_finds_what_the_bisection_finds_for_every_setting():
     plan = PlanSettings(model="tiny", remat=("full", "offload"), granularity=16,
                         search_limit=256, device_memory=3_000_000)
     settings, _ = sweep_settings(config, plan.remat)
-    want = {s.label: largest_fitting(lambda t, s=s: _alone(config, mesh, s, plan, t).fits,
+    want = {s.label: largest_fitting(lambda t, s=s: alone(s, t) <= plan.device_memory,
                                      granularity=16, limit=256) for s in settings}
     assert all(0 < t < 256 for t in want.values()), want
     report = max_seq_len_report(config, mesh, plan, "bfloat16", workers=2)

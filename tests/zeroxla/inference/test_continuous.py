@@ -62,6 +62,44 @@ def _engines(step, tp, **config):
     return make("static", {}), make("continuous", config)
 
 
+@pytest.fixture(scope="module")
+def built():
+    """`built(family)`: (`_step(family)`, its initial state), built once per module: the cases
+    of a family at tp 1, 2 and 4 decode the same step's parameters (the learning rate is 0, the
+    state is never updated), so they share one trace and compile of the step and its init."""
+    steps = {}
+
+    def step_and_state(family):
+        if family not in steps:
+            step = _step(family)
+            steps[family] = step, step.init()
+        return steps[family]
+    return step_and_state
+
+
+@pytest.fixture(scope="module")
+def one_device_gpt():
+    """(`_one_device_step("gpt")`, its initial state): the two daily cases on one device
+    decode the same parameters."""
+    step = _one_device_step("gpt")
+    return step, step.init()
+
+
+@pytest.fixture(scope="module")
+def engines(built):
+    """`engines(family, tp)`: (step, state, static engine, continuous engine) of `_engines` at
+    the SMALL settings, built once per module: the cases that decode a family at one tp share
+    the engines' compiled programs (`stats` is each engine's last generation's)."""
+    made = {}
+
+    def of(family, tp):
+        if (family, tp) not in made:
+            step, state = built(family)
+            made[family, tp] = (step, state, *_engines(step, tp))
+        return made[family, tp]
+    return of
+
+
 def _assert_same(static, continuous, state, prompts, **kw):
     want = static.generate(state, prompts, **kw)
     got = continuous.generate(state, prompts, **kw)
@@ -82,10 +120,8 @@ def _matrix():
 
 
 @pytest.mark.parametrize("family,tp", _matrix())
-def test_greedy_equals_the_static_engine(family, tp):
-    step = _step(family)
-    state = step.init()
-    static, continuous = _engines(step, tp)
+def test_greedy_equals_the_static_engine(family, tp, engines):
+    step, state, static, continuous = engines(family, tp)
     assert continuous.batching == "continuous"
     vocab = step.layout.vocab_size
     out = _assert_same(static, continuous, state, _prompts(vocab), max_new_tokens=12)
@@ -101,41 +137,39 @@ def test_greedy_equals_the_static_engine(family, tp):
 @pytest.mark.parametrize("knobs", [dict(temperature=0.7, top_k=5),
                                    dict(temperature=1.3, top_p=0.8, vocab_limit=60),
                                    dict(temperature=1.0)], ids=["top-k", "top-p-limit", "t1"])
-def test_sampled_tokens_and_logprobs_equal_the_static_engine(knobs):
-    step = _step("llama")
-    static, continuous = _engines(step, 2)
-    _assert_same(static, continuous, step.init(), _prompts(step.layout.vocab_size),
+def test_sampled_tokens_and_logprobs_equal_the_static_engine(knobs, engines):
+    step, state, static, continuous = engines("llama", 2)
+    _assert_same(static, continuous, state, _prompts(step.layout.vocab_size),
                  max_new_tokens=9, seed=11, return_logprobs=True, **knobs)
 
 
 @pytest.mark.slow  # daily: rows ending early (EOS) in test_greedy_equals_the_static_engine[llama-2]
-def test_rows_end_at_their_own_max_new_tokens():
-    step = _step("gpt")
-    static, continuous = _engines(step, 1)
+def test_rows_end_at_their_own_max_new_tokens(engines):
+    step, state, static, continuous = engines("gpt", 1)
     prompts = _prompts(step.layout.vocab_size)
     news = [0, 5, 1, 12, 3, 7, 2]
-    out = _assert_same(static, continuous, step.init(), prompts, max_new_tokens=news)
+    out = _assert_same(static, continuous, state, prompts, max_new_tokens=news)
     assert [o.size - p.size for o, p in zip(out, prompts)] == news
     with pytest.raises(ValueError, match=r"max_new_tokens has 2 entries.*one per prompt \(7\)"):
-        continuous.generate(step.init(), prompts, max_new_tokens=[1, 2])
+        continuous.generate(state, prompts, max_new_tokens=[1, 2])
 
 
 @pytest.mark.slow  # daily: preemption in test_a_group_on_a_pool_of_one_sequence_preempts_...
-def test_a_full_pool_preempts_and_recomputes_with_the_same_tokens():
-    step = _step("llama")
+def test_a_full_pool_preempts_and_recomputes_with_the_same_tokens(engines):
+    step, state, static, _ = engines("llama", 4)    # the static engine takes no kv_blocks
     # 9 pages of 4 slots (null page included): two 32-token sequences cannot both fit
-    static, continuous = _engines(step, 4, kv_blocks=9)
-    _assert_same(static, continuous, step.init(), _prompts(step.layout.vocab_size),
+    continuous = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
+        inference_tp_size=4, batching="continuous", **SMALL, kv_blocks=9))
+    _assert_same(static, continuous, state, _prompts(step.layout.vocab_size),
                  max_new_tokens=15)
     assert continuous.stats["preemptions"] > 0
     assert continuous.stats["peak_pages_in_use"] <= 8
 
 
 @pytest.mark.slow  # daily: a group against its answers alone in test_a_group_on_a_pool_of_one_...
-def test_a_group_prefills_its_prompt_once_and_answers_as_separate_calls():
-    step = _step("qwen3")
-    _, continuous = _engines(step, 2)
-    state, prompts, seeds = step.init(), _prompts(step.layout.vocab_size)[:4], [3, 4, 5]
+def test_a_group_prefills_its_prompt_once_and_answers_as_separate_calls(engines):
+    step, state, _, continuous = engines("qwen3", 2)
+    prompts, seeds = _prompts(step.layout.vocab_size)[:4], [3, 4, 5]
     grouped, drawn = continuous.generate_group(state, prompts, seeds, max_new_tokens=6,
                                                temperature=1.0, return_logprobs=True)
     assert continuous.stats["prefill_tokens"] == sum(p.size for p in prompts)
@@ -168,12 +202,10 @@ def test_one_executable_serves_any_prompts():
     assert len(compiles) == first
 
 
-def test_the_step_lowers_for_cuda():
+def test_the_step_lowers_for_cuda(engines):
     from zeroxla.compat.lowering import lower_for_cuda
 
-    step = _step("llama")
-    _, continuous = _engines(step, 2)
-    state = step.init()
+    _, state, _, continuous = engines("llama", 2)
     batcher = continuous.batcher(jax.random.key(0))
     text = lower_for_cuda(batcher.program, continuous.inference_params(state),
                           state.model_state, batcher.pools(),
@@ -231,25 +263,23 @@ def test_bad_rollout_settings_name_the_field(config, match):
         zeroxla.HybridEngineConfig(**config)
 
 
-def test_more_answers_than_slots_and_bad_seeds_are_refused():
-    step = _step("gpt")
-    _, continuous = _engines(step, 1)
+def test_more_answers_than_slots_and_bad_seeds_are_refused(engines):
+    step, state, _, continuous = engines("gpt", 1)
     prompts = _prompts(step.layout.vocab_size)[:2]
     with pytest.raises(ValueError, match=r"5 answers per prompt but "
                                          r"max_ragged_sequence_count=4"):
-        continuous.generate_group(step.init(), prompts, [1, 2, 3, 4, 5], max_new_tokens=4)
+        continuous.generate_group(state, prompts, [1, 2, 3, 4, 5], max_new_tokens=4)
     with pytest.raises(ValueError, match=r"seeds=\[\] is invalid"):
-        continuous.generate_group(step.init(), prompts, [], max_new_tokens=4)
+        continuous.generate_group(state, prompts, [], max_new_tokens=4)
 
 
 @pytest.mark.slow          # the static side compiles a batch per distinct knob set
-def test_each_prompt_may_carry_its_own_knobs():
+def test_each_prompt_may_carry_its_own_knobs(engines):
     """Per-prompt temperature / top-k in one call: the continuous step draws every row with
     its own knobs (`row_sampling`), the static engine decodes one padded batch per distinct
     knob set; both equal, and each row equals its prompt generated alone with its knobs."""
-    step = _step("llama")
-    static, continuous = _engines(step, 2)
-    state, prompts = step.init(), _prompts(step.layout.vocab_size)
+    step, state, static, continuous = engines("llama", 2)
+    prompts = _prompts(step.layout.vocab_size)
     temperature = [0.0, 0.7, 1.3, 0.0, 1.0, 0.5, 2.0]
     top_k = [None, 5, None, 3, None, None, 10]
     got = _assert_same(static, continuous, state, prompts, max_new_tokens=8, seed=4,
@@ -341,7 +371,7 @@ def test_a_plain_nnx_model_decodes_continuously_as_the_unsharded_model(tp):
     assert len({tuple(o[p.size:]) for o, p in zip(out, prompts)}) > 1, "degenerate model"
 
 
-def test_a_group_on_a_pool_of_one_sequence_preempts_its_own_answers():
+def test_a_group_on_a_pool_of_one_sequence_preempts_its_own_answers(one_device_gpt):
     # Issue 66: 1 prompt x 2 answers x 56 new tokens on 17 pages of 4 slots (the least
     # kv_blocks accepts for max_out_tokens 64) raised "no sequence could be scheduled" while
     # the same answers as separate calls ran: a group's answers shared one admission order,
@@ -349,8 +379,7 @@ def test_a_group_on_a_pool_of_one_sequence_preempts_its_own_answers():
     # definition) and, greedy, the unsharded model's tokens.
     from inference_helpers import greedy_reference
 
-    step = _one_device_step("gpt")
-    state = step.init()
+    step, state = one_device_gpt
     engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
         **{**SMALL, "max_out_tokens": 64}, kv_blocks=17))
     prompt = _prompts(step.layout.vocab_size, (8,))
@@ -367,14 +396,13 @@ def test_a_group_on_a_pool_of_one_sequence_preempts_its_own_answers():
         np.testing.assert_array_equal(outs[0], want)
 
 
-def test_two_prompts_in_one_batch_each_draw_with_their_own_knobs():
+def test_two_prompts_in_one_batch_each_draw_with_their_own_knobs(one_device_gpt):
     # Issue 66, the daily check of per-prompt knobs (the slow test above also runs the static
     # engine): two prompts in one continuous batch, different temperature / top-k / top-p,
     # each equal to its prompt run alone with its own knobs and the same seed (a row's draws
     # depend on the seed, its prompt and its knobs only: `generate`'s contract). One
     # executable serves every call (the knobs are step data).
-    step = _one_device_step("gpt")
-    state = step.init()
+    step, state = one_device_gpt
     _, continuous = _engines(step, 1)
     prompts = _prompts(step.layout.vocab_size, (3, 9))
     knobs = [dict(temperature=0.7, top_k=5, top_p=None),
