@@ -53,13 +53,17 @@ def pytest_sessionfinish(session):
         shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs(request):
-    """After each test file, drop the compiled programs when the process holds many memory maps
-    (tests/support/program_release.py says why and when); after every file in a run that
-    writes the compile budgets, so that each file's count is what it compiles alone."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test file (its module fixtures finalized), drop the compiled programs when
+    the process holds many memory maps (tests/support/program_release.py says why and when);
+    after every file in a run that writes the compile budgets, so that each file's count is
+    what it compiles alone. Not after the process's last test (`nextitem` None): the process
+    ends there, and dropping thousands of programs first only delays the run's end."""
     yield
-    writing = request.config.getoption("write_compile_budgets", default=None)
+    if nextitem is None or nextitem.path == item.path:
+        return
+    writing = item.config.getoption("write_compile_budgets", default=None)
     program_release.release_if_crowded(0 if writing else program_release.MAX_MAPS)
 
 
