@@ -23,7 +23,7 @@ from zeroxla.analysis.hlo import branch_collectives, collectives, parse_module
 from zeroxla.models.expert_parallel import ExpertParallel, expert_parallel_ffn
 from reference import flat_params, train_single_device
 from test_moe_training import (BATCHES, CONFIG, LORA, OPTIMIZERS, TOL, assert_trains_like,
-                               lora_model, model, one_device_run, written_out_loss,
+                               cached_one_device_runs, lora_model, model, written_out_loss,
                                zero_router_model)
 
 SGD, ADAMW = OPTIMIZERS["sgd"], OPTIMIZERS["adamw"]   # adamw's eps: see test_moe_training
@@ -31,9 +31,9 @@ SGD, ADAMW = OPTIMIZERS["sgd"], OPTIMIZERS["adamw"]   # adamw's eps: see test_mo
 
 @pytest.fixture(scope="module")
 def one_device():
-    """test_moe_training's `one_device_run`, each set of arguments trained once per test file:
-    the expert degrees and ZeRO paths that share a reference compare with one run of it."""
-    return functools.cache(one_device_run)
+    """test_moe_training's `cached_one_device_runs`, once per test file: the expert degrees and
+    ZeRO paths that share a reference compare with one run of it."""
+    return cached_one_device_runs()
 
 
 def ep_mesh(ep, sequence=1, nodes=None):
@@ -46,6 +46,20 @@ def ep_mesh(ep, sequence=1, nodes=None):
 def ep_step(mesh, opt, **config):
     return zeroxla.make_step(model(), mesh, optimizer=opt, config=zeroxla.ZeroConfig(
         **{"stage": 3, "persistence_threshold": 0, **config}))
+
+
+def built_ep_step(ep, sequence, optimizer, **config):
+    """`ep_step` on `ep_mesh(ep, sequence)` with `OPTIMIZERS[optimizer]` (arguments hashable:
+    `ep_steps` caches by them)."""
+    return ep_step(ep_mesh(ep, sequence), OPTIMIZERS[optimizer], **config)
+
+
+@pytest.fixture(scope="module")
+def ep_steps():
+    """`built_ep_step`, each program built (and so compiled) once per test file: the cases that
+    train, inspect, compile or restore into the same step share it; each runs from its own
+    `init`."""
+    return functools.cache(built_ep_step)
 
 
 CASES = {  # name: (EP, sequence, ZeroConfig fields)
@@ -65,18 +79,16 @@ DAILY = {("ep2-zero3", "sgd")}   # the rest: slow
     pytest.param(name, opt, id=f"{name}-{opt}",
                  marks=() if (name, opt) in DAILY else pytest.mark.slow)
     for name in CASES for opt in ("sgd", "adamw")])
-def test_expert_parallel_trains_like_one_device(name, optimizer, one_device):
+def test_expert_parallel_trains_like_one_device(name, optimizer, one_device, ep_steps):
     ep, sequence, config = CASES[name]
     k = config.get("gradient_accumulation_steps", 1)
-    opt = OPTIMIZERS[optimizer]
-    mesh = ep_mesh(ep, sequence)
     want_losses, want = one_device(optimizer, k, 8 // sequence, len(BATCHES))
-    step = ep_step(mesh, opt, **config)
+    step = ep_steps(ep, sequence, optimizer, **config)
     assert_trains_like(step, BATCHES, want_losses, want)
 
 
-def test_expert_leaves_are_split_over_the_expert_axis_and_partitioned_over_the_rest():
-    step = ep_step(ep_mesh(4), SGD)
+def test_expert_leaves_are_split_over_the_expert_axis_and_partitioned_over_the_rest(ep_steps):
+    step = ep_steps(4, 1, "sgd")
     plan = step.layout.plan
     w_gate = plan["blocks/layers/moe/w_gate"]                # [L, E, D, F] = [2, 8, 32, 16]
     assert w_gate.expert_dim == 1 and w_gate.expert_size == 4
@@ -92,12 +104,12 @@ def test_expert_leaves_are_split_over_the_expert_axis_and_partitioned_over_the_r
 
 
 @pytest.mark.slow
-def test_expert_gradients_are_reduced_over_the_expert_data_group_only():
+def test_expert_gradients_are_reduced_over_the_expert_data_group_only(ep_steps):
     """In the compiled step at EP = 4 (2 x 1 x 4), the expert weights' gradients ([E/EP, D, F]
     = [2, 32, 16] float32 per layer, 4,096 bytes) are reduce-scattered over groups of 2 devices
     (node x local: those holding the same experts), the dense leaves' over all 8, and the MoE
     layers' token exchange runs over the 4 devices of the expert axis."""
-    step = ep_step(ep_mesh(4), SGD)
+    step = ep_steps(4, 1, "sgd")
     found = collectives(step.compile(step.init(), BATCHES[0]))
     grads = [c for c in found if c.kind == "reduce-scatter" and "zero_grad_reduce" in c.op_name]
     by_group = {size: {c.operand_bytes for c in grads if c.group_size == size}
@@ -251,8 +263,8 @@ def test_lora_on_experts_under_expert_parallelism_trains_like_one_device():
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_at_ep2_restores_at_ep4_and_ep1_bit_exactly(tmp_path):
-    step = ep_step(ep_mesh(2), ADAMW)
+def test_checkpoint_saved_at_ep2_restores_at_ep4_and_ep1_bit_exactly(tmp_path, ep_steps):
+    step = ep_steps(2, 1, "adamw")
     state = step.init()
     for batch in BATCHES[:2]:
         state, _ = step(state, batch)
@@ -260,7 +272,7 @@ def test_checkpoint_saved_at_ep2_restores_at_ep4_and_ep1_bit_exactly(tmp_path):
     saved = jax.tree.map(np.asarray, step.layout.logical.to_logical(state))
     _, metrics = step(state, BATCHES[2])
     for ep in (4, 1):
-        target = ep_step(ep_mesh(ep) if ep > 1 else zeroxla.make_mesh(2, 4), ADAMW)
+        target = ep_steps(ep, 1, "adamw") if ep > 1 else ep_step(zeroxla.make_mesh(2, 4), ADAMW)
         restored = checkpoint.restore(tmp_path, target).state
         logical = jax.tree.map(np.asarray, target.layout.logical.to_logical(restored))
         same = jax.tree.map(np.array_equal, logical, saved)

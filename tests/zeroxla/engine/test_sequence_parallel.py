@@ -96,11 +96,30 @@ def _masked_loss(model, batch):
     return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
 
 
-def _sp_run(family, degree, batch, config=None, steps=1, dtype=jnp.float32):
+def _sp_step(family, degree, config=None, dtype=jnp.float32):
+    """The SGD (lr 1) step of `family` at sequence degree `degree` (`MESHES`) under `config`
+    (None: ZeRO-3, persistence threshold 0)."""
     mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=MESHES[degree][2])
     config = config or zeroxla.ZeroConfig(stage=3, persistence_threshold=0)
-    step = zeroxla.make_step(_factory(family, dtype), mesh, optimizer=optax.sgd(1.0),
+    return zeroxla.make_step(_factory(family, dtype), mesh, optimizer=optax.sgd(1.0),
                              config=config)
+
+
+@pytest.fixture(scope="module")
+def sp_steps():
+    """`_sp_step`, each program built (and so compiled) once per test file: a case that trains
+    and one that reads the compiled collectives of the same step share it."""
+    cached = functools.cache(_sp_step)
+
+    def step(family, degree, config=None, dtype=jnp.float32):
+        return cached(family, degree,
+                      config or zeroxla.ZeroConfig(stage=3, persistence_threshold=0), dtype)
+    return step
+
+
+def _sp_run(family, degree, batch, config=None, steps=1, dtype=jnp.float32, sp_step=_sp_step):
+    """`sp_step`: `_sp_step` or the `sp_steps` fixture's cache of it."""
+    step = sp_step(family, degree, config, dtype)
     state = step.init()
     losses = []
     for _ in range(steps):
@@ -124,12 +143,13 @@ def one_device():
 
 
 def _assert_same_step(family, degree, packed=False, config=None, dtype=jnp.float32,
-                      tolerance=FLOAT32_TOLERANCE, one_device=_one_device_run):
-    """`one_device`: `_one_device_run` or the `one_device` fixture's cache of it."""
+                      tolerance=FLOAT32_TOLERANCE, one_device=_one_device_run, sp_step=_sp_step):
+    """`one_device`: `_one_device_run` or the `one_device` fixture's cache of it; `sp_step`:
+    `_sp_step` or the `sp_steps` fixture's."""
     batch = _batch(degree, packed)
     initial = flat_params(nnx.state(_factory(family, dtype)(), nnx.Param))
     want_losses, want = one_device(family, degree, packed, dtype)
-    got_losses, got = _sp_run(family, degree, batch, config, dtype=dtype)
+    got_losses, got = _sp_run(family, degree, batch, config, dtype=dtype, sp_step=sp_step)
     assert abs(got_losses[0] - want_losses[0]) <= 1e-6 * max(1.0, abs(want_losses[0]))
     # SGD with lr 1: the parameter change is the gradient.
     scale = max(float(np.max(np.abs(want[p] - initial[p]))) for p in want)
@@ -139,9 +159,9 @@ def _assert_same_step(family, degree, packed=False, config=None, dtype=jnp.float
 
 
 @pytest.mark.parametrize("degree", [pytest.param(2, marks=SLOW), 4, pytest.param(8, marks=SLOW)])
-def test_llama_gqa_at_every_degree_trains_as_on_one_device(degree, one_device):
+def test_llama_gqa_at_every_degree_trains_as_on_one_device(degree, one_device, sp_steps):
     # 2 KV heads: split at P = 2, repeated to P at P = 4 and 8 (DeepSpeed's replication).
-    _assert_same_step("llama", degree, one_device=one_device)
+    _assert_same_step("llama", degree, one_device=one_device, sp_step=sp_steps)
 
 
 @SLOW   # daily: llama (above), mistral (allgather), llama (ring), llama-6-3, packed llama
@@ -213,11 +233,10 @@ def test_hpz_and_qgz_with_sequence_parallelism_track_the_same_run_without_it():
     assert error(with_sp) < 1.25 * error(without)
 
 
-def _step_collectives(family, degree, config):
+def _step_collectives(family, degree, config, sp_step=_sp_step):
     """The collectives of `family`'s compiled step at sequence degree `degree` (`MESHES`)
-    under `config`, on `_batch()`."""
-    mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=degree)
-    step = zeroxla.make_step(_factory(family), mesh, optimizer=optax.sgd(1.0), config=config)
+    under `config`, on `_batch()` (`sp_step`: as `_sp_run`'s)."""
+    step = sp_step(family, degree, config)
     return collectives(step.compile(step.init(), _batch()).as_text())
 
 
@@ -226,11 +245,11 @@ def _local_rows(degree):
     return B // (MESHES[degree][0] * MESHES[degree][1])
 
 
-def test_a_step_of_eight_devices_moves_the_ulysses_volume_and_no_activations():
+def test_a_step_of_eight_devices_moves_the_ulysses_volume_and_no_activations(sp_steps):
     family, degree = "llama", 4
     cls, cfg = FAMILIES[family]
     found = _step_collectives(family, degree,
-                              zeroxla.ZeroConfig(stage=3, persistence_threshold=0))
+                              zeroxla.ZeroConfig(stage=3, persistence_threshold=0), sp_steps)
     to_all = [c for c in found if c.kind == "all-to-all"]
     head_dim = cfg.d_model // cfg.num_heads
     per_layer = all_to_all_elements(T, cfg.num_heads, cfg.num_kv_heads, head_dim, degree)

@@ -18,14 +18,27 @@ from zeroxla.analysis.comm_report import comm_report
 pytestmark = pytest.mark.slow
 
 
-def _report(model_name, stage, threshold=500, num_layers=2, **config):
+def _config_report(model_name, num_layers, config):
+    """(step, `comm_report`) of `model_name`'s SGD step on 2 x 4 devices under `config`."""
     model = models.build(model_name, num_layers=num_layers)
     step = zeroxla.make_step(model, zeroxla.make_mesh(2, 4), optimizer=optax.sgd(0.1),
-                             config=zeroxla.ZeroConfig(stage=stage, persistence_threshold=threshold,
-                                                       **config))
+                             config=config)
     state = step.init()
     batch = token_batches(1, 16, 16, vocab=65)[0]
     return step, comm_report(step, state, batch)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """`report(model_name, stage, threshold=500, num_layers=2, **config)`: `_config_report`
+    under that ZeroConfig, each program compiled once per test file (the float32 step every
+    16-bit comparison and the stage 0 and 2 checks read is one program per stage)."""
+    cached = functools.cache(_config_report)
+
+    def report(model_name, stage, threshold=500, num_layers=2, **config):
+        return cached(model_name, num_layers, zeroxla.ZeroConfig(
+            stage=stage, persistence_threshold=threshold, **config))
+    return report
 
 
 def _partitioned_bytes(step):
@@ -71,14 +84,14 @@ def _stored_bytes(model_name, step):
 
 @pytest.mark.parametrize("model_name", ["gpt-tiny", "llama-tiny"])
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_stage3_gathers_twice_and_scatters_once(model_name, prefetch):
+def test_stage3_gathers_twice_and_scatters_once(model_name, prefetch, reports):
     """Exact bytes, from the shapes: forward gathers every partitioned leaf once (each layer of
     a stacked one); backward gathers every layer again, and of the top-level leaves those in
     REGATHERED; gradients are reduce-scattered once per use; the replicated leaves' gradients
     are all-reduced once, beside float32 scalars, 4 bytes per leaf and 8 more (measured: the
     loss sum and token count, and per-leaf sums for the gradient norm, as XLA combines them);
     the replicated leaves' optimizer partitions are gathered back after the update."""
-    step, report = _report(model_name, 3, threshold=THRESHOLD, prefetch=prefetch)
+    step, report = reports(model_name, 3, threshold=THRESHOLD, prefetch=prefetch)
     partitioned, replicated, replicated_padded = _stored_bytes(model_name, step)
     total = sum(b for b, _ in partitioned.values())
     stacked = sum(b for b, is_stacked in partitioned.values() if is_stacked)
@@ -93,14 +106,14 @@ def test_stage3_gathers_twice_and_scatters_once(model_name, prefetch):
     assert report.all_gather_bytes() == total + stacked + regathered + replicated_padded
 
 
-def test_stage3_gathers_inside_the_layer_loop():
-    _, report = _report("llama-tiny", 3, num_layers=4)   # a 2-layer scan is unrolled by XLA
+def test_stage3_gathers_inside_the_layer_loop(reports):
+    _, report = reports("llama-tiny", 3, num_layers=4)   # a 2-layer scan is unrolled by XLA
     looped = [c for c in report.collectives if c.kind == "all-gather" and c.multiplier > 1]
     assert looped, "stage 3 should gather layers inside the scan"
 
 
-def test_stage2_has_no_parameter_gather_in_the_layer_loop():
-    step, report = _report("gpt-tiny", 2)
+def test_stage2_has_no_parameter_gather_in_the_layer_loop(reports):
+    step, report = reports("gpt-tiny", 2)
     looped = [c for c in report.collectives if c.kind == "all-gather" and c.multiplier > 1]
     assert looped == []
     # Stage 2 gathers only the updated parameters, once, after the optimizer.
@@ -113,17 +126,17 @@ def test_stage2_has_no_parameter_gather_in_the_layer_loop():
             if leaf.optimizer_partitioned), rel=0.01)
 
 
-def test_stage0_all_reduces_everything_once():
-    step, report = _report("gpt-tiny", 0)
+def test_stage0_all_reduces_everything_once(reports):
+    step, report = reports("gpt-tiny", 0)
     assert report.all_gather_bytes() == 0 and report.reduce_scatter_bytes() == 0
     total = sum(4 * leaf.numel for leaf in step.layout.plan.leaves)
     assert report.all_reduce_bytes() == pytest.approx(total, rel=0.01, abs=64)
 
 
-def test_bf16_compute_communicates_bf16():
+def test_bf16_compute_communicates_bf16(reports):
     """bf16 compute moves bf16 on the wire: gathers as raw 16-bit words, and the gradient
     reduction as a 16-bit all-to-all summed in float32 by the receiver (see collectives.py)."""
-    step, report = _report("llama-tiny", 3, compute_dtype="bfloat16")
+    step, report = reports("llama-tiny", 3, compute_dtype="bfloat16")
     param_bytes = _partitioned_bytes(step)
     gathers = [c for c in report.collectives if c.kind == "all-gather"
                and "zero_param_update" not in c.op_name]      # not the fp32 master update
@@ -166,7 +179,7 @@ def test_never_the_whole_model_live(remat):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_16bit_stages_0_to_2_send_half_the_float32_bytes(stage, dtype):
+def test_16bit_stages_0_to_2_send_half_the_float32_bytes(stage, dtype, reports):
     """Under bf16/fp16 the gradient reduction (stage 0-1 all-reduce, stage 2 per-unit
     reduce-scatter) and, at stages 1-2, the all-gather of the updated parameters (the 16-bit
     rounding of the float32 master partition, into the 16-bit compute copy) travel in 16 bits.
@@ -177,7 +190,7 @@ def test_16bit_stages_0_to_2_send_half_the_float32_bytes(stage, dtype):
     once, after both its uses (`engine.gradients.reduced_once`), as the float32 program does."""
     phases, total = {}, {}
     for name in ("float32", dtype):
-        _, report = _report("gpt-tiny", stage, compute_dtype=name)
+        _, report = reports("gpt-tiny", stage, compute_dtype=name)
         phases[name] = {p: report.traffic(phase=p).total
                         for p in ("zero_grad_reduce", "zero_param_update")}
         total[name] = report.total_bytes
