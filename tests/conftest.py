@@ -2,7 +2,8 @@
 with the suite's codegen flags, through one compilation cache shared by the run's processes (kept
 between runs with `ZEROXLA_TEST_JAX_CACHE=keep`; tests/support/xla_flags.py says what each changes
 and what not), with the garbage collector's test settings
-(tests/support/gc_policy.py)."""
+(tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session is over
+(tests/support/worker_exit.py)."""
 
 import os
 import shutil
@@ -13,6 +14,7 @@ import fusion_children
 import gc_policy
 import program_release
 import tiers
+import worker_exit
 import xla_flags
 
 # Where the time goes per file, and the compile budget of the daily subset (suite_profile.py).
@@ -51,6 +53,14 @@ def pytest_sessionfinish(session):
     unless it is a kept one."""
     if _CREATED_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A pytest-xdist worker, everything reported, ends at once instead of freeing its thousands
+    of compiled programs one by one (tests/support/worker_exit.py says why)."""
+    if hasattr(config, "workerinput"):
+        worker_exit.exit_now(int(config.workeroutput.get("exitstatus", 0)))
 
 
 @pytest.hookimpl(hookwrapper=True)
