@@ -59,6 +59,8 @@ def test_refuses_an_empty_chunk():
         LlamaConfig(mlp_chunk=0)
 
 
+@pytest.mark.slow   # daily: the token log-probs twin below (the same tiled MLP, the final
+                    # norm tiled too)
 def test_a_model_with_mlp_chunk_gives_its_plain_logits_and_gradients():
     config = LlamaConfig(init_std=0.2, num_layers=1)
     rng = np.random.default_rng(2)

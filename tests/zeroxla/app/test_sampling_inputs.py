@@ -79,6 +79,7 @@ def test_host_device_count_reads_xla_flags():
     assert cli.host_device_count({}) is None
 
 
+@pytest.mark.slow   # daily: the message itself (test_tp_names_the_sizes_the_heads_allow, above)
 def test_generate_tp_lists_the_sizes_the_model_allows(tmp_path):
     """In its own process, with no device count set: the command simulates --tp devices, so
     before this check a 3-way split of a 4-head model said "accepted: 1" (the 3 devices)."""

@@ -43,6 +43,22 @@ def same_iteration(run, other):
     return record
 
 
+def test_auto_resolves_on_for_an_moe_actor_and_off_for_a_dense_one():
+    """The resolution alone, on the built actors' ModelDefs (no trainer): "auto" is "on" for the
+    tiny Qwen3-MoE actor and "off" for the dense tiny actor, with no warning; an explicit mode
+    is kept as given where it can run."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moe, dense = ModelDef.of(actor())[0], ModelDef.of(tiny_actor())[0]
+        assert resolve_routing_replay(CONFIG, moe) == CONFIG.replace(routing_replay="on")
+        assert resolve_routing_replay(CONFIG, dense) == CONFIG.replace(routing_replay="off")
+        for mode in ("on", "measure", "off"):
+            explicit = CONFIG.replace(routing_replay=mode)
+            assert resolve_routing_replay(explicit, moe) == explicit
+
+
+@pytest.mark.slow   # daily: the resolution (above, below) and test_grpo_routing_replay's "on" run
 def test_auto_is_on_for_an_moe_actor_with_the_records_of_on():
     """GRPO on the tiny Qwen3-MoE actor at EP 2 with the default config: the trainer's config
     is "on", and its iteration is the explicit "on" run's exactly (the replayed batch, the
@@ -158,7 +174,6 @@ def test_auto_replays_a_gemma4_moe_rollout_with_no_mismatch():
     assert np.isfinite(record["loss"]) and "router/aux_loss" not in record
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["no_packing", "partial_rollout"])
 def test_auto_where_on_cannot_run_is_off_with_a_warning_and_on_is_refused(case):
     """The resolution on the built actor's ModelDef: "auto" is "off" with one warning naming
