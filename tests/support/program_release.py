@@ -6,13 +6,12 @@ few hundred files without dropping any reaches the kernel's limit on memory maps
 next compile's mmap fails and the worker dies with a segmentation fault. Dropping every program
 after every file avoids that, but then the next file traces, lowers and compiles again what
 the last one had (the eager primitives of every reference computation, the shared model
-programs), and the drop itself takes seconds (about 4.4 s at 20,000 maps: freeing the
-executables and two full collections). So a worker keeps its programs across files while its
-map count is below `MAX_MAPS`, about 60% of the kernel's default limit, and drops them all
-(`jax.clear_caches()` between two full collections) when a file ends above it. The 25,000 maps
-left above it are seven times what the largest file adds (a compiled program holds about 8.5
-maps: test_grouped_matmul.py's 219 daily compiles add 1,872; the most any file compiles is
-test_families.py's 380, about 3,300 maps). Where /proc/self/maps cannot be read
+programs). So a worker keeps its programs across files while its map count is below
+`MAX_MAPS`, a third of the kernel's default limit, and drops them all (`jax.clear_caches()`
+between two full collections) when a file ends above it: about 4.4 s at 20,000 maps. Holding
+more is slower, not faster: with the limit at 40,000 (twice the programs held) a daily run's
+later, smaller files took 255 worker-seconds instead of 230 (2026-11-29, back to back on one
+machine; nothing else changed in those files), whatever the drops saved. Where /proc/self/maps cannot be read
 (not Linux), it drops them after every file.
 
 This changes which programs are compiled again, never what a program computes: a jit cache hit
@@ -24,7 +23,7 @@ import gc
 
 import jax
 
-MAX_MAPS = 40_000
+MAX_MAPS = 20_000
 
 
 def map_count() -> int | None:
