@@ -36,8 +36,8 @@ import zeroxla
 import family_checkpoints
 from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
-                                assert_zero3_logits_and_loss_equal_transformers, packed_loss,
-                                packed_row, save_random, token_ids, torch_causal_lm)
+                                assert_zero3_logits_and_loss_equal_transformers, packed_row,
+                                save_random, token_ids, torch_causal_lm)
 from zeroxla.models import hf
 from runs import run_steps
 

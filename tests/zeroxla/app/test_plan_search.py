@@ -48,7 +48,6 @@ def test_settings_searched_at_once_answer_as_each_compiled_alone(alone):
     every length reported as compiled."""
     config, mesh = _config(), zeroxla.make_mesh(1, 8)
     settings, _ = sweep_settings(config, ("full",))
-    base = PlanSettings(model="tiny", remat=("full",), granularity=64, search_limit=64)
     peaks = [alone(s, 64) for s in settings]
     assert peaks[0] != peaks[1]                         # tiled MLP at T = 64 vs untiled
     plan = PlanSettings(model="tiny", remat=("full",), granularity=64, search_limit=64,
