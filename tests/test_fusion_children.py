@@ -81,6 +81,7 @@ def test_one_child_per_file_and_each_test_its_own_outcome(tmp_path):
     (tmp_path / "test_marked.py").write_text(TESTS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT),
                                                         os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTEST_ADDOPTS", None)    # the outer run's options: this conftest lacks its plugins
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-p",
          "no:xdist", "-o", "addopts=", "--rootdir", str(tmp_path), "test_marked.py"],
