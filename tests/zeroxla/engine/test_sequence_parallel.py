@@ -96,24 +96,26 @@ def _masked_loss(model, batch):
     return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
 
 
+ZERO3 = zeroxla.ZeroConfig(stage=3, persistence_threshold=0)   # the steps' default
+
+
 def _sp_step(family, degree, config=None, dtype=jnp.float32):
     """The SGD (lr 1) step of `family` at sequence degree `degree` (`MESHES`) under `config`
-    (None: ZeRO-3, persistence threshold 0)."""
+    (None: `ZERO3`)."""
     mesh = zeroxla.make_mesh(*MESHES[degree][:2], sequence=MESHES[degree][2])
-    config = config or zeroxla.ZeroConfig(stage=3, persistence_threshold=0)
     return zeroxla.make_step(_factory(family, dtype), mesh, optimizer=optax.sgd(1.0),
-                             config=config)
+                             config=config or ZERO3)
 
 
 @pytest.fixture(scope="module")
 def sp_steps():
     """`_sp_step`, each program built (and so compiled) once per test file: a case that trains
-    and one that reads the compiled collectives of the same step share it."""
+    and one that reads the compiled collectives of the same step share it (None and `ZERO3`
+    are one key)."""
     cached = functools.cache(_sp_step)
 
     def step(family, degree, config=None, dtype=jnp.float32):
-        return cached(family, degree,
-                      config or zeroxla.ZeroConfig(stage=3, persistence_threshold=0), dtype)
+        return cached(family, degree, config or ZERO3, dtype)
     return step
 
 
@@ -248,8 +250,7 @@ def _local_rows(degree):
 def test_a_step_of_eight_devices_moves_the_ulysses_volume_and_no_activations(sp_steps):
     family, degree = "llama", 4
     cls, cfg = FAMILIES[family]
-    found = _step_collectives(family, degree,
-                              zeroxla.ZeroConfig(stage=3, persistence_threshold=0), sp_steps)
+    found = _step_collectives(family, degree, ZERO3, sp_steps)
     to_all = [c for c in found if c.kind == "all-to-all"]
     head_dim = cfg.d_model // cfg.num_heads
     per_layer = all_to_all_elements(T, cfg.num_heads, cfg.num_kv_heads, head_dim, degree)

@@ -158,8 +158,7 @@ def test_rows_end_at_their_own_max_new_tokens(engines):
 def test_a_full_pool_preempts_and_recomputes_with_the_same_tokens(engines):
     step, state, static, _ = engines("llama", 4)    # the static engine takes no kv_blocks
     # 9 pages of 4 slots (null page included): two 32-token sequences cannot both fit
-    continuous = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(
-        inference_tp_size=4, batching="continuous", **SMALL, kv_blocks=9))
+    _, continuous = _engines(step, 4, kv_blocks=9)
     _assert_same(static, continuous, state, _prompts(step.layout.vocab_size),
                  max_new_tokens=15)
     assert continuous.stats["preemptions"] > 0
