@@ -263,12 +263,12 @@ def test_options_not_built_are_refused_by_key(checkpoint, change, match):
 
 @pytest.mark.slow
 def test_pipelined_over_two_stages_trains_like_one_device():
-    """Periods of DeltaNet + gated attention layers as the pipeline's units: 2 stages, ZeRO-3,
-    against single-device optax."""
+    """Periods of 3 (2 DeltaNet layers + 1 gated attention layer) as the pipeline's units:
+    2 stages, ZeRO-3, against single-device optax."""
     from reference import token_batches, train_single_device
     from zeroxla.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 
-    config = Qwen3_5Config(vocab_size=64, num_layers=2)
+    config = Qwen3_5Config(vocab_size=64, num_layers=2, attention_interval=3)
     _assert_pipeline_equals_one_device(lambda: Qwen3_5(config, rngs=nnx.Rngs(0)),
                                        token_batches(2, 8, 16, 64), train_single_device)
 

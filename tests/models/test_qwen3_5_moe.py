@@ -1,5 +1,5 @@
 """Qwen3.5 MoE (`models.qwen3_5_moe`, `models.families.qwen3_5_moe`) against transformers itself,
-from tiny random checkpoints transformers writes here (4 layers: one period of three Gated
+from tiny random checkpoints transformers writes here (3 layers: one period of two Gated
 DeltaNet layers and one gated attention layer, each with an MoE MLP of 8 experts, top-2, and a
 gated shared expert; every tensor perturbed, no network):
 
@@ -46,7 +46,10 @@ transformers = pytest.importorskip("transformers")
 ATOL = 1e-4
 VOCAB = 67
 EXPERTS = 8
-TEXT = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention_heads=4,
+# A period of 3 (transformers' default is 4): shorter to compile, still several DeltaNet layers.
+TEXT = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-5,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=EXPERTS,
@@ -92,7 +95,7 @@ def test_zero3_logits_and_loss_equal_transformers_on_2x4(checkpoint):
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_aux_loss_equals_transformers(checkpoint, tmp_path, layout):
-    """E x sum_e f_e P_e over all 4 layers' routers (transformers' `load_balancing_loss_func`
+    """E x sum_e f_e P_e over all 3 layers' routers (transformers' `load_balancing_loss_func`
     of its router logits) from our `RouterStats`; the fused layout read through the loader's
     name fallbacks gives the same model."""
     import shutil
@@ -108,7 +111,7 @@ def test_aux_loss_equals_transformers(checkpoint, tmp_path, layout):
         out = torch_causal_lm(checkpoint)(torch.tensor(x, dtype=torch.long),
                                           output_router_logits=True)
     logp, stats = model.routed_token_logprobs(x, x)
-    assert float(stats.rows) == 4 * x.size                     # every token, every layer
+    assert float(stats.rows) == TEXT["num_hidden_layers"] * x.size   # every token, every layer
     np.testing.assert_allclose(float(aux_loss(stats)), float(out.aux_loss), rtol=0, atol=1e-5)
     theirs = torch.log_softmax(out.logits, -1).gather(-1, torch.tensor(x, dtype=torch.long)[
         ..., None])[..., 0].numpy()
@@ -152,10 +155,10 @@ def test_export_reloads_in_transformers_with_equal_logits(checkpoint, tmp_path):
 
 
 COEF = 0.05
-# 8 experts of 16, top-2, a shared expert of 24; one period (3 DeltaNet layers + attention)
+# 8 experts of 16, top-2, a shared expert of 24; one period (2 DeltaNet layers + attention)
 EP_CONFIG = models.Qwen3_5MoeConfig(
     vocab_size=64, max_seq_len=32, d_model=32, num_heads=4, num_kv_heads=2,
-    explicit_head_dim=16, num_layers=1, linear_num_key_heads=2, linear_num_value_heads=4,
+    explicit_head_dim=16, num_layers=1, attention_interval=3, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8, experts_per_token=2,
     expert_mlp_dim=16, shared_expert_mlp_dim=24, router_aux_loss_coef=COEF,
     output_router_logits=True, expert_tile=4)
@@ -282,7 +285,7 @@ def reference(checkpoint):
 
 @pytest.mark.slow
 def test_routing_records_hold_every_layer_as_transformers_routes(checkpoint, reference):
-    """`router_choices` is [L, B, T, k] over every HF layer (3 DeltaNet layers and the
+    """`router_choices` is [L, B, T, k] over every HF layer (2 DeltaNet layers and the
     attention layer of the period): the experts transformers' router picks at every token.
     Replaying that record gives `routed_token_logprobs`' log-probs and router statistics bit
     for bit with 0 mismatches; a record changed at (token, layer) pairs of a DeltaNet layer
@@ -311,7 +314,7 @@ def test_routing_records_hold_every_layer_as_transformers_routes(checkpoint, ref
         np.testing.assert_array_equal(a, b)
     assert int(jnp.sum(mismatches)) == 0
     family_checkpoints.assert_a_changed_record_is_counted_and_replayed(
-        replayed, record, logp, [(0, 3, 1), (1, 9, 1), (1, 9, 3), (0, 15, 3)], EXPERTS)
+        replayed, record, logp, [(0, 3, 1), (1, 9, 1), (1, 9, 2), (0, 15, 2)], EXPERTS)
 
 
 # tp 2 after tp 1 in one process aborts the interpreter (SIGABRT inside jax's device_put

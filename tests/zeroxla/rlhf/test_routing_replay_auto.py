@@ -102,10 +102,11 @@ def test_ppo_auto_is_on_for_an_moe_actor_with_the_records_of_on():
 
 def qwen3_5_moe():
     """tests/models/test_qwen3_5_moe.py's EP_CONFIG actor over the task's tokenizer: one
-    period (3 Gated DeltaNet layers and the attention layer), an MoE MLP in each."""
+    period (2 Gated DeltaNet layers and the attention layer), an MoE MLP in each."""
     config = models.Qwen3_5MoeConfig(
         vocab_size=TOKENIZER.vocab_size, max_seq_len=32, d_model=32, num_heads=4,
-        num_kv_heads=2, explicit_head_dim=16, num_layers=1, linear_num_key_heads=2,
+        num_kv_heads=2, explicit_head_dim=16, num_layers=1, attention_interval=3,
+        linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         num_experts=8, experts_per_token=2, expert_mlp_dim=16, shared_expert_mlp_dim=24,
         router_aux_loss_coef=0.01, output_router_logits=True, expert_tile=4, init_std=0.2)
@@ -113,9 +114,10 @@ def qwen3_5_moe():
 
 
 def gemma4(num_experts):
-    """A tiny Gemma 4 (one period of 6 layers), with its MoE block beside the dense MLP when
-    `num_experts` > 0."""
+    """A tiny Gemma 4 (one period of 3 layers: 2 sliding, 1 global), with its MoE block beside
+    the dense MLP when `num_experts` > 0."""
     config = models.Gemma4Config(vocab_size=TOKENIZER.vocab_size, max_seq_len=32,
+                                 sliding_window_pattern=3,
                                  num_experts=num_experts, experts_per_token=2,
                                  expert_mlp_dim=24 if num_experts else 0)
     return models.REGISTRY["gemma4"].model_class(config, rngs=nnx.Rngs(0))
@@ -125,7 +127,7 @@ def gemma4(num_experts):
 def test_auto_is_on_for_a_gemma4_moe_actor_and_off_for_a_dense_one():
     """A Gemma 4 actor with its MoE block records and replays every HF layer's routing
     (`models.gemma4_moe`): "auto" is "on" with no warning and an explicit "on" is accepted
-    (`check_routing`: 6 layers, top 2). Without the block "auto" is "off" with no warning and
+    (`check_routing`: 3 layers, top 2). Without the block "auto" is "off" with no warning and
     an explicit "on" is refused by name: nothing is routed."""
     import warnings
     with warnings.catch_warnings():
@@ -143,14 +145,14 @@ def test_auto_is_on_for_a_gemma4_moe_actor_and_off_for_a_dense_one():
 
 @pytest.mark.slow
 def test_auto_replays_a_qwen3_5_moe_rollout_with_no_mismatch():
-    """A Qwen3.5-MoE actor (every HF layer routed: `moe_layers` 4) at EP 2, the default config:
-    "auto" is "on", the continuous rollout's record [B, T, 4, k] covers every fed token, and
+    """A Qwen3.5-MoE actor (every HF layer routed: `moe_layers` 3) at EP 2, the default config:
+    "auto" is "on", the continuous rollout's record [B, T, 3, k] covers every fed token, and
     the logged `routing/mismatch` is the numpy count against the starting actor's full
     forward: 0 (float32)."""
     run = trainer(CONFIG, qwen3_5_moe())
     assert run.config.routing_replay == "on" and run.engine.batching == "continuous"
     record, rollout = run.iteration(0)
-    assert rollout.routing.shape[2:] == (4, 2)
+    assert rollout.routing.shape[2:] == (3, 2)
     differ, compared = numpy_mismatch(qwen3_5_moe(), rollout.tokens, rollout.routing,
                                       rollout.answer_starts() + rollout.action_mask.sum(1) - 1)
     assert compared > 0 and record["routing/mismatch"] == differ == 0
@@ -159,15 +161,15 @@ def test_auto_replays_a_qwen3_5_moe_rollout_with_no_mismatch():
 
 @pytest.mark.slow
 def test_auto_replays_a_gemma4_moe_rollout_with_no_mismatch():
-    """A Gemma 4 MoE actor (one period: 5 sliding layers of head dim 16 and a global one of
-    32 in one paged cache, every layer routed: `moe_layers` 6) at EP 2, the default config:
-    "auto" is "on", the continuous rollout's record [B, T, 6, k] covers every fed token, and
+    """A Gemma 4 MoE actor (one period: 2 sliding layers of head dim 16 and a global one of
+    32 in one paged cache, every layer routed: `moe_layers` 3) at EP 2, the default config:
+    "auto" is "on", the continuous rollout's record [B, T, 3, k] covers every fed token, and
     the logged `routing/mismatch` is the numpy count against the starting actor's full
     forward: 0 (float32). Gemma 4 has no auxiliary loss: no router statistics are logged."""
     run = trainer(CONFIG, gemma4(4))
     assert run.config.routing_replay == "on" and run.engine.batching == "continuous"
     record, rollout = run.iteration(0)
-    assert rollout.routing.shape[2:] == (6, 2)
+    assert rollout.routing.shape[2:] == (3, 2)
     differ, compared = numpy_mismatch(gemma4(4), rollout.tokens, rollout.routing,
                                       rollout.answer_starts() + rollout.action_mask.sum(1) - 1)
     assert compared > 0 and record["routing/mismatch"] == differ == 0
