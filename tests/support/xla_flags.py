@@ -39,7 +39,9 @@ default build (FMA contraction; gpt-tiny's third AdamW loss 3.74925423 at -O3, 3
 -O0); every comparison in the suite is between programs built under these same flags, in this
 process or in one started with `child_environ()`. (Notebooks add their device count to the
 XLA_FLAGS they find, so their test kernels run with these flags too; users' runs get XLA's
-default.)
+default. A run whose time is running its programs, not compiling them, is faster at the
+default: the README's job and the GRPO notebook's test start theirs with
+`child_environ(codegen_flags=False)`, whose comparisons are within that one process.)
 """
 
 import importlib.util
