@@ -1,8 +1,7 @@
 """Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape), compiled
-with the suite's codegen flags and no Python tracebacks in MLIR locations, through one
-compilation cache shared by the run's processes (kept between runs with
-`ZEROXLA_TEST_JAX_CACHE=keep`; tests/support/xla_flags.py says what each changes and what not),
-with the garbage collector's test settings
+with the suite's codegen flags, through one compilation cache shared by the run's processes (kept
+between runs with `ZEROXLA_TEST_JAX_CACHE=keep`; tests/support/xla_flags.py says what each changes
+and what not), with the garbage collector's test settings
 (tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session is over
 (tests/support/worker_exit.py)."""
 
@@ -32,7 +31,6 @@ _CODEGEN = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
 os.environ["XLA_FLAGS"] = f"{_CODEGEN} {xla_flags.DEVICE_COUNT_FLAG}=8".strip()
 # Set before pytest-xdist starts its workers, so they and every process a test starts share it.
 _CREATED_CACHE = xla_flags.use_compilation_cache(os.environ)
-xla_flags.use_location_settings(os.environ)
 
 import jax  # noqa: E402  (must come after the flag)
 import pytest  # noqa: E402
@@ -42,8 +40,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ[xla_flags.CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_traceback_in_locations_limit",
-                  int(os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"]))
 gc_policy.use_test_thresholds()
 
 

@@ -88,24 +88,6 @@ FUSION_EMITTERS_ENV = "ZEROXLA_TEST_FUSION_EMITTERS"
 CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
-# MLIR locations without the Python call stack. JAX writes up to 100 frames of the stack that
-# traced an op into the op's location (`jax_traceback_in_locations_limit`), and XLA carries them
-# through every pass as each instruction's source metadata; nothing in the suite reads them
-# (what `zeroxla.analysis` reads, op_name's named scopes, is the name stack, kept), and the
-# compilation cache's key strips them. A Gemma 3 ZeRO-3 step on 2 x 4 (2 periods of 6 layers):
-# 6.12 -> 5.60 s of XLA compile, the same optimized HLO but for metadata
-# (benchmarks/compile_locations.py). In the environment, so that every process a test
-# starts inherits it; tests/conftest.py also sets it in its own process, whose JAX had read its
-# environment when this module imported it (`TRACEBACK_LIMIT`).
-TRACEBACK_LIMIT = 0
-LOCATION_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": str(TRACEBACK_LIMIT)}
-
-
-def use_location_settings(environ: MutableMapping[str, str]) -> None:
-    """LOCATION_SETTINGS in `environ` (before a test process starts), where it does not already
-    name them."""
-    environ.update({k: v for k, v in LOCATION_SETTINGS.items() if k not in environ})
-
 
 # A cache kept between runs on one machine (opt-in): `ZEROXLA_TEST_JAX_CACHE=keep` uses one
 # directory per jaxlib and Python version under the user's cache folder, a path names another.
