@@ -34,7 +34,7 @@ from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, packed_loss,
                                 packed_row,
-                                save_random, token_ids, torch_causal_lm)
+                                save_random, token_ids)
 from zeroxla import models
 from zeroxla.models import hf
 from runs import run_steps
