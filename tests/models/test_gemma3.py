@@ -49,8 +49,8 @@ ATOL = 1e-4
 VOCAB = 67
 ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
         "full_attention": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0}}
-# Periods of 3 (transformers' default is 6: the tail checkpoint below keeps it): what ZeRO-3 compiles
-# per period is half as long, and a period still holds several sliding layers.
+# Periods of 3 (transformers' default is 6: the tail checkpoint below keeps it): what ZeRO-3
+# compiles per period is half as long, and a period still holds several sliding layers.
 TEXT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=6,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,

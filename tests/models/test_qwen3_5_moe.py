@@ -49,10 +49,10 @@ EXPERTS = 8
 # A period of 3 (transformers' default is 4): shorter to compile, still several DeltaNet layers.
 TEXT = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3,
             layer_types=["linear_attention", "linear_attention", "full_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-5,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-            linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=EXPERTS,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            max_position_embeddings=64, rms_norm_eps=1e-5, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+            linear_conv_kernel_dim=4, num_experts=EXPERTS,
             num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6,
@@ -158,10 +158,10 @@ COEF = 0.05
 # 8 experts of 16, top-2, a shared expert of 24; one period (2 DeltaNet layers + attention)
 EP_CONFIG = models.Qwen3_5MoeConfig(
     vocab_size=64, max_seq_len=32, d_model=32, num_heads=4, num_kv_heads=2,
-    explicit_head_dim=16, num_layers=1, attention_interval=3, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8, experts_per_token=2,
-    expert_mlp_dim=16, shared_expert_mlp_dim=24, router_aux_loss_coef=COEF,
-    output_router_logits=True, expert_tile=4)
+    explicit_head_dim=16, num_layers=1, attention_interval=3, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
+    experts_per_token=2, expert_mlp_dim=16, shared_expert_mlp_dim=24,
+    router_aux_loss_coef=COEF, output_router_logits=True, expert_tile=4)
 
 
 def written_out_loss(model, batch):

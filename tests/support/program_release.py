@@ -12,7 +12,8 @@ between two full collections) when a file ends above it: about 4.4 s at 20,000 m
 more is slower, not faster: with the limit at 40,000 (twice the programs held) a daily run's
 later, smaller files took 255 worker-seconds instead of 230 (2026-11-29, back to back on one
 machine; the only changes among those files took 7.6 s of their tests out of the daily
-subset), whatever the drops saved. Where /proc/self/maps cannot be read (not Linux), it drops them after every file.
+subset), whatever the drops saved. Where /proc/self/maps cannot be read (not Linux), it drops
+them after every file.
 
 This changes which programs are compiled again, never what a program computes: a jit cache hit
 runs the executable the same arguments built. A file's compile count (the compile budget,

@@ -106,10 +106,10 @@ def qwen3_5_moe():
     config = models.Qwen3_5MoeConfig(
         vocab_size=TOKENIZER.vocab_size, max_seq_len=32, d_model=32, num_heads=4,
         num_kv_heads=2, explicit_head_dim=16, num_layers=1, attention_interval=3,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        num_experts=8, experts_per_token=2, expert_mlp_dim=16, shared_expert_mlp_dim=24,
-        router_aux_loss_coef=0.01, output_router_logits=True, expert_tile=4, init_std=0.2)
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=8, experts_per_token=2, expert_mlp_dim=16,
+        shared_expert_mlp_dim=24, router_aux_loss_coef=0.01, output_router_logits=True,
+        expert_tile=4, init_std=0.2)
     return models.REGISTRY["qwen3_5_moe"].model_class(config, rngs=nnx.Rngs(3))
 
 
