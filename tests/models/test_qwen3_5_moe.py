@@ -317,11 +317,7 @@ def test_routing_records_hold_every_layer_as_transformers_routes(checkpoint, ref
         replayed, record, logp, [(0, 3, 1), (1, 9, 1), (1, 9, 2), (0, 15, 2)], EXPERTS)
 
 
-# tp 2 after tp 1 in one process aborts the interpreter (SIGABRT inside jax's device_put
-# reshard from the EP 2 partitions, expert_reshard.py), which takes a whole-suite worker down
-# with it: skipped, named, until the abort's cause is found (a tp 2 case run alone passes)
-TP2_ABORT = pytest.mark.skip(reason="SIGABRT in device_put's reshard to tp 2 after tp 1 in one "
-                             "process (XLA:CPU); a tp 2 case alone passes")
+TP2_ABORT = pytest.mark.skip(reason=family_checkpoints.TP2_AFTER_TP1_ABORT)
 
 
 @pytest.fixture(scope="module")
