@@ -3,7 +3,6 @@ the order file_order.py hands files to the workers, the longest first. A hint, n
 rewritten by `--write-file-seconds` (file_order.py)."""
 
 FILE_SECONDS = {
-    "test_counted.py": (0.0, 0.1),
     "tests/models/test_attention.py": (7.2, 15.5),
     "tests/models/test_attention_sinks.py": (4.8, 5.0),
     "tests/models/test_blockwise_attention.py": (4.1, 10.9),
