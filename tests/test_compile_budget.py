@@ -53,7 +53,8 @@ def _run(tmp_path: Path, budgets: str, planted: bool) -> subprocess.CompletedPro
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT),
                                                         os.environ.get("PYTHONPATH", "")]),
            "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (--write-file-seconds would rewrite
+    return subprocess.run(           # the checked-in table with this child's one file)
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-o", "addopts=", f"--compile-budgets={table}", "--rootdir", str(tmp_path),
          str(tmp_path / "test_counted.py")],
