@@ -53,8 +53,10 @@ def _run(tmp_path: Path, budgets: str, planted: bool) -> subprocess.CompletedPro
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT),
                                                         os.environ.get("PYTHONPATH", "")]),
            "JAX_PLATFORMS": "cpu"}
-    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (--write-file-seconds would rewrite
-    return subprocess.run(           # the checked-in table with this child's one file)
+    # Not the outer run's options: its --write-file-seconds would rewrite the checked-in table
+    # with this child's one file.
+    env.pop("PYTEST_ADDOPTS", None)
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-o", "addopts=", f"--compile-budgets={table}", "--rootdir", str(tmp_path),
          str(tmp_path / "test_counted.py")],
