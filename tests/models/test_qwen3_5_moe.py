@@ -32,7 +32,7 @@ from flax import nnx
 
 import zeroxla
 import family_checkpoints
-from family_checkpoints import (assert_export_reloads_in_transformers,
+from family_checkpoints import (TP2_AFTER_TP1_ABORT, assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, save_random,
                                 token_ids, torch_causal_lm)
@@ -317,9 +317,6 @@ def test_routing_records_hold_every_layer_as_transformers_routes(checkpoint, ref
         replayed, record, logp, [(0, 3, 1), (1, 9, 1), (1, 9, 2), (0, 15, 2)], EXPERTS)
 
 
-TP2_ABORT = pytest.mark.skip(reason=family_checkpoints.TP2_AFTER_TP1_ABORT)
-
-
 @pytest.fixture(scope="module")
 def ep2_partitions(checkpoint):
     """The checkpoint in ZeRO-3 partitions at EP 2, loaded once for every engine below
@@ -334,8 +331,8 @@ def live_choices(ep2_partitions):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batching,tp", [("static", 1), ("continuous", 1),
-                                         pytest.param("static", 2, marks=TP2_ABORT),
-                                         pytest.param("continuous", 2, marks=TP2_ABORT)])
+                                         pytest.param("static", 2, marks=TP2_AFTER_TP1_ABORT),
+                                         pytest.param("continuous", 2, marks=TP2_AFTER_TP1_ABORT)])
 def test_the_rollout_records_every_layers_experts_as_transformers_routes(
         ep2_partitions, live_choices, reference, batching, tp):
     """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static (a right-padded
