@@ -34,7 +34,7 @@ import pytest
 
 import zeroxla
 import family_checkpoints
-from family_checkpoints import (TP2_AFTER_TP1_ABORT, assert_export_reloads_in_transformers,
+from family_checkpoints import (assert_export_reloads_in_transformers,
                                 assert_packed_row_equals_its_sequences_alone,
                                 assert_zero3_logits_and_loss_equal_transformers, packed_row,
                                 save_random, token_ids, torch_causal_lm)
@@ -376,8 +376,7 @@ def moe_live_choices(moe_partitions):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batching,tp", [("static", 1), ("continuous", 1),
-                                         pytest.param("static", 2, marks=TP2_AFTER_TP1_ABORT),
-                                         pytest.param("continuous", 2, marks=TP2_AFTER_TP1_ABORT)])
+                                         ("static", 2), ("continuous", 2)])
 def test_the_rollout_records_every_layers_experts_as_transformers_routes(
         moe_partitions, moe_live_choices, moe_reference, batching, tp):
     """From ZeRO-3 partitions at EP 2 (2 x 2, expert 2) to tp 1 and 2, static and continuous

@@ -15,8 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 
 def save_random(model: Any, directory: str | Path) -> Path:
     """Draws every tensor of the transformers `model` from torch's generator, as the caller
@@ -297,20 +295,6 @@ def live_router_choices(partitions: tuple[Any, Any]) -> Any:
 
     step, state = partitions
     return jax.jit(step.gathered_model(state).router_choices)
-
-
-# A whole-suite pytest-xdist worker can die with SIGABRT ("Fatal Python error: Aborted", no
-# Python exception) inside jax's device_put from EP 2 partitions to a tp 2 engine
-# (`_different_device_order_reshard`'s jit after `reorder_shards`) once a tp 1 engine has read the
-# same partitions in that process: Gemma 4's and Qwen3.5-MoE's rollout-record tests. Run alone, as
-# a whole file, or beside the family and expert-parallel files under `-n 2`, those cases pass;
-# the cause is not known. The EP 2 -> tp 2 reshard is checked every run
-# (tests/zeroxla/inference/test_moe_generation.py); these cases skip, named, so that a run stays
-# green and the skip stays visible.
-TP2_AFTER_TP1_ABORT = pytest.mark.skip(
-    reason="SIGABRT in jax's device_put from EP 2 partitions to tp 2 after tp 1 in one "
-           "whole-suite worker (XLA:CPU; family_checkpoints.TP2_AFTER_TP1_ABORT); a tp 2 case "
-           "alone passes")
 
 
 def assert_engine_records_the_routing(partitions: tuple[Any, Any], vocab: int, batching: str,

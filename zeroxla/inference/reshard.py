@@ -219,11 +219,17 @@ def storage_view(params: dict[str, Any], layout: TensorParallelLayout) -> dict[s
         sharding = jax.sharding.NamedSharding(mesh, spec)
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        return jax.make_array_from_single_device_arrays(
-            x.shape, sharding, [shard.data for shard in x.addressable_shards])
+        return relabel(x, sharding)
 
     return {path: jax.tree.map(lambda x, p=path: view(p, x), stored)
             for path, stored in params.items()}
+
+
+def relabel(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`array` as an array of `sharding`, which must give every device the slice it holds
+    already (the same device set in another order): its device buffers, no copy."""
+    return jax.make_array_from_single_device_arrays(
+        array.shape, sharding, [shard.data for shard in array.addressable_shards])
 
 
 def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout, dtype: Any = jnp.float32
@@ -307,4 +313,4 @@ def reshard_function(plan: ShardingPlan, layout: TensorParallelLayout, dtype: An
 
 
 __all__ = ["LeafTraffic", "REASONS", "ROUTES", "check_storage", "plan_route", "reshard_account",
-           "reshard_function", "storage_view"]
+           "relabel", "reshard_function", "storage_view"]

@@ -3,13 +3,18 @@ parallelism), each MoE family decodes with continuous batching over the paged KV
 experts whole on every inference device) the same greedy tokens as the unsharded model's full
 forward, at tp 1 and 2."""
 
+import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zeroxla
 from zeroxla import models
+from zeroxla.inference.expert_reshard import in_device_order
+from zeroxla.inference.layout import inference_mesh
+from zeroxla.inference.reshard import relabel
 
 from inference_helpers import greedy_reference
 
@@ -61,6 +66,30 @@ def test_moe_greedy_generation_equals_the_unsharded_model(family, tp, expert):
     for got, want in zip(out, greedy_reference(step.gathered_model(state), prompts, 10)):
         np.testing.assert_array_equal(got, want)
     assert len({tuple(o[p.size:]) for o, p in zip(out, prompts)}) > 1, "degenerate model"
+    targets = engine.layout.param_shardings()          # the decode reads them where they lie
+    assert {path: a.sharding for path, a in engine.inference_params(state).items()} == targets
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tensor_major_layout_restated_in_the_training_order_holds_every_slice_where_it_was(tp):
+    """The expert-parallel reshard writes the tensor-major inference layout (position (l, t)
+    is training device t D/tp + l) over the training devices' order, then relabels the
+    buffers: each device must hold the slice the inference layout gives it."""
+    devices = jax.devices()
+    mesh = inference_mesh(devices, tp)
+    assert [d.id for d in mesh.devices.flat] != [d.id for d in devices]
+    x = np.arange(8 * 12 * 3, dtype=np.float32).reshape(8, 12, 3)
+    for spec in (P(None, "tensor"), P("local", "tensor"), P("tensor", None, None), P()):
+        target = NamedSharding(mesh, spec)
+        written = in_device_order(target, devices)
+        assert list(written.mesh.devices.flat) == devices
+        moved = relabel(jax.device_put(x, written), target)
+        assert moved.sharding == target
+        for shard in moved.addressable_shards:
+            np.testing.assert_array_equal(shard.data, x[target.devices_indices_map(x.shape)[
+                shard.device]])
+    with pytest.raises(ValueError, match="no regrouping of the training devices' order"):
+        in_device_order(NamedSharding(mesh, P()), devices[::-1])
 
 
 def _routing_mismatches(tp):
