@@ -5,17 +5,18 @@ mesh, which needs every leaf split over the data devices alone in their flat ord
 expert parallelism an expert leaf is split two ways at once (its experts over the "expert"
 axis, each expert's partition over the expert-data group), so here every leaf takes the
 general route instead: one program computes each leaf's logical value and places it in the
-tensor-parallel layout, XLA moving the bytes. Inference places the experts as it always does (whole on every device:
-tensor-parallel generation leaves `experts` unsplit), so the decode is the one an unsplit
-training run's engine compiles. When only the trainable leaves changed (LoRA adapters over a
-frozen base found bitwise unchanged, `adapter_switch`), `trainable()` reshards those alone.
+tensor-parallel layout, XLA moving the bytes. Inference places the experts as it always does
+(whole on every device: tensor-parallel generation leaves `experts` unsplit), so the decode is
+the one an unsplit training run's engine compiles. When only the trainable leaves changed
+(LoRA adapters over a frozen base found bitwise unchanged, `adapter_switch`), `trainable()`
+reshards those alone.
 
 The tensor-major inference mesh (`layout.inference_mesh`) orders the training devices another
 way, and one program's inputs and outputs share one device order. So the program writes each
 leaf in its target sharding restated over the training order (the same mesh axes transposed:
 every device receives the slice it holds in the target), and the outputs are relabelled onto
-the inference mesh without a copy. A `jax.device_put` across the two orders would instead run
-one gather program per leaf after the logical program, each a collective launch of its own.
+the inference mesh without a copy (`reshard.relabel`). A `jax.device_put` across the two
+orders would run a gather program per leaf after the logical values' program instead.
 """
 
 from __future__ import annotations
