@@ -29,7 +29,8 @@ _CODEGEN = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
                                          older_emitters=not _FUSION_EMITTERS)
             if os.environ["JAX_PLATFORMS"] == "cpu" else os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_CODEGEN} {xla_flags.DEVICE_COUNT_FLAG}=8".strip()
-# Set before pytest-xdist starts its workers, so they and every process a test starts share it.
+# Set before pytest-xdist starts its workers, so they and every process a test starts share them.
+xla_flags.use_trace_settings(os.environ)
 _CREATED_CACHE = xla_flags.use_compilation_cache(os.environ)
 
 import jax  # noqa: E402  (must come after the flag)
@@ -40,6 +41,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ[xla_flags.CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_traceback_in_locations_limit",
+                  int(os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"]))
 gc_policy.use_test_thresholds()
 
 

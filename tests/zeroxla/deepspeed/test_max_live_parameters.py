@@ -51,9 +51,10 @@ def _layer_numel(step):
 
 
 def _program(compiled) -> str:
-    """The compiled HLO's instructions, without source metadata (file names, lines)."""
+    """The compiled HLO's computations, without the module header, the source tables (file
+    names ... stack frames, when the trace kept Python frames) and source metadata."""
     text = compiled.as_text()
-    body = text[text.index("\n\n", text.index("StackFrames")):]      # after the source tables
+    body = text[min(i for i in (text.find("\n%"), text.find("\nENTRY")) if i >= 0):]
     return re.sub(r", metadata=\{[^}]*\}", "", body)
 
 
