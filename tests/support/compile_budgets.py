@@ -50,6 +50,7 @@ BUDGETS = {
     "tests/test_fusion_children.py": (0, 1),
     "tests/test_install.py": (0, 2),
     "tests/test_jobs_page.py": (0, 0),
+    "tests/test_kept_cache.py": (0, 0),
     "tests/test_notebooks.py": (0, 0),
     "tests/test_program_release.py": (0, 0),
     "tests/test_tiers.py": (0, 0),

@@ -45,7 +45,6 @@ default: the README's job and the GRPO notebook's test start theirs with
 `child_environ(codegen_flags=False)`, whose comparisons are within that one process.)
 """
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -103,12 +102,14 @@ TRACE_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
 # directory per jaxlib and Python version under the user's cache folder, a path names another.
 # It is never needed for correctness, and a stale entry cannot be used: JAX keys each entry by
 # the program's HLO, the compile options and XLA flags, and the jaxlib / backend version, so a
-# changed program or flag is a new key (a miss), never another program's executable. A kept
-# cache is bounded (JAX's LRU eviction at PERSISTENT_CACHE_MAX_BYTES), which also puts JAX's
-# file lock around each read and write: processes of different runs then never read an entry
-# another is still writing. It is not the default: a warm daily run on 2026-11-28 lost a
-# worker to "Fatal Python error: Aborted" in a test that passes cold and warm alone, not yet
-# explained; the default (and `cold`) is a fresh temporary cache per run, removed at its end.
+# changed program or flag is a new key (a miss), never another program's executable. An entry
+# that cannot be read (one another process is still writing, or one a prune removed under it)
+# is a miss too: JAX warns and compiles. The bound is kept once per run, by the process that
+# names the cache, before any test runs (`prune_kept_cache`: the entries written longest ago go
+# first), not by JAX's LRU eviction (`jax_compilation_cache_max_size`), which lists and stats
+# the whole folder, under a file lock every process waits on, at each entry it writes: a cold
+# daily run filling a kept cache so spent 922 worker-seconds compiling against 235 with a
+# per-run cache (2026-11-29, back to back).
 PERSISTENT_CACHE_ENV = "ZEROXLA_TEST_JAX_CACHE"
 COLD, KEEP = "cold", "keep"
 PERSISTENT_CACHE_MAX_BYTES = 4 << 30
@@ -122,11 +123,34 @@ def persistent_cache_dir(environ: Mapping[str, str]) -> str:
                         f"jax-cache-jaxlib{metadata.version('jaxlib')}-py{version}")
 
 
+def prune_kept_cache(path: str, max_bytes: int = PERSISTENT_CACHE_MAX_BYTES) -> list[str]:
+    """Removes the files of the kept cache at `path` written longest ago (modification time,
+    then name) until the rest hold at most `max_bytes`; returns the names removed."""
+    entries = []
+    with os.scandir(path) as found:
+        for entry in found:
+            if entry.is_file(follow_symlinks=False):
+                stat = entry.stat(follow_symlinks=False)
+                entries.append((stat.st_mtime_ns, entry.name, stat.st_size))
+    total = sum(size for _, _, size in entries)
+    removed = []
+    for _, name, size in sorted(entries):
+        if total <= max_bytes:
+            break
+        try:
+            os.remove(os.path.join(path, name))
+        except FileNotFoundError:       # another run's prune took it first
+            pass
+        total -= size
+        removed.append(name)
+    return removed
+
+
 def use_compilation_cache(environ: MutableMapping[str, str]) -> str | None:
     """Points `environ` (before JAX is imported) at the run's compilation cache: the one it
     names already (a worker of this run, or a developer's own), else a new temporary directory,
     returned so that the process that made it removes it at the end; with
-    `ZEROXLA_TEST_JAX_CACHE=keep` (or a path) the kept cache, bounded and file-locked."""
+    `ZEROXLA_TEST_JAX_CACHE=keep` (or a path) the kept cache, pruned to its bound."""
     environ.update({k: v for k, v in CACHE_SETTINGS.items() if k not in environ})
     if environ.get(CACHE_ENV):
         return None
@@ -134,14 +158,10 @@ def use_compilation_cache(environ: MutableMapping[str, str]) -> str | None:
     if chosen == COLD:
         environ[CACHE_ENV] = tempfile.mkdtemp(prefix="zeroxla-test-jax-cache-")
         return environ[CACHE_ENV]
-    if importlib.util.find_spec("filelock") is None:
-        raise RuntimeError(f"{PERSISTENT_CACHE_ENV}={chosen}: a kept compilation cache needs "
-                           "the filelock package (JAX locks its entries with it); pip install "
-                           "filelock, or leave the variable unset for a per-run cache")
     path = persistent_cache_dir(environ) if chosen == KEEP else chosen
     os.makedirs(path, exist_ok=True)
+    prune_kept_cache(path)
     environ[CACHE_ENV] = path
-    environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(PERSISTENT_CACHE_MAX_BYTES))
     return None
 
 
