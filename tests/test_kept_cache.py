@@ -2,6 +2,7 @@
 tests/support/xla_flags.py): bounded once per run by removing the entries written longest ago,
 and never a source of a wrong or failed compile: an entry that cannot be read is a miss."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def test_an_entry_cut_short_is_a_miss_that_compiles_the_right_program(tmp_path):
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         hits, read_errors, values = out.stdout.strip().split(" ", 2)
-        return int(hits), int(read_errors), eval(values)
+        return int(hits), int(read_errors), ast.literal_eval(values)
 
     x = np.arange(5.0)
     expected = np.sin(x) * 3.0 + x         # float64; the program computes in float32
