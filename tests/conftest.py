@@ -3,7 +3,8 @@ with the suite's codegen flags, through one compilation cache shared by the run'
 between runs with `ZEROXLA_TEST_JAX_CACHE=keep`; tests/support/xla_flags.py says what each changes
 and what not), with the garbage collector's test settings
 (tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session is over
-(tests/support/worker_exit.py)."""
+(tests/support/worker_exit.py), and a worker that dies costs its test, not the run
+(tests/support/xdist_scheduling.py)."""
 
 import os
 import shutil
@@ -17,8 +18,9 @@ import tiers
 import worker_exit
 import xla_flags
 
-# Where the time goes per file, and the compile budget of the daily subset (suite_profile.py).
-pytest_plugins = ["suite_profile"]
+# Where the time goes per file, and the compile budget of the daily subset (suite_profile.py);
+# `--dist loadfile` that survives a dead worker (xdist_scheduling.py).
+pytest_plugins = ["suite_profile", "xdist_scheduling"]
 
 _FUSION_EMITTERS = os.environ.get(xla_flags.FUSION_EMITTERS_ENV) == "1"   # a `fusion_emitters` child
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
