@@ -31,12 +31,14 @@ class LoadFileSurvivingACrash(LoadFileScheduling):
         return super().remove_node(node)
 
     def _reschedule(self, node):
+        """pytest-xdist's, then more files while `node` holds fewer than two tests, and the order
+        to stop once the queue is empty (which pytest-xdist's gives on entry only)."""
         super()._reschedule(node)
-        if node.shutting_down or node not in self.assigned_work:
+        if node.shutting_down:
             return
         while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
             self._assign_work_unit(node)
-        if not self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+        if not self.workqueue:
             node.shutdown()
 
 
