@@ -9,15 +9,14 @@ the plugin, as CI's is; the table's other answers are checked on the function it
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import commands
 import suite_profile
 
-SUPPORT = Path(__file__).resolve().parent / "support"
 
 TEST_FILE = textwrap.dedent('''
     import subprocess, sys
@@ -50,12 +49,7 @@ def _run(tmp_path: Path, budgets: str, planted: bool) -> subprocess.CompletedPro
                                           '    config.addinivalue_line("markers", "slow: s")\n')
     table = tmp_path / "budgets.py"
     table.write_text(f"BUDGETS = {{{budgets}}}\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT),
-                                                        os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
-    # Not the outer run's options: its --write-file-seconds would rewrite the checked-in table
-    # with this child's one file.
-    env.pop("PYTEST_ADDOPTS", None)
+    env = {**commands.child_pytest_env(), "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-o", "addopts=", f"--compile-budgets={table}", "--rootdir", str(tmp_path),

@@ -9,13 +9,11 @@ by the test itself) and the outcomes pytest reports.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-SUPPORT = Path(__file__).resolve().parent / "support"
+import commands
 
 CONFTEST = textwrap.dedent('''
     import os
@@ -79,9 +77,7 @@ TESTS = textwrap.dedent('''
 def test_one_child_per_file_and_each_test_its_own_outcome(tmp_path):
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_marked.py").write_text(TESTS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    env.pop("PYTEST_ADDOPTS", None)    # the outer run's options: this conftest lacks its plugins
+    env = commands.child_pytest_env()
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-p",
          "no:xdist", "-o", "addopts=", "--rootdir", str(tmp_path), "test_marked.py"],

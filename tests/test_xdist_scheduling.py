@@ -3,19 +3,13 @@
 aborts its worker once, ends with that test failed and every other test passed, where
 pytest-xdist 3.8.0's own scheduling leaves both workers idle until the run is killed."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-SUPPORT = Path(__file__).parent / "support"
+import commands
 
 # The plugin as tests/conftest.py loads it.
-_CONFTEST = f"""
-import sys
-sys.path.insert(0, {str(SUPPORT)!r})
-pytest_plugins = ["xdist_scheduling"]
-"""
+_CONFTEST = 'pytest_plugins = ["xdist_scheduling"]\n'
 
 _ABORTS_ONCE = """
 import os, pathlib
@@ -35,11 +29,11 @@ def test_a_worker_that_aborts_late_costs_its_test_and_the_run_finishes(tmp_path)
         (tmp_path / f"test_{name}.py").write_text(
             f"import time\n\n\ndef test_{name}():\n    time.sleep(0.3)\n")
     (tmp_path / "test_z.py").write_text(_ABORTS_ONCE)
-    environ = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
          "-p", "no:benchmark", "-o", "addopts=", "-o", "timeout=0"],
-        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
+        cwd=tmp_path, env=commands.child_pytest_env(), capture_output=True, text=True,
+        timeout=60)
     summary = out.stdout.strip().splitlines()[-1]
     assert "replacing crashed worker" in out.stdout, out.stdout[-3000:]
     # the aborted test is reported failed; pytest-xdist runs it again on the new worker, where
