@@ -112,7 +112,7 @@ TRACE_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
 # prune and 217 with a per-run cache (2026-11-29). It is not the default, and CI does not use
 # it: warm runs lost a pytest-xdist worker to "Fatal Python error: Aborted" three times (a daily
 # run on 2026-11-28 in test_sequence_parallel.py, two whole suites on 2026-11-29 in
-# test_reshard_floor.py's continuous-batching generate), tests that pass alone, cold and warm.
+# test_reshard_floor.py's continuous-batching generate), tests that pass alone on idle cores.
 # The last was a deadlock, not a late thread: the 8 device threads of one program's run stood
 # at different collectives for 300 s before XLA:CPU's rendezvous timeout ended the process
 # (docs/testing.md, "XLA flags and the compilation cache").
