@@ -110,12 +110,9 @@ TRACE_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
 # the whole folder, under a file lock every process waits on, at each entry it writes: a cold
 # daily run filling a kept cache so spent 922 worker-seconds compiling, against 236 with the
 # prune and 217 with a per-run cache (2026-11-29). It is not the default, and CI does not use
-# it: warm runs lost a pytest-xdist worker to "Fatal Python error: Aborted" three times (a daily
-# run on 2026-11-28 in test_sequence_parallel.py, two whole suites on 2026-11-29 in
-# test_reshard_floor.py's continuous-batching generate), tests that pass alone on idle cores.
-# The last was a deadlock, not a late thread: the 8 device threads of one program's run stood
-# at different collectives for 300 s before XLA:CPU's rendezvous timeout ended the process
-# (docs/testing.md, "XLA flags and the compilation cache").
+# it: on jax 0.10, warm runs can deadlock in a collective (device threads of one run at
+# different collectives) until XLA:CPU's rendezvous timeout aborts the worker; docs/testing.md,
+# "XLA flags and the compilation cache", holds the runs and the reproduction.
 PERSISTENT_CACHE_ENV = "ZEROXLA_TEST_JAX_CACHE"
 COLD, KEEP = "cold", "keep"
 PERSISTENT_CACHE_MAX_BYTES = 4 << 30
