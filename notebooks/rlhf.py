@@ -38,8 +38,11 @@
 # `import jax`: it splits the CPU into 8 host devices, enough for a 2-node x 4-device mesh.
 import os
 
+from zeroxla.app.launch import set_host_threads   # starts no JAX backend
+
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +   # keeps flags you set
                            " --xla_force_host_platform_device_count=8")
+set_host_threads(os.environ, 8)   # the CPU threads 8 devices need on a machine with few cores
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import tempfile

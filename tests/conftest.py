@@ -1,8 +1,8 @@
-"""Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape), compiled
-with the suite's codegen flags, through one compilation cache shared by the run's processes (kept
-between runs with `ZEROXLA_TEST_JAX_CACHE=keep`; tests/support/xla_flags.py says what each changes
-and what not), with the garbage collector's test settings
-(tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session is over
+"""Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape) and the CPU
+client's threads for them, compiled with the suite's codegen flags, through one compilation cache
+shared by the run's processes (kept between runs with `ZEROXLA_TEST_JAX_CACHE=keep`;
+tests/support/xla_flags.py says what each changes and what not), with the garbage collector's
+test settings (tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session is over
 (tests/support/worker_exit.py), and a worker that dies costs its test, not the run
 (tests/support/xdist_scheduling.py)."""
 
@@ -17,6 +17,7 @@ import program_release
 import tiers
 import worker_exit
 import xla_flags
+from zeroxla.app.launch import set_host_threads  # no JAX backend starts on import
 
 # Where the time goes per file, and the compile budget of the daily subset (suite_profile.py);
 # `--dist loadfile` that survives a dead worker (xdist_scheduling.py).
@@ -31,6 +32,9 @@ _CODEGEN = (xla_flags.with_codegen_flags(os.environ.get("XLA_FLAGS", ""),
                                          older_emitters=not _FUSION_EMITTERS)
             if os.environ["JAX_PLATFORMS"] == "cpu" else os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_CODEGEN} {xla_flags.DEVICE_COUNT_FLAG}=8".strip()
+# and the CPU client's threads for those 8 devices, as `zeroxla train` sets them: without them a
+# warm run deadlocked in a collective about once in ten (zeroxla.app.launch.set_host_threads)
+set_host_threads(os.environ, 8)
 # Set before pytest-xdist starts its workers, so they and every process a test starts share them.
 xla_flags.use_trace_settings(os.environ)
 _CREATED_CACHE = xla_flags.use_compilation_cache(os.environ)

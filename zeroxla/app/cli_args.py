@@ -19,7 +19,7 @@ import argparse
 import os
 
 from zeroxla.app.distributed import SEQUENCE_OPTION
-from zeroxla.app.launch import DEVICE_COUNT_FLAG
+from zeroxla.app.launch import DEVICE_COUNT_FLAG, set_host_threads
 from zeroxla.inference.sampling import TEMPERATURE_ACCEPTED, check_temperature
 
 
@@ -166,17 +166,20 @@ def host_device_count(environ: dict | None = None) -> int | None:
 
 
 def set_host_device_count(count: int, environ: dict | None = None) -> bool:
-    """Adds `--xla_force_host_platform_device_count=count` to XLA_FLAGS unless a count is set.
+    """Adds `--xla_force_host_platform_device_count=count` to XLA_FLAGS unless a count is set,
+    and the CPU client's threads for the count XLA_FLAGS then holds (`launch.set_host_threads`:
+    without them, 8 simulated devices on a 2-core host can deadlock in a collective).
 
-    Returns whether it set the flag. Must run before JAX creates its CPU backend. The flag only
-    affects the host (CPU) platform, so it is harmless on GPU/TPU machines.
+    Returns whether it set the flag. Must run before JAX creates its CPU backend. Both only
+    affect the host (CPU) platform, so they are harmless on GPU/TPU machines.
     """
     environ = os.environ if environ is None else environ
     flags = environ.get("XLA_FLAGS", "")
-    if DEVICE_COUNT_FLAG in flags:
-        return False
-    environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
-    return True
+    added = DEVICE_COUNT_FLAG not in flags
+    if added:
+        environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
+    set_host_threads(environ, host_device_count(environ) or count)
+    return added
 
 
 __all__ = ["check_batch", "check_sequence_length", "finite_float", "host_device_count", "mesh_shape", "non_negative_float",

@@ -5,7 +5,7 @@
 Process i gets the environment of `zeroxla.app.distributed` (ZEROXLA_COORDINATOR=127.0.0.1:<a
 free port>, ZEROXLA_NUM_PROCESSES=N, ZEROXLA_PROCESS_ID=i), PYTHONUNBUFFERED=1, and, with
 `--devices-per-proc M`, `--xla_force_host_platform_device_count=M` in XLA_FLAGS (M simulated CPU
-devices per process). Every line a process writes is copied to the same stream here, prefixed
+devices per process) and the CPU client's threads for them (`set_host_threads`). Every line a process writes is copied to the same stream here, prefixed
 with `[rank i]`.
 
 Supervision, torchrun's rule: the job lives while every process does. When one exits non-zero or
@@ -28,13 +28,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import BinaryIO
 
 from zeroxla.app.distributed import DistributedEnv
 from zeroxla.app.interrupt import stop_requests
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# The size of the XLA:CPU client's thread pools (jaxlib reads it when the CPU backend starts; its
+# default is the core count, raised to the device count). Each simulated device's program runs on
+# them, and a collective holds its thread until every participant arrives. XLA assumes one
+# collective per device at a time, so that as many threads as devices suffice; XLA:CPU in jaxlib
+# 0.10 also runs a while loop's collectives alongside the collectives outside the loop that the
+# loop does not depend on (one device was seen in an all-reduce before a layer loop and in the
+# loop's all-gather at once). With 8 devices on 2 cores, the threads two such devices hold leave
+# another device none: every device then waits in a collective until XLA's rendezvous timeout
+# aborts the process (docs/testing.md, "XLA flags and the compilation cache"). Threads beyond the
+# cores cost only their stacks.
+HOST_THREADS_ENV = "PJRT_NPROC"
+HOST_THREADS_PER_DEVICE = 4
 DEFAULT_GRACE_S = 10.0
 INTERRUPTED = 130                   # the shell's status for a SIGINT exit
 _POLL_S = 0.05
@@ -53,6 +65,16 @@ def with_device_count(xla_flags: str, count: int) -> str:
     return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={count}"])
 
 
+def set_host_threads(environ: MutableMapping[str, str], device_count: int) -> None:
+    """Sets HOST_THREADS_ENV to HOST_THREADS_PER_DEVICE threads per simulated device (at least the
+    core count) unless it is set: a collective blocked on one device cannot then starve another
+    device of the thread its part of the collective needs (above). Must run before JAX creates
+    its CPU backend; the variable only sizes the CPU client, so it is harmless on GPU/TPU."""
+    if HOST_THREADS_ENV not in environ:
+        threads = max(os.cpu_count() or 1, HOST_THREADS_PER_DEVICE * device_count)
+        environ[HOST_THREADS_ENV] = str(threads)
+
+
 def rank_environ(base: Mapping[str, str], rank: int, nproc: int, coordinator: str,
                  devices_per_proc: int | None) -> dict[str, str]:
     """The environment of process `rank` of `nproc`: `base` plus the distributed variables."""
@@ -62,6 +84,7 @@ def rank_environ(base: Mapping[str, str], rank: int, nproc: int, coordinator: st
     env["PYTHONUNBUFFERED"] = "1"            # lines arrive as they are written, not at exit
     if devices_per_proc is not None:
         env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices_per_proc)
+        set_host_threads(env, devices_per_proc)
     return env
 
 
@@ -222,5 +245,6 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_proc: int | None =
     return 0
 
 
-__all__ = ["DEFAULT_GRACE_S", "DEVICE_COUNT_FLAG", "describe_exit", "free_port", "launch",
-           "rank_environ", "split_lines", "stop_all", "with_device_count"]
+__all__ = ["DEFAULT_GRACE_S", "DEVICE_COUNT_FLAG", "HOST_THREADS_ENV", "HOST_THREADS_PER_DEVICE",
+           "describe_exit", "free_port", "launch", "rank_environ", "set_host_threads",
+           "split_lines", "stop_all", "with_device_count"]

@@ -12,7 +12,7 @@ import pytest
 import xla_flags
 from commands import cpu_env, zeroxla_command
 
-from zeroxla.app import distributed, launch
+from zeroxla.app import cli_args, distributed, launch
 from zeroxla.app.run import rundir
 
 
@@ -32,6 +32,37 @@ def test_rank_environ_round_trips_through_from_environ():
     assert "XLA_FLAGS" not in launch.rank_environ({}, 0, 1, "h:1", None)
     assert distributed.from_environ({}) is None
     assert distributed.from_environ({"ZEROXLA_DISTRIBUTED": "auto"}).auto
+
+
+def test_simulated_devices_get_four_client_threads_each_unless_set():
+    """XLA:CPU (jaxlib 0.10) can run two collectives of one device at once, each holding a thread
+    of the CPU client's pools until its peers arrive; with its default max(cores, devices)
+    threads, 8 devices on 2 cores deadlocked (`launch.set_host_threads`). The environments the CLI
+    builds carry 4 threads per device (at least the core count), and never override a user's."""
+    cores = os.cpu_count()
+    env = launch.rank_environ({}, rank=0, nproc=2, coordinator="h:1", devices_per_proc=4)
+    assert env[launch.HOST_THREADS_ENV] == str(max(cores, 16))
+    assert launch.HOST_THREADS_ENV not in launch.rank_environ({}, 0, 1, "h:1", None)
+    mine = {launch.HOST_THREADS_ENV: "3"}
+    assert launch.rank_environ(mine, 0, 2, "h:1", 4)[launch.HOST_THREADS_ENV] == "3"
+    env = {}
+    assert cli_args.set_host_device_count(8, env)
+    assert env[launch.HOST_THREADS_ENV] == str(max(cores, 32))
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}   # the user's count...
+    assert not cli_args.set_host_device_count(8, env)
+    assert env[launch.HOST_THREADS_ENV] == str(max(cores, 8))          # ...and threads for it
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+def test_this_process_cpu_client_holds_four_threads_per_device():
+    """The variable reaches jaxlib: the XLA:CPU client of this test process (conftest sets the
+    variable as `zeroxla train` does) runs its programs on 4 threads per device, not 1."""
+    import jax
+
+    jax.devices()                                    # the backend exists
+    names = [open(f"/proc/self/task/{tid}/comm").read().strip()
+             for tid in os.listdir("/proc/self/task")]
+    assert names.count("tf_XLAEigen") >= launch.HOST_THREADS_PER_DEVICE * jax.device_count()
 
 
 @pytest.mark.parametrize("environ,message", [

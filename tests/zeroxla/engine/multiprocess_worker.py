@@ -90,9 +90,10 @@ def train_moe_ep(devices):
 if __name__ == "__main__":
     # Before the backend starts (XLA reads the flag then): this process's 4 devices, and the
     # test's other XLA flags (tests/support/xla_flags.py), as `zeroxla launch` would set them.
-    from zeroxla.app.launch import with_device_count
+    from zeroxla.app.launch import set_host_threads, with_device_count
 
     os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 4)
+    set_host_threads(os.environ, 4)
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "support"))
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:])
