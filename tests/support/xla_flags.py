@@ -109,10 +109,10 @@ TRACE_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
 # first), not by JAX's LRU eviction (`jax_compilation_cache_max_size`), which lists and stats
 # the whole folder, under a file lock every process waits on, at each entry it writes: a cold
 # daily run filling a kept cache so spent 922 worker-seconds compiling, against 236 with the
-# prune and 217 with a per-run cache (2026-11-29). It is not the default, and CI does not use
-# it: on jax 0.10, warm runs can deadlock in a collective (device threads of one run at
-# different collectives) until XLA:CPU's rendezvous timeout aborts the worker; docs/testing.md,
-# "XLA flags and the compilation cache", holds the runs and the reproduction.
+# prune and 217 with a per-run cache (2026-11-29). It is not the default; `.ci/run` uses it.
+# (Warm runs on jax 0.10 lost workers to collectives that never completed: XLA:CPU's threads,
+# not the cache, which `zeroxla.app.launch.set_host_threads` now sizes; docs/testing.md, "XLA
+# flags and the compilation cache", holds the runs and the reproduction.)
 PERSISTENT_CACHE_ENV = "ZEROXLA_TEST_JAX_CACHE"
 COLD, KEEP = "cold", "keep"
 PERSISTENT_CACHE_MAX_BYTES = 4 << 30
