@@ -5,8 +5,8 @@
 Process i gets the environment of `zeroxla.app.distributed` (ZEROXLA_COORDINATOR=127.0.0.1:<a
 free port>, ZEROXLA_NUM_PROCESSES=N, ZEROXLA_PROCESS_ID=i), PYTHONUNBUFFERED=1, and, with
 `--devices-per-proc M`, `--xla_force_host_platform_device_count=M` in XLA_FLAGS (M simulated CPU
-devices per process) and the CPU client's threads for them (`set_host_threads`). Every line a process writes is copied to the same stream here, prefixed
-with `[rank i]`.
+devices per process) and the CPU client's threads for them (`set_host_threads`). Every line a
+process writes is copied to the same stream here, prefixed with `[rank i]`.
 
 Supervision, torchrun's rule: the job lives while every process does. When one exits non-zero or
 is killed by a signal, the others are stopped (SIGTERM to each process group, SIGKILL after
