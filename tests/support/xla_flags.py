@@ -98,7 +98,7 @@ CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 TRACE_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
 
 
-# A cache kept between runs on one machine (opt-in): `ZEROXLA_TEST_JAX_CACHE=keep` uses one
+# A cache kept between runs on one machine: `ZEROXLA_TEST_JAX_CACHE=keep` uses one
 # directory per jaxlib and Python version under the user's cache folder, a path names another.
 # It is never needed for correctness, and a stale entry cannot be used: JAX keys each entry by
 # the program's HLO, the compile options and XLA flags, and the jaxlib / backend version, so a
@@ -111,7 +111,7 @@ TRACE_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
 # daily run filling a kept cache so spent 922 worker-seconds compiling, against 236 with the
 # prune and 217 with a per-run cache (2026-11-29). It is not the default; `.ci/run` uses it.
 # (Warm runs on jax 0.10 lost workers to collectives that never completed: XLA:CPU's threads,
-# not the cache, which `zeroxla.app.launch.set_host_threads` now sizes; docs/testing.md, "XLA
+# not the cache; `zeroxla.app.launch.set_host_threads` sizes them, and docs/testing.md, "XLA
 # flags and the compilation cache", holds the runs and the reproduction.)
 PERSISTENT_CACHE_ENV = "ZEROXLA_TEST_JAX_CACHE"
 COLD, KEEP = "cold", "keep"
