@@ -2,8 +2,8 @@
 client's threads for them, compiled with the suite's codegen flags, through one compilation cache
 shared by the run's processes (kept between runs with `ZEROXLA_TEST_JAX_CACHE=keep`;
 tests/support/xla_flags.py says what each changes and what not), with the garbage collector's
-test settings (tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session is over
-(tests/support/worker_exit.py), and a worker that dies costs its test, not the run
+test settings (tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session
+is over (tests/support/worker_exit.py), and a worker that dies costs its test, not the run
 (tests/support/xdist_scheduling.py)."""
 
 import os
