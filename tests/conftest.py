@@ -1,9 +1,10 @@
 """Every test sees 8 host CPU devices (a 2-node x 4-local mesh is the standard shape) and the CPU
-client's threads for them, compiled with the suite's codegen flags, through one compilation cache
-shared by the run's processes (kept between runs with `ZEROXLA_TEST_JAX_CACHE=keep`;
-tests/support/xla_flags.py says what each changes and what not), with the garbage collector's
-test settings (tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session
-is over (tests/support/worker_exit.py), and a worker that dies costs its test, not the run
+client's threads for them, compiled with the suite's codegen flags, from jaxlib 0.12 through one
+compilation cache shared by the run's processes (kept between runs with
+`ZEROXLA_TEST_JAX_CACHE=keep`; none before 0.12: tests/support/xla_flags.py says why, and what
+each setting changes and what not), with the garbage collector's test settings
+(tests/support/gc_policy.py); a pytest-xdist worker ends at once when its session is over
+(tests/support/worker_exit.py), and a worker that dies costs its test, not the run
 (tests/support/xdist_scheduling.py)."""
 
 import os
@@ -43,8 +44,10 @@ import jax  # noqa: E402  (must come after the flag)
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# JAX read its environment when xla_flags imported it, before the cache was named: say it here.
-jax.config.update("jax_compilation_cache_dir", os.environ[xla_flags.CACHE_ENV])
+# JAX read its environment when xla_flags imported it, before the cache was named: say it here
+# (none before jaxlib 0.12: xla_flags.PERSISTENT_CACHE_SAFE).
+if os.environ.get(xla_flags.CACHE_ENV):
+    jax.config.update("jax_compilation_cache_dir", os.environ[xla_flags.CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_traceback_in_locations_limit",

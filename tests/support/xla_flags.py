@@ -72,7 +72,8 @@ CODEGEN_FLAGS = " ".join(["--xla_backend_optimization_level=0",
                           "--xla_llvm_disable_expensive_passes=true",
                           "--xla_cpu_multi_thread_eigen=false"])
 
-# JAX's persistent compilation cache, one directory per test run (`use_compilation_cache`):
+# JAX's persistent compilation cache, one directory per test run (`use_compilation_cache`), on
+# jaxlib 0.12 and later (PERSISTENT_CACHE_SAFE, below, says why not before):
 # tests build many identical programs (the same gpt-tiny step in parity, optimizer, memory and
 # checkpoint tests; single-device references), and `make_step` makes a new `jax.jit` each time,
 # so JAX's in-memory cache never hits; the persistent cache is keyed by the HLO, the flags and
@@ -109,13 +110,30 @@ TRACE_SETTINGS = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
 # first), not by JAX's LRU eviction (`jax_compilation_cache_max_size`), which lists and stats
 # the whole folder, under a file lock every process waits on, at each entry it writes: a cold
 # daily run filling a kept cache so spent 922 worker-seconds compiling, against 236 with the
-# prune and 217 with a per-run cache (2026-11-29). It is not the default; `.ci/run` uses it.
-# (Warm runs on jax 0.10 lost workers to collectives that never completed: XLA:CPU's threads,
-# not the cache; `zeroxla.app.launch.set_host_threads` sizes them, and docs/testing.md, "XLA
-# flags and the compilation cache", holds the runs and the reproduction.)
+# prune and 217 with a per-run cache (2026-11-29). It is not the default; `.ci/run` uses it
+# for leg 2 (jaxlib 0.12).
 PERSISTENT_CACHE_ENV = "ZEROXLA_TEST_JAX_CACHE"
 COLD, KEEP = "cold", "keep"
 PERSISTENT_CACHE_MAX_BYTES = 4 << 30
+
+# Before jaxlib 0.12 the suite uses no persistent cache at all, and refuses one named for it:
+# an XLA:CPU executable read back from the cache can run its collectives out of program order.
+# JAX gives every collective of a sharded program the same channel id (1), so XLA:CPU's
+# rendezvous (keyed by run, devices, kind and that id) pairs each device's k-th all-gather with
+# the others' k-th, whichever all-gather of the program it is; that holds only while each
+# device starts them in program order. A freshly compiled executable does (its collectives
+# share one communicator resource that orders their starts); one deserialized from the cache,
+# on jaxlib 0.10.2, does not. A 4-device ZeRO-2 step compiled under CODEGEN_FLAGS and read
+# back from the cache deadlocked or failed XLA's check on its rendezvous ("Unexpected number of
+# participants: 5 vs. 4", a reduce-scatter) within its first runs, in 6 of 6 processes; the
+# same step compiled in-process ran 15,000 times bit for bit alike (2026-11-30,
+# docs/testing.md "XLA flags and the compilation cache"). Two collectives of the same kind and
+# size that cross would exchange the wrong data without an error. The warm runs' lost workers
+# came from this: test_sequence_parallel.py's directly, test_reshard_floor.py's through
+# collectives that a read-back program started together until they held every thread of the
+# CPU client (zeroxla.app.launch.set_host_threads). On jaxlib 0.12.0.1 the read-back step ran
+# 16,000 times alike, and tests/test_kept_cache.py keeps checking that there.
+PERSISTENT_CACHE_SAFE = _jaxlib_version() >= (0, 12)
 
 
 def persistent_cache_dir(environ: Mapping[str, str]) -> str:
@@ -149,12 +167,27 @@ def prune_kept_cache(path: str, max_bytes: int = PERSISTENT_CACHE_MAX_BYTES) -> 
     return removed
 
 
-def use_compilation_cache(environ: MutableMapping[str, str]) -> str | None:
+def use_compilation_cache(environ: MutableMapping[str, str], *,
+                          safe: bool = PERSISTENT_CACHE_SAFE) -> str | None:
     """Points `environ` (before JAX is imported) at the run's compilation cache: the one it
     names already (a worker of this run, or a developer's own), else a new temporary directory,
     returned so that the process that made it removes it at the end; with
-    `ZEROXLA_TEST_JAX_CACHE=keep` (or a path) the kept cache, pruned to its bound."""
+    `ZEROXLA_TEST_JAX_CACHE=keep` (or a path) the kept cache, pruned to its bound. Where the
+    cache is not `safe` (jaxlib before 0.12, PERSISTENT_CACHE_SAFE), none: every process
+    compiles what it runs, and a cache named by either variable is a ValueError."""
     environ.update({k: v for k, v in CACHE_SETTINGS.items() if k not in environ})
+    if not safe:
+        named = [f"{name}={environ[name]}" for name in (CACHE_ENV, PERSISTENT_CACHE_ENV)
+                 if environ.get(name) and not (name == PERSISTENT_CACHE_ENV
+                                               and environ[name] == COLD)]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)}: jaxlib {metadata.version('jaxlib')} runs collectives "
+                f"of an XLA:CPU program read back from JAX's persistent compilation cache out "
+                f"of order (deadlocks, or collectives paired with the wrong partner), so the "
+                f"suite runs without that cache before jaxlib 0.12; unset it, or use "
+                f"{PERSISTENT_CACHE_ENV}={COLD} (tests/support/xla_flags.py says why)")
+        return None
     if environ.get(CACHE_ENV):
         return None
     chosen = environ.get(PERSISTENT_CACHE_ENV, COLD)

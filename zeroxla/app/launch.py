@@ -38,13 +38,13 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # The size of the XLA:CPU client's thread pools (jaxlib reads it when the CPU backend starts; its
 # default is the core count, raised to the device count). Each simulated device's program runs on
 # them, and a collective holds its thread until every participant arrives. XLA assumes one
-# collective per device at a time, so that as many threads as devices suffice; XLA:CPU in jaxlib
-# 0.10 also runs a while loop's collectives alongside the collectives outside the loop that the
-# loop does not depend on (one device was seen in an all-reduce before a layer loop and in the
-# loop's all-gather at once). With 8 devices on 2 cores, the threads two such devices hold leave
-# another device none: every device then waits in a collective until XLA's rendezvous timeout
-# aborts the process (docs/testing.md, "XLA flags and the compilation cache"). Threads beyond the
-# cores cost only their stacks.
+# collective per device at a time, so that as many threads as devices suffice; XLA:CPU may also
+# run collectives that do not depend on each other at once (a program that jaxlib 0.10 read back
+# from JAX's persistent compilation cache was seen in an all-reduce before a layer loop and in
+# the loop's all-gather at once: tests/support/xla_flags.py, PERSISTENT_CACHE_SAFE). With 8
+# devices on 2 cores, the threads two such devices hold leave another device none: every device
+# then waits in a collective until XLA's rendezvous timeout aborts the process (docs/testing.md,
+# "XLA flags and the compilation cache"). Threads beyond the cores cost only their stacks.
 HOST_THREADS_ENV = "PJRT_NPROC"
 HOST_THREADS_PER_DEVICE = 4
 DEFAULT_GRACE_S = 10.0
