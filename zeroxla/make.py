@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from zeroxla.compat.cache import check_persistent_cache
 from zeroxla.engine.layout import ModelSource, zero_layout
 from zeroxla.engine.loss import LossFn
 from zeroxla.engine.step import ZeroStep
@@ -41,8 +42,10 @@ def make_step(model: nnx.Module | Callable[[], nnx.Module], mesh: Mesh, *,
     type, `nnx.PathContains("lora")`, a `(path, variable) -> bool` callable, `nnx.Not(...)`,
     ...) choosing the parameters to train; None trains all. The rest are frozen.
     `pipeline` (a `zeroxla.PipelineConfig`) pipelines the model's layers over the mesh's
-    `stage` axis (`zeroxla.pipeline.executor`).
+    `stage` axis (`zeroxla.pipeline.executor`). Over CPU devices before jax 0.12, JAX's
+    persistent compilation cache is refused (`zeroxla.compat.cache` says why).
     """
+    check_persistent_cache(mesh.devices.flat)        # before anything is traced or compiled
     source = ModelSource.of(model, trainable)
     layout = zero_layout(source, mesh, optimizer=optimizer, config=config, loss_fn=loss_fn,
                          trainable=trainable)

@@ -19,6 +19,9 @@ the project's ranges admit).
                  residuals read: call primitives and their jaxprs, a scan's consts / carries
                  (counted by parameters on 0.10, flat trees from 0.11), re-emitting an equation;
                  and what the step's proof of use reads: dead-code elimination, name stacks
+    cache.py     JAX's persistent compilation cache over CPU devices (`check_persistent_cache`):
+                 refused before jax 0.12 (an older XLA:CPU runs a read-back program's
+                 collectives out of order)
     lowering.py  a jitted function lowered for CUDA on a host with no GPU (`lower_for_cuda`):
                  no branch, one path for both (an abstract H100 that 0.12's Triton lowering
                  requires and 0.10's, falling back to the same compute capability 9.0, ignores)
@@ -57,6 +60,13 @@ BRANCHES: tuple[Branch, ...] = (
            "transformation (0.10's `compute_on2`), every result typed for host memory",
            "tests/zeroxla/compat/test_host_computation.py; engine/test_offload.py, "
            "test_param_offload.py, test_offload_wrappers.py (both legs)"),
+    Branch("zeroxla/compat/cache.py (check_persistent_cache)", (0, 12),
+           "a step over more than one CPU device is refused while JAX's persistent compilation "
+           "cache is on (XLA:CPU runs a read-back program's collectives out of order); the test "
+           "suite uses no persistent cache (tests/support/xla_flags.py)",
+           "the cache is used like any other program's",
+           "tests/zeroxla/compat/test_persistent_cache.py (both legs); tests/test_kept_cache.py's "
+           "read-back ZeRO-2 step (leg 2)"),
     Branch("zeroxla/compat/jaxpr.py (scan_params)", (0, 11),
            "a scan equation's `num_consts` and `num_carry` parameters",
            "counted from its `ft_in` (consts, carries, xs) and `ft_out` (carries, ys) flat trees",

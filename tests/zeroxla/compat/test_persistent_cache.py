@@ -1,0 +1,47 @@
+"""JAX's persistent compilation cache over CPU devices (`zeroxla.compat.cache`): before jax 0.12
+a step over more than one CPU device is refused while the cache is on, before anything is
+traced or compiled (XLA:CPU there runs a program read back from the cache with its collectives
+out of order: tests/support/xla_flags.py has the runs; tests/test_kept_cache.py checks a
+read-back step on 0.12); a single device, a cache that is off, and jax 0.12 build as ever."""
+
+import contextlib
+import re
+
+import jax
+import pytest
+
+import zeroxla
+from zeroxla.compat.cache import check_persistent_cache
+
+BEFORE_0_12 = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12)
+
+
+@contextlib.contextmanager
+def _jax_config(name, value):
+    old = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, old)
+
+
+def _never_built():
+    raise AssertionError("the model was built: the refusal must come first")
+
+
+def test_a_step_over_cpu_devices_refuses_the_cache_before_jax_0_12(tmp_path):
+    devices = jax.devices()
+    with _jax_config("jax_compilation_cache_dir", str(tmp_path)):
+        check_persistent_cache(devices[:1])                 # one device: no collective
+        with _jax_config("jax_enable_compilation_cache", False):
+            check_persistent_cache(devices)                 # the cache switched off
+        if not BEFORE_0_12:
+            check_persistent_cache(devices)
+            return
+        with pytest.raises(ValueError, match=rf"jax_compilation_cache_dir='{re.escape(str(tmp_path))}'.*"
+                                             r"out of order.*8 CPU devices.*jax 0\.12"):
+            check_persistent_cache(devices)
+        with pytest.raises(ValueError, match=r"4 CPU devices"):
+            zeroxla.make_step(_never_built, zeroxla.make_mesh(2, 2, devices=devices[:4]))
+    assert list(tmp_path.iterdir()) == []                   # nothing compiled into it
