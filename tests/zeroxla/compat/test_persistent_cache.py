@@ -39,8 +39,8 @@ def test_a_step_over_cpu_devices_refuses_the_cache_before_jax_0_12(tmp_path):
         if not BEFORE_0_12:
             check_persistent_cache(devices)
             return
-        with pytest.raises(ValueError, match=rf"jax_compilation_cache_dir='{re.escape(str(tmp_path))}'.*"
-                                             r"out of order.*8 CPU devices.*jax 0\.12"):
+        named = re.escape(f"jax_compilation_cache_dir='{tmp_path}'")
+        with pytest.raises(ValueError, match=rf"{named}.*out of order.*8 CPU devices.*jax 0\.12"):
             check_persistent_cache(devices)
         with pytest.raises(ValueError, match=r"4 CPU devices"):
             zeroxla.make_step(_never_built, zeroxla.make_mesh(2, 2, devices=devices[:4]))
