@@ -8,7 +8,9 @@ XLA:CPU compiled in the process does. Before jax 0.12, an executable read back f
 persistent compilation cache (`jax_compilation_cache_dir`) does not: a 4-device ZeRO-2 step
 read back so deadlocked or failed XLA's check on its rendezvous (5 participants for 4 devices)
 within its first runs, and two collectives of one kind and size that cross would exchange the
-wrong data without an error (tests/support/xla_flags.py has the runs). So before jax 0.12 a
+wrong data without an error (tests/support/xla_flags.py has the runs). That step was compiled
+under the test suite's codegen flags; at XLA's default ones the same step read back ran 10,000
+times alike: which programs meet it depends on how XLA schedules them. So before jax 0.12 any
 step over more than one CPU device is refused while that cache is on; from 0.12 the read-back
 step ran as the one compiled fresh, run after run (tests/test_kept_cache.py checks it there).
 GPU and TPU programs are not XLA:CPU's and are never refused.
