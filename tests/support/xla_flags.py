@@ -125,7 +125,7 @@ PERSISTENT_CACHE_MAX_BYTES = 4 << 30
 # share one communicator resource that orders their starts); one deserialized from the cache,
 # on jaxlib 0.10.2, does not. A 4-device ZeRO-2 step compiled under CODEGEN_FLAGS and read
 # back from the cache deadlocked or failed XLA's check on its rendezvous ("Unexpected number of
-# participants: 5 vs. 4", a reduce-scatter) within its first runs, in 6 of 6 processes; the
+# participants: 5 vs. 4", a reduce-scatter) within its first runs, in 10 of 10 processes; the
 # same step compiled in-process ran 15,000 times bit for bit alike (2026-11-30,
 # docs/testing.md "XLA flags and the compilation cache"). Two collectives of the same kind and
 # size that cross would exchange the wrong data without an error. The warm runs' lost workers
