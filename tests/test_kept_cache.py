@@ -71,25 +71,32 @@ def test_before_jaxlib_0_12_no_cache_is_used_and_one_named_is_refused(tmp_path):
         tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) >= (0, 12))
 
 
-# A 4-device ZeRO-2 step of a small Llama: compiled in this process (argv[2] == 0 runs: the
-# cache written) or read back from the cache and run argv[2] times on copies of one state.
-# Prints the cache hits, the runs that differ from the first in any bit, and saves the first's
-# leaves. Under the suite's codegen flags, jaxlib 0.10.2 aborted such a read-back step in its
-# first runs (a rendezvous of 5 participants for 4 devices, or a deadlock).
-_ZERO2_STEP = textwrap.dedent("""
+# The opening of each child script: JAX's persistent cache at argv[1], every program written to it,
+# and `hits`, the programs read back from it.
+_CACHED = textwrap.dedent("""
     import sys
-    import jax, jax.numpy as jnp, numpy as np, optax
-    from flax import nnx
+    import jax, jax.numpy as jnp, numpy as np
     from jax import monitoring
-    import zeroxla
-    from zeroxla.models import Llama, LlamaConfig
-    cache, runs, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     hits = []
     monitoring.register_event_listener(lambda name, **_: hits.append(name)
                                        if name == "/jax/compilation_cache/cache_hits" else None)
+""")
+
+
+# A 4-device ZeRO-2 step of a small Llama: compiled in this process (argv[2] == 0 runs: the
+# cache written) or read back from the cache and run argv[2] times on copies of one state.
+# Prints the cache hits, the runs that differ from the first in any bit, and saves the first's
+# leaves. Under the suite's codegen flags, jaxlib 0.10.2 aborted such a read-back step in its
+# first runs (a rendezvous of 5 participants for 4 devices, or a deadlock).
+_ZERO2_STEP = _CACHED + textwrap.dedent("""
+    import optax
+    from flax import nnx
+    import zeroxla
+    from zeroxla.models import Llama, LlamaConfig
+    runs, out = int(sys.argv[2]), sys.argv[3]
     config = LlamaConfig(init_std=0.2, d_model=64, num_heads=8, num_kv_heads=2, mlp_chunk=4)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (4, 33)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -133,16 +140,8 @@ def test_a_sharded_step_read_back_from_the_cache_runs_as_the_one_compiled_fresh(
         np.testing.assert_array_equal(got, want)
 
 
-_COMPILE = textwrap.dedent("""
-    import sys, warnings
-    import jax, jax.numpy as jnp
-    from jax import monitoring
-    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    hits = []
-    monitoring.register_event_listener(
-        lambda name, **_: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+_COMPILE = _CACHED + textwrap.dedent("""
+    import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = jax.jit(lambda x: jnp.sin(x) * 3.0 + x)(jnp.arange(5.0))

@@ -12,8 +12,9 @@ import pytest
 
 import zeroxla
 from zeroxla.compat.cache import check_persistent_cache
+from zeroxla.compat.versions import jax_at_least
 
-BEFORE_0_12 = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12)
+BEFORE_0_12 = not jax_at_least(0, 12)
 
 
 @contextlib.contextmanager
