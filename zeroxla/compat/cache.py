@@ -11,9 +11,12 @@ within its first runs, and two collectives of one kind and size that cross would
 wrong data without an error (tests/support/xla_flags.py has the runs). That step was compiled
 under the test suite's codegen flags; at XLA's default ones the same step read back ran 10,000
 times alike: which programs meet it depends on how XLA schedules them. So before jax 0.12 any
-step over more than one CPU device is refused while that cache is on; from 0.12 the read-back
-step ran as the one compiled fresh, run after run (tests/test_kept_cache.py checks it there).
-GPU and TPU programs are not XLA:CPU's and are never refused.
+step over more than one CPU device is refused while that cache is on: when `make_step` builds it,
+and again where its programs compile and run (the step's init, update, `compile` and `eval_loss`,
+the per-token forward, the Hybrid Engine's generation), since the cache can be switched on in
+between. From 0.12 the read-back step ran as the one compiled fresh, run after run
+(tests/test_kept_cache.py checks it there). GPU and TPU programs are not XLA:CPU's and are
+never refused.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zeroxla.compat.cache import check_persistent_cache
 from zeroxla.engine.apply import apply_gradients
 from zeroxla.engine.batch_checks import check_accumulation, check_batch
 from zeroxla.engine.consumption import proven_call
@@ -109,6 +110,7 @@ class ZeroStep:
         with a model factory, no device ever holds the full model). `seed` (an int or a
         `jax.random.key`) seeds every random draw of the run (dropout; see
         `zeroxla.engine.randomness`); it is unused when the model draws none."""
+        self._check_cache()
         return self._jitted_init(self.source.initial_values, self.source.initial_model_state,
                                  self._seed(seed))
 
@@ -118,12 +120,19 @@ class ZeroStep:
         over the mesh, so that no device ever holds a whole leaf). Shapes are checked; a model
         with state besides its parameters is refused (its state has no source here)."""
         self.layout.model_def.check_values(values, "init_from")
+        self._check_cache()
         return self._jitted_init(dict(values), {}, self._seed(seed))
 
     def lower_init(self) -> Any:
         """`jax.stages.Lowered` of `init`, e.g. for the memory analysis of its compiled program."""
         return self._jitted_init.lower(self.source.initial_values,
                                        self.source.initial_model_state, self._seed(0))
+
+    def _check_cache(self) -> None:
+        """Before a program of the step compiles or runs: JAX's persistent cache, refused over
+        CPU devices before jax 0.12 (`zeroxla.compat.cache`), may have been switched on since
+        `make_step` checked it."""
+        check_persistent_cache(self.layout.mesh.devices.flat)
 
     def _seed(self, seed: int | jax.Array) -> jax.Array | None:
         key_data = seed_key_data(seed)
@@ -137,6 +146,7 @@ class ZeroStep:
         the config's); each count compiles once. The update is the same for any count, but for
         a weighed MoE auxiliary loss: each micro-batch's, averaged (`engine.router_aux`)."""
         k = self._accumulation(gradient_accumulation_steps)
+        self._check_cache()
         return self._jitted(state, self._check_batch(batch, k), k)
 
     def trace(self, state: TrainState, batch: Batch, *,
@@ -161,6 +171,7 @@ class ZeroStep:
         k = self._accumulation(gradient_accumulation_steps)
         key = (jax.tree.structure((state, batch)), k,
                tuple(signature(x) for x in jax.tree.leaves((state, batch))))
+        self._check_cache()
         if key not in self._compiled:
             self._compiled[key] = self.lower(state, batch,
                                              gradient_accumulation_steps=k).compile()
@@ -172,6 +183,7 @@ class ZeroStep:
     def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
         """Mean loss over the global batch, no update, with the model in evaluation mode
         (`nnx.Module.eval()`: BatchNorm uses its running statistics, Dropout is off)."""
+        self._check_cache()
         return self._jitted_eval(state.params, state.model_state,
                                  self._check_batch(batch, accumulation=1))
 

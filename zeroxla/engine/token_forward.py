@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zeroxla.compat.cache import check_persistent_cache
 from zeroxla.engine.batch_checks import check_batch
 from zeroxla.engine.consumption import proven_call
 from zeroxla.engine.experts import takes_experts
@@ -84,6 +85,7 @@ class TokenForward:
         return jax.tree.map(_float32, self.fn(model, batch, **options))   # [B/R, T/P] each
 
     def __call__(self, state: Any, batch: dict[str, Any]) -> jax.Array:
+        check_persistent_cache(self.layout.mesh.devices.flat)    # zeroxla.compat.cache
         return self._jitted(state.params, state.model_state, self._checked(batch))
 
     def lower(self, state: Any, batch: dict[str, Any]) -> jax.stages.Lowered:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroxla.compat.cache import check_persistent_cache
 from zeroxla.engine.offload import on_device
 from zeroxla.engine.state import TrainState
 from zeroxla.engine.layout import ZeroLayout
@@ -244,6 +245,7 @@ class HybridEngine:
                   max_new_tokens: Any, asked: tuple[Any, Any], knobs: dict[str, Any],
                   single: bool) -> Any:
         """`generate`'s work; `asked` (return_logprobs, return_routing)."""
+        check_persistent_cache(self.mesh.devices.flat)    # zeroxla.compat.cache
         scalars = {k: v for k, v in knobs.items() if not isinstance(v, (list, tuple))}
         rows, sampling, _ = check_request(prompts, max_new_tokens, self.config.max_out_tokens,
                                           self.vocab_size, seed=seeds[0], per_row=True,
