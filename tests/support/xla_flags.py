@@ -54,7 +54,7 @@ from importlib import metadata
 from zeroxla.app.launch import DEVICE_COUNT_FLAG  # no JAX backend starts on import
 
 
-def _jaxlib_version() -> tuple[int, ...]:
+def jaxlib_version() -> tuple[int, ...]:
     """The installed jaxlib's (major, minor), read without importing JAX."""
     return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
 
@@ -66,7 +66,7 @@ def _jaxlib_version() -> tuple[int, ...]:
 #                                   the suite's default there (`fusion_emitters` tests then run
 #                                   in-process: there is nothing else to compare with)
 OLDER_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
-HAS_OLDER_EMITTERS = _jaxlib_version() < (0, 12)
+HAS_OLDER_EMITTERS = jaxlib_version() < (0, 12)
 CODEGEN_FLAGS = " ".join(["--xla_backend_optimization_level=0",
                           *([OLDER_EMITTERS_FLAG] if HAS_OLDER_EMITTERS else []),
                           "--xla_llvm_disable_expensive_passes=true",
@@ -133,7 +133,7 @@ PERSISTENT_CACHE_MAX_BYTES = 4 << 30
 # collectives that a read-back program started together until they held every thread of the
 # CPU client (zeroxla.app.launch.set_host_threads). On jaxlib 0.12.0.1 the read-back step ran
 # 16,000 times alike, and tests/test_kept_cache.py keeps checking that there.
-PERSISTENT_CACHE_SAFE = _jaxlib_version() >= (0, 12)
+PERSISTENT_CACHE_SAFE = jaxlib_version() >= (0, 12)
 
 
 def persistent_cache_dir(environ: Mapping[str, str]) -> str:

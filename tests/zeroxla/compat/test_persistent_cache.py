@@ -52,8 +52,9 @@ def test_a_step_over_cpu_devices_refuses_the_cache_before_jax_0_12(tmp_path):
 @pytest.mark.skipif(not BEFORE_0_12, reason="from jax 0.12 a read-back program runs as compiled")
 def test_a_cache_switched_on_after_make_step_is_refused_where_programs_run(tmp_path):
     """make_step checked the cache while it was off; switched on later, the step's init,
-    update, `compile` and `eval_loss`, the per-token forward and the Hybrid Engine's generation each refuse it before
-    anything of theirs compiles or reads the state (None here)."""
+    update, `compile` and `eval_loss`, the per-token forward and the Hybrid Engine's
+    generation each refuse it before anything of theirs compiles or reads the state (None
+    here)."""
     from flax import nnx
     from zeroxla.engine.token_forward import TokenForward
     from zeroxla.models import GPT, GPTConfig
