@@ -52,15 +52,20 @@ def test_a_step_over_cpu_devices_refuses_the_cache_before_jax_0_12(tmp_path):
 @pytest.mark.skipif(not BEFORE_0_12, reason="from jax 0.12 a read-back program runs as compiled")
 def test_a_cache_switched_on_after_make_step_is_refused_where_programs_run(tmp_path):
     """make_step checked the cache while it was off; switched on later, the step's init,
-    update, `compile` and `eval_loss`, the per-token forward and the Hybrid Engine's
-    generation each refuse it before anything of theirs compiles or reads the state (None
-    here)."""
+    update, `compile` and `eval_loss` (a pipelined step's too), the per-token forward and the
+    Hybrid Engine's generation each refuse it before anything of theirs compiles or reads the
+    state (None here)."""
     from flax import nnx
     from zeroxla.engine.token_forward import TokenForward
     from zeroxla.models import GPT, GPTConfig
 
-    mesh = zeroxla.make_mesh(1, 2, devices=jax.devices()[:2])
-    step = zeroxla.make_step(lambda: GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0)), mesh)
+    def gpt():
+        return GPT(GPTConfig.tiny(), rngs=nnx.Rngs(0))
+
+    step = zeroxla.make_step(gpt, zeroxla.make_mesh(1, 2, devices=jax.devices()[:2]))
+    pipelined = zeroxla.make_step(
+        gpt, zeroxla.make_mesh(1, 1, stages=2, devices=jax.devices()[:2]),
+        pipeline=zeroxla.PipelineConfig(2))
     forward = TokenForward(step, lambda model, batch: model(batch["tokens"])[..., 0])
     engine = zeroxla.HybridEngine(step.layout, zeroxla.HybridEngineConfig(max_out_tokens=8))
     batch = {"tokens": np.zeros((2, 4), np.int32)}
@@ -68,7 +73,8 @@ def test_a_cache_switched_on_after_make_step_is_refused_where_programs_run(tmp_p
     with _jax_config("jax_compilation_cache_dir", str(tmp_path)):
         for run in (step.init, lambda: step(None, batch),
                     lambda: step.compile(None, batch), lambda: step.eval_loss(None, batch),
-                    lambda: forward(None, batch),
+                    lambda: forward(None, batch), pipelined.init,
+                    lambda: pipelined(None, batch),
                     lambda: engine.generate(None, [[1, 2]], max_new_tokens=2)):
             with pytest.raises(ValueError, match=refused):
                 run()
