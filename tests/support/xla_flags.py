@@ -4,8 +4,8 @@ the processes tests start (workers, `zeroxla train`, `zeroxla launch`, notebook 
 them).
 
 The suite compiles about a thousand programs and runs each a few times on tiny shapes, so XLA
-compilation is most of its time (test_parity.py: 114 of 159 s). Three XLA:CPU code-generation
-flags cut it, and a fourth cuts what running costs two processes of 8 simulated devices on two
+compilation is most of its time (test_parity.py: 114 of 159 s). Four XLA:CPU code-generation
+flags cut it, and a fifth cuts what running costs two processes of 8 simulated devices on two
 cores:
 
 - `--xla_backend_optimization_level=0` runs LLVM at -O0 (a gpt-tiny ZeRO-2 parity test: 15.6 ->
@@ -16,9 +16,14 @@ cores:
   percent from the default CPU build (gpt-tiny ZeRO-3 step: 1,194,832 vs 1,253,328 bytes).
 - `--xla_llvm_disable_expensive_passes=true` skips LLVM's costliest passes
   (test_sequence_parallel.py daily, one process: 9.3 -> 8.7 s of XLA compilation). It changes
-  no HLO, and the golden loss curves (tests/zeroxla/golden) hold to 1e-6 under it. (`--xla_cpu_parallel_codegen_split_count=1`,
-  one LLVM module per program instead of parts compiled on threads, saves about as much again
-  but moves 5 of the 9 golden curves by up to 1.7e-6: not used.)
+  no HLO, and the golden loss curves (tests/zeroxla/golden) hold to 1e-6 under it.
+- `--xla_cpu_parallel_codegen_split_count=1` generates each program's code as one LLVM module
+  instead of splitting it into parts compiled on threads: two busy worker processes on two cores
+  leave those threads no core to run on, so splitting only adds work (the daily tests of
+  tests/models and tests/zeroxla/engine under `-n 2`, back to back: XLA compiling 117.3 and
+  120.0 -> 94.5 and 101.7 worker-seconds, the run 128 -> 115 and 120 s). It changes no HLO; the
+  code differs in the last bits of some float results (5 of the 9 golden loss curves moved by
+  up to 1.7e-6 relative, so they are stored as compiled under it).
 - `--xla_cpu_multi_thread_eigen=false` runs XLA:CPU's dots and convolutions on the thread of
   the device that issued them instead of Eigen's thread pool: with 8 device threads in each of
   two worker processes on two cores, the pool's threads only contend with them
@@ -70,6 +75,7 @@ HAS_OLDER_EMITTERS = jaxlib_version() < (0, 12)
 CODEGEN_FLAGS = " ".join(["--xla_backend_optimization_level=0",
                           *([OLDER_EMITTERS_FLAG] if HAS_OLDER_EMITTERS else []),
                           "--xla_llvm_disable_expensive_passes=true",
+                          "--xla_cpu_parallel_codegen_split_count=1",
                           "--xla_cpu_multi_thread_eigen=false"])
 
 # JAX's persistent compilation cache, one directory per test run (`use_compilation_cache`), on
