@@ -84,8 +84,13 @@ def _zero_run(name, stage, batches, mesh=None):
 
 # Cases `test_float64_parity.py` checks strictly (float64, every element rtol 1e-4 + atol 1e-6)
 # are not run again here in float32 with the round-off allowances above: every normalising
-# optimizer at stage 3, LAMB at stages 1 and 2.
-STRICT_IN_FLOAT64 = {(name, 3) for name in NORMALISING_LR} | {("lamb", 1), ("lamb", 2)}
+# optimizer at stage 3, LAMB and Muon at stages 1 and 2. Muon's float32 runs sit at the 1%
+# allowance whatever the stage: its Newton-Schulz iteration amplifies the order of the batch
+# sums into 0.8 to 2% of an attention matrix's elements past rtol 1e-4 (largest difference
+# 2.2e-4, against the 8e-2 two runs may reach), depending only on how XLA:CPU's code for the
+# same HLO rounds.
+STRICT_IN_FLOAT64 = ({(name, 3) for name in NORMALISING_LR}
+                     | {(name, stage) for name in ("lamb", "muon") for stage in (1, 2)})
 # The daily `-m "not slow"` subset keeps masked AdamW at stage 2 (a normalising optimizer with
 # a mask by shape, optimizer state partitioned).
 CASES = [pytest.param(name, stage, marks=() if (name, stage) == ("adamw_masked", 2)
