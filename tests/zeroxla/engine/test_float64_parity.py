@@ -17,7 +17,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -30,9 +29,9 @@ STEPS = 3
 BATCH, SEQ = 16, 16
 # Every normalising optimizer at stage 3 (parameters, gradients and optimizer state partitioned,
 # padded leaves); LAMB (per-tensor trust ratios) and Muon (per-matrix orthogonalisation) at
-# stages 1 and 2 as well. Measured for masked
-# AdamW at stage 3: losses within 2e-16 (relative), the worst element's error 1.8e-8 of the
-# tolerance; in float32 the same run has elements of the key bias outside it.
+# stages 1 and 2 as well. Measured for masked AdamW at stage 3: losses within 2e-16 (relative),
+# the worst element's error 1.8e-8 of the tolerance; in float32 the same run has elements of the
+# key bias outside it.
 CASES = sorted(STRICT_IN_FLOAT64)     # test_optimizers.py leaves these to this file
 
 
