@@ -69,8 +69,9 @@ def test_before_jaxlib_0_12_no_cache_is_used_and_one_named_is_refused(tmp_path):
     assert (jax.config.jax_compilation_cache_dir is not None) == xla_flags.PERSISTENT_CACHE_SAFE
     # the jaxlibs the read-back step ran on (xla_flags): 0.10 aborted it, 0.12 ran it alike
     measured = {(0, 10): False, (0, 12): True}
-    if xla_flags.jaxlib_version() in measured:
-        assert xla_flags.PERSISTENT_CACHE_SAFE == measured[xla_flags.jaxlib_version()]
+    jaxlib = xla_flags.jaxlib_version()
+    if jaxlib in measured:
+        assert xla_flags.PERSISTENT_CACHE_SAFE == measured[jaxlib]
 
 
 # The opening of each child script: JAX's persistent cache at argv[1], every program written to it,

@@ -32,8 +32,7 @@ THRESHOLD = 500          # biases and norms replicated; matrices and embeddings 
 # optimizers that do not normalise (SGD), and excluded for the others.
 ROUNDOFF_ONLY = {"blocks/layers/bk"}
 # Likewise a single element whose gradient is near round-off moves by about +-lr under a
-# normalising optimizer in either run (Muon: its float32 Newton-Schulz iteration amplifies
-# summation-order differences): for those optimizers all but 1% of each leaf's elements
+# normalising optimizer in either run: for those optimizers all but 1% of each leaf's elements
 # must meet the tolerance, and every element must be within 2 * lr * STEPS (the largest
 # difference two Adam-like runs can reach). A statistic computed per shard or over padding moves
 # whole rows and columns and the losses (rtol 1e-5) too.
@@ -84,11 +83,11 @@ def _zero_run(name, stage, batches, mesh=None):
 
 # Cases `test_float64_parity.py` checks strictly (float64, every element rtol 1e-4 + atol 1e-6)
 # are not run again here in float32 with the round-off allowances above: every normalising
-# optimizer at stage 3, LAMB and Muon at stages 1 and 2. Muon's float32 runs sit at the 1%
-# allowance whatever the stage: its Newton-Schulz iteration amplifies the order of the batch
-# sums into 0.8 to 2% of an attention matrix's elements past rtol 1e-4 (largest difference
-# 2.2e-4, against the 8e-2 two runs may reach), depending only on how XLA:CPU's code for the
-# same HLO rounds.
+# optimizer at stage 3, LAMB and Muon at stages 1 and 2 (so Muon at every stage). Muon's float32
+# runs sit at the 1% allowance whatever the stage: its Newton-Schulz iteration amplifies the
+# order of the batch sums into 0.8 to 2% of an attention matrix's elements past rtol 1e-4
+# (largest difference 2.2e-4, against the 8e-2 two runs may reach), depending only on how
+# XLA:CPU's code for the same HLO rounds.
 STRICT_IN_FLOAT64 = ({(name, 3) for name in NORMALISING_LR}
                      | {(name, stage) for name in ("lamb", "muon") for stage in (1, 2)})
 # The daily `-m "not slow"` subset keeps masked AdamW at stage 2 (a normalising optimizer with
