@@ -34,12 +34,19 @@ def tiled_mlp(mlp: Callable[[jax.Array], jax.Array], h: jax.Array,
     return tiled_map(mlp, (h,), chunk)
 
 
+def effective_chunk(chunk: int | None, seq_len: int) -> int | None:
+    """The chunk `tiled_map` runs `seq_len` tokens in: None (all at once, the untiled program)
+    when `chunk` is None or holds every token. Two chunk settings with the same effective chunk
+    build the same program at that length (`zeroxla plan` compiles it once)."""
+    return None if chunk is None or chunk >= seq_len else chunk
+
+
 def tiled_map(fn: Callable[..., Any], xs: tuple[jax.Array, ...], chunk: int | None) -> Any:
     """`fn(*xs)` for arrays xs [B, T, ...] (float or integer) -> a pytree of [B, T, ...]
     arrays, computed `chunk` tokens at a time as `tiled_mlp`; `fn` treats each token alone and
     closes over its parameters (differentiable: their cotangents are summed over the chunks)."""
     b, t = xs[0].shape[:2]
-    if chunk is None or chunk >= t:
+    if effective_chunk(chunk, t) is None:
         return fn(*xs)
     if chunk < 1:
         raise ValueError(f"mlp_chunk={chunk}: a chunk holds at least 1 token, or None")

@@ -15,7 +15,7 @@ from flax import nnx
 from zeroxla.analysis import hlo_text
 from zeroxla.models import Llama, LlamaConfig
 from zeroxla.models.layers import fresh_zeros
-from zeroxla.models.tiled_mlp import tiled_map, tiled_mlp
+from zeroxla.models.tiled_mlp import effective_chunk, tiled_map, tiled_mlp
 
 TOL = 1e-6
 
@@ -50,6 +50,12 @@ def test_equals_the_whole_mlp_forward_and_gradients(chunk):
         got, want = np.asarray(got), np.asarray(want)     # on the host: no program per leaf
         scale = max(1.0, float(np.max(np.abs(want))))        # the weights' gradients sum T terms
         assert float(np.max(np.abs(got - want))) / scale < TOL
+
+
+@pytest.mark.parametrize("chunk,seq_len,want", [(None, 5, None), (4096, 64, None),
+                                                 (64, 64, None), (63, 64, 63), (16, 64, 16)])
+def test_the_effective_chunk_is_none_once_one_chunk_holds_every_token(chunk, seq_len, want):
+    assert effective_chunk(chunk, seq_len) == want
 
 
 def test_refuses_an_empty_chunk():

@@ -40,6 +40,7 @@ from zeroxla import models
 from zeroxla.analysis.abstract_step import abstract_state, state_bytes, trace_abstract
 from zeroxla.analysis.host_residuals import host_residual_bytes, host_residual_layer_bytes
 from zeroxla.make import make_step
+from zeroxla.models.tiled_mlp import effective_chunk
 from zeroxla.sharding.config import ZeroConfig
 
 GiB = 2**30
@@ -128,6 +129,13 @@ class Setting:
     @property
     def label(self) -> str:
         return ", ".join([f"remat={self.remat}", *(f"{k}={v}" for k, v in self.fields)])
+
+    def program_at(self, seq_len: int) -> Setting:
+        """This setting as the model builds it at `seq_len` tokens: `mlp_chunk` at the chunk
+        the tiled MLP runs in (`models.tiled_mlp.effective_chunk`: None once the chunk holds
+        every token). Two settings equal here compile the same program at that length."""
+        return Setting(self.remat, tuple(
+            (k, effective_chunk(v, seq_len) if k == "mlp_chunk" else v) for k, v in self.fields))
 
 
 # Model-config fields the sweep varies when the config has them (models/ adds them): the field,

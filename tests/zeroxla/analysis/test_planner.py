@@ -11,8 +11,8 @@ from zeroxla import models
 from zeroxla.analysis.memory import memory_report
 from zeroxla.analysis.abstract_step import trace_abstract
 from zeroxla.analysis.host_residuals import host_residual_bytes, host_residual_layer_bytes
-from zeroxla.analysis.planner import (largest_fitting, largest_under, model_factory, plan_memory,
-                                      sweep_settings)
+from zeroxla.analysis.planner import (Setting, largest_fitting, largest_under, model_factory,
+                                      plan_memory, sweep_settings)
 from zeroxla.make import make_step
 from zeroxla.sharding.config import ZeroConfig
 
@@ -163,3 +163,24 @@ def test_settings_sweep_the_fields_the_config_has():
     asked, _ = sweep_settings(_config(), ("full", "offload"), attention=("naive",))
     assert len(asked) == 2 * 2 * 2          # remat x mlp_chunk x (own attention, naive)
     assert {dict(s.fields)["attention"] for s in asked} == {_config().attention, "naive"}
+
+
+def _lowered_text(setting, seq_len):
+    """The StableHLO (no debug info) of the step `plan_memory` compiles for `setting` at
+    `seq_len`, lowered only."""
+    config = _config().replace(max_seq_len=seq_len, **dict(setting.fields))
+    step = make_step(model_factory(config), zeroxla.make_mesh(1, 8),
+                     config=ZeroConfig(stage=3, compute_dtype="bfloat16", remat=setting.remat))
+    return trace_abstract(step, 8, seq_len).lower().as_text(debug_info=False)
+
+
+def test_settings_equal_at_a_length_lower_to_one_program():
+    """`Setting.program_at`, what `zeroxla plan` compiles once per length, against the
+    programs themselves: mlp_chunk None and 4096 at T = 32 (both untiled) lower to the same
+    StableHLO, mlp_chunk 16 (two chunks) to another; at T = 8 chunk 16 holds every token."""
+    untiled, big, tiled = (Setting("full", (("mlp_chunk", c),)) for c in (None, 4096, 16))
+    assert untiled.program_at(32) == big.program_at(32) != tiled.program_at(32)
+    assert tiled.program_at(8) == untiled.program_at(8)
+    assert tiled.program_at(32).fields == (("mlp_chunk", 16),)
+    texts = {c: _lowered_text(s, 32) for c, s in ((None, untiled), (4096, big), (16, tiled))}
+    assert texts[None] == texts[4096] != texts[16]

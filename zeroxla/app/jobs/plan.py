@@ -6,8 +6,9 @@
 Compiles the ZeRO step for the model's shape on abstract arrays (nothing allocated) and prints
 the per-device peak by part; with `--max-seq-len`, the largest sequence length that fits for
 each activation setting (a few compiles per setting: `planner.largest_under`; the settings
-searched at once, one per core: `search_workers`; one line to stderr per compile). Not a
-training job: no run directory.
+searched at once, one per core: `search_workers`, sharing the programs two settings build
+alike: `_SharedCompiles`; one line to stderr per length tried). Not a training job: no run
+directory.
 On a CPU host the mesh's devices are simulated (XLA_FLAGS' host device count, set before JAX
 starts, as `zeroxla train` does); elsewhere the mesh must match the devices present.
 """
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -296,17 +297,21 @@ def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
 
     settings, missing = sweep_settings(config, plan.remat or REMAT_SWEEP, plan.attention)
     workers = max(1, min(len(settings), workers or search_workers(len(settings))))
-    start, stop = time.perf_counter(), threading.Event()
+    start, stop, shared = time.perf_counter(), threading.Event(), _SharedCompiles()
     pool = ThreadPoolExecutor(workers)
     try:
         found = list(pool.map(
-            lambda numbered: _search_setting(config, mesh, plan, dtype, say, stop, *numbered,
-                                             len(settings)), enumerate(settings, 1)))
+            lambda numbered: _search_setting(config, mesh, plan, dtype, say, stop, shared,
+                                             *numbered, len(settings)),
+            enumerate(settings, 1)))
     finally:                 # Ctrl-C or a failed compile: the other searches end at their next
         stop.set()           # compile, not after the rest of their settings
         pool.shutdown(cancel_futures=True)
-    say(f"  {sum(len(peaks) for _, peaks in found)} compiles, {workers} setting(s) at a time, "
-        f"in {time.perf_counter() - start:.0f} s")
+    tried = sum(len(peaks) for _, peaks in found)
+    say(f"  {shared.compiles} compiles, {workers} setting(s) at a time, "
+        f"in {time.perf_counter() - start:.0f} s"
+        + (f" ({tried - shared.compiles} of the {tried} lengths tried built a program another "
+           "setting compiled: not compiled again)" if tried > shared.compiles else ""))
     lines = [f"{plan.model}, ZeRO-{plan.stage}, {plan.dtype}, {plan.mesh_label}, "
              f"{plan.device_memory / 2**30:.1f} GiB per device, "
              f"{plan.sequences_per_device} sequence(s) per data replica: largest T that fits"]
@@ -325,11 +330,40 @@ def max_seq_len_report(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
     return "\n".join(lines)
 
 
+class _SharedCompiles:
+    """The figures of each program the report's searches compile, shared by their threads:
+    settings that build the same program at a length (`planner.Setting.program_at`: e.g.
+    `mlp_chunk` None and 4096 at T <= 4096, both untiled) compile it once, and a search that
+    needs a program another is compiling waits for it. Each search still tries the lengths it
+    would alone, so its answer is unchanged."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._figures: dict[tuple[Any, int], Future] = {}
+        self.compiles = 0
+
+    def get(self, key: tuple[Any, int], compile_figures: Callable[[], Any]) -> tuple[Any, bool]:
+        """(the figures of `key`, (program setting, T), whether this call compiled them)."""
+        with self._lock:
+            future = self._figures.get(key)
+            compiling = future is None
+            if compiling:
+                future = self._figures[key] = Future()
+                self.compiles += 1
+        if compiling:
+            try:
+                future.set_result(compile_figures())
+            except BaseException as error:       # the waiting searches raise it too
+                future.set_exception(error)
+                raise
+        return future.result(), compiling
+
+
 def _search_setting(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
-                    say: Callable[[str], None], stop: threading.Event, number: int,
-                    setting: Any, count: int) -> tuple[int, dict[int, Any]]:
-    """(the largest T that fits under `setting`, the figures of every T compiled for it);
-    stops before its next compile once `stop` is set."""
+                    say: Callable[[str], None], stop: threading.Event, shared: _SharedCompiles,
+                    number: int, setting: Any, count: int) -> tuple[int, dict[int, Any]]:
+    """(the largest T that fits under `setting`, the figures of every T tried for it); stops
+    before its next compile once `stop` is set."""
     from zeroxla.analysis.planner import largest_under, plan_memory
 
     peaks: dict[int, Any] = {}
@@ -338,14 +372,17 @@ def _search_setting(config: Any, mesh: Any, plan: PlanSettings, dtype: str,
         if stop.is_set():
             raise RuntimeError(f"{setting.label}: search stopped before T={t}")
         start = time.perf_counter()
-        figures = plan_memory(config, mesh, seq_len=t, device_memory=plan.device_memory,
-                              stage=plan.stage, dtype=dtype, remat=setting.remat,
-                              fields=dict(setting.fields),
-                              sequences_per_device=plan.sequences_per_device, zero=plan.zero)
+        figures, compiled = shared.get((setting.program_at(t), t), lambda: plan_memory(
+            config, mesh, seq_len=t, device_memory=plan.device_memory, stage=plan.stage,
+            dtype=dtype, remat=setting.remat, fields=dict(setting.fields),
+            sequences_per_device=plan.sequences_per_device, zero=plan.zero))
+        how = (f"compiled in {time.perf_counter() - start:.0f} s" if compiled else
+               f"the program of {figures.setting} at this length: not compiled again")
+        figures = dataclasses.replace(figures, setting=setting.label)
         peaks[t] = figures
         say(f"  [{number}/{count}] {setting.label}: T={t} peak "
             f"{figures.peak / 2**30:.2f} GiB, {'fits' if figures.fits else 'does not fit'} "
-            f"(compiled in {time.perf_counter() - start:.0f} s)")
+            f"({how})")
         return figures.peak
     best = largest_under(peak, plan.device_memory, granularity=plan.granularity,
                          limit=plan.search_limit)
